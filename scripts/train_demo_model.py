@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Train the tiny byte-level Qwen3.5 demo model bundled in ``src/gdnprune/data/demo_model``.
+
+The model is a ``Qwen3_5ForCausalLM`` with hidden size 128 and 4 layers (3 GatedDeltaNet
+``linear_attention`` layers + 1 ``full_attention`` layer), GDN geometry Hk=4, Hv=8, dk=dv=32,
+conv kernel 4, trained on the training split of :mod:`gdnprune.demo_data` (CPython's pydoc topics).
+Tokens are UTF-8 bytes (plus ``<|endoftext|>``, unused in training).
+
+Training is deterministic given ``--seed`` and the thread count: weights are initialised after
+``torch.manual_seed(seed)`` and batches are random windows drawn with a separate ``torch.Generator``
+seeded with ``seed``. The budget is a number of optimizer steps (``--steps``), not wall time.
+
+At the end the script writes, into a temporary sibling folder moved into place when complete:
+``config.json``, ``generation_config.json``, ``model.safetensors`` (float32), the tokenizer files,
+and ``training.json`` (command line, hyper-parameters, corpus sha256, losses, wall time, versions).
+
+Usage::
+
+    python scripts/train_demo_model.py            # defaults: 400 steps, seed 0
+    python scripts/train_demo_model.py --steps 50 --out /tmp/demo_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "src"))  # use the checkout even when gdnprune is not installed
+
+from gdnprune import demo_data  # noqa: E402
+
+DEFAULT_OUT = REPO_ROOT / "src" / "gdnprune" / "data" / "demo_model"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
+    p.add_argument("--seed", type=int, default=0, help="seed for init and batch sampling (default 0)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr of the cosine (default 0.1)")
+    p.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default 20)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per batch (default 16)")
+    p.add_argument("--seq-len", type=int, default=256, help="bytes per window (default 256)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default 0.1)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (default 1.0)")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between validation evals (default 100)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines (default 10)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    return p.parse_args(argv)
+
+
+def model_config(vocab_size: int, eos_token_id: int):
+    """The demo model's geometry: hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup to ``args.lr`` then cosine decay to ``args.lr * args.min_lr_ratio`` at the last step."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    span = max(1, args.steps - args.warmup_steps)
+    progress = min(1.0, (step - args.warmup_steps) / span)
+    floor = args.lr * args.min_lr_ratio
+    return floor + 0.5 * (args.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def sample_batch(ids: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """``batch_size`` random windows of ``seq_len`` tokens from the 1-D ``ids`` (one gather, no loops)."""
+    starts = torch.randint(0, ids.numel() - seq_len + 1, (batch_size, 1), generator=generator)
+    return ids[starts + torch.arange(seq_len)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
+        raise SystemExit("--steps, --batch-size must be >= 1 and --seq-len >= 2")
+    torch.set_num_threads(args.threads)
+
+    import transformers
+    from transformers import Qwen3_5ForCausalLM
+
+    tokenizer = demo_data.build_byte_tokenizer()
+    train_ids = demo_data.text_to_ids(demo_data.train_text())
+    # Fixed train windows, scored exactly like validation, for a comparable final train loss.
+    train_eval_text = demo_data.train_text()
+
+    torch.manual_seed(args.seed)
+    config = model_config(len(tokenizer), tokenizer.eos_token_id)
+    model = Qwen3_5ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params} parameters, layer_types={config.layer_types}", flush=True)
+    print(
+        f"corpus: {len(demo_data.train_text().encode())} train bytes, "
+        f"{len(demo_data.validation_text().encode())} validation bytes, sha256 {demo_data.corpus_sha256()[:16]}...",
+        flush=True,
+    )
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    generator = torch.Generator().manual_seed(args.seed)
+
+    history: list[dict] = []
+    recent: list[float] = []
+    t_start = time.perf_counter()
+    model.train()
+    for step in range(args.steps):
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = sample_batch(train_ids, args.batch_size, args.seq_len, generator)
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        recent = (recent + [loss.item()])[-20:]
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:
+            elapsed = time.perf_counter() - t_start
+            print(
+                f"step {done:5d}/{args.steps}  loss {loss.item():.4f}  avg20 {sum(recent) / len(recent):.4f}  "
+                f"lr {lr:.2e}  gnorm {float(grad_norm):.2f}  {elapsed:6.1f}s",
+                flush=True,
+            )
+        if args.eval_every > 0 and (done % args.eval_every == 0) and done != args.steps:
+            val = demo_data.validation_loss(model)
+            history.append({"step": done, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)})
+            print(f"step {done:5d}  validation loss {val:.4f} nats/byte", flush=True)
+    train_seconds = time.perf_counter() - t_start
+
+    model.eval()
+    val = demo_data.validation_loss(model)
+    val_full = demo_data.validation_loss(model, num_windows=None)
+    train_eval = demo_data.validation_loss(model, text=train_eval_text)
+    history.append({"step": args.steps, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)})
+    print(
+        f"final: validation {val:.4f} (all windows {val_full:.4f}), train {train_eval:.4f} nats/byte, "
+        f"train time {train_seconds:.1f}s",
+        flush=True,
+    )
+
+    record = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+        "seed": args.seed,
+        "steps": args.steps,
+        "hyperparameters": {
+            "optimizer": "AdamW",
+            "lr": args.lr,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": args.weight_decay,
+            "weight_decay_applies_to": "parameters with dim >= 2",
+            "schedule": "linear warmup then cosine decay to lr * min_lr_ratio",
+            "warmup_steps": args.warmup_steps,
+            "min_lr_ratio": args.min_lr_ratio,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "grad_clip": args.grad_clip,
+            "threads": args.threads,
+        },
+        "num_parameters": n_params,
+        "corpus": {
+            "source": "pydoc_data.topics.topics (sorted keys, joined by a blank line)",
+            "sha256": demo_data.corpus_sha256(),
+            "block_chars": demo_data.BLOCK_CHARS,
+            "validation_every": demo_data.VALIDATION_EVERY,
+            "train_bytes": len(demo_data.train_text().encode()),
+            "validation_bytes": len(demo_data.validation_text().encode()),
+        },
+        "metric": (
+            "gdnprune.demo_data.validation_loss: mean next-byte cross entropy in nats/byte over "
+            f"{demo_data.DEFAULT_NUM_WINDOWS} evenly spaced non-overlapping windows of "
+            f"{demo_data.DEFAULT_SEQ_LEN} bytes"
+        ),
+        "validation_loss": val,
+        "validation_loss_all_windows": val_full,
+        "train_loss": train_eval,
+        "train_loss_last20_batches": sum(recent) / len(recent),
+        "history": history,
+        "train_wall_seconds": round(train_seconds, 1),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+
+    out = args.out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o755)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote {out} ({size / 1e6:.2f} MB): {sorted(f.name for f in out.iterdir())}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
