@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements-dev.txt pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m gdnprune demo --output demo_output
+	$(PY) examples/api_example.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -1,0 +1,233 @@
+"""Tensor layouts of GatedDeltaNet layers, kept as data.
+
+A layout is a table: for each tensor of a GDN layer (named by its suffix under the layer prefix) it says
+which axis is coupled to the layer's width and which canonical index runs along that axis.
+
+Canonical index *kinds* (the formulas live in :mod:`gdnprune.gated_delta_net`):
+
+=====  ======================  =========================================
+kind   full length             meaning
+=====  ======================  =========================================
+``q``  ``Hk*dk``               q channel ``g*dk + d``
+``k``  ``Hk*dk``               k channel, same order as q
+``v``  ``Hv*dv``               v / z channel ``h*dv + e``
+``h``  ``Hv``                  value head ``h = g*r + j``
+``d``  ``dv``                  value dim ``e`` (shared by all value heads)
+=====  ======================  =========================================
+
+An axis carries a concatenation of segments, e.g. ``("q", "k", "v")`` for ``in_proj_qkv`` and
+``conv1d``. A *flat* axis stores the segments one after the other; a *grouped* axis (Qwen3-Next's
+fused ``in_proj_qkvz`` / ``in_proj_ba``) stores, for each key group ``g``, the group's slice of every
+segment in turn: ``[q_g, k_g, v_g, z_g]``. Permuting and slicing are then one gather along the axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Mapping
+
+import torch
+
+# Segment kinds and the index key each one gathers with (see gated_delta_net.indices).
+_SEGMENT_INDEX = {"q": "qidx", "k": "qidx", "v": "vidx", "h": "hidx", "d": "didx"}
+
+
+def segment_size(kind: str, shape) -> int:
+    """Full length of one segment of kind ``kind`` for a layer of geometry ``shape``."""
+    Hk, Hv, dk, dv = shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim
+    return {"q": Hk * dk, "k": Hk * dk, "v": Hv * dv, "h": Hv, "d": dv}[kind]
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """How one tensor of a GDN layer couples to the layer's width.
+
+    Attributes:
+        name: suffix under the layer prefix, e.g. ``"in_proj_qkv.weight"``.
+        axis: the coupled axis.
+        segments: the canonical segments laid along ``axis``, in canonical order.
+        grouped: whether the axis is interleaved per key group (Qwen3-Next fused projections).
+        ndim: expected number of dimensions.
+        required: whether a layer of this layout must have the tensor (biases are optional).
+    """
+
+    name: str
+    axis: int
+    segments: tuple[str, ...]
+    grouped: bool = False
+    ndim: int = 2
+    required: bool = True
+
+    def length(self, shape) -> int:
+        """Expected size of the coupled axis for a layer of geometry ``shape``."""
+        return sum(segment_size(kind, shape) for kind in self.segments)
+
+    def expected_shape(self, shape) -> str:
+        """Human readable expected shape, ``*`` for axes the layout does not fix."""
+        dims = ["*"] * self.ndim
+        dims[self.axis] = str(self.length(shape))
+        return "(" + ", ".join(dims) + ")"
+
+    def canonical_rows(self, shape) -> torch.Tensor:
+        """Canonical index of each physical row along ``axis`` (identity for a flat axis)."""
+        n = self.length(shape)
+        if not self.grouped:
+            return torch.arange(n)
+        Hk = shape.num_key_heads
+        per_group = torch.tensor([segment_size(k, shape) // Hk for k in self.segments])
+        seg_base = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), per_group[:-1] * Hk]), 0)
+        # physical row (g, s, i) -> canonical seg_base[s] + g * per_group[s] + i
+        seg_of_col = torch.repeat_interleave(torch.arange(len(self.segments)), per_group)
+        offset_in_seg = torch.arange(int(per_group.sum())) - torch.repeat_interleave(
+            torch.cumsum(per_group, 0) - per_group, per_group
+        )
+        g = torch.arange(Hk)[:, None]
+        return (seg_base[seg_of_col][None, :] + g * per_group[seg_of_col][None, :] + offset_in_seg).reshape(-1)
+
+    def gather_index(self, shape, target, indices: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Physical rows of the source (geometry ``shape``) that make up the output (geometry ``target``).
+
+        ``indices`` holds the canonical index tensors (``qidx``, ``hidx``, ``vidx``, ``didx``) built for
+        ``shape`` -> ``target``; segment offsets are always taken from the full ``shape``.
+        """
+        parts, base = [], 0
+        for kind in self.segments:
+            parts.append(indices[_SEGMENT_INDEX[kind]].to("cpu", torch.long) + base)
+            base += segment_size(kind, shape)
+        canonical = torch.cat(parts)
+        if not self.grouped:
+            return canonical
+        source_rows = torch.empty_like(src := self.canonical_rows(shape))
+        source_rows[src] = torch.arange(src.numel())  # canonical -> physical, source geometry
+        return source_rows[canonical[self.canonical_rows(target)]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A GDN tensor layout: a name, a description, the tensors it couples and the tensors that identify it.
+
+    ``markers`` are suffixes that only this layout has and that no attention layer has either (so
+    ``q_proj`` is not one), used by :func:`detect_layout`.
+    """
+
+    name: str
+    description: str
+    rules: tuple[TensorRule, ...]
+    markers: frozenset[str]
+
+    def rule(self, name: str) -> TensorRule | None:
+        """The rule for tensor suffix ``name``, or None when the layout does not couple it."""
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, TensorRule]:
+        return {r.name: r for r in self.rules}
+
+
+def _linear(name: str, segments: tuple[str, ...], *, grouped: bool = False) -> tuple[TensorRule, ...]:
+    """A Linear whose output rows are coupled: its weight (required) and bias (optional) move together."""
+    return (
+        TensorRule(f"{name}.weight", 0, segments, grouped, ndim=2),
+        TensorRule(f"{name}.bias", 0, segments, grouped, ndim=1, required=False),
+    )
+
+
+_CONV = (
+    TensorRule("conv1d.weight", 0, ("q", "k", "v"), ndim=3),
+    TensorRule("conv1d.bias", 0, ("q", "k", "v"), ndim=1, required=False),
+)
+_HEAD_PARAMS = (
+    TensorRule("A_log", 0, ("h",), ndim=1),
+    TensorRule("dt_bias", 0, ("h",), ndim=1),
+)
+
+QWEN3_5 = Layout(
+    name="qwen3_5",
+    description="Qwen3.5 / Qwen3.5-MoE / Qwen4-exp split projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)",
+    rules=(
+        *_linear("in_proj_qkv", ("q", "k", "v")),
+        *_linear("in_proj_z", ("v",)),
+        *_linear("in_proj_b", ("h",)),
+        *_linear("in_proj_a", ("h",)),
+        *_CONV,
+        *_HEAD_PARAMS,
+        TensorRule("norm.weight", 0, ("d",), ndim=1),
+        TensorRule("out_proj.weight", 1, ("v",)),
+    ),
+    markers=frozenset({"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"}),
+)
+
+QWEN3_NEXT = Layout(
+    name="qwen3_next",
+    description="Qwen3-Next fused projections grouped per key head (in_proj_qkvz, in_proj_ba)",
+    rules=(
+        *_linear("in_proj_qkvz", ("q", "k", "v", "v"), grouped=True),
+        *_linear("in_proj_ba", ("h", "h"), grouped=True),
+        *_CONV,
+        *_HEAD_PARAMS,
+        TensorRule("norm.weight", 0, ("d",), ndim=1),
+        TensorRule("out_proj.weight", 1, ("v",)),
+    ),
+    markers=frozenset({"in_proj_qkvz.weight", "in_proj_ba.weight"}),
+)
+
+OLMO_HYBRID = Layout(
+    name="olmo_hybrid",
+    description="OLMo-hybrid / flash-linear-attention separate projections (q/k/v/g/a/b_proj, o_norm, o_proj)",
+    rules=(
+        *_linear("q_proj", ("q",)),
+        *_linear("k_proj", ("q",)),
+        *_linear("v_proj", ("v",)),
+        *_linear("g_proj", ("v",)),
+        *_linear("a_proj", ("h",)),
+        *_linear("b_proj", ("h",)),
+        *_CONV,
+        *_HEAD_PARAMS,
+        TensorRule("o_norm.weight", 0, ("d",), ndim=1),
+        TensorRule("o_proj.weight", 1, ("v",)),
+    ),
+    markers=frozenset({"g_proj.weight", "a_proj.weight", "b_proj.weight", "o_norm.weight"}),
+)
+
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID)}
+
+def get_layout(layout: str | Layout) -> Layout:
+    """Resolve a layout name (or pass a :class:`Layout` through); unknown names raise ``ValueError``."""
+    if isinstance(layout, Layout):
+        return layout
+    try:
+        return LAYOUTS[layout]
+    except KeyError:
+        raise ValueError(f"unknown GDN layout {layout!r}; expected one of {sorted(LAYOUTS)}") from None
+
+
+def detect_layout(names: Iterable[str]) -> Layout | None:
+    """The layout that the tensor suffixes ``names`` belong to; None when they belong to none.
+
+    A layout is recognised by any of its ``markers`` (``in_proj_qkv``, ``in_proj_qkvz``, ``g_proj``, ...),
+    so a layer that lacks one of them is still recognised and then reported as incomplete. Raises
+    ``ValueError`` when the names mix the tensors of several layouts.
+    """
+    names = set(names)
+    hits = {layout.name: len(names & layout.markers) for layout in LAYOUTS.values()}
+    found = [LAYOUTS[name] for name, n in hits.items() if n]
+    if len(found) > 1:
+        raise ValueError(f"tensors {sorted(names)} mix the GDN layouts {[f.name for f in found]}")
+    return found[0] if found else None
+
+
+def is_gdn_suffix(name: str) -> bool:
+    """Whether ``name`` is a tensor suffix that some GDN layout couples."""
+    return any(layout.rule(name) is not None for layout in LAYOUTS.values())
+
+
+def find_gdn_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(weight prefix, module)`` of every GDN layer of a model, in module order.
+
+    A GDN module is one that exposes ``num_k_heads``, ``num_v_heads``, ``head_k_dim`` and ``head_v_dim``
+    (all transformers GatedDeltaNet classes do). The prefix is the module's name in ``named_modules``,
+    which is also the prefix of its tensors in ``model.state_dict()``.
+    """
+    attrs = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+    return [(name, m) for name, m in model.named_modules() if all(hasattr(m, a) for a in attrs)]
