@@ -1,0 +1,725 @@
+"""Importance scoring of GatedDeltaNet layers: calibration forwards with hooks -> importance orders.
+
+:func:`score_model` runs calibration batches through a real transformers model with hooks on every GDN
+layer (found by :func:`gdnprune.layouts.find_gdn_modules`) and returns a *scores file* dict::
+
+    {"format": "gdnprune-scores", "version": 1, "method": "projection", "num_tokens": 65536,
+     "seed": 0, "layers": {"model.layers.0.linear_attn": payload, ...}}
+
+One payload per layer, keyed by the layer's state-dict prefix, holds the four orders that
+:meth:`gdnprune.gated_delta_net.GDNPermutation.from_score_payload` reads (most important first):
+``key_group_order_most_important_first`` [Hk], ``value_lane_order_most_important_first`` [Hk, r] (row
+``g``: lanes of old group ``g``), ``key_dim_order_most_important_first`` [Hk, dk] (row ``g``: q/k channels
+of old key head ``g``) and ``value_dim_order_most_important_first`` [dv]; the raw per-element scores
+``key_group_scores``, ``value_lane_scores``, ``key_dim_scores``, ``value_dim_scores`` (same shapes,
+larger = more important, see ``score_kind``); and the geometry (``shape``, ``layout``).
+
+Methods:
+
+* ``projection`` (default). The layer output is ``y = sum_h c_h`` with ``c_h = W_h o_h``, where ``o_h``
+  is value head ``h``'s slice of the ``out_proj`` input (after the gated RMSNorm) and ``W_h`` its block
+  of ``out_proj.weight``. Removing a set ``R`` of heads changes ``y`` by ``-sum_{h in R} c_h``, whose
+  energy over the calibration tokens is ``1^T G_RR 1`` with the Gram matrix ``G[h, k] = sum_t c_h . c_k``.
+  The hooks only accumulate the second moment ``C = sum_t o o^T`` ([Hv*dv]^2, float64); at the end
+  ``P = (W^T W) * C`` (element-wise) gives every Gram matrix needed by block sums: the head Gram
+  ``G = P`` summed over value channels, and the value-channel Gram ``D[e, f]`` = energy of the summed-over-
+  heads projected contributions of channels ``e`` and ``f``. Orders come from a greedy *conditional
+  removal* (:func:`greedy_removal_order`): repeatedly drop the element whose removal least increases the
+  energy of everything dropped so far; the reverse of the removal sequence is the importance order.
+  Key groups use the group-summed Gram; lanes are removed round by round, one lane from every group per
+  round, with the cross-group terms included (:func:`greedy_lane_orders`), which is exactly what a
+  nested slice to ``r'`` lanes per group drops. Value channels use ``D`` (one order, the norm weight is
+  shared). Key channels: the kernel sees ``q^ = q/|q|`` and ``k^ = k/|k|`` per key head (after the
+  depthwise conv and SiLU, which the hooks recompute from the q/k projection output and the conv
+  weights), and the channels enter only through the products ``q^_t . k^_s = sum_d q^_td k^_sd``. The
+  energy of those products over all token pairs dropped with a channel set ``R`` is ``1^T (Cq * Ck)_RR 1``
+  with the per-head second moments ``Cq = sum_t q^ q^T``, ``Ck = sum_t k^ k^T``; the same greedy runs on
+  ``Cq * Ck``. Because q and k are normalised per token, a channel's share is measured relative to the
+  whole head, as the l2 normalisation sees it; q's rescaling after a cut is absorbed by the gated RMSNorm.
+* ``activation``: Minitron-style magnitudes. For every channel, the mean ``|activation|`` over the
+  tokens of a window, then the L2 norm over windows: of the ``out_proj`` input per (head, value channel)
+  and of the post-conv q and k per key channel. Heads sum their channels, groups their heads, value
+  channels sum over heads, key channels add their q and k magnitudes. Cheap; the baseline.
+* ``random``: seeded random orders (:meth:`GDNPermutation.random`), for baselines; no forward passes.
+
+All sums over tokens are accumulated in float64 (on accelerators the per-batch products run in float32
+and are added to float64 accumulators), so the result does not depend on the batch size beyond float
+noise. The hooks work with models dispatched by accelerate over several devices (``device_map``,
+including CPU/disk offload): statistics live on the device each layer runs on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from .gated_delta_net import GDNPermutation, GDNShape
+from .layouts import find_gdn_modules
+
+__all__ = [
+    "METHODS",
+    "SCORES_FORMAT",
+    "SCORES_VERSION",
+    "score_model",
+    "greedy_removal_order",
+    "greedy_lane_orders",
+    "scores_to_permutations",
+    "save_scores",
+    "load_scores",
+    "add_commands",
+]
+
+#: Scoring methods, the default first.
+METHODS = ("projection", "activation", "random")
+#: ``format`` field of a scores file.
+SCORES_FORMAT = "gdnprune-scores"
+#: ``version`` field of a scores file.
+SCORES_VERSION = 1
+
+_ORDER_KEYS = (
+    "key_group_order_most_important_first",
+    "value_lane_order_most_important_first",
+    "key_dim_order_most_important_first",
+    "value_dim_order_most_important_first",
+)
+_KEY_DIM_MEASURES = ("qk_gram", "qk_energy", "q_energy", "k_energy")
+_VALUE_DIM_MEASURES = ("gram", "energy")
+
+_SCORE_KIND = {
+    "projection": (
+        "projection: each score is the mean squared norm per token of the element's own contribution to "
+        "the out_proj output (key dims: E[q^_d^2] * E[k^_d^2] of the l2-normalised q and k); the orders "
+        "come from the greedy conditional removal on the Gram matrices and account for redundancy"
+    ),
+    "activation": "activation: mean |activation| over each window's tokens, L2 over windows (RMS over windows)",
+    "random": "random: the rank in a seeded random order (larger = earlier)",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Greedy conditional removal
+
+
+def _pick_min(cost: torch.Tensor) -> int:
+    """Index of the smallest cost; exact ties go to the highest index (so ties keep index order)."""
+    flipped = torch.argmin(cost.flip(0))
+    return int(cost.numel() - 1 - flipped)
+
+
+def greedy_removal_order(gram: torch.Tensor) -> torch.Tensor:
+    """Importance order (most important first) of the ``n`` elements of a Gram matrix ``gram`` [n, n].
+
+    ``gram[i, j] = sum_t c_i(t) . c_j(t)`` for per-element contributions ``c_i`` whose sum is the signal.
+    The greedy repeatedly removes the element whose removal least increases the energy
+    ``|sum_{i in R} c_i|^2 = 1^T gram_RR 1`` of everything removed so far; the returned order is the
+    reverse of the removal sequence, so every prefix is the set kept by the greedy at that size. Exact
+    ties are broken towards keeping the lower index first.
+    """
+    gram = torch.as_tensor(gram, dtype=torch.float64)
+    if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
+        raise ValueError(f"gram must be a square matrix, got shape {list(gram.shape)}")
+    n = gram.shape[0]
+    diag = gram.diagonal().clone()
+    cross = torch.zeros(n, dtype=torch.float64, device=gram.device)
+    alive = torch.ones(n, dtype=torch.bool, device=gram.device)
+    removed = []
+    inf = torch.tensor(math.inf, dtype=torch.float64, device=gram.device)
+    for _ in range(n):
+        i = _pick_min(torch.where(alive, diag + 2 * cross, inf))
+        removed.append(i)
+        alive[i] = False
+        cross += gram[:, i]
+    return torch.tensor(removed[::-1], dtype=torch.long)
+
+
+def greedy_lane_orders(gram: torch.Tensor, num_key_heads: int) -> torch.Tensor:
+    """Lane orders [Hk, r] (row ``g``: lanes of group ``g``, most important first) from a head Gram [Hv, Hv].
+
+    The removal runs in rounds: in each round exactly one lane of every group is removed, each time the
+    lane (among groups not yet reduced in this round) whose removal least increases the energy of all
+    lanes removed so far, cross-group terms included. After round ``k`` every group has lost ``k`` lanes,
+    which is what a nested slice to ``r - k`` lanes per group drops, so the orders target that cut.
+    """
+    gram = torch.as_tensor(gram, dtype=torch.float64)
+    Hv = gram.shape[0]
+    if gram.shape != (Hv, Hv) or Hv % num_key_heads:
+        raise ValueError(f"gram must be [Hv, Hv] with Hv a multiple of {num_key_heads}, got {list(gram.shape)}")
+    r = Hv // num_key_heads
+    group = torch.arange(Hv, device=gram.device) // r
+    diag = gram.diagonal().clone()
+    cross = torch.zeros(Hv, dtype=torch.float64, device=gram.device)
+    alive = torch.ones(Hv, dtype=torch.bool, device=gram.device)
+    inf = torch.tensor(math.inf, dtype=torch.float64, device=gram.device)
+    removed: list[list[int]] = [[] for _ in range(num_key_heads)]
+    for _ in range(r):
+        pending = torch.ones(num_key_heads, dtype=torch.bool, device=gram.device)
+        for _ in range(num_key_heads):
+            i = _pick_min(torch.where(alive & pending[group], diag + 2 * cross, inf))
+            g = i // r
+            removed[g].append(i - g * r)
+            alive[i] = False
+            pending[g] = False
+            cross += gram[:, i]
+    return torch.tensor([lanes[::-1] for lanes in removed], dtype=torch.long)
+
+
+def _descending(scores: torch.Tensor) -> torch.Tensor:
+    """Order by descending score along the last axis; ties keep index order."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-layer hooks and statistics
+
+
+def _materialized_weight(module: torch.nn.Module, name: str = "weight") -> torch.Tensor:
+    """A parameter of ``module``, loaded from accelerate's offload map when it sits on the meta device."""
+    tensor = getattr(module, name)
+    if tensor is None or tensor.device.type != "meta":
+        return tensor
+    try:
+        from accelerate.utils import align_module_device
+    except ImportError:  # pragma: no cover - accelerate is what puts weights on meta
+        raise ValueError(f"{type(module).__name__}.{name} is on the meta device and accelerate is missing") from None
+    with align_module_device(module):
+        return getattr(module, name).detach().clone()
+
+
+class _LayerScorer:
+    """Hooks and float64 statistics of one GDN layer."""
+
+    def __init__(self, prefix: str, module: torch.nn.Module, method: str, key_dim_measure: str,
+                 value_dim_measure: str) -> None:
+        self.prefix, self.module, self.method = prefix, module, method
+        self.key_dim_measure, self.value_dim_measure = key_dim_measure, value_dim_measure
+        self.shape = GDNShape.from_module(module)
+        children = dict(module.named_children())
+        if "in_proj_qkv" in children:
+            self.layout = "qwen3_5"
+        elif "in_proj_qkvz" in children:
+            self.layout = "qwen3_next"
+        elif "q_proj" in children and "k_proj" in children:
+            self.layout = "olmo_hybrid"
+        else:
+            raise ValueError(
+                f"{prefix}: unsupported GDN module {type(module).__name__}: expected in_proj_qkv (Qwen3.5), "
+                f"in_proj_qkvz (Qwen3-Next) or q_proj/k_proj (OLMo-hybrid), found {sorted(children)}"
+            )
+        out_name = "out_proj" if "out_proj" in children else "o_proj" if "o_proj" in children else None
+        if out_name is None or "conv1d" not in children:
+            raise ValueError(f"{prefix}: GDN module {type(module).__name__} has no out_proj/o_proj or conv1d")
+        self.out_proj = children[out_name]
+        self.conv = children["conv1d"]
+        self.stats: dict[str, torch.Tensor] = {}
+        self.num_tokens = 0
+        self.num_windows = 0
+        self.token_mask: torch.Tensor | None = None  # [B, T] bool of the current batch, None = all tokens
+        self._pending_q: torch.Tensor | None = None
+
+    # hooks ---------------------------------------------------------------------------------------
+
+    def attach(self) -> list[Any]:
+        """Register the hooks; returns the handles."""
+        m, handles = self.module, []
+        handles.append(self.out_proj.register_forward_pre_hook(self._out_hook))
+        if self.layout == "qwen3_5":
+            handles.append(m.in_proj_qkv.register_forward_hook(self._qkv_hook))
+        elif self.layout == "qwen3_next":
+            handles.append(m.in_proj_qkvz.register_forward_hook(self._qkvz_hook))
+        else:
+            handles.append(m.q_proj.register_forward_hook(self._q_hook))
+            handles.append(m.k_proj.register_forward_hook(self._k_hook))
+        return handles
+
+    def _qkv_hook(self, module, args, output) -> None:
+        self._on_qk(output[..., : 2 * self.shape.key_dim])
+
+    def _qkvz_hook(self, module, args, output) -> None:
+        s = self.shape
+        per_group = output.shape[-1] // s.num_key_heads
+        grouped = output.reshape(*output.shape[:-1], s.num_key_heads, per_group)
+        q = grouped[..., : s.key_head_dim].flatten(-2)
+        k = grouped[..., s.key_head_dim : 2 * s.key_head_dim].flatten(-2)
+        self._on_qk(torch.cat([q, k], dim=-1))
+
+    def _q_hook(self, module, args, output) -> None:
+        self._pending_q = output
+
+    def _k_hook(self, module, args, output) -> None:
+        q, self._pending_q = self._pending_q, None
+        if q is None:  # pragma: no cover - q_proj always runs first
+            raise RuntimeError(f"{self.prefix}: k_proj ran before q_proj")
+        self._on_qk(torch.cat([q, output.to(q.device)], dim=-1))
+
+    def _out_hook(self, module, args) -> None:
+        self._on_out(args[0])
+
+    # statistics ----------------------------------------------------------------------------------
+
+    def _acc(self, name: str, value: torch.Tensor) -> None:
+        """Add ``value`` to the float64 accumulator ``name`` (created on ``value``'s device)."""
+        if name in self.stats:
+            self.stats[name] += value
+        else:
+            self.stats[name] = value.to(torch.float64).clone()
+
+    def _mask_on(self, device) -> torch.Tensor | None:
+        return None if self.token_mask is None else self.token_mask.to(device)
+
+    def _on_qk(self, qk: torch.Tensor) -> None:
+        """q/k projection output [B, T, 2*Hk*dk] (canonical [q | k]) -> post-conv q, k statistics."""
+        from transformers.activations import ACT2FN
+
+        s = self.shape
+        kd = s.key_dim
+        B, T = qk.shape[0], qk.shape[1]
+        weight = self.conv.weight[: 2 * kd]
+        bias = None if self.conv.bias is None else self.conv.bias[: 2 * kd]
+        x = qk.detach().transpose(1, 2)
+        weight = weight.to(x.device)
+        bias = None if bias is None else bias.to(x.device)
+        kernel = weight.shape[-1]
+        y = F.conv1d(x.to(weight.dtype), weight, bias, padding=kernel - 1, groups=2 * kd)[..., :T]
+        y = ACT2FN[getattr(self.module, "activation", "silu")](y).float()  # [B, 2kd, T]
+        mask = self._mask_on(y.device)
+        if self.method == "activation":
+            # per-window mean |q|, |k| over (valid) tokens, squared and summed over windows
+            a = y.abs()
+            if mask is None:
+                means = a.mean(-1)
+            else:
+                m = mask[:, None, :].to(a.dtype)
+                means = (a * m).sum(-1) / m.sum(-1).clamp_min(1)
+            self._acc("qk_abs_mean_sq", (means.double() ** 2).sum(0))
+            return
+        y = y.reshape(B, 2, s.num_key_heads, s.key_head_dim, T)
+        y = y * torch.rsqrt((y * y).sum(3, keepdim=True) + 1e-6)  # the kernel's l2norm
+        if mask is not None:
+            y = y * mask[:, None, None, None, :].to(y.dtype)
+        # [2, Hk, dk, B*T] -> per (q|k, head) second moments [2, Hk, dk, dk]
+        flat = y.permute(1, 2, 3, 0, 4).reshape(2 * s.num_key_heads, s.key_head_dim, B * T)
+        flat = flat.to(self._gram_dtype(flat.device))
+        moments = torch.bmm(flat, flat.transpose(1, 2)).reshape(2, s.num_key_heads, s.key_head_dim, s.key_head_dim)
+        self._acc("qk_moments", moments)
+
+    def _on_out(self, o: torch.Tensor) -> None:
+        """out_proj input [B, T, Hv*dv] -> value head / value channel statistics."""
+        o = o.detach()
+        B, T, V = o.shape[0], o.shape[1], o.shape[-1]
+        mask = self._mask_on(o.device)
+        n_valid = B * T if mask is None else int(mask.sum())
+        self.num_tokens += n_valid
+        self.num_windows += B
+        if self.method == "activation":
+            a = o.float().abs()
+            if mask is None:
+                means = a.mean(1)
+            else:
+                m = mask[:, :, None].to(a.dtype)
+                means = (a * m).sum(1) / m.sum(1).clamp_min(1)
+            self._acc("out_abs_mean_sq", (means.double() ** 2).sum(0))
+            return
+        x = o.reshape(B * T, V)
+        if mask is not None:
+            x = x[mask.reshape(-1)]
+        x = x.to(self._gram_dtype(x.device))
+        self._acc("out_moment", x.T @ x)
+
+    @staticmethod
+    def _gram_dtype(device: torch.device) -> torch.dtype:
+        """float64 products on CPU; float32 products (added to float64 sums) on accelerators."""
+        return torch.float64 if device.type == "cpu" else torch.float32
+
+    # results -------------------------------------------------------------------------------------
+
+    def payload(self) -> dict[str, Any]:
+        """The layer's score payload (orders, raw scores, geometry)."""
+        if self.num_tokens == 0:
+            raise ValueError(f"{self.prefix}: no calibration tokens reached this GDN layer")
+        s = self.shape
+        Hk, Hv, r, dk, dv = s.num_key_heads, s.num_value_heads, s.value_heads_per_group, s.key_head_dim, s.value_head_dim
+        if self.method == "activation":
+            n = self.num_windows
+            out = (self.stats["out_abs_mean_sq"] / n).sqrt().reshape(Hv, dv)
+            qk = (self.stats["qk_abs_mean_sq"] / n).sqrt().reshape(2, Hk, dk)
+            lane_scores = out.sum(1).reshape(Hk, r)
+            scores = {
+                "key_group_scores": lane_scores.sum(1),
+                "value_lane_scores": lane_scores,
+                "key_dim_scores": qk.sum(0),
+                "value_dim_scores": out.sum(0),
+            }
+            orders = {
+                "key_group_order_most_important_first": _descending(scores["key_group_scores"]),
+                "value_lane_order_most_important_first": _descending(scores["value_lane_scores"]),
+                "key_dim_order_most_important_first": _descending(scores["key_dim_scores"]),
+                "value_dim_order_most_important_first": _descending(scores["value_dim_scores"]),
+            }
+        else:
+            N = self.num_tokens
+            C = self.stats["out_moment"]
+            W = _materialized_weight(self.out_proj).detach().to(C.device, torch.float64)
+            P = ((W.T @ W) * C).reshape(Hv, dv, Hv, dv)
+            head_gram = P.sum((1, 3))
+            dim_gram = P.sum((0, 2))
+            del P
+            group_gram = head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
+            qk = self.stats["qk_moments"]  # [2, Hk, dk, dk]
+            q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
+            k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
+            scores = {
+                "key_group_scores": group_gram.diagonal() / N,
+                "value_lane_scores": (head_gram.diagonal() / N).reshape(Hk, r),
+                "key_dim_scores": q_energy * k_energy,
+                "value_dim_scores": dim_gram.diagonal() / N,
+            }
+            if self.key_dim_measure == "qk_gram":
+                key_dims = torch.stack([greedy_removal_order(qk[0, g] * qk[1, g]) for g in range(Hk)])
+            else:
+                measure = {"qk_energy": q_energy * k_energy, "q_energy": q_energy, "k_energy": k_energy}
+                key_dims = _descending(measure[self.key_dim_measure])
+            if self.value_dim_measure == "gram":
+                value_dims = greedy_removal_order(dim_gram)
+            else:
+                value_dims = _descending(scores["value_dim_scores"])
+            orders = {
+                "key_group_order_most_important_first": greedy_removal_order(group_gram),
+                "value_lane_order_most_important_first": greedy_lane_orders(head_gram, Hk),
+                "key_dim_order_most_important_first": key_dims,
+                "value_dim_order_most_important_first": value_dims,
+            }
+        payload: dict[str, Any] = {k: v.cpu().tolist() for k, v in orders.items()}
+        payload.update({k: v.double().cpu().tolist() for k, v in scores.items()})
+        payload["shape"] = s.as_dict()
+        payload["layout"] = self.layout
+        payload["num_tokens"] = self.num_tokens
+        return payload
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _input_device(model: torch.nn.Module) -> torch.device:
+    """Device the input ids go to: the embedding's (its accelerate execution device when offloaded)."""
+    try:
+        emb = model.get_input_embeddings()
+        device = emb.weight.device
+    except (AttributeError, NotImplementedError):
+        emb, device = None, next(model.parameters()).device
+    if device.type == "meta":
+        hook = getattr(emb, "_hf_hook", None)
+        device = torch.device(getattr(hook, "execution_device", None) or "cpu")
+    return device
+
+
+def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``input_ids`` [B, T] and an optional ``attention_mask`` [B, T] from a tensor or a mapping."""
+    if isinstance(batch, Mapping):
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    else:
+        ids, mask = batch, None
+    ids = torch.as_tensor(ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"a calibration batch must be integer input_ids [B, T], got {ids.dtype} {list(ids.shape)}")
+    if mask is not None:
+        mask = torch.as_tensor(mask).reshape(ids.shape).bool()
+        if bool(mask.all()):
+            mask = None
+    return ids.long(), mask
+
+
+def score_model(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    *,
+    method: str = "projection",
+    progress: bool = True,
+    seed: int = 0,
+    total: int | None = None,
+    key_dim_measure: str = "qk_gram",
+    value_dim_measure: str = "gram",
+) -> dict[str, Any]:
+    """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
+
+    Args:
+        model: a transformers model with GDN layers (Qwen3.5 text/VL, Qwen3.5-MoE, Qwen3-Next,
+            Qwen4-exp, OLMo-hybrid), possibly dispatched over devices by accelerate.
+        batches: an iterable of ``input_ids`` [B, T] tensors, or mappings with ``input_ids`` and an
+            optional ``attention_mask`` (masked tokens are left out of every statistic).
+        method: ``"projection"`` (default), ``"activation"`` or ``"random"`` (see the module docs).
+        progress: show a tqdm progress bar over the batches.
+        seed: seed of the ``random`` method (recorded for every method).
+        total: number of batches for the progress bar (default ``len(batches)`` when available).
+        key_dim_measure: ``projection`` only: ``"qk_gram"`` (default; greedy on ``Cq * Ck``),
+            ``"qk_energy"`` (sort by ``E[q^_d^2] E[k^_d^2]``), ``"q_energy"`` or ``"k_energy"``.
+        value_dim_measure: ``projection`` only: ``"gram"`` (default; greedy on the channel Gram) or
+            ``"energy"`` (sort by each channel's own projected energy).
+
+    Returns:
+        ``{"format", "version", "method", "num_tokens", "seed", "layers": {prefix: payload}}``.
+
+    Raises:
+        ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
+    """
+    from tqdm.auto import tqdm
+
+    if method not in METHODS:
+        raise ValueError(f"unknown scoring method {method!r}; expected one of {list(METHODS)}")
+    if key_dim_measure not in _KEY_DIM_MEASURES:
+        raise ValueError(f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}")
+    if value_dim_measure not in _VALUE_DIM_MEASURES:
+        raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of {list(_VALUE_DIM_MEASURES)}")
+    modules = find_gdn_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
+    result: dict[str, Any] = {
+        "format": SCORES_FORMAT,
+        "version": SCORES_VERSION,
+        "method": method,
+        "num_tokens": 0,
+        "seed": int(seed),
+        "score_kind": _SCORE_KIND[method],
+        "layers": {},
+    }
+    if method == "random":
+        generator = torch.Generator().manual_seed(int(seed))
+        for prefix, module in modules:
+            shape = GDNShape.from_module(module)
+            perm = GDNPermutation.random(shape, generator=generator)
+            payload: dict[str, Any] = perm.to_score_payload()
+            for key, order in zip(
+                ("key_group_scores", "value_lane_scores", "key_dim_scores", "value_dim_scores"),
+                (perm.key_groups, perm.value_lanes, perm.key_dim, perm.value_dim),
+            ):
+                n = order.shape[-1]
+                payload[key] = (n - 1 - order.argsort(dim=-1)).double().tolist()
+            payload["shape"] = shape.as_dict()
+            payload["num_tokens"] = 0
+            result["layers"][prefix] = payload
+        return result
+
+    scorers = [_LayerScorer(p, m, method, key_dim_measure, value_dim_measure) for p, m in modules]
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)  # type: ignore[arg-type]
+    extra = {"use_cache": False}
+    try:
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            extra["logits_to_keep"] = 1  # no need for the full vocabulary projection
+    except (TypeError, ValueError):  # pragma: no cover
+        pass
+    device = _input_device(model)
+    handles = []
+    was_training = model.training
+    model.eval()
+    try:
+        for scorer in scorers:
+            handles.extend(scorer.attach())
+        with torch.no_grad():
+            for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
+                ids, mask = _unpack_batch(batch)
+                for scorer in scorers:
+                    scorer.token_mask = mask
+                kwargs = dict(extra)
+                if mask is not None:
+                    kwargs["attention_mask"] = mask.to(device).long()
+                model(input_ids=ids.to(device), **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    for scorer in scorers:
+        result["layers"][scorer.prefix] = scorer.payload()
+    result["num_tokens"] = scorers[0].num_tokens
+    return result
+
+
+def scores_to_permutations(scores: Mapping[str, Any]) -> dict[str, GDNPermutation]:
+    """``{prefix: GDNPermutation}`` from a scores-file dict (geometry read from each payload's ``shape``)."""
+    out = {}
+    for prefix, payload in _check_scores(scores)["layers"].items():
+        out[prefix] = GDNPermutation.from_score_payload(payload, GDNShape(**payload["shape"]))
+    return out
+
+
+def _check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
+    if not isinstance(scores, Mapping) or scores.get("format") != SCORES_FORMAT:
+        found = scores.get("format") if isinstance(scores, Mapping) else type(scores).__name__
+        raise ValueError(f"{source}: not a gdnprune scores file (format {found!r}, expected {SCORES_FORMAT!r})")
+    if scores.get("version") != SCORES_VERSION:
+        raise ValueError(f"{source}: unsupported scores version {scores.get('version')!r}, expected {SCORES_VERSION}")
+    layers = scores.get("layers")
+    if not isinstance(layers, Mapping) or not layers:
+        raise ValueError(f"{source}: no \"layers\" in the scores file")
+    for prefix, payload in layers.items():
+        missing = [k for k in (*_ORDER_KEYS, "shape") if k not in payload]
+        if missing:
+            raise ValueError(f"{source}: layer {prefix!r} lacks {missing}")
+    return scores
+
+
+def save_scores(scores: Mapping[str, Any], path: str | Path) -> Path:
+    """Write a scores dict as JSON (through a temporary file renamed into place). Returns the path."""
+    path = Path(path)
+    _check_scores(scores)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(scores, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_scores(path: str | Path) -> dict[str, Any]:
+    """Read and check a scores file written by :func:`save_scores` / ``gdnprune score``."""
+    path = Path(path)
+    try:
+        scores = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return dict(_check_scores(scores, str(path)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _checkpoint_gdn_prefixes(model_dir: Path) -> set[str] | None:
+    """Prefixes of the GDN layers stored in a checkpoint folder (tensors named ``<prefix>.A_log``)."""
+    names: list[str] = []
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            return None
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                names.extend(f.keys())
+    prefixes = {n[: -len(".A_log")] for n in names if n.endswith(".A_log")}
+    return prefixes or None
+
+
+def _map_to_checkpoint(prefixes: list[str], stored: set[str] | None) -> dict[str, str]:
+    """Map module prefixes to the checkpoint's tensor prefixes (e.g. a VL checkpoint loaded as text model)."""
+    if stored is None or set(prefixes) <= stored:
+        return {p: p for p in prefixes}
+    mapping = {}
+    for prefix in prefixes:
+        if prefix in stored:
+            mapping[prefix] = prefix
+            continue
+        tail = ".".join(prefix.split(".")[-3:])  # e.g. layers.0.linear_attn
+        candidates = [s for s in stored if s == tail or s.endswith("." + tail)]
+        if len(candidates) != 1:
+            raise ValueError(
+                f"cannot match the model's GDN layer {prefix!r} to the checkpoint's tensor names "
+                f"(candidates {sorted(candidates)})"
+            )
+        mapping[prefix] = candidates[0]
+    return mapping
+
+
+def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: str | None):
+    """Load a causal LM from ``model_dir`` for scoring (text part only for vision-language checkpoints)."""
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except ValueError as first:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+        classes = [c for c in classes if c is not None]
+        if not classes:
+            raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
+        model = classes[0].from_pretrained(model_dir, **kwargs)
+    if device_map is None:
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return model.eval()
+
+
+def _cmd_score(args) -> int:
+    from transformers import AutoTokenizer
+
+    from .calibration import calibration_windows, iter_batches
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir}: not a model folder (no config.json)")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    windows = calibration_windows(args.data, tokenizer, seq_len=args.seq_len, num_samples=args.num_samples)
+    model = _load_model(model_dir, dtype=args.dtype, device=args.device, device_map=args.device_map)
+    batches = list(iter_batches(windows, args.batch_size))
+    scores = score_model(model, batches, method=args.method, seed=args.seed, progress=not args.quiet)
+    mapping = _map_to_checkpoint(list(scores["layers"]), _checkpoint_gdn_prefixes(model_dir))
+    scores["layers"] = {mapping[p]: payload for p, payload in scores["layers"].items()}
+    scores["model"] = str(model_dir)
+    scores["calibration"] = {
+        "data": str(args.data),
+        "num_samples": int(windows.shape[0]),
+        "seq_len": int(args.seq_len),
+        "batch_size": int(args.batch_size),
+        "dtype": args.dtype,
+    }
+    path = save_scores(scores, args.output)
+    print(
+        f"gdnprune score: {len(scores['layers'])} GDN layers scored with {args.method!r} on "
+        f"{scores['num_tokens']} tokens -> {path}"
+    )
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    """Register the ``score`` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "score",
+        help="measure the importance of every GDN head and channel on calibration text",
+        description=(
+            "Run calibration text through the model with hooks on every GatedDeltaNet layer and write a "
+            "scores file (importance orders per layer, most important first) for `gdnprune sort`."
+        ),
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="calibration text: a UTF-8 text file, or JSONL with a \"text\" field per line")
+    p.add_argument("--output", required=True, metavar="SCORES.json", help="scores file to write")
+    p.add_argument("--method", choices=METHODS, default="projection",
+                   help="projection (default): output-projection Gram + greedy removal; activation: "
+                        "Minitron-style magnitudes; random: seeded random orders")
+    p.add_argument("--num-samples", type=int, default=128, help="calibration windows (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights dtype for the forward passes (default float32)")
+    p.add_argument("--device-map", choices=("auto", "balanced", "balanced_low_0", "sequential"), default=None,
+                   help="spread the model over the GPUs and CPU of this machine through accelerate")
+    p.add_argument("--seed", type=int, default=0, help="seed of --method random (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_score)

@@ -1,0 +1,303 @@
+"""Scoring on real tiny transformers models: hook correctness, orders, payloads, invariances."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict
+from gdnprune.layouts import find_gdn_modules
+from gdnprune.scoring import (
+    greedy_lane_orders,
+    greedy_removal_order,
+    score_model,
+    scores_to_permutations,
+)
+from tiny_models import build_model, clone_state_dict, logits
+
+SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
+KERNEL_MODULE = {
+    "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+}
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, 128, (4, 72), generator=torch.Generator().manual_seed(0))
+
+
+def _score(model, ids, method="projection", batch_size=2, **kwargs):
+    batches = [ids[i : i + batch_size] for i in range(0, ids.shape[0], batch_size)]
+    return score_model(model, batches, method=method, progress=False, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# greedy removal
+
+
+def _reference_greedy(gram: torch.Tensor) -> list[int]:
+    """Plain-Python greedy: drop the element that least increases |sum of dropped|^2."""
+    n, dropped = gram.shape[0], []
+    for _ in range(n):
+        best = min(
+            (i for i in range(n) if i not in dropped),
+            key=lambda i: (float(gram[dropped + [i]][:, dropped + [i]].sum()), -i),
+        )
+        dropped.append(best)
+    return dropped[::-1]
+
+
+def test_greedy_removal_matches_reference_and_sees_redundancy():
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 3, 6):
+        vecs = torch.randn(n, 5, generator=g, dtype=torch.float64)
+        gram = vecs @ vecs.T
+        assert greedy_removal_order(gram).tolist() == _reference_greedy(gram)
+    # two anti-correlated elements nearly cancel: once one is dropped the other is dropped too, and the
+    # independent element survives although its own energy is below the first one's
+    v, w = torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 0.95**0.5], dtype=torch.float64)
+    vecs = torch.stack([v, -0.95 * v, w])
+    assert greedy_removal_order(vecs @ vecs.T).tolist() == [2, 0, 1]
+    # a diagonal Gram is just a sort by energy, ties keep index order
+    assert greedy_removal_order(torch.diag(torch.tensor([1.0, 3.0, 1.0, 2.0]))).tolist() == [1, 3, 0, 2]
+
+
+def test_greedy_lane_orders_remove_one_lane_per_group_per_round():
+    g = torch.Generator().manual_seed(2)
+    vecs = torch.randn(12, 7, generator=g, dtype=torch.float64)
+    orders = greedy_lane_orders(vecs @ vecs.T, 3)
+    assert orders.shape == (3, 4)
+    assert all(sorted(row) == [0, 1, 2, 3] for row in orders.tolist())
+    # no cross-group terms: each group reduces to the plain greedy of its own block
+    block = torch.block_diag(*[(v @ v.T) for v in vecs.reshape(3, 4, 7)])
+    expected = [greedy_removal_order(block[4 * k : 4 * k + 4, 4 * k : 4 * k + 4]).tolist() for k in range(3)]
+    assert greedy_lane_orders(block, 3).tolist() == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# payloads on every model family; sorting with them preserves the function
+
+
+@pytest.mark.parametrize(
+    "model_type,method",
+    [("qwen3_5", "projection"), ("qwen3_5_vl", "projection"), ("qwen3_5_moe", "activation"),
+     ("qwen3_next", "projection"), ("olmo_hybrid", "projection"), ("olmo_hybrid", "activation")],
+)
+def test_payloads_sort_model_and_preserve_logits(model_type, method, ids):
+    model = build_model(model_type, SHAPE)
+    scores = _score(model, ids, method)
+    assert scores["format"] == "gdnprune-scores" and scores["version"] == 1
+    assert scores["method"] == method and scores["num_tokens"] == ids.numel()
+    prefixes = [p for p, _ in find_gdn_modules(model)]
+    assert list(scores["layers"]) == prefixes
+    sd = clone_state_dict(model)
+    perms = scores_to_permutations(scores)
+    for prefix, payload in scores["layers"].items():
+        assert payload["shape"] == SHAPE.as_dict()
+        assert torch.tensor(payload["value_lane_scores"]).shape == (2, 2)
+        assert torch.tensor(payload["key_dim_scores"]).shape == (2, 8)
+        perm = GDNPermutation.from_score_payload(payload, SHAPE)
+        assert perm == perms[prefix]
+        permute_gated_delta_net_state_dict(sd, prefix=prefix, shape=SHAPE, permutation=perm)
+    sorted_model = build_model(model_type, SHAPE, randomize=False)
+    sorted_model.load_state_dict(sd)
+    assert (logits(sorted_model, ids) - logits(model, ids)).abs().max() < 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# hook correctness against the tensors the kernel and out_proj actually see
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
+def test_projection_statistics_match_brute_force(model_type, ids, monkeypatch):
+    model = build_model(model_type, SHAPE)
+    modeling = importlib.import_module(KERNEL_MODULE[model_type])
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    kernel = modeling.torch_chunk_gated_delta_rule
+
+    def spy(query, key, value, **kwargs):
+        seen.append((query.detach().clone(), key.detach().clone()))
+        return kernel(query, key, value, **kwargs)
+
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", spy)
+    outs: list[torch.Tensor] = []
+    (prefix, gdn), *_ = find_gdn_modules(model)
+    out_proj = gdn.out_proj if hasattr(gdn, "out_proj") else gdn.o_proj
+    handle = out_proj.register_forward_pre_hook(lambda m, a: outs.append(a[0].detach().clone()))
+    try:
+        payload = _score(model, ids, "projection", batch_size=4)["layers"][prefix]
+    finally:
+        handle.remove()
+    q, k = seen[0]  # first GDN layer: [B, T, Hk, dk]
+    o = outs[0].double().reshape(-1, SHAPE.num_value_heads, SHAPE.value_head_dim)
+    N = o.shape[0]
+    W = out_proj.weight.detach().double().reshape(-1, SHAPE.num_value_heads, SHAPE.value_head_dim)
+    contrib = torch.einsum("nhe,khe->nhk", o, W)  # per-head contributions [N, Hv, H]
+    per_dim = torch.einsum("nhe,khe->nek", o, W)  # per-value-channel contributions summed over heads
+    lanes = contrib.pow(2).sum(-1).mean(0).reshape(2, 2)
+    groups = contrib.reshape(N, 2, 2, -1).sum(2).pow(2).sum(-1).mean(0)
+    torch.testing.assert_close(torch.tensor(payload["value_lane_scores"], dtype=torch.float64), lanes, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(payload["key_group_scores"], dtype=torch.float64), groups, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(
+        torch.tensor(payload["value_dim_scores"], dtype=torch.float64), per_dim.pow(2).sum(-1).mean(0), rtol=1e-5, atol=1e-9
+    )
+
+    def l2(x):
+        x = x.double()
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+    expected = l2(q).pow(2).flatten(0, 1).mean(0) * l2(k).pow(2).flatten(0, 1).mean(0)  # [Hk, dk]
+    torch.testing.assert_close(torch.tensor(payload["key_dim_scores"], dtype=torch.float64), expected, rtol=1e-4, atol=1e-9)
+    # the greedy orders are the greedy on the brute-force Gram matrices
+    gram = torch.einsum("nhk,ngk->hg", contrib, contrib)
+    assert payload["value_lane_order_most_important_first"] == greedy_lane_orders(gram, 2).tolist()
+    qn, kn = l2(q).flatten(0, 1), l2(k).flatten(0, 1)
+    for g in range(SHAPE.num_key_heads):
+        cq, ck = qn[:, g].T @ qn[:, g], kn[:, g].T @ kn[:, g]
+        assert payload["key_dim_order_most_important_first"][g] == greedy_removal_order(cq * ck).tolist()
+
+
+def _zero_rows(param: torch.Tensor, rows) -> None:
+    with torch.no_grad():
+        param[rows] = 0
+
+
+def test_zeroed_value_head_and_group_rank_last(ids):
+    model = build_model("qwen3_5", SHAPE)
+    (p0, m0), (p1, m1) = find_gdn_modules(model)
+    dv = SHAPE.value_head_dim
+    with torch.no_grad():
+        m0.out_proj.weight[:, 1 * dv : 2 * dv] = 0  # value head 1 = group 0, lane 1
+        m1.out_proj.weight[:, 0 : 2 * dv] = 0  # both heads of group 0
+    layers = _score(model, ids)["layers"]
+    assert layers[p0]["value_lane_order_most_important_first"][0][-1] == 1
+    assert layers[p0]["value_lane_scores"][0][1] == 0.0
+    assert layers[p1]["key_group_order_most_important_first"][-1] == 0
+    assert layers[p1]["key_group_scores"][0] == 0.0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("method", ["projection", "activation"])
+def test_zeroed_key_and_value_channels_rank_last(model_type, method, ids):
+    model = build_model(model_type, SHAPE)
+    (prefix, m), *_ = find_gdn_modules(model)
+    Hk, dk, dv = SHAPE.num_key_heads, SHAPE.key_head_dim, SHAPE.value_head_dim
+    g, d, e = 1, 3, 2
+    if model_type == "qwen3_5":
+        w = m.in_proj_qkv.weight
+        q_row, k_row = g * dk + d, Hk * dk + g * dk + d
+        v_rows = [2 * Hk * dk + h * dv + e for h in range(SHAPE.num_value_heads)]
+    else:  # fused per group: [q_g, k_g, v_g (r*dv), z_g (r*dv)]
+        w = m.in_proj_qkvz.weight
+        r = SHAPE.value_heads_per_group
+        per = 2 * dk + 2 * r * dv
+        q_row, k_row = g * per + d, g * per + dk + d
+        v_rows = [gg * per + 2 * dk + j * dv + e for gg in range(Hk) for j in range(r)]
+    _zero_rows(w, [q_row, k_row, *v_rows])
+    payload = _score(model, ids, method)["layers"][prefix]
+    assert payload["key_dim_order_most_important_first"][g][-1] == d
+    assert payload["key_dim_scores"][g][d] == 0.0
+    assert payload["value_dim_order_most_important_first"][-1] == e
+    assert payload["value_dim_scores"][e] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("method", ["projection", "activation"])
+def test_duplicated_value_head_is_scored_like_its_original(method, ids):
+    model = build_model("qwen3_5", SHAPE)
+    (prefix, m), *_ = find_gdn_modules(model)
+    Hk, dk, dv = SHAPE.num_key_heads, SHAPE.key_head_dim, SHAPE.value_head_dim
+    src, dst = 2, 3  # lanes 0 and 1 of group 1
+    with torch.no_grad():
+        for lin, base in ((m.in_proj_qkv, 2 * Hk * dk), (m.in_proj_z, 0)):
+            lin.weight[base + dst * dv : base + (dst + 1) * dv] = lin.weight[base + src * dv : base + (src + 1) * dv]
+        c = m.conv1d.weight
+        c[2 * Hk * dk + dst * dv : 2 * Hk * dk + (dst + 1) * dv] = c[2 * Hk * dk + src * dv : 2 * Hk * dk + (src + 1) * dv]
+        for p in (m.in_proj_a.weight, m.in_proj_b.weight, m.A_log, m.dt_bias):
+            p[dst] = p[src]
+        m.out_proj.weight[:, dst * dv : (dst + 1) * dv] = m.out_proj.weight[:, src * dv : (src + 1) * dv]
+    payload = _score(model, ids, method)["layers"][prefix]
+    a, b = payload["value_lane_scores"][1]
+    assert a == pytest.approx(b, rel=1e-6)
+    assert a > 0
+
+
+def test_orders_follow_a_function_preserving_permutation(ids):
+    """Scoring a permuted model gives the permuted orders (catches any index mix-up in the hooks)."""
+    model = build_model("qwen3_next", SHAPE)
+    scores = _score(model, ids)
+    perm = GDNPermutation.random(SHAPE, generator=torch.Generator().manual_seed(5))
+    sd = clone_state_dict(model)
+    for prefix in scores["layers"]:
+        permute_gated_delta_net_state_dict(sd, prefix=prefix, shape=SHAPE, permutation=perm)
+    permuted = build_model("qwen3_next", SHAPE, randomize=False)
+    permuted.load_state_dict(sd)
+    new_scores = _score(permuted, ids)
+    G, L, K, V = perm.key_groups, perm.value_lanes, perm.key_dim, perm.value_dim
+    for prefix, old in scores["layers"].items():
+        new = {k: torch.tensor(v) for k, v in new_scores["layers"][prefix].items() if "order" in k}
+        assert G[new["key_group_order_most_important_first"]].tolist() == old["key_group_order_most_important_first"]
+        for p in range(SHAPE.num_key_heads):
+            old_g = int(G[p])
+            lanes = L[old_g][new["value_lane_order_most_important_first"][p]].tolist()
+            assert lanes == old["value_lane_order_most_important_first"][old_g]
+            dims = K[old_g][new["key_dim_order_most_important_first"][p]].tolist()
+            assert dims == old["key_dim_order_most_important_first"][old_g]
+        assert V[new["value_dim_order_most_important_first"]].tolist() == old["value_dim_order_most_important_first"]
+
+
+@pytest.mark.parametrize("method", ["projection", "activation"])
+def test_batch_size_invariance(method, ids):
+    model = build_model("qwen3_5", SHAPE)
+    one = _score(model, ids, method, batch_size=1)
+    four = _score(model, ids, method, batch_size=4)
+    assert one["num_tokens"] == four["num_tokens"] == ids.numel()
+    for prefix, a in one["layers"].items():
+        b = four["layers"][prefix]
+        for key, value in a.items():
+            if key.endswith("_scores"):
+                torch.testing.assert_close(torch.tensor(value), torch.tensor(b[key]), rtol=1e-5, atol=1e-12)
+            elif "order" in key:
+                assert value == b[key], key
+
+
+def test_attention_mask_excludes_padding(ids):
+    model = build_model("qwen3_5", SHAPE)
+    full = _score(model, ids[:2, :64], batch_size=2)
+    padded = torch.cat([ids[:2, :64], torch.zeros(2, 8, dtype=torch.long)], dim=1)
+    mask = torch.ones_like(padded)
+    mask[:, 64:] = 0
+    masked = score_model(model, [{"input_ids": padded, "attention_mask": mask}], progress=False)
+    assert masked["num_tokens"] == full["num_tokens"] == 128
+    for prefix, a in full["layers"].items():
+        torch.testing.assert_close(
+            torch.tensor(masked["layers"][prefix]["value_lane_scores"]), torch.tensor(a["value_lane_scores"]),
+            rtol=1e-5, atol=1e-12,
+        )
+
+
+def test_random_method_is_seeded_and_needs_no_forward():
+    model = build_model("qwen3_5", SHAPE)
+    a = score_model(model, [], method="random", seed=3, progress=False)
+    b = score_model(model, [], method="random", seed=3, progress=False)
+    c = score_model(model, [], method="random", seed=4, progress=False)
+    assert a == b and a["layers"] != c["layers"]
+    for payload in a["layers"].values():
+        perm = GDNPermutation.from_score_payload(payload, SHAPE)
+        scores = torch.tensor(payload["key_dim_scores"])
+        assert torch.equal(scores.argsort(dim=-1, descending=True), perm.key_dim)
+
+
+def test_bad_arguments_raise_value_error(ids):
+    model = build_model("qwen3_5", SHAPE)
+    with pytest.raises(ValueError, match="unknown scoring method"):
+        score_model(model, [ids], method="magnitude", progress=False)
+    with pytest.raises(ValueError, match="no calibration tokens"):
+        score_model(model, [], progress=False)
+    with pytest.raises(ValueError, match="no GatedDeltaNet layers"):
+        score_model(torch.nn.Linear(2, 2), [ids], progress=False)
+    with pytest.raises(ValueError, match="input_ids"):
+        score_model(model, [torch.zeros(2, 3, 4)], progress=False)

@@ -1,0 +1,133 @@
+"""`gdnprune score` end to end (in process): text and JSONL data, methods, device maps, VL checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from gdnprune.calibration import pack_windows, read_texts
+from gdnprune.cli import main
+from gdnprune.demo_data import build_byte_tokenizer, train_text
+from gdnprune.gated_delta_net import GDNShape
+from gdnprune.layouts import find_gdn_modules
+from gdnprune.scoring import load_scores, score_model
+from tiny_models import TEXT, VISION, gdn_kwargs, randomize_gdn
+
+SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
+SEQ, SAMPLES = 72, 4
+
+
+def _save(model, path):
+    model.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE))
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    randomize_gdn(model)
+    return _save(model, tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(train_text()[:3000], encoding="utf-8")
+    return path
+
+
+def _run(model_dir, data, out, *extra):
+    return main(["score", str(model_dir), "--data", str(data), "--output", str(out), "--num-samples", str(SAMPLES),
+                 "--seq-len", str(SEQ), "--batch-size", "2", "--quiet", *extra])
+
+
+def test_text_and_jsonl_give_the_same_scores(model_dir, text_file, tmp_path, capsys):
+    assert _run(model_dir, text_file, tmp_path / "a.json") == 0
+    assert "2 GDN layers" in capsys.readouterr().out
+    jsonl = tmp_path / "calib.jsonl"
+    jsonl.write_text(json.dumps({"text": text_file.read_text(encoding="utf-8"), "id": 1}) + "\n\n", encoding="utf-8")
+    assert _run(model_dir, jsonl, tmp_path / "b.json") == 0
+    a, b = load_scores(tmp_path / "a.json"), load_scores(tmp_path / "b.json")
+    assert a["method"] == "projection" and a["num_tokens"] == SAMPLES * SEQ
+    assert a["calibration"]["num_samples"] == SAMPLES and a["calibration"]["seq_len"] == SEQ
+    assert list(a["layers"]) == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    assert a["layers"] == b["layers"]
+
+
+def test_jsonl_documents_are_joined_with_eos(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "ab"}\n{"text": ""}\n{"text": "cde"}\n', encoding="utf-8")
+    assert read_texts(path) == ["ab", "cde"]
+    windows = pack_windows(read_texts(path), build_byte_tokenizer(), seq_len=3)
+    assert windows.tolist() == [[97, 98, 256], [99, 100, 101]]
+
+
+def test_data_errors_exit_2(model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "oops"}\n', encoding="utf-8")
+    assert _run(model_dir, bad, tmp_path / "s.json") == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("too short", encoding="utf-8")
+    assert _run(model_dir, short, tmp_path / "s.json") == 2
+    assert "fewer than one window" in capsys.readouterr().err
+    assert _run(tmp_path / "missing", short, tmp_path / "s.json") == 2
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_random_method_is_deterministic_with_seed(model_dir, text_file, tmp_path):
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        assert _run(model_dir, text_file, tmp_path / f"{name}.json", "--method", "random", "--seed", str(seed)) == 0
+    a, b, c = (load_scores(tmp_path / f"{n}.json") for n in "abc")
+    assert a["layers"] == b["layers"] != c["layers"]
+    assert a["method"] == "random" and a["seed"] == 1
+
+
+def test_activation_method_and_device_map_auto(model_dir, text_file, tmp_path):
+    assert _run(model_dir, text_file, tmp_path / "act.json", "--method", "activation", "--device-map", "auto") == 0
+    scores = load_scores(tmp_path / "act.json")
+    assert scores["method"] == "activation"
+    assert all(len(p["value_dim_order_most_important_first"]) == SHAPE.value_head_dim for p in scores["layers"].values())
+
+
+def test_layers_split_over_devices_with_offload(model_dir, text_file, tmp_path):
+    """accelerate dispatch (real hooks; layer 2 offloaded to disk, so its weights sit on the meta device)."""
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+                  "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    dispatched = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    gdn = dict(find_gdn_modules(dispatched))
+    assert gdn["model.layers.2.linear_attn"].out_proj.weight.device.type == "meta"
+    assert hasattr(gdn["model.layers.0.linear_attn"], "_hf_hook")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    windows = pack_windows(read_texts(text_file), build_byte_tokenizer(), seq_len=SEQ, num_samples=SAMPLES)
+    batches = [windows[:2], windows[2:]]
+    a = score_model(dispatched, batches, progress=False)
+    b = score_model(plain, batches, progress=False)
+    for prefix, pa in a["layers"].items():
+        pb = b["layers"][prefix]
+        for key in pa:
+            if key.endswith("scores"):
+                torch.testing.assert_close(torch.tensor(pa[key]), torch.tensor(pb[key]), rtol=1e-5, atol=1e-12)
+            elif "order" in key:
+                assert pa[key] == pb[key]
+
+
+def test_vision_language_checkpoint_keeps_its_tensor_prefixes(text_file, tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(
+        text_config=dict(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE)), vision_config=dict(VISION))
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    randomize_gdn(model)
+    folder = _save(model, tmp_path / "vl")
+    assert _run(folder, text_file, tmp_path / "vl.json") == 0
+    scores = load_scores(tmp_path / "vl.json")
+    assert list(scores["layers"]) == [
+        "model.language_model.layers.0.linear_attn", "model.language_model.layers.2.linear_attn"]
