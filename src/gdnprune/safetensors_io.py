@@ -1,0 +1,290 @@
+"""Minimal safetensors file I/O without torch: read headers, write headers, copy byte ranges.
+
+A safetensors file is ``[8-byte little-endian header length N][N bytes of JSON header][data]``. The
+header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative
+to the start of the data) and may hold a ``"__metadata__"`` dict of strings. The data regions are
+contiguous and cover the whole data section. The JSON may be followed by spaces; safetensors pads it so
+that the data starts at a multiple of 8 bytes.
+
+Checkpoint surgery uses this module to copy the bytes of unchanged tensors straight from the source
+file to the output file (``os.copy_file_range``, then ``os.sendfile``, then plain reads and writes),
+so that those tensors never pass through Python memory. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+__all__ = [
+    "CheckpointError",
+    "DTYPE_BITS",
+    "TensorInfo",
+    "ShardHeader",
+    "read_header",
+    "encode_header",
+    "header_size_bound",
+    "copy_range",
+    "write_all",
+]
+
+#: Bits per element of every dtype safetensors knows (sub-byte types are packed).
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+    "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
+
+_MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+_CHUNK = 64 << 20  # bytes per copy call (progress granularity)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file that cannot be used: unreadable, corrupt, or not what was expected."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file, as its header describes it.
+
+    Attributes:
+        name: the tensor name (state-dict key).
+        dtype: the safetensors dtype string (``"BF16"``, ``"F32"``, ...).
+        shape: the tensor shape.
+        start: absolute byte offset of the first data byte in the file.
+        end: absolute byte offset one past the last data byte.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class ShardHeader:
+    """The parsed header of one safetensors file.
+
+    Attributes:
+        path: the file.
+        header_size: ``N``, the length of the JSON header (data starts at ``8 + N``).
+        metadata: the ``__metadata__`` dict, or None.
+        tensors: tensor name -> :class:`TensorInfo`, ordered by data offset.
+        file_size: size of the file in bytes.
+    """
+
+    path: str
+    header_size: int
+    metadata: dict[str, str] | None
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    file_size: int = 0
+
+    @property
+    def data_start(self) -> int:
+        """Absolute offset of the data section."""
+        return 8 + self.header_size
+
+
+def _fail(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{path}: not a valid safetensors file: {what}")
+
+
+def read_header(path: str | os.PathLike) -> ShardHeader:
+    """Read and validate the header of the safetensors file ``path`` (reads only the header bytes).
+
+    Checks what safetensors checks: a sane header length, a JSON object of tensor entries with a known
+    dtype, a shape of non-negative integers and ``data_offsets`` whose length matches dtype and shape,
+    and data regions that tile the data section exactly up to the end of the file.
+
+    Raises:
+        CheckpointError: the file cannot be read or is not a valid safetensors file.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise _fail(path, f"file has {size} bytes, expected at least 8")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise _fail(path, f"header length {n} does not fit in a file of {size} bytes")
+            raw = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(path, f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _fail(path, f"header is a JSON {type(header).__name__}, expected an object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _fail(path, "__metadata__ must map strings to strings")
+    entries = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or {"dtype", "shape", "data_offsets"} - set(entry):
+            raise _fail(path, f"tensor {name!r}: expected dtype, shape and data_offsets, found {entry!r}"[:300])
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPE_BITS:
+            raise _fail(path, f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise _fail(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise _fail(path, f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+        info = TensorInfo(name, dtype, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
+        expected = (info.numel * DTYPE_BITS[dtype] + 7) // 8
+        if info.nbytes != expected:
+            raise _fail(path, f"tensor {name!r}: {dtype} {list(shape)} needs {expected} bytes, "
+                              f"data_offsets {offsets} give {info.nbytes}")
+        entries.append(info)
+    entries.sort(key=lambda t: (t.start, t.end))
+    position = 8 + n
+    for info in entries:
+        if info.start != position:
+            raise _fail(path, f"tensor {info.name!r}: data starts at {info.start - 8 - n}, expected "
+                              f"{position - 8 - n} (overlapping or missing data)")
+        position = info.end
+    if position != size:
+        raise _fail(path, f"data section ends at byte {position} but the file has {size} bytes (truncated?)")
+    return ShardHeader(path, n, metadata, {t.name: t for t in entries}, size)
+
+
+def _header_json(entries: Iterable[tuple[str, str, Sequence[int], int, int]], metadata: Mapping | None) -> bytes:
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    for name, dtype, shape, begin, end in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    return json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def encode_header(
+    entries: Iterable[tuple[str, str, Sequence[int], int, int]],
+    metadata: Mapping[str, str] | None,
+    *,
+    size: int | None = None,
+) -> bytes:
+    """The first ``8 + N`` bytes of a safetensors file: length prefix plus space-padded JSON header.
+
+    ``entries`` are ``(name, dtype, shape, begin, end)`` with offsets relative to the data section.
+    Without ``size`` the JSON is padded to a multiple of 8 bytes, as safetensors does; with ``size`` it
+    is padded to exactly ``size`` bytes (a multiple of 8 reserved in advance).
+
+    Raises:
+        ValueError: the header does not fit in ``size`` bytes, or ``size`` is not a multiple of 8.
+    """
+    raw = _header_json(entries, metadata)
+    if size is None:
+        size = len(raw) + (-len(raw) % 8)
+    if size % 8 or len(raw) > size:
+        raise ValueError(f"safetensors header of {len(raw)} bytes does not fit in {size} reserved bytes")
+    return struct.pack("<Q", size) + raw + b" " * (size - len(raw))
+
+
+def header_size_bound(
+    entries: Iterable[tuple[str, str, Sequence[int | None]]], metadata: Mapping[str, str] | None, *, max_value: int
+) -> int:
+    """An upper bound (multiple of 8) on the header size of a file holding ``entries``.
+
+    ``entries`` are ``(name, dtype, shape)`` where a dimension may be None (not known yet). Every
+    unknown dimension and every data offset of the real header must be at most ``max_value``. Used to
+    reserve the header before all shapes are known.
+    """
+    m = max(int(max_value), 1)
+    raw = _header_json(
+        ((name, dtype, [m if d is None else d for d in shape], m, m) for name, dtype, shape in entries), metadata
+    )
+    return len(raw) + (-len(raw) % 8)
+
+
+def write_all(fd: int, data, offset: int | None = None) -> int:
+    """Write the whole bytes-like ``data`` to ``fd`` (at ``offset`` with pwrite, else at the file position)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        if offset is None:
+            done += os.write(fd, view[done:])
+        else:
+            done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def copy_range(
+    src_fd: int,
+    dst_fd: int,
+    offset: int,
+    count: int,
+    *,
+    on_chunk: Callable[[int], None] | None = None,
+) -> None:
+    """Copy ``count`` bytes at ``offset`` of ``src_fd`` to the current position of ``dst_fd``.
+
+    Uses ``os.copy_file_range`` (the kernel copies, or reflinks, without the data entering this process),
+    falls back to ``os.sendfile`` and then to chunked ``pread``/``write``. ``on_chunk(n)`` is called after
+    each chunk of at most 64 MiB (progress, interruption checks).
+    """
+    end = offset + count
+    method = _copy_method
+    while offset < end:
+        n = min(_CHUNK, end - offset)
+        done = method(src_fd, dst_fd, offset, n)
+        if done is None:  # this method is not available here: try the next one
+            method = _FALLBACKS[method]
+            continue
+        if done == 0:
+            raise OSError(f"unexpected end of file while copying {n} bytes at offset {offset}")
+        offset += done
+        if on_chunk is not None:
+            on_chunk(done)
+
+
+def _copy_file_range(src_fd: int, dst_fd: int, offset: int, n: int) -> int | None:
+    try:
+        return os.copy_file_range(src_fd, dst_fd, n, offset)
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in _UNSUPPORTED:
+            raise
+        return None
+
+
+def _sendfile(src_fd: int, dst_fd: int, offset: int, n: int) -> int | None:
+    try:
+        return os.sendfile(dst_fd, src_fd, offset, n)
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in _UNSUPPORTED:
+            raise
+        return None
+
+
+def _read_write(src_fd: int, dst_fd: int, offset: int, n: int) -> int:
+    data = os.pread(src_fd, min(n, 16 << 20), offset)
+    if data:
+        write_all(dst_fd, data)
+    return len(data)
+
+
+_UNSUPPORTED = {_errno.EXDEV, _errno.ENOSYS, _errno.EINVAL, _errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EBADF,
+                _errno.EPERM}
+_FALLBACKS = {_copy_file_range: _sendfile, _sendfile: _read_write}
+_copy_method = _copy_file_range
