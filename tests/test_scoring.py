@@ -112,8 +112,10 @@ def test_payloads_sort_model_and_preserve_logits(model_type, method, ids):
 # hook correctness against the tensors the kernel and out_proj actually see
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
-def test_projection_statistics_match_brute_force(model_type, ids, monkeypatch):
+@pytest.mark.parametrize(
+    "model_type,measure", [("qwen3_5", "gram"), ("qwen3_5", "energy"), ("qwen3_next", "energy"), ("olmo_hybrid", "gram")]
+)
+def test_projection_statistics_match_brute_force(model_type, measure, ids, monkeypatch):
     model = build_model(model_type, SHAPE)
     modeling = importlib.import_module(KERNEL_MODULE[model_type])
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -129,7 +131,7 @@ def test_projection_statistics_match_brute_force(model_type, ids, monkeypatch):
     out_proj = gdn.out_proj if hasattr(gdn, "out_proj") else gdn.o_proj
     handle = out_proj.register_forward_pre_hook(lambda m, a: outs.append(a[0].detach().clone()))
     try:
-        payload = _score(model, ids, "projection", batch_size=4)["layers"][prefix]
+        payload = _score(model, ids, "projection", batch_size=4, value_dim_measure=measure)["layers"][prefix]
     finally:
         handle.remove()
     q, k = seen[0]  # first GDN layer: [B, T, Hk, dk]
@@ -155,6 +157,9 @@ def test_projection_statistics_match_brute_force(model_type, ids, monkeypatch):
     # the greedy orders are the greedy on the brute-force Gram matrices
     gram = torch.einsum("nhk,ngk->hg", contrib, contrib)
     assert payload["value_lane_order_most_important_first"] == greedy_lane_orders(gram, 2).tolist()
+    dim_gram = torch.einsum("nek,nfk->ef", per_dim, per_dim)
+    expected_dims = greedy_removal_order(dim_gram) if measure == "gram" else dim_gram.diagonal().argsort(descending=True)
+    assert payload["value_dim_order_most_important_first"] == expected_dims.tolist()
     qn, kn = l2(q).flatten(0, 1), l2(k).flatten(0, 1)
     for g in range(SHAPE.num_key_heads):
         cq, ck = qn[:, g].T @ qn[:, g], kn[:, g].T @ kn[:, g]

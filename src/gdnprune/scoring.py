@@ -109,36 +109,35 @@ _SCORE_KIND = {
 # Greedy conditional removal
 
 
-def _pick_min(cost: torch.Tensor) -> int:
-    """Index of the smallest cost; exact ties go to the highest index (so ties keep index order)."""
-    flipped = torch.argmin(cost.flip(0))
-    return int(cost.numel() - 1 - flipped)
-
-
 def greedy_removal_order(gram: torch.Tensor) -> torch.Tensor:
-    """Importance order (most important first) of the ``n`` elements of a Gram matrix ``gram`` [n, n].
+    """Importance order (most important first) of the ``n`` elements of a Gram matrix ``gram`` [..., n, n].
 
     ``gram[i, j] = sum_t c_i(t) . c_j(t)`` for per-element contributions ``c_i`` whose sum is the signal.
     The greedy repeatedly removes the element whose removal least increases the energy
     ``|sum_{i in R} c_i|^2 = 1^T gram_RR 1`` of everything removed so far; the returned order is the
     reverse of the removal sequence, so every prefix is the set kept by the greedy at that size. Exact
-    ties are broken towards keeping the lower index first.
+    ties are broken towards keeping the lower index first. Leading dimensions are independent problems
+    (e.g. one per key head), solved together.
     """
-    gram = torch.as_tensor(gram, dtype=torch.float64)
-    if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
-        raise ValueError(f"gram must be a square matrix, got shape {list(gram.shape)}")
-    n = gram.shape[0]
-    diag = gram.diagonal().clone()
-    cross = torch.zeros(n, dtype=torch.float64, device=gram.device)
-    alive = torch.ones(n, dtype=torch.bool, device=gram.device)
-    removed = []
+    gram = torch.as_tensor(gram).to(torch.float64)
+    if gram.dim() < 2 or gram.shape[-1] != gram.shape[-2]:
+        raise ValueError(f"gram must be a square matrix [..., n, n], got shape {list(gram.shape)}")
+    lead, n = gram.shape[:-2], gram.shape[-1]
+    gram = gram.reshape(-1, n, n)
+    b = gram.shape[0]
+    rows = torch.arange(b, device=gram.device)
+    diag = gram.diagonal(dim1=-2, dim2=-1).clone()
+    cross = torch.zeros(b, n, dtype=torch.float64, device=gram.device)
+    alive = torch.ones(b, n, dtype=torch.bool, device=gram.device)
+    removed = torch.empty(b, n, dtype=torch.long, device=gram.device)
     inf = torch.tensor(math.inf, dtype=torch.float64, device=gram.device)
-    for _ in range(n):
-        i = _pick_min(torch.where(alive, diag + 2 * cross, inf))
-        removed.append(i)
-        alive[i] = False
-        cross += gram[:, i]
-    return torch.tensor(removed[::-1], dtype=torch.long)
+    for step in range(n):
+        cost = torch.where(alive, diag + 2 * cross, inf)
+        i = (n - 1) - torch.argmin(cost.flip(-1), dim=-1)  # exact ties: remove the highest index first
+        removed[:, step] = i
+        alive[rows, i] = False
+        cross += gram[rows, :, i]
+    return removed.flip(-1).reshape(*lead, n).cpu()
 
 
 def greedy_lane_orders(gram: torch.Tensor, num_key_heads: int) -> torch.Tensor:
@@ -163,7 +162,8 @@ def greedy_lane_orders(gram: torch.Tensor, num_key_heads: int) -> torch.Tensor:
     for _ in range(r):
         pending = torch.ones(num_key_heads, dtype=torch.bool, device=gram.device)
         for _ in range(num_key_heads):
-            i = _pick_min(torch.where(alive & pending[group], diag + 2 * cross, inf))
+            cost = torch.where(alive & pending[group], diag + 2 * cross, inf)
+            i = int(Hv - 1 - torch.argmin(cost.flip(0)))  # exact ties: remove the highest index first
             g = i // r
             removed[g].append(i - g * r)
             alive[i] = False
@@ -332,7 +332,25 @@ class _LayerScorer:
         if mask is not None:
             x = x[mask.reshape(-1)]
         x = x.to(self._gram_dtype(x.device))
-        self._acc("out_moment", x.T @ x)
+        if self.value_dim_measure == "gram":
+            # full second moment C = sum_t o o^T; every Gram matrix is a block sum of (W^T W) * C
+            self._acc("out_moment", x.T @ x)
+            return
+        s = self.shape
+        Hv, dv = s.num_value_heads, s.value_head_dim
+        heads = x.reshape(-1, Hv, dv)
+        # same-channel cross-head moments [dv, Hv, Hv]: enough for each value channel's own energy
+        per_dim = heads.permute(2, 1, 0)
+        self._acc("channel_moments", torch.bmm(per_dim, per_dim.transpose(1, 2)))
+        # per-head contributions c_h = W_h o_h [Hv, n, H] (in token chunks) -> head Gram [Hv, Hv]
+        W = _materialized_weight(self.out_proj).detach().to(x.device, x.dtype)
+        W_heads = W.reshape(W.shape[0], Hv, dv).permute(1, 2, 0)  # [Hv, dv, H]
+        chunk = max(1, (1 << 24) // max(1, Hv * W.shape[0]))
+        gram = torch.zeros(Hv, Hv, dtype=x.dtype, device=x.device)
+        for start in range(0, heads.shape[0], chunk):
+            c = torch.bmm(heads[start : start + chunk].transpose(0, 1), W_heads).reshape(Hv, -1)
+            gram += c @ c.T
+        self._acc("head_gram", gram)
 
     @staticmethod
     def _gram_dtype(device: torch.device) -> torch.dtype:
@@ -366,12 +384,20 @@ class _LayerScorer:
             }
         else:
             N = self.num_tokens
-            C = self.stats["out_moment"]
-            W = _materialized_weight(self.out_proj).detach().to(C.device, torch.float64)
-            P = ((W.T @ W) * C).reshape(Hv, dv, Hv, dv)
-            head_gram = P.sum((1, 3))
-            dim_gram = P.sum((0, 2))
-            del P
+            if self.value_dim_measure == "gram":
+                C = self.stats["out_moment"]
+                W = _materialized_weight(self.out_proj).detach().to(C.device, torch.float64)
+                P = ((W.T @ W) * C).reshape(Hv, dv, Hv, dv)
+                head_gram = P.sum((1, 3))
+                dim_gram = P.sum((0, 2))
+                dim_energy = dim_gram.diagonal()
+                del P
+            else:
+                head_gram = self.stats["head_gram"]
+                Ce = self.stats["channel_moments"]  # [dv, Hv, Hv]
+                W = _materialized_weight(self.out_proj).detach().to(Ce.device, torch.float64)
+                W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
+                dim_energy = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * Ce).sum((1, 2))
             group_gram = head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
             qk = self.stats["qk_moments"]  # [2, Hk, dk, dk]
             q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
@@ -380,10 +406,10 @@ class _LayerScorer:
                 "key_group_scores": group_gram.diagonal() / N,
                 "value_lane_scores": (head_gram.diagonal() / N).reshape(Hk, r),
                 "key_dim_scores": q_energy * k_energy,
-                "value_dim_scores": dim_gram.diagonal() / N,
+                "value_dim_scores": dim_energy / N,
             }
             if self.key_dim_measure == "qk_gram":
-                key_dims = torch.stack([greedy_removal_order(qk[0, g] * qk[1, g]) for g in range(Hk)])
+                key_dims = greedy_removal_order(qk[0] * qk[1])
             else:
                 measure = {"qk_energy": q_energy * k_energy, "q_energy": q_energy, "k_energy": k_energy}
                 key_dims = _descending(measure[self.key_dim_measure])

@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Scoring overhead: calibration tokens/s with scoring hooks vs the same plain forward passes.
+
+For each model, the same calibration batches are run (under ``torch.no_grad``, ``use_cache=False``,
+``logits_to_keep=1`` exactly as :func:`gdnprune.scoring.score_model` calls the model) as
+
+* ``plain``: the forward passes alone,
+* ``activation``: ``score_model(..., method="activation")`` (hooks + final orders),
+* ``projection``: ``score_model(..., method="projection")`` (hooks + Gram + greedy orders),
+
+interleaved round by round (so slow phases of a shared machine hit every mode alike); each mode's time
+is the median over ``--repeats`` rounds after one warm-up round. Prints tokens/s and the ratio to
+``plain``. Targets: activation <= 1.15x, projection <= 1.5x.
+
+Models: the bundled demo model (``gdnprune.demo_data.demo_model_path()``) and a random Qwen3.5 text model
+with hidden size 1024 (3 GDN layers + 1 full attention layer, 16 key heads, 16 value heads, head dims 128,
+like the smallest Qwen3.5 geometry).
+
+Usage::
+
+    python benchmarks/scoring_overhead.py                    # both models
+    python benchmarks/scoring_overhead.py --models large --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from gdnprune.scoring import score_model  # noqa: E402
+
+
+def bundled_model():
+    """The bundled demo model (fp32, eval)."""
+    from gdnprune.demo_data import load_demo_model
+
+    model, _ = load_demo_model()
+    return model, model.config.vocab_size
+
+
+def large_model(hidden: int = 1024, seed: int = 0):
+    """A random Qwen3.5 text model, hidden ``hidden``, 3 GDN + 1 attention layer, GDN 16/16 heads of 128."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
+    return transformers.Qwen3_5ForCausalLM(config).eval(), config.vocab_size
+
+
+def run_plain(model, batches) -> None:
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+
+
+def measure(model, batches, repeats: int) -> dict[str, float]:
+    """Median seconds per mode over ``repeats`` interleaved rounds (after one warm-up round)."""
+    modes = {
+        "plain": lambda: run_plain(model, batches),
+        "activation": lambda: score_model(model, batches, method="activation", progress=False),
+        "projection": lambda: score_model(model, batches, method="projection", progress=False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for round_ in range(repeats + 1):
+        for name, fn in modes.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=("bundled", "large"), default=["bundled", "large"])
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode (default 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--bundled-batches", default="4x4x256", help="NUMxBATCHxSEQ for the bundled model (default 4x4x256)")
+    p.add_argument("--large-batches", default="2x2x512", help="NUMxBATCHxSEQ for the large model (default 2x2x512)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    print()
+    print("| model | tokens | plain tok/s | activation tok/s | projection tok/s | activation × | projection × |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    ok = True
+    for name in args.models:
+        model, vocab = bundled_model() if name == "bundled" else large_model()
+        n, b, t = (int(x) for x in (args.bundled_batches if name == "bundled" else args.large_batches).split("x"))
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, min(vocab, 256), (b, t), generator=g) for _ in range(n)]
+        if name == "bundled":  # real text for the trained model
+            from gdnprune.demo_data import byte_windows, train_text
+
+            windows = byte_windows(train_text(), t, n * b)
+            batches = [windows[i * b : (i + 1) * b] for i in range(n)]
+        secs = measure(model, batches, args.repeats)
+        tokens = n * b * t
+        ratio_a, ratio_p = secs["activation"] / secs["plain"], secs["projection"] / secs["plain"]
+        ok &= ratio_a <= 1.15 and ratio_p <= 1.5
+        hidden = model.config.hidden_size
+        label = f"{name} (hidden {hidden}, {sum(x.numel() for x in model.parameters()) / 1e6:.1f}M params)"
+        print(
+            f"| {label} | {tokens} | {tokens / secs['plain']:.0f} | {tokens / secs['activation']:.0f} | "
+            f"{tokens / secs['projection']:.0f} | {ratio_a:.3f} | {ratio_p:.3f} |",
+            flush=True,
+        )
+    print()
+    print("targets (activation <= 1.15x, projection <= 1.5x):", "met" if ok else "NOT met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
