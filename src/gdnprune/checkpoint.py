@@ -19,10 +19,14 @@ whose tensors straddle two shards needs nothing special. Each output file is wri
 ``[header][unchanged tensors][GDN tensors]``: the header space is reserved up front (an upper bound,
 padded with spaces as safetensors allows) and filled in last.
 
-The GDN gathers run in a worker thread, which also imports torch: the copying starts at once and hides
-the ~2 s import. To plan the copy before torch is loaded, the main thread recognises GDN layers with a
+Two threads share the work. The main thread copies the unchanged bytes of every shard; meanwhile a
+worker thread imports torch (~1.5 s of CPU), validates the layers, then gathers the GDN tensors one by one
+and writes each with ``pwrite`` at its final offset (known in advance: the GDN part of a shard starts
+after its unchanged part); when the main thread is done copying it takes GDN tensors too. The headers
+are written last. To plan the copy before torch is loaded, the main thread recognises GDN layers with a
 snapshot of the layouts' marker suffixes (``_MARKER_SNAPSHOT``); the worker checks the plan against
 :data:`gdnprune.layouts.LAYOUTS` and the engine starts over with the real markers if they disagree.
+Peak memory is torch plus, per thread, one source tensor (memory-mapped) and its gathered copy.
 
 Output folders are written to a temporary folder next to the output and renamed into place when
 complete; a failure or an interrupt removes it. The manifest ``gdnprune.json`` records what was done.
@@ -46,12 +50,12 @@ Notes and limits:
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import datetime
 import hashlib
 import json
 import os
-import queue
 import shutil
 import sys
 import tempfile
@@ -322,14 +326,19 @@ def _group_gdn_tensors(names: Iterable[str], markers: frozenset[str]) -> tuple[d
             if len(parts) > c and ".".join(parts[-c:]) in markers:
                 prefix = ".".join(parts[:-c])
                 (skipped if prefix.startswith(PASSTHROUGH_PREFIXES) else prefixes).add(prefix)
-    members: dict[str, list[str]] = {p: [] for p in sorted(prefixes)}
-    for name in names:
-        parts = name.split(".")
-        hits = [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in members]
-        if len(hits) > 1:
-            raise CheckpointError(f"tensor {name!r} lies under two GDN layer prefixes {hits}")
-        if hits:
-            members[hits[0]].append(name)
+    ordered = sorted(prefixes)
+    for inner in ordered:
+        parts = inner.split(".")
+        outer = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in prefixes), None)
+        if outer is not None:
+            raise CheckpointError(f"GDN layer prefixes {outer!r} and {inner!r} are nested")
+    by_name = sorted(names)
+    members: dict[str, list[str]] = {}
+    for prefix in ordered:  # names under a prefix are contiguous in sorted order
+        head = prefix + "."
+        i = bisect.bisect_left(by_name, head)
+        j = bisect.bisect_left(by_name, prefix + "/", i)  # "/" sorts right after "."
+        members[prefix] = by_name[i:j]
     return members, sorted(skipped)
 
 
@@ -380,7 +389,7 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
             that mixes layouts, lacks a tensor, has a tensor its layout does not know (e.g. quantisation
             scales), a tensor of the wrong shape for the config's geometry, or an unsupported dtype.
     """
-    from .layouts import LAYOUTS, detect_layout, get_layout, segment_size  # noqa: F401  (torch import)
+    from .layouts import LAYOUTS, detect_layout, get_layout
 
     members, skipped = _group_gdn_tensors(checkpoint.names, _all_markers())
     inside = {n for names in members.values() for n in names}
@@ -666,57 +675,155 @@ class _LayerPlan:
     permutation: Any  # GDNPermutation or None
 
 
-class _Worker(threading.Thread):
-    """Imports torch, checks the plan against the layout tables, then gathers GDN tensors in file order.
+@dataclass
+class _ShardPlan:
+    """One output shard, laid out as ``[header (reserved)][unchanged tensors][GDN tensors]``.
 
-    Produces ``(shard index, name, dtype, shape, bytes)`` items in the order of ``order`` (a list per
-    shard) into a small bounded queue; the main thread writes them.
+    The unchanged part is known from the source header; ``gdn_entries`` (name -> dtype, shape, begin,
+    end, relative to the data section) is filled in by :class:`_GDNWork` once the GDN shapes are known.
     """
 
-    def __init__(self, ckpt: Checkpoint, gdn_names: set[str], order: list[list[str]], permutations, target):
-        super().__init__(name="gdnprune-gather", daemon=True)
-        self.ckpt, self.gdn_names, self.order = ckpt, gdn_names, order
+    index: int
+    src: ShardHeader
+    dst: str
+    unchanged: list[TensorInfo]
+    gdn: list[str]
+    reserve: int
+    gdn_entries: dict = field(default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.reserve
+
+    @property
+    def unchanged_bytes(self) -> int:
+        return sum(t.nbytes for t in self.unchanged)
+
+    def entries(self) -> list[tuple]:
+        """``(name, dtype, shape, begin, end)`` of every output tensor, in file order."""
+        out, position = [], 0
+        for t in self.unchanged:
+            out.append((t.name, t.dtype, t.shape, position, position + t.nbytes))
+            position += t.nbytes
+        return out + [(name, *self.gdn_entries[name]) for name in self.gdn]
+
+
+def _plan_shards(ckpt: Checkpoint, gdn_names: set[str], tmp: Path) -> list[_ShardPlan]:
+    """Output plan of every shard; GDN tensors go last, larger dtypes first (keeps tensors aligned)."""
+    max_value = 2 * ckpt.total_bytes + 1  # bounds every offset and dimension of the output headers
+    plans = []
+    for i, shard in enumerate(ckpt.shards):
+        unchanged = [t for t in shard.tensors.values() if t.name not in gdn_names]
+        gdn = sorted((n for n in shard.tensors if n in gdn_names),
+                     key=lambda n: (-DTYPE_BITS[shard.tensors[n].dtype], shard.tensors[n].start))
+        bound_entries = [(t.name, t.dtype, t.shape) for t in unchanged]
+        bound_entries += [(n, shard.tensors[n].dtype, [None] * len(shard.tensors[n].shape)) for n in gdn]
+        reserve = header_size_bound(bound_entries, shard.metadata, max_value=max_value)
+        plans.append(_ShardPlan(i, shard, str(tmp / os.path.basename(shard.path)), unchanged, gdn, reserve))
+    return plans
+
+
+def _copy_unchanged(plan: _ShardPlan, on_chunk: Callable[[int], None]) -> None:
+    """Copy the unchanged tensors of one shard in the kernel, coalescing runs contiguous in the source."""
+    fd = os.open(plan.dst, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        src = os.open(plan.src.path, os.O_RDONLY)
+        try:
+            os.lseek(fd, plan.data_start, os.SEEK_SET)
+            runs: list[list[int]] = []
+            for t in plan.unchanged:
+                if runs and runs[-1][1] == t.start:
+                    runs[-1][1] = t.end
+                else:
+                    runs.append([t.start, t.end])
+            for begin, end in runs:
+                copy_range(src, fd, begin, end - begin, on_chunk=on_chunk)
+        finally:
+            os.close(src)
+    finally:
+        os.close(fd)
+
+
+def _write_header(plan: _ShardPlan) -> int:
+    """Write the shard's header into its reserved space (last, when every tensor is in place)."""
+    entries = plan.entries()
+    try:
+        header = encode_header(entries, plan.src.metadata, size=plan.reserve)
+    except ValueError as exc:  # the reserve is an upper bound: this would be a bug
+        raise RuntimeError(f"internal error: {exc}") from None
+    fd = os.open(plan.dst, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        write_all(fd, header, 0)
+        os.ftruncate(fd, plan.data_start + (entries[-1][4] if entries else 0))
+    finally:
+        os.close(fd)
+    return len(header)
+
+
+class _GDNWork:
+    """The GDN half of a transform.
+
+    :meth:`prepare` (worker thread; imports torch) checks the copy plan against the layout tables, resolves
+    permutations and target, and places every output GDN tensor in its shard. Then :meth:`run` may be
+    called from several threads: each takes the next job (one on-disk tensor, or all pieces of a fused
+    tensor stored split), gathers it with :func:`~gdnprune.gated_delta_net.gather_gated_delta_net_tensor`
+    and writes it with ``pwrite`` at its final offset. Memory: one source tensor (memory-mapped) and its
+    gathered copy per running job.
+    """
+
+    def __init__(self, ckpt: Checkpoint, shards: list[_ShardPlan], gdn_names: set[str], permutations, target):
+        self.ckpt, self.shards, self.gdn_names = ckpt, shards, gdn_names
         self.permutations, self.target = permutations, target
-        self.items: queue.Queue = queue.Queue(maxsize=2)
-        self.stop = threading.Event()
+        self.lock = threading.Lock()
         self.ready = threading.Event()
+        self.stop = threading.Event()
         self.error: BaseException | None = None
         self.plans: dict[str, _LayerPlan] = {}
         self.skipped: list[str] = []
         self.missing: list[str] = []
         self.target_shape = None
-        self.gdn_out_bytes = 0
+        self.jobs: list[tuple[_LayerPlan, str]] = []
+        self.next_job = 0
+        self.bytes_done = 0
+        self.total_bytes = 0
+        self._shard_of: dict[str, _ShardPlan] = {}
 
-    def run(self) -> None:
-        try:
-            self._prepare()
-            self.ready.set()
-            self._produce()
-        except BaseException as exc:  # handed to the main thread
-            self.error = exc
-
-    def _prepare(self) -> None:
-        layers, self.skipped = find_gdn_layers(self.ckpt)
-        found = {layer.name(s) for layer in layers for s in layer.tensors}
-        if found != self.gdn_names:
-            raise _Restart()
-        perms, self.missing = _resolve_permutations(self.permutations, layers)
-        target = _resolve_target(layers[0].shape, self.target)
+    def prepare(self) -> None:
         from .gated_delta_net import gated_delta_net_prefix_indices
 
+        layers, self.skipped = find_gdn_layers(self.ckpt)
+        if {layer.name(s) for layer in layers for s in layer.tensors} != self.gdn_names:
+            raise _Restart()
+        perms, self.missing = _resolve_permutations(self.permutations, layers)
+        self.target_shape = _resolve_target(layers[0].shape, self.target)
+        owner = {}
         for layer in layers:
+            t = _resolve_target(layer.shape, self.target_shape.as_dict())
             perm = perms.get(layer.prefix)
-            t = _resolve_target(layer.shape, target.as_dict())
             indices = gated_delta_net_prefix_indices(layer.shape, t) if perm is None else perm.indices(layer.shape, target=t)
-            self.plans[layer.prefix] = _LayerPlan(layer, t, indices, perm)
-            self.gdn_out_bytes += sum(_out_nbytes(layer, s, t) for s in layer.tensors)
-        self.target_shape = target
+            plan = self.plans[layer.prefix] = _LayerPlan(layer, t, indices, perm)
+            owner.update({layer.name(s): (plan, s) for s in layer.tensors})
+        jobs_seen = set()
+        for shard in self.shards:
+            position = shard.unchanged_bytes
+            for name in shard.gdn:
+                plan, suffix = owner[name]
+                dtype = shard.src.tensors[name].dtype
+                shape = _out_shape(plan.layer, suffix, plan.target)
+                nbytes = _numel(shape) * DTYPE_BITS[dtype] // 8
+                shard.gdn_entries[name] = (dtype, shape, position, position + nbytes)
+                position += nbytes
+                self.total_bytes += nbytes
+                self._shard_of[name] = shard
+                job = (plan.layer.prefix, _fused_of(plan.layer, suffix) or suffix)
+                if job not in jobs_seen:  # the pieces of a split fused tensor are one job
+                    jobs_seen.add(job)
+                    self.jobs.append((plan, job[1]))
 
-    def _produce(self) -> None:
+    def run(self, after_job: Callable[[], None] | None = None) -> None:
+        """Run jobs until none is left, :attr:`stop` is set or some thread failed."""
         from safetensors import safe_open
 
-        owner = {plan.layer.name(s): (plan, s) for plan in self.plans.values() for s in plan.layer.tensors}
-        pending: dict[str, Any] = {}  # split pieces computed ahead of their turn
         handles: dict[int, Any] = {}
 
         def read(name: str):
@@ -728,70 +835,66 @@ class _Worker(threading.Thread):
             return handles[i].get_tensor(name)
 
         try:
-            for shard_index, names in enumerate(self.order):
-                for name in names:
-                    if self.stop.is_set():
+            while not self.stop.is_set() and self.error is None:
+                with self.lock:
+                    if self.next_job >= len(self.jobs):
                         return
-                    plan, suffix = owner[name]
-                    tensor = pending.pop(name, None)
-                    if tensor is None:
-                        tensor = _gather_on_disk(plan, suffix, read, pending)
-                    buf = tensor.reshape(-1).view(_uint8()).numpy()
-                    item = (shard_index, name, self.ckpt.tensor(name).dtype, tuple(tensor.shape), buf)
-                    del tensor
-                    while not self.stop.is_set():
-                        try:
-                            self.items.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    plan, suffix = self.jobs[self.next_job]
+                    self.next_job += 1
+                written = self._write(plan, _gather_on_disk(plan, suffix, read))
+                with self.lock:
+                    self.bytes_done += written
+                if after_job is not None:
+                    after_job()
         finally:
             for h in handles.values():
                 h.__exit__(None, None, None)
 
-    def next_item(self, block: bool):
-        """The next gathered tensor; None when ``block`` is False and none is ready. Re-raises worker errors."""
-        while True:
+    def _write(self, plan: _LayerPlan, tensors: dict[str, Any]) -> int:
+        import torch
+
+        written = 0
+        for suffix, tensor in tensors.items():
+            name = plan.layer.name(suffix)
+            shard = self._shard_of[name]
+            dtype, shape, begin, end = shard.gdn_entries[name]
+            if tuple(tensor.shape) != tuple(shape):
+                raise RuntimeError(f"internal error: {name} gathered to {tuple(tensor.shape)}, planned {shape}")
+            fd = os.open(shard.dst, os.O_WRONLY | os.O_CREAT, 0o644)
             try:
-                return self.items.get(timeout=0.05 if block else 0) if block else self.items.get_nowait()
-            except queue.Empty:
-                pass
-            if self.error is not None:
-                raise self.error
-            if not block:
-                return None
-            if not self.is_alive() and self.items.empty():
-                raise RuntimeError("internal error: the gather worker stopped before producing every tensor")
+                written += write_all(fd, tensor.reshape(-1).view(torch.uint8).numpy(), shard.data_start + begin)
+            finally:
+                os.close(fd)
+        return written
 
 
-def _uint8():
-    import torch
+def _fused_of(layer: GDNLayer, suffix: str) -> str | None:
+    """The fused tensor that on-disk tensor ``suffix`` is a piece of, or None."""
+    return next((fused for fused, pieces in layer.splits.items() if suffix in pieces), None)
 
-    return torch.uint8
 
-
-def _out_nbytes(layer: GDNLayer, suffix: str, target) -> int:
-    """Size in bytes of on-disk tensor ``suffix`` of ``layer`` after the gather to ``target``."""
+def _out_shape(layer: GDNLayer, suffix: str, target) -> tuple[int, ...]:
+    """Shape of on-disk tensor ``suffix`` of ``layer`` after the gather to geometry ``target``."""
     from .layouts import get_layout, segment_size
 
     layout = get_layout(layer.layout)
-    info = layer.tensors[suffix]
-    rule = layout.rule(suffix)
-    if rule is not None:
+    fused = _fused_of(layer, suffix)
+    if fused is None:
+        rule = layout.rule(suffix)
         length = rule.length(target)
     else:
-        fused = next(f for f, pieces in layer.splits.items() if suffix in pieces)
         rule = layout.rule(fused)
         length = segment_size(rule.segments[layer.splits[fused].index(suffix)], target)
-    numel = length
-    for a, d in enumerate(info.shape):
-        if a != rule.axis:
-            numel *= d
-    return numel * DTYPE_BITS[info.dtype] // 8
+    shape = list(layer.tensors[suffix].shape)
+    shape[rule.axis] = length
+    return tuple(shape)
 
 
-def _gather_on_disk(plan: _LayerPlan, suffix: str, read: Callable[[str], Any], pending: dict):
-    """Gather on-disk tensor ``suffix`` of a layer; for a split fused tensor, gather all pieces at once."""
+def _gather_on_disk(plan: _LayerPlan, suffix: str, read: Callable[[str], Any]) -> dict[str, Any]:
+    """Gather on-disk tensor ``suffix`` (or all pieces of the split fused tensor ``suffix``) of a layer.
+
+    Returns on-disk suffix -> gathered tensor.
+    """
     import torch
 
     from .gated_delta_net import gather_gated_delta_net_tensor
@@ -799,88 +902,13 @@ def _gather_on_disk(plan: _LayerPlan, suffix: str, read: Callable[[str], Any], p
 
     layer = plan.layer
     kw = dict(layout=layer.layout, shape=layer.shape, target=plan.target, indices=plan.indices, prefix=layer.prefix)
-    if suffix not in (p for pieces in layer.splits.values() for p in pieces):
-        return gather_gated_delta_net_tensor(suffix, read(layer.name(suffix)), **kw)
-    fused = next(f for f, pieces in layer.splits.items() if suffix in pieces)
-    rule = get_layout(layer.layout).rule(fused)
-    pieces = layer.splits[fused]
-    whole = torch.cat([read(layer.name(p)) for p in pieces], dim=rule.axis)
-    out = gather_gated_delta_net_tensor(fused, whole, **kw)
+    if suffix not in layer.splits:
+        return {suffix: gather_gated_delta_net_tensor(suffix, read(layer.name(suffix)), **kw)}
+    rule = get_layout(layer.layout).rule(suffix)
+    pieces = layer.splits[suffix]
+    out = gather_gated_delta_net_tensor(suffix, torch.cat([read(layer.name(p)) for p in pieces], dim=rule.axis), **kw)
     sizes = [segment_size(kind, plan.target) for kind in rule.segments]
-    parts = dict(zip(pieces, (p.contiguous() for p in torch.split(out, sizes, dim=rule.axis))))
-    for p in pieces:
-        if p != suffix:
-            pending[layer.name(p)] = parts[p]
-    return parts[suffix]
-
-
-class _ShardWriter:
-    """Writes one output shard: reserved header, unchanged tensors (kernel copy), then GDN tensors."""
-
-    def __init__(self, index: int, src: ShardHeader, dst: str, gdn_names: set[str], gdn_order: list[str],
-                 max_value: int):
-        self.index, self.src, self.dst = index, src, dst
-        self.unchanged = [t for t in src.tensors.values() if t.name not in gdn_names]
-        self.missing = collections.deque(gdn_order)
-        known = [(t.name, t.dtype, t.shape) for t in self.unchanged]
-        unknown = [(n, src.tensors[n].dtype, [None] * len(src.tensors[n].shape)) for n in gdn_order]
-        self.reserve = header_size_bound(known + unknown, src.metadata, max_value=max_value)
-        self.entries: list[tuple] = []
-        self.position = 0  # relative to the data section
-
-    @property
-    def data_start(self) -> int:
-        return 8 + self.reserve
-
-    def copy_unchanged(self, on_chunk: Callable[[int], None]) -> None:
-        fd = os.open(self.dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            src = os.open(self.src.path, os.O_RDONLY)
-            try:
-                on_chunk(0)
-                os.lseek(fd, self.data_start, os.SEEK_SET)
-                run_start = run_end = None
-                for t in self.unchanged:  # coalesce runs that are contiguous in the source
-                    self.entries.append((t.name, t.dtype, t.shape, self.position, self.position + t.nbytes))
-                    self.position += t.nbytes
-                    if run_end == t.start:
-                        run_end = t.end
-                        continue
-                    if run_start is not None:
-                        copy_range(src, fd, run_start, run_end - run_start, on_chunk=on_chunk)
-                    run_start, run_end = t.start, t.end
-                if run_start is not None:
-                    copy_range(src, fd, run_start, run_end - run_start, on_chunk=on_chunk)
-            finally:
-                os.close(src)
-        finally:
-            os.close(fd)
-
-    def add(self, name: str, dtype: str, shape: tuple, data) -> int:
-        if not self.missing or self.missing[0] != name:
-            raise RuntimeError(f"internal error: got {name!r} for shard {self.dst}, expected {list(self.missing)[:1]}")
-        self.missing.popleft()
-        fd = os.open(self.dst, os.O_WRONLY)
-        try:
-            n = write_all(fd, data, self.data_start + self.position)
-        finally:
-            os.close(fd)
-        self.entries.append((name, dtype, shape, self.position, self.position + n))
-        self.position += n
-        return n
-
-    def finish(self) -> int:
-        try:
-            header = encode_header(self.entries, self.src.metadata, size=self.reserve)
-        except ValueError as exc:  # the bound is an upper bound: this is a bug
-            raise RuntimeError(f"internal error: {exc}") from None
-        fd = os.open(self.dst, os.O_WRONLY)
-        try:
-            write_all(fd, header, 0)
-            os.ftruncate(fd, self.data_start + self.position)
-        finally:
-            os.close(fd)
-        return len(header)
+    return {p: t.contiguous() for p, t in zip(pieces, torch.split(out, sizes, dim=rule.axis))}
 
 
 def _check_paths(src: Path, out: Path, overwrite: bool) -> None:
@@ -1002,102 +1030,94 @@ def _transform(src: Path, out: Path, permutations, target, operation, overwrite,
         raise OutputError(f"not enough free disk space for {out}: the output needs more than "
                           f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
 
-    itemsize = {n: DTYPE_BITS[ckpt.tensor(n).dtype] for n in gdn_names}
-    order = [sorted((n for n in shard.tensors if n in gdn_names), key=lambda n: (-itemsize[n], ckpt.tensor(n).start))
-             for shard in ckpt.shards]
-    worker = _Worker(ckpt, gdn_names, order, permutations, target)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-", dir=out.parent))
+    shards = _plan_shards(ckpt, gdn_names, tmp)
+    work = _GDNWork(ckpt, shards, gdn_names, permutations, target)
+
+    def worker_main() -> None:
+        try:
+            work.prepare()
+            work.ready.set()
+            work.run()
+        except BaseException as exc:  # handed to the main thread
+            work.error = work.error or exc
+
+    worker = threading.Thread(target=worker_main, name="gdnprune-gdn", daemon=True)
     from tqdm import tqdm
 
     bar = tqdm(total=ckpt.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"gdnprune {operation}",
                disable=not progress, file=sys.stderr, leave=False)
-    state = {"warned": False, "draining": False}
-    max_value = 2 * ckpt.total_bytes + 1
-    writers = [_ShardWriter(i, s, str(tmp / os.path.basename(s.path)), gdn_names, order[i], max_value)
-               for i, s in enumerate(ckpt.shards)]
-
-    pending: collections.deque = collections.deque()  # shards whose unchanged part is written
+    state = {"warned": False, "gdn_bytes": 0}
 
     def on_chunk(n: int) -> None:
-        """After every written chunk: worker errors, warnings, progress, and GDN tensors that are ready."""
-        if worker.error is not None:
-            raise worker.error
-        if not state["warned"] and worker.ready.is_set():
+        """After every written chunk: worker errors, warnings, progress."""
+        if work.error is not None:
+            raise work.error
+        if not state["warned"] and work.ready.is_set():
             state["warned"] = True
-            for prefix in worker.missing:
+            for prefix in work.missing:
                 _warn(MissingScoresWarning, f"GDN layer {prefix} has no entry in the scores: it keeps its order")
-            if worker.skipped:
-                _warn(PassthroughWarning, f"{worker.skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: "
+            if work.skipped:
+                _warn(PassthroughWarning, f"{work.skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: "
                                           f"left untouched")
-            bar.total = sum(w.reserve + 8 + sum(t.nbytes for t in w.unchanged) for w in writers) + worker.gdn_out_bytes
+            bar.total = sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes
             bar.refresh()
-        bar.update(n)
-        if not state["draining"]:
-            drain(block=False)
+        done = work.bytes_done
+        bar.update(n + done - state["gdn_bytes"])
+        state["gdn_bytes"] = done
 
-    def drain(block: bool) -> None:
-        """Write gathered GDN tensors into the pending shards, in order; finish complete shards."""
-        state["draining"] = True
-        try:
-            while pending:
-                w = pending[0]
-                while w.missing:
-                    item = worker.next_item(block)
-                    if item is None:
-                        return
-                    shard_index, name, dtype, shape, data = item
-                    if shard_index != w.index:
-                        raise RuntimeError(f"internal error: tensor {name!r} of shard {shard_index} out of order")
-                    on_chunk(w.add(name, dtype, shape, data))
-                on_chunk(w.finish())
-                pending.popleft()
-        finally:
-            state["draining"] = False
+    def wait_for(event_done: Callable[[], bool]) -> None:
+        while not event_done():
+            worker.join(timeout=0.05)
+            on_chunk(0)
 
     try:
         worker.start()
-        for w in writers:
-            w.copy_unchanged(on_chunk)
-            pending.append(w)
-        drain(block=True)
-        worker.join()
-        if worker.error is not None:
-            raise worker.error
-        on_chunk(0)  # warnings, if the worker finished before any check
-        manifest = _finish_folder(ckpt, tmp, worker, writers, operation, permutations, target, manifest_extra)
+        for shard in shards:  # meanwhile the worker imports torch, then gathers
+            _copy_unchanged(shard, on_chunk)
+        wait_for(lambda: work.ready.is_set() or not worker.is_alive())
+        on_chunk(0)
+        work.run(after_job=lambda: on_chunk(0))  # help with the GDN tensors that are left
+        wait_for(lambda: not worker.is_alive())
+        on_chunk(0)
+        for shard in shards:
+            on_chunk(_write_header(shard))
+        manifest = _finish_folder(ckpt, tmp, work, operation, permutations, target, manifest_extra)
         _move_into_place(tmp, out, overwrite)
     except BaseException:
-        worker.stop.set()
-        shutil.rmtree(tmp, ignore_errors=True)
+        work.stop.set()
+        try:
+            worker.join(timeout=30)  # it checks `stop` between tensors; then nothing writes into tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         bar.close()
-        worker.stop.set()
+        work.stop.set()
     manifest["elapsed_seconds"] = round(time.time() - start_time, 3)
     return manifest
 
 
-def _finish_folder(ckpt: Checkpoint, tmp: Path, worker: _Worker, writers, operation, permutations, target,
+def _finish_folder(ckpt: Checkpoint, tmp: Path, work: _GDNWork, operation, permutations, target,
                    manifest_extra) -> dict:
     """Index, config, other files and manifest of the output folder."""
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     if ckpt.index is not None:
         index = json.loads(json.dumps(ckpt.index))
-        sizes = {w.dst: w.entries for w in writers}
-        total = sum(e[4] - e[3] for entries in sizes.values() for e in entries)
+        entries = [e for shard in work.shards for e in shard.entries()]
         metadata = index.setdefault("metadata", {})
         if not isinstance(metadata, dict):
             metadata = index["metadata"] = {}
-        metadata["total_size"] = total
+        metadata["total_size"] = sum(e[4] - e[3] for e in entries)
         if "total_parameters" in metadata:
-            metadata["total_parameters"] = sum(_numel(e[2]) for entries in sizes.values() for e in entries)
+            metadata["total_parameters"] = sum(_numel(e[2]) for e in entries)
         with open(tmp / INDEX_NAME, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
             f.write("\n")
     if target is not None:
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
-            json.dump(_rewrite_config(ckpt.config, worker.target_shape), f, indent=2)
+            json.dump(_rewrite_config(ckpt.config, work.target_shape), f, indent=2)
             f.write("\n")
     else:
         shutil.copy2(ckpt.path / CONFIG_NAME, tmp / CONFIG_NAME)
@@ -1105,8 +1125,8 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, worker: _Worker, writers, operat
     if left_out:
         _warn(UserWarning, f"other weight files {left_out} of {ckpt.path} were not copied (they are not part of "
                            f"the safetensors checkpoint that was transformed)")
-    permuted = [p for p, plan in worker.plans.items() if plan.permutation is not None]
-    sorted_out = all(p in permuted or ckpt.is_sorted for p in worker.plans)
+    permuted = [p for p, plan in work.plans.items() if plan.permutation is not None]
+    sorted_out = all(p in permuted or ckpt.is_sorted for p in work.plans)
     manifest = {
         "tool": "gdnprune",
         "version": __version__,
@@ -1121,8 +1141,8 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, worker: _Worker, writers, operat
             "operation": ckpt.manifest.get("operation") if ckpt.manifest else None,
         },
         "sorted": sorted_out,
-        "source_shape": next(iter(worker.plans.values())).layer.shape.as_dict(),
-        "target": worker.target_shape.as_dict() if target is not None else None,
+        "source_shape": next(iter(work.plans.values())).layer.shape.as_dict(),
+        "target": work.target_shape.as_dict() if target is not None else None,
         "layers": {
             prefix: {
                 "layout": plan.layer.layout,
@@ -1130,10 +1150,10 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, worker: _Worker, writers, operat
                 "target": plan.target.as_dict(),
                 "permutation": None if plan.permutation is None else plan.permutation.to_score_payload(),
             }
-            for prefix, plan in worker.plans.items()
+            for prefix, plan in work.plans.items()
         },
-        "unsorted_layers": worker.missing if permutations is not None else None,
-        "passthrough": worker.skipped,
+        "unsorted_layers": work.missing if permutations is not None else None,
+        "passthrough": work.skipped,
         **dict(manifest_extra or {}),
     }
     with open(tmp / MANIFEST_NAME, "w", encoding="utf-8") as f:
@@ -1150,15 +1170,21 @@ def _numel(shape) -> int:
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
-    if os.path.lexists(out):
-        if not overwrite:
-            raise OutputError(f"output folder {out} appeared while writing (pass --overwrite to replace it)")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-old-", dir=out.parent))
-        os.rename(out, old / "previous")
+    """Rename the finished temporary folder to ``out`` (replacing an existing ``out`` when ``overwrite``)."""
+    if not os.path.lexists(out):
         os.rename(tmp, out)
+        return
+    if not overwrite:
+        raise OutputError(f"output folder {out} appeared while writing (pass --overwrite to replace it)")
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-old-", dir=out.parent))
+    os.rename(out, old / "previous")
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old / "previous", out)  # put the previous output back
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Mapping, output_dir: str | os.PathLike,
