@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements-dev.txt pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/api_example.py
+	$(PY) -m gdnprune demo --output demo_output
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

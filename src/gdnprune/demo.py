@@ -1,0 +1,283 @@
+"""``gdnprune demo`` and ``gdnprune prune``: the whole pipeline, score -> sort -> slice.
+
+``demo`` runs on the bundled byte-level Qwen3.5 model (no download, no training): it scores the GDN
+layers on the training text, sorts the model (checking that the sorted model computes the same
+function), slices it to a chain of nested targets that shrink every axis, and measures the validation
+loss of each slice for the importance order, the identity order and a few random orders. It prints a
+table, writes ``results.json``, a plot ``loss_vs_params.png``, the scores, and the sorted and one
+sliced checkpoint (through the streaming checkpoint API) into ``--output``.
+
+``prune`` is the one-command version for users' own checkpoints: score on calibration text, then sort
+and slice in one streaming pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
+
+# Nested targets, as (key groups, lanes per group, key dim, value dim) fractions of the full geometry.
+DEMO_FRACTIONS = [
+    (1.0, 1.0, 1.0, 1.0),
+    (1.0, 1.0, 0.75, 0.75),
+    (0.75, 1.0, 0.75, 0.75),
+    (0.75, 1.0, 0.5, 0.75),
+    (0.5, 1.0, 0.5, 0.5),
+    (0.5, 0.5, 0.5, 0.5),
+    (0.5, 0.5, 0.25, 0.25),
+    (0.25, 0.5, 0.25, 0.25),
+]
+
+
+def nested_targets(shape: GDNShape, fractions=DEMO_FRACTIONS) -> list[GDNShape]:
+    """A chain of targets, each nested in the previous one (sizes rounded up, at least 1, never growing)."""
+    out: list[GDNShape] = []
+    for fk, fr, fdk, fdv in fractions:
+        prev = out[-1] if out else shape
+        hk = min(prev.num_key_heads, max(1, math.ceil(shape.num_key_heads * fk)))
+        r = min(prev.value_heads_per_group, max(1, math.ceil(shape.value_heads_per_group * fr)))
+        dk = min(prev.key_head_dim, max(1, math.ceil(shape.key_head_dim * fdk)))
+        dv = min(prev.value_head_dim, max(1, math.ceil(shape.value_head_dim * fdv)))
+        target = GDNShape(hk, hk * r, dk, dv)
+        if target not in out:
+            out.append(target)
+    return out
+
+
+def gdn_parameter_count(model: torch.nn.Module) -> int:
+    """Parameters held by the GDN layers of ``model``."""
+    from .layouts import find_gdn_modules
+
+    return sum(p.numel() for _, m in find_gdn_modules(model) for p in m.parameters())
+
+
+def _config_for(config, target: GDNShape):
+    import copy
+
+    config = copy.deepcopy(config)
+    holder = getattr(config, "text_config", None) or config
+    for key, value in target.config_updates().items():
+        setattr(holder, key, value)
+    return config
+
+
+def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: GDNShape, target: GDNShape):
+    """A new model holding the nested prefix ``target`` of ``model`` (after ``permutations``, if given)."""
+    from .layouts import find_gdn_modules
+
+    state = dict(model.state_dict())
+    for prefix, _ in find_gdn_modules(model):
+        perm = None if permutations is None else permutations[prefix]
+        slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=perm)
+    small = type(model)(_config_for(model.config, target)).eval()
+    small.load_state_dict(state, strict=True)
+    return small
+
+
+def _random_permutations(model, shape: GDNShape, seed: int) -> dict[str, GDNPermutation]:
+    from .layouts import find_gdn_modules
+
+    g = torch.Generator().manual_seed(seed)
+    return {prefix: GDNPermutation.random(shape, generator=g) for prefix, _ in find_gdn_modules(model)}
+
+
+def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> bool:
+    """Validation loss against kept GDN parameters, one curve per ordering; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    styles = {"importance": "o-", "activation": "s--", "identity": "^:", "random": "x-."}
+    for name in orderings:
+        xs = [row["gdn_params"] for row in rows]
+        ys = [row["loss"][name] for row in rows]
+        ax.plot(xs, ys, styles.get(name, "o-"), label=name)
+        if name == "random" and rows[0].get("random_std") is not None:
+            std = [row["random_std"] for row in rows]
+            ax.fill_between(xs, [y - s for y, s in zip(ys, std)], [y + s for y, s in zip(ys, std)], alpha=0.2)
+    ax.set_xlabel("kept GDN parameters")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(title)
+    ax.invert_xaxis()
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def run_demo(
+    output: str | Path | None = "demo_output",
+    *,
+    calibration_windows: int = 64,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    num_random: int = 4,
+    validation_windows: int = 32,
+    method: str = "projection",
+    seed: int = 0,
+    write_checkpoints: bool = True,
+    progress: bool = True,
+    log=print,
+) -> dict[str, Any]:
+    """Score, sort and slice the bundled demo model; return (and write to ``output``) the results.
+
+    Returns a dict with the sort check (``sort_max_abs_logit_diff``), the targets and, per target, the
+    kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
+    ``identity``, ``random`` = mean over ``num_random`` seeded random orders).
+    """
+    from .demo_data import byte_windows, demo_model_path, load_demo_model, train_text, validation_loss, validation_text
+    from .layouts import find_gdn_modules
+    from .scoring import score_model
+
+    start = time.perf_counter()
+    out_dir = None if output is None else Path(output)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    model, _ = load_demo_model()
+    layers = find_gdn_modules(model)
+    shape = GDNShape.from_module(layers[0][1])
+    val = lambda m: validation_loss(m, num_windows=validation_windows, seq_len=seq_len)  # noqa: E731
+    log(f"bundled model: {demo_model_path()}  ({len(layers)} GDN layers, {shape})")
+
+    # 1. score
+    calibration = byte_windows(train_text(), seq_len, calibration_windows)
+    scores = score_model(model, list(calibration.split(batch_size)), method=method, progress=progress, seed=seed)
+    permutations = {p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in layers}
+    log(f"scored {calibration.numel()} calibration tokens with method={method!r}")
+
+    # 2. sort, and check the sorted model computes the same function
+    sorted_model = _sliced_model(model, permutations, shape, shape)
+    probe = byte_windows(validation_text(), seq_len, 8)
+    with torch.no_grad():
+        diff = (sorted_model(input_ids=probe).logits - model(input_ids=probe).logits).abs().max().item()
+    log(f"sorted model vs original: max |logit difference| = {diff:.2e}")
+    if diff > 1e-4:
+        raise RuntimeError(f"sorted model is not equivalent to the original (max |diff| {diff:.2e} > 1e-4)")
+
+    # 3. slice to nested targets for each ordering
+    targets = nested_targets(shape)
+    orderings = {"importance": permutations, "identity": None}
+    random_perms = [_random_permutations(model, shape, seed + 1 + i) for i in range(num_random)]
+    rows = []
+    for target in targets:
+        row: dict[str, Any] = {"target": target.as_dict(), "loss": {}}
+        for name, perms in orderings.items():
+            small = _sliced_model(model, perms, shape, target)
+            row["loss"][name] = val(small)
+            row["gdn_params"] = gdn_parameter_count(small)
+        rand = [val(_sliced_model(model, p, shape, target)) for p in random_perms]
+        row["loss"]["random"] = sum(rand) / len(rand) if rand else float("nan")
+        row["random_std"] = float(torch.tensor(rand).std()) if len(rand) > 1 else None
+        rows.append(row)
+    full_params = rows[0]["gdn_params"]
+
+    header = f"{'Hk':>3} {'Hv':>3} {'dk':>3} {'dv':>3} {'GDN params':>11} {'kept':>6} | " + " ".join(
+        f"{n:>10}" for n in [*orderings, "random"]
+    )
+    log("validation loss (nats/byte) of nested slices:")
+    log(header)
+    log("-" * len(header))
+    for row in rows:
+        t = row["target"]
+        cells = " ".join(f"{row['loss'][n]:>10.4f}" for n in [*orderings, "random"])
+        log(
+            f"{t['num_key_heads']:>3} {t['num_value_heads']:>3} {t['key_head_dim']:>3} {t['value_head_dim']:>3} "
+            f"{row['gdn_params']:>11,} {row['gdn_params'] / full_params:>6.1%} | {cells}"
+        )
+
+    results = {
+        "model": str(demo_model_path()),
+        "shape": shape.as_dict(),
+        "method": method,
+        "calibration_tokens": int(calibration.numel()),
+        "validation_windows": validation_windows,
+        "seq_len": seq_len,
+        "num_random": num_random,
+        "sort_max_abs_logit_diff": diff,
+        "rows": rows,
+    }
+    if out_dir is not None:
+        (out_dir / "scores.json").write_text(json.dumps(scores, indent=1))
+        plot = out_dir / "loss_vs_params.png"
+        if _plot(rows, [*orderings, "random"], plot, "bundled Qwen3.5 demo model: nested GDN slices"):
+            results["plot"] = str(plot)
+            log(f"plot: {plot}")
+        if write_checkpoints:
+            results["checkpoints"] = _write_checkpoints(demo_model_path(), scores, targets, out_dir, log)
+    results["seconds"] = time.perf_counter() - start
+    if out_dir is not None:
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+        log(f"results: {out_dir / 'results.json'}")
+    log(f"done in {results['seconds']:.1f} s")
+    return results
+
+
+def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], out_dir: Path, log) -> dict:
+    """Sort the bundled checkpoint and slice the sorted one to the middle target, with the streaming API."""
+    from .checkpoint import slice_checkpoint, sort_checkpoint
+
+    sorted_dir, sliced_dir = out_dir / "sorted", out_dir / "sliced"
+    sort_checkpoint(model_dir, scores, sorted_dir, overwrite=True, progress=False)
+    middle = targets[len(targets) // 2]
+    slice_checkpoint(sorted_dir, sliced_dir, middle, overwrite=True, progress=False)
+    log(f"checkpoints: {sorted_dir} (sorted), {sliced_dir} (sliced to {middle})")
+    return {"sorted": str(sorted_dir), "sliced": str(sliced_dir), "sliced_target": middle.as_dict()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_commands(subparsers) -> None:
+    """Register the ``demo`` and ``prune`` subcommands."""
+    p = subparsers.add_parser(
+        "demo",
+        help="score -> sort -> slice the bundled demo model and compare orderings",
+        description="Run the whole pipeline on the bundled byte-level Qwen3.5 model: score, sort (checked to be "
+        "function preserving), slice to nested targets, and report validation loss for the importance order, "
+        "the identity order and random orders. Writes a table, results.json, a PNG plot and checkpoints.",
+    )
+    p.add_argument("--output", default="demo_output", help="output folder (default: %(default)s)")
+    p.add_argument("--method", default="projection", choices=["projection", "activation", "random"],
+                   help="scoring method (default: %(default)s)")
+    p.add_argument("--calibration-windows", type=int, default=64, help="calibration windows (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=256, help="window length in bytes (default: %(default)s)")
+    p.add_argument("--num-random", type=int, default=4, help="random orders to average (default: %(default)s)")
+    p.add_argument("--validation-windows", type=int, default=32, help="validation windows (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default: %(default)s)")
+    p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    for name in ("calibration_windows", "seq_len", "num_random", "validation_windows"):
+        if getattr(args, name) < (0 if name == "num_random" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    run_demo(
+        args.output,
+        calibration_windows=args.calibration_windows,
+        seq_len=args.seq_len,
+        num_random=args.num_random,
+        validation_windows=args.validation_windows,
+        method=args.method,
+        seed=args.seed,
+        write_checkpoints=not args.no_checkpoints,
+        progress=not args.quiet and sys.stderr.isatty(),
+    )
+    return 0
