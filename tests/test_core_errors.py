@@ -281,3 +281,15 @@ def test_indices_follow_the_tensor_device_and_dtype():
     idx = slice_gated_delta_net_state_dict(meta, prefix=PREFIX, shape=SHAPE, target=GDNShape(1, 1, 1, 1))
     assert all(v.device.type == "meta" for v in meta.values())
     assert meta[f"{PREFIX}.in_proj_qkv.weight"].shape == (3, 5)
+
+
+def test_apply_to_config_sets_geometry_where_from_config_reads_it():
+    target = GDNShape(1, 3, 2, 2)
+    text = transformers.Qwen3_5TextConfig(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3,
+                                          linear_value_head_dim=5)
+    vl = transformers.Qwen3_5Config(text_config=text.to_dict())
+    for config in (text, vl, text.to_dict(), {"text_config": text.to_dict()}):
+        new = target.apply_to_config(config)
+        assert GDNShape.from_config(new) == target
+        assert GDNShape.from_config(config) == SHAPE  # the input is untouched
+    assert "linear_num_key_heads" not in target.apply_to_config({"text_config": text.to_dict()})

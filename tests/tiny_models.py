@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import transformers
 
@@ -100,11 +98,7 @@ def gdn_layers(model) -> list[tuple[str, GDNShape]]:
 
 def config_for(config, target: GDNShape):
     """A copy of ``config`` with the GDN geometry set to ``target`` (text_config for VL models)."""
-    config = copy.deepcopy(config)
-    holder = config.text_config if hasattr(config, "text_config") and config.text_config is not None else config
-    for key, value in target.config_updates().items():
-        setattr(holder, key, value)
-    return config
+    return target.apply_to_config(config)
 
 
 def clone_state_dict(model) -> dict[str, torch.Tensor]:

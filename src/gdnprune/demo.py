@@ -60,16 +60,6 @@ def gdn_parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for _, m in find_gdn_modules(model) for p in m.parameters())
 
 
-def _config_for(config, target: GDNShape):
-    import copy
-
-    config = copy.deepcopy(config)
-    holder = getattr(config, "text_config", None) or config
-    for key, value in target.config_updates().items():
-        setattr(holder, key, value)
-    return config
-
-
 def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: GDNShape, target: GDNShape):
     """A new model holding the nested prefix ``target`` of ``model`` (after ``permutations``, if given)."""
     from .layouts import find_gdn_modules
@@ -78,7 +68,7 @@ def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: 
     for prefix, _ in find_gdn_modules(model):
         perm = None if permutations is None else permutations[prefix]
         slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=perm)
-    small = type(model)(_config_for(model.config, target)).eval()
+    small = type(model)(target.apply_to_config(model.config)).eval()
     small.load_state_dict(state, strict=True)
     return small
 

@@ -26,6 +26,7 @@ and cutting ``dv`` changes what the gated RMSNorm averages over.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, MutableMapping
 
@@ -127,6 +128,23 @@ class GDNShape:
     def config_updates(self) -> dict[str, int]:
         """The transformers config keys (``linear_*``) that describe this geometry."""
         return {_CONFIG_KEYS[name]: value for name, value in self.as_dict().items()}
+
+    def apply_to_config(self, config: Any) -> Any:
+        """A deep copy of ``config`` (object or dict) whose GDN geometry is this shape.
+
+        The ``linear_*`` keys are set where :meth:`from_config` reads them: on the config itself, or on
+        its ``text_config`` (vision-language models).
+        """
+        config = copy.deepcopy(config)
+        holder = config
+        if _get(config, "linear_num_key_heads") is None and _get(config, "text_config") is not None:
+            holder = _get(config, "text_config")
+        for key, value in self.config_updates().items():
+            if isinstance(holder, MutableMapping):
+                holder[key] = value
+            else:
+                setattr(holder, key, value)
+        return config
 
     @classmethod
     def from_config(cls, config: Any) -> "GDNShape":
