@@ -160,8 +160,8 @@ def build(folder: str, layers: int, shard_scale: float, seed: int = 0) -> dict:
             "gdn_bytes_per_shard": gdn_bytes}
 
 
-def run_child(cmd: list[str]) -> tuple[float, int, float]:
-    """Run ``cmd``; returns (wall seconds, peak RSS bytes, seconds of the `sync` that follows)."""
+def run_child(cmd: list[str]) -> tuple[float, int, float, float]:
+    """Run ``cmd``; returns (wall s, peak RSS bytes, seconds of the `sync` that follows, CPU s (user + sys))."""
     subprocess.run(["sync"], check=True)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -174,7 +174,7 @@ def run_child(cmd: list[str]) -> tuple[float, int, float]:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{err}")
     start = time.perf_counter()
     subprocess.run(["sync"], check=True)
-    return wall, usage.ru_maxrss * 1024, time.perf_counter() - start
+    return wall, usage.ru_maxrss * 1024, time.perf_counter() - start, usage.ru_utime + usage.ru_stime
 
 
 def pick_workdir(need: int, requested: str | None) -> str:
@@ -230,23 +230,24 @@ def main(argv: list[str] | None = None) -> int:
             for name, cmd in commands.items():
                 shutil.rmtree(out, ignore_errors=True)
                 results[name].append(run_child(cmd))
-                print(f"round {r + 1} {name:20s} {results[name][-1][0]:7.2f} s  "
-                      f"{results[name][-1][1] / 2**20:7.0f} MiB  (+sync {results[name][-1][2]:.2f} s)", flush=True)
+                wall, rss, sync, cpu = results[name][-1]
+                print(f"round {r + 1} {name:20s} {wall:7.2f} s  {rss / 2**20:7.0f} MiB  (+sync {sync:.2f} s, "
+                      f"cpu {cpu:.2f} s)", flush=True)
             shutil.rmtree(out, ignore_errors=True)
 
-        med = {k: (statistics.median(w for w, _, _ in v), max(m for _, m, _ in v),
-                   statistics.median(w + s for w, _, s in v)) for k, v in results.items()}
-        cp_wall, _, cp_sync = med["cp -r"]
+        med = {k: (statistics.median(r[0] for r in v), max(r[1] for r in v), statistics.median(r[0] + r[2] for r in v),
+                   statistics.median(r[3] for r in v)) for k, v in results.items()}
+        cp_wall, _, cp_sync, cp_cpu = med["cp -r"]
         rss_target = facts["largest_tensor"] + 2**30
         print()
         print(f"checkpoint: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shards "
               f"{facts['shard_bytes'] / 1e6:.0f} MB, largest tensor {facts['largest_tensor'] / 1e6:.0f} MB; "
               f"median of {args.rounds} rounds")
-        print(f"{'command':20s} {'wall s':>7s} {'x cp':>6s} {'+sync s':>8s} {'x cp':>6s} {'peak RSS MiB':>13s} "
-              f"{'/ target':>9s} {'/ shard':>8s}")
-        for name, (wall, rss, with_sync) in med.items():
+        print(f"{'command':20s} {'wall s':>7s} {'x cp':>6s} {'+sync s':>8s} {'x cp':>6s} {'cpu s':>6s} "
+              f"{'peak RSS MiB':>13s} {'/ target':>9s} {'/ shard':>8s}")
+        for name, (wall, rss, with_sync, cpu) in med.items():
             print(f"{name:20s} {wall:7.2f} {wall / cp_wall:6.2f} {with_sync:8.2f} {with_sync / cp_sync:6.2f} "
-                  f"{rss / 2**20:13.0f} {rss / rss_target:9.2f} {rss / facts['shard_bytes']:8.2f}")
+                  f"{cpu:6.2f} {rss / 2**20:13.0f} {rss / rss_target:9.2f} {rss / facts['shard_bytes']:8.2f}")
         print(f"targets: wall <= 1.3 x cp -r; peak RSS <= largest tensor + 1 GiB = {rss_target / 2**20:.0f} MiB")
     finally:
         if args.keep:

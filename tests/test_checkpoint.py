@@ -257,6 +257,7 @@ def test_sort_preserves_logits_and_copies_everything_else(model_type, sources, t
         assert manifest["layers"][p]["permutation"] == perms[p].to_score_payload()
     assert manifest["scores"]["metadata"] == {"method": "random"}
     assert manifest["version"]
+    assert ck.inspect_checkpoint(out)["manifest"] == {"operation": "sort", "sorted": True}
 
 
 def test_sorted_vl_checkpoint_loads_as_conditional_generation_and_causal_lm(sources, tmp_path):
@@ -422,7 +423,7 @@ def test_missing_scores_entry_warns_and_keeps_order(sources, tmp_path):
     prefixes = [layer.prefix for layer in gdn_layers(src)]
     scores, perms = random_scores(prefixes[:1])
     with pytest.warns(ck.MissingScoresWarning, match=prefixes[1]):
-        manifest = ck.sort_checkpoint(src, scores, tmp_path / "out", progress=False)
+        manifest = ck.sort_checkpoint(src, scores, tmp_path / "out", progress=True)
     src_raw, out_raw = raw_tensors(src), raw_tensors(tmp_path / "out")
     assert all(out_raw[n] == src_raw[n] for n in src_raw if n.startswith(prefixes[1] + "."))
     assert any(out_raw[n] != src_raw[n] for n in src_raw if n.startswith(prefixes[0] + "."))
