@@ -947,17 +947,6 @@ def _copy_other_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
     return left_out
 
 
-def _rewrite_config(config: dict, target) -> dict:
-    """A copy of ``config`` with the ``linear_*`` geometry set to ``target`` (in text_config for VL)."""
-    config = json.loads(json.dumps(config))
-    holder = config
-    text = config.get("text_config")
-    if "linear_num_key_heads" not in config and isinstance(text, dict) and "linear_num_key_heads" in text:
-        holder = text
-    holder.update(target.config_updates())
-    return config
-
-
 def _warn(category: type[Warning], message: str) -> None:
     warnings.warn(message, category, stacklevel=3)
 
@@ -1117,7 +1106,7 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: _GDNWork, operation, permu
             f.write("\n")
     if target is not None:
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
-            json.dump(_rewrite_config(ckpt.config, work.target_shape), f, indent=2)
+            json.dump(work.target_shape.apply_to_config(ckpt.config), f, indent=2)
             f.write("\n")
     else:
         shutil.copy2(ckpt.path / CONFIG_NAME, tmp / CONFIG_NAME)
