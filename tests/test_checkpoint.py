@@ -30,7 +30,6 @@ from gdnprune.gated_delta_net import (
     permute_gated_delta_net_state_dict,
     slice_gated_delta_net_state_dict,
 )
-from gdnprune.safetensors_io import read_header
 from tiny_models import MODEL_CLASS, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")

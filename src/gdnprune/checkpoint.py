@@ -981,7 +981,8 @@ def transform_checkpoint(
     Permuting and slicing are one gather per GDN tensor (``permutation.indices(shape, target=...)``);
     every other tensor is copied byte for byte; dtypes, shard names and the tensor-to-shard assignment are
     kept. ``config.json`` gets the target geometry; every other file of the folder is copied (except
-    other weight files). Returns the manifest, also written to ``output_dir/gdnprune.json``.
+    other weight files). Returns the manifest, also written to ``output_dir/gdnprune.json`` (the returned
+    dict also has ``elapsed_seconds``).
 
     Raises:
         CheckpointError, ScoresError, TargetError, OutputError (all ``ValueError``): input errors; no
@@ -1008,7 +1009,7 @@ def _transform(src: Path, out: Path, permutations, target, operation, overwrite,
     if not gdn_names:
         find_gdn_layers(ckpt)  # raises the precise error (no GDN layer / unknown layout)
         raise _Restart()  # the snapshot missed a layout that the tables know
-    if target is not None and permutations is None and not ckpt.is_sorted:
+    if target is not None and permutations is None and not ckpt.is_sorted and not authoritative:
         _warn(UnsortedInputWarning,
               f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
               f"channels in their original order, not the most important ones (run `gdnprune sort` first)")
