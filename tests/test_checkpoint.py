@@ -683,31 +683,6 @@ def test_interrupt_in_the_gather_worker_leaves_nothing(sources, tmp_path, monkey
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-def test_speculative_plan_mismatch_starts_over(sources, tmp_path, monkeypatch):
-    """The copy is planned with a marker snapshot before torch loads; a wrong plan is redone, not used."""
-    calls = []
-    real = ck._speculative_markers
-
-    def wrong():
-        calls.append(1)
-        return frozenset({"input_layernorm.weight"}) if len(calls) == 1 else frozenset()
-
-    monkeypatch.setattr(ck, "_speculative_markers", wrong)
-    src = sources["qwen3_5"]
-    ck.slice_checkpoint(src, tmp_path / "a", TARGET, progress=False)
-    assert calls == [1]  # wrong plan detected by the worker; the second attempt used the real markers
-    monkeypatch.setattr(ck, "_speculative_markers", real)
-    ck.slice_checkpoint(src, tmp_path / "b", TARGET, progress=False)
-    assert load_all(tmp_path / "a").keys() == load_all(tmp_path / "b").keys()
-    for k, v in load_all(tmp_path / "a").items():
-        assert torch.equal(v, load_all(tmp_path / "b")[k])
-
-
-def test_marker_snapshot_matches_layout_tables():
-    """The fast path's snapshot must list the markers of every layout (else it just plans twice)."""
-    assert ck._MARKER_SNAPSHOT == ck._all_markers()
-
-
 def test_python_m_gdnprune_help():
     result = subprocess.run([sys.executable, "-m", "gdnprune", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0

@@ -23,9 +23,8 @@ Two threads share the work. The main thread copies the unchanged bytes of every 
 worker thread imports torch (~1.5 s of CPU), validates the layers, then gathers the GDN tensors one by one
 and writes each with ``pwrite`` at its final offset (known in advance: the GDN part of a shard starts
 after its unchanged part); when the main thread is done copying it takes GDN tensors too. The headers
-are written last. To plan the copy before torch is loaded, the main thread recognises GDN layers with a
-snapshot of the layouts' marker suffixes (``_MARKER_SNAPSHOT``); the worker checks the plan against
-:data:`gdnprune.layouts.LAYOUTS` and the engine starts over with the real markers if they disagree.
+are written last. The main thread plans the copy from the layout tables' marker suffixes
+(:mod:`gdnprune.layouts` does not import torch), so it starts copying before torch is loaded.
 Peak memory is torch plus, per thread, one source tensor (memory-mapped) and its gathered copy.
 
 Output folders are written to a temporary folder next to the output and renamed into place when
@@ -111,14 +110,6 @@ PASSTHROUGH_PREFIXES = ("mtp.",)
 GDN_DTYPES = ("F64", "F32", "F16", "BF16")
 _TARGET_FIELDS = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
 
-# Marker suffixes of the layouts in gdnprune.layouts, used only to plan the copy before torch is imported;
-# the worker compares the plan with the real layout tables (see the module docstring).
-_MARKER_SNAPSHOT = frozenset({
-    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",  # qwen3_5
-    "in_proj_qkvz.weight", "in_proj_ba.weight",  # qwen3_next
-    "g_proj.weight", "a_proj.weight", "b_proj.weight", "o_norm.weight",  # olmo_hybrid
-})
-
 # Fused tensors that a layout stores split on disk: fused suffix -> on-disk suffixes, one per segment of
 # the fused tensor's rule (in order). OLMo-hybrid's own save writes q/k/v_conv1d.
 _DISK_SPLITS = {
@@ -155,10 +146,6 @@ class MissingScoresWarning(UserWarning):
 
 class PassthroughWarning(UserWarning):
     """GDN-looking tensors under a pass-through prefix (``mtp.``) are left untouched."""
-
-
-class _Restart(Exception):
-    """The speculative plan (marker snapshot) disagrees with the layout tables: plan again."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -304,11 +291,6 @@ def _all_markers() -> frozenset[str]:
     from .layouts import LAYOUTS
 
     return frozenset().union(*(layout.markers for layout in LAYOUTS.values()))
-
-
-def _speculative_markers() -> frozenset[str]:
-    """Markers to plan the copy with: the real ones once torch is loaded, else the snapshot (no torch import)."""
-    return _all_markers() if "gdnprune.layouts" in sys.modules else _MARKER_SNAPSHOT
 
 
 def _group_gdn_tensors(names: Iterable[str], markers: frozenset[str]) -> tuple[dict[str, list[str]], list[str]]:
@@ -793,7 +775,7 @@ class _GDNWork:
 
         layers, self.skipped = find_gdn_layers(self.ckpt)
         if {layer.name(s) for layer in layers for s in layer.tensors} != self.gdn_names:
-            raise _Restart()
+            raise RuntimeError("internal error: the copy plan and the GDN layers disagree")
         perms, self.missing = _resolve_permutations(self.permutations, layers)
         self.target_shape = _resolve_target(layers[0].shape, self.target)
         owner = {}
@@ -990,26 +972,17 @@ def transform_checkpoint(
     """
     src, out = Path(model_dir), Path(output_dir)
     _check_paths(src, out, overwrite)
-    for attempt in range(2):
-        try:
-            return _transform(src, out, permutations, target, operation, overwrite, progress, manifest_extra,
-                              authoritative=attempt > 0)
-        except _Restart:
-            continue
-    raise RuntimeError("internal error: the GDN layers could not be planned")
+    return _transform(src, out, permutations, target, operation, overwrite, progress, manifest_extra)
 
 
-def _transform(src: Path, out: Path, permutations, target, operation, overwrite, progress, manifest_extra,
-               *, authoritative: bool) -> dict:
+def _transform(src: Path, out: Path, permutations, target, operation, overwrite, progress, manifest_extra) -> dict:
     start_time = time.time()
     ckpt = open_checkpoint(src)
-    markers = _all_markers() if authoritative else _speculative_markers()
-    members, _ = _group_gdn_tensors(ckpt.names, markers)
+    members, _ = _group_gdn_tensors(ckpt.names, _all_markers())
     gdn_names = {n for names in members.values() for n in names}
     if not gdn_names:
         find_gdn_layers(ckpt)  # raises the precise error (no GDN layer / unknown layout)
-        raise _Restart()  # the snapshot missed a layout that the tables know
-    if target is not None and permutations is None and not ckpt.is_sorted and not authoritative:
+    if target is not None and permutations is None and not ckpt.is_sorted:
         _warn(UnsortedInputWarning,
               f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
               f"channels in their original order, not the most important ones (run `gdnprune sort` first)")

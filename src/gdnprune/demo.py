@@ -21,9 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
 
-from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
+if TYPE_CHECKING:  # torch and transformers load inside the commands, so `gdnprune --help` stays fast
+    import torch
+
+    from .gated_delta_net import GDNPermutation, GDNShape
 
 # Nested targets, as (key groups, lanes per group, key dim, value dim) fractions of the full geometry.
 DEMO_FRACTIONS = [
@@ -40,6 +43,8 @@ DEMO_FRACTIONS = [
 
 def nested_targets(shape: GDNShape, fractions=DEMO_FRACTIONS) -> list[GDNShape]:
     """A chain of targets, each nested in the previous one (sizes rounded up, at least 1, never growing)."""
+    from .gated_delta_net import GDNShape
+
     out: list[GDNShape] = []
     for fk, fr, fdk, fdv in fractions:
         prev = out[-1] if out else shape
@@ -62,6 +67,7 @@ def gdn_parameter_count(model: torch.nn.Module) -> int:
 
 def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: GDNShape, target: GDNShape):
     """A new model holding the nested prefix ``target`` of ``model`` (after ``permutations``, if given)."""
+    from .gated_delta_net import slice_gated_delta_net_state_dict
     from .layouts import find_gdn_modules
 
     state = dict(model.state_dict())
@@ -74,6 +80,9 @@ def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: 
 
 
 def _random_permutations(model, shape: GDNShape, seed: int) -> dict[str, GDNPermutation]:
+    import torch
+
+    from .gated_delta_net import GDNPermutation
     from .layouts import find_gdn_modules
 
     g = torch.Generator().manual_seed(seed)
@@ -130,7 +139,10 @@ def run_demo(
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
     ``identity``, ``random`` = mean over ``num_random`` seeded random orders).
     """
+    import torch
+
     from .demo_data import byte_windows, demo_model_path, load_demo_model, train_text, validation_loss, validation_text
+    from .gated_delta_net import GDNPermutation, GDNShape
     from .layouts import find_gdn_modules
     from .scoring import score_model
 

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it, so reading the tables stays cheap.
 
 # Segment kinds and the index key each one gathers with (see gated_delta_net.indices).
 _SEGMENT_INDEX = {"q": "qidx", "k": "qidx", "v": "vidx", "h": "hidx", "d": "didx"}
@@ -71,6 +74,8 @@ class TensorRule:
 
     def canonical_rows(self, shape) -> torch.Tensor:
         """Canonical index of each physical row along ``axis`` (identity for a flat axis)."""
+        import torch
+
         n = self.length(shape)
         if not self.grouped:
             return torch.arange(n)
@@ -91,6 +96,8 @@ class TensorRule:
         ``indices`` holds the canonical index tensors (``qidx``, ``hidx``, ``vidx``, ``didx``) built for
         ``shape`` -> ``target``; segment offsets are always taken from the full ``shape``.
         """
+        import torch
+
         parts, base = [], 0
         for kind in self.segments:
             parts.append(indices[_SEGMENT_INDEX[kind]].to("cpu", torch.long) + base)
