@@ -75,6 +75,7 @@ __all__ = [
     "scores_to_permutations",
     "save_scores",
     "load_scores",
+    "score_checkpoint",
     "add_commands",
 ]
 
@@ -688,31 +689,59 @@ def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: 
     return model.eval()
 
 
-def _cmd_score(args) -> int:
+def score_checkpoint(
+    model_dir: str | Path,
+    data: str | Path,
+    *,
+    method: str = "projection",
+    num_samples: int | None = 128,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    device: str | None = None,
+    dtype: str = "float32",
+    device_map: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
+
+    The data file (UTF-8 text or JSONL with a ``"text"`` field) is tokenised with the folder's tokenizer
+    and packed into ``num_samples`` windows of ``seq_len`` tokens; layer prefixes are those of the
+    checkpoint's tensors (what ``gdnprune sort`` expects). Behind ``gdnprune score`` and ``gdnprune prune``.
+    """
     from transformers import AutoTokenizer
 
     from .calibration import calibration_windows, iter_batches
 
-    model_dir = Path(args.model_dir)
+    model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir}: not a model folder (no config.json)")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    windows = calibration_windows(args.data, tokenizer, seq_len=args.seq_len, num_samples=args.num_samples)
-    model = _load_model(model_dir, dtype=args.dtype, device=args.device, device_map=args.device_map)
-    batches = list(iter_batches(windows, args.batch_size))
-    scores = score_model(model, batches, method=args.method, seed=args.seed, progress=not args.quiet)
+    windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples)
+    model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map)
+    batches = list(iter_batches(windows, batch_size))
+    scores = score_model(model, batches, method=method, seed=seed, progress=progress)
     mapping = _map_to_checkpoint(list(scores["layers"]), _checkpoint_gdn_prefixes(model_dir))
     scores["layers"] = {mapping[p]: payload for p, payload in scores["layers"].items()}
     scores["model"] = str(model_dir)
     scores["calibration"] = {
-        "data": str(args.data),
+        "data": str(data),
         "num_samples": int(windows.shape[0]),
-        "seq_len": int(args.seq_len),
-        "batch_size": int(args.batch_size),
-        "dtype": args.dtype,
+        "seq_len": int(seq_len),
+        "batch_size": int(batch_size),
+        "dtype": dtype,
     }
+    return scores
+
+
+def _cmd_score(args) -> int:
+    scores = score_checkpoint(
+        args.model_dir, args.data, method=args.method, num_samples=args.num_samples, seq_len=args.seq_len,
+        batch_size=args.batch_size, device=args.device, dtype=args.dtype, device_map=args.device_map,
+        seed=args.seed, progress=not args.quiet,
+    )
     path = save_scores(scores, args.output)
     print(
         f"gdnprune score: {len(scores['layers'])} GDN layers scored with {args.method!r} on "
