@@ -40,3 +40,51 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         assert (out / name / "config.json").is_file() and (out / name / "gdnprune.json").is_file()
     printed = capsys.readouterr().out
     assert "importance" in printed and "identity" in printed and "random" in printed
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_prune_equals_score_then_sort_then_slice(tmp_path):
+    import torch
+
+    from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint
+    from gdnprune.demo_data import demo_model_path, train_text
+    from gdnprune.scoring import score_checkpoint
+
+    data = tmp_path / "calib.txt"
+    data.write_text(train_text()[:20000], encoding="utf-8")
+    src = demo_model_path()
+    opts = ["--num-samples", "4", "--seq-len", "128", "--batch-size", "2"]
+    target = ["--num-key-heads", "2", "--num-value-heads", "2", "--key-head-dim", "16", "--value-head-dim", "24"]
+    assert main(["prune", str(src), "--data", str(data), "-o", str(tmp_path / "pruned"), *target, *opts,
+                 "--quiet"]) == 0
+    scores = score_checkpoint(src, data, num_samples=4, seq_len=128, batch_size=2, progress=False)
+    sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
+    slice_checkpoint(tmp_path / "sorted", tmp_path / "sliced",
+                     {"num_key_heads": 2, "num_value_heads": 2, "key_head_dim": 16, "value_head_dim": 24},
+                     progress=False)
+    a, b = _tensors(tmp_path / "pruned"), _tensors(tmp_path / "sliced")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((tmp_path / "pruned" / "config.json").read_text())
+    assert (config["linear_num_key_heads"], config["linear_num_value_heads"]) == (2, 2)
+    assert json.loads((tmp_path / "pruned" / "gdnprune.json").read_text())["operation"] == "prune"
+
+
+def test_prune_rejects_illegal_target_before_scoring(tmp_path, capsys):
+    from gdnprune.demo_data import demo_model_path
+
+    data = tmp_path / "calib.txt"
+    data.write_text("x" * 5000, encoding="utf-8")
+    out = tmp_path / "pruned"
+    code = main(["prune", str(demo_model_path()), "--data", str(data), "-o", str(out), "--num-key-heads", "8",
+                 "--quiet"])
+    assert code == 2 and not out.exists()
+    assert "num_key_heads 8 > 4" in capsys.readouterr().err

@@ -1364,11 +1364,26 @@ def _cmd_sort(args) -> int:
     return 0
 
 
-def _cmd_slice(args) -> int:
+def add_target_arguments(p) -> None:
+    """The nested-target options shared by ``gdnprune slice`` and ``gdnprune prune``."""
+    p.add_argument("--num-key-heads", dest="num_key_heads", type=_positive_int, metavar="N")
+    p.add_argument("--num-value-heads", dest="num_value_heads", type=_positive_int, metavar="N",
+                   help="total value heads, a multiple of the key heads")
+    p.add_argument("--key-head-dim", dest="key_head_dim", type=_positive_int, metavar="N")
+    p.add_argument("--value-head-dim", dest="value_head_dim", type=_positive_int, metavar="N")
+
+
+def target_from_args(args) -> dict[str, int]:
+    """The target fields given on the command line (an axis not given keeps its size)."""
     target = {f: getattr(args, f) for f in _TARGET_FIELDS if getattr(args, f) is not None}
     if not target:
         raise TargetError("nothing to slice: give at least one of --num-key-heads, --num-value-heads, "
                           "--key-head-dim, --value-head-dim")
+    return target
+
+
+def _cmd_slice(args) -> int:
+    target = target_from_args(args)
     with _StderrWarnings("slice"):
         manifest = slice_checkpoint(args.model_dir, args.output, target, overwrite=args.overwrite,
                                     progress=not args.quiet)
@@ -1429,11 +1444,7 @@ def add_commands(subparsers) -> None:
                                           "most important part.")
     p.add_argument("model_dir", metavar="MODEL_DIR")
     output_args(p)
-    p.add_argument("--num-key-heads", dest="num_key_heads", type=_positive_int, metavar="N")
-    p.add_argument("--num-value-heads", dest="num_value_heads", type=_positive_int, metavar="N",
-                   help="total value heads, a multiple of the key heads")
-    p.add_argument("--key-head-dim", dest="key_head_dim", type=_positive_int, metavar="N")
-    p.add_argument("--value-head-dim", dest="value_head_dim", type=_positive_int, metavar="N")
+    add_target_arguments(p)
     p.set_defaults(func=_cmd_slice)
 
     p = subparsers.add_parser("verify", help="compare the logits of two checkpoints",

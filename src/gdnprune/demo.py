@@ -241,6 +241,36 @@ def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], o
     return {"sorted": str(sorted_dir), "sliced": str(sliced_dir), "sliced_target": middle.as_dict()}
 
 
+def prune_checkpoint(
+    model_dir: str | Path,
+    data: str | Path,
+    output_dir: str | Path,
+    target: Any,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    **scoring: Any,
+) -> dict[str, Any]:
+    """Score ``model_dir`` on ``data``, then sort and slice it to ``target`` in one streaming pass.
+
+    ``target`` is a ``GDNShape`` or a mapping of some of its fields (axes not given keep their size);
+    ``scoring`` takes the options of :func:`gdnprune.scoring.score_checkpoint` (``method``,
+    ``num_samples``, ``seq_len``, ``batch_size``, ``device``, ``dtype``, ``device_map``, ``seed``). The
+    output path and the target are checked before the (long) scoring starts. Returns the manifest.
+    """
+    from .checkpoint import _check_paths, find_gdn_layers, open_checkpoint, transform_checkpoint
+    from .gated_delta_net import gated_delta_net_prefix_indices
+    from .scoring import score_checkpoint
+
+    _check_paths(Path(model_dir), Path(output_dir), overwrite)
+    layers, _ = find_gdn_layers(open_checkpoint(model_dir))
+    gated_delta_net_prefix_indices(layers[0].shape, target)  # raises ValueError for an illegal target
+    scores = score_checkpoint(model_dir, data, progress=progress, **scoring)
+    extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
+    return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target,
+                                operation="prune", overwrite=overwrite, progress=progress, manifest_extra=extra)
+
+
 # --------------------------------------------------------------------------------------------------------
 # command line
 
@@ -265,6 +295,36 @@ def add_commands(subparsers) -> None:
     p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_demo)
+
+    from .checkpoint import add_target_arguments
+    from .scoring import add_calibration_arguments
+
+    p = subparsers.add_parser(
+        "prune",
+        help="score + sort + slice a checkpoint in one command",
+        description="Score the GDN layers of MODEL_DIR on calibration text, then sort every layer by importance "
+        "and cut it to the target in one streaming pass. Axes not given keep their size.",
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
+    p.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="folder to create")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    add_target_arguments(p)
+    add_calibration_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_prune)
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from .checkpoint import target_from_args
+
+    manifest = prune_checkpoint(
+        args.model_dir, args.data, args.output, target_from_args(args), overwrite=args.overwrite,
+        progress=not args.quiet, method=args.method, num_samples=args.num_samples, seq_len=args.seq_len,
+        batch_size=args.batch_size, device=args.device, dtype=args.dtype, device_map=args.device_map, seed=args.seed,
+    )
+    target = manifest.get("target") or {}
+    print(f"gdnprune prune: scored with {args.method!r}, sorted and sliced to {target} -> {args.output}")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -750,20 +750,10 @@ def _cmd_score(args) -> int:
     return 0
 
 
-def add_commands(subparsers) -> None:
-    """Register the ``score`` subcommand on an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "score",
-        help="measure the importance of every GDN head and channel on calibration text",
-        description=(
-            "Run calibration text through the model with hooks on every GatedDeltaNet layer and write a "
-            "scores file (importance orders per layer, most important first) for `gdnprune sort`."
-        ),
-    )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
+def add_calibration_arguments(p) -> None:
+    """The calibration options shared by ``gdnprune score`` and ``gdnprune prune``."""
     p.add_argument("--data", required=True, metavar="FILE",
                    help="calibration text: a UTF-8 text file, or JSONL with a \"text\" field per line")
-    p.add_argument("--output", required=True, metavar="SCORES.json", help="scores file to write")
     p.add_argument("--method", choices=METHODS, default="projection",
                    help="projection (default): output-projection Gram + greedy removal; activation: "
                         "Minitron-style magnitudes; random: seeded random orders")
@@ -776,5 +766,20 @@ def add_commands(subparsers) -> None:
     p.add_argument("--device-map", choices=("auto", "balanced", "balanced_low_0", "sequential"), default=None,
                    help="spread the model over the GPUs and CPU of this machine through accelerate")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random (default 0)")
+
+
+def add_commands(subparsers) -> None:
+    """Register the ``score`` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "score",
+        help="measure the importance of every GDN head and channel on calibration text",
+        description=(
+            "Run calibration text through the model with hooks on every GatedDeltaNet layer and write a "
+            "scores file (importance orders per layer, most important first) for `gdnprune sort`."
+        ),
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
+    p.add_argument("--output", required=True, metavar="SCORES.json", help="scores file to write")
+    add_calibration_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_score)
