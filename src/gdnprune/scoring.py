@@ -20,22 +20,25 @@ Methods:
   is value head ``h``'s slice of the ``out_proj`` input (after the gated RMSNorm) and ``W_h`` its block
   of ``out_proj.weight``. Removing a set ``R`` of heads changes ``y`` by ``-sum_{h in R} c_h``, whose
   energy over the calibration tokens is ``1^T G_RR 1`` with the Gram matrix ``G[h, k] = sum_t c_h . c_k``.
-  The hooks only accumulate the second moment ``C = sum_t o o^T`` ([Hv*dv]^2, float64); at the end
-  ``P = (W^T W) * C`` (element-wise) gives every Gram matrix needed by block sums: the head Gram
-  ``G = P`` summed over value channels, and the value-channel Gram ``D[e, f]`` = energy of the summed-over-
-  heads projected contributions of channels ``e`` and ``f``. Orders come from a greedy *conditional
-  removal* (:func:`greedy_removal_order`): repeatedly drop the element whose removal least increases the
-  energy of everything dropped so far; the reverse of the removal sequence is the importance order.
-  Key groups use the group-summed Gram; lanes are removed round by round, one lane from every group per
-  round, with the cross-group terms included (:func:`greedy_lane_orders`), which is exactly what a
-  nested slice to ``r'`` lanes per group drops. Value channels use ``D`` (one order, the norm weight is
-  shared). Key channels: the kernel sees ``q^ = q/|q|`` and ``k^ = k/|k|`` per key head (after the
-  depthwise conv and SiLU, which the hooks recompute from the q/k projection output and the conv
-  weights), and the channels enter only through the products ``q^_t . k^_s = sum_d q^_td k^_sd``. The
-  energy of those products over all token pairs dropped with a channel set ``R`` is ``1^T (Cq * Ck)_RR 1``
-  with the per-head second moments ``Cq = sum_t q^ q^T``, ``Ck = sum_t k^ k^T``; the same greedy runs on
-  ``Cq * Ck``. Because q and k are normalised per token, a channel's share is measured relative to the
-  whole head, as the l2 normalisation sees it; q's rescaling after a cut is absorbed by the gated RMSNorm.
+  A pre-hook on ``out_proj`` computes the per-head contributions of every batch (one extra
+  ``out_proj``-sized product) and accumulates ``G`` ([Hv, Hv], float64). Orders come from a greedy
+  *conditional removal* (:func:`greedy_removal_order`): repeatedly drop the element whose removal least
+  increases the energy of everything dropped so far; the reverse of the removal sequence is the
+  importance order. Key groups use the group-summed Gram; lanes are removed round by round, one lane from
+  every group per round, with the cross-group terms included (:func:`greedy_lane_orders`), which is
+  exactly what a nested slice to ``r'`` lanes per group drops. Value channels (one order, the norm weight
+  is shared): the energy of each channel's projected contribution summed over heads,
+  ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``, from the same-channel cross-head moments ([dv, Hv, Hv]);
+  ``value_dim_measure="gram"`` instead runs the greedy on the full channel Gram, from the full second
+  moment ``C = sum_t o o^T`` ([Hv*dv]^2; then ``(W^T W) * C`` gives every Gram by block sums). Key
+  channels: the kernel sees ``q^ = q/|q|`` and ``k^ = k/|k|`` per key head (after the depthwise conv and
+  SiLU, which the hooks recompute from the q/k projection output and the conv weights), and the channels
+  enter only through the products ``q^_t . k^_s = sum_d q^_td k^_sd``. The energy of those products over
+  all token pairs dropped with a channel set ``R`` is ``1^T (Cq * Ck)_RR 1`` with the per-head second
+  moments ``Cq = sum_t q^ q^T``, ``Ck = sum_t k^ k^T``; the same greedy runs on ``Cq * Ck``. A channel's
+  share is thus measured as the l2 normalisation sees it, relative to its whole head, and q and k both
+  count (either alone orders much worse, see BENCHMARKS.md); q's rescaling after a cut is absorbed by
+  the gated RMSNorm.
 * ``activation``: Minitron-style magnitudes. For every channel, the mean ``|activation|`` over the
   tokens of a window, then the L2 norm over windows: of the ``out_proj`` input per (head, value channel)
   and of the post-conv q and k per key channel. Heads sum their channels, groups their heads, value
@@ -476,7 +479,7 @@ def score_model(
     seed: int = 0,
     total: int | None = None,
     key_dim_measure: str = "qk_gram",
-    value_dim_measure: str = "gram",
+    value_dim_measure: str = "energy",
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
 
@@ -491,8 +494,11 @@ def score_model(
         total: number of batches for the progress bar (default ``len(batches)`` when available).
         key_dim_measure: ``projection`` only: ``"qk_gram"`` (default; greedy on ``Cq * Ck``),
             ``"qk_energy"`` (sort by ``E[q^_d^2] E[k^_d^2]``), ``"q_energy"`` or ``"k_energy"``.
-        value_dim_measure: ``projection`` only: ``"gram"`` (default; greedy on the channel Gram) or
-            ``"energy"`` (sort by each channel's own projected energy).
+        value_dim_measure: ``projection`` only: ``"energy"`` (default; sort by each channel's own
+            projected energy summed over heads) or ``"gram"`` (greedy on the full value-channel Gram; needs
+            the full ``[Hv*dv]^2`` second moment of the ``out_proj`` input per layer, so it costs
+            ``(Hv*dv)^2`` per token instead of ``Hv*dv*hidden`` and as much memory; it did not order
+            better on the bundled model, see BENCHMARKS.md).
 
     Returns:
         ``{"format", "version", "method", "num_tokens", "seed", "layers": {prefix: payload}}``.
