@@ -131,13 +131,16 @@ def run_demo(
     seed: int = 0,
     write_checkpoints: bool = True,
     progress: bool = True,
+    threads: int | None = 1,
     log=print,
 ) -> dict[str, Any]:
     """Score, sort and slice the bundled demo model; return (and write to ``output``) the results.
 
     Returns a dict with the sort check (``sort_max_abs_logit_diff``), the targets and, per target, the
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
-    ``identity``, ``random`` = mean over ``num_random`` seeded random orders).
+    ``identity``, ``random`` = mean over ``num_random`` seeded random orders). ``threads`` sets torch's
+    intra-op threads (default 1: the model is tiny, and on a busy machine extra threads spin and can make
+    a forward pass tens of times slower); None leaves torch's setting alone.
     """
     import torch
 
@@ -147,6 +150,8 @@ def run_demo(
     from .scoring import score_model
 
     start = time.perf_counter()
+    if threads is not None:
+        torch.set_num_threads(threads)
     out_dir = None if output is None else Path(output)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -292,6 +297,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--num-random", type=int, default=4, help="random orders to average (default: %(default)s)")
     p.add_argument("--validation-windows", type=int, default=32, help="validation windows (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s; the model is tiny)")
     p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_demo)
@@ -328,7 +334,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    for name in ("calibration_windows", "seq_len", "num_random", "validation_windows"):
+    for name in ("calibration_windows", "seq_len", "num_random", "validation_windows", "threads"):
         if getattr(args, name) < (0 if name == "num_random" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     run_demo(
@@ -341,5 +347,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         write_checkpoints=not args.no_checkpoints,
         progress=not args.quiet and sys.stderr.isatty(),
+        threads=args.threads,
     )
     return 0
