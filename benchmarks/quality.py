@@ -68,7 +68,9 @@ METHODS = {
     "activation": dict(method="activation"),
 }
 VARIANTS = {
+    "proj., value dims by energy": dict(method="projection", value_dim_measure="energy"),
     "proj., value dims by full Gram": dict(method="projection", value_dim_measure="gram"),
+    "proj., key dims by q^.k^ Gram": dict(method="projection", key_dim_measure="qk_gram"),
     "proj., key dims by E[q^2]E[k^2]": dict(method="projection", key_dim_measure="qk_energy"),
     "proj., key dims by E[q^2]": dict(method="projection", key_dim_measure="q_energy"),
     "proj., key dims by E[k^2]": dict(method="projection", key_dim_measure="k_energy"),
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)")
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
     p.add_argument("--val-windows", type=int, default=48, help="validation windows (default 48)")
-    p.add_argument("--search-windows", type=int, default=16, help="training-text windows for the optimum searches (default 16)")
+    p.add_argument("--search-windows", type=int, default=8, help="training-text windows for the optimum searches (default 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per validation / search window (default 256)")
     p.add_argument("--random-orders", type=int, default=20, help="random orders per target (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")

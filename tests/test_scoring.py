@@ -113,9 +113,11 @@ def test_payloads_sort_model_and_preserve_logits(model_type, method, ids):
 
 
 @pytest.mark.parametrize(
-    "model_type,measure", [("qwen3_5", "gram"), ("qwen3_5", "energy"), ("qwen3_next", "energy"), ("olmo_hybrid", "gram")]
+    "model_type,value_measure,key_measure",
+    [("qwen3_5", "head_rms", "qk_rms"), ("qwen3_5", "gram", "qk_gram"), ("qwen3_next", "energy", "qk_energy"),
+     ("olmo_hybrid", "head_rms", "qk_gram")],
 )
-def test_projection_statistics_match_brute_force(model_type, measure, ids, monkeypatch):
+def test_projection_statistics_match_brute_force(model_type, value_measure, key_measure, ids, monkeypatch):
     model = build_model(model_type, SHAPE)
     modeling = importlib.import_module(KERNEL_MODULE[model_type])
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -131,39 +133,49 @@ def test_projection_statistics_match_brute_force(model_type, measure, ids, monke
     out_proj = gdn.out_proj if hasattr(gdn, "out_proj") else gdn.o_proj
     handle = out_proj.register_forward_pre_hook(lambda m, a: outs.append(a[0].detach().clone()))
     try:
-        payload = _score(model, ids, "projection", batch_size=4, value_dim_measure=measure)["layers"][prefix]
+        payload = _score(model, ids, "projection", batch_size=4, value_dim_measure=value_measure,
+                         key_dim_measure=key_measure)["layers"][prefix]
     finally:
         handle.remove()
-    q, k = seen[0]  # first GDN layer: [B, T, Hk, dk]
+
+    def close(key, expected, rtol=1e-5):
+        torch.testing.assert_close(torch.tensor(payload[key], dtype=torch.float64), expected, rtol=rtol, atol=1e-9)
+
+    q, k = seen[0]  # the first GDN layer's kernel inputs: [B, T, Hk, dk]
     o = outs[0].double().reshape(-1, SHAPE.num_value_heads, SHAPE.value_head_dim)
     N = o.shape[0]
     W = out_proj.weight.detach().double().reshape(-1, SHAPE.num_value_heads, SHAPE.value_head_dim)
     contrib = torch.einsum("nhe,khe->nhk", o, W)  # per-head contributions [N, Hv, H]
+    close("value_lane_scores", contrib.pow(2).sum(-1).mean(0).reshape(2, 2))
+    close("key_group_scores", contrib.reshape(N, 2, 2, -1).sum(2).pow(2).sum(-1).mean(0))
     per_dim = torch.einsum("nhe,khe->nek", o, W)  # per-value-channel contributions summed over heads
-    lanes = contrib.pow(2).sum(-1).mean(0).reshape(2, 2)
-    groups = contrib.reshape(N, 2, 2, -1).sum(2).pow(2).sum(-1).mean(0)
-    torch.testing.assert_close(torch.tensor(payload["value_lane_scores"], dtype=torch.float64), lanes, rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(torch.tensor(payload["key_group_scores"], dtype=torch.float64), groups, rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(
-        torch.tensor(payload["value_dim_scores"], dtype=torch.float64), per_dim.pow(2).sum(-1).mean(0), rtol=1e-5, atol=1e-9
-    )
+    dim_gram = torch.einsum("nek,nfk->ef", per_dim, per_dim)
+    if value_measure == "head_rms":
+        per_head_dim = o[..., None] * W.permute(1, 2, 0)  # [N, Hv, dv, H]: W[:, (h, e)] o_(h, e)
+        value_scores = per_head_dim.pow(2).sum(-1).mean(0).sqrt().sum(0)
+    else:
+        value_scores = dim_gram.diagonal() / N
+    close("value_dim_scores", value_scores)
 
     def l2(x):
         x = x.double()
         return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
-    expected = l2(q).pow(2).flatten(0, 1).mean(0) * l2(k).pow(2).flatten(0, 1).mean(0)  # [Hk, dk]
-    torch.testing.assert_close(torch.tensor(payload["key_dim_scores"], dtype=torch.float64), expected, rtol=1e-4, atol=1e-9)
-    # the greedy orders are the greedy on the brute-force Gram matrices
+    qn, kn = l2(q).flatten(0, 1), l2(k).flatten(0, 1)  # [N, Hk, dk]
+    q_energy, k_energy = qn.pow(2).mean(0), kn.pow(2).mean(0)
+    key_scores = q_energy.sqrt() + k_energy.sqrt() if key_measure == "qk_rms" else q_energy * k_energy
+    close("key_dim_scores", key_scores, rtol=1e-4)
+    # the orders: greedy on the brute-force Gram matrices, or a sort by the scores
     gram = torch.einsum("nhk,ngk->hg", contrib, contrib)
     assert payload["value_lane_order_most_important_first"] == greedy_lane_orders(gram, 2).tolist()
-    dim_gram = torch.einsum("nek,nfk->ef", per_dim, per_dim)
-    expected_dims = greedy_removal_order(dim_gram) if measure == "gram" else dim_gram.diagonal().argsort(descending=True)
+    expected_dims = greedy_removal_order(dim_gram) if value_measure == "gram" else value_scores.argsort(descending=True)
     assert payload["value_dim_order_most_important_first"] == expected_dims.tolist()
-    qn, kn = l2(q).flatten(0, 1), l2(k).flatten(0, 1)
-    for g in range(SHAPE.num_key_heads):
-        cq, ck = qn[:, g].T @ qn[:, g], kn[:, g].T @ kn[:, g]
-        assert payload["key_dim_order_most_important_first"][g] == greedy_removal_order(cq * ck).tolist()
+    if key_measure == "qk_gram":
+        expected_keys = [greedy_removal_order(qn[:, g].T @ qn[:, g] * (kn[:, g].T @ kn[:, g])).tolist()
+                         for g in range(SHAPE.num_key_heads)]
+    else:
+        expected_keys = key_scores.argsort(dim=-1, descending=True).tolist()
+    assert payload["key_dim_order_most_important_first"] == expected_keys
 
 
 def _zero_rows(param: torch.Tensor, rows) -> None:

@@ -26,19 +26,23 @@ Methods:
   increases the energy of everything dropped so far; the reverse of the removal sequence is the
   importance order. Key groups use the group-summed Gram; lanes are removed round by round, one lane from
   every group per round, with the cross-group terms included (:func:`greedy_lane_orders`), which is
-  exactly what a nested slice to ``r'`` lanes per group drops. Value channels (one order, the norm weight
-  is shared): the energy of each channel's projected contribution summed over heads,
-  ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``, from the same-channel cross-head moments ([dv, Hv, Hv]);
-  ``value_dim_measure="gram"`` instead runs the greedy on the full channel Gram, from the full second
-  moment ``C = sum_t o o^T`` ([Hv*dv]^2; then ``(W^T W) * C`` gives every Gram by block sums). Key
-  channels: the kernel sees ``q^ = q/|q|`` and ``k^ = k/|k|`` per key head (after the depthwise conv and
-  SiLU, which the hooks recompute from the q/k projection output and the conv weights), and the channels
-  enter only through the products ``q^_t . k^_s = sum_d q^_td k^_sd``. The energy of those products over
-  all token pairs dropped with a channel set ``R`` is ``1^T (Cq * Ck)_RR 1`` with the per-head second
-  moments ``Cq = sum_t q^ q^T``, ``Ck = sum_t k^ k^T``; the same greedy runs on ``Cq * Ck``. A channel's
-  share is thus measured as the l2 normalisation sees it, relative to its whole head, and q and k both
-  count (either alone orders much worse, see BENCHMARKS.md); q's rescaling after a cut is absorbed by
-  the gated RMSNorm.
+  exactly what a nested slice to ``r'`` lanes per group drops. Value channels (one order for all heads,
+  the norm weight is shared): by default each channel's projected contribution is measured per head, as
+  its RMS over tokens ``|W[:, (h, e)]| RMS(o_(h, e))``, and summed over heads (an L1 over heads of
+  per-head L2 norms), so that the one shared order serves every head instead of the few heads with the
+  largest energy; ``value_dim_measure="energy"`` uses the energy of the contribution summed over heads,
+  ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``, and ``"gram"`` the greedy on the full channel Gram (from
+  the full second moment ``C = sum_t o o^T``, [Hv*dv]^2). Key channels: the kernel sees ``q^ = q/|q|``
+  and ``k^ = k/|k|`` per key head (after the depthwise conv and SiLU, which the hooks recompute from
+  the q/k projection output and the conv weights); the hooks measure every channel's share of the
+  normalised vectors, ``E[q^_d^2]`` and ``E[k^_d^2]``, as the l2 normalisation sees it (relative to
+  the whole head). The default adds their square roots, ``RMS(q^_d) + RMS(k^_d)``: k^ alone drives the
+  delta-rule state update (``S <- S (I - b k^ k^T) + b v k^T``) and q^ alone the read-out, so a channel
+  matters when either carries energy, and summing norms again keeps one large term from deciding.
+  ``key_dim_measure="qk_gram"`` instead runs the greedy on ``Cq * Ck`` (``Cq = sum_t q^ q^T``): the
+  energy of the ``q^_t . k^_s`` products over all token pairs carried by the dropped channels. q's
+  rescaling after a cut is absorbed by the gated RMSNorm. The benchmark (BENCHMARKS.md) compares all
+  of these; q or k alone order much worse.
 * ``activation``: Minitron-style magnitudes. For every channel, the mean ``|activation|`` over the
   tokens of a window, then the L2 norm over windows: of the ``out_proj`` input per (head, value channel)
   and of the post-conv q and k per key channel. Heads sum their channels, groups their heads, value
@@ -95,14 +99,16 @@ _ORDER_KEYS = (
     "key_dim_order_most_important_first",
     "value_dim_order_most_important_first",
 )
-_KEY_DIM_MEASURES = ("qk_gram", "qk_energy", "q_energy", "k_energy")
-_VALUE_DIM_MEASURES = ("gram", "energy")
+_KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
+_VALUE_DIM_MEASURES = ("head_rms", "energy", "gram")
 
 _SCORE_KIND = {
     "projection": (
-        "projection: each score is the mean squared norm per token of the element's own contribution to "
-        "the out_proj output (key dims: E[q^_d^2] * E[k^_d^2] of the l2-normalised q and k); the orders "
-        "come from the greedy conditional removal on the Gram matrices and account for redundancy"
+        "projection: key groups and lanes: mean squared norm per token of the element's own contribution "
+        "to the out_proj output (their orders come from the greedy conditional removal on the Gram matrix "
+        "and account for redundancy); key dims: the key_dim_measure (default RMS(q^_d) + RMS(k^_d) of the "
+        "l2-normalised q and k); value dims: the value_dim_measure (default sum over heads of "
+        "RMS(W[:, (h, e)] o_(h, e)))"
     ),
     "activation": "activation: mean |activation| over each window's tokens, L2 over windows (RMS over windows)",
     "random": "random: the rank in a seeded random order (larger = earlier)",
@@ -309,6 +315,9 @@ class _LayerScorer:
         y = y * torch.rsqrt((y * y).sum(3, keepdim=True) + 1e-6)  # the kernel's l2norm
         if mask is not None:
             y = y * mask[:, None, None, None, :].to(y.dtype)
+        if self.key_dim_measure != "qk_gram":  # per-channel energies of q^ and k^ suffice: [2, Hk, dk]
+            self._acc("qk_sq", y.to(self._gram_dtype(y.device)).pow(2).sum((0, 4)))
+            return
         # [2, Hk, dk, B*T] -> per (q|k, head) second moments [2, Hk, dk, dk]
         flat = y.permute(1, 2, 3, 0, 4).reshape(2 * s.num_key_heads, s.key_head_dim, B * T)
         flat = flat.to(self._gram_dtype(flat.device))
@@ -343,9 +352,12 @@ class _LayerScorer:
         s = self.shape
         Hv, dv = s.num_value_heads, s.value_head_dim
         heads = x.reshape(-1, Hv, dv)
-        # same-channel cross-head moments [dv, Hv, Hv]: enough for each value channel's own energy
-        per_dim = heads.permute(2, 1, 0)
-        self._acc("channel_moments", torch.bmm(per_dim, per_dim.transpose(1, 2)))
+        if self.value_dim_measure == "energy":
+            # same-channel cross-head moments [dv, Hv, Hv]: enough for each value channel's own energy
+            per_dim = heads.permute(2, 1, 0)
+            self._acc("channel_moments", torch.bmm(per_dim, per_dim.transpose(1, 2)))
+        else:
+            self._acc("out_sq", x.pow(2).sum(0))  # [Hv*dv]
         # per-head contributions c_h = W_h o_h [Hv, n, H] (in token chunks) -> head Gram [Hv, Hv]
         W = _materialized_weight(self.out_proj).detach().to(x.device, x.dtype)
         W_heads = W.reshape(W.shape[0], Hv, dv).permute(1, 2, 0)  # [Hv, dv, H]
@@ -398,29 +410,46 @@ class _LayerScorer:
                 del P
             else:
                 head_gram = self.stats["head_gram"]
-                Ce = self.stats["channel_moments"]  # [dv, Hv, Hv]
-                W = _materialized_weight(self.out_proj).detach().to(Ce.device, torch.float64)
-                W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
-                dim_energy = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * Ce).sum((1, 2))
+                W = _materialized_weight(self.out_proj).detach().to(head_gram.device, torch.float64)
+                if self.value_dim_measure == "energy":
+                    Ce = self.stats["channel_moments"]  # [dv, Hv, Hv]
+                    W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
+                    dim_energy = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * Ce).sum((1, 2))
             group_gram = head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
-            qk = self.stats["qk_moments"]  # [2, Hk, dk, dk]
-            q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
-            k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
+            if self.key_dim_measure == "qk_gram":
+                qk = self.stats["qk_moments"]  # [2, Hk, dk, dk]
+                q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
+                k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
+            else:
+                q_energy, k_energy = self.stats["qk_sq"] / N  # E[q^_d^2], E[k^_d^2]: [Hk, dk] each
+            key_measure = {
+                "qk_rms": q_energy.sqrt() + k_energy.sqrt(),
+                "qk_gram": q_energy * k_energy,
+                "qk_energy": q_energy * k_energy,
+                "q_energy": q_energy,
+                "k_energy": k_energy,
+            }[self.key_dim_measure]
+            if self.value_dim_measure == "head_rms":
+                # sum over heads of the RMS of each head's projected channel: |W[:, (h, e)]| * RMS(o_(h, e))
+                o_sq = self.stats["out_sq"].reshape(Hv, dv) / N
+                col_sq = W.pow(2).sum(0).reshape(Hv, dv)
+                value_measure = (col_sq * o_sq).sqrt().sum(0)
+            else:
+                value_measure = dim_energy / N
             scores = {
                 "key_group_scores": group_gram.diagonal() / N,
                 "value_lane_scores": (head_gram.diagonal() / N).reshape(Hk, r),
-                "key_dim_scores": q_energy * k_energy,
-                "value_dim_scores": dim_energy / N,
+                "key_dim_scores": key_measure,
+                "value_dim_scores": value_measure,
             }
             if self.key_dim_measure == "qk_gram":
                 key_dims = greedy_removal_order(qk[0] * qk[1])
             else:
-                measure = {"qk_energy": q_energy * k_energy, "q_energy": q_energy, "k_energy": k_energy}
-                key_dims = _descending(measure[self.key_dim_measure])
+                key_dims = _descending(key_measure)
             if self.value_dim_measure == "gram":
                 value_dims = greedy_removal_order(dim_gram)
             else:
-                value_dims = _descending(scores["value_dim_scores"])
+                value_dims = _descending(value_measure)
             orders = {
                 "key_group_order_most_important_first": greedy_removal_order(group_gram),
                 "value_lane_order_most_important_first": greedy_lane_orders(head_gram, Hk),
@@ -478,8 +507,8 @@ def score_model(
     progress: bool = True,
     seed: int = 0,
     total: int | None = None,
-    key_dim_measure: str = "qk_gram",
-    value_dim_measure: str = "energy",
+    key_dim_measure: str = "qk_rms",
+    value_dim_measure: str = "head_rms",
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
 
@@ -492,13 +521,15 @@ def score_model(
         progress: show a tqdm progress bar over the batches.
         seed: seed of the ``random`` method (recorded for every method).
         total: number of batches for the progress bar (default ``len(batches)`` when available).
-        key_dim_measure: ``projection`` only: ``"qk_gram"`` (default; greedy on ``Cq * Ck``),
-            ``"qk_energy"`` (sort by ``E[q^_d^2] E[k^_d^2]``), ``"q_energy"`` or ``"k_energy"``.
-        value_dim_measure: ``projection`` only: ``"energy"`` (default; sort by each channel's own
-            projected energy summed over heads) or ``"gram"`` (greedy on the full value-channel Gram; needs
-            the full ``[Hv*dv]^2`` second moment of the ``out_proj`` input per layer, so it costs
-            ``(Hv*dv)^2`` per token instead of ``Hv*dv*hidden`` and as much memory; it did not order
-            better on the bundled model, see BENCHMARKS.md).
+        key_dim_measure: ``projection`` only, how key channels are ordered: ``"qk_rms"`` (default; sort by
+            ``RMS(q^_d) + RMS(k^_d)`` of the l2-normalised q and k), ``"qk_gram"`` (greedy on ``Cq * Ck``,
+            the energy of the q^.k^ products), ``"qk_energy"`` (sort by ``E[q^_d^2] E[k^_d^2]``),
+            ``"q_energy"`` or ``"k_energy"``.
+        value_dim_measure: ``projection`` only, how value channels are ordered: ``"head_rms"`` (default;
+            sort by ``sum_h RMS(W[:, (h, e)] o_(h, e))``), ``"energy"`` (sort by the energy of the channel's
+            projected contribution summed over heads, ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``) or
+            ``"gram"`` (greedy on the full value-channel Gram; needs the full ``[Hv*dv]^2`` second moment
+            of the ``out_proj`` input per layer, ``(Hv*dv)^2`` per token and as much memory).
 
     Returns:
         ``{"format", "version", "method", "num_tokens", "seed", "layers": {prefix: payload}}``.
