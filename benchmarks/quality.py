@@ -13,8 +13,9 @@ increase over the unpruned model for
   order and the reversed default order;
 * ``--random-orders`` random orders: mean, standard deviation, best, and for each method the share of
   random orders it beats;
-* reference optima, searched on training text (``--search-windows`` windows, disjoint from nothing the
-  scorer sees, but not the validation text, so the reference does not fit the evaluation windows):
+* reference optima, searched on ``--search-windows`` evenly spaced windows of the training text (the
+  text the scorer calibrates on), not on the validation text, so the references do not fit the
+  evaluation windows:
   - per-layer optimum, the issue's definition: every layer searched alone with the others unpruned
     (key groups: every subset; lanes: every choice per group), the per-layer winners combined;
   - joint optimum: key groups, every subset of every layer jointly (exhaustive); lanes, coordinate
@@ -29,8 +30,9 @@ least 70% of the gap on key groups and lanes, and is no worse than ``activation`
 
 Usage::
 
-    python benchmarks/quality.py                     # defaults: about 10 minutes on 2 busy CPU cores
-    python benchmarks/quality.py --no-optimum --no-variants        # about 3 minutes
+    python benchmarks/quality.py                     # defaults: 10-25 minutes on 2 shared CPU cores
+    python benchmarks/quality.py --search-windows 8  # noisier optimum searches, about 9 minutes
+    python benchmarks/quality.py --no-optimum --no-variants        # about 2 minutes
 """
 
 from __future__ import annotations
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)")
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
     p.add_argument("--val-windows", type=int, default=48, help="validation windows (default 48)")
-    p.add_argument("--search-windows", type=int, default=8, help="training-text windows for the optimum searches (default 8)")
+    p.add_argument("--search-windows", type=int, default=16, help="training-text windows for the optimum searches (default 16)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per validation / search window (default 256)")
     p.add_argument("--random-orders", type=int, default=20, help="random orders per target (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")

@@ -358,13 +358,16 @@ class _LayerScorer:
             self._acc("channel_moments", torch.bmm(per_dim, per_dim.transpose(1, 2)))
         else:
             self._acc("out_sq", x.pow(2).sum(0))  # [Hv*dv]
-        # per-head contributions c_h = W_h o_h [Hv, n, H] (in token chunks) -> head Gram [Hv, Hv]
-        W = _materialized_weight(self.out_proj).detach().to(x.device, x.dtype)
+        # per-head contributions c_h = W_h o_h [Hv, n, H] (in token chunks) -> head Gram [Hv, Hv]. Each
+        # entry of c sums dv products of one token, so c is computed in float32 like out_proj itself;
+        # the sum over tokens (the Gram) is taken in the Gram dtype (float64 on CPU).
+        W = _materialized_weight(self.out_proj).detach().to(x.device, torch.float32)
         W_heads = W.reshape(W.shape[0], Hv, dv).permute(1, 2, 0)  # [Hv, dv, H]
+        heads32 = heads.float()
         chunk = max(1, (1 << 24) // max(1, Hv * W.shape[0]))
         gram = torch.zeros(Hv, Hv, dtype=x.dtype, device=x.device)
         for start in range(0, heads.shape[0], chunk):
-            c = torch.bmm(heads[start : start + chunk].transpose(0, 1), W_heads).reshape(Hv, -1)
+            c = torch.bmm(heads32[start : start + chunk].transpose(0, 1), W_heads).reshape(Hv, -1).to(x.dtype)
             gram += c @ c.T
         self._acc("head_gram", gram)
 
