@@ -66,10 +66,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-import torch
-import torch.nn.functional as F
-
-from .gated_delta_net import GDNPermutation, GDNShape
 from .layouts import find_gdn_modules
 
 __all__ = [
@@ -129,6 +125,7 @@ def greedy_removal_order(gram: torch.Tensor) -> torch.Tensor:
     ties are broken towards keeping the lower index first. Leading dimensions are independent problems
     (e.g. one per key head), solved together.
     """
+    import torch
     gram = torch.as_tensor(gram).to(torch.float64)
     if gram.dim() < 2 or gram.shape[-1] != gram.shape[-2]:
         raise ValueError(f"gram must be a square matrix [..., n, n], got shape {list(gram.shape)}")
@@ -158,6 +155,7 @@ def greedy_lane_orders(gram: torch.Tensor, num_key_heads: int) -> torch.Tensor:
     lanes removed so far, cross-group terms included. After round ``k`` every group has lost ``k`` lanes,
     which is what a nested slice to ``r - k`` lanes per group drops, so the orders target that cut.
     """
+    import torch
     gram = torch.as_tensor(gram, dtype=torch.float64)
     Hv = gram.shape[0]
     if gram.shape != (Hv, Hv) or Hv % num_key_heads:
@@ -184,6 +182,7 @@ def greedy_lane_orders(gram: torch.Tensor, num_key_heads: int) -> torch.Tensor:
 
 def _descending(scores: torch.Tensor) -> torch.Tensor:
     """Order by descending score along the last axis; ties keep index order."""
+    import torch
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
@@ -209,6 +208,8 @@ class _LayerScorer:
 
     def __init__(self, prefix: str, module: torch.nn.Module, method: str, key_dim_measure: str,
                  value_dim_measure: str) -> None:
+        import torch
+        from .gated_delta_net import GDNShape
         self.prefix, self.module, self.method = prefix, module, method
         self.key_dim_measure, self.value_dim_measure = key_dim_measure, value_dim_measure
         self.shape = GDNShape.from_module(module)
@@ -254,6 +255,7 @@ class _LayerScorer:
         self._on_qk(output[..., : 2 * self.shape.key_dim])
 
     def _qkvz_hook(self, module, args, output) -> None:
+        import torch
         s = self.shape
         per_group = output.shape[-1] // s.num_key_heads
         grouped = output.reshape(*output.shape[:-1], s.num_key_heads, per_group)
@@ -265,6 +267,7 @@ class _LayerScorer:
         self._pending_q = output
 
     def _k_hook(self, module, args, output) -> None:
+        import torch
         q, self._pending_q = self._pending_q, None
         if q is None:  # pragma: no cover - q_proj always runs first
             raise RuntimeError(f"{self.prefix}: k_proj ran before q_proj")
@@ -277,6 +280,7 @@ class _LayerScorer:
 
     def _acc(self, name: str, value: torch.Tensor) -> None:
         """Add ``value`` to the float64 accumulator ``name`` (created on ``value``'s device)."""
+        import torch
         if name in self.stats:
             self.stats[name] += value
         else:
@@ -287,6 +291,8 @@ class _LayerScorer:
 
     def _on_qk(self, qk: torch.Tensor) -> None:
         """q/k projection output [B, T, 2*Hk*dk] (canonical [q | k]) -> post-conv q, k statistics."""
+        import torch
+        import torch.nn.functional as F
         from transformers.activations import ACT2FN
 
         s = self.shape
@@ -326,6 +332,7 @@ class _LayerScorer:
 
     def _on_out(self, o: torch.Tensor) -> None:
         """out_proj input [B, T, Hv*dv] -> value head / value channel statistics."""
+        import torch
         o = o.detach()
         B, T, V = o.shape[0], o.shape[1], o.shape[-1]
         mask = self._mask_on(o.device)
@@ -374,12 +381,14 @@ class _LayerScorer:
     @staticmethod
     def _gram_dtype(device: torch.device) -> torch.dtype:
         """float64 products on CPU; float32 products (added to float64 sums) on accelerators."""
+        import torch
         return torch.float64 if device.type == "cpu" else torch.float32
 
     # results -------------------------------------------------------------------------------------
 
     def payload(self) -> dict[str, Any]:
         """The layer's score payload (orders, raw scores, geometry)."""
+        import torch
         if self.num_tokens == 0:
             raise ValueError(f"{self.prefix}: no calibration tokens reached this GDN layer")
         s = self.shape
@@ -473,6 +482,7 @@ class _LayerScorer:
 
 def _input_device(model: torch.nn.Module) -> torch.device:
     """Device the input ids go to: the embedding's (its accelerate execution device when offloaded)."""
+    import torch
     try:
         emb = model.get_input_embeddings()
         device = emb.weight.device
@@ -486,6 +496,7 @@ def _input_device(model: torch.nn.Module) -> torch.device:
 
 def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``input_ids`` [B, T] and an optional ``attention_mask`` [B, T] from a tensor or a mapping."""
+    import torch
     if isinstance(batch, Mapping):
         ids, mask = batch.get("input_ids"), batch.get("attention_mask")
     else:
@@ -540,6 +551,8 @@ def score_model(
     Raises:
         ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
     """
+    import torch
+    from .gated_delta_net import GDNPermutation, GDNShape
     from tqdm.auto import tqdm
 
     if method not in METHODS:
@@ -614,6 +627,7 @@ def score_model(
 
 def scores_to_permutations(scores: Mapping[str, Any]) -> dict[str, GDNPermutation]:
     """``{prefix: GDNPermutation}`` from a scores-file dict (geometry read from each payload's ``shape``)."""
+    from .gated_delta_net import GDNPermutation, GDNShape
     out = {}
     for prefix, payload in _check_scores(scores)["layers"].items():
         out[prefix] = GDNPermutation.from_score_payload(payload, GDNShape(**payload["shape"]))
@@ -709,6 +723,7 @@ def _map_to_checkpoint(prefixes: list[str], stored: set[str] | None) -> dict[str
 
 def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: str | None):
     """Load a causal LM from ``model_dir`` for scoring (text part only for vision-language checkpoints)."""
+    import torch
     import transformers
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
