@@ -54,6 +54,7 @@ import collections
 import datetime
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -72,6 +73,7 @@ from .safetensors_io import (
     ShardHeader,
     TensorInfo,
     copy_range,
+    copy_runs,
     encode_header,
     header_size_bound,
     read_header,
@@ -353,7 +355,7 @@ class GDNLayer:
 
 
 def _config_shape(config: Mapping, where: Path):
-    from .gated_delta_net import GDNShape
+    from .geometry import GDNShape
 
     try:
         return GDNShape.from_config(config)
@@ -573,8 +575,11 @@ def _alias(prefix: str) -> str:
 
 
 def _resolve_permutations(permutations: Mapping | None, layers: list[GDNLayer]) -> tuple[dict, list[str]]:
-    """Map every entry to a layer (aliases allowed) and build GDNPermutations; also the layers lacking one."""
-    from .gated_delta_net import GDNPermutation
+    """Map every entry to a layer (aliases allowed) and validate its orders; also the layers lacking one.
+
+    Returns prefix -> the four orders (numpy, see :func:`gdnprune.geometry.orders_from_payload`).
+    """
+    from . import geometry
 
     if permutations is None:
         return {}, []
@@ -582,6 +587,8 @@ def _resolve_permutations(permutations: Mapping | None, layers: list[GDNLayer]) 
     by_alias = collections.defaultdict(list)
     for layer in layers:
         by_alias[_alias(layer.prefix)].append(layer.prefix)
+    # a GDNPermutation can only exist if its (torch) module was imported: no need to import it here
+    core = sys.modules.get("gdnprune.gated_delta_net")
     out: dict[str, Any] = {}
     for key, value in permutations.items():
         candidates = [key] if key in by_prefix else by_alias.get(_alias(key), []) if isinstance(key, str) else []
@@ -596,11 +603,11 @@ def _resolve_permutations(permutations: Mapping | None, layers: list[GDNLayer]) 
             raise ScoresError(f"scores entries {key!r} and another name the same GDN layer {prefix!r}")
         shape = by_prefix[prefix].shape
         try:
-            if isinstance(value, GDNPermutation):
+            if core is not None and isinstance(value, core.GDNPermutation):
                 value.indices(shape)  # checks the orders' sizes against the layer
-                out[prefix] = value
+                out[prefix] = value._numpy()
             elif isinstance(value, Mapping):
-                out[prefix] = GDNPermutation.from_score_payload(value, shape)
+                out[prefix] = geometry.orders_from_payload(value, shape)
             else:
                 raise ValueError(f"expected a GDNPermutation or a score payload, found {type(value).__name__}")
         except ValueError as exc:
@@ -611,7 +618,7 @@ def _resolve_permutations(permutations: Mapping | None, layers: list[GDNLayer]) 
 
 def _resolve_target(shape, target):
     """The target GDNShape (``shape`` when None), validated against ``shape``."""
-    from .gated_delta_net import GDNShape
+    from .geometry import GDNShape
 
     if target is None:
         return shape
@@ -653,8 +660,8 @@ def _resolve_target(shape, target):
 class _LayerPlan:
     layer: GDNLayer
     target: Any
-    indices: dict
-    permutation: Any  # GDNPermutation or None
+    indices: dict  # canonical indices for shape -> target, with didx (gdnprune.geometry.check_indices)
+    permutation: Any  # the four orders (numpy) or None
 
 
 @dataclass
@@ -745,12 +752,11 @@ def _write_header(plan: _ShardPlan) -> int:
 class _GDNWork:
     """The GDN half of a transform.
 
-    :meth:`prepare` (worker thread; imports torch) checks the copy plan against the layout tables, resolves
-    permutations and target, and places every output GDN tensor in its shard. Then :meth:`run` may be
-    called from several threads: each takes the next job (one on-disk tensor, or all pieces of a fused
-    tensor stored split), gathers it with :func:`~gdnprune.gated_delta_net.gather_gated_delta_net_tensor`
-    and writes it with ``pwrite`` at its final offset. Memory: one source tensor (memory-mapped) and its
-    gathered copy per running job.
+    :meth:`prepare` (worker thread) checks the copy plan against the layout tables, resolves permutations
+    and target, and places every output GDN tensor in its shard. Then :meth:`run` may be called from
+    several threads: each takes the next job (one on-disk tensor, or all pieces of a fused tensor stored
+    split) and writes it at its final offset (see :func:`_write_job`). No torch: the indices come from
+    :mod:`gdnprune.geometry` and the gathers are byte gathers on memory-mapped numpy views.
     """
 
     def __init__(self, ckpt: Checkpoint, shards: list[_ShardPlan], gdn_names: set[str], permutations, target):
@@ -771,7 +777,7 @@ class _GDNWork:
         self._shard_of: dict[str, _ShardPlan] = {}
 
     def prepare(self) -> None:
-        from .gated_delta_net import gated_delta_net_prefix_indices
+        from . import geometry
 
         layers, self.skipped = find_gdn_layers(self.ckpt)
         if {layer.name(s) for layer in layers for s in layer.tensors} != self.gdn_names:
@@ -781,9 +787,13 @@ class _GDNWork:
         owner = {}
         for layer in layers:
             t = _resolve_target(layer.shape, self.target_shape.as_dict())
-            perm = perms.get(layer.prefix)
-            indices = gated_delta_net_prefix_indices(layer.shape, t) if perm is None else perm.indices(layer.shape, target=t)
-            plan = self.plans[layer.prefix] = _LayerPlan(layer, t, indices, perm)
+            orders = perms.get(layer.prefix)
+            if orders is None:
+                indices = geometry.prefix_indices(layer.shape, t)
+            else:
+                indices = geometry.order_indices(orders, layer.shape, t)
+            plan = self.plans[layer.prefix] = _LayerPlan(layer, t, geometry.check_indices(indices, layer.shape, t),
+                                                         orders)
             owner.update({layer.name(s): (plan, s) for s in layer.tensors})
         jobs_seen = set()
         for shard in self.shards:
@@ -804,18 +814,7 @@ class _GDNWork:
 
     def run(self, after_job: Callable[[], None] | None = None) -> None:
         """Run jobs until none is left, :attr:`stop` is set or some thread failed."""
-        from safetensors import safe_open
-
-        handles: dict[int, Any] = {}
-
-        def read(name: str):
-            i = self.ckpt.shard_of(name)
-            if i not in handles:
-                if len(handles) >= 2:
-                    handles.pop(next(iter(handles))).__exit__(None, None, None)
-                handles[i] = safe_open(self.ckpt.shards[i].path, framework="pt").__enter__()
-            return handles[i].get_tensor(name)
-
+        files = _SourceFiles(self.ckpt)
         try:
             while not self.stop.is_set() and self.error is None:
                 with self.lock:
@@ -823,31 +822,134 @@ class _GDNWork:
                         return
                     plan, suffix = self.jobs[self.next_job]
                     self.next_job += 1
-                written = self._write(plan, _gather_on_disk(plan, suffix, read))
+                written = _write_job(plan, suffix, files, self._destination)
                 with self.lock:
                     self.bytes_done += written
                 if after_job is not None:
                     after_job()
         finally:
-            for h in handles.values():
-                h.__exit__(None, None, None)
+            files.close()
 
-    def _write(self, plan: _LayerPlan, tensors: dict[str, Any]) -> int:
-        import torch
+    def _destination(self, plan: _LayerPlan, suffix: str) -> tuple[str, int, tuple[int, ...]]:
+        """Output file, absolute offset and planned shape of on-disk tensor ``suffix`` of a layer."""
+        name = plan.layer.name(suffix)
+        shard = self._shard_of[name]
+        _, shape, begin, _ = shard.gdn_entries[name]
+        return shard.dst, shard.data_start + begin, shape
 
-        written = 0
-        for suffix, tensor in tensors.items():
-            name = plan.layer.name(suffix)
-            shard = self._shard_of[name]
-            dtype, shape, begin, end = shard.gdn_entries[name]
-            if tuple(tensor.shape) != tuple(shape):
-                raise RuntimeError(f"internal error: {name} gathered to {tuple(tensor.shape)}, planned {shape}")
-            fd = os.open(shard.dst, os.O_WRONLY | os.O_CREAT, 0o644)
+
+class _SourceFiles:
+    """Read-only descriptors and memory maps of the source shards, at most two open at a time per thread."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.open: dict[int, tuple[int, mmap.mmap]] = {}
+
+    def get(self, name: str) -> tuple[TensorInfo, int, mmap.mmap]:
+        i = self.ckpt.shard_of(name)
+        if i not in self.open:
+            if len(self.open) >= 2:
+                self._close(next(iter(self.open)))
+            fd = os.open(self.ckpt.shards[i].path, os.O_RDONLY)
             try:
-                written += write_all(fd, tensor.reshape(-1).view(torch.uint8).numpy(), shard.data_start + begin)
-            finally:
+                self.open[i] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+            except BaseException:
                 os.close(fd)
-        return written
+                raise
+        fd, mm = self.open[i]
+        return self.ckpt.tensor(name), fd, mm
+
+    def _close(self, i: int) -> None:
+        fd, mm = self.open.pop(i)
+        try:
+            mm.close()
+        except BufferError:  # a numpy view of it is still alive somewhere: the map closes when it dies
+            pass
+        os.close(fd)
+
+    def close(self) -> None:
+        for i in list(self.open):
+            self._close(i)
+
+
+#: Row runs shorter than this (bytes, on average) are gathered in memory instead of copied run by run.
+_MIN_MEAN_RUN = 64 << 10
+
+
+def _byte_view(info: TensorInfo, mm: mmap.mmap, axis: int):
+    """A zero-copy numpy view of a tensor's bytes in which gathering along ``axis`` is a byte gather.
+
+    Axis 0: ``[rows, row bytes]`` of uint8 (any dtype); other axes: the tensor's shape with an unsigned
+    integer of the dtype's width.
+    """
+    import numpy as np
+
+    bits = DTYPE_BITS[info.dtype]
+    if axis == 0:
+        rows = info.shape[0]
+        if rows == 0 or info.nbytes % rows:
+            raise CheckpointError(f"{info.name}: {info.dtype} rows of {info.shape} are not whole bytes")
+        return np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.start).reshape(rows, -1)
+    if bits not in (8, 16, 32, 64):
+        raise CheckpointError(f"{info.name}: cannot gather {info.dtype} elements along axis {axis}")
+    return np.frombuffer(mm, dtype=f"<u{bits // 8}", count=info.numel, offset=info.start).reshape(info.shape)
+
+
+def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) -> int:
+    """Gather on-disk tensor ``suffix`` of a layer (or all pieces of the split fused tensor ``suffix``) to
+    the plan's target and write it at its place in the output; returns the bytes written.
+
+    Row gathers whose rows come in long runs (slices, group-level permutations) are copied run by run in
+    the kernel (:func:`~gdnprune.safetensors_io.copy_runs`); others are gathered from the memory map with
+    ``numpy.take`` and written with ``pwrite``.
+    """
+    import numpy as np
+
+    from .layouts import get_layout, segment_size
+
+    layer = plan.layer
+    rule = get_layout(layer.layout).rule(suffix)
+    index = rule.gather_index(layer.shape, plan.target, plan.indices)
+    pieces = layer.splits.get(suffix, (suffix,))
+    infos = [files.get(layer.name(p)) for p in pieces]
+    for (info, _, _), p in zip(infos, pieces):
+        if len(info.shape) != rule.ndim:
+            raise CheckpointError(f"{info.name}: expected {rule.ndim} dimensions, found shape {info.shape}")
+    if len(pieces) == 1:
+        info, src_fd, mm = infos[0]
+        if info.shape[rule.axis] != rule.length(layer.shape):
+            raise CheckpointError(f"{info.name}: shape {info.shape} does not match the layer's geometry {layer.shape}")
+        dst, offset, shape = destination(plan, suffix)
+        if index.size != shape[rule.axis]:
+            raise RuntimeError(f"internal error: {info.name} gathers {index.size} rows, planned {shape}")
+        if rule.axis == 0 and index.size:
+            row = info.nbytes // info.shape[0]
+            starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)  # where a run of consecutive rows begins
+            if len(starts) * _MIN_MEAN_RUN <= index.size * row:
+                lengths = np.diff(starts, append=index.size)
+                fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    return copy_runs(src_fd, fd, info.start + index[starts] * row, offset + starts * row, lengths * row)
+                finally:
+                    os.close(fd)
+        out = {suffix: np.take(_byte_view(info, mm, rule.axis), index, axis=rule.axis)}
+    else:  # a fused tensor stored split (OLMo-hybrid's q/k/v conv): gather the concatenation, split again
+        whole = np.concatenate([_byte_view(info, mm, rule.axis) for info, _, mm in infos], axis=rule.axis)
+        gathered = np.take(whole, index, axis=rule.axis)
+        bounds = np.cumsum([segment_size(kind, plan.target) for kind in rule.segments])[:-1]
+        out = dict(zip(pieces, np.split(gathered, bounds, axis=rule.axis)))
+    written = 0
+    for p, array in out.items():
+        dst, offset, shape = destination(plan, p)
+        if array.shape[rule.axis] != shape[rule.axis]:
+            raise RuntimeError(f"internal error: {layer.name(p)} gathered to {array.shape}, planned {shape}")
+        data = np.ascontiguousarray(array)
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            written += write_all(fd, data.reshape(-1).view(np.uint8), offset)
+        finally:
+            os.close(fd)
+    return written
 
 
 def _fused_of(layer: GDNLayer, suffix: str) -> str | None:
@@ -870,27 +972,6 @@ def _out_shape(layer: GDNLayer, suffix: str, target) -> tuple[int, ...]:
     shape = list(layer.tensors[suffix].shape)
     shape[rule.axis] = length
     return tuple(shape)
-
-
-def _gather_on_disk(plan: _LayerPlan, suffix: str, read: Callable[[str], Any]) -> dict[str, Any]:
-    """Gather on-disk tensor ``suffix`` (or all pieces of the split fused tensor ``suffix``) of a layer.
-
-    Returns on-disk suffix -> gathered tensor.
-    """
-    import torch
-
-    from .gated_delta_net import gather_gated_delta_net_tensor
-    from .layouts import get_layout, segment_size
-
-    layer = plan.layer
-    kw = dict(layout=layer.layout, shape=layer.shape, target=plan.target, indices=plan.indices, prefix=layer.prefix)
-    if suffix not in layer.splits:
-        return {suffix: gather_gated_delta_net_tensor(suffix, read(layer.name(suffix)), **kw)}
-    rule = get_layout(layer.layout).rule(suffix)
-    pieces = layer.splits[suffix]
-    out = gather_gated_delta_net_tensor(suffix, torch.cat([read(layer.name(p)) for p in pieces], dim=rule.axis), **kw)
-    sizes = [segment_size(kind, plan.target) for kind in rule.segments]
-    return {p: t.contiguous() for p, t in zip(pieces, torch.split(out, sizes, dim=rule.axis))}
 
 
 def _check_paths(src: Path, out: Path, overwrite: bool) -> None:
@@ -1065,6 +1146,8 @@ def _transform(src: Path, out: Path, permutations, target, operation, overwrite,
 def _finish_folder(ckpt: Checkpoint, tmp: Path, work: _GDNWork, operation, permutations, target,
                    manifest_extra) -> dict:
     """Index, config, other files and manifest of the output folder."""
+    from .geometry import orders_to_payload
+
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     if ckpt.index is not None:
         index = json.loads(json.dumps(ckpt.index))
@@ -1111,7 +1194,7 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: _GDNWork, operation, permu
                 "layout": plan.layer.layout,
                 "shape": plan.layer.shape.as_dict(),
                 "target": plan.target.as_dict(),
-                "permutation": None if plan.permutation is None else plan.permutation.to_score_payload(),
+                "permutation": None if plan.permutation is None else orders_to_payload(plan.permutation),
             }
             for prefix, plan in work.plans.items()
         },

@@ -23,14 +23,17 @@ segment in turn: ``[q_g, k_g, v_g, z_g]``. Permuting and slicing are then one ga
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterable, Mapping
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
-# torch is imported inside the functions that need it, so reading the tables stays cheap.
+# This module does not import torch: the streaming checkpoint commands use it without loading torch.
 
 # Segment kinds and the index key each one gathers with (see gated_delta_net.indices).
 _SEGMENT_INDEX = {"q": "qidx", "k": "qidx", "v": "vidx", "h": "hidx", "d": "didx"}
@@ -72,42 +75,51 @@ class TensorRule:
         dims[self.axis] = str(self.length(shape))
         return "(" + ", ".join(dims) + ")"
 
-    def canonical_rows(self, shape) -> torch.Tensor:
-        """Canonical index of each physical row along ``axis`` (identity for a flat axis)."""
-        import torch
+    def canonical_rows(self, shape) -> np.ndarray:
+        """Canonical index of each physical row along ``axis`` (identity for a flat axis); read-only, cached."""
+        return _canonical_rows(self.segments, self.grouped, shape)
 
-        n = self.length(shape)
-        if not self.grouped:
-            return torch.arange(n)
-        Hk = shape.num_key_heads
-        per_group = torch.tensor([segment_size(k, shape) // Hk for k in self.segments])
-        seg_base = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), per_group[:-1] * Hk]), 0)
-        # physical row (g, s, i) -> canonical seg_base[s] + g * per_group[s] + i
-        seg_of_col = torch.repeat_interleave(torch.arange(len(self.segments)), per_group)
-        offset_in_seg = torch.arange(int(per_group.sum())) - torch.repeat_interleave(
-            torch.cumsum(per_group, 0) - per_group, per_group
-        )
-        g = torch.arange(Hk)[:, None]
-        return (seg_base[seg_of_col][None, :] + g * per_group[seg_of_col][None, :] + offset_in_seg).reshape(-1)
-
-    def gather_index(self, shape, target, indices: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def gather_index(self, shape, target, indices: Mapping[str, np.ndarray]) -> np.ndarray:
         """Physical rows of the source (geometry ``shape``) that make up the output (geometry ``target``).
 
-        ``indices`` holds the canonical index tensors (``qidx``, ``hidx``, ``vidx``, ``didx``) built for
-        ``shape`` -> ``target``; segment offsets are always taken from the full ``shape``.
+        ``indices`` holds the canonical index arrays (``qidx``, ``hidx``, ``vidx``, ``didx``, as from
+        :func:`gdnprune.geometry.check_indices`) built for ``shape`` -> ``target``; segment offsets are
+        always taken from the full ``shape``. Returns an int64 array.
         """
-        import torch
-
         parts, base = [], 0
         for kind in self.segments:
-            parts.append(indices[_SEGMENT_INDEX[kind]].to("cpu", torch.long) + base)
+            parts.append(np.asarray(indices[_SEGMENT_INDEX[kind]], dtype=np.int64) + base)
             base += segment_size(kind, shape)
-        canonical = torch.cat(parts)
+        canonical = np.concatenate(parts)
         if not self.grouped:
             return canonical
-        source_rows = torch.empty_like(src := self.canonical_rows(shape))
-        source_rows[src] = torch.arange(src.numel())  # canonical -> physical, source geometry
-        return source_rows[canonical[self.canonical_rows(target)]]
+        return _physical_rows(self.segments, shape)[canonical[self.canonical_rows(target)]]
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical_rows(segments: tuple[str, ...], grouped: bool, shape) -> np.ndarray:
+    n = sum(segment_size(kind, shape) for kind in segments)
+    if not grouped:
+        rows = np.arange(n)
+    else:
+        # physical row (g, s, i) -> canonical: segment s's start + g * (its rows per group) + i
+        Hk = shape.num_key_heads
+        per_group = [segment_size(kind, shape) // Hk for kind in segments]
+        starts = np.cumsum([0] + [p * Hk for p in per_group[:-1]])
+        g = np.arange(Hk)[:, None]
+        rows = np.concatenate([start + g * p + np.arange(p) for start, p in zip(starts, per_group)], axis=1).reshape(-1)
+    rows.setflags(write=False)
+    return rows
+
+
+@functools.lru_cache(maxsize=256)
+def _physical_rows(segments: tuple[str, ...], shape) -> np.ndarray:
+    """Inverse of a grouped axis's canonical rows: canonical index -> physical row."""
+    canonical = _canonical_rows(segments, True, shape)
+    rows = np.empty_like(canonical)
+    rows[canonical] = np.arange(canonical.size)
+    rows.setflags(write=False)
+    return rows
 
 
 @dataclass(frozen=True)

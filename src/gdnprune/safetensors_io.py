@@ -259,6 +259,33 @@ def copy_range(
             on_chunk(done)
 
 
+def copy_runs(src_fd: int, dst_fd: int, src_offsets, dst_offsets, lengths) -> int:
+    """Copy byte runs ``src_offsets[i] .. + lengths[i]`` of ``src_fd`` to ``dst_offsets[i]`` of ``dst_fd``.
+
+    One ``os.copy_file_range`` call per run with explicit offsets (the data stays in the kernel); where the
+    kernel or file system cannot, ``pread``/``pwrite``. Neither file position moves. Returns the bytes copied.
+    """
+    global _runs_in_kernel
+    total = 0
+    for src_off, dst_off, n in zip(map(int, src_offsets), map(int, dst_offsets), map(int, lengths)):
+        while n > 0:
+            done = None
+            if _runs_in_kernel:
+                try:
+                    done = os.copy_file_range(src_fd, dst_fd, min(n, _CHUNK), src_off, dst_off)
+                except (AttributeError, OSError) as exc:
+                    if isinstance(exc, OSError) and exc.errno not in _UNSUPPORTED:
+                        raise
+                    _runs_in_kernel = False
+            if done is None:
+                data = os.pread(src_fd, min(n, 16 << 20), src_off)
+                done = write_all(dst_fd, data, dst_off) if data else 0
+            if done == 0:
+                raise OSError(f"unexpected end of file while copying {n} bytes at offset {src_off}")
+            src_off, dst_off, n, total = src_off + done, dst_off + done, n - done, total + done
+    return total
+
+
 def _copy_file_range(src_fd: int, dst_fd: int, offset: int, n: int) -> int | None:
     try:
         return os.copy_file_range(src_fd, dst_fd, n, offset)
@@ -288,3 +315,4 @@ _UNSUPPORTED = {_errno.EXDEV, _errno.ENOSYS, _errno.EINVAL, _errno.EOPNOTSUPP, _
                 _errno.EPERM}
 _FALLBACKS = {_copy_file_range: _sendfile, _sendfile: _read_write}
 _copy_method = _copy_file_range
+_runs_in_kernel = True
