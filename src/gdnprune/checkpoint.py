@@ -12,20 +12,21 @@ Public API (the ``gdnprune`` subcommands are thin layers over it):
 How the engine streams. Every output shard has the same file name and holds the same tensors as the
 source shard. The bytes of tensors that are not GDN tensors (attention, MLP/MoE, embeddings, vision
 tower, ``mtp.*``) are copied from the source file to the output file by byte range in the kernel
-(``copy_file_range``), never through torch, so they come out byte-identical and do not count in the
-process memory. Only the GDN tensors are read (memory-mapped with ``safetensors.safe_open``) and
-gathered one at a time with :func:`gdnprune.gated_delta_net.gather_gated_delta_net_tensor`; a GDN layer
-whose tensors straddle two shards needs nothing special. Each output file is written as
+(``copy_file_range``), so they come out byte-identical and never enter the process. GDN tensors are
+gathered one at a time with the layout tables (:mod:`gdnprune.layouts`) and the canonical indices of
+:mod:`gdnprune.geometry` — the same ones the torch API uses — as byte gathers, which need no dtype
+support: a gather along rows whose source rows come in long runs (slices, group-level orders) is copied
+run by run in the kernel too; any other gather (``out_proj``'s columns, channel-level orders) reads the
+memory-mapped source with ``numpy.take`` and writes the result with ``pwrite``. A GDN layer whose
+tensors straddle two shards needs nothing special. Each output file is written as
 ``[header][unchanged tensors][GDN tensors]``: the header space is reserved up front (an upper bound,
 padded with spaces as safetensors allows) and filled in last.
 
 Two threads share the work. The main thread copies the unchanged bytes of every shard; meanwhile a
-worker thread imports torch (~1.5 s of CPU), validates the layers, then gathers the GDN tensors one by one
-and writes each with ``pwrite`` at its final offset (known in advance: the GDN part of a shard starts
-after its unchanged part); when the main thread is done copying it takes GDN tensors too. The headers
-are written last. The main thread plans the copy from the layout tables' marker suffixes
-(:mod:`gdnprune.layouts` does not import torch), so it starts copying before torch is loaded.
-Peak memory is torch plus, per thread, one source tensor (memory-mapped) and its gathered copy.
+worker thread validates the layers, then writes the GDN tensors one by one at their final offsets
+(known in advance: the GDN part of a shard starts after its unchanged part); when the main thread is
+done copying it takes GDN tensors too. The headers are written last. ``sort`` and ``slice`` do not
+import torch (only numpy); peak memory is, per thread, one gathered tensor plus the mapped source pages.
 
 Output folders are written to a temporary folder next to the output and renamed into place when
 complete; a failure or an interrupt removes it. The manifest ``gdnprune.json`` records what was done.
