@@ -8,9 +8,9 @@ target, every GDN layer is permuted by an order and sliced to the target in memo
 model built from the edited config, and scored on the validation text. Reported: the validation loss
 increase over the unpruned model for
 
-* each scoring method (``projection`` = the default, ``activation``), projection variants that justify
-  the default's choices, and one experiment (a loss-aware Gram, see :func:`fisher_orders`); the identity
-  order and the reversed default order;
+* each scoring method (``projection`` = the default, ``activation``) and projection variants that justify
+  the default's choices (the measures of :func:`gdnprune.scoring.score_model`); the identity order and the
+  reversed default order;
 * ``--random-orders`` random orders: mean, standard deviation, best, and for each method the share of
   random orders it beats;
 * reference optima, searched on ``--search-windows`` evenly spaced windows of the training text (the
@@ -53,12 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
 from gdnprune.layouts import find_gdn_modules  # noqa: E402
-from gdnprune.scoring import (  # noqa: E402
-    greedy_lane_orders,
-    greedy_removal_order,
-    score_model,
-    scores_to_permutations,
-)
+from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 
 AXES = ("key_groups", "value_lanes", "key_dim", "value_dim")
 AXIS_FIELD = {"key_groups": "num_key_heads", "key_dim": "key_head_dim", "value_dim": "value_head_dim"}
@@ -70,6 +65,10 @@ METHODS = {
     "activation": dict(method="activation"),
 }
 VARIANTS = {
+    "proj., lanes by energy Gram": dict(method="projection", lane_measure="energy_gram"),
+    "proj., lanes by loss Gram on every token": dict(method="projection", loss_token_stride=1),
+    "proj., key groups by loss Gram": dict(method="projection", key_group_measure="loss_gram"),
+    "proj., value dims by loss Gram": dict(method="projection", value_dim_measure="loss_gram"),
     "proj., value dims by energy": dict(method="projection", value_dim_measure="energy"),
     "proj., value dims by full Gram": dict(method="projection", value_dim_measure="gram"),
     "proj., key dims by q^.k^ Gram": dict(method="projection", key_dim_measure="qk_gram"),
@@ -77,7 +76,6 @@ VARIANTS = {
     "proj., key dims by E[q^2]": dict(method="projection", key_dim_measure="q_energy"),
     "proj., key dims by E[k^2]": dict(method="projection", key_dim_measure="k_energy"),
 }
-EXPERIMENT = "exp.: loss-aware Gram"
 
 
 class Evaluator:
@@ -247,62 +245,6 @@ def leave_one_out_value_dims(ev: Evaluator) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# experiment: a loss-aware Gram
-
-
-@torch.no_grad()
-def fisher_orders(model, batches, base_perms: dict) -> dict:
-    """Experiment: the projection greedy on a loss-aware Gram instead of the plain contribution Gram.
-
-    ``F[h, k] = sum_t (g_t . c_h(t)) (g_t . c_k(t))`` where ``g_t`` is the gradient of the next-token loss
-    with respect to the final residual stream, in closed form through the final RMSNorm and ``lm_head``
-    (forward only; the "direct path": later layers are treated as the identity). Lanes, key groups and
-    value channels (``sum_t (g_t . s_e)(g_t . s_f)``) use it; key channels stay as in ``base_perms``.
-    """
-    mods = find_gdn_modules(model)
-    shape = GDNShape.from_config(model.config)
-    Hk, Hv, r, dv = shape.num_key_heads, shape.num_value_heads, shape.value_heads_per_group, shape.value_head_dim
-    seen, heads, dims = {}, {p: 0 for p, _ in mods}, {p: 0 for p, _ in mods}
-    hooks = [m.out_proj.register_forward_pre_hook(lambda mod, a, p=p: seen.__setitem__(p, a[0])) for p, m in mods]
-    norm = model.model.norm
-    hooks.append(norm.register_forward_pre_hook(lambda mod, a: seen.__setitem__("final", a[0])))
-    gamma = 1 + norm.weight.double()  # Qwen3.5 RMSNorm scales by (1 + weight)
-    U = model.lm_head.weight.double()
-    try:
-        for ids in batches:
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            h = seen["final"].double().reshape(-1, U.shape[1])
-            inv = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
-            xh = h * inv
-            delta = ((xh * gamma) @ U.T).softmax(-1)
-            target = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -1)], 1).reshape(-1)
-            valid = target >= 0
-            delta[valid, target[valid]] -= 1
-            delta[~valid] = 0
-            a = (delta @ U) * gamma
-            g = (a - xh * (a * xh).mean(-1, keepdim=True)) * inv  # d loss / d final residual
-            for p, m in mods:
-                o = seen[p].double().reshape(-1, Hv, dv)
-                q = (g @ m.out_proj.weight.double()).reshape(-1, Hv, dv) * o
-                gh, gd = q.sum(-1), q.sum(1)
-                heads[p] = heads[p] + gh.T @ gh
-                dims[p] = dims[p] + gd.T @ gd
-    finally:
-        for hook in hooks:
-            hook.remove()
-    out = {}
-    for p, _ in mods:
-        G = heads[p]
-        out[p] = _replace(
-            base_perms[p],
-            key_groups=greedy_removal_order(G.reshape(Hk, r, Hk, r).sum((1, 3))),
-            value_lanes=greedy_lane_orders(G, Hk),
-            value_dim=greedy_removal_order(dims[p]),
-        )
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
 
 
 def targets(shape: GDNShape, combined: GDNShape) -> list[tuple[str, str, GDNShape]]:
@@ -367,8 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     methods = dict(METHODS) if args.no_variants else {**METHODS, **VARIANTS}
     for name, kwargs in methods.items():
         orders[name] = scores_to_permutations(score_model(model, batches, progress=False, **kwargs))
-    if not args.no_variants:
-        orders[EXPERIMENT] = fisher_orders(model, batches, orders["projection"])
     orders["identity"] = identity_perms(ev)
     orders["reversed projection"] = reversed_perms(orders["projection"])
     gen = torch.Generator().manual_seed(args.seed)

@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict
 from gdnprune.layouts import find_gdn_modules
@@ -20,6 +21,7 @@ from tiny_models import build_model, clone_state_dict, logits
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 KERNEL_MODULE = {
     "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_5_vl": "transformers.models.qwen3_5.modeling_qwen3_5",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
     "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
 }
@@ -112,13 +114,31 @@ def test_payloads_sort_model_and_preserve_logits(model_type, method, ids):
 # hook correctness against the tensors the kernel and out_proj actually see
 
 
+def _direct_loss_gradients(model, ids: torch.Tensor) -> torch.Tensor:
+    """d(summed next-token loss)/d(final norm input) [B, T, H] by autograd through the real model."""
+    seen = {}
+    norm = model.get_decoder().norm
+    handle = norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("h", a[0]))
+    try:
+        with torch.enable_grad():
+            out = model(input_ids=ids, use_cache=False)
+            loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+            (grad,) = torch.autograd.grad(loss, seen["h"])
+    finally:
+        handle.remove()
+    return grad.detach()
+
+
 @pytest.mark.parametrize(
-    "model_type,value_measure,key_measure",
-    [("qwen3_5", "head_rms", "qk_rms"), ("qwen3_5", "gram", "qk_gram"), ("qwen3_next", "energy", "qk_energy"),
-     ("olmo_hybrid", "head_rms", "qk_gram")],
+    "model_type,value_measure,key_measure,extra",
+    [("qwen3_5", "head_rms", "qk_rms", {}), ("qwen3_5", "gram", "qk_gram", {"loss_token_stride": 1}),
+     ("qwen3_5_vl", "loss_gram", "qk_rms", {"key_group_measure": "loss_gram", "loss_token_stride": 3}),
+     ("qwen3_next", "energy", "qk_energy", {"lane_measure": "energy_gram"}),
+     ("olmo_hybrid", "head_rms", "qk_gram", {})],
 )
-def test_projection_statistics_match_brute_force(model_type, value_measure, key_measure, ids, monkeypatch):
+def test_projection_statistics_match_brute_force(model_type, value_measure, key_measure, extra, ids, monkeypatch):
     model = build_model(model_type, SHAPE)
+    grads = _direct_loss_gradients(model, ids)
     modeling = importlib.import_module(KERNEL_MODULE[model_type])
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     kernel = modeling.torch_chunk_gated_delta_rule
@@ -134,7 +154,7 @@ def test_projection_statistics_match_brute_force(model_type, value_measure, key_
     handle = out_proj.register_forward_pre_hook(lambda m, a: outs.append(a[0].detach().clone()))
     try:
         payload = _score(model, ids, "projection", batch_size=4, value_dim_measure=value_measure,
-                         key_dim_measure=key_measure)["layers"][prefix]
+                         key_dim_measure=key_measure, **extra)["layers"][prefix]
     finally:
         handle.remove()
 
@@ -146,15 +166,30 @@ def test_projection_statistics_match_brute_force(model_type, value_measure, key_
     N = o.shape[0]
     W = out_proj.weight.detach().double().reshape(-1, SHAPE.num_value_heads, SHAPE.value_head_dim)
     contrib = torch.einsum("nhe,khe->nhk", o, W)  # per-head contributions [N, Hv, H]
-    close("value_lane_scores", contrib.pow(2).sum(-1).mean(0).reshape(2, 2))
-    close("key_group_scores", contrib.reshape(N, 2, 2, -1).sum(2).pow(2).sum(-1).mean(0))
     per_dim = torch.einsum("nhe,khe->nek", o, W)  # per-value-channel contributions summed over heads
-    dim_gram = torch.einsum("nek,nfk->ef", per_dim, per_dim)
+    # the loss-aware Grams: tokens t < T-1 with (t + window) % stride == 0, g . c summed over tokens
+    stride = extra.get("loss_token_stride", 8)
+    B, T = ids.shape
+    pos = torch.arange(T)[None, :] + torch.arange(B)[:, None]
+    chosen = ((pos % stride == 0) & (torch.arange(T) < T - 1)[None, :]).flatten()
+    g = grads.double().flatten(0, 1)[chosen]
+    g_heads = torch.einsum("nk,nhk->nh", g, contrib[chosen])
+    g_dims = torch.einsum("nk,nek->ne", g, per_dim[chosen])
+    loss_gram, loss_dim_gram = g_heads.T @ g_heads, g_dims.T @ g_dims
+    n_loss = int(chosen.sum())
+    assert payload.get("loss_tokens", n_loss) == n_loss
+    energy_gram = torch.einsum("nhk,ngk->hg", contrib, contrib)
+    lane_gram, lane_n = (energy_gram, N) if extra.get("lane_measure") == "energy_gram" else (loss_gram, n_loss)
+    group_gram, group_n = (loss_gram, n_loss) if extra.get("key_group_measure") == "loss_gram" else (energy_gram, N)
+    close("value_lane_scores", (lane_gram.diagonal() / lane_n).reshape(2, 2))
+    group_gram = group_gram.reshape(2, 2, 2, 2).sum((1, 3))
+    close("key_group_scores", group_gram.diagonal() / group_n)
+    dim_gram = loss_dim_gram if value_measure == "loss_gram" else torch.einsum("nek,nfk->ef", per_dim, per_dim)
     if value_measure == "head_rms":
         per_head_dim = o[..., None] * W.permute(1, 2, 0)  # [N, Hv, dv, H]: W[:, (h, e)] o_(h, e)
         value_scores = per_head_dim.pow(2).sum(-1).mean(0).sqrt().sum(0)
     else:
-        value_scores = dim_gram.diagonal() / N
+        value_scores = dim_gram.diagonal() / (n_loss if value_measure == "loss_gram" else N)
     close("value_dim_scores", value_scores)
 
     def l2(x):
@@ -166,9 +201,10 @@ def test_projection_statistics_match_brute_force(model_type, value_measure, key_
     key_scores = q_energy.sqrt() + k_energy.sqrt() if key_measure == "qk_rms" else q_energy * k_energy
     close("key_dim_scores", key_scores, rtol=1e-4)
     # the orders: greedy on the brute-force Gram matrices, or a sort by the scores
-    gram = torch.einsum("nhk,ngk->hg", contrib, contrib)
-    assert payload["value_lane_order_most_important_first"] == greedy_lane_orders(gram, 2).tolist()
-    expected_dims = greedy_removal_order(dim_gram) if value_measure == "gram" else value_scores.argsort(descending=True)
+    assert payload["value_lane_order_most_important_first"] == greedy_lane_orders(lane_gram, 2).tolist()
+    assert payload["key_group_order_most_important_first"] == greedy_removal_order(group_gram).tolist()
+    greedy_dims = value_measure in ("gram", "loss_gram")
+    expected_dims = greedy_removal_order(dim_gram) if greedy_dims else value_scores.argsort(descending=True)
     assert payload["value_dim_order_most_important_first"] == expected_dims.tolist()
     if key_measure == "qk_gram":
         expected_keys = [greedy_removal_order(qn[:, g].T @ qn[:, g] * (kn[:, g].T @ kn[:, g])).tolist()
@@ -183,18 +219,63 @@ def _zero_rows(param: torch.Tensor, rows) -> None:
         param[rows] = 0
 
 
-def test_zeroed_value_head_and_group_rank_last(ids):
+@pytest.mark.parametrize("lane_measure", ["loss_gram", "energy_gram"])
+def test_zeroed_value_head_and_group_rank_last(lane_measure, ids):
     model = build_model("qwen3_5", SHAPE)
     (p0, m0), (p1, m1) = find_gdn_modules(model)
     dv = SHAPE.value_head_dim
     with torch.no_grad():
         m0.out_proj.weight[:, 1 * dv : 2 * dv] = 0  # value head 1 = group 0, lane 1
         m1.out_proj.weight[:, 0 : 2 * dv] = 0  # both heads of group 0
-    layers = _score(model, ids)["layers"]
+    scores = _score(model, ids, lane_measure=lane_measure)
+    assert scores["measures"]["value_lane"] == lane_measure
+    layers = scores["layers"]
     assert layers[p0]["value_lane_order_most_important_first"][0][-1] == 1
     assert layers[p0]["value_lane_scores"][0][1] == 0.0
+    assert layers[p1]["value_lane_scores"][0] == [0.0, 0.0]
+    assert min(layers[p1]["value_lane_scores"][1]) > 0
     assert layers[p1]["key_group_order_most_important_first"][-1] == 0
     assert layers[p1]["key_group_scores"][0] == 0.0
+
+
+def test_loss_aware_lanes_discount_output_the_head_cannot_see(ids):
+    """Lane 0 of group 1 writes 4x the energy of lane 1, but only into hidden dims that no other module
+    writes, the final norm zeroes and lm_head ignores (the loss sees them only through the norm's scale):
+    first by energy, last by the loss-aware Gram."""
+    model = build_model("qwen3_5", SHAPE)
+    (_, m0), (prefix, m) = find_gdn_modules(model)
+    dv, dead = SHAPE.value_head_dim, slice(0, 8)
+    hidden = model.config.hidden_size
+    writers = [x for x in model.model.modules() if isinstance(x, torch.nn.Linear) and x.out_features == hidden]
+    assert len(writers) == 8  # 2 GDN out_proj, 2 attention o_proj, 4 MLP down_proj
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, dead] = 0
+        for writer in writers:
+            writer.weight[dead] = 0
+        model.model.norm.weight[dead] = -1.0  # Qwen3.5's norm scales by (1 + weight)
+        model.lm_head.weight[:, dead] = 0
+        w = m.out_proj.weight
+        w[:, 2 * dv : 3 * dv] = 0
+        w[dead, 2 * dv : 3 * dv] = torch.randn(8, dv, generator=torch.Generator().manual_seed(3))
+    e0, e1 = _score(model, ids, lane_measure="energy_gram")["layers"][prefix]["value_lane_scores"][1]
+    with torch.no_grad():
+        w[:, 2 * dv : 3 * dv] *= (4 * e1 / e0) ** 0.5  # lane 0's output energy: 4x lane 1's
+    energy = _score(model, ids, lane_measure="energy_gram")["layers"][prefix]
+    loss = _score(model, ids, lane_measure="loss_gram")["layers"][prefix]
+    e0, e1 = energy["value_lane_scores"][1]
+    assert e0 == pytest.approx(4 * e1, rel=1e-6)
+    assert energy["value_lane_order_most_important_first"][1] == [0, 1]
+    assert loss["value_lane_order_most_important_first"][1] == [1, 0]
+    l0, l1 = loss["value_lane_scores"][1]
+    assert l0 < 0.6 * l1
+
+
+def test_models_without_a_final_norm_fall_back_to_the_energy_gram(ids):
+    model = build_model("qwen4_exp", SHAPE)  # hyper-connections: no decoder.norm before lm_head
+    with pytest.warns(RuntimeWarning, match="no final norm"):
+        fallback = _score(model, ids)
+    assert fallback["measures"]["value_lane"] == "energy_gram"
+    assert fallback["layers"] == _score(model, ids, lane_measure="energy_gram")["layers"]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
@@ -266,11 +347,15 @@ def test_orders_follow_a_function_preserving_permutation(ids):
         assert V[new["value_dim_order_most_important_first"]].tolist() == old["value_dim_order_most_important_first"]
 
 
-@pytest.mark.parametrize("method", ["projection", "activation"])
-def test_batch_size_invariance(method, ids):
+@pytest.mark.parametrize(
+    "method,extra",
+    [("projection", {}), ("activation", {}),
+     ("projection", {"value_dim_measure": "loss_gram", "key_group_measure": "loss_gram", "loss_token_stride": 5})],
+)
+def test_batch_size_invariance(method, extra, ids):
     model = build_model("qwen3_5", SHAPE)
-    one = _score(model, ids, method, batch_size=1)
-    four = _score(model, ids, method, batch_size=4)
+    one = _score(model, ids, method, batch_size=1, **extra)
+    four = _score(model, ids, method, batch_size=4, **extra)
     assert one["num_tokens"] == four["num_tokens"] == ids.numel()
     for prefix, a in one["layers"].items():
         b = four["layers"][prefix]
@@ -312,6 +397,12 @@ def test_bad_arguments_raise_value_error(ids):
     model = build_model("qwen3_5", SHAPE)
     with pytest.raises(ValueError, match="unknown scoring method"):
         score_model(model, [ids], method="magnitude", progress=False)
+    with pytest.raises(ValueError, match="unknown lane_measure"):
+        score_model(model, [ids], lane_measure="fisher", progress=False)
+    with pytest.raises(ValueError, match="loss_token_stride"):
+        score_model(model, [ids], loss_token_stride=0, progress=False)
+    with pytest.raises(ValueError, match="no token with a next-token target"):
+        score_model(model, [ids[:, :1]], progress=False)
     with pytest.raises(ValueError, match="no calibration tokens"):
         score_model(model, [], progress=False)
     with pytest.raises(ValueError, match="no GatedDeltaNet layers"):

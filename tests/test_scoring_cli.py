@@ -96,22 +96,27 @@ def test_activation_method_and_device_map_auto(model_dir, text_file, tmp_path):
     assert all(len(p["value_dim_order_most_important_first"]) == SHAPE.value_head_dim for p in scores["layers"].values())
 
 
-def test_layers_split_over_devices_with_offload(model_dir, text_file, tmp_path):
-    """accelerate dispatch (real hooks; layer 2 offloaded to disk, so its weights sit on the meta device)."""
+@pytest.mark.parametrize("head_device", ["cpu", "disk"])
+def test_layers_split_over_devices_with_offload(head_device, model_dir, text_file, tmp_path):
+    """accelerate dispatch (real hooks; layer 2 offloaded to disk, so its weights sit on the meta device;
+    with ``head_device="disk"`` also the final norm and lm_head that the loss-aware lane Gram runs)."""
     device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-                  "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": "cpu",
-                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+                  "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": head_device,
+                  "model.rotary_emb": "cpu", "lm_head": head_device}
     dispatched = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, device_map=device_map, offload_folder=str(tmp_path / "offload"))
     gdn = dict(find_gdn_modules(dispatched))
     assert gdn["model.layers.2.linear_attn"].out_proj.weight.device.type == "meta"
     assert hasattr(gdn["model.layers.0.linear_attn"], "_hf_hook")
+    assert (dispatched.lm_head.weight.device.type == "meta") == (head_device == "disk")
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     windows = pack_windows(read_texts(text_file), build_byte_tokenizer(), seq_len=SEQ, num_samples=SAMPLES)
     batches = [windows[:2], windows[2:]]
     a = score_model(dispatched, batches, progress=False)
     b = score_model(plain, batches, progress=False)
+    assert a["measures"]["value_lane"] == "loss_gram"
     for prefix, pa in a["layers"].items():
+        assert pa["loss_tokens"] > 0
         pb = b["layers"][prefix]
         for key in pa:
             if key.endswith("scores"):

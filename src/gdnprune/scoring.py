@@ -24,9 +24,24 @@ Methods:
   ``out_proj``-sized product) and accumulates ``G`` ([Hv, Hv], float64). Orders come from a greedy
   *conditional removal* (:func:`greedy_removal_order`): repeatedly drop the element whose removal least
   increases the energy of everything dropped so far; the reverse of the removal sequence is the
-  importance order. Key groups use the group-summed Gram; lanes are removed round by round, one lane from
-  every group per round, with the cross-group terms included (:func:`greedy_lane_orders`), which is
-  exactly what a nested slice to ``r'`` lanes per group drops. Value channels (one order for all heads,
+  importance order. Key groups use the group-summed Gram. Lanes use, by default, a *loss-aware* Gram
+  ``F[h, k] = sum_t (g_t . c_h) (g_t . c_k)``, where ``g_t`` is the gradient of token ``t``'s next-token
+  loss with respect to the final residual stream (the final norm's input), taken through the final norm
+  and ``lm_head`` only (the "direct path": the layers after this one are treated as the identity), so
+  ``-sum_{h in R} g_t . c_h`` is the first-order loss change of removing ``R`` and ``1^T F_RR 1`` its
+  energy. It is measured on one token in ``loss_token_stride`` (default 8; the next token of the same
+  window is the label): a pre-hook on the final norm keeps the final hidden state, and after each forward
+  the norm and ``lm_head`` are re-run on the chosen tokens, chunked so that at most ``2^22`` logits exist
+  at a time, and differentiated with respect to their input only (autograd; the loss in float32). Each
+  layer keeps its ``out_proj`` input at the chosen tokens until then. Lanes are removed round by round,
+  one lane from every group per round, with the cross-group terms included (:func:`greedy_lane_orders`),
+  which is exactly what a nested slice to ``r'`` lanes per group drops. The lanes of a group share their
+  key head and have close output energies, and which of them the loss needs is what the energy Gram
+  missed (BENCHMARKS.md); for key groups the energy Gram was better (``key_group_measure``), and
+  ``lane_measure="energy_gram"`` restores the plain Gram for lanes. Models without a final norm module
+  before ``lm_head`` (``get_decoder().norm``; e.g. Qwen4-exp, whose hyper-connection mixer replaces it)
+  fall back to the energy Gram with a ``RuntimeWarning``; the scores file records the measures used.
+  Value channels (one order for all heads,
   the norm weight is shared): by default each channel's projected contribution is measured per head, as
   its RMS over tokens ``|W[:, (h, e)]| RMS(o_(h, e))``, and summed over heads (an L1 over heads of
   per-head L2 norms), so that the one shared order serves every head instead of the few heads with the
@@ -63,6 +78,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -96,13 +112,16 @@ _ORDER_KEYS = (
     "value_dim_order_most_important_first",
 )
 _KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
-_VALUE_DIM_MEASURES = ("head_rms", "energy", "gram")
+_VALUE_DIM_MEASURES = ("head_rms", "energy", "gram", "loss_gram")
+_HEAD_MEASURES = ("loss_gram", "energy_gram")
 
 _SCORE_KIND = {
     "projection": (
-        "projection: key groups and lanes: mean squared norm per token of the element's own contribution "
-        "to the out_proj output (their orders come from the greedy conditional removal on the Gram matrix "
-        "and account for redundancy); key dims: the key_dim_measure (default RMS(q^_d) + RMS(k^_d) of the "
+        "projection: key groups (and lanes with lane_measure='energy_gram'): mean squared norm per token of "
+        "the element's own contribution to the out_proj output; lanes by default (lane_measure='loss_gram'): "
+        "mean over the loss tokens of (g . c_h)^2, g the next-token loss gradient at the final norm's input "
+        "(orders of both come from the greedy conditional removal on the Gram matrix and account for "
+        "redundancy); key dims: the key_dim_measure (default RMS(q^_d) + RMS(k^_d) of the "
         "l2-normalised q and k); value dims: the value_dim_measure (default sum over heads of "
         "RMS(W[:, (h, e)] o_(h, e)))"
     ),
@@ -207,11 +226,13 @@ class _LayerScorer:
     """Hooks and float64 statistics of one GDN layer."""
 
     def __init__(self, prefix: str, module: torch.nn.Module, method: str, key_dim_measure: str,
-                 value_dim_measure: str) -> None:
+                 value_dim_measure: str, lane_measure: str = "energy_gram",
+                 key_group_measure: str = "energy_gram") -> None:
         import torch
         from .gated_delta_net import GDNShape
         self.prefix, self.module, self.method = prefix, module, method
         self.key_dim_measure, self.value_dim_measure = key_dim_measure, value_dim_measure
+        self.lane_measure, self.key_group_measure = lane_measure, key_group_measure
         self.shape = GDNShape.from_module(module)
         children = dict(module.named_children())
         if "in_proj_qkv" in children:
@@ -234,7 +255,16 @@ class _LayerScorer:
         self.num_tokens = 0
         self.num_windows = 0
         self.token_mask: torch.Tensor | None = None  # [B, T] bool of the current batch, None = all tokens
+        self.loss_select: torch.Tensor | None = None  # [B, T] bool: tokens whose loss gradient is measured
+        self.loss_tokens = 0
         self._pending_q: torch.Tensor | None = None
+        self._pending_o: torch.Tensor | None = None  # out_proj input of the loss tokens [n, Hv*dv]
+
+    @property
+    def needs_loss_gradient(self) -> bool:
+        """Whether an order of this layer uses the loss-aware Gram (then :meth:`on_loss_gradient` must run)."""
+        return self.method == "projection" and "loss_gram" in (
+            self.lane_measure, self.key_group_measure, self.value_dim_measure)
 
     # hooks ---------------------------------------------------------------------------------------
 
@@ -348,6 +378,8 @@ class _LayerScorer:
                 means = (a * m).sum(1) / m.sum(1).clamp_min(1)
             self._acc("out_abs_mean_sq", (means.double() ** 2).sum(0))
             return
+        if self.loss_select is not None:
+            self._pending_o = o.reshape(B * T, V)[self.loss_select.to(o.device).reshape(-1)]
         x = o.reshape(B * T, V)
         if mask is not None:
             x = x[mask.reshape(-1)]
@@ -363,7 +395,7 @@ class _LayerScorer:
             # same-channel cross-head moments [dv, Hv, Hv]: enough for each value channel's own energy
             per_dim = heads.permute(2, 1, 0)
             self._acc("channel_moments", torch.bmm(per_dim, per_dim.transpose(1, 2)))
-        else:
+        elif self.value_dim_measure == "head_rms":
             self._acc("out_sq", x.pow(2).sum(0))  # [Hv*dv]
         # per-head contributions c_h = W_h o_h [Hv, n, H] (in token chunks) -> head Gram [Hv, Hv]. Each
         # entry of c sums dv products of one token, so c is computed in float32 like out_proj itself;
@@ -377,6 +409,36 @@ class _LayerScorer:
             c = torch.bmm(heads32[start : start + chunk].transpose(0, 1), W_heads).reshape(Hv, -1).to(x.dtype)
             gram += c @ c.T
         self._acc("head_gram", gram)
+
+    def on_loss_gradient(self, grad: torch.Tensor) -> None:
+        """Accumulate the loss-aware Grams from ``grad`` [n, H], the loss gradient at the selected tokens.
+
+        ``grad`` is the gradient of the next-token loss with respect to the final residual stream (input
+        of the final norm) at the tokens of ``loss_select``, in their order. Along the direct path a head's
+        contribution ``c_h`` changes the loss by about ``g . c_h``, so removing a set ``R`` changes it by
+        ``-sum_{h in R} g . c_h``, whose square summed over tokens is ``1^T F_RR 1`` with
+        ``F[h, k] = sum_t (g_t . c_h(t)) (g_t . c_k(t))``; the same for value channels with the channel's
+        contribution summed over heads.
+        """
+        import torch
+        o, self._pending_o = self._pending_o, None
+        if o is None or o.shape[0] == 0:
+            return
+        if o.shape[0] != grad.shape[0]:
+            raise RuntimeError(f"{self.prefix}: {o.shape[0]} out_proj tokens kept for {grad.shape[0]} loss gradients")
+        s = self.shape
+        Hv, dv = s.num_value_heads, s.value_head_dim
+        W = _materialized_weight(self.out_proj).detach()
+        # W^T g: the gradient at the out_proj input, then times the input: per (head, channel) terms of
+        # g . c_h (float32 products, like out_proj; sums over tokens in the Gram dtype)
+        terms = ((grad.to(W.device, torch.float32) @ W.float()).to(o.device) * o.float()).reshape(-1, Hv, dv)
+        dtype = self._gram_dtype(o.device)
+        per_head = terms.sum(-1).to(dtype)  # [n, Hv]: g . c_h
+        self._acc("loss_head_gram", per_head.T @ per_head)
+        if self.value_dim_measure == "loss_gram":
+            per_dim = terms.sum(1).to(dtype)  # [n, dv]: g . (channel e's contribution summed over heads)
+            self._acc("loss_dim_gram", per_dim.T @ per_dim)
+        self.loss_tokens += int(grad.shape[0])
 
     @staticmethod
     def _gram_dtype(device: torch.device) -> torch.dtype:
@@ -427,7 +489,20 @@ class _LayerScorer:
                     Ce = self.stats["channel_moments"]  # [dv, Hv, Hv]
                     W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
                     dim_energy = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * Ce).sum((1, 2))
+            lane_gram = head_gram
             group_gram = head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
+            lane_scale = group_scale = N
+            if self.needs_loss_gradient:
+                if self.loss_tokens == 0:
+                    raise ValueError(
+                        f"{self.prefix}: no token with a next-token target reached this GDN layer (the "
+                        "loss-aware Gram needs windows of at least 2 tokens)")
+                loss_gram = self.stats["loss_head_gram"]
+                if self.lane_measure == "loss_gram":
+                    lane_gram, lane_scale = loss_gram, self.loss_tokens
+                if self.key_group_measure == "loss_gram":
+                    group_gram = loss_gram.reshape(Hk, r, Hk, r).sum((1, 3))
+                    group_scale = self.loss_tokens
             if self.key_dim_measure == "qk_gram":
                 qk = self.stats["qk_moments"]  # [2, Hk, dk, dk]
                 q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
@@ -446,11 +521,13 @@ class _LayerScorer:
                 o_sq = self.stats["out_sq"].reshape(Hv, dv) / N
                 col_sq = W.pow(2).sum(0).reshape(Hv, dv)
                 value_measure = (col_sq * o_sq).sqrt().sum(0)
+            elif self.value_dim_measure == "loss_gram":
+                value_measure = self.stats["loss_dim_gram"].diagonal() / self.loss_tokens
             else:
                 value_measure = dim_energy / N
             scores = {
-                "key_group_scores": group_gram.diagonal() / N,
-                "value_lane_scores": (head_gram.diagonal() / N).reshape(Hk, r),
+                "key_group_scores": group_gram.diagonal() / group_scale,
+                "value_lane_scores": (lane_gram.diagonal() / lane_scale).reshape(Hk, r),
                 "key_dim_scores": key_measure,
                 "value_dim_scores": value_measure,
             }
@@ -460,11 +537,13 @@ class _LayerScorer:
                 key_dims = _descending(key_measure)
             if self.value_dim_measure == "gram":
                 value_dims = greedy_removal_order(dim_gram)
+            elif self.value_dim_measure == "loss_gram":
+                value_dims = greedy_removal_order(self.stats["loss_dim_gram"])
             else:
                 value_dims = _descending(value_measure)
             orders = {
                 "key_group_order_most_important_first": greedy_removal_order(group_gram),
-                "value_lane_order_most_important_first": greedy_lane_orders(head_gram, Hk),
+                "value_lane_order_most_important_first": greedy_lane_orders(lane_gram, Hk),
                 "key_dim_order_most_important_first": key_dims,
                 "value_dim_order_most_important_first": value_dims,
             }
@@ -473,6 +552,8 @@ class _LayerScorer:
         payload["shape"] = s.as_dict()
         payload["layout"] = self.layout
         payload["num_tokens"] = self.num_tokens
+        if self.needs_loss_gradient:
+            payload["loss_tokens"] = self.loss_tokens
         return payload
 
 
@@ -492,6 +573,106 @@ def _input_device(model: torch.nn.Module) -> torch.device:
         hook = getattr(emb, "_hf_hook", None)
         device = torch.device(getattr(hook, "execution_device", None) or "cpu")
     return device
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    """Device a module computes on: its accelerate execution device when it has one, else its weights'."""
+    import torch
+    hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(hook_device if not isinstance(hook_device, int) else f"cuda:{hook_device}")
+    for tensor in module.parameters():
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | str:
+    """``(final norm, lm_head)`` of a causal LM, or a string saying why they were not found.
+
+    The final norm is the decoder's ``norm`` (``model.model.norm``; ``model.model.language_model.norm``
+    for the vision-language models, found through ``get_decoder()``), the head ``get_output_embeddings()``.
+    """
+    import torch
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    if head is None or getattr(head, "weight", None) is None:
+        return f"{type(model).__name__} has no output embeddings (lm_head)"
+    decoder = None
+    for get in (lambda: model.get_decoder(), lambda: model.model, lambda: model.model.language_model):
+        try:
+            candidate = get()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        if candidate is not None and isinstance(getattr(candidate, "norm", None), torch.nn.Module):
+            decoder = candidate
+            break
+    if decoder is None:
+        return f"{type(model).__name__} has no final norm before lm_head (decoder.norm)"
+    return decoder.norm, head
+
+
+def _loss_gradient(norm, head, hidden: torch.Tensor, targets: torch.Tensor, max_logits: int = 1 << 22) -> torch.Tensor:
+    """Gradient of the summed next-token loss of ``lm_head(norm(hidden))`` with respect to ``hidden`` [n, H].
+
+    Token chunks of at most ``max_logits`` logits at a time (the vocabulary may have 150K+ entries); the
+    cross-entropy in float32, the returned gradient float32 on ``hidden``'s device. Only the input
+    gradient is taken (no weight gradients are computed).
+    """
+    import torch
+    import torch.nn.functional as F
+    vocab = head.weight.shape[0]  # known on the meta device too
+    chunk = max(1, max_logits // max(1, vocab))
+    head_device = _module_device(head)
+    out = []
+    with torch.enable_grad():
+        for start in range(0, hidden.shape[0], chunk):
+            x = hidden[start : start + chunk].detach().requires_grad_(True)
+            logits = head(norm(x).to(head_device))
+            loss = F.cross_entropy(logits.float(), targets[start : start + chunk].to(logits.device), reduction="sum")
+            (grad,) = torch.autograd.grad(loss, x)
+            out.append(grad.float())
+    return torch.cat(out)
+
+
+def _loss_positions(ids: torch.Tensor, mask: torch.Tensor | None, first_window: int, stride: int) -> torch.Tensor:
+    """[B, T] bool: the tokens whose loss gradient is measured.
+
+    A token needs a next token in its window (both unmasked). Of those, one position in ``stride`` is
+    kept: position ``t`` of the window with running index ``w`` (over all calibration windows) when
+    ``(t + w) % stride == 0``, so the choice depends on the windows, not on how they are batched.
+    """
+    import torch
+    B, T = ids.shape
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    valid[:, :-1] = True
+    if mask is not None:
+        m = mask.cpu()
+        valid[:, :-1] &= m[:, :-1] & m[:, 1:]
+    pos = torch.arange(T)[None, :] + (first_window + torch.arange(B))[:, None]
+    return valid & (pos % stride == 0)
+
+
+def _measure_loss_gradient(head, hidden, ids, select, scorers) -> None:
+    """The loss gradient at the selected tokens of a batch, handed to every layer scorer."""
+    import torch
+    if hidden is None or tuple(hidden.shape[:2]) != tuple(ids.shape):
+        found = None if hidden is None else list(hidden.shape)
+        raise RuntimeError(f"the final norm saw hidden states {found}, expected [batch, tokens, hidden] "
+                           f"for input_ids {list(ids.shape)}")
+    targets = torch.zeros_like(ids)
+    targets[:, :-1] = ids[:, 1:]
+    flat = select.reshape(-1)
+    if not bool(flat.any()):  # e.g. one-token windows: nothing to measure in this batch
+        for scorer in scorers:
+            scorer.on_loss_gradient(hidden.new_zeros(0, hidden.shape[-1], dtype=torch.float32))
+        return
+    chosen = hidden.detach().reshape(-1, hidden.shape[-1])[flat.to(hidden.device)]
+    grad = _loss_gradient(head[0], head[1], chosen, targets.reshape(-1)[flat])
+    for scorer in scorers:
+        scorer.on_loss_gradient(grad)
 
 
 def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -523,6 +704,9 @@ def score_model(
     total: int | None = None,
     key_dim_measure: str = "qk_rms",
     value_dim_measure: str = "head_rms",
+    lane_measure: str = "loss_gram",
+    key_group_measure: str = "energy_gram",
+    loss_token_stride: int = 8,
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
 
@@ -543,10 +727,19 @@ def score_model(
             sort by ``sum_h RMS(W[:, (h, e)] o_(h, e))``), ``"energy"`` (sort by the energy of the channel's
             projected contribution summed over heads, ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``) or
             ``"gram"`` (greedy on the full value-channel Gram; needs the full ``[Hv*dv]^2`` second moment
-            of the ``out_proj`` input per layer, ``(Hv*dv)^2`` per token and as much memory).
+            of the ``out_proj`` input per layer, ``(Hv*dv)^2`` per token and as much memory) or
+            ``"loss_gram"`` (greedy on the loss-aware channel Gram ``sum_t (g_t . s_e)(g_t . s_f)``, ``s_e``
+            channel ``e``'s contribution summed over heads).
+        lane_measure: ``projection`` only, the Gram behind the lane orders: ``"loss_gram"`` (default; the
+            loss-aware Gram, see the module docs) or ``"energy_gram"`` (the contribution Gram).
+        key_group_measure: ``projection`` only, the same choice for key groups (default ``"energy_gram"``).
+        loss_token_stride: measure the loss gradient on one token in this many (default 8); the cost is
+            two ``lm_head``-sized products per measured token, the memory each layer's ``out_proj`` input at
+            the measured tokens of one batch.
 
     Returns:
-        ``{"format", "version", "method", "num_tokens", "seed", "layers": {prefix: payload}}``.
+        ``{"format", "version", "method", "num_tokens", "seed", "layers": {prefix: payload}}``, with
+        ``"measures"`` (the measures used, after any fallback) for ``projection``.
 
     Raises:
         ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
@@ -561,6 +754,11 @@ def score_model(
         raise ValueError(f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}")
     if value_dim_measure not in _VALUE_DIM_MEASURES:
         raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of {list(_VALUE_DIM_MEASURES)}")
+    for name, value in (("lane_measure", lane_measure), ("key_group_measure", key_group_measure)):
+        if value not in _HEAD_MEASURES:
+            raise ValueError(f"unknown {name} {value!r}; expected one of {list(_HEAD_MEASURES)}")
+    if int(loss_token_stride) < 1:
+        raise ValueError(f"loss_token_stride must be >= 1, got {loss_token_stride}")
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
@@ -590,7 +788,26 @@ def score_model(
             result["layers"][prefix] = payload
         return result
 
-    scorers = [_LayerScorer(p, m, method, key_dim_measure, value_dim_measure) for p, m in modules]
+    head = None
+    if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
+        head = _output_head(model)
+        if isinstance(head, str):
+            warnings.warn(
+                f"gdnprune score: {head}, so the loss-aware Gram cannot be computed; ordering with the energy "
+                "Gram (lanes, key groups) and head_rms (value channels) instead", RuntimeWarning, stacklevel=2)
+            lane_measure = "energy_gram" if lane_measure == "loss_gram" else lane_measure
+            key_group_measure = "energy_gram" if key_group_measure == "loss_gram" else key_group_measure
+            value_dim_measure = "head_rms" if value_dim_measure == "loss_gram" else value_dim_measure
+            head = None
+    if method == "projection":
+        result["measures"] = {
+            "key_group": key_group_measure, "value_lane": lane_measure, "key_dim": key_dim_measure,
+            "value_dim": value_dim_measure,
+        }
+        if head is not None:
+            result["measures"]["loss_token_stride"] = int(loss_token_stride)
+    scorers = [_LayerScorer(p, m, method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure)
+               for p, m in modules]
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
     extra = {"use_cache": False}
@@ -601,20 +818,30 @@ def score_model(
         pass
     device = _input_device(model)
     handles = []
+    final: dict[str, torch.Tensor] = {}
+    windows_seen = 0
     was_training = model.training
     model.eval()
     try:
         for scorer in scorers:
             handles.extend(scorer.attach())
+        if head is not None:
+            handles.append(head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0])))
         with torch.no_grad():
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
                 ids, mask = _unpack_batch(batch)
+                select = None if head is None else _loss_positions(ids, mask, windows_seen, int(loss_token_stride))
+                windows_seen += ids.shape[0]
                 for scorer in scorers:
                     scorer.token_mask = mask
+                    scorer.loss_select = select
                 kwargs = dict(extra)
                 if mask is not None:
                     kwargs["attention_mask"] = mask.to(device).long()
+                final.clear()
                 model(input_ids=ids.to(device), **kwargs)
+                if head is not None:
+                    _measure_loss_gradient(head, final.pop("hidden", None), ids, select, scorers)
     finally:
         for handle in handles:
             handle.remove()
