@@ -15,9 +15,10 @@ tower, ``mtp.*``) are copied from the source file to the output file by byte ran
 (``copy_file_range``), so they come out byte-identical and never enter the process. GDN tensors are
 gathered one at a time with the layout tables (:mod:`gdnprune.layouts`) and the canonical indices of
 :mod:`gdnprune.geometry` — the same ones the torch API uses — as byte gathers, which need no dtype
-support: a gather along rows whose source rows come in long runs (slices, group-level orders) is copied
-run by run in the kernel too; any other gather (``out_proj``'s columns, channel-level orders) reads the
-memory-mapped source with ``numpy.take`` and writes the result with ``pwrite``. A GDN layer whose
+support: a gather along rows whose rows are at least a page long on average per run (the projections'
+rows, in whole runs for slices and group-level orders) is copied run by run in the kernel too; any
+other gather (``out_proj``'s columns, short rows like the conv's) reads the memory-mapped source with
+``numpy.take`` and writes the result with ``pwrite``. A GDN layer whose
 tensors straddle two shards needs nothing special. Each output file is written as
 ``[header][unchanged tensors][GDN tensors]``: the header space is reserved up front (an upper bound,
 padded with spaces as safetensors allows) and filled in last.
@@ -874,7 +875,9 @@ class _SourceFiles:
 
 
 #: Row runs shorter than this (bytes, on average) are gathered in memory instead of copied run by run.
-_MIN_MEAN_RUN = 64 << 10
+#: One ``copy_file_range`` call per 4 KiB row (a projection row at hidden size 2048, bf16) costs about what
+#: gathering and writing it from user space does (measured on the benchmark checkpoint), and uses no memory.
+_MIN_MEAN_RUN = 4096
 
 
 def _byte_view(info: TensorInfo, mm: mmap.mmap, axis: int):
@@ -900,9 +903,9 @@ def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) 
     """Gather on-disk tensor ``suffix`` of a layer (or all pieces of the split fused tensor ``suffix``) to
     the plan's target and write it at its place in the output; returns the bytes written.
 
-    Row gathers whose rows come in long runs (slices, group-level permutations) are copied run by run in
-    the kernel (:func:`~gdnprune.safetensors_io.copy_runs`); others are gathered from the memory map with
-    ``numpy.take`` and written with ``pwrite``.
+    Row gathers whose runs of consecutive rows average at least :data:`_MIN_MEAN_RUN` bytes are copied run
+    by run in the kernel (:func:`~gdnprune.safetensors_io.copy_runs`); others are gathered from the memory
+    map with ``numpy.take`` and written with ``pwrite``.
     """
     import numpy as np
 
