@@ -15,10 +15,10 @@ tower, ``mtp.*``) are copied from the source file to the output file by byte ran
 (``copy_file_range``), so they come out byte-identical and never enter the process. GDN tensors are
 gathered one at a time with the layout tables (:mod:`gdnprune.layouts`) and the canonical indices of
 :mod:`gdnprune.geometry` — the same ones the torch API uses — as byte gathers, which need no dtype
-support: a gather along rows whose rows are at least a page long on average per run (the projections'
-rows, in whole runs for slices and group-level orders) is copied run by run in the kernel too; any
-other gather (``out_proj``'s columns, short rows like the conv's) reads the memory-mapped source with
-``numpy.take`` and writes the result with ``pwrite``. A GDN layer whose
+support: a gather along rows (projections, conv, per-head vectors) writes the memory-mapped source rows,
+runs of consecutive rows coalesced, with vectored ``pwritev`` calls (one kernel copy, no gathered copy in
+memory); a gather along columns (``out_proj``) reads the memory-mapped source with ``numpy.take`` and
+writes the result with ``pwrite``. A GDN layer whose
 tensors straddle two shards needs nothing special. Each output file is written as
 ``[header][unchanged tensors][GDN tensors]``: the header space is reserved up front (an upper bound,
 padded with spaces as safetensors allows) and filled in last.
@@ -75,10 +75,10 @@ from .safetensors_io import (
     ShardHeader,
     TensorInfo,
     copy_range,
-    copy_runs,
     encode_header,
     header_size_bound,
     read_header,
+    write_vectors,
     write_all,
 )
 
@@ -841,43 +841,34 @@ class _GDNWork:
 
 
 class _SourceFiles:
-    """Read-only descriptors and memory maps of the source shards, at most two open at a time per thread."""
+    """Read-only memory maps of the source shards, at most two open at a time (one set per thread)."""
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
-        self.open: dict[int, tuple[int, mmap.mmap]] = {}
+        self.open: dict[int, mmap.mmap] = {}
 
-    def get(self, name: str) -> tuple[TensorInfo, int, mmap.mmap]:
+    def get(self, name: str) -> tuple[TensorInfo, mmap.mmap]:
+        """The header entry of tensor ``name`` and the memory map of its shard."""
         i = self.ckpt.shard_of(name)
         if i not in self.open:
             if len(self.open) >= 2:
                 self._close(next(iter(self.open)))
             fd = os.open(self.ckpt.shards[i].path, os.O_RDONLY)
             try:
-                self.open[i] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
-            except BaseException:
-                os.close(fd)
-                raise
-        fd, mm = self.open[i]
-        return self.ckpt.tensor(name), fd, mm
+                self.open[i] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)  # the map keeps its own reference to the file
+        return self.ckpt.tensor(name), self.open[i]
 
     def _close(self, i: int) -> None:
-        fd, mm = self.open.pop(i)
         try:
-            mm.close()
-        except BufferError:  # a numpy view of it is still alive somewhere: the map closes when it dies
+            self.open.pop(i).close()
+        except BufferError:  # a view of it is still alive somewhere: the map is unmapped when that dies
             pass
-        os.close(fd)
 
     def close(self) -> None:
         for i in list(self.open):
             self._close(i)
-
-
-#: Row runs shorter than this (bytes, on average) are gathered in memory instead of copied run by run.
-#: One ``copy_file_range`` call per 4 KiB row (a projection row at hidden size 2048, bf16) costs about what
-#: gathering and writing it from user space does (measured on the benchmark checkpoint), and uses no memory.
-_MIN_MEAN_RUN = 4096
 
 
 def _byte_view(info: TensorInfo, mm: mmap.mmap, axis: int):
@@ -903,9 +894,10 @@ def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) 
     """Gather on-disk tensor ``suffix`` of a layer (or all pieces of the split fused tensor ``suffix``) to
     the plan's target and write it at its place in the output; returns the bytes written.
 
-    Row gathers whose runs of consecutive rows average at least :data:`_MIN_MEAN_RUN` bytes are copied run
-    by run in the kernel (:func:`~gdnprune.safetensors_io.copy_runs`); others are gathered from the memory
-    map with ``numpy.take`` and written with ``pwrite``.
+    A row gather (axis 0) is written straight from the memory-mapped source rows, runs of consecutive rows
+    coalesced, with vectored writes (:func:`~gdnprune.safetensors_io.write_vectors`: one kernel copy, no
+    gathered copy in memory); a column gather (``out_proj``) and a split fused tensor are gathered with
+    ``numpy.take`` and written with ``pwrite``.
     """
     import numpy as np
 
@@ -916,29 +908,31 @@ def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) 
     index = rule.gather_index(layer.shape, plan.target, plan.indices)
     pieces = layer.splits.get(suffix, (suffix,))
     infos = [files.get(layer.name(p)) for p in pieces]
-    for (info, _, _), p in zip(infos, pieces):
+    for (info, _), p in zip(infos, pieces):
         if len(info.shape) != rule.ndim:
             raise CheckpointError(f"{info.name}: expected {rule.ndim} dimensions, found shape {info.shape}")
     if len(pieces) == 1:
-        info, src_fd, mm = infos[0]
+        info, mm = infos[0]
         if info.shape[rule.axis] != rule.length(layer.shape):
             raise CheckpointError(f"{info.name}: shape {info.shape} does not match the layer's geometry {layer.shape}")
         dst, offset, shape = destination(plan, suffix)
         if index.size != shape[rule.axis]:
             raise RuntimeError(f"internal error: {info.name} gathers {index.size} rows, planned {shape}")
-        if rule.axis == 0 and index.size:
+        if rule.axis == 0:
             row = info.nbytes // info.shape[0]
             starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)  # where a run of consecutive rows begins
-            if len(starts) * _MIN_MEAN_RUN <= index.size * row:
-                lengths = np.diff(starts, append=index.size)
-                fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
-                try:
-                    return copy_runs(src_fd, fd, info.start + index[starts] * row, offset + starts * row, lengths * row)
-                finally:
-                    os.close(fd)
+            lengths = np.diff(starts, append=index.size) * row
+            begin = info.start + index[starts] * row
+            runs = list(map(memoryview(mm).__getitem__, map(slice, begin.tolist(), (begin + lengths).tolist())))
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                return write_vectors(fd, runs, offset)
+            finally:
+                os.close(fd)
+                del runs
         out = {suffix: np.take(_byte_view(info, mm, rule.axis), index, axis=rule.axis)}
     else:  # a fused tensor stored split (OLMo-hybrid's q/k/v conv): gather the concatenation, split again
-        whole = np.concatenate([_byte_view(info, mm, rule.axis) for info, _, mm in infos], axis=rule.axis)
+        whole = np.concatenate([_byte_view(info, mm, rule.axis) for info, mm in infos], axis=rule.axis)
         gathered = np.take(whole, index, axis=rule.axis)
         bounds = np.cumsum([segment_size(kind, plan.target) for kind in rule.segments])[:-1]
         out = dict(zip(pieces, np.split(gathered, bounds, axis=rule.axis)))

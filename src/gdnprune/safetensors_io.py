@@ -259,30 +259,35 @@ def copy_range(
             on_chunk(done)
 
 
-def copy_runs(src_fd: int, dst_fd: int, src_offsets, dst_offsets, lengths) -> int:
-    """Copy byte runs ``src_offsets[i] .. + lengths[i]`` of ``src_fd`` to ``dst_offsets[i]`` of ``dst_fd``.
+def write_vectors(fd: int, buffers: Sequence, offset: int) -> int:
+    """Write ``buffers`` (bytes or 1-D byte memoryviews) one after the other at ``offset`` of ``fd``.
 
-    One ``os.copy_file_range`` call per run with explicit offsets (the data stays in the kernel); where the
-    kernel or file system cannot, ``pread``/``pwrite``. Neither file position moves. Returns the bytes copied.
+    ``os.pwritev`` with up to ``IOV_MAX`` buffers per call (one kernel copy, e.g. straight from memory-mapped
+    source rows into the page cache); one ``pwrite`` per buffer where ``pwritev`` does not exist. Returns
+    the bytes written.
     """
-    global _runs_in_kernel
-    total = 0
-    for src_off, dst_off, n in zip(map(int, src_offsets), map(int, dst_offsets), map(int, lengths)):
-        while n > 0:
-            done = None
-            if _runs_in_kernel:
-                try:
-                    done = os.copy_file_range(src_fd, dst_fd, min(n, _CHUNK), src_off, dst_off)
-                except (AttributeError, OSError) as exc:
-                    if isinstance(exc, OSError) and exc.errno not in _UNSUPPORTED:
-                        raise
-                    _runs_in_kernel = False
-            if done is None:
-                data = os.pread(src_fd, min(n, 16 << 20), src_off)
-                done = write_all(dst_fd, data, dst_off) if data else 0
-            if done == 0:
-                raise OSError(f"unexpected end of file while copying {n} bytes at offset {src_off}")
-            src_off, dst_off, n, total = src_off + done, dst_off + done, n - done, total + done
+    if not _HAVE_PWRITEV:
+        total = 0
+        for b in buffers:
+            total += write_all(fd, b, offset + total)
+        return total
+    pending = list(buffers)
+    total = i = 0
+    while i < len(pending):
+        batch = pending[i:i + _IOV_MAX]
+        n = os.pwritev(fd, batch, offset + total)
+        total += n
+        if n == sum(map(len, batch)):
+            i += len(batch)
+            continue
+        if n == 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset + total}")
+        for b in batch:  # a short write: skip what was written, resume inside the first unfinished buffer
+            if n < len(b):
+                pending[i] = memoryview(b)[n:]
+                break
+            n -= len(b)
+            i += 1
     return total
 
 
@@ -315,4 +320,5 @@ _UNSUPPORTED = {_errno.EXDEV, _errno.ENOSYS, _errno.EINVAL, _errno.EOPNOTSUPP, _
                 _errno.EPERM}
 _FALLBACKS = {_copy_file_range: _sendfile, _sendfile: _read_write}
 _copy_method = _copy_file_range
-_runs_in_kernel = True
+_HAVE_PWRITEV = hasattr(os, "pwritev")
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
