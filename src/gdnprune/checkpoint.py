@@ -919,7 +919,9 @@ def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) 
         if index.size != shape[rule.axis]:
             raise RuntimeError(f"internal error: {info.name} gathers {index.size} rows, planned {shape}")
         if rule.axis == 0:
-            row = info.nbytes // info.shape[0]
+            row, rest = divmod(info.nbytes, info.shape[0])
+            if rest:
+                raise CheckpointError(f"{info.name}: {info.dtype} rows of {info.shape} are not whole bytes")
             starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)  # where a run of consecutive rows begins
             lengths = np.diff(starts, append=index.size) * row
             begin = info.start + index[starts] * row
