@@ -31,7 +31,7 @@ Methods:
   ``-sum_{h in R} g_t . c_h`` is the first-order loss change of removing ``R`` and ``1^T F_RR 1`` its
   energy. It is measured on one token in ``loss_token_stride`` (default 8; the next token of the same
   window is the label): a pre-hook on the final norm keeps the final hidden state, and after each forward
-  the norm and ``lm_head`` are re-run on the chosen tokens, chunked so that at most ``2^22`` logits exist
+  the norm and ``lm_head`` are re-run on the chosen tokens, chunked so that at most ``2^25`` logits exist
   at a time, and differentiated with respect to their input only (autograd; the loss in float32). Each
   layer keeps its ``out_proj`` input at the chosen tokens until then. Lanes are removed round by round,
   one lane from every group per round, with the cross-group terms included (:func:`greedy_lane_orders`),
@@ -614,12 +614,15 @@ def _output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     return decoder.norm, head
 
 
-def _loss_gradient(norm, head, hidden: torch.Tensor, targets: torch.Tensor, max_logits: int = 1 << 22) -> torch.Tensor:
+def _loss_gradient(norm, head, hidden: torch.Tensor, targets: torch.Tensor, max_logits: int = 1 << 25
+                   ) -> torch.Tensor:
     """Gradient of the summed next-token loss of ``lm_head(norm(hidden))`` with respect to ``hidden`` [n, H].
 
-    Token chunks of at most ``max_logits`` logits at a time (the vocabulary may have 150K+ entries); the
-    cross-entropy in float32, the returned gradient float32 on ``hidden``'s device. Only the input
-    gradient is taken (no weight gradients are computed).
+    Token chunks of at most ``max_logits`` logits at a time (the vocabulary may have 150K+ entries; 2^25
+    float32 logits are 128 MiB, a few times that at the peak of the backward). Chunks are kept large
+    because each one reads the whole ``lm_head`` weight twice: with a 248K vocabulary on CPU, 16-token
+    chunks took twice as long as 64-token chunks. The cross-entropy in float32, the returned gradient
+    float32 on ``hidden``'s device; only the input gradient is taken (no weight gradients).
     """
     import torch
     import torch.nn.functional as F
