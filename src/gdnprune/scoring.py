@@ -36,9 +36,10 @@ Methods:
   layer keeps its ``out_proj`` input at the chosen tokens until then. Lanes are removed round by round,
   one lane from every group per round, with the cross-group terms included (:func:`greedy_lane_orders`),
   which is exactly what a nested slice to ``r'`` lanes per group drops. The lanes of a group share their
-  key head and have close output energies, and which of them the loss needs is what the energy Gram
-  missed (BENCHMARKS.md); for key groups the energy Gram was better (``key_group_measure``), and
-  ``lane_measure="energy_gram"`` restores the plain Gram for lanes. Models without a final norm module
+  key head and often have close output energies; the loss-aware Gram separates them by what the loss
+  reads of their output. In the quality benchmark (BENCHMARKS.md) it beat the energy Gram on the bundled
+  model and lost to it on a second model trained with another seed; ``lane_measure="energy_gram"``
+  restores the energy Gram for lanes. For key groups the energy Gram was better (``key_group_measure``). Models without a final norm module
   before ``lm_head`` (``get_decoder().norm``; e.g. Qwen4-exp, whose hyper-connection mixer replaces it)
   fall back to the energy Gram with a ``RuntimeWarning``; the scores file records the measures used.
   Value channels (one order for all heads,
