@@ -39,16 +39,17 @@ Methods:
   key head and often have close output energies; the loss-aware Gram separates them by what the loss
   reads of their output. In the quality benchmark (BENCHMARKS.md) it beat the energy Gram on the bundled
   model and lost to it on a second model trained with another seed; ``lane_measure="energy_gram"``
-  restores the energy Gram for lanes. For key groups the energy Gram was better (``key_group_measure``). Models without a final norm module
-  before ``lm_head`` (``get_decoder().norm``; e.g. Qwen4-exp, whose hyper-connection mixer replaces it)
-  fall back to the energy Gram with a ``RuntimeWarning``; the scores file records the measures used.
-  Value channels (one order for all heads,
-  the norm weight is shared): by default each channel's projected contribution is measured per head, as
-  its RMS over tokens ``|W[:, (h, e)]| RMS(o_(h, e))``, and summed over heads (an L1 over heads of
-  per-head L2 norms), so that the one shared order serves every head instead of the few heads with the
-  largest energy; ``value_dim_measure="energy"`` uses the energy of the contribution summed over heads,
-  ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``, and ``"gram"`` the greedy on the full channel Gram (from
-  the full second moment ``C = sum_t o o^T``, [Hv*dv]^2). Key channels: the kernel sees ``q^ = q/|q|``
+  restores the energy Gram for lanes. For key groups the energy Gram was better (``key_group_measure``).
+  Models without a final norm module before ``lm_head`` (``get_decoder().norm``; e.g. Qwen4-exp, whose
+  hyper-connection mixer replaces it) fall back to the energy Gram with a ``RuntimeWarning``; the scores
+  file records the measures used. Value channels (one order for all heads, the norm weight is shared):
+  by default each channel's projected contribution is measured per head, as its RMS over tokens
+  ``|W[:, (h, e)]| RMS(o_(h, e))``, and summed over heads (an L1 over heads of per-head L2 norms), so that
+  the one shared order serves every head instead of the few heads with the largest energy;
+  ``value_dim_measure="energy"`` uses the energy of the contribution summed over heads,
+  ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``, ``"gram"`` the greedy on the full channel Gram (from the full
+  second moment ``C = sum_t o o^T``, [Hv*dv]^2) and ``"loss_gram"`` the greedy on the loss-aware channel
+  Gram (as for lanes, with channel ``e``'s contribution summed over heads). Key channels: the kernel sees ``q^ = q/|q|``
   and ``k^ = k/|k|`` per key head (after the depthwise conv and SiLU, which the hooks recompute from
   the q/k projection output and the conv weights); the hooks measure every channel's share of the
   normalised vectors, ``E[q^_d^2]`` and ``E[k^_d^2]``, as the l2 normalisation sees it (relative to
