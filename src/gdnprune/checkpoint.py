@@ -813,6 +813,10 @@ class _GDNWork:
                 if job not in jobs_seen:  # the pieces of a split fused tensor are one job
                     jobs_seen.add(job)
                     self.jobs.append((plan, job[1]))
+        # The main thread copies the unchanged bytes shard by shard from the first; the GDN jobs start from
+        # the last shard, so that the two threads write different files (writes to one file serialise on
+        # its inode lock) until they meet.
+        self.jobs.reverse()
 
     def run(self, after_job: Callable[[], None] | None = None) -> None:
         """Run jobs until none is left, :attr:`stop` is set or some thread failed."""
