@@ -576,6 +576,15 @@ def _alias(prefix: str) -> str:
     return prefix
 
 
+def matching_prefixes(key: str, prefixes: Iterable[str]) -> list[str]:
+    """The GDN layer prefixes among ``prefixes`` that ``key`` names: ``key`` itself, else every prefix that is
+    the same layer spelled with or without the ``language_model.`` part of a vision-language checkpoint."""
+    prefixes = list(prefixes)
+    if key in prefixes:
+        return [key]
+    return [p for p in prefixes if _alias(p) == _alias(key)]
+
+
 def _resolve_permutations(permutations: Mapping | None, layers: list[GDNLayer]) -> tuple[dict, list[str]]:
     """Map every entry to a layer (aliases allowed) and validate its orders; also the layers lacking one.
 
@@ -586,14 +595,11 @@ def _resolve_permutations(permutations: Mapping | None, layers: list[GDNLayer]) 
     if permutations is None:
         return {}, []
     by_prefix = {layer.prefix: layer for layer in layers}
-    by_alias = collections.defaultdict(list)
-    for layer in layers:
-        by_alias[_alias(layer.prefix)].append(layer.prefix)
     # a GDNPermutation can only exist if its (torch) module was imported: no need to import it here
     core = sys.modules.get("gdnprune.gated_delta_net")
     out: dict[str, Any] = {}
     for key, value in permutations.items():
-        candidates = [key] if key in by_prefix else by_alias.get(_alias(key), []) if isinstance(key, str) else []
+        candidates = matching_prefixes(key, by_prefix) if isinstance(key, str) else []
         if len(candidates) != 1:
             known = list(by_prefix)
             raise ScoresError(

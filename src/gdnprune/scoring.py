@@ -901,49 +901,32 @@ def save_scores(scores: Mapping[str, Any], path: str | Path) -> Path:
 
 
 def load_scores(path: str | Path) -> dict[str, Any]:
-    """Read and check a scores file written by :func:`save_scores` / ``gdnprune score``."""
-    path = Path(path)
-    try:
-        scores = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return dict(_check_scores(scores, str(path)))
+    """Read a scores file written by :func:`save_scores` / ``gdnprune score`` and check that it is one.
+
+    Reading and the generic checks are :func:`gdnprune.checkpoint.load_scores` (what ``sort`` accepts);
+    this adds the scores-file format, version and per-layer keys.
+    """
+    from .checkpoint import load_scores as read_scores
+
+    return dict(_check_scores(read_scores(path), str(path)))
 
 
 # --------------------------------------------------------------------------------------------------
 # Command line
 
 
-def _checkpoint_gdn_prefixes(model_dir: Path) -> set[str] | None:
-    """Prefixes of the GDN layers stored in a checkpoint folder (tensors named ``<prefix>.A_log``)."""
-    names: list[str] = []
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = list(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            return None
-        from safetensors import safe_open
+def _map_to_checkpoint(prefixes: list[str], model_dir: Path) -> dict[str, str]:
+    """Map the model's module prefixes to the GDN layer prefixes of the checkpoint's tensors (they differ when
+    a vision-language checkpoint is loaded as a text model). Unchanged when the folder has no safetensors."""
+    from .checkpoint import CheckpointError, find_gdn_layers, matching_prefixes, open_checkpoint
 
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                names.extend(f.keys())
-    prefixes = {n[: -len(".A_log")] for n in names if n.endswith(".A_log")}
-    return prefixes or None
-
-
-def _map_to_checkpoint(prefixes: list[str], stored: set[str] | None) -> dict[str, str]:
-    """Map module prefixes to the checkpoint's tensor prefixes (e.g. a VL checkpoint loaded as text model)."""
-    if stored is None or set(prefixes) <= stored:
+    try:
+        stored = [layer.prefix for layer in find_gdn_layers(open_checkpoint(model_dir))[0]]
+    except CheckpointError:
         return {p: p for p in prefixes}
     mapping = {}
     for prefix in prefixes:
-        if prefix in stored:
-            mapping[prefix] = prefix
-            continue
-        tail = ".".join(prefix.split(".")[-3:])  # e.g. layers.0.linear_attn
-        candidates = [s for s in stored if s == tail or s.endswith("." + tail)]
+        candidates = matching_prefixes(prefix, stored)
         if len(candidates) != 1:
             raise ValueError(
                 f"cannot match the model's GDN layer {prefix!r} to the checkpoint's tensor names "
@@ -1010,7 +993,7 @@ def score_checkpoint(
     model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map)
     batches = list(iter_batches(windows, batch_size))
     scores = score_model(model, batches, method=method, seed=seed, progress=progress)
-    mapping = _map_to_checkpoint(list(scores["layers"]), _checkpoint_gdn_prefixes(model_dir))
+    mapping = _map_to_checkpoint(list(scores["layers"]), model_dir)
     scores["layers"] = {mapping[p]: payload for p, payload in scores["layers"].items()}
     scores["model"] = str(model_dir)
     scores["calibration"] = {
