@@ -820,8 +820,8 @@ class _GDNWork:
                     jobs_seen.add(job)
                     self.jobs.append((plan, job[1]))
         # The main thread copies the unchanged bytes shard by shard from the first; the GDN jobs start from
-        # the last shard, so that the two threads write different files (writes to one file serialise on
-        # its inode lock) until they meet.
+        # the last shard, so that the two threads write different files (writes to one file serialise,
+        # presumably on its inode lock: measured 1.9 s of waiting on the benchmark checkpoint) until they meet.
         self.jobs.reverse()
 
     def run(self, after_job: Callable[[], None] | None = None) -> None:
