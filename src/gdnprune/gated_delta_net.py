@@ -124,8 +124,7 @@ class GDNPermutation:
     @classmethod
     def identity(cls, shape: GDNShape) -> "GDNPermutation":
         """The permutation that changes nothing."""
-        Hk, r, dk, dv = shape.num_key_heads, shape.value_heads_per_group, shape.key_head_dim, shape.value_head_dim
-        return cls(torch.arange(Hk), torch.arange(r).repeat(Hk, 1), torch.arange(dk).repeat(Hk, 1), torch.arange(dv))
+        return cls(**geometry.identity_orders(shape))
 
     @classmethod
     def random(cls, shape: GDNShape, *, generator: torch.Generator | None = None) -> "GDNPermutation":

@@ -183,8 +183,8 @@ def as_target(shape: GDNShape, target: GDNShape | Mapping[str, int]) -> GDNShape
     return target
 
 
-#: The four orders of a permutation: field name -> score payload key.
-ORDER_FIELDS = tuple(_PAYLOAD_KEYS)
+#: The score payload keys of the four orders of a permutation.
+ORDER_KEYS = tuple(_PAYLOAD_KEYS.values())
 
 
 def as_order(key: str, value: Any, expected: tuple[int, ...]) -> np.ndarray:

@@ -84,6 +84,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .geometry import ORDER_KEYS
 from .layouts import find_gdn_modules
 
 __all__ = [
@@ -107,12 +108,6 @@ SCORES_FORMAT = "gdnprune-scores"
 #: ``version`` field of a scores file.
 SCORES_VERSION = 1
 
-_ORDER_KEYS = (
-    "key_group_order_most_important_first",
-    "value_lane_order_most_important_first",
-    "key_dim_order_most_important_first",
-    "value_dim_order_most_important_first",
-)
 _KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
 _VALUE_DIM_MEASURES = ("head_rms", "energy", "gram", "loss_gram")
 _HEAD_MEASURES = ("loss_gram", "energy_gram")
@@ -876,7 +871,7 @@ def _check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
     if not isinstance(layers, Mapping) or not layers:
         raise ValueError(f"{source}: no \"layers\" in the scores file")
     for prefix, payload in layers.items():
-        missing = [k for k in (*_ORDER_KEYS, "shape") if k not in payload]
+        missing = [k for k in (*ORDER_KEYS, "shape") if k not in payload]
         if missing:
             raise ValueError(f"{source}: layer {prefix!r} lacks {missing}")
     return scores
