@@ -697,8 +697,10 @@ def test_output_inside_or_equal_to_input_is_refused(sources, tmp_path, capsys):
 
 
 def test_interrupt_while_copying_leaves_nothing(sources, tmp_path, monkeypatch, capsys):
+    from gdnprune.checkpoint import engine
+
     calls = {"n": 0}
-    real = ck.copy_range
+    real = engine.copy_range
 
     def interrupted(*args, **kwargs):
         calls["n"] += 1
@@ -706,17 +708,19 @@ def test_interrupt_while_copying_leaves_nothing(sources, tmp_path, monkeypatch, 
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "copy_range", interrupted)
+    monkeypatch.setattr(engine, "copy_range", interrupted)
     out = tmp_path / "out"
     assert run_cli(["slice", sources["qwen3_5"], "--output", out, "--num-key-heads", "1", "--num-value-heads", "2"]) == 130
     assert calls["n"] == 3 and not out.exists() and leftovers(tmp_path) == []
 
 
 def test_interrupt_in_the_gather_worker_leaves_nothing(sources, tmp_path, monkeypatch):
+    from gdnprune.checkpoint import engine
+
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ck, "_write_job", interrupted)
+    monkeypatch.setattr(engine, "_write_job", interrupted)
     out = tmp_path / "out"
     assert run_cli(["slice", sources["qwen3_next"], "-o", out, "--num-key-heads", "1", "--num-value-heads", "2"]) == 130
     assert not out.exists() and leftovers(tmp_path) == []

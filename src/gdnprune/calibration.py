@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import json
-import sys
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -90,7 +90,7 @@ def pack_windows(
     by ``tokenizer.eos_token_id`` when the tokenizer has one; the stream is cut into consecutive windows
     of ``seq_len`` tokens (the tail is dropped). With ``num_samples`` smaller than the number of windows,
     a fixed, evenly spaced subset is kept (first and last included), in stream order; with fewer windows
-    than requested, all are used (and a note is printed on stderr when ``warn``).
+    than requested, all are used (with a ``UserWarning`` when ``warn``).
 
     Raises:
         ValueError: ``seq_len`` < 2, ``num_samples`` < 1, or the text is shorter than one window.
@@ -113,11 +113,9 @@ def pack_windows(
     windows = stream[: available * seq_len].view(available, seq_len)
     if num_samples is None or num_samples >= available:
         if num_samples is not None and num_samples > available and warn:
-            print(
-                f"gdnprune: note: the calibration text gives {available} windows of {seq_len} tokens, "
-                f"fewer than the {num_samples} requested; using all of them",
-                file=sys.stderr,
-            )
+            warnings.warn(
+                f"the calibration text gives {available} windows of {seq_len} tokens, fewer than the "
+                f"{num_samples} requested; using all of them", UserWarning, stacklevel=3)
         return windows.clone()
     if num_samples == 1:
         return windows[:1].clone()

@@ -1,22 +1,18 @@
-"""``gdnprune demo`` and ``gdnprune prune``: the whole pipeline, score -> sort -> slice.
+"""The demo: the whole pipeline, score -> sort -> slice, on the bundled model.
 
-``demo`` runs on the bundled byte-level Qwen3.5 model (no download, no training): it scores the GDN
+:func:`run_demo` runs on the bundled byte-level Qwen3.5 model (no download, no training): it scores the GDN
 layers on the training text, sorts the model (checking that the sorted model computes the same
 function), slices it to a chain of nested targets that shrink every axis, and measures the validation
 loss of each slice for the importance order, the identity order and a few random orders. It prints a
 table, writes ``results.json``, a plot ``loss_vs_params.png``, the scores, and the sorted and one
-sliced checkpoint (through the streaming checkpoint API) into ``--output``.
-
-``prune`` is the one-command version for users' own checkpoints: score on calibration text, then sort
-and slice in one streaming pass.
+sliced checkpoint (through the streaming checkpoint API) into ``output``. Messages go to the ``log``
+callback (the command line passes ``print``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -132,7 +128,7 @@ def run_demo(
     write_checkpoints: bool = True,
     progress: bool = True,
     threads: int | None = 1,
-    log=print,
+    log=None,
 ) -> dict[str, Any]:
     """Score, sort and slice the bundled demo model; return (and write to ``output``) the results.
 
@@ -150,6 +146,7 @@ def run_demo(
     from .scoring import score_model
 
     start = time.perf_counter()
+    log = log or (lambda message: None)
     if threads is not None:
         torch.set_num_threads(threads)
     out_dir = None if output is None else Path(output)
@@ -244,109 +241,3 @@ def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], o
     slice_checkpoint(sorted_dir, sliced_dir, middle, overwrite=True, progress=False)
     log(f"checkpoints: {sorted_dir} (sorted), {sliced_dir} (sliced to {middle})")
     return {"sorted": str(sorted_dir), "sliced": str(sliced_dir), "sliced_target": middle.as_dict()}
-
-
-def prune_checkpoint(
-    model_dir: str | Path,
-    data: str | Path,
-    output_dir: str | Path,
-    target: Any,
-    *,
-    overwrite: bool = False,
-    progress: bool = True,
-    **scoring: Any,
-) -> dict[str, Any]:
-    """Score ``model_dir`` on ``data``, then sort and slice it to ``target`` in one streaming pass.
-
-    ``target`` is a ``GDNShape`` or a mapping of some of its fields (axes not given keep their size);
-    ``scoring`` takes the options of :func:`gdnprune.scoring.score_checkpoint` (``method``,
-    ``num_samples``, ``seq_len``, ``batch_size``, ``device``, ``dtype``, ``device_map``, ``seed``). The
-    output path and the target are checked before the (long) scoring starts. Returns the manifest.
-    """
-    from .checkpoint import _check_paths, find_gdn_layers, open_checkpoint, transform_checkpoint
-    from .gated_delta_net import gated_delta_net_prefix_indices
-    from .scoring import score_checkpoint
-
-    _check_paths(Path(model_dir), Path(output_dir), overwrite)
-    layers, _ = find_gdn_layers(open_checkpoint(model_dir))
-    gated_delta_net_prefix_indices(layers[0].shape, target)  # raises ValueError for an illegal target
-    scores = score_checkpoint(model_dir, data, progress=progress, **scoring)
-    extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
-    return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target,
-                                operation="prune", overwrite=overwrite, progress=progress, manifest_extra=extra)
-
-
-# --------------------------------------------------------------------------------------------------------
-# command line
-
-
-def add_commands(subparsers) -> None:
-    """Register the ``demo`` and ``prune`` subcommands."""
-    p = subparsers.add_parser(
-        "demo",
-        help="score -> sort -> slice the bundled demo model and compare orderings",
-        description="Run the whole pipeline on the bundled byte-level Qwen3.5 model: score, sort (checked to be "
-        "function preserving), slice to nested targets, and report validation loss for the importance order, "
-        "the identity order and random orders. Writes a table, results.json, a PNG plot and checkpoints.",
-    )
-    p.add_argument("--output", default="demo_output", help="output folder (default: %(default)s)")
-    p.add_argument("--method", default="projection", choices=["projection", "activation", "random"],
-                   help="scoring method (default: %(default)s)")
-    p.add_argument("--calibration-windows", type=int, default=64, help="calibration windows (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=256, help="window length in bytes (default: %(default)s)")
-    p.add_argument("--num-random", type=int, default=4, help="random orders to average (default: %(default)s)")
-    p.add_argument("--validation-windows", type=int, default=32, help="validation windows (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s; the model is tiny)")
-    p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_demo)
-
-    from .checkpoint import add_target_arguments
-    from .scoring import add_calibration_arguments
-
-    p = subparsers.add_parser(
-        "prune",
-        help="score + sort + slice a checkpoint in one command",
-        description="Score the GDN layers of MODEL_DIR on calibration text, then sort every layer by importance "
-        "and cut it to the target in one streaming pass. Axes not given keep their size.",
-    )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
-    p.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="folder to create")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
-    add_target_arguments(p)
-    add_calibration_arguments(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_prune)
-
-
-def _cmd_prune(args: argparse.Namespace) -> int:
-    from .checkpoint import target_from_args
-
-    manifest = prune_checkpoint(
-        args.model_dir, args.data, args.output, target_from_args(args), overwrite=args.overwrite,
-        progress=not args.quiet, method=args.method, num_samples=args.num_samples, seq_len=args.seq_len,
-        batch_size=args.batch_size, device=args.device, dtype=args.dtype, device_map=args.device_map, seed=args.seed,
-    )
-    target = manifest.get("target") or {}
-    print(f"gdnprune prune: scored with {args.method!r}, sorted and sliced to {target} -> {args.output}")
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    for name in ("calibration_windows", "seq_len", "num_random", "validation_windows", "threads"):
-        if getattr(args, name) < (0 if name == "num_random" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    run_demo(
-        args.output,
-        calibration_windows=args.calibration_windows,
-        seq_len=args.seq_len,
-        num_random=args.num_random,
-        validation_windows=args.validation_windows,
-        method=args.method,
-        seed=args.seed,
-        write_checkpoints=not args.no_checkpoints,
-        progress=not args.quiet and sys.stderr.isatty(),
-        threads=args.threads,
-    )
-    return 0

@@ -1,0 +1,39 @@
+"""Checkpoint surgery on Hugging Face folders of GDN hybrid models: inspect, sort, slice, verify.
+
+The public API (the ``gdnprune`` subcommands are thin layers over it):
+
+* :func:`inspect_checkpoint` — every GDN layer (prefix, layout, geometry, parameters) and the totals;
+* :func:`transform_checkpoint` — the one streaming engine: permute (sort) and/or cut (slice) every GDN
+  layer of a checkpoint folder into a new folder;
+* :func:`sort_checkpoint` / :func:`slice_checkpoint` — the two operations of the command line;
+* :func:`verify_checkpoints` — load two folders with transformers and compare their logits;
+* :func:`read_manifest`, :func:`find_gdn_layers`, :func:`open_checkpoint`, :func:`load_scores`.
+
+The rooms: :mod:`.folder` reads a folder (headers only), :mod:`.engine` streams tensors,
+:mod:`.output` owns the output folder, :mod:`.transform` drives a transform, :mod:`.verify` runs
+models. Only :mod:`.verify` imports torch (inside its functions).
+"""
+
+from ..safetensors_io import CheckpointError
+from ..scores import ScoresError, matching_prefixes
+from ..scores import read_scores as load_scores
+from ..targets import TargetError
+from .folder import (
+    CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, SINGLE_NAME, Checkpoint, GDNLayer,
+    find_gdn_layers, inspect_checkpoint, open_checkpoint, read_manifest,
+)
+from .output import OutputError
+from .transform import (
+    MissingScoresWarning, PassthroughWarning, UnsortedInputWarning, slice_checkpoint, sort_checkpoint,
+    transform_checkpoint,
+)
+from .verify import verify_checkpoints
+
+
+__all__ = [
+    "CheckpointError", "ScoresError", "TargetError", "OutputError", "UnsortedInputWarning",
+    "MissingScoresWarning", "PassthroughWarning", "Checkpoint", "GDNLayer", "open_checkpoint",
+    "find_gdn_layers", "inspect_checkpoint", "load_scores", "matching_prefixes", "read_manifest",
+    "transform_checkpoint", "sort_checkpoint", "slice_checkpoint", "verify_checkpoints",
+    "CONFIG_NAME", "INDEX_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "SINGLE_NAME",
+]

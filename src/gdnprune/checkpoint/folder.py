@@ -1,0 +1,386 @@
+"""Reading a checkpoint folder: its config, index and shard headers, its GDN layers, and ``inspect``.
+
+Nothing here reads tensor data or imports torch: a folder is described from its ``config.json``, its
+``model.safetensors.index.json`` (or single ``model.safetensors``) and the safetensors headers.
+:func:`find_gdn_layers` groups tensor names into GDN layers by the layouts' marker suffixes and checks
+every layer against its layout table and the config's geometry, so that the engine never starts on a
+layer it would only half transform (a missing tensor, an unknown tensor such as a quantisation scale, a
+wrong shape or dtype is a :class:`CheckpointError`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
+
+__all__ = [
+    "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "GDN_DTYPES",
+    "Checkpoint", "GDNLayer", "open_checkpoint", "read_manifest", "find_gdn_layers", "inspect_checkpoint",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+MANIFEST_NAME = "gdnprune.json"
+#: tensors under these prefixes are never treated as GDN layers (copied unchanged)
+PASSTHROUGH_PREFIXES = ("mtp.",)
+#: dtypes a GDN tensor may have (the gathers are byte gathers of whole elements)
+GDN_DTYPES = ("F64", "F32", "F16", "BF16")
+
+# Fused tensors that a layout stores split on disk: fused suffix -> on-disk suffixes, one per segment of
+# the fused tensor's rule (in order). OLMo-hybrid's own save writes q/k/v_conv1d.
+_DISK_SPLITS = {
+    "olmo_hybrid": {
+        "conv1d.weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
+        "conv1d.bias": ("q_conv1d.bias", "k_conv1d.bias", "v_conv1d.bias"),
+    },
+}
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
+
+
+@dataclass
+class Checkpoint:
+    """A Hugging Face checkpoint folder of safetensors shards, read from the headers only.
+
+    Attributes:
+        path: the folder.
+        config: ``config.json`` as a dict.
+        shards: the shard headers, in file-name order (one for a single-file checkpoint).
+        index: ``model.safetensors.index.json`` as a dict, or None for a single ``model.safetensors``.
+        manifest: the folder's ``gdnprune.json`` (a previous gdnprune output), or None.
+    """
+
+    path: Path
+    config: dict
+    shards: list[ShardHeader]
+    index: dict | None
+    manifest: dict | None = None
+    _where: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for i, shard in enumerate(self.shards):
+            for name in shard.tensors:
+                if name in self._where:
+                    other = self.shards[self._where[name]].path
+                    raise CheckpointError(f"{self.path}: tensor {name!r} is in both {other} and {shard.path}")
+                self._where[name] = i
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor name, shard by shard in data order."""
+        return list(self._where)
+
+    def shard_of(self, name: str) -> int:
+        """Index (into :attr:`shards`) of the shard holding tensor ``name``."""
+        return self._where[name]
+
+    def tensor(self, name: str) -> TensorInfo:
+        """The header entry of tensor ``name``."""
+        return self.shards[self._where[name]].tensors[name]
+
+    @property
+    def total_bytes(self) -> int:
+        """Size of all shard files."""
+        return sum(s.file_size for s in self.shards)
+
+    @property
+    def is_sorted(self) -> bool:
+        """Whether the folder's manifest says its GDN layers are sorted by importance."""
+        return bool(self.manifest and self.manifest.get("sorted"))
+
+
+def read_manifest(model_dir: str | os.PathLike) -> dict | None:
+    """The ``gdnprune.json`` manifest of a folder written by gdnprune, or None when there is none."""
+    path = Path(model_dir) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    manifest = _read_json(path, "the gdnprune manifest")
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(manifest).__name__}")
+    return manifest
+
+
+def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+    """Read the config, the index and every shard header of a checkpoint folder (no tensor data).
+
+    Accepts a sharded checkpoint (``model.safetensors.index.json``) or a single ``model.safetensors``.
+
+    Raises:
+        CheckpointError: the folder, its config, index or a shard is missing, unreadable or corrupt, or
+            the index and the shards disagree.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
+    config = _read_json(path / CONFIG_NAME, "config.json") if (path / CONFIG_NAME).is_file() else None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: no config.json (a JSON object) in the model folder")
+    index = None
+    if (path / INDEX_NAME).is_file():
+        index = _read_json(path / INDEX_NAME, "the safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{path / INDEX_NAME}: expected a 'weight_map' object of tensor name -> file")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if os.path.dirname(name) or name in ("", ".", ".."):
+                raise CheckpointError(f"{path / INDEX_NAME}: shard {name!r} is not a file name in the folder")
+            if not (path / name).is_file():
+                raise CheckpointError(f"{path / INDEX_NAME}: lists shard {name!r}, which is missing")
+        shards = [read_header(path / name) for name in files]
+        for shard, name in zip(shards, files):
+            listed = {k for k, v in weight_map.items() if v == name}
+            if listed != set(shard.tensors):
+                extra, absent = sorted(set(shard.tensors) - listed), sorted(listed - set(shard.tensors))
+                raise CheckpointError(
+                    f"{path / INDEX_NAME} and shard {name} disagree: "
+                    + (f"tensors {absent[:3]} listed but not in the shard" if absent else "")
+                    + ("; " if absent and extra else "")
+                    + (f"tensors {extra[:3]} in the shard but not listed" if extra else "")
+                )
+    elif (path / SINGLE_NAME).is_file():
+        shards = [read_header(path / SINGLE_NAME)]
+    else:
+        others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+        hint = f" (found {others[:3]}: only safetensors checkpoints are supported)" if others else ""
+        raise CheckpointError(f"{path}: no {INDEX_NAME} or {SINGLE_NAME} in the model folder{hint}")
+    return Checkpoint(path, config, shards, index, read_manifest(path))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Finding GDN layers
+
+
+def _all_markers() -> frozenset[str]:
+    from ..layouts import LAYOUTS
+
+    return frozenset().union(*(layout.markers for layout in LAYOUTS.values()))
+
+
+def _group_gdn_tensors(names: Iterable[str], markers: frozenset[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """Group tensor names into GDN layers by marker suffix.
+
+    Returns ``{prefix: [names under prefix]}`` and the sorted pass-through prefixes (``mtp.``) that
+    would have been GDN layers.
+    """
+    names = list(names)
+    depths = sorted({m.count(".") + 1 for m in markers})
+    prefixes, skipped = set(), set()
+    for name in names:
+        parts = name.split(".")
+        for c in depths:
+            if len(parts) > c and ".".join(parts[-c:]) in markers:
+                prefix = ".".join(parts[:-c])
+                (skipped if prefix.startswith(PASSTHROUGH_PREFIXES) else prefixes).add(prefix)
+    ordered = sorted(prefixes)
+    for inner in ordered:
+        parts = inner.split(".")
+        outer = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in prefixes), None)
+        if outer is not None:
+            raise CheckpointError(f"GDN layer prefixes {outer!r} and {inner!r} are nested")
+    by_name = sorted(names)
+    members: dict[str, list[str]] = {}
+    for prefix in ordered:  # names under a prefix are contiguous in sorted order
+        head = prefix + "."
+        i = bisect.bisect_left(by_name, head)
+        j = bisect.bisect_left(by_name, prefix + "/", i)  # "/" sorts right after "."
+        members[prefix] = by_name[i:j]
+    return members, sorted(skipped)
+
+
+@dataclass
+class GDNLayer:
+    """One GDN layer of a checkpoint, validated against its layout and the config's geometry.
+
+    Attributes:
+        prefix: the weight prefix, e.g. ``model.layers.0.linear_attn``.
+        layout: the layout name (``qwen3_5``, ``qwen3_next``, ``olmo_hybrid``).
+        shape: the layer's :class:`~gdnprune.gated_delta_net.GDNShape` (from ``config.json``).
+        tensors: on-disk suffix -> header entry.
+        splits: fused suffix -> on-disk suffixes, for fused tensors stored split (OLMo-hybrid conv).
+    """
+
+    prefix: str
+    layout: str
+    shape: Any
+    tensors: dict[str, TensorInfo]
+    splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def parameters(self) -> int:
+        """Number of parameters of the layer."""
+        return sum(t.numel for t in self.tensors.values())
+
+    def name(self, suffix: str) -> str:
+        """Full tensor name of ``suffix``."""
+        return f"{self.prefix}.{suffix}"
+
+
+def _config_shape(config: Mapping, where: Path):
+    from ..geometry import GDNShape
+
+    try:
+        return GDNShape.from_config(config)
+    except ValueError as exc:
+        raise CheckpointError(f"{where / CONFIG_NAME}: {exc}") from None
+
+
+def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
+    """Every GDN layer of ``checkpoint``, checked against its layout and the config's geometry.
+
+    Returns the layers in name order and the pass-through prefixes (``mtp.``) with GDN-looking tensors.
+
+    Raises:
+        CheckpointError: no GDN layer, tensors under ``linear_attn`` that match no known layout, a layer
+            that mixes layouts, lacks a tensor, has a tensor its layout does not know (e.g. quantisation
+            scales), a tensor of the wrong shape for the config's geometry, or an unsupported dtype.
+    """
+    from ..layouts import LAYOUTS, detect_layout, get_layout
+
+    members, skipped = _group_gdn_tensors(checkpoint.names, _all_markers())
+    inside = {n for names in members.values() for n in names}
+    stray = sorted(
+        n for n in checkpoint.names
+        if ".linear_attn." in n and n not in inside and not n.startswith(PASSTHROUGH_PREFIXES)
+    )
+    if stray:
+        module = stray[0].split(".linear_attn.")[0] + ".linear_attn"
+        found = sorted(n[len(module) + 1:] for n in stray if n.startswith(module + "."))
+        raise CheckpointError(
+            f"{module}: unknown GDN layout: its tensors {found[:6]} match none of the layouts "
+            f"{sorted(LAYOUTS)} (marker tensors: {sorted(_all_markers())})"
+        )
+    if not members:
+        raise CheckpointError(
+            f"{checkpoint.path}: no GDN layer found: no tensor ends in one of the layouts' marker names "
+            f"{sorted(_all_markers())}"
+        )
+    shape = _config_shape(checkpoint.config, checkpoint.path)
+    layers = []
+    for prefix, names in members.items():
+        tensors = {n[len(prefix) + 1:]: checkpoint.tensor(n) for n in names}
+        try:
+            layout = detect_layout(tensors)
+        except ValueError as exc:
+            raise CheckpointError(f"{prefix}: {exc}") from None
+        layers.append(_check_layer(prefix, get_layout(layout), shape, tensors))
+    return layers, skipped
+
+
+def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo]) -> GDNLayer:
+    """Validate one layer's tensors (names, presence, shapes, dtypes) without reading data."""
+    splits = {fused: pieces for fused, pieces in _DISK_SPLITS.get(layout.name, {}).items()
+              if any(p in tensors for p in pieces)}
+    piece_of = {p: fused for fused, pieces in splits.items() for p in pieces}
+    unknown = sorted(s for s in tensors if layout.rule(s) is None and s not in piece_of)
+    if unknown:
+        raise CheckpointError(
+            f"{prefix}: tensors {[f'{prefix}.{s}' for s in unknown]} are not part of the {layout.name} GDN "
+            f"layout; refusing to change the layer (quantised checkpoints are not supported)"
+        )
+    for fused, pieces in splits.items():
+        if fused in tensors:
+            raise CheckpointError(f"{prefix}: has both {fused!r} and its split form {list(pieces)}")
+        absent = [p for p in pieces if p not in tensors]
+        if absent:
+            raise CheckpointError(f"{prefix}: missing tensor {prefix + '.' + absent[0]!r} (the split {fused} needs "
+                                  f"{list(pieces)})")
+    for rule in layout.rules:
+        if rule.required and rule.name not in tensors and rule.name not in splits:
+            raise CheckpointError(
+                f"{prefix}: missing tensor {prefix + '.' + rule.name!r} of the {layout.name} GDN layout "
+                f"(expected shape {rule.expected_shape(shape)})"
+            )
+    for suffix, info in tensors.items():
+        rule = layout.rule(suffix) or layout.rule(piece_of.get(suffix, ""))
+        if info.dtype not in GDN_DTYPES:
+            raise CheckpointError(f"{prefix}: tensor {info.name!r} has dtype {info.dtype}; GDN tensors must be "
+                                  f"one of {list(GDN_DTYPES)}")
+        if len(info.shape) != rule.ndim:
+            raise CheckpointError(f"{prefix}: tensor {info.name!r} has shape {info.shape}, expected "
+                                  f"{rule.ndim} dimensions {rule.expected_shape(shape)} for {shape}")
+        if suffix not in piece_of and info.shape[rule.axis] != rule.length(shape):
+            raise CheckpointError(f"{prefix}: tensor {info.name!r} has shape {info.shape}, expected "
+                                  f"{rule.expected_shape(shape)} for {shape} (config.json geometry)")
+    for fused, pieces in splits.items():
+        rule = layout.rule(fused)
+        infos = [tensors[p] for p in pieces]
+        other = {tuple(d for a, d in enumerate(t.shape) if a != rule.axis) for t in infos}
+        total = sum(t.shape[rule.axis] for t in infos)
+        if len(other) != 1 or total != rule.length(shape) or len({t.dtype for t in infos}) != 1:
+            raise CheckpointError(
+                f"{prefix}: split tensors {[t.name for t in infos]} have shapes {[t.shape for t in infos]} and "
+                f"dtypes {[t.dtype for t in infos]}; expected one dtype and {rule.length(shape)} rows in all "
+                f"(= {rule.expected_shape(shape)} for {shape})"
+            )
+    return GDNLayer(prefix, layout.name, shape, tensors, splits)
+
+
+# --------------------------------------------------------------------------------------------------------
+# inspect
+
+
+def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
+    """Describe a checkpoint folder: every GDN layer and the parameter totals (reads headers only).
+
+    Returns a JSON-ready dict with ``model_dir``, ``model_type``, ``format`` (``sharded`` or
+    ``single-file``), ``shards``, ``dtypes`` (tensor count per dtype), ``gdn_shape``, ``layers`` (one dict
+    per GDN layer: ``prefix``, ``layout``, the four geometry fields, ``parameters``, ``shards``),
+    ``gdn_parameters``, ``other_parameters``, ``total_parameters``, ``total_bytes``, ``passthrough`` and
+    ``manifest`` (operation and sorted flag of a gdnprune output, else None).
+
+    Raises:
+        CheckpointError: as :func:`open_checkpoint` and :func:`find_gdn_layers`.
+    """
+    ckpt = open_checkpoint(model_dir)
+    layers, skipped = find_gdn_layers(ckpt)
+    total = sum(ckpt.tensor(n).numel for n in ckpt.names)
+    gdn = sum(layer.parameters for layer in layers)
+    dtypes = collections.Counter(ckpt.tensor(n).dtype for n in ckpt.names)
+    config = ckpt.config
+    return {
+        "model_dir": str(ckpt.path),
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+        "format": "sharded" if ckpt.index is not None else "single-file",
+        "shards": len(ckpt.shards),
+        "dtypes": dict(sorted(dtypes.items())),
+        "gdn_shape": layers[0].shape.as_dict(),
+        "layers": [
+            {
+                "prefix": layer.prefix,
+                "layout": layer.layout,
+                **layer.shape.as_dict(),
+                "parameters": layer.parameters,
+                "shards": sorted({os.path.basename(ckpt.shards[ckpt.shard_of(t.name)].path)
+                                  for t in layer.tensors.values()}),
+            }
+            for layer in layers
+        ],
+        "gdn_parameters": gdn,
+        "other_parameters": total - gdn,
+        "total_parameters": total,
+        "total_bytes": ckpt.total_bytes,
+        "passthrough": skipped,
+        "manifest": None if ckpt.manifest is None else {
+            "operation": ckpt.manifest.get("operation"), "sorted": ckpt.is_sorted,
+        },
+    }

@@ -1,0 +1,242 @@
+"""Transforms of a checkpoint folder: :func:`transform_checkpoint`, and the two operations of the command
+line built on it, :func:`sort_checkpoint` and :func:`slice_checkpoint`.
+
+A transform validates the folder, checks the output path and the free space, then runs the streaming
+engine (:mod:`gdnprune.checkpoint.engine`) on two threads into a temporary folder, writes the index,
+config, other files and manifest (:mod:`gdnprune.checkpoint.output`) and renames the folder into place.
+A failure or an interrupt removes the temporary folder. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..scores import file_sha256, read_scores
+from ..targets import TARGET_FIELDS, TargetError
+from . import output
+from .engine import GDNWork, copy_unchanged, plan_shards, write_header
+from .folder import (
+    CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, _all_markers, _group_gdn_tensors,
+    find_gdn_layers, open_checkpoint,
+)
+
+__all__ = ["UnsortedInputWarning", "MissingScoresWarning", "PassthroughWarning", "transform_checkpoint",
+           "sort_checkpoint", "slice_checkpoint"]
+
+
+class UnsortedInputWarning(UserWarning):
+    """Slicing a checkpoint that no manifest says was sorted: the kept prefix is not the important part."""
+
+
+class MissingScoresWarning(UserWarning):
+    """A GDN layer has no entry in the scores: it keeps its order."""
+
+
+class PassthroughWarning(UserWarning):
+    """GDN-looking tensors under a pass-through prefix (``mtp.``) are left untouched."""
+
+
+def _warn(category: type[Warning], message: str) -> None:
+    warnings.warn(message, category, stacklevel=3)
+
+
+def transform_checkpoint(
+    model_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    permutations: Mapping[str, Any] | None = None,
+    target: Any = None,
+    operation: str,
+    overwrite: bool = False,
+    progress: bool = True,
+    manifest_extra: Mapping[str, Any] | None = None,
+) -> dict:
+    """Permute and/or cut every GDN layer of a checkpoint folder into a new folder, streaming.
+
+    Args:
+        model_dir: the source folder (sharded or single-file safetensors; opened read-only).
+        output_dir: the folder to create (must not be ``model_dir`` or inside it).
+        permutations: GDN layer prefix -> :class:`~gdnprune.gated_delta_net.GDNPermutation` or score
+            payload (``*_order_most_important_first`` lists). A layer without an entry keeps its order
+            (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
+            None: no permutation.
+        target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
+            fields (missing or None fields keep their size). None: no slicing.
+        operation: the name recorded in the manifest (``"sort"``, ``"slice"``, ``"prune"``, ...).
+        overwrite: replace an existing ``output_dir``.
+        progress: show a tqdm progress bar over bytes written (stderr).
+        manifest_extra: extra top-level entries for the manifest.
+
+    Permuting and slicing are one gather per GDN tensor (``permutation.indices(shape, target=...)``);
+    every other tensor is copied byte for byte; dtypes, shard names and the tensor-to-shard assignment are
+    kept. ``config.json`` gets the target geometry; every other file of the folder is copied (except
+    other weight files). Returns the manifest, also written to ``output_dir/gdnprune.json`` (the returned
+    dict also has ``elapsed_seconds``).
+
+    Raises:
+        CheckpointError, ScoresError, TargetError, OutputError (all ``ValueError``): input errors; no
+            output folder is left behind, as for any other failure or an interrupt.
+    """
+    src, out = Path(model_dir), Path(output_dir)
+    output.check_paths(src, out, overwrite)
+    return _transform(src, out, permutations, target, operation, overwrite, progress, manifest_extra)
+
+
+def _transform(src: Path, out: Path, permutations, target, operation, overwrite, progress, manifest_extra) -> dict:
+    start_time = time.time()
+    ckpt = open_checkpoint(src)
+    members, _ = _group_gdn_tensors(ckpt.names, _all_markers())
+    gdn_names = {n for names in members.values() for n in names}
+    if not gdn_names:
+        find_gdn_layers(ckpt)  # raises the precise error (no GDN layer / unknown layout)
+    if target is not None and permutations is None and not ckpt.is_sorted:
+        _warn(UnsortedInputWarning,
+              f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
+              f"channels in their original order, not the most important ones (run `gdnprune sort` first)")
+    at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if target is None or n not in gdn_names)
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free < at_least:
+        raise output.OutputError(f"not enough free disk space for {out}: the output needs more than "
+                          f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+
+    tmp = output.make_temp_folder(out)
+    shards = plan_shards(ckpt, gdn_names, tmp)
+    work = GDNWork(ckpt, shards, gdn_names, permutations, target)
+
+    def worker_main() -> None:
+        try:
+            work.prepare()
+            work.ready.set()
+            work.run()
+        except BaseException as exc:  # handed to the main thread
+            work.error = work.error or exc
+
+    worker = threading.Thread(target=worker_main, name="gdnprune-gdn", daemon=True)
+    from tqdm import tqdm
+
+    bar = tqdm(total=ckpt.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"gdnprune {operation}",
+               disable=not progress, file=sys.stderr, leave=False)
+    state = {"warned": False, "gdn_bytes": 0}
+
+    def on_chunk(n: int) -> None:
+        """After every written chunk: worker errors, warnings, progress."""
+        if work.error is not None:
+            raise work.error
+        if not state["warned"] and work.ready.is_set():
+            state["warned"] = True
+            for prefix in work.missing:
+                _warn(MissingScoresWarning, f"GDN layer {prefix} has no entry in the scores: it keeps its order")
+            if work.skipped:
+                _warn(PassthroughWarning, f"{work.skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: "
+                                          f"left untouched")
+            bar.total = sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes
+            bar.refresh()
+        done = work.bytes_done
+        bar.update(n + done - state["gdn_bytes"])
+        state["gdn_bytes"] = done
+
+    def wait_for(event_done: Callable[[], bool]) -> None:
+        while not event_done():
+            worker.join(timeout=0.05)
+            on_chunk(0)
+
+    try:
+        worker.start()
+        for shard in shards:  # meanwhile the worker imports torch, then gathers
+            copy_unchanged(shard, on_chunk)
+        wait_for(lambda: work.ready.is_set() or not worker.is_alive())
+        on_chunk(0)
+        work.run(after_job=lambda: on_chunk(0))  # help with the GDN tensors that are left
+        wait_for(lambda: not worker.is_alive())
+        on_chunk(0)
+        for shard in shards:
+            on_chunk(write_header(shard))
+        manifest = _finish_folder(ckpt, tmp, work, operation, permutations, target, manifest_extra)
+        output.move_into_place(tmp, out, overwrite)
+    except BaseException:
+        work.stop.set()
+        try:
+            worker.join(timeout=30)  # it checks `stop` between tensors; then nothing writes into tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+        work.stop.set()
+    manifest["elapsed_seconds"] = round(time.time() - start_time, 3)
+    return manifest
+
+
+def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, target,
+                   manifest_extra) -> dict:
+    """Index, config, other files and manifest of the output folder."""
+    from ..geometry import orders_to_payload
+
+    skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
+    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()])
+    if target is not None:
+        output.write_json(tmp / CONFIG_NAME, work.target_shape.apply_to_config(ckpt.config))
+    else:
+        shutil.copy2(ckpt.path / CONFIG_NAME, tmp / CONFIG_NAME)
+    left_out = output.copy_other_files(ckpt.path, tmp, skip)
+    if left_out:
+        _warn(UserWarning, f"other weight files {left_out} of {ckpt.path} were not copied (they are not part of "
+                           f"the safetensors checkpoint that was transformed)")
+    permuted = [p for p, plan in work.plans.items() if plan.permutation is not None]
+    manifest = output.build_manifest(
+        ckpt, operation,
+        sorted_out=all(p in permuted or ckpt.is_sorted for p in work.plans),
+        source_shape=next(iter(work.plans.values())).layer.shape.as_dict(),
+        target=work.target_shape.as_dict() if target is not None else None,
+        layers={
+            prefix: {
+                "layout": plan.layer.layout,
+                "shape": plan.layer.shape.as_dict(),
+                "target": plan.target.as_dict(),
+                "permutation": None if plan.permutation is None else orders_to_payload(plan.permutation),
+            }
+            for prefix, plan in work.plans.items()
+        },
+        unsorted_layers=work.missing if permutations is not None else None,
+        passthrough=work.skipped,
+        extra=manifest_extra,
+    )
+    output.write_manifest(tmp, manifest)
+    return manifest
+
+
+def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Mapping, output_dir: str | os.PathLike,
+                    **kwargs) -> dict:
+    """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
+
+    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). Keyword arguments are those of
+    :func:`transform_checkpoint` (``overwrite``, ``progress``, ``manifest_extra``). Returns the manifest.
+    """
+    data = read_scores(scores)
+    info = {"metadata": {k: v for k, v in data.items() if k != "layers"}}
+    if not isinstance(scores, Mapping):
+        info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
+    extra = {"scores": info, **dict(kwargs.pop("manifest_extra", None) or {})}
+    return transform_checkpoint(model_dir, output_dir, permutations=data["layers"], operation="sort",
+                                manifest_extra=extra, **kwargs)
+
+
+def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, target: Any, **kwargs) -> dict:
+    """Cut every GDN layer to the nested prefix ``target`` and rewrite the geometry in ``config.json``.
+
+    ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
+    ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep their size.
+    Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
+    arguments are those of :func:`transform_checkpoint`. Returns the manifest.
+    """
+    if target is None:
+        raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ")")
+    return transform_checkpoint(model_dir, output_dir, target=target, operation="slice", **kwargs)

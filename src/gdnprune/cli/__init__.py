@@ -1,0 +1,89 @@
+"""The ``gdnprune`` command line: one module per subcommand, over a library that never prints.
+
+Each command module has ``NAME``, ``HELP``, ``add_parser(subparsers)`` and ``run(args) -> exit code``,
+and imports the library inside ``run``, so that ``gdnprune --help`` stays fast and ``inspect``, ``sort``
+and ``slice`` never load torch. This package owns every message and exit code:
+
+* 0 success, 1 a check failed (``verify`` beyond tolerance), 2 an input error (one line on stderr),
+  130 interrupted;
+* library warnings are shown as one ``gdnprune COMMAND: warning: ...`` line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+
+from .. import __version__
+
+#: subcommand -> its module, in the order of ``--help``
+COMMANDS = {
+    "inspect": "gdnprune.cli.inspect",
+    "sort": "gdnprune.cli.sort",
+    "slice": "gdnprune.cli.slice",
+    "verify": "gdnprune.cli.verify",
+    "score": "gdnprune.cli.score",
+    "prune": "gdnprune.cli.prune",
+    "demo": "gdnprune.cli.demo",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser: with every subcommand, or only ``command`` when it is one."""
+    parser = argparse.ArgumentParser(
+        prog="gdnprune",
+        description="Score, sort and slice the GatedDeltaNet (linear attention) layers of Qwen hybrid models.",
+        epilog="Run `gdnprune COMMAND --help` for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"gdnprune {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in (command,) if command in COMMANDS else COMMANDS:
+        importlib.import_module(COMMANDS[name]).add_parser(sub)
+    return parser
+
+
+class _StderrWarnings:
+    """Show warnings as one ``gdnprune CMD: warning: ...`` line on stderr while a command runs."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self._ctx = warnings.catch_warnings()
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        warnings.simplefilter("always", UserWarning)
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            print(f"gdnprune {self.command}: warning: {message}", file=sys.stderr)
+
+        warnings.showwarning = show
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gdnprune`` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        with _StderrWarnings(args.command):
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("gdnprune: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as exc:  # input errors: one line, exit 2
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"gdnprune {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Option groups and argument types shared by several commands."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..targets import TARGET_FIELDS, TargetError
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_output_arguments(p, *, short: bool = True) -> None:
+    """``--output``, ``--overwrite`` and ``--quiet`` of the commands that write a model folder."""
+    names = ("--output", "-o") if short else ("--output",)
+    p.add_argument(*names, required=True, metavar="OUT_DIR", help="folder to create")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def add_target_arguments(p) -> None:
+    """The nested-target options shared by ``gdnprune slice`` and ``gdnprune prune``."""
+    p.add_argument("--num-key-heads", dest="num_key_heads", type=positive_int, metavar="N")
+    p.add_argument("--num-value-heads", dest="num_value_heads", type=positive_int, metavar="N",
+                   help="total value heads, a multiple of the key heads")
+    p.add_argument("--key-head-dim", dest="key_head_dim", type=positive_int, metavar="N")
+    p.add_argument("--value-head-dim", dest="value_head_dim", type=positive_int, metavar="N")
+
+
+def target_from_args(args) -> dict[str, int]:
+    """The target fields given on the command line (an axis not given keeps its size)."""
+    target = {f: getattr(args, f) for f in TARGET_FIELDS if getattr(args, f) is not None}
+    if not target:
+        raise TargetError("nothing to slice: give at least one of --num-key-heads, --num-value-heads, "
+                          "--key-head-dim, --value-head-dim")
+    return target
+
+
+def add_calibration_arguments(p) -> None:
+    """The calibration options shared by ``gdnprune score`` and ``gdnprune prune``."""
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="calibration text: a UTF-8 text file, or JSONL with a \"text\" field per line")
+    p.add_argument("--method", choices=("projection", "activation", "random"), default="projection",
+                   help="projection (default): output-projection Gram + greedy removal; activation: "
+                        "Minitron-style magnitudes; random: seeded random orders")
+    p.add_argument("--num-samples", type=int, default=128, help="calibration windows (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights dtype for the forward passes (default float32)")
+    p.add_argument("--device-map", choices=("auto", "balanced", "balanced_low_0", "sequential"), default=None,
+                   help="spread the model over the GPUs and CPU of this machine through accelerate")
+    p.add_argument("--seed", type=int, default=0, help="seed of --method random (default 0)")
+
+
+def scoring_options(args) -> dict:
+    """The keyword arguments of :func:`gdnprune.scoring.score_checkpoint` given by the calibration options."""
+    return dict(method=args.method, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
+                device=args.device, dtype=args.dtype, device_map=args.device_map, seed=args.seed)
+
+
+def summary(manifest: dict, out: str) -> str:
+    """One line about a written output folder."""
+    layers = manifest["layers"]
+    target = manifest.get("target")
+    what = f"cut to {target}" if target else "permuted"
+    return (f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']} "
+            f"({manifest['elapsed_seconds']:.1f} s)")

@@ -1,0 +1,30 @@
+"""``gdnprune slice MODEL_DIR --output OUT --num-key-heads N ...``: cut every GDN layer to a nested prefix."""
+
+from __future__ import annotations
+
+from ._options import add_output_arguments, add_target_arguments, summary, target_from_args
+
+NAME = "slice"
+HELP = "cut every GDN layer to a nested prefix"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(NAME, help=HELP,
+                              description="Keep the first key heads, value heads, key dims and value dims of "
+                                          "every GDN layer and rewrite the geometry in config.json. An axis "
+                                          "not given keeps its size. Sort first so that the prefix is the "
+                                          "most important part.")
+    p.add_argument("model_dir", metavar="MODEL_DIR")
+    add_output_arguments(p)
+    add_target_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..checkpoint import slice_checkpoint
+
+    target = target_from_args(args)
+    manifest = slice_checkpoint(args.model_dir, args.output, target, overwrite=args.overwrite,
+                                progress=not args.quiet)
+    print(summary(manifest, args.output))
+    return 0

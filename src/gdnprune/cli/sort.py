@@ -1,0 +1,28 @@
+"""``gdnprune sort MODEL_DIR --scores SCORES.json --output OUT``: the sorted teacher (same function)."""
+
+from __future__ import annotations
+
+from ._options import add_output_arguments, summary
+
+NAME = "sort"
+HELP = "permute every GDN layer by importance (same function)"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(NAME, help=HELP,
+                              description="Apply the importance orders of a scores file to every GDN layer: "
+                                          "the output computes the same function (the sorted teacher).")
+    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("--scores", required=True, metavar="SCORES.json",
+                   help='JSON object with "layers": {prefix: {*_order_most_important_first: ...}}')
+    add_output_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..checkpoint import sort_checkpoint
+
+    manifest = sort_checkpoint(args.model_dir, args.scores, args.output, overwrite=args.overwrite,
+                               progress=not args.quiet)
+    print(summary(manifest, args.output))
+    return 0

@@ -1,0 +1,37 @@
+"""``gdnprune verify MODEL_A MODEL_B``: compare the logits of two checkpoints; exit 1 beyond tolerance."""
+
+from __future__ import annotations
+
+from ._options import positive_int
+
+NAME = "verify"
+HELP = "compare the logits of two checkpoints"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(NAME, help=HELP,
+                              description="Load both folders with transformers (fp32), run the same tokens and "
+                                          "print the max and mean absolute logit difference and each model's "
+                                          "loss. Exit 0 within tolerance, 1 otherwise.")
+    p.add_argument("model_a", metavar="MODEL_A")
+    p.add_argument("model_b", metavar="MODEL_B")
+    p.add_argument("--data", metavar="TEXT_FILE", help="text to run (default: seeded random token ids)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (default 1e-4)")
+    p.add_argument("--seq-len", dest="seq_len", type=positive_int, default=128, help="tokens per sequence (128)")
+    p.add_argument("--num-sequences", dest="num_sequences", type=positive_int, default=4, help="sequences (4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random ids (0)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..checkpoint import verify_checkpoints
+
+    r = verify_checkpoints(args.model_a, args.model_b, data=args.data, tolerance=args.tolerance,
+                           seq_len=args.seq_len, num_sequences=args.num_sequences, seed=args.seed)
+    print(f"tokens: {r['tokens'][0]} x {r['tokens'][1]} ({r['token_source']})")
+    print(f"loss A: {r['loss_a']:.6f}  ({r['model_a']})")
+    print(f"loss B: {r['loss_b']:.6f}  ({r['model_b']})")
+    verdict = "OK" if r["within_tolerance"] else "EXCEEDS tolerance"
+    print(f"max |logit diff|: {r['max_abs_diff']:.3e}  mean: {r['mean_abs_diff']:.3e}  "
+          f"tolerance: {r['tolerance']:.1e}  {verdict}")
+    return 0 if r["within_tolerance"] else 1

@@ -1,0 +1,245 @@
+"""The scores file: read, validate, write, match its layer prefixes, turn its orders into permutations.
+
+A scores file is a JSON object (``gdnprune score`` writes it, ``gdnprune sort`` reads it)::
+
+    {"format": "gdnprune-scores", "version": 1, "method": "projection", "num_tokens": 65536,
+     "layers": {"model.layers.0.linear_attn": payload, ...}, ...metadata}
+
+Each payload holds the four orders of :mod:`gdnprune.geometry` (``*_order_most_important_first``), the
+raw per-element scores, the layer's ``shape`` and ``layout``. Two levels of checking:
+
+* :func:`read_scores` — what ``sort`` accepts: an object whose ``"layers"`` maps prefixes to objects
+  (a hand-written dict of orders is fine); the orders are checked against the checkpoint later;
+* :func:`load_scores` / :func:`check_scores` — a file that ``gdnprune score`` wrote: also the format,
+  the version and every payload's orders and shape.
+
+Layer prefixes match with or without the ``language_model.`` part of a vision-language checkpoint
+(:func:`matching_prefixes`), because ``AutoModelForCausalLM`` loads those checkpoints without it. The same
+rule serves plan files. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from . import geometry
+from .geometry import ORDER_KEYS
+
+__all__ = [
+    "SCORES_FORMAT",
+    "SCORES_VERSION",
+    "ScoresError",
+    "read_scores",
+    "check_scores",
+    "load_scores",
+    "save_scores",
+    "matching_prefixes",
+    "match_layers",
+    "resolve_orders",
+    "scores_to_permutations",
+    "file_sha256",
+]
+
+#: ``format`` field of a scores file.
+SCORES_FORMAT = "gdnprune-scores"
+#: ``version`` field of a scores file.
+SCORES_VERSION = 1
+
+# Prefix spellings of the same layer: vision-language checkpoints store the text model under
+# ``model.language_model.``, which AutoModelForCausalLM loads as ``model.``.
+_PREFIX_ALIASES = (("model.language_model.", "model."),)
+
+
+class ScoresError(ValueError):
+    """A scores file (or dict) that cannot be read or applied to the checkpoint."""
+
+
+def file_sha256(path: str | os.PathLike) -> str | None:
+    """The sha256 of a file's bytes, or None when it is not a file."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_scores(scores: str | os.PathLike | Mapping) -> dict:
+    """Read a scores file (or pass a dict through the same checks): an object with a ``layers`` object.
+
+    ``layers`` maps GDN layer prefixes to payloads (the four ``*_order_most_important_first`` keys of
+    :func:`gdnprune.geometry.orders_from_payload`); other top-level keys are metadata. The orders are
+    checked against the layers they are applied to (:func:`resolve_orders`).
+
+    Raises:
+        ScoresError: the file cannot be read, is not JSON, or lacks a ``layers`` object of objects.
+    """
+    where = "scores"
+    if not isinstance(scores, Mapping):
+        where = f"scores file {os.fspath(scores)}"
+        try:
+            with open(scores, encoding="utf-8") as f:
+                scores = json.load(f)
+        except OSError as exc:
+            raise ScoresError(f"{where}: cannot read ({exc.strerror or exc})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ScoresError(f"{where}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise ScoresError(f"{where}: not valid JSON (nested too deeply)") from None
+    if not isinstance(scores, Mapping):
+        raise ScoresError(f"{where}: expected a JSON object, found {type(scores).__name__}")
+    layers = scores.get("layers")
+    if not isinstance(layers, Mapping) or not layers:
+        raise ScoresError(f"{where}: expected a non-empty 'layers' object mapping GDN layer prefixes to payloads")
+    bad = [k for k, v in layers.items() if not isinstance(k, str) or not isinstance(v, Mapping)]
+    if bad:
+        raise ScoresError(f"{where}: layers[{bad[0]!r}] is not an object of *_order_most_important_first lists")
+    return dict(scores)
+
+
+def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
+    """Check that ``scores`` is a scores file as ``gdnprune score`` writes it; returns it.
+
+    Raises:
+        ScoresError: wrong ``format`` or ``version``, no ``layers``, or a payload that lacks an order or its
+            ``shape``, or whose orders do not fit its shape.
+    """
+    if not isinstance(scores, Mapping) or scores.get("format") != SCORES_FORMAT:
+        found = scores.get("format") if isinstance(scores, Mapping) else type(scores).__name__
+        raise ScoresError(f"{source}: not a gdnprune scores file (format {found!r}, expected {SCORES_FORMAT!r})")
+    if scores.get("version") != SCORES_VERSION:
+        raise ScoresError(f"{source}: unsupported scores version {scores.get('version')!r}, expected {SCORES_VERSION}")
+    layers = scores.get("layers")
+    if not isinstance(layers, Mapping) or not layers:
+        raise ScoresError(f"{source}: no \"layers\" in the scores file")
+    for prefix, payload in layers.items():
+        if not isinstance(payload, Mapping):
+            raise ScoresError(f"{source}: layer {prefix!r} is not an object")
+        missing = [k for k in (*ORDER_KEYS, "shape") if k not in payload]
+        if missing:
+            raise ScoresError(f"{source}: layer {prefix!r} lacks {missing}")
+        try:
+            shape = payload["shape"]
+            if not isinstance(shape, Mapping):
+                raise ValueError(f"shape must be an object of the four GDNShape fields, found {type(shape).__name__}")
+            geometry.orders_from_payload(payload, geometry.GDNShape(**shape))
+        except (TypeError, ValueError) as exc:
+            raise ScoresError(f"{source}: layer {prefix!r}: {exc}") from None
+    return scores
+
+
+def load_scores(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a scores file that ``gdnprune score`` / :func:`save_scores` wrote and check all of it."""
+    return dict(check_scores(read_scores(path), os.fspath(path)))
+
+
+def save_scores(scores: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Write a scores dict as JSON, through a temporary file renamed into place. Returns the path.
+
+    The file gets the permissions a new file gets under the process umask (like ``open(path, "w")``).
+    """
+    path = Path(path)
+    check_scores(scores)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(scores, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _alias(prefix: str) -> str:
+    for long, short in _PREFIX_ALIASES:
+        if prefix.startswith(long):
+            return short + prefix[len(long):]
+    return prefix
+
+
+def matching_prefixes(key: str, prefixes: Iterable[str]) -> list[str]:
+    """The GDN layer prefixes among ``prefixes`` that ``key`` names: ``key`` itself, else every prefix that is
+    the same layer spelled with or without the ``language_model.`` part of a vision-language checkpoint."""
+    prefixes = list(prefixes)
+    if key in prefixes:
+        return [key]
+    return [p for p in prefixes if _alias(p) == _alias(key)]
+
+
+def match_layers(entries: Mapping[str, Any], prefixes: Iterable[str], what: str = "scores") -> dict[str, Any]:
+    """Map every entry of ``entries`` (keyed by a layer prefix or its alias) to one of ``prefixes``.
+
+    Returns ``{prefix: value}``. Raises :class:`ScoresError` (a ``ValueError``) for an entry that names no
+    layer, or two entries that name the same layer; ``what`` names the file in the message.
+    """
+    known = list(prefixes)
+    out: dict[str, Any] = {}
+    for key, value in entries.items():
+        candidates = matching_prefixes(key, known) if isinstance(key, str) else []
+        if len(candidates) != 1:
+            raise ScoresError(
+                f"{what} entry {key!r} is not a GDN layer of this checkpoint (its {len(known)} GDN layers: "
+                f"{known[:3]}{' ...' if len(known) > 3 else ''})"
+            )
+        prefix = candidates[0]
+        if prefix in out:
+            raise ScoresError(f"{what} entries {key!r} and another name the same GDN layer {prefix!r}")
+        out[prefix] = value
+    return out
+
+
+def resolve_orders(permutations: Mapping | None, shapes: Mapping[str, geometry.GDNShape]
+                   ) -> tuple[dict[str, dict], list[str]]:
+    """Validated orders (numpy, see :func:`gdnprune.geometry.orders_from_payload`) for the layers ``shapes``.
+
+    ``permutations`` maps layer prefixes (aliases allowed) to score payloads or
+    :class:`~gdnprune.gated_delta_net.GDNPermutation` objects. Returns ``{prefix: orders}`` and the
+    prefixes of ``shapes`` that have no entry.
+
+    Raises:
+        ScoresError: an entry that names no layer (or the same layer twice), or orders that do not fit.
+    """
+    if permutations is None:
+        return {}, []
+    # a GDNPermutation can only exist if its (torch) module was imported: no need to import it here
+    core = sys.modules.get("gdnprune.gated_delta_net")
+    out: dict[str, dict] = {}
+    for prefix, value in match_layers(permutations, shapes).items():
+        shape = shapes[prefix]
+        try:
+            if core is not None and isinstance(value, core.GDNPermutation):
+                value.indices(shape)  # checks the orders' sizes against the layer
+                out[prefix] = value._numpy()
+            elif isinstance(value, Mapping):
+                out[prefix] = geometry.orders_from_payload(value, shape)
+            else:
+                raise ValueError(f"expected a GDNPermutation or a score payload, found {type(value).__name__}")
+        except ValueError as exc:
+            raise ScoresError(f"scores for GDN layer {prefix!r} ({shape}): {exc}") from None
+    missing = [p for p in shapes if p not in out]
+    return out, missing
+
+
+def scores_to_permutations(scores: Mapping[str, Any]) -> dict:
+    """``{prefix: GDNPermutation}`` from a scores-file dict (geometry read from each payload's ``shape``)."""
+    from .gated_delta_net import GDNPermutation, GDNShape
+
+    out = {}
+    for prefix, payload in check_scores(scores)["layers"].items():
+        out[prefix] = GDNPermutation.from_score_payload(payload, GDNShape(**payload["shape"]))
+    return out

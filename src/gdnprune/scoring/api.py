@@ -1,0 +1,323 @@
+"""The scoring API: :func:`score_model` on a loaded model, :func:`score_checkpoint` on a model folder.
+
+Calibration batches run through a real transformers model with :class:`~gdnprune.scoring.hooks.LayerScorer`
+hooks on every GDN layer; the result is a scores-file dict (:mod:`gdnprune.scores`). The methods and
+measures are described in ``docs/scoring.md``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..layouts import find_gdn_modules
+from ..scores import SCORES_FORMAT, SCORES_VERSION
+from .hooks import LayerScorer
+from .loss_head import loss_positions, measure_loss_gradient, output_head
+
+__all__ = ["METHODS", "score_model", "score_checkpoint"]
+
+#: Scoring methods, the default first.
+METHODS = ("projection", "activation", "random")
+
+_KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
+_VALUE_DIM_MEASURES = ("head_rms", "energy", "gram", "loss_gram")
+_HEAD_MEASURES = ("loss_gram", "energy_gram")
+
+_SCORE_KIND = {
+    "projection": (
+        "projection: key groups (and lanes with lane_measure='energy_gram'): mean squared norm per token of "
+        "the element's own contribution to the out_proj output; lanes by default (lane_measure='loss_gram'): "
+        "mean over the loss tokens of (g . c_h)^2, g the next-token loss gradient at the final norm's input "
+        "(orders of both come from the greedy conditional removal on the Gram matrix and account for "
+        "redundancy); key dims: the key_dim_measure (default RMS(q^_d) + RMS(k^_d) of the "
+        "l2-normalised q and k); value dims: the value_dim_measure (default sum over heads of "
+        "RMS(W[:, (h, e)] o_(h, e)))"
+    ),
+    "activation": "activation: mean |activation| over each window's tokens, L2 over windows (RMS over windows)",
+    "random": "random: the rank in a seeded random order (larger = earlier)",
+}
+
+
+def _input_device(model: torch.nn.Module) -> torch.device:
+    """Device the input ids go to: the embedding's (its accelerate execution device when offloaded)."""
+    try:
+        emb = model.get_input_embeddings()
+        device = emb.weight.device
+    except (AttributeError, NotImplementedError):
+        emb, device = None, next(model.parameters()).device
+    if device.type == "meta":
+        hook = getattr(emb, "_hf_hook", None)
+        device = torch.device(getattr(hook, "execution_device", None) or "cpu")
+    return device
+
+
+
+def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``input_ids`` [B, T] and an optional ``attention_mask`` [B, T] from a tensor or a mapping."""
+    if isinstance(batch, Mapping):
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    else:
+        ids, mask = batch, None
+    ids = torch.as_tensor(ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"a calibration batch must be integer input_ids [B, T], got {ids.dtype} {list(ids.shape)}")
+    if mask is not None:
+        mask = torch.as_tensor(mask).reshape(ids.shape).bool()
+        if bool(mask.all()):
+            mask = None
+    return ids.long(), mask
+
+
+def score_model(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    *,
+    method: str = "projection",
+    progress: bool = True,
+    seed: int = 0,
+    total: int | None = None,
+    key_dim_measure: str = "qk_rms",
+    value_dim_measure: str = "head_rms",
+    lane_measure: str = "loss_gram",
+    key_group_measure: str = "energy_gram",
+    loss_token_stride: int = 8,
+) -> dict[str, Any]:
+    """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
+
+    Args:
+        model: a transformers model with GDN layers (Qwen3.5 text/VL, Qwen3.5-MoE, Qwen3-Next,
+            Qwen4-exp, OLMo-hybrid), possibly dispatched over devices by accelerate.
+        batches: an iterable of ``input_ids`` [B, T] tensors, or mappings with ``input_ids`` and an
+            optional ``attention_mask`` (masked tokens are left out of every statistic).
+        method: ``"projection"`` (default), ``"activation"`` or ``"random"`` (see the module docs).
+        progress: show a tqdm progress bar over the batches.
+        seed: seed of the ``random`` method (recorded for every method).
+        total: number of batches for the progress bar (default ``len(batches)`` when available).
+        key_dim_measure: ``projection`` only, how key channels are ordered: ``"qk_rms"`` (default; sort by
+            ``RMS(q^_d) + RMS(k^_d)`` of the l2-normalised q and k), ``"qk_gram"`` (greedy on ``Cq * Ck``,
+            the energy of the q^.k^ products), ``"qk_energy"`` (sort by ``E[q^_d^2] E[k^_d^2]``),
+            ``"q_energy"`` or ``"k_energy"``.
+        value_dim_measure: ``projection`` only, how value channels are ordered: ``"head_rms"`` (default;
+            sort by ``sum_h RMS(W[:, (h, e)] o_(h, e))``), ``"energy"`` (sort by the energy of the channel's
+            projected contribution summed over heads, ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``) or
+            ``"gram"`` (greedy on the full value-channel Gram; needs the full ``[Hv*dv]^2`` second moment
+            of the ``out_proj`` input per layer, ``(Hv*dv)^2`` per token and as much memory) or
+            ``"loss_gram"`` (greedy on the loss-aware channel Gram ``sum_t (g_t . s_e)(g_t . s_f)``, ``s_e``
+            channel ``e``'s contribution summed over heads).
+        lane_measure: ``projection`` only, the Gram behind the lane orders: ``"loss_gram"`` (default; the
+            loss-aware Gram, see the module docs) or ``"energy_gram"`` (the contribution Gram).
+        key_group_measure: ``projection`` only, the same choice for key groups (default ``"energy_gram"``).
+        loss_token_stride: measure the loss gradient on one token in this many (default 8); the cost is
+            two ``lm_head``-sized products per measured token, the memory each layer's ``out_proj`` input at
+            the measured tokens of one batch.
+
+    Returns:
+        ``{"format", "version", "method", "num_tokens", "seed", "layers": {prefix: payload}}``, with
+        ``"measures"`` (the measures used, after any fallback) for ``projection``.
+
+    Raises:
+        ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
+    """
+    from ..gated_delta_net import GDNPermutation, GDNShape
+    from tqdm.auto import tqdm
+
+    if method not in METHODS:
+        raise ValueError(f"unknown scoring method {method!r}; expected one of {list(METHODS)}")
+    if key_dim_measure not in _KEY_DIM_MEASURES:
+        raise ValueError(f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}")
+    if value_dim_measure not in _VALUE_DIM_MEASURES:
+        raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of {list(_VALUE_DIM_MEASURES)}")
+    for name, value in (("lane_measure", lane_measure), ("key_group_measure", key_group_measure)):
+        if value not in _HEAD_MEASURES:
+            raise ValueError(f"unknown {name} {value!r}; expected one of {list(_HEAD_MEASURES)}")
+    if int(loss_token_stride) < 1:
+        raise ValueError(f"loss_token_stride must be >= 1, got {loss_token_stride}")
+    modules = find_gdn_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
+    result: dict[str, Any] = {
+        "format": SCORES_FORMAT,
+        "version": SCORES_VERSION,
+        "method": method,
+        "num_tokens": 0,
+        "seed": int(seed),
+        "score_kind": _SCORE_KIND[method],
+        "layers": {},
+    }
+    if method == "random":
+        generator = torch.Generator().manual_seed(int(seed))
+        for prefix, module in modules:
+            shape = GDNShape.from_module(module)
+            perm = GDNPermutation.random(shape, generator=generator)
+            payload: dict[str, Any] = perm.to_score_payload()
+            for key, order in zip(
+                ("key_group_scores", "value_lane_scores", "key_dim_scores", "value_dim_scores"),
+                (perm.key_groups, perm.value_lanes, perm.key_dim, perm.value_dim),
+            ):
+                n = order.shape[-1]
+                payload[key] = (n - 1 - order.argsort(dim=-1)).double().tolist()
+            payload["shape"] = shape.as_dict()
+            payload["num_tokens"] = 0
+            result["layers"][prefix] = payload
+        return result
+
+    head = None
+    if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
+        head = output_head(model)
+        if isinstance(head, str):
+            warnings.warn(
+                f"gdnprune score: {head}, so the loss-aware Gram cannot be computed; ordering with the energy "
+                "Gram (lanes, key groups) and head_rms (value channels) instead", RuntimeWarning, stacklevel=2)
+            lane_measure = "energy_gram" if lane_measure == "loss_gram" else lane_measure
+            key_group_measure = "energy_gram" if key_group_measure == "loss_gram" else key_group_measure
+            value_dim_measure = "head_rms" if value_dim_measure == "loss_gram" else value_dim_measure
+            head = None
+    if method == "projection":
+        result["measures"] = {
+            "key_group": key_group_measure, "value_lane": lane_measure, "key_dim": key_dim_measure,
+            "value_dim": value_dim_measure,
+        }
+        if head is not None:
+            result["measures"]["loss_token_stride"] = int(loss_token_stride)
+    scorers = [LayerScorer(p, m, method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure)
+               for p, m in modules]
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)  # type: ignore[arg-type]
+    extra = {"use_cache": False}
+    try:
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            extra["logits_to_keep"] = 1  # no need for the full vocabulary projection
+    except (TypeError, ValueError):  # pragma: no cover
+        pass
+    device = _input_device(model)
+    handles = []
+    final: dict[str, torch.Tensor] = {}
+    windows_seen = 0
+    was_training = model.training
+    model.eval()
+    try:
+        for scorer in scorers:
+            handles.extend(scorer.attach())
+        if head is not None:
+            handles.append(head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0])))
+        with torch.no_grad():
+            for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
+                ids, mask = _unpack_batch(batch)
+                select = None if head is None else loss_positions(ids, mask, windows_seen, int(loss_token_stride))
+                windows_seen += ids.shape[0]
+                for scorer in scorers:
+                    scorer.token_mask = mask
+                    scorer.loss_select = select
+                kwargs = dict(extra)
+                if mask is not None:
+                    kwargs["attention_mask"] = mask.to(device).long()
+                final.clear()
+                model(input_ids=ids.to(device), **kwargs)
+                if head is not None:
+                    measure_loss_gradient(head, final.pop("hidden", None), ids, select, scorers)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    for scorer in scorers:
+        result["layers"][scorer.prefix] = scorer.payload()
+    result["num_tokens"] = scorers[0].num_tokens
+    return result
+
+
+def _map_to_checkpoint(prefixes: list[str], model_dir: Path) -> dict[str, str]:
+    """Map the model's module prefixes to the GDN layer prefixes of the checkpoint's tensors (they differ when
+    a vision-language checkpoint is loaded as a text model). Unchanged when the folder has no safetensors."""
+    from ..checkpoint.folder import CheckpointError, find_gdn_layers, open_checkpoint
+    from ..scores import matching_prefixes
+
+    try:
+        stored = [layer.prefix for layer in find_gdn_layers(open_checkpoint(model_dir))[0]]
+    except CheckpointError:
+        return {p: p for p in prefixes}
+    mapping = {}
+    for prefix in prefixes:
+        candidates = matching_prefixes(prefix, stored)
+        if len(candidates) != 1:
+            raise ValueError(
+                f"cannot match the model's GDN layer {prefix!r} to the checkpoint's tensor names "
+                f"(candidates {sorted(candidates)})"
+            )
+        mapping[prefix] = candidates[0]
+    return mapping
+
+
+def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: str | None):
+    """Load a causal LM from ``model_dir`` for scoring (text part only for vision-language checkpoints)."""
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except ValueError as first:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+        classes = [c for c in classes if c is not None]
+        if not classes:
+            raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
+        model = classes[0].from_pretrained(model_dir, **kwargs)
+    if device_map is None:
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return model.eval()
+
+
+def score_checkpoint(
+    model_dir: str | Path,
+    data: str | Path,
+    *,
+    method: str = "projection",
+    num_samples: int | None = 128,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    device: str | None = None,
+    dtype: str = "float32",
+    device_map: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
+
+    The data file (UTF-8 text or JSONL with a ``"text"`` field) is tokenised with the folder's tokenizer
+    and packed into ``num_samples`` windows of ``seq_len`` tokens; layer prefixes are those of the
+    checkpoint's tensors (what ``gdnprune sort`` expects). Behind ``gdnprune score`` and ``gdnprune prune``.
+    """
+    from transformers import AutoTokenizer
+
+    from ..calibration import calibration_windows, iter_batches
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir}: not a model folder (no config.json)")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples)
+    model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map)
+    batches = list(iter_batches(windows, batch_size))
+    scores = score_model(model, batches, method=method, seed=seed, progress=progress)
+    mapping = _map_to_checkpoint(list(scores["layers"]), model_dir)
+    scores["layers"] = {mapping[p]: payload for p, payload in scores["layers"].items()}
+    scores["model"] = str(model_dir)
+    scores["calibration"] = {
+        "data": str(data),
+        "num_samples": int(windows.shape[0]),
+        "seq_len": int(seq_len),
+        "batch_size": int(batch_size),
+        "dtype": dtype,
+    }
+    return scores

@@ -1,0 +1,356 @@
+"""Per-layer hooks and float64 statistics of one GDN layer, and the layer's score payload from them.
+
+:class:`LayerScorer` hooks the q/k projection (post-conv q and k statistics) and the ``out_proj`` input
+(value head contributions and value channel statistics) of one GDN module, accumulates sums over tokens
+in float64, and turns them into the four orders and raw scores of the layer's payload. The measures and
+their derivations are in ``docs/scoring.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..geometry import GDNShape
+from .orders import descending, greedy_lane_orders, greedy_removal_order
+
+__all__ = ["LayerScorer", "materialized_weight"]
+
+
+def materialized_weight(module: torch.nn.Module, name: str = "weight") -> torch.Tensor:
+    """A parameter of ``module``, loaded from accelerate's offload map when it sits on the meta device."""
+    tensor = getattr(module, name)
+    if tensor is None or tensor.device.type != "meta":
+        return tensor
+    try:
+        from accelerate.utils import align_module_device
+    except ImportError:  # pragma: no cover - accelerate is what puts weights on meta
+        raise ValueError(f"{type(module).__name__}.{name} is on the meta device and accelerate is missing") from None
+    with align_module_device(module):
+        return getattr(module, name).detach().clone()
+
+
+class LayerScorer:
+    """Hooks and float64 statistics of one GDN layer."""
+
+    def __init__(self, prefix: str, module: torch.nn.Module, method: str, key_dim_measure: str,
+                 value_dim_measure: str, lane_measure: str = "energy_gram",
+                 key_group_measure: str = "energy_gram") -> None:
+        self.prefix, self.module, self.method = prefix, module, method
+        self.key_dim_measure, self.value_dim_measure = key_dim_measure, value_dim_measure
+        self.lane_measure, self.key_group_measure = lane_measure, key_group_measure
+        self.shape = GDNShape.from_module(module)
+        children = dict(module.named_children())
+        if "in_proj_qkv" in children:
+            self.layout = "qwen3_5"
+        elif "in_proj_qkvz" in children:
+            self.layout = "qwen3_next"
+        elif "q_proj" in children and "k_proj" in children:
+            self.layout = "olmo_hybrid"
+        else:
+            raise ValueError(
+                f"{prefix}: unsupported GDN module {type(module).__name__}: expected in_proj_qkv (Qwen3.5), "
+                f"in_proj_qkvz (Qwen3-Next) or q_proj/k_proj (OLMo-hybrid), found {sorted(children)}"
+            )
+        out_name = "out_proj" if "out_proj" in children else "o_proj" if "o_proj" in children else None
+        if out_name is None or "conv1d" not in children:
+            raise ValueError(f"{prefix}: GDN module {type(module).__name__} has no out_proj/o_proj or conv1d")
+        self.out_proj = children[out_name]
+        self.conv = children["conv1d"]
+        self.stats: dict[str, torch.Tensor] = {}
+        self.num_tokens = 0
+        self.num_windows = 0
+        self.token_mask: torch.Tensor | None = None  # [B, T] bool of the current batch, None = all tokens
+        self.loss_select: torch.Tensor | None = None  # [B, T] bool: tokens whose loss gradient is measured
+        self.loss_tokens = 0
+        self._pending_q: torch.Tensor | None = None
+        self._pending_o: torch.Tensor | None = None  # out_proj input of the loss tokens [n, Hv*dv]
+
+    @property
+    def needs_loss_gradient(self) -> bool:
+        """Whether an order of this layer uses the loss-aware Gram (then :meth:`on_loss_gradient` must run)."""
+        return self.method == "projection" and "loss_gram" in (
+            self.lane_measure, self.key_group_measure, self.value_dim_measure)
+
+    # hooks ---------------------------------------------------------------------------------------
+
+    def attach(self) -> list[Any]:
+        """Register the hooks; returns the handles."""
+        m, handles = self.module, []
+        handles.append(self.out_proj.register_forward_pre_hook(self._out_hook))
+        if self.layout == "qwen3_5":
+            handles.append(m.in_proj_qkv.register_forward_hook(self._qkv_hook))
+        elif self.layout == "qwen3_next":
+            handles.append(m.in_proj_qkvz.register_forward_hook(self._qkvz_hook))
+        else:
+            handles.append(m.q_proj.register_forward_hook(self._q_hook))
+            handles.append(m.k_proj.register_forward_hook(self._k_hook))
+        return handles
+
+    def _qkv_hook(self, module, args, output) -> None:
+        self._on_qk(output[..., : 2 * self.shape.key_dim])
+
+    def _qkvz_hook(self, module, args, output) -> None:
+        s = self.shape
+        per_group = output.shape[-1] // s.num_key_heads
+        grouped = output.reshape(*output.shape[:-1], s.num_key_heads, per_group)
+        q = grouped[..., : s.key_head_dim].flatten(-2)
+        k = grouped[..., s.key_head_dim : 2 * s.key_head_dim].flatten(-2)
+        self._on_qk(torch.cat([q, k], dim=-1))
+
+    def _q_hook(self, module, args, output) -> None:
+        self._pending_q = output
+
+    def _k_hook(self, module, args, output) -> None:
+        q, self._pending_q = self._pending_q, None
+        if q is None:  # pragma: no cover - q_proj always runs first
+            raise RuntimeError(f"{self.prefix}: k_proj ran before q_proj")
+        self._on_qk(torch.cat([q, output.to(q.device)], dim=-1))
+
+    def _out_hook(self, module, args) -> None:
+        self._on_out(args[0])
+
+    # statistics ----------------------------------------------------------------------------------
+
+    def _acc(self, name: str, value: torch.Tensor) -> None:
+        """Add ``value`` to the float64 accumulator ``name`` (created on ``value``'s device)."""
+        if name in self.stats:
+            self.stats[name] += value
+        else:
+            self.stats[name] = value.to(torch.float64).clone()
+
+    def _mask_on(self, device) -> torch.Tensor | None:
+        return None if self.token_mask is None else self.token_mask.to(device)
+
+    def _on_qk(self, qk: torch.Tensor) -> None:
+        """q/k projection output [B, T, 2*Hk*dk] (canonical [q | k]) -> post-conv q, k statistics."""
+        from transformers.activations import ACT2FN
+
+        s = self.shape
+        kd = s.key_dim
+        B, T = qk.shape[0], qk.shape[1]
+        weight = self.conv.weight[: 2 * kd]
+        bias = None if self.conv.bias is None else self.conv.bias[: 2 * kd]
+        x = qk.detach().transpose(1, 2)
+        weight = weight.to(x.device)
+        bias = None if bias is None else bias.to(x.device)
+        kernel = weight.shape[-1]
+        y = F.conv1d(x.to(weight.dtype), weight, bias, padding=kernel - 1, groups=2 * kd)[..., :T]
+        y = ACT2FN[getattr(self.module, "activation", "silu")](y).float()  # [B, 2kd, T]
+        mask = self._mask_on(y.device)
+        if self.method == "activation":
+            # per-window mean |q|, |k| over (valid) tokens, squared and summed over windows
+            a = y.abs()
+            if mask is None:
+                means = a.mean(-1)
+            else:
+                m = mask[:, None, :].to(a.dtype)
+                means = (a * m).sum(-1) / m.sum(-1).clamp_min(1)
+            self._acc("qk_abs_mean_sq", (means.double() ** 2).sum(0))
+            return
+        y = y.reshape(B, 2, s.num_key_heads, s.key_head_dim, T)
+        y = y * torch.rsqrt((y * y).sum(3, keepdim=True) + 1e-6)  # the kernel's l2norm
+        if mask is not None:
+            y = y * mask[:, None, None, None, :].to(y.dtype)
+        if self.key_dim_measure != "qk_gram":  # per-channel energies of q^ and k^ suffice: [2, Hk, dk]
+            self._acc("qk_sq", y.to(self._gram_dtype(y.device)).pow(2).sum((0, 4)))
+            return
+        # [2, Hk, dk, B*T] -> per (q|k, head) second moments [2, Hk, dk, dk]
+        flat = y.permute(1, 2, 3, 0, 4).reshape(2 * s.num_key_heads, s.key_head_dim, B * T)
+        flat = flat.to(self._gram_dtype(flat.device))
+        moments = torch.bmm(flat, flat.transpose(1, 2)).reshape(2, s.num_key_heads, s.key_head_dim, s.key_head_dim)
+        self._acc("qk_moments", moments)
+
+    def _on_out(self, o: torch.Tensor) -> None:
+        """out_proj input [B, T, Hv*dv] -> value head / value channel statistics."""
+        o = o.detach()
+        B, T, V = o.shape[0], o.shape[1], o.shape[-1]
+        mask = self._mask_on(o.device)
+        n_valid = B * T if mask is None else int(mask.sum())
+        self.num_tokens += n_valid
+        self.num_windows += B
+        if self.method == "activation":
+            a = o.float().abs()
+            if mask is None:
+                means = a.mean(1)
+            else:
+                m = mask[:, :, None].to(a.dtype)
+                means = (a * m).sum(1) / m.sum(1).clamp_min(1)
+            self._acc("out_abs_mean_sq", (means.double() ** 2).sum(0))
+            return
+        if self.loss_select is not None:
+            self._pending_o = o.reshape(B * T, V)[self.loss_select.to(o.device).reshape(-1)]
+        x = o.reshape(B * T, V)
+        if mask is not None:
+            x = x[mask.reshape(-1)]
+        x = x.to(self._gram_dtype(x.device))
+        if self.value_dim_measure == "gram":
+            # full second moment C = sum_t o o^T; every Gram matrix is a block sum of (W^T W) * C
+            self._acc("out_moment", x.T @ x)
+            return
+        s = self.shape
+        Hv, dv = s.num_value_heads, s.value_head_dim
+        heads = x.reshape(-1, Hv, dv)
+        if self.value_dim_measure == "energy":
+            # same-channel cross-head moments [dv, Hv, Hv]: enough for each value channel's own energy
+            per_dim = heads.permute(2, 1, 0)
+            self._acc("channel_moments", torch.bmm(per_dim, per_dim.transpose(1, 2)))
+        elif self.value_dim_measure == "head_rms":
+            self._acc("out_sq", x.pow(2).sum(0))  # [Hv*dv]
+        # per-head contributions c_h = W_h o_h [Hv, n, H] (in token chunks) -> head Gram [Hv, Hv]. Each
+        # entry of c sums dv products of one token, so c is computed in float32 like out_proj itself;
+        # the sum over tokens (the Gram) is taken in the Gram dtype (float64 on CPU).
+        W = materialized_weight(self.out_proj).detach().to(x.device, torch.float32)
+        W_heads = W.reshape(W.shape[0], Hv, dv).permute(1, 2, 0)  # [Hv, dv, H]
+        heads32 = heads.float()
+        chunk = max(1, (1 << 24) // max(1, Hv * W.shape[0]))
+        gram = torch.zeros(Hv, Hv, dtype=x.dtype, device=x.device)
+        for start in range(0, heads.shape[0], chunk):
+            c = torch.bmm(heads32[start : start + chunk].transpose(0, 1), W_heads).reshape(Hv, -1).to(x.dtype)
+            gram += c @ c.T
+        self._acc("head_gram", gram)
+
+    def on_loss_gradient(self, grad: torch.Tensor) -> None:
+        """Accumulate the loss-aware Grams from ``grad`` [n, H], the loss gradient at the selected tokens.
+
+        ``grad`` is the gradient of the next-token loss with respect to the final residual stream (input
+        of the final norm) at the tokens of ``loss_select``, in their order. Along the direct path a head's
+        contribution ``c_h`` changes the loss by about ``g . c_h``, so removing a set ``R`` changes it by
+        ``-sum_{h in R} g . c_h``, whose square summed over tokens is ``1^T F_RR 1`` with
+        ``F[h, k] = sum_t (g_t . c_h(t)) (g_t . c_k(t))``; the same for value channels with the channel's
+        contribution summed over heads.
+        """
+        o, self._pending_o = self._pending_o, None
+        if o is None or o.shape[0] == 0:
+            return
+        if o.shape[0] != grad.shape[0]:
+            raise RuntimeError(f"{self.prefix}: {o.shape[0]} out_proj tokens kept for {grad.shape[0]} loss gradients")
+        s = self.shape
+        Hv, dv = s.num_value_heads, s.value_head_dim
+        W = materialized_weight(self.out_proj).detach()
+        # W^T g: the gradient at the out_proj input, then times the input: per (head, channel) terms of
+        # g . c_h (float32 products, like out_proj; sums over tokens in the Gram dtype)
+        terms = ((grad.to(W.device, torch.float32) @ W.float()).to(o.device) * o.float()).reshape(-1, Hv, dv)
+        dtype = self._gram_dtype(o.device)
+        per_head = terms.sum(-1).to(dtype)  # [n, Hv]: g . c_h
+        self._acc("loss_head_gram", per_head.T @ per_head)
+        if self.value_dim_measure == "loss_gram":
+            per_dim = terms.sum(1).to(dtype)  # [n, dv]: g . (channel e's contribution summed over heads)
+            self._acc("loss_dim_gram", per_dim.T @ per_dim)
+        self.loss_tokens += int(grad.shape[0])
+
+    @staticmethod
+    def _gram_dtype(device: torch.device) -> torch.dtype:
+        """float64 products on CPU; float32 products (added to float64 sums) on accelerators."""
+        return torch.float64 if device.type == "cpu" else torch.float32
+
+    # results -------------------------------------------------------------------------------------
+
+    def payload(self) -> dict[str, Any]:
+        """The layer's score payload (orders, raw scores, geometry)."""
+        if self.num_tokens == 0:
+            raise ValueError(f"{self.prefix}: no calibration tokens reached this GDN layer")
+        s = self.shape
+        Hk, Hv, r, dk, dv = s.num_key_heads, s.num_value_heads, s.value_heads_per_group, s.key_head_dim, s.value_head_dim
+        if self.method == "activation":
+            n = self.num_windows
+            out = (self.stats["out_abs_mean_sq"] / n).sqrt().reshape(Hv, dv)
+            qk = (self.stats["qk_abs_mean_sq"] / n).sqrt().reshape(2, Hk, dk)
+            lane_scores = out.sum(1).reshape(Hk, r)
+            scores = {
+                "key_group_scores": lane_scores.sum(1),
+                "value_lane_scores": lane_scores,
+                "key_dim_scores": qk.sum(0),
+                "value_dim_scores": out.sum(0),
+            }
+            orders = {
+                "key_group_order_most_important_first": descending(scores["key_group_scores"]),
+                "value_lane_order_most_important_first": descending(scores["value_lane_scores"]),
+                "key_dim_order_most_important_first": descending(scores["key_dim_scores"]),
+                "value_dim_order_most_important_first": descending(scores["value_dim_scores"]),
+            }
+        else:
+            N = self.num_tokens
+            if self.value_dim_measure == "gram":
+                C = self.stats["out_moment"]
+                W = materialized_weight(self.out_proj).detach().to(C.device, torch.float64)
+                P = ((W.T @ W) * C).reshape(Hv, dv, Hv, dv)
+                head_gram = P.sum((1, 3))
+                dim_gram = P.sum((0, 2))
+                dim_energy = dim_gram.diagonal()
+                del P
+            else:
+                head_gram = self.stats["head_gram"]
+                W = materialized_weight(self.out_proj).detach().to(head_gram.device, torch.float64)
+                if self.value_dim_measure == "energy":
+                    Ce = self.stats["channel_moments"]  # [dv, Hv, Hv]
+                    W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
+                    dim_energy = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * Ce).sum((1, 2))
+            lane_gram = head_gram
+            group_gram = head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
+            lane_scale = group_scale = N
+            if self.needs_loss_gradient:
+                if self.loss_tokens == 0:
+                    raise ValueError(
+                        f"{self.prefix}: no token with a next-token target reached this GDN layer (the "
+                        "loss-aware Gram needs windows of at least 2 tokens)")
+                loss_gram = self.stats["loss_head_gram"]
+                if self.lane_measure == "loss_gram":
+                    lane_gram, lane_scale = loss_gram, self.loss_tokens
+                if self.key_group_measure == "loss_gram":
+                    group_gram = loss_gram.reshape(Hk, r, Hk, r).sum((1, 3))
+                    group_scale = self.loss_tokens
+            if self.key_dim_measure == "qk_gram":
+                qk = self.stats["qk_moments"]  # [2, Hk, dk, dk]
+                q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
+                k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
+            else:
+                q_energy, k_energy = self.stats["qk_sq"] / N  # E[q^_d^2], E[k^_d^2]: [Hk, dk] each
+            key_measure = {
+                "qk_rms": q_energy.sqrt() + k_energy.sqrt(),
+                "qk_gram": q_energy * k_energy,
+                "qk_energy": q_energy * k_energy,
+                "q_energy": q_energy,
+                "k_energy": k_energy,
+            }[self.key_dim_measure]
+            if self.value_dim_measure == "head_rms":
+                # sum over heads of the RMS of each head's projected channel: |W[:, (h, e)]| * RMS(o_(h, e))
+                o_sq = self.stats["out_sq"].reshape(Hv, dv) / N
+                col_sq = W.pow(2).sum(0).reshape(Hv, dv)
+                value_measure = (col_sq * o_sq).sqrt().sum(0)
+            elif self.value_dim_measure == "loss_gram":
+                value_measure = self.stats["loss_dim_gram"].diagonal() / self.loss_tokens
+            else:
+                value_measure = dim_energy / N
+            scores = {
+                "key_group_scores": group_gram.diagonal() / group_scale,
+                "value_lane_scores": (lane_gram.diagonal() / lane_scale).reshape(Hk, r),
+                "key_dim_scores": key_measure,
+                "value_dim_scores": value_measure,
+            }
+            if self.key_dim_measure == "qk_gram":
+                key_dims = greedy_removal_order(qk[0] * qk[1])
+            else:
+                key_dims = descending(key_measure)
+            if self.value_dim_measure == "gram":
+                value_dims = greedy_removal_order(dim_gram)
+            elif self.value_dim_measure == "loss_gram":
+                value_dims = greedy_removal_order(self.stats["loss_dim_gram"])
+            else:
+                value_dims = descending(value_measure)
+            orders = {
+                "key_group_order_most_important_first": greedy_removal_order(group_gram),
+                "value_lane_order_most_important_first": greedy_lane_orders(lane_gram, Hk),
+                "key_dim_order_most_important_first": key_dims,
+                "value_dim_order_most_important_first": value_dims,
+            }
+        payload: dict[str, Any] = {k: v.cpu().tolist() for k, v in orders.items()}
+        payload.update({k: v.double().cpu().tolist() for k, v in scores.items()})
+        payload["shape"] = s.as_dict()
+        payload["layout"] = self.layout
+        payload["num_tokens"] = self.num_tokens
+        if self.needs_loss_gradient:
+            payload["loss_tokens"] = self.loss_tokens
+        return payload
