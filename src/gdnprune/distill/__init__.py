@@ -1,0 +1,53 @@
+"""Recovery training: knowledge distillation of a pruned student from its unpruned teacher.
+
+This package owns
+
+* the distillation loss: forward KL(teacher || student) of the next-token distributions at temperature
+  ``T`` (scaled by ``T**2``, Hinton et al.), optionally mixed with the student's next-token cross entropy
+  ("LM loss"): ``loss = kd_weight * KD + lm_weight * LM``, both averaged over predicted positions.
+  :func:`kd_loss` is the plain formula on logits; :func:`distillation_loss` computes the same loss from
+  the models' final hidden states and ``lm_head`` weights, a chunk of positions at a time, with the
+  gradient computed chunk by chunk as well, so memory holds one chunk of logits, never tokens x vocabulary;
+* :class:`DistillationTrainer`, a transformers ``Trainer`` whose ``compute_loss`` is that loss against
+  a frozen teacher. The training loop, optimizer, schedule, checkpoints, resume (same data order,
+  optimizer and RNG state), DDP under ``torchrun`` / ``accelerate launch`` and the progress bar are the
+  Trainer's; the teacher is a plain module on every process;
+* :func:`distill` (models and token windows in memory) and :func:`distill_checkpoint` (HF folders and
+  text files) on top of it: Ctrl-C saves a checkpoint and returns, a JSON log and a PNG of the losses
+  are written into the output folder, teacher and student must share a vocabulary
+  (:func:`check_same_vocabulary`);
+* :func:`recover_demo_slice`, the few-dozen-step recovery run of ``gdnprune demo``.
+
+Rooms: :mod:`.loss` (the loss), :mod:`.trainer` (the Trainer subclass, Ctrl-C), :mod:`.api` (the
+functions, the output folder). The package imports torch and transformers; the CLI imports it lazily. It
+never prints (progress output is the Trainer's bar, off with ``progress=False``); user errors raise
+``ValueError``. The loss needs ``logits == lm_head(hidden_states[-1])``, true of every supported family
+(no logit scaling or soft-capping). The lm_head weight is read outside the model's forward, so FSDP /
+ZeRO-3 sharding of it is not supported; DDP is (tested on CPU with gloo).
+"""
+
+from .api import (
+    LOG_NAME,
+    PLOT_NAME,
+    check_same_vocabulary,
+    distill,
+    distill_checkpoint,
+    plot_history,
+    recover_demo_slice,
+)
+from .loss import DistillationLoss, distillation_loss, kd_loss
+from .trainer import DistillationTrainer
+
+__all__ = [
+    "kd_loss",
+    "distillation_loss",
+    "DistillationLoss",
+    "DistillationTrainer",
+    "check_same_vocabulary",
+    "distill",
+    "distill_checkpoint",
+    "plot_history",
+    "recover_demo_slice",
+    "LOG_NAME",
+    "PLOT_NAME",
+]

@@ -1,0 +1,163 @@
+"""The distillation loss: forward KL at temperature T, optionally mixed with the LM loss, in chunks.
+
+:func:`kd_loss` is the formula on logits. :func:`distillation_loss` computes the same loss from final
+hidden states and ``lm_head`` weights a chunk of positions at a time, with the gradient computed chunk by
+chunk in the forward pass (a custom autograd function), so memory holds one chunk of logits and never
+tokens x vocabulary (152K-248K for Qwen).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["kd_loss", "distillation_loss", "DistillationLoss", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+_LOGITS_PER_CHUNK = 1 << 24  # default chunk: about 16M logits (64 MiB in float32) per chunk
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """``T**2 * KL(softmax(teacher/T) || softmax(student/T))`` per position, averaged over all positions.
+
+    Logits are ``[..., V]``; computed in float32 on the whole tensor (the reference formula;
+    :func:`distillation_loss` computes the same in chunks from hidden states).
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"kd_loss: expected logits of equal shape, found student {tuple(student_logits.shape)} "
+                         f"and teacher {tuple(teacher_logits.shape)}")
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_p = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return temperature**2 * (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+class DistillationLoss(NamedTuple):
+    """``loss = kd_weight * kd + lm_weight * lm``; ``kd`` and ``lm`` are detached means (for logging)."""
+
+    loss: torch.Tensor
+    kd: torch.Tensor
+    lm: torch.Tensor
+
+
+def _head(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return module.weight, getattr(module, "bias", None)
+
+
+def _position_terms(hidden, head, teacher_hidden, teacher_head, labels, temperature, chunk_size, *,
+                    grad_scale: tuple[float, float] | None = None, teacher_lm: bool = False):
+    """Per-position KD, LM (and teacher LM) terms, float32, detached, 0 where ``labels`` is ignored.
+
+    Works ``chunk_size`` positions at a time. With ``grad_scale = (a, b)`` it also returns the gradients
+    of ``sum(a * kd + b * lm)`` with respect to ``hidden``, the head weight and the head bias, from
+    ``dL/dz = a*T*(softmax(z/T) - softmax(z_teacher/T)) + b*(softmax(z) - onehot(label))``. Without a
+    teacher (``teacher_hidden`` None) the KD terms are 0 and ``a`` must be 0.
+    """
+    (weight, bias), n, vocab = head, hidden.shape[0], head[0].shape[0]
+    valid = labels != IGNORE_INDEX
+    kd, lm, t_lm = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
+    grads = None
+    if grad_scale is not None:
+        grads = [torch.zeros_like(hidden), torch.zeros_like(weight, dtype=torch.float32),
+                 None if bias is None else torch.zeros_like(bias, dtype=torch.float32)]
+    step = chunk_size or max(1, _LOGITS_PER_CHUNK // vocab)
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        h, y, ok = hidden[rows].detach(), labels[rows].clamp(min=0), valid[rows].float()
+        with torch.no_grad():
+            z = F.linear(h, weight, bias).float()
+            log_q = F.log_softmax(z / temperature, -1)
+            log_q1 = log_q if temperature == 1 else F.log_softmax(z, -1)
+            lm[rows] = -log_q1.gather(-1, y[:, None]).squeeze(-1) * ok
+            g = None if grads is None else grad_scale[1] * (log_q1.exp() - F.one_hot(y, vocab))
+            if teacher_hidden is not None:
+                t_weight, t_bias = teacher_head
+                zt = F.linear(teacher_hidden[rows].to(t_weight.device, t_weight.dtype), t_weight, t_bias)
+                log_p = F.log_softmax(zt.to(z.device, torch.float32) / temperature, -1)
+                p = log_p.exp()
+                kd[rows] = temperature**2 * (p * (log_p - log_q)).sum(-1) * ok
+                if teacher_lm:
+                    log_p1 = log_p if temperature == 1 else F.log_softmax(zt.to(z.device, torch.float32), -1)
+                    t_lm[rows] = -log_p1.gather(-1, y[:, None]).squeeze(-1) * ok
+                if g is not None and grad_scale[0]:
+                    g += (grad_scale[0] * temperature) * (log_q.exp() - p)
+            if g is not None:
+                g *= ok[:, None]
+                grads[0][rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grads[1] += (g.t().to(h.dtype) @ h).float()
+                if bias is not None:
+                    grads[2] += g.sum(0)
+    return kd, lm, t_lm, grads
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    """The loss of :func:`distillation_loss`; gradients are computed in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher_hidden, labels, teacher_head, options):
+        temperature, kd_weight, lm_weight, chunk_size, count = options
+        kd, lm, _, grads = _position_terms(
+            hidden, (weight, bias), teacher_hidden, teacher_head, labels, temperature, chunk_size,
+            grad_scale=(kd_weight / count, lm_weight / count))
+        ctx.save_for_backward(*grads[:2], grads[2])
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        kd_mean, lm_mean = kd.sum() / count, lm.sum() / count
+        ctx.mark_non_differentiable(kd_mean, lm_mean)
+        return kd_weight * kd_mean + lm_weight * lm_mean, kd_mean, lm_mean
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_kd, _grad_lm):
+        g_hidden, g_weight, g_bias = ctx.saved_tensors
+        g_bias = None if g_bias is None else (g_bias * grad_loss).to(ctx.dtypes[1])
+        return g_hidden * grad_loss, (g_weight * grad_loss).to(ctx.dtypes[0]), g_bias, None, None, None, None
+
+
+def distillation_loss(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    student_head: torch.nn.Module,
+    teacher_head: torch.nn.Module | None,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    kd_weight: float = 1.0,
+    lm_weight: float = 0.0,
+    chunk_size: int | None = None,
+) -> DistillationLoss:
+    """``kd_weight * KD + lm_weight * LM`` from final hidden states, ``chunk_size`` positions at a time.
+
+    ``student_hidden`` / ``teacher_hidden`` are ``[..., H]`` (the models' ``hidden_states[-1]``, after the
+    final norm), the heads are the ``lm_head`` modules (``weight [V, H]``, optional bias) and ``labels``
+    ``[...]`` the next-token ids (``-100``: position skipped by both terms). KD is :func:`kd_loss` at
+    ``temperature``, LM the cross entropy at temperature 1, both averaged over the non-skipped positions.
+    Equal to the unchunked formulas up to float rounding; memory holds one chunk of logits (default
+    ``2**24 // V`` positions) plus the gradient of the student head. The teacher side gets no gradient.
+    With ``kd_weight=0`` the teacher may be None (LM-only fine-tuning; ``kd`` is then NaN).
+    """
+    if kd_weight < 0 or lm_weight < 0 or kd_weight + lm_weight == 0:
+        raise ValueError(f"expected non-negative kd_weight and lm_weight, not both 0; found {kd_weight} and {lm_weight}")
+    if temperature <= 0:
+        raise ValueError(f"expected a positive temperature, found {temperature}")
+    if (teacher_hidden is None or teacher_head is None) and kd_weight:
+        raise ValueError(f"expected teacher hidden states and head for kd_weight={kd_weight}, found None")
+    hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
+    labels = labels.reshape(-1).to(hidden.device)
+    t_hidden, t_head = None, None
+    if teacher_hidden is not None and teacher_head is not None:
+        t_hidden, t_head = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), _head(teacher_head)
+    if labels.shape[0] != hidden.shape[0] or (t_hidden is not None and t_hidden.shape[0] != hidden.shape[0]):
+        found = (None if t_hidden is None else t_hidden.shape[0], labels.shape[0])
+        raise ValueError(f"expected as many positions in teacher hidden states and labels as in student hidden states "
+                         f"({hidden.shape[0]}), found {found[0]} and {found[1]}")
+    count = max(1, int((labels != IGNORE_INDEX).sum()))
+    weight, bias = _head(student_head)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        options = (temperature, kd_weight, lm_weight, chunk_size, count)
+        loss, kd, lm = _ChunkedDistillation.apply(hidden, weight, bias, t_hidden, labels, t_head, options)
+    else:
+        kd, lm, _, _ = _position_terms(hidden, (weight, bias), t_hidden, t_head, labels, temperature, chunk_size)
+        kd, lm = kd.sum() / count, lm.sum() / count
+        loss = kd_weight * kd + lm_weight * lm
+    return DistillationLoss(loss, kd if t_hidden is not None else torch.full_like(kd, math.nan), lm)

@@ -1,0 +1,157 @@
+"""The transformers ``Trainer`` of distillation: its loss, its evaluation metrics, Ctrl-C handling.
+
+The training loop, optimizer, schedule, checkpoints, resume (data order, optimizer and RNG state), DDP
+under ``torchrun`` / ``accelerate launch`` and the progress bar are the Trainer's; this module adds the
+loss against a frozen teacher (a plain module on every process), the per-window evaluation terms, the
+throughput in the logs, and a SIGINT handler that makes every process save and stop at the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback
+
+from .loss import IGNORE_INDEX, _head, _position_terms, distillation_loss
+
+__all__ = ["DistillationTrainer"]
+
+
+def _final_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The input of ``lm_head`` for every position (logits are computed for the last position only)."""
+    out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+def _next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _as_windows(data, name: str) -> torch.Tensor:
+    windows = data if isinstance(data, torch.Tensor) else torch.stack([torch.as_tensor(w) for w in data])
+    if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32) or windows.shape[1] < 2:
+        raise ValueError(f"{name}: expected token windows, an integer tensor [N, seq_len >= 2], found "
+                         f"{windows.dtype} {tuple(windows.shape)}")
+    return windows.long()
+
+
+class _Windows(torch.utils.data.Dataset):
+    def __init__(self, windows: torch.Tensor):
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return self.windows.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.windows[i]}
+
+
+class DistillationTrainer(Trainer):
+    """A ``Trainer`` whose loss is :func:`distillation_loss` of the model against a frozen ``teacher``.
+
+    Batches are ``{"input_ids": [B, T]}`` windows; every position with a next token is predicted.
+    Evaluation adds ``eval_kd_loss``, ``eval_lm_loss`` (student cross entropy, nats/token) and
+    ``eval_teacher_lm_loss`` to ``eval_loss`` (the objective); training logs add ``tokens_per_second``.
+    """
+
+    def __init__(self, *args, teacher: torch.nn.Module, temperature: float = 1.0, kd_weight: float = 1.0,
+                 lm_weight: float = 0.0, chunk_size: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.eval()
+        if getattr(teacher, "hf_device_map", None) is None:
+            self.teacher.to(self.args.device)
+        self.loss_options = dict(temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight,
+                                 chunk_size=chunk_size)
+        self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides by the accumulation steps
+        self._eval_parts: list[torch.Tensor] = []
+        self.reset_clock()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids = inputs["input_ids"]
+        hidden = _final_hidden(model, ids)
+        t_hidden = None
+        if self.loss_options["kd_weight"] or not model.training:  # LM-only fine-tuning needs no teacher
+            with torch.no_grad():
+                t_hidden = _final_hidden(self.teacher, ids.to(next(self.teacher.parameters()).device))
+        head, t_head = self.accelerator.unwrap_model(model).get_output_embeddings(), self.teacher.get_output_embeddings()
+        labels = _next_token_labels(ids)
+        if model.training:
+            self._tokens += ids.numel()
+            loss = distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
+        else:  # evaluation: per-window terms, gathered like the Trainer gathers its eval losses
+            o = self.loss_options
+            kd, lm, t_lm, _ = _position_terms(hidden.flatten(0, 1), _head(head), t_hidden.flatten(0, 1), _head(t_head),
+                                              labels.flatten(), o["temperature"], o["chunk_size"], teacher_lm=True)
+            counts = (labels != IGNORE_INDEX).sum(1)
+            sums = torch.stack([x.view(ids.shape).sum(1) for x in (kd, lm, t_lm)], 1)
+            self._eval_parts.append(self.accelerator.gather_for_metrics(sums / counts.clamp(min=1)[:, None]))
+            loss = (o["kd_weight"] * sums[:, 0].sum() + o["lm_weight"] * sums[:, 1].sum()) / max(1, int(counts.sum()))
+        return (loss, {}) if return_outputs else loss
+
+    def evaluation_loop(self, *args, **kwargs):
+        self._eval_parts = []
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", "eval")
+        if self._eval_parts:
+            means = torch.cat(self._eval_parts).double().mean(0).tolist()
+            for name, value in zip(("kd_loss", "lm_loss", "teacher_lm_loss"), means):
+                output.metrics[f"{prefix}_{name}"] = value
+        self._eval_parts = []
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._tokens:
+            seconds = time.perf_counter() - self._clock
+            logs["tokens_per_second"] = round(self._tokens * self.args.world_size / max(seconds, 1e-9), 1)
+            self.reset_clock()
+        super().log(logs, start_time)
+
+    def reset_clock(self) -> None:
+        """Start a new throughput interval (evaluation and saving are not counted as training time)."""
+        self._tokens, self._clock = 0, time.perf_counter()
+
+
+class _RunCallback(TrainerCallback):
+    """Ctrl-C -> save and stop at the end of the step (agreed by all processes); JSON log on every log."""
+
+    def __init__(self, trainer: DistillationTrainer, write_log, saving: bool):
+        self.trainer, self.write_log, self.saving, self.interrupted = trainer, write_log, saving, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.accelerator.check_trigger():
+            self.interrupted = control.should_training_stop = True
+            control.should_save = self.saving
+        return control
+
+    def on_log(self, args, state, control, **kwargs):
+        self.write_log("running")
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.trainer.reset_clock()
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.reset_clock()
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(accelerator):
+    """While active, the first SIGINT asks the run to save and stop; a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        accelerator.set_trigger()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
