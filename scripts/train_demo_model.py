@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_config(vocab_size: int, eos_token_id: int):
+def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256):
     """The demo model's geometry: hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters."""
     from transformers import Qwen3_5TextConfig
 
@@ -79,7 +79,7 @@ def model_config(vocab_size: int, eos_token_id: int):
         linear_key_head_dim=32,
         linear_value_head_dim=32,
         linear_conv_kernel_dim=4,
-        max_position_embeddings=4096,
+        max_position_embeddings=seq_len,  # the training window (gdnprune score takes its default from it)
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=eos_token_id,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     train_eval_text = demo_data.train_text()
 
     torch.manual_seed(args.seed)
-    config = model_config(len(tokenizer), tokenizer.eos_token_id)
+    config = model_config(len(tokenizer), tokenizer.eos_token_id, args.seq_len)
     model = Qwen3_5ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params} parameters, layer_types={config.layer_types}", flush=True)

@@ -499,6 +499,10 @@ def test_overwrite_replaces_existing_output(sources, tmp_path, capsys):
     (out / "old.txt").write_text("old")
     assert run_cli(["slice", sources["qwen3_5"], "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2"]) == 2
     assert "exists" in capsys.readouterr().err and (out / "old.txt").exists()
+    # --overwrite replaces an earlier model folder only, never an arbitrary folder
+    assert run_cli(["slice", sources["qwen3_5"], "-o", out, "-q", "--num-key-heads", "1", "--overwrite"]) == 2
+    assert "not a model folder" in capsys.readouterr().err and (out / "old.txt").exists()
+    (out / "config.json").write_text("{}")
     assert run_cli(["slice", sources["qwen3_5"], "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2",
                     "--overwrite"]) == 0
     assert not (out / "old.txt").exists() and (out / ck.MANIFEST_NAME).exists()

@@ -136,3 +136,66 @@ def test_vision_language_checkpoint_keeps_its_tensor_prefixes(text_file, tmp_pat
     scores = load_scores(tmp_path / "vl.json")
     assert list(scores["layers"]) == [
         "model.language_model.layers.0.linear_attn", "model.language_model.layers.2.linear_attn"]
+
+
+# ---- score for real users: output files, window length, streaming, notes, threads --------------------------
+
+
+def test_an_existing_scores_file_needs_overwrite(model_dir, text_file, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    out.write_text("keep me")
+    assert _run(model_dir, text_file, out) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_text() == "keep me"
+    assert _run(model_dir, text_file, out, "--overwrite") == 0
+    assert load_scores(out)["num_tokens"] == SAMPLES * SEQ
+
+
+def test_the_default_window_is_what_the_model_supports(tmp_path, text_file):
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE),
+                                            max_position_embeddings=96)
+    folder = _save(transformers.Qwen3_5ForCausalLM(config).eval(), tmp_path / "short_model")
+    assert main(["score", str(folder), "--data", str(text_file), "--output", str(tmp_path / "s.json"),
+                 "--num-samples", "2", "--quiet"]) == 0
+    calibration = load_scores(tmp_path / "s.json")["calibration"]
+    assert calibration["seq_len"] == 96 and "max_position_embeddings 96" in calibration["seq_len_source"]
+    from gdnprune.scoring import default_seq_len
+
+    assert default_seq_len({"max_position_embeddings": 32768}) == (512, "capped at 512")
+    assert default_seq_len({"text_config": {"max_position_embeddings": 64}})[0] == 64
+
+
+def test_calibration_reads_only_what_the_windows_need(tmp_path):
+    from gdnprune.calibration import calibration_windows
+
+    path = tmp_path / "big.txt"
+    text = train_text()[:300_000]
+    path.write_bytes(text.encode() + b"\n\xff broken tail")  # never reached by 4 windows of 72 bytes
+    windows = calibration_windows(path, build_byte_tokenizer(), seq_len=SEQ, num_samples=SAMPLES)
+    assert windows.reshape(-1).tolist() == list(text.encode()[: SAMPLES * SEQ])
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        read_texts(path)
+
+
+def test_kernel_fallback_warnings_become_one_note(model_dir, text_file, tmp_path, capsys):
+    import logging
+
+    for quiet, expected in ((False, 1), (True, 0)):
+        logging.Logger.warning_once.cache_clear()  # transformers warns once per process
+        args = ["score", str(model_dir), "--data", str(text_file), "--output", str(tmp_path / f"{quiet}.json"),
+                "--num-samples", "1", "--seq-len", str(SEQ), "--threads", "1"] + (["--quiet"] if quiet else [])
+        assert main(args) == 0
+        err = capsys.readouterr().err
+        assert err.count("note: the GDN layers run transformers' reference PyTorch kernels") == expected
+        assert "falling back" not in err
+    assert torch.get_num_threads() == 1
+
+
+def test_the_demo_says_how_to_get_its_plot(monkeypatch, tmp_path):
+    import sys
+
+    from gdnprune import demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert demo._plot([], [], tmp_path / "p.png", "t") is False
+    assert "pip install 'gdnprune[plot]'" in demo.NO_PLOT

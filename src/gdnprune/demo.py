@@ -85,6 +85,10 @@ def _random_permutations(model, shape: GDNShape, seed: int) -> dict[str, GDNPerm
     return {prefix: GDNPermutation.random(shape, generator=g) for prefix, _ in find_gdn_modules(model)}
 
 
+#: what the demo says when it cannot draw its plot
+NO_PLOT = "no plot: matplotlib is not installed (pip install 'gdnprune[plot]', or pip install matplotlib)"
+
+
 def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> bool:
     """Validation loss against kept GDN parameters, one curve per ordering; False when matplotlib is missing."""
     try:
@@ -221,6 +225,8 @@ def run_demo(
         if _plot(rows, [*orderings, "random"], plot, "bundled Qwen3.5 demo model: nested GDN slices"):
             results["plot"] = str(plot)
             log(f"plot: {plot}")
+        else:
+            log(NO_PLOT)
         if write_checkpoints:
             results["checkpoints"] = _write_checkpoints(demo_model_path(), scores, targets, out_dir, log)
     results["seconds"] = time.perf_counter() - start

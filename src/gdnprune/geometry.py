@@ -52,6 +52,24 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer: an int, a numpy integer, or a 0-d integer array or
+    torch tensor (torch is not imported here); None for bools, floats (even 2.0) and anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
+    if dtype is None or shape is None or tuple(shape) != ():
+        return None
+    if isinstance(dtype, np.dtype):
+        return int(value) if dtype.kind in "iu" else None
+    is_floating, is_complex = getattr(dtype, "is_floating_point", True), getattr(dtype, "is_complex", True)
+    if is_floating or is_complex or str(dtype) == "torch.bool":  # a torch dtype
+        return None
+    return int(value.item())
+
+
 @dataclass(frozen=True)
 class GDNShape:
     """Width geometry of one GatedDeltaNet layer.
@@ -61,6 +79,9 @@ class GDNShape:
         num_value_heads: ``Hv``, value heads; a multiple of ``Hk``.
         key_head_dim: ``dk``, q/k channels per key head.
         value_head_dim: ``dv``, v/z channels per value head.
+
+    Integral numpy scalars and 0-d integer torch tensors are accepted and stored as ``int``; bools, floats
+    (even ``2.0``) and anything else are refused.
 
     Raises:
         ValueError: a field is not a positive integer, or ``Hv % Hk != 0``.
@@ -73,9 +94,10 @@ class GDNShape:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GDNShape.{f.name} must be a positive integer, got {value!r}")
+            value = _as_int(getattr(self, f.name))
+            if value is None or value <= 0:
+                raise ValueError(f"GDNShape.{f.name} must be a positive integer, got {getattr(self, f.name)!r}")
+            object.__setattr__(self, f.name, value)
         if self.num_value_heads % self.num_key_heads:
             raise ValueError(
                 f"GDNShape: num_value_heads ({self.num_value_heads}) must be a multiple of "

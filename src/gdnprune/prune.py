@@ -26,10 +26,11 @@ def prune_checkpoint(
     output path and the target are checked before the (long) scoring starts. Returns the manifest.
     """
     from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
-    from .checkpoint.output import check_paths
+    from .checkpoint.output import check_paths, clear_stale
     from .scoring import score_checkpoint
     from .targets import resolve_target
 
+    clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     layers, _ = find_gdn_layers(open_checkpoint(model_dir))
     resolve_target(layers[0].shape, target)  # raises TargetError (a ValueError) for an illegal target

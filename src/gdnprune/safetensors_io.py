@@ -89,6 +89,7 @@ class ShardHeader:
         metadata: the ``__metadata__`` dict, or None.
         tensors: tensor name -> :class:`TensorInfo`, ordered by data offset.
         file_size: size of the file in bytes.
+        mtime_ns: modification time of the file when the header was read.
     """
 
     path: str
@@ -96,6 +97,7 @@ class ShardHeader:
     metadata: dict[str, str] | None
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     file_size: int = 0
+    mtime_ns: int = 0
 
     @property
     def data_start(self) -> int:
@@ -120,7 +122,8 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
             head = f.read(8)
             if len(head) < 8:
                 raise _fail(path, f"file has {size} bytes, expected at least 8")
@@ -167,7 +170,7 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         position = info.end
     if position != size:
         raise _fail(path, f"data section ends at byte {position} but the file has {size} bytes (truncated?)")
-    return ShardHeader(path, n, metadata, {t.name: t for t in entries}, size)
+    return ShardHeader(path, n, metadata, {t.name: t for t in entries}, size, st.st_mtime_ns)
 
 
 def _header_json(entries: Iterable[tuple[str, str, Sequence[int], int, int]], metadata: Mapping | None) -> bytes:

@@ -24,11 +24,11 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from . import geometry
+from .fileio import write_json_atomic
 from .geometry import ORDER_KEYS
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "check_scores",
     "load_scores",
     "save_scores",
+    "check_output_file",
     "matching_prefixes",
     "match_layers",
     "resolve_orders",
@@ -83,6 +84,8 @@ def read_scores(scores: str | os.PathLike | Mapping) -> dict:
         ScoresError: the file cannot be read, is not JSON, or lacks a ``layers`` object of objects.
     """
     where = "scores"
+    if not isinstance(scores, (Mapping, str, os.PathLike)):
+        raise ScoresError(f"scores must be a file path or a mapping, found {type(scores).__name__}")
     if not isinstance(scores, Mapping):
         where = f"scores file {os.fspath(scores)}"
         try:
@@ -141,28 +144,23 @@ def load_scores(path: str | os.PathLike) -> dict[str, Any]:
     return dict(check_scores(read_scores(path), os.fspath(path)))
 
 
-def save_scores(scores: Mapping[str, Any], path: str | os.PathLike) -> Path:
+def check_output_file(path: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse to write a JSON file over a folder, or over an existing file without ``overwrite``."""
+    if os.path.isdir(path):
+        raise ValueError(f"output {os.fspath(path)} is a folder; give a file name such as scores.json")
+    if os.path.lexists(path) and not overwrite:
+        raise ValueError(f"output file {os.fspath(path)} already exists (pass --overwrite to replace it)")
+
+
+def save_scores(scores: Mapping[str, Any], path: str | os.PathLike, *, overwrite: bool = True) -> Path:
     """Write a scores dict as JSON, through a temporary file renamed into place. Returns the path.
 
     The file gets the permissions a new file gets under the process umask (like ``open(path, "w")``).
+    With ``overwrite=False`` an existing file is an error.
     """
-    path = Path(path)
     check_scores(scores)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(scores, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    check_output_file(path, overwrite)
+    return write_json_atomic(path, scores, indent=1)
 
 
 def _alias(prefix: str) -> str:

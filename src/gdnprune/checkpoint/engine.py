@@ -25,7 +25,6 @@ load.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -34,19 +33,31 @@ from typing import Any, Callable
 
 from ..safetensors_io import DTYPE_BITS, ShardHeader, TensorInfo, copy_range, encode_header, header_size_bound, \
     write_all, write_vectors
-from ..scores import resolve_orders
-from ..targets import resolve_target
-from .folder import Checkpoint, GDNLayer, find_gdn_layers
+from .folder import Checkpoint, CheckpointError, GDNLayer
 
-__all__ = ["ShardPlan", "GDNWork", "plan_shards", "copy_unchanged", "write_header"]
+__all__ = ["LayerPlan", "ShardPlan", "GDNWork", "InputChangedError", "plan_layer", "plan_shards",
+           "copy_unchanged", "write_header", "check_unchanged"]
 
 
 @dataclass
-class _LayerPlan:
+class LayerPlan:
+    """What happens to one GDN layer: its geometry after the gather, the canonical indices, the orders."""
+
     layer: GDNLayer
-    target: Any
+    target: Any  # GDNShape after the gather
     indices: dict  # canonical indices for shape -> target, with didx (gdnprune.geometry.check_indices)
     permutation: Any  # the four orders (numpy) or None
+
+
+def plan_layer(layer: GDNLayer, target, orders) -> LayerPlan:
+    """The :class:`LayerPlan` of ``layer`` cut to ``target`` (a checked GDNShape) after ``orders`` (or None)."""
+    from .. import geometry
+
+    if orders is None:
+        indices = geometry.prefix_indices(layer.shape, target)
+    else:
+        indices = geometry.order_indices(orders, layer.shape, target)
+    return LayerPlan(layer, target, geometry.check_indices(indices, layer.shape, target), orders)
 
 
 @dataclass
@@ -99,7 +110,7 @@ def plan_shards(ckpt: Checkpoint, gdn_names: set[str], tmp: Path) -> list[ShardP
 
 def copy_unchanged(plan: ShardPlan, on_chunk: Callable[[int], None]) -> None:
     """Copy the unchanged tensors of one shard in the kernel, coalescing runs contiguous in the source."""
-    fd = os.open(plan.dst, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(plan.dst, os.O_WRONLY | os.O_CREAT, 0o666)
     try:
         src = os.open(plan.src.path, os.O_RDONLY)
         try:
@@ -111,7 +122,14 @@ def copy_unchanged(plan: ShardPlan, on_chunk: Callable[[int], None]) -> None:
                 else:
                     runs.append([t.start, t.end])
             for begin, end in runs:
-                copy_range(src, fd, begin, end - begin, on_chunk=on_chunk)
+                try:
+                    copy_range(src, fd, begin, end - begin, on_chunk=on_chunk)
+                except OSError as exc:
+                    if os.fstat(src).st_size < end:
+                        raise InputChangedError(
+                            f"{plan.src.path}: input changed while reading: the file is now shorter than its "
+                            f"header says; do not modify a checkpoint while gdnprune reads it") from None
+                    raise exc
         finally:
             os.close(src)
     finally:
@@ -125,7 +143,7 @@ def write_header(plan: ShardPlan) -> int:
         header = encode_header(entries, plan.src.metadata, size=plan.reserve)
     except ValueError as exc:  # the reserve is an upper bound: this would be a bug
         raise RuntimeError(f"internal error: {exc}") from None
-    fd = os.open(plan.dst, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(plan.dst, os.O_WRONLY | os.O_CREAT, 0o666)
     try:
         write_all(fd, header, 0)
         os.ftruncate(fd, plan.data_start + (entries[-1][4] if entries else 0))
@@ -137,49 +155,27 @@ def write_header(plan: ShardPlan) -> int:
 class GDNWork:
     """The GDN half of a transform.
 
-    :meth:`prepare` (worker thread) checks the copy plan against the layout tables, resolves permutations
-    and target, and places every output GDN tensor in its shard. Then :meth:`run` may be called from
-    several threads: each takes the next job (one on-disk tensor, or all pieces of a fused tensor stored
-    split) and writes it at its final offset (see :func:`_write_job`). No torch: the indices come from
-    :mod:`gdnprune.geometry` and the gathers are byte gathers on memory-mapped numpy views.
+    Built from the layer plans, it places every output GDN tensor in its shard (so the shard headers are
+    known). Then :meth:`run` may be called from several threads: each takes the next job (one on-disk
+    tensor, or all pieces of a fused tensor stored split) and writes it at its final offset (see
+    :func:`_write_job`). No torch: the indices come from :mod:`gdnprune.geometry` and the gathers are byte
+    gathers of source tensors read with ``pread`` (a file truncated meanwhile gives an error, never a
+    SIGBUS as a memory map would).
     """
 
-    def __init__(self, ckpt: Checkpoint, shards: list[ShardPlan], gdn_names: set[str], permutations, target):
-        self.ckpt, self.shards, self.gdn_names = ckpt, shards, gdn_names
-        self.permutations, self.target = permutations, target
+    def __init__(self, ckpt: Checkpoint, shards: list[ShardPlan], plans: dict[str, LayerPlan]):
+        self.ckpt, self.shards, self.plans = ckpt, shards, plans
         self.lock = threading.Lock()
-        self.ready = threading.Event()
         self.stop = threading.Event()
         self.error: BaseException | None = None
-        self.plans: dict[str, _LayerPlan] = {}
-        self.skipped: list[str] = []
-        self.missing: list[str] = []
-        self.target_shape = None
-        self.jobs: list[tuple[_LayerPlan, str]] = []
+        self.jobs: list[tuple[LayerPlan, str]] = []
         self.next_job = 0
         self.bytes_done = 0
         self.total_bytes = 0
         self._shard_of: dict[str, ShardPlan] = {}
-
-    def prepare(self) -> None:
-        from .. import geometry
-
-        layers, self.skipped = find_gdn_layers(self.ckpt)
-        if {layer.name(s) for layer in layers for s in layer.tensors} != self.gdn_names:
+        owner = {plan.layer.name(s): (plan, s) for plan in plans.values() for s in plan.layer.tensors}
+        if set(owner) != {n for shard in shards for n in shard.gdn}:
             raise RuntimeError("internal error: the copy plan and the GDN layers disagree")
-        perms, self.missing = resolve_orders(self.permutations, {layer.prefix: layer.shape for layer in layers})
-        self.target_shape = resolve_target(layers[0].shape, self.target)
-        owner = {}
-        for layer in layers:
-            t = resolve_target(layer.shape, self.target_shape.as_dict())
-            orders = perms.get(layer.prefix)
-            if orders is None:
-                indices = geometry.prefix_indices(layer.shape, t)
-            else:
-                indices = geometry.order_indices(orders, layer.shape, t)
-            plan = self.plans[layer.prefix] = _LayerPlan(layer, t, geometry.check_indices(indices, layer.shape, t),
-                                                         orders)
-            owner.update({layer.name(s): (plan, s) for s in layer.tensors})
         jobs_seen = set()
         for shard in self.shards:
             position = shard.unchanged_bytes
@@ -219,7 +215,7 @@ class GDNWork:
         finally:
             files.close()
 
-    def _destination(self, plan: _LayerPlan, suffix: str) -> tuple[str, int, tuple[int, ...]]:
+    def _destination(self, plan: LayerPlan, suffix: str) -> tuple[str, int, tuple[int, ...]]:
         """Output file, absolute offset and planned shape of on-disk tensor ``suffix`` of a layer."""
         name = plan.layer.name(suffix)
         shard = self._shard_of[name]
@@ -227,38 +223,43 @@ class GDNWork:
         return shard.dst, shard.data_start + begin, shape
 
 
+class InputChangedError(CheckpointError):
+    """A source shard changed (truncated, rewritten) while it was being read."""
+
+
 class _SourceFiles:
-    """Read-only memory maps of the source shards, at most two open at a time (one set per thread)."""
+    """Read-only file descriptors of the source shards, at most two open at a time (one set per thread)."""
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
-        self.open: dict[int, mmap.mmap] = {}
+        self.open: dict[int, int] = {}
 
-    def get(self, name: str) -> tuple[TensorInfo, mmap.mmap]:
-        """The header entry of tensor ``name`` and the memory map of its shard."""
+    def read(self, name: str) -> tuple[TensorInfo, bytearray]:
+        """The header entry of tensor ``name`` and its bytes, read with ``pread``."""
         i = self.ckpt.shard_of(name)
         if i not in self.open:
             if len(self.open) >= 2:
-                self._close(next(iter(self.open)))
-            fd = os.open(self.ckpt.shards[i].path, os.O_RDONLY)
-            try:
-                self.open[i] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            finally:
-                os.close(fd)  # the map keeps its own reference to the file
-        return self.ckpt.tensor(name), self.open[i]
-
-    def _close(self, i: int) -> None:
-        try:
-            self.open.pop(i).close()
-        except BufferError:  # a view of it is still alive somewhere: the map is unmapped when that dies
-            pass
+                os.close(self.open.pop(next(iter(self.open))))
+            self.open[i] = os.open(self.ckpt.shards[i].path, os.O_RDONLY)
+        info = self.ckpt.tensor(name)
+        buffer = bytearray(info.nbytes)
+        view, done = memoryview(buffer), 0
+        while done < info.nbytes:
+            n = os.preadv(self.open[i], [view[done:]], info.start + done)
+            if n == 0:
+                raise InputChangedError(
+                    f"{self.ckpt.shards[i].path}: input changed while reading: the file ends before tensor "
+                    f"{name!r} (bytes {info.start}-{info.end}); do not modify a checkpoint while gdnprune reads it")
+            done += n
+        return info, buffer
 
     def close(self) -> None:
-        for i in list(self.open):
-            self._close(i)
+        for fd in self.open.values():
+            os.close(fd)
+        self.open.clear()
 
 
-def _byte_view(info: TensorInfo, mm: mmap.mmap, axis: int):
+def _byte_view(info: TensorInfo, data: bytearray, axis: int):
     """A zero-copy numpy view of a tensor's bytes in which gathering along ``axis`` is a byte gather.
 
     Axis 0: ``[rows, row bytes]`` of uint8; other axes: the tensor's shape with an unsigned integer of the
@@ -267,18 +268,18 @@ def _byte_view(info: TensorInfo, mm: mmap.mmap, axis: int):
     import numpy as np
 
     if axis == 0:
-        return np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.start).reshape(info.shape[0], -1)
+        return np.frombuffer(data, dtype=np.uint8).reshape(info.shape[0], -1)
     width = DTYPE_BITS[info.dtype] // 8
-    return np.frombuffer(mm, dtype=f"<u{width}", count=info.numel, offset=info.start).reshape(info.shape)
+    return np.frombuffer(data, dtype=f"<u{width}").reshape(info.shape)
 
 
-def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) -> int:
+def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -> int:
     """Gather on-disk tensor ``suffix`` of a layer (or all pieces of the split fused tensor ``suffix``) to
     the plan's target and write it at its place in the output; returns the bytes written.
 
-    A row gather (axis 0) is written straight from the memory-mapped source rows, runs of consecutive rows
-    coalesced, with vectored writes (:func:`~gdnprune.safetensors_io.write_vectors`: one kernel copy, no
-    gathered copy in memory); a column gather (``out_proj``) and a split fused tensor are gathered with
+    A row gather (axis 0) is written straight from the source rows read into memory, runs of consecutive
+    rows coalesced, with vectored writes (:func:`~gdnprune.safetensors_io.write_vectors`: no gathered copy
+    in memory); a column gather (``out_proj``) and a split fused tensor are gathered with
     ``numpy.take`` and written with ``pwrite``.
     """
     import numpy as np
@@ -289,9 +290,9 @@ def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) 
     rule = get_layout(layer.layout).rule(suffix)
     index = rule.gather_index(layer.shape, plan.target, plan.indices)
     pieces = layer.splits.get(suffix, (suffix,))
-    infos = [files.get(layer.name(p)) for p in pieces]  # shapes and dtypes were checked by find_gdn_layers
+    infos = [files.read(layer.name(p)) for p in pieces]  # shapes and dtypes were checked by find_gdn_layers
     if len(pieces) == 1:
-        info, mm = infos[0]
+        info, data = infos[0]
         dst, offset, shape = destination(plan, suffix)
         if index.size != shape[rule.axis]:
             raise RuntimeError(f"internal error: {info.name} gathers {index.size} rows, planned {shape}")
@@ -299,16 +300,16 @@ def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) 
             row = info.nbytes // info.shape[0]
             starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)  # where a run of consecutive rows begins
             lengths = np.diff(starts, append=index.size) * row
-            begin = info.start + index[starts] * row
-            runs = list(map(memoryview(mm).__getitem__, map(slice, begin.tolist(), (begin + lengths).tolist())))
-            fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+            begin = index[starts] * row
+            runs = list(map(memoryview(data).__getitem__, map(slice, begin.tolist(), (begin + lengths).tolist())))
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
             try:
                 return write_vectors(fd, runs, offset)
             finally:
                 os.close(fd)
-        out = {suffix: np.take(_byte_view(info, mm, rule.axis), index, axis=rule.axis)}
+        out = {suffix: np.take(_byte_view(info, data, rule.axis), index, axis=rule.axis)}
     else:  # a fused tensor stored split (OLMo-hybrid's q/k/v conv): gather the concatenation, split again
-        whole = np.concatenate([_byte_view(info, mm, rule.axis) for info, mm in infos], axis=rule.axis)
+        whole = np.concatenate([_byte_view(info, data, rule.axis) for info, data in infos], axis=rule.axis)
         gathered = np.take(whole, index, axis=rule.axis)
         bounds = np.cumsum([segment_size(kind, plan.target) for kind in rule.segments])[:-1]
         out = dict(zip(pieces, np.split(gathered, bounds, axis=rule.axis)))
@@ -318,7 +319,7 @@ def _write_job(plan: _LayerPlan, suffix: str, files: _SourceFiles, destination) 
         if array.shape[rule.axis] != shape[rule.axis]:
             raise RuntimeError(f"internal error: {layer.name(p)} gathered to {array.shape}, planned {shape}")
         data = np.ascontiguousarray(array)
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
         try:
             written += write_all(fd, data.reshape(-1).view(np.uint8), offset)
         finally:
@@ -353,3 +354,17 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def check_unchanged(ckpt: Checkpoint) -> None:
+    """Raise :class:`InputChangedError` when a source shard's size or modification time differs from when
+    its header was read (the output would mix old and new bytes)."""
+    for shard in ckpt.shards:
+        try:
+            st = os.stat(shard.path)
+        except OSError as exc:
+            raise InputChangedError(f"{shard.path}: input changed while reading: {exc.strerror or exc}") from None
+        if (st.st_size, st.st_mtime_ns) != (shard.file_size, shard.mtime_ns):
+            raise InputChangedError(
+                f"{shard.path}: input changed while reading (size {shard.file_size} -> {st.st_size} bytes, "
+                f"modified again); do not modify a checkpoint while gdnprune reads it")

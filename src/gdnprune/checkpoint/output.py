@@ -2,6 +2,19 @@
 
 An output folder is built in a temporary folder next to it (``.NAME.gdnprune-*``) and renamed into place
 only when complete, so the output appears whole or not at all. The input folder is only ever read.
+
+Guarantees, and how they are kept:
+
+* the output is never the input, inside it, or above it — compared by file identity (device and inode,
+  as ``os.path.samefile`` does), so bind mounts and symlinks that show one folder at two paths are seen
+  through; ``--overwrite`` only ever deletes a previous *model* folder;
+* a stop (exception, Ctrl-C, SIGTERM, SIGHUP) removes the temporary folder; the few operations that
+  must not be cut halfway (creating and registering the temporary folder, deleting it, the final swap)
+  run with signals deferred (:func:`gdnprune.interrupts.deferred_signals`);
+* each temporary folder holds an owner file (pid, process start time, host, boot id); a later run next
+  to the same output removes a temporary folder whose owner process is provably gone, restores a
+  previous output that a killed ``--overwrite`` left aside, and mentions any other;
+* new folders and files follow the process umask, as ``cp`` and ``save_pretrained`` do.
 """
 
 from __future__ import annotations
@@ -10,43 +23,254 @@ import datetime
 import json
 import os
 import shutil
+import socket
 import tempfile
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from .. import __version__
+from ..fileio import umask
+from ..interrupts import deferred_signals
 from ..scores import file_sha256
 from .folder import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 
-__all__ = ["OutputError", "check_paths", "make_temp_folder", "write_json", "write_index", "copy_other_files",
-           "build_manifest", "move_into_place"]
+__all__ = ["OutputError", "StaleOutputWarning", "clear_stale", "check_paths", "Staging", "write_json", "write_index",
+           "plan_other_files", "copy_other_files", "build_manifest", "write_manifest"]
+
+OWNER_NAME = ".gdnprune-owner.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 
 class OutputError(ValueError):
-    """An output folder that must not be written (exists, or inside the model folder)."""
+    """An output folder that must not be written (exists, is or holds the model folder, ...)."""
+
+
+class StaleOutputWarning(UserWarning):
+    """A temporary folder of an earlier run next to the output: removed when provably stale, else named."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# path checks
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _existing_ancestors(path: Path) -> list[Path]:
+    """``path`` (when it exists) and every existing folder above it, nearest first."""
+    path = Path(os.path.abspath(path))
+    return [p for p in (path, *path.parents) if os.path.exists(p)]
 
 
 def check_paths(src: Path, out: Path, overwrite: bool) -> None:
-    """Refuse an output that is the model folder, inside it, or holds it, or that exists without ``overwrite``."""
+    """Refuse an output that is the model folder, lies inside it or holds it (by file identity, so that
+    bind mounts and symlinks do not hide it), and an existing output without ``overwrite``; with
+    ``overwrite``, refuse to replace anything but a model folder."""
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory" if src.exists() else f"{src}: no such directory")
-    src_real = src.resolve()
-    out_real = out.parent.resolve() / out.name
-    if out_real.is_symlink():
-        out_real = out_real.resolve()
-    if out_real == src_real or src_real in out_real.parents:
-        raise OutputError(f"output folder {out} is {'the' if out_real == src_real else 'inside the'} model folder "
-                          f"{src}; write the output somewhere else (the input is never modified)")
-    if out_real in src_real.parents:
-        raise OutputError(f"the model folder {src} is inside the output folder {out}; choose another output folder")
-    if os.path.lexists(out) and not overwrite:
-        raise OutputError(f"output folder {out} already exists (pass --overwrite / overwrite=True to replace it)")
+    for above in _existing_ancestors(out):
+        if _same(above, src):
+            where = "the" if os.path.abspath(above) == os.path.abspath(out) or _same(out, src) else "inside the"
+            raise OutputError(f"output folder {out} is {where} model folder {src} (the same folder on disk); "
+                              f"write the output somewhere else (the input is never modified)")
+    if os.path.exists(out):
+        for above in _existing_ancestors(src)[1:]:
+            if _same(above, out):
+                raise OutputError(f"the model folder {src} is inside the output folder {out}; "
+                                  f"choose another output folder")
+    if os.path.lexists(out):
+        if not overwrite:
+            raise OutputError(f"output folder {out} already exists (pass --overwrite / overwrite=True to replace it)")
+        _check_replaceable(out)
 
 
-def make_temp_folder(out: Path) -> Path:
-    """The temporary folder the output is built in, next to ``out`` (created, with its parents)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-", dir=out.parent))
+def _check_replaceable(out: Path) -> None:
+    """``--overwrite`` deletes ``out``: only a model folder (a config or a gdnprune manifest), or an empty one."""
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise OutputError(f"output {out} exists and is not a folder; --overwrite only replaces a model folder")
+    names = set(os.listdir(out))
+    if names and not names & {CONFIG_NAME, MANIFEST_NAME}:
+        raise OutputError(f"refusing to replace {out}: it is not a model folder (no {CONFIG_NAME} or {MANIFEST_NAME}); "
+                          f"--overwrite only replaces an earlier output, remove the folder yourself")
+
+
+# --------------------------------------------------------------------------------------------------------
+# the temporary folder and its owner
+
+
+def _process_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _owner() -> dict:
+    return {"pid": os.getpid(), "start": _process_start(os.getpid()), "host": socket.gethostname(),
+            "boot_id": _boot_id(), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _owner_gone(owner: Any) -> bool:
+    """Whether the process that wrote ``owner`` has provably ended (same host; gone, or another boot)."""
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False
+    if owner.get("boot_id") and _boot_id() and owner["boot_id"] != _boot_id():
+        return True
+    start = _process_start(owner["pid"])
+    if start is None:
+        return not os.path.exists(f"/proc/{owner['pid']}") and os.path.isdir("/proc/self")
+    return owner.get("start") is not None and start != owner["start"]
+
+
+def _make_folder(path: Path) -> None:
+    """``mkdir`` with the permissions a new folder gets under the umask (mkdtemp's 0700 is opened up)."""
+    os.chmod(path, 0o777 & ~umask())
+
+
+def clear_stale(out: Path) -> None:
+    """Deal with the temporary folders that earlier runs left next to ``out`` (see the module docs), with a
+    :class:`StaleOutputWarning` for each. Call it before :func:`check_paths`: it may restore ``out``."""
+    for note in _clean_stale(Path(out)):
+        warnings.warn(note, StaleOutputWarning, stacklevel=3)
+
+
+def _clean_stale(out: Path) -> list[str]:
+    """Deal with the temporary folders of earlier runs next to ``out``; returns what was done, one line each."""
+    notes = []
+    try:
+        entries = sorted(os.scandir(out.parent), key=lambda e: e.name)
+    except OSError:
+        return notes
+    prefix = f".{out.name}.gdnprune-"
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        try:
+            owner = json.loads((path / OWNER_NAME).read_text())
+        except (OSError, ValueError):
+            owner = None
+        if not _owner_gone(owner):
+            who = (f"process {owner.get('pid')} on {owner.get('host')}" if isinstance(owner, dict)
+                   else "an unknown process")
+            notes.append(f"{path} is a temporary folder of another gdnprune run ({who}, perhaps still running); "
+                         f"left alone: remove it yourself once that run is over")
+            continue
+        previous = path / "previous"
+        if entry.name.startswith(prefix + "old-") and previous.is_dir() and not os.path.lexists(out):
+            with deferred_signals():
+                os.rename(previous, out)
+            notes.append(f"restored the previous output {out} from {path}, left aside by a run that was killed "
+                         f"while replacing it (process {owner['pid']})")
+        with deferred_signals():
+            shutil.rmtree(path, ignore_errors=True)
+        notes.append(f"removed {path}, a temporary folder left by a run that was killed (process {owner['pid']})")
+    return notes
+
+
+@dataclass
+class Staging:
+    """The temporary folder an output is built in: ``with Staging(out, overwrite) as tmp: ...; commit()``.
+
+    Entering creates the missing parents of ``out`` and the temporary folder with its owner file, with
+    signals deferred. Leaving
+    with an exception removes the temporary folder and the parents it created (signals deferred, and
+    dropped: the run is stopping anyway). :meth:`commit` moves the finished folder into place.
+    """
+
+    out: Path
+    overwrite: bool = False
+    src: Path | None = None
+    tmp: Path | None = None
+    created: list[Path] = field(default_factory=list)
+    committed: bool = False
+
+    def __enter__(self) -> Path:
+        self.out = Path(self.out)
+        try:
+            with deferred_signals():  # a signal held here is delivered on leaving, and cleaned up below
+                missing = [p for p in Path(os.path.abspath(self.out)).parents if not os.path.exists(p)]
+                for parent in reversed(missing):
+                    os.mkdir(parent)
+                    self.created.append(parent)
+                self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.gdnprune-", dir=self.out.parent))
+                _make_folder(self.tmp)
+                write_json(self.tmp / OWNER_NAME, _owner())
+        except BaseException:
+            self._remove()
+            raise
+        return self.tmp
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None and not self.committed:
+            self._remove()
+
+    def _remove(self) -> None:
+        """Delete the temporary folder and the parents created for it, with signals held and dropped."""
+        with deferred_signals(deliver=False):
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            for parent in reversed(self.created):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+
+    def commit(self) -> None:
+        """Rename the finished folder to ``out``, replacing an existing ``out`` only with ``overwrite``.
+
+        The swap runs with signals deferred, so it ends with the old output or the new one in place, never
+        neither. A signal that arrives during it is delivered afterwards; the exception it raises (if any)
+        carries ``output_complete = str(out)``.
+        """
+        out, tmp = self.out, self.tmp
+        try:
+            with deferred_signals():
+                os.unlink(tmp / OWNER_NAME)
+                if not os.path.lexists(out):
+                    os.rename(tmp, out)
+                    self.committed = True
+                    return
+                if not self.overwrite:
+                    raise OutputError(f"output folder {out} appeared while writing (pass --overwrite to replace it)")
+                if self.src is not None:
+                    check_paths(self.src, out, overwrite=True)  # what is there now is what gets deleted
+                else:
+                    _check_replaceable(out)
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-old-", dir=out.parent))
+                write_json(old / OWNER_NAME, _owner())
+                os.rename(out, old / "previous")
+                try:
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(old / "previous", out)  # put the previous output back
+                    shutil.rmtree(old, ignore_errors=True)
+                    raise
+                self.committed = True
+                shutil.rmtree(old, ignore_errors=True)
+        except KeyboardInterrupt as exc:
+            if self.committed:
+                exc.output_complete = str(out)  # type: ignore[attr-defined]
+            raise
+
+
+# --------------------------------------------------------------------------------------------------------
+# files of the output folder
 
 
 def write_json(path: Path, value: Any, indent: int = 2) -> None:
@@ -71,24 +295,53 @@ def write_index(ckpt: Checkpoint, tmp: Path, entries: list[tuple]) -> None:
     write_json(tmp / INDEX_NAME, index)
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+def plan_other_files(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
+    """The other files of a model folder to copy (relative paths, subfolders included) and the weight files
+    left out (weights that are not the safetensors checkpoint, at any depth).
 
+    Symlinks to files are followed (a Hugging Face cache snapshot is made of them); a symlink to a folder
+    that holds itself is refused. Top-level ``.cache`` (download metadata of the source files) is skipped.
 
-def copy_other_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
-    """Copy every file of the model folder except the checkpoint itself; returns weight files left out."""
-    left_out = []
-    for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name in skip:
-            continue
-        if entry.is_dir():
-            if entry.name == ".cache":  # download cache metadata describes the source files: not ours
+    Raises:
+        CheckpointError: a symlink loop, or a folder that cannot be read.
+    """
+    files, left_out = [], []
+
+    def walk(folder: Path, rel: str, ancestors: tuple[str, ...]) -> None:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            raise CheckpointError(f"{folder}: cannot list ({exc.strerror or exc})") from None
+        for entry in entries:
+            name = f"{rel}{entry.name}"
+            if not rel and (entry.name in skip or entry.name == ".cache"):
                 continue
-            shutil.copytree(entry.path, dst / entry.name, symlinks=False)
-        elif entry.name.endswith(_WEIGHT_SUFFIXES) and entry.name not in ("training_args.bin",):
-            left_out.append(entry.name)
-        else:
-            shutil.copy2(entry.path, dst / entry.name)
-    return left_out
+            if entry.is_dir():
+                real = os.path.realpath(entry.path)
+                if real in ancestors:
+                    raise CheckpointError(
+                        f"{src}: {name} is a symlink loop (-> {os.readlink(entry.path) if entry.is_symlink() else real}); "
+                        f"remove it from the model folder")
+                walk(Path(entry.path), f"{name}/", (*ancestors, real))
+            elif entry.name.endswith(_WEIGHT_SUFFIXES) and entry.name != "training_args.bin":
+                left_out.append(name)
+            elif entry.is_file():
+                files.append(name)
+
+    walk(src, "", (os.path.realpath(src),))
+    return files, left_out
+
+
+def copy_other_files(src: Path, dst: Path, files: list[str]) -> None:
+    """Copy ``files`` (relative paths from :func:`plan_other_files`) with modes as ``cp`` gives them."""
+    mask = umask()
+    for name in files:
+        target = dst / name
+        if not target.parent.is_dir():
+            target.parent.mkdir(parents=True)
+            _make_folder(target.parent)
+        shutil.copyfile(src / name, target)
+        os.chmod(target, os.stat(src / name).st_mode & 0o777 & ~mask)
 
 
 def build_manifest(ckpt: Checkpoint, operation: str, *, sorted_out: bool, source_shape: dict, target: dict | None,
@@ -120,24 +373,6 @@ def build_manifest(ckpt: Checkpoint, operation: str, *, sorted_out: bool, source
 
 def write_manifest(tmp: Path, manifest: dict) -> None:
     write_json(tmp / MANIFEST_NAME, manifest, indent=1)
-
-
-def move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished temporary folder to ``out`` (replacing an existing ``out`` when ``overwrite``)."""
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
-        return
-    if not overwrite:
-        raise OutputError(f"output folder {out} appeared while writing (pass --overwrite to replace it)")
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-old-", dir=out.parent))
-    os.rename(out, old / "previous")
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old / "previous", out)  # put the previous output back
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _numel(shape) -> int:

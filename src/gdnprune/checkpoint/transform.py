@@ -16,15 +16,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from ..scores import file_sha256, read_scores
-from ..targets import TARGET_FIELDS, TargetError
+from ..scores import file_sha256, read_scores, resolve_orders
+from ..targets import TARGET_FIELDS, TargetError, resolve_target
 from . import output
-from .engine import GDNWork, copy_unchanged, plan_shards, write_header
+from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
-    CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, _all_markers, _group_gdn_tensors,
-    find_gdn_layers, open_checkpoint,
+    CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, find_gdn_layers, open_checkpoint,
 )
 
 __all__ = ["UnsortedInputWarning", "MissingScoresWarning", "PassthroughWarning", "transform_checkpoint",
@@ -85,117 +84,119 @@ def transform_checkpoint(
             output folder is left behind, as for any other failure or an interrupt.
     """
     src, out = Path(model_dir), Path(output_dir)
+    output.clear_stale(out)
     output.check_paths(src, out, overwrite)
     return _transform(src, out, permutations, target, operation, overwrite, progress, manifest_extra)
 
 
+def _plan_layers(ckpt: Checkpoint, layers: list, permutations, target) -> tuple[dict, list[str], Any]:
+    """Every layer's plan (orders and target checked), the layers without orders, and the uniform target."""
+    orders, missing = resolve_orders(permutations, {layer.prefix: layer.shape for layer in layers})
+    target_shape = resolve_target(layers[0].shape, target)
+    plans = {}
+    for layer in layers:
+        t = resolve_target(layer.shape, target_shape.as_dict())
+        plans[layer.prefix] = plan_layer(layer, t, orders.get(layer.prefix))
+    return plans, missing, target_shape
+
+
 def _transform(src: Path, out: Path, permutations, target, operation, overwrite, progress, manifest_extra) -> dict:
     start_time = time.time()
+    # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
-    members, _ = _group_gdn_tensors(ckpt.names, _all_markers())
-    gdn_names = {n for names in members.values() for n in names}
-    if not gdn_names:
-        find_gdn_layers(ckpt)  # raises the precise error (no GDN layer / unknown layout)
+    layers, skipped = find_gdn_layers(ckpt)
+    plans, missing, target_shape = _plan_layers(ckpt, layers, permutations, target)
+    skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
+    other_files, left_out = output.plan_other_files(src, skip)
+    gdn_names = {layer.name(s) for layer in layers for s in layer.tensors}
     if target is not None and permutations is None and not ckpt.is_sorted:
         _warn(UnsortedInputWarning,
               f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
               f"channels in their original order, not the most important ones (run `gdnprune sort` first)")
+    for prefix in missing:
+        _warn(MissingScoresWarning, f"GDN layer {prefix} has no entry in the scores: it keeps its order")
+    if skipped:
+        _warn(PassthroughWarning, f"{skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: left untouched")
+    if left_out:
+        _warn(UserWarning, f"other weight files {left_out} of {src} are not copied (they are not part of the "
+                           f"safetensors checkpoint that is transformed)")
     at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if target is None or n not in gdn_names)
     existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < at_least:
         raise output.OutputError(f"not enough free disk space for {out}: the output needs more than "
-                          f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+                                 f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
 
-    tmp = output.make_temp_folder(out)
-    shards = plan_shards(ckpt, gdn_names, tmp)
-    work = GDNWork(ckpt, shards, gdn_names, permutations, target)
-
-    def worker_main() -> None:
-        try:
-            work.prepare()
-            work.ready.set()
-            work.run()
-        except BaseException as exc:  # handed to the main thread
-            work.error = work.error or exc
-
-    worker = threading.Thread(target=worker_main, name="gdnprune-gdn", daemon=True)
     from tqdm import tqdm
 
-    bar = tqdm(total=ckpt.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"gdnprune {operation}",
-               disable=not progress, file=sys.stderr, leave=False)
-    state = {"warned": False, "gdn_bytes": 0}
+    staging = output.Staging(out, overwrite, src=src)
+    with staging as tmp:
+        shards = plan_shards(ckpt, gdn_names, tmp)
+        work = GDNWork(ckpt, shards, plans)
 
-    def on_chunk(n: int) -> None:
-        """After every written chunk: worker errors, warnings, progress."""
-        if work.error is not None:
-            raise work.error
-        if not state["warned"] and work.ready.is_set():
-            state["warned"] = True
-            for prefix in work.missing:
-                _warn(MissingScoresWarning, f"GDN layer {prefix} has no entry in the scores: it keeps its order")
-            if work.skipped:
-                _warn(PassthroughWarning, f"{work.skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: "
-                                          f"left untouched")
-            bar.total = sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes
-            bar.refresh()
-        done = work.bytes_done
-        bar.update(n + done - state["gdn_bytes"])
-        state["gdn_bytes"] = done
+        def worker_main() -> None:
+            try:
+                work.run()
+            except BaseException as exc:  # handed to the main thread
+                work.error = work.error or exc
 
-    def wait_for(event_done: Callable[[], bool]) -> None:
-        while not event_done():
-            worker.join(timeout=0.05)
-            on_chunk(0)
+        worker = threading.Thread(target=worker_main, name="gdnprune-gdn", daemon=True)
+        bar = tqdm(total=sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes, unit="B",
+                   unit_scale=True, unit_divisor=1024, desc=f"gdnprune {operation}", disable=not progress,
+                   file=sys.stderr, leave=False)
+        state = {"gdn_bytes": 0}
 
-    try:
-        worker.start()
-        for shard in shards:  # meanwhile the worker imports torch, then gathers
-            copy_unchanged(shard, on_chunk)
-        wait_for(lambda: work.ready.is_set() or not worker.is_alive())
-        on_chunk(0)
-        work.run(after_job=lambda: on_chunk(0))  # help with the GDN tensors that are left
-        wait_for(lambda: not worker.is_alive())
-        on_chunk(0)
-        for shard in shards:
-            on_chunk(write_header(shard))
-        manifest = _finish_folder(ckpt, tmp, work, operation, permutations, target, manifest_extra)
-        output.move_into_place(tmp, out, overwrite)
-    except BaseException:
-        work.stop.set()
+        def on_chunk(n: int) -> None:
+            """After every written chunk: worker errors, progress."""
+            if work.error is not None:
+                raise work.error
+            done = work.bytes_done
+            bar.update(n + done - state["gdn_bytes"])
+            state["gdn_bytes"] = done
+
         try:
+            worker.start()
+            for shard in shards:  # meanwhile the worker gathers GDN tensors, from the last shard
+                copy_unchanged(shard, on_chunk)
+            work.run(after_job=lambda: on_chunk(0))  # help with the GDN tensors that are left
+            while worker.is_alive():
+                worker.join(timeout=0.05)
+                on_chunk(0)
+            on_chunk(0)
+            for shard in shards:
+                on_chunk(write_header(shard))
+            manifest = _finish_folder(ckpt, tmp, work, operation, permutations, target, target_shape, missing,
+                                      skipped, other_files, manifest_extra)
+            check_unchanged(ckpt)
+        except BaseException:
+            work.stop.set()
             worker.join(timeout=30)  # it checks `stop` between tensors; then nothing writes into tmp
+            raise
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        bar.close()
-        work.stop.set()
+            bar.close()
+            work.stop.set()
+        staging.commit()
     manifest["elapsed_seconds"] = round(time.time() - start_time, 3)
     return manifest
 
 
-def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, target,
-                   manifest_extra) -> dict:
+def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, target, target_shape,
+                   missing, skipped, other_files, manifest_extra) -> dict:
     """Index, config, other files and manifest of the output folder."""
     from ..geometry import orders_to_payload
 
-    skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()])
     if target is not None:
-        output.write_json(tmp / CONFIG_NAME, work.target_shape.apply_to_config(ckpt.config))
+        output.write_json(tmp / CONFIG_NAME, target_shape.apply_to_config(ckpt.config))
     else:
-        shutil.copy2(ckpt.path / CONFIG_NAME, tmp / CONFIG_NAME)
-    left_out = output.copy_other_files(ckpt.path, tmp, skip)
-    if left_out:
-        _warn(UserWarning, f"other weight files {left_out} of {ckpt.path} were not copied (they are not part of "
-                           f"the safetensors checkpoint that was transformed)")
+        output.copy_other_files(ckpt.path, tmp, [CONFIG_NAME])
+    output.copy_other_files(ckpt.path, tmp, other_files)
     permuted = [p for p, plan in work.plans.items() if plan.permutation is not None]
     manifest = output.build_manifest(
         ckpt, operation,
         sorted_out=all(p in permuted or ckpt.is_sorted for p in work.plans),
         source_shape=next(iter(work.plans.values())).layer.shape.as_dict(),
-        target=work.target_shape.as_dict() if target is not None else None,
+        target=target_shape.as_dict() if target is not None else None,
         layers={
             prefix: {
                 "layout": plan.layer.layout,
@@ -205,8 +206,8 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
             }
             for prefix, plan in work.plans.items()
         },
-        unsorted_layers=work.missing if permutations is not None else None,
-        passthrough=work.skipped,
+        unsorted_layers=missing if permutations is not None else None,
+        passthrough=skipped,
         extra=manifest_extra,
     )
     output.write_manifest(tmp, manifest)

@@ -5,7 +5,9 @@ and imports the library inside ``run``, so that ``gdnprune --help`` stays fast a
 and ``slice`` never load torch. This package owns every message and exit code:
 
 * 0 success, 1 a check failed (``verify`` beyond tolerance), 2 an input error (one line on stderr),
-  130 interrupted;
+  128 + the signal number when SIGINT (130), SIGTERM (143) or SIGHUP (129) stopped the run — after the
+  partial output was removed; a signal that arrives while a finished output is being moved into place is
+  held until the move is done, and the run then exits 0 with a note;
 * library warnings are shown as one ``gdnprune COMMAND: warning: ...`` line each.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import warnings
 
@@ -73,12 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    from ..interrupts import handle_signals
+
     try:
-        with _StderrWarnings(args.command):
+        with handle_signals(), _StderrWarnings(args.command):
             return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("gdnprune: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        name = signal.Signals(signum).name
+        if getattr(exc, "output_complete", None):
+            print(f"gdnprune {args.command}: {name} arrived while the finished output was moved into place; "
+                  f"the move was completed first: {exc.output_complete} is the new output", file=sys.stderr)
+            return 0
+        print(f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
+              file=sys.stderr)
+        return 128 + signum
     except (ValueError, OSError) as exc:  # input errors: one line, exit 2
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"gdnprune {args.command}: error: {message}", file=sys.stderr)

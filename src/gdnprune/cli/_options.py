@@ -51,9 +51,12 @@ def add_calibration_arguments(p) -> None:
     p.add_argument("--method", choices=("projection", "activation", "random"), default="projection",
                    help="projection (default): output-projection Gram + greedy removal; activation: "
                         "Minitron-style magnitudes; random: seeded random orders")
-    p.add_argument("--num-samples", type=int, default=128, help="calibration windows (default 128)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--num-samples", type=positive_int, default=128,
+                   help="calibration windows (default 128); the first ones of the file are used")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="tokens per window (default: what the model supports, max_position_embeddings or the "
+                        "tokenizer's model_max_length, at most 512)")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass (default 4)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights dtype for the forward passes (default float32)")

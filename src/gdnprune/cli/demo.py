@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from ._runtime import model_runtime
+
 NAME = "demo"
 HELP = "score -> sort -> slice the bundled demo model and compare orderings"
 
@@ -35,17 +37,18 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     from ..demo import run_demo
 
-    run_demo(
-        args.output,
-        calibration_windows=args.calibration_windows,
-        seq_len=args.seq_len,
-        num_random=args.num_random,
-        validation_windows=args.validation_windows,
-        method=args.method,
-        seed=args.seed,
-        write_checkpoints=not args.no_checkpoints,
-        progress=not args.quiet and sys.stderr.isatty(),
-        threads=args.threads,
-        log=print,
-    )
+    with model_runtime(args):
+        run_demo(
+            args.output,
+            calibration_windows=args.calibration_windows,
+            seq_len=args.seq_len,
+            num_random=args.num_random,
+            validation_windows=args.validation_windows,
+            method=args.method,
+            seed=args.seed,
+            write_checkpoints=not args.no_checkpoints,
+            progress=not args.quiet and sys.stderr.isatty(),
+            threads=args.threads,
+            log=print,
+        )
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._options import positive_int
+from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "verify"
 HELP = "compare the logits of two checkpoints"
@@ -20,14 +21,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seq-len", dest="seq_len", type=positive_int, default=128, help="tokens per sequence (128)")
     p.add_argument("--num-sequences", dest="num_sequences", type=positive_int, default=4, help="sequences (4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random ids (0)")
+    add_runtime_arguments(p)
+    p.add_argument("--quiet", "-q", action="store_true", help="no notes")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..checkpoint import verify_checkpoints
 
-    r = verify_checkpoints(args.model_a, args.model_b, data=args.data, tolerance=args.tolerance,
-                           seq_len=args.seq_len, num_sequences=args.num_sequences, seed=args.seed)
+    with model_runtime(args):
+        r = verify_checkpoints(args.model_a, args.model_b, data=args.data, tolerance=args.tolerance,
+                               seq_len=args.seq_len, num_sequences=args.num_sequences, seed=args.seed)
     print(f"tokens: {r['tokens'][0]} x {r['tokens'][1]} ({r['token_source']})")
     print(f"loss A: {r['loss_a']:.6f}  ({r['model_a']})")
     print(f"loss B: {r['loss_b']:.6f}  ({r['model_b']})")

@@ -11,7 +11,7 @@ public functions). This package imports torch.
 """
 
 from ..scores import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
-from .api import METHODS, score_checkpoint, score_model
+from .api import DEFAULT_MAX_SEQ_LEN, METHODS, default_seq_len, score_checkpoint, score_model
 from .orders import greedy_lane_orders, greedy_removal_order
 
 __all__ = [
@@ -20,6 +20,8 @@ __all__ = [
     "SCORES_VERSION",
     "score_model",
     "score_checkpoint",
+    "default_seq_len",
+    "DEFAULT_MAX_SEQ_LEN",
     "greedy_removal_order",
     "greedy_lane_orders",
     "scores_to_permutations",

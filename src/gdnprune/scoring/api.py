@@ -8,6 +8,7 @@ measures are described in ``docs/scoring.md``.
 from __future__ import annotations
 
 import inspect
+import json
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -19,7 +20,7 @@ from ..scores import SCORES_FORMAT, SCORES_VERSION
 from .hooks import LayerScorer
 from .loss_head import loss_positions, measure_loss_gradient, output_head
 
-__all__ = ["METHODS", "score_model", "score_checkpoint"]
+__all__ = ["METHODS", "DEFAULT_MAX_SEQ_LEN", "score_model", "score_checkpoint", "default_seq_len"]
 
 #: Scoring methods, the default first.
 METHODS = ("projection", "activation", "random")
@@ -276,13 +277,32 @@ def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: 
     return model.eval()
 
 
+#: the longest calibration window ``score_checkpoint`` uses by default (cost grows with it)
+DEFAULT_MAX_SEQ_LEN = 512
+
+
+def default_seq_len(config: Mapping, tokenizer: Any = None, cap: int = DEFAULT_MAX_SEQ_LEN) -> tuple[int, str]:
+    """The calibration window a model supports: the least of ``cap``, the (text) config's
+    ``max_position_embeddings`` and the tokenizer's ``model_max_length`` when set; and why, in words."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    limits = [(cap, f"capped at {cap}")]
+    positions = text.get("max_position_embeddings")
+    if isinstance(positions, int) and positions > 1:
+        limits.append((positions, f"max_position_embeddings {positions}"))
+    length = getattr(tokenizer, "model_max_length", None)
+    if isinstance(length, int) and 1 < length < 1_000_000:
+        limits.append((length, f"tokenizer model_max_length {length}"))
+    value = min(v for v, _ in limits)
+    return value, next(why for v, why in limits if v == value)
+
+
 def score_checkpoint(
     model_dir: str | Path,
     data: str | Path,
     *,
     method: str = "projection",
     num_samples: int | None = 128,
-    seq_len: int = 512,
+    seq_len: int | None = None,
     batch_size: int = 4,
     device: str | None = None,
     dtype: str = "float32",
@@ -293,8 +313,12 @@ def score_checkpoint(
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
 
     The data file (UTF-8 text or JSONL with a ``"text"`` field) is tokenised with the folder's tokenizer
-    and packed into ``num_samples`` windows of ``seq_len`` tokens; layer prefixes are those of the
-    checkpoint's tensors (what ``gdnprune sort`` expects). Behind ``gdnprune score`` and ``gdnprune prune``.
+    and packed into ``num_samples`` windows of ``seq_len`` tokens (only as much of the file as that needs is
+    read); layer prefixes are those of the checkpoint's tensors (what ``gdnprune sort`` expects). Behind
+    ``gdnprune score`` and ``gdnprune prune``.
+
+    ``seq_len=None`` takes what the model supports, at most 512 (:func:`default_seq_len`); the value
+    used, and where it came from, are recorded under ``calibration``.
     """
     from transformers import AutoTokenizer
 
@@ -306,6 +330,15 @@ def score_checkpoint(
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    limit, why = default_seq_len(config, tokenizer)
+    if seq_len is None:
+        seq_len, source = limit, f"default: {why}"
+    else:
+        source = "given"
+        if seq_len > limit and "cap" not in why:
+            warnings.warn(f"--seq-len {seq_len} is longer than the model supports ({why}); the scores describe "
+                          f"the model on windows it never saw in training", UserWarning, stacklevel=2)
     windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples)
     model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map)
     batches = list(iter_batches(windows, batch_size))
@@ -317,6 +350,7 @@ def score_checkpoint(
         "data": str(data),
         "num_samples": int(windows.shape[0]),
         "seq_len": int(seq_len),
+        "seq_len_source": source,
         "batch_size": int(batch_size),
         "dtype": dtype,
     }

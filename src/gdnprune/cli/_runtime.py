@@ -1,0 +1,58 @@
+"""What every command that runs a model shares: ``--threads``, and transformers' kernel-fallback warnings.
+
+transformers logs, once per kernel, that the GDN layers fall back to its reference PyTorch
+implementation when flash-linear-attention and causal-conv1d are missing (always on a CPU). That is
+expected here; :func:`model_runtime` replaces those lines with one note of ours that says what to do
+about it, and drops it under ``--quiet``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Iterator
+
+from ._options import positive_int
+
+_FALLBACK = "falling back to its reference PyTorch implementation"
+_LOGGER = "transformers.integrations.hub_kernels"
+
+
+def add_runtime_arguments(p) -> None:
+    """``--threads``."""
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads for torch (default: torch's choice; 1 is often faster on a busy machine)")
+
+
+class _FallbackNote(logging.Filter):
+    def __init__(self, command: str, quiet: bool):
+        super().__init__()
+        self.command, self.quiet, self.shown = command, quiet, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _FALLBACK not in record.getMessage():
+            return True
+        if not self.quiet and not self.shown:
+            self.shown = True
+            print(f"gdnprune {self.command}: note: the GDN layers run transformers' reference PyTorch kernels "
+                  f"(correct, but slow); on a GPU, `pip install flash-linear-attention causal-conv1d` gives the "
+                  f"fast ones", file=sys.stderr)
+        return False
+
+
+@contextlib.contextmanager
+def model_runtime(args) -> Iterator[None]:
+    """Apply ``--threads`` and show transformers' kernel-fallback warnings as one note (none with ``--quiet``)."""
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    note = _FallbackNote(args.command, bool(getattr(args, "quiet", False)))
+    logger = logging.getLogger(_LOGGER)
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)

@@ -1,0 +1,51 @@
+"""Small file helpers shared by the modules that write files: the umask, and atomic JSON files.
+
+A JSON file that gdnprune writes (scores, plans, logs) appears whole or not at all: it is written to a
+temporary file next to it and renamed into place, with the permissions that ``open(path, "w")`` would
+give it under the process umask.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["umask", "write_json_atomic"]
+
+
+def umask() -> int:
+    """The process umask (read from /proc where possible, so that no other thread sees it change)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_json_atomic(path: str | os.PathLike, value: Any, *, indent: int | None = 1) -> Path:
+    """Write ``value`` as JSON (final newline) through a temporary file renamed to ``path``; returns ``path``.
+
+    Missing parent folders are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=indent)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
