@@ -140,7 +140,8 @@ def report(results: Path) -> str:
         at = {int(k): v for k, v in r["eval_lm_loss"].items()}
         ref = sliced.get(r["slice"], r["start"])
         lines.append(
-            f"| {name} | {r['slice']}% | {r['student']} | {r['data']} | {r['loss']} | {r['steps']} | {r['start']:.3f} | "
+            f"| {name} | {r['slice']}% | {r['student']} | {r['data']} | {r['loss']} | {r['steps']} | "
+            f"{r['start']:.3f} | "
             f"{at.get(100, float('nan')):.3f} | {at.get(300, float('nan')):.3f} | {r['final']:.3f} | "
             f"{recovered(r, r['final'], ref):.1%} | {r['cpu_s']:.0f} |"
         )

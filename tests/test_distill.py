@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pytest
@@ -208,6 +209,25 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert log["status"] == "finished" and log["config"]["steps"] == 7
     assert (tmp_path / "run" / PLOT_NAME).read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+class _CtrlCTwice(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # within a second: the same Ctrl-C (torchrun forwards a copy)
+            time.sleep(1.1)
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: stop at once
+
+
+def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
+    teacher, student = pair()
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        distill(student, teacher, windows(8), tmp_path / "run", steps=5, batch_size=4, save_every=10,
+                callbacks=[_CtrlCTwice()], progress=False)
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert not list(tmp_path.glob("run/checkpoint-*"))
 
 
 _DDP_WORKER = textwrap.dedent("""

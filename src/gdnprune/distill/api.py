@@ -106,7 +106,7 @@ def distill(
     the log :data:`LOG_NAME` and the plot :data:`PLOT_NAME`. ``resume=True`` continues from the last
     checkpoint there (or from the checkpoint folder given) with the same data order; the options that
     shape the run must be the same. Ctrl-C saves a checkpoint at the end of the current step and returns
-    with ``interrupted=True`` (a second Ctrl-C raises ``KeyboardInterrupt`` at once). Without
+    with ``interrupted=True`` (a second Ctrl-C, a second later, raises ``KeyboardInterrupt`` at once). Without
     ``output_dir`` nothing is written. ``eval_data`` is evaluated before training and every ``eval_every``
     steps (default: a tenth of the run) and at the end.
 
@@ -118,37 +118,20 @@ def distill(
     start = time.perf_counter()
     windows = _as_windows(train_data, "train_data")
     eval_windows = None if eval_data is None else _as_windows(eval_data, "eval_data")
-    seq_len = windows.shape[1]
-    if (steps is None) == (tokens is None):
-        raise ValueError(f"expected exactly one of steps and tokens, found steps={steps}, tokens={tokens}")
-    if min(batch_size, micro_batch_size or 1, log_every, keep_checkpoints) < 1:
-        raise ValueError(f"expected batch_size, micro_batch_size, log_every and keep_checkpoints >= 1, found "
-                         f"{batch_size}, {micro_batch_size}, {log_every} and {keep_checkpoints}")
-    if tokens is not None:
-        steps = math.ceil(tokens / (batch_size * seq_len))
-    if steps < 1:
-        raise ValueError(f"expected at least one step, found steps={steps} (tokens={tokens})")
-    if windows.shape[0] < batch_size:
-        raise ValueError(f"train_data: expected at least batch_size={batch_size} windows, found {windows.shape[0]}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    micro = micro_batch_size or batch_size // world
-    if micro < 1 or batch_size % (world * micro):
-        raise ValueError(f"expected batch_size ({batch_size}) to be a multiple of processes ({world}) x "
-                         f"micro_batch_size ({micro})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
+    steps, micro = _check_run(windows, steps, tokens, batch_size, micro_batch_size, world, log_every, keep_checkpoints)
     check_same_vocabulary(student, teacher, tokenizer, teacher_tokenizer)
-
-    temporary = tempfile.TemporaryDirectory() if output_dir is None else None
-    out = Path(temporary.name if temporary else output_dir)
-    saving = temporary is None
-    config = dict(steps=steps, batch_size=batch_size, micro_batch_size=micro, seq_len=seq_len, lr=lr,
+    config = dict(steps=steps, batch_size=batch_size, micro_batch_size=micro, seq_len=windows.shape[1], lr=lr,
                   lr_schedule=lr_schedule, warmup=warmup, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                   temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight, seed=seed,
-                  train_windows=windows.shape[0], train_sha256=hashlib.sha256(windows.numpy().tobytes()).hexdigest(),
+                  train_windows=windows.shape[0], train_sha256=hashlib.sha256(windows.contiguous().numpy()).hexdigest(),
                   eval_windows=None if eval_windows is None else eval_windows.shape[0], processes=world)
+
+    temporary = tempfile.TemporaryDirectory() if output_dir is None else None
+    saving, out = temporary is None, Path(temporary.name if temporary else output_dir)
     checkpoint = _resume_checkpoint(out, resume, overwrite, config) if saving else None
     if overwrite and saving and checkpoint is None and out.exists() and int(os.environ.get("RANK", "0")) == 0:
         shutil.rmtree(out)
-
     every = max(1, steps // 10)
     args = TrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
@@ -182,19 +165,18 @@ def distill(
     try:
         with _ctrl_c_stops(trainer.accelerator):
             trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-        status = "interrupted" if run.interrupted else "finished"
         if saving and not run.interrupted:
             trainer.save_model(str(out))
-        write_log(status)
-        plot = out / PLOT_NAME if saving and trainer.is_world_process_zero() and plot_history(
-            trainer.state.log_history, out / PLOT_NAME) else None
+        write_log("interrupted" if run.interrupted else "finished")
+        written = saving and trainer.is_world_process_zero()
+        plot = written and plot_history(trainer.state.log_history, out / PLOT_NAME)
         history = trainer.state.log_history
         evals = [h for h in history if "eval_loss" in h]
         return {
-            "output_dir": None if temporary else str(out),
+            "output_dir": str(out) if saving else None,
             "config": config,
             "steps": trainer.state.global_step,
-            "tokens": trainer.state.global_step * batch_size * seq_len,
+            "tokens": trainer.state.global_step * batch_size * windows.shape[1],
             "interrupted": run.interrupted,
             "resumed_from": None if checkpoint is None else str(checkpoint),
             "checkpoint": get_last_checkpoint(str(out)) if saving else None,
@@ -202,12 +184,31 @@ def distill(
             "eval": {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else None,
             "history": history,
             "seconds": time.perf_counter() - start,
-            "log": str(out / LOG_NAME) if saving else None,
-            "plot": None if plot is None else str(plot),
+            "log": str(out / LOG_NAME) if written else None,
+            "plot": str(out / PLOT_NAME) if plot else None,
         }
     finally:
         if temporary is not None:
             temporary.cleanup()
+
+
+def _check_run(windows, steps, tokens, batch_size, micro_batch_size, world, log_every, keep_checkpoints):
+    """The number of steps and the per-process micro batch; ``ValueError`` for impossible options."""
+    if (steps is None) == (tokens is None):
+        raise ValueError(f"expected exactly one of steps and tokens, found steps={steps}, tokens={tokens}")
+    if min(batch_size, micro_batch_size or 1, log_every, keep_checkpoints) < 1:
+        raise ValueError(f"expected batch_size, micro_batch_size, log_every and keep_checkpoints >= 1, found "
+                         f"{batch_size}, {micro_batch_size}, {log_every} and {keep_checkpoints}")
+    steps = math.ceil(tokens / (batch_size * windows.shape[1])) if tokens is not None else steps
+    if steps < 1:
+        raise ValueError(f"expected at least one step, found steps={steps} (tokens={tokens})")
+    if windows.shape[0] < batch_size:
+        raise ValueError(f"train_data: expected at least batch_size={batch_size} windows, found {windows.shape[0]}")
+    micro = micro_batch_size or batch_size // world
+    if micro < 1 or batch_size % (world * micro):
+        raise ValueError(f"expected batch_size ({batch_size}) to be a multiple of processes ({world}) x "
+                         f"micro_batch_size ({micro})")
+    return steps, micro
 
 
 def _resume_checkpoint(out: Path, resume: bool | str | Path, overwrite: bool, config: dict) -> Path | None:

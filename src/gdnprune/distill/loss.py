@@ -137,7 +137,8 @@ def distillation_loss(
     With ``kd_weight=0`` the teacher may be None (LM-only fine-tuning; ``kd`` is then NaN).
     """
     if kd_weight < 0 or lm_weight < 0 or kd_weight + lm_weight == 0:
-        raise ValueError(f"expected non-negative kd_weight and lm_weight, not both 0; found {kd_weight} and {lm_weight}")
+        raise ValueError(f"expected non-negative kd_weight and lm_weight, not both 0; found {kd_weight} and "
+                         f"{lm_weight}")
     if temperature <= 0:
         raise ValueError(f"expected a positive temperature, found {temperature}")
     if (teacher_hidden is None or teacher_head is None) and kd_weight:

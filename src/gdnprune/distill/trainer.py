@@ -73,25 +73,30 @@ class DistillationTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids = inputs["input_ids"]
-        hidden = _final_hidden(model, ids)
-        t_hidden = None
+        labels = _next_token_labels(ids)
+        hidden, t_hidden = _final_hidden(model, ids), None
         if self.loss_options["kd_weight"] or not model.training:  # LM-only fine-tuning needs no teacher
             with torch.no_grad():
                 t_hidden = _final_hidden(self.teacher, ids.to(next(self.teacher.parameters()).device))
-        head, t_head = self.accelerator.unwrap_model(model).get_output_embeddings(), self.teacher.get_output_embeddings()
-        labels = _next_token_labels(ids)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        t_head = self.teacher.get_output_embeddings()
         if model.training:
             self._tokens += ids.numel()
             loss = distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
-        else:  # evaluation: per-window terms, gathered like the Trainer gathers its eval losses
-            o = self.loss_options
-            kd, lm, t_lm, _ = _position_terms(hidden.flatten(0, 1), _head(head), t_hidden.flatten(0, 1), _head(t_head),
-                                              labels.flatten(), o["temperature"], o["chunk_size"], teacher_lm=True)
-            counts = (labels != IGNORE_INDEX).sum(1)
-            sums = torch.stack([x.view(ids.shape).sum(1) for x in (kd, lm, t_lm)], 1)
-            self._eval_parts.append(self.accelerator.gather_for_metrics(sums / counts.clamp(min=1)[:, None]))
-            loss = (o["kd_weight"] * sums[:, 0].sum() + o["lm_weight"] * sums[:, 1].sum()) / max(1, int(counts.sum()))
+        else:
+            loss = self._evaluation_loss(hidden, t_hidden, head, t_head, labels)
         return (loss, {}) if return_outputs else loss
+
+    def _evaluation_loss(self, hidden, t_hidden, head, t_head, labels) -> torch.Tensor:
+        """The objective of one eval batch; its per-window KD, LM and teacher LM means are gathered on the side."""
+        o = self.loss_options
+        kd, lm, t_lm, _ = _position_terms(hidden.flatten(0, 1), _head(head), t_hidden.flatten(0, 1), _head(t_head),
+                                          labels.flatten(), o["temperature"], o["chunk_size"], teacher_lm=True)
+        counts = (labels != IGNORE_INDEX).sum(1)
+        sums = torch.stack([x.view(labels.shape).sum(1) for x in (kd, lm, t_lm)], 1)
+        # gathered per batch, as the Trainer gathers its own eval losses (duplicates of uneven shards dropped)
+        self._eval_parts.append(self.accelerator.gather_for_metrics(sums / counts.clamp(min=1)[:, None]))
+        return (o["kd_weight"] * sums[:, 0].sum() + o["lm_weight"] * sums[:, 1].sum()) / max(1, int(counts.sum()))
 
     def evaluation_loop(self, *args, **kwargs):
         self._eval_parts = []
@@ -140,15 +145,23 @@ class _RunCallback(TrainerCallback):
 
 @contextlib.contextmanager
 def _ctrl_c_stops(accelerator):
-    """While active, the first SIGINT asks the run to save and stop; a second one interrupts at once."""
+    """While active, the first SIGINT asks the run to save and stop at the end of the step.
+
+    A SIGINT more than a second later interrupts at once (``KeyboardInterrupt``). The grace second
+    absorbs the copy that ``torchrun`` forwards to its workers, which already got the terminal's.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous, first = signal.getsignal(signal.SIGINT), []
 
     def handler(signum, frame):
-        accelerator.set_trigger()
-        signal.signal(signal.SIGINT, previous)
+        if not first:
+            first.append(time.monotonic())
+            accelerator.set_trigger()
+        elif time.monotonic() - first[0] > 1.0:
+            signal.signal(signal.SIGINT, previous)
+            signal.raise_signal(signal.SIGINT)
 
     signal.signal(signal.SIGINT, handler)
     try:
