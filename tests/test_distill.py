@@ -160,12 +160,12 @@ def test_a_few_steps_decrease_the_kd_loss():
 
 
 class _CtrlCAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
+    def __init__(self, step, signum=signal.SIGINT):
+        self.step, self.signum = step, signum
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), self.signum)
 
 
 def _weights(model):
@@ -183,7 +183,7 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
 
     handler = signal.getsignal(signal.SIGINT)
     first = distill(sliced(teacher), teacher, data, tmp_path / "run", callbacks=[_CtrlCAt(4)], **options)
-    assert first["interrupted"] and first["steps"] == 4  # mid-epoch: 3 steps per epoch
+    assert first["interrupted"] and first["signal"] == "SIGINT" and first["steps"] == 4  # mid-epoch: 3 per epoch
     assert signal.getsignal(signal.SIGINT) is handler
     assert first["checkpoint"].endswith("checkpoint-4")
     assert json.loads((tmp_path / "run" / LOG_NAME).read_text())["status"] == "interrupted"
@@ -218,6 +218,15 @@ class _CtrlCTwice(TrainerCallback):
             os.kill(os.getpid(), signal.SIGINT)  # within a second: the same Ctrl-C (torchrun forwards a copy)
             time.sleep(1.1)
             os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: stop at once
+
+
+def test_sigterm_stops_like_ctrl_c():
+    teacher, student = pair()
+    handler = signal.getsignal(signal.SIGTERM)
+    result = distill(student, teacher, windows(8), steps=5, batch_size=4, callbacks=[_CtrlCAt(1, signal.SIGTERM)],
+                     progress=False)
+    assert (result["interrupted"], result["signal"], result["steps"]) == (True, "SIGTERM", 1)
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_a_second_ctrl_c_interrupts_at_once(tmp_path):

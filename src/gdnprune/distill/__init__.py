@@ -13,12 +13,12 @@ This package owns
   optimizer and RNG state), DDP under ``torchrun`` / ``accelerate launch`` and the progress bar are the
   Trainer's; the teacher is a plain module on every process;
 * :func:`distill` (models and token windows in memory) and :func:`distill_checkpoint` (HF folders and
-  text files) on top of it: Ctrl-C saves a checkpoint and returns, a JSON log and a PNG of the losses
+  text files) on top of it: Ctrl-C (SIGTERM, SIGHUP) saves a checkpoint and returns, a JSON log and a PNG of the losses
   are written into the output folder, teacher and student must share a vocabulary
   (:func:`check_same_vocabulary`);
 * :func:`recover_demo_slice`, the few-dozen-step recovery run of ``gdnprune demo``.
 
-Rooms: :mod:`.loss` (the loss), :mod:`.trainer` (the Trainer subclass, Ctrl-C), :mod:`.api` (the
+Rooms: :mod:`.loss` (the loss), :mod:`.trainer` (the Trainer subclass, stop signals), :mod:`.api` (the
 functions, the output folder). The package imports torch and transformers; the CLI imports it lazily. It
 never prints (progress output is the Trainer's bar, off with ``progress=False``); user errors raise
 ``ValueError``. The loss needs ``logits == lm_head(hidden_states[-1])``, true of every supported family

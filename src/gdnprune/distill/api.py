@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
 import time
 import warnings
@@ -22,7 +23,7 @@ from transformers import TrainerCallback, TrainingArguments, default_data_collat
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from .trainer import DistillationTrainer, _as_windows, _ctrl_c_stops, _RunCallback, _Windows
+from .trainer import DistillationTrainer, _as_windows, _RunCallback, _signals_stop, _Windows
 
 __all__ = ["check_same_vocabulary", "distill", "distill_checkpoint", "plot_history", "recover_demo_slice",
            "LOG_NAME", "PLOT_NAME"]
@@ -105,13 +106,14 @@ def distill(
     ``keep_checkpoints`` are kept), the final model and ``tokenizer`` into ``output_dir`` (``save_pretrained``),
     the log :data:`LOG_NAME` and the plot :data:`PLOT_NAME`. ``resume=True`` continues from the last
     checkpoint there (or from the checkpoint folder given) with the same data order; the options that
-    shape the run must be the same. Ctrl-C saves a checkpoint at the end of the current step and returns
-    with ``interrupted=True`` (a second Ctrl-C, a second later, raises ``KeyboardInterrupt`` at once). Without
+    shape the run must be the same. Ctrl-C (or SIGTERM, SIGHUP) saves a checkpoint at the end of the
+    current step and returns with ``interrupted=True`` and ``signal`` its name; a second Ctrl-C, a
+    second later, raises ``KeyboardInterrupt`` at once. Without
     ``output_dir`` nothing is written. ``eval_data`` is evaluated before training and every ``eval_every``
     steps (default: a tenth of the run) and at the end.
 
     Returns a dict: ``config`` (the options, ``processes``), ``steps`` done, ``tokens``, ``interrupted``,
-    ``resumed_from``, ``checkpoint`` (last one saved),
+    ``signal``, ``resumed_from``, ``checkpoint`` (last one saved),
     ``train_loss`` (last logged), ``eval`` (last evaluation: ``loss``, ``kd_loss``, ``lm_loss``,
     ``teacher_lm_loss``), ``history`` (the Trainer's log history), ``seconds``, ``log`` and ``plot`` paths.
     """
@@ -163,7 +165,7 @@ def distill(
     run = _RunCallback(trainer, write_log, saving)
     trainer.add_callback(run)
     try:
-        with _ctrl_c_stops(trainer.accelerator):
+        with _signals_stop(trainer.accelerator) as signals:
             trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
         if saving and not run.interrupted:
             trainer.save_model(str(out))
@@ -178,6 +180,7 @@ def distill(
             "steps": trainer.state.global_step,
             "tokens": trainer.state.global_step * batch_size * windows.shape[1],
             "interrupted": run.interrupted,
+            "signal": signal.Signals(signals[0]).name if signals else None,
             "resumed_from": None if checkpoint is None else str(checkpoint),
             "checkpoint": get_last_checkpoint(str(out)) if saving else None,
             "train_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None),

@@ -3,7 +3,8 @@
 The training loop, optimizer, schedule, checkpoints, resume (data order, optimizer and RNG state), DDP
 under ``torchrun`` / ``accelerate launch`` and the progress bar are the Trainer's; this module adds the
 loss against a frozen teacher (a plain module on every process), the per-window evaluation terms, the
-throughput in the logs, and a SIGINT handler that makes every process save and stop at the same step.
+throughput in the logs, and signal handlers (Ctrl-C, SIGTERM, SIGHUP) that make every process save and
+stop at the same step.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import contextlib
 import signal
 import threading
 import time
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
+from ..interrupts import SIGNALS
 from .loss import IGNORE_INDEX, _head, _position_terms, distillation_loss
 
 __all__ = ["DistillationTrainer"]
@@ -122,7 +125,7 @@ class DistillationTrainer(Trainer):
 
 
 class _RunCallback(TrainerCallback):
-    """Ctrl-C -> save and stop at the end of the step (agreed by all processes); JSON log on every log."""
+    """A stop signal -> save and stop at the end of the step (agreed by all processes); JSON log on every log."""
 
     def __init__(self, trainer: DistillationTrainer, write_log, saving: bool):
         self.trainer, self.write_log, self.saving, self.interrupted = trainer, write_log, saving, False
@@ -144,27 +147,33 @@ class _RunCallback(TrainerCallback):
 
 
 @contextlib.contextmanager
-def _ctrl_c_stops(accelerator):
-    """While active, the first SIGINT asks the run to save and stop at the end of the step.
+def _signals_stop(accelerator) -> Iterator[list[int]]:
+    """While active, the first SIGINT, SIGTERM or SIGHUP asks the run to save and stop after the step.
 
-    A SIGINT more than a second later interrupts at once (``KeyboardInterrupt``). The grace second
-    absorbs the copy that ``torchrun`` forwards to its workers, which already got the terminal's.
+    Yields the list of signals that did. A signal more than a second after the first goes to the handler
+    that was there before (Python's: ``KeyboardInterrupt``), so a second Ctrl-C stops at once; the
+    grace second absorbs the copy that ``torchrun`` forwards to workers that already got the terminal's.
+    Signal handlers can only be set in the main thread; elsewhere the block runs unprotected.
     """
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
-    previous, first = signal.getsignal(signal.SIGINT), []
+    first: list[float] = []
 
     def handler(signum, frame):
         if not first:
             first.append(time.monotonic())
+            received.append(signum)
             accelerator.set_trigger()
         elif time.monotonic() - first[0] > 1.0:
-            signal.signal(signal.SIGINT, previous)
-            signal.raise_signal(signal.SIGINT)
+            for s, h in previous.items():
+                signal.signal(s, h)
+            signal.raise_signal(signum)
 
-    signal.signal(signal.SIGINT, handler)
+    previous = {s: signal.signal(s, handler) for s in SIGNALS}
     try:
-        yield
+        yield received
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
