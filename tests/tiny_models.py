@@ -137,3 +137,30 @@ def synthetic_layer(layout, shape: GDNShape, *, prefix: str = "layer", hidden: i
         key = f"{prefix}.{rule.name}" if prefix else rule.name
         out[key] = torch.randn(dims, generator=g).to(dtype)
     return out
+
+
+def text_config(model):
+    """The config the decoder layers are built from (``text_config`` of a vision-language model)."""
+    return model.config.get_text_config(decoder=True)
+
+
+def cut_model(model, targets: dict, permutations: dict | None = None):
+    """A copy of ``model`` whose GDN layer ``prefix`` is cut to ``targets[prefix]`` (after
+    ``permutations[prefix]``), built by module surgery: each new GDN module is constructed from a copy of the
+    config with that layer's geometry, and the state dict is cut with the core API. The reference that
+    per-layer checkpoints are compared with (no per_layer_config, no load_pretrained involved)."""
+    import copy
+
+    from gdnprune.gated_delta_net import slice_gated_delta_net_state_dict
+
+    state = dict(model.state_dict())
+    new = copy.deepcopy(model)
+    for prefix, module in find_gdn_modules(new):
+        shape = GDNShape.from_module(module)
+        target = targets.get(prefix, shape)
+        perm = None if permutations is None else permutations.get(prefix)
+        slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=perm)
+        parent, name = prefix.rsplit(".", 1)
+        setattr(new.get_submodule(parent), name, type(module)(config_for(text_config(model), target), module.layer_idx))
+    new.load_state_dict(state, strict=True)
+    return new.eval()

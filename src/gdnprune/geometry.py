@@ -23,6 +23,7 @@ commands (:mod:`gdnprune.checkpoint`) use it without loading torch, and the torc
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, MutableMapping
 
@@ -45,11 +46,99 @@ _CONFIG_KEYS = {
 }
 
 
+_FIELD_OF = {key: name for name, key in _CONFIG_KEYS.items()}
+_GDN_CONFIG_KEYS = frozenset(_FIELD_OF)
+
+
 def _get(config: Any, key: str, default: Any = None) -> Any:
     """``config[key]`` for dicts, ``config.key`` for config objects."""
     if isinstance(config, Mapping):
         return config.get(key, default)
     return getattr(config, key, default)
+
+
+def _get_global(config: Any, key: str, default: Any = None) -> Any:
+    """Like :func:`_get`, but a heterogeneous transformers config gives its global value instead of raising."""
+    raw = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    if raw is not None and not isinstance(config, Mapping):
+        return raw(key, default)
+    return _get(config, key, default)
+
+
+def _holder(config: Any) -> Any:
+    """The part of a config that holds the GDN geometry: the config, or its ``text_config``."""
+    if _get_global(config, "linear_num_key_heads") is None and _get(config, "text_config") is not None:
+        return _get(config, "text_config")
+    return config
+
+
+def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
+    """``{layer_index: {linear_* key: value}}``: the GDN geometry a heterogeneous config sets per layer.
+
+    Reads transformers' ``per_layer_config`` (zero-padded string keys in JSON) from a dict config, or the
+    heterogeneity spec of a config object; empty for a uniform config.
+
+    Raises:
+        ValueError: a ``per_layer_config`` that is not ``{layer index: {attribute: value}}``.
+    """
+    holder = _holder(config)
+    if isinstance(holder, Mapping):
+        raw = holder.get("per_layer_config")
+    else:
+        spec = getattr(holder, "__dict__", {}).get("_heterogeneity_spec")
+        raw = None if spec is None else spec.per_layer_overrides
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"per_layer_config must map layer indices to objects, found {type(raw).__name__}")
+    out = {}
+    for key, overrides in raw.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"per_layer_config key {key!r} is not a layer index") from None
+        if not isinstance(overrides, Mapping):
+            raise ValueError(f"per_layer_config[{key!r}] must be an object, found {type(overrides).__name__}")
+        gdn = {k: v for k, v in overrides.items() if k in _GDN_CONFIG_KEYS}
+        if gdn:
+            out[index] = gdn
+    return out
+
+
+def layer_index_of(prefix: str) -> int:
+    """The decoder layer index in a GDN layer prefix (``model.layers.3.linear_attn`` -> 3)."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", prefix)
+    if match is None:
+        raise ValueError(f"cannot tell the layer index of {prefix!r} (expected '...layers.N....')")
+    return int(match.group(1))
+
+
+def apply_targets_to_config(config: Mapping, targets: Mapping[int, "GDNShape"]) -> dict:
+    """A copy of the dict ``config`` with the GDN geometry of each layer in ``targets`` (layer index -> shape).
+
+    One geometry for all: the plain ``linear_*`` keys (:meth:`GDNShape.apply_to_config`), which every
+    engine reads. Several: transformers' per-layer convention — the ``linear_*`` keys hold the most common
+    geometry (ties: the lowest layer's), and ``per_layer_config`` (``{"NN": {linear_*: value}}``, zero-padded
+    keys as transformers writes them) overrides the fields that differ, layer by layer; other per-layer
+    overrides are kept. Such a config does not build with plain transformers (reading a per-layer attribute
+    globally raises), which is the point: load it with :func:`gdnprune.load_pretrained`.
+    """
+    distinct = list(dict.fromkeys(targets[i] for i in sorted(targets)))
+    counts = {shape: sum(1 for t in targets.values() if t == shape) for shape in distinct}
+    common = max(distinct, key=lambda shape: counts[shape])  # max keeps the first of equal counts
+    config = common.apply_to_config(dict(config))
+    if len(distinct) == 1:
+        return config
+    holder = _holder(config)
+    overrides = {int(k): dict(v) for k, v in holder.get("per_layer_config", {}).items()}
+    for index, target in targets.items():
+        differ = {key: value for key, value in target.config_updates().items()
+                  if value != common.config_updates()[key]}
+        if differ:
+            overrides.setdefault(index, {}).update(differ)
+    width = len(str(max(overrides)))
+    holder["per_layer_config"] = {str(i).zfill(width): overrides[i] for i in sorted(overrides)}
+    return config
 
 
 def _as_int(value: Any) -> int | None:
@@ -137,29 +226,42 @@ class GDNShape:
         return {_CONFIG_KEYS[name]: value for name, value in self.as_dict().items()}
 
     def apply_to_config(self, config: Any) -> Any:
-        """A deep copy of ``config`` (object or dict) whose GDN geometry is this shape.
+        """A deep copy of ``config`` (object or dict) whose GDN geometry is this shape, for every layer.
 
         The ``linear_*`` keys are set where :meth:`from_config` reads them: on the config itself, or on
-        its ``text_config`` (vision-language models).
+        its ``text_config`` (vision-language models); per-layer GDN overrides of a dict config's
+        ``per_layer_config`` are removed (the result is uniform).
         """
         config = copy.deepcopy(config)
-        holder = config
-        if _get(config, "linear_num_key_heads") is None and _get(config, "text_config") is not None:
-            holder = _get(config, "text_config")
+        holder = _holder(config)
         for key, value in self.config_updates().items():
             if isinstance(holder, MutableMapping):
                 holder[key] = value
             else:
                 setattr(holder, key, value)
+        if isinstance(holder, MutableMapping) and isinstance(holder.get("per_layer_config"), Mapping):
+            kept = {k: {a: v for a, v in o.items() if a not in _GDN_CONFIG_KEYS}
+                    for k, o in holder["per_layer_config"].items() if isinstance(o, Mapping)}
+            holder["per_layer_config"] = {k: o for k, o in kept.items() if o}
+            if not holder["per_layer_config"]:
+                del holder["per_layer_config"]
         return config
 
     @classmethod
-    def from_config(cls, config: Any) -> "GDNShape":
-        """Geometry from a transformers config (object or dict) with ``linear_*`` keys, or its ``text_config``."""
-        source = config
-        if _get(config, "linear_num_key_heads") is None and _get(config, "text_config") is not None:
-            source = _get(config, "text_config")
-        values = {name: _get(source, key) for name, key in _CONFIG_KEYS.items()}
+    def from_config(cls, config: Any, *, layer_index: int | None = None) -> "GDNShape":
+        """Geometry from a transformers config (object or dict) with ``linear_*`` keys, or its ``text_config``.
+
+        A heterogeneous config (transformers' ``per_layer_config`` overriding ``linear_*`` keys for some
+        layers) needs ``layer_index``: the geometry of that decoder layer.
+        """
+        source = _holder(config)
+        values = {name: _get_global(source, key) for name, key in _CONFIG_KEYS.items()}
+        overrides = per_layer_gdn_overrides(config)
+        if overrides and layer_index is None:
+            raise ValueError(f"config has a heterogeneous GDN geometry (per_layer_config sets linear_* for layers "
+                             f"{sorted(overrides)}); give the layer_index of the layer")
+        for key, value in overrides.get(layer_index, {}).items():
+            values[_FIELD_OF[key]] = value
         missing = [_CONFIG_KEYS[name] for name, value in values.items() if value is None]
         if missing:
             raise ValueError(f"config has no GDN geometry: missing {missing} (also looked in text_config)")

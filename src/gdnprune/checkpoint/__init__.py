@@ -24,7 +24,7 @@ from .folder import (
 )
 from .output import OutputError
 from .transform import (
-    MissingScoresWarning, PassthroughWarning, UnsortedInputWarning, slice_checkpoint, sort_checkpoint,
+    KernelShapeWarning, MissingScoresWarning, PassthroughWarning, UnsortedInputWarning, slice_checkpoint, sort_checkpoint,
     transform_checkpoint,
 )
 from .verify import verify_checkpoints
@@ -32,7 +32,7 @@ from .verify import verify_checkpoints
 
 __all__ = [
     "CheckpointError", "ScoresError", "TargetError", "OutputError", "UnsortedInputWarning",
-    "MissingScoresWarning", "PassthroughWarning", "Checkpoint", "GDNLayer", "open_checkpoint",
+    "MissingScoresWarning", "PassthroughWarning", "KernelShapeWarning", "Checkpoint", "GDNLayer", "open_checkpoint",
     "find_gdn_layers", "inspect_checkpoint", "load_scores", "matching_prefixes", "read_manifest",
     "transform_checkpoint", "sort_checkpoint", "slice_checkpoint", "verify_checkpoints",
     "CONFIG_NAME", "INDEX_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "SINGLE_NAME",

@@ -229,16 +229,27 @@ class GDNLayer:
         """Number of parameters of the layer."""
         return sum(t.numel for t in self.tensors.values())
 
+    @property
+    def conv_kernel(self) -> int:
+        """The depthwise conv's kernel size ``K`` (the last dim of ``conv1d.weight`` or its split pieces)."""
+        conv = self.tensors.get("conv1d.weight") or next(
+            self.tensors[p] for p in self.splits.get("conv1d.weight", ()))
+        return conv.shape[-1]
+
     def name(self, suffix: str) -> str:
         """Full tensor name of ``suffix``."""
         return f"{self.prefix}.{suffix}"
 
 
-def _config_shape(config: Mapping, where: Path):
-    from ..geometry import GDNShape
+def _config_shape(config: Mapping, where: Path, prefix: str | None = None):
+    """The geometry ``config.json`` gives the GDN layer ``prefix`` (per-layer configs included)."""
+    from ..geometry import GDNShape, layer_index_of, per_layer_gdn_overrides
 
     try:
-        return GDNShape.from_config(config)
+        index = None
+        if prefix is not None and per_layer_gdn_overrides(config):
+            index = layer_index_of(prefix)
+        return GDNShape.from_config(config, layer_index=index)
     except ValueError as exc:
         raise CheckpointError(f"{where / CONFIG_NAME}: {exc}") from None
 
@@ -273,9 +284,9 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
             f"{checkpoint.path}: no GDN layer found: no tensor ends in one of the layouts' marker names "
             f"{sorted(_all_markers())}"
         )
-    shape = _config_shape(checkpoint.config, checkpoint.path)
     layers = []
     for prefix, names in members.items():
+        shape = _config_shape(checkpoint.config, checkpoint.path, prefix)
         tensors = {n[len(prefix) + 1:]: checkpoint.tensor(n) for n in names}
         try:
             layout = detect_layout(tensors)
@@ -342,14 +353,17 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     """Describe a checkpoint folder: every GDN layer and the parameter totals (reads headers only).
 
     Returns a JSON-ready dict with ``model_dir``, ``model_type``, ``format`` (``sharded`` or
-    ``single-file``), ``shards``, ``dtypes`` (tensor count per dtype), ``gdn_shape``, ``layers`` (one dict
-    per GDN layer: ``prefix``, ``layout``, the four geometry fields, ``parameters``, ``shards``),
+    ``single-file``), ``shards``, ``dtypes`` (tensor count per dtype), ``gdn_shape`` (None when the layers
+    differ: ``heterogeneous``), ``layers`` (one dict per GDN layer: ``prefix``, ``layout``, the four geometry
+    fields, ``parameters``, ``state_elements`` (recurrent state per sequence), ``shards``),
     ``gdn_parameters``, ``other_parameters``, ``total_parameters``, ``total_bytes``, ``passthrough`` and
     ``manifest`` (operation and sorted flag of a gdnprune output, else None).
 
     Raises:
         CheckpointError: as :func:`open_checkpoint` and :func:`find_gdn_layers`.
     """
+    from ..plans import state_elements
+
     ckpt = open_checkpoint(model_dir)
     layers, skipped = find_gdn_layers(ckpt)
     total = sum(ckpt.tensor(n).numel for n in ckpt.names)
@@ -363,13 +377,15 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
         "format": "sharded" if ckpt.index is not None else "single-file",
         "shards": len(ckpt.shards),
         "dtypes": dict(sorted(dtypes.items())),
-        "gdn_shape": layers[0].shape.as_dict(),
+        "gdn_shape": layers[0].shape.as_dict() if len({layer.shape for layer in layers}) == 1 else None,
+        "heterogeneous": len({layer.shape for layer in layers}) > 1,
         "layers": [
             {
                 "prefix": layer.prefix,
                 "layout": layer.layout,
                 **layer.shape.as_dict(),
                 "parameters": layer.parameters,
+                "state_elements": state_elements(layer.shape, layer.conv_kernel),
                 "shards": sorted({os.path.basename(ckpt.shards[ckpt.shard_of(t.name)].path)
                                   for t in layer.tensors.values()}),
             }

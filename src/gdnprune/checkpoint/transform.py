@@ -18,6 +18,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..geometry import apply_targets_to_config, layer_index_of
+from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
 from ..scores import file_sha256, read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, resolve_target
 from . import output
@@ -26,7 +28,7 @@ from .folder import (
     CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, find_gdn_layers, open_checkpoint,
 )
 
-__all__ = ["UnsortedInputWarning", "MissingScoresWarning", "PassthroughWarning", "transform_checkpoint",
+__all__ = ["UnsortedInputWarning", "MissingScoresWarning", "PassthroughWarning", "KernelShapeWarning", "transform_checkpoint",
            "sort_checkpoint", "slice_checkpoint"]
 
 
@@ -42,6 +44,10 @@ class PassthroughWarning(UserWarning):
     """GDN-looking tensors under a pass-through prefix (``mtp.``) are left untouched."""
 
 
+class KernelShapeWarning(UserWarning):
+    """A cut head dim that flash-linear-attention's kernels cannot run (key dim < 16) or must pad."""
+
+
 def _warn(category: type[Warning], message: str) -> None:
     warnings.warn(message, category, stacklevel=3)
 
@@ -52,6 +58,9 @@ def transform_checkpoint(
     *,
     permutations: Mapping[str, Any] | None = None,
     target: Any = None,
+    plan: str | os.PathLike | Mapping | None = None,
+    tp: int | None = None,
+    multiple_of: int | None = None,
     operation: str,
     overwrite: bool = False,
     progress: bool = True,
@@ -67,7 +76,14 @@ def transform_checkpoint(
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
             None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
-            fields (missing or None fields keep their size). None: no slicing.
+            fields (missing or None fields keep each layer's size). None: no slicing.
+        plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.plans`).
+            Layers that end up with different geometries are recorded in ``config.json`` with
+            transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
+        tp, multiple_of: serving constraints on the cut layers (key and value heads divisible by ``tp``,
+            head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
+            such layer. Head dims that flash-linear-attention cannot run or must pad give a
+            :class:`KernelShapeWarning`.
         operation: the name recorded in the manifest (``"sort"``, ``"slice"``, ``"prune"``, ...).
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
@@ -83,33 +99,46 @@ def transform_checkpoint(
         CheckpointError, ScoresError, TargetError, OutputError (all ``ValueError``): input errors; no
             output folder is left behind, as for any other failure or an interrupt.
     """
+    if target is not None and plan is not None:
+        raise TargetError("give a target or a plan, not both")
     src, out = Path(model_dir), Path(output_dir)
     output.clear_stale(out)
     output.check_paths(src, out, overwrite)
-    return _transform(src, out, permutations, target, operation, overwrite, progress, manifest_extra)
+    return _transform(src, out, permutations, target, plan, (tp, multiple_of), operation, overwrite, progress,
+                      manifest_extra)
 
 
-def _plan_layers(ckpt: Checkpoint, layers: list, permutations, target) -> tuple[dict, list[str], Any]:
-    """Every layer's plan (orders and target checked), the layers without orders, and the uniform target."""
-    orders, missing = resolve_orders(permutations, {layer.prefix: layer.shape for layer in layers})
-    target_shape = resolve_target(layers[0].shape, target)
-    plans = {}
-    for layer in layers:
-        t = resolve_target(layer.shape, target_shape.as_dict())
-        plans[layer.prefix] = plan_layer(layer, t, orders.get(layer.prefix))
-    return plans, missing, target_shape
+def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple[dict, list[str]]:
+    """Every layer's plan (orders, target and serving constraints checked) and the layers without orders."""
+    shapes = {layer.prefix: layer.shape for layer in layers}
+    orders, missing = resolve_orders(permutations, shapes)
+    if plan is not None:
+        targets = resolve_plan(plan, shapes)
+    else:
+        targets = {prefix: resolve_target(shape, target) for prefix, shape in shapes.items()}
+    cut = {prefix: t for prefix, t in targets.items() if t != shapes[prefix]}
+    tp, multiple_of = constraints
+    violations = constraint_violations(cut, tp=tp, multiple_of=multiple_of)
+    if violations:
+        raise PlanError(f"{len(violations)} layer(s) break the serving constraints: " + "; ".join(violations))
+    for line in kernel_warnings(cut):
+        _warn(KernelShapeWarning, line)
+    plans = {layer.prefix: plan_layer(layer, targets[layer.prefix], orders.get(layer.prefix)) for layer in layers}
+    return plans, missing
 
 
-def _transform(src: Path, out: Path, permutations, target, operation, overwrite, progress, manifest_extra) -> dict:
+def _transform(src: Path, out: Path, permutations, target, plan, constraints, operation, overwrite, progress,
+               manifest_extra) -> dict:
     start_time = time.time()
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
     layers, skipped = find_gdn_layers(ckpt)
-    plans, missing, target_shape = _plan_layers(ckpt, layers, permutations, target)
+    plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
     gdn_names = {layer.name(s) for layer in layers for s in layer.tensors}
-    if target is not None and permutations is None and not ckpt.is_sorted:
+    cut = target is not None or plan is not None
+    if cut and permutations is None and not ckpt.is_sorted:
         _warn(UnsortedInputWarning,
               f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
               f"channels in their original order, not the most important ones (run `gdnprune sort` first)")
@@ -120,7 +149,7 @@ def _transform(src: Path, out: Path, permutations, target, operation, overwrite,
     if left_out:
         _warn(UserWarning, f"other weight files {left_out} of {src} are not copied (they are not part of the "
                            f"safetensors checkpoint that is transformed)")
-    at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if target is None or n not in gdn_names)
+    at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if not cut or n not in gdn_names)
     existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < at_least:
@@ -165,8 +194,8 @@ def _transform(src: Path, out: Path, permutations, target, operation, overwrite,
             on_chunk(0)
             for shard in shards:
                 on_chunk(write_header(shard))
-            manifest = _finish_folder(ckpt, tmp, work, operation, permutations, target, target_shape, missing,
-                                      skipped, other_files, manifest_extra)
+            manifest = _finish_folder(ckpt, tmp, work, operation, permutations, cut, plan, missing, skipped,
+                                      other_files, manifest_extra)
             check_unchanged(ckpt)
         except BaseException:
             work.stop.set()
@@ -180,31 +209,41 @@ def _transform(src: Path, out: Path, permutations, target, operation, overwrite,
     return manifest
 
 
-def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, target, target_shape,
-                   missing, skipped, other_files, manifest_extra) -> dict:
+def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, cut, plan, missing, skipped,
+                   other_files, manifest_extra) -> dict:
     """Index, config, other files and manifest of the output folder."""
     from ..geometry import orders_to_payload
 
     output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()])
-    if target is not None:
-        output.write_json(tmp / CONFIG_NAME, target_shape.apply_to_config(ckpt.config))
+    if cut:
+        targets = {layer_index_of(prefix): p.target for prefix, p in work.plans.items()}
+        output.write_json(tmp / CONFIG_NAME, apply_targets_to_config(ckpt.config, targets))
     else:
         output.copy_other_files(ckpt.path, tmp, [CONFIG_NAME])
     output.copy_other_files(ckpt.path, tmp, other_files)
-    permuted = [p for p, plan in work.plans.items() if plan.permutation is not None]
+    permuted = [p for p, layer_plan in work.plans.items() if layer_plan.permutation is not None]
+    targets_out = {layer_plan.target for layer_plan in work.plans.values()}
+    shapes_in = {layer_plan.layer.shape for layer_plan in work.plans.values()}
+    if plan is not None:
+        plan_info = read_plan(plan)
+        extra = {"plan": {"path": None if isinstance(plan, Mapping) else str(Path(plan).resolve()),
+                          "sha256": None if isinstance(plan, Mapping) else file_sha256(Path(plan)),
+                          "metadata": {k: v for k, v in plan_info.items() if k not in ("layers", "default")}},
+                 **dict(manifest_extra or {})}
+        manifest_extra = extra
     manifest = output.build_manifest(
         ckpt, operation,
         sorted_out=all(p in permuted or ckpt.is_sorted for p in work.plans),
-        source_shape=next(iter(work.plans.values())).layer.shape.as_dict(),
-        target=target_shape.as_dict() if target is not None else None,
+        source_shape=next(iter(shapes_in)).as_dict() if len(shapes_in) == 1 else None,
+        target=next(iter(targets_out)).as_dict() if cut and len(targets_out) == 1 else None,
         layers={
             prefix: {
-                "layout": plan.layer.layout,
-                "shape": plan.layer.shape.as_dict(),
-                "target": plan.target.as_dict(),
-                "permutation": None if plan.permutation is None else orders_to_payload(plan.permutation),
+                "layout": lp.layer.layout,
+                "shape": lp.layer.shape.as_dict(),
+                "target": lp.target.as_dict(),
+                "permutation": None if lp.permutation is None else orders_to_payload(lp.permutation),
             }
-            for prefix, plan in work.plans.items()
+            for prefix, lp in work.plans.items()
         },
         unsorted_layers=missing if permutations is not None else None,
         passthrough=skipped,
@@ -230,14 +269,16 @@ def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Ma
                                 manifest_extra=extra, **kwargs)
 
 
-def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, target: Any, **kwargs) -> dict:
-    """Cut every GDN layer to the nested prefix ``target`` and rewrite the geometry in ``config.json``.
+def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, target: Any = None, *,
+                     plan: str | os.PathLike | Mapping | None = None, **kwargs) -> dict:
+    """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
-    ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep their size.
+    ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
+    size. ``plan`` gives every layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """
-    if target is None:
-        raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ")")
-    return transform_checkpoint(model_dir, output_dir, target=target, operation="slice", **kwargs)
+    if target is None and plan is None:
+        raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ") or a plan")
+    return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, operation="slice", **kwargs)

@@ -60,10 +60,11 @@ def _load_causal_lm(path: Path):
     import torch
     import transformers
 
+    from ..loading import load_pretrained
+
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, output_loading_info=True
-        )
+        model, info = load_pretrained(path, model_class=transformers.AutoModelForCausalLM, dtype=torch.float32,
+                                      output_loading_info=True)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the folder is the problem
         raise CheckpointError(f"{path}: transformers cannot load it as a causal LM: {exc}") from None
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}

@@ -35,13 +35,32 @@ def add_target_arguments(p) -> None:
     p.add_argument("--value-head-dim", dest="value_head_dim", type=positive_int, metavar="N")
 
 
-def target_from_args(args) -> dict[str, int]:
+def add_plan_arguments(p) -> None:
+    """``--plan`` and the serving constraints, for ``gdnprune slice`` and ``gdnprune prune``."""
+    p.add_argument("--plan", metavar="PLAN.json",
+                   help="per-layer targets (gdnprune plan writes one) instead of --num-key-heads etc.")
+    add_constraint_arguments(p)
+
+
+def add_constraint_arguments(p) -> None:
+    """``--tp`` and ``--multiple-of``."""
+    p.add_argument("--tp", type=positive_int, default=None, metavar="N",
+                   help="tensor-parallel degree of the server: every layer's key and value heads divisible by N")
+    p.add_argument("--multiple-of", dest="multiple_of", type=positive_int, default=None, metavar="M",
+                   help="head dims must be multiples of M (16 suits flash-linear-attention's kernels)")
+
+
+def target_from_args(args, *, required: bool = True) -> dict[str, int] | None:
     """The target fields given on the command line (an axis not given keeps its size)."""
     target = {f: getattr(args, f) for f in TARGET_FIELDS if getattr(args, f) is not None}
-    if not target:
+    if getattr(args, "plan", None) is not None:
+        if target:
+            raise TargetError("give a target (--num-key-heads, ...) or --plan, not both")
+        return None
+    if not target and required:
         raise TargetError("nothing to slice: give at least one of --num-key-heads, --num-value-heads, "
-                          "--key-head-dim, --value-head-dim")
-    return target
+                          "--key-head-dim, --value-head-dim, or --plan")
+    return target or None
 
 
 def add_calibration_arguments(p) -> None:
@@ -75,6 +94,7 @@ def summary(manifest: dict, out: str) -> str:
     """One line about a written output folder."""
     layers = manifest["layers"]
     target = manifest.get("target")
-    what = f"cut to {target}" if target else "permuted"
+    cut = any(layer["target"] != layer["shape"] for layer in layers.values())
+    what = f"cut to {target}" if target else "cut layer by layer (per_layer_config)" if cut else "permuted"
     return (f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']} "
             f"({manifest['elapsed_seconds']:.1f} s)")

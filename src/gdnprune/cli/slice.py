@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._options import add_output_arguments, add_target_arguments, summary, target_from_args
+from ._options import add_output_arguments, add_plan_arguments, add_target_arguments, summary, target_from_args
 
 NAME = "slice"
 HELP = "cut every GDN layer to a nested prefix"
@@ -12,11 +12,14 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(NAME, help=HELP,
                               description="Keep the first key heads, value heads, key dims and value dims of "
                                           "every GDN layer and rewrite the geometry in config.json. An axis "
-                                          "not given keeps its size. Sort first so that the prefix is the "
-                                          "most important part.")
+                                          "not given keeps its size; --plan gives every layer its own target "
+                                          "(written with transformers' per_layer_config when the layers "
+                                          "differ; load those with gdnprune.load_pretrained). Sort first so "
+                                          "that the prefix is the most important part.")
     p.add_argument("model_dir", metavar="MODEL_DIR")
     add_output_arguments(p)
     add_target_arguments(p)
+    add_plan_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -24,7 +27,7 @@ def run(args) -> int:
     from ..checkpoint import slice_checkpoint
 
     target = target_from_args(args)
-    manifest = slice_checkpoint(args.model_dir, args.output, target, overwrite=args.overwrite,
-                                progress=not args.quiet)
+    manifest = slice_checkpoint(args.model_dir, args.output, target, plan=args.plan, tp=args.tp,
+                                multiple_of=args.multiple_of, overwrite=args.overwrite, progress=not args.quiet)
     print(summary(manifest, args.output))
     return 0

@@ -263,15 +263,15 @@ def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: 
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
+    from ..loading import load_pretrained
+
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        model = load_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM, **kwargs)
     except ValueError as first:
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-        classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
-        classes = [c for c in classes if c is not None]
-        if not classes:
+        try:
+            model = load_pretrained(model_dir, **kwargs)  # the class in config.json's architectures
+        except ValueError:
             raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
-        model = classes[0].from_pretrained(model_dir, **kwargs)
     if device_map is None:
         model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return model.eval()

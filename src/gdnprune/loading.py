@@ -1,0 +1,103 @@
+"""``load_pretrained``: a normal transformers model from a checkpoint whose GDN layers differ in width.
+
+A per-layer plan writes transformers' own convention into ``config.json``: ``per_layer_config``
+(``{layer index: {linear_*: value}}``, transformers' ``HeterogeneousConfigMixin``). transformers 5.x
+parses it, but its Qwen and OLMo modeling still builds every GDN layer from the global config, and
+reading a per-layer attribute globally raises ``AmbiguousGlobalPerLayerAttributeError`` — so plain
+``from_pretrained`` fails loudly instead of loading wrong shapes. :func:`load_pretrained` builds each GDN
+module from its own layer's config (``config.per_layer_config[i]``) for the duration of
+``from_pretrained``, then returns the model: every other module, the weight loading, dtypes, device maps,
+the cache and ``save_pretrained`` are transformers' own. The recurrent cache sizes its conv and delta-rule
+states from the tensors each layer passes it, so cached generation works with per-layer shapes.
+
+A checkpoint with one GDN geometry loads exactly as ``from_pretrained`` loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from typing import Any, Iterator
+
+__all__ = ["load_pretrained", "per_layer_gdn_modules"]
+
+_LOCK = threading.RLock()
+
+
+def _gdn_classes(model_class: type) -> list[type]:
+    """The GatedDeltaNet module classes of the modeling file that defines ``model_class``."""
+    module = sys.modules[model_class.__module__]
+    return [obj for name, obj in vars(module).items() if isinstance(obj, type) and name.endswith("GatedDeltaNet")]
+
+
+@contextlib.contextmanager
+def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
+    """While inside, the GDN modules of ``model_class``'s family are built from their layer's own config
+    when the model config is heterogeneous (``config.per_layer_config[layer_idx]``)."""
+    classes = _gdn_classes(model_class)
+    if not classes:
+        raise ValueError(f"{model_class.__name__}: no GatedDeltaNet module class in {model_class.__module__}; "
+                         f"per-layer GDN geometries are supported for the Qwen3.5, Qwen3-Next and OLMo-hybrid "
+                         f"families")
+    with _LOCK:
+        originals = {cls: cls.__dict__["__init__"] for cls in classes if "__init__" in cls.__dict__}
+        for cls, original in originals.items():
+            @functools.wraps(original)
+            def init(self, config, layer_idx=None, *args, _original=original, **kwargs):
+                if layer_idx is not None and getattr(config, "is_heterogeneous", False):
+                    config = config.per_layer_config[layer_idx]
+                _original(self, config, layer_idx, *args, **kwargs)
+
+            cls.__init__ = init
+        try:
+            yield
+        finally:
+            for cls, original in originals.items():
+                cls.__init__ = original
+
+
+def _resolve_class(config: Any, model_class: Any) -> type:
+    import transformers
+
+    if model_class is None:
+        names = getattr(config, "architectures", None) or []
+        found = [getattr(transformers, name, None) for name in names]
+        model_class = next((c for c in found if c is not None), transformers.AutoModelForCausalLM)
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is not None:  # an Auto class: the concrete class it picks for this config
+        try:
+            return model_class, mapping[type(config)]
+        except KeyError:
+            raise ValueError(f"{model_class.__name__} cannot load a {type(config).__name__}") from None
+    return model_class, model_class
+
+
+def load_pretrained(path: str | os.PathLike, *, model_class: Any = None, **from_pretrained_kwargs: Any) -> Any:
+    """Load a Hugging Face model folder, with per-layer GDN geometries when ``config.json`` has them.
+
+    Args:
+        path: the model folder (a gdnprune output or any checkpoint ``from_pretrained`` reads).
+        model_class: the transformers class to load with (default: the config's ``architectures`` entry,
+            e.g. ``Qwen3_5ForConditionalGeneration`` for a vision-language checkpoint, else
+            ``AutoModelForCausalLM``). An Auto class works too.
+        **from_pretrained_kwargs: passed to ``from_pretrained`` (``dtype``, ``device_map``,
+            ``output_loading_info``, ...).
+
+    Returns:
+        What ``model_class.from_pretrained`` returns: a normal transformers model whose GDN modules have
+        their own geometry (``module.num_v_heads`` etc.), and whose config keeps ``per_layer_config``.
+    """
+    import transformers
+
+    from .geometry import per_layer_gdn_overrides
+
+    config = from_pretrained_kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
+    loader, concrete = _resolve_class(config, model_class)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if not per_layer_gdn_overrides(text) and not per_layer_gdn_overrides(config):
+        return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
+    with per_layer_gdn_modules(concrete):
+        return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
