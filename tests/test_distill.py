@@ -159,6 +159,16 @@ def test_a_few_steps_decrease_the_kd_loss():
     assert all("tokens_per_second" in h for h in result["history"] if "loss" in h)
 
 
+def test_a_bf16_teacher_and_mixed_precision():
+    teacher, student = pair()
+    data, held_out = windows(8), windows(4, seed=3)
+    ref = distill(sliced(teacher), teacher, data, steps=2, batch_size=4, eval_data=held_out, progress=False)
+    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out, bf16=True,
+                  progress=False)
+    assert got["eval"]["kd_loss"] == pytest.approx(ref["eval"]["kd_loss"], rel=0.05)
+    assert next(student.parameters()).dtype == torch.float32
+
+
 class _CtrlCAt(TrainerCallback):
     def __init__(self, step, signum=signal.SIGINT):
         self.step, self.signum = step, signum

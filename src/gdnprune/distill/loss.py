@@ -65,7 +65,7 @@ def _position_terms(hidden, head, teacher_hidden, teacher_head, labels, temperat
     step = chunk_size or max(1, _LOGITS_PER_CHUNK // vocab)
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        h, y, ok = hidden[rows].detach(), labels[rows].clamp(min=0), valid[rows].float()
+        h, y, ok = hidden[rows].detach().to(weight.dtype), labels[rows].clamp(min=0), valid[rows].float()
         with torch.no_grad():
             z = F.linear(h, weight, bias).float()
             log_q = F.log_softmax(z / temperature, -1)
