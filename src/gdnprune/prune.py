@@ -1,9 +1,9 @@
-"""``prune``: score a checkpoint folder on calibration text, then sort and slice it in one streaming pass."""
+"""``prune``: score a checkpoint folder, plan per-layer widths if asked, then sort and slice in one pass."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = ["prune_checkpoint"]
 
@@ -12,29 +12,57 @@ def prune_checkpoint(
     model_dir: str | Path,
     data: str | Path,
     output_dir: str | Path,
-    target: Any,
+    target: Any = None,
     *,
+    plan: str | Path | Mapping | None = None,
+    search: Mapping[str, Any] | None = None,
+    plan_samples: int = 16,
+    tp: int | None = None,
+    multiple_of: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
     **scoring: Any,
 ) -> dict[str, Any]:
-    """Score ``model_dir`` on ``data``, then sort and slice it to ``target`` in one streaming pass.
+    """Score ``model_dir`` on ``data``, then sort and cut every GDN layer in one streaming pass.
 
-    ``target`` is a ``GDNShape`` or a mapping of some of its fields (axes not given keep their size);
-    ``scoring`` takes the options of :func:`gdnprune.scoring.score_checkpoint` (``method``,
-    ``num_samples``, ``seq_len``, ``batch_size``, ``device``, ``dtype``, ``device_map``, ``seed``). The
-    output path and the target are checked before the (long) scoring starts. Returns the manifest.
+    The cut is one of: ``target`` (a ``GDNShape`` or some of its fields, for every layer), ``plan`` (a plan
+    file or dict, :mod:`gdnprune.plans`), or ``search`` — the options of :func:`gdnprune.plan.plan_model`
+    (``budget_params``, ``budget_state``, ``sensitivity``, ``dim_step``, ``axes``, ``uniform``): the plan is
+    then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
+    options of :func:`gdnprune.scoring.score_checkpoint`. The output path, the target or plan and the
+    constraints are checked before the (long) scoring starts. Returns the manifest (with the searched plan
+    under ``"plan"``).
     """
     from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
     from .checkpoint.output import check_paths, clear_stale
+    from .plans import read_plan, resolve_plan
     from .scoring import score_checkpoint
-    from .targets import resolve_target
+    from .targets import TargetError, resolve_target
 
+    given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
+    if len(given) != 1:
+        raise TargetError("give exactly one of a target (--num-key-heads, ...), --plan, or a budget "
+                          f"(--budget-params / --budget-state); got {given or 'none'}")
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     layers, _ = find_gdn_layers(open_checkpoint(model_dir))
-    resolve_target(layers[0].shape, target)  # raises TargetError (a ValueError) for an illegal target
+    shapes = {layer.prefix: layer.shape for layer in layers}
+    if target is not None:
+        for shape in shapes.values():
+            resolve_target(shape, target)  # raises TargetError (a ValueError) for an illegal target
+    if plan is not None:
+        resolve_plan(plan, shapes)
     scores = score_checkpoint(model_dir, data, progress=progress, **scoring)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
-    return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target,
-                                operation="prune", overwrite=overwrite, progress=progress, manifest_extra=extra)
+    if search is not None:
+        from .plan import plan_checkpoint
+
+        options = {k: scoring[k] for k in ("seq_len", "batch_size", "device", "dtype", "device_map") if k in scoring}
+        plan, report = plan_checkpoint(model_dir, data, scores, num_samples=plan_samples, tp=tp,
+                                       multiple_of=multiple_of, progress=progress, **options, **search)
+        extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
+    elif plan is not None:
+        plan = read_plan(plan)
+    return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
+                                tp=tp, multiple_of=multiple_of, operation="prune", overwrite=overwrite,
+                                progress=progress, manifest_extra=extra)

@@ -28,6 +28,7 @@ COMMANDS = {
     "slice": "gdnprune.cli.slice",
     "verify": "gdnprune.cli.verify",
     "score": "gdnprune.cli.score",
+    "plan": "gdnprune.cli.plan",
     "prune": "gdnprune.cli.prune",
     "demo": "gdnprune.cli.demo",
 }

@@ -1,24 +1,31 @@
-"""``gdnprune prune MODEL_DIR --data FILE --output OUT --num-key-heads N ...``: score, sort and slice."""
+"""``gdnprune prune MODEL_DIR --data FILE --output OUT (--num-key-heads N ... | --plan P | --budget-params X)``."""
 
 from __future__ import annotations
 
-from ._options import add_calibration_arguments, add_output_arguments, add_target_arguments, scoring_options, \
-    target_from_args
+from ._options import add_calibration_arguments, add_output_arguments, add_target_arguments, positive_int, \
+    scoring_options, target_from_args
 from ._runtime import add_runtime_arguments, model_runtime
+from .plan import add_search_arguments, search_options
 
 NAME = "prune"
-HELP = "score + sort + slice a checkpoint in one command"
+HELP = "score + (plan) + sort + slice a checkpoint in one command"
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME, help=HELP,
         description="Score the GDN layers of MODEL_DIR on calibration text, then sort every layer by importance "
-                    "and cut it to the target in one streaming pass. Axes not given keep their size.",
+                    "and cut it in one streaming pass: to one target (--num-key-heads ...; axes not given keep "
+                    "their size), to a plan (--plan), or to the plan searched under a budget (--budget-params / "
+                    "--budget-state, as `gdnprune plan` does).",
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
     add_output_arguments(p)
     add_target_arguments(p)
+    p.add_argument("--plan", metavar="PLAN.json", help="per-layer targets (from gdnprune plan)")
+    add_search_arguments(p)
+    p.add_argument("--plan-samples", type=positive_int, default=16,
+                   help="calibration windows of the plan search's measured sensitivity (default 16)")
     add_calibration_arguments(p)
     add_runtime_arguments(p)
     p.set_defaults(func=run)
@@ -27,9 +34,22 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from ..prune import prune_checkpoint
 
+    budget = args.budget_params is not None or args.budget_state is not None
+    target = target_from_args(args, required=not budget and args.plan is None)
+    search = search_options(args) if budget else None
+    if search is not None:
+        for key in ("tp", "multiple_of"):
+            search.pop(key)
     with model_runtime(args):
-        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target_from_args(args),
+        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan, search=search,
+                                    plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
                                     overwrite=args.overwrite, progress=not args.quiet, **scoring_options(args))
-    target = manifest.get("target") or {}
-    print(f"gdnprune prune: scored with {args.method!r}, sorted and sliced to {target} -> {args.output}")
+    uniform = manifest.get("target")
+    what = f"sliced to {uniform}" if uniform else "sliced layer by layer"
+    if budget:
+        plan = manifest.get("plan", {}).get("metadata", {})
+        totals = plan.get("totals", {})
+        what += (f" under the budget ({totals.get('gdn_params_fraction', 0):.1%} of GDN parameters, "
+                 f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
+    print(f"gdnprune prune: scored with {args.method!r}, sorted and {what} -> {args.output}")
     return 0

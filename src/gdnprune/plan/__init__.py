@@ -1,0 +1,20 @@
+"""The plan search: each GDN layer's own width, chosen by measured sensitivity under a budget.
+
+For every layer, a grid of nested-prefix candidates (:mod:`.candidates`: key heads, lanes, head dims;
+kept parameters and recurrent state of each); their sensitivity (:mod:`.sensitivity`: the KL divergence
+from the unpruned model when that layer alone is cut, measured with real forwards that share the
+teacher pass and start from the layer's cached input — or a proxy from the scores); the exact
+multiple-choice knapsack under the parameter and state budgets (:mod:`.solve`, scipy's MILP); the
+plan and a report (:mod:`.api`), and a plot (:mod:`.plot`). The plan file format is
+:mod:`gdnprune.plans`. This package imports torch (the candidates and the solver do not).
+"""
+
+from .api import SENSITIVITIES, STATE_BYTES, budget_limit, plan_checkpoint, plan_model
+from .candidates import AXES, Candidate, layer_candidates, parse_dim_step
+from .plot import plot_sensitivity
+from .solve import BudgetError, choose, choose_uniform
+
+__all__ = [
+    "AXES", "SENSITIVITIES", "STATE_BYTES", "BudgetError", "Candidate", "budget_limit", "choose", "choose_uniform",
+    "layer_candidates", "parse_dim_step", "plan_checkpoint", "plan_model", "plot_sensitivity",
+]

@@ -1,0 +1,307 @@
+"""Per-layer sensitivity of every candidate: measured with real forwards, or a proxy from the scores.
+
+**Measured** (Puzzle's replace-one-block scoring): cut one layer of the sorted model to a candidate, keep
+every other layer intact, and measure the next-token KL divergence ``KL(teacher || cut)`` from the unpruned
+model, per token, on calibration windows (and the cut model's next-token loss). The work is shared:
+
+* one teacher pass per batch keeps, for every GDN layer, the hidden state that enters its decoder layer,
+  and the final hidden state (after the final norm); teacher log-probabilities are recomputed from it with
+  ``lm_head``, a chunk of tokens at a time, so memory never holds tokens x vocabulary;
+* a candidate of layer ``i`` runs from layer ``i``'s cached input: the decoder layers before it are swapped
+  for a pass-through, a pre-hook hands layer ``i`` its cached input, and the model's own forward does the
+  rest (masks, rotary embeddings, the later layers). The candidate GDN module is built from that layer's
+  config with the candidate geometry and the sorted weights cut to it — the module a sliced checkpoint
+  will load — so the measurement is of the real cut, eps and scale changes included.
+
+**Proxy** (no forward): the output energy a cut removes, from the scores file's raw per-element scores —
+key groups' energy times the kept share of their lanes, key channels and value channels.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..geometry import GDNShape, orders_from_payload
+
+__all__ = ["LayerToPlan", "measured_sensitivity", "proxy_sensitivity"]
+
+
+class LayerToPlan:
+    """One GDN layer of a loaded model to plan: its module, name, orders and candidate geometries."""
+
+    def __init__(self, prefix: str, module: torch.nn.Module, orders: Mapping[str, np.ndarray] | None,
+                 candidates: Sequence[GDNShape]):
+        self.prefix, self.module, self.orders, self.candidates = prefix, module, orders, list(candidates)
+        self.shape = GDNShape.from_module(module)
+
+
+class _Passthrough(torch.nn.Module):
+    """Stands in for a decoder layer before the one measured: hands its input on unchanged."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+
+def _hidden_argument(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _parts(model: torch.nn.Module):
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    if decoder is None or head is None or not hasattr(decoder, "layers"):
+        raise ValueError(f"{type(model).__name__}: measured sensitivity needs a decoder with .layers and an "
+                         f"lm_head; use the proxy sensitivity")
+    return decoder, head
+
+
+def _input_device(model: torch.nn.Module) -> torch.device:
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device
+    hook = getattr(embeddings, "_hf_hook", None)
+    if device.type == "meta" and hook is not None:
+        device = torch.device(getattr(hook, "execution_device", "cpu"))
+    return device
+
+
+def _sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
+    """The layer's weights (materialised if offloaded), permuted by its orders (a function-preserving sort)."""
+    from ..gated_delta_net import GDNPermutation, permute_gated_delta_net_state_dict
+    from ..scoring.hooks import materialized_weight
+
+    state = {}
+    for name, _ in layer.module.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        state[f"layer.{name}"] = materialized_weight(layer.module.get_submodule(owner) if owner else layer.module,
+                                                     leaf).detach()
+    if layer.orders is not None:
+        permutation = GDNPermutation(**{k: torch.as_tensor(v) for k, v in layer.orders.items()})
+        permute_gated_delta_net_state_dict(state, prefix="layer", shape=layer.shape, permutation=permutation)
+    return state
+
+
+def _candidate_module(layer: LayerToPlan, state: Mapping[str, torch.Tensor], target: GDNShape,
+                      text_config: Any, device: torch.device) -> torch.nn.Module:
+    """The GDN module of ``layer`` cut to ``target``: built from the layer's config with that geometry."""
+    from ..gated_delta_net import slice_gated_delta_net_state_dict
+
+    index = layer.module.layer_idx
+    config = text_config.per_layer_config[index] if getattr(text_config, "is_heterogeneous", False) else \
+        copy.copy(text_config)
+    for key, value in target.config_updates().items():
+        setattr(config, key, value)
+    cut = dict(state)
+    slice_gated_delta_net_state_dict(cut, prefix="layer", shape=layer.shape, target=target)
+    with torch.device("meta"):
+        module = type(layer.module)(config, index)
+    module.load_state_dict({k[len("layer."):]: v.to(device) for k, v in cut.items()}, strict=True, assign=True)
+    return module.eval()
+
+
+def _divergence(head: torch.nn.Module, student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor,
+                mask: torch.Tensor | None, max_logits: int) -> tuple[float, float, int, int]:
+    """Summed KL(teacher || student) over tokens, summed next-token loss, and their token counts."""
+    hidden = student.shape[-1]
+    student, teacher = student.reshape(-1, hidden), teacher.reshape(-1, hidden)
+    targets = torch.full_like(ids, -100)
+    targets[:, :-1] = ids[:, 1:]
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    if mask is not None:
+        targets[:, :-1][~(valid[:, :-1] & valid[:, 1:])] = -100
+    targets, valid = targets.reshape(-1), valid.reshape(-1)
+    chunk = max(1, max_logits // max(1, head.weight.shape[0]))
+    kl = ce = 0.0
+    for start in range(0, student.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        log_s = head(student[rows]).float().log_softmax(-1)
+        log_t = head(teacher[rows].to(student.device)).float().log_softmax(-1)
+        keep = valid[rows].to(log_s.device)
+        kl += float((log_t.exp() * (log_t - log_s)).sum(-1)[keep].sum())
+        ce += float(F.nll_loss(log_s, targets[rows].to(log_s.device), reduction="sum", ignore_index=-100))
+    return kl, ce, int(valid.sum()), int((targets != -100).sum())
+
+
+def _batches(batches: Iterable[Any]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    from ..scoring.api import _unpack_batch
+
+    return [_unpack_batch(batch) for batch in batches]
+
+
+@torch.no_grad()
+def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan], *,
+                         progress: bool = True, max_logits: int = 1 << 24) -> dict[str, Any]:
+    """KL divergence from the unpruned model (per token) of every candidate of every layer, cut alone.
+
+    Args:
+        model: a transformers causal LM with GDN layers (possibly dispatched with a device map).
+        batches: calibration ``input_ids`` [B, T] tensors, or mappings with ``input_ids`` and an optional
+            ``attention_mask``.
+        layers: the layers to measure, with their orders (None: as they are) and candidate geometries.
+        progress: a tqdm bar over the candidates.
+        max_logits: logits computed at a time (chunks of tokens).
+
+    Returns:
+        ``{"kl": {prefix: [per candidate]}, "loss": {prefix: [...]}, "base_loss", "tokens", "seconds",
+        "forwards"}``; a candidate equal to the layer's full geometry is the sorted (same-function) layer:
+        KL 0 and the base loss, not measured.
+
+    Raises:
+        ValueError: a model whose logits are not ``lm_head`` of the decoder's last hidden state.
+    """
+    from tqdm.auto import tqdm
+
+    start_time = time.perf_counter()
+    model.eval()
+    decoder, head = _parts(model)
+    text_config = model.config.get_text_config(decoder=True)
+    device = _input_device(model)
+    data = _batches(batches)
+    layer_of = {id(layer.module): i for i, layer in enumerate(layers)}
+    decoder_index = {}
+    for i, block in enumerate(decoder.layers):
+        for sub in block.modules():
+            if id(sub) in layer_of:
+                decoder_index[layer_of[id(sub)]] = i
+    if len(decoder_index) != len(layers):
+        raise ValueError("every GDN layer to plan must sit in one of the decoder's layers")
+
+    # teacher pass: the input of every measured decoder layer and the final hidden state, per batch
+    captured: list[dict[int, torch.Tensor]] = []
+    finals, base_ce, base_n = [], 0.0, 0
+
+    def capture(i):
+        def hook(module, args, kwargs):
+            captured[-1][i] = _hidden_argument(args, kwargs).detach().cpu()
+        return hook
+
+    if not data:
+        raise ValueError("measured sensitivity needs at least one calibration batch")
+    probe = data[0][0][:1, :16].to(device)
+    logits = model(input_ids=probe, use_cache=False).logits.float()
+    direct = head(decoder(input_ids=probe, use_cache=False).last_hidden_state).float()
+    if (direct - logits).abs().max() > 1e-3 * (1 + logits.abs().max()):
+        raise ValueError(f"{type(model).__name__}: its logits are not lm_head(last hidden state), which measured "
+                         f"sensitivity needs; use the proxy sensitivity")
+    handles = [decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
+               for i in sorted(set(decoder_index.values()))]
+    try:
+        for ids, mask in data:
+            captured.append({})
+            kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
+            final = decoder(input_ids=ids.to(device), use_cache=False, **kwargs).last_hidden_state
+            finals.append(final.detach().cpu())
+            _, ce, _, n = _divergence(head, final, final, ids, mask, max_logits)
+            base_ce, base_n = base_ce + ce, base_n + n
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    base_loss = base_ce / max(base_n, 1)
+    result = {"kl": {}, "loss": {}, "base_loss": base_loss, "tokens": sum(int(f.shape[0] * f.shape[1]) for f in finals),
+              "forwards": 0}
+    total = sum(len(layer.candidates) for layer in layers)
+    bar = tqdm(total=total, disable=not progress, desc="sensitivity", unit="cand")
+    try:
+        for li, layer in enumerate(layers):
+            index = decoder_index[li]
+            state = _sorted_state(layer)
+            kl, loss = [], []
+            originals = [decoder.layers[j] for j in range(index)]
+            parent_name, _, attr = _relative_name(decoder.layers[index], layer.module)
+            parent = decoder.layers[index].get_submodule(parent_name) if parent_name else decoder.layers[index]
+            batch_no = {"k": 0}
+
+            def inject(module, args, kwargs):
+                cached = captured[batch_no["k"]][index]
+                return _with_hidden(args, kwargs, cached.to(_hidden_argument(args, kwargs).device))
+
+            handle = decoder.layers[index].register_forward_pre_hook(inject, with_kwargs=True)
+            for j in range(index):
+                decoder.layers[j] = _Passthrough()
+            try:
+                for target in layer.candidates:
+                    if target == layer.shape:
+                        kl.append(0.0)
+                        loss.append(base_loss)
+                        bar.update(1)
+                        continue
+                    module_device = next(iter(state.values())).device
+                    setattr(parent, attr, _candidate_module(layer, state, target, text_config, module_device))
+                    kl_sum = ce_sum = 0.0
+                    n_kl = n_ce = 0
+                    for k, (ids, mask) in enumerate(data):
+                        batch_no["k"] = k
+                        kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
+                        out = decoder(input_ids=ids.to(device), use_cache=False, **kwargs).last_hidden_state
+                        a, b, c, d = _divergence(head, out, finals[k], ids, mask, max_logits)
+                        kl_sum, ce_sum, n_kl, n_ce = kl_sum + a, ce_sum + b, n_kl + c, n_ce + d
+                        result["forwards"] += 1
+                    kl.append(kl_sum / max(n_kl, 1))
+                    loss.append(ce_sum / max(n_ce, 1))
+                    bar.update(1)
+            finally:
+                setattr(parent, attr, layer.module)
+                for j, original in enumerate(originals):
+                    decoder.layers[j] = original
+                handle.remove()
+            result["kl"][layer.prefix] = kl
+            result["loss"][layer.prefix] = loss
+    finally:
+        bar.close()
+    result["seconds"] = time.perf_counter() - start_time
+    return result
+
+
+def _relative_name(root: torch.nn.Module, module: torch.nn.Module) -> tuple[str, str, str]:
+    """``(parent path, ".", attribute)`` of ``module`` inside ``root``."""
+    for name, sub in root.named_modules():
+        if sub is module:
+            return name.rpartition(".")
+    raise ValueError("the GDN module is not inside its decoder layer")
+
+
+def proxy_sensitivity(payload: Mapping[str, Any], shape: GDNShape, candidates: Sequence[GDNShape]) -> list[float]:
+    """The output energy each candidate removes, from one layer's scores payload (no forward pass).
+
+    Kept energy = sum over kept key groups of (group energy ``key_group_scores``) x (kept share of its lane
+    scores) x (kept share of its key channels' squared scores) x (kept share of the value channels' squared
+    scores); the proxy is the total group energy minus the kept energy. Meant for ``projection`` scores
+    (energies per token); other methods give a relative measure.
+    """
+    orders = orders_from_payload(payload, shape)
+    try:
+        groups = np.asarray(payload["key_group_scores"], dtype=np.float64).reshape(shape.num_key_heads)
+        lanes = np.asarray(payload["value_lane_scores"], dtype=np.float64).reshape(
+            shape.num_key_heads, shape.value_heads_per_group)
+        key_dims = np.asarray(payload["key_dim_scores"], dtype=np.float64).reshape(
+            shape.num_key_heads, shape.key_head_dim) ** 2
+        value_dims = np.asarray(payload["value_dim_scores"], dtype=np.float64).reshape(shape.value_head_dim) ** 2
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the proxy sensitivity needs the raw *_scores of a scores file: {exc}") from None
+    groups, lanes = np.abs(groups), np.abs(lanes)
+
+    def share(values: np.ndarray, order: np.ndarray, keep: int) -> float:
+        total = values.sum()
+        return 1.0 if total <= 0 else float(values[order[:keep]].sum() / total)
+
+    out = []
+    for t in candidates:
+        kept = 0.0
+        for g in orders["key_groups"][: t.num_key_heads]:
+            kept += (groups[g] * share(lanes[g], orders["value_lanes"][g], t.value_heads_per_group)
+                     * share(key_dims[g], orders["key_dim"][g], t.key_head_dim))
+        kept *= share(value_dims, orders["value_dim"], t.value_head_dim)
+        out.append(max(0.0, float(groups.sum() - kept)))
+    return out
