@@ -58,26 +58,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines (default 10)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    g = p.add_argument_group("geometry and corpus (defaults: the bundled demo model)")
+    g.add_argument("--corpus", choices=demo_data.CORPORA, default="pydoc",
+                   help="training text: pydoc topics (default) or the standard library's docstrings")
+    g.add_argument("--layer-types", default="GGGA",
+                   help="one letter per decoder layer: G = GatedDeltaNet, A = full attention (default GGGA)")
+    g.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
+    g.add_argument("--key-heads", type=int, default=4, help="GDN key heads (default 4)")
+    g.add_argument("--value-heads", type=int, default=8, help="GDN value heads, a multiple of the key heads (default 8)")
+    g.add_argument("--key-head-dim", type=int, default=32, help="GDN key head dim (default 32)")
+    g.add_argument("--value-head-dim", type=int, default=32, help="GDN value head dim (default 32)")
     return p.parse_args(argv)
 
 
-def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256):
-    """The demo model's geometry: hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters."""
+def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, layer_types: str = "GGGA",
+                 hidden_size: int = 128, key_heads: int = 4, value_heads: int = 8, key_head_dim: int = 32,
+                 value_head_dim: int = 32):
+    """The demo model's geometry (defaults): hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters."""
     from transformers import Qwen3_5TextConfig
 
+    kinds = {"G": "linear_attention", "A": "full_attention"}
+    if not layer_types or set(layer_types) - set(kinds):
+        raise SystemExit(f"--layer-types must be letters G and A, got {layer_types!r}")
     return Qwen3_5TextConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(layer_types),
+        layer_types=[kinds[c] for c in layer_types],
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        head_dim=hidden_size // 4,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=key_head_dim,
+        linear_value_head_dim=value_head_dim,
         linear_conv_kernel_dim=4,
         max_position_embeddings=seq_len,  # the training window (gdnprune score takes its default from it)
         tie_word_embeddings=True,
@@ -113,18 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Qwen3_5ForCausalLM
 
     tokenizer = demo_data.build_byte_tokenizer()
-    train_ids = demo_data.text_to_ids(demo_data.train_text())
+    train_ids = demo_data.text_to_ids(demo_data.train_text(args.corpus))
     # Fixed train windows, scored exactly like validation, for a comparable final train loss.
-    train_eval_text = demo_data.train_text()
+    train_eval_text = demo_data.train_text(args.corpus)
+    val_text = demo_data.validation_text(args.corpus)
 
     torch.manual_seed(args.seed)
-    config = model_config(len(tokenizer), tokenizer.eos_token_id, args.seq_len)
+    config = model_config(len(tokenizer), tokenizer.eos_token_id, args.seq_len, layer_types=args.layer_types,
+                          hidden_size=args.hidden_size, key_heads=args.key_heads, value_heads=args.value_heads,
+                          key_head_dim=args.key_head_dim, value_head_dim=args.value_head_dim)
     model = Qwen3_5ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params} parameters, layer_types={config.layer_types}", flush=True)
     print(
-        f"corpus: {len(demo_data.train_text().encode())} train bytes, "
-        f"{len(demo_data.validation_text().encode())} validation bytes, sha256 {demo_data.corpus_sha256()[:16]}...",
+        f"corpus {args.corpus}: {len(train_eval_text.encode())} train bytes, "
+        f"{len(val_text.encode())} validation bytes, sha256 {demo_data.corpus_sha256(args.corpus)[:16]}...",
         flush=True,
     )
 
@@ -162,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         if args.eval_every > 0 and (done % args.eval_every == 0) and done != args.steps:
-            val = demo_data.validation_loss(model)
+            val = demo_data.validation_loss(model, text=val_text)
             history.append({"step": done, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)})
             print(f"step {done:5d}  validation loss {val:.4f} nats/byte", flush=True)
     train_seconds = time.perf_counter() - t_start
 
     model.eval()
-    val = demo_data.validation_loss(model)
-    val_full = demo_data.validation_loss(model, num_windows=None)
+    val = demo_data.validation_loss(model, text=val_text)
+    val_full = demo_data.validation_loss(model, num_windows=None, text=val_text)
     train_eval = demo_data.validation_loss(model, text=train_eval_text)
     history.append({"step": args.steps, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)})
     print(
@@ -199,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         },
         "num_parameters": n_params,
         "corpus": {
-            "source": "pydoc_data.topics.topics (sorted keys, joined by a blank line)",
-            "sha256": demo_data.corpus_sha256(),
+            "name": args.corpus,
+            "source": {"pydoc": "pydoc_data.topics.topics (sorted keys, joined by a blank line)",
+                       "docstrings": "docstrings of the standard library's source files (ast; sorted paths)"}[args.corpus],
+            "sha256": demo_data.corpus_sha256(args.corpus),
             "block_chars": demo_data.BLOCK_CHARS,
             "validation_every": demo_data.VALIDATION_EVERY,
-            "train_bytes": len(demo_data.train_text().encode()),
-            "validation_bytes": len(demo_data.validation_text().encode()),
+            "train_bytes": len(train_eval_text.encode()),
+            "validation_bytes": len(val_text.encode()),
         },
         "metric": (
             "gdnprune.demo_data.validation_loss: mean next-byte cross entropy in nats/byte over "

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_SEQ_LEN",
     "DEFAULT_NUM_WINDOWS",
     "EOS_TOKEN",
+    "CORPORA",
     "corpus_text",
     "corpus_blocks",
     "train_text",
@@ -72,17 +73,60 @@ _TOPIC_SEPARATOR = "\n\n"
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def corpus_text() -> str:
-    """Return the whole corpus: the ``pydoc_data`` topic texts in sorted key order, joined by a blank line."""
-    from pydoc_data.topics import topics
+#: The corpora :func:`corpus_text` knows, the default first.
+CORPORA = ("pydoc", "docstrings")
+#: Size cap of the ``docstrings`` corpus, in characters (about the size of the pydoc topics).
+DOCSTRINGS_CHARS = 600_000
+_DOCSTRING_SKIP = ("test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "__pycache__")
 
-    return _TOPIC_SEPARATOR.join(topics[key] for key in sorted(topics))
+
+@functools.lru_cache(maxsize=4)
+def corpus_text(corpus: str = "pydoc") -> str:
+    """Return a whole corpus.
+
+    * ``"pydoc"`` (default): the ``pydoc_data`` topic texts in sorted key order, joined by a blank line;
+    * ``"docstrings"``: the docstrings of the standard library's own source files (module, class and
+      function docstrings read with :mod:`ast`, nothing imported), files in sorted path order, tests and
+      IDLE left out, joined by a blank line and cut at :data:`DOCSTRINGS_CHARS` characters.
+    """
+    if corpus == "pydoc":
+        from pydoc_data.topics import topics
+
+        return _TOPIC_SEPARATOR.join(topics[key] for key in sorted(topics))
+    if corpus == "docstrings":
+        return _stdlib_docstrings()
+    raise ValueError(f"unknown corpus {corpus!r}; expected one of {list(CORPORA)}")
 
 
-def corpus_blocks() -> list[str]:
+def _stdlib_docstrings() -> str:
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(p in _DOCSTRING_SKIP or p.startswith("test_") for p in rel):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
+                                                                          ast.AsyncFunctionDef))]
+        for node in nodes:
+            doc = ast.get_docstring(node)
+            if doc and len(doc) > 40:
+                parts.append(doc)
+                size += len(doc) + len(_TOPIC_SEPARATOR)
+        if size >= DOCSTRINGS_CHARS:
+            break
+    return _TOPIC_SEPARATOR.join(parts)[:DOCSTRINGS_CHARS]
+
+
+def corpus_blocks(corpus: str = "pydoc") -> list[str]:
     """Return the corpus cut into consecutive blocks of :data:`BLOCK_CHARS` characters (last one shorter)."""
-    text = corpus_text()
+    text = corpus_text(corpus)
     return [text[i : i + BLOCK_CHARS] for i in range(0, len(text), BLOCK_CHARS)]
 
 
@@ -90,21 +134,21 @@ def _is_validation_block(index: int) -> bool:
     return index % VALIDATION_EVERY == VALIDATION_EVERY - 1
 
 
-@functools.lru_cache(maxsize=1)
-def train_text() -> str:
+@functools.lru_cache(maxsize=4)
+def train_text(corpus: str = "pydoc") -> str:
     """Return the training text: all blocks except every tenth one, concatenated in order."""
-    return "".join(b for i, b in enumerate(corpus_blocks()) if not _is_validation_block(i))
+    return "".join(b for i, b in enumerate(corpus_blocks(corpus)) if not _is_validation_block(i))
 
 
-@functools.lru_cache(maxsize=1)
-def validation_text() -> str:
+@functools.lru_cache(maxsize=4)
+def validation_text(corpus: str = "pydoc") -> str:
     """Return the validation text: every tenth block (indices 9, 19, 29, ...), concatenated in order."""
-    return "".join(b for i, b in enumerate(corpus_blocks()) if _is_validation_block(i))
+    return "".join(b for i, b in enumerate(corpus_blocks(corpus)) if _is_validation_block(i))
 
 
-def corpus_sha256() -> str:
-    """Return the hex SHA-256 of the UTF-8 encoded corpus (it identifies the Python version's docs)."""
-    return hashlib.sha256(corpus_text().encode("utf-8")).hexdigest()
+def corpus_sha256(corpus: str = "pydoc") -> str:
+    """Return the hex SHA-256 of the UTF-8 encoded corpus (it identifies the Python version's text)."""
+    return hashlib.sha256(corpus_text(corpus).encode("utf-8")).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
