@@ -202,3 +202,26 @@ def test_slice_refuses_a_plan_that_breaks_a_constraint(sources, tmp_path, capsys
     assert first in err and "--tp 2" in err and not out.exists()
     assert main(["slice", str(sources["qwen3_5"]), "--plan", str(tmp_path / "plan.json"), "-o", str(out), "-q"]) == 0
     assert "flash-linear-attention" in capsys.readouterr().err  # dims 5 and 3: a warning, not an error
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_vl", "olmo_hybrid"])
+def test_slice_model_cuts_in_memory_and_saves_a_loadable_folder(model_type, tmp_path):
+    from gdnprune.loading import slice_model
+    from gdnprune.scoring import score_model, scores_to_permutations
+    from tiny_models import build_model
+
+    model = build_model(model_type, SHAPE, seed=2)
+    x = ids()
+    permutations = scores_to_permutations(score_model(model, [x], progress=False))
+    first, second = [p for p, _ in _gdn(model)]
+    targets = {first: SMALL, second: WIDE}
+    small = slice_model(model, targets, permutations)
+    reference = cut_model(model, targets, permutations)
+    with torch.no_grad():
+        assert torch.equal(small(input_ids=x).logits, reference(input_ids=x).logits)
+    small.save_pretrained(tmp_path / "small")
+    again = load_pretrained(tmp_path / "small", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=x).logits, reference(input_ids=x).logits)
+    uniform = slice_model(model, {"num_key_heads": 1, "num_value_heads": 2})
+    assert GDNShape.from_config(uniform.config) == SHAPE.replace(num_key_heads=1, num_value_heads=2)

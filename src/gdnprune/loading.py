@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
-__all__ = ["load_pretrained", "per_layer_gdn_modules"]
+__all__ = ["load_pretrained", "slice_model", "per_layer_gdn_modules"]
 
 _LOCK = threading.RLock()
 
@@ -101,3 +101,41 @@ def load_pretrained(path: str | os.PathLike, *, model_class: Any = None, **from_
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
     with per_layer_gdn_modules(concrete):
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
+
+
+def slice_model(model: Any, targets: Any, permutations: Any = None) -> Any:
+    """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory.
+
+    Args:
+        model: a loaded transformers model with GDN layers.
+        targets: one target for every layer (a ``GDNShape`` or a mapping of some of its fields), or
+            ``{module prefix: target}`` (layers not named keep their geometry).
+        permutations: ``{module prefix: GDNPermutation or score payload}`` (None: no sorting).
+
+    The new model's config records the per-layer geometry as a sliced checkpoint does (the plain
+    ``linear_*`` keys when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained``
+    writes a folder that :func:`load_pretrained` reads back.
+    """
+    from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
+    from .geometry import GDNShape, apply_targets_to_config, layer_index_of
+    from .layouts import find_gdn_modules
+    from .targets import resolve_target
+
+    modules = find_gdn_modules(model)
+    per_layer = isinstance(targets, dict) and all(isinstance(v, (GDNShape, dict)) for v in targets.values()) and \
+        set(targets) <= {p for p, _ in modules}
+    state = dict(model.state_dict())
+    chosen = {}
+    for prefix, module in modules:
+        shape = GDNShape.from_module(module)
+        target = resolve_target(shape, targets.get(prefix) if per_layer else targets)
+        perm = None if permutations is None else permutations.get(prefix)
+        if isinstance(perm, dict):
+            perm = GDNPermutation.from_score_payload(perm, shape)
+        slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=perm)
+        chosen[layer_index_of(prefix)] = target
+    config = type(model.config).from_dict(apply_targets_to_config(model.config.to_dict(), chosen))
+    with per_layer_gdn_modules(type(model)):
+        new = type(model)(config)
+    new.load_state_dict(state, strict=True)
+    return new.to(next(model.parameters()).dtype).eval()

@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""Plan search benchmark: searched per-layer plans against the best uniform target, under the same budgets.
+
+For each model (the bundled demo model; a deeper model that ``scripts/train_demo_model.py`` trains, see
+``--deep``) it scores the GDN layers on training text, measures every candidate's sensitivity once (the
+KL divergence from the unpruned model with that layer alone cut, on calibration windows) and computes
+the proxy, then for every budget (75 %, 50 %, 25 % of GDN parameters; 50 % of recurrent state):
+
+* the searched plan (exact MILP on the measured sensitivity) and the plan from the proxy;
+* the best uniform target on the same grid within the same budget, found by evaluating the validation
+  loss of *every* feasible uniform target (not by any prediction), and the uniform target that
+  ``--uniform`` would pick from the measured sensitivity;
+* validation loss on held-out windows for each (the same scores, windows and sort for all), the paired
+  difference searched - best uniform with its standard error over windows;
+* the predicted loss change (summed per-layer KL) against the measured joint KL of the whole plan.
+
+It also reports how well the proxy ranks candidates (Spearman's rho against the measured KL) and what
+each sensitivity cost. Prints a table; ``--json`` writes every number.
+
+    .venv/bin/python benchmarks/plans.py --threads 1 --json plans.json
+    .venv/bin/python benchmarks/plans.py --deep benchmarks/_work/models/deep_docstrings   # + the deeper model
+
+The deeper model (6 GDN + 2 attention layers, 2 key heads x 4 lanes, the standard library's docstrings):
+
+    .venv/bin/python scripts/train_demo_model.py --threads 1 --layer-types GGGAGGGA --key-heads 2 \\
+        --value-heads 8 --corpus docstrings --out benchmarks/_work/models/deep_docstrings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from gdnprune import demo_data  # noqa: E402
+from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
+from gdnprune.layouts import find_gdn_modules  # noqa: E402
+from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.plan import STATE_BYTES, BudgetError, choose, choose_uniform, layer_candidates  # noqa: E402
+from gdnprune.plan.api import _layout_of  # noqa: E402
+from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity  # noqa: E402
+from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
+
+BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
+
+
+def window_losses(model, windows: torch.Tensor, batch: int = 16) -> np.ndarray:
+    """Mean next-token cross entropy of every window (nats/byte)."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, windows.shape[0], batch):
+            x = windows[start:start + batch]
+            logits = model(input_ids=x).logits[:, :-1].float()
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                                   reduction="none").reshape(x.shape[0], -1).mean(1)
+            out.append(ce)
+    return torch.cat(out).numpy()
+
+
+def joint_kl(model, teacher_logp: list[torch.Tensor], windows: list[torch.Tensor]) -> float:
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x, t in zip(windows, teacher_logp):
+            s = model(input_ids=x).logits.float().log_softmax(-1)
+            total += float((t.exp() * (t - s)).sum())
+            n += x.numel()
+    return total / n
+
+
+def spearman(a, b) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def run_model(name: str, model, corpus: str, args) -> dict:
+    t0 = time.perf_counter()
+    calibration = demo_data.byte_windows(demo_data.train_text(corpus), 256, args.calibration_windows)
+    scores = score_model(model, list(calibration.split(8)), progress=False)
+    permutations = scores_to_permutations(scores)
+    score_seconds = time.perf_counter() - t0
+    sens_windows = list(calibration[: args.sensitivity_windows].split(4))
+    validation = demo_data.byte_windows(demo_data.validation_text(corpus), 256, args.validation_windows)
+    base = window_losses(model, validation)
+
+    modules = find_gdn_modules(model)
+    layers, table = [], []
+    for prefix, module in modules:
+        shape = GDNShape.from_module(module)
+        cands = layer_candidates(prefix, shape, {n: tuple(p.shape) for n, p in module.named_parameters()},
+                                 _layout_of(module), module.conv_kernel_size, dim_step=args.dim_step)
+        layers.append(LayerToPlan(prefix, module, orders_from_payload(scores["layers"][prefix], shape),
+                                  [c.target for c in cands]))
+        table.append(cands)
+    t0 = time.perf_counter()
+    measured = measured_sensitivity(model, sens_windows, layers, progress=not args.quiet)
+    measured_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    proxy = [proxy_sensitivity(scores["layers"][layer.prefix], layer.shape, layer.candidates) for layer in layers]
+    proxy_seconds = time.perf_counter() - t0
+    kl = [measured["kl"][layer.prefix] for layer in layers]
+    rho = [spearman(p[1:], k[1:]) for p, k in zip(proxy, kl)]
+    pooled = spearman(np.concatenate([p[1:] for p in proxy]), np.concatenate([k[1:] for k in kl]))
+    with torch.no_grad():
+        teacher = [model(input_ids=x).logits.float().log_softmax(-1) for x in sens_windows]
+
+    costs = {"params": [[c.params for c in cands] for cands in table],
+             "state": [[c.state * STATE_BYTES for c in cands] for cands in table]}
+    totals = {k: sum(v[0] for v in costs[k]) for k in costs}
+    keys = [[c.target for c in cands] for cands in table]
+    cache: dict = {}
+
+    def evaluate(picks) -> dict:
+        targets = {layer.prefix: table[i][p].target for i, (layer, p) in enumerate(zip(layers, picks))}
+        key = tuple(sorted((k, v) for k, v in targets.items()))
+        if key not in cache:
+            small = slice_model(model, targets, permutations)
+            cache[key] = {"losses": window_losses(small, validation), "joint_kl": joint_kl(small, teacher, sens_windows),
+                          "targets": {k: v.as_dict() for k, v in targets.items()},
+                          "params": sum(costs["params"][i][p] for i, p in enumerate(picks)) / totals["params"],
+                          "state": sum(costs["state"][i][p] for i, p in enumerate(picks)) / totals["state"]}
+        return cache[key]
+
+    rows = []
+    for kind, fraction in BUDGETS:
+        budgets = {kind: fraction * totals[kind]}
+        row = {"budget": f"{kind} {fraction:.0%}"}
+        try:
+            picks = choose(kl, costs, budgets)
+        except BudgetError as exc:
+            row["error"] = str(exc)
+            rows.append(row)
+            continue
+        searched = evaluate(picks)
+        predicted = float(sum(k[p] for k, p in zip(kl, picks)))
+        proxy_plan = evaluate(choose(proxy, costs, budgets))
+        measured_uniform = evaluate(choose_uniform(keys, kl, costs, budgets))
+        # every uniform geometry within the budget, evaluated on validation
+        best_uniform, n_uniform = None, 0
+        for c, target in enumerate(keys[0]):
+            picks_u = [layer_keys.index(target) for layer_keys in keys]
+            if sum(costs[kind][i][p] for i, p in enumerate(picks_u)) > budgets[kind]:
+                continue
+            n_uniform += 1
+            result = evaluate(picks_u)
+            if best_uniform is None or result["losses"].mean() < best_uniform["losses"].mean():
+                best_uniform = result
+        diff = best_uniform["losses"] - searched["losses"]
+        row.update({
+            "searched_loss": float(searched["losses"].mean()),
+            "searched_kept": {"params": searched["params"], "state": searched["state"]},
+            "searched_targets": searched["targets"],
+            "best_uniform_loss": float(best_uniform["losses"].mean()),
+            "best_uniform_target": next(iter(best_uniform["targets"].values())),
+            "uniform_evaluated": n_uniform,
+            "uniform_by_sensitivity_loss": float(measured_uniform["losses"].mean()),
+            "proxy_plan_loss": float(proxy_plan["losses"].mean()),
+            "paired_gain": float(diff.mean()),
+            "paired_se": float(diff.std(ddof=1) / math.sqrt(len(diff))),
+            "predicted_kl": predicted,
+            "measured_joint_kl": searched["joint_kl"],
+        })
+        rows.append(row)
+    return {
+        "model": name, "corpus": corpus, "layers": len(layers), "shape": layers[0].shape.as_dict(),
+        "candidates_per_layer": [len(c) for c in table], "base_loss": float(base.mean()),
+        "seconds": {"score": score_seconds, "measured_sensitivity": measured_seconds, "proxy": proxy_seconds},
+        "forwards": measured["forwards"], "tokens": measured["tokens"],
+        "proxy_spearman": {"per_layer": rho, "pooled": pooled}, "rows": rows,
+    }
+
+
+def print_model(result: dict) -> None:
+    s = result["shape"]
+    print(f"\n{result['model']}: {result['layers']} GDN layers, Hk {s['num_key_heads']} Hv {s['num_value_heads']} "
+          f"dk {s['key_head_dim']} dv {s['value_head_dim']}, corpus {result['corpus']}, "
+          f"{result['candidates_per_layer'][0]} candidates/layer; unpruned validation loss {result['base_loss']:.4f}")
+    sec = result["seconds"]
+    print(f"cost: scoring {sec['score']:.1f} s; measured sensitivity {sec['measured_sensitivity']:.1f} s "
+          f"({result['forwards']} partial forwards on {result['tokens']} tokens); proxy {sec['proxy']:.3f} s; "
+          f"proxy vs measured Spearman rho: pooled {result['proxy_spearman']['pooled']:.2f}, per layer "
+          + ", ".join(f"{r:.2f}" for r in result["proxy_spearman"]["per_layer"]))
+    header = (f"{'budget':<12} {'searched':>9} {'best unif':>9} {'gain':>8} {'± se':>7} {'unif(pred)':>10} "
+              f"{'proxy plan':>10} {'pred KL':>8} {'joint KL':>8}  best uniform target")
+    print(header)
+    print("-" * len(header))
+    for row in result["rows"]:
+        if "error" in row:
+            print(f"{row['budget']:<12} {row['error']}")
+            continue
+        t = row["best_uniform_target"]
+        print(f"{row['budget']:<12} {row['searched_loss']:9.4f} {row['best_uniform_loss']:9.4f} "
+              f"{row['paired_gain']:8.4f} {row['paired_se']:7.4f} {row['uniform_by_sensitivity_loss']:10.4f} "
+              f"{row['proxy_plan_loss']:10.4f} {row['predicted_kl']:8.4f} {row['measured_joint_kl']:8.4f}  "
+              f"{t['num_key_heads']}/{t['num_value_heads']}/{t['key_head_dim']}/{t['value_head_dim']} "
+              f"(of {row['uniform_evaluated']})")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--deep", type=Path, default=None, help="folder of the deeper model (trained as above)")
+    p.add_argument("--skip-bundled", action="store_true", help="only the --deep model")
+    p.add_argument("--dim-step", default="1/4", help="head-dim grid (default 1/4)")
+    p.add_argument("--calibration-windows", type=int, default=64, help="scoring windows of 256 bytes (64)")
+    p.add_argument("--sensitivity-windows", type=int, default=16, help="of those, for the sensitivity (16)")
+    p.add_argument("--validation-windows", type=int, default=32, help="held-out windows (32)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; dim step {args.dim_step}")
+    results = []
+    if not args.skip_bundled:
+        model, _ = demo_data.load_demo_model()
+        results.append(run_model("bundled", model, "pydoc", args))
+        print_model(results[-1])
+    if args.deep is not None:
+        record = json.loads((args.deep / "training.json").read_text())
+        model = load_pretrained(args.deep, dtype=torch.float32).eval()
+        results.append(run_model(args.deep.name, model, record["corpus"].get("name", "pydoc"), args))
+        print_model(results[-1])
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
