@@ -401,3 +401,21 @@ def test_junk_command_lines_exit_cleanly(command, args, source, tmp_path, capsys
     assert "Traceback" not in err
     shutil.rmtree(tmp_path / "junk-out", ignore_errors=True)
     assert leftovers(tmp_path) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(plan=_JSON | st.fixed_dictionaries(
+    {"format": st.just("gdnprune-plan"), "version": st.just(1),
+     "layers": st.dictionaries(st.text(max_size=30), _JSON | st.dictionaries(
+         st.sampled_from(["num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "x"]),
+         _JSON, max_size=4), max_size=3)},
+    optional={"default": _JSON}))
+def test_the_plan_parser_gives_clean_errors_for_junk(plan):
+    from gdnprune.plans import read_plan, resolve_plan
+
+    shapes = {"model.layers.0.linear_attn": GDNShape(2, 4, 8, 6)}
+    for parse in (read_plan, lambda p: resolve_plan(p, shapes)):
+        try:
+            parse(plan)
+        except ValueError:
+            pass

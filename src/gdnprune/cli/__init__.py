@@ -72,8 +72,12 @@ class _StderrWarnings:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gdnprune`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while starting: no traceback
+        print("gdnprune: interrupted", file=sys.stderr)
+        return 130
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
