@@ -17,7 +17,10 @@ import torch.nn.functional as F
 __all__ = ["kd_loss", "distillation_loss", "DistillationLoss", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-_LOGITS_PER_CHUNK = 1 << 24  # default chunk: about 16M logits (64 MiB in float32) per chunk
+# default chunk: 2**25 logits (128 MiB per float32 buffer, a few buffers live at once). Every chunk reads the
+# whole lm_head weight a few times, so much smaller chunks are slower on large vocabularies (BENCHMARKS.md,
+# scoring overhead: 2**22 took twice as long as 2**25)
+_LOGITS_PER_CHUNK = 1 << 25
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -71,24 +74,29 @@ def _position_terms(hidden, head, teacher_hidden, teacher_head, labels, temperat
             log_q = F.log_softmax(z / temperature, -1)
             log_q1 = log_q if temperature == 1 else F.log_softmax(z, -1)
             lm[rows] = -log_q1.gather(-1, y[:, None]).squeeze(-1) * ok
-            g = None if grads is None else grad_scale[1] * (log_q1.exp() - F.one_hot(y, vocab))
+            p = None
             if teacher_hidden is not None:
                 t_weight, t_bias = teacher_head
                 zt = F.linear(teacher_hidden[rows].to(t_weight.device, t_weight.dtype), t_weight, t_bias)
-                log_p = F.log_softmax(zt.to(z.device, torch.float32) / temperature, -1)
+                zt = zt.to(z.device, torch.float32)
+                log_p = F.log_softmax(zt / temperature, -1)
                 p = log_p.exp()
                 kd[rows] = temperature**2 * (p * (log_p - log_q)).sum(-1) * ok
                 if teacher_lm:
-                    log_p1 = log_p if temperature == 1 else F.log_softmax(zt.to(z.device, torch.float32), -1)
+                    log_p1 = log_p if temperature == 1 else F.log_softmax(zt, -1)
                     t_lm[rows] = -log_p1.gather(-1, y[:, None]).squeeze(-1) * ok
-                if g is not None and grad_scale[0]:
-                    g += (grad_scale[0] * temperature) * (log_q.exp() - p)
-            if g is not None:
-                g *= ok[:, None]
-                grads[0][rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-                grads[1] += (g.t().to(h.dtype) @ h).float()
-                if bias is not None:
-                    grads[2] += g.sum(0)
+            if grads is None:
+                continue
+            a, b = grad_scale
+            g = b * log_q1.exp()  # dLM/dz = softmax(z) - onehot(y)
+            g[torch.arange(len(y), device=g.device), y] -= b
+            if a:  # dKD/dz = T * (softmax(z/T) - softmax(z_teacher/T))
+                g += (a * temperature) * (log_q.exp() - p)
+            g *= ok[:, None]
+            grads[0][rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            grads[1] += (g.t().to(h.dtype) @ h).float()
+            if bias is not None:
+                grads[2] += g.sum(0)
     return kd, lm, t_lm, grads
 
 
@@ -101,7 +109,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         kd, lm, _, grads = _position_terms(
             hidden, (weight, bias), teacher_hidden, teacher_head, labels, temperature, chunk_size,
             grad_scale=(kd_weight / count, lm_weight / count))
-        ctx.save_for_backward(*grads[:2], grads[2])
+        ctx.save_for_backward(*grads)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         kd_mean, lm_mean = kd.sum() / count, lm.sum() / count
         ctx.mark_non_differentiable(kd_mean, lm_mean)
@@ -133,7 +141,7 @@ def distillation_loss(
     ``[...]`` the next-token ids (``-100``: position skipped by both terms). KD is :func:`kd_loss` at
     ``temperature``, LM the cross entropy at temperature 1, both averaged over the non-skipped positions.
     Equal to the unchunked formulas up to float rounding; memory holds one chunk of logits (default
-    ``2**24 // V`` positions) plus the gradient of the student head. The teacher side gets no gradient.
+    ``2**25 // V`` positions) plus the gradient of the student head. The teacher side gets no gradient.
     With ``kd_weight=0`` the teacher may be None (LM-only fine-tuning; ``kd`` is then NaN).
     """
     if kd_weight < 0 or lm_weight < 0 or kd_weight + lm_weight == 0:
