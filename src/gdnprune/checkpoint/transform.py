@@ -22,7 +22,8 @@ from ..geometry import apply_targets_to_config, layer_index_of
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
 from ..scores import file_sha256, read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, resolve_target
-from . import output
+from .. import compensate
+from . import output, refit
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
     CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, find_gdn_layers, open_checkpoint,
@@ -61,6 +62,8 @@ def transform_checkpoint(
     plan: str | os.PathLike | Mapping | None = None,
     tp: int | None = None,
     multiple_of: int | None = None,
+    compensation: str | os.PathLike | None = None,
+    ridge: float | None = None,
     operation: str,
     overwrite: bool = False,
     progress: bool = True,
@@ -84,6 +87,10 @@ def transform_checkpoint(
             head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
             such layer. Head dims that flash-linear-attention cannot run or must pad give a
             :class:`KernelShapeWarning`.
+        compensation: a calibration statistics file (:mod:`gdnprune.compensate`): the ``out_proj`` of every
+            layer that loses value heads or value channels is refitted by least squares to reconstruct the
+            full layer output (``ridge``: its strength, default ``1e-3``). Compensated outputs are not
+            nested across targets; the manifest says so.
         operation: the name recorded in the manifest (``"sort"``, ``"slice"``, ``"prune"``, ...).
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
@@ -104,8 +111,8 @@ def transform_checkpoint(
     src, out = Path(model_dir), Path(output_dir)
     output.clear_stale(out)
     output.check_paths(src, out, overwrite)
-    return _transform(src, out, permutations, target, plan, (tp, multiple_of), operation, overwrite, progress,
-                      manifest_extra)
+    return _transform(src, out, permutations, target, plan, (tp, multiple_of), (compensation, ridge), operation,
+                      overwrite, progress, manifest_extra)
 
 
 def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple[dict, list[str]]:
@@ -127,8 +134,8 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
     return plans, missing
 
 
-def _transform(src: Path, out: Path, permutations, target, plan, constraints, operation, overwrite, progress,
-               manifest_extra) -> dict:
+def _transform(src: Path, out: Path, permutations, target, plan, constraints, refit_options, operation, overwrite,
+               progress, manifest_extra) -> dict:
     start_time = time.time()
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
@@ -149,6 +156,11 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, op
     if left_out:
         _warn(UserWarning, f"other weight files {left_out} of {src} are not copied (they are not part of the "
                            f"safetensors checkpoint that is transformed)")
+    stats_path, ridge = refit_options
+    if stats_path is not None:
+        if not cut:
+            raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
+        stats, order = compensate.load_statistics(stats_path), refit.statistics_order(ckpt, stats_path)
     at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if not cut or n not in gdn_names)
     existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
@@ -192,6 +204,16 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, op
                 worker.join(timeout=0.05)
                 on_chunk(0)
             on_chunk(0)
+            if stats_path is not None:
+                destinations = {name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
+                                for shard in shards for name in shard.gdn}
+                refitted = refit.refit_out_proj(ckpt, plans, destinations, stats, order,
+                                                ridge=compensate.DEFAULT_RIDGE if ridge is None else ridge)
+                manifest_extra = {"compensation": {
+                    "statistics": refit.stats_info(stats_path), "ridge": compensate.DEFAULT_RIDGE if ridge is None
+                    else ridge, "layers": refitted, "nested": False,
+                    "note": "out_proj refitted by least squares per target: not nested across targets"},
+                    **dict(manifest_extra or {})}
             for shard in shards:
                 on_chunk(write_header(shard))
             manifest = _finish_folder(ckpt, tmp, work, operation, permutations, cut, plan, missing, skipped,

@@ -20,6 +20,10 @@ def add_parser(subparsers) -> None:
     add_output_arguments(p)
     add_target_arguments(p)
     add_plan_arguments(p)
+    p.add_argument("--compensate", metavar="STATS.safetensors",
+                   help="refit out_proj by least squares to reconstruct the full layer output (calibration "
+                        "statistics from `gdnprune score --compensation`); outputs are then not nested")
+    p.add_argument("--ridge", type=float, default=None, help="ridge strength of --compensate (default 1e-3)")
     p.set_defaults(func=run)
 
 
@@ -28,6 +32,7 @@ def run(args) -> int:
 
     target = target_from_args(args)
     manifest = slice_checkpoint(args.model_dir, args.output, target, plan=args.plan, tp=args.tp,
-                                multiple_of=args.multiple_of, overwrite=args.overwrite, progress=not args.quiet)
+                                multiple_of=args.multiple_of, compensation=args.compensate, ridge=args.ridge,
+                                overwrite=args.overwrite, progress=not args.quiet)
     print(summary(manifest, args.output))
     return 0

@@ -1,0 +1,122 @@
+"""Compensated slicing of a checkpoint: after the engine has gathered every GDN tensor, the ``out_proj``
+of each layer that lost value heads or value channels is refitted (:mod:`gdnprune.compensate`) from the
+source weights and the calibration statistics, and written over the gathered one, in place in the
+temporary output. One tensor at a time, numpy only (no torch).
+
+The statistics describe the model they were collected on, in its channel order. They apply to that very
+checkpoint, or to a ``gdnprune sort`` output of it (its manifest's per-layer permutation maps the order).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import compensate
+from ..geometry import order_indices, orders_from_payload
+from ..layouts import get_layout
+from ..safetensors_io import write_all
+from ..scores import file_sha256
+from .folder import CONFIG_NAME, MANIFEST_NAME, Checkpoint, CheckpointError
+
+__all__ = ["statistics_order", "refit_out_proj", "stats_info"]
+
+
+def statistics_order(ckpt: Checkpoint, stats_path: str | os.PathLike) -> dict[str, np.ndarray] | None:
+    """How the statistics' channel order maps onto the checkpoint's: None when they were collected on this
+    checkpoint, else ``{prefix: vidx}`` (checkpoint channel ``i`` is statistics channel ``vidx[i]``) for a
+    sorted output of the statistics' model.
+
+    Raises:
+        ValueError: the statistics describe another model.
+    """
+    described = compensate.statistics_model(stats_path) or {}
+    here = {"config_sha256": file_sha256(ckpt.path / CONFIG_NAME),
+            "manifest_sha256": file_sha256(ckpt.path / MANIFEST_NAME)}
+    if described.get("config_sha256") == here["config_sha256"] and \
+            described.get("manifest_sha256") == here["manifest_sha256"]:
+        return None
+    manifest = ckpt.manifest or {}
+    source = manifest.get("source") or {}
+    if (manifest.get("operation") == "sort" and described.get("manifest_sha256") is None
+            and source.get("config_sha256") == described.get("config_sha256")):
+        from ..geometry import GDNShape
+
+        order = {}
+        for prefix, layer in (manifest.get("layers") or {}).items():
+            shape = GDNShape(**layer["shape"])
+            orders = orders_from_payload(layer.get("permutation") or {}, shape)
+            order[prefix] = order_indices(orders, shape)["vidx"]
+        return order
+    raise ValueError(f"{stats_path}: these compensation statistics were collected on {described.get('path')!r}, "
+                     f"not on {ckpt.path} nor on the model it was sorted from; collect them on this model")
+
+
+def _read(path: str, start: int, nbytes: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise CheckpointError(f"{path}: input changed while reading (short read of {nbytes} bytes at {start})")
+    return data
+
+
+def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Mapping[str, tuple[str, int]],
+                   stats: Mapping[str, Mapping], order: Mapping[str, np.ndarray] | None, *,
+                   ridge: float = compensate.DEFAULT_RIDGE) -> list[str]:
+    """Overwrite the gathered ``out_proj`` of every cut layer with its compensated columns.
+
+    Args:
+        ckpt: the source checkpoint.
+        plans: prefix -> the engine's layer plan (layer, target, canonical indices).
+        destinations: output tensor name -> (output file, absolute offset of its data).
+        stats: :func:`gdnprune.compensate.load_statistics` of the calibration statistics.
+        order: :func:`statistics_order`.
+        ridge: the ridge strength (relative to the mean diagonal of ``C_KK``).
+
+    Returns the prefixes of the refitted layers.
+
+    Raises:
+        ValueError: a cut layer without statistics, or statistics of another width.
+    """
+    from ..scores import matching_prefixes
+
+    done = []
+    for prefix, plan in plans.items():
+        layer, target = plan.layer, plan.target
+        if (target.num_value_heads, target.value_head_dim) == (layer.shape.num_value_heads, layer.shape.value_head_dim):
+            continue  # nothing of the out_proj input was removed
+        rules = get_layout(layer.layout)
+        suffix = next(s for s in layer.tensors if (r := rules.rule(s)) is not None and r.axis == 1)
+        keys = matching_prefixes(prefix, stats)
+        if len(keys) != 1:
+            raise ValueError(f"the compensation statistics have no entry for the GDN layer {prefix}")
+        moment = stats[keys[0]]["out_moment"]
+        if moment.shape[0] != layer.shape.value_dim:
+            raise ValueError(f"compensation statistics of {prefix}: out_moment is {moment.shape}, expected "
+                             f"{layer.shape.value_dim} channels ({layer.shape})")
+        if order is not None:
+            vidx = order[prefix]
+            moment = moment[np.ix_(vidx, vidx)]
+        info = layer.tensors[suffix]
+        weight = compensate.to_float(_read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
+                                     info.dtype, info.shape)
+        kept = rules.rule(suffix).gather_index(layer.shape, target, plan.indices)
+        columns = compensate.compensated_columns(weight, moment, kept, ridge=ridge)
+        path, offset = destinations[info.name]
+        data = compensate.from_float(columns, info.dtype)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            write_all(fd, data, offset)
+        finally:
+            os.close(fd)
+        done.append(prefix)
+    return done
+
+
+def stats_info(path: str | os.PathLike) -> dict:
+    """What the manifest records of a statistics file."""
+    return {"path": str(Path(path).resolve()), "sha256": file_sha256(path)}

@@ -1,0 +1,217 @@
+"""Least-squares compensation: refit ``out_proj``'s kept columns so the cut layer reproduces the full output.
+
+A GDN layer writes ``y = W o`` into the residual stream (``W`` = ``out_proj.weight`` [H, Hv*dv], ``o`` its
+input after the gated RMSNorm). Cutting value heads or value channels keeps the columns ``K`` and drops
+``R``. Instead of keeping ``W_K`` as is, choose ``W'`` to reconstruct the full output on calibration tokens,
+with a ridge pull towards ``W_K``:
+
+    min_W'  sum_t |W o_t - W' o_K,t|^2 + lam |W' - W_K|^2     =>     W' = W_K + W_R C_RK (C_KK + lam I)^-1
+
+with ``C = sum_t o_t o_t^T`` (float64, collected on calibration tokens). ``W' = W_K`` is always a feasible
+choice, so the reconstruction error on the calibration tokens never increases, and with nothing removed
+(``R`` empty) ``W' = W_K`` exactly. It is exact for removed value heads and key groups (the kept heads'
+``o`` does not change); for value-channel cuts it is an approximation (the gated RMSNorm renormalises the
+kept channels). This is the closed-form compensation of FLAP / ZipLM / SlimGPT-style structured pruning.
+
+Compensated outputs are no longer nested across targets: each target gets its own refit.
+
+The statistics file (``*.compensation.safetensors``, written by :func:`save_statistics`): per GDN layer,
+``{prefix}.out_moment`` (``C``, float64 [Hv*dv, Hv*dv], in the layer's *unsorted* channel order) and
+``{prefix}.tokens``; the metadata names the format and the model. Reading it needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+__all__ = [
+    "STATS_FORMAT",
+    "DEFAULT_RIDGE",
+    "compensated_columns",
+    "reconstruction_error",
+    "collect_statistics",
+    "save_statistics",
+    "load_statistics",
+    "model_identity",
+    "statistics_model",
+    "to_float",
+    "from_float",
+]
+
+STATS_FORMAT = "gdnprune-compensation"
+#: ridge strength, relative to the mean diagonal of ``C_KK``
+DEFAULT_RIDGE = 1e-3
+
+
+def compensated_columns(weight: np.ndarray, moment: np.ndarray, kept: np.ndarray, *,
+                        ridge: float = DEFAULT_RIDGE) -> np.ndarray:
+    """``W'`` [H, |K|] (float64) for ``out_proj`` ``weight`` [H, V], input second moment ``moment`` [V, V] and
+    the kept columns ``kept`` (indices into V, in their output order)."""
+    weight = np.asarray(weight, dtype=np.float64)
+    moment = np.asarray(moment, dtype=np.float64)
+    kept = np.asarray(kept, dtype=np.int64)
+    removed = np.setdiff1d(np.arange(weight.shape[1]), kept)
+    base = weight[:, kept]
+    if removed.size == 0:
+        return base.copy()
+    c_kk = moment[np.ix_(kept, kept)]
+    lam = ridge * max(float(np.mean(np.diag(c_kk))), 1e-30)
+    c_rk = moment[np.ix_(removed, kept)]
+    # W_R C_RK (C_KK + lam I)^-1, through a solve on the symmetric positive definite system
+    rhs = (weight[:, removed] @ c_rk).T  # [K, H]
+    correction = np.linalg.solve(c_kk + lam * np.eye(kept.size), rhs).T
+    return base + correction
+
+
+def reconstruction_error(weight: np.ndarray, moment: np.ndarray, kept: np.ndarray, columns: np.ndarray) -> float:
+    """``sum_t |W o_t - W' o_K,t|^2`` from the second moment alone."""
+    weight = np.asarray(weight, dtype=np.float64)
+    columns = np.asarray(columns, dtype=np.float64)
+    moment = np.asarray(moment, dtype=np.float64)
+    full = np.einsum("hi,ij,hj->", weight, moment, weight)
+    cross = np.einsum("hi,ik,hk->", weight, moment[:, kept], columns)
+    own = np.einsum("hk,kl,hl->", columns, moment[np.ix_(kept, kept)], columns)
+    return float(full - 2 * cross + own)
+
+
+def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = False) -> dict[str, dict]:
+    """``{prefix: {"out_moment": C (float64 numpy), "tokens": n}}`` for every GDN layer of ``model``, from
+    forward passes over calibration ``batches`` (hooks on the ``out_proj`` / ``o_proj`` input)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .layouts import find_gdn_modules
+    from .scoring.api import _unpack_batch
+
+    stats: dict[str, dict] = {}
+    handles = []
+    current = {"mask": None}
+
+    def hook(prefix):
+        def record(module, args):
+            o = args[0].detach().reshape(-1, args[0].shape[-1])
+            mask = current["mask"]
+            if mask is not None:
+                o = o[mask.to(o.device).reshape(-1)]
+            o = o.to(torch.float64)
+            entry = stats.setdefault(prefix, {"out_moment": 0, "tokens": 0})
+            entry["out_moment"] = entry["out_moment"] + (o.T @ o).cpu()
+            entry["tokens"] += int(o.shape[0])
+        return record
+
+    for prefix, module in find_gdn_modules(model):
+        out = getattr(module, "out_proj", None) or getattr(module, "o_proj")
+        handles.append(out.register_forward_pre_hook(hook(prefix)))
+    device = model.get_input_embeddings().weight.device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in tqdm(list(batches), disable=not progress, desc="compensation statistics", unit="batch"):
+                ids, mask = _unpack_batch(batch)
+                current["mask"] = mask
+                kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
+                model(input_ids=ids.to(device), use_cache=False, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return {p: {"out_moment": v["out_moment"].numpy(), "tokens": v["tokens"]} for p, v in stats.items()}
+
+
+def save_statistics(stats: Mapping[str, Mapping], path: str | os.PathLike, *, model: Mapping | None = None) -> None:
+    """Write :func:`collect_statistics`' result as safetensors (float64), atomically. ``model`` describes the
+    model the statistics come from (see :func:`model_identity`)."""
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    from .fileio import umask
+
+    tensors = {}
+    for prefix, entry in stats.items():
+        tensors[f"{prefix}.out_moment"] = np.ascontiguousarray(entry["out_moment"], dtype=np.float64)
+        tensors[f"{prefix}.tokens"] = np.asarray([entry["tokens"]], dtype=np.int64)
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".compensation.", suffix=".tmp", dir=os.path.dirname(path) or ".")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": STATS_FORMAT, "model": json.dumps(model)})
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def model_identity(model_dir: str | os.PathLike) -> dict:
+    """What identifies the weights of a model folder for its statistics: its config's hash and its gdnprune
+    manifest's hash (a sorted output has the same config as its source, not the same manifest)."""
+    from .scores import file_sha256
+
+    return {"path": os.fspath(model_dir), "config_sha256": file_sha256(os.path.join(model_dir, "config.json")),
+            "manifest_sha256": file_sha256(os.path.join(model_dir, "gdnprune.json"))}
+
+
+def statistics_model(path: str | os.PathLike) -> dict | None:
+    """The ``model`` description a statistics file records (None when it records none)."""
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="numpy") as f:
+        return json.loads((f.metadata() or {}).get("model", "null"))
+
+
+def load_statistics(path: str | os.PathLike) -> dict[str, dict]:
+    """Read a statistics file; ``ValueError`` for anything that is not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != STATS_FORMAT:
+                raise ValueError(f"{path}: not a gdnprune compensation statistics file "
+                                 f"(format {metadata.get('format')!r}, expected {STATS_FORMAT!r})")
+            out: dict[str, dict] = {}
+            for key in f.keys():
+                prefix, _, name = key.rpartition(".")
+                value = f.get_tensor(key)
+                out.setdefault(prefix, {})[name] = int(value[0]) if name == "tokens" else value
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read compensation statistics ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
+        if isinstance(exc, ValueError):
+            raise
+        raise ValueError(f"{path}: not a valid safetensors file ({exc})") from None
+    for prefix, entry in out.items():
+        moment = entry.get("out_moment")
+        if moment is None or moment.ndim != 2 or moment.shape[0] != moment.shape[1] or "tokens" not in entry:
+            raise ValueError(f"{path}: layer {prefix!r} lacks a square out_moment and a token count")
+    return out
+
+
+# dtypes of GDN tensors, as numpy sees their bytes
+_WIDTH = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def to_float(data: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's raw little-endian bytes as float64 (F64, F32, F16 or BF16)."""
+    raw = np.frombuffer(data, dtype={"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}[dtype])
+    if dtype == "BF16":
+        raw = (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float64).reshape(shape)
+
+
+def from_float(values: np.ndarray, dtype: str) -> bytes:
+    """float64 values as the raw bytes of ``dtype`` (BF16 rounded to nearest even, as torch rounds)."""
+    if dtype == "BF16":
+        f32 = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        rounded = (f32 + 0x7FFF + ((f32 >> 16) & 1)) >> 16
+        nan = np.isnan(values.astype(np.float32))
+        rounded = np.where(nan, 0x7FC0, rounded).astype("<u2")
+        return rounded.tobytes()
+    return np.ascontiguousarray(values, dtype={"F64": "<f8", "F32": "<f4", "F16": "<f2"}[dtype]).tobytes()
