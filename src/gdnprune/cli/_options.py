@@ -63,9 +63,39 @@ def target_from_args(args, *, required: bool = True) -> dict[str, int] | None:
     return target or None
 
 
-def add_calibration_arguments(p) -> None:
+def shard_spec(text: str) -> tuple[int, int]:
+    """An argparse type: ``i/n``, share ``i`` of ``n`` (0 <= i < n)."""
+    index, sep, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = -1
+    if not sep or n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"expected i/n with 0 <= i < n (share i of n, e.g. 0/4), got {text!r}")
+    return i, n
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_distributed_arguments(p) -> None:
+    """``--dist-timeout`` of the commands that run under ``torchrun`` / ``accelerate launch``."""
+    p.add_argument("--dist-timeout", type=positive_seconds, default=1800.0, metavar="SECONDS",
+                   help="under torchrun or accelerate launch: how long a rank waits for the others at a "
+                        "synchronisation point before it gives up with an error (default 1800)")
+
+
+def add_calibration_arguments(p, *, data_required: bool = True) -> None:
     """The calibration options shared by ``gdnprune score`` and ``gdnprune prune``."""
-    p.add_argument("--data", required=True, metavar="FILE",
+    p.add_argument("--data", required=data_required, metavar="FILE",
                    help="calibration text: a UTF-8 text file, or JSONL with a \"text\" field per line")
     p.add_argument("--method", choices=("projection", "activation", "random"), default="projection",
                    help="projection (default): output-projection Gram + greedy removal; activation: "

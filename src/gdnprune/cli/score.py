@@ -1,8 +1,17 @@
-"""``gdnprune score MODEL_DIR --data FILE --output SCORES.json``: importance of every GDN head and channel."""
+"""``gdnprune score MODEL_DIR --data FILE --output SCORES.json``: importance of every GDN head and channel.
+
+Also under ``torchrun`` / ``accelerate launch`` (no extra flag: every rank scores its share of the
+windows, rank 0 writes), one share at a time (``--shard i/n --partial OUT_i``) and the merge of the
+shares (``--merge OUT_0 ... --output SCORES.json``).
+"""
 
 from __future__ import annotations
 
-from ._options import add_calibration_arguments, scoring_options
+import argparse
+import sys
+import warnings
+
+from ._options import add_calibration_arguments, add_distributed_arguments, scoring_options, shard_spec
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "score"
@@ -13,25 +22,132 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME, help=HELP,
         description="Run calibration text through the model with hooks on every GatedDeltaNet layer and write a "
-                    "scores file (importance orders per layer, most important first) for `gdnprune sort`.",
+                    "scores file (importance orders per layer, most important first) for `gdnprune sort`. Under "
+                    "torchrun or accelerate launch every process scores its share of the windows and rank 0 "
+                    "writes the file. Without a launcher, --shard i/n --partial FILE scores one share and "
+                    "--merge FILE... --output SCORES.json adds the shares up.",
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
-    p.add_argument("--output", required=True, metavar="SCORES.json", help="scores file to write")
-    p.add_argument("--overwrite", action="store_true", help="replace SCORES.json if it exists")
-    add_calibration_arguments(p)
+    p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
+                   help="Hugging Face model folder (config, weights, tokenizer); not with --merge")
+    p.add_argument("--output", metavar="SCORES.json", help="scores file to write")
+    p.add_argument("--overwrite", action="store_true", help="replace SCORES.json (or the --partial file) if it exists")
+    add_calibration_arguments(p, data_required=False)
+    g = p.add_argument_group("many processes")
+    g.add_argument("--shard", type=shard_spec, default=None, metavar="i/n",
+                   help="score only share i of n of the calibration windows (0 <= i < n) and write its raw "
+                        "statistics with --partial")
+    g.add_argument("--partial", metavar="FILE", default=None,
+                   help="write the raw statistics of the share (a safetensors file) instead of a scores file")
+    g.add_argument("--merge", nargs="+", metavar="FILE", default=None,
+                   help="add up the partial files of every share and write the scores file given by --output "
+                        "(no MODEL_DIR, no --data)")
+    add_distributed_arguments(g)
     add_runtime_arguments(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no notes")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from ..scores import check_output_file, save_scores
-    from ..scoring import score_checkpoint
+def _mode(args) -> str:
+    """``merge``, ``partial`` or ``scores``; the argument combinations that make no sense are errors."""
+    if args.merge is not None:
+        extra = [flag for flag, value in (("MODEL_DIR", args.model_dir), ("--data", args.data),
+                                           ("--shard", args.shard), ("--partial", args.partial)) if value is not None]
+        if extra:
+            raise ValueError(f"--merge takes only partial files and --output; remove {', '.join(extra)}")
+        if args.output is None:
+            raise ValueError("--merge needs --output SCORES.json, the scores file to write")
+        return "merge"
+    if args.model_dir is None:
+        raise ValueError("expected MODEL_DIR, the model folder to score (or --merge with partial files)")
+    if args.data is None:
+        raise ValueError("expected --data FILE, the calibration text")
+    if args.shard is not None and args.partial is None:
+        raise ValueError("--shard scores one share of the windows: give --partial FILE for its statistics "
+                         "(and merge the shares with --merge)")
+    if args.partial is not None:
+        if args.output is not None:
+            raise ValueError("give either --output (a scores file) or --partial (the statistics of one share), "
+                             "not both")
+        return "partial"
+    if args.output is None:
+        raise ValueError("expected --output SCORES.json (or --shard i/n --partial FILE)")
+    return "scores"
 
+
+def _merge(args) -> int:
+    from ..distributed import launch_info
+    from ..scores import check_output_file, save_scores
+    from ..scoring import merge_partials
+
+    info = launch_info()
+    if info is not None:
+        raise ValueError(f"--merge runs in one process, found a launch of {info.world_size}; run it without "
+                         "torchrun or accelerate launch")
     check_output_file(args.output, args.overwrite)
-    with model_runtime(args):
-        scores = score_checkpoint(args.model_dir, args.data, progress=not args.quiet, **scoring_options(args))
+    scores = merge_partials(args.merge)
     path = save_scores(scores, args.output, overwrite=args.overwrite)
-    print(f"gdnprune score: {len(scores['layers'])} GDN layers scored with {args.method!r} on "
-          f"{scores['num_tokens']} tokens -> {path}")
+    print(f"gdnprune score: merged {scores['shards']} partials ({len(scores['layers'])} GDN layers, "
+          f"{scores['num_tokens']} tokens, computed by {scores['world_size']} processes) -> {path}")
     return 0
+
+
+def _score(args, mode: str) -> int:
+    from ..distributed import fail_together, is_main_process
+    from ..scores import check_output_file, save_scores
+    from ..scoring import measure_checkpoint, save_partial, score_checkpoint
+
+    main = is_main_process()
+    target = args.partial if mode == "partial" else args.output
+    with fail_together():
+        if main:
+            check_output_file(target, args.overwrite)
+    options = dict(progress=not args.quiet, **scoring_options(args))
+    runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
+    with model_runtime(runtime), warnings.catch_warnings():
+        if not main:  # the ranks see the same data and model: rank 0 speaks for them
+            warnings.simplefilter("ignore")
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        if mode == "partial":
+            run = measure_checkpoint(args.model_dir, args.data, shard=args.shard or (0, 1), **options)
+            with fail_together():
+                path = save_partial(run, args.partial, overwrite=args.overwrite) if main else None
+            index, count = run.shard["index"], run.shard["count"]
+            start, stop = run.shard["windows"]
+            what = (f"share {index} of {count} (windows {start}-{stop - 1} of {run.shard['total_windows']})"
+                    if stop > start else f"share {index} of {count} (no windows: only {run.shard['total_windows']})")
+            tokens = next(iter(run.statistics.layers.values())).stats.get("num_tokens")
+            done = f"{what}, {int(tokens) if tokens is not None else 0} tokens"
+        else:
+            scores = score_checkpoint(args.model_dir, args.data, **options)
+            with fail_together():
+                path = save_scores(scores, args.output, overwrite=args.overwrite) if main else None
+            done = f"{len(scores['layers'])} GDN layers scored with {args.method!r} on {scores['num_tokens']} tokens"
+            run = None
+    if main:
+        processes = run.world_size if run is not None else scores["world_size"]
+        by = f" by {processes} processes" if processes > 1 else ""
+        print(f"gdnprune score: {done}{by} -> {path}")
+    return 0
+
+
+def run(args) -> int:
+    from ..distributed import RankFailedError, process_group, rank, world_size
+
+    mode = _mode(args)
+    if mode == "merge":
+        return _merge(args)
+    with process_group(timeout=args.dist_timeout) as several:
+        try:
+            return _score(args, mode)
+        except RankFailedError as exc:  # another rank failed (its message), or a rank stopped answering
+            print(f"gdnprune score: error: rank {rank()} of {world_size()}: {' '.join(str(exc).split())}",
+                  file=sys.stderr)
+            return 2 if exc.user_error else 1
+        except (ValueError, OSError) as exc:
+            if not several:
+                raise
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            print(f"gdnprune score: error: rank {rank()} of {world_size()}: {message}", file=sys.stderr)
+            return 2

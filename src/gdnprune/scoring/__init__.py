@@ -5,14 +5,22 @@ file dict (:mod:`gdnprune.scores`); :func:`score_checkpoint` does the same for a
 file. The methods (``projection``, ``activation``, ``random``) and their measures are derived in
 ``docs/scoring.md``.
 
-The rooms: :mod:`.hooks` (per-layer hooks and statistics), :mod:`.orders` (greedy removal on Gram
-matrices), :mod:`.loss_head` (the next-token loss gradient at the final norm), :mod:`.api` (the two
-public functions). This package imports torch.
+The rooms: :mod:`.hooks` (per-layer hooks and statistics), :mod:`.payload` (orders and scores from the
+statistics), :mod:`.orders` (greedy removal on Gram matrices), :mod:`.loss_head` (the next-token loss
+gradient at the final norm), :mod:`.api` (the public functions; under ``torch.distributed`` each rank
+scores its share of the windows and the statistics are summed, see :mod:`gdnprune.distributed`),
+:mod:`.partial` (the statistics of one share in a file, and the merge of all shares). This package
+imports torch.
 """
 
 from ..scores import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
-from .api import DEFAULT_MAX_SEQ_LEN, METHODS, default_seq_len, score_checkpoint, score_model
+from .api import (
+    DEFAULT_MAX_SEQ_LEN, METHODS, CheckpointStatistics, default_seq_len, measure_checkpoint, measure_statistics,
+    reduce_statistics, score_checkpoint, score_model,
+)
 from .orders import greedy_lane_orders, greedy_removal_order
+from .partial import PartialError, load_partial, merge_partials, save_partial
+from .payload import ScoringStatistics, scores_from_statistics
 
 __all__ = [
     "METHODS",
@@ -27,4 +35,14 @@ __all__ = [
     "scores_to_permutations",
     "save_scores",
     "load_scores",
+    "measure_statistics",
+    "reduce_statistics",
+    "scores_from_statistics",
+    "ScoringStatistics",
+    "measure_checkpoint",
+    "CheckpointStatistics",
+    "save_partial",
+    "load_partial",
+    "merge_partials",
+    "PartialError",
 ]

@@ -7,20 +7,28 @@ measures are described in ``docs/scoring.md``.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
+import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
+from ..distributed import (
+    all_reduce_sum, fail_together, is_distributed, is_main_process, launch_info, local_gpus, rank, shard_indices,
+    world_size,
+)
 from ..layouts import find_gdn_modules
-from ..scores import SCORES_FORMAT, SCORES_VERSION
 from .hooks import LayerScorer
-from .loss_head import loss_positions, measure_loss_gradient, output_head
+from .loss_head import LossGradients, default_loss_token_stride, loss_positions, output_head
+from .payload import LayerStatistics, ScoringStatistics, scores_from_statistics
 
-__all__ = ["METHODS", "DEFAULT_MAX_SEQ_LEN", "score_model", "score_checkpoint", "default_seq_len"]
+__all__ = ["METHODS", "DEFAULT_MAX_SEQ_LEN", "score_model", "measure_statistics", "reduce_statistics",
+           "CheckpointStatistics", "measure_checkpoint", "score_checkpoint", "default_seq_len"]
 
 #: Scoring methods, the default first.
 METHODS = ("projection", "activation", "random")
@@ -28,20 +36,6 @@ METHODS = ("projection", "activation", "random")
 _KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
 _VALUE_DIM_MEASURES = ("head_rms", "energy", "gram", "loss_gram")
 _HEAD_MEASURES = ("loss_gram", "energy_gram")
-
-_SCORE_KIND = {
-    "projection": (
-        "projection: key groups (and lanes with lane_measure='energy_gram'): mean squared norm per token of "
-        "the element's own contribution to the out_proj output; lanes by default (lane_measure='loss_gram'): "
-        "mean over the loss tokens of (g . c_h)^2, g the next-token loss gradient at the final norm's input "
-        "(orders of both come from the greedy conditional removal on the Gram matrix and account for "
-        "redundancy); key dims: the key_dim_measure (default RMS(q^_d) + RMS(k^_d) of the "
-        "l2-normalised q and k); value dims: the value_dim_measure (default sum over heads of "
-        "RMS(W[:, (h, e)] o_(h, e)))"
-    ),
-    "activation": "activation: mean |activation| over each window's tokens, L2 over windows (RMS over windows)",
-    "random": "random: the rank in a seeded random order (larger = earlier)",
-}
 
 
 def _input_device(model: torch.nn.Module) -> torch.device:
@@ -76,7 +70,22 @@ def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return ids.long(), mask
 
 
-def score_model(
+def _check_options(method: str, key_dim_measure: str, value_dim_measure: str, lane_measure: str,
+                   key_group_measure: str, loss_token_stride: int | None) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown scoring method {method!r}; expected one of {list(METHODS)}")
+    if key_dim_measure not in _KEY_DIM_MEASURES:
+        raise ValueError(f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}")
+    if value_dim_measure not in _VALUE_DIM_MEASURES:
+        raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of {list(_VALUE_DIM_MEASURES)}")
+    for name, value in (("lane_measure", lane_measure), ("key_group_measure", key_group_measure)):
+        if value not in _HEAD_MEASURES:
+            raise ValueError(f"unknown {name} {value!r}; expected one of {list(_HEAD_MEASURES)}")
+    if loss_token_stride is not None and int(loss_token_stride) < 1:
+        raise ValueError(f"loss_token_stride must be >= 1, got {loss_token_stride}")
+
+
+def measure_statistics(
     model: torch.nn.Module,
     batches: Iterable[Any],
     *,
@@ -88,105 +97,47 @@ def score_model(
     value_dim_measure: str = "head_rms",
     lane_measure: str = "loss_gram",
     key_group_measure: str = "energy_gram",
-    loss_token_stride: int = 8,
-) -> dict[str, Any]:
-    """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
+    loss_token_stride: int | None = None,
+    window_offset: int = 0,
+) -> ScoringStatistics:
+    """The forward passes of :func:`score_model` in this process alone: the sums, before any order.
 
-    Args:
-        model: a transformers model with GDN layers (Qwen3.5 text/VL, Qwen3.5-MoE, Qwen3-Next,
-            Qwen4-exp, OLMo-hybrid), possibly dispatched over devices by accelerate.
-        batches: an iterable of ``input_ids`` [B, T] tensors, or mappings with ``input_ids`` and an
-            optional ``attention_mask`` (masked tokens are left out of every statistic).
-        method: ``"projection"`` (default), ``"activation"`` or ``"random"`` (see the module docs).
-        progress: show a tqdm progress bar over the batches.
-        seed: seed of the ``random`` method (recorded for every method).
-        total: number of batches for the progress bar (default ``len(batches)`` when available).
-        key_dim_measure: ``projection`` only, how key channels are ordered: ``"qk_rms"`` (default; sort by
-            ``RMS(q^_d) + RMS(k^_d)`` of the l2-normalised q and k), ``"qk_gram"`` (greedy on ``Cq * Ck``,
-            the energy of the q^.k^ products), ``"qk_energy"`` (sort by ``E[q^_d^2] E[k^_d^2]``),
-            ``"q_energy"`` or ``"k_energy"``.
-        value_dim_measure: ``projection`` only, how value channels are ordered: ``"head_rms"`` (default;
-            sort by ``sum_h RMS(W[:, (h, e)] o_(h, e))``), ``"energy"`` (sort by the energy of the channel's
-            projected contribution summed over heads, ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``) or
-            ``"gram"`` (greedy on the full value-channel Gram; needs the full ``[Hv*dv]^2`` second moment
-            of the ``out_proj`` input per layer, ``(Hv*dv)^2`` per token and as much memory) or
-            ``"loss_gram"`` (greedy on the loss-aware channel Gram ``sum_t (g_t . s_e)(g_t . s_f)``, ``s_e``
-            channel ``e``'s contribution summed over heads).
-        lane_measure: ``projection`` only, the Gram behind the lane orders: ``"loss_gram"`` (default; the
-            loss-aware Gram, see the module docs) or ``"energy_gram"`` (the contribution Gram).
-        key_group_measure: ``projection`` only, the same choice for key groups (default ``"energy_gram"``).
-        loss_token_stride: measure the loss gradient on one token in this many (default 8); the cost is
-            two ``lm_head``-sized products per measured token, the memory each layer's ``out_proj`` input at
-            the measured tokens of one batch.
-
-    Returns:
-        ``{"format", "version", "method", "num_tokens", "seed", "layers": {prefix: payload}}``, with
-        ``"measures"`` (the measures used, after any fallback) for ``projection``.
-
-    Raises:
-        ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
+    Same arguments as :func:`score_model`; nothing is exchanged with other processes. The result can be
+    summed with other processes' (:func:`reduce_statistics`), stored (:mod:`gdnprune.scoring.partial`) and
+    turned into a scores dict by :func:`gdnprune.scoring.payload.scores_from_statistics`. With no batches
+    (an empty share), every statistic is zero.
     """
-    from ..gated_delta_net import GDNPermutation, GDNShape
     from tqdm.auto import tqdm
 
-    if method not in METHODS:
-        raise ValueError(f"unknown scoring method {method!r}; expected one of {list(METHODS)}")
-    if key_dim_measure not in _KEY_DIM_MEASURES:
-        raise ValueError(f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}")
-    if value_dim_measure not in _VALUE_DIM_MEASURES:
-        raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of {list(_VALUE_DIM_MEASURES)}")
-    for name, value in (("lane_measure", lane_measure), ("key_group_measure", key_group_measure)):
-        if value not in _HEAD_MEASURES:
-            raise ValueError(f"unknown {name} {value!r}; expected one of {list(_HEAD_MEASURES)}")
-    if int(loss_token_stride) < 1:
-        raise ValueError(f"loss_token_stride must be >= 1, got {loss_token_stride}")
+    _check_options(method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure, loss_token_stride)
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
-    result: dict[str, Any] = {
-        "format": SCORES_FORMAT,
-        "version": SCORES_VERSION,
-        "method": method,
-        "num_tokens": 0,
-        "seed": int(seed),
-        "score_kind": _SCORE_KIND[method],
-        "layers": {},
-    }
     if method == "random":
-        generator = torch.Generator().manual_seed(int(seed))
+        layers = {}
         for prefix, module in modules:
-            shape = GDNShape.from_module(module)
-            perm = GDNPermutation.random(shape, generator=generator)
-            payload: dict[str, Any] = perm.to_score_payload()
-            for key, order in zip(
-                ("key_group_scores", "value_lane_scores", "key_dim_scores", "value_dim_scores"),
-                (perm.key_groups, perm.value_lanes, perm.key_dim, perm.value_dim),
-            ):
-                n = order.shape[-1]
-                payload[key] = (n - 1 - order.argsort(dim=-1)).double().tolist()
-            payload["shape"] = shape.as_dict()
-            payload["num_tokens"] = 0
-            result["layers"][prefix] = payload
-        return result
-
+            scorer = LayerScorer(prefix, module, method, key_dim_measure, value_dim_measure)
+            layers[prefix] = LayerStatistics(scorer.shape, scorer.layout)
+        return ScoringStatistics(method, int(seed), None, layers)
     head = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
         head = output_head(model)
         if isinstance(head, str):
             warnings.warn(
                 f"gdnprune score: {head}, so the loss-aware Gram cannot be computed; ordering with the energy "
-                "Gram (lanes, key groups) and head_rms (value channels) instead", RuntimeWarning, stacklevel=2)
+                "Gram (lanes, key groups) and head_rms (value channels) instead", RuntimeWarning, stacklevel=3)
             lane_measure = "energy_gram" if lane_measure == "loss_gram" else lane_measure
             key_group_measure = "energy_gram" if key_group_measure == "loss_gram" else key_group_measure
             value_dim_measure = "head_rms" if value_dim_measure == "loss_gram" else value_dim_measure
             head = None
+    measures = None
     if method == "projection":
-        result["measures"] = {
-            "key_group": key_group_measure, "value_lane": lane_measure, "key_dim": key_dim_measure,
-            "value_dim": value_dim_measure,
-        }
+        measures = {"key_group": key_group_measure, "value_lane": lane_measure, "key_dim": key_dim_measure,
+                    "value_dim": value_dim_measure}
         if head is not None:
-            result["measures"]["loss_token_stride"] = int(loss_token_stride)
+            if loss_token_stride is None:
+                loss_token_stride = default_loss_token_stride(model, head[1])
+            measures["loss_token_stride"] = int(loss_token_stride)
     scorers = [LayerScorer(p, m, method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure)
                for p, m in modules]
     if total is None and hasattr(batches, "__len__"):
@@ -200,7 +151,8 @@ def score_model(
     device = _input_device(model)
     handles = []
     final: dict[str, torch.Tensor] = {}
-    windows_seen = 0
+    gradients = None if head is None else LossGradients(head, scorers)
+    windows_seen = int(window_offset)
     was_training = model.training
     model.eval()
     try:
@@ -221,16 +173,97 @@ def score_model(
                     kwargs["attention_mask"] = mask.to(device).long()
                 final.clear()
                 model(input_ids=ids.to(device), **kwargs)
-                if head is not None:
-                    measure_loss_gradient(head, final.pop("hidden", None), ids, select, scorers)
+                if gradients is not None:
+                    gradients.add(final.pop("hidden", None), ids, select)
+            if gradients is not None:
+                gradients.flush()
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    for scorer in scorers:
-        result["layers"][scorer.prefix] = scorer.payload()
-    result["num_tokens"] = scorers[0].num_tokens
-    return result
+    layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
+    return ScoringStatistics(method, int(seed), measures, layers)
+
+
+def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> ScoringStatistics:
+    """Sum the statistics over the ranks of the process group, in place (a no-op with one process)."""
+    all_reduce_sum(statistics.tensors(), group=group)
+    return statistics
+
+
+def score_model(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    *,
+    method: str = "projection",
+    progress: bool = True,
+    seed: int = 0,
+    total: int | None = None,
+    key_dim_measure: str = "qk_rms",
+    value_dim_measure: str = "head_rms",
+    lane_measure: str = "loss_gram",
+    key_group_measure: str = "energy_gram",
+    loss_token_stride: int | None = None,
+    window_offset: int = 0,
+    distributed: bool | None = None,
+) -> dict[str, Any]:
+    """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
+
+    Args:
+        model: a transformers model with GDN layers (Qwen3.5 text/VL, Qwen3.5-MoE, Qwen3-Next,
+            Qwen4-exp, OLMo-hybrid), possibly dispatched over devices by accelerate.
+        batches: an iterable of ``input_ids`` [B, T] tensors, or mappings with ``input_ids`` and an
+            optional ``attention_mask`` (masked tokens are left out of every statistic).
+        method: ``"projection"`` (default), ``"activation"`` or ``"random"`` (see the module docs).
+        progress: show a tqdm progress bar over the batches (on rank 0 only).
+        seed: seed of the ``random`` method (recorded for every method).
+        total: number of batches for the progress bar (default ``len(batches)`` when available).
+        key_dim_measure: ``projection`` only, how key channels are ordered: ``"qk_rms"`` (default; sort by
+            ``RMS(q^_d) + RMS(k^_d)`` of the l2-normalised q and k), ``"qk_gram"`` (greedy on ``Cq * Ck``,
+            the energy of the q^.k^ products), ``"qk_energy"`` (sort by ``E[q^_d^2] E[k^_d^2]``),
+            ``"q_energy"`` or ``"k_energy"``.
+        value_dim_measure: ``projection`` only, how value channels are ordered: ``"head_rms"`` (default;
+            sort by ``sum_h RMS(W[:, (h, e)] o_(h, e))``), ``"energy"`` (sort by the energy of the channel's
+            projected contribution summed over heads, ``sum_t |sum_h W[:, (h, e)] o_(h, e)|^2``) or
+            ``"gram"`` (greedy on the full value-channel Gram; needs the full ``[Hv*dv]^2`` second moment
+            of the ``out_proj`` input per layer, ``(Hv*dv)^2`` per token and as much memory) or
+            ``"loss_gram"`` (greedy on the loss-aware channel Gram ``sum_t (g_t . s_e)(g_t . s_f)``, ``s_e``
+            channel ``e``'s contribution summed over heads).
+        lane_measure: ``projection`` only, the Gram behind the lane orders: ``"loss_gram"`` (default; the
+            loss-aware Gram, see the module docs) or ``"energy_gram"`` (the contribution Gram).
+        key_group_measure: ``projection`` only, the same choice for key groups (default ``"energy_gram"``).
+        loss_token_stride: measure the loss gradient on one token in this many; the cost is two
+            ``lm_head``-sized products per measured token, the memory each layer's ``out_proj`` input at
+            the measured tokens of one batch. Default (None): 8, raised to a larger power of two when the
+            vocabulary products would cost more than an eighth of the forward pass
+            (:func:`~gdnprune.scoring.loss_head.default_loss_token_stride`).
+        window_offset: the running index of the first window of ``batches`` among all calibration windows,
+            when ``batches`` is one share of them (the loss tokens are chosen by the global index).
+        distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
+            group before the orders are computed (default None: when a group with more than one process
+            is initialised). Each rank passes its own share of the windows
+            (:func:`gdnprune.distributed.shard_indices`) and its ``window_offset``; every rank returns
+            the same scores. A failure on one rank raises on every rank
+            (:func:`gdnprune.distributed.fail_together`).
+
+    Returns:
+        ``{"format", "version", "method", "num_tokens", "world_size", "seed", "layers": {prefix: payload}}``,
+        with ``"measures"`` (the measures used, after any fallback) for ``projection``.
+
+    Raises:
+        ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
+    """
+    options = dict(method=method, seed=seed, total=total, key_dim_measure=key_dim_measure,
+                   value_dim_measure=value_dim_measure, lane_measure=lane_measure,
+                   key_group_measure=key_group_measure, loss_token_stride=loss_token_stride,
+                   window_offset=window_offset)
+    if not (is_distributed() if distributed is None else distributed and is_distributed()):
+        return scores_from_statistics(measure_statistics(model, batches, progress=progress, **options))
+    with fail_together():
+        statistics = measure_statistics(model, batches, progress=progress and is_main_process(), **options)
+    reduce_statistics(statistics)
+    with fail_together():
+        return scores_from_statistics(statistics, world_size=world_size())
 
 
 def _map_to_checkpoint(prefixes: list[str], model_dir: Path) -> dict[str, str]:
@@ -255,14 +288,31 @@ def _map_to_checkpoint(prefixes: list[str], model_dir: Path) -> dict[str, str]:
     return mapping
 
 
-def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: str | None):
-    """Load a causal LM from ``model_dir`` for scoring (text part only for vision-language checkpoints)."""
+def _default_device() -> str:
+    """cuda (the local rank's GPU under a launcher) when CUDA is available, else cpu."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    info = launch_info()
+    return f"cuda:{(info.local_rank if info else 0) % max(1, torch.cuda.device_count())}"
+
+
+def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: str | None,
+                gpus: list[int] | None = None):
+    """Load a causal LM from ``model_dir`` for scoring (text part only for vision-language checkpoints).
+
+    ``gpus``: with a ``device_map``, the only GPUs it may use (this rank's block, :func:`local_gpus`).
+    """
     import transformers
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
+        if gpus is not None:
+            from accelerate.utils import get_max_memory
+
+            available = get_max_memory()
+            kwargs["max_memory"] = {k: v for k, v in available.items() if not isinstance(k, int) or k in gpus}
     from ..loading import load_pretrained
 
     try:
@@ -273,7 +323,7 @@ def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: 
         except ValueError:
             raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
     if device_map is None:
-        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model.to(device or _default_device())
     return model.eval()
 
 
@@ -294,6 +344,105 @@ def default_seq_len(config: Mapping, tokenizer: Any = None, cap: int = DEFAULT_M
         limits.append((length, f"tokenizer model_max_length {length}"))
     value = min(v for v, _ in limits)
     return value, next(why for v, why in limits if v == value)
+
+
+@dataclass
+class CheckpointStatistics:
+    """What :func:`measure_checkpoint` returns: the summed statistics of one share, and where they came from.
+
+    ``statistics`` (layer prefixes of the checkpoint's tensors), ``model`` (``path``, ``config_sha256``),
+    ``data`` (``path``, ``size``, ``mtime``, ``windows_sha256`` of all calibration windows),
+    ``calibration`` (what the scores file records), ``shard`` (``index``, ``count``, ``windows``: the
+    share's ``[start, stop)``, ``total_windows``) and ``world_size`` (processes that computed the sums).
+    """
+
+    statistics: ScoringStatistics
+    model: dict[str, Any]
+    data: dict[str, Any]
+    calibration: dict[str, Any]
+    shard: dict[str, Any]
+    world_size: int
+
+
+def _windows_sha256(windows: torch.Tensor) -> str:
+    digest = hashlib.sha256(f"{list(windows.shape)}".encode())
+    digest.update(windows.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def measure_checkpoint(
+    model_dir: str | Path,
+    data: str | Path,
+    *,
+    method: str = "projection",
+    num_samples: int | None = 128,
+    seq_len: int | None = None,
+    batch_size: int = 4,
+    device: str | None = None,
+    dtype: str = "float32",
+    device_map: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
+) -> CheckpointStatistics:
+    """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
+
+    Every process reads and tokenises the same windows; share ``index`` of ``count`` takes the contiguous
+    block :func:`~gdnprune.distributed.shard_indices` gives it. Under a ``torch.distributed`` process group
+    each rank takes its own block of that share, loads its own copy of the model (with ``device_map``,
+    over its block of the GPUs, :func:`~gdnprune.distributed.local_gpus`; without, on GPU ``LOCAL_RANK``)
+    and the sums are added over the ranks; every rank returns them. A failure on one rank raises on all.
+    """
+    from transformers import AutoTokenizer
+
+    from ..calibration import calibration_windows, iter_batches
+    from ..scores import file_sha256
+
+    model_dir = Path(model_dir)
+    with fail_together():
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"{model_dir}: not a model folder (no config.json)")
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+        index, count = (int(x) for x in shard)
+        if not 0 <= index < count:
+            raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {tuple(shard)}")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        limit, why = default_seq_len(config, tokenizer)
+        if seq_len is None:
+            seq_len, source = limit, f"default: {why}"
+        else:
+            source = "given"
+            if seq_len > limit and "cap" not in why and is_main_process():
+                warnings.warn(f"--seq-len {seq_len} is longer than the model supports ({why}); the scores "
+                              f"describe the model on windows it never saw in training", UserWarning, stacklevel=3)
+        windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples,
+                                      warn=is_main_process())
+        share = shard_indices(windows.shape[0], index, count)
+        mine = shard_indices(len(share), rank(), world_size())
+        start = share.start + mine.start
+        stat = os.stat(data)
+        info = dict(
+            model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
+            data={"path": str(data), "size": stat.st_size, "mtime": stat.st_mtime,
+                  "windows_sha256": _windows_sha256(windows)},
+            calibration={"data": str(data), "num_samples": int(windows.shape[0]), "seq_len": int(seq_len),
+                         "seq_len_source": source, "batch_size": int(batch_size), "dtype": dtype},
+            shard={"index": index, "count": count, "windows": [share.start, share.stop],
+                   "total_windows": int(windows.shape[0])},
+        )
+    with fail_together():
+        gpus = local_gpus() if device_map is not None else None  # an exchange: first in the block, on every rank
+        model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
+        batches = list(iter_batches(windows[start : start + len(mine)], batch_size))
+        statistics = measure_statistics(model, batches, method=method, seed=seed, window_offset=start,
+                                        progress=progress and is_main_process())
+        mapping = _map_to_checkpoint(list(statistics.layers), model_dir)
+        statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
+        del model
+    reduce_statistics(statistics)
+    return CheckpointStatistics(statistics, world_size=world_size(), **info)
 
 
 def score_checkpoint(
@@ -319,39 +468,16 @@ def score_checkpoint(
 
     ``seq_len=None`` takes what the model supports, at most 512 (:func:`default_seq_len`); the value
     used, and where it came from, are recorded under ``calibration``.
+
+    Under an initialised ``torch.distributed`` process group (``gdnprune score`` under ``torchrun``
+    creates it), the windows are split across the ranks and the sums added (:func:`measure_checkpoint`);
+    every rank returns the same scores, ``world_size`` records how many processes computed them.
     """
-    from transformers import AutoTokenizer
-
-    from ..calibration import calibration_windows, iter_batches
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{model_dir}: not a model folder (no config.json)")
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    limit, why = default_seq_len(config, tokenizer)
-    if seq_len is None:
-        seq_len, source = limit, f"default: {why}"
-    else:
-        source = "given"
-        if seq_len > limit and "cap" not in why:
-            warnings.warn(f"--seq-len {seq_len} is longer than the model supports ({why}); the scores describe "
-                          f"the model on windows it never saw in training", UserWarning, stacklevel=2)
-    windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples)
-    model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map)
-    batches = list(iter_batches(windows, batch_size))
-    scores = score_model(model, batches, method=method, seed=seed, progress=progress)
-    mapping = _map_to_checkpoint(list(scores["layers"]), model_dir)
-    scores["layers"] = {mapping[p]: payload for p, payload in scores["layers"].items()}
+    run = measure_checkpoint(model_dir, data, method=method, num_samples=num_samples, seq_len=seq_len,
+                             batch_size=batch_size, device=device, dtype=dtype, device_map=device_map, seed=seed,
+                             progress=progress)
+    with fail_together():
+        scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     scores["model"] = str(model_dir)
-    scores["calibration"] = {
-        "data": str(data),
-        "num_samples": int(windows.shape[0]),
-        "seq_len": int(seq_len),
-        "seq_len_source": source,
-        "batch_size": int(batch_size),
-        "dtype": dtype,
-    }
+    scores["calibration"] = run.calibration
     return scores

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..geometry import GDNShape
-from .orders import descending, greedy_lane_orders, greedy_removal_order
+from .payload import layer_payload, needs_loss_gradient, statistic_shapes
 
 __all__ = ["LayerScorer", "materialized_weight"]
 
@@ -66,13 +66,12 @@ class LayerScorer:
         self.loss_select: torch.Tensor | None = None  # [B, T] bool: tokens whose loss gradient is measured
         self.loss_tokens = 0
         self._pending_q: torch.Tensor | None = None
-        self._pending_o: torch.Tensor | None = None  # out_proj input of the loss tokens [n, Hv*dv]
+        self._pending_o: list[torch.Tensor] = []  # out_proj input of the loss tokens, [n, Hv*dv] per batch
 
     @property
     def needs_loss_gradient(self) -> bool:
         """Whether an order of this layer uses the loss-aware Gram (then :meth:`on_loss_gradient` must run)."""
-        return self.method == "projection" and "loss_gram" in (
-            self.lane_measure, self.key_group_measure, self.value_dim_measure)
+        return needs_loss_gradient(self.method, self.measures)
 
     # hooks ---------------------------------------------------------------------------------------
 
@@ -181,7 +180,7 @@ class LayerScorer:
             self._acc("out_abs_mean_sq", (means.double() ** 2).sum(0))
             return
         if self.loss_select is not None:
-            self._pending_o = o.reshape(B * T, V)[self.loss_select.to(o.device).reshape(-1)]
+            self._pending_o.append(o.reshape(B * T, V)[self.loss_select.to(o.device).reshape(-1)])
         x = o.reshape(B * T, V)
         if mask is not None:
             x = x[mask.reshape(-1)]
@@ -216,13 +215,15 @@ class LayerScorer:
         """Accumulate the loss-aware Grams from ``grad`` [n, H], the loss gradient at the selected tokens.
 
         ``grad`` is the gradient of the next-token loss with respect to the final residual stream (input
-        of the final norm) at the tokens of ``loss_select``, in their order. Along the direct path a head's
+        of the final norm) at the tokens of ``loss_select`` of the batches since the last call, in their
+        order (:class:`~gdnprune.scoring.loss_head.LossGradients` collects them). Along the direct path a head's
         contribution ``c_h`` changes the loss by about ``g . c_h``, so removing a set ``R`` changes it by
         ``-sum_{h in R} g . c_h``, whose square summed over tokens is ``1^T F_RR 1`` with
         ``F[h, k] = sum_t (g_t . c_h(t)) (g_t . c_k(t))``; the same for value channels with the channel's
         contribution summed over heads.
         """
-        o, self._pending_o = self._pending_o, None
+        pending, self._pending_o = self._pending_o, []
+        o = torch.cat(pending) if len(pending) > 1 else pending[0] if pending else None
         if o is None or o.shape[0] == 0:
             return
         if o.shape[0] != grad.shape[0]:
@@ -248,109 +249,43 @@ class LayerScorer:
 
     # results -------------------------------------------------------------------------------------
 
-    def payload(self) -> dict[str, Any]:
-        """The layer's score payload (orders, raw scores, geometry)."""
-        if self.num_tokens == 0:
-            raise ValueError(f"{self.prefix}: no calibration tokens reached this GDN layer")
+    @property
+    def measures(self) -> dict[str, str]:
+        """The measures of this layer's orders, as the scores file records them."""
+        return {"key_group": self.key_group_measure, "value_lane": self.lane_measure,
+                "key_dim": self.key_dim_measure, "value_dim": self.value_dim_measure}
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        """The layer's sums so far, on the CPU: float64 sums and int64 counts (:func:`.payload.statistic_shapes`).
+
+        Weight-dependent factors are folded in linearly here (``|W[:, (h, e)]|^2`` for ``head_rms``, the
+        ``W`` products of ``energy`` and ``gram``), so statistics of disjoint token sets add up to those
+        of their union. A statistic never accumulated (no tokens yet) is zero.
+        """
         s = self.shape
-        Hk, Hv, r, dk, dv = s.num_key_heads, s.num_value_heads, s.value_heads_per_group, s.key_head_dim, s.value_head_dim
-        if self.method == "activation":
-            n = self.num_windows
-            out = (self.stats["out_abs_mean_sq"] / n).sqrt().reshape(Hv, dv)
-            qk = (self.stats["qk_abs_mean_sq"] / n).sqrt().reshape(2, Hk, dk)
-            lane_scores = out.sum(1).reshape(Hk, r)
-            scores = {
-                "key_group_scores": lane_scores.sum(1),
-                "value_lane_scores": lane_scores,
-                "key_dim_scores": qk.sum(0),
-                "value_dim_scores": out.sum(0),
-            }
-            orders = {
-                "key_group_order_most_important_first": descending(scores["key_group_scores"]),
-                "value_lane_order_most_important_first": descending(scores["value_lane_scores"]),
-                "key_dim_order_most_important_first": descending(scores["key_dim_scores"]),
-                "value_dim_order_most_important_first": descending(scores["value_dim_scores"]),
-            }
-        else:
-            N = self.num_tokens
+        Hv, dv = s.num_value_heads, s.value_head_dim
+        raw = {k: v.detach().to("cpu", torch.float64) for k, v in self.stats.items()}
+        out: dict[str, torch.Tensor] = {
+            "num_tokens": torch.tensor(self.num_tokens, dtype=torch.int64),
+            "num_windows": torch.tensor(self.num_windows, dtype=torch.int64),
+            "loss_tokens": torch.tensor(self.loss_tokens, dtype=torch.int64),
+        }
+        if self.method == "projection" and raw:
+            W = materialized_weight(self.out_proj).detach().to("cpu", torch.float64)
             if self.value_dim_measure == "gram":
-                C = self.stats["out_moment"]
-                W = materialized_weight(self.out_proj).detach().to(C.device, torch.float64)
-                P = ((W.T @ W) * C).reshape(Hv, dv, Hv, dv)
-                head_gram = P.sum((1, 3))
-                dim_gram = P.sum((0, 2))
-                dim_energy = dim_gram.diagonal()
-                del P
-            else:
-                head_gram = self.stats["head_gram"]
-                W = materialized_weight(self.out_proj).detach().to(head_gram.device, torch.float64)
-                if self.value_dim_measure == "energy":
-                    Ce = self.stats["channel_moments"]  # [dv, Hv, Hv]
-                    W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
-                    dim_energy = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * Ce).sum((1, 2))
-            lane_gram = head_gram
-            group_gram = head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
-            lane_scale = group_scale = N
-            if self.needs_loss_gradient:
-                if self.loss_tokens == 0:
-                    raise ValueError(
-                        f"{self.prefix}: no token with a next-token target reached this GDN layer (the "
-                        "loss-aware Gram needs windows of at least 2 tokens)")
-                loss_gram = self.stats["loss_head_gram"]
-                if self.lane_measure == "loss_gram":
-                    lane_gram, lane_scale = loss_gram, self.loss_tokens
-                if self.key_group_measure == "loss_gram":
-                    group_gram = loss_gram.reshape(Hk, r, Hk, r).sum((1, 3))
-                    group_scale = self.loss_tokens
-            if self.key_dim_measure == "qk_gram":
-                qk = self.stats["qk_moments"]  # [2, Hk, dk, dk]
-                q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
-                k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
-            else:
-                q_energy, k_energy = self.stats["qk_sq"] / N  # E[q^_d^2], E[k^_d^2]: [Hk, dk] each
-            key_measure = {
-                "qk_rms": q_energy.sqrt() + k_energy.sqrt(),
-                "qk_gram": q_energy * k_energy,
-                "qk_energy": q_energy * k_energy,
-                "q_energy": q_energy,
-                "k_energy": k_energy,
-            }[self.key_dim_measure]
-            if self.value_dim_measure == "head_rms":
-                # sum over heads of the RMS of each head's projected channel: |W[:, (h, e)]| * RMS(o_(h, e))
-                o_sq = self.stats["out_sq"].reshape(Hv, dv) / N
-                col_sq = W.pow(2).sum(0).reshape(Hv, dv)
-                value_measure = (col_sq * o_sq).sqrt().sum(0)
-            elif self.value_dim_measure == "loss_gram":
-                value_measure = self.stats["loss_dim_gram"].diagonal() / self.loss_tokens
-            else:
-                value_measure = dim_energy / N
-            scores = {
-                "key_group_scores": group_gram.diagonal() / group_scale,
-                "value_lane_scores": (lane_gram.diagonal() / lane_scale).reshape(Hk, r),
-                "key_dim_scores": key_measure,
-                "value_dim_scores": value_measure,
-            }
-            if self.key_dim_measure == "qk_gram":
-                key_dims = greedy_removal_order(qk[0] * qk[1])
-            else:
-                key_dims = descending(key_measure)
-            if self.value_dim_measure == "gram":
-                value_dims = greedy_removal_order(dim_gram)
-            elif self.value_dim_measure == "loss_gram":
-                value_dims = greedy_removal_order(self.stats["loss_dim_gram"])
-            else:
-                value_dims = descending(value_measure)
-            orders = {
-                "key_group_order_most_important_first": greedy_removal_order(group_gram),
-                "value_lane_order_most_important_first": greedy_lane_orders(lane_gram, Hk),
-                "key_dim_order_most_important_first": key_dims,
-                "value_dim_order_most_important_first": value_dims,
-            }
-        payload: dict[str, Any] = {k: v.cpu().tolist() for k, v in orders.items()}
-        payload.update({k: v.double().cpu().tolist() for k, v in scores.items()})
-        payload["shape"] = s.as_dict()
-        payload["layout"] = self.layout
-        payload["num_tokens"] = self.num_tokens
-        if self.needs_loss_gradient:
-            payload["loss_tokens"] = self.loss_tokens
-        return payload
+                P = ((W.T @ W) * raw.pop("out_moment")).reshape(Hv, dv, Hv, dv)
+                raw["head_gram"], raw["value_dim_gram"] = P.sum((1, 3)), P.sum((0, 2))
+            elif self.value_dim_measure == "head_rms":
+                raw["value_col_energy"] = W.pow(2).sum(0).reshape(Hv, dv) * raw.pop("out_sq").reshape(Hv, dv)
+            elif self.value_dim_measure == "energy":
+                W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
+                raw["value_dim_energy"] = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * raw.pop("channel_moments")).sum((1, 2))
+        for name, size in statistic_shapes(s, self.method, self.measures).items():
+            if name not in out:
+                out[name] = raw[name].reshape(size) if name in raw else torch.zeros(size, dtype=torch.float64)
+        return out
+
+    def payload(self) -> dict[str, Any]:
+        """The layer's score payload (orders, raw scores, geometry) from the statistics of this process."""
+        return layer_payload(self.statistics(), prefix=self.prefix, shape=self.shape, layout=self.layout,
+                             method=self.method, measures=self.measures)

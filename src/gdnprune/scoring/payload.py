@@ -1,0 +1,258 @@
+"""A layer's score payload from its statistics: the step after the sums, the same for one process, many
+processes (sums added over ranks) and merged partial files (sums added over shares).
+
+The statistics of one GDN layer are a flat dict of tensors (:func:`statistic_shapes` lists them), every
+one a sum over calibration tokens or windows: float64 sums, and ``int64`` counts (``num_tokens``,
+``num_windows``, ``loss_tokens``). Whatever depends on the weights (``out_proj`` column norms, the
+``W^T W`` of the full channel Gram) is already folded in linearly by
+:meth:`~gdnprune.scoring.hooks.LayerScorer.statistics`, so the statistics of several shares add up to
+those of their union and :func:`layer_payload` needs no model. The measures are derived in
+``docs/scoring.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ..geometry import GDNShape
+from .orders import descending, greedy_lane_orders, greedy_removal_order
+
+__all__ = [
+    "COUNTS", "SCORE_KIND", "LayerStatistics", "ScoringStatistics", "statistic_shapes", "needs_loss_gradient",
+    "layer_payload", "random_payload", "scores_from_statistics",
+]
+
+#: what the raw ``*_scores`` of each method are, recorded in the scores file
+SCORE_KIND = {
+    "projection": (
+        "projection: key groups (and lanes with lane_measure='energy_gram'): mean squared norm per token of "
+        "the element's own contribution to the out_proj output; lanes by default (lane_measure='loss_gram'): "
+        "mean over the loss tokens of (g . c_h)^2, g the next-token loss gradient at the final norm's input "
+        "(orders of both come from the greedy conditional removal on the Gram matrix and account for "
+        "redundancy); key dims: the key_dim_measure (default RMS(q^_d) + RMS(k^_d) of the "
+        "l2-normalised q and k); value dims: the value_dim_measure (default sum over heads of "
+        "RMS(W[:, (h, e)] o_(h, e)))"
+    ),
+    "activation": "activation: mean |activation| over each window's tokens, L2 over windows (RMS over windows)",
+    "random": "random: the rank in a seeded random order (larger = earlier)",
+}
+
+#: the integer statistics of every layer
+COUNTS = ("num_tokens", "num_windows", "loss_tokens")
+
+
+def needs_loss_gradient(method: str, measures: Mapping[str, Any]) -> bool:
+    """Whether an order uses the loss-aware Gram (``measures`` as the scores file records them)."""
+    return method == "projection" and "loss_gram" in (
+        measures.get("value_lane"), measures.get("key_group"), measures.get("value_dim"))
+
+
+def statistic_shapes(shape: GDNShape, method: str, measures: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The statistics of one layer and their shapes (counts are 0-d), for ``activation`` or ``projection``.
+
+    ``measures``: ``{"key_group", "value_lane", "key_dim", "value_dim"}`` as in the scores file.
+    """
+    Hk, Hv, dk, dv = shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim
+    out: dict[str, tuple[int, ...]] = {name: () for name in COUNTS}
+    if method == "activation":
+        out.update(out_abs_mean_sq=(Hv * dv,), qk_abs_mean_sq=(2 * Hk * dk,))
+        return out
+    if method != "projection":
+        raise ValueError(f"method {method!r} has no statistics; expected 'projection' or 'activation'")
+    out["head_gram"] = (Hv, Hv)
+    if measures["key_dim"] == "qk_gram":
+        out["qk_moments"] = (2, Hk, dk, dk)
+    else:
+        out["qk_sq"] = (2, Hk, dk)
+    out[{"head_rms": "value_col_energy", "energy": "value_dim_energy", "gram": "value_dim_gram",
+         "loss_gram": "loss_dim_gram"}[measures["value_dim"]]] = {
+        "head_rms": (Hv, dv), "energy": (dv,), "gram": (dv, dv), "loss_gram": (dv, dv)}[measures["value_dim"]]
+    if needs_loss_gradient(method, measures):
+        out["loss_head_gram"] = (Hv, Hv)
+    return out
+
+
+def _check(stats: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], prefix: str) -> None:
+    for name, size in expected.items():
+        value = stats.get(name)
+        if value is None or tuple(value.shape) != tuple(size):
+            found = None if value is None else list(value.shape)
+            raise ValueError(f"{prefix}: statistic {name!r} should have shape {list(size)}, found {found}")
+
+
+def layer_payload(stats: Mapping[str, torch.Tensor], *, prefix: str, shape: GDNShape, layout: str, method: str,
+                  measures: Mapping[str, Any]) -> dict[str, Any]:
+    """The score payload of one layer (four orders, raw scores, geometry, token counts) from its statistics.
+
+    Raises:
+        ValueError: a statistic is missing or has the wrong shape, no calibration token reached the layer,
+            or the loss-aware Gram has no token with a next-token target.
+    """
+    _check(stats, statistic_shapes(shape, method, measures), prefix)
+    st = {k: v.detach().cpu() for k, v in stats.items()}
+    num_tokens, num_windows, loss_tokens = (int(st[k]) for k in COUNTS)
+    if num_tokens == 0:
+        raise ValueError(f"{prefix}: no calibration tokens reached this GDN layer")
+    Hk, Hv, r = shape.num_key_heads, shape.num_value_heads, shape.value_heads_per_group
+    dk, dv = shape.key_head_dim, shape.value_head_dim
+    if method == "activation":
+        out = (st["out_abs_mean_sq"] / num_windows).sqrt().reshape(Hv, dv)
+        qk = (st["qk_abs_mean_sq"] / num_windows).sqrt().reshape(2, Hk, dk)
+        lane_scores = out.sum(1).reshape(Hk, r)
+        scores = {
+            "key_group_scores": lane_scores.sum(1),
+            "value_lane_scores": lane_scores,
+            "key_dim_scores": qk.sum(0),
+            "value_dim_scores": out.sum(0),
+        }
+        orders = {
+            "key_group_order_most_important_first": descending(scores["key_group_scores"]),
+            "value_lane_order_most_important_first": descending(scores["value_lane_scores"]),
+            "key_dim_order_most_important_first": descending(scores["key_dim_scores"]),
+            "value_dim_order_most_important_first": descending(scores["value_dim_scores"]),
+        }
+    else:
+        N = num_tokens
+        head_gram = st["head_gram"]
+        lane_gram, group_gram = head_gram, head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
+        lane_scale = group_scale = N
+        if needs_loss_gradient(method, measures):
+            if loss_tokens == 0:
+                raise ValueError(
+                    f"{prefix}: no token with a next-token target reached this GDN layer (the "
+                    "loss-aware Gram needs windows of at least 2 tokens)")
+            loss_gram = st["loss_head_gram"]
+            if measures["value_lane"] == "loss_gram":
+                lane_gram, lane_scale = loss_gram, loss_tokens
+            if measures["key_group"] == "loss_gram":
+                group_gram, group_scale = loss_gram.reshape(Hk, r, Hk, r).sum((1, 3)), loss_tokens
+        key_dim = measures["key_dim"]
+        if key_dim == "qk_gram":
+            qk = st["qk_moments"]  # [2, Hk, dk, dk]
+            q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
+            k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
+        else:
+            q_energy, k_energy = st["qk_sq"] / N  # E[q^_d^2], E[k^_d^2]: [Hk, dk] each
+        key_measure = {
+            "qk_rms": lambda: q_energy.sqrt() + k_energy.sqrt(),
+            "qk_gram": lambda: q_energy * k_energy,
+            "qk_energy": lambda: q_energy * k_energy,
+            "q_energy": lambda: q_energy,
+            "k_energy": lambda: k_energy,
+        }[key_dim]()
+        value_dim = measures["value_dim"]
+        if value_dim == "head_rms":
+            # sum over heads of the RMS of each head's projected channel: sqrt(|W[:, (h, e)]|^2 E[o_(h, e)^2])
+            value_measure = (st["value_col_energy"] / N).sqrt().sum(0)
+        elif value_dim == "energy":
+            value_measure = st["value_dim_energy"] / N
+        elif value_dim == "gram":
+            value_measure = st["value_dim_gram"].diagonal() / N
+        else:
+            value_measure = st["loss_dim_gram"].diagonal() / loss_tokens
+        scores = {
+            "key_group_scores": group_gram.diagonal() / group_scale,
+            "value_lane_scores": (lane_gram.diagonal() / lane_scale).reshape(Hk, r),
+            "key_dim_scores": key_measure,
+            "value_dim_scores": value_measure,
+        }
+        key_dims = greedy_removal_order(qk[0] * qk[1]) if key_dim == "qk_gram" else descending(key_measure)
+        if value_dim == "gram":
+            value_dims = greedy_removal_order(st["value_dim_gram"])
+        elif value_dim == "loss_gram":
+            value_dims = greedy_removal_order(st["loss_dim_gram"])
+        else:
+            value_dims = descending(value_measure)
+        orders = {
+            "key_group_order_most_important_first": greedy_removal_order(group_gram),
+            "value_lane_order_most_important_first": greedy_lane_orders(lane_gram, Hk),
+            "key_dim_order_most_important_first": key_dims,
+            "value_dim_order_most_important_first": value_dims,
+        }
+    payload: dict[str, Any] = {k: v.cpu().tolist() for k, v in orders.items()}
+    payload.update({k: v.double().cpu().tolist() for k, v in scores.items()})
+    payload["shape"] = shape.as_dict()
+    payload["layout"] = layout
+    payload["num_tokens"] = num_tokens
+    if needs_loss_gradient(method, measures):
+        payload["loss_tokens"] = loss_tokens
+    return payload
+
+
+def random_payload(shape: GDNShape, generator: torch.Generator) -> dict[str, Any]:
+    """The payload of the ``random`` method: seeded random orders, raw scores = rank (larger = earlier)."""
+    from ..gated_delta_net import GDNPermutation
+
+    perm = GDNPermutation.random(shape, generator=generator)
+    payload: dict[str, Any] = perm.to_score_payload()
+    for key, order in zip(
+        ("key_group_scores", "value_lane_scores", "key_dim_scores", "value_dim_scores"),
+        (perm.key_groups, perm.value_lanes, perm.key_dim, perm.value_dim),
+    ):
+        n = order.shape[-1]
+        payload[key] = (n - 1 - order.argsort(dim=-1)).double().tolist()
+    payload["shape"] = shape.as_dict()
+    payload["num_tokens"] = 0
+    return payload
+
+
+@dataclass
+class LayerStatistics:
+    """One GDN layer: its geometry, layout and statistics (empty for ``random``)."""
+
+    shape: GDNShape
+    layout: str
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ScoringStatistics:
+    """The sums of a scoring run before any order is computed: what ranks add up and partial files store.
+
+    ``measures`` is the scores file's ``measures`` object (``projection`` only: the four measures and,
+    with a loss-aware Gram, ``loss_token_stride``); ``layers`` maps layer prefixes to their statistics.
+    """
+
+    method: str
+    seed: int
+    measures: dict[str, Any] | None
+    layers: dict[str, LayerStatistics]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every statistic, layer by layer in a fixed order (the order ranks sum them in)."""
+        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)]
+
+
+def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1) -> dict[str, Any]:
+    """The scores-file dict (:mod:`gdnprune.scores`) from (summed) statistics: payloads, orders, counts.
+
+    ``world_size`` is recorded beside ``num_tokens``: how many processes computed the sums.
+    """
+    from ..scores import SCORES_FORMAT, SCORES_VERSION
+
+    method = statistics.method
+    result: dict[str, Any] = {
+        "format": SCORES_FORMAT,
+        "version": SCORES_VERSION,
+        "method": method,
+        "num_tokens": 0,
+        "world_size": int(world_size),
+        "seed": int(statistics.seed),
+        "score_kind": SCORE_KIND[method],
+        "layers": {},
+    }
+    if statistics.measures is not None:
+        result["measures"] = dict(statistics.measures)
+    if method == "random":
+        generator = torch.Generator().manual_seed(int(statistics.seed))
+        for prefix, layer in statistics.layers.items():
+            result["layers"][prefix] = random_payload(layer.shape, generator)
+        return result
+    for prefix, layer in statistics.layers.items():
+        result["layers"][prefix] = layer_payload(layer.stats, prefix=prefix, shape=layer.shape, layout=layer.layout,
+                                                 method=method, measures=statistics.measures or {})
+    result["num_tokens"] = next(iter(result["layers"].values()))["num_tokens"] if result["layers"] else 0
+    return result
