@@ -2,9 +2,12 @@
 
 The source folders are built from numpy's PCG64 stream and a hand-written safetensors header, so they are
 the same bytes on every machine and with every torch or transformers version. The recorded hashes were
-taken before the package was split into ``checkpoint/`` and ``scoring/`` (issue 8); any change to what the
-streaming engine writes (tensor order, header, index, config, manifest) shows up here. A change that is
-meant to alter the output must update the hashes and say why in its commit.
+taken before the package was split into ``checkpoint/`` and ``scoring/`` (issue 8) and changed once, on
+purpose, in issue 11: output shards keep the source's tensor order (GDN tensors in place instead of last)
+and pad the header so that unchanged tensors keep their source offsets modulo 4 KiB (reflinks); every
+tensor's bytes, the index, config and manifest stayed the same (compared tensor by tensor). Any change to
+what the streaming engine writes (tensor order, header, index, config, manifest) shows up here. A change
+that is meant to alter the output must update the hashes and say why in its commit.
 """
 
 from __future__ import annotations
@@ -143,15 +146,15 @@ def tree_digest(folder: Path) -> str:
 
 
 RECORDED = {
-    ("qwen3_5_vl", "sort"): "78a51063be0d1237c75c1ee95b5d0f84926a7c3f184f3ce522df20b68a561de7",
-    ("qwen3_5_vl", "slice"): "d2b1ca2eea0718c2b4125e879afff8359db7ebfd19852207de2cb144d9d374ed",
-    ("qwen3_5_vl", "sort+slice"): "0717e87cf0c8e21709fa606ee26d77334ebc9d7f63b3f02d9100bf301b7f7def",
-    ("qwen3_next", "sort"): "61257db12f847074204ab193571f4c5a1643b97568caed1f5bb89989404a64ac",
-    ("qwen3_next", "slice"): "4010b46b81f57cdce8e82105f415a49dc3c3f97ca66d957d45c43455d81e66e0",
-    ("qwen3_next", "sort+slice"): "d26c2069ecbbab1184ca12b1e12ee9e92c283bb25c7139a1a8da85facbb7aa29",
-    ("olmo_hybrid", "sort"): "3b6278b94a0bd70ea92612652d0b995da1559955f8f9f006aaff4b44bf589f9f",
-    ("olmo_hybrid", "slice"): "c5770b3cfaabecc49b6d66e4b6192d541a44c4b6997fad12120664b400b03abf",
-    ("olmo_hybrid", "sort+slice"): "9fa9c29549ae8293ef8e71f7037640ca5a1c41d1e2353b4cbeba872681ef3589",
+    ("qwen3_5_vl", "sort"): "b580d2136420b60d244ec6c8865ad4b23b2496982e854fb72a377eeef696e4f4",
+    ("qwen3_5_vl", "slice"): "fc5984fa36e5b7f13d62c4f08f91f371b2e8bc27a9e5091b0cd778306b91d081",
+    ("qwen3_5_vl", "sort+slice"): "340c16932c1e39a8a0c0383042dda611b1d007211ab6bb88b0c474846f7d5a93",
+    ("qwen3_next", "sort"): "50c6fef204107e8e53b2e554edb3e116e9ac39cc821df969725dae1f3a4d0379",
+    ("qwen3_next", "slice"): "53fd9af90543bcc94bf30ccfaebbd9fef9581979c33e50b28b3297e9fff8b1d0",
+    ("qwen3_next", "sort+slice"): "7c5cf62666c1144118921fe1436a6596f152db0ed4e8f5b8deef9a3c8663758e",
+    ("olmo_hybrid", "sort"): "7a6ae1945c45d5c32b4be23d21f7e2684258b2055e136809c2836b0bc3137523",
+    ("olmo_hybrid", "slice"): "79d831d03cf5aa180b04012c77c445bfe4dca74cdb7f43ecfcc86b422f2b8a31",
+    ("olmo_hybrid", "sort+slice"): "f4768cd304a3aeb0657e2f0730479bac93d3381264cb29622bb6daf99654b230",
 }
 
 

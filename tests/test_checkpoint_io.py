@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gdnprune import safetensors_io as io
-from gdnprune.safetensors_io import CheckpointError, copy_range, encode_header, header_size_bound, read_header
+from gdnprune.safetensors_io import CheckpointError, copy_range, encode_header, read_header
 
 
 def _tensors():
@@ -49,9 +49,7 @@ def test_written_file_is_read_by_safetensors(tmp_path):
     for k in ("c", "a", "b", "empty"):
         entries.append((k, dtypes[k], list(tensors[k].shape), pos, pos + len(raw[k])))
         pos += len(raw[k])
-    bound = header_size_bound([(k, dtypes[k], [None] * tensors[k].dim()) for k in tensors], {"format": "pt"},
-                              max_value=10**9)
-    for size in (None, bound):
+    for size in (None, 4096 - 8):  # as safetensors pads it; padded so that the data starts at a block
         header = encode_header(entries, {"format": "pt"}, size=size)
         assert len(header) % 8 == 0 and struct.unpack("<Q", header[:8])[0] == len(header) - 8
         path = tmp_path / f"w{size}.safetensors"

@@ -27,7 +27,7 @@ __all__ = [
     "ShardHeader",
     "read_header",
     "encode_header",
-    "header_size_bound",
+    "BLOCK",
     "copy_range",
     "write_all",
 ]
@@ -40,7 +40,10 @@ DTYPE_BITS = {
 }
 
 _MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
-_CHUNK = 64 << 20  # bytes per copy call (progress granularity)
+_CHUNK = 64 << 20  # bytes per copy call (progress granularity); a multiple of BLOCK
+#: Block size that copies align to: a file system that shares extents (XFS with reflink, btrfs) clones the
+#: whole blocks of a byte range copied between equal offsets modulo its block size (4 KiB by default).
+BLOCK = 4096
 
 
 class CheckpointError(ValueError):
@@ -205,22 +208,6 @@ def encode_header(
     return struct.pack("<Q", size) + raw + b" " * (size - len(raw))
 
 
-def header_size_bound(
-    entries: Iterable[tuple[str, str, Sequence[int | None]]], metadata: Mapping[str, str] | None, *, max_value: int
-) -> int:
-    """An upper bound (multiple of 8) on the header size of a file holding ``entries``.
-
-    ``entries`` are ``(name, dtype, shape)`` where a dimension may be None (not known yet). Every
-    unknown dimension and every data offset of the real header must be at most ``max_value``. Used to
-    reserve the header before all shapes are known.
-    """
-    m = max(int(max_value), 1)
-    raw = _header_json(
-        ((name, dtype, [m if d is None else d for d in shape], m, m) for name, dtype, shape in entries), metadata
-    )
-    return len(raw) + (-len(raw) % 8)
-
-
 def write_all(fd: int, data, offset: int | None = None) -> int:
     """Write the whole bytes-like ``data`` to ``fd`` (at ``offset`` with pwrite, else at the file position)."""
     view = memoryview(data).cast("B")
@@ -239,19 +226,28 @@ def copy_range(
     offset: int,
     count: int,
     *,
+    dst_offset: int | None = None,
     on_chunk: Callable[[int], None] | None = None,
 ) -> None:
-    """Copy ``count`` bytes at ``offset`` of ``src_fd`` to the current position of ``dst_fd``.
+    """Copy ``count`` bytes at ``offset`` of ``src_fd`` to ``dst_offset`` of ``dst_fd`` (default: its current
+    position, which then moves past the copy).
 
-    Uses ``os.copy_file_range`` (the kernel copies, or reflinks, without the data entering this process),
-    falls back to ``os.sendfile`` and then to chunked ``pread``/``write``. ``on_chunk(n)`` is called after
-    each chunk of at most 64 MiB (progress, interruption checks).
+    Uses ``os.copy_file_range`` (the kernel copies without the data entering this process, or shares the
+    blocks on a file system with reflinks), falls back to ``os.sendfile`` and then to chunked
+    ``pread``/``write``. The calls cover at most 64 MiB and begin at multiples of :data:`BLOCK` of the
+    source after the first (which ends at one): a call whose offsets are not both block-aligned is copied
+    whole, so this way every block of a range with ``dst_offset - offset`` a multiple of :data:`BLOCK`
+    can be shared. ``on_chunk(n)`` is called after each call (progress, interruption checks).
     """
     end = offset + count
+    if dst_offset is None:
+        dst_offset = os.lseek(dst_fd, 0, os.SEEK_CUR)
+        os.lseek(dst_fd, count, os.SEEK_CUR)
+    shift = dst_offset - offset
     method = _copy_method
     while offset < end:
-        n = min(_CHUNK, end - offset)
-        done = method(src_fd, dst_fd, offset, n)
+        n = min(end - offset, (BLOCK - offset % BLOCK) if offset % BLOCK else _CHUNK)
+        done = method(src_fd, dst_fd, offset, n, offset + shift)
         if done is None:  # this method is not available here: try the next one
             method = _FALLBACKS[method]
             continue
@@ -294,17 +290,18 @@ def write_vectors(fd: int, buffers: Sequence, offset: int) -> int:
     return total
 
 
-def _copy_file_range(src_fd: int, dst_fd: int, offset: int, n: int) -> int | None:
+def _copy_file_range(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int) -> int | None:
     try:
-        return os.copy_file_range(src_fd, dst_fd, n, offset)
+        return os.copy_file_range(src_fd, dst_fd, n, offset, dst_offset)
     except (AttributeError, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in _UNSUPPORTED:
             raise
         return None
 
 
-def _sendfile(src_fd: int, dst_fd: int, offset: int, n: int) -> int | None:
+def _sendfile(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int) -> int | None:
     try:
+        os.lseek(dst_fd, dst_offset, os.SEEK_SET)
         return os.sendfile(dst_fd, src_fd, offset, n)
     except (AttributeError, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in _UNSUPPORTED:
@@ -312,10 +309,10 @@ def _sendfile(src_fd: int, dst_fd: int, offset: int, n: int) -> int | None:
         return None
 
 
-def _read_write(src_fd: int, dst_fd: int, offset: int, n: int) -> int:
+def _read_write(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int) -> int:
     data = os.pread(src_fd, min(n, 16 << 20), offset)
     if data:
-        write_all(dst_fd, data)
+        write_all(dst_fd, data, dst_offset)
     return len(data)
 
 
