@@ -19,9 +19,10 @@ key groups' energy times the kept share of their lanes, key channels and value c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from ..geometry import GDNShape, orders_from_payload
 
-__all__ = ["LayerToPlan", "measured_sensitivity", "proxy_sensitivity"]
+__all__ = ["LayerToPlan", "Forwards", "measured_sensitivity", "proxy_sensitivity"]
 
 
 class LayerToPlan:
@@ -139,6 +140,133 @@ def _batches(batches: Iterable[Any]) -> list[tuple[torch.Tensor, torch.Tensor | 
     return [_unpack_batch(batch) for batch in batches]
 
 
+class Forwards:
+    """Forward passes that share one teacher pass: the machinery behind every measured sensitivity.
+
+    :meth:`teacher` runs the calibration batches once and keeps, per batch, the input of the chosen decoder
+    layers and the final hidden state; :meth:`from_layer` then runs a batch from decoder layer ``i``'s kept
+    input (the layers before it are passed through), so that a change to layer ``i`` (a swapped module, a
+    hook) costs only the layers from ``i`` on; :meth:`divergence` compares a final hidden state with the
+    teacher's. The model is left as it was.
+    """
+
+    def __init__(self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24):
+        self.model = model.eval()
+        self.decoder, self.head = _parts(model)
+        self.device = _input_device(model)
+        self.data = _batches(batches)
+        self.max_logits = max_logits
+        self.captured: list[dict[int, torch.Tensor]] = []
+        self.finals: list[torch.Tensor] = []
+        self.base_loss = float("nan")
+        self.forwards = 0
+        if not self.data:
+            raise ValueError("a measured sensitivity needs at least one calibration batch")
+
+    def decoder_index(self, module: torch.nn.Module) -> int:
+        """The index of the decoder layer that holds ``module``."""
+        for i, block in enumerate(self.decoder.layers):
+            if any(sub is module for sub in block.modules()):
+                return i
+        raise ValueError("the GDN layer is not inside one of the decoder's layers")
+
+    def _kwargs(self, mask: torch.Tensor | None) -> dict:
+        return {"use_cache": False, **({} if mask is None else {"attention_mask": mask.to(self.device).long()})}
+
+    @torch.no_grad()
+    def teacher(self, layer_indices: Iterable[int]) -> None:
+        """The teacher pass: keep the input of decoder layers ``layer_indices`` and the final hidden state."""
+        probe = self.data[0][0][:1, :16].to(self.device)
+        logits = self.model(input_ids=probe, use_cache=False).logits.float()
+        direct = self.head(self.decoder(input_ids=probe, use_cache=False).last_hidden_state).float()
+        if (direct - logits).abs().max() > 1e-3 * (1 + logits.abs().max()):
+            raise ValueError(f"{type(self.model).__name__}: its logits are not lm_head(last hidden state), which "
+                             f"a measured sensitivity needs; use the proxy sensitivity")
+        self.captured, self.finals = [], []
+
+        def capture(i):
+            def hook(module, args, kwargs):
+                self.captured[-1][i] = _hidden_argument(args, kwargs).detach().cpu()
+            return hook
+
+        handles = [self.decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
+                   for i in sorted(set(layer_indices))]
+        ce = n = 0.0
+        try:
+            for ids, mask in self.data:
+                self.captured.append({})
+                final = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
+                self.finals.append(final.detach().cpu())
+                _, c, _, k = _divergence(self.head, final, final, ids, mask, self.max_logits)
+                ce, n = ce + c, n + k
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.base_loss = ce / max(n, 1)
+
+    @contextlib.contextmanager
+    def from_layer(self, index: int) -> Iterator[Callable[[], tuple[float, float]]]:
+        """Within the block, a call ``measure()`` runs every batch from decoder layer ``index``'s kept input
+        and returns ``(KL per token, loss per token)`` against the teacher."""
+        current = {"k": 0}
+
+        def inject(module, args, kwargs):
+            cached = self.captured[current["k"]][index]
+            return _with_hidden(args, kwargs, cached.to(_hidden_argument(args, kwargs).device))
+
+        originals = [self.decoder.layers[j] for j in range(index)]
+        handle = self.decoder.layers[index].register_forward_pre_hook(inject, with_kwargs=True)
+        for j in range(index):
+            self.decoder.layers[j] = _Passthrough()
+
+        @torch.no_grad()
+        def measure() -> tuple[float, float]:
+            kl = ce = 0.0
+            n_kl = n_ce = 0
+            for k, (ids, mask) in enumerate(self.data):
+                current["k"] = k
+                out = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
+                a, b, c, d = _divergence(self.head, out, self.finals[k], ids, mask, self.max_logits)
+                kl, ce, n_kl, n_ce = kl + a, ce + b, n_kl + c, n_ce + d
+                self.forwards += 1
+            return kl / max(n_kl, 1), ce / max(n_ce, 1)
+
+        try:
+            yield measure
+        finally:
+            for j, original in enumerate(originals):
+                self.decoder.layers[j] = original
+            handle.remove()
+
+    @torch.no_grad()
+    def layer_inputs(self, index: int) -> None:
+        """Recompute the kept input of decoder layer ``index`` with the model as it is now (e.g. with other
+        layers cut by hooks), replacing the teacher's."""
+        for k, (ids, mask) in enumerate(self.data):
+            seen = {}
+
+            def capture(module, args, kwargs):
+                seen["hidden"] = _hidden_argument(args, kwargs).detach().cpu()
+                raise _Stop
+
+            handle = self.decoder.layers[index].register_forward_pre_hook(capture, with_kwargs=True)
+            try:
+                self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask))
+            except _Stop:
+                pass
+            finally:
+                handle.remove()
+            self.captured[k][index] = seen["hidden"]
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(f.shape[0] * f.shape[1]) for f in self.finals)
+
+
+class _Stop(Exception):
+    """Ends a forward pass once the wanted layer input is seen."""
+
+
 @torch.no_grad()
 def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan], *,
                          progress: bool = True, max_logits: int = 1 << 24) -> dict[str, Any]:
@@ -163,103 +291,39 @@ def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers:
     from tqdm.auto import tqdm
 
     start_time = time.perf_counter()
-    model.eval()
-    decoder, head = _parts(model)
+    forwards = Forwards(model, batches, max_logits=max_logits)
     text_config = model.config.get_text_config(decoder=True)
-    device = _input_device(model)
-    data = _batches(batches)
-    layer_of = {id(layer.module): i for i, layer in enumerate(layers)}
-    decoder_index = {}
-    for i, block in enumerate(decoder.layers):
-        for sub in block.modules():
-            if id(sub) in layer_of:
-                decoder_index[layer_of[id(sub)]] = i
-    if len(decoder_index) != len(layers):
-        raise ValueError("every GDN layer to plan must sit in one of the decoder's layers")
-
-    # teacher pass: the input of every measured decoder layer and the final hidden state, per batch
-    captured: list[dict[int, torch.Tensor]] = []
-    finals, base_ce, base_n = [], 0.0, 0
-
-    def capture(i):
-        def hook(module, args, kwargs):
-            captured[-1][i] = _hidden_argument(args, kwargs).detach().cpu()
-        return hook
-
-    if not data:
-        raise ValueError("measured sensitivity needs at least one calibration batch")
-    probe = data[0][0][:1, :16].to(device)
-    logits = model(input_ids=probe, use_cache=False).logits.float()
-    direct = head(decoder(input_ids=probe, use_cache=False).last_hidden_state).float()
-    if (direct - logits).abs().max() > 1e-3 * (1 + logits.abs().max()):
-        raise ValueError(f"{type(model).__name__}: its logits are not lm_head(last hidden state), which measured "
-                         f"sensitivity needs; use the proxy sensitivity")
-    handles = [decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
-               for i in sorted(set(decoder_index.values()))]
+    index = [forwards.decoder_index(layer.module) for layer in layers]
+    forwards.teacher(index)
+    result = {"kl": {}, "loss": {}, "base_loss": forwards.base_loss, "tokens": forwards.tokens}
+    bar = tqdm(total=sum(len(layer.candidates) for layer in layers), disable=not progress, desc="sensitivity",
+               unit="cand")
     try:
-        for ids, mask in data:
-            captured.append({})
-            kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
-            final = decoder(input_ids=ids.to(device), use_cache=False, **kwargs).last_hidden_state
-            finals.append(final.detach().cpu())
-            _, ce, _, n = _divergence(head, final, final, ids, mask, max_logits)
-            base_ce, base_n = base_ce + ce, base_n + n
-    finally:
-        for handle in handles:
-            handle.remove()
-
-    base_loss = base_ce / max(base_n, 1)
-    result = {"kl": {}, "loss": {}, "base_loss": base_loss, "tokens": sum(int(f.shape[0] * f.shape[1]) for f in finals),
-              "forwards": 0}
-    total = sum(len(layer.candidates) for layer in layers)
-    bar = tqdm(total=total, disable=not progress, desc="sensitivity", unit="cand")
-    try:
-        for li, layer in enumerate(layers):
-            index = decoder_index[li]
+        for layer, i in zip(layers, index):
             state = _sorted_state(layer)
+            device = next(iter(state.values())).device
+            parent_name, _, attr = _relative_name(forwards.decoder.layers[i], layer.module)
+            parent = forwards.decoder.layers[i].get_submodule(parent_name) if parent_name else forwards.decoder.layers[i]
             kl, loss = [], []
-            originals = [decoder.layers[j] for j in range(index)]
-            parent_name, _, attr = _relative_name(decoder.layers[index], layer.module)
-            parent = decoder.layers[index].get_submodule(parent_name) if parent_name else decoder.layers[index]
-            batch_no = {"k": 0}
-
-            def inject(module, args, kwargs):
-                cached = captured[batch_no["k"]][index]
-                return _with_hidden(args, kwargs, cached.to(_hidden_argument(args, kwargs).device))
-
-            handle = decoder.layers[index].register_forward_pre_hook(inject, with_kwargs=True)
-            for j in range(index):
-                decoder.layers[j] = _Passthrough()
-            try:
-                for target in layer.candidates:
-                    if target == layer.shape:
-                        kl.append(0.0)
-                        loss.append(base_loss)
+            with forwards.from_layer(i) as measure:
+                try:
+                    for target in layer.candidates:
+                        if target == layer.shape:  # the sorted layer computes the same function
+                            kl.append(0.0)
+                            loss.append(forwards.base_loss)
+                        else:
+                            setattr(parent, attr, _candidate_module(layer, state, target, text_config, device))
+                            a, b = measure()
+                            kl.append(a)
+                            loss.append(b)
                         bar.update(1)
-                        continue
-                    module_device = next(iter(state.values())).device
-                    setattr(parent, attr, _candidate_module(layer, state, target, text_config, module_device))
-                    kl_sum = ce_sum = 0.0
-                    n_kl = n_ce = 0
-                    for k, (ids, mask) in enumerate(data):
-                        batch_no["k"] = k
-                        kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
-                        out = decoder(input_ids=ids.to(device), use_cache=False, **kwargs).last_hidden_state
-                        a, b, c, d = _divergence(head, out, finals[k], ids, mask, max_logits)
-                        kl_sum, ce_sum, n_kl, n_ce = kl_sum + a, ce_sum + b, n_kl + c, n_ce + d
-                        result["forwards"] += 1
-                    kl.append(kl_sum / max(n_kl, 1))
-                    loss.append(ce_sum / max(n_ce, 1))
-                    bar.update(1)
-            finally:
-                setattr(parent, attr, layer.module)
-                for j, original in enumerate(originals):
-                    decoder.layers[j] = original
-                handle.remove()
+                finally:
+                    setattr(parent, attr, layer.module)
             result["kl"][layer.prefix] = kl
             result["loss"][layer.prefix] = loss
     finally:
         bar.close()
+    result["forwards"] = forwards.forwards
     result["seconds"] = time.perf_counter() - start_time
     return result
 

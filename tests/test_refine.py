@@ -1,0 +1,60 @@
+"""Measured lane choice (score --refine lanes): the masks are exact head removals, the orders are valid
+and do not depend on the batch split, and the model is left as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gdnprune.geometry import GDNShape, orders_from_payload
+from gdnprune.layouts import find_gdn_modules
+from gdnprune.refine import refine_lane_orders
+from gdnprune.scoring import score_model
+from tiny_models import build_model
+
+SHAPE = GDNShape(num_key_heads=2, num_value_heads=6, key_head_dim=8, value_head_dim=4)
+
+
+def _kl_without_head(model, x, prefix, head) -> float:
+    """KL per token of the model with one value head's out_proj columns zeroed, by plain full forwards."""
+    cut = copy.deepcopy(model)
+    module = dict(find_gdn_modules(cut))[prefix]
+    out = getattr(module, "out_proj", None) or module.o_proj
+    dv = SHAPE.value_head_dim
+    with torch.no_grad():
+        out.weight[:, head * dv:(head + 1) * dv] = 0
+        t = model(input_ids=x).logits.log_softmax(-1)
+        s = cut(input_ids=x).logits.log_softmax(-1)
+    return float((t.exp() * (t - s)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
+def test_refined_lane_orders_are_measured_exactly_and_batch_invariant(model_type):
+    model = build_model(model_type, SHAPE, seed=21)
+    x = torch.randint(0, 128, (2, 72), generator=torch.Generator().manual_seed(5))
+    scores = score_model(model, [x], progress=False)
+    before = {p: m.state_dict() for p, m in find_gdn_modules(model)}
+    refined, report = refine_lane_orders(model, [x], scores, sweeps=1, progress=False)
+    again, _ = refine_lane_orders(model, [x[:1], x[1:]], scores, sweeps=1, progress=False)
+    first = find_gdn_modules(model)[0][0]
+    r = SHAPE.value_heads_per_group
+    for prefix, payload in refined["layers"].items():
+        orders = orders_from_payload(payload, SHAPE)  # valid permutations of the right shape
+        assert orders["value_lanes"].shape == (2, r)
+        assert payload["value_lane_order_most_important_first"] == again["layers"][prefix][
+            "value_lane_order_most_important_first"]
+        assert sum(payload["value_lane_scores"], []) == pytest.approx(
+            sum(again["layers"][prefix]["value_lane_scores"], []), rel=1e-6)
+        for key in ("key_group_order_most_important_first", "key_dim_order_most_important_first"):
+            assert payload[key] == scores["layers"][prefix][key]
+    # the first lane removed in group 0 of the first layer (nothing else cut yet): its KL is that of the model
+    # with that head alone removed, computed independently with full forwards
+    payload = refined["layers"][first]
+    lane = payload["value_lane_order_most_important_first"][0][-1]
+    assert payload["value_lane_scores"][0][lane] == pytest.approx(_kl_without_head(model, x, first, lane), rel=1e-4)
+    assert report["evaluations"] == 2 * 2 * r * (r + 1) // 2 and refined["measures"]["value_lane"] == "measured_kl"
+    for prefix, module in find_gdn_modules(model):  # no hook or weight left behind
+        assert all(torch.equal(v, module.state_dict()[k]) for k, v in before[prefix].items())
+        assert not (getattr(module, "out_proj", None) or module.o_proj)._forward_pre_hooks
