@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict
 from gdnprune.layouts import find_gdn_modules
@@ -16,7 +17,7 @@ from gdnprune.scoring import (
     score_model,
     scores_to_permutations,
 )
-from tiny_models import build_model, clone_state_dict, logits
+from tiny_models import build_model, clone_state_dict, logits, make_config
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 KERNEL_MODULE = {
@@ -409,3 +410,85 @@ def test_bad_arguments_raise_value_error(ids):
         score_model(torch.nn.Linear(2, 2), [ids], progress=False)
     with pytest.raises(ValueError, match="input_ids"):
         score_model(model, [torch.zeros(2, 3, 4)], progress=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# statistics: shares add up to the whole (what ranks and partial files rely on); the loss-token stride
+
+
+@pytest.mark.parametrize(
+    "method,extra",
+    [("projection", {"loss_token_stride": 3}),
+     ("projection", {"value_dim_measure": "gram", "key_dim_measure": "qk_gram"}),
+     ("projection", {"value_dim_measure": "energy", "lane_measure": "energy_gram"}),
+     ("projection", {"value_dim_measure": "loss_gram", "key_group_measure": "loss_gram", "loss_token_stride": 5}),
+     ("activation", {})],
+)
+def test_statistics_of_shares_add_up_to_the_whole(method, extra, ids):
+    from gdnprune.scoring import measure_statistics, scores_from_statistics
+
+    model = build_model("qwen3_5", SHAPE)
+    whole = measure_statistics(model, [ids[:2], ids[2:]], method=method, progress=False, **extra)
+    first = measure_statistics(model, [ids[:1]], method=method, progress=False, **extra)
+    rest = measure_statistics(model, [ids[1:3], ids[3:]], method=method, progress=False, window_offset=1, **extra)
+    empty = measure_statistics(model, [], method=method, progress=False, **extra)  # a rank with no windows
+    assert first.measures == whole.measures and list(first.layers) == list(whole.layers)
+    for prefix, layer in whole.layers.items():
+        assert sorted(layer.stats) == sorted(first.layers[prefix].stats) == sorted(empty.layers[prefix].stats)
+        for name, value in layer.stats.items():
+            total = first.layers[prefix].stats[name] + rest.layers[prefix].stats[name] + empty.layers[prefix].stats[name]
+            assert total.dtype == value.dtype and total.device.type == "cpu"
+            torch.testing.assert_close(total, value, rtol=1e-12, atol=1e-12)
+            first.layers[prefix].stats[name] = total
+    expected = score_model(model, [ids], method=method, progress=False, **extra)
+    merged = scores_from_statistics(first)
+    assert merged["world_size"] == expected["world_size"] == 1
+    for prefix, payload in expected["layers"].items():
+        for key, value in payload.items():
+            if key.endswith("_scores"):
+                torch.testing.assert_close(torch.tensor(merged["layers"][prefix][key]), torch.tensor(value),
+                                           rtol=1e-9, atol=0)
+            else:
+                assert merged["layers"][prefix][key] == value, key
+    with pytest.raises(ValueError, match="statistic 'head_gram' should have shape"):
+        from gdnprune.scoring.payload import layer_payload
+
+        layer = next(iter(whole.layers.values()))
+        layer_payload({**layer.stats, "head_gram": torch.zeros(3, 3, dtype=torch.float64)}, prefix="p",
+                      shape=layer.shape, layout=layer.layout, method="projection",
+                      measures={"key_group": "energy_gram", "value_lane": "energy_gram", "key_dim": "qk_rms",
+                                "value_dim": "head_rms"})
+
+
+def test_the_default_loss_token_stride_bounds_the_vocabulary_cost(ids):
+    from gdnprune.scoring.loss_head import MAX_DEFAULT_LOSS_TOKEN_STRIDE, default_loss_token_stride
+
+    def forward_params(model):
+        skip = {id(model.lm_head.weight), id(model.get_input_embeddings().weight)}
+        return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+    strides = {}
+    for vocab in (128, 1024, 4096, 65536):
+        config = make_config("qwen3_5", SHAPE)
+        config.vocab_size = vocab
+        with torch.device("meta"):
+            model = transformers.Qwen3_5ForCausalLM(config)
+        stride = strides[vocab] = default_loss_token_stride(model, model.lm_head)
+        cost = 2 * vocab * config.hidden_size
+        assert stride in (8, 16, 32, 64)
+        if stride < MAX_DEFAULT_LOSS_TOKEN_STRIDE:  # the smallest stride within an eighth of the forward
+            assert cost * 8 <= forward_params(model) * stride
+        if stride > 8:
+            assert cost * 8 > forward_params(model) * (stride // 2)
+    assert strides[128] == 8 and strides[65536] == 64 and sorted(strides.values()) == list(strides.values())
+    # score_model uses it, records it and measures one token in that many (by the global window index)
+    config = make_config("qwen3_5", SHAPE)
+    config.vocab_size = 4096
+    model = build_model("qwen3_5", SHAPE, config=config)
+    scores = _score(model, ids, "projection")
+    stride = scores["measures"]["loss_token_stride"]
+    assert stride == strides[4096] > 8
+    B, T = ids.shape
+    pos = torch.arange(T)[None, :] + torch.arange(B)[:, None]
+    expected = int(((pos % stride == 0) & (torch.arange(T) < T - 1)[None, :]).sum())
+    assert all(p["loss_tokens"] == expected for p in scores["layers"].values())
