@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     for stride in (int(s) for s in args.strides.split(",")):
         scores = score_model(model, batches, progress=False, loss_token_stride=stride)
         tokens = next(iter(scores["layers"].values()))["loss_tokens"]
-        rows.append((f"loss-aware Gram, stride {stride}", tokens, ev.loss(scores_to_permutations(scores), target) - ev.base))
+        loss = ev.loss(scores_to_permutations(scores), target) - ev.base
+        rows.append((f"loss-aware Gram, stride {stride}", tokens, loss))
     energy = score_model(model, batches, progress=False, lane_measure="energy_gram")
     rows.append(("energy Gram", 0, ev.loss(scores_to_permutations(energy), target) - ev.base))
     gen = torch.Generator().manual_seed(0)

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {label} | {tokens} | {tokens / secs['plain']:.0f} | {tokens / secs['full']:.0f} | "
             f"{tokens / secs['activation']:.0f} | {tokens / secs['projection']:.0f} | {ratio_a:.3f} | "
-            f"{ratio_p:.3f} ({stride}) | {secs['stride8'] / secs['plain']:.3f} | {secs['projection'] / secs['full']:.3f} |",
+            f"{ratio_p:.3f} ({stride}) | {secs['stride8'] / secs['plain']:.3f} | "
+            f"{secs['projection'] / secs['full']:.3f} |",
             flush=True,
         )
     print()

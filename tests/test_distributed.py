@@ -241,7 +241,7 @@ WORKER = textwrap.dedent('''
 
     if rank == 1:
         threading.Thread(target=release, daemon=True).start()
-    call("stuck", "--data", data if rank == 0 else fifo, "--output", out + "/stuck.json", "--dist-timeout", "2")
+    call("stuck", "--data", data if rank == 0 else fifo, "--output", out + "/stuck.json", "--dist-timeout", "3")
     with open(out + "/.rank%%d.json" %% rank, "w") as f:
         json.dump(results, f)
     os.rename(out + "/.rank%%d.json" %% rank, out + "/rank%%d.json" %% rank)
@@ -270,11 +270,44 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
     assert ranks[1]["failure"]["code"] == 2
     assert "error: rank 1 of 2: " in ranks[1]["failure"]["err"] and "missing.txt" in ranks[1]["failure"]["err"]
     assert ranks[0]["failure"]["code"] == 2
-    assert "error: rank 0 of 2: rank 1 failed:" in ranks[0]["failure"]["err"] and "missing.txt" in ranks[0]["failure"]["err"]
+    assert "error: rank 0 of 2: rank 1 failed:" in ranks[0]["failure"]["err"]
+    assert "missing.txt" in ranks[0]["failure"]["err"]
     assert not (tmp_path / "failure.json").exists()
     # a stuck rank: the other one gives up after --dist-timeout instead of waiting forever
     assert ranks[0]["stuck"]["code"] == 1
     assert "rank 0 of 2: gave up waiting for the other ranks" in ranks[0]["stuck"]["err"]
-    assert "did not answer within 2 s" in ranks[0]["stuck"]["err"]
+    assert "did not answer within 3 s" in ranks[0]["stuck"]["err"]
     assert ranks[1]["stuck"]["code"] != 0
     assert not (tmp_path / "stuck.json").exists()
+
+
+def test_gpu_blocks_split_a_machine_by_local_rank():
+    from gdnprune.distributed import gpu_block
+
+    assert [gpu_block(r, 2, 8) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [gpu_block(r, 3, 8) for r in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    with pytest.raises(ValueError, match="local rank 0 of 4 gets no GPU: only 2 GPU"):
+        gpu_block(0, 4, 2)
+
+
+def test_a_group_that_cannot_form_says_so_instead_of_hanging(monkeypatch, model_dir, text_file, tmp_path, capsys):
+    """Rank 0 of 2 alone: its store waits for rank 1, gives up after --dist-timeout, and the message says why."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    argv = _common(model_dir, "--data", str(text_file), "--output", str(tmp_path / "s.json"), "--dist-timeout", "1")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "rank 0 could not form the process group of 2 processes at 127.0.0.1:" in err and "within 1 s" in err
+    assert not dist.is_initialized() and not (tmp_path / "s.json").exists()
+    monkeypatch.delenv("MASTER_PORT")
+    assert main(argv) == 2
+    assert "needs MASTER_PORT in the environment" in capsys.readouterr().err

@@ -436,7 +436,8 @@ def test_statistics_of_shares_add_up_to_the_whole(method, extra, ids):
     for prefix, layer in whole.layers.items():
         assert sorted(layer.stats) == sorted(first.layers[prefix].stats) == sorted(empty.layers[prefix].stats)
         for name, value in layer.stats.items():
-            total = first.layers[prefix].stats[name] + rest.layers[prefix].stats[name] + empty.layers[prefix].stats[name]
+            parts = (first.layers[prefix].stats[name], rest.layers[prefix].stats[name], empty.layers[prefix].stats[name])
+            total = parts[0] + parts[1] + parts[2]
             assert total.dtype == value.dtype and total.device.type == "cpu"
             torch.testing.assert_close(total, value, rtol=1e-12, atol=1e-12)
             first.layers[prefix].stats[name] = total

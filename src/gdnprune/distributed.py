@@ -56,6 +56,7 @@ __all__ = [
     "exchange",
     "fail_together",
     "local_gpus",
+    "gpu_block",
 ]
 
 #: how long a collective waits for the slowest rank before it raises (model loading included)
@@ -76,8 +77,9 @@ class RankFailedError(RuntimeError):
     """Another rank failed (or did not answer in time); raised on the ranks that did not fail themselves.
 
     Attributes: ``rank`` (the failing rank, None when a collective timed out or lost a rank without a
-    word; the message then says so), ``world_size``, ``reason`` (that rank's message, ``Type: text`` for errors that are not user
-    errors), ``user_error`` (the failing rank raised a ``ValueError`` or ``OSError``, an input error).
+    word; the message then says so), ``world_size``, ``reason`` (that rank's message, ``Type: text`` for
+    errors that are not user errors), ``user_error`` (the failing rank raised a ``ValueError`` or
+    ``OSError``, an input error).
     """
 
     def __init__(self, rank: int | None, world_size: int, reason: str, user_error: bool = False):
@@ -161,8 +163,9 @@ def init_process_group(*, timeout: timedelta | float | None = None, backend: str
 
     Raises:
         ValueError: the launch variables are malformed or ``MASTER_ADDR`` / ``MASTER_PORT`` are missing.
+        RankFailedError: the processes did not all join within ``timeout``.
     """
-    global _timeout_in_use
+    global _timeout_in_use, _groups_created
     import torch.distributed as dist
 
     info = launch_info()
@@ -180,11 +183,19 @@ def init_process_group(*, timeout: timedelta | float | None = None, backend: str
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     # the env:// rendezvous, with this process's own key prefix per group: a group created again in the same
     # process (the CLI called twice) would otherwise find the previous group's addresses in the store
-    global _groups_created
-    store, rank_, world = next(dist.rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=value))
-    _groups_created += 1
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gdnprune/{_groups_created}", store),
-                            rank=rank_, world_size=world, timeout=value)
+    try:
+        store, rank_, world = next(dist.rendezvous("env://", rank=info.rank, world_size=info.world_size,
+                                                   timeout=value))
+        _groups_created += 1
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gdnprune/{_groups_created}", store),
+                                rank=rank_, world_size=world, timeout=value)
+    except RuntimeError as exc:  # the store or the backend could not reach every rank in time
+        detail = _short(exc)
+        raise RankFailedError(
+            None, info.world_size,
+            f"rank {info.rank} could not form the process group of {info.world_size} processes at "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {value.total_seconds():g} s ({detail})"
+        ) from None
     _timeout_in_use = value
     return True
 
@@ -265,12 +276,17 @@ def _timeout_text() -> str:
     return f"{_timeout_in_use.total_seconds():g} s"
 
 
+def _short(exc: BaseException) -> str:
+    """An error from torch.distributed in one line, without the C++ source locations."""
+    return re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", " ".join(str(exc).split()))[:300]
+
+
 def _run_collective(fn, what: str, group: Any):
     """Run one collective; a timeout or a lost peer becomes a :class:`RankFailedError` that says so."""
     try:
         return fn()
     except RuntimeError as exc:  # DistBackendError, gloo timeouts and closed connections are RuntimeErrors
-        detail = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", " ".join(str(exc).split()))[:300]
+        detail = _short(exc)
         error = RankFailedError(
             None, world_size(group),
             f"gave up waiting for the other ranks in {what}: one did not answer within {_timeout_text()} or "
@@ -388,9 +404,16 @@ def local_gpus(info: LaunchInfo | None = None, *, group: Any = None) -> list[int
     if any(v[1] != mine[1] for v in same_host):
         return None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        return None
-    L, l = info.local_world_size, info.local_rank
+    return gpu_block(info.local_rank, info.local_world_size, count) if count else None
+
+
+def gpu_block(local_rank: int, local_world_size: int, count: int) -> list[int]:
+    """GPUs ``[l*G//L, (l+1)*G//L)`` of the ``G = count`` visible ones for local rank ``l`` of ``L``.
+
+    Raises:
+        ValueError: the block is empty (fewer GPUs than processes on the machine).
+    """
+    L, l = int(local_world_size), int(local_rank)
     block = list(range(l * count // L, (l + 1) * count // L))
     if not block:
         raise ValueError(f"local rank {l} of {L} gets no GPU: only {count} GPU(s) visible on this machine; "

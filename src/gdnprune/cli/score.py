@@ -138,16 +138,17 @@ def run(args) -> int:
     mode = _mode(args)
     if mode == "merge":
         return _merge(args)
-    with process_group(timeout=args.dist_timeout) as several:
-        try:
+    who = ""  # "rank R of N: " in front of the messages of a multi-process run
+    try:
+        with process_group(timeout=args.dist_timeout) as several:
+            who = f"rank {rank()} of {world_size()}: " if several else ""
             return _score(args, mode)
-        except RankFailedError as exc:  # another rank failed (its message), or a rank stopped answering
-            print(f"gdnprune score: error: rank {rank()} of {world_size()}: {' '.join(str(exc).split())}",
-                  file=sys.stderr)
-            return 2 if exc.user_error else 1
-        except (ValueError, OSError) as exc:
-            if not several:
-                raise
-            message = " ".join(str(exc).split()) or type(exc).__name__
-            print(f"gdnprune score: error: rank {rank()} of {world_size()}: {message}", file=sys.stderr)
-            return 2
+    except RankFailedError as exc:  # another rank failed (its message), or the ranks lost touch
+        print(f"gdnprune score: error: {who}{' '.join(str(exc).split())}", file=sys.stderr)
+        return 2 if exc.user_error else 1
+    except (ValueError, OSError) as exc:
+        if not who:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"gdnprune score: error: {who}{message}", file=sys.stderr)
+        return 2

@@ -77,7 +77,8 @@ def _check_options(method: str, key_dim_measure: str, value_dim_measure: str, la
     if key_dim_measure not in _KEY_DIM_MEASURES:
         raise ValueError(f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}")
     if value_dim_measure not in _VALUE_DIM_MEASURES:
-        raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of {list(_VALUE_DIM_MEASURES)}")
+        raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of "
+                         f"{list(_VALUE_DIM_MEASURES)}")
     for name, value in (("lane_measure", lane_measure), ("key_group_measure", key_group_measure)):
         if value not in _HEAD_MEASURES:
             raise ValueError(f"unknown {name} {value!r}; expected one of {list(_HEAD_MEASURES)}")

@@ -279,7 +279,8 @@ class LayerScorer:
                 raw["value_col_energy"] = W.pow(2).sum(0).reshape(Hv, dv) * raw.pop("out_sq").reshape(Hv, dv)
             elif self.value_dim_measure == "energy":
                 W_dims = W.reshape(W.shape[0], Hv, dv).permute(2, 1, 0)  # [dv, Hv, H]
-                raw["value_dim_energy"] = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * raw.pop("channel_moments")).sum((1, 2))
+                moments = raw.pop("channel_moments")  # [dv, Hv, Hv]
+                raw["value_dim_energy"] = (torch.bmm(W_dims, W_dims.transpose(1, 2)) * moments).sum((1, 2))
         for name, size in statistic_shapes(s, self.method, self.measures).items():
             if name not in out:
                 out[name] = raw[name].reshape(size) if name in raw else torch.zeros(size, dtype=torch.float64)
