@@ -303,10 +303,10 @@ def test_a_group_that_cannot_form_says_so_instead_of_hanging(monkeypatch, model_
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    argv = _common(model_dir, "--data", str(text_file), "--output", str(tmp_path / "s.json"), "--dist-timeout", "1")
+    argv = _common(model_dir, "--data", str(text_file), "--output", str(tmp_path / "s.json"), "--dist-timeout", "0.5")
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "rank 0 could not form the process group of 2 processes at 127.0.0.1:" in err and "within 1 s" in err
+    assert "rank 0 could not form the process group of 2 processes at 127.0.0.1:" in err and "within 0.5 s" in err
     assert not dist.is_initialized() and not (tmp_path / "s.json").exists()
     monkeypatch.delenv("MASTER_PORT")
     assert main(argv) == 2
