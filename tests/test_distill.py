@@ -346,6 +346,9 @@ def test_distill_checkpoint_writes_a_loadable_folder(tmp_path, model_type):
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
     assert (out / PLOT_NAME).is_file() and json.loads((out / LOG_NAME).read_text())["status"] == "finished"
 
+    with pytest.raises(ValueError, match="outside the student folder"):
+        distill_checkpoint(tmp_path / "student", tmp_path / "teacher", tmp_path / "train.txt",
+                           tmp_path / "student" / "out", seq_len=80, steps=1, batch_size=4, progress=False)
     extended = build_byte_tokenizer()
     extended.add_tokens(["<extra>"])
     extended.save_pretrained(tmp_path / "teacher")
@@ -354,8 +357,13 @@ def test_distill_checkpoint_writes_a_loadable_folder(tmp_path, model_type):
                            seq_len=80, steps=1, batch_size=4, progress=False)
 
 
-def test_options_are_checked():
+def test_options_are_checked(tmp_path):
     teacher, student = pair()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ValueError, match="refusing to replace"):
+        distill(student, teacher, windows(8), tmp_path / "notes", steps=1, batch_size=4, overwrite=True)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     data = windows(8)
     for bad, match in [(dict(steps=1, tokens=10), "exactly one"), (dict(steps=0), "at least one step"),
                        (dict(steps=1, batch_size=16), "at least batch_size"),

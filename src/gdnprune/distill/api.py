@@ -23,6 +23,7 @@ from transformers import TrainerCallback, TrainingArguments, default_data_collat
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..checkpoint.output import copy_other_files, plan_other_files
 from .trainer import DistillationTrainer, _as_windows, _RunCallback, _signals_stop, _Windows
 
 __all__ = ["check_same_vocabulary", "distill", "distill_checkpoint", "plot_history", "recover_demo_slice",
@@ -232,9 +233,13 @@ def _resume_checkpoint(out: Path, resume: bool | str | Path, overwrite: bool, co
             raise ValueError("resume: expected the options of the interrupted run; found changes (before, now): "
                              + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in changed.items()))
         return checkpoint
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output folder {out} exists and is not empty: expected a new folder, or resume=True to "
-                         f"continue its run, or overwrite=True to replace it")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"output folder {out} exists and is not empty: expected a new folder, or resume=True to "
+                             f"continue its run, or overwrite=True to replace it")
+        if not ((out / "config.json").is_file() or (out / LOG_NAME).is_file()):
+            raise ValueError(f"refusing to replace {out}: expected an earlier output (a model folder or a distill "
+                             f"log), found neither; remove the folder yourself")
     return None
 
 
@@ -281,7 +286,15 @@ def _load_model(path: Path, dtype):
     return cls.from_pretrained(path, dtype=dtype)
 
 
+# files of the student folder that the trained model replaces (weight files are never copied)
 _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def distill_checkpoint(
@@ -308,8 +321,9 @@ def distill_checkpoint(
     (:func:`check_same_vocabulary`). ``options`` are those of :func:`distill` (``steps``/``tokens``, ``lr``,
     ``batch_size``, ``temperature``, ``kd_weight``, ``lm_weight``, ``eval_every``, ``save_every``, ``resume``,
     ``seed``, ...). The output folder is a normal HF folder: the trained weights and config, the tokenizer,
-    and every other file of ``student_dir`` that is not a weight file (chat template, ...), plus the
-    checkpoints, the log and the plot. Weights transformers does not load (``mtp.*``) are not in it.
+    and every other file of ``student_dir`` that is not a weight file (chat template, ...; subfolders
+    too), plus the checkpoints, the log and the plot. The output may not be, or lie inside, the student or
+    teacher folder. Weights transformers does not load (``mtp.*``) are not in it.
     """
     from transformers import AutoTokenizer
 
@@ -319,8 +333,9 @@ def distill_checkpoint(
     for name, folder in (("student", student_dir), ("teacher", teacher_dir)):
         if not (folder / "config.json").is_file():
             raise ValueError(f"{name}: expected a Hugging Face model folder with config.json, found {folder}")
-    if output_dir.resolve() in (student_dir.resolve(), teacher_dir.resolve()):
-        raise ValueError(f"output folder {output_dir}: expected a new folder, found the student or teacher folder")
+        if any(_same_file(above, folder) for above in (output_dir.absolute(), *output_dir.absolute().parents)):
+            raise ValueError(f"output folder {output_dir}: expected a folder outside the {name} folder {folder}, "
+                             f"found it is (or is inside) that folder")
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
     try:
         teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
@@ -337,10 +352,8 @@ def distill_checkpoint(
     result = distill(student, teacher, windows, output_dir, eval_data=eval_windows, tokenizer=tokenizer,
                      teacher_tokenizer=teacher_tokenizer, **options)
     if not result["interrupted"] and int(os.environ.get("RANK", "0")) == 0:
-        for source in student_dir.iterdir():
-            weights = source.suffix in (".safetensors", ".bin", ".pt") or source.name in _MODEL_FILES
-            if source.is_file() and not weights and not (output_dir / source.name).exists():
-                shutil.copy2(source, output_dir / source.name)
+        files, _ = plan_other_files(student_dir, skip=set(_MODEL_FILES))
+        copy_other_files(student_dir, output_dir, [f for f in files if not (output_dir / f).exists()])
     return result
 
 
