@@ -229,6 +229,13 @@ WORKER = textwrap.dedent('''
         results[name] = {"code": code, "err": err.getvalue()}
 
     call("projection", "--data", data, "--output", out + "/projection.json")
+    # the plan's measured sensitivity on the same two ranks: each measures its share of the windows
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["plan", model, "--scores", out + "/projection.json", "--data", data, "--output",
+                     out + "/plan.json", "--budget-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
+                     "--seq-len", "%d", "--batch-size", "1", "--quiet", "--threads", "1"])
+    results["plan"] = {"code": code, "err": err.getvalue()}
     call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
     call("failure", "--data", data if rank == 0 else out + "/missing.txt", "--output", out + "/failure.json")
     # rank 1 is stuck opening a FIFO nobody writes to, until rank 0 has given up waiting for it
@@ -245,7 +252,7 @@ WORKER = textwrap.dedent('''
     with open(out + "/.rank%%d.json" %% rank, "w") as f:
         json.dump(results, f)
     os.rename(out + "/.rank%%d.json" %% rank, out + "/rank%%d.json" %% rank)
-''' % (SAMPLES, SEQ))
+''' % (SAMPLES, SEQ, SEQ))
 
 
 def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, text_file, single, tmp_path):
@@ -266,6 +273,20 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
         scores = load_scores(tmp_path / f"{method}.json")
         assert scores["world_size"] == 2 and single[method]["world_size"] == 1
         assert_same_scores(scores, single[method])
+    # the plan: one file, written by rank 0, the same as one process measures on the same windows
+    assert ranks[0]["plan"]["code"] == ranks[1]["plan"]["code"] == 0, ranks[0]["plan"]["err"]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
+    alone = tmp_path / "alone.json"
+    assert main(["plan", str(model_dir), "--scores", str(tmp_path / "projection.json"), "--data", str(text_file),
+                 "--output", str(alone), "--budget-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
+                 "--seq-len", str(SEQ), "--batch-size", "1", "--quiet"]) == 0
+    assert json.loads(alone.read_text())["layers"] == plan["layers"]
+    single_report = json.loads((tmp_path / "alone.sensitivity.json").read_text())
+    assert report["tokens"] == single_report["tokens"] == 4 * SEQ
+    for prefix, layer in report["layers"].items():
+        assert [c["sensitivity"] for c in layer["candidates"]] == pytest.approx(
+            [c["sensitivity"] for c in single_report["layers"][prefix]["candidates"]], rel=1e-6, abs=1e-9)
     # a user error on rank 1 stops both ranks with its message, exit 2; nothing is written
     assert ranks[1]["failure"]["code"] == 2
     assert "error: rank 1 of 2: " in ranks[1]["failure"]["err"] and "missing.txt" in ranks[1]["failure"]["err"]

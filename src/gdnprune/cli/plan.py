@@ -133,20 +133,54 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
 
 
 def run(args) -> int:
+    """Under torchrun / accelerate launch every rank measures its share of the windows; rank 0 writes."""
+    from ..distributed import RankFailedError, process_group, rank, world_size
+
+    who = ""
+    try:
+        with process_group() as several:
+            who = f"rank {rank()} of {world_size()}: " if several else ""
+            return _plan(args)
+    except RankFailedError as exc:
+        print(f"gdnprune plan: error: {who}{' '.join(str(exc).split())}", file=sys.stderr)
+        return 2 if exc.user_error else 1
+    except (ValueError, OSError) as exc:
+        if not who:
+            raise
+        print(f"gdnprune plan: error: {who}{' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
+        return 2
+
+
+def _plan(args) -> int:
+    import argparse
+    import warnings
+
+    from ..distributed import fail_together, is_main_process
     from ..plan import plan_checkpoint
     from ..scores import check_output_file
 
-    check_output_file(args.output, args.overwrite)
-    if args.sensitivity == "measured" and args.data is None:
-        raise ValueError("the measured sensitivity needs calibration text: give --data FILE (or --sensitivity proxy)")
-    if args.budget_params is None and args.budget_state is None:
-        raise ValueError("give a budget: --budget-params and/or --budget-state")
-    with model_runtime(args):
-        plan, report = plan_checkpoint(args.model_dir, args.data, args.scores, num_samples=args.num_samples,
-                                       seq_len=args.seq_len, batch_size=args.batch_size, device=args.device,
-                                       dtype=args.dtype, device_map=args.device_map, progress=not args.quiet,
-                                       **search_options(args))
-    notes = write_outputs(plan, report, args.output, args.overwrite)
+    main = is_main_process()
+    with fail_together():
+        if main:
+            check_output_file(args.output, args.overwrite)
+        if args.sensitivity == "measured" and args.data is None:
+            raise ValueError("the measured sensitivity needs calibration text: give --data FILE (or --sensitivity "
+                             "proxy)")
+        if args.budget_params is None and args.budget_state is None:
+            raise ValueError("give a budget: --budget-params and/or --budget-state")
+    runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
+    with model_runtime(runtime), warnings.catch_warnings():
+        if not main:  # every rank computes the same plan: rank 0 speaks and writes
+            warnings.simplefilter("ignore")
+        with fail_together():
+            plan, report = plan_checkpoint(args.model_dir, args.data, args.scores, num_samples=args.num_samples,
+                                           seq_len=args.seq_len, batch_size=args.batch_size, device=args.device,
+                                           dtype=args.dtype, device_map=args.device_map,
+                                           progress=main and not args.quiet, **search_options(args))
+        with fail_together():
+            notes = write_outputs(plan, report, args.output, args.overwrite) if main else []
+    if not main:
+        return 0
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan, report))
     for line in plan.get("kernel_warnings", []):
         print(f"gdnprune plan: warning: {line}", file=sys.stderr)

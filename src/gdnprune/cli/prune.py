@@ -32,8 +32,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from ..distributed import launch_info
     from ..prune import prune_checkpoint
 
+    info = launch_info()
+    if info is not None and info.world_size > 1:
+        raise ValueError(f"prune runs in one process (found a launch of {info.world_size}); under torchrun, run "
+                         f"`gdnprune score` (and `gdnprune plan`) there, then `sort` and `slice` in one process")
     budget = args.budget_params is not None or args.budget_state is not None
     target = target_from_args(args, required=not budget and args.plan is None)
     search = search_options(args) if budget else None

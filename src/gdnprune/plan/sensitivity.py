@@ -148,20 +148,52 @@ class Forwards:
     input (the layers before it are passed through), so that a change to layer ``i`` (a swapped module, a
     hook) costs only the layers from ``i`` on; :meth:`divergence` compares a final hidden state with the
     teacher's. The model is left as it was.
+
+    Under ``torchrun`` / ``accelerate launch`` (a process group of several ranks, :mod:`gdnprune.distributed`)
+    every rank takes its share of the batches and the sums behind every KL and loss are added over the
+    ranks, so every rank gets the same numbers as one process would.
     """
 
     def __init__(self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24):
+        from .. import distributed
+
         self.model = model.eval()
         self.decoder, self.head = _parts(model)
         self.device = _input_device(model)
-        self.data = _batches(batches)
+        data = _batches(batches)
+        if not data:
+            raise ValueError("a measured sensitivity needs at least one calibration batch")
+        self.several = distributed.is_distributed()
+        if self.several:
+            data = [data[i] for i in distributed.shard_indices(len(data), distributed.rank(), distributed.world_size())]
+        self.data = data
         self.max_logits = max_logits
         self.captured: list[dict[int, torch.Tensor]] = []
         self.finals: list[torch.Tensor] = []
         self.base_loss = float("nan")
         self.forwards = 0
-        if not self.data:
-            raise ValueError("a measured sensitivity needs at least one calibration batch")
+        self._tokens = 0
+
+    def _total(self, *values: float) -> list[float]:
+        """``values`` summed over the ranks (as they are with one process)."""
+        if not self.several:
+            return list(values)
+        from .. import distributed
+
+        total = torch.tensor(values, dtype=torch.float64)
+        distributed.all_reduce_sum([total])
+        return total.tolist()
+
+    @contextlib.contextmanager
+    def _together(self) -> Iterator[None]:
+        """A block that may fail on one rank only: all ranks raise together (then a sum may follow)."""
+        if not self.several:
+            yield
+            return
+        from .. import distributed
+
+        with distributed.fail_together():
+            yield
 
     def decoder_index(self, module: torch.nn.Module) -> int:
         """The index of the decoder layer that holds ``module``."""
@@ -176,12 +208,6 @@ class Forwards:
     @torch.no_grad()
     def teacher(self, layer_indices: Iterable[int]) -> None:
         """The teacher pass: keep the input of decoder layers ``layer_indices`` and the final hidden state."""
-        probe = self.data[0][0][:1, :16].to(self.device)
-        logits = self.model(input_ids=probe, use_cache=False).logits.float()
-        direct = self.head(self.decoder(input_ids=probe, use_cache=False).last_hidden_state).float()
-        if (direct - logits).abs().max() > 1e-3 * (1 + logits.abs().max()):
-            raise ValueError(f"{type(self.model).__name__}: its logits are not lm_head(last hidden state), which "
-                             f"a measured sensitivity needs; use the proxy sensitivity")
         self.captured, self.finals = [], []
 
         def capture(i):
@@ -189,19 +215,28 @@ class Forwards:
                 self.captured[-1][i] = _hidden_argument(args, kwargs).detach().cpu()
             return hook
 
-        handles = [self.decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
-                   for i in sorted(set(layer_indices))]
         ce = n = 0.0
-        try:
-            for ids, mask in self.data:
-                self.captured.append({})
-                final = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
-                self.finals.append(final.detach().cpu())
-                _, c, _, k = _divergence(self.head, final, final, ids, mask, self.max_logits)
-                ce, n = ce + c, n + k
-        finally:
-            for handle in handles:
-                handle.remove()
+        with self._together():
+            if self.data:
+                probe = self.data[0][0][:1, :16].to(self.device)
+                logits = self.model(input_ids=probe, use_cache=False).logits.float()
+                direct = self.head(self.decoder(input_ids=probe, use_cache=False).last_hidden_state).float()
+                if (direct - logits).abs().max() > 1e-3 * (1 + logits.abs().max()):
+                    raise ValueError(f"{type(self.model).__name__}: its logits are not lm_head(last hidden state), "
+                                     f"which a measured sensitivity needs; use the proxy sensitivity")
+            handles = [self.decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
+                       for i in sorted(set(layer_indices))]
+            try:
+                for ids, mask in self.data:
+                    self.captured.append({})
+                    final = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
+                    self.finals.append(final.detach().cpu())
+                    _, c, _, k = _divergence(self.head, final, final, ids, mask, self.max_logits)
+                    ce, n = ce + c, n + k
+            finally:
+                for handle in handles:
+                    handle.remove()
+        ce, n, self._tokens = self._total(ce, n, sum(int(f.shape[0] * f.shape[1]) for f in self.finals))
         self.base_loss = ce / max(n, 1)
 
     @contextlib.contextmanager
@@ -223,12 +258,14 @@ class Forwards:
         def measure() -> tuple[float, float]:
             kl = ce = 0.0
             n_kl = n_ce = 0
-            for k, (ids, mask) in enumerate(self.data):
-                current["k"] = k
-                out = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
-                a, b, c, d = _divergence(self.head, out, self.finals[k], ids, mask, self.max_logits)
-                kl, ce, n_kl, n_ce = kl + a, ce + b, n_kl + c, n_ce + d
-                self.forwards += 1
+            with self._together():
+                for k, (ids, mask) in enumerate(self.data):
+                    current["k"] = k
+                    out = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
+                    a, b, c, d = _divergence(self.head, out, self.finals[k], ids, mask, self.max_logits)
+                    kl, ce, n_kl, n_ce = kl + a, ce + b, n_kl + c, n_ce + d
+                    self.forwards += 1
+            kl, ce, n_kl, n_ce = self._total(kl, ce, n_kl, n_ce)
             return kl / max(n_kl, 1), ce / max(n_ce, 1)
 
         try:
@@ -260,7 +297,8 @@ class Forwards:
 
     @property
     def tokens(self) -> int:
-        return sum(int(f.shape[0] * f.shape[1]) for f in self.finals)
+        """Calibration tokens of the teacher pass (over all ranks)."""
+        return int(self._tokens)
 
 
 class _Stop(Exception):
@@ -271,6 +309,8 @@ class _Stop(Exception):
 def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan], *,
                          progress: bool = True, max_logits: int = 1 << 24) -> dict[str, Any]:
     """KL divergence from the unpruned model (per token) of every candidate of every layer, cut alone.
+
+    Under ``torchrun`` every rank measures its share of the batches; the sums are added over the ranks.
 
     Args:
         model: a transformers causal LM with GDN layers (possibly dispatched with a device map).
