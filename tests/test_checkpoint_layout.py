@@ -15,6 +15,8 @@ import os
 import shutil
 import struct
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +151,38 @@ def test_kernel_copies_and_vectored_writes_give_the_same_rows(tmp_path, monkeypa
         transform_checkpoint(src, out, **kwargs)
         results[threshold] = digest(out)
     assert results[0] == results[1 << 40]
-    assert any(len(c) == 6 for c in calls)  # GDN rows copied in the kernel (unchanged runs pass on_chunk too)
+    assert any(len(c) == 4 for c in calls)  # GDN rows copied in the kernel (the unchanged bytes pass on_chunk)
+
+
+def test_two_threads_share_the_unchanged_bytes_of_large_shards(tmp_path, monkeypatch):
+    """Once its GDN jobs are done the worker copies unchanged pieces from the back of the shards; each piece
+    is copied once, by one thread, and the output does not depend on who copied what."""
+    src = build_wide(tmp_path / "src")
+    sort_checkpoint(src, random_scores(), tmp_path / "alone", progress=False)  # small shards: the main thread alone
+    monkeypatch.setattr(engine, "_SHARE_MIN", 0)
+    monkeypatch.setattr(engine, "_PIECE", BLOCK)
+    pieces, main_copied = [], threading.Event()
+    real = engine._copy
+
+    def slow_main_thread(src_fd, dst_fd, path, piece, on_chunk=None):
+        pieces.append((threading.current_thread().name, path, piece))
+        if on_chunk is None:  # the worker's: not before the main thread has begun
+            main_copied.wait(timeout=30)
+        else:  # the main thread's, slowed down
+            main_copied.set()
+            time.sleep(0.005)
+        return real(src_fd, dst_fd, path, piece, on_chunk)
+
+    monkeypatch.setattr(engine, "_copy", slow_main_thread)
+    sort_checkpoint(src, random_scores(), tmp_path / "shared", progress=False)
+    assert digest(tmp_path / "shared") == digest(tmp_path / "alone")
+    threads = {name for name, _, _ in pieces}
+    assert threads == {"MainThread", "gdnprune-gdn"}
+    copied = sorted((path, piece) for _, path, piece in pieces)
+    assert len(copied) == len(set(copied))  # no piece twice
+    for path in sorted(src.glob("*.safetensors")):
+        unchanged = sum(t.nbytes for t in read_header(path).tensors.values() if ".linear_attn." not in t.name)
+        assert sum(piece[2] for p, piece in copied if p == str(path)) == unchanged
 
 
 @pytest.mark.parametrize("threshold", [0, 1 << 40], ids=["kernel copies", "reads"])

@@ -15,8 +15,10 @@ in the kernel when the runs are long; columns (``out_proj``) are gathered with `
 whose tensors straddle two shards needs nothing special. The header is written last.
 
 :mod:`gdnprune.checkpoint.transform` drives it with two threads: the main thread copies the unchanged
-bytes (:func:`copy_unchanged`), a worker runs GDN jobs (:meth:`GDNWork.run`), from the last shard; when the
-main thread is done copying it takes GDN jobs too. Nothing here imports torch.
+bytes (:func:`copy_unchanged`), shard by shard from the first; a worker runs GDN jobs (:meth:`GDNWork.run`)
+from the last shard, then copies unchanged pieces of the large shards from their end until it meets the
+main thread (:meth:`ShardPlan.claim`), so that both cores copy until the end; a main thread done first
+takes GDN jobs too. Nothing here imports torch.
 
 OLMo-hybrid stores its fused conv on disk as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` (transformers
 writes equal thirds, whatever the q/k/v sizes). They are read as one conv (concatenated in that order),
@@ -66,8 +68,9 @@ class ShardPlan:
     """One output shard: the tensors of the source shard in the source's order, GDN tensors at their
     gathered size (:meth:`lay_out`, once the GDN shapes are known).
 
-    Runs of unchanged tensors are contiguous in both files and are copied as ``runs``
-    (``(source offset, output offset, length)``, absolute). The header is padded with spaces (as
+    Runs of unchanged tensors are contiguous in both files: ``runs`` (``(source offset, output offset,
+    length)``, absolute), split into ``pieces`` of at most 64 MiB that two threads can share (:meth:`claim`).
+    The header is padded with spaces (as
     safetensors allows) so that the data section starts where most unchanged bytes land at the same offset
     modulo :data:`~gdnprune.safetensors_io.BLOCK` as in the source: a file system that shares extents
     (XFS with reflink, btrfs) then clones those blocks instead of copying them. A sort changes no size, so
@@ -81,8 +84,11 @@ class ShardPlan:
     gdn: list[str]
     header: bytes = b""
     runs: list[tuple[int, int, int]] = field(default_factory=list)
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
     gdn_entries: dict = field(default_factory=dict)
     _entries: list[tuple] = field(default_factory=list, repr=False)
+    _claimed: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # pieces taken from the front, back
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def data_start(self) -> int:
@@ -116,7 +122,31 @@ class ShardPlan:
         data_start = _aligned_start(len(header), runs)
         self.header = encode_header(entries, self.src.metadata, size=data_start - 8)
         self.runs = [(src, data_start + dst, length) for src, dst, length in runs]
+        self.pieces = []
+        for src, dst, length in self.runs:  # cut at source offsets that are multiples of _PIECE (and BLOCK)
+            begin, end = src, src + length
+            while begin < end:
+                stop = min(end, (begin // _PIECE + 1) * _PIECE)
+                self.pieces.append((begin, dst + begin - src, stop - begin))
+                begin = stop
         self._entries = entries
+
+    def claim(self, back: bool = False) -> tuple[int, int, int] | None:
+        """The next piece of unchanged bytes that no thread has taken, from the front (the main thread's
+        order) or from the back (the GDN worker's, once its jobs are done); None when all are taken."""
+        with self._lock:
+            front, taken = self._claimed
+            if front + taken >= len(self.pieces):
+                return None
+            self._claimed[back] += 1
+            return self.pieces[len(self.pieces) - 1 - taken] if back else self.pieces[front]
+
+
+#: unchanged bytes are copied in pieces of at most this size (a multiple of BLOCK), which two threads may share
+_PIECE = 64 << 20
+#: the GDN worker helps copy the unchanged bytes of shards that hold at least this many (smaller copies are
+#: not worth a second thread writing into the same files)
+_SHARE_MIN = 2 * _PIECE
 
 
 def _aligned_start(minimum: int, runs: list) -> int:
@@ -147,17 +177,18 @@ def copy_unchanged(plan: ShardPlan, on_chunk: Callable[[int], None]) -> None:
     try:
         src = os.open(plan.src.path, os.O_RDONLY)
         try:
-            for begin, dst, length in plan.runs:
-                _copy(src, fd, plan.src.path, begin, length, dst, on_chunk)
+            while (piece := plan.claim()) is not None:
+                _copy(src, fd, plan.src.path, piece, on_chunk)
         finally:
             os.close(src)
     finally:
         os.close(fd)
 
 
-def _copy(src: int, dst: int, path: str, begin: int, length: int, dst_offset: int, on_chunk=None) -> None:
-    """:func:`copy_range` of source bytes ``[begin, begin + length)`` of ``path``; a file that became shorter
-    than its header says is an :class:`InputChangedError`."""
+def _copy(src: int, dst: int, path: str, piece: tuple[int, int, int], on_chunk=None) -> None:
+    """:func:`copy_range` of ``piece`` (source offset in ``path``, output offset, length); a file that became
+    shorter than its header says is an :class:`InputChangedError`."""
+    begin, dst_offset, length = piece
     try:
         copy_range(src, dst, begin, length, dst_offset=dst_offset, on_chunk=on_chunk)
     except OSError as exc:
@@ -221,22 +252,41 @@ class GDNWork:
         self.jobs.reverse()
 
     def run(self, after_job: Callable[[], None] | None = None) -> None:
-        """Run jobs until none is left, :attr:`stop` is set or some thread failed."""
+        """Run jobs until none is left, :attr:`stop` is set or some thread failed; then help copy the
+        unchanged bytes of the large shards, from the last shard's end (:meth:`ShardPlan.claim`)."""
         files = _SourceFiles(self.ckpt)
         try:
             while not self.stop.is_set() and self.error is None:
                 with self.lock:
                     if self.next_job >= len(self.jobs):
-                        return
+                        break
                     plan, suffix = self.jobs[self.next_job]
                     self.next_job += 1
-                written = _write_job(plan, suffix, files, self._destination)
-                with self.lock:
-                    self.bytes_done += written
-                if after_job is not None:
-                    after_job()
+                self._done(_write_job(plan, suffix, files, self._destination), after_job)
+            for shard in reversed(self.shards):
+                if shard.unchanged_bytes >= _SHARE_MIN:
+                    self._help_copy(shard, files, after_job)
         finally:
             files.close()
+
+    def _help_copy(self, shard: ShardPlan, files: _SourceFiles, after_job) -> None:
+        """Copy unchanged pieces of ``shard`` from its end until the main thread's copy meets them."""
+        fd = None
+        try:
+            while not self.stop.is_set() and self.error is None and (piece := shard.claim(back=True)):
+                fd = os.open(shard.dst, os.O_WRONLY | os.O_CREAT, 0o666) if fd is None else fd
+                src, path = files.fd(next(iter(shard.src.tensors)))
+                _copy(src, fd, path, piece)
+                self._done(piece[2], after_job)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _done(self, written: int, after_job: Callable[[], None] | None) -> None:
+        with self.lock:
+            self.bytes_done += written
+        if after_job is not None:
+            after_job()
 
     def _destination(self, plan: LayerPlan, suffix: str) -> tuple[str, int, tuple[int, ...]]:
         """Output file, absolute offset and planned shape of on-disk tensor ``suffix`` of a layer."""
@@ -263,7 +313,7 @@ class _SourceFiles:
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         self.open: dict[int, int] = {}
-        self.buffers = [bytearray(), bytearray()]
+        self.buffers: list = [b"", b""]
 
     def fd(self, name: str) -> tuple[int, str]:
         """A read-only descriptor and the path of the shard that holds tensor ``name``."""
@@ -277,8 +327,10 @@ class _SourceFiles:
     def buffer(self, which: int, nbytes: int) -> memoryview:
         """``nbytes`` of reusable buffer ``which`` (0: source bytes, 1: gathered bytes), valid until the next call."""
         if len(self.buffers[which]) < nbytes:
-            self.buffers[which] = bytearray()  # release the old one first
-            self.buffers[which] = bytearray(nbytes)
+            import numpy as np
+
+            self.buffers[which] = b""  # release the old one first
+            self.buffers[which] = np.empty(nbytes, dtype=np.uint8)  # not zeroed (bytearray would)
         return memoryview(self.buffers[which])[:nbytes]
 
     def read(self, names: list[str]) -> list[tuple[TensorInfo, memoryview]]:
@@ -304,7 +356,7 @@ class _SourceFiles:
         for fd in self.open.values():
             os.close(fd)
         self.open.clear()
-        self.buffers = [bytearray(), bytearray()]
+        self.buffers = [b"", b""]
 
 
 def _byte_view(info: TensorInfo, data, axis: int):
@@ -376,7 +428,7 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
                 if lengths.size and int(lengths.sum()) >= _KERNEL_RUN * lengths.size:
                     src, path = files.fd(info.name)
                     for b, n, at in zip(begin.tolist(), lengths.tolist(), (offset + np.cumsum(lengths) - lengths).tolist()):
-                        _copy(src, fd, path, info.start + b, n, at)
+                        _copy(src, fd, path, (info.start + b, at, n))
                     return int(lengths.sum())
                 ((_, data),) = files.read([info.name])
                 runs = list(map(data.__getitem__, map(slice, begin.tolist(), (begin + lengths).tolist())))
