@@ -12,11 +12,23 @@ in its own child process and side by side in every round:
   imports only what the engine needs;
 * a naive baseline: ``safetensors.torch.load_file`` each shard, gather the GDN tensors, ``save_file``.
 
-Wall time and peak RSS come from ``os.wait4`` of each child; ``sync`` runs (untimed, reported) between
-commands so that one command's write-back does not land in the next one's time. Prints the median over
-rounds and the ratios to ``cp -r`` and to the targets (wall <= 1.3x cp, RSS <= largest tensor + 1 GB).
+Rounds alternate the commands (one of each per round). Wall time, CPU time, peak RSS and the bytes each
+command made the kernel write (``ru_oublock``: after reflinks, only what was not shared) come from
+``os.wait4`` of each child; ``sync`` runs (untimed, reported) between commands so that one command's
+write-back does not land in the next one's time, and the bytes of the output that the file system does
+not share with the source (FIEMAP extents, read with ``filefrag`` after the sync) are reported too. Around every command the benchmark also measures how much CPU the machine's other
+processes used (their user and system time, from ``/proc``): a round is *calm* when they used less than
+``--calm`` cores (default 0.25) during each of its commands. The calm rounds are reported first (medians
+and ratios to ``cp -r`` of the same rounds), then the busy ones, then all, each with its load. On a busy
+machine ``cp`` (one thread) loses more than gdnprune's two threads, which flatters the ratio: compare calm
+rounds. ``--wait-calm S`` waits up to S seconds for a calm machine before each round.
 
-    python benchmarks/transform.py                  # 6 layers, ~470 MB shards (~2.8 GB)
+``--fs xfs`` runs everything on a sparse loop-mounted XFS image formatted with ``reflink=1`` (root and
+``mkfs.xfs``, Debian package xfsprogs), against ``cp -r --reflink=auto``: there the unchanged bytes are
+shared, not copied.
+
+    python benchmarks/transform.py                  # 6 layers, ~470 MB shards (~2.8 GB), 5 rounds
+    python benchmarks/transform.py --fs xfs         # the same on XFS with reflinks
     python benchmarks/transform.py --layers 12      # twice the layers
     python benchmarks/transform.py --shard-scale 4  # shards 4x larger (~1.9 GB)
 """
@@ -160,21 +172,94 @@ def build(folder: str, layers: int, shard_scale: float, seed: int = 0) -> dict:
             "gdn_bytes_per_shard": gdn_bytes}
 
 
-def run_child(cmd: list[str]) -> tuple[float, int, float, float]:
-    """Run ``cmd``; returns (wall s, peak RSS bytes, seconds of the `sync` that follows, CPU s (user + sys))."""
+def others_cpu() -> float:
+    """CPU seconds used so far by every user process but this one (and its reaped children): user and system
+    time of each, plus that of its reaped children, so that a process that ends between two readings still
+    counts through its parent. Kernel threads (write-back, loop devices) are left out: their work is ours."""
+    total, me = 0, os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[6]) & 0x00200000:  # PF_KTHREAD
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def unshared_bytes(folder: str) -> int | None:
+    """Bytes of the files under ``folder`` in extents that the file system does not mark as shared (FIEMAP,
+    read with ``filefrag``; None without it): what a copy really wrote to disk."""
+    if not shutil.which("filefrag"):
+        return None
+    paths = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
+    out = subprocess.run(["filefrag", "-v", "-b1", *paths], capture_output=True, text=True, check=True).stdout
+    total = 0
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(":")]
+        if len(fields) >= 5 and fields[0].isdigit() and "shared" not in fields[-1]:
+            total += int(fields[3])
+    return total
+
+
+def run_child(cmd: list[str], out: str) -> dict:
+    """Run ``cmd`` (which writes ``out``) between two ``sync`` calls. Returns wall s, peak RSS, the `sync`
+    that follows, the child's CPU s, the bytes it dirtied (``ru_oublock``: what it made the kernel write,
+    after reflinks), the bytes of its output not shared with the source (FIEMAP), the 1-minute load average
+    before it, and the CPU that everything else on the machine used meanwhile (in cores: the load the run
+    competed with)."""
     subprocess.run(["sync"], check=True)
+    load, others = os.getloadavg()[0], others_cpu()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
+    others = others_cpu() - others
     proc.returncode = os.waitstatus_to_exitcode(status)
     err = proc.stderr.read().decode(errors="replace")
     proc.stderr.close()
     if proc.returncode != 0:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{err}")
+    cpu = usage.ru_utime + usage.ru_stime
     start = time.perf_counter()
     subprocess.run(["sync"], check=True)
-    return wall, usage.ru_maxrss * 1024, time.perf_counter() - start, usage.ru_utime + usage.ru_stime
+    return {"wall": wall, "rss": usage.ru_maxrss * 1024, "sync": time.perf_counter() - start, "cpu": cpu,
+            "written": usage.ru_oublock * 512, "unshared": unshared_bytes(out), "load": load,
+            "others": max(0.0, others) / wall}
+
+
+def wait_until_calm(limit: float, seconds: float) -> None:
+    """Wait (at most ``seconds``) until the other processes use less than ``limit`` cores over 2 s."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        others = others_cpu()
+        time.sleep(2)
+        if (others_cpu() - others) / 2 < limit:
+            return
+
+
+class XFSImage:
+    """A sparse file formatted as XFS with reflinks (``mkfs.xfs -m reflink=1``) and loop-mounted (root)."""
+
+    def __init__(self, where: str, size: int):
+        self.image, self.mount = os.path.join(where, "xfs.img"), os.path.join(where, "xfs")
+        with open(self.image, "wb") as f:
+            f.truncate(size)
+        os.makedirs(self.mount)
+        for cmd in (["mkfs.xfs", "-q", "-m", "reflink=1", self.image], ["mount", "-o", "loop", self.image, self.mount]):
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True)
+            except FileNotFoundError:
+                raise SystemExit(f"--fs xfs needs {cmd[0]} (Debian: apt-get install xfsprogs)") from None
+            if done.returncode:
+                raise SystemExit(f"--fs xfs: {' '.join(cmd)} failed (root and loop devices needed): {done.stderr}")
+
+    def close(self) -> None:
+        subprocess.run(["umount", self.mount], check=False)
 
 
 def pick_workdir(need: int, requested: str | None) -> str:
@@ -185,13 +270,47 @@ def pick_workdir(need: int, requested: str | None) -> str:
     raise SystemExit(f"no folder among {candidates} has {need * 1.2 / 1e9:.1f} GB free")
 
 
+def table(title: str, rounds: list[dict]) -> None:
+    """Medians over ``rounds`` (each: command -> run_child result), ratios to `cp -r` of the same rounds."""
+    names = list(rounds[0])
+    med = {k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall", "sync", "cpu", "written")}
+           for k in names}
+    for k in names:
+        med[k]["with_sync"] = statistics.median(r[k]["wall"] + r[k]["sync"] for r in rounds)
+        med[k]["rss"] = max(r[k]["rss"] for r in rounds)
+        med[k]["unshared"] = statistics.median(r[k]["unshared"] or 0 for r in rounds)
+    cp = med[names[0]]
+    loads = [r[k]["load"] for r in rounds for k in names]
+    others = [r[k]["others"] for r in rounds for k in names]
+    print(f"\n{title}: median of {len(rounds)} rounds; 1-min load average {min(loads):.2f}-{max(loads):.2f}, "
+          f"other processes used {min(others):.2f}-{max(others):.2f} cores")
+    print(f"{'command':22s} {'wall s':>7s} {'x cp':>6s} {'+sync':>6s} {'x cp':>6s} {'cpu s':>6s} {'RSS MiB':>8s} "
+          f"{'written MB':>11s} {'unshared MB':>12s}")
+    for k in names:
+        m = med[k]
+        print(f"{k:22s} {m['wall']:7.2f} {m['wall'] / cp['wall']:6.2f} {m['with_sync']:6.2f} "
+              f"{m['with_sync'] / cp['with_sync']:6.2f} {m['cpu']:6.2f} {m['rss'] / 2**20:8.0f} "
+              f"{m['written'] / 1e6:11.0f} {m['unshared'] / 1e6:12.0f}")
+    per_round = "; ".join(" ".join(f"{r[k]['wall'] / r[names[0]]['wall']:.2f}" for k in names[1:]) for r in rounds)
+    print(f"per round, x {names[0]} ({', '.join(names[1:])}): {per_round}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=6, help="GDN layers = shards (default 6; 12 doubles)")
     p.add_argument("--shard-scale", type=float, default=1.0, help="shard size multiplier (4: ~1.9 GB shards)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of all commands (median reported)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of all commands, alternating (medians reported)")
+    p.add_argument("--fs", choices=("default", "xfs"), default="default",
+                   help="xfs: run on a loop-mounted XFS image with reflinks (root, xfsprogs), against "
+                        "`cp -r --reflink=auto`")
+    p.add_argument("--calm", type=float, default=0.25, metavar="CORES",
+                   help="a round is calm when other processes used less than this many cores during each of its "
+                        "commands (default 0.25)")
+    p.add_argument("--wait-calm", type=float, default=0, metavar="S",
+                   help="before each round, wait up to S seconds for the machine to be calm")
     p.add_argument("--workdir", help="folder for the checkpoint and outputs (default: /tmp or /work, by free space)")
     p.add_argument("--skip-naive", action="store_true", help="leave out the naive baseline")
+    p.add_argument("--skip-api", action="store_true", help="leave out the Python API commands")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--build-only", metavar="DIR", help=argparse.SUPPRESS)  # internal: build in a child process
     args = p.parse_args(argv)
@@ -202,8 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     est = int(args.layers * SHARD_MB * 1e6 * args.shard_scale)
     print(subprocess.run(["df", "-h", "/tmp", "/work"], capture_output=True, text=True).stdout.strip())
     work = pick_workdir(2 * est, args.workdir)
-    src, out = os.path.join(work, "model"), os.path.join(work, "out")
+    xfs = None
     try:
+        if args.fs == "xfs":
+            xfs = XFSImage(work, max(int(2.5 * est), 400 << 20))
+            print(f"XFS image {xfs.image} ({max(int(2.5 * est), 400 << 20) / 1e9:.1f} GB, sparse) mounted on {xfs.mount}")
+        base = xfs.mount if xfs else work
+        src, out = os.path.join(base, "model"), os.path.join(base, "out")
         t0 = time.perf_counter()
         # built in a child process: this process stays small, so that forked children start small
         built = subprocess.run([PYTHON, os.path.abspath(__file__), "--build-only", src, "--layers", str(args.layers),
@@ -213,43 +337,51 @@ def main(argv: list[str] | None = None) -> int:
               f"{facts['shard_bytes'] / 1e6:.0f} MB ({facts['gdn_bytes_per_shard'] / 1e6:.0f} MB GDN), largest "
               f"tensor {facts['largest_tensor'] / 1e6:.0f} MB, in {time.perf_counter() - t0:.0f} s")
         target = json.dumps({"num_key_heads": 8, "num_value_heads": 16})
+        cp = ["cp", "-r", "--reflink=auto", src, out] if xfs else ["cp", "-r", src, out]
         commands = {
-            "cp -r": ["cp", "-r", src, out],
+            " ".join(cp[:-2]): cp,
             "gdnprune sort": [PYTHON, "-m", "gdnprune", "sort", src, "--scores", facts["scores"], "--output", out,
                               "--quiet"],
             "gdnprune slice": [PYTHON, "-m", "gdnprune", "slice", src, "--output", out, "--num-key-heads", "8",
                                "--num-value-heads", "16", "--quiet"],
-            "sort (python API)": [PYTHON, "-c", API, src, out, "sort", facts["scores"]],
-            "slice (python API)": [PYTHON, "-c", API, src, out, "slice", target],
         }
+        if not args.skip_api:
+            commands["sort (python API)"] = [PYTHON, "-c", API, src, out, "sort", facts["scores"]]
+            commands["slice (python API)"] = [PYTHON, "-c", API, src, out, "slice", target]
         if not args.skip_naive:
             commands["naive sort"] = [PYTHON, "-c", NAIVE, src, out, "sort", facts["scores"]]
         subprocess.run(["cat", *[os.path.join(src, f) for f in os.listdir(src)]], stdout=subprocess.DEVNULL)
-        results: dict[str, list] = {k: [] for k in commands}
+        rounds = []
         for r in range(args.rounds):
+            if args.wait_calm:
+                wait_until_calm(args.calm, args.wait_calm)
+            rounds.append({})
             for name, cmd in commands.items():
                 shutil.rmtree(out, ignore_errors=True)
-                results[name].append(run_child(cmd))
-                wall, rss, sync, cpu = results[name][-1]
-                print(f"round {r + 1} {name:20s} {wall:7.2f} s  {rss / 2**20:7.0f} MiB  (+sync {sync:.2f} s, "
-                      f"cpu {cpu:.2f} s)", flush=True)
+                res = rounds[-1][name] = run_child(cmd, out)
+                print(f"round {r + 1} {name:22s} {res['wall']:7.2f} s  {res['rss'] / 2**20:5.0f} MiB  cpu "
+                      f"{res['cpu']:5.2f} s  +sync {res['sync']:.2f} s  written {res['written'] / 1e6:6.0f} MB  unshared "
+                      f"{(res['unshared'] or 0) / 1e6:6.0f} MB  load {res['load']:.2f}  others {res['others']:.2f} cores",
+                      flush=True)
             shutil.rmtree(out, ignore_errors=True)
 
-        med = {k: (statistics.median(r[0] for r in v), max(r[1] for r in v), statistics.median(r[0] + r[2] for r in v),
-                   statistics.median(r[3] for r in v)) for k, v in results.items()}
-        cp_wall, _, cp_sync, cp_cpu = med["cp -r"]
-        rss_target = facts["largest_tensor"] + 2**30
-        print()
-        print(f"checkpoint: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shards "
+        print(f"\ncheckpoint: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shards "
               f"{facts['shard_bytes'] / 1e6:.0f} MB, largest tensor {facts['largest_tensor'] / 1e6:.0f} MB; "
-              f"median of {args.rounds} rounds")
-        print(f"{'command':20s} {'wall s':>7s} {'x cp':>6s} {'+sync s':>8s} {'x cp':>6s} {'cpu s':>6s} "
-              f"{'peak RSS MiB':>13s} {'/ target':>9s} {'/ shard':>8s}")
-        for name, (wall, rss, with_sync, cpu) in med.items():
-            print(f"{name:20s} {wall:7.2f} {wall / cp_wall:6.2f} {with_sync:8.2f} {with_sync / cp_sync:6.2f} "
-                  f"{cpu:6.2f} {rss / 2**20:13.0f} {rss / rss_target:9.2f} {rss / facts['shard_bytes']:8.2f}")
-        print(f"targets: wall <= 1.3 x cp -r; peak RSS <= largest tensor + 1 GiB = {rss_target / 2**20:.0f} MiB")
+              f"file system: {'XFS (reflink=1, loop)' if xfs else 'that of ' + work}; {os.cpu_count()} CPUs")
+        calm = [r for r in rounds if max(res["others"] for res in r.values()) < args.calm]
+        busy = [r for r in rounds if r not in calm]
+        if calm:
+            table(f"calm rounds (other processes < {args.calm} cores)", calm)
+        else:
+            print(f"\nno calm round (other processes < {args.calm} cores during every command)")
+        if busy:
+            table("busy rounds", busy)
+        table("all rounds", rounds)
+        print(f"targets: wall <= 1.2 x cp on a calm machine, <= 0.8 x on a busy one; peak RSS <= 256 MiB")
     finally:
+        if xfs:
+            shutil.rmtree(os.path.join(xfs.mount, "out"), ignore_errors=True)
+            xfs.close()
         if args.keep:
             print(f"kept {work}")
         else:
