@@ -58,3 +58,36 @@ def test_refined_lane_orders_are_measured_exactly_and_batch_invariant(model_type
     for prefix, module in find_gdn_modules(model):  # no hook or weight left behind
         assert all(torch.equal(v, module.state_dict()[k]) for k, v in before[prefix].items())
         assert not (getattr(module, "out_proj", None) or module.o_proj)._forward_pre_hooks
+
+
+def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
+    import json
+
+    from gdnprune import load_pretrained
+    from gdnprune.cli import main
+    from gdnprune.compensate import load_statistics
+    from gdnprune.scores import load_scores
+    from test_checkpoint import SHAPE as SMALL_SHAPE, make_source
+
+    src = make_source(tmp_path / "model", "qwen3_5", seed=22)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["the model sorts heads and slices them"] * 300))
+    common = ["--data", str(text), "--num-samples", "4", "--seq-len", "72", "--quiet"]
+    assert main(["score", str(src), "--output", str(tmp_path / "s.json"), "--refine", "lanes", "--refine-samples",
+                 "2", "--compensation", *common]) == 0
+    assert "compensation statistics" in capsys.readouterr().out
+    scores = load_scores(tmp_path / "s.json")
+    assert scores["measures"]["value_lane"] == "measured_kl" and scores["lane_refinement"]["evaluations"] > 0
+    stats = load_statistics(tmp_path / "s.compensation.safetensors")
+    assert set(stats) == set(scores["layers"])
+    r = SMALL_SHAPE.num_value_heads * SMALL_SHAPE.value_head_dim
+    assert all(v["out_moment"].shape == (r, r) and v["tokens"] == 4 * 72 for v in stats.values())
+    assert main(["score", str(src), "--output", str(tmp_path / "s.json"), "--compensation", *common]) == 2
+    assert "already exists" in capsys.readouterr().err  # neither file is replaced without --overwrite
+    # prune with both in one run; the output loads and records what was done
+    out = tmp_path / "pruned"
+    assert main(["prune", str(src), "-o", str(out), "--num-key-heads", "1", "--num-value-heads", "2", "--refine",
+                 "lanes", "--compensate", *common]) == 0
+    manifest = json.loads((out / "gdnprune.json").read_text())
+    assert manifest["compensation"]["nested"] is False and manifest["scores"]["measures"]["value_lane"] == "measured_kl"
+    assert load_pretrained(out)(input_ids=torch.randint(0, 11, (1, 20))).logits.isfinite().all()

@@ -19,6 +19,7 @@ def prune_checkpoint(
     plan_samples: int = 16,
     tp: int | None = None,
     multiple_of: int | None = None,
+    compensate: bool = False,
     overwrite: bool = False,
     progress: bool = True,
     **scoring: Any,
@@ -29,8 +30,10 @@ def prune_checkpoint(
     file or dict, :mod:`gdnprune.plans`), or ``search`` — the options of :func:`gdnprune.plan.plan_model`
     (``budget_params``, ``budget_state``, ``sensitivity``, ``dim_step``, ``axes``, ``uniform``): the plan is
     then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
-    options of :func:`gdnprune.scoring.score_checkpoint`. The output path, the target or plan and the
-    constraints are checked before the (long) scoring starts. Returns the manifest (with the searched plan
+    options of :func:`gdnprune.scoring.score_checkpoint` (``refine="lanes"`` included). ``compensate``
+    collects the least-squares statistics in the scoring pass and refits every cut layer's ``out_proj``
+    (:mod:`gdnprune.compensate`). The output path, the target or plan and the constraints are checked
+    before the (long) scoring starts. Returns the manifest (with the searched plan
     under ``"plan"``).
     """
     from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
@@ -52,7 +55,8 @@ def prune_checkpoint(
             resolve_target(shape, target)  # raises TargetError (a ValueError) for an illegal target
     if plan is not None:
         resolve_plan(plan, shapes)
-    scores = score_checkpoint(model_dir, data, progress=progress, **scoring)
+    scores = score_checkpoint(model_dir, data, progress=progress, compensation=compensate, **scoring)
+    stats = scores.pop("compensation_statistics", None)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
     if search is not None:
         from .plan import plan_checkpoint
@@ -64,5 +68,6 @@ def prune_checkpoint(
     elif plan is not None:
         plan = read_plan(plan)
     return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
-                                tp=tp, multiple_of=multiple_of, operation="prune", overwrite=overwrite,
+                                tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
+                                overwrite=overwrite,
                                 progress=progress, manifest_extra=extra)

@@ -62,7 +62,7 @@ def transform_checkpoint(
     plan: str | os.PathLike | Mapping | None = None,
     tp: int | None = None,
     multiple_of: int | None = None,
-    compensation: str | os.PathLike | None = None,
+    compensation: str | os.PathLike | Mapping | None = None,
     ridge: float | None = None,
     operation: str,
     overwrite: bool = False,
@@ -87,7 +87,8 @@ def transform_checkpoint(
             head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
             such layer. Head dims that flash-linear-attention cannot run or must pad give a
             :class:`KernelShapeWarning`.
-        compensation: a calibration statistics file (:mod:`gdnprune.compensate`): the ``out_proj`` of every
+        compensation: a calibration statistics file (:mod:`gdnprune.compensate`; or the loaded statistics of
+            this very checkpoint): the ``out_proj`` of every
             layer that loses value heads or value channels is refitted by least squares to reconstruct the
             full layer output (``ridge``: its strength, default ``1e-3``). Compensated outputs are not
             nested across targets; the manifest says so.
@@ -160,7 +161,10 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     if stats_path is not None:
         if not cut:
             raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
-        stats, order = compensate.load_statistics(stats_path), refit.statistics_order(ckpt, stats_path)
+        if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
+            stats, order = stats_path, None
+        else:
+            stats, order = compensate.load_statistics(stats_path), refit.statistics_order(ckpt, stats_path)
     at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if not cut or n not in gdn_names)
     existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
@@ -210,7 +214,8 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
                 refitted = refit.refit_out_proj(ckpt, plans, destinations, stats, order,
                                                 ridge=compensate.DEFAULT_RIDGE if ridge is None else ridge)
                 manifest_extra = {"compensation": {
-                    "statistics": refit.stats_info(stats_path), "ridge": compensate.DEFAULT_RIDGE if ridge is None
+                    "statistics": "collected in this run" if isinstance(stats_path, Mapping)
+                    else refit.stats_info(stats_path), "ridge": compensate.DEFAULT_RIDGE if ridge is None
                     else ridge, "layers": refitted, "nested": False,
                     "note": "out_proj refitted by least squares per target: not nested across targets"},
                     **dict(manifest_extra or {})}

@@ -27,6 +27,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--plan-samples", type=positive_int, default=16,
                    help="calibration windows of the plan search's measured sensitivity (default 16)")
     add_calibration_arguments(p)
+    q = p.add_argument_group("one-shot quality")
+    q.add_argument("--refine", choices=("lanes",), default=None,
+                   help="decide the lane orders by measured KL (see gdnprune score --refine)")
+    q.add_argument("--compensate", action="store_true",
+                   help="refit each cut layer's out_proj by least squares on the calibration windows (the output "
+                        "is then not nested across targets)")
     add_runtime_arguments(p)
     p.set_defaults(func=run)
 
@@ -48,7 +54,8 @@ def run(args) -> int:
     with model_runtime(args):
         manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
-                                    overwrite=args.overwrite, progress=not args.quiet, **scoring_options(args))
+                                    compensate=args.compensate, overwrite=args.overwrite, progress=not args.quiet,
+                                    refine=args.refine, **scoring_options(args))
     uniform = manifest.get("target")
     what = f"sliced to {uniform}" if uniform else "sliced layer by layer"
     if budget:

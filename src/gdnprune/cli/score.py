@@ -32,6 +32,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--output", metavar="SCORES.json", help="scores file to write")
     p.add_argument("--overwrite", action="store_true", help="replace SCORES.json (or the --partial file) if it exists")
     add_calibration_arguments(p, data_required=False)
+    q = p.add_argument_group("one-shot quality")
+    q.add_argument("--refine", choices=("lanes",), default=None,
+                   help="decide the lane orders by measured KL (real forwards, a few times the scoring cost) "
+                        "instead of the loss-aware Gram")
+    q.add_argument("--refine-samples", type=int, default=16, metavar="N",
+                   help="calibration windows the lane refinement measures on (default 16)")
+    q.add_argument("--compensation", action="store_true",
+                   help="also write SCORES.compensation.safetensors, the statistics for `slice --compensate` "
+                        "(least-squares refit of out_proj; float64 [Hv*dv]^2 per layer)")
     g = p.add_argument_group("many processes")
     g.add_argument("--shard", type=shard_spec, default=None, metavar="i/n",
                    help="score only share i of n of the calibration windows (0 <= i < n) and write its raw "
@@ -45,6 +54,12 @@ def add_parser(subparsers) -> None:
     add_runtime_arguments(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no notes")
     p.set_defaults(func=run)
+
+
+def compensation_path(output) -> str:
+    """Where ``score --compensation`` writes its statistics: beside the scores file."""
+    text = str(output)
+    return (text[: -len(".json")] if text.endswith(".json") else text) + ".compensation.safetensors"
 
 
 def _mode(args) -> str:
@@ -101,6 +116,8 @@ def _score(args, mode: str) -> int:
     with fail_together():
         if main:
             check_output_file(target, args.overwrite)
+            if mode == "scores" and args.compensation:
+                check_output_file(compensation_path(args.output), args.overwrite)
     options = dict(progress=not args.quiet, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
@@ -120,9 +137,17 @@ def _score(args, mode: str) -> int:
             tokens = next(iter(run.statistics.layers.values())).stats.get("num_tokens")
             done = f"{what}, {int(tokens) if tokens is not None else 0} tokens"
         else:
-            scores = score_checkpoint(args.model_dir, args.data, **options)
+            scores = score_checkpoint(args.model_dir, args.data, refine=args.refine,
+                                      refine_samples=args.refine_samples, compensation=args.compensation, **options)
+            stats = scores.pop("compensation_statistics", None)
             with fail_together():
                 path = save_scores(scores, args.output, overwrite=args.overwrite) if main else None
+                if stats is not None and main:
+                    from ..compensate import model_identity, save_statistics
+
+                    stats_path = compensation_path(args.output)
+                    save_statistics(stats, stats_path, model=model_identity(args.model_dir))
+                    path = f"{path} (compensation statistics: {stats_path})"
             done = f"{len(scores['layers'])} GDN layers scored with {args.method!r} on {scores['num_tokens']} tokens"
             run = None
     if main:
@@ -136,6 +161,8 @@ def run(args) -> int:
     from ..distributed import RankFailedError, process_group, rank, world_size
 
     mode = _mode(args)
+    if mode != "scores" and (args.refine or args.compensation):
+        raise ValueError("--refine and --compensation write a scores file: not with --shard/--partial or --merge")
     if mode == "merge":
         return _merge(args)
     who = ""  # "rank R of N: " in front of the messages of a multi-process run

@@ -355,6 +355,7 @@ class CheckpointStatistics:
     ``data`` (``path``, ``size``, ``mtime``, ``windows_sha256`` of all calibration windows),
     ``calibration`` (what the scores file records), ``shard`` (``index``, ``count``, ``windows``: the
     share's ``[start, stop)``, ``total_windows``) and ``world_size`` (processes that computed the sums).
+    With ``keep_model``, also the loaded model (``loaded``) and the batches of all windows (``windows``).
     """
 
     statistics: ScoringStatistics
@@ -363,6 +364,8 @@ class CheckpointStatistics:
     calibration: dict[str, Any]
     shard: dict[str, Any]
     world_size: int
+    loaded: Any = None
+    windows: Any = None
 
 
 def _windows_sha256(windows: torch.Tensor) -> str:
@@ -385,6 +388,7 @@ def measure_checkpoint(
     seed: int = 0,
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
+    keep_model: bool = False,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
 
@@ -441,9 +445,13 @@ def measure_checkpoint(
                                         progress=progress and is_main_process())
         mapping = _map_to_checkpoint(list(statistics.layers), model_dir)
         statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
-        del model
+        if not keep_model:
+            del model
     reduce_statistics(statistics)
-    return CheckpointStatistics(statistics, world_size=world_size(), **info)
+    run = CheckpointStatistics(statistics, world_size=world_size(), **info)
+    if keep_model:
+        run.loaded, run.windows = model, windows[share.start:share.stop]
+    return run
 
 
 def score_checkpoint(
@@ -459,6 +467,9 @@ def score_checkpoint(
     device_map: str | None = None,
     seed: int = 0,
     progress: bool = True,
+    refine: str | None = None,
+    refine_samples: int = 16,
+    compensation: bool = False,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
 
@@ -470,15 +481,47 @@ def score_checkpoint(
     ``seq_len=None`` takes what the model supports, at most 512 (:func:`default_seq_len`); the value
     used, and where it came from, are recorded under ``calibration``.
 
+    ``refine="lanes"`` then decides the lane orders by measured KL on the first ``refine_samples`` windows
+    (:func:`gdnprune.refine.refine_lane_orders`). ``compensation=True`` also collects the least-squares
+    compensation statistics (:mod:`gdnprune.compensate`) on every window, returned under the key
+    ``"compensation_statistics"`` (numpy arrays: pop it before writing the scores as JSON; the CLI writes it
+    beside the scores file).
+
     Under an initialised ``torch.distributed`` process group (``gdnprune score`` under ``torchrun``
     creates it), the windows are split across the ranks and the sums added (:func:`measure_checkpoint`);
     every rank returns the same scores, ``world_size`` records how many processes computed them.
     """
+    if refine not in (None, "lanes"):
+        raise ValueError(f"unknown refinement {refine!r}; expected 'lanes'")
+    keep = refine is not None or compensation
     run = measure_checkpoint(model_dir, data, method=method, num_samples=num_samples, seq_len=seq_len,
                              batch_size=batch_size, device=device, dtype=dtype, device_map=device_map, seed=seed,
-                             progress=progress)
+                             progress=progress, keep_model=keep)
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
+    if refine == "lanes":
+        from ..calibration import iter_batches
+        from ..refine import refine_lane_orders
+
+        with fail_together():
+            windows = run.windows[: max(1, int(refine_samples))]
+            scores, _ = refine_lane_orders(run.loaded, list(iter_batches(windows, batch_size)), scores,
+                                           progress=progress and is_main_process())
+    if compensation:
+        from ..calibration import iter_batches
+        from ..compensate import collect_statistics
+
+        with fail_together():
+            mine = shard_indices(run.windows.shape[0], rank(), world_size())
+            stats = collect_statistics(run.loaded, list(iter_batches(run.windows[mine.start:mine.stop], batch_size)))
+            mapping = _map_to_checkpoint(list(stats), Path(model_dir))
+        if world_size() > 1:
+            for entry in stats.values():
+                total = [torch.from_numpy(entry["out_moment"]), torch.tensor([entry["tokens"]], dtype=torch.float64)]
+                all_reduce_sum(total)
+                entry["out_moment"], entry["tokens"] = total[0].numpy(), int(total[1].item())
+        scores["compensation_statistics"] = {mapping[p]: v for p, v in stats.items()}
+    run.loaded = None
     scores["model"] = str(model_dir)
     scores["calibration"] = run.calibration
     return scores
