@@ -316,7 +316,8 @@ def test_teacher_and_student_must_share_the_vocabulary():
 
 def _byte_model(model_type, shape, seed=0):
     config = make_config(model_type, shape)
-    (config.text_config if hasattr(config, "text_config") else config).vocab_size = 257
+    text = config.text_config if hasattr(config, "text_config") else config
+    text.vocab_size, text.max_position_embeddings = 257, 80
     return build_model(model_type, shape, seed=seed, config=config)
 
 
@@ -336,10 +337,10 @@ def test_distill_checkpoint_writes_a_loadable_folder(tmp_path, model_type):
     (tmp_path / "eval.txt").write_text(train_text()[-2000:])
 
     result = distill_checkpoint(tmp_path / "student", tmp_path / "teacher", tmp_path / "train.txt", tmp_path / "out",
-                                seq_len=80, eval_data=tmp_path / "eval.txt", steps=2, batch_size=4, lr=1e-3,
-                                progress=False)
+                                eval_data=tmp_path / "eval.txt", steps=2, batch_size=4, lr=1e-3, progress=False)
     out = tmp_path / "out"
     assert result["steps"] == 2 and result["eval"]["kd_loss"] > 0
+    assert result["config"]["seq_len"] == 80  # the model's max_position_embeddings
     reloaded = type(teacher).from_pretrained(out)
     assert reloaded.config.linear_num_value_heads == HALF.num_value_heads
     assert transformers.AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()

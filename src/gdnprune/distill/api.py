@@ -286,6 +286,8 @@ def _load_model(path: Path, dtype):
     return cls.from_pretrained(path, dtype=dtype)
 
 
+_MAX_SEQ_LEN = 2048  # default window length of distill_checkpoint, unless the model supports less
+
 # files of the student folder that the trained model replaces (weight files are never copied)
 _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -303,7 +305,7 @@ def distill_checkpoint(
     data: str | Path,
     output_dir: str | Path,
     *,
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     num_samples: int | None = None,
     eval_data: str | Path | None = None,
     eval_samples: int | None = None,
@@ -315,7 +317,8 @@ def distill_checkpoint(
 
     ``data`` (and ``eval_data``) are read with :func:`gdnprune.calibration.read_texts` (UTF-8 text or JSONL
     with a ``"text"`` field), tokenised with the student's tokenizer and packed into ``seq_len`` windows
-    (``num_samples`` / ``eval_samples``: evenly spaced subsets). The student loads in ``dtype`` (float32:
+    (default: what the student supports, ``max_position_embeddings``, at most 2048; ``num_samples`` /
+    ``eval_samples``: evenly spaced subsets). The student loads in ``dtype`` (float32:
     the optimizer's master weights; ``bf16=True`` trains in mixed precision), the teacher in
     ``teacher_dtype`` (default: the same). Teacher and student must share their tokenizer
     (:func:`check_same_vocabulary`). ``options`` are those of :func:`distill` (``steps``/``tokens``, ``lr``,
@@ -344,11 +347,14 @@ def distill_checkpoint(
         warnings.warn(f"no tokenizer in {teacher_dir}: only the vocabulary sizes of teacher and student are compared",
                       stacklevel=2)
     check_same_vocabulary(student_tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer)
+    student = _load_model(student_dir, dtype)
+    teacher = _load_model(teacher_dir, dtype if teacher_dtype is None else teacher_dtype)
+    if seq_len is None:
+        seq_len = min(_MAX_SEQ_LEN, getattr(student.config.get_text_config(), "max_position_embeddings", None)
+                      or _MAX_SEQ_LEN)
     windows = pack_windows(read_texts(data), tokenizer, seq_len=seq_len, num_samples=num_samples)
     eval_windows = None if eval_data is None else pack_windows(read_texts(eval_data), tokenizer, seq_len=seq_len,
                                                                num_samples=eval_samples)
-    student = _load_model(student_dir, dtype)
-    teacher = _load_model(teacher_dir, dtype if teacher_dtype is None else teacher_dtype)
     result = distill(student, teacher, windows, output_dir, eval_data=eval_windows, tokenizer=tokenizer,
                      teacher_tokenizer=teacher_tokenizer, **options)
     if not result["interrupted"] and int(os.environ.get("RANK", "0")) == 0:
