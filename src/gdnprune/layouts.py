@@ -56,6 +56,9 @@ class TensorRule:
         grouped: whether the axis is interleaved per key group (Qwen3-Next fused projections).
         ndim: expected number of dimensions.
         required: whether a layer of this layout must have the tensor (biases are optional).
+        block: 1 for a tensor whose coupled axis runs over rows (or columns) of the weight itself; ``B`` for
+            the per-block scales of a block-quantised weight (FP8 ``weight_scale_inv``): one entry per ``B``
+            rows of the weight's coupled axis (see :func:`scale_rule`).
     """
 
     name: str
@@ -64,10 +67,12 @@ class TensorRule:
     grouped: bool = False
     ndim: int = 2
     required: bool = True
+    block: int = 1
 
     def length(self, shape) -> int:
         """Expected size of the coupled axis for a layer of geometry ``shape``."""
-        return sum(segment_size(kind, shape) for kind in self.segments)
+        rows = sum(segment_size(kind, shape) for kind in self.segments)
+        return -(-rows // self.block)
 
     def expected_shape(self, shape) -> str:
         """Human readable expected shape, ``*`` for axes the layout does not fix."""
@@ -91,9 +96,39 @@ class TensorRule:
             parts.append(np.asarray(indices[_SEGMENT_INDEX[kind]], dtype=np.int64) + base)
             base += segment_size(kind, shape)
         canonical = np.concatenate(parts)
-        if not self.grouped:
-            return canonical
-        return _physical_rows(self.segments, shape)[canonical[self.canonical_rows(target)]]
+        rows = canonical if not self.grouped else _physical_rows(self.segments, shape)[
+            canonical[self.canonical_rows(target)]]
+        return rows if self.block == 1 else _block_index(rows, self.block, self.name)
+
+
+class BlockGridError(ValueError):
+    """A gather that moves rows of a block-quantised weight out of their scale block."""
+
+
+def _block_index(rows: np.ndarray, block: int, name: str) -> np.ndarray:
+    """The scale blocks of the source for the output blocks of a weight gathered with ``rows``.
+
+    Output block ``b`` holds output rows ``[b*B, (b+1)*B)``; every one of them must come from the same source
+    block, whose scale then serves it unchanged (the dequantised weights are exactly the gathered ones).
+    """
+    source = rows // block
+    starts = np.arange(0, rows.size, block)
+    low, high = np.minimum.reduceat(source, starts), np.maximum.reduceat(source, starts)
+    broken = np.flatnonzero(low != high)
+    if broken.size:
+        b = int(broken[0])
+        raise BlockGridError(
+            f"{name}: the gather takes rows of one {block}-row scale block from several source blocks (output "
+            f"block {b} mixes source blocks {sorted(set(source[b * block:(b + 1) * block].tolist()))}); with "
+            f"{block}-wide quantisation blocks only moves and cuts of whole blocks keep the FP8 weights exact")
+    return low
+
+
+def scale_rule(weight: TensorRule, suffix: str, block_size: tuple[int, int]) -> TensorRule:
+    """The rule of the per-block scales ``suffix`` of the block-quantised 2-D weight ``weight``: the same
+    coupled axis and segments, one entry per block of ``block_size = (rows, columns)``."""
+    return TensorRule(suffix, weight.axis, weight.segments, weight.grouped, ndim=2, required=False,
+                      block=int(block_size[weight.axis]))
 
 
 @functools.lru_cache(maxsize=256)

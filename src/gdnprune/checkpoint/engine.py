@@ -410,10 +410,10 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
     """
     import numpy as np
 
-    from ..layouts import get_layout, segment_size
+    from ..layouts import segment_size
 
     layer = plan.layer
-    rule = get_layout(layer.layout).rule(suffix)
+    rule = layer.rule(suffix)
     index = rule.gather_index(layer.shape, plan.target, plan.indices)
     pieces = layer.splits.get(suffix, (suffix,))
     if len(pieces) == 1:
@@ -467,15 +467,14 @@ def _fused_of(layer: GDNLayer, suffix: str) -> str | None:
 
 def _out_shape(layer: GDNLayer, suffix: str, target) -> tuple[int, ...]:
     """Shape of on-disk tensor ``suffix`` of ``layer`` after the gather to geometry ``target``."""
-    from ..layouts import get_layout, segment_size
+    from ..layouts import segment_size
 
-    layout = get_layout(layer.layout)
     fused = _fused_of(layer, suffix)
     if fused is None:
-        rule = layout.rule(suffix)
+        rule = layer.rule(suffix)
         length = rule.length(target)
     else:
-        rule = layout.rule(fused)
+        rule = layer.rule(fused)
         length = segment_size(rule.segments[layer.splits[fused].index(suffix)], target)
     shape = list(layer.tensors[suffix].shape)
     shape[rule.axis] = length

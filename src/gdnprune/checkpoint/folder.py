@@ -33,6 +33,10 @@ MANIFEST_NAME = "gdnprune.json"
 PASSTHROUGH_PREFIXES = ("mtp.",)
 #: dtypes a GDN tensor may have (the gathers are byte gathers of whole elements)
 GDN_DTYPES = ("F64", "F32", "F16", "BF16")
+#: dtypes of block-quantised GDN weights (FP8, with a ``weight_scale_inv`` beside them) and of their scales
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
+SCALE_SUFFIX = "weight_scale_inv"
 
 # Fused tensors that a layout stores split on disk: fused suffix -> on-disk suffixes, one per segment of
 # the fused tensor's rule (in order). OLMo-hybrid's own save writes q/k/v_conv1d.
@@ -216,6 +220,7 @@ class GDNLayer:
         shape: the layer's :class:`~gdnprune.gated_delta_net.GDNShape` (from ``config.json``).
         tensors: on-disk suffix -> header entry.
         splits: fused suffix -> on-disk suffixes, for fused tensors stored split (OLMo-hybrid conv).
+        scales: FP8 scale suffix -> its block rule (:func:`gdnprune.layouts.scale_rule`).
     """
 
     prefix: str
@@ -223,6 +228,19 @@ class GDNLayer:
     shape: Any
     tensors: dict[str, TensorInfo]
     splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    scales: dict[str, Any] = field(default_factory=dict)
+
+    def rule(self, suffix: str):
+        """The rule of tensor ``suffix``: the layout's, or the block rule of an FP8 scale tensor."""
+        from ..layouts import get_layout
+
+        return self.scales.get(suffix) or get_layout(self.layout).rule(suffix)
+
+    @property
+    def quantized(self) -> dict[str, str]:
+        """``{weight suffix: "F8_E4M3, scales 128x128"}`` for the block-quantised weights of the layer."""
+        return {s[: -len(SCALE_SUFFIX)] + "weight": f"{self.tensors[s[: -len(SCALE_SUFFIX)] + 'weight'].dtype}, "
+                f"scales of {self.scales[s].block} along axis {self.scales[s].axis}" for s in self.scales}
 
     @property
     def parameters(self) -> int:
@@ -292,21 +310,45 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
             layout = detect_layout(tensors)
         except ValueError as exc:
             raise CheckpointError(f"{prefix}: {exc}") from None
-        layers.append(_check_layer(prefix, get_layout(layout), shape, tensors))
+        layers.append(_check_layer(prefix, get_layout(layout), shape, tensors, _block_size(checkpoint)))
     return layers, skipped
 
 
-def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo]) -> GDNLayer:
+def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
+    """The ``weight_block_size`` of an FP8 checkpoint's ``quantization_config`` (None when it is not one)."""
+    config = checkpoint.config
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "fp8":
+        return None
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"{checkpoint.path / CONFIG_NAME}: quantization_config.weight_block_size must be "
+                              f"[rows, columns] (e.g. [128, 128]), found {block!r}")
+    return tuple(block)
+
+
+def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
+                 block_size: tuple[int, int] | None = None) -> GDNLayer:
     """Validate one layer's tensors (names, presence, shapes, dtypes) without reading data."""
+    from ..layouts import scale_rule
+
     splits = {fused: pieces for fused, pieces in _DISK_SPLITS.get(layout.name, {}).items()
               if any(p in tensors for p in pieces)}
     piece_of = {p: fused for fused, pieces in splits.items() for p in pieces}
-    unknown = sorted(s for s in tensors if layout.rule(s) is None and s not in piece_of)
+    scales = {}
+    for suffix in tensors:
+        weight = layout.rule(suffix[: -len(SCALE_SUFFIX)] + "weight") if suffix.endswith("." + SCALE_SUFFIX) else None
+        if weight is not None and weight.ndim == 2 and block_size is not None:
+            scales[suffix] = scale_rule(weight, suffix, block_size)
+    unknown = sorted(s for s in tensors if layout.rule(s) is None and s not in piece_of and s not in scales)
     if unknown:
+        hint = (" (block-quantised weights need quantization_config with quant_method fp8 and weight_block_size "
+                "in config.json)" if any(s.endswith(SCALE_SUFFIX) for s in unknown) else "")
         raise CheckpointError(
             f"{prefix}: tensors {[f'{prefix}.{s}' for s in unknown]} are not part of the {layout.name} GDN "
-            f"layout; refusing to change the layer (quantised checkpoints are not supported)"
+            f"layout; refusing to change the layer{hint}"
         )
+    _check_scales(prefix, layout, shape, tensors, scales, block_size)
     for fused, pieces in splits.items():
         if fused in tensors:
             raise CheckpointError(f"{prefix}: has both {fused!r} and its split form {list(pieces)}")
@@ -320,9 +362,14 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo]) -> 
                 f"{prefix}: missing tensor {prefix + '.' + rule.name!r} of the {layout.name} GDN layout "
                 f"(expected shape {rule.expected_shape(shape)})"
             )
+    quantized = {s[: -len(SCALE_SUFFIX)] + "weight" for s in scales}
     for suffix, info in tensors.items():
+        if suffix in scales:
+            continue
         rule = layout.rule(suffix) or layout.rule(piece_of.get(suffix, ""))
-        if info.dtype not in GDN_DTYPES:
+        if suffix in quantized and info.dtype in FP8_DTYPES:
+            pass
+        elif info.dtype not in GDN_DTYPES:
             raise CheckpointError(f"{prefix}: tensor {info.name!r} has dtype {info.dtype}; GDN tensors must be "
                                   f"one of {list(GDN_DTYPES)}")
         if len(info.shape) != rule.ndim:
@@ -342,7 +389,26 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo]) -> 
                 f"dtypes {[t.dtype for t in infos]}; expected one dtype and {rule.length(shape)} rows in all "
                 f"(= {rule.expected_shape(shape)} for {shape})"
             )
-    return GDNLayer(prefix, layout.name, shape, tensors, splits)
+    return GDNLayer(prefix, layout.name, shape, tensors, splits, scales)
+
+
+def _check_scales(prefix: str, layout, shape, tensors: Mapping[str, TensorInfo], scales: Mapping[str, Any],
+                  block_size: tuple[int, int] | None) -> None:
+    """FP8 weights come with their scales, of the shape the block grid gives: ``ceil(rows/B) x ceil(cols/B)``."""
+    for suffix, info in tensors.items():
+        if info.dtype in FP8_DTYPES and suffix[: -len("weight")] + SCALE_SUFFIX not in scales:
+            raise CheckpointError(f"{prefix}: {info.name!r} is {info.dtype} but has no {SCALE_SUFFIX} beside it "
+                                  f"(or config.json has no FP8 quantization_config)")
+    for suffix, rule in scales.items():
+        info, weight = tensors[suffix], tensors.get(suffix[: -len(SCALE_SUFFIX)] + "weight")
+        if weight is None or weight.dtype not in FP8_DTYPES:
+            raise CheckpointError(f"{prefix}: {info.name!r} scales a weight that is not FP8 "
+                                  f"({None if weight is None else weight.dtype})")
+        expected = tuple(-(-d // b) for d, b in zip(weight.shape, block_size))
+        if info.shape != expected or info.dtype not in SCALE_DTYPES:
+            raise CheckpointError(f"{prefix}: {info.name!r} is {info.dtype} {list(info.shape)}, expected one of "
+                                  f"{list(SCALE_DTYPES)} with shape {list(expected)} (blocks of {list(block_size)} "
+                                  f"over {list(weight.shape)})")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -386,6 +452,7 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
                 **layer.shape.as_dict(),
                 "parameters": layer.parameters,
                 "state_elements": state_elements(layer.shape, layer.conv_kernel),
+                "quantized": layer.quantized,
                 "shards": sorted({os.path.basename(ckpt.shards[ckpt.shard_of(t.name)].path)
                                   for t in layer.tensors.values()}),
             }

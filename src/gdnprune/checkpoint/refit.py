@@ -102,6 +102,9 @@ def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Map
             vidx = order[prefix]
             moment = moment[np.ix_(vidx, vidx)]
         info = layer.tensors[suffix]
+        if info.dtype not in ("F64", "F32", "F16", "BF16"):
+            raise ValueError(f"{info.name} is {info.dtype}: least-squares compensation refits it in floating point "
+                             f"and is not supported for FP8 weights")
         weight = compensate.to_float(_read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
                                      info.dtype, info.shape)
         kept = rules.rule(suffix).gather_index(layer.shape, target, plan.indices)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..geometry import apply_targets_to_config, layer_index_of
+from ..layouts import BlockGridError
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
 from ..scores import file_sha256, read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, resolve_target
@@ -132,6 +133,15 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
     for line in kernel_warnings(cut):
         _warn(KernelShapeWarning, line)
     plans = {layer.prefix: plan_layer(layer, targets[layer.prefix], orders.get(layer.prefix)) for layer in layers}
+    for prefix, layer_plan in plans.items():  # FP8: every scale block must stay whole (see layouts.scale_rule)
+        for suffix, rule in layer_plan.layer.scales.items():
+            try:
+                rule.gather_index(layer_plan.layer.shape, layer_plan.target, layer_plan.indices)
+            except BlockGridError as exc:
+                what = "sorted" if layer_plan.target == layer_plan.layer.shape else "cut to " + str(layer_plan.target)
+                raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
+                                  f"exactly: {exc}. Cut whole heads (head dims that are multiples of "
+                                  f"{rule.block}), or dequantize the checkpoint first") from None
     return plans, missing
 
 

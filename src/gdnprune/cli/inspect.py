@@ -46,6 +46,12 @@ def format_inspect(info: dict) -> str:
         f"({100 * info['gdn_parameters'] / max(total, 1):.1f}%); other: {info['other_parameters']:,}; "
         f"total: {total:,}"
     )
+    quantized = {layer["prefix"]: layer["quantized"] for layer in info["layers"] if layer.get("quantized")}
+    if quantized:
+        first = next(iter(quantized.values()))
+        same = all(q == first for q in quantized.values())
+        lines.append(f"FP8 block-quantised GDN weights ({'every layer' if same else 'first layer'}): "
+                     + "; ".join(f"{k}: {v}" for k, v in first.items()))
     if info["passthrough"]:
         lines.append(f"left untouched (pass-through): {info['passthrough']}")
     return "\n".join(lines)

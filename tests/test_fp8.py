@@ -1,0 +1,161 @@
+"""FP8 block-scaled checkpoints: exact sort and head slicing, refused block-breaking cuts, transformers loading.
+
+The synthetic checkpoints are real tiny models whose large GDN projections are quantised as Qwen's FP8
+releases are (``float8_e4m3fn`` weights, float32 ``weight_scale_inv`` per block, ``quantization_config``
+with ``weight_block_size`` and ``modules_to_not_convert``), with 4x4 blocks so that a head (8 rows) is two
+whole blocks, as a 128-dim head is one 128-row block in the real models.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from gdnprune.checkpoint import inspect_checkpoint, slice_checkpoint, sort_checkpoint
+from gdnprune.cli import main
+from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict, \
+    slice_gated_delta_net_state_dict
+from gdnprune.layouts import find_gdn_modules
+from tiny_models import build_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
+
+SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8)
+BLOCK = 4
+FP8 = {"qwen3_5": ("in_proj_qkv", "in_proj_z", "out_proj"), "qwen3_next": ("in_proj_qkvz", "out_proj")}
+NOT_CONVERTED = ["lm_head", "self_attn", "mlp", "in_proj_a", "in_proj_b", "embed_tokens"]
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block FP8: scale = amax / 448 of each BLOCK x BLOCK block, weight / scale in float8_e4m3fn."""
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return weight.float() * scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+
+
+def make_fp8(folder, model_type: str, seed: int = 0):
+    model = build_model(model_type, SHAPE, seed=seed)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for prefix, _ in find_gdn_modules(model):
+        for name in FP8[model_type]:
+            q, s = quantize(state[f"{prefix}.{name}.weight"])
+            state[f"{prefix}.{name}.weight"], state[f"{prefix}.{name}.weight_scale_inv"] = q, s
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": NOT_CONVERTED}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def dequantized(folder) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with every FP8 weight dequantised (float32) and the scales dropped."""
+    tensors = load_file(folder / "model.safetensors")
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        scale = tensors.get(name[: -len("weight")] + "weight_scale_inv")
+        out[name] = tensor if scale is None else dequantize(tensor, scale)
+    return out
+
+
+def _permutation(seed: int, block_respecting: bool = True) -> GDNPermutation:
+    g = torch.Generator().manual_seed(seed)
+    perm = GDNPermutation.random(SHAPE, generator=g)
+    if block_respecting:  # channels move inside their own 4-channel block only
+        key_dim = torch.stack([torch.cat([torch.randperm(4, generator=g), 4 + torch.randperm(4, generator=g)])
+                               for _ in range(SHAPE.num_key_heads)])
+        value_dim = torch.cat([torch.randperm(4, generator=g), 4 + torch.randperm(4, generator=g)])
+        perm = GDNPermutation(perm.key_groups, perm.value_lanes, key_dim, value_dim)
+    return perm
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def source(request, tmp_path_factory):
+    return request.param, make_fp8(tmp_path_factory.mktemp("fp8") / request.param, request.param, seed=3)
+
+
+def _scores(folder, model_type, block_respecting=True):
+    prefixes = [p for p, _ in find_gdn_modules(build_model(model_type, SHAPE))]
+    return {"layers": {p: _permutation(i, block_respecting).to_score_payload() for i, p in enumerate(prefixes)}}
+
+
+def test_sort_and_head_slices_are_exact_on_fp8(source, tmp_path):
+    model_type, src = source
+    scores = _scores(src, model_type)
+    sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
+    expected = dequantized(src)
+    for prefix, payload in scores["layers"].items():
+        permute_gated_delta_net_state_dict(expected, prefix=prefix, shape=SHAPE,
+                                           permutation=GDNPermutation.from_score_payload(payload, SHAPE))
+    got = dequantized(tmp_path / "sorted")
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in got)  # bit for bit
+    raw = load_file(tmp_path / "sorted" / "model.safetensors")
+    assert any(t.dtype == torch.float8_e4m3fn for t in raw.values())
+    config = json.loads((tmp_path / "sorted" / "config.json").read_text())
+    assert config["quantization_config"]["modules_to_not_convert"] == NOT_CONVERTED
+    # whole heads (and whole 4-channel blocks of a head) cut exactly too
+    for target in (GDNShape(1, 2, 8, 8), GDNShape(2, 2, 4, 4)):
+        out = tmp_path / f"sliced{target.num_key_heads}{target.key_head_dim}"
+        slice_checkpoint(tmp_path / "sorted", out, target, progress=False)
+        want = dequantized(tmp_path / "sorted")
+        for prefix in scores["layers"]:
+            slice_gated_delta_net_state_dict(want, prefix=prefix, shape=SHAPE, target=target)
+        have = dequantized(out)
+        assert have.keys() == want.keys() and all(torch.equal(have[k], want[k]) for k in have)
+
+
+def test_transformers_loads_the_sorted_fp8_checkpoint_with_the_same_logits(source, tmp_path):
+    model_type, src = source
+    sort_checkpoint(src, _scores(src, model_type), tmp_path / "sorted", progress=False)
+    x = torch.randint(0, 128, (2, 80), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for folder in (src, tmp_path / "sorted"):
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+        with torch.no_grad():
+            logits.append(model.eval()(input_ids=x).logits)
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
+
+
+def test_cuts_and_orders_that_break_the_scale_blocks_are_refused(source, tmp_path, capsys):
+    model_type, src = source
+    out = tmp_path / "out"
+    assert main(["slice", str(src), "-o", str(out), "--key-head-dim", "6"]) == 2  # 6 of 8: splits a block
+    err = capsys.readouterr().err
+    assert "FP8" in err and "4-wide scale blocks" in err and not out.exists()
+    (tmp_path / "scores.json").write_text(json.dumps(_scores(src, model_type, block_respecting=False)))
+    assert main(["sort", str(src), "--scores", str(tmp_path / "scores.json"), "-o", str(out)]) == 2
+    assert "cannot be sorted exactly" in capsys.readouterr().err and not out.exists()
+
+
+def test_inspect_shows_the_quantisation(source, capsys):
+    model_type, src = source
+    info = inspect_checkpoint(src)
+    layer = info["layers"][0]
+    assert set(layer["quantized"]) == {f"{name}.weight" for name in FP8[model_type]}
+    assert all(v.startswith("F8_E4M3") for v in layer["quantized"].values())
+    assert main(["inspect", str(src)]) == 0
+    assert "F8_E4M3" in capsys.readouterr().out
+
+
+def test_fp8_without_its_config_or_scales_is_refused(tmp_path, capsys):
+    src = make_fp8(tmp_path / "m", "qwen3_5")
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(src)]) == 2
+    assert "quant_method fp8" in capsys.readouterr().err
