@@ -159,3 +159,24 @@ def test_fp8_without_its_config_or_scales_is_refused(tmp_path, capsys):
     (src / "config.json").write_text(json.dumps(config))
     assert main(["inspect", str(src)]) == 2
     assert "quant_method fp8" in capsys.readouterr().err
+
+
+def test_score_reads_an_fp8_checkpoint_and_its_scores_sort_it(tmp_path):
+    """On a CPU transformers dequantises FP8 checkpoints as it loads them: scoring works and its prefixes and
+    shapes are the checkpoint's, so the scores sort the FP8 checkpoint itself."""
+    from gdnprune.scoring import score_checkpoint
+    from test_checkpoint import _tokenizer_files
+
+    src = make_fp8(tmp_path / "m", "qwen3_5", seed=4)
+    _tokenizer_files(src)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["the model sorts heads and slices them"] * 200))
+    scores = score_checkpoint(src, text, num_samples=2, seq_len=72, progress=False)
+    assert all(payload["shape"] == SHAPE.as_dict() for payload in scores["layers"].values())
+    # here a head is two 4-channel blocks, and channel orders that mix them cannot be applied exactly (with
+    # Qwen's 128-dim heads a head is one 128-row block, and every channel order stays inside it)
+    for payload in scores["layers"].values():
+        payload["key_dim_order_most_important_first"] = [list(range(8))] * 2
+        payload["value_dim_order_most_important_first"] = list(range(8))
+    sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
+    assert (tmp_path / "sorted" / "model.safetensors").is_file()
