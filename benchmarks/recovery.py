@@ -14,13 +14,14 @@ of the validation text (the library's ``eval_lm_loss``, equal to ``demo_data.val
   (256 evenly spaced training windows = 64 KiB, 16% of the training text);
 * ``scratch``: the 50% architecture from a fresh initialisation, trained with KD the same way;
 * ``random``: a slice of a randomly permuted model (seeded random orders on every axis), distilled;
-* ``kd-full-long``: the default loss for ``--long-steps`` steps with evaluations every 100 steps, the
+* ``50-kd-full-long``: the default loss for ``--long-steps`` steps with evaluations every 100 steps, the
   share of the pruning loss increase recovered after 100, 300 and 1000 steps of that schedule.
 
 "recovered" = (sliced - after) / (sliced - teacher), on the held-out windows. Results go to a JSON file
-per run (``--results``), so runs can be split over processes and re-reported::
+per run (``--results``, default ``$TMPDIR/gdnprune_recovery``), so runs can be split over processes and
+re-reported; BENCHMARKS.md ("Recovery") has the figures::
 
-    python benchmarks/recovery.py                              # every run, about 90 min of one CPU core
+    python benchmarks/recovery.py                              # every run, about 80 min of one CPU core
     python benchmarks/recovery.py --runs 50-kd-full 50-lm-full # some runs
     python benchmarks/recovery.py --report                     # the table from the saved results
 """
