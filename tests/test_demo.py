@@ -23,9 +23,11 @@ def test_nested_targets_shrink_every_axis_and_are_nested():
 def test_demo_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     code = main(["demo", "--output", str(out), "--calibration-windows", "8", "--num-random", "2",
-                 "--validation-windows", "4", "--seq-len", "128", "--quiet"])
+                 "--validation-windows", "4", "--seq-len", "128", "--recover-steps", "3", "--quiet"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
+    recovery = results["recovery"]  # a few distillation steps win some of the slice's loss back
+    assert recovery["steps"] == 3 and recovery["loss_after"] < recovery["loss_before"]
     assert results["sort_max_abs_logit_diff"] < 1e-4
     rows = results["rows"]
     assert len(rows) >= 6

@@ -130,6 +130,7 @@ def run_demo(
     method: str = "projection",
     seed: int = 0,
     write_checkpoints: bool = True,
+    recover_steps: int = 40,
     progress: bool = True,
     threads: int | None = 1,
     log=None,
@@ -138,7 +139,9 @@ def run_demo(
 
     Returns a dict with the sort check (``sort_max_abs_logit_diff``), the targets and, per target, the
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
-    ``identity``, ``random`` = mean over ``num_random`` seeded random orders). ``threads`` sets torch's
+    ``identity``, ``random`` = mean over ``num_random`` seeded random orders), and ``recovery``: the middle
+    target's importance-order slice distilled from the unpruned model for ``recover_steps`` steps
+    (:func:`gdnprune.distill.recover_demo_slice`; 0 skips it). ``threads`` sets torch's
     intra-op threads (default 1: the model is tiny, and on a busy machine extra threads spin and can make
     a forward pass tens of times slower); None leaves torch's setting alone.
     """
@@ -208,6 +211,21 @@ def run_demo(
             f"{row['gdn_params']:>11,} {row['gdn_params'] / full_params:>6.1%} | {cells}"
         )
 
+    if recover_steps:
+        from .distill import recover_demo_slice
+
+        middle = targets[len(targets) // 2]
+        student = _sliced_model(model, permutations, shape, middle)
+        log(f"recovery: distilling the slice {middle} from the unpruned model for {recover_steps} steps ...")
+        recovery = recover_demo_slice(student, model, steps=recover_steps, seq_len=seq_len,
+                                      validation_windows=validation_windows, seed=seed)
+        recovery["target"] = middle.as_dict()
+        log(f"recovery: validation loss {recovery['loss_before']:.4f} -> {recovery['loss_after']:.4f} nats/byte "
+            f"(unpruned {recovery['teacher_loss']:.4f}; {recovery['recovered']:.0%} of the loss increase won back "
+            f"in {recovery['steps']} steps, {recovery['seconds']:.0f} s)")
+    else:
+        recovery = None
+
     results = {
         "model": str(demo_model_path()),
         "shape": shape.as_dict(),
@@ -218,6 +236,7 @@ def run_demo(
         "num_random": num_random,
         "sort_max_abs_logit_diff": diff,
         "rows": rows,
+        "recovery": recovery,
     }
     if out_dir is not None:
         (out_dir / "scores.json").write_text(json.dumps(scores, indent=1))

@@ -30,6 +30,7 @@ COMMANDS = {
     "score": "gdnprune.cli.score",
     "plan": "gdnprune.cli.plan",
     "prune": "gdnprune.cli.prune",
+    "distill": "gdnprune.cli.distill",
     "demo": "gdnprune.cli.demo",
 }
 

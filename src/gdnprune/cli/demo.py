@@ -27,13 +27,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s; the model is tiny)")
     p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
+    p.add_argument("--recover-steps", type=int, default=40,
+                   help="distillation steps that recover the middle slice (default: %(default)s; 0 skips it)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    for name in ("calibration_windows", "seq_len", "num_random", "validation_windows", "threads"):
-        if getattr(args, name) < (0 if name == "num_random" else 1):
+    for name in ("calibration_windows", "seq_len", "num_random", "validation_windows", "threads", "recover_steps"):
+        if getattr(args, name) < (0 if name in ("num_random", "recover_steps") else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     from ..demo import run_demo
 
@@ -47,6 +49,7 @@ def run(args) -> int:
             method=args.method,
             seed=args.seed,
             write_checkpoints=not args.no_checkpoints,
+            recover_steps=args.recover_steps,
             progress=not args.quiet and sys.stderr.isatty(),
             threads=args.threads,
             log=print,

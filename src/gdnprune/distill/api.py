@@ -277,13 +277,14 @@ def plot_history(history: Sequence[dict], path: str | Path) -> bool:
 
 
 def _load_model(path: Path, dtype):
-    """The model class named in ``config.json`` (whole vision-language models too), else AutoModelForCausalLM."""
-    import transformers
+    """The model class named in ``config.json`` (whole vision-language models too), else AutoModelForCausalLM;
+    per-layer GDN geometries (a gdnprune plan's output) through :func:`gdnprune.load_pretrained`."""
+    from ..loading import load_pretrained
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
-    cls = next((c for c in classes if c is not None), transformers.AutoModelForCausalLM)
-    return cls.from_pretrained(path, dtype=dtype)
+    try:
+        return load_pretrained(path, dtype=dtype)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{path}: transformers cannot load it: {' '.join(str(exc).split())[:500]}") from None
 
 
 _MAX_SEQ_LEN = 2048  # default window length of distill_checkpoint, unless the model supports less
