@@ -180,3 +180,28 @@ def test_score_reads_an_fp8_checkpoint_and_its_scores_sort_it(tmp_path):
         payload["value_dim_order_most_important_first"] = list(range(8))
     sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
     assert (tmp_path / "sorted" / "model.safetensors").is_file()
+
+
+def test_dequantize_writes_the_split_blocks_in_bf16(source, tmp_path, capsys):
+    model_type, src = source
+    out = tmp_path / "deq"
+    assert main(["slice", str(src), "-o", str(out), "--key-head-dim", "6", "--dequantize", "-q"]) == 0
+    raw = load_file(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    not_converted = config["quantization_config"]["modules_to_not_convert"]
+    expected = dequantized(src)
+    target = SHAPE.replace(key_head_dim=6)
+    for prefix, _ in find_gdn_modules(build_model(model_type, SHAPE)):
+        slice_gated_delta_net_state_dict(expected, prefix=prefix, shape=SHAPE, target=target)
+        # the projections that carry q/k rows lose part of a block: BF16 now; out_proj keeps its blocks: FP8
+        qk = FP8[model_type][0]
+        assert raw[f"{prefix}.{qk}.weight"].dtype == torch.bfloat16 and f"{prefix}.{qk}.weight_scale_inv" not in raw
+        assert f"{prefix}.{qk}" in not_converted
+        assert raw[f"{prefix}.out_proj.weight"].dtype == torch.float8_e4m3fn
+        got = raw[f"{prefix}.{qk}.weight"].float()
+        assert torch.allclose(got, expected[f"{prefix}.{qk}.weight"], rtol=2 ** -8, atol=0)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    index = out / "model.safetensors.index.json"
+    assert not index.exists() or all(not k.endswith(f"{FP8[model_type][0]}.weight_scale_inv")
+                                     for k in json.loads(index.read_text())["weight_map"])

@@ -50,6 +50,15 @@ class LayerPlan:
     target: Any  # GDNShape after the gather
     indices: dict  # canonical indices for shape -> target, with didx (gdnprune.geometry.check_indices)
     permutation: Any  # the four orders (numpy) or None
+    dequantize: frozenset = frozenset()  # FP8 weight suffixes written dequantised in BF16 (their scales dropped)
+
+    def scale_of(self, weight: str) -> str:
+        return weight[: -len("weight")] + "weight_scale_inv"
+
+    @property
+    def dropped(self) -> set[str]:
+        """Suffixes of the layer that the output does not have (the scales of dequantised weights)."""
+        return {self.scale_of(w) for w in self.dequantize}
 
 
 def plan_layer(layer: GDNLayer, target, orders) -> LayerPlan:
@@ -102,21 +111,27 @@ class ShardPlan:
         """``(name, dtype, shape, begin, end)`` of every output tensor, in file order."""
         return list(self._entries)
 
-    def lay_out(self, gdn_shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Place every tensor (GDN tensor ``name`` gets shape ``gdn_shapes[name]``) and build the header."""
+    def lay_out(self, gdn_shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None = None,
+                dropped: set[str] = frozenset()) -> None:
+        """Place every tensor (GDN tensor ``name`` gets shape ``gdn_shapes[name]`` and dtype ``dtypes[name]``
+        when given; tensors in ``dropped`` are left out) and build the header."""
         entries, runs, position = [], [], 0
+        dtypes = dtypes or {}
         for t in self.src.tensors.values():  # ordered by offset
+            if t.name in dropped:
+                continue
+            dtype = dtypes.get(t.name, t.dtype)
             if t.name in gdn_shapes:
                 shape = tuple(gdn_shapes[t.name])
-                nbytes = _numel(shape) * DTYPE_BITS[t.dtype] // 8  # GDN dtypes are whole bytes
-                self.gdn_entries[t.name] = (t.dtype, shape, position, position + nbytes)
+                nbytes = _numel(shape) * DTYPE_BITS[dtype] // 8  # GDN dtypes are whole bytes
+                self.gdn_entries[t.name] = (dtype, shape, position, position + nbytes)
             else:
                 shape, nbytes = t.shape, t.nbytes
                 if runs and runs[-1][0] + runs[-1][2] == t.start and runs[-1][1] + runs[-1][2] == position:
                     runs[-1][2] += nbytes
                 elif nbytes:
                     runs.append([t.start, position, nbytes])
-            entries.append((t.name, t.dtype, shape, position, position + nbytes))
+            entries.append((t.name, dtype, shape, position, position + nbytes))
             position += nbytes
         header = encode_header(entries, self.src.metadata)
         data_start = _aligned_start(len(header), runs)
@@ -235,17 +250,23 @@ class GDNWork:
             raise RuntimeError("internal error: the copy plan and the GDN layers disagree")
         jobs_seen = set()
         for shard in self.shards:
-            shapes = {}
+            shapes, dtypes, dropped = {}, {}, set()
             for name in shard.gdn:
                 plan, suffix = owner[name]
+                if suffix in plan.dropped:
+                    dropped.add(name)
+                    continue
+                if suffix in plan.dequantize:
+                    dtypes[name] = "BF16"
                 shapes[name] = _out_shape(plan.layer, suffix, plan.target)
                 self._shard_of[name] = shard
                 job = (plan.layer.prefix, _fused_of(plan.layer, suffix) or suffix)
                 if job not in jobs_seen:  # the pieces of a split fused tensor are one job
                     jobs_seen.add(job)
                     self.jobs.append((plan, job[1]))
-            shard.lay_out(shapes)
+            shard.lay_out(shapes, dtypes, dropped)
         self.total_bytes = sum(end - begin for shard in shards for _, _, begin, end in shard.gdn_entries.values())
+        self.dropped = {plan.layer.name(s) for plan in plans.values() for s in plan.dropped}
         # The main thread copies the unchanged bytes shard by shard from the first; the GDN jobs start from
         # the last shard, so that the two threads write different files (writes to one file serialise,
         # presumably on its inode lock: measured 1.9 s of waiting on the benchmark checkpoint) until they meet.
@@ -415,6 +436,8 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
     layer = plan.layer
     rule = layer.rule(suffix)
     index = rule.gather_index(layer.shape, plan.target, plan.indices)
+    if suffix in plan.dequantize:
+        return _write_dequantized(plan, suffix, rule, index, files, destination)
     pieces = layer.splits.get(suffix, (suffix,))
     if len(pieces) == 1:
         info = files.ckpt.tensor(layer.name(suffix))  # shape and dtype were checked by find_gdn_layers
@@ -458,6 +481,50 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
         finally:
             os.close(fd)
     return written
+
+
+def _fp8_table(dtype: str):
+    """The float32 value of every byte of an FP8 format (e4m3fn: no infinities, NaN at 0x7F/0xFF; e5m2)."""
+    import numpy as np
+
+    bits = np.arange(256, dtype=np.uint32)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    mant_bits, bias = (3, 7) if dtype == "F8_E4M3" else (2, 15)
+    exponent = (bits >> mant_bits) & ((1 << (7 - mant_bits)) - 1)
+    mantissa = (bits & ((1 << mant_bits) - 1)) / float(1 << mant_bits)
+    value = np.where(exponent == 0, mantissa * 2.0 ** (1 - bias), (1 + mantissa) * 2.0 ** (exponent.astype(np.float64) - bias))
+    value = sign * value
+    if dtype == "F8_E4M3":
+        value[(bits & 0x7F) == 0x7F] = np.nan
+    else:
+        top = exponent == (1 << (7 - mant_bits)) - 1
+        value[top] = np.where(mantissa[top] == 0, sign[top] * np.inf, np.nan)
+    return value.astype(np.float32)
+
+
+def _write_dequantized(plan: LayerPlan, suffix: str, rule, index, files: _SourceFiles, destination) -> int:
+    """An FP8 weight gathered and written in BF16: each byte decoded, times its block's scale."""
+    import numpy as np
+
+    from ..compensate import from_float, to_float
+
+    layer = plan.layer
+    (info, data), (scale_info, scale_data) = files.read([layer.name(suffix), layer.name(plan.scale_of(suffix))])
+    weight = _fp8_table(info.dtype)[np.frombuffer(data, dtype=np.uint8)].reshape(info.shape)
+    scale = to_float(scale_data, scale_info.dtype, scale_info.shape) if scale_info.dtype != "F8_E8M0" else \
+        np.exp2(np.frombuffer(scale_data, dtype=np.uint8).astype(np.float64) - 127).reshape(scale_info.shape)
+    rows, cols = info.shape
+    block_rows, block_cols = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
+    full = np.repeat(np.repeat(scale, block_rows, axis=0)[:rows], block_cols, axis=1)[:, :cols]
+    values = np.take(weight.astype(np.float64) * full, index, axis=rule.axis)
+    dst, offset, shape = destination(plan, suffix)
+    if values.shape != tuple(shape):
+        raise RuntimeError(f"internal error: {info.name} dequantised to {values.shape}, planned {shape}")
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        return write_all(fd, from_float(values, "BF16"), offset)
+    finally:
+        os.close(fd)
 
 
 def _fused_of(layer: GDNLayer, suffix: str) -> str | None:

@@ -280,12 +280,15 @@ def write_json(path: Path, value: Any, indent: int = 2) -> None:
         f.write("\n")
 
 
-def write_index(ckpt: Checkpoint, tmp: Path, entries: list[tuple]) -> None:
+def write_index(ckpt: Checkpoint, tmp: Path, entries: list[tuple], dropped: set[str] = frozenset()) -> None:
     """The output's safetensors index: the source index with the sizes of the output tensors ``entries``
-    (``(name, dtype, shape, begin, end)``); nothing for a single-file checkpoint."""
+    (``(name, dtype, shape, begin, end)``), without the tensors ``dropped``; nothing for a single-file
+    checkpoint."""
     if ckpt.index is None:
         return
     index = json.loads(json.dumps(ckpt.index))
+    for name in dropped:
+        index.get("weight_map", {}).pop(name, None)
     metadata = index.setdefault("metadata", {})
     if not isinstance(metadata, dict):
         metadata = index["metadata"] = {}

@@ -65,6 +65,7 @@ def transform_checkpoint(
     multiple_of: int | None = None,
     compensation: str | os.PathLike | Mapping | None = None,
     ridge: float | None = None,
+    dequantize: bool = False,
     operation: str,
     overwrite: bool = False,
     progress: bool = True,
@@ -93,6 +94,8 @@ def transform_checkpoint(
             layer that loses value heads or value channels is refitted by least squares to reconstruct the
             full layer output (``ridge``: its strength, default ``1e-3``). Compensated outputs are not
             nested across targets; the manifest says so.
+        dequantize: FP8 weights whose scale blocks the sort or cut would split are written dequantised in
+            BF16 (their scales dropped, their modules added to ``modules_to_not_convert``) instead of refused.
         operation: the name recorded in the manifest (``"sort"``, ``"slice"``, ``"prune"``, ...).
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
@@ -113,8 +116,8 @@ def transform_checkpoint(
     src, out = Path(model_dir), Path(output_dir)
     output.clear_stale(out)
     output.check_paths(src, out, overwrite)
-    return _transform(src, out, permutations, target, plan, (tp, multiple_of), (compensation, ridge), operation,
-                      overwrite, progress, manifest_extra)
+    return _transform(src, out, permutations, target, plan, (tp, multiple_of, dequantize), (compensation, ridge),
+                      operation, overwrite, progress, manifest_extra)
 
 
 def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple[dict, list[str]]:
@@ -126,7 +129,7 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
     else:
         targets = {prefix: resolve_target(shape, target) for prefix, shape in shapes.items()}
     cut = {prefix: t for prefix, t in targets.items() if t != shapes[prefix]}
-    tp, multiple_of = constraints
+    tp, multiple_of, dequantize = constraints
     violations = constraint_violations(cut, tp=tp, multiple_of=multiple_of)
     if violations:
         raise PlanError(f"{len(violations)} layer(s) break the serving constraints: " + "; ".join(violations))
@@ -134,14 +137,18 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
         _warn(KernelShapeWarning, line)
     plans = {layer.prefix: plan_layer(layer, targets[layer.prefix], orders.get(layer.prefix)) for layer in layers}
     for prefix, layer_plan in plans.items():  # FP8: every scale block must stay whole (see layouts.scale_rule)
+        broken = set()
         for suffix, rule in layer_plan.layer.scales.items():
             try:
                 rule.gather_index(layer_plan.layer.shape, layer_plan.target, layer_plan.indices)
             except BlockGridError as exc:
-                what = "sorted" if layer_plan.target == layer_plan.layer.shape else "cut to " + str(layer_plan.target)
-                raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
-                                  f"exactly: {exc}. Cut whole heads (head dims that are multiples of "
-                                  f"{rule.block}), or dequantize the checkpoint first") from None
+                if not dequantize:
+                    what = "sorted" if layer_plan.target == layer_plan.layer.shape else f"cut to {layer_plan.target}"
+                    raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
+                                      f"exactly: {exc}. Cut whole heads (head dims that are multiples of "
+                                      f"{rule.block}), or pass --dequantize to write such weights in BF16") from None
+                broken.add(suffix[: -len("weight_scale_inv")] + "weight")
+        layer_plan.dequantize = frozenset(broken)
     return plans, missing
 
 
@@ -251,12 +258,19 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
     """Index, config, other files and manifest of the output folder."""
     from ..geometry import orders_to_payload
 
-    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()])
-    if cut:
-        targets = {layer_index_of(prefix): p.target for prefix, p in work.plans.items()}
-        output.write_json(tmp / CONFIG_NAME, apply_targets_to_config(ckpt.config, targets))
+    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped)
+    dequantized = [f"{prefix}.{suffix[: -len('.weight')]}" for prefix, p in work.plans.items() for suffix in sorted(p.dequantize)]
+    if cut or dequantized:
+        config = ckpt.config
+        if cut:
+            config = apply_targets_to_config(config, {layer_index_of(prefix): p.target for prefix, p in work.plans.items()})
+        if dequantized:
+            config = _not_converted(config, dequantized)
+        output.write_json(tmp / CONFIG_NAME, config)
     else:
         output.copy_other_files(ckpt.path, tmp, [CONFIG_NAME])
+    if dequantized:
+        manifest_extra = {"dequantized": dequantized, **dict(manifest_extra or {})}
     output.copy_other_files(ckpt.path, tmp, other_files)
     permuted = [p for p, layer_plan in work.plans.items() if layer_plan.permutation is not None]
     targets_out = {layer_plan.target for layer_plan in work.plans.values()}
@@ -288,6 +302,24 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
     )
     output.write_manifest(tmp, manifest)
     return manifest
+
+
+def _not_converted(config: Mapping, modules: list[str]) -> dict:
+    """``config`` with ``modules`` (and their text-model spellings) added to the FP8 ``modules_to_not_convert``."""
+    import copy
+
+    from ..scores import _alias
+
+    config = copy.deepcopy(dict(config))
+    holder = config if "quantization_config" in config else config.get("text_config", config)
+    quant = holder.setdefault("quantization_config", {})
+    names = list(quant.get("modules_to_not_convert") or [])
+    for module in modules:
+        for spelling in dict.fromkeys((module, _alias(module))):
+            if spelling not in names:
+                names.append(spelling)
+    quant["modules_to_not_convert"] = names
+    return config
 
 
 def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Mapping, output_dir: str | os.PathLike,

@@ -24,6 +24,9 @@ def add_parser(subparsers) -> None:
                    help="refit out_proj by least squares to reconstruct the full layer output (calibration "
                         "statistics from `gdnprune score --compensation`); outputs are then not nested")
     p.add_argument("--ridge", type=float, default=None, help="ridge strength of --compensate (default 1e-3)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="FP8 checkpoints: write the weights whose scale blocks the %s would split in BF16 (added "
+                        "to modules_to_not_convert) instead of refusing" % ("order" if NAME == "sort" else "cut"))
     p.set_defaults(func=run)
 
 
@@ -33,6 +36,7 @@ def run(args) -> int:
     target = target_from_args(args)
     manifest = slice_checkpoint(args.model_dir, args.output, target, plan=args.plan, tp=args.tp,
                                 multiple_of=args.multiple_of, compensation=args.compensate, ridge=args.ridge,
+                                dequantize=args.dequantize,
                                 overwrite=args.overwrite, progress=not args.quiet)
     print(summary(manifest, args.output))
     return 0

@@ -16,6 +16,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--scores", required=True, metavar="SCORES.json",
                    help='JSON object with "layers": {prefix: {*_order_most_important_first: ...}}')
     add_output_arguments(p)
+    p.add_argument("--dequantize", action="store_true",
+                   help="FP8 checkpoints: write the weights whose scale blocks the %s would split in BF16 (added "
+                        "to modules_to_not_convert) instead of refusing" % ("order" if NAME == "sort" else "cut"))
     p.set_defaults(func=run)
 
 
@@ -23,6 +26,6 @@ def run(args) -> int:
     from ..checkpoint import sort_checkpoint
 
     manifest = sort_checkpoint(args.model_dir, args.scores, args.output, overwrite=args.overwrite,
-                               progress=not args.quiet)
+                               dequantize=args.dequantize, progress=not args.quiet)
     print(summary(manifest, args.output))
     return 0
