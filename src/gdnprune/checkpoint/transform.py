@@ -178,6 +178,11 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     if stats_path is not None:
         if not cut:
             raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
+        fp8 = [layer.prefix for layer in layers if any(s.endswith("weight_scale_inv") and "out_proj" in s or
+                                                          "o_proj" in s for s in layer.scales)]
+        if fp8:
+            raise TargetError(f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
+                              f"({fp8[:3]}); slice a BF16 copy to compensate")
         if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
             stats, order = stats_path, None
         else:
