@@ -204,7 +204,7 @@ def test_slice_refuses_a_plan_that_breaks_a_constraint(sources, tmp_path, capsys
     assert "flash-linear-attention" in capsys.readouterr().err  # dims 5 and 3: a warning, not an error
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_vl", "olmo_hybrid"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_vl", "olmo_hybrid", "qwen4_exp"])
 def test_slice_model_cuts_in_memory_and_saves_a_loadable_folder(model_type, tmp_path):
     from gdnprune.loading import slice_model
     from gdnprune.scoring import score_model, scores_to_permutations
