@@ -12,16 +12,23 @@ in its own child process and side by side in every round:
   imports only what the engine needs;
 * a naive baseline: ``safetensors.torch.load_file`` each shard, gather the GDN tensors, ``save_file``.
 
-Rounds alternate the commands (one of each per round). Wall time, CPU time, peak RSS and the bytes each
-command made the kernel write (``ru_oublock``: after reflinks, only what was not shared) come from
-``os.wait4`` of each child; ``sync`` runs (untimed, reported) between commands so that one command's
-write-back does not land in the next one's time, and the bytes of the output that the file system does
-not share with the source (FIEMAP extents, read with ``filefrag`` after the sync) are reported too. Around every command the benchmark also measures how much CPU the machine's other
-processes used (their user and system time, from ``/proc``): a round is *calm* when they used less than
-``--calm`` cores (default 0.25) during its commands. The calm rounds are reported first (medians
-and ratios to ``cp -r`` of the same rounds), then the busy ones, then all, each with its load. On a busy
-machine ``cp`` (one thread) loses more than gdnprune's two threads, which flatters the ratio: compare calm
-rounds. ``--wait-calm S`` waits up to S seconds for a calm machine before each round.
+Rounds alternate the commands: one of each per round, in a new order every round. Wall time, CPU time,
+peak RSS and the bytes each command made the kernel write (``ru_oublock``: after reflinks, only what was
+not shared) come from ``os.wait4`` of each child. Untimed, between commands: ``sync`` (reported, so that
+one command's write-back does not land in the next one's time; ``+sync`` = command plus that write-back)
+and, after it, the bytes of the output that the file system does not share with the source (FIEMAP
+extents, read with ``filefrag``). On this VM the same command varies by up to 4x between rounds: memory
+that stays free for a few seconds goes back to the host (free page reporting), and whoever allocates it
+next pays for the host to fault it in again (a command that needs more page cache than the one before it
+freed, a sort after a slice, ran up to 3x slower); the new order every round spreads that over the
+commands. Compare medians, and ratios of one run.
+
+Around every command the benchmark measures how much CPU the machine's other processes used (their user
+and system time, from ``/proc``): a round is *calm* when they used less than ``--calm`` cores (default
+0.25) during its commands. The calm rounds are reported first (medians and ratios to ``cp -r`` of the
+same rounds), then the busy ones, then all, each with its load. On a busy machine ``cp`` (one thread)
+loses more than gdnprune's two threads, which flatters the ratio: compare calm rounds. ``--wait-calm S``
+waits up to S seconds for a calm machine before each round.
 
 ``--fs xfs`` runs everything on a sparse loop-mounted XFS image formatted with ``reflink=1`` (root and
 ``mkfs.xfs``, Debian package xfsprogs), against ``cp -r --reflink=auto``: there the unchanged bytes are
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -276,9 +284,9 @@ def others_cores(round_: dict) -> float:
     return sum(r["others_cpu"] for r in round_.values()) / sum(r["wall"] for r in round_.values())
 
 
-def table(title: str, rounds: list[dict]) -> None:
-    """Medians over ``rounds`` (each: command -> run_child result), ratios to `cp -r` of the same rounds."""
-    names = list(rounds[0])
+def table(title: str, rounds: list[dict], names: list[str]) -> None:
+    """Medians over ``rounds`` (each: command -> run_child result), ratios to ``names[0]`` (`cp -r`) of the
+    same rounds."""
     med = {k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall", "sync", "cpu", "written")}
            for k in names}
     for k in names:
@@ -363,14 +371,16 @@ def main(argv: list[str] | None = None) -> int:
             # page-cached: read the source (this machine pages out what has not been used for a minute)
             subprocess.run(["cat", *[os.path.join(src, f) for f in os.listdir(src)]], stdout=subprocess.DEVNULL)
             rounds.append({})
-            for name, cmd in commands.items():
+            order = list(commands)
+            random.Random(r).shuffle(order)  # a new order every round (the same in every run)
+            for name in order:
                 shutil.rmtree(out, ignore_errors=True)
-                res = rounds[-1][name] = run_child(cmd, out)
+                res = rounds[-1][name] = run_child(commands[name], out)
                 print(f"round {r + 1} {name:22s} {res['wall']:7.2f} s  {res['rss'] / 2**20:5.0f} MiB  cpu "
                       f"{res['cpu']:5.2f} s  +sync {res['sync']:.2f} s  written {res['written'] / 1e6:6.0f} MB  unshared "
                       f"{(res['unshared'] or 0) / 1e6:6.0f} MB  load {res['load']:.2f}  others {res['others']:.2f} cores",
                       flush=True)
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
 
         print(f"\ncheckpoint: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shards "
               f"{facts['shard_bytes'] / 1e6:.0f} MB, largest tensor {facts['largest_tensor'] / 1e6:.0f} MB; "
@@ -378,12 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         calm = [r for r in rounds if others_cores(r) < args.calm]
         busy = [r for r in rounds if r not in calm]
         if calm:
-            table(f"calm rounds (other processes < {args.calm} cores)", calm)
+            table(f"calm rounds (other processes < {args.calm} cores)", calm, list(commands))
         else:
             print(f"\nno calm round (other processes used less than {args.calm} cores during none)")
         if busy:
-            table("busy rounds", busy)
-        table("all rounds", rounds)
+            table("busy rounds", busy, list(commands))
+        table("all rounds", rounds, list(commands))
         print(f"targets: wall <= 1.2 x cp on a calm machine, <= 0.8 x on a busy one; peak RSS <= 256 MiB")
     finally:
         if xfs:
