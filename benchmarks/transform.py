@@ -12,7 +12,8 @@ in its own child process and side by side in every round:
   imports only what the engine needs;
 * a naive baseline: ``safetensors.torch.load_file`` each shard, gather the GDN tensors, ``save_file``.
 
-Rounds alternate the commands: one of each per round, in a new order every round. Wall time, CPU time,
+Rounds alternate the commands: one of each per round, in a new order every round (a Williams design:
+over as many rounds as there are commands, each command directly follows each other one once). Wall time, CPU time,
 peak RSS and the bytes each command made the kernel write (``ru_oublock``: after reflinks, only what was
 not shared) come from ``os.wait4`` of each child. Untimed, between commands: ``sync`` (reported, so that
 one command's write-back does not land in the next one's time; ``+sync`` = command plus that write-back)
@@ -20,7 +21,7 @@ and, after it, the bytes of the output that the file system does not share with 
 extents, read with ``filefrag``). On this VM the same command varies by up to 4x between rounds: memory
 that stays free for a few seconds goes back to the host (free page reporting), and whoever allocates it
 next pays for the host to fault it in again (a command that needs more page cache than the one before it
-freed, a sort after a slice, ran up to 3x slower); the new order every round spreads that over the
+freed, a sort after a slice, ran up to 3x slower); the order design spreads that evenly over the
 commands. Compare medians, and ratios of one run.
 
 Around every command the benchmark measures how much CPU the machine's other processes used (their user
@@ -45,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -278,6 +278,14 @@ def pick_workdir(need: int, requested: str | None) -> str:
     raise SystemExit(f"no folder among {candidates} has {need * 1.2 / 1e9:.1f} GB free")
 
 
+def williams_order(names: list, r: int) -> list:
+    """Round ``r`` of a Williams design: over ``len(names)`` rounds (an even number), every command directly
+    follows every other one exactly once, so no command always comes after the same one."""
+    n = len(names)
+    first = [0] + [i // 2 + 1 if i % 2 == 0 else n - (i + 1) // 2 for i in range(n - 1)]
+    return [names[(x + r) % n] for x in first]
+
+
 def others_cores(round_: dict) -> float:
     """Cores the other processes used during a round's commands (over all of them: a 10 ms command alone
     sees whole clock ticks)."""
@@ -371,9 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             # page-cached: read the source (this machine pages out what has not been used for a minute)
             subprocess.run(["cat", *[os.path.join(src, f) for f in os.listdir(src)]], stdout=subprocess.DEVNULL)
             rounds.append({})
-            order = list(commands)
-            random.Random(r).shuffle(order)  # a new order every round (the same in every run)
-            for name in order:
+            for name in williams_order(list(commands), r):
                 shutil.rmtree(out, ignore_errors=True)
                 res = rounds[-1][name] = run_child(commands[name], out)
                 print(f"round {r + 1} {name:22s} {res['wall']:7.2f} s  {res['rss'] / 2**20:5.0f} MiB  cpu "
