@@ -24,6 +24,9 @@ next pays for the host to fault it in again (a command that needs more page cach
 freed, a sort after a slice, ran up to 3x slower); the order design spreads that evenly over the
 commands. Compare medians, and ratios of one run.
 
+The tables give medians over the rounds and, as ``best``, each command's fastest round (the one least
+disturbed), with ratios to ``cp -r``'s.
+
 Around every command the benchmark measures how much CPU the machine's other processes used (their user
 and system time, from ``/proc``): a round is *calm* when they used less than ``--calm`` cores (default
 0.25) during its commands. The calm rounds are reported first (medians and ratios to ``cp -r`` of the
@@ -298,6 +301,7 @@ def table(title: str, rounds: list[dict], names: list[str]) -> None:
     med = {k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall", "sync", "cpu", "written")}
            for k in names}
     for k in names:
+        med[k]["best"] = min(r[k]["wall"] for r in rounds)
         med[k]["with_sync"] = statistics.median(r[k]["wall"] + r[k]["sync"] for r in rounds)
         med[k]["rss"] = max(r[k]["rss"] for r in rounds)
         med[k]["unshared"] = statistics.median(r[k]["unshared"] or 0 for r in rounds)
@@ -306,11 +310,12 @@ def table(title: str, rounds: list[dict], names: list[str]) -> None:
     others = [others_cores(r) for r in rounds]
     print(f"\n{title}: median of {len(rounds)} rounds; 1-min load average {min(loads):.2f}-{max(loads):.2f}, "
           f"other processes used {min(others):.2f}-{max(others):.2f} cores (per round)")
-    print(f"{'command':22s} {'wall s':>7s} {'x cp':>6s} {'+sync':>6s} {'x cp':>6s} {'cpu s':>6s} {'RSS MiB':>8s} "
-          f"{'written MB':>11s} {'unshared MB':>12s}")
+    print(f"{'command':22s} {'wall s':>7s} {'x cp':>6s} {'best s':>7s} {'x cp':>6s} {'+sync':>6s} {'x cp':>6s} "
+          f"{'cpu s':>6s} {'RSS MiB':>8s} {'written MB':>11s} {'unshared MB':>12s}")
     for k in names:
         m = med[k]
-        print(f"{k:22s} {m['wall']:7.2f} {m['wall'] / cp['wall']:6.2f} {m['with_sync']:6.2f} "
+        print(f"{k:22s} {m['wall']:7.2f} {m['wall'] / cp['wall']:6.2f} {m['best']:7.2f} {m['best'] / cp['best']:6.2f} "
+              f"{m['with_sync']:6.2f} "
               f"{m['with_sync'] / cp['with_sync']:6.2f} {m['cpu']:6.2f} {m['rss'] / 2**20:8.0f} "
               f"{m['written'] / 1e6:11.0f} {m['unshared'] / 1e6:12.0f}")
     per_round = "; ".join(" ".join(f"{r[k]['wall'] / r[names[0]]['wall']:.2f}" for k in names[1:]) for r in rounds)
