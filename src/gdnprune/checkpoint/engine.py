@@ -79,12 +79,12 @@ class ShardPlan:
 
     Runs of unchanged tensors are contiguous in both files: ``runs`` (``(source offset, output offset,
     length)``, absolute), split into ``pieces`` of at most 64 MiB that two threads can share (:meth:`claim`).
-    The header is padded with spaces (as
-    safetensors allows) so that the data section starts where most unchanged bytes land at the same offset
-    modulo :data:`~gdnprune.safetensors_io.BLOCK` as in the source: a file system that shares extents
-    (XFS with reflink, btrfs) then clones those blocks instead of copying them. A sort changes no size, so
-    its output has the source's layout and every unchanged block can be shared. ``gdn_entries``: name ->
-    dtype, shape, begin, end (relative to the data section) of every GDN tensor.
+    The header is padded with spaces (as safetensors allows) so that the data section starts where most
+    unchanged bytes land at the same offset modulo :data:`~gdnprune.safetensors_io.BLOCK` as in the
+    source: a file system that shares extents (XFS with reflink, btrfs) then clones those blocks instead
+    of copying them, and ext4 copies whole pages. A sort changes no size, so its output has the source's
+    layout and every unchanged block can be shared. ``gdn_entries``: name -> dtype, shape, begin, end
+    (relative to the data section) of every GDN tensor.
     """
 
     index: int
