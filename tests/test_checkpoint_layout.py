@@ -185,20 +185,24 @@ def test_two_threads_share_the_unchanged_bytes_of_large_shards(tmp_path, monkeyp
         assert sum(piece[2] for p, piece in copied if p == str(path)) == unchanged
 
 
-@pytest.mark.parametrize("threshold", [0, 1 << 40], ids=["kernel copies", "reads"])
-def test_a_shard_truncated_under_the_gdn_work_gives_a_clear_error(tmp_path, monkeypatch, threshold):
+@pytest.mark.parametrize("threshold,cut_at", [(0, "conv1d"), (1 << 40, "conv1d"), (1 << 40, "experts")],
+                         ids=["kernel row copies", "reads", "shared unchanged copies"])
+def test_a_shard_truncated_under_the_gdn_work_gives_a_clear_error(tmp_path, monkeypatch, threshold, cut_at):
     from gdnprune.checkpoint import find_gdn_layers, open_checkpoint
     from gdnprune.targets import resolve_target
 
     monkeypatch.setattr(engine, "_KERNEL_RUN", threshold)
+    monkeypatch.setattr(engine, "_SHARE_MIN", 0)  # the worker copies unchanged pieces after its jobs
+    monkeypatch.setattr(engine, "_PIECE", BLOCK)
     ckpt = open_checkpoint(build_wide(tmp_path / "src"))
     layers, _ = find_gdn_layers(ckpt)
     plans = {layer.prefix: engine.plan_layer(layer, resolve_target(layer.shape, TARGET), None) for layer in layers}
     (tmp_path / "out").mkdir()
     shards = engine.plan_shards(ckpt, {layer.name(s) for layer in layers for s in layer.tensors}, tmp_path / "out")
     work = engine.GDNWork(ckpt, shards, plans)
-    with open(ckpt.shards[-1].path, "r+b") as f:  # after the headers were read
-        f.truncate(ckpt.tensor("model.layers.2.linear_attn.conv1d.weight").end)
+    cut = {"conv1d": "model.layers.2.linear_attn.conv1d.weight", "experts": "model.layers.2.mlp.experts.1.down_proj.weight"}
+    with open(ckpt.shards[-1].path, "r+b") as f:  # after the headers were read (the GDN tensors come before)
+        f.truncate(ckpt.tensor(cut[cut_at]).end)
     with pytest.raises(InputChangedError, match="input changed while reading"):
         work.run()
 
