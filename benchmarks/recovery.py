@@ -14,6 +14,9 @@ of the validation text (the library's ``eval_lm_loss``, equal to ``demo_data.val
   (256 evenly spaced training windows = 64 KiB, 16% of the training text);
 * ``scratch``: the 50% architecture from a fresh initialisation, trained with KD the same way;
 * ``random``: a slice of a randomly permuted model (seeded random orders on every axis), distilled;
+* ``plan``: the sorted model cut by the plan search (``gdnprune.plan.plan_model``, measured sensitivity on
+  16 calibration windows, head dims in quarters) to the same share of GDN parameters as the uniform slice,
+  every layer at its own width (the plan is cached beside the results);
 * ``50-kd-full-long``: the default loss for ``--long-steps`` steps with evaluations every 100 steps, the
   share of the pruning loss increase recovered after 100, 300 and 1000 steps of that schedule.
 
@@ -44,6 +47,8 @@ from gdnprune import demo_data  # noqa: E402
 from gdnprune.distill import distill  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
 from gdnprune.layouts import find_gdn_modules  # noqa: E402
+from gdnprune.loading import slice_model  # noqa: E402
+from gdnprune.plan import plan_model  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 
 SLICES = {"50": GDNShape(2, 4, 32, 32), "25": GDNShape(1, 2, 32, 32)}
@@ -63,6 +68,10 @@ RUNS = {
     "25-lm-small": ("25", "sorted", "small", "lm", False),
     "25-kd-small": ("25", "sorted", "small", "kd", False),
     "25-random-kd-full": ("25", "random", "full", "kd", False),
+    "50-plan-kd-full": ("50", "plan", "full", "kd", False),
+    "50-plan-kd-small": ("50", "plan", "small", "kd", False),
+    "25-plan-kd-full": ("25", "plan", "full", "kd", False),
+    "25-plan-kd-small": ("25", "plan", "small", "kd", False),
 }
 SEQ_LEN, BATCH, LR, WARMUP, SEED = 256, 16, 1e-3, 0.03, 0
 
@@ -84,6 +93,22 @@ def student_for(teacher, shape: GDNShape, target: GDNShape, kind: str, orders):
     return student
 
 
+def plan_student(teacher, shape: GDNShape, target: GDNShape, scores: dict, calibration, results: Path):
+    """The sorted teacher cut by the plan search to at most as many GDN parameters as the uniform ``target``
+    slice (the plan is cached in ``results``); returns the student and the plan."""
+    path = results / f"plan-{target.num_key_heads}-{target.num_value_heads}.json"
+    if path.exists():
+        plan = json.loads(path.read_text())
+    else:
+        uniform = slice_model(teacher, target)
+        budget = sum(p.numel() for _, m in find_gdn_modules(uniform) for p in m.parameters())
+        plan, _ = plan_model(teacher, list(calibration[:16].split(4)), scores, budget_params=budget, dim_step="1/4",
+                             progress=False)
+        results.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plan, indent=1))
+    return slice_model(teacher, plan["layers"], scores["layers"]), plan
+
+
 def run_one(name: str, steps: int, long_steps: int, results: Path) -> dict:
     slice_name, kind, data_name, loss, long = RUNS[name]
     teacher, _ = demo_data.load_demo_model()
@@ -92,7 +117,12 @@ def run_one(name: str, steps: int, long_steps: int, results: Path) -> dict:
     calibration = demo_data.byte_windows(demo_data.train_text(), SEQ_LEN, 64)
     scores = score_model(teacher, list(calibration.split(8)), progress=False, seed=SEED)
     orders = {p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in layers}
-    student = student_for(teacher, shape, SLICES[slice_name], kind, orders)
+    if kind == "plan":
+        student, plan = plan_student(teacher, shape, SLICES[slice_name], scores, calibration, results)
+        uniform = student_for(teacher, shape, SLICES[slice_name], "sorted", orders)
+        uniform_start = demo_data.validation_loss(uniform, num_windows=None, seq_len=SEQ_LEN)
+    else:
+        student, plan, uniform_start = student_for(teacher, shape, SLICES[slice_name], kind, orders), None, None
     train = demo_data.byte_windows(demo_data.train_text(), SEQ_LEN, 256 if data_name == "small" else None)
     held_out = demo_data.byte_windows(demo_data.validation_text(), SEQ_LEN)
     kd_weight, lm_weight = LOSSES[loss]
@@ -113,6 +143,8 @@ def run_one(name: str, steps: int, long_steps: int, results: Path) -> dict:
         "train_loss": [(h["step"], h["loss"]) for h in result["history"] if "loss" in h],
         "final": evals[n]["eval_lm_loss"], "validation_loss_check": check, "cpu_s": cpu, "wall_s": wall,
         "torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv),
+        "plan": plan and plan["layers"], "uniform_start": uniform_start,
+        "gdn_parameters": sum(p.numel() for prefix, m in find_gdn_modules(student) for p in m.parameters()),
     }
     if abs(check - record["final"]) > 1e-4:
         raise RuntimeError(f"{name}: eval_lm_loss {record['final']} != validation_loss {check}")
@@ -131,6 +163,8 @@ def report(results: Path) -> str:
         return f"no results in {results}"
     # the sorted slice's starting loss is the reference "sliced" loss, also for scratch runs
     sliced = {r["slice"]: r["start"] for r in records.values() if r["student"] == "sorted"}
+    sliced.update({r["slice"]: r["uniform_start"] for r in records.values() if r.get("uniform_start")
+                   and r["slice"] not in sliced})
     lines = [
         "| run | slice | student | data | loss | steps | start | after 100 | after 300 | final | recovered | "
         "CPU s |",

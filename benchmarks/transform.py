@@ -38,10 +38,15 @@ waits up to S seconds for a calm machine before each round.
 ``mkfs.xfs``, Debian package xfsprogs), against ``cp -r --reflink=auto``: there the unchanged bytes are
 shared, not copied.
 
+``--fp8`` stores ``in_proj_qkvz`` and ``out_proj`` as Qwen's FP8 releases do (``float8_e4m3fn``, one float32
+``weight_scale_inv`` per 128 x 128 block, ``quantization_config``): sort and the whole-head slice then
+gather FP8 bytes and scale rows together.
+
     python benchmarks/transform.py                  # 6 layers, ~470 MB shards (~2.8 GB), 5 rounds
     python benchmarks/transform.py --fs xfs         # the same on XFS with reflinks
     python benchmarks/transform.py --layers 12      # twice the layers
     python benchmarks/transform.py --shard-scale 4  # shards 4x larger (~1.9 GB)
+    python benchmarks/transform.py --fp8            # FP8 GDN projections
 """
 
 from __future__ import annotations
@@ -110,8 +115,23 @@ else:
 """
 
 
-def gdn_tensors(prefix: str, g):
-    """One Qwen3-Next GDN layer (fused layout), bf16."""
+FP8_BLOCK = 128
+FP8_PROJECTIONS = ("in_proj_qkvz.weight", "out_proj.weight")  # FP8 in Qwen's releases; the rest stays BF16
+
+
+def fp8_blocks(weight):
+    """Block-scaled FP8 as Qwen's FP8 releases store it: ``float8_e4m3fn`` weight, float32 ``weight_scale_inv``
+    (amax / 448 of each 128 x 128 block)."""
+    import torch
+
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    return (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn), scale
+
+
+def gdn_tensors(prefix: str, g, fp8: bool = False):
+    """One Qwen3-Next GDN layer (fused layout), bf16; with ``fp8`` its two large projections block-scaled FP8."""
     import torch
 
     Hk, Hv, dk, dv = (GEOMETRY[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
@@ -124,7 +144,10 @@ def gdn_tensors(prefix: str, g):
         "norm.weight": (dv,),
         "out_proj.weight": (HIDDEN, Hv * dv),
     }
-    return {f"{prefix}.{k}": torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
+    out = {f"{prefix}.{k}": torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
+    for name in FP8_PROJECTIONS if fp8 else ():
+        out[f"{prefix}.{name}"], out[f"{prefix}.{name}_scale_inv"] = fp8_blocks(out[f"{prefix}.{name}"])
+    return out
 
 
 def filler(prefix: str, nbytes: int):
@@ -142,7 +165,7 @@ def filler(prefix: str, nbytes: int):
     return out
 
 
-def build(folder: str, layers: int, shard_scale: float, seed: int = 0) -> dict:
+def build(folder: str, layers: int, shard_scale: float, fp8: bool = False, seed: int = 0) -> dict:
     """Write the synthetic checkpoint and a scores file; returns facts about it (run in a child process)."""
     import torch
     from safetensors.torch import save_file
@@ -155,7 +178,7 @@ def build(folder: str, layers: int, shard_scale: float, seed: int = 0) -> dict:
     weight_map, total, largest = {}, 0, 0
     for i in range(layers):
         name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
-        gdn = gdn_tensors(f"model.layers.{i}.linear_attn", g)
+        gdn = gdn_tensors(f"model.layers.{i}.linear_attn", g, fp8)
         gdn_bytes = sum(t.nbytes for t in gdn.values())
         tensors = {**gdn, **filler(f"model.layers.{i}", int(SHARD_MB * 1e6 * shard_scale) - gdn_bytes)}
         save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
@@ -171,6 +194,10 @@ def build(folder: str, layers: int, shard_scale: float, seed: int = 0) -> dict:
         "linear_conv_kernel_dim": 4, "num_experts": 512, "moe_intermediate_size": MOE_INTER,
         **shape.config_updates(),
     }
+    if fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                         "modules_to_not_convert": ["lm_head", "mlp.gate", "in_proj_ba"]}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     scores = {"layers": {f"model.layers.{i}.linear_attn": GDNPermutation.random(shape, generator=g).to_score_payload()
@@ -336,13 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait-calm", type=float, default=0, metavar="S",
                    help="before each round, wait up to S seconds for the machine to be calm")
     p.add_argument("--workdir", help="folder for the checkpoint and outputs (default: /tmp or /work, by free space)")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 checkpoint: in_proj_qkvz and out_proj block-scaled float8_e4m3fn with weight_scale_inv, as "
+                        "in Qwen's FP8 releases (the naive baseline, which knows no scales, is left out)")
     p.add_argument("--skip-naive", action="store_true", help="leave out the naive baseline")
     p.add_argument("--skip-api", action="store_true", help="leave out the Python API commands")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--build-only", metavar="DIR", help=argparse.SUPPRESS)  # internal: build in a child process
     args = p.parse_args(argv)
     if args.build_only:
-        print(json.dumps(build(args.build_only, args.layers, args.shard_scale)))
+        print(json.dumps(build(args.build_only, args.layers, args.shard_scale, args.fp8)))
         return 0
 
     est = int(args.layers * SHARD_MB * 1e6 * args.shard_scale)
@@ -358,9 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         # built in a child process: this process stays small, so that forked children start small
         built = subprocess.run([PYTHON, os.path.abspath(__file__), "--build-only", src, "--layers", str(args.layers),
-                                "--shard-scale", str(args.shard_scale)], check=True, capture_output=True, text=True)
+                                "--shard-scale", str(args.shard_scale), *(["--fp8"] if args.fp8 else [])],
+                               check=True, capture_output=True, text=True)
         facts = json.loads(built.stdout.strip().splitlines()[-1])
-        print(f"built {src}: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shard "
+        print(f"built {src}: {'FP8, ' if args.fp8 else ''}{args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shard "
               f"{facts['shard_bytes'] / 1e6:.0f} MB ({facts['gdn_bytes_per_shard'] / 1e6:.0f} MB GDN), largest "
               f"tensor {facts['largest_tensor'] / 1e6:.0f} MB, in {time.perf_counter() - t0:.0f} s")
         target = json.dumps({"num_key_heads": 8, "num_value_heads": 16})
@@ -375,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_api:
             commands["sort (python API)"] = [PYTHON, "-c", API, src, out, "sort", facts["scores"]]
             commands["slice (python API)"] = [PYTHON, "-c", API, src, out, "slice", target]
-        if not args.skip_naive:
+        if not (args.skip_naive or args.fp8):
             commands["naive sort"] = [PYTHON, "-c", NAIVE, src, out, "sort", facts["scores"]]
         rounds = []
         for r in range(args.rounds):
@@ -394,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out, ignore_errors=True)
 
         print(f"\ncheckpoint: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shards "
-              f"{facts['shard_bytes'] / 1e6:.0f} MB, largest tensor {facts['largest_tensor'] / 1e6:.0f} MB; "
+              f"{facts['shard_bytes'] / 1e6:.0f} MB, largest tensor {facts['largest_tensor'] / 1e6:.0f} MB"
+              f"{', GDN projections FP8 (128 x 128 blocks)' if args.fp8 else ''}; "
               f"file system: {'XFS (reflink=1, loop)' if xfs else 'that of ' + work}; {os.cpu_count()} CPUs")
         calm = [r for r in rounds if others_cores(r) < args.calm]
         busy = [r for r in rounds if r not in calm]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def test_no_module_is_much_over_600_lines():
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
 
 
-def test_inspect_sort_and_slice_never_import_torch(tmp_path):
+def test_inspect_sort_and_slice_never_import_torch_nor_start_blas_threads(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_byte_identity import TARGET, build_source, scores_for
 
@@ -93,15 +94,17 @@ def test_inspect_sort_and_slice_never_import_torch(tmp_path):
     (tmp_path / "scores.json").write_text(json.dumps(scores_for(src, "qwen3_next")))
     target = [a for k, v in TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     script = f"""
-import json, sys
+import json, os, sys
 from gdnprune.cli import main
 codes = [main(["inspect", {str(src)!r}]),
          main(["sort", {str(src)!r}, "--scores", {str(tmp_path / "scores.json")!r}, "-o", {str(tmp_path / "sorted")!r}, "-q"]),
          main(["slice", {str(tmp_path / "sorted")!r}, "-o", {str(tmp_path / "sliced")!r}, "-q", *{target!r}])]
-print(json.dumps({{"codes": codes, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules)}}))
+print(json.dumps({{"codes": codes, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules),
+                  "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}}))
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"codes": [0, 0, 0], "loaded": []}
+    assert report == {"codes": [0, 0, 0], "loaded": [], "blas_threads": "1"}  # numpy's pool would only spin
     assert (tmp_path / "sliced" / "config.json").is_file()

@@ -1,4 +1,5 @@
-"""What every command that runs a model shares: ``--threads``, and transformers' kernel-fallback warnings.
+"""What commands share about threads: ``--threads``, transformers' kernel-fallback warnings, and no BLAS
+threads for the commands that do no linear algebra.
 
 transformers logs, once per kernel, that the GDN layers fall back to its reference PyTorch
 implementation when flash-linear-attention and causal-conv1d are missing (always on a CPU). That is
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import Iterator
 
@@ -56,3 +58,14 @@ def model_runtime(args) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(note)
+
+
+def without_blas_threads() -> None:
+    """Keep numpy's OpenBLAS from starting its thread pool (call before numpy is first imported).
+
+    ``inspect``, ``sort`` and ``slice`` move bytes and never multiply matrices, yet the pool's threads spin
+    for about 0.1 s of CPU after ``import numpy`` (measured for issue 11): on a busy machine that is CPU
+    taken from the copy. A value the user set is kept.
+    """
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from ._runtime import without_blas_threads
+
 NAME = "inspect"
 HELP = "list the GDN layers of a checkpoint folder"
 
@@ -18,6 +20,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    without_blas_threads()
     from ..checkpoint import inspect_checkpoint
 
     info = inspect_checkpoint(args.model_dir)

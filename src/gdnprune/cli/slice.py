@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._options import add_output_arguments, add_plan_arguments, add_target_arguments, summary, target_from_args
+from ._runtime import without_blas_threads
 
 NAME = "slice"
 HELP = "cut every GDN layer to a nested prefix"
@@ -31,6 +32,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    if not args.compensate:  # the refit multiplies matrices (torch, which may use OpenBLAS)
+        without_blas_threads()
     from ..checkpoint import slice_checkpoint
 
     target = target_from_args(args)

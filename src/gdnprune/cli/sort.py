@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._options import add_output_arguments, summary
+from ._runtime import without_blas_threads
 
 NAME = "sort"
 HELP = "permute every GDN layer by importance (same function)"
@@ -23,6 +24,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    without_blas_threads()
     from ..checkpoint import sort_checkpoint
 
     manifest = sort_checkpoint(args.model_dir, args.scores, args.output, overwrite=args.overwrite,
