@@ -6,7 +6,10 @@ validation loss increase of
 
 * ``default``: the ``projection`` scores; ``refined``: the same with measured lane orders
   (:func:`gdnprune.refine.refine_lane_orders`); ``compensated``: the default cut with ``out_proj`` refitted
-  by least squares (:mod:`gdnprune.compensate`); ``refined+comp.``; ``activation``;
+  by least squares (:mod:`gdnprune.compensate`); ``refined+comp.``; ``sequential``: the default cut with
+  ``out_proj`` refitted layer by layer on the cut model's own hidden states against the full model's
+  residual stream (:func:`gdnprune.compensate.sequential_refit`; ``--references`` adds columns for its
+  other references); ``activation``;
 * ``--random-orders`` random orders (mean, and the share each method beats);
 * for lanes and key groups, the per-layer optimum (every choice of each layer alone, searched on training
   windows; as in ``benchmarks/quality.py``) and the gap each method closes.
@@ -38,12 +41,16 @@ import torch  # noqa: E402
 
 from gdnprune import compensate, demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
+from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.refine import refine_lane_orders  # noqa: E402
 from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 from quality import Evaluator, per_layer_key_groups, per_layer_lanes, targets  # noqa: E402
 
-NAMES = ("default", "refined", "compensated", "refined+comp.", "activation")
+NAMES = ("default", "refined", "compensated", "refined+comp.", "sequential", "activation")
+
+
+def _seq_name(reference: str) -> str:
+    return "sequential" if reference == "stream" else f"seq. ({reference} ref.)"
 
 
 def compensated_loss(ev: Evaluator, perms, target: GDNShape, stats) -> float:
@@ -56,6 +63,15 @@ def compensated_loss(ev: Evaluator, perms, target: GDNShape, stats) -> float:
         slice_gated_delta_net_state_dict(sd, prefix=prefix, shape=ev.shape, target=target, permutation=perms[prefix])
         sd[f"{prefix}.out_proj.weight"] = torch.from_numpy(columns).to(ev.base_sd[f"{prefix}.out_proj.weight"].dtype)
     return ev.loss_of_state_dict(sd, target)
+
+
+def sequential_loss(ev: Evaluator, model, perms, target: GDNShape, batches, reference: str) -> tuple[float, float]:
+    """Loss after cutting in memory and refitting out_proj layer by layer (and the refit's seconds)."""
+    small = slice_model(model, target, perms)
+    t = time.perf_counter()
+    compensate.sequential_refit(model, small, batches, reference=reference)
+    seconds = time.perf_counter() - t
+    return ev.loss_of_state_dict(small.state_dict(), target), seconds
 
 
 def run_model(name: str, args) -> dict:
@@ -93,6 +109,10 @@ def run_model(name: str, args) -> dict:
             row["methods"][n] = ev.loss(orders[n], target) - ev.base
         row["methods"]["compensated"] = compensated_loss(ev, orders["default"], target, stats) - ev.base
         row["methods"]["refined+comp."] = compensated_loss(ev, orders["refined"], target, stats) - ev.base
+        for reference in args.references.split(","):
+            value, seconds = sequential_loss(ev, model, orders["default"], target, batches, reference)
+            row["methods"][_seq_name(reference)] = value - ev.base
+            cost.setdefault("sequential", []).append(seconds)
         row["random"] = [ev.loss(perms, target) - ev.base for perms in randoms]
         row["optimum"] = None
         if not args.no_optimum and axis in ("key_groups", "value_lanes"):
@@ -118,15 +138,18 @@ def print_model(result: dict) -> None:
     print(f"\n{result['model']}: {result['layers']} GDN layers, Hk {s['num_key_heads']} Hv {s['num_value_heads']} "
           f"dk {s['key_head_dim']} dv {s['value_head_dim']}, corpus {result['corpus']}, base loss "
           f"{result['base_loss']:.4f}; cost: score {c['score']:.1f} s, refine {c['refine']:.1f} s "
-          f"({result['refine_forwards']} partial forwards), statistics {c['statistics']:.1f} s")
-    header = ["target", *NAMES, "random mean", "optimum", "beaten (def/ref)", "gap (def/ref)"]
+          f"({result['refine_forwards']} partial forwards), statistics {c['statistics']:.1f} s, sequential refit "
+          f"{statistics.fmean(c['sequential']):.1f} s per target")
+    methods = result["rows"][0]["methods"]
+    names = [*(n for n in NAMES if n in methods), *(n for n in methods if n not in NAMES)]
+    header = ["target", *names, "random mean", "optimum", "beaten (def/ref)", "gap (def/ref)"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in result["rows"]:
         m = row["methods"]
         beaten = [sum(m[n] < x for x in row["random"]) / len(row["random"]) for n in ("default", "refined")]
         gaps = [_gap(row, m[n]) for n in ("default", "refined")]
-        cells = [row["label"], *(f"{m[n]:.3f}" for n in NAMES), f"{statistics.fmean(row['random']):.3f}",
+        cells = [row["label"], *(f"{m[n]:.3f}" for n in names), f"{statistics.fmean(row['random']):.3f}",
                  "–" if row["optimum"] is None else f"{row['optimum']:.3f}",
                  " / ".join(f"{b:.0%}" for b in beaten),
                  " / ".join("–" if g is None else f"{g:.0%}" for g in gaps)]
@@ -143,6 +166,9 @@ def main() -> int:
     p.add_argument("--random-orders", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-optimum", action="store_true")
+    p.add_argument("--references", default="stream",
+                   help="comma-separated references of the sequential refit: stream (the 'sequential' column), "
+                        "full, cut (default stream)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -165,6 +191,12 @@ def main() -> int:
     cut = [1 - r["methods"]["compensated"] / r["methods"]["default"] for r in combined if r["methods"]["default"] > 0]
     print(f"- compensation cuts the combined-target loss increase by {statistics.fmean(cut):.0%} on average "
           f"(target >= 25%): {'MET' if statistics.fmean(cut) >= 0.25 else 'NOT MET'} ({', '.join(f'{c:.0%}' for c in cut)})")
+    for reference in args.references.split(","):
+        name = _seq_name(reference)
+        cut = [1 - r["methods"][name] / r["methods"]["default"] for r in combined if r["methods"]["default"] > 0]
+        print(f"- {name} cuts the combined-target loss increase by {statistics.fmean(cut):.0%} on average "
+              f"(target >= 25%): {'MET' if statistics.fmean(cut) >= 0.25 else 'NOT MET'} "
+              f"({', '.join(f'{c:.0%}' for c in cut)})")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -15,6 +15,11 @@ kept channels). This is the closed-form compensation of FLAP / ZipLM / SlimGPT-s
 
 Compensated outputs are no longer nested across targets: each target gets its own refit.
 
+:func:`sequential_refit` is the cut-aware variant, for when the cut model is in memory: it refits the layers
+in order on the cut model's own hidden states (earlier layers already refitted), against the full model's
+residual stream, so it also sees the value-channel renormalisation, key-dim cuts and the error earlier
+layers pass on (``prune --compensate sequential``).
+
 The statistics file (``*.compensation.safetensors``, written by :func:`save_statistics`): per GDN layer,
 ``{prefix}.out_moment`` (``C``, float64 [Hv*dv, Hv*dv], in the layer's *unsorted* channel order) and
 ``{prefix}.tokens``; the metadata names the format and the model. Reading it needs no torch.
@@ -34,6 +39,8 @@ __all__ = [
     "compensated_columns",
     "reconstruction_error",
     "collect_statistics",
+    "sequential_refit",
+    "REFERENCES",
     "save_statistics",
     "load_statistics",
     "model_identity",
@@ -41,6 +48,9 @@ __all__ = [
     "to_float",
     "from_float",
 ]
+
+#: what :func:`sequential_refit` can reconstruct (see there)
+REFERENCES = ("stream", "full", "cut")
 
 STATS_FORMAT = "gdnprune-compensation"
 #: ridge strength, relative to the mean diagonal of ``C_KK``
@@ -121,6 +131,171 @@ def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = F
             handle.remove()
         model.train(was_training)
     return {p: {"out_moment": v["out_moment"].numpy(), "tokens": v["tokens"]} for p, v in stats.items()}
+
+
+class _Stop(Exception):
+    """Ends a forward pass once the wanted ``out_proj`` input is seen."""
+
+
+def _out_proj(module: Any) -> Any:
+    return getattr(module, "out_proj", None) or getattr(module, "o_proj")
+
+
+def _block(net: Any, module: Any) -> Any:
+    """The decoder layer of ``net`` that holds ``module``."""
+    for block in net.get_decoder().layers:
+        if any(sub is module for sub in block.modules()):
+            return block
+    raise ValueError("the GDN layer is not inside one of the decoder's layers")
+
+
+def _record(seen: dict, key: str, stop: bool = False):
+    """A forward pre-hook that keeps its module's (first) input under ``seen[key]``; ``stop`` ends the pass."""
+    def hook(module, args, kwargs):
+        seen[key] = args[0] if args else kwargs["hidden_states"]
+        if stop:
+            raise _Stop
+    return hook
+
+
+def _run(net: Any, ids: Any, mask: Any, hooks: list) -> None:
+    """One forward of ``net`` with the pre-hooks ``[(module, hook)]``, until a hook stops it."""
+    device = net.get_input_embeddings().weight.device
+    handles = [module.register_forward_pre_hook(fn, with_kwargs=True) for module, fn in hooks]
+    kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
+    try:
+        net(input_ids=ids.to(device), use_cache=False, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _tokens(x: Any, mask: Any, device: Any) -> Any:
+    """``x`` [B, T, C] as float64 [tokens, C] on ``device``, the padding positions of ``mask`` dropped."""
+    import torch
+
+    x = x.detach().reshape(-1, x.shape[-1])
+    if mask is not None:
+        x = x[mask.to(x.device).reshape(-1)]
+    return x.to(device=device, dtype=torch.float64)
+
+
+def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, reference: str = "stream",
+                     ridge: float = DEFAULT_RIDGE, progress: bool = False) -> dict[str, dict]:
+    """Refit the ``out_proj`` of the cut model ``small`` layer by layer, in place, against ``model``.
+
+    ``small`` is ``model`` sorted and cut (:func:`gdnprune.loading.slice_model`; per-layer widths are fine).
+    Going through the GDN layers in order, from the first one whose geometry differs, each layer's
+    ``out_proj`` is refitted on the calibration ``batches`` *as the cut model computes them*, the earlier
+    layers already cut and refitted (sequential layer-wise reconstruction, as in SparseGPT / SlimGPT). With
+    ``o`` the cut layer's ``out_proj`` input on the cut model's hidden states and ``y`` the reference::
+
+        min_W'  sum_t |y_t - W' o_t|^2 + lam |W' - W_K|^2   =>   W' = (C_yo + lam W_K) (C_oo + lam I)^-1
+
+    (float64 moments; ``W_K`` the plain cut columns; ``lam`` = ``ridge`` times the mean diagonal of
+    ``C_oo``). ``reference``:
+
+    * ``"stream"`` (default): what the full model's residual stream holds after the layer, ``y = W o_full
+      + (x_full - x_cut)`` with ``x`` the decoder layer's input: the layer also takes back the error the
+      earlier layers left in the stream (pre-norm residual blocks, ``x + GDN(norm(x))``, as in Qwen3.5,
+      Qwen3-Next and OLMo-hybrid);
+    * ``"full"``: the full model's layer output on its own hidden states, ``W o_full``;
+    * ``"cut"``: the full layer's output on the cut model's hidden states.
+
+    Unlike :func:`compensated_columns` this sees what the cut does to the kept channels (the gated RMSNorm
+    renormalises over the value channels; a key-dim cut changes every output), and layers after a cut are
+    refitted even when they keep their width. It needs both models in memory and one pass over the
+    batches per refitted layer (stopped at that layer). ``W_K`` is feasible, so each layer's error on the
+    inputs it sees never increases; nothing cut leaves the model as it is.
+
+    Returns ``{prefix: {"columns": W' (float64 numpy [H, K]), "error_plain": ..., "error_refit": ...,
+    "tokens": n}}`` for every refitted layer (the summed squared errors of ``W_K`` and ``W'``).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from .geometry import GDNShape
+    from .layouts import find_gdn_modules
+    from .scoring.api import _unpack_batch
+
+    if reference not in REFERENCES:
+        raise ValueError(f"unknown reference {reference!r}; expected one of {REFERENCES}")
+    full_layers, cut_layers = find_gdn_modules(model), dict(find_gdn_modules(small))
+    if [p for p, _ in full_layers] != list(cut_layers):
+        raise ValueError("the cut model's GDN layers are not those of the full model")
+    changed = [GDNShape.from_module(m) != GDNShape.from_module(cut_layers[p]) for p, m in full_layers]
+    if not any(changed):
+        return {}
+    data = [_unpack_batch(batch) for batch in batches]
+    result: dict[str, dict] = {}
+    states = model.training, small.training
+    model.eval()
+    small.eval()
+    try:
+        with torch.no_grad():
+            todo = full_layers[changed.index(True):]
+            for prefix, full in tqdm(todo, disable=not progress, desc="sequential refit", unit="layer"):
+                cut = cut_layers[prefix]
+                weight = _out_proj(full).weight.detach().to(torch.float64)
+                plain = _out_proj(cut).weight.detach().to(torch.float64)
+                cross = torch.zeros_like(plain)
+                auto = torch.zeros(plain.shape[1], plain.shape[1], dtype=torch.float64, device=plain.device)
+                energy, tokens = 0.0, 0
+
+                def full_on_cut_inputs(module, args, kwargs, seen):
+                    inner: dict = {}
+                    _run_module(full, args, kwargs, [(_out_proj(full), _record(inner, "o", stop=True))])
+                    seen["o_full"] = inner["o"]
+
+                for ids, mask in data:
+                    seen: dict = {}
+                    hooks = [(_out_proj(cut), _record(seen, "o", stop=True))]
+                    if reference == "cut":
+                        hooks.insert(0, (cut, lambda m, a, k, seen=seen: full_on_cut_inputs(m, a, k, seen)))
+                    else:
+                        teacher = [(_out_proj(full), _record(seen, "o_full", stop=True))]
+                        if reference == "stream":
+                            teacher.insert(0, (_block(model, full), _record(seen, "x_full")))
+                            hooks.insert(0, (_block(small, cut), _record(seen, "x_cut")))
+                        _run(model, ids, mask, teacher)
+                    _run(small, ids, mask, hooks)
+                    o = _tokens(seen["o"], mask, plain.device)
+                    y = _tokens(seen["o_full"], mask, weight.device) @ weight.T
+                    y = y.to(plain.device)
+                    if reference == "stream":
+                        y += _tokens(seen["x_full"], mask, plain.device) - _tokens(seen["x_cut"], mask, plain.device)
+                    cross += y.T @ o
+                    auto += o.T @ o
+                    energy += float((y * y).sum())
+                    tokens += int(o.shape[0])
+                lam = ridge * max(float(torch.diagonal(auto).mean()), 1e-30)
+                eye = torch.eye(auto.shape[0], dtype=torch.float64, device=auto.device)
+                refit = torch.linalg.solve(auto + lam * eye, (cross + lam * plain).T).T
+
+                def error(w):
+                    return energy - 2 * float((w * cross).sum()) + float(((w @ auto) * w).sum())
+
+                _out_proj(cut).weight.copy_(refit.to(_out_proj(cut).weight.dtype))
+                result[prefix] = {"columns": refit.cpu().numpy(), "error_plain": error(plain),
+                                  "error_refit": error(refit), "tokens": tokens}
+    finally:
+        model.train(states[0])
+        small.train(states[1])
+    return result
+
+
+def _run_module(module: Any, args: tuple, kwargs: dict, hooks: list) -> None:
+    """``module(*args, **kwargs)`` with the pre-hooks ``[(submodule, hook)]``, until a hook stops it."""
+    handles = [sub.register_forward_pre_hook(fn, with_kwargs=True) for sub, fn in hooks]
+    try:
+        module(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def save_statistics(stats: Mapping[str, Mapping], path: str | os.PathLike, *, model: Mapping | None = None) -> None:

@@ -19,7 +19,7 @@ def prune_checkpoint(
     plan_samples: int = 16,
     tp: int | None = None,
     multiple_of: int | None = None,
-    compensate: bool = False,
+    compensate: bool | str = False,
     overwrite: bool = False,
     progress: bool = True,
     **scoring: Any,
@@ -31,8 +31,11 @@ def prune_checkpoint(
     (``budget_params``, ``budget_state``, ``sensitivity``, ``dim_step``, ``axes``, ``uniform``): the plan is
     then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
     options of :func:`gdnprune.scoring.score_checkpoint` (``refine="lanes"`` included). ``compensate``
-    collects the least-squares statistics in the scoring pass and refits every cut layer's ``out_proj``
-    (:mod:`gdnprune.compensate`). The output path, the target or plan and the constraints are checked
+    (``True`` or ``"statistics"``) collects the least-squares statistics in the scoring pass and refits every
+    cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"`` loads the model once more after
+    the target or plan is known, cuts it in memory and refits ``out_proj`` layer by layer on the cut
+    model's own hidden states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
+    ``device_map``). The output path, the target or plan and the constraints are checked
     before the (long) scoring starts. Returns the manifest (with the searched plan
     under ``"plan"``).
     """
@@ -42,6 +45,12 @@ def prune_checkpoint(
     from .scoring import score_checkpoint
     from .targets import TargetError, resolve_target
 
+    if compensate not in (False, True, "statistics", "sequential"):
+        raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
+    sequential = compensate == "sequential"
+    if sequential and scoring.get("device_map") is not None:
+        raise ValueError("sequential compensation cuts the model in memory: it needs the model on one device "
+                         "(no device map)")
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
         raise TargetError("give exactly one of a target (--num-key-heads, ...), --plan, or a budget "
@@ -55,7 +64,8 @@ def prune_checkpoint(
             resolve_target(shape, target)  # raises TargetError (a ValueError) for an illegal target
     if plan is not None:
         resolve_plan(plan, shapes)
-    scores = score_checkpoint(model_dir, data, progress=progress, compensation=compensate, **scoring)
+    scores = score_checkpoint(model_dir, data, progress=progress, compensation=bool(compensate) and not sequential,
+                              **scoring)
     stats = scores.pop("compensation_statistics", None)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
     if search is not None:
@@ -67,7 +77,39 @@ def prune_checkpoint(
         extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
     elif plan is not None:
         plan = read_plan(plan)
+    if sequential:
+        from .targets import resolve_target as resolve
+
+        targets = resolve_plan(plan, shapes) if plan is not None else \
+            {prefix: resolve(shape, target) for prefix, shape in shapes.items()}
+        stats = _sequential_columns(model_dir, data, scores, targets, scoring, progress)
     return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
                                 tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
                                 overwrite=overwrite,
                                 progress=progress, manifest_extra=extra)
+
+
+def _sequential_columns(model_dir, data, scores: Mapping, targets: Mapping, scoring: Mapping,
+                        progress: bool) -> dict[str, dict]:
+    """``{checkpoint prefix: {"columns": ...}}``: ``out_proj`` refitted in memory for ``targets`` (checkpoint
+    prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.compensate.sequential_refit`)."""
+    from transformers import AutoTokenizer
+
+    from .calibration import calibration_windows, iter_batches
+    from .compensate import sequential_refit
+    from .layouts import find_gdn_modules
+    from .loading import slice_model
+    from .scoring.api import _load_model, _map_to_checkpoint
+
+    calibration = scores["calibration"]
+    windows = calibration_windows(data, AutoTokenizer.from_pretrained(model_dir), seq_len=calibration["seq_len"],
+                                  num_samples=calibration["num_samples"], warn=False)
+    model = _load_model(Path(model_dir), dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
+                        device_map=None)
+    mapping = _map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
+    layers = scores["layers"]
+    small = slice_model(model, {p: targets[c] for p, c in mapping.items()},
+                        {p: layers[c] for p, c in mapping.items() if c in layers})
+    small.to(next(model.parameters()).device)
+    fitted = sequential_refit(model, small, list(iter_batches(windows, calibration["batch_size"])), progress=progress)
+    return {mapping[p]: {"columns": entry["columns"]} for p, entry in fitted.items()}

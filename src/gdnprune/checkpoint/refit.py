@@ -73,7 +73,9 @@ def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Map
         ckpt: the source checkpoint.
         plans: prefix -> the engine's layer plan (layer, target, canonical indices).
         destinations: output tensor name -> (output file, absolute offset of its data).
-        stats: :func:`gdnprune.compensate.load_statistics` of the calibration statistics.
+        stats: :func:`gdnprune.compensate.load_statistics` of the calibration statistics, or
+            ``{prefix: {"columns": ...}}``: columns refitted in memory
+            (:func:`gdnprune.compensate.sequential_refit`), written as they are.
         order: :func:`statistics_order`.
         ridge: the ridge strength (relative to the mean diagonal of ``C_KK``).
 
@@ -84,31 +86,41 @@ def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Map
     """
     from ..scores import matching_prefixes
 
+    fitted = any("columns" in entry for entry in stats.values())
     done = []
     for prefix, plan in plans.items():
         layer, target = plan.layer, plan.target
-        if (target.num_value_heads, target.value_head_dim) == (layer.shape.num_value_heads, layer.shape.value_head_dim):
+        keys = matching_prefixes(prefix, stats)
+        if fitted and not keys:
+            continue  # refitted in memory: a layer before the first cut keeps its columns
+        if not fitted and (target.num_value_heads, target.value_head_dim) == (layer.shape.num_value_heads,
+                                                                              layer.shape.value_head_dim):
             continue  # nothing of the out_proj input was removed
         rules = get_layout(layer.layout)
         suffix = next(s for s in layer.tensors if (r := rules.rule(s)) is not None and r.axis == 1)
-        keys = matching_prefixes(prefix, stats)
         if len(keys) != 1:
             raise ValueError(f"the compensation statistics have no entry for the GDN layer {prefix}")
-        moment = stats[keys[0]]["out_moment"]
-        if moment.shape[0] != layer.shape.value_dim:
-            raise ValueError(f"compensation statistics of {prefix}: out_moment is {moment.shape}, expected "
-                             f"{layer.shape.value_dim} channels ({layer.shape})")
-        if order is not None:
-            vidx = order[prefix]
-            moment = moment[np.ix_(vidx, vidx)]
         info = layer.tensors[suffix]
         if info.dtype not in ("F64", "F32", "F16", "BF16"):
             raise ValueError(f"{info.name} is {info.dtype}: least-squares compensation refits it in floating point "
                              f"and is not supported for FP8 weights")
-        weight = compensate.to_float(_read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
-                                     info.dtype, info.shape)
         kept = rules.rule(suffix).gather_index(layer.shape, target, plan.indices)
-        columns = compensate.compensated_columns(weight, moment, kept, ridge=ridge)
+        if fitted:  # columns refitted in memory, in the output's order (compensate.sequential_refit)
+            columns = np.asarray(stats[keys[0]]["columns"], dtype=np.float64)
+            if columns.shape != (info.shape[0], len(kept)):
+                raise ValueError(f"refitted columns of {prefix} are {columns.shape}, expected "
+                                 f"{(info.shape[0], len(kept))}")
+        else:
+            moment = stats[keys[0]]["out_moment"]
+            if moment.shape[0] != layer.shape.value_dim:
+                raise ValueError(f"compensation statistics of {prefix}: out_moment is {moment.shape}, expected "
+                                 f"{layer.shape.value_dim} channels ({layer.shape})")
+            if order is not None:
+                vidx = order[prefix]
+                moment = moment[np.ix_(vidx, vidx)]
+            weight = compensate.to_float(_read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
+                                         info.dtype, info.shape)
+            columns = compensate.compensated_columns(weight, moment, kept, ridge=ridge)
         path, offset = destinations[info.name]
         data = compensate.from_float(columns, info.dtype)
         fd = os.open(path, os.O_WRONLY)

@@ -92,7 +92,9 @@ def transform_checkpoint(
         compensation: a calibration statistics file (:mod:`gdnprune.compensate`; or the loaded statistics of
             this very checkpoint): the ``out_proj`` of every
             layer that loses value heads or value channels is refitted by least squares to reconstruct the
-            full layer output (``ridge``: its strength, default ``1e-3``). Compensated outputs are not
+            full layer output (``ridge``: its strength, default ``1e-3``). Or ``{prefix: {"columns": ...}}``,
+            ``out_proj`` columns refitted in memory for this very cut
+            (:func:`gdnprune.compensate.sequential_refit`), written as they are. Compensated outputs are not
             nested across targets; the manifest says so.
         dequantize: FP8 weights whose scale blocks the sort or cut would split are written dequantised in
             BF16 (their scales dropped, their modules added to ``modules_to_not_convert``) instead of refused.
@@ -235,7 +237,9 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
                                 for shard in shards for name in shard.gdn}
                 refitted = refit.refit_out_proj(ckpt, plans, destinations, stats, order,
                                                 ridge=compensate.DEFAULT_RIDGE if ridge is None else ridge)
+                fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
                 manifest_extra = {"compensation": {
+                    "method": "sequential" if fitted else "statistics",
                     "statistics": "collected in this run" if isinstance(stats_path, Mapping)
                     else refit.stats_info(stats_path), "ridge": compensate.DEFAULT_RIDGE if ridge is None
                     else ridge, "layers": refitted, "nested": False,

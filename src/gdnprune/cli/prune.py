@@ -30,9 +30,13 @@ def add_parser(subparsers) -> None:
     q = p.add_argument_group("one-shot quality")
     q.add_argument("--refine", choices=("lanes",), default=None,
                    help="decide the lane orders by measured KL (see gdnprune score --refine)")
-    q.add_argument("--compensate", action="store_true",
+    q.add_argument("--compensate", nargs="?", const="statistics", choices=("statistics", "sequential"),
+                   default=None,
                    help="refit each cut layer's out_proj by least squares on the calibration windows (the output "
-                        "is then not nested across targets)")
+                        "is then not nested across targets): from the full model's statistics (plain "
+                        "--compensate), or 'sequential': layer by layer on the cut model's own hidden states, "
+                        "against the full model's residual stream (better one-shot quality; loads the model "
+                        "once more and holds the full and the cut model in memory)")
     add_runtime_arguments(p)
     p.set_defaults(func=run)
 
@@ -54,7 +58,7 @@ def run(args) -> int:
     with model_runtime(args):
         manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
-                                    compensate=args.compensate, overwrite=args.overwrite, progress=not args.quiet,
+                                    compensate=args.compensate or False, overwrite=args.overwrite, progress=not args.quiet,
                                     refine=args.refine, **scoring_options(args))
     uniform = manifest.get("target")
     what = f"sliced to {uniform}" if uniform else "sliced layer by layer"
