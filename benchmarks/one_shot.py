@@ -67,6 +67,7 @@ def compensated_loss(ev: Evaluator, perms, target: GDNShape, stats) -> float:
 
 def sequential_loss(ev: Evaluator, model, perms, target: GDNShape, batches, reference: str) -> tuple[float, float]:
     """Loss after cutting in memory and refitting out_proj layer by layer (and the refit's seconds)."""
+    model.load_state_dict(ev.base_sd)  # the evaluators' searches load edited weights into this very model
     small = slice_model(model, target, perms)
     t = time.perf_counter()
     compensate.sequential_refit(model, small, batches, reference=reference)
