@@ -46,7 +46,7 @@ def test_refined_lane_orders_are_measured_exactly_and_batch_invariant(model_type
         assert payload["value_lane_order_most_important_first"] == again["layers"][prefix][
             "value_lane_order_most_important_first"]
         assert sum(payload["value_lane_scores"], []) == pytest.approx(
-            sum(again["layers"][prefix]["value_lane_scores"], []), rel=1e-6)
+            sum(again["layers"][prefix]["value_lane_scores"], []), rel=1e-5)  # float32 forwards of other batch shapes
         for key in ("key_group_order_most_important_first", "key_dim_order_most_important_first"):
             assert payload[key] == scores["layers"][prefix][key]
     # the first lane removed in group 0 of the first layer (nothing else cut yet): its KL is that of the model
