@@ -99,7 +99,8 @@ def test_compensation_never_increases_the_calibration_error_of_real_layers(model
         assert _layer_output_error(model, refit, calib) <= _layer_output_error(model, plain, calib) * (1 + 1e-6)
 
 
-def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
+def trained_case():
+    """The bundled model, 8 calibration windows, its orders and statistics, and its held-out loss function."""
     from gdnprune import demo_data
 
     model, _ = demo_data.load_demo_model()
@@ -113,6 +114,11 @@ def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
             logits = m(input_ids=heldout).logits[:, :-1]
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), heldout[:, 1:].reshape(-1)))
 
+    return model, calib, permutations, stats, loss
+
+
+def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
+    model, calib, permutations, stats, loss = trained_case()
     base, increases = loss(model), {"plain": [], "compensated": []}
     for target in (GDNShape(2, 4, 32, 32), GDNShape(4, 4, 32, 32), GDNShape(2, 4, 16, 16)):
         plain = slice_model(model, target, permutations)

@@ -107,20 +107,9 @@ def test_nothing_cut_changes_nothing_and_an_unchanged_layer_keeps_its_columns():
 
 
 def test_sequential_refit_reduces_the_heldout_loss_of_the_trained_model_more_than_the_statistics():
-    from gdnprune import demo_data
-    from test_compensate import _refit
+    from test_compensate import _refit, trained_case
 
-    model, _ = demo_data.load_demo_model()
-    calib = demo_data.byte_windows(demo_data.train_text(), 256, 8)
-    heldout = demo_data.byte_windows(demo_data.validation_text(), 256, 8)
-    permutations = scores_to_permutations(score_model(model, [calib], progress=False))
-    stats = compensate.collect_statistics(model, [calib])
-
-    def loss(m):
-        with torch.no_grad():
-            logits = m(input_ids=heldout).logits[:, :-1]
-        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), heldout[:, 1:].reshape(-1)))
-
+    model, calib, permutations, stats, loss = trained_case()
     base = loss(model)
     for target in (GDNShape(3, 3, 24, 24), GDNShape(4, 8, 16, 32)):  # combined; key dims only
         plain = slice_model(model, target, permutations)

@@ -161,15 +161,8 @@ def _record(seen: dict, key: str, stop: bool = False):
 def _run(net: Any, ids: Any, mask: Any, hooks: list) -> None:
     """One forward of ``net`` with the pre-hooks ``[(module, hook)]``, until a hook stops it."""
     device = net.get_input_embeddings().weight.device
-    handles = [module.register_forward_pre_hook(fn, with_kwargs=True) for module, fn in hooks]
     kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
-    try:
-        net(input_ids=ids.to(device), use_cache=False, **kwargs)
-    except _Stop:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_module(net, (), {"input_ids": ids.to(device), "use_cache": False, **kwargs}, hooks)
 
 
 def _tokens(x: Any, mask: Any, device: Any) -> Any:

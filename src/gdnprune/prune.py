@@ -78,10 +78,8 @@ def prune_checkpoint(
     elif plan is not None:
         plan = read_plan(plan)
     if sequential:
-        from .targets import resolve_target as resolve
-
         targets = resolve_plan(plan, shapes) if plan is not None else \
-            {prefix: resolve(shape, target) for prefix, shape in shapes.items()}
+            {prefix: resolve_target(shape, target) for prefix, shape in shapes.items()}
         stats = _sequential_columns(model_dir, data, scores, targets, scoring, progress)
     return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
                                 tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
