@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdnprune import compensate, load_pretrained
-from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint, transform_checkpoint
+from gdnprune.checkpoint import codecs, slice_checkpoint, sort_checkpoint, transform_checkpoint
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules
@@ -56,10 +56,10 @@ def test_nothing_removed_is_the_identity_and_small_ridge_is_least_squares():
 
 def test_bf16_bytes_round_like_torch():
     values = torch.randn(1000, dtype=torch.float64) * 3
-    ours = compensate.from_float(values.numpy(), "BF16")
+    ours = codecs.from_float(values.numpy(), "BF16")
     theirs = values.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
     assert ours == theirs
-    back = compensate.to_float(ours, "BF16", (1000,))
+    back = codecs.to_float(ours, "BF16", (1000,))
     assert np.array_equal(back, values.to(torch.bfloat16).double().numpy())
 
 

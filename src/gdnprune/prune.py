@@ -95,16 +95,16 @@ def _sequential_columns(model_dir, data, scores: Mapping, targets: Mapping, scor
 
     from .calibration import calibration_windows, iter_batches
     from .compensate import sequential_refit
+    from .checkpoint.folder import map_to_checkpoint
     from .layouts import find_gdn_modules
-    from .loading import slice_model
-    from .scoring.api import _load_model, _map_to_checkpoint
+    from .loading import load_causal_lm, slice_model
 
     calibration = scores["calibration"]
     windows = calibration_windows(data, AutoTokenizer.from_pretrained(model_dir), seq_len=calibration["seq_len"],
                                   num_samples=calibration["num_samples"], warn=False)
-    model = _load_model(Path(model_dir), dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
+    model = load_causal_lm(Path(model_dir), dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
                         device_map=None)
-    mapping = _map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
+    mapping = map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
     layers = scores["layers"]
     small = slice_model(model, {p: targets[c] for p, c in mapping.items()},
                         {p: layers[c] for p, c in mapping.items() if c in layers})
