@@ -308,10 +308,14 @@ def test_slice_on_disk_equals_zeroing_the_removed_heads(model_type, sources, tmp
     src = sources[model_type]
     prefixes = [layer.prefix for layer in gdn_layers(src)]
     full = load_model(src, model_type)
-    scores, perms = random_scores(prefixes, seed=4)
+    # groups swapped and each group's lanes in its own order, so that the kept heads (2 and 1, then 2) read key
+    # groups h // r that differ from h % Hk, and reading a lane order by new position instead of old group shows
+    g = torch.Generator().manual_seed(4)
+    perms = {p: GDNPermutation([1, 0], [[1, 0], [0, 1]], torch.rand(2, 8, generator=g).argsort(-1),
+                               torch.randperm(6, generator=g)) for p in prefixes}
+    scores = {"layers": {p: perm.to_score_payload() for p, perm in perms.items()}, "method": "by hand"}
     r = SHAPE.value_heads_per_group
-    # the permuted cases keep a head whose key group h // r differs from h % Hk (an index mix-up shows)
-    assert any(h // r != h % SHAPE.num_key_heads for h in picks(SHAPE, GDNShape(2, 2, 8, 6), perms[prefixes[0]]).value_heads(r))
+    assert picks(SHAPE, GDNShape(2, 2, 8, 6), perms[prefixes[0]]).value_heads(r) == [2, 1]
     sorted_dir = tmp_path / "sorted"
     assert run_cli(["sort", src, "--scores", write_scores(tmp_path / "s.json", scores), "-o", sorted_dir, "-q"]) == 0
     cases = [  # (name, target, permutations, how)

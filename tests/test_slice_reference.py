@@ -10,6 +10,8 @@
 Checkpoints on disk are checked against the same references in ``test_checkpoint.py``.
 """
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -45,18 +47,12 @@ def _permutations(model, seed):
 @torch.no_grad()
 def _zeroing_reference(model, target, perms):
     """Logits of the full model with every removed head's out_proj columns zeroed; the kept heads by formula."""
-    reference = build_model_like(model)
+    reference = copy.deepcopy(model)
     kept = {prefix: picks(shape, target, None if perms is None else perms[prefix]).value_heads(SHAPE.value_heads_per_group)
             for prefix, shape in gdn_layers(model)}
     assert all(len(set(h)) == target.num_value_heads for h in kept.values())
     zero_removed_heads(reference, kept)
     return reference(input_ids=IDS).logits
-
-
-def build_model_like(model):
-    import copy
-
-    return copy.deepcopy(model).eval()
 
 
 def _small(model_type, model, target, state):
@@ -124,7 +120,7 @@ def test_the_hand_built_reference_model_equals_zeroing_for_head_cuts(model_type)
     for _, target, permuted in HEAD_CUTS:
         permutations = perms if permuted else None
         cut = cut_model(model, {first: target}, permutations)  # one layer cut, the other left whole
-        reference = build_model_like(model)
+        reference = copy.deepcopy(model)
         shape = Geometry.of(SHAPE)
         zero_removed_heads(reference, {first: picks(SHAPE, target, None if permutations is None else
                                                     permutations[first]).value_heads(shape.r)})
