@@ -123,7 +123,7 @@ def layer_violations(graph: dict[str, list[Import]], order: list[str]) -> list[s
                 continue  # its own package: Python imports it first anyway
             if is_free(imp.target) or rank.get(imp.target, len(order)) >= rank[name]:
                 problems.append(f"{name}:{imp.line} imports {imp.target}, which is not listed above it")
-    return problems
+    return list(dict.fromkeys(problems))
 
 
 def private_violations(graph: dict[str, list[Import]], root: Path = PACKAGE) -> list[str]:

@@ -297,6 +297,7 @@ def measure_checkpoint(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
     keep_model: bool = False,
+    model: Any = None,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
 
@@ -305,6 +306,8 @@ def measure_checkpoint(
     each rank takes its own block of that share, loads its own copy of the model (with ``device_map``,
     over its block of the GPUs, :func:`~gdnprune.distributed.local_gpus`; without, on GPU ``LOCAL_RANK``)
     and the sums are added over the ranks; every rank returns them. A failure on one rank raises on all.
+    ``model``: the folder's model already loaded (:func:`gdnprune.loading.load_causal_lm`); then ``device``,
+    ``device_map`` are not used and ``dtype`` is only recorded.
     """
     from transformers import AutoTokenizer
 
@@ -348,8 +351,9 @@ def measure_checkpoint(
                    "total_windows": int(windows.shape[0])},
         )
     with fail_together():
-        gpus = local_gpus() if device_map is not None else None  # an exchange: first in the block, on every rank
-        model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
+        if model is None:
+            gpus = local_gpus() if device_map is not None else None  # an exchange: first in the block, on every rank
+            model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
         batches = list(iter_batches(windows[start : start + len(mine)], batch_size))
         statistics = measure_statistics(model, batches, method=method, seed=seed, window_offset=start,
                                         progress=progress and is_main_process())
@@ -380,6 +384,7 @@ def score_checkpoint(
     refine: str | None = None,
     refine_samples: int = 16,
     compensation: bool = False,
+    model: Any = None,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
 
@@ -395,7 +400,7 @@ def score_checkpoint(
     (:func:`gdnprune.refine.refine_lane_orders`). ``compensation=True`` also collects the least-squares
     compensation statistics (:mod:`gdnprune.compensate`) on every window, returned under the key
     ``"compensation_statistics"`` (numpy arrays: pop it before writing the scores as JSON; the CLI writes it
-    beside the scores file).
+    beside the scores file). ``model``: the folder's model already loaded (see :func:`measure_checkpoint`).
 
     Under an initialised ``torch.distributed`` process group (``gdnprune score`` under ``torchrun``
     creates it), the windows are split across the ranks and the sums added (:func:`measure_checkpoint`);
@@ -406,7 +411,7 @@ def score_checkpoint(
     keep = refine is not None or compensation
     run = measure_checkpoint(model_dir, data, method=method, num_samples=num_samples, seq_len=seq_len,
                              batch_size=batch_size, device=device, dtype=dtype, device_map=device_map, seed=seed,
-                             progress=progress, keep_model=keep)
+                             progress=progress, keep_model=keep, model=model)
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     if refine == "lanes":
