@@ -53,8 +53,8 @@ def prune_checkpoint(
                          "(no device map)")
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
-        raise TargetError("give exactly one of a target (--num-key-heads, ...), --plan, or a budget "
-                          f"(--budget-params / --budget-state); got {given or 'none'}")
+        raise TargetError("give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
+                          f"(`budget_params` / `budget_state`); got {given or 'none'}")
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     layers, _ = find_gdn_layers(open_checkpoint(model_dir))

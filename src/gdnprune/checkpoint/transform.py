@@ -148,7 +148,7 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
                     what = "sorted" if layer_plan.target == layer_plan.layer.shape else f"cut to {layer_plan.target}"
                     raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
                                       f"exactly: {exc}. Cut whole heads (head dims that are multiples of "
-                                      f"{rule.block}), or pass --dequantize to write such weights in BF16") from None
+                                      f"{rule.block}), or pass `dequantize=True` to write such weights in BF16") from None
                 broken.add(suffix[: -len("weight_scale_inv")] + "weight")
         layer_plan.dequantize = frozenset(broken)
     return plans, missing

@@ -34,7 +34,7 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
     try:
         raw = Path(data).read_bytes()
     except OSError as exc:
-        raise ValueError(f"--data {data}: cannot read ({exc.strerror or exc})") from None
+        raise ValueError(f"`data={data}`: cannot read ({exc.strerror or exc})") from None
     ids, source = None, None
     if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         try:
@@ -50,7 +50,7 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
         ids, source = list(raw), f"{data} as bytes mod {vocab}"
     ids = torch.tensor(ids[: seq_len * num_sequences], dtype=torch.long) % vocab
     if ids.numel() < 2:
-        raise ValueError(f"--data {data}: gives {ids.numel()} tokens, need at least 2")
+        raise ValueError(f"`data={data}`: gives {ids.numel()} tokens, need at least 2")
     n = max(1, ids.numel() // seq_len)
     length = min(seq_len, ids.numel())
     return ids[: n * length].reshape(n, length), source

@@ -46,7 +46,7 @@ def format_inspect(info: dict) -> str:
     total = info["total_parameters"]
     lines.append(
         f"{len(info['layers'])} GDN layers: {info['gdn_parameters']:,} parameters "
-        f"({100 * info['gdn_parameters'] / max(total, 1):.1f}%); other: {info['other_parameters']:,}; "
+        f"({100 * info['gdn_parameters'] / max(total, 1):.1f}% of all parameters); other: {info['other_parameters']:,}; "
         f"total: {total:,}"
     )
     quantized = {layer["prefix"]: layer["quantized"] for layer in info["layers"] if layer.get("quantized")}

@@ -187,7 +187,7 @@ def merge_partials(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
         for key in _SAME:
             if _get(meta, key) != _get(first, key):
                 what = {"model/config_sha256": "model configurations (config.json)",
-                        "data/windows_sha256": "calibration windows (data, tokenizer, --seq-len or --num-samples)",
+                        "data/windows_sha256": "calibration windows (data, tokenizer, `seq_len` or `num_samples`)",
                         }.get(key, key)
                 raise PartialError(
                     f"partials do not match: {path} and {first_path} differ in {what}: "
