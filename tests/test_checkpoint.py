@@ -423,10 +423,10 @@ def test_verify_cli(sources, tmp_path, capsys):
     prefixes = [layer.prefix for layer in gdn_layers(src)]
     ck.sort_checkpoint(src, random_scores(prefixes)[0], tmp_path / "sorted", progress=False)
     ck.slice_checkpoint(src, tmp_path / "sliced", TARGET, progress=False)
-    assert run_cli(["verify", src, tmp_path / "sorted", "--seq-len", "70", "--num-sequences", "2"]) == 0
+    assert run_cli(["verify", src, tmp_path / "sorted", "--seq-len", "70", "--num-samples", "2"]) == 0
     out = capsys.readouterr().out
     assert "max |logit diff|" in out and "OK" in out and "random ids" in out and "loss A" in out
-    assert run_cli(["verify", src, tmp_path / "sliced", "--seq-len", "70", "--num-sequences", "2"]) == 1
+    assert run_cli(["verify", src, tmp_path / "sliced", "--seq-len", "70", "--num-samples", "2"]) == 1
     assert "EXCEEDS" in capsys.readouterr().out
     text = tmp_path / "text.txt"
     text.write_text("the model sorts heads and slices them " * 30)

@@ -141,13 +141,6 @@ def test_deprecated_spellings_still_work_and_say_so(command, old, new, dest, val
     assert any(old in str(w.message) and new in str(w.message) for w in recwarn.list)
 
 
-def test_score_compensation_alias_writes_beside_the_scores_file(tmp_path, capsys):
-    from gdnprune.cli import score
-
-    args = argparse.Namespace(compensation=True, compensation_stats=None, output=str(tmp_path / "s.json"))
-    assert score.compensation_path(args.output) == str(tmp_path / "s.compensation.safetensors")
-
-
 # ---- messages and exit codes --------------------------------------------------------------------------
 
 

@@ -129,7 +129,7 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
     assert all(Path(p).is_relative_to(venv) for p in where.stdout.split()), where.stdout  # installed by pip, here
 
     gdnprune = str(venv / "bin" / "gdnprune")
-    demo = _run([gdnprune, "demo", "--output", "demo", "--calibration-windows", "2", "--validation-windows", "2",
+    demo = _run([gdnprune, "demo", "--output", "demo", "--num-samples", "2", "--eval-samples", "2",
                  "--num-random", "1", "--seq-len", "32", "--recover-steps", "2", "--quiet"], env, tmp_path)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "recovery: validation loss" in demo.stdout
