@@ -5,15 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from .targets import keyword_target
+
 __all__ = ["prune_checkpoint"]
 
 
+@keyword_target(paths=3)
 def prune_checkpoint(
     model_dir: str | Path,
     data: str | Path,
     output_dir: str | Path,
-    target: Any = None,
     *,
+    target: Any = None,
     plan: str | Path | Mapping | None = None,
     search: Mapping[str, Any] | None = None,
     plan_samples: int = 16,

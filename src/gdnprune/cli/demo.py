@@ -49,10 +49,10 @@ def run(args) -> int:
     with model_runtime(args):
         run_demo(
             args.output,
-            calibration_windows=args.num_samples,
+            num_samples=args.num_samples,
             seq_len=args.seq_len,
             num_random=args.num_random,
-            validation_windows=args.eval_samples,
+            eval_samples=args.eval_samples,
             method=args.method,
             seed=args.seed,
             write_checkpoints=not args.no_checkpoints,

@@ -56,7 +56,7 @@ def run(args) -> int:
         for key in ("tp", "multiple_of"):
             search.pop(key)
     with model_runtime(args):
-        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan, search=search,
+        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target=target, plan=args.plan, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
                                     compensate=args.compensate or False, overwrite=args.overwrite, progress=not args.quiet,
                                     refine=args.refine, refine_samples=args.refine_samples,

@@ -40,7 +40,7 @@ def run(args) -> int:
     from ..checkpoint import slice_checkpoint
 
     target = target_from_args(args)
-    manifest = slice_checkpoint(args.model_dir, args.output, target, plan=args.plan, tp=args.tp,
+    manifest = slice_checkpoint(args.model_dir, args.output, target=target, plan=args.plan, tp=args.tp,
                                 multiple_of=args.multiple_of, compensation=args.compensation_stats, ridge=args.ridge,
                                 dequantize=args.dequantize,
                                 overwrite=args.overwrite, progress=not args.quiet)

@@ -33,7 +33,7 @@ def run(args) -> int:
 
     with model_runtime(args):
         r = verify_checkpoints(args.model_a, args.model_b, data=args.data, tolerance=args.tolerance,
-                               seq_len=args.seq_len, num_sequences=args.num_samples, seed=args.seed)
+                               seq_len=args.seq_len, num_samples=args.num_samples, seed=args.seed)
     print(f"tokens: {r['tokens'][0]} x {r['tokens'][1]} ({r['token_source']})")
     print(f"loss A: {r['loss_a']:.6f}  ({r['model_a']})")
     print(f"loss B: {r['loss_b']:.6f}  ({r['model_b']})")
