@@ -36,7 +36,10 @@ command (`tests/test_cli_options.py` checks it):
   (held-out windows).
 * Compensation (a least-squares refit of `out_proj` after the cut): `--compensate [statistics|sequential]`
   chooses how (`prune`, which scores and cuts in one run); `--compensation-stats FILE` is the file of
-  calibration statistics that `score` writes and `slice` refits from.
+  calibration statistics that `score` writes and `slice` refits from. (In Python: `prune_checkpoint(compensate=)`,
+  `score_checkpoint(compensation=True)` returns the statistics, `slice_checkpoint(compensation=STATS)`.)
+* Every flag is the keyword argument of the Python function under the command (`--num-samples` is
+  `num_samples`); a library error names the keyword (`` `overwrite=True` ``) and the command shows the flag.
 * `--dtype {float32,bfloat16}` is the weights dtype; `--threads N` torch's CPU threads; `--seed` the seed of
   what is random in the command; `--dist-timeout SECONDS` how long a rank waits for the others under
   `torchrun` / `accelerate launch` (`score`, `plan`).

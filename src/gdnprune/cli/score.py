@@ -159,8 +159,8 @@ def run(args) -> int:
 
     if args.compensation:
         deprecated("--compensation", "--compensation-stats STATS.safetensors")
-        if args.compensation_stats is None and args.output is not None:
-            args.compensation_stats = compensation_path(args.output)
+        if args.compensation_stats is None:  # beside the scores file, as before
+            args.compensation_stats = compensation_path(args.output or "SCORES.json")
     mode = _mode(args)
     if mode != "scores" and (args.refine or args.compensation_stats):
         raise ValueError("--refine and --compensation-stats go with a scores file: not with --shard/--partial or "
