@@ -57,14 +57,14 @@ def test_docs_cli_md_is_generated_from_the_parsers():
         "docs/cli.md is out of date: run python scripts/cli_doc.py"
 
 
-def test_one_concept_has_one_name_across_commands():
+def vocabulary_problems(commands) -> list[str]:
+    """Every place where one concept has two names, or one name two meanings, across ``commands``."""
     by_dest, by_flag, problems = {}, {}, []
-    for command, parser in COMMANDS.items():
+    for command, parser in commands.items():
         for action in _visible(parser):
             by_dest.setdefault(action.dest, []).append((command, action))
             for flag in action.option_strings:
                 by_flag.setdefault(flag, set()).add(action.dest)
-            for flag in action.option_strings:
                 if flag in RETIRED and (command, flag) not in KNOWN_EXCEPTIONS:
                     problems.append(f"{command} {flag}: a retired spelling")
     for flag, dests in by_flag.items():
@@ -85,17 +85,30 @@ def test_one_concept_has_one_name_across_commands():
                 key = f"{what}:{dest}" if what in ("help", "metavar") else what
                 if not ok and (command, key) not in KNOWN_EXCEPTIONS and (first_command, key) not in KNOWN_EXCEPTIONS:
                     problems.append(f"{dest}: {command} and {first_command} differ in {what}")
+    return problems
+
+
+def test_one_concept_has_one_name_across_commands():
+    problems = vocabulary_problems(COMMANDS)
     assert not problems, "\n".join(problems)
 
 
-def test_the_checker_sees_a_second_name_for_a_concept():
-    """The check above can fail: a parser with --quiet spelled differently, or --output without -o, is caught."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--output", dest="output", type=str)
-    q = COMMANDS["sort"]
-    a = next(x for x in _visible(q) if x.dest == "output")
-    b = next(x for x in _visible(p) if x.dest == "output")
-    assert sorted(a.option_strings) != sorted(b.option_strings)
+def test_the_checker_sees_two_names_for_one_concept_and_two_meanings_for_one_name():
+    from gdnprune.cli._options import positive_int
+
+    a, b = argparse.ArgumentParser(), argparse.ArgumentParser()
+    a.add_argument("--quiet", "-q", action="store_true", help="no progress bars and no notes")
+    b.add_argument("--quiet", action="store_true", help="no progress bars and no notes")  # -q missing
+    a.add_argument("--num-samples", type=positive_int, metavar="N", help="windows")
+    b.add_argument("--num-samples", type=int, metavar="N", help="windows")  # not checked the same way
+    a.add_argument("--compensate", dest="compensate", choices=("statistics", "sequential"))
+    b.add_argument("--compensate", dest="compensation_stats", metavar="FILE")  # one flag, two meanings
+    b.add_argument("--calibration-windows", type=positive_int)  # a retired spelling
+    problems = "\n".join(vocabulary_problems({"a": a, "b": b}))
+    for expected in ("quiet: b and a differ in flags", "num_samples: b and a differ in type",
+                     "--compensate stores into ['compensate', 'compensation_stats']",
+                     "b --calibration-windows: a retired spelling"):
+        assert expected in problems, problems
 
 
 def test_every_writing_command_has_the_same_output_options():
