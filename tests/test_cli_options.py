@@ -178,6 +178,9 @@ def test_exit_code_tells_the_users_mistake_from_the_environments_failure():
     assert exit_code(OSError(errno.EIO, "Input/output error")) == 1
     assert exit_code(FileNotFoundError(errno.ENOENT, "No such file or directory")) == 2
     assert exit_code(ValueError("bad target")) == 2
+    from gdnprune import cli, distributed
+
+    assert cli._USER_ERRNOS == distributed.USER_ERRNOS  # a rank's failure is classified the same way
 
 
 @pytest.fixture

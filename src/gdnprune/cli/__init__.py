@@ -63,8 +63,8 @@ _FLAGS: dict[str, tuple[str, bool]] = {}
 _KEYWORD = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
 #: OSErrors that a user causes (a path that does not exist, is of the wrong kind, or may not be written):
 #: exit 2; any other OSError (a full disk, an I/O error, a read-only file system, ...) is the environment's: 1
-_USER_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
-                errno.ENAMETOOLONG, errno.ELOOP}
+_USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
+                errno.ENAMETOOLONG, errno.ELOOP})  # = gdnprune.distributed.USER_ERRNOS (torch-free here)
 
 
 def _flags_of(parser: argparse.ArgumentParser) -> dict[str, tuple[str, bool]]:

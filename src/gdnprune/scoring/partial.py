@@ -128,7 +128,7 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
     except json.JSONDecodeError:
         meta = None
     if not isinstance(meta, dict) or meta.get("format") != PARTIAL_FORMAT:
-        raise PartialError(f"{where}: not a gdnprune partial scores file (written by `gdnprune score --partial`)")
+        raise PartialError(f"{where}: not a gdnprune partial scores file (the statistics of one share of the windows)")
     if meta.get("version") != PARTIAL_VERSION:
         raise PartialError(f"{where}: unsupported partial version {meta.get('version')!r}, expected {PARTIAL_VERSION}")
     try:
