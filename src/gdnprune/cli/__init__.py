@@ -63,8 +63,9 @@ _FLAGS: dict[str, tuple[str, bool]] = {}
 _KEYWORD = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
 #: OSErrors that a user causes (a path that does not exist, is of the wrong kind, or may not be written):
 #: exit 2; any other OSError (a full disk, an I/O error, a read-only file system, ...) is the environment's: 1
+#: (= gdnprune.distributed.USER_ERRNOS, written out here because importing that module imports torch)
 _USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
-                errno.ENAMETOOLONG, errno.ELOOP})  # = gdnprune.distributed.USER_ERRNOS (torch-free here)
+                          errno.ENAMETOOLONG, errno.ELOOP})
 
 
 def _flags_of(parser: argparse.ArgumentParser) -> dict[str, tuple[str, bool]]:

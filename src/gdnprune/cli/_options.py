@@ -50,10 +50,12 @@ def non_negative_float(text: str) -> float:
 
 
 def add_output_arguments(p, *, metavar: str = "OUT_DIR", help: str = "folder to create",
-                         required: bool = True) -> None:
-    """``-o/--output``, ``--overwrite`` and ``-q/--quiet``, the same on every command that writes something."""
+                         required: bool = True, folder: bool = True) -> None:
+    """``-o/--output``, ``--overwrite`` and ``-q/--quiet``, the same on every command that writes something
+    (a folder, or a file with ``folder=False``)."""
     p.add_argument("--output", "-o", required=required, metavar=metavar, help=help)
-    p.add_argument("--overwrite", action="store_true", help=f"replace {metavar} if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace {metavar} if it exists" + (" (only an earlier output)" if folder else ""))
     add_quiet_argument(p)
 
 
@@ -65,7 +67,7 @@ def deprecated(old: str, new: str) -> None:
 
 
 def add_deprecated_alias(p, old: str, dest: str, new: str, **kwargs) -> None:
-    """A hidden option ``old`` that stores into ``dest`` and says once that ``new`` is its name now."""
+    """A hidden option ``old`` that stores into ``dest`` and says (a warning line) that ``new`` is its name now."""
 
     class Alias(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
@@ -82,11 +84,14 @@ def add_quiet_argument(p) -> None:
 
 def add_target_arguments(p) -> None:
     """The nested-target options shared by ``gdnprune slice`` and ``gdnprune prune``."""
-    p.add_argument("--num-key-heads", dest="num_key_heads", type=positive_int, metavar="N")
+    p.add_argument("--num-key-heads", dest="num_key_heads", type=positive_int, metavar="N",
+                   help="key heads (= key groups) to keep per GDN layer")
     p.add_argument("--num-value-heads", dest="num_value_heads", type=positive_int, metavar="N",
-                   help="total value heads, a multiple of the key heads")
-    p.add_argument("--key-head-dim", dest="key_head_dim", type=positive_int, metavar="N")
-    p.add_argument("--value-head-dim", dest="value_head_dim", type=positive_int, metavar="N")
+                   help="value heads to keep per GDN layer: the total, a multiple of the key heads")
+    p.add_argument("--key-head-dim", dest="key_head_dim", type=positive_int, metavar="N",
+                   help="channels to keep per key head")
+    p.add_argument("--value-head-dim", dest="value_head_dim", type=positive_int, metavar="N",
+                   help="channels to keep per value head")
 
 
 def add_plan_arguments(p) -> None:

@@ -14,7 +14,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(NAME, help=HELP,
                               description="A table of every GDN layer (prefix, layout, geometry, parameters) "
                                           "and the parameter totals. Reads the safetensors headers only.")
-    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 

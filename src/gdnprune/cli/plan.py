@@ -62,7 +62,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="the (unsorted) model the scores describe")
     p.add_argument("--scores", required=True, metavar="SCORES.json", help="gdnprune score's file for MODEL_DIR")
-    add_output_arguments(p, metavar="PLAN.json", help="plan file to write (and its report beside it)")
+    add_output_arguments(p, metavar="PLAN.json", help="plan file to write (and its report beside it)", folder=False)
     add_calibration_arguments(p, data_required=False, num_samples=16, method=False,
                               purpose="the measured sensitivity (needs --data)")
     add_search_arguments(p)

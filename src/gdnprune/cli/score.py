@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
                    help="Hugging Face model folder (config, weights, tokenizer); not with --merge")
-    add_output_arguments(p, metavar="SCORES.json", help="scores file to write", required=False)
+    add_output_arguments(p, metavar="SCORES.json", help="scores file to write", required=False, folder=False)
     add_calibration_arguments(p, data_required=False)
     q = p.add_argument_group("one-shot quality")
     add_refine_arguments(q)

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
                                           "(written with transformers' per_layer_config when the layers "
                                           "differ; load those with gdnprune.load_pretrained). Sort first so "
                                           "that the prefix is the most important part.")
-    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
     add_output_arguments(p)
     add_target_arguments(p)
     add_plan_arguments(p)

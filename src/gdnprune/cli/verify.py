@@ -14,8 +14,8 @@ def add_parser(subparsers) -> None:
                               description="Load both folders with transformers (fp32), run the same tokens and "
                                           "print the max and mean absolute logit difference and each model's "
                                           "loss. Exit 0 within tolerance, 1 otherwise.")
-    p.add_argument("model_a", metavar="MODEL_A")
-    p.add_argument("model_b", metavar="MODEL_B")
+    p.add_argument("model_a", metavar="MODEL_A", help="a model folder (its tokenizer tokenises --data)")
+    p.add_argument("model_b", metavar="MODEL_B", help="the model folder to compare with (same vocabulary)")
     p.add_argument("--data", metavar="FILE", help="text to run: a UTF-8 text file (default: seeded random token ids)")
     p.add_argument("--tolerance", type=non_negative_float, default=1e-4, metavar="X",
                    help="max |logit diff| allowed (default 1e-4)")
