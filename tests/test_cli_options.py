@@ -235,7 +235,8 @@ def test_quiet_hides_the_weight_loading_bar(tmp_path):
     (tmp_path / "text.txt").write_text("a few words of calibration text")
     argv = [sys.executable, "-m", "gdnprune", "score", str(demo_model_path()), "--data", str(tmp_path / "text.txt"),
             "-o", str(tmp_path / "s.json"), "--overwrite", "--num-samples", "1", "--seq-len", "8", "--threads", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     loud = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert loud.returncode == 0 and "Loading weights" in loud.stderr, loud.stderr  # the bar exists without -q
     quiet = subprocess.run([*argv, "-q"], capture_output=True, text=True, env=env)
