@@ -122,6 +122,7 @@ def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> boo
 def run_demo(
     output: str | Path | None = "demo_output",
     *,
+    model_dir: str | Path | None = None,
     calibration_windows: int = 64,
     seq_len: int = 256,
     batch_size: int = 8,
@@ -136,6 +137,10 @@ def run_demo(
     log=None,
 ) -> dict[str, Any]:
     """Score, sort and slice the bundled demo model; return (and write to ``output``) the results.
+
+    ``model_dir`` runs the same demo on another byte-level model folder (token ids = UTF-8 bytes, like the
+    bundled model's, e.g. one written by ``scripts/train_demo_model.py --family ...``), loaded in float32
+    with :func:`gdnprune.loading.load_pretrained`; None (default) is the bundled model.
 
     Returns a dict with the sort check (``sort_max_abs_logit_diff``), the targets and, per target, the
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
@@ -159,11 +164,19 @@ def run_demo(
     out_dir = None if output is None else Path(output)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    model, _ = load_demo_model()
+    if model_dir is None:
+        model_dir, title = demo_model_path(), "bundled Qwen3.5 demo model"
+        model, _ = load_demo_model()
+    else:
+        from .loading import load_pretrained
+
+        model_dir = Path(model_dir)
+        model = load_pretrained(model_dir, dtype=torch.float32).eval()
+        title = f"{model_dir.name} ({model.config.model_type})"
     layers = find_gdn_modules(model)
     shape = GDNShape.from_module(layers[0][1])
     val = lambda m: validation_loss(m, num_windows=validation_windows, seq_len=seq_len)  # noqa: E731
-    log(f"bundled model: {demo_model_path()}  ({len(layers)} GDN layers, {shape})")
+    log(f"{title}: {model_dir}  ({len(layers)} GDN layers, {shape})")
 
     # 1. score
     calibration = byte_windows(train_text(), seq_len, calibration_windows)
@@ -227,7 +240,7 @@ def run_demo(
         recovery = None
 
     results = {
-        "model": str(demo_model_path()),
+        "model": str(model_dir),
         "shape": shape.as_dict(),
         "method": method,
         "calibration_tokens": int(calibration.numel()),
@@ -241,13 +254,13 @@ def run_demo(
     if out_dir is not None:
         (out_dir / "scores.json").write_text(json.dumps(scores, indent=1))
         plot = out_dir / "loss_vs_params.png"
-        if _plot(rows, [*orderings, "random"], plot, "bundled Qwen3.5 demo model: nested GDN slices"):
+        if _plot(rows, [*orderings, "random"], plot, f"{title}: nested GDN slices"):
             results["plot"] = str(plot)
             log(f"plot: {plot}")
         else:
             log(NO_PLOT)
         if write_checkpoints:
-            results["checkpoints"] = _write_checkpoints(demo_model_path(), scores, targets, out_dir, log)
+            results["checkpoints"] = _write_checkpoints(model_dir, scores, targets, out_dir, log)
     results["seconds"] = time.perf_counter() - start
     if out_dir is not None:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
@@ -257,7 +270,7 @@ def run_demo(
 
 
 def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], out_dir: Path, log) -> dict:
-    """Sort the bundled checkpoint and slice the sorted one to the middle target, with the streaming API."""
+    """Sort the model's checkpoint and slice the sorted one to the middle target, with the streaming API."""
     from .checkpoint import slice_checkpoint, sort_checkpoint
 
     sorted_dir, sliced_dir = out_dir / "sorted", out_dir / "sliced"
