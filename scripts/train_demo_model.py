@@ -6,6 +6,11 @@ The model is a ``Qwen3_5ForCausalLM`` with hidden size 128 and 4 layers (3 Gated
 conv kernel 4, trained on the training split of :mod:`gdnprune.demo_data` (CPython's pydoc topics).
 Tokens are UTF-8 bytes (plus ``<|endoftext|>``, unused in training).
 
+``--family`` trains the same kind of model in another family of GDN models (``qwen3_next``,
+``olmo_hybrid``, ``qwen3_5_moe``, ``qwen3_5_vl``: a vision-language model trained on text only, its
+small vision tower left at its initial weights). The tests' trained models in ``tests/data/trained/``
+are made this way (see ``tests/data/trained/README.md`` for their commands).
+
 Training is deterministic given ``--seed`` and the thread count: weights are initialised after
 ``torch.manual_seed(seed)`` and batches are random windows drawn with a separate ``torch.Generator``
 seeded with ``seed``. The budget is a number of optimizer steps (``--steps``), not wall time.
@@ -18,6 +23,8 @@ Usage::
 
     python scripts/train_demo_model.py            # defaults: 400 steps, seed 0
     python scripts/train_demo_model.py --steps 50 --out /tmp/demo_model
+    python scripts/train_demo_model.py --family qwen3_next --hidden-size 64 --layer-types GGA \
+        --key-head-dim 16 --value-head-dim 16 --out tests/data/trained/qwen3_next ...
 """
 
 from __future__ import annotations
@@ -41,6 +48,14 @@ sys.path.insert(0, str(REPO_ROOT / "src"))  # use the checkout even when gdnprun
 from gdnprune import demo_data  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "src" / "gdnprune" / "data" / "demo_model"
+#: --family -> the transformers class trained (the bundled demo model is qwen3_5)
+MODEL_CLASS = {
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,13 +72,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="steps between validation evals (default 100)")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines (default 10)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the written weights (default float32); with bfloat16 the final losses are "
+                        "measured on the rounded weights, i.e. on the model as written")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     g = p.add_argument_group("geometry and corpus (defaults: the bundled demo model)")
+    g.add_argument("--family", choices=list(MODEL_CLASS), default="qwen3_5",
+                   help="model family (default qwen3_5, the bundled model's; the MoE families get 4 experts, "
+                        "2 per token, expert and shared-expert widths = hidden size)")
     g.add_argument("--corpus", choices=demo_data.CORPORA, default="pydoc",
                    help="training text: pydoc topics (default) or the standard library's docstrings")
     g.add_argument("--layer-types", default="GGGA",
                    help="one letter per decoder layer: G = GatedDeltaNet, A = full attention (default GGGA)")
     g.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
+    g.add_argument("--intermediate-size", type=int, default=None,
+                   help="MLP width of the dense families (default 2 x hidden size)")
     g.add_argument("--key-heads", type=int, default=4, help="GDN key heads (default 4)")
     g.add_argument("--value-heads", type=int, default=8, help="GDN value heads, a multiple of the key heads (default 8)")
     g.add_argument("--key-head-dim", type=int, default=32, help="GDN key head dim (default 32)")
@@ -73,17 +96,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, layer_types: str = "GGGA",
                  hidden_size: int = 128, key_heads: int = 4, value_heads: int = 8, key_head_dim: int = 32,
-                 value_head_dim: int = 32):
-    """The demo model's geometry (defaults): hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters."""
-    from transformers import Qwen3_5TextConfig
+                 value_head_dim: int = 32, family: str = "qwen3_5", intermediate_size: int | None = None):
+    """The demo model's geometry (defaults): hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters.
+
+    Other families get the same text geometry in their own config class (MoE: 4 experts, 2 per token,
+    expert and shared-expert widths = ``hidden_size``; the vision-language model: a one-block vision tower).
+    """
+    import transformers
 
     kinds = {"G": "linear_attention", "A": "full_attention"}
     if not layer_types or set(layer_types) - set(kinds):
         raise SystemExit(f"--layer-types must be letters G and A, got {layer_types!r}")
-    return Qwen3_5TextConfig(
+    text = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=len(layer_types),
         layer_types=[kinds[c] for c in layer_types],
         num_attention_heads=4,
@@ -100,6 +127,21 @@ def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, laye
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
     )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+               shared_expert_intermediate_size=hidden_size)
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**text)
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**text, **moe, decoder_sparse_step=1)
+    if family == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**text, **moe)
+    if family == "olmo_hybrid":
+        return transformers.OlmoHybridConfig(**{k: v for k, v in text.items() if k != "head_dim"})
+    if family == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+        return transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    raise SystemExit(f"--family must be one of {list(MODEL_CLASS)}, got {family!r}")
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -125,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     import transformers
-    from transformers import Qwen3_5ForCausalLM
 
     tokenizer = demo_data.build_byte_tokenizer()
     train_ids = demo_data.text_to_ids(demo_data.train_text(args.corpus))
@@ -136,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     config = model_config(len(tokenizer), tokenizer.eos_token_id, args.seq_len, layer_types=args.layer_types,
                           hidden_size=args.hidden_size, key_heads=args.key_heads, value_heads=args.value_heads,
-                          key_head_dim=args.key_head_dim, value_head_dim=args.value_head_dim)
-    model = Qwen3_5ForCausalLM(config)
+                          key_head_dim=args.key_head_dim, value_head_dim=args.value_head_dim,
+                          family=args.family, intermediate_size=args.intermediate_size)
+    model = getattr(transformers, MODEL_CLASS[args.family])(config)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params} parameters, layer_types={config.layer_types}", flush=True)
+    layer_types = config.get_text_config(decoder=True).layer_types
+    print(f"{type(model).__name__}: {n_params} parameters, layer_types={layer_types}", flush=True)
     print(
         f"corpus {args.corpus}: {len(train_eval_text.encode())} train bytes, "
         f"{len(val_text.encode())} validation bytes, sha256 {demo_data.corpus_sha256(args.corpus)[:16]}...",
@@ -186,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     train_seconds = time.perf_counter() - t_start
 
     model.eval()
+    if args.save_dtype == "bfloat16":  # measure the model as written: weights rounded to bf16, run in fp32
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
     val = demo_data.validation_loss(model, text=val_text)
     val_full = demo_data.validation_loss(model, num_windows=None, text=val_text)
     train_eval = demo_data.validation_loss(model, text=train_eval_text)
@@ -198,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
     record = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+        "family": args.family,
+        "model_class": type(model).__name__,
         "seed": args.seed,
         "steps": args.steps,
         "hyperparameters": {
@@ -216,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
         },
         "num_parameters": n_params,
+        "saved_dtype": args.save_dtype,
         "corpus": {
             "name": args.corpus,
             "source": {"pydoc": "pydoc_data.topics.topics (sorted keys, joined by a blank line)",
@@ -248,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        if args.save_dtype == "bfloat16":
+            model.to(torch.bfloat16)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

@@ -1,6 +1,11 @@
 """The demo pipeline end to end on the bundled model, on a reduced budget."""
 
 import json
+from pathlib import Path
+
+import pytest
+
+from tiny_models import MODEL_CLASS
 
 from gdnprune.cli import main
 from gdnprune.demo import nested_targets
@@ -92,17 +97,36 @@ def test_prune_rejects_illegal_target_before_scoring(tmp_path, capsys):
     assert "num_key_heads 8 > 4" in capsys.readouterr().err
 
 
-def test_the_importance_order_beats_identity_and_random_orders_at_the_middle_slices(monkeypatch):
-    """The demo's claim: at the middle slices of the bundled model, cutting after the importance order costs
-    less validation loss than cutting in the stored order (identity) and than the mean of random orders."""
+#: small byte-level models of the other families, trained on the demo corpus by scripts/train_demo_model.py
+#: --family (commands and losses: tests/data/trained/README.md and each folder's training.json)
+TRAINED = Path(__file__).parent / "data" / "trained"
+FAMILIES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "qwen3_5_moe", "qwen3_5_vl"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_importance_order_beats_identity_and_random_orders_at_the_middle_slices(family, monkeypatch):
+    """The demo's claim: at the middle slices of a trained model, cutting after the importance order costs
+    less validation loss than cutting in the stored order (identity) and than the mean of random orders.
+    qwen3_5 is the bundled demo model; the other families are small models trained the same way (an
+    untrained model's importance order means nothing)."""
     from gdnprune import demo
 
-    all_targets = demo.nested_targets(GDNShape(4, 8, 32, 32))
-    middle = all_targets[2:5]  # neither the full model nor the smallest slices, where every order is bad
-    monkeypatch.setattr(demo, "nested_targets", lambda shape: middle)
-    results = demo.run_demo(None, calibration_windows=8, seq_len=128, num_random=2, validation_windows=8,
-                            recover_steps=0, write_checkpoints=False, progress=False)
-    assert [GDNShape(**row["target"]) for row in results["rows"]] == middle
+    model_dir = None if family == "qwen3_5" else TRAINED / family
+    if model_dir is not None:  # the folder holds a trained model of that family
+        assert json.loads((model_dir / "config.json").read_text())["architectures"] == [MODEL_CLASS[family]]
+        assert json.loads((model_dir / "training.json").read_text())["family"] == family
+    original = demo.nested_targets
+    middle = []
+
+    def middle_targets(shape):  # neither the full model nor the smallest slices, where every order is bad
+        middle[:] = original(shape)[2:5]
+        return middle
+
+    monkeypatch.setattr(demo, "nested_targets", middle_targets)
+    results = demo.run_demo(None, model_dir=model_dir, num_samples=8, seq_len=128, num_random=2,
+                            eval_samples=8, recover_steps=0, write_checkpoints=False, progress=False)
+    assert len(middle) == 3 and [GDNShape(**row["target"]) for row in results["rows"]] == middle
+    assert results["sort_max_abs_logit_diff"] < 1e-4
     for row in results["rows"]:
         loss = row["loss"]
         assert loss["importance"] < loss["identity"], row

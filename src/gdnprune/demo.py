@@ -123,6 +123,7 @@ def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> boo
 def run_demo(
     output: str | Path | None = "demo_output",
     *,
+    model_dir: str | Path | None = None,
     num_samples: int = 64,
     seq_len: int = 256,
     batch_size: int = 8,
@@ -139,6 +140,10 @@ def run_demo(
     **deprecated: int,
 ) -> dict[str, Any]:
     """Score, sort and slice the bundled demo model; return (and write to ``output``) the results.
+
+    ``model_dir`` runs the same demo on another byte-level model folder (token ids = UTF-8 bytes, like the
+    bundled model's, e.g. one written by ``scripts/train_demo_model.py --family ...``), loaded in float32
+    with :func:`gdnprune.loading.load_pretrained`; None (default) is the bundled model.
 
     Returns a dict with the sort check (``sort_max_abs_logit_diff``), the targets and, per target, the
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
@@ -178,11 +183,19 @@ def run_demo(
         from .checkpoint.output import check_output_folder
 
         check_output_folder(out_dir, overwrite, DEMO_MARKERS)
-    model, _ = load_demo_model()
+    if model_dir is None:
+        model_dir, title = demo_model_path(), "bundled Qwen3.5 demo model"
+        model, _ = load_demo_model()
+    else:
+        from .loading import load_pretrained
+
+        model_dir = Path(model_dir)
+        model = load_pretrained(model_dir, dtype=torch.float32).eval()
+        title = f"{model_dir.name} ({model.config.model_type})"
     layers = find_gdn_modules(model)
     shape = GDNShape.from_module(layers[0][1])
     val = lambda m: validation_loss(m, num_windows=eval_samples, seq_len=seq_len)  # noqa: E731
-    log(f"bundled model: {demo_model_path()}  ({len(layers)} GDN layers, {shape})")
+    log(f"{title}: {model_dir}  ({len(layers)} GDN layers, {shape})")
 
     # 1. score
     calibration = byte_windows(train_text(), seq_len, num_samples)
@@ -246,7 +259,7 @@ def run_demo(
         recovery = None
 
     results = {
-        "model": str(demo_model_path()),
+        "model": str(model_dir),
         "shape": shape.as_dict(),
         "method": method,
         "calibration_tokens": int(calibration.numel()),
@@ -265,7 +278,7 @@ def run_demo(
         staging = Staging(out_dir, overwrite, markers=DEMO_MARKERS)
         with staging as tmp:
             _write_outputs(results, scores, rows, [*orderings, "random"], targets, tmp, out_dir, write_checkpoints,
-                           start, log)
+                           start, log, model_dir=model_dir, title=title)
             staging.commit()
     log(f"done in {results['seconds']:.1f} s")
     return results
@@ -276,27 +289,26 @@ DEMO_MARKERS = frozenset({"results.json"})
 
 
 def _write_outputs(results, scores, rows, orderings, targets, tmp: Path, out_dir: Path, write_checkpoints: bool,
-                   start: float, log) -> None:
+                   start: float, log, *, model_dir: Path, title: str) -> None:
     """Write the scores, plot, checkpoints and results.json into ``tmp``, naming their places in ``out_dir``."""
     (tmp / "scores.json").write_text(json.dumps(scores, indent=1))
-    if _plot(rows, orderings, tmp / "loss_vs_params.png", "bundled Qwen3.5 demo model: nested GDN slices"):
+    if _plot(rows, orderings, tmp / "loss_vs_params.png", f"{title}: nested GDN slices"):
         results["plot"] = str(out_dir / "loss_vs_params.png")
         log(f"plot: {results['plot']}")
     else:
         log(NO_PLOT)
     if write_checkpoints:
-        results["checkpoints"] = _write_checkpoints(scores, targets, tmp, out_dir, log)
+        results["checkpoints"] = _write_checkpoints(model_dir, scores, targets, tmp, out_dir, log)
     results["seconds"] = time.perf_counter() - start
     (tmp / "results.json").write_text(json.dumps(results, indent=1))
     log(f"results: {out_dir / 'results.json'}")
 
 
-def _write_checkpoints(scores: dict, targets: list[GDNShape], tmp: Path, out_dir: Path, log) -> dict:
-    """Sort the bundled checkpoint and slice the sorted one to the middle target, with the streaming API."""
+def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], tmp: Path, out_dir: Path, log
+                       ) -> dict:
+    """Sort the model's checkpoint and slice the sorted one to the middle target, with the streaming API."""
     from .checkpoint import slice_checkpoint, sort_checkpoint
-    from .demo_data import demo_model_path
-
-    sort_checkpoint(demo_model_path(), scores, tmp / "sorted", overwrite=True, progress=False)
+    sort_checkpoint(model_dir, scores, tmp / "sorted", overwrite=True, progress=False)
     middle = targets[len(targets) // 2]
     slice_checkpoint(tmp / "sorted", tmp / "sliced", target=middle, overwrite=True, progress=False)
     sorted_dir, sliced_dir = out_dir / "sorted", out_dir / "sliced"
