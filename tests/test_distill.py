@@ -104,7 +104,7 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_siz
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_vl", "qwen3_next", "olmo_hybrid"])
 def test_loss_from_hidden_states_equals_kd_of_the_models_logits(model_type):
-    from gdnprune.distill.trainer import _final_hidden
+    from gdnprune.distill import final_hidden as _final_hidden
 
     teacher, student = pair(model_type)
     ids = windows(2, 70)
@@ -163,7 +163,7 @@ def test_a_bf16_teacher_and_mixed_precision():
     teacher, student = pair()
     data, held_out = windows(8), windows(4, seed=3)
     ref = distill(sliced(teacher), teacher, data, steps=2, batch_size=4, eval_data=held_out, progress=False)
-    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out, bf16=True,
+    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out, mixed_precision="bf16",
                   progress=False)
     assert got["eval"]["kd_loss"] == pytest.approx(ref["eval"]["kd_loss"], rel=0.05)
     assert next(student.parameters()).dtype == torch.float32

@@ -46,5 +46,5 @@ def test_distill_a_heterogeneous_student_from_the_command_line(tmp_path, capsys)
     config["vocab_size"] = 99  # the weights have 128 rows
     (broken / "config.json").write_text(json.dumps(config))
     assert main(["distill", str(student), "--teacher", str(broken), "--data", str(text), "--output",
-                 str(tmp_path / "x"), "--steps", "1", "--quiet"]) == 2
+                 str(tmp_path / "x"), "--steps", "1", "--seq-len", "40", "--quiet"]) == 2
     assert "cannot load it" in capsys.readouterr().err and not (tmp_path / "x").exists()

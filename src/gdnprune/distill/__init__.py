@@ -27,16 +27,22 @@ ZeRO-3 sharding of it is not supported; DDP is (tested on CPU with gloo).
 """
 
 from .api import (
+    CARRIED_PREFIXES,
     LOG_NAME,
+    MIXED_PRECISION,
     PLOT_NAME,
+    OutputFolderError,
+    check_options,
+    check_output_folder,
     check_same_vocabulary,
+    default_seq_len,
     distill,
     distill_checkpoint,
     plot_history,
-    recover_demo_slice,
 )
 from .loss import DistillationLoss, distillation_loss, kd_loss
-from .trainer import DistillationTrainer
+from .memory import MemoryEstimate, estimate_memory, estimate_checkpoint_memory
+from .trainer import DistillationTrainer, final_hidden, forward_redirect
 
 __all__ = [
     "kd_loss",
@@ -47,7 +53,17 @@ __all__ = [
     "distill",
     "distill_checkpoint",
     "plot_history",
-    "recover_demo_slice",
+    "check_options",
+    "check_output_folder",
+    "default_seq_len",
+    "OutputFolderError",
+    "final_hidden",
+    "forward_redirect",
+    "MemoryEstimate",
+    "estimate_memory",
+    "estimate_checkpoint_memory",
+    "CARRIED_PREFIXES",
     "LOG_NAME",
+    "MIXED_PRECISION",
     "PLOT_NAME",
 ]
