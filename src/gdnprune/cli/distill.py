@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -103,7 +104,7 @@ def _flags(message: str) -> str:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:,.2f} GB"
+    return f"{n / 1e9:,.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:,.2f} MB"
 
 
 def _device_memory() -> tuple[int, str] | None:
@@ -125,18 +126,18 @@ def _estimate(args, world: int, teacher_sharding: str) -> None:
 
     seq_len = args.seq_len or default_seq_len(meta_model(args.student).config)
     micro = args.micro_batch_size or max(1, args.batch_size // world)
-    fsdp = args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     est = estimate_checkpoint_memory(
-        args.student, args.teacher, processes=world, fsdp=fsdp, teacher_sharded=teacher_sharding == "shard",
+        args.student, args.teacher, processes=world, fsdp=args.fsdp, teacher_sharded=teacher_sharding == "shard",
         dtype=args.dtype, teacher_dtype=args.teacher_dtype, mixed_precision=args.mixed_precision,
         micro_batch_size=micro, seq_len=seq_len, gradient_checkpointing=args.gradient_checkpointing,
         cpu_offload=args.cpu_offload, kd=args.kd_weight > 0)
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    engine = ("FSDP2" if est.student_sharded else "DDP" if world > 1 else "one process") + \
-        (", teacher sharded" if est.teacher_sharded else ", teacher replicated")
-    print(f"gdnprune distill: expected peak memory per process ({world} process{'es' * (world > 1)}, {engine}, "
-          f"micro-batch {micro} x {seq_len} tokens):")
+    student = "student sharded (FSDP2)" if est.student_sharded else "student replicated (DDP)" if world > 1 \
+        else "student whole"
+    teacher = "teacher sharded" if est.teacher_sharded else "teacher whole"
+    print(f"gdnprune distill: expected peak memory per process ({world} process{'es' * (world > 1)}: {student}, "
+          f"{teacher}; micro-batch {micro} x {seq_len} tokens):")
     for label, size in est.rows():
         print(f"  {label:<40} {_gb(size):>12}")
     print(f"  {'total':<40} {_gb(est.total):>12}")
@@ -151,6 +152,8 @@ def run(args) -> int:
     from ..distill import OutputFolderError, check_options, check_output_folder, distill_checkpoint
 
     world = args.processes if args.dry_run and args.processes else int(os.environ.get("WORLD_SIZE", "1"))
+    # `accelerate launch` with an FSDP config says so in the environment
+    args.fsdp = args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     device_map = args.teacher_device_map
     try:
         if not args.dry_run:
@@ -180,6 +183,9 @@ def run(args) -> int:
 
     dtype, teacher_dtype = (None if d is None else getattr(torch, d) for d in (args.dtype, args.teacher_dtype))
     transformers.utils.logging.disable_progress_bar()  # one bar: ours (no loading or shard-writing bars)
+    # checkpoints a second apart make transformers doubt file times; it then orders them by step, as it should
+    quiet_mtime = _DropMessage("mtime may not be reliable")
+    logging.getLogger("transformers.trainer_utils").addFilter(quiet_mtime)
     try:
         with model_runtime(args):
             result = distill_checkpoint(args.student, args.teacher, args.data, args.output, seq_len=args.seq_len,
@@ -193,9 +199,19 @@ def run(args) -> int:
         return 2
     finally:
         transformers.utils.logging.enable_progress_bar()
+        logging.getLogger("transformers.trainer_utils").removeFilter(quiet_mtime)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if not result.get("interrupted") else 128 + int(getattr(signal, result.get("signal") or "SIGINT"))
     return _report(args, result)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def _output_error(exc) -> int:

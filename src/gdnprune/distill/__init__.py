@@ -27,6 +27,7 @@ ZeRO-3 sharding of it is not supported; DDP is (tested on CPU with gloo).
 """
 
 from .api import (
+    ACCELERATE_FSDP2_CONFIG,
     CARRIED_PREFIXES,
     LOG_NAME,
     MIXED_PRECISION,
@@ -63,6 +64,7 @@ __all__ = [
     "estimate_memory",
     "estimate_checkpoint_memory",
     "CARRIED_PREFIXES",
+    "ACCELERATE_FSDP2_CONFIG",
     "LOG_NAME",
     "MIXED_PRECISION",
     "PLOT_NAME",

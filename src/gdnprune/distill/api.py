@@ -32,7 +32,7 @@ from .output import save_model_folder
 from .trainer import DistillationTrainer, RunCallback, TokenWindows, as_windows, signals_stop
 
 __all__ = ["check_same_vocabulary", "check_options", "distill", "distill_checkpoint", "plot_history",
-           "OutputFolderError", "LOG_NAME", "PLOT_NAME", "MIXED_PRECISION"]
+           "OutputFolderError", "LOG_NAME", "PLOT_NAME", "MIXED_PRECISION", "ACCELERATE_FSDP2_CONFIG"]
 
 LOG_NAME = "distill_log.json"
 PLOT_NAME = "distill_loss.png"
@@ -62,6 +62,9 @@ def check_same_vocabulary(student=None, teacher=None, student_tokenizer=None, te
 _RESUME_KEYS = ("steps", "batch_size", "micro_batch_size", "seq_len", "lr", "lr_schedule", "warmup", "weight_decay",
                 "max_grad_norm", "temperature", "kd_weight", "lm_weight", "seed", "train_windows", "train_sha256",
                 "fsdp", "mixed_precision")
+
+#: the accelerate config shipped for FSDP2 runs (``accelerate launch --config_file ... -m gdnprune distill``)
+ACCELERATE_FSDP2_CONFIG = Path(__file__).resolve().parent.parent / "data" / "accelerate_fsdp2.yaml"
 
 #: the mixed-precision modes (parameters keep their dtype; forward and backward run in the low precision)
 MIXED_PRECISION = ("no", "bf16", "fp16")
