@@ -169,6 +169,16 @@ def test_a_bf16_teacher_and_mixed_precision():
     assert next(student.parameters()).dtype == torch.float32
 
 
+def test_gradient_checkpointing_gives_the_same_run():
+    teacher, _ = pair()
+    runs = [distill(sliced(teacher).train(), teacher, windows(8), steps=2, batch_size=4, lr=3e-3, lm_weight=0.5,
+                    log_every=1, gradient_checkpointing=checkpointing, progress=False)
+            for checkpointing in (False, True)]
+    losses = [[h["loss"] for h in r["history"] if "loss" in h] for r in runs]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5) and len(losses[0]) == 2
+    assert runs[1]["trainer"].model.is_gradient_checkpointing
+
+
 class _CtrlCAt(TrainerCallback):
     def __init__(self, step, signum=signal.SIGINT):
         self.step, self.signum = step, signum
@@ -219,6 +229,21 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert log["status"] == "finished" and log["config"]["steps"] == 7
     assert (tmp_path / "run" / PLOT_NAME).read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_resume_of_a_model_with_tied_embeddings_warns_of_nothing(tmp_path, caplog):
+    config = make_config("qwen3_5", SHAPE)
+    config.tie_word_embeddings = True
+    teacher = build_model("qwen3_5", SHAPE, config=config)
+    options = dict(steps=3, batch_size=4, lr=3e-3, save_every=1, log_every=1, progress=False)
+    first = distill(sliced(teacher), teacher, windows(8), tmp_path / "run", callbacks=[_CtrlCAt(1)], **options)
+    assert first["interrupted"]
+    student = sliced(teacher)
+    assert student.lm_head.weight is student.model.embed_tokens.weight
+    with caplog.at_level("WARNING"):
+        resumed = distill(student, teacher, windows(8), tmp_path / "run", resume=True, **options)
+    assert resumed["steps"] == 3 and not [r for r in caplog.records if "missing keys" in r.getMessage()]
+    assert student.lm_head.weight is student.model.embed_tokens.weight
 
 
 class _CtrlCTwice(TrainerCallback):

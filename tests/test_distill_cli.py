@@ -107,6 +107,13 @@ def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded
     assert main([*base, "-o", str(tmp_path / "new"), "--cpu-offload"]) == 2
     err = capsys.readouterr().err
     assert "--cpu-offload" in err and "--fsdp" in err and "cpu_offload" not in err
+    assert main([*base, "-o", str(tmp_path / "new"), "--fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert "--fsdp shards the student over processes" in err and "torchrun" in err
+    assert main([*base, "-o", str(tmp_path / "new"), "--teacher-device-map", "auto", "--teacher-sharding", "shard",
+                 "--dry-run", "--processes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--teacher-device-map" in err and "--teacher-sharding 'replicate'" in err and "teacher_" not in err
     assert not (tmp_path / "new").exists()
     # a teacher folder that transformers cannot load: one line, exit 2, nothing written
     monkeypatch.undo()

@@ -91,6 +91,9 @@ def check_options(*, world_size: int = 1, fsdp: bool = False, teacher_sharding: 
         raise ValueError(f"mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, found {mixed_precision!r}")
     if teacher_sharding not in (None, "shard", "replicate"):
         raise ValueError(f"teacher_sharding: expected 'shard' or 'replicate', found {teacher_sharding!r}")
+    if fsdp and world_size < 2:
+        raise ValueError("fsdp=True shards the student over processes: expected a run over several processes "
+                         "(torchrun / accelerate launch), found 1")
     if cpu_offload and not fsdp:
         raise ValueError("cpu_offload offloads FSDP2 shards: expected fsdp=True with it, found fsdp=False")
     if teacher_sharding == "shard" and world_size < 2:

@@ -130,7 +130,7 @@ def estimate_memory(student: torch.nn.Module, teacher: torch.nn.Module, *, proce
     vocab, hidden = head.shape
     chunk = min(_CHUNK_LOGITS, max(1, tokens) * vocab)
     loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
-    offloaded = (params + optimizer) if cpu_offload else 0
+    offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
     return MemoryEstimate(processes=processes, student_sharded=fsdp and processes > 1,
                           teacher_sharded=teacher_sharded and processes > 1, student_parameters=params,
                           student_gradients=params, optimizer_state=optimizer, teacher_parameters=t_params,

@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 
 from ..fileio import umask
+from .fsdp import is_sharded
 
 __all__ = ["save_model_folder", "read_tensors", "MAX_SHARD_BYTES"]
 
@@ -110,6 +111,9 @@ def save_model_folder(model: torch.nn.Module, out: str | Path, *, main: bool = T
         (out / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
     config = getattr(model, "config", None)
     if config is not None:
+        # as save_pretrained does; FSDP2 subclasses the model's class as FSDP<class>
+        name = type(model).__name__
+        config.architectures = [name.removeprefix("FSDP") if is_sharded(model) else name]
         config.save_pretrained(out)
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(model, "can_generate", lambda: False)():

@@ -210,8 +210,9 @@ class DistillationTrainer(Trainer):
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and inp is not None and out.weight is inp.weight:
             tied = {name for name, p in model.named_parameters(remove_duplicate=False) if p is out.weight}
-            load_result = type(load_result)([k for k in load_result.missing_keys if k not in tied],
-                                            load_result.unexpected_keys)
+            if not tied <= set(load_result.missing_keys):  # one of the names was loaded: all of them were
+                load_result = type(load_result)([k for k in load_result.missing_keys if k not in tied],
+                                                load_result.unexpected_keys)
         return super()._issue_warnings_after_load(load_result)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
