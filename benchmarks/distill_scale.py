@@ -45,31 +45,50 @@ GB = 1e9
 WORKER = textwrap.dedent('''
     import json, os, resource, sys, time
     import torch
+    from transformers import TrainerCallback
     torch.set_num_threads(int(sys.argv[3]))
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sys.path.insert(0, {bench!r})
     from distill_scale import build_pair
     from gdnprune.distill import distill, estimate_memory
 
+    def high_water_mark():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+    class Clock(TrainerCallback):
+        # the peak of the training phase: the high-water mark is reset once the Trainer has wrapped the model
+        setup = start = None
+        steps = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.setup = high_water_mark()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(time.perf_counter() - self.start)
+
     mode, out = sys.argv[1], sys.argv[2]
     steps, batch, seq_len, layers = map(int, sys.argv[4:8])
     teacher, student = build_pair(layers)
-    fsdp = mode != "ddp"
+    fsdp = mode.startswith("fsdp")
     sharding = "shard" if "teacher" in mode else "replicate"
     lm_only = mode.endswith("lm")
     estimate = estimate_memory(student, teacher, processes=int(os.environ["WORLD_SIZE"]), fsdp=fsdp,
                                teacher_sharded=sharding == "shard", micro_batch_size=batch // 2, seq_len=seq_len,
                                kd=not lm_only)
     data = torch.randint(0, teacher.config.vocab_size, (4 * batch, seq_len), generator=torch.Generator().manual_seed(0))
-    start = time.perf_counter()
+    clock = Clock()
     result = distill(student, teacher, data, steps=steps, batch_size=batch, lr=1e-4, log_every=1, progress=False,
-                     fsdp=fsdp, teacher_sharding=sharding if fsdp else None,
+                     fsdp=fsdp, teacher_sharding=sharding if fsdp else None, callbacks=[clock],
                      kd_weight=0.0 if lm_only else 1.0, lm_weight=1.0 if lm_only else 0.0)
-    seconds = time.perf_counter() - start
     logs = [h for h in result["history"] if "loss" in h]
-    report = {{"rank": int(os.environ["RANK"]), "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "baseline": baseline, "losses": [h["loss"] for h in logs],
-              "tokens_per_second": [h["tokens_per_second"] for h in logs], "seconds": seconds,
+    report = {{"rank": int(os.environ["RANK"]), "peak": high_water_mark(), "setup_peak": clock.setup,
+              "baseline": baseline, "losses": [h["loss"] for h in logs], "step_seconds": clock.steps,
               "estimate": {{"total": estimate.total, **dict(estimate.rows())}},
               "student_parameters": sum(p.numel() for p in student.parameters()),
               "teacher_parameters": sum(p.numel() for p in teacher.parameters())}}
@@ -77,9 +96,9 @@ WORKER = textwrap.dedent('''
         json.dump(report, f)
 ''')
 
-MODES = ("ddp", "fsdp", "fsdp+teacher", "fsdp+teacher+lm")
+MODES = ("ddp", "fsdp", "fsdp+teacher", "ddp+lm", "fsdp+teacher+lm")
 LABELS = {"ddp": "DDP", "fsdp": "FSDP2 (student)", "fsdp+teacher": "FSDP2 (student + teacher)",
-          "fsdp+teacher+lm": "FSDP2 (student + teacher), LM only"}
+          "ddp+lm": "DDP, LM only", "fsdp+teacher+lm": "FSDP2 (student + teacher), LM only"}
 
 
 def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
@@ -126,37 +145,49 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
 def report_measured(results: dict, args) -> None:
     first = next(iter(results.values()))["ranks"][0]
-    print(f"Teacher {first['teacher_parameters'] / 1e6:.1f}M parameters, student {first['student_parameters'] / 1e6:.1f}M; "
-          f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens (micro-batch {args.batch_size // 2} per "
-          f"process), float32, {args.threads} thread(s) per process.\n")
-    print("| engine | peak RSS per process (rank 0 / 1) | before models | peak - before | estimate | "
-          "tokens/s (2 processes) | s/step |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    ddp_peak = max(r["peak"] for r in results["ddp"]["ranks"]) if "ddp" in results else None
+    sizes = first["teacher_parameters"] / 1e6, first["student_parameters"] / 1e6
+    print(f"Teacher {sizes[0]:.1f}M parameters, student {sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
+          f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, {args.threads} "
+          f"thread(s) per process. Peak = the high-water mark of resident memory while training (reset when the "
+          f"Trainer has wrapped the model); setup = the high-water mark before (building random models, slicing, "
+          f"sharding).\n")
+    print("| engine | training peak per process (rank 0 / 1) | estimate | setup peak | s/step (median) | "
+          "tokens/s (2 processes) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    step = {}
     for mode, res in results.items():
         r0, r1 = res["ranks"]
-        peak, base = max(r0["peak"], r1["peak"]), _mean([r0["baseline"], r1["baseline"]])
-        tps = _mean(r0["tokens_per_second"][1:]) or r0["tokens_per_second"][0]
-        step = args.batch_size * args.seq_len / tps
-        print(f"| {LABELS[mode]} | {r0['peak'] / GB:.2f} / {r1['peak'] / GB:.2f} GB | {base / GB:.2f} GB | "
-              f"{(peak - base) / GB:.2f} GB | {r0['estimate']['total'] / GB:.2f} GB | {tps:,.0f} | {step:.2f} |")
-    if ddp_peak:
+        step[mode] = _median([max(a, b) for a, b in zip(r0["step_seconds"][1:], r1["step_seconds"][1:])])
+        tps = args.batch_size * args.seq_len / step[mode]
+        print(f"| {LABELS[mode]} | {r0['peak'] / GB:.2f} / {r1['peak'] / GB:.2f} GB | "
+              f"{r0['estimate']['total'] / GB + r0['baseline'] / GB:.2f} GB | "
+              f"{max(r0['setup_peak'], r1['setup_peak']) / GB:.2f} GB | {step[mode]:.1f} | {tps:,.0f} |")
+    print(f"\n(estimate = estimate_memory + the {first['baseline'] / GB:.2f} GB the interpreter, torch and "
+          f"transformers take before any model)")
+    peak = {m: max(r["peak"] for r in res["ranks"]) for m, res in results.items()}
+    if "ddp" in results:
         print()
         for mode in ("fsdp", "fsdp+teacher"):
             if mode in results:
-                peak = max(r["peak"] for r in results[mode]["ranks"])
-                print(f"- {LABELS[mode]} peak / DDP peak: {peak / ddp_peak:.1%} (target <= 65%)")
+                print(f"- {LABELS[mode]} training peak / DDP: {peak[mode] / peak['ddp']:.1%} (target <= 65%); "
+                      f"above the {first['baseline'] / GB:.2f} GB floor: "
+                      f"{(peak[mode] - first['baseline']) / (peak['ddp'] - first['baseline']):.1%}")
         base = results["ddp"]["ranks"][0]["losses"]
         for mode in results:
-            diff = max(abs(a - b) / abs(b) for a, b in zip(results[mode]["ranks"][0]["losses"], base))
-            print(f"- {LABELS[mode]} loss curve {['%.4f' % x for x in results[mode]['ranks'][0]['losses']]}"
+            losses = results[mode]["ranks"][0]["losses"]
+            diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
+            print(f"- {LABELS[mode]} loss curve {['%.4f' % x for x in losses]}"
                   + ("" if mode == "ddp" or mode.endswith("lm") else f", max relative difference to DDP {diff:.1e}"))
-    if "fsdp+teacher" in results and "fsdp+teacher+lm" in results:
-        kd = _mean(results["fsdp+teacher"]["ranks"][0]["tokens_per_second"][1:])
-        lm = _mean(results["fsdp+teacher+lm"]["ranks"][0]["tokens_per_second"][1:])
-        print(f"- KD step / LM step (FSDP2, same student): {lm / kd:.2f}x (target <= 1.5x)")
+    for kd, lm in (("ddp", "ddp+lm"), ("fsdp+teacher", "fsdp+teacher+lm")):
+        if kd in step and lm in step:
+            print(f"- KD step / LM step, {LABELS[kd]}: {step[kd] / step[lm]:.2f}x (target <= 1.5x)")
     print("\nEstimate components (rank 0, GB):")
     for mode, res in results.items():
         est = res["ranks"][0]["estimate"]

@@ -163,7 +163,8 @@ def test_a_bf16_teacher_and_mixed_precision():
     teacher, student = pair()
     data, held_out = windows(8), windows(4, seed=3)
     ref = distill(sliced(teacher), teacher, data, steps=2, batch_size=4, eval_data=held_out, progress=False)
-    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out, mixed_precision="bf16",
+    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out,
+                  mixed_precision="bf16",
                   progress=False)
     assert got["eval"]["kd_loss"] == pytest.approx(ref["eval"]["kd_loss"], rel=0.05)
     assert next(student.parameters()).dtype == torch.float32

@@ -180,3 +180,17 @@ def test_resume_from_sharded_checkpoints_after_sigterm_equals_the_uninterrupted_
     b = load_pretrained(tmp_path / "run", dtype=torch.float32).state_dict()
     for key, value in a.items():
         torch.testing.assert_close(b[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_models_fsdp2_cannot_wrap_are_refused_with_the_reason():
+    from gdnprune.distill.fsdp import check_shardable
+
+    teacher, student = pair()
+    check_shardable(student, "student")  # decoder layers to wrap, one dtype
+    student.model.norm.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="student: cannot shard Qwen3_5ForCausalLM with FSDP2: expected parameters "
+                                         "of one dtype, found bfloat16, float32"):
+        check_shardable(student, "student")
+    teacher._no_split_modules = ["SomethingElse"]
+    with pytest.raises(ValueError, match="teacher: cannot shard .* expected decoder layer classes"):
+        check_shardable(teacher, "teacher")

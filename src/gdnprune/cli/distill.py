@@ -15,7 +15,8 @@ HELP = "recover a pruned model by knowledge distillation from its unpruned teach
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # words of the library's messages (its Python arguments) -> this command's flags
-_FLAGS = (("resume: ", "--resume: "), ("resume=True", "--resume"), ("overwrite=True", "--overwrite"), ("fsdp=True", "--fsdp"),
+_FLAGS = (("resume: ", "--resume: "), ("resume=True", "--resume"), ("overwrite=True", "--overwrite"),
+          ("fsdp=True", "--fsdp"),
           ("fsdp=False", "no --fsdp"), ("cpu_offload", "--cpu-offload"), ("teacher_device_map", "--teacher-device-map"),
           ("teacher_sharding=", "--teacher-sharding "), ("teacher_sharding", "--teacher-sharding"),
           ("mixed_precision", "--mixed-precision"), ("micro_batch_size", "--micro-batch-size"),

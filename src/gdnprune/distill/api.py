@@ -187,7 +187,7 @@ def distill(
     windows = as_windows(train_data, "train_data")
     eval_windows = None if eval_data is None else as_windows(eval_data, "eval_data")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
-    fsdp = bool(fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    fsdp = _fsdp(fsdp)
     device_map = getattr(teacher, "hf_device_map", None)
     teacher_sharding = check_options(world_size=world, fsdp=fsdp, teacher_sharding=teacher_sharding,
                                      teacher_device_map=device_map, mixed_precision=mixed_precision,
@@ -283,6 +283,11 @@ def distill(
     finally:
         if temporary is not None:
             temporary.cleanup()
+
+
+def _fsdp(asked: bool) -> bool:
+    """FSDP asked for, or set by ``accelerate launch`` with an FSDP config."""
+    return bool(asked) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def _check_run(windows, steps, tokens, batch_size, micro_batch_size, world, log_every, keep_checkpoints):
@@ -453,9 +458,11 @@ def distill_checkpoint(
             raise ValueError(f"output folder {output_dir}: expected a folder outside the {name} folder {folder}, "
                              f"found it is (or is inside) that folder")
     check_output_folder(output_dir, options.get("resume", False), options.get("overwrite", False))
-    check_options(world_size=int(os.environ.get("WORLD_SIZE", "1")), fsdp=options.get("fsdp", False),
-                  teacher_sharding=options.get("teacher_sharding"), teacher_device_map=teacher_device_map,
-                  mixed_precision=options.get("mixed_precision", "no"), cpu_offload=options.get("cpu_offload", False))
+    sharding = check_options(world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                             fsdp=_fsdp(options.get("fsdp", False)), teacher_sharding=options.get("teacher_sharding"),
+                             teacher_device_map=teacher_device_map,
+                             mixed_precision=options.get("mixed_precision", "no"),
+                             cpu_offload=options.get("cpu_offload", False))
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
     try:
         teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
@@ -471,6 +478,12 @@ def distill_checkpoint(
     windows = pack_windows(read_texts(data), tokenizer, seq_len=seq_len, num_samples=num_samples)
     eval_windows = None if eval_data is None else pack_windows(read_texts(eval_data), tokenizer, seq_len=seq_len,
                                                                num_samples=eval_samples)
+    if _fsdp(options.get("fsdp", False)):  # what FSDP2 cannot wrap is said before any weight is read
+        from .memory import meta_model
+
+        check_shardable(meta_model(student_dir), "student")
+        if sharding == "shard":
+            check_shardable(meta_model(teacher_dir), "teacher")
     student = _load_model(student_dir, dtype)
     teacher = _load_model(teacher_dir, dtype if teacher_dtype is None else teacher_dtype, teacher_device_map)
     main = int(os.environ.get("RANK", "0")) == 0
@@ -480,7 +493,8 @@ def distill_checkpoint(
     if not result["interrupted"] and main:
         files, _ = plan_other_files(student_dir, skip=set(_MODEL_FILES))
         copy_other_files(student_dir, output_dir, [f for f in files if not (output_dir / f).exists()])
-        write_json_atomic(output_dir / MANIFEST_NAME, _manifest(student_dir, teacher_dir, data, result, sorted(carried)))
+        manifest = _manifest(student_dir, teacher_dir, data, result, sorted(carried))
+        write_json_atomic(output_dir / MANIFEST_NAME, manifest)
     return result
 
 

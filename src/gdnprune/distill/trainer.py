@@ -71,7 +71,7 @@ def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def as_windows(data, name: str) -> torch.Tensor:
-    """``data`` (a tensor or a sequence of 1-d tensors) as a ``[N, seq_len]`` int64 tensor; ``ValueError`` if not windows."""
+    """``data`` (a tensor or a sequence of 1-d tensors) as ``[N, seq_len]`` int64; ``ValueError`` if not windows."""
     windows = data if isinstance(data, torch.Tensor) else torch.stack([torch.as_tensor(w) for w in data])
     if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32) or windows.shape[1] < 2:
         raise ValueError(f"{name}: expected token windows, an integer tensor [N, seq_len >= 2], found "
