@@ -23,7 +23,7 @@ meta device (no weights) from the numbers in ``CONFIGS`` below (their sources ar
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py                  # both parts (a few minutes)
-    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --steps 4 --seq-len 256 --batch-size 4
+    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --gradient-checkpointing
     python benchmarks/distill_scale.py --table-only                       # part 2 only (seconds)
 """
 
@@ -73,18 +73,19 @@ WORKER = textwrap.dedent('''
             self.steps.append(time.perf_counter() - self.start)
 
     mode, out = sys.argv[1], sys.argv[2]
-    steps, batch, seq_len, layers = map(int, sys.argv[4:8])
+    steps, batch, seq_len, layers, checkpointing = map(int, sys.argv[4:9])
     teacher, student = build_pair(layers)
     fsdp = mode.startswith("fsdp")
     sharding = "shard" if "teacher" in mode else "replicate"
     lm_only = mode.endswith("lm")
     estimate = estimate_memory(student, teacher, processes=int(os.environ["WORLD_SIZE"]), fsdp=fsdp,
                                teacher_sharded=sharding == "shard", micro_batch_size=batch // 2, seq_len=seq_len,
-                               kd=not lm_only)
+                               kd=not lm_only, gradient_checkpointing=bool(checkpointing))
     data = torch.randint(0, teacher.config.vocab_size, (4 * batch, seq_len), generator=torch.Generator().manual_seed(0))
     clock = Clock()
     result = distill(student, teacher, data, steps=steps, batch_size=batch, lr=1e-4, log_every=1, progress=False,
                      fsdp=fsdp, teacher_sharding=sharding if fsdp else None, callbacks=[clock],
+                     gradient_checkpointing=bool(checkpointing),
                      kd_weight=0.0 if lm_only else 1.0, lm_weight=1.0 if lm_only else 0.0)
     logs = [h for h in result["history"] if "loss" in h]
     report = {{"rank": int(os.environ["RANK"]), "peak": high_water_mark(), "setup_peak": clock.setup,
@@ -130,7 +131,7 @@ def measure(args) -> dict:
         for mode in args.modes:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    str(script), mode, tmp, str(args.threads), str(args.steps), str(args.batch_size),
-                   str(args.seq_len), str(args.layers)]
+                   str(args.seq_len), str(args.layers), str(int(args.gradient_checkpointing))]
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
@@ -154,7 +155,8 @@ def report_measured(results: dict, args) -> None:
     first = next(iter(results.values()))["ranks"][0]
     sizes = first["teacher_parameters"] / 1e6, first["student_parameters"] / 1e6
     print(f"Teacher {sizes[0]:.1f}M parameters, student {sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
-          f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, {args.threads} "
+          f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, "
+          f"{'gradient checkpointing, ' if args.gradient_checkpointing else ''}{args.threads} "
           f"thread(s) per process. Peak = the high-water mark of resident memory while training (reset when the "
           f"Trainer has wrapped the model); setup = the high-water mark before (building random models, slicing, "
           f"sharding).\n")
@@ -288,6 +290,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute the decoder layers")
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "src"))

@@ -4,8 +4,10 @@ Exact for what is counted in whole tensors: the student's parameters, their grad
 (two moments in the parameters' dtype plus a 4-byte step per tensor), and the teacher's parameters,
 each as the first process holds them (FSDP2 splits every tensor along its first dimension in ``world``
 chunks of ``ceil(rows / world)``; the first process holds the largest). Approximate for what depends on
-kernels: the units FSDP2 gathers whole for a forward, the activations kept for the backward (a per-token
-rule of thumb per decoder layer), and the loss buffers (one chunk of logits and the float32 head gradient).
+kernels: the units FSDP2 gathers whole for a forward, DDP's gradient buckets (a second copy of the
+gradients), the activations kept for the backward (a per-token rule of thumb per decoder layer; the
+reference PyTorch GDN kernels of a CPU keep more), and the loss buffers (one chunk of logits and the
+float32 head gradient).
 """
 
 from __future__ import annotations
@@ -38,18 +40,20 @@ class MemoryEstimate:
     gathered_units: int
     activations: int
     loss_buffers: int
+    ddp_buckets: int = 0
     cpu_offloaded: int = 0
 
     @property
     def total(self) -> int:
         return (self.student_parameters + self.student_gradients + self.optimizer_state + self.teacher_parameters
-                + self.gathered_units + self.activations + self.loss_buffers - self.cpu_offloaded)
+                + self.gathered_units + self.activations + self.loss_buffers + self.ddp_buckets - self.cpu_offloaded)
 
     def rows(self) -> list[tuple[str, int]]:
         """``(label, bytes)`` per component, in the order they are usually shown."""
         rows = [("student parameters", self.student_parameters), ("student gradients", self.student_gradients),
                 ("optimizer state (AdamW)", self.optimizer_state), ("teacher parameters", self.teacher_parameters),
                 ("units gathered for a forward (FSDP2)", self.gathered_units),
+                ("gradient buckets (DDP)", self.ddp_buckets),
                 ("activations per micro-batch (approx.)", self.activations),
                 ("loss buffers (approx.)", self.loss_buffers)]
         if self.cpu_offloaded:
@@ -135,7 +139,7 @@ def estimate_memory(student: torch.nn.Module, teacher: torch.nn.Module, *, proce
                           teacher_sharded=teacher_sharded and processes > 1, student_parameters=params,
                           student_gradients=params, optimizer_state=optimizer, teacher_parameters=t_params,
                           gathered_units=gathered, activations=activations, loss_buffers=loss,
-                          cpu_offloaded=offloaded)
+                          ddp_buckets=params if processes > 1 and not fsdp else 0, cpu_offloaded=offloaded)
 
 
 def meta_model(path: str | Path) -> torch.nn.Module:

@@ -55,6 +55,20 @@ def _plan(entries: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+def _gathered(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective), or the tensor itself. Shards offloaded to the CPU
+    are gathered through the accelerator when there is one (NCCL gathers device memory only)."""
+    if not hasattr(value, "full_tensor"):
+        return value
+    local = value.to_local()
+    if local.device.type == "cpu" and torch.cuda.is_available():
+        from torch.distributed.tensor import DTensor
+
+        value = DTensor.from_local(local.cuda(), value.device_mesh, value.placements, run_check=False,
+                                   shape=value.shape, stride=value.stride())
+    return value.full_tensor()
+
+
 def save_model_folder(model: torch.nn.Module, out: str | Path, *, main: bool = True,
                       extra: Mapping[str, torch.Tensor] | None = None,
                       max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
@@ -90,8 +104,7 @@ def save_model_folder(model: torch.nn.Module, out: str | Path, *, main: bool = T
         for name in shard:
             if name in extra:
                 continue
-            value = tensors[name].detach()
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            full = _gathered(tensors[name].detach())
             if main:
                 part[name] = full.to("cpu").contiguous()
             del full
