@@ -121,7 +121,8 @@ def _device_memory() -> tuple[int, str] | None:
     return total // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), "CPU memory per process"
 
 
-def _estimate(args, world: int, teacher_sharding: str) -> None:
+def _estimate(args, world: int, teacher_sharding: str, *, table: bool) -> None:
+    """Print the expected memory per process (``table``), and a warning when it exceeds the device's."""
     from ..distill import default_seq_len, estimate_checkpoint_memory
     from ..distill.memory import meta_model
 
@@ -134,6 +135,16 @@ def _estimate(args, world: int, teacher_sharding: str) -> None:
         cpu_offload=args.cpu_offload, kd=args.kd_weight > 0)
     if int(os.environ.get("RANK", "0")) != 0:
         return
+    if table:
+        _print_estimate(est, world, micro, seq_len)
+    device = _device_memory()
+    if device is not None and est.total > device[0]:
+        print(f"gdnprune distill: warning: the estimate ({_gb(est.total)}) exceeds the {device[1]} "
+              f"({_gb(device[0])}); consider --fsdp, --gradient-checkpointing, a smaller --micro-batch-size or "
+              f"--cpu-offload", file=sys.stderr)
+
+
+def _print_estimate(est, world: int, micro: int, seq_len: int) -> None:
     student = "student sharded (FSDP2)" if est.student_sharded else "student replicated (DDP)" if world > 1 \
         else "student whole"
     teacher = "teacher sharded" if est.teacher_sharded else "teacher whole"
@@ -142,11 +153,6 @@ def _estimate(args, world: int, teacher_sharding: str) -> None:
     for label, size in est.rows():
         print(f"  {label:<40} {_gb(size):>12}")
     print(f"  {'total':<40} {_gb(est.total):>12}")
-    device = _device_memory()
-    if device is not None and est.total > device[0]:
-        print(f"gdnprune distill: warning: the estimate ({_gb(est.total)}) exceeds the {device[1]} "
-              f"({_gb(device[0])}); consider --fsdp, --gradient-checkpointing, a smaller --micro-batch-size or "
-              f"--cpu-offload", file=sys.stderr)
 
 
 def run(args) -> int:
@@ -167,8 +173,7 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"gdnprune distill: error: {_flags(str(exc))}", file=sys.stderr)
         return 2
-    if not args.quiet or args.dry_run:
-        _estimate(args, world, sharding)
+    _estimate(args, world, sharding, table=not args.quiet or args.dry_run)
     if args.dry_run:
         return 0
     options = dict(steps=args.steps, tokens=args.tokens, lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup,

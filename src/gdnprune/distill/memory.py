@@ -150,11 +150,15 @@ def meta_model(path: str | Path) -> torch.nn.Module:
 
     from ..loading import per_layer_gdn_modules
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    named = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
-    cls = named if isinstance(named, type) else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    with torch.device("meta"), per_layer_gdn_modules(cls):
-        return cls._from_config(config)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        named = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+        cls = named if isinstance(named, type) else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        with torch.device("meta"), per_layer_gdn_modules(cls):
+            return cls._from_config(config)
+    except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: transformers cannot build a model from its config.json: "
+                         f"{' '.join(str(exc).split())[:300]}") from None
 
 
 def estimate_checkpoint_memory(student_dir: str | Path, teacher_dir: str | Path, **options) -> MemoryEstimate:
