@@ -30,7 +30,7 @@ PUBLIC = {
 KNOWN_VAR_KEYWORD = {
     "gdnprune.plan.plan_checkpoint",  # plan_model's options; being restructured (issue 19, part 1)
     "gdnprune.prune.prune_checkpoint",  # score_checkpoint's options; being restructured (issue 19, part 1)
-    "gdnprune.distill.distill_checkpoint",  # distill is being rewritten (issue 20)
+    "gdnprune.distill.distill_checkpoint",  # distill's own options (steps, lr, fsdp, ...), listed in its docstring
     "gdnprune.demo.run_demo",  # only the deprecated calibration_windows / validation_windows
 }
 #: old names of a concept that has one name now (see docs/cli.md)

@@ -36,14 +36,10 @@ COMMANDS = CLI_DOC.subparsers()
 #: options whose help names the command's own object (its output, its data, its default), so that the help
 #: may differ between commands; flags, value type, choices and kind must still agree
 PER_COMMAND = {"output", "overwrite", "data", "num_samples", "seq_len", "seed", "threads", "batch_size", "json",
-               "scores", "plan", "dequantize", "compensation_stats", "eval_samples"}
-#: distill is being rewritten (issue 20): the lead removes these once the new distill is merged
-KNOWN_EXCEPTIONS = {
-    ("distill", "--bf16"),  # to become --dtype {float32,bfloat16}
-    ("distill", "help:quiet"),  # "no progress bar, no notes"
-    ("distill", "metavar:seq_len"), ("distill", "metavar:num_samples"), ("distill", "metavar:batch_size"),
-    ("distill", "metavar:eval_samples"),
-}
+               "scores", "plan", "dequantize", "compensation_stats", "eval_samples",
+               "dtype"}  # dtype: of the forward passes' weights, or (distill) of the trained parameters
+#: (vocabulary differences that are known and accepted: none)
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 #: old spellings: none may be a visible option of any command
 RETIRED = {"--compensation", "--calibration-windows", "--validation-windows", "--num-sequences", "--bf16"}
 

@@ -104,7 +104,7 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_siz
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_vl", "qwen3_next", "olmo_hybrid"])
 def test_loss_from_hidden_states_equals_kd_of_the_models_logits(model_type):
-    from gdnprune.distill.trainer import _final_hidden
+    from gdnprune.distill import final_hidden as _final_hidden
 
     teacher, student = pair(model_type)
     ids = windows(2, 70)
@@ -163,10 +163,21 @@ def test_a_bf16_teacher_and_mixed_precision():
     teacher, student = pair()
     data, held_out = windows(8), windows(4, seed=3)
     ref = distill(sliced(teacher), teacher, data, steps=2, batch_size=4, eval_data=held_out, progress=False)
-    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out, bf16=True,
+    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out,
+                  mixed_precision="bf16",
                   progress=False)
     assert got["eval"]["kd_loss"] == pytest.approx(ref["eval"]["kd_loss"], rel=0.05)
     assert next(student.parameters()).dtype == torch.float32
+
+
+def test_gradient_checkpointing_gives_the_same_run():
+    teacher, _ = pair()
+    runs = [distill(sliced(teacher).train(), teacher, windows(8), steps=2, batch_size=4, lr=3e-3, lm_weight=0.5,
+                    log_every=1, gradient_checkpointing=checkpointing, progress=False)
+            for checkpointing in (False, True)]
+    losses = [[h["loss"] for h in r["history"] if "loss" in h] for r in runs]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5) and len(losses[0]) == 2
+    assert runs[1]["trainer"].model.is_gradient_checkpointing
 
 
 class _CtrlCAt(TrainerCallback):
@@ -219,6 +230,21 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert log["status"] == "finished" and log["config"]["steps"] == 7
     assert (tmp_path / "run" / PLOT_NAME).read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_resume_of_a_model_with_tied_embeddings_warns_of_nothing(tmp_path, caplog):
+    config = make_config("qwen3_5", SHAPE)
+    config.tie_word_embeddings = True
+    teacher = build_model("qwen3_5", SHAPE, config=config)
+    options = dict(steps=3, batch_size=4, lr=3e-3, save_every=1, log_every=1, progress=False)
+    first = distill(sliced(teacher), teacher, windows(8), tmp_path / "run", callbacks=[_CtrlCAt(1)], **options)
+    assert first["interrupted"]
+    student = sliced(teacher)
+    assert student.lm_head.weight is student.model.embed_tokens.weight
+    with caplog.at_level("WARNING"):
+        resumed = distill(student, teacher, windows(8), tmp_path / "run", resume=True, **options)
+    assert resumed["steps"] == 3 and not [r for r in caplog.records if "missing keys" in r.getMessage()]
+    assert student.lm_head.weight is student.model.embed_tokens.weight
 
 
 class _CtrlCTwice(TrainerCallback):

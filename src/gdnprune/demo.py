@@ -149,7 +149,7 @@ def run_demo(
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
     ``identity``, ``random`` = mean over ``num_random`` seeded random orders), and ``recovery``: the middle
     target's importance-order slice distilled from the unpruned model for ``recover_steps`` steps
-    (:func:`gdnprune.distill.recover_demo_slice`; 0 skips it). ``threads`` sets torch's
+    (:func:`recover_demo_slice`; 0 skips it). ``threads`` sets torch's
     intra-op threads (default 1: the model is tiny, and on a busy machine extra threads spin and can make
     a forward pass tens of times slower); None leaves torch's setting alone.
 
@@ -244,8 +244,6 @@ def run_demo(
         )
 
     if recover_steps:
-        from .distill import recover_demo_slice
-
         middle = targets[len(targets) // 2]
         student = _sliced_model(model, permutations, shape, middle)
         log(f"recovery: distilling the slice {middle} from the unpruned model for {recover_steps} steps ...")
@@ -314,3 +312,38 @@ def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], t
     sorted_dir, sliced_dir = out_dir / "sorted", out_dir / "sliced"
     log(f"checkpoints: {sorted_dir} (sorted), {sliced_dir} (sliced to {middle})")
     return {"sorted": str(sorted_dir), "sliced": str(sliced_dir), "sliced_target": middle.as_dict()}
+
+
+def recover_demo_slice(
+    student,
+    teacher,
+    *,
+    steps: int = 40,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    lr: float = 1e-3,
+    validation_windows: int | None = 32,
+    seed: int = 0,
+    **options: Any,
+) -> dict[str, Any]:
+    """Distil a slice of the bundled demo model for a few steps; validation loss before and after.
+
+    Trains ``student`` in place on the demo training text (:mod:`gdnprune.demo_data`, byte windows) with
+    :func:`gdnprune.distill.distill`, without writing anything unless ``output_dir`` is among ``options``
+    (those of ``distill``). Returns ``teacher_loss``, ``loss_before``, ``loss_after`` (nats/byte on
+    ``validation_windows`` windows of the validation text), ``recovered`` (share of the slice's loss
+    increase won back), ``steps`` and ``seconds``. The default 40 steps take about 30 s on one CPU thread.
+    """
+    from .demo_data import byte_windows, train_text, validation_loss
+    from .distill import distill
+
+    start = time.perf_counter()
+    val = lambda m: validation_loss(m, seq_len=seq_len, num_windows=validation_windows)  # noqa: E731
+    teacher_loss, before = val(teacher), val(student)
+    result = distill(student, teacher, byte_windows(train_text(), seq_len), options.pop("output_dir", None),
+                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, **{"progress": False, **options})
+    after = val(student)
+    gap = before - teacher_loss
+    return {"teacher_loss": teacher_loss, "loss_before": before, "loss_after": after,
+            "recovered": (before - after) / gap if gap > 0 else float("nan"), "steps": result["steps"],
+            "seconds": time.perf_counter() - start}

@@ -9,34 +9,48 @@ This package owns
   the models' final hidden states and ``lm_head`` weights, a chunk of positions at a time, with the
   gradient computed chunk by chunk as well, so memory holds one chunk of logits, never tokens x vocabulary;
 * :class:`DistillationTrainer`, a transformers ``Trainer`` whose ``compute_loss`` is that loss against
-  a frozen teacher. The training loop, optimizer, schedule, checkpoints, resume (same data order,
-  optimizer and RNG state), DDP under ``torchrun`` / ``accelerate launch`` and the progress bar are the
-  Trainer's; the teacher is a plain module on every process;
+  a frozen teacher, computed inside the forward passes of the teacher, the student and the student's
+  ``lm_head`` (:func:`forward_redirect`), so that FSDP2 gathers each sharded weight the loss reads and
+  frees it after; only the final hidden states are kept (:func:`final_hidden`). The training loop,
+  optimizer, schedule, checkpoints, resume (same data order, optimizer and RNG state), DDP and FSDP2 of
+  the student under ``torchrun`` / ``accelerate launch`` are the Trainer's and accelerate's; the teacher
+  is replicated, spread by a ``device_map``, or sharded for forward passes (:mod:`.fsdp`);
 * :func:`distill` (models and token windows in memory) and :func:`distill_checkpoint` (HF folders and
-  text files) on top of it: Ctrl-C (SIGTERM, SIGHUP) saves a checkpoint and returns, a JSON log and a PNG of the losses
-  are written into the output folder, teacher and student must share a vocabulary
+  text files) on top of it: options and the output folder are checked before any model is loaded
+  (:func:`check_options`, :func:`check_output_folder`), Ctrl-C (SIGTERM, SIGHUP) saves a checkpoint and
+  returns, the final model is written tensor by tensor (:mod:`.output`), a JSON log, a PNG of the losses
+  and ``gdnprune.json`` are written into the output folder, teacher and student must share a vocabulary
   (:func:`check_same_vocabulary`);
-* :func:`recover_demo_slice`, the few-dozen-step recovery run of ``gdnprune demo``.
+* :func:`estimate_memory` / :func:`estimate_checkpoint_memory`: the peak memory per process of a run, from
+  meta-device models.
 
-Rooms: :mod:`.loss` (the loss), :mod:`.trainer` (the Trainer subclass, stop signals), :mod:`.api` (the
-functions, the output folder). The package imports torch and transformers; the CLI imports it lazily. It
-never prints (progress output is the Trainer's bar, off with ``progress=False``); user errors raise
-``ValueError``. The loss needs ``logits == lm_head(hidden_states[-1])``, true of every supported family
-(no logit scaling or soft-capping). The lm_head weight is read outside the model's forward, so FSDP /
-ZeRO-3 sharding of it is not supported; DDP is (tested on CPU with gloo).
+Rooms: :mod:`.loss` (the loss), :mod:`.trainer` (the Trainer subclass, the redirects, stop signals),
+:mod:`.fsdp` (what can be sharded, the sharded teacher), :mod:`.memory` (the estimate), :mod:`.output`
+(the output folder's weights), :mod:`.api` (the functions, the options, the output folder). The package
+imports torch and transformers; the CLI imports it lazily. It never prints (progress output is the
+Trainer's bar, off with ``progress=False``); user errors raise ``ValueError``. The loss needs
+``logits == lm_head(final hidden state)``, true of every supported family (no logit scaling or
+soft-capping). Tested on CPU with gloo: 1 process, 2-process DDP and 2-process FSDP2.
 """
 
 from .api import (
+    ACCELERATE_FSDP2_CONFIG,
+    CARRIED_PREFIXES,
     LOG_NAME,
+    MIXED_PRECISION,
     PLOT_NAME,
+    OutputFolderError,
+    check_options,
+    check_output_folder,
     check_same_vocabulary,
+    default_seq_len,
     distill,
     distill_checkpoint,
     plot_history,
-    recover_demo_slice,
 )
 from .loss import DistillationLoss, distillation_loss, kd_loss
-from .trainer import DistillationTrainer
+from .memory import MemoryEstimate, estimate_memory, estimate_checkpoint_memory
+from .trainer import DistillationTrainer, final_hidden, forward_redirect
 
 __all__ = [
     "kd_loss",
@@ -47,7 +61,18 @@ __all__ = [
     "distill",
     "distill_checkpoint",
     "plot_history",
-    "recover_demo_slice",
+    "check_options",
+    "check_output_folder",
+    "default_seq_len",
+    "OutputFolderError",
+    "final_hidden",
+    "forward_redirect",
+    "MemoryEstimate",
+    "estimate_memory",
+    "estimate_checkpoint_memory",
+    "CARRIED_PREFIXES",
+    "ACCELERATE_FSDP2_CONFIG",
     "LOG_NAME",
+    "MIXED_PRECISION",
     "PLOT_NAME",
 ]

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kd_loss", "distillation_loss", "DistillationLoss", "IGNORE_INDEX"]
+__all__ = ["kd_loss", "distillation_loss", "DistillationLoss", "IGNORE_INDEX", "lm_head_weights", "position_terms"]
 
 IGNORE_INDEX = -100
 # default chunk: 2**25 logits (128 MiB per float32 buffer, a few buffers live at once). Every chunk reads the
@@ -45,7 +45,8 @@ class DistillationLoss(NamedTuple):
     lm: torch.Tensor
 
 
-def head_parameters(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def lm_head_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(weight, bias)`` of an ``lm_head`` module (bias None when it has none)."""
     return module.weight, getattr(module, "bias", None)
 
 
@@ -156,13 +157,13 @@ def distillation_loss(
     t_hidden, t_head = None, None
     if teacher_hidden is not None and teacher_head is not None:
         t_hidden = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
-        t_head = head_parameters(teacher_head)
+        t_head = lm_head_weights(teacher_head)
     if labels.shape[0] != hidden.shape[0] or (t_hidden is not None and t_hidden.shape[0] != hidden.shape[0]):
         found = (None if t_hidden is None else t_hidden.shape[0], labels.shape[0])
         raise ValueError(f"expected as many positions in teacher hidden states and labels as in student hidden states "
                          f"({hidden.shape[0]}), found {found[0]} and {found[1]}")
     count = max(1, int((labels != IGNORE_INDEX).sum()))
-    weight, bias = head_parameters(student_head)
+    weight, bias = lm_head_weights(student_head)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         options = (temperature, kd_weight, lm_weight, chunk_size, count)
         loss, kd, lm = _ChunkedDistillation.apply(hidden, weight, bias, t_hidden, labels, t_head, options)

@@ -1,41 +1,77 @@
-"""The transformers ``Trainer`` of distillation: its loss, its evaluation metrics, Ctrl-C handling.
+"""The transformers ``Trainer`` of distillation: its loss inside the models' forward passes, its evaluation
+metrics, FSDP2 on CPUs, Ctrl-C handling.
 
-The training loop, optimizer, schedule, checkpoints, resume (data order, optimizer and RNG state), DDP
-under ``torchrun`` / ``accelerate launch`` and the progress bar are the Trainer's; this module adds the
-loss against a frozen teacher (a plain module on every process), the per-window evaluation terms, the
-throughput in the logs, and signal handlers (Ctrl-C, SIGTERM, SIGHUP) that make every process save and
-stop at the same step.
+The training loop, optimizer, schedule, checkpoints, resume (data order, optimizer and RNG state), DDP and
+FSDP2 (student parameters, gradients and optimizer state sharded by accelerate) and the progress bar are
+the Trainer's. This module adds the loss against a frozen teacher, computed where the weights are: the
+teacher's forward, the student's forward and the student's ``lm_head`` forward are each *redirected* to
+the next step of the loss (:func:`forward_redirect`), so FSDP2's hooks gather every sharded weight the
+loss reads (the heads included) and free it afterwards, and DDP sees one forward. Only the final hidden
+states are kept (the base model's ``last_hidden_state``). It also adds the per-window evaluation terms,
+the throughput in the logs, and signal handlers (Ctrl-C, SIGTERM, SIGHUP) that make every process save
+and stop at the same step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from ..interrupts import SIGNALS
-from .loss import IGNORE_INDEX, distillation_loss, head_parameters, position_terms
+from .fsdp import is_sharded, layer_classes
+from .loss import IGNORE_INDEX, distillation_loss, lm_head_weights, position_terms
 
-__all__ = ["DistillationTrainer"]
-
-
-def _final_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """The input of ``lm_head`` for every position (logits are computed for the last position only)."""
-    out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    return out.hidden_states[-1]
+__all__ = ["DistillationTrainer", "TokenWindows", "RunCallback", "as_windows", "final_hidden", "forward_redirect",
+           "signals_stop"]
 
 
-def _next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
+def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The input of ``lm_head`` for every position: the base model's ``last_hidden_state`` (after the final
+    norm), so no other layer's hidden states are kept and no logits are computed."""
+    base = getattr(model, model.base_model_prefix)
+    return base(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+def forward_redirect(module: torch.nn.Module, fn: Callable, *args, via: torch.nn.Module | None = None, **kwargs):
+    """``fn(*args, **kwargs)`` run as ``module``'s forward: ``module`` (or the wrapper ``via`` around it, e.g.
+    DDP) is called with its ``forward`` swapped for ``fn`` during the call, so the module's hooks run around
+    ``fn``: FSDP2 gathers the parameters of ``module``'s unit before and frees them after (and hooks the
+    backward), exactly as for the module's own forward. The ``forward`` of before is restored at once.
+    """
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+
+    def restore():
+        if had:
+            module.forward = previous
+        else:
+            module.__dict__.pop("forward", None)
+
+    def redirected(*a, **k):
+        restore()
+        return fn(*a, **k)
+
+    module.forward = redirected
+    try:
+        return (via or module)(*args, **kwargs)
+    finally:
+        restore()
+
+
+def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
     return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def as_windows(data, name: str) -> torch.Tensor:
+    """``data`` (a tensor or a sequence of 1-d tensors) as ``[N, seq_len]`` int64; ``ValueError`` if not windows."""
     windows = data if isinstance(data, torch.Tensor) else torch.stack([torch.as_tensor(w) for w in data])
     if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32) or windows.shape[1] < 2:
         raise ValueError(f"{name}: expected token windows, an integer tensor [N, seq_len >= 2], found "
@@ -43,7 +79,9 @@ def as_windows(data, name: str) -> torch.Tensor:
     return windows.long()
 
 
-class Windows(torch.utils.data.Dataset):
+class TokenWindows(torch.utils.data.Dataset):
+    """Token windows ``[N, seq_len]`` as a dataset of ``{"input_ids": window}``."""
+
     def __init__(self, windows: torch.Tensor):
         self.windows = windows
 
@@ -54,19 +92,27 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": self.windows[i]}
 
 
+def fsdp_requested(args) -> bool:
+    """Whether the run asks for FSDP: ``TrainingArguments.fsdp`` or an ``accelerate launch`` FSDP config."""
+    return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 class DistillationTrainer(Trainer):
     """A ``Trainer`` whose loss is :func:`distillation_loss` of the model against a frozen ``teacher``.
 
     Batches are ``{"input_ids": [B, T]}`` windows; every position with a next token is predicted.
     Evaluation adds ``eval_kd_loss``, ``eval_lm_loss`` (student cross entropy, nats/token) and
     ``eval_teacher_lm_loss`` to ``eval_loss`` (the objective); training logs add ``tokens_per_second``.
+    The teacher is used as given (a plain module, FSDP2-sharded by :func:`gdnprune.distill.fsdp.shard_teacher`,
+    or spread with a ``device_map``). Under FSDP2 mixed precision the gradients are reduced in float32.
     """
 
     def __init__(self, *args, teacher: torch.nn.Module, temperature: float = 1.0, kd_weight: float = 1.0,
                  lm_weight: float = 0.0, chunk_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval()
-        if getattr(teacher, "hf_device_map", None) is None:
+        self.teacher.requires_grad_(False)
+        if getattr(teacher, "hf_device_map", None) is None and not is_sharded(teacher):
             self.teacher.to(self.args.device)
         self.loss_options = dict(temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight,
                                  chunk_size=chunk_size)
@@ -74,27 +120,71 @@ class DistillationTrainer(Trainer):
         self._eval_parts: list[torch.Tensor] = []
         self.reset_clock()
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        if fsdp_requested(self.args) and getattr(state, "fsdp_plugin", None) is None:
+            # accelerate turns FSDP on for accelerator devices only; on CPUs (gloo) it is the same engine
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            plugin = FullyShardedDataParallelPlugin(**(self.args.fsdp_plugin_args or {"fsdp_version": 2}))
+            state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+            self.is_fsdp_enabled = True
+        plugin = getattr(state, "fsdp_plugin", None)
+        if plugin is not None and not plugin.transformer_cls_names_to_wrap:
+            # _no_split_modules may name classes the model lacks (a text model lists its vision blocks)
+            plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in layer_classes(self.model))
+        if plugin is not None and self.accelerator.mixed_precision in ("bf16", "fp16"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            low = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float16
+            plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+    def _loss_in_forwards(self, model, ids: torch.Tensor, terms: Callable) -> Any:
+        """``terms(hidden, t_hidden, student_head, teacher_head)`` computed inside the teacher's forward, the
+        student's forward and the student head's forward (see the module docstring); ``t_hidden`` None when
+        no teacher is needed (LM-only training)."""
+        student = self.accelerator.unwrap_model(model)
+        head, t_head = student.get_output_embeddings(), self.teacher.get_output_embeddings()
+        grad = torch.is_grad_enabled()
+
+        def in_head(hidden, t_hidden):
+            return terms(hidden, t_hidden, head, t_head)
+
+        def in_student(t_hidden):
+            with self.accelerator.autocast():
+                hidden = final_hidden(student, ids)
+            return forward_redirect(head, in_head, hidden, t_hidden)
+
+        def in_teacher():
+            with self.accelerator.autocast():
+                t_hidden = final_hidden(self.teacher, ids.to(self.teacher.device))
+            with torch.set_grad_enabled(grad):
+                return forward_redirect(student, in_student, t_hidden, via=model)
+
+        if not (self.loss_options["kd_weight"] or not model.training):  # LM-only fine-tuning needs no teacher
+            return forward_redirect(student, in_student, None, via=model)
+        with torch.no_grad():
+            return forward_redirect(self.teacher, in_teacher)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids = inputs["input_ids"]
-        labels = _next_token_labels(ids)
-        hidden, t_hidden = _final_hidden(model, ids), None
-        if self.loss_options["kd_weight"] or not model.training:  # LM-only fine-tuning needs no teacher
-            with torch.no_grad():
-                t_hidden = _final_hidden(self.teacher, ids.to(next(self.teacher.parameters()).device))
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        t_head = self.teacher.get_output_embeddings()
+        labels = next_token_labels(ids)
         if model.training:
             self._tokens += ids.numel()
-            loss = distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
+
+            def terms(hidden, t_hidden, head, t_head):
+                return distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
         else:
-            loss = self._evaluation_loss(hidden, t_hidden, head, t_head, labels)
+            terms = lambda *a: self._evaluation_loss(*a, labels)  # noqa: E731
+        loss = self._loss_in_forwards(model, ids, terms)
         return (loss, {}) if return_outputs else loss
 
     def _evaluation_loss(self, hidden, t_hidden, head, t_head, labels) -> torch.Tensor:
         """The objective of one eval batch; its per-window KD, LM and teacher LM means are gathered on the side."""
         o = self.loss_options
-        kd, lm, t_lm, _ = position_terms(hidden.flatten(0, 1), head_parameters(head), t_hidden.flatten(0, 1),
-                                         head_parameters(t_head), labels.flatten(), o["temperature"],
+        kd, lm, t_lm, _ = position_terms(hidden.flatten(0, 1), lm_head_weights(head), t_hidden.flatten(0, 1),
+                                         lm_head_weights(t_head), labels.flatten(), o["temperature"],
                                          o["chunk_size"], teacher_lm=True)
         counts = (labels != IGNORE_INDEX).sum(1)
         sums = torch.stack([x.view(labels.shape).sum(1) for x in (kd, lm, t_lm)], 1)
@@ -113,6 +203,18 @@ class DistillationTrainer(Trainer):
         self._eval_parts = []
         return output
 
+    def _issue_warnings_after_load(self, load_result):
+        # a checkpoint of a model with tied embeddings has no lm_head.weight (save_pretrained drops the tied
+        # copy); loading ties it again, so its absence is expected, not worth a warning
+        model = self.accelerator.unwrap_model(self.model)
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None and inp is not None and out.weight is inp.weight:
+            tied = {name for name, p in model.named_parameters(remove_duplicate=False) if p is out.weight}
+            if not tied <= set(load_result.missing_keys):  # one of the names was loaded: all of them were
+                load_result = type(load_result)([k for k in load_result.missing_keys if k not in tied],
+                                                load_result.unexpected_keys)
+        return super()._issue_warnings_after_load(load_result)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._tokens:
             seconds = time.perf_counter() - self._clock
@@ -126,10 +228,11 @@ class DistillationTrainer(Trainer):
 
 
 class RunCallback(TrainerCallback):
-    """A stop signal -> save and stop at the end of the step (agreed by all processes); JSON log on every log."""
+    """A stop signal -> save and stop at the end of the step (agreed by all processes); ``on_log(logs)`` on
+    every log; checkpoint files get the umask's permissions."""
 
-    def __init__(self, trainer: DistillationTrainer, write_log, saving: bool):
-        self.trainer, self.write_log, self.saving, self.interrupted = trainer, write_log, saving, False
+    def __init__(self, trainer: DistillationTrainer, on_log: Callable[[dict], None], saving: bool):
+        self.trainer, self.log, self.saving, self.interrupted = trainer, on_log, saving, False
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.trainer.accelerator.check_trigger():
@@ -137,14 +240,27 @@ class RunCallback(TrainerCallback):
             control.should_save = self.saving
         return control
 
-    def on_log(self, args, state, control, **kwargs):
-        self.write_log("running")
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.log(dict(logs or {}, step=state.global_step))
 
     def on_evaluate(self, args, state, control, **kwargs):
         self.trainer.reset_clock()
 
     def on_save(self, args, state, control, **kwargs):
+        from ..fileio import umask
+
+        if self.trainer.is_local_process_zero():  # safetensors writes 0600 files; everything else follows the umask
+            mode = 0o666 & ~umask()
+            for path in (args.output_dir and _checkpoints(args.output_dir, state.global_step)):
+                os.chmod(path, mode)
         self.trainer.reset_clock()
+
+
+def _checkpoints(output_dir: str, step: int) -> Iterator[str]:
+    folder = os.path.join(output_dir, f"checkpoint-{step}")
+    for root, _, files in os.walk(folder):
+        for name in files:
+            yield os.path.join(root, name)
 
 
 @contextlib.contextmanager

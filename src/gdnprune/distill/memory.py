@@ -1,0 +1,167 @@
+"""The memory a distillation run needs per process, from the configs alone (models built on the meta device).
+
+Exact for what is counted in whole tensors: the student's parameters, their gradients and AdamW state
+(two moments in the parameters' dtype plus a 4-byte step per tensor), and the teacher's parameters,
+each as the first process holds them (FSDP2 splits every tensor along its first dimension in ``world``
+chunks of ``ceil(rows / world)``; the first process holds the largest). Approximate for what depends on
+kernels: the units FSDP2 gathers whole for a forward, DDP's gradient buckets (a second copy of the
+gradients), the activations kept for the backward (a per-token rule of thumb per decoder layer; the
+reference PyTorch GDN kernels of a CPU keep more), and the loss buffers (one chunk of logits and the
+float32 head gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .fsdp import layer_classes
+
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_checkpoint_memory", "meta_model"]
+
+# logits per chunk of the loss (loss._LOGITS_PER_CHUNK) and float32 buffers of that size alive at once
+_CHUNK_LOGITS, _CHUNK_BUFFERS = 1 << 25, 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per process (the first, which holds the largest shards)."""
+
+    processes: int
+    student_sharded: bool
+    teacher_sharded: bool
+    student_parameters: int
+    student_gradients: int
+    optimizer_state: int
+    teacher_parameters: int
+    gathered_units: int
+    activations: int
+    loss_buffers: int
+    ddp_buckets: int = 0
+    cpu_offloaded: int = 0
+
+    @property
+    def total(self) -> int:
+        return (self.student_parameters + self.student_gradients + self.optimizer_state + self.teacher_parameters
+                + self.gathered_units + self.activations + self.loss_buffers + self.ddp_buckets - self.cpu_offloaded)
+
+    def rows(self) -> list[tuple[str, int]]:
+        """``(label, bytes)`` per component, in the order they are usually shown."""
+        rows = [("student parameters", self.student_parameters), ("student gradients", self.student_gradients),
+                ("optimizer state (AdamW)", self.optimizer_state), ("teacher parameters", self.teacher_parameters),
+                ("units gathered for a forward (FSDP2)", self.gathered_units),
+                ("gradient buckets (DDP)", self.ddp_buckets),
+                ("activations per micro-batch (approx.)", self.activations),
+                ("loss buffers (approx.)", self.loss_buffers)]
+        if self.cpu_offloaded:
+            rows.append(("offloaded to CPU memory", -self.cpu_offloaded))
+        return rows
+
+
+def _itemsize(dtype) -> int:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _local_elements(shape, world: int) -> int:
+    """Elements of a tensor of ``shape`` on the first of ``world`` FSDP2 shards (dim-0 chunks)."""
+    if not shape:
+        return 1
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def _parameters(model: torch.nn.Module) -> list[torch.Size]:
+    return [p.shape for p in model.parameters()]  # tied weights once
+
+
+def _units(model: torch.nn.Module) -> list[int]:
+    """Elements of each FSDP2 unit: every decoder layer, and what is left at the top (embedding, head, norm)."""
+    classes = tuple(layer_classes(model))
+    layers = [m for m in model.modules() if classes and isinstance(m, classes)]
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    total = sum(p.numel() for p in model.parameters())
+    return sizes + [total - sum(sizes)]
+
+
+def _activations_per_token(config, itemsize: int, checkpointing: bool) -> int:
+    """Bytes kept for the backward per token, over all decoder layers (rule of thumb: about 16 hidden-size and
+    2 intermediate-size vectors per layer, Korthikanti et al. 2022 without the attention matrix; with
+    checkpointing one hidden vector per layer plus one layer's worth)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    if getattr(text, "num_experts_per_tok", None) and getattr(text, "moe_intermediate_size", None):
+        inner = text.num_experts_per_tok * text.moe_intermediate_size + (
+            getattr(text, "shared_expert_intermediate_size", 0) or 0)
+    else:
+        inner = getattr(text, "intermediate_size", 4 * hidden)
+    per_layer = (16 * hidden + 2 * inner) * itemsize
+    return (layers * hidden * itemsize + per_layer) if checkpointing else layers * per_layer
+
+
+def estimate_memory(student: torch.nn.Module, teacher: torch.nn.Module, *, processes: int = 1, fsdp: bool = False,
+                    teacher_sharded: bool = False, dtype=torch.float32, teacher_dtype=None,
+                    mixed_precision: str = "no", micro_batch_size: int = 1, seq_len: int = 2048,
+                    gradient_checkpointing: bool = False, cpu_offload: bool = False,
+                    kd: bool = True) -> MemoryEstimate:
+    """The expected peak memory of one process of a run (see the module docstring), from ``student`` and
+    ``teacher`` built on any device, meta included (only shapes are read)."""
+    size, t_size = _itemsize(dtype), _itemsize(teacher_dtype or dtype)
+    compute = 2 if mixed_precision in ("bf16", "fp16") else size
+    world = processes if fsdp else 1
+    shapes = _parameters(student)
+    local = sum(_local_elements(s, world) for s in shapes)
+    params = local * size
+    optimizer = 2 * local * size + 4 * len(shapes)
+    t_world = processes if teacher_sharded else 1
+    t_params = sum(_local_elements(s, t_world) for s in _parameters(teacher)) * t_size if kd else 0
+    gathered = 0
+    if fsdp and processes > 1:
+        units = _units(student)
+        # the top unit (embedding, final norm, head) stays whole from forward to backward, plus a layer unit
+        # and its gradient, prefetched one ahead: parameters in the compute dtype
+        gathered += (units[-1] + 2 * max(units[:-1] or [0])) * compute + max(units[:-1] or [0]) * size
+    if teacher_sharded and processes > 1 and kd:
+        gathered += max(_units(teacher)) * t_size
+    tokens = micro_batch_size * seq_len
+    config = student.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    activations = tokens * _activations_per_token(config, compute, gradient_checkpointing)
+    head = student.get_output_embeddings().weight
+    vocab, hidden = head.shape
+    chunk = min(_CHUNK_LOGITS, max(1, tokens) * vocab)
+    loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
+    offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
+    return MemoryEstimate(processes=processes, student_sharded=fsdp and processes > 1,
+                          teacher_sharded=teacher_sharded and processes > 1, student_parameters=params,
+                          student_gradients=params, optimizer_state=optimizer, teacher_parameters=t_params,
+                          gathered_units=gathered, activations=activations, loss_buffers=loss,
+                          ddp_buckets=params if processes > 1 and not fsdp else 0, cpu_offloaded=offloaded)
+
+
+def meta_model(path: str | Path) -> torch.nn.Module:
+    """The model of a Hugging Face folder built from its ``config.json`` on the meta device (no weights read;
+    per-layer GDN geometries as :func:`gdnprune.load_pretrained` builds them)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from ..loading import per_layer_gdn_modules
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        named = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+        cls = named if isinstance(named, type) else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        with torch.device("meta"), per_layer_gdn_modules(cls):
+            return cls._from_config(config)
+    except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: transformers cannot build a model from its config.json: "
+                         f"{' '.join(str(exc).split())[:300]}") from None
+
+
+def estimate_checkpoint_memory(student_dir: str | Path, teacher_dir: str | Path, **options) -> MemoryEstimate:
+    """:func:`estimate_memory` of the models in two Hugging Face folders, built from their configs on the meta
+    device (nothing but ``config.json`` is read)."""
+    return estimate_memory(meta_model(student_dir), meta_model(teacher_dir), **options)

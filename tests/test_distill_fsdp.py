@@ -1,0 +1,196 @@
+"""Distillation on FSDP2 (CPU, gloo, 2 processes): the 1-process loss curve and weights, real sharding of the
+student (parameters, optimizer state) and of the teacher, the gathered output folder, the memory estimate
+against the tensors held, and resume from sharded checkpoints after SIGTERM."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_distill import HALF, pair, windows
+
+from gdnprune import load_pretrained
+from gdnprune.distill import distill
+from gdnprune.loading import slice_model
+
+CASES = {  # name -> (heterogeneous student, lm_weight)
+    "uniform_kd": (False, 0.0),
+    "uniform_mix": (False, 0.4),
+    "heterogeneous_kd": (True, 0.0),
+    "heterogeneous_mix": (True, 0.4),
+}
+
+
+def make_pair(heterogeneous):
+    """A teacher and its student: the nested half of every GDN layer, or different cuts per layer."""
+    teacher, student = pair()
+    if heterogeneous:
+        student = slice_model(teacher, {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
+                                        "model.layers.2.linear_attn": {"value_head_dim": 8}})
+    return teacher, student
+
+
+def run_case(name, out, **options):
+    heterogeneous, lm_weight = CASES[name]
+    teacher, student = make_pair(heterogeneous)
+    result = distill(student, teacher, windows(16), out, steps=3, batch_size=4, lr=3e-3, lm_weight=lm_weight,
+                     eval_data=windows(4, seed=5), eval_every=3, log_every=1, save_every=3, progress=False, **options)
+    return teacher, student, result
+
+
+_WORKER = textwrap.dedent("""
+    import os, sys
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, {tests!r})
+    from test_distill_fsdp import CASES, run_case
+    from gdnprune.distill import estimate_memory
+    from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
+    from test_distill_fsdp import make_pair
+
+    root = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    report = {{}}
+    for name in CASES:
+        teacher, student, result = run_case(name, os.path.join(root, name), fsdp=True)
+        trainer = result["trainer"]
+        fresh_teacher, fresh_student = make_pair(CASES[name][0])
+        estimate = estimate_memory(fresh_student, fresh_teacher, processes=2, fsdp=True, teacher_sharded=True)
+        report[name] = {{
+            "losses": [h["loss"] for h in result["history"] if "loss" in h], "eval": result["eval"],
+            "config": result["config"], "student": local_bytes(trainer.model), "teacher": local_bytes(teacher),
+            "optimizer": optimizer_bytes(trainer.optimizer),
+            "estimate": (estimate.student_parameters, estimate.optimizer_state, estimate.teacher_parameters),
+        }}
+    # FSDP2's activation checkpointing (a pass-through option) gives the same run
+    _, _, result = run_case("uniform_mix", os.path.join(root, "checkpointed"), fsdp=True, gradient_checkpointing=True)
+    report["checkpointed"] = [h["loss"] for h in result["history"] if "loss" in h]
+    torch.save(report, os.path.join(root, f"rank{{rank}}.pt"))
+""")
+
+
+def _torchrun(script, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *map(str, args)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sharded(tmp_path):
+    from gdnprune.distill.fsdp import optimizer_bytes
+
+    script = tmp_path / "fsdp_worker.py"
+    script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
+    _torchrun(script, tmp_path / "two")
+    ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in (0, 1)]
+    for name, (heterogeneous, _) in CASES.items():
+        teacher, student, one = run_case(name, tmp_path / "one" / name)
+        two = ranks[0][name]
+        assert (two["config"]["processes"], two["config"]["fsdp"], two["config"]["teacher_sharding"]) == \
+            (2, True, "shard"), name
+        losses = [h["loss"] for h in one["history"] if "loss" in h]
+        assert len(losses) == 3 and losses[-1] < losses[0], name
+        assert two["losses"] == pytest.approx(losses, rel=1e-4), name
+        if name == "uniform_mix":
+            assert ranks[0]["checkpointed"] == pytest.approx(losses, rel=1e-4)
+        assert two["eval"]["loss"] == pytest.approx(one["eval"]["loss"], rel=1e-4), name
+        assert two["eval"]["lm_loss"] == pytest.approx(one["eval"]["lm_loss"], rel=1e-4), name
+
+        # the output folder: the trained parameters, gathered; loadable as a normal checkpoint
+        out = tmp_path / "two" / name
+        loaded = load_pretrained(out, dtype=torch.float32)
+        got, want = loaded.state_dict(), student.state_dict()
+        assert set(got) == set(want), name
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+        if not heterogeneous:
+            plain = type(student).from_pretrained(out)
+            assert plain.config.linear_num_value_heads == HALF.num_value_heads
+        assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+        # sharding is real: each rank holds about half of the student, its optimizer state and the teacher
+        whole_optimizer = optimizer_bytes(one["trainer"].optimizer)
+        for rank in ranks:
+            held, whole = rank[name]["student"]
+            assert held <= 0.6 * whole, (name, held, whole)
+            assert rank[name]["optimizer"] <= 0.6 * whole_optimizer, name
+            held, whole = rank[name]["teacher"]
+            assert held <= 0.6 * whole, name
+        # the estimate counts the first process's shards exactly
+        params, optimizer, teacher_bytes = two["estimate"]
+        assert (params, optimizer, teacher_bytes) == (two["student"][0], two["optimizer"], two["teacher"][0]), name
+
+
+def _umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_RESUME = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, {tests!r})
+    from transformers import TrainerCallback
+    from test_distill import pair, windows
+    from gdnprune.distill import distill
+
+    class Term(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2 and int(os.environ["RANK"]) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # one rank gets it: both save and stop
+
+    def run(out, **extra):
+        teacher, student = pair()
+        result = distill(student, teacher, windows(12), out, steps=5, batch_size=4, lr=3e-3, lm_weight=0.3,
+                         save_every=10, log_every=1, progress=False, fsdp=True, **extra)
+        if not result["interrupted"] and int(os.environ["RANK"]) == 0:
+            losses = [(h["step"], h["loss"]) for h in result["history"] if "loss" in h]
+            torch.save(losses, os.path.join(out, "losses.pt"))
+        return result
+
+    root, mode = sys.argv[1], sys.argv[2]
+    if mode == "first":  # the uninterrupted run, then the one that SIGTERM stops after step 2
+        run(os.path.join(root, "straight"))
+        result = run(os.path.join(root, "run"), callbacks=[Term()])
+        assert result["interrupted"] and result["steps"] == 2, result
+    else:
+        run(os.path.join(root, "run"), resume=True)
+""")
+
+
+def test_resume_from_sharded_checkpoints_after_sigterm_equals_the_uninterrupted_run(tmp_path):
+    script = tmp_path / "resume_worker.py"
+    script.write_text(_RESUME.format(tests=os.path.dirname(__file__)))
+    _torchrun(script, tmp_path, "first")
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and (checkpoint / "optimizer_0").is_dir()
+    assert not (checkpoint / "model.safetensors").exists()  # sharded: each rank wrote its own part
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    _torchrun(script, tmp_path, "resume")
+    straight, resumed = (torch.load(tmp_path / d / "losses.pt") for d in ("straight", "run"))
+    assert [s for s, _ in resumed] == [1, 2, 3, 4, 5] and [s for s, _ in straight] == [1, 2, 3, 4, 5]
+    assert [v for _, v in resumed] == pytest.approx([v for _, v in straight], rel=1e-5)
+    a = load_pretrained(tmp_path / "straight", dtype=torch.float32).state_dict()
+    b = load_pretrained(tmp_path / "run", dtype=torch.float32).state_dict()
+    for key, value in a.items():
+        torch.testing.assert_close(b[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_models_fsdp2_cannot_wrap_are_refused_with_the_reason():
+    from gdnprune.distill.fsdp import check_shardable
+
+    teacher, student = pair()
+    check_shardable(student, "student")  # decoder layers to wrap, one dtype
+    student.model.norm.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="student: cannot shard Qwen3_5ForCausalLM with FSDP2: expected parameters "
+                                         "of one dtype, found bfloat16, float32"):
+        check_shardable(student, "student")
+    teacher._no_split_modules = ["SomethingElse"]
+    with pytest.raises(ValueError, match="teacher: cannot shard .* expected decoder layer classes"):
+        check_shardable(teacher, "teacher")
