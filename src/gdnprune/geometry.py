@@ -81,6 +81,12 @@ def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
     Raises:
         ValueError: a ``per_layer_config`` that is not ``{layer index: {attribute: value}}``.
     """
+    return per_layer_overrides(config, _GDN_CONFIG_KEYS)
+
+
+def per_layer_overrides(config: Any, keys) -> dict[int, dict[str, Any]]:
+    """``{layer_index: {key: value}}`` for the config ``keys`` a heterogeneous config sets per layer
+    (see :func:`per_layer_gdn_overrides`; the sub-blocks of :mod:`gdnprune.blocks` read theirs with it)."""
     holder = _holder(config)
     if isinstance(holder, Mapping):
         raw = holder.get("per_layer_config")
@@ -99,9 +105,9 @@ def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
             raise ValueError(f"per_layer_config key {key!r} is not a layer index") from None
         if not isinstance(overrides, Mapping):
             raise ValueError(f"per_layer_config[{key!r}] must be an object, found {type(overrides).__name__}")
-        gdn = {k: v for k, v in overrides.items() if k in _GDN_CONFIG_KEYS}
-        if gdn:
-            out[index] = gdn
+        chosen = {k: v for k, v in overrides.items() if k in keys}
+        if chosen:
+            out[index] = chosen
     return out
 
 
