@@ -164,6 +164,11 @@ def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, bl
         found = find_model_blocks(model, sorted(kinds))  # only the kinds asked for: others may be unsupported
         by_prefix = {b.prefix: b for b in found}
         unknown = sorted(named - set(by_prefix))
+        absent = [] if per_block else sorted(
+            f for f in (blocks or {}) if not any(f in KINDS[b.kind].config_keys for b in found))
+        if absent:
+            raise ValueError(f"no sub-block of this model has {absent} (its sub-blocks: "
+                             f"{sorted({b.kind for b in found}) or 'none'})")
         if unknown:
             raise ValueError(f"{unknown} are not sub-blocks of this model (its sub-blocks: {sorted(by_prefix)[:4]} ...)")
         cut: dict[str, dict[int, Any]] = {}

@@ -22,7 +22,8 @@ from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_head
 
 __all__ = [
     "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "GDN_DTYPES",
-    "Checkpoint", "GDNLayer", "open_checkpoint", "read_manifest", "find_gdn_layers", "inspect_checkpoint",
+    "Checkpoint", "GDNLayer", "open_checkpoint", "read_manifest", "find_gdn_layers", "find_block_layers",
+    "inspect_checkpoint",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -229,6 +230,7 @@ class GDNLayer:
     tensors: dict[str, TensorInfo]
     splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
     scales: dict[str, Any] = field(default_factory=dict)
+    kind: str = "gdn"  # or a sub-block kind of gdnprune.blocks ("attention", "mlp", "shared_expert")
 
     def rule(self, suffix: str):
         """The rule of tensor ``suffix``: the layout's, or the block rule of an FP8 scale tensor."""
@@ -312,6 +314,32 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
             raise CheckpointError(f"{prefix}: {exc}") from None
         layers.append(_check_layer(prefix, get_layout(layout), shape, tensors, _block_size(checkpoint)))
     return layers, skipped
+
+
+def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
+    """The sub-blocks of ``kinds`` (:data:`gdnprune.blocks.KINDS`: attention, MLP, shared expert) of
+    ``checkpoint``, each checked like a GDN layer against its layout table and the config's geometry. The
+    engine treats them as it treats GDN layers; the tensors a layout leaves unchanged (``fixed``) are not
+    part of them and are copied byte for byte.
+
+    Raises:
+        CheckpointError: a block whose tensors fit none of its kind's layouts (e.g. an indexed attention),
+            or a tensor of the wrong shape or dtype.
+    """
+    from ..blocks import find_blocks
+    from ..layouts import get_layout
+
+    try:
+        blocks = find_blocks({n: checkpoint.tensor(n).shape for n in checkpoint.names}, checkpoint.config, kinds)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    layers = []
+    for block in blocks:
+        tensors = {s: checkpoint.tensor(f"{block.prefix}.{s}") for s in block.tensors}
+        layer = _check_layer(block.prefix, get_layout(block.layout), block.shape, tensors, _block_size(checkpoint))
+        layer.kind = block.kind
+        layers.append(layer)
+    return layers
 
 
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:

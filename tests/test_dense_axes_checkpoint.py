@@ -1,0 +1,165 @@
+"""MLP channels and attention heads (issue 21) on disk: streaming sort and slice through the checkpoint
+engine, version-2 plans with per-layer sub-block sizes, byte-exact copies of everything else.
+
+References: the full model with the removed channels' / heads' output columns zeroed (built here from the
+definition of the orders, Qwen families), and for every family the in-memory cut of
+:func:`gdnprune.slice_model`, itself checked against independent references in ``test_dense_axes``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdnprune import checkpoint as ck
+from gdnprune.blocks import KINDS, orders_to_payload
+from gdnprune.block_surgery import find_model_blocks
+from gdnprune.cli import main
+from gdnprune.loading import load_pretrained, slice_model
+from gdnprune.plans import PlanError
+from test_checkpoint import MODEL_TYPES, raw_tensors
+from test_dense_axes import TARGET, _kept, _model, _orders, _same, _zeroed
+from tiny_models import cached_decode_logits, logits
+
+pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
+
+
+def _ids(seed=0, seq=12):
+    return torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """model_type -> (model, its folder with 20 KB shards and mtp.* tensors, random sub-block orders)."""
+    from test_checkpoint import _add_mtp, _mtp_tensors
+
+    root = tmp_path_factory.mktemp("dense_sources")
+    out = {}
+    for i, model_type in enumerate(MODEL_TYPES):
+        model = _model(model_type, seed=i)
+        folder = root / model_type
+        model.save_pretrained(folder, max_shard_size="20KB")
+        _add_mtp(folder, _mtp_tensors(torch.float32))
+        out[model_type] = (model, folder, _orders(model, seed=10 + i))
+    return out
+
+
+def _target(model):
+    """The fields of TARGET that the model has sub-blocks for."""
+    kinds = {b.kind for b in find_model_blocks(model)}
+    return {k: v for k, v in TARGET.items() if any(k in KINDS[kind].config_keys for kind in kinds)}
+
+
+def _scores(orders):
+    return {"layers": {prefix: orders_to_payload(o) for prefix, o in orders.items()}}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources, tmp_path, model_type):
+    model, src, orders = sources[model_type]
+    ck.sort_checkpoint(src, _scores(orders), tmp_path / "sorted", progress=False)
+    ids = _ids()
+    sorted_model = load_pretrained(tmp_path / "sorted")
+    _same(logits(sorted_model, ids), logits(model, ids))
+
+    manifest = ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", _target(model), progress=False)
+    assert set(manifest["blocks"]) == {b.prefix for b in find_model_blocks(model)}
+    cut = load_pretrained(tmp_path / "cut")
+    memory = slice_model(model, None, blocks=_target(model), block_orders=orders)
+    _same(logits(cut, ids), logits(memory, ids))
+    blocks = [b for b in find_model_blocks(model) if model_type != "olmo_hybrid" or b.kind != "attention"]
+    kept = {b.prefix: (b.kind, _kept(b, orders[b.prefix], TARGET)) for b in blocks}
+    if model_type != "olmo_hybrid":  # OLMo's whole-projection norms: compared with the hand-built model in memory
+        _same(logits(cut, ids), logits(_zeroed(model, kept), ids))
+
+    # everything outside the changed blocks is byte for byte the sorted source (GDN layers, norms, mtp.*)
+    before, after = raw_tensors(tmp_path / "sorted"), raw_tensors(tmp_path / "cut")
+    changed = {f"{b.prefix}.{s}" for b in find_model_blocks(model) for s in b.tensors}
+    assert set(after) == set(before)
+    assert {n for n in before if n not in changed and before[n] != after[n]} == set()
+    assert all(before[n][1] != after[n][1] for n in changed)
+    assert any(".q_norm." in n for n in before) and all(before[n] == after[n] for n in before if ".q_norm." in n
+                                                       and model_type != "olmo_hybrid")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_vl", "qwen3_next", "olmo_hybrid"])
+def test_a_version_2_plan_cuts_every_sub_block_to_its_own_size(sources, tmp_path, model_type):
+    model, src, orders = sources[model_type]
+    fields = {}
+    for i, b in enumerate(find_model_blocks(model)):
+        fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (i % 2 + 1), "num_key_value_heads": i % 2 + 1},
+                            "mlp": {"intermediate_size": 16 + 8 * i},
+                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i}}[b.kind]
+    gdn = "model.language_model.layers.0.linear_attn" if model_type == "qwen3_5_vl" else "model.layers.0.linear_attn"
+    plan = {"format": "gdnprune-plan", "version": 2, "layers": {gdn: {"num_key_heads": 1, "num_value_heads": 2},
+                                                                **fields}}
+    ck.sort_checkpoint(src, _scores(orders), tmp_path / "sorted", progress=False)
+    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", plan=plan, progress=False)
+    config = json.loads((tmp_path / "cut" / "config.json").read_text())
+    per_layer = (config.get("text_config") or config)["per_layer_config"]
+    assert any("num_attention_heads" in v for v in per_layer.values())
+    cut = load_pretrained(tmp_path / "cut")
+    memory = slice_model(model, {gdn: {"num_key_heads": 1, "num_value_heads": 2}}, blocks=fields, block_orders=orders)
+    ids = _ids(seed=2, seq=10)
+    full = logits(cut, ids)
+    _same(full, logits(memory, ids))
+    _same(cached_decode_logits(cut, ids, 4), full[:, -5:])
+
+
+def test_plans_of_version_1_still_read_and_version_1_refuses_sub_blocks(sources, tmp_path):
+    _, src, _ = sources["qwen3_5"]
+    v1 = {"format": "gdnprune-plan", "version": 1, "default": {"num_key_heads": 1, "num_value_heads": 2}}
+    ck.slice_checkpoint(src, tmp_path / "v1", plan=v1, progress=False)
+    assert json.loads((tmp_path / "v1" / "config.json").read_text())["linear_num_key_heads"] == 1
+    bad = {"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.1.self_attn": {"num_attention_heads": 2}}}
+    with pytest.raises(PlanError, match="plan version 1 cuts only GDN layers"):
+        ck.slice_checkpoint(src, tmp_path / "bad", plan=bad, progress=False)
+    wrong = {"format": "gdnprune-plan", "version": 2, "layers": {"model.layers.1.mlp": {"num_attention_heads": 2}}}
+    with pytest.raises(ValueError, match=r"unknown fields \['num_attention_heads'\]; expected some of "
+                                         r"\['intermediate_size'\]"):
+        ck.slice_checkpoint(src, tmp_path / "bad", plan=wrong, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_errors_name_the_block_and_leave_nothing_behind(sources, tmp_path):
+    _, src, _ = sources["qwen3_5"]
+    with pytest.raises(ck.TargetError, match=r"self_attn: target .* does not fit.*query heads per key-value head"):
+        ck.slice_checkpoint(src, tmp_path / "out", {"num_attention_heads": 4, "num_key_value_heads": 1},
+                            progress=False)
+    with pytest.raises(ck.ScoresError, match="not a permutation"):
+        ck.sort_checkpoint(src, {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": [0] * 96}}},
+                           tmp_path / "out", progress=False)
+    with pytest.raises(ck.ScoresError, match=r"'model.layers.0.self_attn' is not a sub-block"):
+        ck.sort_checkpoint(src, {"layers": {"model.layers.0.self_attn": {}}}, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_slice_command_cuts_attention_and_mlp_without_torch(sources, tmp_path):
+    _, src, _ = sources["qwen3_5_moe"]
+    out = tmp_path / "cut"
+    script = f"""
+import json, sys
+from gdnprune.cli import main
+code = main(["slice", {str(src)!r}, "-o", {str(out)!r}, "-q", "--num-attention-heads", "2", "--num-key-value-heads",
+             "1", "--shared-expert-intermediate-size", "16"])
+print(json.dumps({{"code": code, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules)}}))
+"""
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"code": 0, "loaded": []}
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+            config["shared_expert_intermediate_size"]) == (2, 1, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_pretrained(out)
+    assert model.model.layers[1].self_attn.q_proj.weight.shape == (2 * 2 * 16, 64)
+    assert main(["slice", str(src), "-o", str(tmp_path / "x"), "-q", "--intermediate-size", "8",
+                 "--plan", "p.json"]) == 2
