@@ -164,6 +164,11 @@ class BlockKind:
     config_keys: Mapping[str, str]
     layouts: tuple[str, ...]
 
+    @property
+    def where(self) -> str:
+        """The module path in words, e.g. ``layers.N.mlp.shared_expert``."""
+        return self.module.replace(_LAYER, "layers.N.").replace("\\.", ".").rstrip("$")
+
     def matches(self, prefix: str) -> bool:
         return re.search(self.module, prefix) is not None
 

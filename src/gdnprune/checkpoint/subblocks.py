@@ -92,8 +92,9 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
     layers = {layer.prefix: layer for layer in find_block_layers(ckpt, sorted(kinds))}
     absent = sorted(f for f in target if not any(f in KINDS[layer.kind].config_keys for layer in layers.values()))
     if absent:
-        raise TargetError(f"{ckpt.path}: no sub-block has {absent} (this checkpoint's sub-blocks: "
-                          f"{sorted({layer.kind for layer in layers.values()}) or 'none'})")
+        missing = sorted({k.name for k in KINDS.values() for f in absent if f in k.config_keys})
+        raise TargetError(f"{ckpt.path}: nothing to cut with {absent}: the checkpoint has no {' or '.join(missing)} "
+                          f"sub-block (at {', '.join(KINDS[k].where for k in missing)})")
     try:
         named = match_layers(orders_in, layers, what="scores")
     except ValueError as exc:

@@ -60,5 +60,15 @@ def run(args) -> int:
                                 multiple_of=args.multiple_of, compensation=args.compensate, ridge=args.ridge,
                                 dequantize=args.dequantize,
                                 overwrite=args.overwrite, progress=not args.quiet)
-    print(summary(manifest, args.output))
+    line = summary(manifest, args.output)
+    if manifest.get("blocks"):
+        kinds: dict[str, int] = {}
+        for entry in manifest["blocks"].values():
+            kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
+        blocks = ", ".join(f"{n} {kind} block{'s' * (n > 1)}" for kind, n in sorted(kinds.items()))
+        if all(layer["target"] == layer["shape"] for layer in manifest["layers"].values()):
+            line = f"wrote {args.output}: cut {blocks}; GDN layers unchanged ({manifest['elapsed_seconds']:.1f} s)"
+        else:
+            line += f"; also cut {blocks}"
+    print(line)
     return 0
