@@ -110,3 +110,25 @@ def test_projection_orders_keep_what_the_greedy_kept_and_group_heads_stay_in_the
             costs = {c: gram[before + [c]][:, before + [c]].sum().item() for c in range(gram.shape[0])
                      if c not in before}
             assert costs[removed[k]] <= min(costs.values()) + 1e-9 * abs(min(costs.values()))
+
+
+def test_a_scores_file_holds_sub_block_payloads_beside_gdn_ones(tmp_path):
+    from gdnprune.scores import ScoresError, check_scores, load_scores, save_scores
+
+    model = _model("qwen3_5")
+    scorers = _score(model, "projection", _ids(seed=9))
+    layers = {p: block_payload(s.block, s.stats, "projection") for p, s in scorers.items()}
+    gdn = {"key_group_order_most_important_first": [1, 0], "value_lane_order_most_important_first": [[0, 1], [1, 0]],
+           "key_dim_order_most_important_first": [list(range(8))] * 2,
+           "value_dim_order_most_important_first": list(range(8)),
+           "shape": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8}}
+    scores = {"format": "gdnprune-scores", "version": 1, "layers": {"model.layers.0.linear_attn": gdn, **layers}}
+    save_scores(scores, tmp_path / "scores.json")
+    assert load_scores(tmp_path / "scores.json")["layers"].keys() == scores["layers"].keys()
+    attention = next(p for p in layers if p.endswith("self_attn"))
+    broken = {**layers[attention], "query_head_order_most_important_first": [[0, 0], [1, 0]]}
+    with pytest.raises(ScoresError, match=r"sub-block 'model.layers.1.self_attn'.*not a permutation"):
+        check_scores({**scores, "layers": {attention: broken}})
+    lacking = {k: v for k, v in layers[attention].items() if k != "kv_group_order_most_important_first"}
+    with pytest.raises(ScoresError, match=r"lacks the orders \['kv_group_order_most_important_first'\]"):
+        check_scores({**scores, "layers": {attention: lacking}})

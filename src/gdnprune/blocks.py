@@ -34,7 +34,7 @@ import numpy as np
 from .geometry import _as_int, _get, _get_global, as_order, per_layer_overrides
 
 __all__ = ["MLPShape", "AttentionShape", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
-           "block_indices", "orders_from_payload", "orders_to_payload", "identity_orders", "resolve_block_target",
+           "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders", "resolve_block_target",
            "apply_block_targets_to_config", "block_kind_of"]
 
 
@@ -304,6 +304,11 @@ def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, 
 
 def _payload_key(name: str) -> str:
     return f"{name[:-1] if name.endswith('s') else name}_order_most_important_first"
+
+
+def order_keys(shape: Any) -> list[str]:
+    """The payload keys of a sub-block's orders (``channel_order_most_important_first``, ...)."""
+    return [_payload_key(name) for name in shape.order_shapes()]
 
 
 def identity_orders(shape: Any) -> dict[str, np.ndarray]:
