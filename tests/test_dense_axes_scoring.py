@@ -132,3 +132,36 @@ def test_a_scores_file_holds_sub_block_payloads_beside_gdn_ones(tmp_path):
     lacking = {k: v for k, v in layers[attention].items() if k != "kv_group_order_most_important_first"}
     with pytest.raises(ScoresError, match=r"lacks the orders \['kv_group_order_most_important_first'\]"):
         check_scores({**scores, "layers": {attention: lacking}})
+
+
+@pytest.mark.parametrize("method", ["projection", "activation", "random"])
+def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(method):
+    from gdnprune.scores import check_scores
+    from gdnprune.scoring import score_model
+
+    model = _model("qwen3_5_vl")
+    batches = [_ids(seed=10), _ids(seed=11)]
+    scores = check_scores(score_model(model, batches, method=method, progress=False, blocks=True))
+    blocks = {b.prefix: b for b in find_model_blocks(model)}
+    gdn = [p for p in scores["layers"] if p.endswith("linear_attn")]
+    assert set(scores["layers"]) == set(blocks) | set(gdn) and len(gdn) == 2
+    if method != "random":  # the same sums as the scorers run alone on the same batches
+        alone = _score(model, method, torch.cat(batches))
+        for prefix, scorer in alone.items():
+            expected, got = block_payload(scorer.block, scorer.stats, method), scores["layers"][prefix]
+            assert {k: v for k, v in got.items() if not k.endswith("_scores")} == \
+                {k: v for k, v in expected.items() if not k.endswith("_scores")}
+            for key in (k for k in expected if k.endswith("_scores")):
+                torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(expected[key]), rtol=1e-12, atol=0)
+    _same(logits(slice_model(model, None, block_orders={p: scores["layers"][p] for p in blocks}), batches[0]),
+          logits(model, batches[0]))
+
+
+def test_score_model_warns_about_sub_blocks_it_cannot_score():
+    from gdnprune.scoring import score_model
+
+    model = _model("qwen4_exp")
+    with pytest.warns(UserWarning, match="self_attn: its tensors fit no attention layout.*not scored"):
+        scores = score_model(model, [_ids(seed=12)], progress=False, blocks=True, method="activation")
+    assert any(p.endswith("shared_expert") for p in scores["layers"])
+    assert not any(p.endswith("self_attn") for p in scores["layers"])

@@ -100,6 +100,7 @@ def measure_statistics(
     key_group_measure: str = "energy_gram",
     loss_token_stride: int | None = None,
     window_offset: int = 0,
+    blocks: bool = False,
 ) -> ScoringStatistics:
     """The forward passes of :func:`score_model` in this process alone: the sums, before any order.
 
@@ -114,12 +115,19 @@ def measure_statistics(
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
+    block_scorers = []
+    if blocks:
+        from ..block_surgery import find_model_blocks
+        from .blocks import BlockScorer
+
+        block_scorers = [BlockScorer(b, model.get_submodule(b.prefix), method if method != "random" else "activation")
+                         for b in find_model_blocks(model, _supported_kinds(model))]
     if method == "random":
         layers = {}
         for prefix, module in modules:
             scorer = LayerScorer(prefix, module, method, key_dim_measure, value_dim_measure)
             layers[prefix] = LayerStatistics(scorer.shape, scorer.layout)
-        return ScoringStatistics(method, int(seed), None, layers)
+        return ScoringStatistics(method, int(seed), None, layers, {s.block.prefix: (s.block, {}) for s in block_scorers})
     head = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
         head = output_head(model)
@@ -157,7 +165,7 @@ def measure_statistics(
     was_training = model.training
     model.eval()
     try:
-        for scorer in scorers:
+        for scorer in [*scorers, *block_scorers]:
             handles.extend(scorer.attach())
         if head is not None:
             handles.append(head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0])))
@@ -183,7 +191,24 @@ def measure_statistics(
             handle.remove()
         model.train(was_training)
     layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
-    return ScoringStatistics(method, int(seed), measures, layers)
+    return ScoringStatistics(method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats)
+                                                                   for s in block_scorers})
+
+
+def _supported_kinds(model: torch.nn.Module) -> list[str]:
+    """The sub-block kinds of ``model`` that fit a layout (an indexed attention, say, is left to GDN scoring)."""
+    from ..block_surgery import find_model_blocks
+    from ..blocks import KINDS
+
+    kinds = []
+    for kind in KINDS:
+        try:
+            find_model_blocks(model, (kind,))
+        except ValueError as exc:
+            warnings.warn(f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4)
+            continue
+        kinds.append(kind)
+    return kinds
 
 
 def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> ScoringStatistics:
@@ -207,6 +232,7 @@ def score_model(
     loss_token_stride: int | None = None,
     window_offset: int = 0,
     distributed: bool | None = None,
+    blocks: bool = False,
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
 
@@ -240,6 +266,10 @@ def score_model(
             (:func:`~gdnprune.scoring.loss_head.default_loss_token_stride`).
         window_offset: the running index of the first window of ``batches`` among all calibration windows,
             when ``batches`` is one share of them (the loss tokens are chosen by the global index).
+        blocks: also score the attention heads and MLP channels (dense MLPs, MoE shared experts) in the same
+            forward passes (:mod:`gdnprune.scoring.blocks`); their payloads join ``layers`` under the
+            sub-blocks' prefixes (``random``: random orders). Kinds whose modules fit no layout (Qwen4-exp's
+            indexed attention) are left out.
         distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
             group before the orders are computed (default None: when a group with more than one process
             is initialised). Each rank passes its own share of the windows
@@ -257,7 +287,7 @@ def score_model(
     options = dict(method=method, seed=seed, total=total, key_dim_measure=key_dim_measure,
                    value_dim_measure=value_dim_measure, lane_measure=lane_measure,
                    key_group_measure=key_group_measure, loss_token_stride=loss_token_stride,
-                   window_offset=window_offset)
+                   window_offset=window_offset, blocks=blocks)
     if not (is_distributed() if distributed is None else distributed and is_distributed()):
         return scores_from_statistics(measure_statistics(model, batches, progress=progress, **options))
     with fail_together():

@@ -220,10 +220,13 @@ class ScoringStatistics:
     seed: int
     measures: dict[str, Any] | None
     layers: dict[str, LayerStatistics]
+    #: attention / MLP sub-blocks (:mod:`gdnprune.scoring.blocks`): prefix -> (its Block, its statistics)
+    blocks: dict[str, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every statistic, layer by layer in a fixed order (the order ranks sum them in)."""
-        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)]
+        """Every statistic, layer by layer in a fixed order (the order ranks sum them in), sub-blocks last."""
+        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)] + \
+            [stats[name] for _, stats in self.blocks.values() for name in sorted(stats)]
 
 
 def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1) -> dict[str, Any]:
@@ -247,12 +250,24 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
     if statistics.measures is not None:
         result["measures"] = dict(statistics.measures)
     if method == "random":
+        from ..block_surgery import random_orders
+        from ..blocks import orders_to_payload
+
         generator = torch.Generator().manual_seed(int(statistics.seed))
         for prefix, layer in statistics.layers.items():
             result["layers"][prefix] = random_payload(layer.shape, generator)
+        for prefix, (block, _) in statistics.blocks.items():
+            result["layers"][prefix] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),
+                                        "method": method,
+                                        **orders_to_payload(random_orders(block, generator=generator))}
         return result
     for prefix, layer in statistics.layers.items():
         result["layers"][prefix] = layer_payload(layer.stats, prefix=prefix, shape=layer.shape, layout=layer.layout,
                                                  method=method, measures=statistics.measures or {})
     result["num_tokens"] = next(iter(result["layers"].values()))["num_tokens"] if result["layers"] else 0
+    if statistics.blocks:
+        from .blocks import block_payload
+
+        for prefix, (block, stats) in statistics.blocks.items():
+            result["layers"][prefix] = block_payload(block, stats, method)
     return result
