@@ -21,6 +21,7 @@ from gdnprune import checkpoint as ck
 from gdnprune.blocks import KINDS, orders_to_payload
 from gdnprune.block_surgery import find_model_blocks
 from gdnprune.cli import main
+from gdnprune.geometry import GDNShape
 from gdnprune.loading import load_pretrained, slice_model
 from gdnprune.plans import PlanError
 from test_checkpoint import MODEL_TYPES, raw_tensors
@@ -146,6 +147,7 @@ def test_slice_command_cuts_attention_and_mlp_without_torch(sources, tmp_path):
     script = f"""
 import json, sys
 from gdnprune.cli import main
+from gdnprune.geometry import GDNShape
 code = main(["slice", {str(src)!r}, "-o", {str(out)!r}, "-q", "--num-attention-heads", "2", "--num-key-value-heads",
              "1", "--shared-expert-intermediate-size", "16"])
 print(json.dumps({{"code": code, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules)}}))
@@ -163,3 +165,28 @@ print(json.dumps({{"code": code, "loaded": sorted(m for m in ("torch", "transfor
     assert model.model.layers[1].self_attn.q_proj.weight.shape == (2 * 2 * 16, 64)
     assert main(["slice", str(src), "-o", str(tmp_path / "x"), "-q", "--intermediate-size", "8",
                  "--plan", "p.json"]) == 2
+
+
+def test_inspect_gives_the_parameters_of_every_kind_of_sub_block(sources, tmp_path):
+    for model_type in ("qwen3_5_moe", "olmo_hybrid"):
+        model, src, _ = sources[model_type]
+        info = ck.inspect_checkpoint(src)
+        sd = model.state_dict()
+        expected = {
+            "attention": sum(v.numel() for k, v in sd.items() if ".self_attn." in k),
+            "mlp": sum(v.numel() for k, v in sd.items() if ".mlp." in k and ".shared_expert." not in k
+                       and ".experts." not in k and not k.endswith("mlp.gate.weight")
+                       and "shared_expert_gate" not in k),
+            "shared_expert": sum(v.numel() for k, v in sd.items() if ".mlp.shared_expert." in k),
+        }
+        expected = {k: v for k, v in expected.items() if v}
+        by_kind = info["parameters_by_kind"]
+        assert {k: v for k, v in by_kind.items() if k not in ("gdn", "other")} == expected
+        assert sum(by_kind.values()) == info["total_parameters"]
+        assert {b["kind"] for b in info["sub_blocks"]} == set(expected)
+    from tiny_models import build_model
+
+    build_model("qwen4_exp", GDNShape(2, 4, 8, 8)).save_pretrained(tmp_path / "q4")
+    info = ck.inspect_checkpoint(tmp_path / "q4")
+    (unsupported,) = [b for b in info["sub_blocks"] if "unsupported" in b]
+    assert unsupported["kind"] == "attention" and "indexer" in unsupported["unsupported"]

@@ -342,6 +342,27 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
     return layers
 
 
+def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
+    """The sub-blocks of every kind for :func:`inspect_checkpoint`, and their parameters per kind."""
+    from ..blocks import KINDS
+
+    out, by_kind = [], {}
+    for kind in KINDS:
+        try:
+            layers = find_block_layers(ckpt, (kind,))
+        except CheckpointError as exc:
+            out.append({"kind": kind, "unsupported": str(exc)})
+            continue
+        for layer in layers:
+            fixed = [n for n in ckpt.names if n.startswith(layer.prefix + ".") and n[len(layer.prefix) + 1:]
+                     not in layer.tensors]
+            parameters = layer.parameters + sum(ckpt.tensor(n).numel for n in fixed)
+            out.append({"prefix": layer.prefix, "kind": kind, "layout": layer.layout, **layer.shape.as_dict(),
+                        "parameters": parameters})
+            by_kind[kind] = by_kind.get(kind, 0) + parameters
+    return out, by_kind
+
+
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
     """The ``weight_block_size`` of an FP8 checkpoint's ``quantization_config`` (None when it is not one)."""
     config = checkpoint.config
@@ -450,7 +471,10 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     ``single-file``), ``shards``, ``dtypes`` (tensor count per dtype), ``gdn_shape`` (None when the layers
     differ: ``heterogeneous``), ``layers`` (one dict per GDN layer: ``prefix``, ``layout``, the four geometry
     fields, ``parameters``, ``state_elements`` (recurrent state per sequence), ``shards``),
-    ``gdn_parameters``, ``other_parameters``, ``total_parameters``, ``total_bytes``, ``passthrough`` and
+    ``gdn_parameters``, ``sub_blocks`` (the attention / MLP / shared-expert blocks: prefix, kind, layout,
+    geometry, parameters; a kind whose modules fit no layout gives ``{"kind", "unsupported": reason}``),
+    ``parameters_by_kind`` (``gdn``, each sub-block kind, ``other``: embeddings, norms, routed experts,
+    vision tower, ``mtp.*``), ``other_parameters`` (everything but GDN), ``total_parameters``, ``total_bytes``, ``passthrough`` and
     ``manifest`` (operation and sorted flag of a gdnprune output, else None).
 
     Raises:
@@ -464,6 +488,7 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     gdn = sum(layer.parameters for layer in layers)
     dtypes = collections.Counter(ckpt.tensor(n).dtype for n in ckpt.names)
     config = ckpt.config
+    sub_blocks, by_kind = _inspect_sub_blocks(ckpt)
     return {
         "model_dir": str(ckpt.path),
         "model_type": config.get("model_type"),
@@ -487,6 +512,8 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
             for layer in layers
         ],
         "gdn_parameters": gdn,
+        "sub_blocks": sub_blocks,
+        "parameters_by_kind": {"gdn": gdn, **by_kind, "other": total - gdn - sum(by_kind.values())},
         "other_parameters": total - gdn,
         "total_parameters": total,
         "total_bytes": ckpt.total_bytes,
