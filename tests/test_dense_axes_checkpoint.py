@@ -190,3 +190,57 @@ def test_inspect_gives_the_parameters_of_every_kind_of_sub_block(sources, tmp_pa
     info = ck.inspect_checkpoint(tmp_path / "q4")
     (unsupported,) = [b for b in info["sub_blocks"] if "unsupported" in b]
     assert unsupported["kind"] == "attention" and "indexer" in unsupported["unsupported"]
+
+
+def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_refused(tmp_path):
+    """Heads of 16 rows are four whole 4x4 blocks: a head cut is exact on the FP8 bytes; an MLP channel order
+    splits blocks, which is refused (or written in BF16 with dequantize=True)."""
+    from safetensors.torch import load_file, save_file
+
+    from test_fp8 import BLOCK, NOT_CONVERTED, dequantize, quantize
+
+    model = _model("qwen3_5")
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    fp8 = [k for k in state if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                                           "down_proj.weight", "gate_proj.weight", "up_proj.weight"))]
+    for name in fp8:
+        state[name], state[name[: -len("weight")] + "weight_scale_inv"] = quantize(state[name])
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK],
+                                     "modules_to_not_convert": [n for n in NOT_CONVERTED
+                                                                if n not in ("self_attn", "mlp")]}
+    (src / "config.json").write_text(json.dumps(config))
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+
+    orders = {"kv_groups": [1, 0], "query_heads": [[1, 0], [0, 1]]}
+    attention = ("model.layers.1.self_attn", "model.layers.3.self_attn")
+    scores = {"layers": {p: orders_to_payload(orders) for p in attention}}
+    ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
+    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", {"num_attention_heads": 2, "num_key_value_heads": 1},
+                        progress=False)
+    out = load_file(tmp_path / "cut" / "model.safetensors")
+    hd, p = 16, "model.layers.1.self_attn"
+    q = dequantize(state[f"{p}.q_proj.weight"], state[f"{p}.q_proj.weight_scale_inv"])
+    o = dequantize(state[f"{p}.o_proj.weight"], state[f"{p}.o_proj.weight_scale_inv"])
+    k = dequantize(state[f"{p}.k_proj.weight"], state[f"{p}.k_proj.weight_scale_inv"])
+    heads = [1 * 2 + 0, 1 * 2 + 1]  # group 1 is kept, its heads in its own order (row 1: [0, 1])
+    expected_q = torch.cat([q[h * 2 * hd:(h + 1) * 2 * hd] for h in heads])
+    expected_o = torch.cat([o[:, h * hd:(h + 1) * hd] for h in heads], dim=1)
+    assert out[f"{p}.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(dequantize(out[f"{p}.q_proj.weight"], out[f"{p}.q_proj.weight_scale_inv"]), expected_q)
+    assert torch.equal(dequantize(out[f"{p}.o_proj.weight"], out[f"{p}.o_proj.weight_scale_inv"]), expected_o)
+    assert torch.equal(dequantize(out[f"{p}.k_proj.weight"], out[f"{p}.k_proj.weight_scale_inv"]), k[hd:2 * hd])
+
+    swap = [4, 1, 2, 3, 0] + list(range(5, 96))  # channels 0 and 4 sit in different 4-channel blocks
+    channels = {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": swap}}}
+    with pytest.raises(ck.TargetError, match=r"model.layers.0.mlp is FP8 with 4-wide scale blocks.*--dequantize"):
+        ck.sort_checkpoint(src, channels, tmp_path / "bad", progress=False)
+    ck.sort_checkpoint(src, channels, tmp_path / "bf16", progress=False, dequantize=True)
+    out = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in out
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "model.layers.0.mlp.down_proj" in config["quantization_config"]["modules_to_not_convert"]

@@ -81,7 +81,8 @@ def test_the_activation_baseline_is_the_mean_absolute_activation_and_orders_sort
     handle.remove()
     payload = block_payload(scorers[prefix].block, scorers[prefix].stats, "activation")
     torch.testing.assert_close(torch.tensor(payload["channel_scores"], dtype=torch.float64), seen[0])
-    assert payload["channel_order_most_important_first"] == torch.argsort(seen[0], descending=True, stable=True).tolist()
+    expected = torch.argsort(seen[0], descending=True, stable=True).tolist()
+    assert payload["channel_order_most_important_first"] == expected
 
     payloads = {p: block_payload(s.block, s.stats, "activation") for p, s in scorers.items()}
     for p, s in scorers.items():

@@ -34,8 +34,8 @@ import numpy as np
 from .geometry import _as_int, _get, _get_global, as_order, per_layer_overrides
 
 __all__ = ["MLPShape", "AttentionShape", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
-           "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders", "resolve_block_target",
-           "apply_block_targets_to_config", "block_kind_of"]
+           "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders",
+           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of"]
 
 
 def _heads(index: np.ndarray, width: int) -> np.ndarray:

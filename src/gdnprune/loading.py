@@ -170,7 +170,8 @@ def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, bl
             raise ValueError(f"no sub-block of this model has {absent} (its sub-blocks: "
                              f"{sorted({b.kind for b in found}) or 'none'})")
         if unknown:
-            raise ValueError(f"{unknown} are not sub-blocks of this model (its sub-blocks: {sorted(by_prefix)[:4]} ...)")
+            raise ValueError(f"{unknown} are not sub-blocks of this model (its sub-blocks: "
+                             f"{sorted(by_prefix)[:4]} ...)")
         cut: dict[str, dict[int, Any]] = {}
         for block in found:
             fields = (blocks or {}).get(block.prefix) if per_block else blocks

@@ -120,7 +120,8 @@ def measure_statistics(
         from ..block_surgery import find_model_blocks
         from .blocks import BlockScorer
 
-        block_scorers = [BlockScorer(b, model.get_submodule(b.prefix), method if method != "random" else "activation")
+        block_method = method if method != "random" else "activation"  # random: no statistics are used
+        block_scorers = [BlockScorer(b, model.get_submodule(b.prefix), block_method)
                          for b in find_model_blocks(model, _supported_kinds(model))]
     if method == "random":
         layers = {}
