@@ -166,3 +166,27 @@ def test_score_model_warns_about_sub_blocks_it_cannot_score():
         scores = score_model(model, [_ids(seed=12)], progress=False, blocks=True, method="activation")
     assert any(p.endswith("shared_expert") for p in scores["layers"])
     assert not any(p.endswith("self_attn") for p in scores["layers"])
+
+
+def test_score_checkpoint_then_sort_orders_every_sub_block_of_a_vision_language_folder(tmp_path):
+    """The scores name the checkpoint's own prefixes (``model.language_model.``), sort applies them."""
+    from gdnprune import checkpoint as ck
+    from gdnprune.loading import load_pretrained
+    from gdnprune.scores import load_scores, save_scores
+    from gdnprune.scoring import score_checkpoint
+    from test_checkpoint import _tokenizer_files
+
+    model = _model("qwen3_5_vl")
+    model.save_pretrained(tmp_path / "src")
+    _tokenizer_files(tmp_path / "src")
+    (tmp_path / "data.txt").write_text("the model sorts heads and slices them " * 200)
+    scores = score_checkpoint(tmp_path / "src", tmp_path / "data.txt", num_samples=4, seq_len=16, batch_size=2,
+                              device="cpu", progress=False, blocks=True)
+    save_scores(scores, tmp_path / "scores.json")
+    layers = load_scores(tmp_path / "scores.json")["layers"]
+    blocks = [p for p in layers if not p.endswith("linear_attn")]
+    assert len(blocks) == 6 and all(p.startswith("model.language_model.layers.") for p in blocks)
+    manifest = ck.sort_checkpoint(tmp_path / "src", tmp_path / "scores.json", tmp_path / "sorted", progress=False)
+    assert set(manifest["blocks"]) == set(blocks)
+    ids = _ids(seed=13)
+    _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))

@@ -298,14 +298,19 @@ def score_model(
         return scores_from_statistics(statistics, world_size=world_size())
 
 
-def _map_to_checkpoint(prefixes: list[str], model_dir: Path) -> dict[str, str]:
+def _map_to_checkpoint(prefixes: list[str], model_dir: Path, *, modules: bool = False) -> dict[str, str]:
     """Map the model's module prefixes to the GDN layer prefixes of the checkpoint's tensors (they differ when
-    a vision-language checkpoint is loaded as a text model). Unchanged when the folder has no safetensors."""
+    a vision-language checkpoint is loaded as a text model). Unchanged when the folder has no safetensors.
+    ``modules``: map to any module of the checkpoint (the sub-blocks) instead of its GDN layers."""
     from ..checkpoint.folder import CheckpointError, find_gdn_layers, open_checkpoint
     from ..scores import matching_prefixes
 
+    if not prefixes:
+        return {}
     try:
-        stored = [layer.prefix for layer in find_gdn_layers(open_checkpoint(model_dir))[0]]
+        ckpt = open_checkpoint(model_dir)
+        stored = sorted({n.rsplit(".", 2)[0] for n in ckpt.names}) if modules else \
+            [layer.prefix for layer in find_gdn_layers(ckpt)[0]]
     except CheckpointError:
         return {p: p for p in prefixes}
     mapping = {}
@@ -420,6 +425,7 @@ def measure_checkpoint(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
     keep_model: bool = False,
+    blocks: bool = False,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
 
@@ -473,9 +479,11 @@ def measure_checkpoint(
         model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
         batches = list(iter_batches(windows[start : start + len(mine)], batch_size))
         statistics = measure_statistics(model, batches, method=method, seed=seed, window_offset=start,
-                                        progress=progress and is_main_process())
+                                        progress=progress and is_main_process(), blocks=blocks)
         mapping = _map_to_checkpoint(list(statistics.layers), model_dir)
         statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
+        mapping = _map_to_checkpoint(list(statistics.blocks), model_dir, modules=True)
+        statistics.blocks = {mapping[p]: entry for p, entry in statistics.blocks.items()}
         if not keep_model:
             del model
     reduce_statistics(statistics)
@@ -501,6 +509,7 @@ def score_checkpoint(
     refine: str | None = None,
     refine_samples: int = 16,
     compensation: bool = False,
+    blocks: bool = False,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
 
@@ -511,6 +520,9 @@ def score_checkpoint(
 
     ``seq_len=None`` takes what the model supports, at most 512 (:func:`default_seq_len`); the value
     used, and where it came from, are recorded under ``calibration``.
+
+    ``blocks=True`` also scores the attention heads and MLP channels in the same forwards (see
+    :func:`score_model`).
 
     ``refine="lanes"`` then decides the lane orders by measured KL on the first ``refine_samples`` windows
     (:func:`gdnprune.refine.refine_lane_orders`). ``compensation=True`` also collects the least-squares
@@ -527,7 +539,7 @@ def score_checkpoint(
     keep = refine is not None or compensation
     run = measure_checkpoint(model_dir, data, method=method, num_samples=num_samples, seq_len=seq_len,
                              batch_size=batch_size, device=device, dtype=dtype, device_map=device_map, seed=seed,
-                             progress=progress, keep_model=keep)
+                             progress=progress, keep_model=keep, blocks=blocks)
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     if refine == "lanes":
