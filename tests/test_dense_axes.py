@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gdnprune.block_surgery import find_model_blocks, permute_block_state_dict, random_orders
-from gdnprune.blocks import AttentionShape, MLPShape, find_blocks
+from gdnprune.blocks import KINDS, AttentionShape, MLPShape, find_blocks
 from gdnprune.geometry import GDNShape
 from gdnprune.loading import load_pretrained, slice_model
 from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, make_config
@@ -234,3 +234,23 @@ def test_layouts_are_found_from_tensor_sizes():
     bad = {**whole, "q_norm.weight": (16,)}
     with pytest.raises(ValueError, match=r"q_norm.weight has shape \[16\], expected \(64\)"):
         find_blocks({f"model.layers.3.self_attn.{k}": v for k, v in bad.items()}, config)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "olmo_hybrid"])
+def test_parameters_of_a_cut_are_those_of_the_cut_model(model_type):
+    """The cost a plan candidate has: Block.parameters(target) from the table, against the cut model's tensors."""
+    from gdnprune.blocks import kv_cache_elements, resolve_block_target
+
+    model = _model(model_type)
+    blocks = find_model_blocks(model)
+    fields = {k: v for k, v in TARGET.items() if any(k in KINDS[b.kind].config_keys for b in blocks)}
+    cut = slice_model(model, None, blocks=fields)
+    state = cut.state_dict()
+    for block in blocks:
+        target = resolve_block_target(block, fields)
+        assert block.parameters(target) == sum(v.numel() for k, v in state.items() if k.startswith(block.prefix + "."))
+        assert block.parameters() == sum(v.numel() for k, v in model.state_dict().items()
+                                         if k.startswith(block.prefix + "."))
+        if block.kind == "attention":
+            cache = cut.model.layers[int(block.prefix.split(".")[2])].self_attn
+            assert kv_cache_elements(target) == 2 * cache.k_proj.out_features

@@ -26,7 +26,7 @@ query heads inside their group, preserves the function; so does any channel orde
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -35,7 +35,7 @@ from .geometry import _as_int, _get, _get_global, as_order, per_layer_overrides
 
 __all__ = ["MLPShape", "AttentionShape", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
            "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders",
-           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of"]
+           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of", "kv_cache_elements"]
 
 
 def _heads(index: np.ndarray, width: int) -> np.ndarray:
@@ -225,8 +225,8 @@ def block_kind_of(prefix: str) -> BlockKind | None:
 class Block:
     """One sub-block found among a model's tensors: where, which kind and layout, its geometry, its tensors.
 
-    ``tensors`` maps the coupled suffixes to their shapes (what the layout gathers); ``fixed`` are the
-    block's tensors the layout leaves unchanged (``q_norm`` of a per-head norm, ``o_proj.bias``).
+    ``tensors`` maps the coupled suffixes to their shapes (what the layout gathers); ``fixed`` maps the
+    block's tensors the layout leaves unchanged (``q_norm`` of a per-head norm, ``o_proj.bias``) to theirs.
     """
 
     prefix: str
@@ -234,7 +234,41 @@ class Block:
     layout: str
     shape: Any
     tensors: dict[str, tuple[int, ...]]
-    fixed: tuple[str, ...] = ()
+    fixed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def parameters(self, target: Any = None) -> int:
+        """Elements of the block's tensors after a cut to ``target`` (default: as it is), from the tensors'
+        shapes and the layout table: the coupled axis of each tensor takes its length for ``target``. The
+        cost a plan candidate has (FP8 scales count as elements too)."""
+        from .layouts import get_layout
+
+        layout, target = get_layout(self.layout), self.shape if target is None else target
+        total = sum(_numel(dims) for dims in self.fixed.values())
+        for suffix, dims in self.tensors.items():
+            rule = layout.rule(suffix)
+            if rule is None:  # an FP8 scale: one entry per block of its weight's rows or columns
+                weight = layout.rule(suffix[: -len("weight_scale_inv")] + "weight")
+                full, cut = weight.length(self.shape), weight.length(target)
+                axis = weight.axis
+                dims = list(dims)
+                dims[axis] = -(-dims[axis] * cut // full)
+            else:
+                dims = list(dims)
+                dims[rule.axis] = rule.length(target)
+            total += _numel(dims)
+        return total
+
+
+def _numel(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def kv_cache_elements(shape: "AttentionShape") -> int:
+    """KV cache of one token in one attention layer, in elements: keys and values, ``2 * nkv * hd``."""
+    return 2 * shape.num_key_value_heads * shape.head_dim
 
 
 def find_blocks(shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Iterable[str] | None = None
@@ -292,7 +326,7 @@ def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, 
         problems += [f"{r.name} is missing" for r in layout.rules if r.required and r.name not in members]
         if not problems:
             coupled = {s: d for s, d in members.items() if s not in layout.fixed}
-            fixed = tuple(sorted(s for s in members if s in layout.fixed))
+            fixed = {s: d for s, d in sorted(members.items()) if s in layout.fixed}
             return Block(prefix, kind.name, layout.name, shape, coupled, fixed)
         reports.append(f"{name}: {'; '.join(problems)}")
     raise ValueError(f"{prefix}: its tensors fit no {kind.name} layout for {shape} ({' | '.join(reports)})")
