@@ -190,3 +190,20 @@ def test_score_checkpoint_then_sort_orders_every_sub_block_of_a_vision_language_
     assert set(manifest["blocks"]) == set(blocks)
     ids = _ids(seed=13)
     _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
+
+
+def test_masked_tokens_are_left_out_of_the_sub_block_statistics():
+    """A batch with padding gives the statistics of its unpadded windows alone (the model is causal, so the
+    kept tokens see the same context)."""
+    from gdnprune.scoring.api import measure_statistics
+
+    model = _model("qwen3_5")
+    ids = _ids(seed=14)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 8:] = False  # right padding of the second window
+    padded = measure_statistics(model, [{"input_ids": ids, "attention_mask": mask}], progress=False, blocks=True,
+                                method="activation")
+    alone = measure_statistics(model, [ids[:1], ids[1:, :8]], progress=False, blocks=True, method="activation")
+    for prefix, (_, stats) in alone.blocks.items():
+        assert int(padded.blocks[prefix][1]["num_tokens"]) == 12 + 8 == int(stats["num_tokens"])
+        torch.testing.assert_close(padded.blocks[prefix][1]["abs_sum"], stats["abs_sum"], rtol=1e-5, atol=1e-6)

@@ -178,6 +178,8 @@ def measure_statistics(
                 for scorer in scorers:
                     scorer.token_mask = mask
                     scorer.loss_select = select
+                for block_scorer in block_scorers:
+                    block_scorer.token_mask = mask
                 kwargs = dict(extra)
                 if mask is not None:
                     kwargs["attention_mask"] = mask.to(device).long()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..blocks import AttentionShape, Block, orders_to_payload
+from .hooks import materialized_weight
 from .orders import descending, greedy_lane_orders, greedy_removal_order
 
 __all__ = ["BlockScorer", "block_payload", "BLOCK_METHODS"]
@@ -57,6 +58,7 @@ class BlockScorer:
         if method == "projection":
             self.stats["gram"] = torch.zeros(units, units, dtype=torch.float64)
         self._wtw: torch.Tensor | None = None
+        self.token_mask: torch.Tensor | None = None  # [B, T] bool of the current batch, None = all tokens
 
     def attach(self) -> list[Any]:
         """Register the hook; returns the handles."""
@@ -64,13 +66,16 @@ class BlockScorer:
 
     @torch.no_grad()
     def _on_input(self, module: torch.nn.Module, args: tuple) -> None:
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+        x = args[0].detach()
+        if self.token_mask is not None:  # masked (padding) tokens are left out of every statistic
+            x = x[self.token_mask.to(x.device)]
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
         units = x.reshape(x.shape[0], self.units, self.width)
         self.stats["num_tokens"] += x.shape[0]
         self.stats["abs_sum"] += units.norm(dim=-1).sum(0).cpu()
         if self.method == "projection":
             if self._wtw is None:
-                w = module.weight.detach().to(torch.float64)
+                w = materialized_weight(module).detach().to(x.device, torch.float64)
                 self._wtw = w.T @ w
             second = x.T @ x  # [units*width, units*width]
             gram = (self._wtw.to(second.device) * second).reshape(self.units, self.width, self.units, self.width)
