@@ -244,3 +244,12 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
     assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in out
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert "model.layers.0.mlp.down_proj" in config["quantization_config"]["modules_to_not_convert"]
+
+
+def test_a_cut_of_attention_warns_that_mtp_layers_keep_their_width(sources, tmp_path):
+    _, src, _ = sources["qwen3_5"]  # has mtp.layers.0.self_attn.q_proj.weight (test_checkpoint._mtp_tensors)
+    with pytest.warns(ck.PassthroughWarning, match=r"\['mtp.layers.0.self_attn'\] keep their width"):
+        ck.slice_checkpoint(src, tmp_path / "cut", {"num_attention_heads": 2}, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.PassthroughWarning)
+        ck.slice_checkpoint(src, tmp_path / "mlp", {"intermediate_size": 32}, progress=False)

@@ -35,6 +35,7 @@ class SubBlockPlan:
 
     plans: dict[str, LayerPlan] = field(default_factory=dict)
     targets: dict[str, dict[int, Any]] = field(default_factory=dict)
+    passthrough: list[str] = field(default_factory=list)  # mtp.* modules of a kind that is cut, left as they are
 
     @property
     def cut(self) -> bool:
@@ -119,6 +120,9 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
             indices = block_indices(layer.shape, targets[prefix], orders)
             out.plans[prefix] = LayerPlan(layer, targets[prefix], indices, orders)
     check_scale_grids(out.plans, dequantize)
+    cut_kinds = {p.layer.kind for p in out.plans.values() if p.target != p.layer.shape}
+    out.passthrough = sorted({n.rsplit(".", 2)[0] for n in ckpt.names if n.startswith("mtp.")
+                              and any(KINDS[k].matches(n.rsplit(".", 2)[0]) for k in cut_kinds)})
     return out
 
 

@@ -163,6 +163,10 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
         _warn(MissingScoresWarning, f"GDN layer {prefix} has no entry in the scores: it keeps its order")
     if skipped:
         _warn(PassthroughWarning, f"{skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: left untouched")
+    if blocks.passthrough:
+        _warn(PassthroughWarning, f"{blocks.passthrough} keep their width while config.json's global sizes now "
+                                  f"describe the cut layers: a server that builds the MTP head from config.json "
+                                  f"(speculative decoding) will not load it; transformers ignores mtp.*")
     if left_out:
         _warn(UserWarning, f"other weight files {left_out} of {src} are not copied (they are not part of the "
                            f"safetensors checkpoint that is transformed)")
