@@ -31,7 +31,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .geometry import _as_int, _get, _get_global, as_order, per_layer_overrides
+from .geometry import as_int as _as_int, as_order, config_value as _get, global_config_value as _get_global, \
+    per_layer_overrides
 
 __all__ = ["MLPShape", "AttentionShape", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
            "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders",
