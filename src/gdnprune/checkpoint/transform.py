@@ -79,9 +79,14 @@ def transform_checkpoint(
         permutations: GDN layer prefix -> :class:`~gdnprune.gated_delta_net.GDNPermutation` or score
             payload (``*_order_most_important_first`` lists). A layer without an entry keeps its order
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
-            None: no permutation.
+            Entries keyed by an attention / MLP sub-block's prefix (``model.layers.3.self_attn``,
+            ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.blocks`); a sub-block
+            without an entry keeps its order. None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
-            fields (missing or None fields keep each layer's size). None: no slicing.
+            fields (missing or None fields keep each layer's size). The mapping may also hold the
+            sub-block fields ``intermediate_size``, ``shared_expert_intermediate_size``,
+            ``num_attention_heads`` and ``num_key_value_heads``: every sub-block that has the field is cut
+            to it (:mod:`gdnprune.checkpoint.subblocks`). None: no slicing.
         plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.plans`).
             Layers that end up with different geometries are recorded in ``config.json`` with
             transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
@@ -353,7 +358,9 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
     ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
-    size. ``plan`` gives every layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`).
+    size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
+    ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers. ``plan`` gives every
+    layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """
