@@ -222,8 +222,8 @@ def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_
     target = {"num_key_heads": 1, "num_value_heads": 2, "intermediate_size": 48, "num_attention_heads": 2,
               "num_key_value_heads": 1}
     options = dict(num_samples=4, seq_len=16, batch_size=2, device="cpu")
-    manifest = prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "out", target, progress=False,
-                                **options)
+    manifest = prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "out", target=target,
+                                progress=False, **options)
     blocks = manifest["blocks"]
     assert {b["kind"] for b in blocks.values()} == {"attention", "mlp"} and len(blocks) == 6
     assert all(b["permutation"] is not None for b in blocks.values())
@@ -235,9 +235,9 @@ def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_
     ids = _ids(seed=15)
     _same(logits(load_pretrained(tmp_path / "out"), ids), logits(expected, ids))
     with pytest.raises(TargetError, match="num_attention_heads 3 / num_key_value_heads 1"):
-        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad", {"num_attention_heads": 3,
-                         "num_key_value_heads": 1}, progress=False, **options)
+        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad",
+                         target={"num_attention_heads": 3, "num_key_value_heads": 1}, progress=False, **options)
     with pytest.raises(TargetError, match="sequential compensation"):
-        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad", {"intermediate_size": 8},
-                         compensate="sequential", progress=False, **options)
+        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad",
+                         target={"intermediate_size": 8}, compensate="sequential", progress=False, **options)
     assert not (tmp_path / "bad").exists()

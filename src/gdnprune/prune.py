@@ -5,15 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from .targets import keyword_target
+
 __all__ = ["prune_checkpoint"]
 
 
+@keyword_target(paths=3)
 def prune_checkpoint(
     model_dir: str | Path,
     data: str | Path,
     output_dir: str | Path,
-    target: Any = None,
     *,
+    target: Any = None,
     plan: str | Path | Mapping | None = None,
     search: Mapping[str, Any] | None = None,
     plan_samples: int = 16,
@@ -59,8 +62,8 @@ def prune_checkpoint(
                          "(no device map)")
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
-        raise TargetError("give exactly one of a target (--num-key-heads, ...), --plan, or a budget "
-                          f"(--budget-params / --budget-state); got {given or 'none'}")
+        raise TargetError("give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
+                          f"(`budget_params` / `budget_state`); got {given or 'none'}")
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     ckpt = open_checkpoint(model_dir)
@@ -76,7 +79,7 @@ def prune_checkpoint(
     sub_blocks = bool(plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans)
     if sub_blocks and sequential:
         raise TargetError("sequential compensation refits GDN layers on a model whose attention and MLPs are "
-                          "whole; it does not support attention / MLP cuts yet (use --compensate statistics)")
+                          "whole; it does not support attention / MLP cuts yet (use compensate=\"statistics\")")
     with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
         gpus = local_gpus() if scoring.get("device_map") is not None else None
         model = load_causal_lm(model_dir, dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
