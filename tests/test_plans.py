@@ -60,7 +60,7 @@ def test_plan_fields_default_and_aliases():
 
 @pytest.mark.parametrize("plan, message", [
     ({"format": "other", "version": 1, "layers": {}}, "not a gdnprune plan"),
-    ({"format": "gdnprune-plan", "version": 2, "layers": {}}, "unsupported plan version"),
+    ({"format": "gdnprune-plan", "version": 3, "layers": {}}, "unsupported plan version"),
     ({"format": "gdnprune-plan", "version": 1, "layers": {}}, "nothing to cut"),
     ({"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.0.linear_attn": {"heads": 1}}}, "unknown fields"),
     ({"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1.0}}},

@@ -72,6 +72,14 @@ def _holder(config: Any) -> Any:
     return config
 
 
+#: the config keys of the GDN geometry (``linear_*``)
+GDN_CONFIG_KEYS = _GDN_CONFIG_KEYS
+#: ``config[key]`` / ``config.key`` (dicts and config objects), and the same giving a heterogeneous
+#: config's global value instead of raising; used by the sub-block geometries of :mod:`gdnprune.blocks`
+config_value = _get
+global_config_value = _get_global
+
+
 def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
     """``{layer_index: {linear_* key: value}}``: the GDN geometry a heterogeneous config sets per layer.
 
@@ -81,6 +89,12 @@ def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
     Raises:
         ValueError: a ``per_layer_config`` that is not ``{layer index: {attribute: value}}``.
     """
+    return per_layer_overrides(config, _GDN_CONFIG_KEYS)
+
+
+def per_layer_overrides(config: Any, keys) -> dict[int, dict[str, Any]]:
+    """``{layer_index: {key: value}}`` for the config ``keys`` a heterogeneous config sets per layer
+    (see :func:`per_layer_gdn_overrides`; the sub-blocks of :mod:`gdnprune.blocks` read theirs with it)."""
     holder = _holder(config)
     if isinstance(holder, Mapping):
         raw = holder.get("per_layer_config")
@@ -99,9 +113,9 @@ def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
             raise ValueError(f"per_layer_config key {key!r} is not a layer index") from None
         if not isinstance(overrides, Mapping):
             raise ValueError(f"per_layer_config[{key!r}] must be an object, found {type(overrides).__name__}")
-        gdn = {k: v for k, v in overrides.items() if k in _GDN_CONFIG_KEYS}
-        if gdn:
-            out[index] = gdn
+        chosen = {k: v for k, v in overrides.items() if k in keys}
+        if chosen:
+            out[index] = chosen
     return out
 
 
@@ -157,6 +171,10 @@ def _as_int(value: Any) -> int | None:
     if is_floating or is_complex or str(dtype) == "torch.bool":  # a torch dtype
         return None
     return int(value.item())
+
+
+#: an integer (int, numpy integer, 0-d integer array or tensor) as a Python int, else None
+as_int = _as_int
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,10 @@ _SEGMENT_INDEX = {"q": "qidx", "k": "qidx", "v": "vidx", "h": "hidx", "d": "didx
 
 
 def segment_size(kind: str, shape) -> int:
-    """Full length of one segment of kind ``kind`` for a layer of geometry ``shape``."""
+    """Full length of one segment of kind ``kind`` for a layer of geometry ``shape`` (a sub-block geometry of
+    :mod:`gdnprune.blocks` knows the sizes of its own kinds)."""
+    if kind not in _SEGMENT_INDEX:
+        return shape.segment_size(kind)
     Hk, Hv, dk, dv = shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim
     return {"q": Hk * dk, "k": Hk * dk, "v": Hv * dv, "h": Hv, "d": dv}[kind]
 
@@ -93,7 +96,7 @@ class TensorRule:
         """
         parts, base = [], 0
         for kind in self.segments:
-            parts.append(np.asarray(indices[_SEGMENT_INDEX[kind]], dtype=np.int64) + base)
+            parts.append(np.asarray(indices[_SEGMENT_INDEX.get(kind, kind)], dtype=np.int64) + base)
             base += segment_size(kind, shape)
         canonical = np.concatenate(parts)
         rows = canonical if not self.grouped else _physical_rows(self.segments, shape)[
@@ -169,6 +172,7 @@ class Layout:
     description: str
     rules: tuple[TensorRule, ...]
     markers: frozenset[str]
+    fixed: frozenset[str] = frozenset()  # tensors of the module that no width couples (copied unchanged)
 
     def rule(self, name: str) -> TensorRule | None:
         """The rule for tensor suffix ``name``, or None when the layout does not couple it."""
@@ -246,14 +250,52 @@ OLMO_HYBRID = Layout(
 
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID)}
 
+# --------------------------------------------------------------------------------------------------------
+# Sub-block layouts (kinds and geometries in gdnprune.blocks): the same rules, other segment kinds —
+# ``i`` MLP channel, ``kv`` key-value head channel, ``qo`` query head channel, ``qg`` gated q_proj row.
+
+GATED_MLP = Layout(
+    name="gated_mlp",
+    description="SwiGLU MLP (gate_proj / up_proj rows, down_proj columns): dense MLPs and MoE shared experts",
+    rules=(*_linear("gate_proj", ("i",)), *_linear("up_proj", ("i",)), TensorRule("down_proj.weight", 1, ("i",))),
+    markers=frozenset({"gate_proj.weight", "down_proj.weight"}),
+    fixed=frozenset({"down_proj.bias"}),
+)
+
+QWEN_GATED_ATTENTION = Layout(
+    name="qwen_gated_attention",
+    description="Qwen3.5 / Qwen3-Next gated attention: q_proj rows [query_h | gate_h] per head, q_norm/k_norm "
+                "over the head dim (shared by all heads)",
+    rules=(*_linear("q_proj", ("qg",)), *_linear("k_proj", ("kv",)), *_linear("v_proj", ("kv",)),
+           TensorRule("o_proj.weight", 1, ("qo",))),
+    markers=frozenset({"q_proj.weight", "o_proj.weight"}),
+    fixed=frozenset({"q_norm.weight", "k_norm.weight", "o_proj.bias"}),
+)
+
+ATTENTION_WHOLE_NORM = Layout(
+    name="attention_whole_norm",
+    description="OLMo-hybrid attention: q_norm/k_norm over the whole projection (one weight per channel; "
+                "sorting keeps the function, a cut changes what the norms average over)",
+    rules=(*_linear("q_proj", ("qo",)), *_linear("k_proj", ("kv",)), *_linear("v_proj", ("kv",)),
+           TensorRule("o_proj.weight", 1, ("qo",)),
+           TensorRule("q_norm.weight", 0, ("qo",), ndim=1), TensorRule("k_norm.weight", 0, ("kv",), ndim=1)),
+    markers=frozenset({"q_proj.weight", "o_proj.weight"}),
+    fixed=frozenset({"o_proj.bias"}),
+)
+
+BLOCK_LAYOUTS: dict[str, Layout] = {
+    layout.name: layout for layout in (GATED_MLP, QWEN_GATED_ATTENTION, ATTENTION_WHOLE_NORM)}
+
+
 def get_layout(layout: str | Layout) -> Layout:
-    """Resolve a layout name (or pass a :class:`Layout` through); unknown names raise ``ValueError``."""
+    """Resolve a layout name, GDN or sub-block (or pass a :class:`Layout` through); unknown names raise
+    ``ValueError``."""
     if isinstance(layout, Layout):
         return layout
-    try:
-        return LAYOUTS[layout]
-    except KeyError:
-        raise ValueError(f"unknown GDN layout {layout!r}; expected one of {sorted(LAYOUTS)}") from None
+    found = LAYOUTS.get(layout) or BLOCK_LAYOUTS.get(layout)
+    if found is None:
+        raise ValueError(f"unknown GDN layout {layout!r}; expected one of {sorted(LAYOUTS)}")
+    return found
 
 
 def detect_layout(names: Iterable[str]) -> Layout | None:

@@ -20,7 +20,7 @@ import functools
 import os
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 __all__ = ["load_pretrained", "load_causal_lm", "empty_causal_lm", "slice_model", "per_layer_gdn_modules"]
 
@@ -29,21 +29,27 @@ _LOCK = threading.RLock()
 
 def _gdn_classes(model_class: type) -> list[type]:
     """The GatedDeltaNet module classes of the modeling file that defines ``model_class``."""
+    return _classes(model_class, "GatedDeltaNet")
+
+
+def _classes(model_class: type, suffix: str) -> list[type]:
     module = sys.modules[model_class.__module__]
-    return [obj for name, obj in vars(module).items() if isinstance(obj, type) and name.endswith("GatedDeltaNet")]
+    return [obj for name, obj in vars(module).items() if isinstance(obj, type) and name.endswith(suffix)]
 
 
 @contextlib.contextmanager
 def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
-    """While inside, the GDN modules of ``model_class``'s family are built from their layer's own config
-    when the model config is heterogeneous (``config.per_layer_config[layer_idx]``)."""
+    """While inside, the GDN modules and the decoder layers (so their attention and MLP too) of
+    ``model_class``'s family are built from their layer's own config when the model config is
+    heterogeneous (``config.per_layer_config[layer_idx]``)."""
     classes = _gdn_classes(model_class)
+    layers = _classes(model_class, "DecoderLayer")
     if not classes:
         raise ValueError(f"{model_class.__name__}: no GatedDeltaNet module class in {model_class.__module__}; "
                          f"per-layer GDN geometries are supported for the Qwen3.5, Qwen3-Next and OLMo-hybrid "
                          f"families")
     with _LOCK:
-        originals = {cls: cls.__dict__["__init__"] for cls in classes if "__init__" in cls.__dict__}
+        originals = {cls: cls.__dict__["__init__"] for cls in classes + layers if "__init__" in cls.__dict__}
         for cls, original in originals.items():
             @functools.wraps(original)
             def init(self, config, layer_idx=None, *args, _original=original, **kwargs):
@@ -75,6 +81,15 @@ def _resolve_class(config: Any, model_class: Any) -> type:
     return model_class, model_class
 
 
+def _heterogeneous(config: Any) -> bool:
+    """Whether ``config`` sets a GDN, attention or MLP geometry per layer."""
+    from .blocks import KINDS
+    from .geometry import GDN_CONFIG_KEYS, per_layer_overrides
+
+    keys = set(GDN_CONFIG_KEYS).union(*(kind.config_keys for kind in KINDS.values()))
+    return bool(per_layer_overrides(config, keys))
+
+
 def load_pretrained(path: str | os.PathLike, *, model_class: Any = None, **from_pretrained_kwargs: Any) -> Any:
     """Load a Hugging Face model folder, with per-layer GDN geometries when ``config.json`` has them.
 
@@ -92,12 +107,10 @@ def load_pretrained(path: str | os.PathLike, *, model_class: Any = None, **from_
     """
     import transformers
 
-    from .geometry import per_layer_gdn_overrides
-
     config = from_pretrained_kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
     loader, concrete = _resolve_class(config, model_class)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if not per_layer_gdn_overrides(text) and not per_layer_gdn_overrides(config):
+    if not _heterogeneous(text) and not _heterogeneous(config):
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
     with per_layer_gdn_modules(concrete):
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
@@ -143,8 +156,6 @@ def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
     import torch
     import transformers
 
-    from .geometry import per_layer_gdn_overrides
-
     config = transformers.AutoConfig.from_pretrained(model_dir)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     try:
@@ -154,7 +165,7 @@ def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
             loader, concrete = _resolve_class(config, None)  # the class in config.json's architectures
         except ValueError:
             raise ValueError(f"{model_dir}: cannot build a causal language model ({first})") from None
-    per_layer = per_layer_gdn_overrides(text) or per_layer_gdn_overrides(config)
+    per_layer = _heterogeneous(text) or _heterogeneous(config)
     with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
         model = loader.from_config(config) if loader is not concrete else concrete(config)
     return model.eval()
@@ -172,19 +183,27 @@ def _default_device() -> str:
     return f"cuda:{(info.local_rank if info else 0) % max(1, torch.cuda.device_count())}"
 
 
-def slice_model(model: Any, targets: Any, permutations: Any = None) -> Any:
-    """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory.
+def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, blocks: Any = None,
+                block_orders: Any = None) -> Any:
+    """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory,
+    and its attention and MLP sub-blocks sorted by ``block_orders`` and cut to ``blocks``.
 
     Args:
         model: a loaded transformers model with GDN layers.
-        targets: one target for every layer (a ``GDNShape`` or a mapping of some of its fields), or
-            ``{module prefix: target}`` (layers not named keep their geometry).
+        targets: one target for every GDN layer (a ``GDNShape`` or a mapping of some of its fields), or
+            ``{module prefix: target}`` (layers not named keep their geometry); None: GDN layers keep theirs.
         permutations: ``{module prefix: GDNPermutation or score payload}`` (None: no sorting).
+        blocks: sub-block target fields (``intermediate_size``, ``shared_expert_intermediate_size``,
+            ``num_attention_heads``, ``num_key_value_heads``) for every sub-block that has them, or
+            ``{sub-block prefix: fields}`` (e.g. ``"model.layers.3.self_attn"``); None: no cut.
+        block_orders: ``{sub-block prefix: orders or score payload}`` (:mod:`gdnprune.block_surgery`).
 
-    The new model's config records the per-layer geometry as a sliced checkpoint does (the plain
-    ``linear_*`` keys when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained``
-    writes a folder that :func:`load_pretrained` reads back.
+    The new model's config records the per-layer geometry as a sliced checkpoint does (the plain keys
+    when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained`` writes a folder
+    that :func:`load_pretrained` reads back.
     """
+    from .block_surgery import find_model_blocks, slice_block_state_dict
+    from .blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_kind_of, resolve_block_target
     from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
     from .geometry import GDNShape, apply_targets_to_config, layer_index_of
     from .layouts import find_gdn_modules
@@ -197,13 +216,38 @@ def slice_model(model: Any, targets: Any, permutations: Any = None) -> Any:
     chosen = {}
     for prefix, module in modules:
         shape = GDNShape.from_module(module)
-        target = resolve_target(shape, targets.get(prefix) if per_layer else targets)
+        target = resolve_target(shape, (targets or {}).get(prefix) if per_layer else targets)
         perm = None if permutations is None else permutations.get(prefix)
         if isinstance(perm, dict):
             perm = GDNPermutation.from_score_payload(perm, shape)
         slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=perm)
         chosen[layer_index_of(prefix)] = target
-    config = type(model.config).from_dict(apply_targets_to_config(model.config.to_dict(), chosen))
+    config = apply_targets_to_config(model.config.to_dict(), chosen)
+    if blocks is not None or block_orders:
+        per_block = isinstance(blocks, Mapping) and not set(blocks) <= set(BLOCK_FIELDS)
+        named = set(block_orders or {}) | (set(blocks) if per_block else set())
+        kinds = {kind.name for p in named if (kind := block_kind_of(p)) is not None}
+        kinds |= {k.name for k in KINDS.values() if not per_block and set(blocks or {}) & set(k.config_keys)}
+        found = find_model_blocks(model, sorted(kinds))  # only the kinds asked for: others may be unsupported
+        by_prefix = {b.prefix: b for b in found}
+        unknown = sorted(named - set(by_prefix))
+        absent = [] if per_block else sorted(
+            f for f in (blocks or {}) if not any(f in KINDS[b.kind].config_keys for b in found))
+        if absent:
+            raise ValueError(f"no sub-block of this model has {absent} (its sub-blocks: "
+                             f"{sorted({b.kind for b in found}) or 'none'})")
+        if unknown:
+            raise ValueError(f"{unknown} are not sub-blocks of this model (its sub-blocks: "
+                             f"{sorted(by_prefix)[:4]} ...)")
+        cut: dict[str, dict[int, Any]] = {}
+        for block in found:
+            fields = (blocks or {}).get(block.prefix) if per_block else blocks
+            target = resolve_block_target(block, fields)
+            slice_block_state_dict(state, block, target, orders=(block_orders or {}).get(block.prefix))
+            cut.setdefault(block.kind, {})[layer_index_of(block.prefix)] = target
+        for kind, kind_targets in cut.items():
+            config = apply_block_targets_to_config(config, kind, kind_targets)
+    config = type(model.config).from_dict(config)
     with per_layer_gdn_modules(type(model)):
         new = type(model)(config)
     new.load_state_dict(state, strict=True)

@@ -9,7 +9,14 @@ A plan is a JSON object (``gdnprune plan`` writes one; ``slice --plan`` and ``pr
      ...metadata (budgets, predicted KL, the scores file's hash)}
 
 A layer may give only some of the four fields; the others keep the layer's size. A layer that is not
-named gets ``default`` (or keeps its shape). Prefixes match as in scores files, with or without the
+named gets ``default`` (or keeps its shape).
+
+Version 2 (what gdnprune writes now; version 1 files are still read) also cuts the dense sub-blocks
+(:mod:`gdnprune.blocks`): an entry keyed by a sub-block prefix gives that block's fields —
+``"model.layers.3.self_attn": {"num_attention_heads": 8, "num_key_value_heads": 2}``,
+``"model.layers.3.mlp": {"intermediate_size": 2048}``, ``"model.layers.3.mlp.shared_expert":
+{"shared_expert_intermediate_size": 256}`` — and ``default`` may hold these fields too (each applies to
+the sub-blocks that have it). Prefixes match as in scores files, with or without the
 ``language_model.`` part of a vision-language checkpoint. Also here: the serving constraints a plan must
 meet (:func:`constraint_violations`, :func:`kernel_warnings`) and the cost of a geometry
 (:func:`state_elements`). This module does not import torch.
@@ -21,6 +28,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, resolve_block_target
 from .fileio import write_json_atomic
 from .geometry import GDNShape
 from .scores import match_layers
@@ -29,6 +37,9 @@ from .targets import TARGET_FIELDS, TargetError, resolve_target
 __all__ = [
     "PLAN_FORMAT",
     "PLAN_VERSION",
+    "PLAN_VERSIONS",
+    "plan_block_kinds",
+    "resolve_block_plan",
     "PlanError",
     "read_plan",
     "resolve_plan",
@@ -40,8 +51,10 @@ __all__ = [
 
 #: ``format`` field of a plan file.
 PLAN_FORMAT = "gdnprune-plan"
-#: ``version`` field of a plan file.
-PLAN_VERSION = 1
+#: ``version`` field of a plan file that gdnprune writes.
+PLAN_VERSION = 2
+#: versions it reads (1: GDN layers only)
+PLAN_VERSIONS = (1, 2)
 #: flash-linear-attention's kernels fail on key head dims below this and pad head dims that are not multiples
 #: of it (fla-org/flash-linear-attention#22)
 KERNEL_MULTIPLE = 16
@@ -51,12 +64,12 @@ class PlanError(ValueError):
     """A plan file (or dict) that cannot be read or applied to the checkpoint."""
 
 
-def _check_fields(entry: Any, where: str) -> dict[str, int]:
+def _check_fields(entry: Any, where: str, allowed=TARGET_FIELDS) -> dict[str, int]:
     if not isinstance(entry, Mapping):
-        raise PlanError(f"{where}: expected an object of some of {list(TARGET_FIELDS)}, found {type(entry).__name__}")
-    unknown = sorted(map(str, set(entry) - set(TARGET_FIELDS)))
+        raise PlanError(f"{where}: expected an object of some of {list(allowed)}, found {type(entry).__name__}")
+    unknown = sorted(map(str, set(entry) - set(allowed)))
     if unknown:
-        raise PlanError(f"{where}: unknown fields {unknown}; expected some of {list(TARGET_FIELDS)}")
+        raise PlanError(f"{where}: unknown fields {unknown}; expected some of {list(allowed)}")
     for name, value in entry.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{where}: {name} must be a positive integer, found {value!r}")
@@ -85,8 +98,9 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
         raise PlanError(f"{where}: expected a JSON object, found {type(plan).__name__}")
     if plan.get("format") != PLAN_FORMAT:
         raise PlanError(f"{where}: not a gdnprune plan (format {plan.get('format')!r}, expected {PLAN_FORMAT!r})")
-    if plan.get("version") != PLAN_VERSION:
-        raise PlanError(f"{where}: unsupported plan version {plan.get('version')!r}, expected {PLAN_VERSION}")
+    version = plan.get("version")
+    if isinstance(version, bool) or version not in PLAN_VERSIONS:
+        raise PlanError(f"{where}: unsupported plan version {version!r}, expected one of {list(PLAN_VERSIONS)}")
     layers = plan.get("layers", {})
     if not isinstance(layers, Mapping):
         raise PlanError(f"{where}: 'layers' must map GDN layer prefixes to targets, found {type(layers).__name__}")
@@ -97,10 +111,58 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
     for prefix, entry in layers.items():
         if not isinstance(prefix, str):
             raise PlanError(f"{where}: layer keys must be GDN layer prefixes, found {prefix!r}")
-        out["layers"][prefix] = _check_fields(entry, f"{where}: layers[{prefix!r}]")
+        kind = block_kind_of(prefix)
+        if kind is not None and version == 1:
+            raise PlanError(f"{where}: layers[{prefix!r}] is a {kind.name} sub-block; plan version 1 cuts only GDN "
+                            f"layers (write version 2)")
+        allowed = TARGET_FIELDS if kind is None else tuple(k for k in kind.config_keys if k in BLOCK_FIELDS)
+        out["layers"][prefix] = _check_fields(entry, f"{where}: layers[{prefix!r}]", allowed)
     if plan.get("default") is not None:
-        out["default"] = _check_fields(plan["default"], f"{where}: default")
+        allowed = TARGET_FIELDS if version == 1 else TARGET_FIELDS + BLOCK_FIELDS
+        out["default"] = _check_fields(plan["default"], f"{where}: default", allowed)
     return out
+
+
+def _gdn_part(plan: Mapping) -> tuple[dict, dict]:
+    """The entries of GDN layers and the GDN fields of ``default``."""
+    layers = {k: v for k, v in plan["layers"].items() if block_kind_of(k) is None}
+    default = {k: v for k, v in (plan.get("default") or {}).items() if k in TARGET_FIELDS}
+    return layers, default
+
+
+def plan_block_kinds(plan: str | os.PathLike | Mapping) -> set[str]:
+    """The sub-block kinds a plan cuts (named entries, or fields of ``default``)."""
+    plan = read_plan(plan)
+    kinds = {kind.name for p in plan["layers"] if (kind := block_kind_of(p)) is not None}
+    default = set(plan.get("default") or {})
+    return kinds | {k.name for k in KINDS.values() if default & set(k.config_keys)}
+
+
+def resolve_block_plan(plan: str | os.PathLike | Mapping, blocks) -> dict[str, Any]:
+    """The target geometry of every sub-block of ``blocks`` (:class:`gdnprune.blocks.Block` list) under
+    ``plan``: its entry, else the fields of ``default`` its kind has, else its own geometry.
+
+    Raises:
+        PlanError: an entry names a sub-block the checkpoint does not have, or a target does not fit
+            (all such blocks are listed).
+    """
+    plan = read_plan(plan)
+    entries = {k: v for k, v in plan["layers"].items() if block_kind_of(k) is not None}
+    by_prefix = {b.prefix: b for b in blocks}
+    try:
+        named = match_layers(entries, by_prefix, what="plan")
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    default = plan.get("default") or {}
+    targets, problems = {}, []
+    for prefix, block in by_prefix.items():
+        try:
+            targets[prefix] = resolve_block_target(block, named.get(prefix, default))
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise PlanError(f"{len(problems)} sub-block(s) of the plan do not fit: " + "; ".join(problems))
+    return targets
 
 
 def resolve_plan(plan: str | os.PathLike | Mapping, shapes: Mapping[str, GDNShape]) -> dict[str, GDNShape]:
@@ -111,11 +173,11 @@ def resolve_plan(plan: str | os.PathLike | Mapping, shapes: Mapping[str, GDNShap
             or gives a layer a target that does not fit in it (all such layers are listed).
     """
     plan = read_plan(plan)
+    layers, default = _gdn_part(plan)
     try:
-        named = match_layers(plan["layers"], shapes, what="plan")
+        named = match_layers(layers, shapes, what="plan")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    default = plan.get("default") or {}
     targets, problems = {}, []
     for prefix, shape in shapes.items():
         fields = named.get(prefix, default)

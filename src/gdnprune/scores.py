@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from . import geometry
+from . import blocks, geometry
+from .blocks import block_kind_of
 from .fileio import check_output_file, write_json_atomic
 from .geometry import ORDER_KEYS
 
@@ -112,6 +113,9 @@ def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
     for prefix, payload in layers.items():
         if not isinstance(payload, Mapping):
             raise ScoresError(f"{source}: layer {prefix!r} is not an object")
+        if block_kind_of(prefix) is not None:  # an attention or MLP sub-block (gdnprune.blocks)
+            _check_block_payload(prefix, payload, source)
+            continue
         missing = [k for k in (*ORDER_KEYS, "shape") if k not in payload]
         if missing:
             raise ScoresError(f"{source}: layer {prefix!r} lacks {missing}")
@@ -123,6 +127,23 @@ def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
         except (TypeError, ValueError) as exc:
             raise ScoresError(f"{source}: layer {prefix!r}: {exc}") from None
     return scores
+
+
+def _check_block_payload(prefix: str, payload: Mapping, source: str) -> None:
+    """A sub-block's payload: its ``shape`` (the geometry's fields) and orders that fit it."""
+    kind = block_kind_of(prefix)
+    try:
+        shape = payload.get("shape")
+        if not isinstance(shape, Mapping):
+            raise ValueError(f"shape must be an object of the {kind.geometry.__name__} fields, found "
+                             f"{type(shape).__name__}")
+        block_shape = kind.geometry(**shape)
+        blocks.orders_from_payload(payload, block_shape)
+    except (TypeError, ValueError) as exc:
+        raise ScoresError(f"{source}: sub-block {prefix!r}: {exc}") from None
+    missing = [key for key in blocks.order_keys(block_shape) if key not in payload]
+    if missing:
+        raise ScoresError(f"{source}: sub-block {prefix!r} lacks the orders {missing}")
 
 
 def load_scores(path: str | os.PathLike) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_head
 
 __all__ = [
     "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "GDN_DTYPES",
-    "Checkpoint", "GDNLayer", "open_checkpoint", "read_manifest", "find_gdn_layers", "inspect_checkpoint",
-    "read_json", "map_to_checkpoint",
+    "Checkpoint", "GDNLayer", "open_checkpoint", "read_manifest", "find_gdn_layers", "find_block_layers",
+    "inspect_checkpoint", "read_json", "map_to_checkpoint",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -231,6 +231,7 @@ class GDNLayer:
     tensors: dict[str, TensorInfo]
     splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
     scales: dict[str, Any] = field(default_factory=dict)
+    kind: str = "gdn"  # or a sub-block kind of gdnprune.blocks ("attention", "mlp", "shared_expert")
 
     def rule(self, suffix: str):
         """The rule of tensor ``suffix``: the layout's, or the block rule of an FP8 scale tensor."""
@@ -314,6 +315,53 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
             raise CheckpointError(f"{prefix}: {exc}") from None
         layers.append(_check_layer(prefix, get_layout(layout), shape, tensors, _block_size(checkpoint)))
     return layers, skipped
+
+
+def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
+    """The sub-blocks of ``kinds`` (:data:`gdnprune.blocks.KINDS`: attention, MLP, shared expert) of
+    ``checkpoint``, each checked like a GDN layer against its layout table and the config's geometry. The
+    engine treats them as it treats GDN layers; the tensors a layout leaves unchanged (``fixed``) are not
+    part of them and are copied byte for byte.
+
+    Raises:
+        CheckpointError: a block whose tensors fit none of its kind's layouts (e.g. an indexed attention),
+            or a tensor of the wrong shape or dtype.
+    """
+    from ..blocks import find_blocks
+    from ..layouts import get_layout
+
+    try:
+        blocks = find_blocks({n: checkpoint.tensor(n).shape for n in checkpoint.names}, checkpoint.config, kinds)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    layers = []
+    for block in blocks:
+        tensors = {s: checkpoint.tensor(f"{block.prefix}.{s}") for s in block.tensors}
+        layer = _check_layer(block.prefix, get_layout(block.layout), block.shape, tensors, _block_size(checkpoint))
+        layer.kind = block.kind
+        layers.append(layer)
+    return layers
+
+
+def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
+    """The sub-blocks of every kind for :func:`inspect_checkpoint`, and their parameters per kind."""
+    from ..blocks import KINDS
+
+    out, by_kind = [], {}
+    for kind in KINDS:
+        try:
+            layers = find_block_layers(ckpt, (kind,))
+        except CheckpointError as exc:
+            out.append({"kind": kind, "unsupported": str(exc)})
+            continue
+        for layer in layers:
+            fixed = [n for n in ckpt.names if n.startswith(layer.prefix + ".") and n[len(layer.prefix) + 1:]
+                     not in layer.tensors]
+            parameters = layer.parameters + sum(ckpt.tensor(n).numel for n in fixed)
+            out.append({"prefix": layer.prefix, "kind": kind, "layout": layer.layout, **layer.shape.as_dict(),
+                        "parameters": parameters})
+            by_kind[kind] = by_kind.get(kind, 0) + parameters
+    return out, by_kind
 
 
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
@@ -424,7 +472,10 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     ``single-file``), ``shards``, ``dtypes`` (tensor count per dtype), ``gdn_shape`` (None when the layers
     differ: ``heterogeneous``), ``layers`` (one dict per GDN layer: ``prefix``, ``layout``, the four geometry
     fields, ``parameters``, ``state_elements`` (recurrent state per sequence), ``shards``),
-    ``gdn_parameters``, ``other_parameters``, ``total_parameters``, ``total_bytes``, ``passthrough`` and
+    ``gdn_parameters``, ``sub_blocks`` (the attention / MLP / shared-expert blocks: prefix, kind, layout,
+    geometry, parameters; a kind whose modules fit no layout gives ``{"kind", "unsupported": reason}``),
+    ``parameters_by_kind`` (``gdn``, each sub-block kind, ``other``: embeddings, norms, routed experts,
+    vision tower, ``mtp.*``), ``other_parameters`` (everything but GDN), ``total_parameters``, ``total_bytes``, ``passthrough`` and
     ``manifest`` (operation and sorted flag of a gdnprune output, else None).
 
     Raises:
@@ -438,6 +489,7 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     gdn = sum(layer.parameters for layer in layers)
     dtypes = collections.Counter(ckpt.tensor(n).dtype for n in ckpt.names)
     config = ckpt.config
+    sub_blocks, by_kind = _inspect_sub_blocks(ckpt)
     return {
         "model_dir": str(ckpt.path),
         "model_type": config.get("model_type"),
@@ -461,6 +513,8 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
             for layer in layers
         ],
         "gdn_parameters": gdn,
+        "sub_blocks": sub_blocks,
+        "parameters_by_kind": {"gdn": gdn, **by_kind, "other": total - gdn - sum(by_kind.values())},
         "other_parameters": total - gdn,
         "total_parameters": total,
         "total_bytes": ckpt.total_bytes,
@@ -471,14 +525,20 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     }
 
 
-def map_to_checkpoint(prefixes: list[str], model_dir: str | os.PathLike) -> dict[str, str]:
+def map_to_checkpoint(prefixes: list[str], model_dir: str | os.PathLike, *, modules: bool = False
+                      ) -> dict[str, str]:
     """``{model prefix: checkpoint prefix}``: a loaded model's GDN module prefixes mapped to the GDN layer
     prefixes of the folder's tensors (they differ when a vision-language checkpoint is loaded as a text
-    model). Unchanged when the folder has no safetensors."""
+    model). Unchanged when the folder has no safetensors. ``modules``: map to any module of the folder's
+    tensors instead (the attention / MLP sub-blocks)."""
     from ..scores import matching_prefixes
 
+    if not prefixes:
+        return {}
     try:
-        stored = [layer.prefix for layer in find_gdn_layers(open_checkpoint(model_dir))[0]]
+        ckpt = open_checkpoint(model_dir)
+        stored = sorted({n.rsplit(".", 2)[0] for n in ckpt.names}) if modules else \
+            [layer.prefix for layer in find_gdn_layers(ckpt)[0]]
     except CheckpointError:
         return {p: p for p in prefixes}
     mapping = {}

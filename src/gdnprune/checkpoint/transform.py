@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..geometry import apply_targets_to_config, layer_index_of
-from ..layouts import BlockGridError
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
 from ..fileio import file_sha256
 from ..scores import read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from .. import compensate
-from . import output, refit
+from . import output, refit, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
     CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, find_gdn_layers, open_checkpoint,
@@ -80,9 +79,14 @@ def transform_checkpoint(
         permutations: GDN layer prefix -> :class:`~gdnprune.gated_delta_net.GDNPermutation` or score
             payload (``*_order_most_important_first`` lists). A layer without an entry keeps its order
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
-            None: no permutation.
+            Entries keyed by an attention / MLP sub-block's prefix (``model.layers.3.self_attn``,
+            ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.blocks`); a sub-block
+            without an entry keeps its order. None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
-            fields (missing or None fields keep each layer's size). None: no slicing.
+            fields (missing or None fields keep each layer's size). The mapping may also hold the
+            sub-block fields ``intermediate_size``, ``shared_expert_intermediate_size``,
+            ``num_attention_heads`` and ``num_key_value_heads``: every sub-block that has the field is cut
+            to it (:mod:`gdnprune.checkpoint.subblocks`). None: no slicing.
         plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.plans`).
             Layers that end up with different geometries are recorded in ``config.json`` with
             transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
@@ -139,19 +143,7 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
     for line in kernel_warnings(cut):
         _warn(KernelShapeWarning, line)
     plans = {layer.prefix: plan_layer(layer, targets[layer.prefix], orders.get(layer.prefix)) for layer in layers}
-    for prefix, layer_plan in plans.items():  # FP8: every scale block must stay whole (see layouts.scale_rule)
-        broken = set()
-        for suffix, rule in layer_plan.layer.scales.items():
-            try:
-                rule.gather_index(layer_plan.layer.shape, layer_plan.target, layer_plan.indices)
-            except BlockGridError as exc:
-                if not dequantize:
-                    what = "sorted" if layer_plan.target == layer_plan.layer.shape else f"cut to {layer_plan.target}"
-                    raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
-                                      f"exactly: {exc}. Cut whole heads (head dims that are multiples of "
-                                      f"{rule.block}), or pass `dequantize=True` to write such weights in BF16") from None
-                broken.add(suffix[: -len("weight_scale_inv")] + "weight")
-        layer_plan.dequantize = frozenset(broken)
+    subblocks.check_scale_grids(plans, dequantize)
     return plans, missing
 
 
@@ -161,12 +153,15 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
     layers, skipped = find_gdn_layers(ckpt)
+    (target, block_target), (permutations, block_orders) = subblocks.split_target(target), \
+        subblocks.split_permutations(permutations)
     plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
+    blocks = subblocks.plan_sub_blocks(ckpt, block_orders, block_target, plan, dequantize=constraints[2])
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
-    gdn_names = {layer.name(s) for layer in layers for s in layer.tensors}
-    cut = target is not None or plan is not None
-    if cut and permutations is None and not ckpt.is_sorted:
+    gdn_names = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
+    cut = target is not None or plan is not None or blocks.cut
+    if cut and permutations is None and not block_orders and not ckpt.is_sorted:
         _warn(UnsortedInputWarning,
               f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
               f"channels in their original order, not the most important ones (run `gdnprune sort` first)")
@@ -174,6 +169,10 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
         _warn(MissingScoresWarning, f"GDN layer {prefix} has no entry in the scores: it keeps its order")
     if skipped:
         _warn(PassthroughWarning, f"{skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: left untouched")
+    if blocks.passthrough:
+        _warn(PassthroughWarning, f"{blocks.passthrough} keep their width while config.json's global sizes now "
+                                  f"describe the cut layers: a server that builds the MTP head from config.json "
+                                  f"(speculative decoding) will not load it; transformers ignores mtp.*")
     if left_out:
         _warn(UserWarning, f"other weight files {left_out} of {src} are not copied (they are not part of the "
                            f"safetensors checkpoint that is transformed)")
@@ -202,7 +201,7 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     staging = output.Staging(out, overwrite, src=src)
     with staging as tmp:
         shards = plan_shards(ckpt, gdn_names, tmp)
-        work = GDNWork(ckpt, shards, plans)
+        work = GDNWork(ckpt, shards, {**plans, **blocks.plans})
 
         def worker_main() -> None:
             try:
@@ -248,8 +247,10 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
                     **dict(manifest_extra or {})}
             for shard in shards:
                 on_chunk(write_header(shard))
+            if blocks.plans:
+                manifest_extra = {"blocks": blocks.manifest(), **dict(manifest_extra or {})}
             manifest = _finish_folder(ckpt, tmp, work, operation, permutations, cut, plan, missing, skipped,
-                                      other_files, manifest_extra)
+                                      other_files, manifest_extra, blocks)
             check_unchanged(ckpt)
         except BaseException:
             work.stop.set()
@@ -264,16 +265,19 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
 
 
 def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, cut, plan, missing, skipped,
-                   other_files, manifest_extra) -> dict:
+                   other_files, manifest_extra, blocks: subblocks.SubBlockPlan) -> dict:
     """Index, config, other files and manifest of the output folder."""
     from ..geometry import orders_to_payload
+
+    gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
 
     output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped)
     dequantized = [f"{prefix}.{suffix[: -len('.weight')]}" for prefix, p in work.plans.items() for suffix in sorted(p.dequantize)]
     if cut or dequantized:
         config = ckpt.config
         if cut:
-            config = apply_targets_to_config(config, {layer_index_of(prefix): p.target for prefix, p in work.plans.items()})
+            config = apply_targets_to_config(config, {layer_index_of(prefix): p.target for prefix, p in gdn_plans.items()})
+            config = blocks.apply_to_config(config)
         if dequantized:
             config = _not_converted(config, dequantized)
         output.write_json(tmp / CONFIG_NAME, config)
@@ -282,9 +286,9 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
     if dequantized:
         manifest_extra = {"dequantized": dequantized, **dict(manifest_extra or {})}
     output.copy_other_files(ckpt.path, tmp, other_files)
-    permuted = [p for p, layer_plan in work.plans.items() if layer_plan.permutation is not None]
-    targets_out = {layer_plan.target for layer_plan in work.plans.values()}
-    shapes_in = {layer_plan.layer.shape for layer_plan in work.plans.values()}
+    permuted = [p for p, layer_plan in gdn_plans.items() if layer_plan.permutation is not None]
+    targets_out = {layer_plan.target for layer_plan in gdn_plans.values()}
+    shapes_in = {layer_plan.layer.shape for layer_plan in gdn_plans.values()}
     if plan is not None:
         plan_info = read_plan(plan)
         extra = {"plan": {"path": None if isinstance(plan, Mapping) else str(Path(plan).resolve()),
@@ -294,7 +298,7 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
         manifest_extra = extra
     manifest = output.build_manifest(
         ckpt, operation,
-        sorted_out=all(p in permuted or ckpt.is_sorted for p in work.plans),
+        sorted_out=all(p in permuted or ckpt.is_sorted for p in gdn_plans),
         source_shape=next(iter(shapes_in)).as_dict() if len(shapes_in) == 1 else None,
         target=next(iter(targets_out)).as_dict() if cut and len(targets_out) == 1 else None,
         layers={
@@ -304,7 +308,7 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
                 "target": lp.target.as_dict(),
                 "permutation": None if lp.permutation is None else orders_to_payload(lp.permutation),
             }
-            for prefix, lp in work.plans.items()
+            for prefix, lp in gdn_plans.items()
         },
         unsorted_layers=missing if permutations is not None else None,
         passthrough=skipped,
@@ -359,7 +363,9 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
     ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
-    size. ``plan`` gives every layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`).
+    size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
+    ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers. ``plan`` gives every
+    layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """

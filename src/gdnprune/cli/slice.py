@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ._options import add_deprecated_alias, add_output_arguments, positive_float, add_plan_arguments, add_target_arguments, summary, target_from_args
+from ._options import add_deprecated_alias, add_output_arguments, add_plan_arguments, add_target_arguments, \
+    positive_float, positive_int, summary, target_from_args
 from ._runtime import without_blas_threads
 
 NAME = "slice"
@@ -20,6 +21,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
     add_output_arguments(p)
     add_target_arguments(p)
+    blocks = p.add_argument_group("attention and MLP", "cut every full-attention layer or MLP (the same nested "
+                                                       "prefix for each); per-layer sizes go in --plan")
+    blocks.add_argument("--intermediate-size", dest="intermediate_size", type=positive_int, metavar="N",
+                        help="MLP channels of every dense MLP")
+    blocks.add_argument("--shared-expert-intermediate-size", dest="shared_expert_intermediate_size",
+                        type=positive_int, metavar="N", help="channels of every MoE shared expert")
+    blocks.add_argument("--num-attention-heads", dest="num_attention_heads", type=positive_int, metavar="N",
+                        help="query heads of every full-attention layer, a multiple of the key-value heads")
+    blocks.add_argument("--num-key-value-heads", dest="num_key_value_heads", type=positive_int, metavar="N",
+                        help="key-value heads (GQA groups) of every full-attention layer")
     add_plan_arguments(p)
     p.add_argument("--compensation-stats", metavar="STATS.safetensors", default=None,
                    help="refit out_proj by least squares to reconstruct the full layer output, from these "
@@ -39,10 +50,28 @@ def run(args) -> int:
         without_blas_threads()
     from ..checkpoint import slice_checkpoint
 
-    target = target_from_args(args)
+    from ..blocks import BLOCK_FIELDS
+    from ..targets import TargetError
+
+    sub_blocks = {f: getattr(args, f) for f in BLOCK_FIELDS if getattr(args, f) is not None}
+    if sub_blocks and args.plan is not None:
+        raise TargetError("give a target (--intermediate-size, ...) or --plan, not both")
+    target = target_from_args(args, required=not sub_blocks)
+    if sub_blocks:
+        target = {**(target or {}), **sub_blocks}
     manifest = slice_checkpoint(args.model_dir, args.output, target=target, plan=args.plan, tp=args.tp,
                                 multiple_of=args.multiple_of, compensation=args.compensation_stats, ridge=args.ridge,
                                 dequantize=args.dequantize,
                                 overwrite=args.overwrite, progress=not args.quiet)
-    print(summary(manifest, args.output))
+    line = summary(manifest, args.output)
+    if manifest.get("blocks"):
+        kinds: dict[str, int] = {}
+        for entry in manifest["blocks"].values():
+            kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
+        blocks = ", ".join(f"{n} {kind} block{'s' * (n > 1)}" for kind, n in sorted(kinds.items()))
+        if all(layer["target"] == layer["shape"] for layer in manifest["layers"].values()):
+            line = f"wrote {args.output}: cut {blocks}; GDN layers unchanged ({manifest['elapsed_seconds']:.1f} s)"
+        else:
+            line += f"; also cut {blocks}"
+    print(line)
     return 0

@@ -69,6 +69,7 @@ def measure_statistics(
     key_group_measure: str = "energy_gram",
     loss_token_stride: int | None = None,
     window_offset: int = 0,
+    blocks: bool = False,
 ) -> ScoringStatistics:
     """The forward passes of :func:`score_model` in this process alone: the sums, before any order.
 
@@ -83,12 +84,20 @@ def measure_statistics(
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
+    block_scorers = []
+    if blocks:
+        from ..block_surgery import find_model_blocks
+        from .blocks import BlockScorer
+
+        block_method = method if method != "random" else "activation"  # random: no statistics are used
+        block_scorers = [BlockScorer(b, model.get_submodule(b.prefix), block_method)
+                         for b in find_model_blocks(model, _supported_kinds(model))]
     if method == "random":
         layers = {}
         for prefix, module in modules:
             scorer = LayerScorer(prefix, module, method, key_dim_measure, value_dim_measure)
             layers[prefix] = LayerStatistics(scorer.shape, scorer.layout)
-        return ScoringStatistics(method, int(seed), None, layers)
+        return ScoringStatistics(method, int(seed), None, layers, {s.block.prefix: (s.block, {}) for s in block_scorers})
     head = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
         head = output_head(model)
@@ -126,7 +135,7 @@ def measure_statistics(
     was_training = model.training
     model.eval()
     try:
-        for scorer in scorers:
+        for scorer in [*scorers, *block_scorers]:
             handles.extend(scorer.attach())
         if head is not None:
             handles.append(head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0])))
@@ -138,6 +147,8 @@ def measure_statistics(
                 for scorer in scorers:
                     scorer.token_mask = mask
                     scorer.loss_select = select
+                for block_scorer in block_scorers:
+                    block_scorer.token_mask = mask
                 kwargs = dict(extra)
                 if mask is not None:
                     kwargs["attention_mask"] = mask.to(device).long()
@@ -152,7 +163,24 @@ def measure_statistics(
             handle.remove()
         model.train(was_training)
     layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
-    return ScoringStatistics(method, int(seed), measures, layers)
+    return ScoringStatistics(method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats)
+                                                                   for s in block_scorers})
+
+
+def _supported_kinds(model: torch.nn.Module) -> list[str]:
+    """The sub-block kinds of ``model`` that fit a layout (an indexed attention, say, is left to GDN scoring)."""
+    from ..block_surgery import find_model_blocks
+    from ..blocks import KINDS
+
+    kinds = []
+    for kind in KINDS:
+        try:
+            find_model_blocks(model, (kind,))
+        except ValueError as exc:
+            warnings.warn(f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4)
+            continue
+        kinds.append(kind)
+    return kinds
 
 
 def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> ScoringStatistics:
@@ -176,6 +204,7 @@ def score_model(
     loss_token_stride: int | None = None,
     window_offset: int = 0,
     distributed: bool | None = None,
+    blocks: bool = False,
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
 
@@ -209,6 +238,10 @@ def score_model(
             (:func:`~gdnprune.scoring.loss_head.default_loss_token_stride`).
         window_offset: the running index of the first window of ``batches`` among all calibration windows,
             when ``batches`` is one share of them (the loss tokens are chosen by the global index).
+        blocks: also score the attention heads and MLP channels (dense MLPs, MoE shared experts) in the same
+            forward passes (:mod:`gdnprune.scoring.blocks`); their payloads join ``layers`` under the
+            sub-blocks' prefixes (``random``: random orders). Kinds whose modules fit no layout (Qwen4-exp's
+            indexed attention) are left out.
         distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
             group before the orders are computed (default None: when a group with more than one process
             is initialised). Each rank passes its own share of the windows
@@ -226,7 +259,7 @@ def score_model(
     options = dict(method=method, seed=seed, total=total, key_dim_measure=key_dim_measure,
                    value_dim_measure=value_dim_measure, lane_measure=lane_measure,
                    key_group_measure=key_group_measure, loss_token_stride=loss_token_stride,
-                   window_offset=window_offset)
+                   window_offset=window_offset, blocks=blocks)
     if not (is_distributed() if distributed is None else distributed and is_distributed()):
         return scores_from_statistics(measure_statistics(model, batches, progress=progress, **options))
     with fail_together():
@@ -297,6 +330,7 @@ def measure_checkpoint(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
     keep_model: bool = False,
+    blocks: bool = False,
     model: Any = None,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
@@ -356,9 +390,11 @@ def measure_checkpoint(
             model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
         batches = list(iter_batches(windows[start : start + len(mine)], batch_size))
         statistics = measure_statistics(model, batches, method=method, seed=seed, window_offset=start,
-                                        progress=progress and is_main_process())
+                                        progress=progress and is_main_process(), blocks=blocks)
         mapping = map_to_checkpoint(list(statistics.layers), model_dir)
         statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
+        mapping = map_to_checkpoint(list(statistics.blocks), model_dir, modules=True)
+        statistics.blocks = {mapping[p]: entry for p, entry in statistics.blocks.items()}
         if not keep_model:
             del model
     reduce_statistics(statistics)
@@ -384,6 +420,7 @@ def score_checkpoint(
     refine: str | None = None,
     refine_samples: int = 16,
     compensation: bool = False,
+    blocks: bool = False,
     model: Any = None,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
@@ -395,6 +432,9 @@ def score_checkpoint(
 
     ``seq_len=None`` takes what the model supports, at most 512 (:func:`default_seq_len`); the value
     used, and where it came from, are recorded under ``calibration``.
+
+    ``blocks=True`` also scores the attention heads and MLP channels in the same forwards (see
+    :func:`score_model`).
 
     ``refine="lanes"`` then decides the lane orders by measured KL on the first ``refine_samples`` windows
     (:func:`gdnprune.refine.refine_lane_orders`). ``compensation=True`` also collects the least-squares
@@ -411,7 +451,7 @@ def score_checkpoint(
     keep = refine is not None or compensation
     run = measure_checkpoint(model_dir, data, method=method, num_samples=num_samples, seq_len=seq_len,
                              batch_size=batch_size, device=device, dtype=dtype, device_map=device_map, seed=seed,
-                             progress=progress, keep_model=keep, model=model)
+                             progress=progress, keep_model=keep, model=model, blocks=blocks)
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     if refine == "lanes":

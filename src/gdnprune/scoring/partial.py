@@ -85,6 +85,9 @@ def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrit
     from ..fileio import check_output_file
 
     check_output_file(path, overwrite)
+    if run.statistics.blocks:
+        raise PartialError("partial scores files do not hold attention / MLP sub-block statistics yet: score "
+                           "sub-blocks in one run (or under torchrun, whose ranks sum them)")
     path = Path(path)
     tensors = {f"{prefix}/{name}": value.detach().cpu().contiguous()
                for prefix, layer in run.statistics.layers.items() for name, value in layer.stats.items()}

@@ -22,7 +22,7 @@ from .orders import descending, greedy_lane_orders, greedy_removal_order
 
 __all__ = [
     "COUNTS", "SCORE_KIND", "LayerStatistics", "ScoringStatistics", "statistic_shapes", "needs_loss_gradient",
-    "layer_payload", "random_payload", "scores_from_statistics",
+    "layer_payload", "random_payload", "scores_from_statistics", "block_payload",
 ]
 
 #: what the raw ``*_scores`` of each method are, recorded in the scores file
@@ -220,10 +220,13 @@ class ScoringStatistics:
     seed: int
     measures: dict[str, Any] | None
     layers: dict[str, LayerStatistics]
+    #: attention / MLP sub-blocks (:mod:`gdnprune.scoring.blocks`): prefix -> (its Block, its statistics)
+    blocks: dict[str, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every statistic, layer by layer in a fixed order (the order ranks sum them in)."""
-        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)]
+        """Every statistic, layer by layer in a fixed order (the order ranks sum them in), sub-blocks last."""
+        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)] + \
+            [stats[name] for _, stats in self.blocks.values() for name in sorted(stats)]
 
 
 def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1) -> dict[str, Any]:
@@ -247,12 +250,57 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
     if statistics.measures is not None:
         result["measures"] = dict(statistics.measures)
     if method == "random":
+        from ..block_surgery import random_orders
+        from ..blocks import orders_to_payload
+
         generator = torch.Generator().manual_seed(int(statistics.seed))
         for prefix, layer in statistics.layers.items():
             result["layers"][prefix] = random_payload(layer.shape, generator)
+        for prefix, (block, _) in statistics.blocks.items():
+            result["layers"][prefix] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),
+                                        "method": method,
+                                        **orders_to_payload(random_orders(block, generator=generator))}
         return result
     for prefix, layer in statistics.layers.items():
         result["layers"][prefix] = layer_payload(layer.stats, prefix=prefix, shape=layer.shape, layout=layer.layout,
                                                  method=method, measures=statistics.measures or {})
     result["num_tokens"] = next(iter(result["layers"].values()))["num_tokens"] if result["layers"] else 0
+    if statistics.blocks:
+        for prefix, (block, stats) in statistics.blocks.items():
+            result["layers"][prefix] = block_payload(block, stats, method)
     return result
+
+
+def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
+    """The score payload of a sub-block (a :class:`gdnprune.blocks.Block`) from its (summed) statistics
+    (:class:`gdnprune.scoring.blocks.BlockScorer`): orders, raw scores, geometry."""
+    n = max(int(stats["num_tokens"]), 1)
+    activation = stats["abs_sum"] / n
+    payload: dict[str, Any] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),
+                               "method": method}
+    from ..blocks import orders_to_payload
+
+    if block.kind == "attention":
+        nkv, r = block.shape.num_key_value_heads, block.shape.heads_per_group
+        if method == "projection":
+            gram = stats["gram"]
+            group_gram = gram.reshape(nkv, r, nkv, r).sum(dim=(1, 3))
+            kv_groups = greedy_removal_order(group_gram)
+            query_heads = greedy_lane_orders(gram, nkv)
+            head_scores = gram.diagonal() / n
+        else:
+            head_scores = activation
+            kv_groups = descending(head_scores.reshape(nkv, r).sum(-1))
+            query_heads = descending(head_scores.reshape(nkv, r))
+        payload.update(orders_to_payload({"kv_groups": kv_groups, "query_heads": query_heads}))
+        payload["head_scores"] = head_scores.tolist()
+    else:
+        if method == "projection":
+            channels = greedy_removal_order(stats["gram"])
+            scores = stats["gram"].diagonal() / n
+        else:
+            scores = activation
+            channels = descending(scores)
+        payload.update(orders_to_payload({"channels": channels}))
+        payload["channel_scores"] = scores.tolist()
+    return payload

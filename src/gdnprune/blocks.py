@@ -1,0 +1,486 @@
+"""Geometry and canonical indices of the dense sub-blocks beside GDN: MLP channels and attention heads.
+
+Numpy only (the streaming checkpoint commands use it without torch). A *sub-block* is a module of a
+decoder layer whose width can shrink: the GDN layer (:mod:`gdnprune.geometry`), the full attention
+(``self_attn``), the dense MLP (``mlp``) and the MoE shared expert (``mlp.shared_expert``). Each kind is a
+row of :data:`KINDS` — where it lives (the module path), which tensors mark it, which config keys hold its
+geometry, which layout tables (:mod:`gdnprune.layouts`) it may have — so a new kind is a new row (part 2's
+routed experts: one more geometry and one more table), not a new code path.
+
+Geometries and their canonical index *kinds* (``new[i] = old[idx[i]]`` along a segment of that kind):
+
+* :class:`MLPShape` (``I`` intermediate channels): ``"i"`` channel ``c`` -> ``c``.
+* :class:`AttentionShape` (``nq`` query heads, ``nkv`` key-value heads, ``hd`` head dim, ``r = nq/nkv``
+  query heads per key-value head; query head ``h = g*r + j`` reads key-value head ``g``, as
+  ``repeat_kv`` does): ``"kv"`` k/v channel ``(g, e)`` -> ``g*hd + e``; ``"qo"`` query / ``o_proj`` input
+  channel ``(h, e)`` -> ``h*hd + e``; ``"qg"`` row of Qwen's gated ``q_proj``, which stores per head its
+  ``hd`` query rows then its ``hd`` output-gate rows (transformers ``view(..., heads, 2*hd)`` then
+  ``chunk(2)``): ``(h, e)`` -> ``h*2hd + e``, ``e < 2*hd``. The head dim never changes (RoPE).
+
+Orders, most important first (a nested prefix keeps the most important part): MLP ``channels`` [I];
+attention ``kv_groups`` [nkv] and ``query_heads`` [nkv, r] (row ``g``: the query-head order inside OLD
+key-value group ``g``, like GDN's value lanes). Moving whole key-value groups with their query heads, and
+query heads inside their group, preserves the function; so does any channel order of an MLP.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .geometry import as_int as _as_int, as_order, config_value as _get, global_config_value as _get_global, \
+    per_layer_overrides
+
+__all__ = ["MLPShape", "AttentionShape", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
+           "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders",
+           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of", "kv_cache_elements",
+           "BlockCandidate", "block_candidates"]
+
+
+def _heads(index: np.ndarray, width: int) -> np.ndarray:
+    """Rows of whole heads: ``index[:, None] * width + arange(width)``, flattened."""
+    return (np.asarray(index, dtype=np.int64)[:, None] * width + np.arange(width)).reshape(-1)
+
+
+class _Shape:
+    """What every sub-block geometry offers (fields are positive ints, checked in ``__post_init__``)."""
+
+    def _check(self) -> None:
+        for f in fields(self):
+            value = _as_int(getattr(self, f.name))
+            if value is None or value <= 0:
+                raise ValueError(f"{type(self).__name__}.{f.name} must be a positive integer, got "
+                                 f"{getattr(self, f.name)!r}")
+            object.__setattr__(self, f.name, value)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def replace(self, **changes: int):
+        return type(self)(**{**self.as_dict(), **changes})
+
+
+@dataclass(frozen=True)
+class MLPShape(_Shape):
+    """Width of a gated MLP (``gate_proj``/``up_proj`` rows, ``down_proj`` columns)."""
+
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def segment_size(self, kind: str) -> int:
+        return {"i": self.intermediate_size}[kind]
+
+    def order_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"channels": (self.intermediate_size,)}
+
+    def fits(self, target: "MLPShape") -> list[str]:
+        """What of ``target`` does not fit in this geometry (empty when it fits)."""
+        if target.intermediate_size > self.intermediate_size:
+            return [f"intermediate_size {target.intermediate_size} > {self.intermediate_size}"]
+        return []
+
+    def indices(self, orders: Mapping[str, np.ndarray] | None, target: "MLPShape") -> dict[str, np.ndarray]:
+        channels = np.arange(self.intermediate_size) if orders is None else orders["channels"]
+        return {"i": np.asarray(channels[: target.intermediate_size], dtype=np.int64)}
+
+
+@dataclass(frozen=True)
+class AttentionShape(_Shape):
+    """Heads of a (GQA) attention: ``num_attention_heads`` query heads in ``num_key_value_heads`` groups."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        self._check()
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"AttentionShape: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def heads_per_group(self) -> int:
+        """``r = nq // nkv``: query heads that share one key-value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def segment_size(self, kind: str) -> int:
+        nq, nkv, hd = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        return {"kv": nkv * hd, "qo": nq * hd, "qg": 2 * nq * hd}[kind]
+
+    def order_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"kv_groups": (self.num_key_value_heads,),
+                "query_heads": (self.num_key_value_heads, self.heads_per_group)}
+
+    def fits(self, target: "AttentionShape") -> list[str]:
+        problems = []
+        if target.head_dim != self.head_dim:
+            problems.append(f"head_dim {target.head_dim} != {self.head_dim} (the head dim is never cut)")
+        if target.num_key_value_heads > self.num_key_value_heads:
+            problems.append(f"num_key_value_heads {target.num_key_value_heads} > {self.num_key_value_heads}")
+        if target.heads_per_group > self.heads_per_group:
+            problems.append(
+                f"num_attention_heads {target.num_attention_heads} / num_key_value_heads "
+                f"{target.num_key_value_heads} = {target.heads_per_group} query heads per key-value head > "
+                f"{self.heads_per_group} (give num_attention_heads <= "
+                f"{target.num_key_value_heads * self.heads_per_group}, a multiple of {target.num_key_value_heads})")
+        return problems
+
+    def indices(self, orders: Mapping[str, np.ndarray] | None, target: "AttentionShape") -> dict[str, np.ndarray]:
+        r, hd = self.heads_per_group, self.head_dim
+        if orders is None:
+            orders = identity_orders(self)
+        groups = np.asarray(orders["kv_groups"][: target.num_key_value_heads], dtype=np.int64)
+        lanes = np.asarray(orders["query_heads"], dtype=np.int64)[groups, : target.heads_per_group]
+        heads = (groups[:, None] * r + lanes).reshape(-1)
+        return {"kv": _heads(groups, hd), "qo": _heads(heads, hd), "qg": _heads(heads, 2 * hd)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The kinds of sub-blocks, as data
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """One kind of sub-block.
+
+    Attributes:
+        name: ``"attention"``, ``"mlp"``, ``"shared_expert"``.
+        module: regular expression the module path (the tensors' prefix) must match.
+        markers: tensor suffixes whose presence under a matching prefix makes it a block of this kind.
+        geometry: the shape class.
+        config_keys: target field (= the transformers config key, also the plan-file and per-layer key) ->
+            shape field.
+        layouts: names of the layout tables (:data:`gdnprune.layouts.BLOCK_LAYOUTS`) a block may have; the
+            one whose tensor sizes fit the block's config geometry is chosen.
+    """
+
+    name: str
+    module: str
+    markers: frozenset[str]
+    geometry: type
+    config_keys: Mapping[str, str]
+    layouts: tuple[str, ...]
+
+    @property
+    def where(self) -> str:
+        """The module path in words, e.g. ``layers.N.mlp.shared_expert``."""
+        return self.module.replace(_LAYER, "layers.N.").replace("\\.", ".").rstrip("$")
+
+    def matches(self, prefix: str) -> bool:
+        return re.search(self.module, prefix) is not None
+
+    def shape_from_config(self, config: Any, layer_index: int) -> Any:
+        """This kind's geometry of decoder layer ``layer_index`` (global keys, then ``per_layer_config``)."""
+        holder = _text_holder(config)
+        values = {field: _get_global(holder, key) for key, field in self.config_keys.items()}
+        for key, value in per_layer_overrides(config, self.config_keys).get(layer_index, {}).items():
+            values[self.config_keys[key]] = value
+        if self.geometry is AttentionShape and values.get("head_dim") is None:
+            hidden, heads = _get_global(holder, "hidden_size"), _get_global(holder, "num_attention_heads")
+            if hidden is not None and heads:
+                values["head_dim"] = hidden // heads  # transformers' default when the config has no head_dim
+        missing = [key for key, field in self.config_keys.items() if values.get(field) is None]
+        if missing:
+            raise ValueError(f"config has no {self.name} geometry for layer {layer_index}: missing {missing}")
+        return self.geometry(**values)
+
+    def config_updates(self, shape: Any) -> dict[str, int]:
+        """The config keys (and values) that describe ``shape``."""
+        return {key: getattr(shape, field) for key, field in self.config_keys.items()}
+
+
+_LAYER = r"(?:^|\.)layers\.\d+\."
+KINDS: dict[str, BlockKind] = {kind.name: kind for kind in (
+    BlockKind("attention", _LAYER + r"self_attn$", frozenset({"q_proj.weight", "o_proj.weight"}), AttentionShape,
+              {"num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+               "head_dim": "head_dim"}, ("qwen_gated_attention", "attention_whole_norm")),
+    BlockKind("mlp", _LAYER + r"mlp$", frozenset({"gate_proj.weight", "down_proj.weight"}), MLPShape,
+              {"intermediate_size": "intermediate_size"}, ("gated_mlp",)),
+    BlockKind("shared_expert", _LAYER + r"mlp\.shared_expert$", frozenset({"gate_proj.weight", "down_proj.weight"}),
+              MLPShape, {"shared_expert_intermediate_size": "intermediate_size"}, ("gated_mlp",)),
+)}
+
+#: target fields of the sub-blocks (``head_dim`` is part of the geometry but never a target)
+BLOCK_FIELDS = ("intermediate_size", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+#: tensors under these prefixes are never sub-blocks (copied unchanged)
+_PASSTHROUGH = ("mtp.",)
+
+
+def _text_holder(config: Any) -> Any:
+    if _get_global(config, "hidden_size") is None and _get(config, "text_config") is not None:
+        return _get(config, "text_config")
+    return config
+
+
+def block_kind_of(prefix: str) -> BlockKind | None:
+    """The kind whose module path ``prefix`` matches, or None."""
+    return next((kind for kind in KINDS.values() if kind.matches(prefix)), None)
+
+
+@dataclass
+class Block:
+    """One sub-block found among a model's tensors: where, which kind and layout, its geometry, its tensors.
+
+    ``tensors`` maps the coupled suffixes to their shapes (what the layout gathers); ``fixed`` maps the
+    block's tensors the layout leaves unchanged (``q_norm`` of a per-head norm, ``o_proj.bias``) to theirs.
+    """
+
+    prefix: str
+    kind: str
+    layout: str
+    shape: Any
+    tensors: dict[str, tuple[int, ...]]
+    fixed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def parameters(self, target: Any = None) -> int:
+        """Elements of the block's tensors after a cut to ``target`` (default: as it is), from the tensors'
+        shapes and the layout table: the coupled axis of each tensor takes its length for ``target``. The
+        cost a plan candidate has (FP8 scales count as elements too)."""
+        from .layouts import get_layout
+
+        layout, target = get_layout(self.layout), self.shape if target is None else target
+        total = sum(_numel(dims) for dims in self.fixed.values())
+        for suffix, dims in self.tensors.items():
+            rule = layout.rule(suffix)
+            if rule is None:  # an FP8 scale: one entry per block of its weight's rows or columns
+                weight = layout.rule(suffix[: -len("weight_scale_inv")] + "weight")
+                full, cut = weight.length(self.shape), weight.length(target)
+                axis = weight.axis
+                dims = list(dims)
+                dims[axis] = -(-dims[axis] * cut // full)
+            else:
+                dims = list(dims)
+                dims[rule.axis] = rule.length(target)
+            total += _numel(dims)
+        return total
+
+
+def _numel(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def kv_cache_elements(shape: "AttentionShape") -> int:
+    """KV cache of one token in one attention layer, in elements: keys and values, ``2 * nkv * hd``."""
+    return 2 * shape.num_key_value_heads * shape.head_dim
+
+
+def find_blocks(shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Iterable[str] | None = None
+                ) -> list[Block]:
+    """Every sub-block of ``kinds`` (default: all) among tensors ``shapes`` (name -> shape), checked.
+
+    A prefix is a block of a kind when it matches the kind's module path and holds one of its marker
+    tensors; its geometry comes from ``config`` (per-layer entries included); its layout is the candidate
+    table whose tensor sizes fit. Tensors under ``mtp.`` are left alone.
+
+    Raises:
+        ValueError: a block whose tensors fit none of its kind's layouts (the message lists them, the
+            expected and the found shapes) or has tensors no layout knows (e.g. Qwen4-exp's indexer).
+    """
+    from .geometry import layer_index_of
+    from .layouts import get_layout
+
+    wanted = [KINDS[k] for k in (KINDS if kinds is None else kinds)]
+    prefixes: dict[str, BlockKind] = {}
+    for name in shapes:
+        if name.startswith(_PASSTHROUGH):
+            continue
+        for kind in wanted:
+            for marker in kind.markers:
+                if name.endswith("." + marker):
+                    prefix = name[: -len(marker) - 1]
+                    if kind.matches(prefix):
+                        prefixes[prefix] = kind
+    blocks = []
+    for prefix in sorted(prefixes, key=lambda p: (layer_index_of(p), p)):
+        kind = prefixes[prefix]
+        head = prefix + "."
+        members = {n[len(head):]: tuple(s) for n, s in shapes.items() if n.startswith(head)}
+        shape = kind.shape_from_config(config, layer_index_of(prefix))
+        blocks.append(_fit_layout(prefix, kind, shape, members))
+    return blocks
+
+
+def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, tuple[int, ...]]) -> Block:
+    from .layouts import get_layout
+
+    reports = []
+    for name in kind.layouts:
+        layout = get_layout(name)
+        problems = []
+        for suffix, dims in members.items():
+            if suffix.endswith("weight_scale_inv"):
+                continue  # FP8 scales: checked with their weights (checkpoint.folder)
+            rule = layout.rule(suffix)
+            if rule is None:
+                if suffix not in layout.fixed:
+                    problems.append(f"{suffix} is not part of it")
+            elif len(dims) != rule.ndim or dims[rule.axis] != rule.length(shape):
+                problems.append(f"{suffix} has shape {list(dims)}, expected {rule.expected_shape(shape)}")
+        problems += [f"{r.name} is missing" for r in layout.rules if r.required and r.name not in members]
+        if not problems:
+            coupled = {s: d for s, d in members.items() if s not in layout.fixed}
+            fixed = {s: d for s, d in sorted(members.items()) if s in layout.fixed}
+            return Block(prefix, kind.name, layout.name, shape, coupled, fixed)
+        reports.append(f"{name}: {'; '.join(problems)}")
+    raise ValueError(f"{prefix}: its tensors fit no {kind.name} layout for {shape} ({' | '.join(reports)})")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Orders, targets, indices, configs
+
+
+def _payload_key(name: str) -> str:
+    return f"{name[:-1] if name.endswith('s') else name}_order_most_important_first"
+
+
+def order_keys(shape: Any) -> list[str]:
+    """The payload keys of a sub-block's orders (``channel_order_most_important_first``, ...)."""
+    return [_payload_key(name) for name in shape.order_shapes()]
+
+
+def identity_orders(shape: Any) -> dict[str, np.ndarray]:
+    """The orders of the permutation that changes nothing."""
+    return {name: np.broadcast_to(np.arange(s[-1]), s).copy() for name, s in shape.order_shapes().items()}
+
+
+def orders_from_payload(payload: Mapping[str, Any], shape: Any) -> dict[str, np.ndarray]:
+    """Validated orders of a sub-block from a score payload: ``channel_order_most_important_first`` [I] for
+    an MLP, ``kv_group_order_most_important_first`` [nkv] and ``query_head_order_most_important_first``
+    [nkv, r] for attention; a missing key means identity. Raises ``ValueError`` naming the key."""
+    if not isinstance(payload, Mapping):
+        raise ValueError(f"score payload must be a mapping, got {type(payload).__name__}")
+    identity = identity_orders(shape)
+    out = {}
+    for name, expected in shape.order_shapes().items():
+        value = payload.get(_payload_key(name))
+        out[name] = identity[name] if value is None else as_order(_payload_key(name), value, expected)
+    return out
+
+
+def orders_to_payload(orders: Mapping[str, Any]) -> dict[str, list]:
+    """The ``*_order_most_important_first`` keys of a sub-block's orders, as JSON-ready lists."""
+    return {_payload_key(name): np.asarray(value).tolist() for name, value in orders.items()}
+
+
+def resolve_block_target(block: Block, target: Mapping[str, int] | None) -> Any:
+    """The geometry ``block`` is cut to: ``target``'s fields of its kind (others ignored), checked.
+
+    Raises:
+        ValueError: the target does not fit the block (the message names the prefix and what is too big).
+    """
+    kind = KINDS[block.kind]
+    changes = {kind.config_keys[k]: v for k, v in (target or {}).items() if k in kind.config_keys and v is not None}
+    if "head_dim" in changes:
+        raise ValueError(f"{block.prefix}: the head dim is never cut")
+    try:
+        t = block.shape.replace(**changes)
+    except ValueError as exc:
+        raise ValueError(f"{block.prefix}: illegal target {changes} for {block.shape}: {exc}") from None
+    problems = block.shape.fits(t)
+    if problems:
+        raise ValueError(f"{block.prefix}: target {t} does not fit in {block.shape}: {'; '.join(problems)}")
+    return t
+
+
+def block_indices(block_shape: Any, target: Any, orders: Mapping[str, np.ndarray] | None = None
+                  ) -> dict[str, np.ndarray]:
+    """Canonical indices (one array per segment kind) of the sorted (``orders``) nested prefix ``target``."""
+    return block_shape.indices(orders, target)
+
+
+def apply_block_targets_to_config(config: Mapping, kind: str, targets: Mapping[int, Any]) -> dict:
+    """A copy of the dict ``config`` with the geometry of every block of ``kind`` (layer index -> target).
+
+    As for GDN (:func:`gdnprune.geometry.apply_targets_to_config`): the global keys hold the most common
+    value (ties: the lowest layer's), ``per_layer_config`` overrides the layers that differ (zero-padded
+    keys); attention always writes ``head_dim`` so that the head dim no longer follows ``hidden_size //
+    num_attention_heads``.
+    """
+    import copy
+
+    block_kind = KINDS[kind]
+    config = copy.deepcopy(dict(config))
+    holder = config if "text_config" not in config or "hidden_size" in config else config["text_config"]
+    overrides = {int(k): dict(v) for k, v in (holder.get("per_layer_config") or {}).items()}
+    for key in block_kind.config_keys:
+        values = {i: block_kind.config_updates(t)[key] for i, t in sorted(targets.items())}
+        if not values:
+            continue
+        counts: dict[int, int] = {}
+        for v in values.values():
+            counts[v] = counts.get(v, 0) + 1
+        common = max(counts, key=lambda v: counts[v])  # the first of equal counts
+        holder[key] = common
+        for i, v in values.items():
+            overrides.setdefault(i, {}).pop(key, None)
+            if v != common:
+                overrides[i][key] = v
+    overrides = {i: o for i, o in overrides.items() if o}
+    if overrides:
+        width = len(str(max(overrides)))
+        holder["per_layer_config"] = {str(i).zfill(width): overrides[i] for i in sorted(overrides)}
+    else:
+        holder.pop("per_layer_config", None)
+    return config
+
+
+@dataclass(frozen=True)
+class BlockCandidate:
+    """One nested-prefix geometry of one sub-block: its parameters and its KV cache per token (elements)."""
+
+    target: Any
+    params: int
+    cache_per_token: int
+
+
+def block_candidates(block: Block, *, step: Any = None, tp: int | None = None,
+                     multiple_of: int | None = None) -> list[BlockCandidate]:
+    """Every candidate of a sub-block, largest first, for a plan's grid.
+
+    MLP: intermediate sizes in steps of ``step`` (a ``fractions.Fraction`` of the full size, default 1/8,
+    or a channel count), multiples of ``multiple_of`` and divisible by ``tp`` (tensor-parallel shards cut
+    the channels). Attention: every count of key-value heads and of query heads per key-value head, with
+    the query heads divisible by ``tp`` and the key-value heads divisible by ``tp`` or dividing it (vLLM
+    replicates key-value heads when ``tp`` exceeds them). The full geometry is always a candidate when it
+    meets the constraints.
+
+    Raises:
+        ValueError: no candidate meets the constraints.
+    """
+    import math
+    from fractions import Fraction
+
+    shape, out = block.shape, []
+    if isinstance(shape, AttentionShape):
+        for nkv in range(shape.num_key_value_heads, 0, -1):
+            for r in range(shape.heads_per_group, 0, -1):
+                target = AttentionShape(nkv * r, nkv, shape.head_dim)
+                if tp and (target.num_attention_heads % tp or (nkv % tp and tp % nkv)):
+                    continue
+                out.append(BlockCandidate(target, block.parameters(target), kv_cache_elements(target)))
+    else:
+        full = shape.intermediate_size
+        step = Fraction(1, 8) if step is None else step
+        if isinstance(step, Fraction) and step < 1:
+            sizes = {max(1, math.ceil(full * step * k)) for k in range(1, math.ceil(1 / step) + 1)}
+        else:
+            sizes = set(range(int(step), full + 1, int(step)))
+        sizes = {v for v in sizes if v <= full} | {full}
+        for size in sorted(sizes, reverse=True):
+            if (multiple_of and size % multiple_of) or (tp and size % tp):
+                continue
+            target = MLPShape(size)
+            out.append(BlockCandidate(target, block.parameters(target), 0))
+    if not out:
+        raise ValueError(f"{block.prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
+                         f"multiple_of={multiple_of})")
+    return out
