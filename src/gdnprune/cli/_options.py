@@ -19,11 +19,16 @@ def positive_int(text: str) -> int:
 
 
 def add_output_arguments(p, *, short: bool = True) -> None:
-    """``--output``, ``--overwrite`` and ``--quiet`` of the commands that write a model folder."""
+    """``--output``, ``--overwrite``, ``--quiet`` and ``--self-contained`` of the commands that write a model folder
+    through the streaming engine."""
     names = ("--output", "-o") if short else ("--output",)
     p.add_argument(*names, required=True, metavar="OUT_DIR", help="folder to create")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument("--self-contained", dest="self_contained", action="store_true",
+                   help="also write a small modeling file and auto_map into OUT_DIR, so that a folder whose layers "
+                        "differ (per_layer_config) loads with plain AutoModelForCausalLM.from_pretrained(OUT_DIR, "
+                        "trust_remote_code=True) where gdnprune is not installed")
 
 
 def add_target_arguments(p) -> None:
@@ -126,5 +131,6 @@ def summary(manifest: dict, out: str) -> str:
     target = manifest.get("target")
     cut = any(layer["target"] != layer["shape"] for layer in layers.values())
     what = f"cut to {target}" if target else "cut layer by layer (per_layer_config)" if cut else "permuted"
-    return (f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']} "
+    also = f", self-contained ({manifest['self_contained']})" if manifest.get("self_contained") else ""
+    return (f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']}{also} "
             f"({manifest['elapsed_seconds']:.1f} s)")

@@ -59,6 +59,7 @@ def run(args) -> int:
         manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
                                     compensate=args.compensate or False, overwrite=args.overwrite, progress=not args.quiet,
+                                    self_contained=args.self_contained,
                                     refine=args.refine, **scoring_options(args))
     uniform = manifest.get("target")
     what = f"sliced to {uniform}" if uniform else "sliced layer by layer"

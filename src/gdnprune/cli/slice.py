@@ -16,7 +16,8 @@ def add_parser(subparsers) -> None:
                                           "every GDN layer and rewrite the geometry in config.json. An axis "
                                           "not given keeps its size; --plan gives every layer its own target "
                                           "(written with transformers' per_layer_config when the layers "
-                                          "differ; load those with gdnprune.load_pretrained). Sort first so "
+                                          "differ; load those with gdnprune.load_pretrained, or with "
+                                          "--self-contained with transformers alone). Sort first so "
                                           "that the prefix is the most important part.")
     p.add_argument("model_dir", metavar="MODEL_DIR")
     add_output_arguments(p)
@@ -58,7 +59,7 @@ def run(args) -> int:
         target = {**(target or {}), **sub_blocks}
     manifest = slice_checkpoint(args.model_dir, args.output, target, plan=args.plan, tp=args.tp,
                                 multiple_of=args.multiple_of, compensation=args.compensate, ridge=args.ridge,
-                                dequantize=args.dequantize,
+                                dequantize=args.dequantize, self_contained=args.self_contained,
                                 overwrite=args.overwrite, progress=not args.quiet)
     line = summary(manifest, args.output)
     if manifest.get("blocks"):

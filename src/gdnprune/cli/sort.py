@@ -28,6 +28,6 @@ def run(args) -> int:
     from ..checkpoint import sort_checkpoint
 
     manifest = sort_checkpoint(args.model_dir, args.scores, args.output, overwrite=args.overwrite,
-                               dequantize=args.dequantize, progress=not args.quiet)
+                               dequantize=args.dequantize, self_contained=args.self_contained, progress=not args.quiet)
     print(summary(manifest, args.output))
     return 0
