@@ -23,7 +23,7 @@ def test_distill_a_heterogeneous_student_from_the_command_line(tmp_path, capsys)
             "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
                        "model.layers.2.linear_attn": {"value_head_dim": 4}}}
     student = tmp_path / "student"
-    slice_checkpoint(teacher, student, plan=plan, progress=False)
+    slice_checkpoint(teacher, student, plan=plan, progress=False, self_contained=True)
     text = tmp_path / "train.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 200))
     out = tmp_path / "out"
@@ -33,6 +33,9 @@ def test_distill_a_heterogeneous_student_from_the_command_line(tmp_path, capsys)
     assert "3 steps" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["per_layer_config"]  # still heterogeneous, in transformers' convention
+    # and still self-contained (tests/test_self_contained.py): the student's modeling file and auto_map
+    assert config["auto_map"] == json.loads((student / "config.json").read_text())["auto_map"]
+    assert (out / "modeling_gdnprune.py").read_bytes() == (student / "modeling_gdnprune.py").read_bytes()
     model = load_pretrained(out, dtype=torch.float32)
     shapes = {p: GDNShape.from_module(m) for p, m in find_gdn_modules(model)}
     assert shapes["model.layers.0.linear_attn"].num_value_heads == 2
