@@ -254,3 +254,26 @@ def test_parameters_of_a_cut_are_those_of_the_cut_model(model_type):
         if block.kind == "attention":
             cache = cut.model.layers[int(block.prefix.split(".")[2])].self_attn
             assert kv_cache_elements(target) == 2 * cache.k_proj.out_features
+
+
+def test_candidates_of_a_sub_block_are_nested_cuts_with_their_exact_costs():
+    from fractions import Fraction
+
+    from gdnprune.blocks import block_candidates
+
+    model = _model("qwen3_5")
+    attention = next(b for b in find_model_blocks(model) if b.kind == "attention")
+    mlp = next(b for b in find_model_blocks(model) if b.kind == "mlp")
+    heads = [(c.target.num_attention_heads, c.target.num_key_value_heads) for c in block_candidates(attention)]
+    assert heads == [(4, 2), (2, 2), (2, 1), (1, 1)]
+    assert [c.cache_per_token for c in block_candidates(attention)] == [64, 64, 32, 32]
+    assert [(c.target.num_attention_heads, c.target.num_key_value_heads)
+            for c in block_candidates(attention, tp=2)] == [(4, 2), (2, 2), (2, 1)]
+    sizes = [c.target.intermediate_size for c in block_candidates(mlp, step=Fraction(1, 4))]
+    assert sizes == [96, 72, 48, 24]
+    assert [c.target.intermediate_size for c in block_candidates(mlp, step=32, multiple_of=64)] == [64]
+    for candidate in block_candidates(mlp, step=Fraction(1, 4)):
+        cut = slice_model(model, None, blocks={mlp.prefix: {"intermediate_size": candidate.target.intermediate_size}})
+        assert candidate.params == sum(v.numel() for k, v in cut.state_dict().items() if k.startswith(mlp.prefix + "."))
+    with pytest.raises(ValueError, match="no candidate geometry"):
+        block_candidates(mlp, multiple_of=1000)

@@ -28,7 +28,8 @@ from test_checkpoint import MODEL_TYPES, raw_tensors
 from test_dense_axes import TARGET, _kept, _model, _orders, _same, _zeroed
 from tiny_models import cached_decode_logits, logits
 
-pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning"),
+              pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.PassthroughWarning")]
 
 
 def _ids(seed=0, seq=12):

@@ -31,11 +31,13 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .geometry import _as_int, _get, _get_global, as_order, per_layer_overrides
+from .geometry import as_int as _as_int, as_order, config_value as _get, global_config_value as _get_global, \
+    per_layer_overrides
 
 __all__ = ["MLPShape", "AttentionShape", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
            "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders",
-           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of", "kv_cache_elements"]
+           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of", "kv_cache_elements",
+           "BlockCandidate", "block_candidates"]
 
 
 def _heads(index: np.ndarray, width: int) -> np.ndarray:
@@ -429,3 +431,56 @@ def apply_block_targets_to_config(config: Mapping, kind: str, targets: Mapping[i
     else:
         holder.pop("per_layer_config", None)
     return config
+
+
+@dataclass(frozen=True)
+class BlockCandidate:
+    """One nested-prefix geometry of one sub-block: its parameters and its KV cache per token (elements)."""
+
+    target: Any
+    params: int
+    cache_per_token: int
+
+
+def block_candidates(block: Block, *, step: Any = None, tp: int | None = None,
+                     multiple_of: int | None = None) -> list[BlockCandidate]:
+    """Every candidate of a sub-block, largest first, for a plan's grid.
+
+    MLP: intermediate sizes in steps of ``step`` (a ``fractions.Fraction`` of the full size, default 1/8,
+    or a channel count), multiples of ``multiple_of`` and divisible by ``tp`` (tensor-parallel shards cut
+    the channels). Attention: every count of key-value heads and of query heads per key-value head, with
+    the query heads divisible by ``tp`` and the key-value heads divisible by ``tp`` or dividing it (vLLM
+    replicates key-value heads when ``tp`` exceeds them). The full geometry is always a candidate when it
+    meets the constraints.
+
+    Raises:
+        ValueError: no candidate meets the constraints.
+    """
+    import math
+    from fractions import Fraction
+
+    shape, out = block.shape, []
+    if isinstance(shape, AttentionShape):
+        for nkv in range(shape.num_key_value_heads, 0, -1):
+            for r in range(shape.heads_per_group, 0, -1):
+                target = AttentionShape(nkv * r, nkv, shape.head_dim)
+                if tp and (target.num_attention_heads % tp or (nkv % tp and tp % nkv)):
+                    continue
+                out.append(BlockCandidate(target, block.parameters(target), kv_cache_elements(target)))
+    else:
+        full = shape.intermediate_size
+        step = Fraction(1, 8) if step is None else step
+        if isinstance(step, Fraction) and step < 1:
+            sizes = {max(1, math.ceil(full * step * k)) for k in range(1, math.ceil(1 / step) + 1)}
+        else:
+            sizes = set(range(int(step), full + 1, int(step)))
+        sizes = {v for v in sizes if v <= full} | {full}
+        for size in sorted(sizes, reverse=True):
+            if (multiple_of and size % multiple_of) or (tp and size % tp):
+                continue
+            target = MLPShape(size)
+            out.append(BlockCandidate(target, block.parameters(target), 0))
+    if not out:
+        raise ValueError(f"{block.prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
+                         f"multiple_of={multiple_of})")
+    return out

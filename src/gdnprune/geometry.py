@@ -72,6 +72,14 @@ def _holder(config: Any) -> Any:
     return config
 
 
+#: the config keys of the GDN geometry (``linear_*``)
+GDN_CONFIG_KEYS = _GDN_CONFIG_KEYS
+#: ``config[key]`` / ``config.key`` (dicts and config objects), and the same giving a heterogeneous
+#: config's global value instead of raising; used by the sub-block geometries of :mod:`gdnprune.blocks`
+config_value = _get
+global_config_value = _get_global
+
+
 def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
     """``{layer_index: {linear_* key: value}}``: the GDN geometry a heterogeneous config sets per layer.
 
@@ -163,6 +171,10 @@ def _as_int(value: Any) -> int | None:
     if is_floating or is_complex or str(dtype) == "torch.bool":  # a torch dtype
         return None
     return int(value.item())
+
+
+#: an integer (int, numpy integer, 0-d integer array or tensor) as a Python int, else None
+as_int = _as_int
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,19 @@ def prune_checkpoint(
     then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
     options of :func:`gdnprune.scoring.score_checkpoint` (``refine="lanes"`` included). ``compensate``
     (``True`` or ``"statistics"``) collects the least-squares statistics in the scoring pass and refits every
-    cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"`` loads the model once more after
-    the target or plan is known, cuts it in memory and refits ``out_proj`` layer by layer on the cut
-    model's own hidden states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
+    cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is
+    known, cuts the model in memory and refits ``out_proj`` layer by layer on the cut model's own hidden
+    states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
     ``device_map``). ``self_contained``: the output also loads with transformers alone
     (:mod:`gdnprune.checkpoint.remote_code`). The output path, the target or plan and the constraints are checked
-    before the (long) scoring starts. Returns the manifest (with the searched plan
+    before the (long) scoring starts. The model is loaded once; scoring, the plan search and the sequential
+    refit share it. Returns the manifest (with the searched plan
     under ``"plan"``).
     """
     from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
     from .checkpoint.output import check_paths, clear_stale
+    from .distributed import fail_together, local_gpus
+    from .loading import load_causal_lm
     from .plans import read_plan, resolve_plan
     from .scoring import score_checkpoint
     from .targets import TargetError, resolve_target
@@ -71,8 +74,12 @@ def prune_checkpoint(
             resolve_target(shape, target)  # raises TargetError (a ValueError) for an illegal target
     if plan is not None:
         resolve_plan(plan, shapes)
+    with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
+        gpus = local_gpus() if scoring.get("device_map") is not None else None
+        model = load_causal_lm(model_dir, dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
+                               device_map=scoring.get("device_map"), gpus=gpus)
     scores = score_checkpoint(model_dir, data, progress=progress, compensation=bool(compensate) and not sequential,
-                              **scoring)
+                              model=model, **scoring)
     stats = scores.pop("compensation_statistics", None)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
     if search is not None:
@@ -80,38 +87,35 @@ def prune_checkpoint(
 
         options = {k: scoring[k] for k in ("seq_len", "batch_size", "device", "dtype", "device_map") if k in scoring}
         plan, report = plan_checkpoint(model_dir, data, scores, num_samples=plan_samples, tp=tp,
-                                       multiple_of=multiple_of, progress=progress, **options, **search)
+                                       multiple_of=multiple_of, progress=progress, model=model, **options, **search)
         extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
     elif plan is not None:
         plan = read_plan(plan)
     if sequential:
         targets = resolve_plan(plan, shapes) if plan is not None else \
             {prefix: resolve_target(shape, target) for prefix, shape in shapes.items()}
-        stats = _sequential_columns(model_dir, data, scores, targets, scoring, progress)
+        stats = _sequential_columns(model, model_dir, data, scores, targets, progress)
     return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
                                 tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
                                 overwrite=overwrite, self_contained=self_contained,
                                 progress=progress, manifest_extra=extra)
 
 
-def _sequential_columns(model_dir, data, scores: Mapping, targets: Mapping, scoring: Mapping,
-                        progress: bool) -> dict[str, dict]:
+def _sequential_columns(model, model_dir, data, scores: Mapping, targets: Mapping, progress: bool) -> dict[str, dict]:
     """``{checkpoint prefix: {"columns": ...}}``: ``out_proj`` refitted in memory for ``targets`` (checkpoint
     prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.compensate.sequential_refit`)."""
     from transformers import AutoTokenizer
 
     from .calibration import calibration_windows, iter_batches
+    from .checkpoint.folder import map_to_checkpoint
     from .compensate import sequential_refit
     from .layouts import find_gdn_modules
     from .loading import slice_model
-    from .scoring.api import _load_model, _map_to_checkpoint
 
     calibration = scores["calibration"]
     windows = calibration_windows(data, AutoTokenizer.from_pretrained(model_dir), seq_len=calibration["seq_len"],
                                   num_samples=calibration["num_samples"], warn=False)
-    model = _load_model(Path(model_dir), dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
-                        device_map=None)
-    mapping = _map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
+    mapping = map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
     layers = scores["layers"]
     small = slice_model(model, {p: targets[c] for p, c in mapping.items()},
                         {p: layers[c] for p, c in mapping.items() if c in layers})

@@ -20,7 +20,8 @@ from typing import Any, Mapping
 
 from ..geometry import apply_targets_to_config, layer_index_of
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
-from ..scores import file_sha256, read_scores, resolve_orders
+from ..fileio import file_sha256
+from ..scores import read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, resolve_target
 from .. import compensate
 from . import output, refit, remote_code, subblocks
@@ -79,9 +80,14 @@ def transform_checkpoint(
         permutations: GDN layer prefix -> :class:`~gdnprune.gated_delta_net.GDNPermutation` or score
             payload (``*_order_most_important_first`` lists). A layer without an entry keeps its order
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
-            None: no permutation.
+            Entries keyed by an attention / MLP sub-block's prefix (``model.layers.3.self_attn``,
+            ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.blocks`); a sub-block
+            without an entry keeps its order. None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
-            fields (missing or None fields keep each layer's size). None: no slicing.
+            fields (missing or None fields keep each layer's size). The mapping may also hold the
+            sub-block fields ``intermediate_size``, ``shared_expert_intermediate_size``,
+            ``num_attention_heads`` and ``num_key_value_heads``: every sub-block that has the field is cut
+            to it (:mod:`gdnprune.checkpoint.subblocks`). None: no slicing.
         plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.plans`).
             Layers that end up with different geometries are recorded in ``config.json`` with
             transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
@@ -326,14 +332,14 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
     """``config`` with ``modules`` (and their text-model spellings) added to the FP8 ``modules_to_not_convert``."""
     import copy
 
-    from ..scores import _alias
+    from ..scores import prefix_alias
 
     config = copy.deepcopy(dict(config))
     holder = config if "quantization_config" in config else config.get("text_config", config)
     quant = holder.setdefault("quantization_config", {})
     names = list(quant.get("modules_to_not_convert") or [])
     for module in modules:
-        for spelling in dict.fromkeys((module, _alias(module))):
+        for spelling in dict.fromkeys((module, prefix_alias(module))):
             if spelling not in names:
                 names.append(spelling)
     quant["modules_to_not_convert"] = names
@@ -362,7 +368,9 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
     ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
-    size. ``plan`` gives every layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`).
+    size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
+    ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers. ``plan`` gives every
+    layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """

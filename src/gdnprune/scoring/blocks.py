@@ -1,4 +1,5 @@
-"""Importance of MLP channels and attention heads (issue 21): hooks, float64 statistics, orders.
+"""Importance of MLP channels and attention heads (issue 21): the hook and float64 statistics of one
+sub-block (its orders come from the statistics alone: :func:`gdnprune.scoring.payload.block_payload`).
 
 A sub-block's output is a sum of per-unit contributions through its output projection: MLP channel ``i``
 gives ``c_i(t) = W[:, i] a_i(t)`` (``a`` the ``down_proj`` input), attention query head ``h`` gives
@@ -13,8 +14,8 @@ rounds (:func:`~gdnprune.scoring.orders.greedy_lane_orders`), which targets nest
 per group. The activation baseline (Minitron) ranks by the mean ``|a_i|`` of a channel and the mean
 ``||o_h||`` of a head's output (a group by the sum over its heads).
 
-Not yet wired into :func:`gdnprune.scoring.score_model` and the scores file: the payloads are those that
-:mod:`gdnprune.checkpoint` sorts by (keys of :func:`gdnprune.blocks.orders_to_payload`).
+:func:`gdnprune.scoring.score_model` runs these scorers beside the GDN ones with ``blocks=True``; the
+payloads join the scores file under the sub-blocks' prefixes, which ``sort`` applies.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ..blocks import AttentionShape, Block, orders_to_payload
+from ..blocks import AttentionShape, Block
+from ..forwards import output_projection
 from .hooks import materialized_weight
-from .orders import descending, greedy_lane_orders, greedy_removal_order
+from .payload import block_payload
 
 __all__ = ["BlockScorer", "block_payload", "BLOCK_METHODS"]
 
@@ -44,10 +46,7 @@ class BlockScorer:
             raise ValueError(f"unknown sub-block scoring method {method!r}; expected one of {list(BLOCK_METHODS)}")
         self.block, self.method = block, method
         self.attention = isinstance(block.shape, AttentionShape)
-        name = "o_proj" if self.attention else "down_proj"
-        self.out_proj = getattr(module, name, None)
-        if self.out_proj is None:
-            raise ValueError(f"{block.prefix}: {type(module).__name__} has no {name}")
+        self.out_proj = output_projection(module)
         self.width = block.shape.head_dim if self.attention else 1
         units = block.shape.num_attention_heads if self.attention else block.shape.intermediate_size
         self.units = units
@@ -80,35 +79,3 @@ class BlockScorer:
             second = x.T @ x  # [units*width, units*width]
             gram = (self._wtw.to(second.device) * second).reshape(self.units, self.width, self.units, self.width)
             self.stats["gram"] += gram.sum(dim=(1, 3)).cpu()
-
-
-def block_payload(block: Block, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
-    """The score payload of a sub-block from its (summed) statistics: orders, raw scores, geometry."""
-    n = max(int(stats["num_tokens"]), 1)
-    activation = stats["abs_sum"] / n
-    payload: dict[str, Any] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),
-                               "method": method}
-    if block.kind == "attention":
-        nkv, r = block.shape.num_key_value_heads, block.shape.heads_per_group
-        if method == "projection":
-            gram = stats["gram"]
-            group_gram = gram.reshape(nkv, r, nkv, r).sum(dim=(1, 3))
-            kv_groups = greedy_removal_order(group_gram)
-            query_heads = greedy_lane_orders(gram, nkv)
-            head_scores = gram.diagonal() / n
-        else:
-            head_scores = activation
-            kv_groups = descending(head_scores.reshape(nkv, r).sum(-1))
-            query_heads = descending(head_scores.reshape(nkv, r))
-        payload.update(orders_to_payload({"kv_groups": kv_groups, "query_heads": query_heads}))
-        payload["head_scores"] = head_scores.tolist()
-    else:
-        if method == "projection":
-            channels = greedy_removal_order(stats["gram"])
-            scores = stats["gram"].diagonal() / n
-        else:
-            scores = activation
-            channels = descending(scores)
-        payload.update(orders_to_payload({"channels": channels}))
-        payload["channel_scores"] = scores.tolist()
-    return payload

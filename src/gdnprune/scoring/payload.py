@@ -22,7 +22,7 @@ from .orders import descending, greedy_lane_orders, greedy_removal_order
 
 __all__ = [
     "COUNTS", "SCORE_KIND", "LayerStatistics", "ScoringStatistics", "statistic_shapes", "needs_loss_gradient",
-    "layer_payload", "random_payload", "scores_from_statistics",
+    "layer_payload", "random_payload", "scores_from_statistics", "block_payload",
 ]
 
 #: what the raw ``*_scores`` of each method are, recorded in the scores file
@@ -266,8 +266,41 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
                                                  method=method, measures=statistics.measures or {})
     result["num_tokens"] = next(iter(result["layers"].values()))["num_tokens"] if result["layers"] else 0
     if statistics.blocks:
-        from .blocks import block_payload
-
         for prefix, (block, stats) in statistics.blocks.items():
             result["layers"][prefix] = block_payload(block, stats, method)
     return result
+
+
+def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
+    """The score payload of a sub-block (a :class:`gdnprune.blocks.Block`) from its (summed) statistics
+    (:class:`gdnprune.scoring.blocks.BlockScorer`): orders, raw scores, geometry."""
+    n = max(int(stats["num_tokens"]), 1)
+    activation = stats["abs_sum"] / n
+    payload: dict[str, Any] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),
+                               "method": method}
+    from ..blocks import orders_to_payload
+
+    if block.kind == "attention":
+        nkv, r = block.shape.num_key_value_heads, block.shape.heads_per_group
+        if method == "projection":
+            gram = stats["gram"]
+            group_gram = gram.reshape(nkv, r, nkv, r).sum(dim=(1, 3))
+            kv_groups = greedy_removal_order(group_gram)
+            query_heads = greedy_lane_orders(gram, nkv)
+            head_scores = gram.diagonal() / n
+        else:
+            head_scores = activation
+            kv_groups = descending(head_scores.reshape(nkv, r).sum(-1))
+            query_heads = descending(head_scores.reshape(nkv, r))
+        payload.update(orders_to_payload({"kv_groups": kv_groups, "query_heads": query_heads}))
+        payload["head_scores"] = head_scores.tolist()
+    else:
+        if method == "projection":
+            channels = greedy_removal_order(stats["gram"])
+            scores = stats["gram"].diagonal() / n
+        else:
+            scores = activation
+            channels = descending(scores)
+        payload.update(orders_to_payload({"channels": channels}))
+        payload["channel_scores"] = scores.tolist()
+    return payload
