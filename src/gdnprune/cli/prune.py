@@ -68,5 +68,6 @@ def run(args) -> int:
         totals = plan.get("totals", {})
         what += (f" under the budget ({totals.get('gdn_params_fraction', 0):.1%} of GDN parameters, "
                  f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
-    print(f"gdnprune prune: scored with {args.method!r}, sorted and {what} -> {args.output}")
+    also = f" (self-contained: {manifest['self_contained']})" if manifest.get("self_contained") else ""
+    print(f"gdnprune prune: scored with {args.method!r}, sorted and {what} -> {args.output}{also}")
     return 0
