@@ -254,3 +254,13 @@ def test_a_cut_of_attention_warns_that_mtp_layers_keep_their_width(sources, tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error", ck.PassthroughWarning)
         ck.slice_checkpoint(src, tmp_path / "mlp", {"intermediate_size": 32}, progress=False)
+
+
+def test_a_field_that_no_sub_block_has_is_an_error(sources, tmp_path):
+    _, src, _ = sources["qwen3_5"]
+    with pytest.raises(ck.TargetError, match=r"no shared_expert sub-block \(at layers.N.mlp.shared_expert\)"):
+        ck.slice_checkpoint(src, tmp_path / "out", {"shared_expert_intermediate_size": 8}, progress=False)
+    plan = {"format": "gdnprune-plan", "version": 2, "default": {"shared_expert_intermediate_size": 8}}
+    with pytest.raises(ck.TargetError, match="nothing to cut with"):
+        ck.slice_checkpoint(src, tmp_path / "out", plan=plan, progress=False)
+    assert not (tmp_path / "out").exists()

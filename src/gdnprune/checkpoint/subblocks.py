@@ -19,7 +19,7 @@ from ..blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_i
     orders_from_payload, orders_to_payload, resolve_block_target
 from ..geometry import layer_index_of
 from ..layouts import BlockGridError
-from ..plans import plan_block_kinds, resolve_block_plan
+from ..plans import plan_block_kinds, read_plan, resolve_block_plan
 from ..scores import ScoresError, match_layers
 from ..targets import TargetError
 from .engine import LayerPlan
@@ -91,7 +91,8 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
     if not kinds:
         return SubBlockPlan()
     layers = {layer.prefix: layer for layer in find_block_layers(ckpt, sorted(kinds))}
-    absent = sorted(f for f in target if not any(f in KINDS[layer.kind].config_keys for layer in layers.values()))
+    asked = set(target) | (set(read_plan(plan).get("default") or {}) & set(BLOCK_FIELDS) if plan is not None else set())
+    absent = sorted(f for f in asked if not any(f in KINDS[layer.kind].config_keys for layer in layers.values()))
     if absent:
         missing = sorted({k.name for k in KINDS.values() for f in absent if f in k.config_keys})
         raise TargetError(f"{ckpt.path}: nothing to cut with {absent}: the checkpoint has no {' or '.join(missing)} "
