@@ -302,7 +302,8 @@ import json, os, sys
 from gdnprune.cli import main
 codes = [main(["inspect", {str(src)!r}]),
          main(["sort", {str(src)!r}, "--scores", {str(tmp_path / "scores.json")!r}, "-o", {str(tmp_path / "sorted")!r}, "-q"]),
-         main(["slice", {str(tmp_path / "sorted")!r}, "-o", {str(tmp_path / "sliced")!r}, "-q", *{target!r}])]
+         main(["slice", {str(tmp_path / "sorted")!r}, "-o", {str(tmp_path / "sliced")!r}, "-q", *{target!r},
+               "--self-contained"])]
 blas = os.environ.get("OPENBLAS_NUM_THREADS")
 codes.append(main(["slice", {str(src)!r}, "-o", {str(tmp_path / "compensated")!r}, "-q", *{target!r},
                    "--compensation-stats", {str(tmp_path / "stats.safetensors")!r}]))
@@ -314,6 +315,6 @@ print(json.dumps({{"codes": codes, "loaded": sorted(m for m in ("torch", "transf
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"codes": [0, 0, 0, 0], "loaded": [], "blas_threads": "1"}  # numpy's pool would only spin
-    assert (tmp_path / "sliced" / "config.json").is_file()
+    assert (tmp_path / "sliced" / "config.json").is_file() and (tmp_path / "sliced" / "modeling_gdnprune.py").is_file()
     manifest = json.loads((tmp_path / "compensated" / "gdnprune.json").read_text())
     assert manifest["compensation"]["layers"]  # the refit ran

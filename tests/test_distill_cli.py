@@ -32,7 +32,7 @@ def folders(tmp_path_factory):
     """A teacher folder (with mtp.* tensors and a tokenizer), a heterogeneous and a uniform student, and text."""
     root = tmp_path_factory.mktemp("distill_cli")
     teacher = make_source(root / "teacher", "qwen3_5", seed=31)
-    slice_checkpoint(teacher, root / "hetero", plan=PLAN, progress=False)
+    slice_checkpoint(teacher, root / "hetero", plan=PLAN, progress=False, self_contained=True)
     slice_checkpoint(teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False)
     text = root / "train.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 200))
@@ -65,6 +65,9 @@ def test_distill_a_heterogeneous_student_from_the_command_line(folders, tmp_path
     assert "Writing model shards" not in captured.err and "Loading weights" not in captured.err
     config = json.loads((out / "config.json").read_text())
     assert config["per_layer_config"]  # still heterogeneous, in transformers' convention
+    # and still self-contained (tests/test_self_contained.py): the student's modeling file and auto_map
+    assert config["auto_map"] == json.loads((student / "config.json").read_text())["auto_map"]
+    assert (out / "modeling_gdnprune.py").read_bytes() == (student / "modeling_gdnprune.py").read_bytes()
     model = load_pretrained(out, dtype=torch.float32)
     shapes = {p: GDNShape.from_module(m) for p, m in find_gdn_modules(model)}
     assert shapes["model.layers.0.linear_attn"].num_value_heads == 2

@@ -266,10 +266,13 @@ def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, cap
     src, text, _ = folder
     out = tmp_path / "pruned"
     assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-params", "0.5", "--dim-step",
-                 "1/2", "--num-samples", "4", "--plan-samples", "2", "--seq-len", "72", "--quiet"]) == 0
-    assert "under the budget" in capsys.readouterr().out
+                 "1/2", "--num-samples", "4", "--plan-samples", "2", "--seq-len", "72", "--quiet",
+                 "--self-contained"]) == 0
+    assert "under the budget" in (line := capsys.readouterr().out) and "self-contained" in line
     manifest = json.loads((out / "gdnprune.json").read_text())
     assert manifest["operation"] == "prune" and manifest["sorted"]
+    assert manifest["self_contained"] == "modeling_gdnprune.py" and (out / "modeling_gdnprune.py").is_file()
+    assert json.loads((out / "config.json").read_text())["auto_map"]  # loading: tests/test_self_contained.py
     assert manifest["plan"]["metadata"]["totals"]["gdn_params_fraction"] <= 0.5
     model = load_pretrained(out, dtype=torch.float32)
     assert 0 < _gdn_params(model) <= 0.5 * _gdn_params(load_pretrained(src, dtype=torch.float32))

@@ -25,6 +25,7 @@ def prune_checkpoint(
     compensate: bool | str = False,
     overwrite: bool = False,
     progress: bool = True,
+    self_contained: bool = False,
     **scoring: Any,
 ) -> dict[str, Any]:
     """Score ``model_dir`` on ``data``, then sort and cut every GDN layer in one streaming pass.
@@ -40,7 +41,8 @@ def prune_checkpoint(
     cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is
     known, cuts the model in memory and refits ``out_proj`` layer by layer on the cut model's own hidden
     states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
-    ``device_map``). The output path, the target or plan and the constraints are checked
+    ``device_map``). ``self_contained``: the output also loads with transformers alone
+    (:mod:`gdnprune.checkpoint.remote_code`). The output path, the target or plan and the constraints are checked
     before the (long) scoring starts. The model is loaded once; scoring, the plan search and the sequential
     refit share it. Returns the manifest (with the searched plan
     under ``"plan"``).
@@ -68,6 +70,10 @@ def prune_checkpoint(
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     ckpt = open_checkpoint(model_dir)
     layers, _ = find_gdn_layers(ckpt)
+    if self_contained:
+        from .checkpoint.remote_code import auto_map
+
+        auto_map(ckpt.config)  # a family the modeling file cannot load is refused before the scoring
     shapes = {layer.prefix: layer.shape for layer in layers}
     gdn_target, block_target = split_target(target)
     if target is not None:
@@ -103,7 +109,7 @@ def prune_checkpoint(
         stats = _sequential_columns(model, model_dir, data, scores, targets, progress)
     return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
                                 tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
-                                overwrite=overwrite,
+                                overwrite=overwrite, self_contained=self_contained,
                                 progress=progress, manifest_extra=extra)
 
 

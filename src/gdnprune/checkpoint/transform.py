@@ -24,7 +24,7 @@ from ..fileio import file_sha256
 from ..scores import read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from .. import compensate
-from . import output, refit, subblocks
+from . import output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
     CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, find_gdn_layers, open_checkpoint,
@@ -66,6 +66,7 @@ def transform_checkpoint(
     compensation: str | os.PathLike | Mapping | None = None,
     ridge: float | None = None,
     dequantize: bool = False,
+    self_contained: bool = False,
     operation: str,
     overwrite: bool = False,
     progress: bool = True,
@@ -103,6 +104,9 @@ def transform_checkpoint(
             nested across targets; the manifest says so.
         dequantize: FP8 weights whose scale blocks the sort or cut would split are written dequantised in
             BF16 (their scales dropped, their modules added to ``modules_to_not_convert``) instead of refused.
+        self_contained: also write the modeling file and ``auto_map`` with which the output loads with
+            ``AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True)`` without gdnprune
+            (:mod:`gdnprune.checkpoint.remote_code`).
         operation: the name recorded in the manifest (``"sort"``, ``"slice"``, ``"prune"``, ...).
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
@@ -123,8 +127,10 @@ def transform_checkpoint(
     src, out = Path(model_dir), Path(output_dir)
     output.clear_stale(out)
     output.check_paths(src, out, overwrite)
+    if self_contained:
+        manifest_extra = {"self_contained": remote_code.MODELING_NAME, **dict(manifest_extra or {})}
     return _transform(src, out, permutations, target, plan, (tp, multiple_of, dequantize), (compensation, ridge),
-                      operation, overwrite, progress, manifest_extra)
+                      operation, overwrite, progress, manifest_extra, self_contained)
 
 
 def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple[dict, list[str]]:
@@ -148,7 +154,7 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
 
 
 def _transform(src: Path, out: Path, permutations, target, plan, constraints, refit_options, operation, overwrite,
-               progress, manifest_extra) -> dict:
+               progress, manifest_extra, self_contained: bool) -> dict:
     start_time = time.time()
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
@@ -176,6 +182,8 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     if left_out:
         _warn(UserWarning, f"other weight files {left_out} of {src} are not copied (they are not part of the "
                            f"safetensors checkpoint that is transformed)")
+    if self_contained:
+        remote_code.auto_map(ckpt.config)  # a family it cannot load is refused before any folder is made
     stats_path, ridge = refit_options
     if stats_path is not None:
         if not cut:
@@ -251,6 +259,8 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
                 manifest_extra = {"blocks": blocks.manifest(), **dict(manifest_extra or {})}
             manifest = _finish_folder(ckpt, tmp, work, operation, permutations, cut, plan, missing, skipped,
                                       other_files, manifest_extra, blocks)
+            if self_contained:
+                remote_code.make_self_contained(tmp)
             check_unchanged(ckpt)
         except BaseException:
             work.stop.set()
@@ -337,8 +347,8 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
 
 
 def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Mapping, output_dir: str | os.PathLike,
-                    *, dequantize: bool = False, overwrite: bool = False, progress: bool = True,
-                    manifest_extra: Mapping[str, Any] | None = None) -> dict:
+                    *, dequantize: bool = False, self_contained: bool = False, overwrite: bool = False,
+                    progress: bool = True, manifest_extra: Mapping[str, Any] | None = None) -> dict:
     """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
 
     ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). The keyword arguments
@@ -350,15 +360,17 @@ def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Ma
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
     extra = {"scores": info, **dict(manifest_extra or {})}
     return transform_checkpoint(model_dir, output_dir, permutations=data["layers"], operation="sort",
-                                manifest_extra=extra, dequantize=dequantize, overwrite=overwrite, progress=progress)
+                                manifest_extra=extra, dequantize=dequantize, self_contained=self_contained,
+                                overwrite=overwrite, progress=progress)
 
 
 @keyword_target(paths=2)
 def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, target: Any = None,
                      plan: str | os.PathLike | Mapping | None = None, tp: int | None = None,
                      multiple_of: int | None = None, compensation: str | os.PathLike | Mapping | None = None,
-                     ridge: float | None = None, dequantize: bool = False, overwrite: bool = False,
-                     progress: bool = True, manifest_extra: Mapping[str, Any] | None = None) -> dict:
+                     ridge: float | None = None, dequantize: bool = False, self_contained: bool = False,
+                     overwrite: bool = False, progress: bool = True,
+                     manifest_extra: Mapping[str, Any] | None = None) -> dict:
     """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
@@ -373,4 +385,5 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
         raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ") or a plan")
     return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, tp=tp, multiple_of=multiple_of,
                                 compensation=compensation, ridge=ridge, dequantize=dequantize, operation="slice",
-                                overwrite=overwrite, progress=progress, manifest_extra=manifest_extra)
+                                self_contained=self_contained, overwrite=overwrite, progress=progress,
+                                manifest_extra=manifest_extra)

@@ -82,6 +82,14 @@ def add_quiet_argument(p) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars and no notes")
 
 
+def add_self_contained_argument(p) -> None:
+    """``--self-contained``, on the commands that write a model folder through the streaming engine."""
+    p.add_argument("--self-contained", dest="self_contained", action="store_true",
+                   help="also write a small modeling file and auto_map into OUT_DIR, so that a folder whose layers "
+                        "differ (per_layer_config) loads with plain AutoModelForCausalLM.from_pretrained(OUT_DIR, "
+                        "trust_remote_code=True) where gdnprune is not installed")
+
+
 def add_target_arguments(p) -> None:
     """The nested-target options shared by ``gdnprune slice`` and ``gdnprune prune``."""
     p.add_argument("--num-key-heads", dest="num_key_heads", type=positive_int, metavar="N",
@@ -206,5 +214,6 @@ def summary(manifest: dict, out: str) -> str:
     target = manifest.get("target")
     cut = any(layer["target"] != layer["shape"] for layer in layers.values())
     what = f"cut to {target}" if target else "cut layer by layer (per_layer_config)" if cut else "permuted"
-    return (f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']} "
+    also = f", self-contained ({manifest['self_contained']})" if manifest.get("self_contained") else ""
+    return (f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']}{also} "
             f"({manifest['elapsed_seconds']:.1f} s)")

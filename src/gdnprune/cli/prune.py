@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._options import add_calibration_arguments, add_output_arguments, add_refine_arguments, \
-    add_target_arguments, positive_int, scoring_options, target_from_args
+    add_self_contained_argument, add_target_arguments, positive_int, scoring_options, target_from_args
 from ._runtime import add_runtime_arguments, model_runtime
 from .plan import add_search_arguments, search_options
 
@@ -21,6 +21,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
     add_output_arguments(p)
+    add_self_contained_argument(p)
     add_target_arguments(p)
     p.add_argument("--plan", metavar="PLAN.json", help="per-layer targets (from gdnprune plan)")
     add_search_arguments(p)
@@ -59,6 +60,7 @@ def run(args) -> int:
         manifest = prune_checkpoint(args.model_dir, args.data, args.output, target=target, plan=args.plan, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
                                     compensate=args.compensate or False, overwrite=args.overwrite, progress=not args.quiet,
+                                    self_contained=args.self_contained,
                                     refine=args.refine, refine_samples=args.refine_samples,
                                     **scoring_options(args))
     uniform = manifest.get("target")
@@ -68,5 +70,6 @@ def run(args) -> int:
         totals = plan.get("totals", {})
         what += (f" under the budget ({totals.get('gdn_params_fraction', 0):.1%} of GDN parameters, "
                  f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
-    print(f"gdnprune prune: scored with {args.method!r}, sorted and {what} -> {args.output}")
+    also = f" (self-contained: {manifest['self_contained']})" if manifest.get("self_contained") else ""
+    print(f"gdnprune prune: scored with {args.method!r}, sorted and {what} -> {args.output}{also}")
     return 0

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._options import add_deprecated_alias, add_output_arguments, add_plan_arguments, add_target_arguments, \
-    positive_float, positive_int, summary, target_from_args
+from ._options import add_deprecated_alias, add_output_arguments, add_plan_arguments, add_self_contained_argument, \
+    add_target_arguments, positive_float, positive_int, summary, target_from_args
 from ._runtime import without_blas_threads
 
 NAME = "slice"
@@ -16,10 +16,12 @@ def add_parser(subparsers) -> None:
                                           "every GDN layer and rewrite the geometry in config.json. An axis "
                                           "not given keeps its size; --plan gives every layer its own target "
                                           "(written with transformers' per_layer_config when the layers "
-                                          "differ; load those with gdnprune.load_pretrained). Sort first so "
+                                          "differ; load those with gdnprune.load_pretrained, or with "
+                                          "--self-contained with transformers alone). Sort first so "
                                           "that the prefix is the most important part.")
     p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
     add_output_arguments(p)
+    add_self_contained_argument(p)
     add_target_arguments(p)
     blocks = p.add_argument_group("attention and MLP", "cut every full-attention layer or MLP (the same nested "
                                                        "prefix for each); per-layer sizes go in --plan")
@@ -61,7 +63,7 @@ def run(args) -> int:
         target = {**(target or {}), **sub_blocks}
     manifest = slice_checkpoint(args.model_dir, args.output, target=target, plan=args.plan, tp=args.tp,
                                 multiple_of=args.multiple_of, compensation=args.compensation_stats, ridge=args.ridge,
-                                dequantize=args.dequantize,
+                                dequantize=args.dequantize, self_contained=args.self_contained,
                                 overwrite=args.overwrite, progress=not args.quiet)
     line = summary(manifest, args.output)
     if manifest.get("blocks"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._options import add_output_arguments, summary
+from ._options import add_output_arguments, add_self_contained_argument, summary
 from ._runtime import without_blas_threads
 
 NAME = "sort"
@@ -17,6 +17,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--scores", required=True, metavar="SCORES.json",
                    help='JSON object with "layers": {prefix: {*_order_most_important_first: ...}}')
     add_output_arguments(p)
+    add_self_contained_argument(p)
     p.add_argument("--dequantize", action="store_true",
                    help="FP8 checkpoints: write the weights whose scale blocks the %s would split in BF16 (added "
                         "to modules_to_not_convert) instead of refusing" % ("order" if NAME == "sort" else "cut"))
@@ -28,6 +29,6 @@ def run(args) -> int:
     from ..checkpoint import sort_checkpoint
 
     manifest = sort_checkpoint(args.model_dir, args.scores, args.output, overwrite=args.overwrite,
-                               dequantize=args.dequantize, progress=not args.quiet)
+                               dequantize=args.dequantize, self_contained=args.self_contained, progress=not args.quiet)
     print(summary(manifest, args.output))
     return 0
