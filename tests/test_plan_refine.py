@@ -211,3 +211,104 @@ def test_refining_a_real_plan_never_makes_it_worse_and_repeats_for_a_seed(case):
     assert result["picks"] == again["picks"] and result["history"] == again["history"]
     assert result["kl"] <= result["seed_kl"] and feasible(result["picks"], costs, budgets)
     assert len(result["history"]) == 3 and result["windows"] == 4
+
+
+# ---- the command line, the report and the plot -----------------------------------------------------------
+
+
+from test_plan_search import folder  # noqa: E402,F401  (the module's scored model folder)
+
+
+def test_the_lower_envelope_falls_from_the_smallest_candidate_to_the_full_layer():
+    from gdnprune.plan.plot import lower_envelope
+
+    points = [(100, 0.0), (60, 0.3), (70, 0.5), (40, 0.9), (50, 0.2), (10, 2.0)]
+    assert lower_envelope(points) == [(10, 2.0), (40, 0.9), (50, 0.2), (100, 0.0)]
+
+
+def test_default_threads_follow_the_work_and_the_free_cores(monkeypatch):
+    import os
+
+    from gdnprune.cli._runtime import default_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.2, 0.0, 0.0))
+    assert default_threads(128, 256) == 1  # the demo model: a tiny forward
+    assert default_threads(4096, 512) == 5  # big, but only 8 - 3 cores are free
+    monkeypatch.setattr(os, "getloadavg", lambda: (12.0, 0.0, 0.0))
+    assert default_threads(4096, 512) == 1
+
+
+def test_budgets_are_checked_before_any_forward(case):
+    from gdnprune.plan import BudgetError, plan_model
+
+    model, _, scores, *_ = case
+
+    def batches():
+        raise AssertionError("a forward ran before the budgets were checked")
+        yield
+
+    with pytest.raises(BudgetError, match="no plan meets the budgets"):
+        plan_model(model, batches(), scores, budget_params=0.001, dim_step="1/2", progress=False)
+
+
+def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, capsys):
+    import json
+
+    from gdnprune.cli import main
+
+    src, text, scores = folder
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
+                 "--budget-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "72",
+                 "--refine-generations", "2", "--refine-offspring", "3", "-q"]) == 0
+    stdout = capsys.readouterr().out
+    assert "joint refinement: KL of the whole cut model" in stdout
+    plan = json.loads(out.read_text())
+    report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
+    assert plan["sensitivity"] == report["sensitivity"] == "halving" and report["rungs"] == [1, 4]
+    assert plan["refined"]["kl"] <= plan["refined"]["seed_kl"] and plan["refined"]["generations"] == 2
+    assert [h["generation"] for h in report["refinement"]["history"]] == [1, 2]
+    for layer in report["layers"].values():
+        windows = [c["windows"] for c in layer["candidates"]]
+        assert set(windows) <= {1, 4} and 4 in windows
+        assert all(c["windows"] == 4 for c in layer["candidates"] if c["survivor"])
+    assert (tmp_path / "plan.sensitivity.png").stat().st_size > 1000
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "x.json"),
+              "--budget-params", "0.5", "--sensitivity", "proxy", "--refine-generations", "-1"])
+    assert exit_.value.code == 2
+    assert "expected a whole number >= 0" in capsys.readouterr().err
+
+
+def test_prune_with_a_plan_uses_its_scores_or_says_why_not(folder, tmp_path, capsys):
+    import json
+    import shutil
+
+    from gdnprune.cli import main
+
+    src, text, scores = folder
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(src), "--scores", str(scores), "--output", str(plan), "--budget-params", "0.5",
+                 "--sensitivity", "proxy", "--dim-step", "1/2", "-q"]) == 0
+    out = tmp_path / "pruned"
+    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--plan", str(plan), "--scores",
+                 str(scores), "--quiet"]) == 0
+    assert "sorted by" in capsys.readouterr().out
+    manifest = json.loads((out / "gdnprune.json").read_text())
+    sha = json.loads(plan.read_text())["scores"]["sha256"]
+    assert manifest["plan"]["metadata"]["scores"]["sha256"] == manifest["scores"]["sha256"] == sha
+    assert manifest["plan"]["path"] == str(plan.resolve())
+    # other scores: refused before anything is scored or written
+    other = tmp_path / "other.json"
+    shutil.copy(scores, other)
+    with open(other, "a") as f:
+        f.write("\n")
+    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p2"), "--plan", str(plan),
+                 "--scores", str(other), "--quiet"]) == 2
+    assert "the plan was searched on the scores with sha256" in capsys.readouterr().err
+    assert not (tmp_path / "p2").exists()
+    # scored afresh: a warning names the scores the plan was searched on
+    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p3"), "--plan", str(plan),
+                 "--num-samples", "2", "--seq-len", "72", "--quiet"]) == 0
+    assert "gdnprune prune: warning: the plan was searched on the scores" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ._options import add_calibration_arguments, add_output_arguments, add_target_arguments, positive_int, \
     scoring_options, target_from_args
 from ._runtime import add_runtime_arguments, model_runtime
@@ -23,6 +25,9 @@ def add_parser(subparsers) -> None:
     add_output_arguments(p)
     add_target_arguments(p)
     p.add_argument("--plan", metavar="PLAN.json", help="per-layer targets (from gdnprune plan)")
+    p.add_argument("--scores", metavar="SCORES.json",
+                   help="sort by this scores file of MODEL_DIR instead of scoring again (a --plan must have been "
+                        "searched on it: its recorded sha256 is checked)")
     add_search_arguments(p)
     p.add_argument("--plan-samples", type=positive_int, default=16,
                    help="calibration windows of the plan search's measured sensitivity (default 16)")
@@ -42,8 +47,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    import warnings
+
     from ..distributed import launch_info
-    from ..prune import prune_checkpoint
+    from ..prune import PlanScoresWarning, prune_checkpoint
 
     info = launch_info()
     if info is not None and info.world_size > 1:
@@ -55,8 +62,23 @@ def run(args) -> int:
     if search is not None:
         for key in ("tp", "multiple_of"):
             search.pop(key)
-    with model_runtime(args):
-        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan, search=search,
+    if args.threads is None:
+        from .plan import plan_threads
+
+        args.threads = plan_threads(args.model_dir, args.seq_len)
+    with model_runtime(args), warnings.catch_warnings():
+        warnings.simplefilter("always", PlanScoresWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, *rest, **kwargs):
+            if issubclass(category, PlanScoresWarning):
+                print(f"gdnprune prune: warning: {message}", file=sys.stderr)
+            else:
+                shown(message, category, *rest, **kwargs)
+
+        warnings.showwarning = show
+        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan,
+                                    scores=args.scores, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
                                     compensate=args.compensate or False, overwrite=args.overwrite, progress=not args.quiet,
                                     refine=args.refine, **scoring_options(args))
@@ -67,5 +89,6 @@ def run(args) -> int:
         totals = plan.get("totals", {})
         what += (f" under the budget ({totals.get('gdn_params_fraction', 0):.1%} of GDN parameters, "
                  f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
-    print(f"gdnprune prune: scored with {args.method!r}, sorted and {what} -> {args.output}")
+    how = f"sorted by {args.scores}" if args.scores else f"scored with {args.method!r}, sorted"
+    print(f"gdnprune prune: {how} and {what} -> {args.output}")
     return 0

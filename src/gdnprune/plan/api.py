@@ -49,7 +49,7 @@ def plan_model(
     orders_applied: bool = False,
     refine_generations: int = 0,
     refine_offspring: int = 8,
-    seed: int = 0,
+    refine_seed: int = 0,
     progress: bool = True,
 ) -> tuple[dict, dict]:
     """Choose every GDN layer's target under the budgets; returns ``(plan, report)``.
@@ -71,7 +71,7 @@ def plan_model(
         orders_applied: the model is already sorted by these scores (e.g. a ``gdnprune sort`` output).
         refine_generations: generations of the joint refinement (:mod:`.evolve`, fitness the KL of the whole
             cut model on the calibration batches) that starts from the exact choice; 0: none.
-        refine_offspring: plans tried per generation; seed: the refinement's random seed.
+        refine_offspring, refine_seed: plans tried per generation, and the refinement's random seed.
         progress: progress bars over the measured candidates and the refinement's generations.
 
     Returns:
@@ -159,7 +159,7 @@ def plan_model(
         from .joint import refine_plan
 
         refinement = refine_plan(model, batches, layers, costs, budgets, picks, generations=refine_generations,
-                                 offspring=refine_offspring, seed=seed, progress=progress)
+                                 offspring=refine_offspring, seed=refine_seed, progress=progress)
         picks = refinement["picks"]
     chosen = {layer.prefix: table[i][pick] for i, (layer, pick) in enumerate(zip(layers, picks))}
     kept = {"params": sum(c.params for c in chosen.values()),
@@ -249,7 +249,7 @@ def plan_checkpoint(
     applied = (not isinstance(scores, Mapping) and manifest.get("sorted")
                and (manifest.get("scores") or {}).get("sha256") == _scores_hash(scores))
     batches = None
-    if options.get("sensitivity", "measured") == "measured":
+    if options.get("sensitivity", "halving") != "proxy":
         import json
 
         from transformers import AutoTokenizer
