@@ -312,3 +312,46 @@ def test_prune_with_a_plan_uses_its_scores_or_says_why_not(folder, tmp_path, cap
     assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p3"), "--plan", str(plan),
                  "--num-samples", "2", "--seq-len", "72", "--quiet"]) == 0
     assert "gdnprune prune: warning: the plan was searched on the scores" in capsys.readouterr().err
+
+
+WORKER = '''
+import json, sys
+from gdnprune.cli import main
+model, scores, text, out = sys.argv[1:5]
+code = main(["plan", model, "--scores", scores, "--data", text, "--output", out + "/two.json", "--budget-params",
+             "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40", "--refine-generations", "2",
+             "--refine-offspring", "3", "--quiet", "--threads", "1"])
+sys.exit(code)
+'''
+
+
+def test_two_processes_under_torchrun_find_the_plan_one_process_finds(folder, tmp_path):
+    """The halving's candidates and the refinement's offspring are spread over 2 gloo ranks; the plan, every
+    sensitivity and every generation's fitness equal one process's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gdnprune.cli import main
+
+    src, text, scores = folder
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker), str(src), str(scores), str(text), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(tmp_path / "one.json"),
+                 "--budget-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40",
+                 "--refine-generations", "2", "--refine-offspring", "3", "--quiet", "--threads", "1"]) == 0
+    two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
+    assert two["layers"] == one["layers"] and two["refined"] == one["refined"]
+    two, one = (json.loads((tmp_path / f"{n}.sensitivity.json").read_text()) for n in ("two", "one"))
+    assert two["refinement"]["history"] == one["refinement"]["history"]
+    assert two["forwards"] == one["forwards"] and two["rungs"] == one["rungs"]
+    for prefix, layer in one["layers"].items():
+        assert [(c["sensitivity"], c["windows"]) for c in two["layers"][prefix]["candidates"]] == \
+            [(c["sensitivity"], c["windows"]) for c in layer["candidates"]]
