@@ -1,77 +1,215 @@
-"""The invariants of ARCHITECTURE.md that code can check: the import graph, who prints, who needs torch."""
+"""The rules of ARCHITECTURE.md that code can check: the layer order of its code map, the import graph (every
+import, lazy ones included), private names, who prints, who needs torch, module sizes.
+
+Each checker is a function of plain data (a module -> imports graph, a code map text) so that it is also
+tested on a small synthetic violation below: a rule that cannot fail checks nothing.
+"""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 import gdnprune
 
 PACKAGE = Path(gdnprune.__file__).parent
+ARCHITECTURE = PACKAGE.parent.parent / "ARCHITECTURE.md"
 MAX_LINES = 650
+#: modules the layer rule does not constrain: the package root (imported before any of its modules anyway),
+#: ``python -m gdnprune`` and the command line, which may import every library module
+FREE = ("gdnprune", "gdnprune.__main__", "gdnprune.cli")
 
 
-def _modules() -> dict[str, Path]:
+@dataclass(frozen=True)
+class Import:
+    """One imported gdnprune module (``target``) and, for ``from X import name``, the name (else None)."""
+
+    target: str
+    name: str | None
+    line: int
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+
+def _base(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from ... import``, relative imports resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    return ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
+def imports_of(name: str, source: str, known: set[str], *, is_package: bool = False) -> list[Import]:
+    """Every import of a module of ``known`` in ``source`` (module ``name``): at any depth of the syntax tree
+    (inside functions, ``if``, ``try``), relative imports resolved. ``from pkg import mod`` is an import of
+    ``pkg.mod`` when that is a module, else of ``pkg`` (``name`` then names what is taken from it)."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [Import(a.name, None, node.lineno) for a in node.names if a.name in known]
+        elif isinstance(node, ast.ImportFrom):
+            base = _base(package, node)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    found.append(Import(f"{base}.{alias.name}", None, node.lineno))
+                elif base in known:
+                    found.append(Import(base, alias.name, node.lineno))
+    return found
+
+
+def graph_of(root: Path = PACKAGE) -> dict[str, list[Import]]:
+    mods = modules(root)
+    return {name: imports_of(name, path.read_text(), set(mods), is_package=path.name == "__init__.py")
+            for name, path in mods.items()}
+
+
+def is_free(name: str) -> bool:
+    return name in FREE[:2] or name == FREE[2] or name.startswith(FREE[2] + ".")
+
+
+def code_map_order(text: str, root: str = "gdnprune") -> list[str]:
+    """The modules of the "Code map" section of ARCHITECTURE.md, bottom layer first: every bold
+    ``**`name`**`` entry in order, and for a package entry (``name/``) its ``- `module``` bullets in order,
+    then the package itself. Stops at the command line (``cli/``), which may import everything."""
+    section = text.split("\n## Code map", 1)[1].split("\n## ", 1)[0]
+    order: list[str] = []
+    package = None
+    for line in section.splitlines():
+        entries = re.findall(r"\*\*`([\w/]+)`\*\*", line) if line.startswith("**") else []
+        if entries:
+            if package:
+                order.append(package)
+            package = None
+            for entry in entries:
+                if entry == "cli/":
+                    return order
+                if entry.endswith("/"):
+                    package = f"{root}.{entry[:-1]}"
+                else:
+                    order.append(f"{root}.{entry}")
+        elif package and (bullet := re.match(r"- `(\w+)`", line)):
+            order.append(f"{package}.{bullet.group(1)}")
+    raise AssertionError("the code map must end with the command line entry **`cli/`**")
+
+
+def layer_violations(graph: dict[str, list[Import]], order: list[str]) -> list[str]:
+    """Imports of a module listed at or below the importer (and modules missing from the order)."""
+    rank = {name: i for i, name in enumerate(order)}
+    problems = [f"{name} is not in the code map" for name in graph if not is_free(name) and name not in rank]
+    problems += [f"{name} is in the code map but is no module" for name in order if name not in graph]
+    for name, found in graph.items():
+        if is_free(name) or name not in rank:
+            continue
+        for imp in found:
+            if name.startswith(imp.target + ".") or imp.target == name:
+                continue  # its own package: Python imports it first anyway
+            if is_free(imp.target) or rank.get(imp.target, len(order)) >= rank[name]:
+                problems.append(f"{name}:{imp.line} imports {imp.target}, which is not listed above it")
+    return list(dict.fromkeys(problems))
+
+
+def private_violations(graph: dict[str, list[Import]], root: Path = PACKAGE) -> list[str]:
+    """Private names (``_x``, not dunders) taken from another gdnprune module: ``from m import _x``, ``m._x``
+    on an imported module, or a private module imported from outside its own package."""
+    def private(word: str) -> bool:
+        return word.startswith("_") and not (word.startswith("__") and word.endswith("__"))
+
+    paths = modules(root)
+    problems = []
+    for name, found in graph.items():
+        for imp in found:
+            if imp.target == name:
+                continue
+            if imp.name is not None and private(imp.name):
+                problems.append(f"{name}:{imp.line} imports {imp.name} from {imp.target}")
+            owner, _, leaf = imp.target.rpartition(".")
+            if private(leaf) and not name.startswith(owner + "."):
+                problems.append(f"{name}:{imp.line} imports the private module {imp.target}")
+        source = paths[name].read_text()
+        bound = _module_aliases(name, source, set(graph), paths[name].name == "__init__.py")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and private(node.attr) and bound[node.value.id] != name:
+                problems.append(f"{name}:{node.lineno} uses {bound[node.value.id]}.{node.attr}")
+    return problems
+
+
+def _module_aliases(name: str, source: str, known: set[str], is_package: bool) -> dict[str, str]:
+    """Local names bound to gdnprune modules by the imports of ``source`` (``from .. import compensate``,
+    ``import gdnprune.compensate as c``)."""
+    package = name if is_package else name.rpartition(".")[0]
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = _base(package, node)
+            out.update({a.asname or a.name: f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known})
+        elif isinstance(node, ast.Import):
+            out.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
     return out
 
 
-def _imports(name: str, path: Path, *, top_level_only: bool) -> set[str]:
-    """The gdnprune modules that module ``name`` imports (at module level only, or anywhere)."""
-    tree = ast.parse(path.read_text())
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    found = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([node.module] if node.module else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-    modules = _modules()
-    return {m for m in found if m in modules and m != name}
-
-
-def test_the_module_level_import_graph_has_no_cycle():
-    modules = _modules()
-    graph = {name: _imports(name, path, top_level_only=True) for name, path in modules.items()}
-    # a package imports its submodules; a submodule importing its own package's __init__ is the usual
-    # Python pattern only for the parent's names, so drop edges to ancestors before looking for cycles
-    graph = {n: {m for m in deps if not n.startswith(m + ".")} for n, deps in graph.items()}
+def find_cycle(graph: dict[str, list[Import]]) -> list[str] | None:
+    """A cycle of the import graph (every import; edges to a module's own packages dropped), or None."""
+    edges = {n: sorted({i.target for i in found if not n.startswith(i.target + ".") and i.target != n})
+             for n, found in graph.items()}
     state: dict[str, int] = {}
 
-    def visit(node, path):
+    def visit(node: str, path: list[str]) -> list[str] | None:
         state[node] = 1
-        for dep in graph[node]:
+        for dep in edges.get(node, ()):
             if state.get(dep) == 1:
-                raise AssertionError(f"import cycle: {' -> '.join(path + [node, dep])}")
-            if dep not in state:
-                visit(dep, path + [node])
+                return path + [node, dep]
+            if dep not in state and (cycle := visit(dep, path + [node])):
+                return cycle
         state[node] = 2
+        return None
 
-    for node in graph:
-        if node not in state:
-            visit(node, [])
+    for node in edges:
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+# ---- the package -------------------------------------------------------------------------------------------
+
+
+def test_every_import_follows_the_layer_order_of_the_code_map():
+    order = code_map_order(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert len(order) == len(set(order)), "a module is listed twice in the code map"
+    assert layer_violations(graph_of(), order) == []
+
+
+def test_the_import_graph_with_lazy_imports_has_no_cycle():
+    assert find_cycle(graph_of()) is None
+
+
+def test_no_private_name_crosses_modules():
+    assert private_violations(graph_of()) == []
 
 
 def test_the_library_never_imports_the_cli_or_argparse_and_never_prints():
-    for name, path in _modules().items():
-        if name.startswith("gdnprune.cli") or name == "gdnprune.__main__":
+    for name, path in modules().items():
+        if is_free(name):
             continue
-        assert not any(m.startswith("gdnprune.cli") for m in _imports(name, path, top_level_only=False)), name
+        assert not any(i.target.startswith("gdnprune.cli") for i in graph_of()[name]), name
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -82,16 +220,82 @@ def test_the_library_never_imports_the_cli_or_argparse_and_never_prints():
 
 
 def test_no_module_is_much_over_600_lines():
-    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
 
 
+# ---- the checkers fail on violations ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def synthetic(tmp_path):
+    """A small package ``gdnprune`` with a lazy upward import, a lazy cycle and crossing private names."""
+    root = tmp_path / "gdnprune"
+    (root / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "low.py": "def f():\n    if True:\n        try:\n            from .high import g\n        except ImportError:\n"
+                  "            pass\n",
+        "high.py": "from . import low\nfrom .sub import mod\n\ndef g():\n    from .sub.mod import _secret\n"
+                   "    return low._hidden\n",
+        "sub/__init__.py": "",
+        "sub/mod.py": "import gdnprune.sub._inner\n_secret = 1\n",
+        "sub/_inner.py": "",
+        "other.py": "def h():\n    from .sub import _inner\n",
+    }
+    for rel, text in files.items():
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_checkers_see_lazy_imports_cycles_and_private_names(synthetic):
+    graph = graph_of(synthetic)
+    assert {i.target for i in graph["gdnprune.low"]} == {"gdnprune.high"}  # inside def, if and try
+    assert find_cycle(graph) == ["gdnprune.high", "gdnprune.low", "gdnprune.high"]
+    order = ["gdnprune.low", "gdnprune.sub._inner", "gdnprune.sub.mod", "gdnprune.sub", "gdnprune.high",
+             "gdnprune.other"]
+    assert layer_violations(graph, order) == ["gdnprune.low:4 imports gdnprune.high, which is not listed above it"]
+    assert layer_violations(graph, order[1:]) == ["gdnprune.low is not in the code map",
+                                                  "gdnprune.high:1 imports gdnprune.low, which is not listed "
+                                                  "above it"]
+    assert sorted(private_violations(graph, synthetic)) == [
+        "gdnprune.high:5 imports _secret from gdnprune.sub.mod",
+        "gdnprune.high:6 uses gdnprune.low._hidden",
+        "gdnprune.other:2 imports the private module gdnprune.sub._inner",
+    ]
+
+
+def test_the_code_map_parser_reads_entries_packages_and_bullets():
+    text = ("# A\n\n## Code map\n\n**`geometry`** — x.\n\n**`fileio`**, **`interrupts`** — y.\n\n"
+            "**`checkpoint/`** — z.\n- `folder`: a.\n- `engine`: b.\n\n**`calibration`** — c.\n\n"
+            "**`cli/`** — the rest.\n\n## Invariants\n\n**`late`** — not in the map.\n")
+    assert code_map_order(text) == ["gdnprune.geometry", "gdnprune.fileio", "gdnprune.interrupts",
+                                    "gdnprune.checkpoint.folder", "gdnprune.checkpoint.engine",
+                                    "gdnprune.checkpoint", "gdnprune.calibration"]
+    with pytest.raises(AssertionError, match="cli/"):
+        code_map_order(text.replace("**`cli/`**", "**`cli`**"))
+
+
+# ---- torch-free commands -------------------------------------------------------------------------------------
+
+
 def test_inspect_sort_and_slice_never_import_torch_nor_start_blas_threads(tmp_path):
+    import numpy as np
+
     sys.path.insert(0, str(Path(__file__).parent))
     from test_byte_identity import TARGET, build_source, scores_for
 
+    from gdnprune.checkpoint import find_gdn_layers, open_checkpoint
+    from gdnprune.compensate import model_identity, save_statistics
+
     src = build_source(tmp_path / "src", "qwen3_next")
     (tmp_path / "scores.json").write_text(json.dumps(scores_for(src, "qwen3_next")))
+    rng = np.random.default_rng(0)
+    stats = {}
+    for layer in find_gdn_layers(open_checkpoint(src))[0]:
+        o = rng.standard_normal((64, layer.shape.num_value_heads * layer.shape.value_head_dim))
+        stats[layer.prefix] = {"out_moment": o.T @ o, "tokens": 64}
+    save_statistics(stats, tmp_path / "stats.safetensors", model=model_identity(src))
     target = [a for k, v in TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     script = f"""
 import json, os, sys
@@ -99,12 +303,17 @@ from gdnprune.cli import main
 codes = [main(["inspect", {str(src)!r}]),
          main(["sort", {str(src)!r}, "--scores", {str(tmp_path / "scores.json")!r}, "-o", {str(tmp_path / "sorted")!r}, "-q"]),
          main(["slice", {str(tmp_path / "sorted")!r}, "-o", {str(tmp_path / "sliced")!r}, "-q", *{target!r}])]
+blas = os.environ.get("OPENBLAS_NUM_THREADS")
+codes.append(main(["slice", {str(src)!r}, "-o", {str(tmp_path / "compensated")!r}, "-q", *{target!r},
+                   "--compensate", {str(tmp_path / "stats.safetensors")!r}]))
 print(json.dumps({{"codes": codes, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules),
-                  "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}}))
+                  "blas_threads": blas}}))
 """
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"codes": [0, 0, 0], "loaded": [], "blas_threads": "1"}  # numpy's pool would only spin
+    assert report == {"codes": [0, 0, 0, 0], "loaded": [], "blas_threads": "1"}  # numpy's pool would only spin
     assert (tmp_path / "sliced" / "config.json").is_file()
+    manifest = json.loads((tmp_path / "compensated" / "gdnprune.json").read_text())
+    assert manifest["compensation"]["layers"]  # the refit ran

@@ -6,6 +6,7 @@ gets extra ``mtp.*`` tensors, tokenizer files and other files, as a real model f
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -24,12 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from gdnprune import checkpoint as ck
 from gdnprune.cli import main
-from gdnprune.gated_delta_net import (
-    GDNPermutation,
-    GDNShape,
-    permute_gated_delta_net_state_dict,
-    slice_gated_delta_net_state_dict,
-)
+from gdnprune.gated_delta_net import GDNPermutation, GDNShape
+from reference import hand_cut_state_dict, picks, zero_removed_heads
 from tiny_models import MODEL_CLASS, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
@@ -142,15 +139,12 @@ def fuse_olmo_conv(sd: dict, prefixes) -> dict:
 
 
 def expected_state_dict(src_sd, prefixes, *, perms=None, target=None):
-    """What the core API makes of the source tensors: permute and/or slice every GDN layer."""
+    """The source tensors with every GDN layer permuted and/or cut by hand (``reference.hand_cut``: heads
+    and channels picked by the model's own formulas, no gdnprune index code)."""
     sd = fuse_olmo_conv(src_sd, prefixes)
-    for p in prefixes:
-        perm = (perms or {}).get(p)
-        if target is None:
-            permute_gated_delta_net_state_dict(sd, prefix=p, shape=SHAPE, permutation=perm)
-        else:
-            slice_gated_delta_net_state_dict(sd, prefix=p, shape=SHAPE, target=target, permutation=perm)
-    return sd
+    cut = SHAPE if target is None else GDNShape(**{**SHAPE.as_dict(), **dict(
+        target.as_dict() if isinstance(target, GDNShape) else target)})
+    return hand_cut_state_dict(sd, {p: (SHAPE, cut) for p in prefixes}, perms)
 
 
 def random_scores(prefixes, seed=0) -> tuple[dict, dict]:
@@ -304,6 +298,48 @@ def test_slice_matches_core_api_and_loads(model_type, sources, tmp_path, capsys)
     manifest = json.loads((out / ck.MANIFEST_NAME).read_text())
     assert manifest["operation"] == "slice" and manifest["sorted"] is False
     assert manifest["target"] == {**SHAPE.as_dict(), **TARGET} and manifest["source_shape"] == SHAPE.as_dict()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_slice_on_disk_equals_zeroing_the_removed_heads(model_type, sources, tmp_path):
+    """Removing key groups or lanes on disk equals zeroing the removed heads' ``out_proj`` columns in the full
+    model (``reference.py``; the kept heads by the formula ``h = g*r + j`` from the orders): slice alone
+    (groups, then lanes), sort with random orders and then slice both, and prune in one pass."""
+    src = sources[model_type]
+    prefixes = [layer.prefix for layer in gdn_layers(src)]
+    full = load_model(src, model_type)
+    # groups swapped and each group's lanes in its own order, so that the kept heads (2 and 1, then 2) read key
+    # groups h // r that differ from h % Hk, and reading a lane order by new position instead of old group shows
+    g = torch.Generator().manual_seed(4)
+    perms = {p: GDNPermutation([1, 0], [[1, 0], [0, 1]], torch.rand(2, 8, generator=g).argsort(-1),
+                               torch.randperm(6, generator=g)) for p in prefixes}
+    scores = {"layers": {p: perm.to_score_payload() for p, perm in perms.items()}, "method": "by hand"}
+    r = SHAPE.value_heads_per_group
+    assert picks(SHAPE, GDNShape(2, 2, 8, 6), perms[prefixes[0]]).value_heads(r) == [2, 1]
+    sorted_dir = tmp_path / "sorted"
+    assert run_cli(["sort", src, "--scores", write_scores(tmp_path / "s.json", scores), "-o", sorted_dir, "-q"]) == 0
+    cases = [  # (name, target, permutations, how)
+        ("groups", GDNShape(1, 2, 8, 6), None, lambda out: run_cli(
+            ["slice", src, "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2"])),
+        ("lanes", GDNShape(2, 2, 8, 6), None, lambda out: ck.slice_checkpoint(src, out, {"num_value_heads": 2},
+                                                                              progress=False)),
+        ("sorted, then groups+lanes", GDNShape(1, 1, 8, 6), perms, lambda out: run_cli(
+            ["slice", sorted_dir, "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "1"])),
+        ("prune, lanes", GDNShape(2, 2, 8, 6), perms, lambda out: ck.transform_checkpoint(
+            src, out, permutations=perms, target={"num_value_heads": 2}, operation="prune", progress=False)),
+    ]
+    for name, target, permutations, how in cases:
+        out = tmp_path / name.replace(" ", "_").replace(",", "")
+        done = how(out)  # the CLI's exit code, or the API's manifest
+        assert done == 0 or isinstance(done, dict), name
+        reference = copy.deepcopy(full)
+        zero_removed_heads(reference, {p: picks(SHAPE, target, None if permutations is None else permutations[p])
+                                       .value_heads(r) for p in prefixes})
+        with torch.no_grad():
+            want, before = reference(input_ids=ids()).logits, full(input_ids=ids()).logits
+            got = load_model(out, model_type)(input_ids=ids()).logits
+        assert (want - before).abs().max() > 0.05, name  # the cut matters
+        assert (got - want).abs().max() < 1e-4, name
 
 
 def test_sort_then_slice_equals_prune_in_one_pass(sources, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdnprune import compensate, load_pretrained
-from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint, transform_checkpoint
+from gdnprune.checkpoint import codecs, slice_checkpoint, sort_checkpoint, transform_checkpoint
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules
@@ -56,10 +57,10 @@ def test_nothing_removed_is_the_identity_and_small_ridge_is_least_squares():
 
 def test_bf16_bytes_round_like_torch():
     values = torch.randn(1000, dtype=torch.float64) * 3
-    ours = compensate.from_float(values.numpy(), "BF16")
+    ours = codecs.from_float(values.numpy(), "BF16")
     theirs = values.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
     assert ours == theirs
-    back = compensate.to_float(ours, "BF16", (1000,))
+    back = codecs.to_float(ours, "BF16", (1000,))
     assert np.array_equal(back, values.to(torch.bfloat16).double().numpy())
 
 
@@ -118,20 +119,26 @@ def trained_case():
 
 
 def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
+    """Each target on its own (an average would hide a regression on one): the refit helps where it is exact
+    (removed key groups, removed lanes) and on a deep value-channel cut, and changes nothing on a key-dim cut
+    (no out_proj column is removed). (A combined cut with dv halved, GDNShape(2, 4, 16, 16), is not asserted:
+    there the RMSNorm renormalisation makes it worse on these windows, 1.27 -> 1.30.)"""
     model, calib, permutations, stats, loss = trained_case()
-    base, increases = loss(model), {"plain": [], "compensated": []}
-    for target in (GDNShape(2, 4, 32, 32), GDNShape(4, 4, 32, 32), GDNShape(2, 4, 16, 16)):
+    base = loss(model)
+    for target in (GDNShape(2, 4, 32, 32), GDNShape(4, 4, 32, 32), GDNShape(4, 8, 32, 8), GDNShape(4, 8, 16, 32)):
         plain = slice_model(model, target, permutations)
-        increases["plain"].append(loss(plain) - base)
-        increases["compensated"].append(loss(_refit(model, plain, target, permutations, stats)) - base)
-    assert np.mean(increases["compensated"]) < np.mean(increases["plain"])
+        increase = loss(plain) - base
+        compensated = loss(_refit(model, plain, target, permutations, stats)) - base
+        assert increase > 0.05, target
+        if target.key_head_dim < 32:
+            assert compensated == pytest.approx(increase, abs=1e-6), target
+        else:
+            assert compensated < 0.97 * increase, (target, compensated, increase)
 
 
 def _refit(model, plain, target, permutations, stats, ridge=compensate.DEFAULT_RIDGE):
     """The compensated model by hand: out_proj columns from compensated_columns (torch API for the rest)."""
     import copy
-
-    from gdnprune.gated_delta_net import gated_delta_net_prefix_indices
 
     refit = copy.deepcopy(plain)
     small_modules = dict(find_gdn_modules(refit))
@@ -144,7 +151,6 @@ def _refit(model, plain, target, permutations, stats, ridge=compensate.DEFAULT_R
         small_out = getattr(small_modules[prefix], "out_proj", None) or small_modules[prefix].o_proj
         with torch.no_grad():
             small_out.weight.copy_(torch.from_numpy(columns))
-    assert gated_delta_net_prefix_indices  # the core API names stay importable
     return refit
 
 
@@ -199,4 +205,5 @@ def test_compensation_follows_a_sorted_input_and_refuses_other_models(source, tm
     assert main(["slice", str(src), "-o", str(tmp_path / "y"), "--num-key-heads", "1", "--num-value-heads", "2",
                  "--compensate", str(tmp_path / "junk.safetensors")]) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
-    json.loads((two_steps / "gdnprune.json").read_text())["compensation"]["statistics"]["sha256"]
+    recorded = json.loads((two_steps / "gdnprune.json").read_text())["compensation"]["statistics"]
+    assert recorded == {"path": str(stats_path.resolve()), "sha256": hashlib.sha256(stats_path.read_bytes()).hexdigest()}

@@ -90,3 +90,20 @@ def test_prune_rejects_illegal_target_before_scoring(tmp_path, capsys):
                  "--quiet"])
     assert code == 2 and not out.exists()
     assert "num_key_heads 8 > 4" in capsys.readouterr().err
+
+
+def test_the_importance_order_beats_identity_and_random_orders_at_the_middle_slices(monkeypatch):
+    """The demo's claim: at the middle slices of the bundled model, cutting after the importance order costs
+    less validation loss than cutting in the stored order (identity) and than the mean of random orders."""
+    from gdnprune import demo
+
+    all_targets = demo.nested_targets(GDNShape(4, 8, 32, 32))
+    middle = all_targets[2:5]  # neither the full model nor the smallest slices, where every order is bad
+    monkeypatch.setattr(demo, "nested_targets", lambda shape: middle)
+    results = demo.run_demo(None, calibration_windows=8, seq_len=128, num_random=2, validation_windows=8,
+                            recover_steps=0, write_checkpoints=False, progress=False)
+    assert [GDNShape(**row["target"]) for row in results["rows"]] == middle
+    for row in results["rows"]:
+        loss = row["loss"]
+        assert loss["importance"] < loss["identity"], row
+        assert loss["importance"] < loss["random"], row

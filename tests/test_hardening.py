@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -367,8 +368,58 @@ def test_the_scores_parsers_give_clean_errors_for_junk(scores):
     for parse in (read_scores, check_scores, lambda s: resolve_orders(read_scores(s)["layers"], shapes)):
         try:
             parse(scores)
-        except ValueError:
-            pass
+        except ValueError as exc:
+            assert str(exc)  # a message, never a bare error
+    # what a parser accepts has the structure it promises
+    try:
+        layers = read_scores(scores)["layers"]
+    except ValueError:
+        return
+    assert isinstance(layers, dict) and all(isinstance(p, dict) for p in layers.values())
+
+
+@st.composite
+def _geometry(draw):
+    hk, r = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    return GDNShape(hk, hk * r, draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+
+
+@st.composite
+def _valid_payload(draw, shape: GDNShape):
+    """The four orders of a permutation of ``shape`` (as ``gdnprune score`` writes them) and its shape."""
+    def perm(n):
+        return draw(st.permutations(range(n)))
+
+    return {"key_group_order_most_important_first": perm(shape.num_key_heads),
+            "value_lane_order_most_important_first": [perm(shape.value_heads_per_group)
+                                                      for _ in range(shape.num_key_heads)],
+            "key_dim_order_most_important_first": [perm(shape.key_head_dim) for _ in range(shape.num_key_heads)],
+            "value_dim_order_most_important_first": perm(shape.value_head_dim),
+            "shape": shape.as_dict()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), vl=st.booleans())
+def test_the_scores_parsers_accept_every_valid_scores_file_and_keep_its_orders(data, vl):
+    """The other half of the junk test: a parser that refused everything would pass it, not this."""
+    from gdnprune.geometry import ORDER_KEYS
+    from gdnprune.scores import SCORES_FORMAT, SCORES_VERSION
+
+    shapes = {f"model.layers.{i}.linear_attn": data.draw(_geometry()) for i in (0, 2)}
+    # a vision-language checkpoint's prefixes; scores written with or without "language_model."
+    on_disk = {p.replace("model.", "model.language_model.") if vl else p: s for p, s in shapes.items()}
+    layers = {p: data.draw(_valid_payload(s)) for p, s in shapes.items()}
+    scores = {"format": SCORES_FORMAT, "version": SCORES_VERSION, "layers": layers, "method": "by hand"}
+    assert read_scores(scores)["layers"] == layers
+    assert check_scores(scores) == scores
+    orders, missing = resolve_orders(read_scores(scores)["layers"], on_disk)
+    assert missing == [] and set(orders) == set(on_disk)
+    for prefix, payload in layers.items():
+        got = orders[prefix.replace("model.", "model.language_model.") if vl else prefix]
+        as_lists = {key: got[name].tolist() for name, key in zip(
+            ("key_groups", "value_lanes", "key_dim", "value_dim"), ORDER_KEYS)}
+        assert as_lists == {k: [list(row) if isinstance(row, (list, tuple)) else row for row in v]
+                            for k, v in payload.items() if k != "shape"}
 
 
 @settings(max_examples=150, deadline=None)
@@ -377,9 +428,21 @@ def test_the_scores_parsers_give_clean_errors_for_junk(scores):
                                                        "text_config"]), _JSON, max_size=5))
 def test_the_config_parser_gives_clean_errors_for_junk(config):
     try:
-        GDNShape.from_config(config)
-    except ValueError:
-        pass
+        shape = GDNShape.from_config(config)
+    except ValueError as exc:
+        assert str(exc)
+        return
+    assert isinstance(shape, GDNShape)  # accepted junk is a real geometry: positive ints, Hv a multiple of Hk
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=_geometry(), nested=st.booleans(), extra=st.dictionaries(st.sampled_from(["hidden_size", "model_type",
+                                                                                        "layer_types"]), _JSON))
+def test_the_config_parser_reads_every_valid_geometry(shape, nested, extra):
+    keys = {"linear_num_key_heads": shape.num_key_heads, "linear_num_value_heads": shape.num_value_heads,
+            "linear_key_head_dim": shape.key_head_dim, "linear_value_head_dim": shape.value_head_dim}
+    config = {**extra, "text_config": {**extra, **keys}} if nested else {**extra, **keys}
+    assert GDNShape.from_config(config) == shape
 
 
 _ARG = st.sampled_from(["--num-key-heads", "--num-value-heads", "--key-head-dim", "--value-head-dim", "--scores",
@@ -397,8 +460,15 @@ def test_junk_command_lines_exit_cleanly(command, args, source, tmp_path, capsys
     except SystemExit as exc:  # argparse: usage error
         code = exc.code
     assert code in (0, 2)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.split("\n") if ": error: " in line]  # (junk may hold \x1e, \x85)
+    if code == 2:  # the last line, and the only error line, says what is wrong (argparse's words or ours)
+        assert len(errors) == 1 and errors[0] == captured.err.rstrip("\n").split("\n")[-1], captured.err
+        assert re.fullmatch(rf"gdnprune( {command})?: error: \S.*", errors[0], re.S), errors[0]
+    else:  # it did what it was asked: printed help, an inspection, or wrote a model folder
+        assert not errors
+        assert captured.out.startswith("usage:") or (command == "inspect" and captured.out) or \
+            (tmp_path / "junk-out" / "config.json").is_file(), captured
     shutil.rmtree(tmp_path / "junk-out", ignore_errors=True)
     assert leftovers(tmp_path) == []
 
@@ -417,5 +487,52 @@ def test_the_plan_parser_gives_clean_errors_for_junk(plan):
     for parse in (read_plan, lambda p: resolve_plan(p, shapes)):
         try:
             parse(plan)
-        except ValueError:
-            pass
+        except ValueError as exc:
+            assert str(exc)
+    try:
+        targets = resolve_plan(plan, shapes)
+    except ValueError:
+        return
+    assert set(targets) == set(shapes) and all(isinstance(t, GDNShape) for t in targets.values())
+
+
+@st.composite
+def _fitting_fields(draw, shape: GDNShape):
+    """Some of the four target fields, chosen so that the target fits ``shape``."""
+    hk = draw(st.integers(1, shape.num_key_heads))
+    fields = {"num_key_heads": hk, "num_value_heads": hk * draw(st.integers(1, shape.value_heads_per_group)),
+              "key_head_dim": draw(st.integers(1, shape.key_head_dim)),
+              "value_head_dim": draw(st.integers(1, shape.value_head_dim))}
+    keep = draw(st.sets(st.sampled_from(sorted(fields)), min_size=1))
+    if keep & {"num_key_heads", "num_value_heads"}:  # a head count alone may not fit the other (Hv % Hk, lanes)
+        keep |= {"num_key_heads", "num_value_heads"}
+    return {k: v for k, v in fields.items() if k in keep}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_plan_parser_accepts_every_fitting_plan_and_resolves_it(data):
+    """The other half of the junk test: each layer gets its own fields, the default or its own shape, and a
+    field not given keeps the layer's size."""
+    from gdnprune.plans import read_plan, resolve_plan, save_plan
+
+    shapes = {f"model.layers.{i}.linear_attn": data.draw(_geometry()) for i in range(3)}
+    named = data.draw(st.sets(st.sampled_from(sorted(shapes))))
+    layers = {p: data.draw(_fitting_fields(shapes[p])) for p in sorted(named)}
+    unnamed_fit = {k: min(getattr(s, k) for s in shapes.values()) for k in ("key_head_dim", "value_head_dim")}
+    default = data.draw(st.just(unnamed_fit) if not named else st.none() | st.just(unnamed_fit))  # (a plan that
+    # names no layer and has no default cuts nothing: refused)
+    plan = {"format": "gdnprune-plan", "version": 1, "layers": layers, "predicted": {"kl": 0.5}}
+    if default is not None:
+        plan["default"] = default
+    assert read_plan(plan)["layers"] == layers
+    targets = resolve_plan(plan, shapes)
+    for prefix, shape in shapes.items():
+        fields = layers.get(prefix, default or {})
+        want = {k: fields.get(k, v) for k, v in shape.as_dict().items()}
+        assert targets[prefix].as_dict() == want, prefix
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:  # what save_plan writes, read_plan reads back the same
+        path = save_plan(plan, Path(folder) / "plan.json")
+        assert resolve_plan(path, shapes) == targets and json.loads(Path(path).read_text()) == plan

@@ -146,21 +146,21 @@ def text_config(model):
 
 def cut_model(model, targets: dict, permutations: dict | None = None):
     """A copy of ``model`` whose GDN layer ``prefix`` is cut to ``targets[prefix]`` (after
-    ``permutations[prefix]``), built by module surgery: each new GDN module is constructed from a copy of the
-    config with that layer's geometry, and the state dict is cut with the core API. The reference that
-    per-layer checkpoints are compared with (no per_layer_config, no load_pretrained involved)."""
+    ``permutations[prefix]``), built by hand: each new GDN module is constructed from a copy of the config
+    with that layer's geometry, and its tensors are picked head by head by :func:`reference.hand_cut` (no
+    gdnprune index code, no per_layer_config, no load_pretrained involved). The reference that sliced models
+    and per-layer checkpoints are compared with."""
     import copy
 
-    from gdnprune.gated_delta_net import slice_gated_delta_net_state_dict
+    from reference import hand_cut_state_dict
 
-    state = dict(model.state_dict())
     new = copy.deepcopy(model)
+    layers = {}
     for prefix, module in find_gdn_modules(new):
         shape = GDNShape.from_module(module)
         target = targets.get(prefix, shape)
-        perm = None if permutations is None else permutations.get(prefix)
-        slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=perm)
+        layers[prefix] = (shape, target)
         parent, name = prefix.rsplit(".", 1)
         setattr(new.get_submodule(parent), name, type(module)(config_for(text_config(model), target), module.layer_idx))
-    new.load_state_dict(state, strict=True)
+    new.load_state_dict(hand_cut_state_dict(dict(model.state_dict()), layers, permutations), strict=True)
     return new.eval()

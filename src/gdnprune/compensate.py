@@ -45,8 +45,6 @@ __all__ = [
     "load_statistics",
     "model_identity",
     "statistics_model",
-    "to_float",
-    "from_float",
 ]
 
 #: what :func:`sequential_refit` can reconstruct (see there)
@@ -94,8 +92,8 @@ def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = F
     import torch
     from tqdm.auto import tqdm
 
+    from .forwards import input_device, model_inputs, output_projection, unpack_batch
     from .layouts import find_gdn_modules
-    from .scoring.api import _unpack_batch
 
     stats: dict[str, dict] = {}
     handles = []
@@ -114,55 +112,21 @@ def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = F
         return record
 
     for prefix, module in find_gdn_modules(model):
-        out = getattr(module, "out_proj", None) or getattr(module, "o_proj")
-        handles.append(out.register_forward_pre_hook(hook(prefix)))
-    device = model.get_input_embeddings().weight.device
+        handles.append(output_projection(module).register_forward_pre_hook(hook(prefix)))
+    device = input_device(model)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             for batch in tqdm(list(batches), disable=not progress, desc="compensation statistics", unit="batch"):
-                ids, mask = _unpack_batch(batch)
+                ids, mask = unpack_batch(batch)
                 current["mask"] = mask
-                kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
-                model(input_ids=ids.to(device), use_cache=False, **kwargs)
+                model(**model_inputs(ids, mask, device))
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
     return {p: {"out_moment": v["out_moment"].numpy(), "tokens": v["tokens"]} for p, v in stats.items()}
-
-
-class _Stop(Exception):
-    """Ends a forward pass once the wanted ``out_proj`` input is seen."""
-
-
-def _out_proj(module: Any) -> Any:
-    return getattr(module, "out_proj", None) or getattr(module, "o_proj")
-
-
-def _block(net: Any, module: Any) -> Any:
-    """The decoder layer of ``net`` that holds ``module``."""
-    for block in net.get_decoder().layers:
-        if any(sub is module for sub in block.modules()):
-            return block
-    raise ValueError("the GDN layer is not inside one of the decoder's layers")
-
-
-def _record(seen: dict, key: str, stop: bool = False):
-    """A forward pre-hook that keeps its module's (first) input under ``seen[key]``; ``stop`` ends the pass."""
-    def hook(module, args, kwargs):
-        seen[key] = args[0] if args else kwargs["hidden_states"]
-        if stop:
-            raise _Stop
-    return hook
-
-
-def _run(net: Any, ids: Any, mask: Any, hooks: list) -> None:
-    """One forward of ``net`` with the pre-hooks ``[(module, hook)]``, until a hook stops it."""
-    device = net.get_input_embeddings().weight.device
-    kwargs = {} if mask is None else {"attention_mask": mask.to(device).long()}
-    _run_module(net, (), {"input_ids": ids.to(device), "use_cache": False, **kwargs}, hooks)
 
 
 def _tokens(x: Any, mask: Any, device: Any) -> Any:
@@ -209,9 +173,9 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
     import torch
     from tqdm.auto import tqdm
 
+    from .forwards import block_of, output_projection, record_input, run_model, run_with_hooks, unpack_batches
     from .geometry import GDNShape
     from .layouts import find_gdn_modules
-    from .scoring.api import _unpack_batch
 
     if reference not in REFERENCES:
         raise ValueError(f"unknown reference {reference!r}; expected one of {REFERENCES}")
@@ -221,7 +185,7 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
     changed = [GDNShape.from_module(m) != GDNShape.from_module(cut_layers[p]) for p, m in full_layers]
     if not any(changed):
         return {}
-    data = [_unpack_batch(batch) for batch in batches]
+    data = unpack_batches(batches)
     result: dict[str, dict] = {}
     states = model.training, small.training
     model.eval()
@@ -231,29 +195,29 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
             todo = full_layers[changed.index(True):]
             for prefix, full in tqdm(todo, disable=not progress, desc="sequential refit", unit="layer"):
                 cut = cut_layers[prefix]
-                weight = _out_proj(full).weight.detach().to(torch.float64)
-                plain = _out_proj(cut).weight.detach().to(torch.float64)
+                weight = output_projection(full).weight.detach().to(torch.float64)
+                plain = output_projection(cut).weight.detach().to(torch.float64)
                 cross = torch.zeros_like(plain)
                 auto = torch.zeros(plain.shape[1], plain.shape[1], dtype=torch.float64, device=plain.device)
                 energy, tokens = 0.0, 0
 
                 def full_on_cut_inputs(module, args, kwargs, seen):
                     inner: dict = {}
-                    _run_module(full, args, kwargs, [(_out_proj(full), _record(inner, "o", stop=True))])
+                    run_with_hooks(full, args, kwargs, [(output_projection(full), record_input(inner, "o", stop=True))])
                     seen["o_full"] = inner["o"]
 
                 for ids, mask in data:
                     seen: dict = {}
-                    hooks = [(_out_proj(cut), _record(seen, "o", stop=True))]
+                    hooks = [(output_projection(cut), record_input(seen, "o", stop=True))]
                     if reference == "cut":
                         hooks.insert(0, (cut, lambda m, a, k, seen=seen: full_on_cut_inputs(m, a, k, seen)))
                     else:
-                        teacher = [(_out_proj(full), _record(seen, "o_full", stop=True))]
+                        teacher = [(output_projection(full), record_input(seen, "o_full", stop=True))]
                         if reference == "stream":
-                            teacher.insert(0, (_block(model, full), _record(seen, "x_full")))
-                            hooks.insert(0, (_block(small, cut), _record(seen, "x_cut")))
-                        _run(model, ids, mask, teacher)
-                    _run(small, ids, mask, hooks)
+                            teacher.insert(0, (block_of(model, full), record_input(seen, "x_full")))
+                            hooks.insert(0, (block_of(small, cut), record_input(seen, "x_cut")))
+                        run_model(model, ids, mask, teacher)
+                    run_model(small, ids, mask, hooks)
                     o = _tokens(seen["o"], mask, plain.device)
                     y = _tokens(seen["o_full"], mask, weight.device) @ weight.T
                     y = y.to(plain.device)
@@ -270,25 +234,13 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
                 def error(w):
                     return energy - 2 * float((w * cross).sum()) + float(((w @ auto) * w).sum())
 
-                _out_proj(cut).weight.copy_(refit.to(_out_proj(cut).weight.dtype))
+                output_projection(cut).weight.copy_(refit.to(output_projection(cut).weight.dtype))
                 result[prefix] = {"columns": refit.cpu().numpy(), "error_plain": error(plain),
                                   "error_refit": error(refit), "tokens": tokens}
     finally:
         model.train(states[0])
         small.train(states[1])
     return result
-
-
-def _run_module(module: Any, args: tuple, kwargs: dict, hooks: list) -> None:
-    """``module(*args, **kwargs)`` with the pre-hooks ``[(submodule, hook)]``, until a hook stops it."""
-    handles = [sub.register_forward_pre_hook(fn, with_kwargs=True) for sub, fn in hooks]
-    try:
-        module(*args, **kwargs)
-    except _Stop:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def save_statistics(stats: Mapping[str, Mapping], path: str | os.PathLike, *, model: Mapping | None = None) -> None:
@@ -320,7 +272,7 @@ def save_statistics(stats: Mapping[str, Mapping], path: str | os.PathLike, *, mo
 def model_identity(model_dir: str | os.PathLike) -> dict:
     """What identifies the weights of a model folder for its statistics: its config's hash and its gdnprune
     manifest's hash (a sorted output has the same config as its source, not the same manifest)."""
-    from .scores import file_sha256
+    from .fileio import file_sha256
 
     return {"path": os.fspath(model_dir), "config_sha256": file_sha256(os.path.join(model_dir, "config.json")),
             "manifest_sha256": file_sha256(os.path.join(model_dir, "gdnprune.json"))}
@@ -360,26 +312,3 @@ def load_statistics(path: str | os.PathLike) -> dict[str, dict]:
         if moment is None or moment.ndim != 2 or moment.shape[0] != moment.shape[1] or "tokens" not in entry:
             raise ValueError(f"{path}: layer {prefix!r} lacks a square out_moment and a token count")
     return out
-
-
-# dtypes of GDN tensors, as numpy sees their bytes
-_WIDTH = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-
-
-def to_float(data: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A tensor's raw little-endian bytes as float64 (F64, F32, F16 or BF16)."""
-    raw = np.frombuffer(data, dtype={"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}[dtype])
-    if dtype == "BF16":
-        raw = (raw.astype(np.uint32) << 16).view(np.float32)
-    return raw.astype(np.float64).reshape(shape)
-
-
-def from_float(values: np.ndarray, dtype: str) -> bytes:
-    """float64 values as the raw bytes of ``dtype`` (BF16 rounded to nearest even, as torch rounds)."""
-    if dtype == "BF16":
-        f32 = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-        rounded = (f32 + 0x7FFF + ((f32 >> 16) & 1)) >> 16
-        nan = np.isnan(values.astype(np.float32))
-        rounded = np.where(nan, 0x7FC0, rounded).astype("<u2")
-        return rounded.tobytes()
-    return np.ascontiguousarray(values, dtype={"F64": "<f8", "F32": "<f4", "F16": "<f2"}[dtype]).tobytes()

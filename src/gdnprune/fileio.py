@@ -7,13 +7,14 @@ give it under the process umask.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["umask", "write_json_atomic"]
+__all__ = ["umask", "write_json_atomic", "file_sha256", "check_output_file"]
 
 
 def umask() -> int:
@@ -49,3 +50,23 @@ def write_json_atomic(path: str | os.PathLike, value: Any, *, indent: int | None
             os.unlink(tmp)
         raise
     return path
+
+
+def file_sha256(path: str | os.PathLike) -> str | None:
+    """The sha256 of a file's bytes, or None when it is not a file."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_output_file(path: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse to write a JSON file over a folder, or over an existing file without ``overwrite``."""
+    if os.path.isdir(path):
+        raise ValueError(f"output {os.fspath(path)} is a folder; give a file name such as scores.json")
+    if os.path.lexists(path) and not overwrite:
+        raise ValueError(f"output file {os.fspath(path)} already exists (pass --overwrite to replace it)")

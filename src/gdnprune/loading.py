@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
-__all__ = ["load_pretrained", "slice_model", "per_layer_gdn_modules"]
+__all__ = ["load_pretrained", "load_causal_lm", "empty_causal_lm", "slice_model", "per_layer_gdn_modules"]
 
 _LOCK = threading.RLock()
 
@@ -101,6 +101,75 @@ def load_pretrained(path: str | os.PathLike, *, model_class: Any = None, **from_
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
     with per_layer_gdn_modules(concrete):
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
+
+
+def load_causal_lm(model_dir: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
+                   device_map: str | None = None, gpus: list[int] | None = None) -> Any:
+    """A causal LM from ``model_dir`` in eval mode, for calibration forwards (the text part of a
+    vision-language checkpoint; per-layer GDN geometries as :func:`load_pretrained` reads them).
+
+    ``dtype``: ``"float32"`` or ``"bfloat16"``. ``device``: where the model goes without a ``device_map``
+    (default: the local rank's GPU when CUDA is available, else cpu). ``gpus``: with a ``device_map``, the
+    only GPUs it may use (this rank's block, :func:`gdnprune.distributed.local_gpus`).
+    """
+    import torch
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        if gpus is not None:
+            from accelerate.utils import get_max_memory
+
+            available = get_max_memory()
+            kwargs["max_memory"] = {k: v for k, v in available.items() if not isinstance(k, int) or k in gpus}
+    try:
+        model = load_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM, **kwargs)
+    except ValueError as first:
+        try:
+            model = load_pretrained(model_dir, **kwargs)  # the class in config.json's architectures
+        except ValueError:
+            raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
+    if device_map is None:
+        model.to(device or _default_device())
+    return model.eval()
+
+
+def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
+    """The causal LM that :func:`load_causal_lm` would load, built on the ``meta`` device from the folder's
+    config alone: every module with its shapes and per-layer GDN geometry, no weight read or allocated.
+    For what needs the structure only (the plan's proxy sensitivity)."""
+    import torch
+    import transformers
+
+    from .geometry import per_layer_gdn_overrides
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        loader, concrete = _resolve_class(config, transformers.AutoModelForCausalLM)
+    except ValueError as first:
+        try:
+            loader, concrete = _resolve_class(config, None)  # the class in config.json's architectures
+        except ValueError:
+            raise ValueError(f"{model_dir}: cannot build a causal language model ({first})") from None
+    per_layer = per_layer_gdn_overrides(text) or per_layer_gdn_overrides(config)
+    with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
+        model = loader.from_config(config) if loader is not concrete else concrete(config)
+    return model.eval()
+
+
+def _default_device() -> str:
+    """cuda (the local rank's GPU under a launcher) when CUDA is available, else cpu."""
+    import torch
+
+    from .distributed import launch_info
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    info = launch_info()
+    return f"cuda:{(info.local_rank if info else 0) % max(1, torch.cuda.device_count())}"
 
 
 def slice_model(model: Any, targets: Any, permutations: Any = None) -> Any:

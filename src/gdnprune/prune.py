@@ -33,17 +33,20 @@ def prune_checkpoint(
     then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
     options of :func:`gdnprune.scoring.score_checkpoint` (``refine="lanes"`` included). ``compensate``
     (``True`` or ``"statistics"``) collects the least-squares statistics in the scoring pass and refits every
-    cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"`` loads the model once more after
-    the target or plan is known, cuts it in memory and refits ``out_proj`` layer by layer on the cut
-    model's own hidden states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
+    cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is
+    known, cuts the model in memory and refits ``out_proj`` layer by layer on the cut model's own hidden
+    states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
     ``device_map``). ``scores``: a scores file of ``model_dir`` to sort by instead of scoring again (a plan
     that records the sha256 of the scores it was searched on must have been searched on these; a plan that
     records one while the model is scored afresh gets a :class:`PlanScoresWarning`). The output path, the
-    target or plan and the constraints are checked before the (long) scoring starts. Returns the manifest
-    (with the searched plan under ``"plan"``).
+    target or plan and the constraints are checked before the (long) scoring starts. The model is loaded
+    once (when anything needs it); scoring, the plan search and the sequential refit share it. Returns the
+    manifest (with the searched plan under ``"plan"``).
     """
     from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
     from .checkpoint.output import check_paths, clear_stale
+    from .distributed import fail_together, local_gpus
+    from .loading import load_causal_lm
     from .plans import read_plan, resolve_plan
     from .scoring import score_checkpoint
     from .targets import TargetError, resolve_target
@@ -69,18 +72,25 @@ def prune_checkpoint(
         checked = read_plan(plan)
         resolve_plan(checked, shapes)
         _check_plan_scores(checked, scores)
+    if scores is not None and compensate and not sequential:
+        raise ValueError("--compensate statistics collects its statistics while scoring; with --scores give "
+                         "--compensate sequential, or score afresh (no --scores)")
+    model = None
+    if scores is None or search is not None or sequential:
+        with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
+            gpus = local_gpus() if scoring.get("device_map") is not None else None
+            model = load_causal_lm(model_dir, dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
+                                   device_map=scoring.get("device_map"), gpus=gpus)
     if scores is not None:
-        from .scores import file_sha256, load_scores
+        from .fileio import file_sha256
+        from .scores import load_scores
 
-        if compensate and not sequential:
-            raise ValueError("--compensate statistics collects its statistics while scoring; with --scores give "
-                             "--compensate sequential, or score afresh (no --scores)")
         path = scores
         scores = load_scores(path)
         scores["sha256"] = file_sha256(path)
     else:
         scores = score_checkpoint(model_dir, data, progress=progress,
-                                  compensation=bool(compensate) and not sequential, **scoring)
+                                  compensation=bool(compensate) and not sequential, model=model, **scoring)
         path = scores
     stats = scores.pop("compensation_statistics", None)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
@@ -89,12 +99,12 @@ def prune_checkpoint(
 
         options = {k: scoring[k] for k in ("seq_len", "batch_size", "device", "dtype", "device_map") if k in scoring}
         plan, report = plan_checkpoint(model_dir, data, path, num_samples=plan_samples, tp=tp,
-                                       multiple_of=multiple_of, progress=progress, **options, **search)
+                                       multiple_of=multiple_of, progress=progress, model=model, **options, **search)
         extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
     if sequential:
         targets = resolve_plan(plan, shapes) if plan is not None else \
             {prefix: resolve_target(shape, target) for prefix, shape in shapes.items()}
-        stats = _sequential_columns(model_dir, data, scores, targets, scoring, progress)
+        stats = _sequential_columns(model, model_dir, data, scores, targets, progress)
     return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
                                 tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
                                 overwrite=overwrite,
@@ -109,7 +119,7 @@ def _check_plan_scores(plan: Mapping, scores: str | Path | None) -> None:
     """Refuse a plan searched on other scores than ``scores``; warn when the model is to be scored afresh."""
     import warnings
 
-    from .scores import file_sha256
+    from .fileio import file_sha256
 
     recorded = (plan.get("scores") or {}).get("sha256")
     if not recorded:
@@ -128,24 +138,21 @@ def _check_plan_scores(plan: Mapping, scores: str | Path | None) -> None:
                          f"scores it was searched on")
 
 
-def _sequential_columns(model_dir, data, scores: Mapping, targets: Mapping, scoring: Mapping,
-                        progress: bool) -> dict[str, dict]:
+def _sequential_columns(model, model_dir, data, scores: Mapping, targets: Mapping, progress: bool) -> dict[str, dict]:
     """``{checkpoint prefix: {"columns": ...}}``: ``out_proj`` refitted in memory for ``targets`` (checkpoint
     prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.compensate.sequential_refit`)."""
     from transformers import AutoTokenizer
 
     from .calibration import calibration_windows, iter_batches
+    from .checkpoint.folder import map_to_checkpoint
     from .compensate import sequential_refit
     from .layouts import find_gdn_modules
     from .loading import slice_model
-    from .scoring.api import _load_model, _map_to_checkpoint
 
     calibration = scores["calibration"]
     windows = calibration_windows(data, AutoTokenizer.from_pretrained(model_dir), seq_len=calibration["seq_len"],
                                   num_samples=calibration["num_samples"], warn=False)
-    model = _load_model(Path(model_dir), dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
-                        device_map=None)
-    mapping = _map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
+    mapping = map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
     layers = scores["layers"]
     small = slice_model(model, {p: targets[c] for p, c in mapping.items()},
                         {p: layers[c] for p, c in mapping.items() if c in layers})

@@ -2,7 +2,7 @@
 
 Lanes (value heads sharing a key head) are the axis where a forward-only proxy is weakest
 (BENCHMARKS.md). :func:`refine_lane_orders` replaces the scores' lane orders with orders decided by
-measurement, using the plan search's shared forwards (:class:`gdnprune.plan.sensitivity.Forwards`: one
+measurement, using the plan search's shared forwards (:class:`gdnprune.forwards.Forwards`: one
 teacher pass, every evaluation run from the layer's cached input):
 
 * removing a lane is exact as a mask: zeroing a value head's slice of the ``out_proj`` input removes its
@@ -58,9 +58,9 @@ def refine_lane_orders(
     """
     from tqdm.auto import tqdm
 
+    from .forwards import Forwards, output_projection
     from .geometry import GDNShape
     from .layouts import find_gdn_modules
-    from .plan.sensitivity import Forwards
     from .scores import match_layers
 
     if sweeps < 1:
@@ -76,7 +76,7 @@ def refine_lane_orders(
     for prefix, module in modules:
         shape = GDNShape.from_module(module)
         masks[prefix] = torch.ones(shape.num_value_heads, dtype=torch.float32)
-        out = getattr(module, "out_proj", None) or getattr(module, "o_proj")
+        out = output_projection(module)
         dv = shape.value_head_dim
 
         def hook(mod, args, mask=masks[prefix], dv=dv):

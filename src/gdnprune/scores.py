@@ -20,7 +20,6 @@ rule serves plan files. This module does not import torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from . import geometry
-from .fileio import write_json_atomic
+from .fileio import check_output_file, write_json_atomic
 from .geometry import ORDER_KEYS
 
 __all__ = [
@@ -39,12 +38,11 @@ __all__ = [
     "check_scores",
     "load_scores",
     "save_scores",
-    "check_output_file",
     "matching_prefixes",
     "match_layers",
     "resolve_orders",
     "scores_to_permutations",
-    "file_sha256",
+    "prefix_alias",
 ]
 
 #: ``format`` field of a scores file.
@@ -59,18 +57,6 @@ _PREFIX_ALIASES = (("model.language_model.", "model."),)
 
 class ScoresError(ValueError):
     """A scores file (or dict) that cannot be read or applied to the checkpoint."""
-
-
-def file_sha256(path: str | os.PathLike) -> str | None:
-    """The sha256 of a file's bytes, or None when it is not a file."""
-    path = Path(path)
-    if not path.is_file():
-        return None
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_scores(scores: str | os.PathLike | Mapping) -> dict:
@@ -144,14 +130,6 @@ def load_scores(path: str | os.PathLike) -> dict[str, Any]:
     return dict(check_scores(read_scores(path), os.fspath(path)))
 
 
-def check_output_file(path: str | os.PathLike, overwrite: bool) -> None:
-    """Refuse to write a JSON file over a folder, or over an existing file without ``overwrite``."""
-    if os.path.isdir(path):
-        raise ValueError(f"output {os.fspath(path)} is a folder; give a file name such as scores.json")
-    if os.path.lexists(path) and not overwrite:
-        raise ValueError(f"output file {os.fspath(path)} already exists (pass --overwrite to replace it)")
-
-
 def save_scores(scores: Mapping[str, Any], path: str | os.PathLike, *, overwrite: bool = True) -> Path:
     """Write a scores dict as JSON, through a temporary file renamed into place. Returns the path.
 
@@ -163,7 +141,8 @@ def save_scores(scores: Mapping[str, Any], path: str | os.PathLike, *, overwrite
     return write_json_atomic(path, scores, indent=1)
 
 
-def _alias(prefix: str) -> str:
+def prefix_alias(prefix: str) -> str:
+    """``prefix`` spelled without the ``language_model.`` part of a vision-language checkpoint."""
     for long, short in _PREFIX_ALIASES:
         if prefix.startswith(long):
             return short + prefix[len(long):]
@@ -176,7 +155,7 @@ def matching_prefixes(key: str, prefixes: Iterable[str]) -> list[str]:
     prefixes = list(prefixes)
     if key in prefixes:
         return [key]
-    return [p for p in prefixes if _alias(p) == _alias(key)]
+    return [p for p in prefixes if prefix_alias(p) == prefix_alias(key)]
 
 
 def match_layers(entries: Mapping[str, Any], prefixes: Iterable[str], what: str = "scores") -> dict[str, Any]:

@@ -506,7 +506,7 @@ def _write_dequantized(plan: LayerPlan, suffix: str, rule, index, files: _Source
     """An FP8 weight gathered and written in BF16: each byte decoded, times its block's scale."""
     import numpy as np
 
-    from ..compensate import from_float, to_float
+    from .codecs import from_float, to_float
 
     layer = plan.layer
     (info, data), (scale_info, scale_data) = files.read([layer.name(suffix), layer.name(plan.scale_of(suffix))])

@@ -23,6 +23,7 @@ from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_head
 __all__ = [
     "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "GDN_DTYPES",
     "Checkpoint", "GDNLayer", "open_checkpoint", "read_manifest", "find_gdn_layers", "inspect_checkpoint",
+    "read_json", "map_to_checkpoint",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -48,7 +49,8 @@ _DISK_SPLITS = {
 }
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file's contents; ``CheckpointError`` naming ``what`` when it cannot be read or parsed."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -114,7 +116,7 @@ def read_manifest(model_dir: str | os.PathLike) -> dict | None:
     path = Path(model_dir) / MANIFEST_NAME
     if not path.is_file():
         return None
-    manifest = _read_json(path, "the gdnprune manifest")
+    manifest = read_json(path, "the gdnprune manifest")
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(manifest).__name__}")
     return manifest
@@ -132,12 +134,12 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
-    config = _read_json(path / CONFIG_NAME, "config.json") if (path / CONFIG_NAME).is_file() else None
+    config = read_json(path / CONFIG_NAME, "config.json") if (path / CONFIG_NAME).is_file() else None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: no config.json (a JSON object) in the model folder")
     index = None
     if (path / INDEX_NAME).is_file():
-        index = _read_json(path / INDEX_NAME, "the safetensors index")
+        index = read_json(path / INDEX_NAME, "the safetensors index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -467,3 +469,25 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
             "operation": ckpt.manifest.get("operation"), "sorted": ckpt.is_sorted,
         },
     }
+
+
+def map_to_checkpoint(prefixes: list[str], model_dir: str | os.PathLike) -> dict[str, str]:
+    """``{model prefix: checkpoint prefix}``: a loaded model's GDN module prefixes mapped to the GDN layer
+    prefixes of the folder's tensors (they differ when a vision-language checkpoint is loaded as a text
+    model). Unchanged when the folder has no safetensors."""
+    from ..scores import matching_prefixes
+
+    try:
+        stored = [layer.prefix for layer in find_gdn_layers(open_checkpoint(model_dir))[0]]
+    except CheckpointError:
+        return {p: p for p in prefixes}
+    mapping = {}
+    for prefix in prefixes:
+        candidates = matching_prefixes(prefix, stored)
+        if len(candidates) != 1:
+            raise ValueError(
+                f"cannot match the model's GDN layer {prefix!r} to the checkpoint's tensor names "
+                f"(candidates {sorted(candidates)})"
+            )
+        mapping[prefix] = candidates[0]
+    return mapping

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .. import __version__
-from ..fileio import umask
+from ..fileio import file_sha256, umask
 from ..interrupts import deferred_signals
-from ..scores import file_sha256
 from .folder import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 
 __all__ = ["OutputError", "StaleOutputWarning", "clear_stale", "check_paths", "Staging", "write_json", "write_index",

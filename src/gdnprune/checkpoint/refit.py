@@ -19,7 +19,8 @@ from .. import compensate
 from ..geometry import order_indices, orders_from_payload
 from ..layouts import get_layout
 from ..safetensors_io import write_all
-from ..scores import file_sha256
+from ..fileio import file_sha256
+from .codecs import from_float, to_float
 from .folder import CONFIG_NAME, MANIFEST_NAME, Checkpoint, CheckpointError
 
 __all__ = ["statistics_order", "refit_out_proj", "stats_info"]
@@ -118,11 +119,11 @@ def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Map
             if order is not None:
                 vidx = order[prefix]
                 moment = moment[np.ix_(vidx, vidx)]
-            weight = compensate.to_float(_read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
+            weight = to_float(_read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
                                          info.dtype, info.shape)
             columns = compensate.compensated_columns(weight, moment, kept, ridge=ridge)
         path, offset = destinations[info.name]
-        data = compensate.from_float(columns, info.dtype)
+        data = from_float(columns, info.dtype)
         fd = os.open(path, os.O_WRONLY)
         try:
             write_all(fd, data, offset)

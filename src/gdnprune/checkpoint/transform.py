@@ -21,7 +21,8 @@ from typing import Any, Mapping
 from ..geometry import apply_targets_to_config, layer_index_of
 from ..layouts import BlockGridError
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
-from ..scores import file_sha256, read_scores, resolve_orders
+from ..fileio import file_sha256
+from ..scores import read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, resolve_target
 from .. import compensate
 from . import output, refit
@@ -317,14 +318,14 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
     """``config`` with ``modules`` (and their text-model spellings) added to the FP8 ``modules_to_not_convert``."""
     import copy
 
-    from ..scores import _alias
+    from ..scores import prefix_alias
 
     config = copy.deepcopy(dict(config))
     holder = config if "quantization_config" in config else config.get("text_config", config)
     quant = holder.setdefault("quantization_config", {})
     names = list(quant.get("modules_to_not_convert") or [])
     for module in modules:
-        for spelling in dict.fromkeys((module, _alias(module))):
+        for spelling in dict.fromkeys((module, prefix_alias(module))):
             if spelling not in names:
                 names.append(spelling)
     quant["modules_to_not_convert"] = names

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Mapping
 
-from .folder import CONFIG_NAME, CheckpointError, _read_json
+from .folder import CONFIG_NAME, CheckpointError, read_json
 
 __all__ = ["verify_checkpoints"]
 
@@ -107,7 +107,7 @@ def verify_checkpoints(
     for path in (a, b):
         if not (path / CONFIG_NAME).is_file():
             raise CheckpointError(f"{path}: no config.json (not a model folder)")
-        configs.append(_read_json(path / CONFIG_NAME, "config.json"))
+        configs.append(read_json(path / CONFIG_NAME, "config.json"))
     vocab_a, vocab_b = _vocab_size(configs[0]), _vocab_size(configs[1])
     if not vocab_a or vocab_a != vocab_b:
         raise CheckpointError(f"vocabulary sizes differ or are unknown: {a}: {vocab_a}, {b}: {vocab_b}")

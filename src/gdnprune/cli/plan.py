@@ -148,7 +148,7 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
     from ..fileio import write_json_atomic
     from ..plan import plot_sensitivity
     from ..plans import save_plan
-    from ..scores import check_output_file
+    from ..fileio import check_output_file
 
     report_json, report_png = report_paths(output)
     for path in (output, report_json):
@@ -201,7 +201,7 @@ def _plan(args) -> int:
 
     from ..distributed import fail_together, is_main_process
     from ..plan import plan_checkpoint
-    from ..scores import check_output_file
+    from ..fileio import check_output_file
 
     main = is_main_process()
     with fail_together():

@@ -91,7 +91,8 @@ def _mode(args) -> str:
 
 def _merge(args) -> int:
     from ..distributed import launch_info
-    from ..scores import check_output_file, save_scores
+    from ..fileio import check_output_file
+    from ..scores import save_scores
     from ..scoring import merge_partials
 
     info = launch_info()
@@ -108,7 +109,8 @@ def _merge(args) -> int:
 
 def _score(args, mode: str) -> int:
     from ..distributed import fail_together, is_main_process
-    from ..scores import check_output_file, save_scores
+    from ..fileio import check_output_file
+    from ..scores import save_scores
     from ..scoring import measure_checkpoint, save_partial, score_checkpoint
 
     main = is_main_process()

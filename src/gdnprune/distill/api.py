@@ -24,7 +24,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..checkpoint.output import copy_other_files, plan_other_files
-from .trainer import DistillationTrainer, _as_windows, _RunCallback, _signals_stop, _Windows
+from .trainer import DistillationTrainer, RunCallback, Windows, as_windows, signals_stop
 
 __all__ = ["check_same_vocabulary", "distill", "distill_checkpoint", "plot_history", "recover_demo_slice",
            "LOG_NAME", "PLOT_NAME"]
@@ -119,8 +119,8 @@ def distill(
     ``teacher_lm_loss``), ``history`` (the Trainer's log history), ``seconds``, ``log`` and ``plot`` paths.
     """
     start = time.perf_counter()
-    windows = _as_windows(train_data, "train_data")
-    eval_windows = None if eval_data is None else _as_windows(eval_data, "eval_data")
+    windows = as_windows(train_data, "train_data")
+    eval_windows = None if eval_data is None else as_windows(eval_data, "eval_data")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
     steps, micro = _check_run(windows, steps, tokens, batch_size, micro_batch_size, world, log_every, keep_checkpoints)
     check_same_vocabulary(student, teacher, tokenizer, teacher_tokenizer)
@@ -148,8 +148,8 @@ def distill(
         report_to="none", disable_tqdm=not progress, use_cpu=not torch.cuda.is_available(),
     )
     trainer = DistillationTrainer(
-        model=student, teacher=teacher, args=args, train_dataset=_Windows(windows),
-        eval_dataset=None if eval_windows is None else _Windows(eval_windows), data_collator=default_data_collator,
+        model=student, teacher=teacher, args=args, train_dataset=Windows(windows),
+        eval_dataset=None if eval_windows is None else Windows(eval_windows), data_collator=default_data_collator,
         processing_class=tokenizer, temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight,
         chunk_size=chunk_size, callbacks=list(callbacks),
     )
@@ -163,10 +163,10 @@ def distill(
                        "history": trainer.state.log_history}
             (out / LOG_NAME).write_text(json.dumps(payload, indent=1))
 
-    run = _RunCallback(trainer, write_log, saving)
+    run = RunCallback(trainer, write_log, saving)
     trainer.add_callback(run)
     try:
-        with _signals_stop(trainer.accelerator) as signals:
+        with signals_stop(trainer.accelerator) as signals:
             trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
         if saving and not run.interrupted:
             trainer.save_model(str(out))

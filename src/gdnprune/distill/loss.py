@@ -45,11 +45,11 @@ class DistillationLoss(NamedTuple):
     lm: torch.Tensor
 
 
-def _head(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_parameters(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight, getattr(module, "bias", None)
 
 
-def _position_terms(hidden, head, teacher_hidden, teacher_head, labels, temperature, chunk_size, *,
+def position_terms(hidden, head, teacher_hidden, teacher_head, labels, temperature, chunk_size, *,
                     grad_scale: tuple[float, float] | None = None, teacher_lm: bool = False):
     """Per-position KD, LM (and teacher LM) terms, float32, detached, 0 where ``labels`` is ignored.
 
@@ -106,7 +106,7 @@ class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher_hidden, labels, teacher_head, options):
         temperature, kd_weight, lm_weight, chunk_size, count = options
-        kd, lm, _, grads = _position_terms(
+        kd, lm, _, grads = position_terms(
             hidden, (weight, bias), teacher_hidden, teacher_head, labels, temperature, chunk_size,
             grad_scale=(kd_weight / count, lm_weight / count))
         ctx.save_for_backward(*grads)
@@ -155,18 +155,19 @@ def distillation_loss(
     labels = labels.reshape(-1).to(hidden.device)
     t_hidden, t_head = None, None
     if teacher_hidden is not None and teacher_head is not None:
-        t_hidden, t_head = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), _head(teacher_head)
+        t_hidden = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+        t_head = head_parameters(teacher_head)
     if labels.shape[0] != hidden.shape[0] or (t_hidden is not None and t_hidden.shape[0] != hidden.shape[0]):
         found = (None if t_hidden is None else t_hidden.shape[0], labels.shape[0])
         raise ValueError(f"expected as many positions in teacher hidden states and labels as in student hidden states "
                          f"({hidden.shape[0]}), found {found[0]} and {found[1]}")
     count = max(1, int((labels != IGNORE_INDEX).sum()))
-    weight, bias = _head(student_head)
+    weight, bias = head_parameters(student_head)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         options = (temperature, kd_weight, lm_weight, chunk_size, count)
         loss, kd, lm = _ChunkedDistillation.apply(hidden, weight, bias, t_hidden, labels, t_head, options)
     else:
-        kd, lm, _, _ = _position_terms(hidden, (weight, bias), t_hidden, t_head, labels, temperature, chunk_size)
+        kd, lm, _, _ = position_terms(hidden, (weight, bias), t_hidden, t_head, labels, temperature, chunk_size)
         kd, lm = kd.sum() / count, lm.sum() / count
         loss = kd_weight * kd + lm_weight * lm
     return DistillationLoss(loss, kd if t_hidden is not None else torch.full_like(kd, math.nan), lm)

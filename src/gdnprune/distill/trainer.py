@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from ..interrupts import SIGNALS
-from .loss import IGNORE_INDEX, _head, _position_terms, distillation_loss
+from .loss import IGNORE_INDEX, distillation_loss, head_parameters, position_terms
 
 __all__ = ["DistillationTrainer"]
 
@@ -35,7 +35,7 @@ def _next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
     return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def _as_windows(data, name: str) -> torch.Tensor:
+def as_windows(data, name: str) -> torch.Tensor:
     windows = data if isinstance(data, torch.Tensor) else torch.stack([torch.as_tensor(w) for w in data])
     if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32) or windows.shape[1] < 2:
         raise ValueError(f"{name}: expected token windows, an integer tensor [N, seq_len >= 2], found "
@@ -43,7 +43,7 @@ def _as_windows(data, name: str) -> torch.Tensor:
     return windows.long()
 
 
-class _Windows(torch.utils.data.Dataset):
+class Windows(torch.utils.data.Dataset):
     def __init__(self, windows: torch.Tensor):
         self.windows = windows
 
@@ -93,8 +93,9 @@ class DistillationTrainer(Trainer):
     def _evaluation_loss(self, hidden, t_hidden, head, t_head, labels) -> torch.Tensor:
         """The objective of one eval batch; its per-window KD, LM and teacher LM means are gathered on the side."""
         o = self.loss_options
-        kd, lm, t_lm, _ = _position_terms(hidden.flatten(0, 1), _head(head), t_hidden.flatten(0, 1), _head(t_head),
-                                          labels.flatten(), o["temperature"], o["chunk_size"], teacher_lm=True)
+        kd, lm, t_lm, _ = position_terms(hidden.flatten(0, 1), head_parameters(head), t_hidden.flatten(0, 1),
+                                         head_parameters(t_head), labels.flatten(), o["temperature"],
+                                         o["chunk_size"], teacher_lm=True)
         counts = (labels != IGNORE_INDEX).sum(1)
         sums = torch.stack([x.view(labels.shape).sum(1) for x in (kd, lm, t_lm)], 1)
         # gathered per batch, as the Trainer gathers its own eval losses (duplicates of uneven shards dropped)
@@ -124,7 +125,7 @@ class DistillationTrainer(Trainer):
         self._tokens, self._clock = 0, time.perf_counter()
 
 
-class _RunCallback(TrainerCallback):
+class RunCallback(TrainerCallback):
     """A stop signal -> save and stop at the end of the step (agreed by all processes); JSON log on every log."""
 
     def __init__(self, trainer: DistillationTrainer, write_log, saving: bool):
@@ -147,7 +148,7 @@ class _RunCallback(TrainerCallback):
 
 
 @contextlib.contextmanager
-def _signals_stop(accelerator) -> Iterator[list[int]]:
+def signals_stop(accelerator) -> Iterator[list[int]]:
     """While active, the first SIGINT, SIGTERM or SIGHUP asks the run to save and stop after the step.
 
     Yields the list of signals that did. A signal more than a second after the first goes to the handler

@@ -83,7 +83,7 @@ def plan_model(
         ValueError: bad options, a scores file that does not fit the model, or budgets no plan meets
             (:class:`~gdnprune.plan.solve.BudgetError`).
     """
-    from ..layouts import find_gdn_modules
+    from ..layouts import LAYOUTS, detect_layout, find_gdn_modules
     from .sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity
 
     if sensitivity not in SENSITIVITIES:
@@ -107,8 +107,11 @@ def plan_model(
     for prefix, module in modules:
         shape = GDNShape.from_module(module)
         tensors = {name: tuple(p.shape) for name, p in module.named_parameters()}
-        layout = _layout_of(module)
-        candidates = layer_candidates(prefix, shape, tensors, layout, int(module.conv_kernel_size), dim_step=step,
+        layout = detect_layout(tensors)
+        if layout is None:
+            raise ValueError(f"{prefix}: a {type(module).__name__} of no known GDN layout (tensors {sorted(tensors)}; "
+                             f"expected one of {sorted(LAYOUTS)})")
+        candidates = layer_candidates(prefix, shape, tensors, layout.name, int(module.conv_kernel_size), dim_step=step,
                                       axes=axes, tp=tp, multiple_of=multiple_of)
         orders = None if orders_applied else orders_from_payload(payload_of[prefix], shape)
         layers.append(LayerToPlan(prefix, module, orders, [c.target for c in candidates]))
@@ -209,18 +212,9 @@ def plan_model(
 
 
 def _scores_hash(scores: Any) -> str | None:
-    from ..scores import file_sha256
+    from ..fileio import file_sha256
 
     return None if isinstance(scores, Mapping) else file_sha256(scores)
-
-
-def _layout_of(module: Any) -> str:
-    names = dict(module.named_children())
-    if "in_proj_qkv" in names:
-        return "qwen3_5"
-    if "in_proj_qkvz" in names:
-        return "qwen3_next"
-    return "olmo_hybrid"
 
 
 def plan_checkpoint(
@@ -234,15 +228,20 @@ def plan_checkpoint(
     device: str | None = None,
     dtype: str = "float32",
     device_map: str | None = None,
+    model: Any = None,
     **options: Any,
 ) -> tuple[dict, dict]:
     """:func:`plan_model` on a model folder and a calibration file (read as ``gdnprune score`` reads it).
 
     When the folder is a ``gdnprune sort`` output of these very scores (its manifest records their hash),
-    the orders are not applied a second time.
+    the orders are not applied a second time. ``model``: the folder's model already loaded
+    (:func:`gdnprune.loading.load_causal_lm`; then ``device``, ``dtype`` and ``device_map`` are not used).
+    The proxy sensitivity needs no weights: without ``model`` it builds the model on the ``meta`` device
+    from the config (:func:`gdnprune.loading.empty_causal_lm`) and reads no tensor.
     """
     from ..checkpoint import read_manifest
-    from ..scoring.api import _load_model, default_seq_len
+    from ..loading import empty_causal_lm, load_causal_lm
+    from ..scoring.api import default_seq_len
 
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir) or {}
@@ -263,7 +262,9 @@ def plan_checkpoint(
             seq_len = default_seq_len(json.loads((model_dir / "config.json").read_text()), tokenizer)[0]
         windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples)
         batches = list(iter_batches(windows, batch_size))
-    model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map)
+    if model is None:
+        model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map) if batches is not None \
+            else empty_causal_lm(model_dir)
     plan, report = plan_model(model, batches, scores, orders_applied=bool(applied), **options)
     plan["model"] = str(model_dir)
     if batches is not None:

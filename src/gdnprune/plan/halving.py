@@ -28,25 +28,25 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .sensitivity import Forwards, LayerToPlan, _candidate_module, _relative_name, _sorted_state
+from ..forwards import Forwards, parent_and_name, unpack_batch
+from .sensitivity import LayerToPlan, candidate_module, sorted_state
 
-__all__ = ["dominated", "halving_sensitivity", "near", "rungs", "windows_of"]
+__all__ = ["dominated", "gather_over_ranks", "halving_sensitivity", "near", "rank_share", "rungs", "token_counts",
+           "windows_of"]
 
 
 def windows_of(batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
     """Calibration batches split into one window per batch (``input_ids`` [1, T], ``attention_mask``)."""
-    from ..scoring.api import _unpack_batch
-
     out = []
     for batch in batches:
-        ids, mask = _unpack_batch(batch)
+        ids, mask = unpack_batch(batch)
         for row in range(ids.shape[0]):
             out.append({"input_ids": ids[row:row + 1],
                         **({} if mask is None else {"attention_mask": mask[row:row + 1]})})
     return out
 
 
-def _token_counts(window: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+def token_counts(window: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """Tokens of a window that count in the KL and in the next-token loss (as the forwards count them)."""
     ids = window["input_ids"]
     mask = window.get("attention_mask")
@@ -108,7 +108,8 @@ def dominated(kl: np.ndarray, costs: np.ndarray, alive: np.ndarray, *, z: float 
     return out
 
 
-def _share(n: int) -> range:
+def rank_share(n: int) -> range:
+    """The items (of ``n``: candidates, plans) this rank measures: all of them without a process group."""
     from .. import distributed
 
     if not distributed.is_distributed():
@@ -116,7 +117,8 @@ def _share(n: int) -> range:
     return distributed.shard_indices(n, distributed.rank(), distributed.world_size())
 
 
-def _gather(values: dict) -> dict:
+def gather_over_ranks(values: dict) -> dict:
+    """Every rank's ``{item: result}`` merged (the same dict on every rank)."""
     from .. import distributed
 
     merged = {}
@@ -162,7 +164,7 @@ def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: 
     text_config = model.config.get_text_config(decoder=True)
     index = [forwards.decoder_index(layer.module) for layer in layers]
     forwards.teacher(index)
-    counts = np.array([_token_counts(w) for w in windows], dtype=np.float64)  # [windows, (kl, ce)]
+    counts = np.array([token_counts(w) for w in windows], dtype=np.float64)  # [windows, (kl, ce)]
     schedule = rungs(total, first, grow)
     names = list(budgets)
     sizes = [sum(np.asarray(costs[name][li], dtype=np.float64) / max(float(budgets[name]), 1e-300) for name in names)
@@ -184,23 +186,21 @@ def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: 
                 bar.total += sum(upto - int(seen[li][c]) for c in todo)
                 bar.refresh()
                 if li not in states:
-                    states[li] = _sorted_state(layer)
+                    states[li] = sorted_state(layer)
                 state = states[li]
                 device = next(iter(state.values())).device
-                block = forwards.decoder.layers[i]
-                parent_name, _, attr = _relative_name(block, layer.module)
-                parent = block.get_submodule(parent_name) if parent_name else block
+                parent, attr = parent_and_name(forwards.decoder.layers[i], layer.module)
                 mine = {}
                 with forwards.from_layer(i) as measure:
                     try:
-                        for c in (todo[k] for k in _share(len(todo))):
-                            setattr(parent, attr, _candidate_module(layer, state, layer.candidates[c], text_config,
+                        for c in (todo[k] for k in rank_share(len(todo))):
+                            setattr(parent, attr, candidate_module(layer, state, layer.candidates[c], text_config,
                                                                     device))
                             mine[c] = [measure([w]) for w in range(int(seen[li][c]), upto)]
                             bar.update(upto - int(seen[li][c]))
                     finally:
                         setattr(parent, attr, layer.module)
-                for c, values in sorted(_gather(mine).items()):
+                for c, values in sorted(gather_over_ranks(mine).items()):
                     done += upto - int(seen[li][c])
                     kl[li][c, seen[li][c]:upto] = [v[0] for v in values]
                     ce[li][c, seen[li][c]:upto] = [v[1] for v in values]

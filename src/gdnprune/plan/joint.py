@@ -18,8 +18,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .halving import _gather, _share, _token_counts, windows_of
-from .sensitivity import Forwards, LayerToPlan, _candidate_module, _relative_name, _sorted_state
+from ..forwards import Forwards, parent_and_name
+from .halving import gather_over_ranks, rank_share, token_counts, windows_of
+from .sensitivity import LayerToPlan, candidate_module, sorted_state
 
 __all__ = ["JointKL", "refine_plan"]
 
@@ -36,12 +37,10 @@ class JointKL:
         self.index = [self.forwards.decoder_index(layer.module) for layer in self.layers]
         self.forwards.teacher(self.index)
         self.text_config = model.config.get_text_config(decoder=True)
-        self.weights = [_token_counts(w)[0] for w in self.windows]
+        self.weights = [token_counts(w)[0] for w in self.windows]
         self.slots = []
         for layer, i in zip(self.layers, self.index):
-            block = self.forwards.decoder.layers[i]
-            parent_name, _, attr = _relative_name(block, layer.module)
-            self.slots.append((block.get_submodule(parent_name) if parent_name else block, attr))
+            self.slots.append(parent_and_name(self.forwards.decoder.layers[i], layer.module))
 
     @torch.no_grad()
     def kl(self, picks: Sequence[int], lo: int, hi: int) -> list[float]:
@@ -52,10 +51,10 @@ class JointKL:
         try:
             for k in cut:
                 layer = self.layers[k]
-                state = _sorted_state(layer)
+                state = sorted_state(layer)
                 device = next(iter(state.values())).device
                 parent, attr = self.slots[k]
-                setattr(parent, attr, _candidate_module(layer, state, layer.candidates[picks[k]], self.text_config,
+                setattr(parent, attr, candidate_module(layer, state, layer.candidates[picks[k]], self.text_config,
                                                         device))
             with self.forwards.from_layer(min(self.index[k] for k in cut)) as measure:
                 return [measure([w])[0] for w in range(lo, hi)]
@@ -65,8 +64,8 @@ class JointKL:
                 setattr(parent, attr, self.layers[k].module)
 
     def __call__(self, plans: Sequence[Sequence[int]], lo: int, hi: int) -> list[list[float]]:
-        mine = {i: self.kl(plans[i], lo, hi) for i in _share(len(plans))}
-        merged = _gather(mine)
+        mine = {i: self.kl(plans[i], lo, hi) for i in rank_share(len(plans))}
+        merged = gather_over_ranks(mine)
         return [merged[i] for i in range(len(plans))]
 
 

@@ -19,9 +19,10 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..distributed import (
-    all_reduce_sum, fail_together, is_distributed, is_main_process, launch_info, local_gpus, rank, shard_indices,
+    all_reduce_sum, fail_together, is_distributed, is_main_process, local_gpus, rank, shard_indices,
     world_size,
 )
+from ..forwards import input_device, unpack_batch
 from ..layouts import find_gdn_modules
 from .hooks import LayerScorer
 from .loss_head import LossGradients, default_loss_token_stride, loss_positions, output_head
@@ -36,38 +37,6 @@ METHODS = ("projection", "activation", "random")
 _KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
 _VALUE_DIM_MEASURES = ("head_rms", "energy", "gram", "loss_gram")
 _HEAD_MEASURES = ("loss_gram", "energy_gram")
-
-
-def _input_device(model: torch.nn.Module) -> torch.device:
-    """Device the input ids go to: the embedding's (its accelerate execution device when offloaded)."""
-    try:
-        emb = model.get_input_embeddings()
-        device = emb.weight.device
-    except (AttributeError, NotImplementedError):
-        emb, device = None, next(model.parameters()).device
-    if device.type == "meta":
-        hook = getattr(emb, "_hf_hook", None)
-        device = torch.device(getattr(hook, "execution_device", None) or "cpu")
-    return device
-
-
-
-def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``input_ids`` [B, T] and an optional ``attention_mask`` [B, T] from a tensor or a mapping."""
-    if isinstance(batch, Mapping):
-        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
-    else:
-        ids, mask = batch, None
-    ids = torch.as_tensor(ids)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"a calibration batch must be integer input_ids [B, T], got {ids.dtype} {list(ids.shape)}")
-    if mask is not None:
-        mask = torch.as_tensor(mask).reshape(ids.shape).bool()
-        if bool(mask.all()):
-            mask = None
-    return ids.long(), mask
 
 
 def _check_options(method: str, key_dim_measure: str, value_dim_measure: str, lane_measure: str,
@@ -149,7 +118,7 @@ def measure_statistics(
             extra["logits_to_keep"] = 1  # no need for the full vocabulary projection
     except (TypeError, ValueError):  # pragma: no cover
         pass
-    device = _input_device(model)
+    device = input_device(model)
     handles = []
     final: dict[str, torch.Tensor] = {}
     gradients = None if head is None else LossGradients(head, scorers)
@@ -163,7 +132,7 @@ def measure_statistics(
             handles.append(head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0])))
         with torch.no_grad():
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
-                ids, mask = _unpack_batch(batch)
+                ids, mask = unpack_batch(batch)
                 select = None if head is None else loss_positions(ids, mask, windows_seen, int(loss_token_stride))
                 windows_seen += ids.shape[0]
                 for scorer in scorers:
@@ -267,67 +236,6 @@ def score_model(
         return scores_from_statistics(statistics, world_size=world_size())
 
 
-def _map_to_checkpoint(prefixes: list[str], model_dir: Path) -> dict[str, str]:
-    """Map the model's module prefixes to the GDN layer prefixes of the checkpoint's tensors (they differ when
-    a vision-language checkpoint is loaded as a text model). Unchanged when the folder has no safetensors."""
-    from ..checkpoint.folder import CheckpointError, find_gdn_layers, open_checkpoint
-    from ..scores import matching_prefixes
-
-    try:
-        stored = [layer.prefix for layer in find_gdn_layers(open_checkpoint(model_dir))[0]]
-    except CheckpointError:
-        return {p: p for p in prefixes}
-    mapping = {}
-    for prefix in prefixes:
-        candidates = matching_prefixes(prefix, stored)
-        if len(candidates) != 1:
-            raise ValueError(
-                f"cannot match the model's GDN layer {prefix!r} to the checkpoint's tensor names "
-                f"(candidates {sorted(candidates)})"
-            )
-        mapping[prefix] = candidates[0]
-    return mapping
-
-
-def _default_device() -> str:
-    """cuda (the local rank's GPU under a launcher) when CUDA is available, else cpu."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    info = launch_info()
-    return f"cuda:{(info.local_rank if info else 0) % max(1, torch.cuda.device_count())}"
-
-
-def _load_model(model_dir: Path, *, dtype: str, device: str | None, device_map: str | None,
-                gpus: list[int] | None = None):
-    """Load a causal LM from ``model_dir`` for scoring (text part only for vision-language checkpoints).
-
-    ``gpus``: with a ``device_map``, the only GPUs it may use (this rank's block, :func:`local_gpus`).
-    """
-    import transformers
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if device_map is not None:
-        kwargs["device_map"] = device_map
-        if gpus is not None:
-            from accelerate.utils import get_max_memory
-
-            available = get_max_memory()
-            kwargs["max_memory"] = {k: v for k, v in available.items() if not isinstance(k, int) or k in gpus}
-    from ..loading import load_pretrained
-
-    try:
-        model = load_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM, **kwargs)
-    except ValueError as first:
-        try:
-            model = load_pretrained(model_dir, **kwargs)  # the class in config.json's architectures
-        except ValueError:
-            raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
-    if device_map is None:
-        model.to(device or _default_device())
-    return model.eval()
-
-
 #: the longest calibration window ``score_checkpoint`` uses by default (cost grows with it)
 DEFAULT_MAX_SEQ_LEN = 512
 
@@ -389,6 +297,7 @@ def measure_checkpoint(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
     keep_model: bool = False,
+    model: Any = None,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
 
@@ -397,11 +306,15 @@ def measure_checkpoint(
     each rank takes its own block of that share, loads its own copy of the model (with ``device_map``,
     over its block of the GPUs, :func:`~gdnprune.distributed.local_gpus`; without, on GPU ``LOCAL_RANK``)
     and the sums are added over the ranks; every rank returns them. A failure on one rank raises on all.
+    ``model``: the folder's model already loaded (:func:`gdnprune.loading.load_causal_lm`); then ``device``,
+    ``device_map`` are not used and ``dtype`` is only recorded.
     """
     from transformers import AutoTokenizer
 
     from ..calibration import calibration_windows, iter_batches
-    from ..scores import file_sha256
+    from ..checkpoint.folder import map_to_checkpoint
+    from ..fileio import file_sha256
+    from ..loading import load_causal_lm
 
     model_dir = Path(model_dir)
     with fail_together():
@@ -438,12 +351,13 @@ def measure_checkpoint(
                    "total_windows": int(windows.shape[0])},
         )
     with fail_together():
-        gpus = local_gpus() if device_map is not None else None  # an exchange: first in the block, on every rank
-        model = _load_model(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
+        if model is None:
+            gpus = local_gpus() if device_map is not None else None  # an exchange: first in the block, on every rank
+            model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
         batches = list(iter_batches(windows[start : start + len(mine)], batch_size))
         statistics = measure_statistics(model, batches, method=method, seed=seed, window_offset=start,
                                         progress=progress and is_main_process())
-        mapping = _map_to_checkpoint(list(statistics.layers), model_dir)
+        mapping = map_to_checkpoint(list(statistics.layers), model_dir)
         statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
         if not keep_model:
             del model
@@ -470,6 +384,7 @@ def score_checkpoint(
     refine: str | None = None,
     refine_samples: int = 16,
     compensation: bool = False,
+    model: Any = None,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
 
@@ -485,7 +400,7 @@ def score_checkpoint(
     (:func:`gdnprune.refine.refine_lane_orders`). ``compensation=True`` also collects the least-squares
     compensation statistics (:mod:`gdnprune.compensate`) on every window, returned under the key
     ``"compensation_statistics"`` (numpy arrays: pop it before writing the scores as JSON; the CLI writes it
-    beside the scores file).
+    beside the scores file). ``model``: the folder's model already loaded (see :func:`measure_checkpoint`).
 
     Under an initialised ``torch.distributed`` process group (``gdnprune score`` under ``torchrun``
     creates it), the windows are split across the ranks and the sums added (:func:`measure_checkpoint`);
@@ -496,7 +411,7 @@ def score_checkpoint(
     keep = refine is not None or compensation
     run = measure_checkpoint(model_dir, data, method=method, num_samples=num_samples, seq_len=seq_len,
                              batch_size=batch_size, device=device, dtype=dtype, device_map=device_map, seed=seed,
-                             progress=progress, keep_model=keep)
+                             progress=progress, keep_model=keep, model=model)
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     if refine == "lanes":
@@ -509,12 +424,13 @@ def score_checkpoint(
                                            progress=progress and is_main_process())
     if compensation:
         from ..calibration import iter_batches
+        from ..checkpoint.folder import map_to_checkpoint
         from ..compensate import collect_statistics
 
         with fail_together():
             mine = shard_indices(run.windows.shape[0], rank(), world_size())
             stats = collect_statistics(run.loaded, list(iter_batches(run.windows[mine.start:mine.stop], batch_size)))
-            mapping = _map_to_checkpoint(list(stats), Path(model_dir))
+            mapping = map_to_checkpoint(list(stats), Path(model_dir))
         if world_size() > 1:
             for entry in stats.values():
                 total = [torch.from_numpy(entry["out_moment"]), torch.tensor([entry["tokens"]], dtype=torch.float64)]

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..forwards import OUTPUT_PROJECTIONS, output_projection
 from ..geometry import GDNShape
+from ..layouts import detect_layout
 from .payload import layer_payload, needs_loss_gradient, statistic_shapes
 
 __all__ = ["LayerScorer", "materialized_weight"]
@@ -43,21 +45,16 @@ class LayerScorer:
         self.lane_measure, self.key_group_measure = lane_measure, key_group_measure
         self.shape = GDNShape.from_module(module)
         children = dict(module.named_children())
-        if "in_proj_qkv" in children:
-            self.layout = "qwen3_5"
-        elif "in_proj_qkvz" in children:
-            self.layout = "qwen3_next"
-        elif "q_proj" in children and "k_proj" in children:
-            self.layout = "olmo_hybrid"
-        else:
+        layout = detect_layout(name for name, _ in module.named_parameters())
+        if layout is None:
             raise ValueError(
                 f"{prefix}: unsupported GDN module {type(module).__name__}: expected in_proj_qkv (Qwen3.5), "
                 f"in_proj_qkvz (Qwen3-Next) or q_proj/k_proj (OLMo-hybrid), found {sorted(children)}"
             )
-        out_name = "out_proj" if "out_proj" in children else "o_proj" if "o_proj" in children else None
-        if out_name is None or "conv1d" not in children:
+        self.layout = layout.name
+        if not any(name in children for name in OUTPUT_PROJECTIONS) or "conv1d" not in children:
             raise ValueError(f"{prefix}: GDN module {type(module).__name__} has no out_proj/o_proj or conv1d")
-        self.out_proj = children[out_name]
+        self.out_proj = output_projection(module)
         self.conv = children["conv1d"]
         self.stats: dict[str, torch.Tensor] = {}
         self.num_tokens = 0

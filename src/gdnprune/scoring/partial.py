@@ -82,7 +82,7 @@ def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrit
     """
     from safetensors.torch import save
 
-    from ..scores import check_output_file
+    from ..fileio import check_output_file
 
     check_output_file(path, overwrite)
     path = Path(path)
