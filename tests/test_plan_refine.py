@@ -252,6 +252,22 @@ def test_budgets_are_checked_before_any_forward(case):
         plan_model(model, batches(), scores, budget_params=0.001, dim_step="1/2", progress=False)
 
 
+def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path, capsys, monkeypatch):
+    import gdnprune.scoring
+    from gdnprune.cli import main
+
+    src, text, _ = folder
+
+    def never(*args, **kwargs):
+        raise AssertionError("scored before the budgets were checked")
+
+    monkeypatch.setattr(gdnprune.scoring, "score_checkpoint", never)
+    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p"), "--budget-params", "0.001",
+                 "--quiet"]) == 2
+    assert "no plan meets the budgets" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
 def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, capsys):
     import json
 

@@ -72,6 +72,11 @@ def prune_checkpoint(
         checked = read_plan(plan)
         resolve_plan(checked, shapes)
         _check_plan_scores(checked, scores)
+    if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
+        from .loading import empty_causal_lm
+        from .plan import check_budgets
+
+        check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search)
     if scores is not None and compensate and not sequential:
         raise ValueError("--compensate statistics collects its statistics while scoring; with --scores give "
                          "--compensate sequential, or score afresh (no --scores)")

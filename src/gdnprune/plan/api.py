@@ -16,7 +16,8 @@ from ..scores import match_layers, read_scores
 from .candidates import AXES, layer_candidates, parse_dim_step
 from .solve import BudgetError, choose, choose_among, choose_uniform
 
-__all__ = ["SENSITIVITIES", "STATE_BYTES", "BudgetError", "plan_model", "plan_checkpoint", "budget_limit"]
+__all__ = ["SENSITIVITIES", "STATE_BYTES", "BudgetError", "budget_limit", "check_budgets", "plan_checkpoint",
+           "plan_model"]
 
 #: how sensitivity is obtained, the default first
 SENSITIVITIES = ("halving", "measured", "proxy")
@@ -83,7 +84,7 @@ def plan_model(
         ValueError: bad options, a scores file that does not fit the model, or budgets no plan meets
             (:class:`~gdnprune.plan.solve.BudgetError`).
     """
-    from ..layouts import LAYOUTS, detect_layout, find_gdn_modules
+    from ..layouts import find_gdn_modules
     from .sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity
 
     if sensitivity not in SENSITIVITIES:
@@ -103,29 +104,13 @@ def plan_model(
     for key in data["layers"]:
         key_of.update({p: key for p in match_layers({key: None}, [p for p, _ in modules])})
 
-    layers, table = [], []
-    for prefix, module in modules:
-        shape = GDNShape.from_module(module)
-        tensors = {name: tuple(p.shape) for name, p in module.named_parameters()}
-        layout = detect_layout(tensors)
-        if layout is None:
-            raise ValueError(f"{prefix}: a {type(module).__name__} of no known GDN layout (tensors {sorted(tensors)}; "
-                             f"expected one of {sorted(LAYOUTS)})")
-        candidates = layer_candidates(prefix, shape, tensors, layout.name, int(module.conv_kernel_size), dim_step=step,
-                                      axes=axes, tp=tp, multiple_of=multiple_of)
-        orders = None if orders_applied else orders_from_payload(payload_of[prefix], shape)
-        layers.append(LayerToPlan(prefix, module, orders, [c.target for c in candidates]))
-        table.append(candidates)
-
-    totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
-    budgets = {name: limit for name, limit in (
-        ("params", budget_limit(budget_params, totals["params"], "params")),
-        ("state", budget_limit(budget_state, totals["state"], "state"))) if limit is not None}
-    costs = {"params": [[c.params for c in cands] for cands in table],
-             "state": [[c.state * STATE_BYTES for c in cands] for cands in table]}
+    table = _candidate_table(modules, step, axes, tp, multiple_of)
+    layers = [LayerToPlan(prefix, module, None if orders_applied else orders_from_payload(
+        payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
+        for (prefix, module), cands in zip(modules, table)]
+    totals, budgets, costs = _budget_costs(table, budget_params, budget_state)
     keys = [[c.target for c in cands] for cands in table]
-    zeros = [[0.0] * len(cands) for cands in table]
-    (choose_uniform(keys, zeros, costs, budgets) if uniform else choose(zeros, costs, budgets))  # feasible: before any forward
+    _check_feasible(table, costs, budgets, uniform)  # before any forward
 
     start = time.perf_counter()
     survivors = None
@@ -209,6 +194,57 @@ def plan_model(
         },
     }
     return plan, report
+
+
+def _candidate_table(modules: Sequence[tuple[str, Any]], step: Any, axes: Sequence[str], tp: int | None,
+                     multiple_of: int | None) -> list[list]:
+    """Every candidate of every GDN module (:func:`~gdnprune.plan.candidates.layer_candidates`)."""
+    from ..layouts import LAYOUTS, detect_layout
+
+    table = []
+    for prefix, module in modules:
+        tensors = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        layout = detect_layout(tensors)
+        if layout is None:
+            raise ValueError(f"{prefix}: a {type(module).__name__} of no known GDN layout (tensors {sorted(tensors)}; "
+                             f"expected one of {sorted(LAYOUTS)})")
+        table.append(layer_candidates(prefix, GDNShape.from_module(module), tensors, layout.name,
+                                      int(module.conv_kernel_size), dim_step=step, axes=axes, tp=tp,
+                                      multiple_of=multiple_of))
+    return table
+
+
+def _budget_costs(table: Sequence[Sequence[Any]], budget_params: float | None, budget_state: float | None):
+    """``(totals, budgets, costs)``: the full layers' totals, the budgets as amounts, every candidate's costs."""
+    totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
+    budgets = {name: limit for name, limit in (
+        ("params", budget_limit(budget_params, totals["params"], "params")),
+        ("state", budget_limit(budget_state, totals["state"], "state"))) if limit is not None}
+    costs = {"params": [[c.params for c in cands] for cands in table],
+             "state": [[c.state * STATE_BYTES for c in cands] for cands in table]}
+    return totals, budgets, costs
+
+
+def _check_feasible(table, costs, budgets, uniform: bool) -> None:
+    zeros = [[0.0] * len(cands) for cands in table]
+    if uniform:
+        choose_uniform([[c.target for c in cands] for cands in table], zeros, costs, budgets)
+    else:
+        choose(zeros, costs, budgets)
+
+
+def check_budgets(model: Any, *, budget_params: float | None = None, budget_state: float | None = None,
+                  dim_step: str | float | int = "1/8", axes: Sequence[str] = AXES, tp: int | None = None,
+                  multiple_of: int | None = None, uniform: bool = False, **_: Any) -> None:
+    """Raise :class:`~gdnprune.plan.solve.BudgetError` when no plan of ``model`` (weights not needed: a
+    ``meta`` model will do) meets the budgets; the other options of :func:`plan_model` are ignored."""
+    from ..layouts import find_gdn_modules
+
+    if budget_params is None and budget_state is None:
+        raise ValueError("give a budget: --budget-params and/or --budget-state")
+    table = _candidate_table(find_gdn_modules(model), parse_dim_step(dim_step), axes, tp, multiple_of)
+    _, budgets, costs = _budget_costs(table, budget_params, budget_state)
+    _check_feasible(table, costs, budgets, uniform)
 
 
 def _scores_hash(scores: Any) -> str | None:
