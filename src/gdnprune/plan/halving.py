@@ -5,18 +5,23 @@ less than another one on every budget and has a higher KL is never chosen (swapp
 keeps every budget and lowers the sum). So the full measurement (:func:`.sensitivity.measured_sensitivity`,
 every candidate on every calibration window) spends most of its forwards on candidates that cannot win.
 
-Here every candidate of a layer is first measured on a few calibration windows (one window per forward,
-from the layer's cached input, as the full measurement does). A candidate is then dropped when another one
-of the same layer *dominates* it: costs no more on any budget and has a lower KL on the same windows, by
-more than ``z`` paired standard errors over those windows (and by more than a small relative floor). The
-survivors are measured on ``eta`` times as many windows, the rule is applied again, and so on until the
-survivors have seen every window: their KL and loss are then exactly the full measurement's. A dropped
-candidate keeps its estimate from the windows it saw (the report says how many), and the exact choice
-runs over the survivors only (:func:`survivors` returns them).
+Here every candidate of every layer is first measured on a few calibration windows (one window per
+forward, from the layer's cached input, as the full measurement runs its batches). Then, rung by rung:
 
-Given every window in its first rung, this *is* the full measurement. Under ``torchrun`` the candidates of
-a rung are spread over the ranks (every rank holds every window), so every rank gets the same numbers as
-one process.
+* a candidate is dropped when another one of the same layer *dominates* it — costs no more on any budget
+  in play and has a lower KL on the same windows by more than ``z`` paired standard errors (and by more
+  than a small share of its KL) — (:func:`dominated`);
+* the exact choice is made over the candidates left, on their estimates, and every layer keeps the
+  ``1 / eta`` of them nearest to its choice in the order of their share of the budgets (:func:`near`):
+  "more windows only for those near the solution";
+* those are measured on ``grow`` times as many windows.
+
+The last rung sees every window, so the survivors' KL and loss are exactly the full measurement's, and
+the exact choice is made over the survivors only (a dropped candidate keeps its estimate from the windows
+it saw; the report says how many). Given every window in its first rung, this *is* the full measurement.
+
+Under ``torchrun`` the candidates of a rung are spread over the ranks (every rank holds every window), so
+every rank gets the same numbers as one process.
 """
 
 from __future__ import annotations
