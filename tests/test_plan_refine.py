@@ -294,7 +294,7 @@ def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, ca
         main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "x.json"),
               "--budget-params", "0.5", "--sensitivity", "proxy", "--refine-generations", "-1"])
     assert exit_.value.code == 2
-    assert "expected a whole number >= 0" in capsys.readouterr().err
+    assert "expected an integer >= 0" in capsys.readouterr().err
 
 
 def test_prune_with_a_plan_uses_its_scores_or_says_why_not(folder, tmp_path, capsys):

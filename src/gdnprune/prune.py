@@ -5,15 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from .targets import keyword_target
+
 __all__ = ["prune_checkpoint"]
 
 
+@keyword_target(paths=3)
 def prune_checkpoint(
     model_dir: str | Path,
     data: str | Path,
     output_dir: str | Path,
-    target: Any = None,
     *,
+    target: Any = None,
     plan: str | Path | Mapping | None = None,
     scores: str | Path | None = None,
     search: Mapping[str, Any] | None = None,
@@ -59,8 +62,8 @@ def prune_checkpoint(
                          "(no device map)")
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
-        raise TargetError("give exactly one of a target (--num-key-heads, ...), --plan, or a budget "
-                          f"(--budget-params / --budget-state); got {given or 'none'}")
+        raise TargetError("give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
+                          f"(`budget_params` / `budget_state`); got {given or 'none'}")
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     layers, _ = find_gdn_layers(open_checkpoint(model_dir))

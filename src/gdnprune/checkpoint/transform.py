@@ -23,7 +23,7 @@ from ..layouts import BlockGridError
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
 from ..fileio import file_sha256
 from ..scores import read_scores, resolve_orders
-from ..targets import TARGET_FIELDS, TargetError, resolve_target
+from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from .. import compensate
 from . import output, refit
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
@@ -149,7 +149,7 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
                     what = "sorted" if layer_plan.target == layer_plan.layer.shape else f"cut to {layer_plan.target}"
                     raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
                                       f"exactly: {exc}. Cut whole heads (head dims that are multiples of "
-                                      f"{rule.block}), or pass --dequantize to write such weights in BF16") from None
+                                      f"{rule.block}), or pass `dequantize=True` to write such weights in BF16") from None
                 broken.add(suffix[: -len("weight_scale_inv")] + "weight")
         layer_plan.dequantize = frozenset(broken)
     return plans, missing
@@ -333,23 +333,28 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
 
 
 def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Mapping, output_dir: str | os.PathLike,
-                    **kwargs) -> dict:
+                    *, dequantize: bool = False, overwrite: bool = False, progress: bool = True,
+                    manifest_extra: Mapping[str, Any] | None = None) -> dict:
     """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
 
-    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). Keyword arguments are those of
-    :func:`transform_checkpoint` (``overwrite``, ``progress``, ``manifest_extra``). Returns the manifest.
+    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). The keyword arguments
+    are those of :func:`transform_checkpoint`. Returns the manifest.
     """
     data = read_scores(scores)
     info = {"metadata": {k: v for k, v in data.items() if k != "layers"}}
     if not isinstance(scores, Mapping):
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
-    extra = {"scores": info, **dict(kwargs.pop("manifest_extra", None) or {})}
+    extra = {"scores": info, **dict(manifest_extra or {})}
     return transform_checkpoint(model_dir, output_dir, permutations=data["layers"], operation="sort",
-                                manifest_extra=extra, **kwargs)
+                                manifest_extra=extra, dequantize=dequantize, overwrite=overwrite, progress=progress)
 
 
-def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, target: Any = None, *,
-                     plan: str | os.PathLike | Mapping | None = None, **kwargs) -> dict:
+@keyword_target(paths=2)
+def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, target: Any = None,
+                     plan: str | os.PathLike | Mapping | None = None, tp: int | None = None,
+                     multiple_of: int | None = None, compensation: str | os.PathLike | Mapping | None = None,
+                     ridge: float | None = None, dequantize: bool = False, overwrite: bool = False,
+                     progress: bool = True, manifest_extra: Mapping[str, Any] | None = None) -> dict:
     """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
@@ -360,4 +365,6 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
     """
     if target is None and plan is None:
         raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ") or a plan")
-    return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, operation="slice", **kwargs)
+    return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, tp=tp, multiple_of=multiple_of,
+                                compensation=compensation, ridge=ridge, dequantize=dequantize, operation="slice",
+                                overwrite=overwrite, progress=progress, manifest_extra=manifest_extra)

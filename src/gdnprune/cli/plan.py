@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from ._options import add_constraint_arguments, positive_int
+from ._options import add_calibration_arguments, add_constraint_arguments, add_distributed_arguments, \
+    add_output_arguments, non_negative_int, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "plan"
@@ -22,18 +23,6 @@ def _budget(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a fraction such as 0.5 or an absolute amount, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive budget, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return value
 
 
@@ -54,13 +43,13 @@ def add_search_arguments(p) -> None:
                    help="axes the search may cut (default all four: key_heads,lanes,key_dim,value_dim)")
     p.add_argument("--uniform", action="store_true",
                    help="one geometry for all layers (for engines that need uniform layers)")
-    p.add_argument("--refine-generations", type=_count, default=0, metavar="N",
+    p.add_argument("--refine-generations", type=non_negative_int, default=0, metavar="N",
                    help="then improve the plan by measuring whole plans: N generations of an evolutionary search "
                         "(fitness: the KL of the whole cut model on the calibration windows; never worse than the "
                         "plan it starts from; default 0: off)")
     p.add_argument("--refine-offspring", type=positive_int, default=8, metavar="N",
                    help="plans tried per generation of the refinement (default 8)")
-    p.add_argument("--refine-seed", type=_count, default=0, metavar="N",
+    p.add_argument("--refine-seed", type=non_negative_int, default=0, metavar="N",
                    help="the refinement's random seed (default 0; the search is deterministic for a seed)")
     add_constraint_arguments(p)
 
@@ -86,22 +75,13 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="the (unsorted) model the scores describe")
     p.add_argument("--scores", required=True, metavar="SCORES.json", help="gdnprune score's file for MODEL_DIR")
-    p.add_argument("--output", required=True, metavar="PLAN.json", help="plan file to write")
-    p.add_argument("--overwrite", action="store_true", help="replace PLAN.json (and its report) if they exist")
-    p.add_argument("--data", metavar="FILE", help="calibration text (needed by the measured sensitivity)")
-    p.add_argument("--num-samples", type=positive_int, default=16,
-                   help="calibration windows for the measured sensitivity (default 16)")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default: what the model "
-                                                                       "supports, at most 512)")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass (default 4)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype (float32)")
-    p.add_argument("--device-map", choices=("auto", "balanced", "balanced_low_0", "sequential"), default=None,
-                   help="spread the model over the GPUs and CPU of this machine through accelerate")
+    add_output_arguments(p, metavar="PLAN.json", help="plan file to write (and its report beside it)", folder=False)
+    add_calibration_arguments(p, data_required=False, num_samples=16, method=False,
+                              purpose="the measured sensitivity (needs --data)")
     add_search_arguments(p)
+    add_distributed_arguments(p)
     add_runtime_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no notes")
     p.set_defaults(func=run)
 
 
@@ -179,20 +159,20 @@ def plan_threads(model_dir: str | Path, seq_len: int | None) -> int:
 def run(args) -> int:
     """Under torchrun / accelerate launch every rank measures its share of the windows; rank 0 writes."""
     from ..distributed import RankFailedError, process_group, rank, world_size
+    from . import report_error
 
     who = ""
     try:
-        with process_group() as several:
+        with process_group(timeout=args.dist_timeout) as several:
             who = f"rank {rank()} of {world_size()}: " if several else ""
             return _plan(args)
     except RankFailedError as exc:
-        print(f"gdnprune plan: error: {who}{' '.join(str(exc).split())}", file=sys.stderr)
+        report_error(NAME, exc, who)
         return 2 if exc.user_error else 1
     except (ValueError, OSError) as exc:
         if not who:
             raise
-        print(f"gdnprune plan: error: {who}{' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
-        return 2
+        return report_error(NAME, exc, who)
 
 
 def _plan(args) -> int:
