@@ -55,10 +55,9 @@ import torch  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
-from gdnprune.layouts import find_gdn_modules  # noqa: E402
+from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan import STATE_BYTES, BudgetError, choose, choose_uniform, layer_candidates  # noqa: E402
-from gdnprune.plan.api import _layout_of  # noqa: E402
 from gdnprune.plan.halving import halving_sensitivity  # noqa: E402
 from gdnprune.plan.joint import refine_plan  # noqa: E402
 from gdnprune.plan.solve import choose_among  # noqa: E402
@@ -110,8 +109,9 @@ def run_model(name: str, model, corpus: str, args) -> dict:
     layers, table = [], []
     for prefix, module in modules:
         shape = GDNShape.from_module(module)
-        cands = layer_candidates(prefix, shape, {n: tuple(p.shape) for n, p in module.named_parameters()},
-                                 _layout_of(module), module.conv_kernel_size, dim_step=args.dim_step)
+        tensors = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        cands = layer_candidates(prefix, shape, tensors, detect_layout(tensors).name, module.conv_kernel_size,
+                                 dim_step=args.dim_step)
         layers.append(LayerToPlan(prefix, module, orders_from_payload(scores["layers"][prefix], shape),
                                   [c.target for c in cands]))
         table.append(cands)
