@@ -23,8 +23,8 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     """Write a PNG of a plan report (:func:`gdnprune.plan.plan_model`); False when matplotlib is missing.
 
     Per layer: every candidate as a point — filled when measured on every calibration window, hollow when
-    successive halving left it with an estimate from fewer windows —, the lower envelope (the least
-    sensitivity reachable with at most that many kept parameters) as a line, and the chosen candidate as a
+    successive halving left it with an estimate from fewer windows —, the lower envelope of all of them (the
+    least sensitivity reachable with at most that many kept parameters) as a line, and the chosen candidate as a
     star. With a joint refinement, a second panel shows its fitness (the whole cut model's KL) per generation.
     """
     try:
@@ -50,7 +50,7 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
             estimated = True
             ax.scatter([c["params"] for c in rough], [c["sensitivity"] for c in rough], s=8, alpha=0.35,
                        facecolors="none", edgecolors=color, linewidths=0.6)
-        envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in exact])
+        envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in cands])
         ax.step([p[0] for p in envelope], [p[1] for p in envelope], where="post", color=color, lw=1.2,
                 label=prefix.replace(".linear_attn", ""))
         chosen = cands[layer["chosen"]]
