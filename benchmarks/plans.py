@@ -15,7 +15,17 @@ the proxy, then for every budget (75 %, 50 %, 25 % of GDN parameters; 50 % of re
 * the predicted loss change (summed per-layer KL) against the measured joint KL of the whole plan.
 
 It also reports how well the proxy ranks candidates (Spearman's rho against the measured KL) and what
-each sensitivity cost. Prints a table; ``--json`` writes every number.
+each sensitivity cost. And, per budget (issue 22):
+
+* **cheap**: the plan from the default sensitivity, successive halving (:mod:`gdnprune.plan.halving`, run
+  for that budget), its cost (partial forwards of one window, seconds, and seconds / the scoring pass);
+* **refined**: that plan after ``--refine-generations`` generations of the joint refinement
+  (:mod:`gdnprune.plan.evolve`), its cost;
+* the paired difference of each against the searched (measured MILP) plan on the held-out windows, and the
+  joint KL of each (calibration windows) beside the searched plan's and the best uniform cut's.
+
+Prints the tables; ``--json`` writes every number; ``--cache FILE`` keeps the measured sensitivity (the
+slowest part) and reuses it when the model, grid and windows are the same.
 
     .venv/bin/python benchmarks/plans.py --threads 1 --json plans.json
     .venv/bin/python benchmarks/plans.py --deep benchmarks/_work/models/deep_docstrings   # + the deeper model
@@ -45,10 +55,12 @@ import torch  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
-from gdnprune.layouts import find_gdn_modules  # noqa: E402
+from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan import STATE_BYTES, BudgetError, choose, choose_uniform, layer_candidates  # noqa: E402
-from gdnprune.plan.api import _layout_of  # noqa: E402
+from gdnprune.plan.halving import halving_sensitivity  # noqa: E402
+from gdnprune.plan.joint import refine_plan  # noqa: E402
+from gdnprune.plan.solve import choose_among  # noqa: E402
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity  # noqa: E402
 from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 
@@ -97,14 +109,25 @@ def run_model(name: str, model, corpus: str, args) -> dict:
     layers, table = [], []
     for prefix, module in modules:
         shape = GDNShape.from_module(module)
-        cands = layer_candidates(prefix, shape, {n: tuple(p.shape) for n, p in module.named_parameters()},
-                                 _layout_of(module), module.conv_kernel_size, dim_step=args.dim_step)
+        tensors = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        cands = layer_candidates(prefix, shape, tensors, detect_layout(tensors).name, module.conv_kernel_size,
+                                 dim_step=args.dim_step)
         layers.append(LayerToPlan(prefix, module, orders_from_payload(scores["layers"][prefix], shape),
                                   [c.target for c in cands]))
         table.append(cands)
-    t0 = time.perf_counter()
-    measured = measured_sensitivity(model, sens_windows, layers, progress=not args.quiet)
-    measured_seconds = time.perf_counter() - t0
+    key = f"{name}|{args.dim_step}|{args.calibration_windows}|{args.sensitivity_windows}"
+    stored = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
+    if key in stored:
+        measured, measured_seconds = stored[key], stored[key]["benchmark_seconds"]
+        print(f"{name}: the measured sensitivity from {args.cache} (measured in {measured_seconds:.0f} s)")
+    else:
+        t0 = time.perf_counter()
+        measured = measured_sensitivity(model, sens_windows, layers, progress=not args.quiet)
+        measured_seconds = time.perf_counter() - t0
+        if args.cache:
+            stored[key] = {**measured, "benchmark_seconds": measured_seconds, "load_average": os.getloadavg()[0]}
+            args.cache.parent.mkdir(parents=True, exist_ok=True)
+            args.cache.write_text(json.dumps(stored))
     t0 = time.perf_counter()
     proxy = [proxy_sensitivity(scores["layers"][layer.prefix], layer.shape, layer.candidates) for layer in layers]
     proxy_seconds = time.perf_counter() - t0
@@ -156,6 +179,36 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             if best_uniform is None or result["losses"].mean() < best_uniform["losses"].mean():
                 best_uniform = result
         diff = best_uniform["losses"] - searched["losses"]
+        # issue 22: the cheap sensitivity's plan, and that plan refined
+        t0 = time.perf_counter()
+        halved = halving_sensitivity(model, sens_windows, layers, costs, budgets, progress=False)
+        cheap_seconds = time.perf_counter() - t0
+        cheap_picks = choose_among([halved["kl"][layer.prefix] for layer in layers], costs, budgets,
+                                   [halved["survivors"][layer.prefix] for layer in layers])
+        cheap = evaluate(cheap_picks)
+        refined_result = refine_plan(model, sens_windows, layers, costs, budgets, cheap_picks,
+                                     generations=args.refine_generations, offspring=args.refine_offspring, seed=0,
+                                     progress=False)
+        refined = evaluate(refined_result["picks"])
+
+        def paired(a, b):  # a - b over the held-out windows: mean and standard error
+            d = a["losses"] - b["losses"]
+            return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+
+        row.update({
+            "cheap_loss": float(cheap["losses"].mean()), "cheap_minus_searched": paired(cheap, searched),
+            "cheap_same_plan": cheap_picks == picks, "cheap_predicted_kl": float(sum(k[p] for k, p in zip(
+                [halved["kl"][layer.prefix] for layer in layers], cheap_picks))),
+            "cheap_joint_kl": cheap["joint_kl"], "cheap_forwards": halved["forwards"], "cheap_seconds": cheap_seconds,
+            "cheap_targets": cheap["targets"], "cheap_rungs": halved["rungs"],
+            "refined_loss": float(refined["losses"].mean()), "refined_minus_searched": paired(refined, searched),
+            "refined_minus_cheap": paired(refined, cheap), "refined_joint_kl": refined["joint_kl"],
+            "refined_fitness": refined_result["kl"], "refined_seed_fitness": refined_result["seed_kl"],
+            "refined_seconds": refined_result["seconds"], "refined_window_forwards": refined_result["evaluations"],
+            "refined_history": [h["kl"] for h in refined_result["history"]],
+            "refined_accepted": sum(h["accepted"] for h in refined_result["history"]),
+            "refined_targets": refined["targets"], "best_uniform_joint_kl": best_uniform["joint_kl"],
+        })
         row.update({
             "searched_loss": float(searched["losses"].mean()),
             "searched_kept": {"params": searched["params"], "state": searched["state"]},
@@ -204,6 +257,23 @@ def print_model(result: dict) -> None:
               f"{row['proxy_plan_loss']:10.4f} {row['predicted_kl']:8.4f} {row['measured_joint_kl']:8.4f}  "
               f"{t['num_key_heads']}/{t['num_value_heads']}/{t['key_head_dim']}/{t['value_head_dim']} "
               f"(of {row['uniform_evaluated']})")
+    score = sec["score"]
+    print(f"\ncheap = successive halving (the default), refined = cheap + the joint refinement; "
+          f"searched (measured) sensitivity: {sec['measured_sensitivity']:.0f} s = "
+          f"{sec['measured_sensitivity'] / score:.0f}x scoring")
+    header = (f"{'budget':<12} {'cheap':>7} {'-searched':>15} {'fwd':>5} {'s':>5} {'xscore':>6} {'refined':>7} "
+              f"{'-searched':>15} {'s':>5} {'wfwd':>5} {'jKL srch':>8} {'unif':>6} {'cheap':>6} {'refined':>7}")
+    print(header)
+    print("-" * len(header))
+    for row in result["rows"]:
+        if "error" in row:
+            continue
+        c, r = row["cheap_minus_searched"], row["refined_minus_searched"]
+        print(f"{row['budget']:<12} {row['cheap_loss']:7.4f} {c[0]:+8.4f}±{c[1]:.4f} {row['cheap_forwards']:5d} "
+              f"{row['cheap_seconds']:5.0f} {row['cheap_seconds'] / score:6.1f} {row['refined_loss']:7.4f} "
+              f"{r[0]:+8.4f}±{r[1]:.4f} {row['refined_seconds']:5.0f} {row['refined_window_forwards']:5d} "
+              f"{row['measured_joint_kl']:8.4f} {row['best_uniform_joint_kl']:6.3f} {row['cheap_joint_kl']:6.3f} "
+              f"{row['refined_joint_kl']:7.4f}")
 
 
 def main() -> int:
@@ -214,6 +284,9 @@ def main() -> int:
     p.add_argument("--calibration-windows", type=int, default=64, help="scoring windows of 256 bytes (64)")
     p.add_argument("--sensitivity-windows", type=int, default=16, help="of those, for the sensitivity (16)")
     p.add_argument("--validation-windows", type=int, default=32, help="held-out windows (32)")
+    p.add_argument("--refine-generations", type=int, default=30, help="generations of the refinement (30)")
+    p.add_argument("--refine-offspring", type=int, default=8, help="offspring per generation (8)")
+    p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivity here")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quiet", action="store_true")

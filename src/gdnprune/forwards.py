@@ -234,7 +234,8 @@ class Forwards:
     ``forwards`` (batches run by :meth:`from_layer` so far), ``tokens``.
     """
 
-    def __init__(self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24):
+    def __init__(self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24,
+                 shard: bool = True):
         from . import distributed
 
         self.model = model.eval()
@@ -243,7 +244,7 @@ class Forwards:
         data = unpack_batches(batches)
         if not data:
             raise ValueError("a measured sensitivity needs at least one calibration batch")
-        self.several = distributed.is_distributed()
+        self.several = shard and distributed.is_distributed()  # shard=False: every rank holds every batch
         if self.several:
             data = [data[i] for i in distributed.shard_indices(len(data), distributed.rank(), distributed.world_size())]
         self.data = data
@@ -318,8 +319,8 @@ class Forwards:
 
     @contextlib.contextmanager
     def from_layer(self, index: int) -> Iterator[Callable[[], tuple[float, float]]]:
-        """Within the block, a call ``measure()`` runs every batch from decoder layer ``index``'s kept input
-        and returns ``(KL per token, loss per token)`` against the teacher."""
+        """Within the block, a call ``measure()`` runs every batch (``measure(indices)``: those batches) from
+        decoder layer ``index``'s kept input and returns ``(KL per token, loss per token)`` against the teacher."""
         current = {"k": 0}
 
         def inject(module, args, kwargs):
@@ -332,11 +333,12 @@ class Forwards:
             self.decoder.layers[j] = Passthrough()
 
         @torch.no_grad()
-        def measure() -> tuple[float, float]:
+        def measure(batches: Sequence[int] | None = None) -> tuple[float, float]:
             kl = ce = 0.0
             n_kl = n_ce = 0
             with self._together():
-                for k, (ids, mask) in enumerate(self.data):
+                for k in range(len(self.data)) if batches is None else batches:
+                    ids, mask = self.data[k]
                     current["k"] = k
                     out = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
                     a, b, c, d = _divergence(self.head, out, self.finals[k], ids, mask, self.max_logits)

@@ -18,6 +18,7 @@ def prune_checkpoint(
     *,
     target: Any = None,
     plan: str | Path | Mapping | None = None,
+    scores: str | Path | None = None,
     search: Mapping[str, Any] | None = None,
     plan_samples: int = 16,
     tp: int | None = None,
@@ -42,10 +43,12 @@ def prune_checkpoint(
     known, cuts the model in memory and refits ``out_proj`` layer by layer on the cut model's own hidden
     states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
     ``device_map``). ``self_contained``: the output also loads with transformers alone
-    (:mod:`gdnprune.checkpoint.remote_code`). The output path, the target or plan and the constraints are checked
-    before the (long) scoring starts. The model is loaded once; scoring, the plan search and the sequential
-    refit share it. Returns the manifest (with the searched plan
-    under ``"plan"``).
+    (:mod:`gdnprune.checkpoint.remote_code`). ``scores``: a scores file of ``model_dir`` to sort by instead of
+    scoring again (a plan that records the sha256 of the scores it was searched on must have been searched on
+    these; a plan that records one while the model is scored afresh gets a :class:`PlanScoresWarning`). The
+    output path, the target or plan and the constraints are checked before the (long) scoring starts. The
+    model is loaded once (when anything needs it); scoring, the plan search and the sequential refit share
+    it. Returns the manifest (with the searched plan under ``"plan"``).
     """
     from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
     from .checkpoint.output import check_paths, clear_stale
@@ -80,29 +83,49 @@ def prune_checkpoint(
         for shape in shapes.values():
             resolve_target(shape, gdn_target)  # raises TargetError (a ValueError) for an illegal target
     if plan is not None:
-        resolve_plan(plan, shapes)
+        checked = read_plan(plan)
+        resolve_plan(checked, shapes)
+        _check_plan_scores(checked, scores)
     # the sub-blocks a target or plan cuts (checked now, scored beside the GDN layers)
     sub_blocks = bool(plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans)
     if sub_blocks and sequential:
         raise TargetError("sequential compensation refits GDN layers on a model whose attention and MLPs are "
                           "whole; it does not support attention / MLP cuts yet (use compensate=\"statistics\")")
-    with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
-        gpus = local_gpus() if scoring.get("device_map") is not None else None
-        model = load_causal_lm(model_dir, dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
-                               device_map=scoring.get("device_map"), gpus=gpus)
-    scores = score_checkpoint(model_dir, data, progress=progress, compensation=bool(compensate) and not sequential,
-                              model=model, **{"blocks": sub_blocks, **scoring})
+    if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
+        from .loading import empty_causal_lm
+        from .plan import check_budgets
+
+        check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search)
+    if scores is not None and compensate and not sequential:
+        raise ValueError("compensate=\"statistics\" collects its statistics while scoring; with `scores` give "
+                         "compensate=\"sequential\", or score afresh (no `scores`)")
+    model = None
+    if scores is None or search is not None or sequential:
+        with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
+            gpus = local_gpus() if scoring.get("device_map") is not None else None
+            model = load_causal_lm(model_dir, dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
+                                   device_map=scoring.get("device_map"), gpus=gpus)
+    if scores is not None:
+        from .fileio import file_sha256
+        from .scores import load_scores
+
+        path = scores
+        scores = load_scores(path)
+        scores["sha256"] = file_sha256(path)
+    else:
+        scores = score_checkpoint(model_dir, data, progress=progress,
+                                  compensation=bool(compensate) and not sequential, model=model,
+                                  **{"blocks": sub_blocks, **scoring})
+        path = scores
     stats = scores.pop("compensation_statistics", None)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
     if search is not None:
         from .plan import plan_checkpoint
 
         options = {k: scoring[k] for k in ("seq_len", "batch_size", "device", "dtype", "device_map") if k in scoring}
-        plan, report = plan_checkpoint(model_dir, data, scores, num_samples=plan_samples, tp=tp,
+        plan, report = plan_checkpoint(model_dir, data, path, num_samples=plan_samples, tp=tp,
                                        multiple_of=multiple_of, progress=progress, model=model, **options, **search)
         extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
-    elif plan is not None:
-        plan = read_plan(plan)
     if sequential:
         targets = resolve_plan(plan, shapes) if plan is not None else \
             {prefix: resolve_target(shape, gdn_target) for prefix, shape in shapes.items()}
@@ -111,6 +134,33 @@ def prune_checkpoint(
                                 tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
                                 overwrite=overwrite, self_contained=self_contained,
                                 progress=progress, manifest_extra=extra)
+
+
+class PlanScoresWarning(UserWarning):
+    """A plan searched on some scores is applied with orders from a fresh scoring."""
+
+
+def _check_plan_scores(plan: Mapping, scores: str | Path | None) -> None:
+    """Refuse a plan searched on other scores than ``scores``; warn when the model is to be scored afresh."""
+    import warnings
+
+    from .fileio import file_sha256
+
+    recorded = (plan.get("scores") or {}).get("sha256")
+    if not recorded:
+        return
+    if scores is None:
+        warnings.warn(f"the plan was searched on the scores with sha256 {recorded[:12]}...; the model is scored "
+                      f"afresh, and orders that differ from those make the plan's measurements stale: give those "
+                      f"scores with `scores`", PlanScoresWarning, stacklevel=3)
+        return
+    given = file_sha256(scores)
+    if given is None:
+        raise ValueError(f"scores {scores}: no such file")
+    if given != recorded:
+        raise ValueError(f"the plan was searched on the scores with sha256 {recorded[:12]}..., but `scores` "
+                         f"{scores} has sha256 {given[:12]}...: search the plan on these scores, or give the "
+                         f"scores it was searched on")
 
 
 def _sequential_columns(model, model_dir, data, scores: Mapping, targets: Mapping, progress: bool) -> dict[str, dict]:

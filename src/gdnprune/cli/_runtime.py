@@ -24,7 +24,24 @@ _LOGGER = "transformers.integrations.hub_kernels"
 def add_runtime_arguments(p) -> None:
     """``--threads``."""
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="CPU threads for torch (default: torch's choice; 1 is often faster on a busy machine)")
+                   help="CPU threads for torch (default: torch's choice; `plan` and `prune` choose from the size of "
+                        "their forwards and the free cores)")
+
+
+def default_threads(hidden_size: int, tokens: int) -> int:
+    """torch threads for forwards of ``tokens`` tokens through layers of width ``hidden_size``: one per
+    2**26 multiply-adds of a ``hidden x hidden`` projection (tiny forwards gain nothing from more and lose a
+    lot to oversubscription on a busy machine), at most the cores that are free now (the cores this process
+    may use, less the load average), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        free = cores - int(round(os.getloadavg()[0]))
+    except OSError:
+        free = cores
+    return max(1, min(free, cores, int(hidden_size) ** 2 * int(tokens) // (1 << 26)))
 
 
 class _FallbackNote(logging.Filter):

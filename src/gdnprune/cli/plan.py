@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ._options import add_calibration_arguments, add_constraint_arguments, add_distributed_arguments, \
-    add_output_arguments
+    add_output_arguments, non_negative_int, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "plan"
@@ -32,15 +32,25 @@ def add_search_arguments(p) -> None:
                    help="GDN parameters to keep: a fraction (e.g. 0.5) or an absolute count")
     p.add_argument("--budget-state", type=_budget, metavar="X",
                    help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes")
-    p.add_argument("--sensitivity", choices=("measured", "proxy"), default="measured",
-                   help="measured (default): KL from the unpruned model with each layer cut alone, on calibration "
-                        "windows; proxy: output energy removed, from the scores (no forward pass)")
+    p.add_argument("--sensitivity", choices=("halving", "measured", "proxy"), default="halving",
+                   help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
+                        "windows, by successive halving (every candidate on a few windows, those that can be "
+                        "chosen on all of them); measured: every candidate on every window (the exact reference, "
+                        "several times slower); proxy: output energy removed, from the scores (no forward pass)")
     p.add_argument("--dim-step", default="1/8", metavar="STEP",
                    help="head-dim grid: a fraction of the dim (default 1/8) or a channel count such as 16")
     p.add_argument("--axes", default="key_heads,lanes,key_dim,value_dim", metavar="LIST",
                    help="axes the search may cut (default all four: key_heads,lanes,key_dim,value_dim)")
     p.add_argument("--uniform", action="store_true",
                    help="one geometry for all layers (for engines that need uniform layers)")
+    p.add_argument("--refine-generations", type=non_negative_int, default=0, metavar="N",
+                   help="then improve the plan by measuring whole plans: N generations of an evolutionary search "
+                        "(fitness: the KL of the whole cut model on the calibration windows; never worse than the "
+                        "plan it starts from; default 0: off)")
+    p.add_argument("--refine-offspring", type=positive_int, default=8, metavar="N",
+                   help="plans tried per generation of the refinement (default 8)")
+    p.add_argument("--refine-seed", type=non_negative_int, default=0, metavar="N",
+                   help="the refinement's random seed (default 0; the search is deterministic for a seed)")
     add_constraint_arguments(p)
 
 
@@ -48,16 +58,19 @@ def search_options(args) -> dict:
     """The keyword arguments of :func:`gdnprune.plan.plan_model` given on the command line."""
     return dict(budget_params=args.budget_params, budget_state=args.budget_state, sensitivity=args.sensitivity,
                 dim_step=args.dim_step, axes=[a.strip() for a in args.axes.split(",") if a.strip()], tp=args.tp,
-                multiple_of=args.multiple_of, uniform=args.uniform)
+                multiple_of=args.multiple_of, uniform=args.uniform, refine_generations=args.refine_generations,
+                refine_offspring=args.refine_offspring, refine_seed=args.refine_seed)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME, help=HELP,
         description="Measure how much each GDN layer suffers from every candidate width (the KL divergence from "
-                    "the unpruned model when that layer alone is cut, or a proxy from the scores), then choose one "
-                    "candidate per layer that minimises the summed sensitivity within the budgets (an exact "
-                    "multiple-choice knapsack, scipy's MILP). Writes PLAN.json for `slice --plan` / `prune --plan`, "
+                    "the unpruned model when that layer alone is cut, by successive halving or in full, or a proxy "
+                    "from the scores), then choose one candidate per layer that minimises the summed sensitivity "
+                    "within the budgets (an exact multiple-choice knapsack, scipy's MILP); with "
+                    "--refine-generations, improve that plan by measuring whole plans. The budgets are checked "
+                    "before any forward. Writes PLAN.json for `slice --plan` / `prune --plan`, "
                     "PLAN.sensitivity.json with every candidate and PLAN.sensitivity.png.",
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="the (unsorted) model the scores describe")
@@ -81,7 +94,7 @@ def report_paths(output: str | Path) -> tuple[Path, Path]:
 
 def format_plan(plan: dict, report: dict) -> str:
     """The per-layer table ``gdnprune plan`` prints."""
-    measured = report["sensitivity"] == "measured"
+    measured = report["sensitivity"] in ("measured", "halving")
     rows = [("layer", "Hk", "Hv", "dk", "dv", "params kept", "state kept", "KL" if measured else "proxy",
              *(("loss",) if measured else ()))]
     for prefix, layer in report["layers"].items():
@@ -101,6 +114,12 @@ def format_plan(plan: dict, report: dict) -> str:
     lines.append(f"predicted {what}: {plan['predicted']['summed_sensitivity']:.4g}"
                  + (f"; base loss {report['base_loss']:.4f} on {report['tokens']:,} tokens, "
                     f"{report['forwards']:,} partial forwards in {report['seconds']:.1f} s" if measured else ""))
+    refined = report.get("refinement")
+    if refined:
+        accepted = sum(h["accepted"] for h in refined["history"])
+        lines.append(f"joint refinement: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
+                     f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
+                     f"window forwards in {refined['seconds']:.1f} s)")
     return "\n".join(lines)
 
 
@@ -122,6 +141,19 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
     else:
         notes.append("no plot: matplotlib is not installed (pip install 'gdnprune[plot]')")
     return notes
+
+
+def plan_threads(model_dir: str | Path, seq_len: int | None) -> int:
+    """The default torch threads of a plan search: from the model's width and the tokens of one forward
+    (one calibration window) and the free cores (:func:`._runtime.default_threads`)."""
+    from ._runtime import default_threads
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return default_threads(0, 0)
+    text = config.get("text_config") or config
+    return default_threads(int(text.get("hidden_size") or 0), int(seq_len or 512))
 
 
 def run(args) -> int:
@@ -155,11 +187,13 @@ def _plan(args) -> int:
     with fail_together():
         if main:
             check_output_file(args.output, args.overwrite)
-        if args.sensitivity == "measured" and args.data is None:
+        if args.sensitivity != "proxy" and args.data is None:
             raise ValueError("the measured sensitivity needs calibration text: give --data FILE (or --sensitivity "
                              "proxy)")
         if args.budget_params is None and args.budget_state is None:
             raise ValueError("give a budget: --budget-params and/or --budget-state")
+    if args.threads is None:
+        args.threads = plan_threads(args.model_dir, args.seq_len)
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
         if not main:  # every rank computes the same plan: rank 0 speaks and writes

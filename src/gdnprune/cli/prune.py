@@ -24,6 +24,9 @@ def add_parser(subparsers) -> None:
     add_self_contained_argument(p)
     add_target_arguments(p)
     p.add_argument("--plan", metavar="PLAN.json", help="per-layer targets (from gdnprune plan)")
+    p.add_argument("--scores", metavar="SCORES.json",
+                   help="sort by this scores file of MODEL_DIR instead of scoring again (a --plan must have been "
+                        "searched on it: its recorded sha256 is checked)")
     add_search_arguments(p)
     p.add_argument("--plan-samples", type=positive_int, default=16, metavar="N",
                    help="calibration windows of the plan search's measured sensitivity (default 16; `gdnprune "
@@ -56,8 +59,13 @@ def run(args) -> int:
     if search is not None:
         for key in ("tp", "multiple_of"):
             search.pop(key)
-    with model_runtime(args):
-        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target=target, plan=args.plan, search=search,
+    if args.threads is None:
+        from .plan import plan_threads
+
+        args.threads = plan_threads(args.model_dir, args.seq_len)
+    with model_runtime(args):  # a PlanScoresWarning shows as one warning line, like every warning
+        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target=target, plan=args.plan,
+                                    scores=args.scores, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
                                     compensate=args.compensate or False, overwrite=args.overwrite, progress=not args.quiet,
                                     self_contained=args.self_contained,
@@ -70,6 +78,7 @@ def run(args) -> int:
         totals = plan.get("totals", {})
         what += (f" under the budget ({totals.get('gdn_params_fraction', 0):.1%} of GDN parameters, "
                  f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
+    how = f"sorted by {args.scores}" if args.scores else f"scored with {args.method!r}, sorted"
     also = f" (self-contained: {manifest['self_contained']})" if manifest.get("self_contained") else ""
-    print(f"gdnprune prune: scored with {args.method!r}, sorted and {what} -> {args.output}{also}")
+    print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     return 0

@@ -14,12 +14,13 @@ from ..geometry import GDNShape, orders_from_payload
 from ..plans import PLAN_FORMAT, PLAN_VERSION, kernel_warnings
 from ..scores import match_layers, read_scores
 from .candidates import AXES, layer_candidates, parse_dim_step
-from .solve import BudgetError, choose, choose_uniform
+from .solve import BudgetError, choose, choose_among, choose_uniform
 
-__all__ = ["SENSITIVITIES", "STATE_BYTES", "BudgetError", "plan_model", "plan_checkpoint", "budget_limit"]
+__all__ = ["SENSITIVITIES", "STATE_BYTES", "BudgetError", "budget_limit", "check_budgets", "plan_checkpoint",
+           "plan_model"]
 
 #: how sensitivity is obtained, the default first
-SENSITIVITIES = ("measured", "proxy")
+SENSITIVITIES = ("halving", "measured", "proxy")
 #: bytes per recurrent-state element in budgets and reports (the delta-rule state is kept in float32)
 STATE_BYTES = 4
 
@@ -40,13 +41,16 @@ def plan_model(
     *,
     budget_params: float | None = None,
     budget_state: float | None = None,
-    sensitivity: str = "measured",
+    sensitivity: str = "halving",
     dim_step: str | float | int = "1/8",
     axes: Sequence[str] = AXES,
     tp: int | None = None,
     multiple_of: int | None = None,
     uniform: bool = False,
     orders_applied: bool = False,
+    refine_generations: int = 0,
+    refine_offspring: int = 8,
+    refine_seed: int = 0,
     progress: bool = True,
 ) -> tuple[dict, dict]:
     """Choose every GDN layer's target under the budgets; returns ``(plan, report)``.
@@ -58,13 +62,18 @@ def plan_model(
             proxy reads its raw scores.
         budget_params: GDN parameters kept: a fraction of the model's (<= 1) or a count.
         budget_state: recurrent-state bytes per sequence (float32) kept: a fraction (<= 1) or bytes.
-        sensitivity: ``"measured"`` (KL of real cuts) or ``"proxy"`` (output energy removed, from the scores).
+        sensitivity: ``"halving"`` (KL of real cuts, by successive halving: the candidates that can be chosen
+            on every window, the others on a few, :mod:`.halving`), ``"measured"`` (every candidate on every
+            window: the exact reference) or ``"proxy"`` (output energy removed, from the scores).
         dim_step: head-dim grid step: a fraction of the dim (``"1/8"``) or a channel count.
         axes: the axes the search may cut (:data:`~gdnprune.plan.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
         uniform: one geometry for all layers (the best one under the budgets).
         orders_applied: the model is already sorted by these scores (e.g. a ``gdnprune sort`` output).
-        progress: a progress bar over the measured candidates.
+        refine_generations: generations of the joint refinement (:mod:`.evolve`, fitness the KL of the whole
+            cut model on the calibration batches) that starts from the exact choice; 0: none.
+        refine_offspring, refine_seed: plans tried per generation, and the refinement's random seed.
+        progress: progress bars over the measured candidates and the refinement's generations.
 
     Returns:
         The plan (a :mod:`gdnprune.plans` dict with the budgets, the predicted summed sensitivity and the
@@ -75,7 +84,7 @@ def plan_model(
         ValueError: bad options, a scores file that does not fit the model, or budgets no plan meets
             (:class:`~gdnprune.plan.solve.BudgetError`).
     """
-    from ..layouts import LAYOUTS, detect_layout, find_gdn_modules
+    from ..layouts import find_gdn_modules
     from .sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity
 
     if sensitivity not in SENSITIVITIES:
@@ -95,28 +104,31 @@ def plan_model(
     for key in data["layers"]:
         key_of.update({p: key for p in match_layers({key: None}, [p for p, _ in modules])})
 
-    layers, table = [], []
-    for prefix, module in modules:
-        shape = GDNShape.from_module(module)
-        tensors = {name: tuple(p.shape) for name, p in module.named_parameters()}
-        layout = detect_layout(tensors)
-        if layout is None:
-            raise ValueError(f"{prefix}: a {type(module).__name__} of no known GDN layout (tensors {sorted(tensors)}; "
-                             f"expected one of {sorted(LAYOUTS)})")
-        candidates = layer_candidates(prefix, shape, tensors, layout.name, int(module.conv_kernel_size), dim_step=step,
-                                      axes=axes, tp=tp, multiple_of=multiple_of)
-        orders = None if orders_applied else orders_from_payload(payload_of[prefix], shape)
-        layers.append(LayerToPlan(prefix, module, orders, [c.target for c in candidates]))
-        table.append(candidates)
+    table = _candidate_table(modules, step, axes, tp, multiple_of)
+    layers = [LayerToPlan(prefix, module, None if orders_applied else orders_from_payload(
+        payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
+        for (prefix, module), cands in zip(modules, table)]
+    totals, budgets, costs = _budget_costs(table, budget_params, budget_state)
+    keys = [[c.target for c in cands] for cands in table]
+    _check_feasible(table, costs, budgets, uniform)  # before any forward
 
     start = time.perf_counter()
-    if sensitivity == "measured":
+    survivors = None
+    if sensitivity in ("measured", "halving"):
         if batches is None:
             raise ValueError("measured sensitivity needs calibration batches")
-        measured = measured_sensitivity(model, batches, layers, progress=progress)
+        batches = list(batches)
+        if sensitivity == "measured":
+            measured = measured_sensitivity(model, batches, layers, progress=progress)
+        else:
+            from .halving import halving_sensitivity
+
+            measured = halving_sensitivity(model, batches, layers, costs, budgets, progress=progress)
+            survivors = [measured["survivors"][layer.prefix] for layer in layers]
         values = [measured["kl"][layer.prefix] for layer in layers]
         losses = [measured["loss"][layer.prefix] for layer in layers]
-        extra = {"base_loss": measured["base_loss"], "tokens": measured["tokens"], "forwards": measured["forwards"]}
+        extra = {"base_loss": measured["base_loss"], "tokens": measured["tokens"], "forwards": measured["forwards"],
+                 **({"rungs": measured["rungs"]} if survivors else {})}
     else:
         # the scores' own orders and raw scores, both in the unsorted indexing: right whether or not the
         # model was sorted since
@@ -124,16 +136,19 @@ def plan_model(
         losses, extra = None, {}
     seconds = time.perf_counter() - start
 
-    totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
-    budgets = {name: limit for name, limit in (
-        ("params", budget_limit(budget_params, totals["params"], "params")),
-        ("state", budget_limit(budget_state, totals["state"], "state"))) if limit is not None}
-    costs = {"params": [[c.params for c in cands] for cands in table],
-             "state": [[c.state * STATE_BYTES for c in cands] for cands in table]}
     if uniform:
-        picks = choose_uniform([[c.target for c in cands] for cands in table], values, costs, budgets)
+        picks = choose_uniform(keys, values, costs, budgets)
     else:
-        picks = choose(values, costs, budgets)
+        picks = choose_among(values, costs, budgets, survivors)
+    refinement = None
+    if refine_generations:
+        if uniform or sensitivity == "proxy" or batches is None:
+            raise ValueError("the joint refinement needs calibration batches and a heterogeneous plan (not --uniform)")
+        from .joint import refine_plan
+
+        refinement = refine_plan(model, batches, layers, costs, budgets, picks, generations=refine_generations,
+                                 offspring=refine_offspring, seed=refine_seed, progress=progress)
+        picks = refinement["picks"]
     chosen = {layer.prefix: table[i][pick] for i, (layer, pick) in enumerate(zip(layers, picks))}
     kept = {"params": sum(c.params for c in chosen.values()),
             "state": sum(c.state for c in chosen.values()) * STATE_BYTES}
@@ -145,6 +160,8 @@ def plan_model(
         "sensitivity": sensitivity,
         "uniform": bool(uniform),
         "budgets": {name: {"given": given[name], "limit": round(limit, 3)} for name, limit in budgets.items()},
+        **({"refined": {k: refinement[k] for k in ("generations", "offspring", "seed", "seed_kl", "kl", "windows")}}
+           if refinement else {}),
         "predicted": {"summed_sensitivity": float(sum(v[pick] for v, pick in zip(values, picks))),
                       **({"measured_losses_of_chosen": [losses[i][pick] for i, pick in enumerate(picks)]}
                          if losses else {})},
@@ -160,13 +177,16 @@ def plan_model(
         "sensitivity": sensitivity,
         "seconds": round(seconds, 3),
         **extra,
+        **({"refinement": {k: v for k, v in refinement.items() if k != "picks"}} if refinement else {}),
         "layers": {
             key_of[layer.prefix]: {
                 "shape": layer.shape.as_dict(),
                 "chosen": picks[i],
                 "candidates": [
                     {"target": c.target.as_dict(), "params": c.params, "state_bytes": c.state * STATE_BYTES,
-                     "sensitivity": values[i][k], **({"loss": losses[i][k]} if losses else {})}
+                     "sensitivity": values[i][k], **({"loss": losses[i][k]} if losses else {}),
+                     **({"windows": measured["windows"][layer.prefix][k],
+                         "survivor": survivors[i][k]} if survivors else {})}
                     for k, c in enumerate(table[i])
                 ],
             }
@@ -174,6 +194,57 @@ def plan_model(
         },
     }
     return plan, report
+
+
+def _candidate_table(modules: Sequence[tuple[str, Any]], step: Any, axes: Sequence[str], tp: int | None,
+                     multiple_of: int | None) -> list[list]:
+    """Every candidate of every GDN module (:func:`~gdnprune.plan.candidates.layer_candidates`)."""
+    from ..layouts import LAYOUTS, detect_layout
+
+    table = []
+    for prefix, module in modules:
+        tensors = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        layout = detect_layout(tensors)
+        if layout is None:
+            raise ValueError(f"{prefix}: a {type(module).__name__} of no known GDN layout (tensors {sorted(tensors)}; "
+                             f"expected one of {sorted(LAYOUTS)})")
+        table.append(layer_candidates(prefix, GDNShape.from_module(module), tensors, layout.name,
+                                      int(module.conv_kernel_size), dim_step=step, axes=axes, tp=tp,
+                                      multiple_of=multiple_of))
+    return table
+
+
+def _budget_costs(table: Sequence[Sequence[Any]], budget_params: float | None, budget_state: float | None):
+    """``(totals, budgets, costs)``: the full layers' totals, the budgets as amounts, every candidate's costs."""
+    totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
+    budgets = {name: limit for name, limit in (
+        ("params", budget_limit(budget_params, totals["params"], "params")),
+        ("state", budget_limit(budget_state, totals["state"], "state"))) if limit is not None}
+    costs = {"params": [[c.params for c in cands] for cands in table],
+             "state": [[c.state * STATE_BYTES for c in cands] for cands in table]}
+    return totals, budgets, costs
+
+
+def _check_feasible(table, costs, budgets, uniform: bool) -> None:
+    zeros = [[0.0] * len(cands) for cands in table]
+    if uniform:
+        choose_uniform([[c.target for c in cands] for cands in table], zeros, costs, budgets)
+    else:
+        choose(zeros, costs, budgets)
+
+
+def check_budgets(model: Any, *, budget_params: float | None = None, budget_state: float | None = None,
+                  dim_step: str | float | int = "1/8", axes: Sequence[str] = AXES, tp: int | None = None,
+                  multiple_of: int | None = None, uniform: bool = False, **_: Any) -> None:
+    """Raise :class:`~gdnprune.plan.solve.BudgetError` when no plan of ``model`` (weights not needed: a
+    ``meta`` model will do) meets the budgets; the other options of :func:`plan_model` are ignored."""
+    from ..layouts import find_gdn_modules
+
+    if budget_params is None and budget_state is None:
+        raise ValueError("give a budget: --budget-params and/or --budget-state")
+    table = _candidate_table(find_gdn_modules(model), parse_dim_step(dim_step), axes, tp, multiple_of)
+    _, budgets, costs = _budget_costs(table, budget_params, budget_state)
+    _check_feasible(table, costs, budgets, uniform)
 
 
 def _scores_hash(scores: Any) -> str | None:
@@ -213,7 +284,7 @@ def plan_checkpoint(
     applied = (not isinstance(scores, Mapping) and manifest.get("sorted")
                and (manifest.get("scores") or {}).get("sha256") == _scores_hash(scores))
     batches = None
-    if options.get("sensitivity", "measured") == "measured":
+    if options.get("sensitivity", "halving") != "proxy":
         import json
 
         from transformers import AutoTokenizer

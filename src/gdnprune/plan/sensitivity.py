@@ -30,7 +30,7 @@ import torch
 from ..forwards import Forwards, parent_and_name
 from ..geometry import GDNShape, orders_from_payload
 
-__all__ = ["LayerToPlan", "measured_sensitivity", "proxy_sensitivity"]
+__all__ = ["LayerToPlan", "candidate_module", "measured_sensitivity", "proxy_sensitivity", "sorted_state"]
 
 
 class LayerToPlan:
@@ -42,7 +42,7 @@ class LayerToPlan:
         self.shape = GDNShape.from_module(module)
 
 
-def _sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
+def sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
     """The layer's weights (materialised if offloaded), permuted by its orders (a function-preserving sort)."""
     from ..gated_delta_net import GDNPermutation, permute_gated_delta_net_state_dict
     from ..scoring.hooks import materialized_weight
@@ -58,7 +58,7 @@ def _sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
     return state
 
 
-def _candidate_module(layer: LayerToPlan, state: Mapping[str, torch.Tensor], target: GDNShape,
+def candidate_module(layer: LayerToPlan, state: Mapping[str, torch.Tensor], target: GDNShape,
                       text_config: Any, device: torch.device) -> torch.nn.Module:
     """The GDN module of ``layer`` cut to ``target``: built from the layer's config with that geometry."""
     from ..gated_delta_net import slice_gated_delta_net_state_dict
@@ -111,7 +111,7 @@ def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers:
                unit="cand")
     try:
         for layer, i in zip(layers, index):
-            state = _sorted_state(layer)
+            state = sorted_state(layer)
             device = next(iter(state.values())).device
             parent, attr = parent_and_name(forwards.decoder.layers[i], layer.module)
             kl, loss = [], []
@@ -122,7 +122,7 @@ def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers:
                             kl.append(0.0)
                             loss.append(forwards.base_loss)
                         else:
-                            setattr(parent, attr, _candidate_module(layer, state, target, text_config, device))
+                            setattr(parent, attr, candidate_module(layer, state, target, text_config, device))
                             a, b = measure()
                             kl.append(a)
                             loss.append(b)

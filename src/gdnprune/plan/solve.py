@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["BudgetError", "choose", "choose_uniform"]
+__all__ = ["BudgetError", "choose", "choose_among", "choose_uniform"]
 
 
 class BudgetError(ValueError):
@@ -64,6 +64,20 @@ def choose(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[
         raise RuntimeError(f"the MILP solver stopped without an optimum: {result.message}")
     x = np.round(result.x).astype(int)
     return [int(np.flatnonzero(x[start:start + size])[0]) for start, size in zip(starts, sizes)]
+
+
+def choose_among(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[Sequence[float]]],
+                 budgets: Mapping[str, float], allowed: Sequence[Sequence[bool]] | None = None) -> list[int]:
+    """:func:`choose` over the candidates ``allowed[l][c]`` only (all when None); indices into the full lists."""
+    if allowed is None:
+        return choose(sensitivity, costs, budgets)
+    keep = [[c for c, ok in enumerate(layer) if ok] for layer in allowed]
+    if any(not k for k in keep):
+        raise ValueError("every layer needs at least one allowed candidate")
+    picks = choose([[sensitivity[l][c] for c in k] for l, k in enumerate(keep)],
+                   {name: [[table[l][c] for c in k] for l, k in enumerate(keep)] for name, table in costs.items()},
+                   budgets)
+    return [k[p] for k, p in zip(keep, picks)]
 
 
 def choose_uniform(keys: Sequence[Sequence[object]], sensitivity: Sequence[Sequence[float]],

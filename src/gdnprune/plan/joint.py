@@ -1,0 +1,108 @@
+"""The joint refinement's fitness: the KL of the whole cut model, per calibration window.
+
+:class:`JointKL` measures a whole plan (every layer at its candidate): the teacher pass keeps every planned
+layer's input once; a plan is then run from the input of its first cut layer (the layers before it are
+unchanged), with each cut layer's module swapped for the candidate module (the module a sliced checkpoint
+loads, built as the sensitivity builds it), and compared with the teacher window by window.
+:func:`refine_plan` runs the search (:func:`gdnprune.plan.evolve.evolve`) with it.
+
+Under ``torchrun`` every rank holds every window and measures its share of the plans of a generation; the
+values are exchanged, so every rank takes the same decisions as one process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..forwards import Forwards, parent_and_name
+from .halving import gather_over_ranks, rank_share, token_counts, windows_of
+from .sensitivity import LayerToPlan, candidate_module, sorted_state
+
+__all__ = ["JointKL", "refine_plan"]
+
+
+class JointKL:
+    """``fitness(plans, lo, hi)``: per plan (a candidate index per layer of ``layers``), the KL per token of
+    the whole cut model on each calibration window ``lo..hi-1`` (the model is left as it was)."""
+
+    def __init__(self, model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan], *,
+                 max_logits: int = 1 << 24):
+        self.layers = list(layers)
+        self.windows = windows_of(batches)
+        self.forwards = Forwards(model, self.windows, max_logits=max_logits, shard=False)
+        self.index = [self.forwards.decoder_index(layer.module) for layer in self.layers]
+        self.forwards.teacher(self.index)
+        self.text_config = model.config.get_text_config(decoder=True)
+        self.weights = [token_counts(w)[0] for w in self.windows]
+        self.slots = []
+        for layer, i in zip(self.layers, self.index):
+            self.slots.append(parent_and_name(self.forwards.decoder.layers[i], layer.module))
+
+    @torch.no_grad()
+    def kl(self, picks: Sequence[int], lo: int, hi: int) -> list[float]:
+        """The KL per token of every window ``lo..hi-1`` with every layer cut to its candidate."""
+        cut = [k for k, (layer, c) in enumerate(zip(self.layers, picks)) if layer.candidates[c] != layer.shape]
+        if not cut:
+            return [0.0] * (hi - lo)
+        try:
+            for k in cut:
+                layer = self.layers[k]
+                state = sorted_state(layer)
+                device = next(iter(state.values())).device
+                parent, attr = self.slots[k]
+                setattr(parent, attr, candidate_module(layer, state, layer.candidates[picks[k]], self.text_config,
+                                                        device))
+            with self.forwards.from_layer(min(self.index[k] for k in cut)) as measure:
+                return [measure([w])[0] for w in range(lo, hi)]
+        finally:
+            for k in cut:
+                parent, attr = self.slots[k]
+                setattr(parent, attr, self.layers[k].module)
+
+    def __call__(self, plans: Sequence[Sequence[int]], lo: int, hi: int) -> list[list[float]]:
+        mine = {i: self.kl(plans[i], lo, hi) for i in rank_share(len(plans))}
+        merged = gather_over_ranks(mine)
+        return [merged[i] for i in range(len(plans))]
+
+
+def refine_plan(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan],
+                costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], picks: Sequence[int], *,
+                generations: int, offspring: int = 8, seed: int = 0, progress: bool = True,
+                max_logits: int = 1 << 24) -> dict[str, Any]:
+    """The joint refinement of the plan ``picks`` (:func:`~gdnprune.plan.evolve.evolve` with :class:`JointKL`).
+
+    Returns :func:`~gdnprune.plan.evolve.evolve`'s result with ``generations``, ``offspring``, ``seed``,
+    ``windows`` (calibration windows of the fitness) and ``seconds``.
+    """
+    from tqdm.auto import tqdm
+
+    from .evolve import evolve
+
+    start = time.perf_counter()
+    fitness = JointKL(model, batches, layers, max_logits=max_logits)
+    bar = tqdm(total=generations, disable=not progress, desc="refinement", unit="gen")
+
+    def step(record: dict) -> None:
+        bar.set_postfix(kl=f"{record['kl']:.4g}")
+        bar.update(1)
+
+    try:
+        result = evolve(costs, budgets, picks, fitness, fitness.weights, generations=generations, offspring=offspring,
+                        seed=seed, on_generation=step)
+    finally:
+        bar.close()
+    result.update(generations=generations, offspring=offspring, seed=seed, windows=len(fitness.windows),
+                  seconds=round(time.perf_counter() - start, 3))
+    result["picks"] = [int(p) for p in result["picks"]]
+    return result
+
+
+def plan_kl(fitness: JointKL, picks: Sequence[int]) -> float:
+    """The KL per token of a whole plan on every calibration window (token-weighted)."""
+    values = np.asarray(fitness.kl(picks, 0, len(fitness.windows)))
+    weights = np.asarray(fitness.weights, dtype=np.float64)
+    return float((values * weights).sum() / weights.sum())
