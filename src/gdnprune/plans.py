@@ -28,7 +28,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, resolve_block_target
+from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, block_kinds_of, resolve_block_target
 from .fileio import write_json_atomic
 from .geometry import GDNShape
 from .scores import match_layers
@@ -111,7 +111,7 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
     for prefix, entry in layers.items():
         if not isinstance(prefix, str):
             raise PlanError(f"{where}: layer keys must be GDN layer prefixes, found {prefix!r}")
-        kind = block_kind_of(prefix)
+        kind = block_kind_of(prefix, entry if isinstance(entry, Mapping) else ())
         if kind is not None and version == 1:
             raise PlanError(f"{where}: layers[{prefix!r}] is a {kind.name} sub-block; plan version 1 cuts only GDN "
                             f"layers (write version 2)")
@@ -133,7 +133,7 @@ def _gdn_part(plan: Mapping) -> tuple[dict, dict]:
 def plan_block_kinds(plan: str | os.PathLike | Mapping) -> set[str]:
     """The sub-block kinds a plan cuts (named entries, or fields of ``default``)."""
     plan = read_plan(plan)
-    kinds = {kind.name for p in plan["layers"] if (kind := block_kind_of(p)) is not None}
+    kinds = {kind.name for p in plan["layers"] for kind in block_kinds_of(p)}
     default = set(plan.get("default") or {})
     return kinds | {k.name for k in KINDS.values() if default & set(k.config_keys)}
 

@@ -201,7 +201,7 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     staging = output.Staging(out, overwrite, src=src)
     with staging as tmp:
         shards = plan_shards(ckpt, gdn_names, tmp)
-        work = GDNWork(ckpt, shards, {**plans, **blocks.plans})
+        work = GDNWork(ckpt, shards, {**plans, **blocks.plans}, names=blocks.names)
 
         def worker_main() -> None:
             try:
@@ -271,7 +271,7 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
 
     gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
 
-    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped)
+    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped, work.names)
     dequantized = [f"{prefix}.{suffix[: -len('.weight')]}" for prefix, p in work.plans.items() for suffix in sorted(p.dequantize)]
     if cut or dequantized:
         config = ckpt.config

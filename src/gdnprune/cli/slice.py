@@ -31,6 +31,9 @@ def add_parser(subparsers) -> None:
                         help="query heads of every full-attention layer, a multiple of the key-value heads")
     blocks.add_argument("--num-key-value-heads", dest="num_key_value_heads", type=positive_int, metavar="N",
                         help="key-value heads (GQA groups) of every full-attention layer")
+    blocks.add_argument("--num-experts", dest="num_experts", type=positive_int, metavar="N",
+                        help="routed experts kept in every MoE layer (the first N: sort first; the router keeps "
+                             "their rows; num_experts_per_tok is unchanged and must be <= N)")
     add_plan_arguments(p)
     p.add_argument("--compensate", metavar="STATS.safetensors",
                    help="refit out_proj by least squares to reconstruct the full layer output (calibration "

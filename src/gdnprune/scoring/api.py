@@ -174,6 +174,8 @@ def _supported_kinds(model: torch.nn.Module) -> list[str]:
 
     kinds = []
     for kind in KINDS:
+        if kind == "experts":  # routed experts are scored by their router (scoring.experts), not a BlockScorer
+            continue
         try:
             find_model_blocks(model, (kind,))
         except ValueError as exc:
