@@ -172,3 +172,38 @@ def test_expert_candidates_are_counts_down_to_the_experts_per_token():
     per_expert = full // 4
     assert [c.params for c in block_candidates(block, step=1)] == [4 * per_expert, 3 * per_expert, 2 * per_expert]
     assert isinstance(block.shape, ExpertShape)
+
+
+def test_fp8_experts_move_with_their_scales(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from test_fp8 import BLOCK, quantize
+
+    model = _model("qwen3_5_moe", seed=6)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    state = load_file(src / "model.safetensors")
+    for name in [n for n in state if ".mlp.experts." in n]:
+        state[name], state[name[: -len("weight")] + "weight_scale_inv"] = quantize(state[name])
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    (src / "config.json").write_text(json.dumps(config))
+    orders = _orders(model, seed=8)
+    scores = {"layers": {p: orders_to_payload(o) for p, o in orders.items()}}
+    ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
+    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", {"num_experts": 3}, progress=False)
+    before, after = raw_tensors(src), raw_tensors(tmp_path / "cut")
+    moved = 0
+    for prefix, o in orders.items():
+        for new, old in enumerate(o["experts"][:3].tolist()):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                for suffix in ("weight", "weight_scale_inv"):
+                    assert after[f"{prefix}.experts.{new}.{part}.{suffix}"] == \
+                        before[f"{prefix}.experts.{old}.{part}.{suffix}"]
+                    moved += 1
+        assert f"{prefix}.experts.3.up_proj.weight_scale_inv" not in after
+        router = before[f"{prefix}.gate.weight"][2]  # float32 rows of 64: the kept experts' rows, in order
+        assert after[f"{prefix}.gate.weight"][2] == b"".join(router[e * 256:(e + 1) * 256] for e in o["experts"][:3])
+    assert moved == 4 * 3 * 3 * 2 and after[next(n for n in after if n.endswith(".experts.0.up_proj.weight"))][0] == "F8_E4M3"
