@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..geometry import apply_targets_to_config, layer_index_of
-from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
+from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
 from ..fileio import file_sha256
 from ..scores import read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, resolve_target
-from .. import compensate
+from .. import compensate, depth
 from . import output, refit, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
@@ -70,6 +70,7 @@ def transform_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
+    remove_layers: Any = None,
 ) -> dict:
     """Permute and/or cut every GDN layer of a checkpoint folder into a new folder, streaming.
 
@@ -107,6 +108,9 @@ def transform_checkpoint(
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
         manifest_extra: extra top-level entries for the manifest.
+        remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.depth`): their
+            tensors are dropped, later layers' tensors renumbered (bytes unchanged), ``config.json`` gets
+            ``num_hidden_layers``, ``layer_types`` and ``per_layer_config`` rewritten; ``mtp.*`` is kept.
 
     Permuting and slicing are one gather per GDN tensor (``permutation.indices(shape, target=...)``);
     every other tensor is copied byte for byte; dtypes, shard names and the tensor-to-shard assignment are
@@ -124,7 +128,7 @@ def transform_checkpoint(
     output.clear_stale(out)
     output.check_paths(src, out, overwrite)
     return _transform(src, out, permutations, target, plan, (tp, multiple_of, dequantize), (compensation, ridge),
-                      operation, overwrite, progress, manifest_extra)
+                      operation, overwrite, progress, manifest_extra, remove_layers)
 
 
 def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple[dict, list[str]]:
@@ -148,15 +152,24 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
 
 
 def _transform(src: Path, out: Path, permutations, target, plan, constraints, refit_options, operation, overwrite,
-               progress, manifest_extra) -> dict:
+               progress, manifest_extra, remove_layers=None) -> dict:
     start_time = time.time()
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
     layers, skipped = find_gdn_layers(ckpt)
     (target, block_target), (permutations, block_orders) = subblocks.split_target(target), \
         subblocks.split_permutations(permutations)
+    removed = list(remove_layers or []) + (sorted(removed_layers(plan)) if plan is not None else [])
+    removed = depth.check_removed(removed, depth.num_layers_of(ckpt.config)) if removed else []
     plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
     blocks = subblocks.plan_sub_blocks(ckpt, block_orders, block_target, plan, dequantize=constraints[2])
+    if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered
+        plans = {p: lp for p, lp in plans.items() if layer_index_of(p) not in removed}
+        blocks.plans = {p: lp for p, lp in blocks.plans.items() if layer_index_of(p) not in removed}
+        blocks.targets = {k: {i: t for i, t in v.items() if i not in removed} for k, v in blocks.targets.items()}
+        blocks.names = depth.compose_names(
+            blocks.names, depth.removal_name_map(ckpt.names, depth.num_layers_of(ckpt.config), removed))
+        manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
     gdn_names = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
@@ -250,7 +263,7 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
             if blocks.plans:
                 manifest_extra = {"blocks": blocks.manifest(), **dict(manifest_extra or {})}
             manifest = _finish_folder(ckpt, tmp, work, operation, permutations, cut, plan, missing, skipped,
-                                      other_files, manifest_extra, blocks)
+                                      other_files, manifest_extra, blocks, removed)
             check_unchanged(ckpt)
         except BaseException:
             work.stop.set()
@@ -265,7 +278,7 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
 
 
 def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, cut, plan, missing, skipped,
-                   other_files, manifest_extra, blocks: subblocks.SubBlockPlan) -> dict:
+                   other_files, manifest_extra, blocks: subblocks.SubBlockPlan, removed=()) -> dict:
     """Index, config, other files and manifest of the output folder."""
     from ..geometry import orders_to_payload
 
@@ -273,11 +286,13 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
 
     output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped, work.names)
     dequantized = [f"{prefix}.{suffix[: -len('.weight')]}" for prefix, p in work.plans.items() for suffix in sorted(p.dequantize)]
-    if cut or dequantized:
+    if cut or dequantized or removed:
         config = ckpt.config
         if cut:
             config = apply_targets_to_config(config, {layer_index_of(prefix): p.target for prefix, p in gdn_plans.items()})
             config = blocks.apply_to_config(config)
+        if removed:
+            config = depth.remove_layers_from_config(config, removed)
         if dequantized:
             config = _not_converted(config, dequantized)
         output.write_json(tmp / CONFIG_NAME, config)
@@ -364,6 +379,6 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """
-    if target is None and plan is None:
+    if target is None and plan is None and not kwargs.get("remove_layers"):
         raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ") or a plan")
     return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, operation="slice", **kwargs)
