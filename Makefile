@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements-dev.txt pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m gdnprune demo --output demo_output
+	$(PY) -m gdnprune demo --output demo_output --overwrite
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -111,7 +111,7 @@ if mode == "sort":
     sort_checkpoint(src, arg, out, progress=False)
 else:
     import warnings; warnings.simplefilter("ignore")
-    slice_checkpoint(src, out, json.loads(arg), progress=False)
+    slice_checkpoint(src, out, target=json.loads(arg), progress=False)
 """
 
 

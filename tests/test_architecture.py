@@ -305,7 +305,7 @@ codes = [main(["inspect", {str(src)!r}]),
          main(["slice", {str(tmp_path / "sorted")!r}, "-o", {str(tmp_path / "sliced")!r}, "-q", *{target!r}])]
 blas = os.environ.get("OPENBLAS_NUM_THREADS")
 codes.append(main(["slice", {str(src)!r}, "-o", {str(tmp_path / "compensated")!r}, "-q", *{target!r},
-                   "--compensate", {str(tmp_path / "stats.safetensors")!r}]))
+                   "--compensation-stats", {str(tmp_path / "stats.safetensors")!r}]))
 print(json.dumps({{"codes": codes, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules),
                   "blas_threads": blas}}))
 """

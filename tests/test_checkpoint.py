@@ -459,21 +459,21 @@ def test_verify_cli(sources, tmp_path, capsys):
     prefixes = [layer.prefix for layer in gdn_layers(src)]
     ck.sort_checkpoint(src, random_scores(prefixes)[0], tmp_path / "sorted", progress=False)
     ck.slice_checkpoint(src, tmp_path / "sliced", TARGET, progress=False)
-    assert run_cli(["verify", src, tmp_path / "sorted", "--seq-len", "70", "--num-sequences", "2"]) == 0
+    assert run_cli(["verify", src, tmp_path / "sorted", "--seq-len", "70", "--num-samples", "2"]) == 0
     out = capsys.readouterr().out
     assert "max |logit diff|" in out and "OK" in out and "random ids" in out and "loss A" in out
-    assert run_cli(["verify", src, tmp_path / "sliced", "--seq-len", "70", "--num-sequences", "2"]) == 1
+    assert run_cli(["verify", src, tmp_path / "sliced", "--seq-len", "70", "--num-samples", "2"]) == 1
     assert "EXCEEDS" in capsys.readouterr().out
     text = tmp_path / "text.txt"
     text.write_text("the model sorts heads and slices them " * 30)
-    result = ck.verify_checkpoints(src, tmp_path / "sorted", data=text, seq_len=70, num_sequences=2)
+    result = ck.verify_checkpoints(src, tmp_path / "sorted", data=text, seq_len=70, num_samples=2)
     assert "tokenizer" in result["token_source"] and result["tokens"] == [2, 70] and result["within_tolerance"]
     assert abs(result["loss_a"] - result["loss_b"]) < 1e-4
     no_tok = tmp_path / "no_tokenizer"
     shutil.copytree(tmp_path / "sorted", no_tok)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (no_tok / name).unlink()
-    result = ck.verify_checkpoints(no_tok, src, data=text, seq_len=100, num_sequences=3)
+    result = ck.verify_checkpoints(no_tok, src, data=text, seq_len=100, num_samples=3)
     assert "bytes" in result["token_source"] and result["tokens"] == [3, 100] and result["within_tolerance"]
 
 

@@ -194,16 +194,16 @@ def test_compensation_follows_a_sorted_input_and_refuses_other_models(source, tm
     sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
     two_steps = tmp_path / "two_steps"
     assert main(["slice", str(tmp_path / "sorted"), "-o", str(two_steps), "--num-key-heads", "1",
-                 "--num-value-heads", "2", "--compensate", str(stats_path), "-q"]) == 0
+                 "--num-value-heads", "2", "--compensation-stats", str(stats_path), "-q"]) == 0
     for shard in sorted(direct.glob("*.safetensors")):
         assert shard.read_bytes() == (two_steps / shard.name).read_bytes()
     other = make_source(tmp_path / "other", "qwen3_5", seed=13)
     assert main(["slice", str(other), "-o", str(tmp_path / "x"), "--num-key-heads", "1", "--num-value-heads", "2",
-                 "--compensate", str(stats_path)]) == 2
+                 "--compensation-stats", str(stats_path)]) == 2
     assert "collected on" in capsys.readouterr().err
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     assert main(["slice", str(src), "-o", str(tmp_path / "y"), "--num-key-heads", "1", "--num-value-heads", "2",
-                 "--compensate", str(tmp_path / "junk.safetensors")]) == 2
+                 "--compensation-stats", str(tmp_path / "junk.safetensors")]) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     recorded = json.loads((two_steps / "gdnprune.json").read_text())["compensation"]["statistics"]
     assert recorded == {"path": str(stats_path.resolve()), "sha256": hashlib.sha256(stats_path.read_bytes()).hexdigest()}

@@ -22,8 +22,8 @@ def test_nested_targets_shrink_every_axis_and_are_nested():
 
 def test_demo_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    code = main(["demo", "--output", str(out), "--calibration-windows", "8", "--num-random", "2",
-                 "--validation-windows", "4", "--seq-len", "128", "--recover-steps", "3", "--quiet"])
+    code = main(["demo", "--output", str(out), "--num-samples", "8", "--num-random", "2",
+                 "--eval-samples", "4", "--seq-len", "128", "--recover-steps", "3", "--quiet"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     recovery = results["recovery"]  # a few distillation steps win some of the slice's loss back

@@ -70,7 +70,7 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
     sorted_model = load_pretrained(tmp_path / "sorted")
     _same(logits(sorted_model, ids), logits(model, ids))
 
-    manifest = ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", _target(model), progress=False)
+    manifest = ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", target=_target(model), progress=False)
     assert set(manifest["blocks"]) == {b.prefix for b in find_model_blocks(model, DENSE)}
     cut = load_pretrained(tmp_path / "cut")
     memory = slice_model(model, None, blocks=_target(model), block_orders=orders)
@@ -135,7 +135,7 @@ def test_plans_of_version_1_still_read_and_version_1_refuses_sub_blocks(sources,
 def test_errors_name_the_block_and_leave_nothing_behind(sources, tmp_path):
     _, src, _ = sources["qwen3_5"]
     with pytest.raises(ck.TargetError, match=r"self_attn: target .* does not fit.*query heads per key-value head"):
-        ck.slice_checkpoint(src, tmp_path / "out", {"num_attention_heads": 4, "num_key_value_heads": 1},
+        ck.slice_checkpoint(src, tmp_path / "out", target={"num_attention_heads": 4, "num_key_value_heads": 1},
                             progress=False)
     with pytest.raises(ck.ScoresError, match="not a permutation"):
         ck.sort_checkpoint(src, {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": [0] * 96}}},
@@ -224,8 +224,8 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
     attention = ("model.layers.1.self_attn", "model.layers.3.self_attn")
     scores = {"layers": {p: orders_to_payload(orders) for p in attention}}
     ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
-    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", {"num_attention_heads": 2, "num_key_value_heads": 1},
-                        progress=False)
+    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut",
+                        target={"num_attention_heads": 2, "num_key_value_heads": 1}, progress=False)
     out = load_file(tmp_path / "cut" / "model.safetensors")
     hd, p = 16, "model.layers.1.self_attn"
     q = dequantize(state[f"{p}.q_proj.weight"], state[f"{p}.q_proj.weight_scale_inv"])
@@ -241,7 +241,7 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
 
     swap = [4, 1, 2, 3, 0] + list(range(5, 96))  # channels 0 and 4 sit in different 4-channel blocks
     channels = {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": swap}}}
-    with pytest.raises(ck.TargetError, match=r"model.layers.0.mlp is FP8 with 4-wide scale blocks.*--dequantize"):
+    with pytest.raises(ck.TargetError, match=r"model.layers.0.mlp is FP8 with 4-wide scale blocks.*dequantize=True"):
         ck.sort_checkpoint(src, channels, tmp_path / "bad", progress=False)
     ck.sort_checkpoint(src, channels, tmp_path / "bf16", progress=False, dequantize=True)
     out = load_file(tmp_path / "bf16" / "model.safetensors")
@@ -254,16 +254,16 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
 def test_a_cut_of_attention_warns_that_mtp_layers_keep_their_width(sources, tmp_path):
     _, src, _ = sources["qwen3_5"]  # has mtp.layers.0.self_attn.q_proj.weight (test_checkpoint._mtp_tensors)
     with pytest.warns(ck.PassthroughWarning, match=r"\['mtp.layers.0.self_attn'\] keep their width"):
-        ck.slice_checkpoint(src, tmp_path / "cut", {"num_attention_heads": 2}, progress=False)
+        ck.slice_checkpoint(src, tmp_path / "cut", target={"num_attention_heads": 2}, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ck.PassthroughWarning)
-        ck.slice_checkpoint(src, tmp_path / "mlp", {"intermediate_size": 32}, progress=False)
+        ck.slice_checkpoint(src, tmp_path / "mlp", target={"intermediate_size": 32}, progress=False)
 
 
 def test_a_field_that_no_sub_block_has_is_an_error(sources, tmp_path):
     _, src, _ = sources["qwen3_5"]
     with pytest.raises(ck.TargetError, match=r"no shared_expert sub-block \(at layers.N.mlp.shared_expert\)"):
-        ck.slice_checkpoint(src, tmp_path / "out", {"shared_expert_intermediate_size": 8}, progress=False)
+        ck.slice_checkpoint(src, tmp_path / "out", target={"shared_expert_intermediate_size": 8}, progress=False)
     plan = {"format": "gdnprune-plan", "version": 2, "default": {"shared_expert_intermediate_size": 8}}
     with pytest.raises(ck.TargetError, match="nothing to cut with"):
         ck.slice_checkpoint(src, tmp_path / "out", plan=plan, progress=False)

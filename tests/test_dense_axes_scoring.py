@@ -207,3 +207,37 @@ def test_masked_tokens_are_left_out_of_the_sub_block_statistics():
     for prefix, (_, stats) in alone.blocks.items():
         assert int(padded.blocks[prefix][1]["num_tokens"]) == 12 + 8 == int(stats["num_tokens"])
         torch.testing.assert_close(padded.blocks[prefix][1]["abs_sum"], stats["abs_sum"], rtol=1e-5, atol=1e-6)
+
+
+def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_path):
+    from gdnprune.loading import load_pretrained
+    from gdnprune.prune import prune_checkpoint
+    from gdnprune.targets import TargetError
+    from test_checkpoint import _tokenizer_files
+
+    model = _model("qwen3_5")
+    model.save_pretrained(tmp_path / "src")
+    _tokenizer_files(tmp_path / "src")
+    (tmp_path / "data.txt").write_text("the model sorts heads and slices them " * 200)
+    target = {"num_key_heads": 1, "num_value_heads": 2, "intermediate_size": 48, "num_attention_heads": 2,
+              "num_key_value_heads": 1}
+    options = dict(num_samples=4, seq_len=16, batch_size=2, device="cpu")
+    manifest = prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "out", target=target,
+                                progress=False, **options)
+    blocks = manifest["blocks"]
+    assert {b["kind"] for b in blocks.values()} == {"attention", "mlp"} and len(blocks) == 6
+    assert all(b["permutation"] is not None for b in blocks.values())
+    expected = slice_model(model, {"num_key_heads": 1, "num_value_heads": 2},
+                           {p: layer["permutation"] for p, layer in manifest["layers"].items()},
+                           blocks={k: v for k, v in target.items() if k in ("intermediate_size", "num_attention_heads",
+                                                                            "num_key_value_heads")},
+                           block_orders={p: b["permutation"] for p, b in blocks.items()})
+    ids = _ids(seed=15)
+    _same(logits(load_pretrained(tmp_path / "out"), ids), logits(expected, ids))
+    with pytest.raises(TargetError, match="num_attention_heads 3 / num_key_value_heads 1"):
+        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad",
+                         target={"num_attention_heads": 3, "num_key_value_heads": 1}, progress=False, **options)
+    with pytest.raises(TargetError, match="sequential compensation"):
+        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad",
+                         target={"intermediate_size": 8}, compensate="sequential", progress=False, **options)
+    assert not (tmp_path / "bad").exists()

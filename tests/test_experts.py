@@ -111,7 +111,7 @@ def test_on_disk_sort_and_cut_equal_the_masked_router_in_both_storage_forms(tmp_
     ck.sort_checkpoint(src, {"layers": {p: orders_to_payload(o) for p, o in orders.items()}}, tmp_path / "sorted",
                        progress=False)
     _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
-    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", {"num_experts": 2}, progress=False)
+    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", target={"num_experts": 2}, progress=False)
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
     assert config["num_experts"] == 2 and config["num_experts_per_tok"] == 2
     tensors = raw_tensors(tmp_path / "cut")
@@ -155,10 +155,10 @@ def test_experts_per_token_is_never_above_the_experts_kept(tmp_path):
         slice_model(model, None, blocks={"num_experts": 1})
     model.save_pretrained(tmp_path / "src")
     with pytest.raises(ValueError, match=r"num_experts 1 < num_experts_per_tok 2"):
-        ck.slice_checkpoint(tmp_path / "src", tmp_path / "cut", {"num_experts": 1}, progress=False)
+        ck.slice_checkpoint(tmp_path / "src", tmp_path / "cut", target={"num_experts": 1}, progress=False)
     assert not (tmp_path / "cut").exists()
     with pytest.raises(ValueError, match="num_experts 5 > 4"):
-        ck.slice_checkpoint(tmp_path / "src", tmp_path / "cut", {"num_experts": 5}, progress=False)
+        ck.slice_checkpoint(tmp_path / "src", tmp_path / "cut", target={"num_experts": 5}, progress=False)
 
 
 def test_expert_candidates_are_counts_down_to_the_experts_per_token():
@@ -193,7 +193,7 @@ def test_fp8_experts_move_with_their_scales(tmp_path):
     orders = _orders(model, seed=8)
     scores = {"layers": {p: orders_to_payload(o) for p, o in orders.items()}}
     ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
-    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", {"num_experts": 3}, progress=False)
+    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", target={"num_experts": 3}, progress=False)
     before, after = raw_tensors(src), raw_tensors(tmp_path / "cut")
     moved = 0
     for prefix, o in orders.items():

@@ -185,7 +185,7 @@ def test_constraints_are_listed_layer_by_layer():
     targets = {"a": GDNShape(2, 4, 128, 96), "b": GDNShape(3, 6, 120, 128), "c": GDNShape(4, 8, 8, 12)}
     lines = constraint_violations(targets, tp=2, multiple_of=16)
     assert [line.split(":")[0] for line in lines] == ["b", "c"]
-    assert "divisible by --tp 2" in lines[0] and "key_head_dim 120 is not a multiple of 16" in lines[0]
+    assert "divisible by `tp=2`" in lines[0] and "key_head_dim 120 is not a multiple of 16" in lines[0]
     assert constraint_violations(targets) == []
     notes = kernel_warnings(targets)
     assert [line.split(":")[0] for line in notes] == ["b", "c"]

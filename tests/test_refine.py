@@ -74,7 +74,7 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     text.write_text(" ".join(["the model sorts heads and slices them"] * 300))
     common = ["--data", str(text), "--num-samples", "4", "--seq-len", "72", "--quiet"]
     assert main(["score", str(src), "--output", str(tmp_path / "s.json"), "--refine", "lanes", "--refine-samples",
-                 "2", "--compensation", *common]) == 0
+                 "2", "--compensation-stats", str(tmp_path / "s.compensation.safetensors"), *common]) == 0
     assert "compensation statistics" in capsys.readouterr().out
     scores = load_scores(tmp_path / "s.json")
     assert scores["measures"]["value_lane"] == "measured_kl" and scores["lane_refinement"]["evaluations"] > 0
@@ -82,6 +82,7 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     assert set(stats) == set(scores["layers"])
     r = SMALL_SHAPE.num_value_heads * SMALL_SHAPE.value_head_dim
     assert all(v["out_moment"].shape == (r, r) and v["tokens"] == 4 * 72 for v in stats.values())
+    # the deprecated spelling still works: --compensation writes beside the scores file
     assert main(["score", str(src), "--output", str(tmp_path / "s.json"), "--compensation", *common]) == 2
     assert "already exists" in capsys.readouterr().err  # neither file is replaced without --overwrite
     # prune with both in one run; the output loads and records what was done

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -122,18 +123,20 @@ def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> boo
 def run_demo(
     output: str | Path | None = "demo_output",
     *,
-    calibration_windows: int = 64,
+    num_samples: int = 64,
     seq_len: int = 256,
     batch_size: int = 8,
     num_random: int = 4,
-    validation_windows: int = 32,
+    eval_samples: int = 32,
     method: str = "projection",
     seed: int = 0,
     write_checkpoints: bool = True,
     recover_steps: int = 40,
     progress: bool = True,
     threads: int | None = 1,
+    overwrite: bool = False,
     log=None,
+    **deprecated: int,
 ) -> dict[str, Any]:
     """Score, sort and slice the bundled demo model; return (and write to ``output``) the results.
 
@@ -144,6 +147,13 @@ def run_demo(
     (:func:`gdnprune.distill.recover_demo_slice`; 0 skips it). ``threads`` sets torch's
     intra-op threads (default 1: the model is tiny, and on a busy machine extra threads spin and can make
     a forward pass tens of times slower); None leaves torch's setting alone.
+
+    ``num_samples`` calibration windows score the model; the losses are measured on ``eval_samples``
+    held-out windows (``calibration_windows`` and ``validation_windows`` are their deprecated names).
+
+    ``output`` is written like every output of gdnprune: in a temporary folder beside it, moved into place
+    when complete; an existing ``output`` is refused, and replaced with ``overwrite`` only when it is an
+    earlier demo output (``results.json``) or empty.
     """
     import torch
 
@@ -152,21 +162,30 @@ def run_demo(
     from .layouts import find_gdn_modules
     from .scoring import score_model
 
+    renamed = {"calibration_windows": "num_samples", "validation_windows": "eval_samples"}
+    for old in sorted(set(deprecated) & set(renamed)):
+        warnings.warn(f"run_demo: {old} is deprecated, use {renamed[old]}", FutureWarning, stacklevel=2)
+    num_samples = deprecated.pop("calibration_windows", num_samples)
+    eval_samples = deprecated.pop("validation_windows", eval_samples)
+    if deprecated:
+        raise TypeError(f"run_demo() got unexpected keyword arguments {sorted(deprecated)}")
     start = time.perf_counter()
     log = log or (lambda message: None)
     if threads is not None:
         torch.set_num_threads(threads)
     out_dir = None if output is None else Path(output)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        from .checkpoint.output import check_output_folder
+
+        check_output_folder(out_dir, overwrite, DEMO_MARKERS)
     model, _ = load_demo_model()
     layers = find_gdn_modules(model)
     shape = GDNShape.from_module(layers[0][1])
-    val = lambda m: validation_loss(m, num_windows=validation_windows, seq_len=seq_len)  # noqa: E731
+    val = lambda m: validation_loss(m, num_windows=eval_samples, seq_len=seq_len)  # noqa: E731
     log(f"bundled model: {demo_model_path()}  ({len(layers)} GDN layers, {shape})")
 
     # 1. score
-    calibration = byte_windows(train_text(), seq_len, calibration_windows)
+    calibration = byte_windows(train_text(), seq_len, num_samples)
     scores = score_model(model, list(calibration.split(batch_size)), method=method, progress=progress, seed=seed)
     permutations = {p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in layers}
     log(f"scored {calibration.numel()} calibration tokens with method={method!r}")
@@ -218,7 +237,7 @@ def run_demo(
         student = _sliced_model(model, permutations, shape, middle)
         log(f"recovery: distilling the slice {middle} from the unpruned model for {recover_steps} steps ...")
         recovery = recover_demo_slice(student, model, steps=recover_steps, seq_len=seq_len,
-                                      validation_windows=validation_windows, seed=seed)
+                                      validation_windows=eval_samples, seed=seed)
         recovery["target"] = middle.as_dict()
         log(f"recovery: validation loss {recovery['loss_before']:.4f} -> {recovery['loss_after']:.4f} nats/byte "
             f"(unpruned {recovery['teacher_loss']:.4f}; {recovery['recovered']:.0%} of the loss increase won back "
@@ -231,38 +250,55 @@ def run_demo(
         "shape": shape.as_dict(),
         "method": method,
         "calibration_tokens": int(calibration.numel()),
-        "validation_windows": validation_windows,
+        "validation_windows": eval_samples,
         "seq_len": seq_len,
         "num_random": num_random,
         "sort_max_abs_logit_diff": diff,
         "rows": rows,
         "recovery": recovery,
     }
-    if out_dir is not None:
-        (out_dir / "scores.json").write_text(json.dumps(scores, indent=1))
-        plot = out_dir / "loss_vs_params.png"
-        if _plot(rows, [*orderings, "random"], plot, "bundled Qwen3.5 demo model: nested GDN slices"):
-            results["plot"] = str(plot)
-            log(f"plot: {plot}")
-        else:
-            log(NO_PLOT)
-        if write_checkpoints:
-            results["checkpoints"] = _write_checkpoints(demo_model_path(), scores, targets, out_dir, log)
-    results["seconds"] = time.perf_counter() - start
-    if out_dir is not None:
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-        log(f"results: {out_dir / 'results.json'}")
+    if out_dir is None:
+        results["seconds"] = time.perf_counter() - start
+    else:
+        from .checkpoint.output import Staging
+
+        staging = Staging(out_dir, overwrite, markers=DEMO_MARKERS)
+        with staging as tmp:
+            _write_outputs(results, scores, rows, [*orderings, "random"], targets, tmp, out_dir, write_checkpoints,
+                           start, log)
+            staging.commit()
     log(f"done in {results['seconds']:.1f} s")
     return results
 
 
-def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], out_dir: Path, log) -> dict:
+#: what makes an existing folder an earlier demo output, which ``overwrite`` may replace
+DEMO_MARKERS = frozenset({"results.json"})
+
+
+def _write_outputs(results, scores, rows, orderings, targets, tmp: Path, out_dir: Path, write_checkpoints: bool,
+                   start: float, log) -> None:
+    """Write the scores, plot, checkpoints and results.json into ``tmp``, naming their places in ``out_dir``."""
+    (tmp / "scores.json").write_text(json.dumps(scores, indent=1))
+    if _plot(rows, orderings, tmp / "loss_vs_params.png", "bundled Qwen3.5 demo model: nested GDN slices"):
+        results["plot"] = str(out_dir / "loss_vs_params.png")
+        log(f"plot: {results['plot']}")
+    else:
+        log(NO_PLOT)
+    if write_checkpoints:
+        results["checkpoints"] = _write_checkpoints(scores, targets, tmp, out_dir, log)
+    results["seconds"] = time.perf_counter() - start
+    (tmp / "results.json").write_text(json.dumps(results, indent=1))
+    log(f"results: {out_dir / 'results.json'}")
+
+
+def _write_checkpoints(scores: dict, targets: list[GDNShape], tmp: Path, out_dir: Path, log) -> dict:
     """Sort the bundled checkpoint and slice the sorted one to the middle target, with the streaming API."""
     from .checkpoint import slice_checkpoint, sort_checkpoint
+    from .demo_data import demo_model_path
 
-    sorted_dir, sliced_dir = out_dir / "sorted", out_dir / "sliced"
-    sort_checkpoint(model_dir, scores, sorted_dir, overwrite=True, progress=False)
+    sort_checkpoint(demo_model_path(), scores, tmp / "sorted", overwrite=True, progress=False)
     middle = targets[len(targets) // 2]
-    slice_checkpoint(sorted_dir, sliced_dir, middle, overwrite=True, progress=False)
+    slice_checkpoint(tmp / "sorted", tmp / "sliced", target=middle, overwrite=True, progress=False)
+    sorted_dir, sliced_dir = out_dir / "sorted", out_dir / "sliced"
     log(f"checkpoints: {sorted_dir} (sorted), {sliced_dir} (sliced to {middle})")
     return {"sorted": str(sorted_dir), "sliced": str(sliced_dir), "sliced_target": middle.as_dict()}

@@ -31,6 +31,7 @@ windows or candidates the same way.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import socket
@@ -40,10 +41,16 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+#: OSErrors that the user causes (a path that does not exist, is of the wrong kind or may not be written);
+#: any other OSError (a full disk, an I/O error, ...) is the environment's. The CLI has the same set.
+USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
+                         errno.ENAMETOOLONG, errno.ELOOP})
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "LaunchInfo",
     "RankFailedError",
+    "USER_ERRNOS",
     "launch_info",
     "init_process_group",
     "process_group",
@@ -78,8 +85,8 @@ class RankFailedError(RuntimeError):
 
     Attributes: ``rank`` (the failing rank, None when a collective timed out or lost a rank without a
     word; the message then says so), ``world_size``, ``reason`` (that rank's message, ``Type: text`` for
-    errors that are not user errors), ``user_error`` (the failing rank raised a ``ValueError`` or
-    ``OSError``, an input error).
+    errors that are not user errors), ``user_error`` (the failing rank raised a ``ValueError``, or an
+    ``OSError`` about a path the user gave: :data:`USER_ERRNOS`; a full disk is not the user's error).
     """
 
     def __init__(self, rank: int | None, world_size: int, reason: str, user_error: bool = False):
@@ -340,7 +347,7 @@ def exchange(value: Any = None, error: BaseException | None = None, *, group: An
     note = None
     if error is not None:
         text = " ".join(str(error).split()) or type(error).__name__
-        user = isinstance(error, (ValueError, OSError)) and not isinstance(error, RankFailedError)
+        user = isinstance(error, ValueError) or (isinstance(error, OSError) and error.errno in USER_ERRNOS)
         if isinstance(error, RankFailedError):
             user = error.user_error
         elif not user:

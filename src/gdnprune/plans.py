@@ -227,7 +227,7 @@ def constraint_violations(targets: Mapping[str, GDNShape], *, tp: int | None = N
         problems = []
         if tp and (t.num_key_heads % tp or t.num_value_heads % tp):
             problems.append(f"{t.num_key_heads} key heads and {t.num_value_heads} value heads must be divisible "
-                            f"by --tp {tp}")
+                            f"by `tp={tp}`")
         if multiple_of:
             for name in ("key_head_dim", "value_head_dim"):
                 if getattr(t, name) % multiple_of:

@@ -5,15 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from .targets import keyword_target
+
 __all__ = ["prune_checkpoint"]
 
 
+@keyword_target(paths=3)
 def prune_checkpoint(
     model_dir: str | Path,
     data: str | Path,
     output_dir: str | Path,
-    target: Any = None,
     *,
+    target: Any = None,
     plan: str | Path | Mapping | None = None,
     search: Mapping[str, Any] | None = None,
     plan_samples: int = 16,
@@ -26,7 +29,9 @@ def prune_checkpoint(
 ) -> dict[str, Any]:
     """Score ``model_dir`` on ``data``, then sort and cut every GDN layer in one streaming pass.
 
-    The cut is one of: ``target`` (a ``GDNShape`` or some of its fields, for every layer), ``plan`` (a plan
+    The cut is one of: ``target`` (a ``GDNShape`` or some of its fields, for every layer; the sub-block
+    fields ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
+    ``num_key_value_heads`` also score, sort and cut the MLPs and attention layers), ``plan`` (a plan
     file or dict, :mod:`gdnprune.plans`), or ``search`` — the options of :func:`gdnprune.plan.plan_model`
     (``budget_params``, ``budget_state``, ``sensitivity``, ``dim_step``, ``axes``, ``uniform``): the plan is
     then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
@@ -42,6 +47,7 @@ def prune_checkpoint(
     """
     from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
     from .checkpoint.output import check_paths, clear_stale
+    from .checkpoint.subblocks import plan_sub_blocks, split_target
     from .distributed import fail_together, local_gpus
     from .loading import load_causal_lm
     from .plans import read_plan, resolve_plan
@@ -56,23 +62,30 @@ def prune_checkpoint(
                          "(no device map)")
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
-        raise TargetError("give exactly one of a target (--num-key-heads, ...), --plan, or a budget "
-                          f"(--budget-params / --budget-state); got {given or 'none'}")
+        raise TargetError("give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
+                          f"(`budget_params` / `budget_state`); got {given or 'none'}")
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
-    layers, _ = find_gdn_layers(open_checkpoint(model_dir))
+    ckpt = open_checkpoint(model_dir)
+    layers, _ = find_gdn_layers(ckpt)
     shapes = {layer.prefix: layer.shape for layer in layers}
+    gdn_target, block_target = split_target(target)
     if target is not None:
         for shape in shapes.values():
-            resolve_target(shape, target)  # raises TargetError (a ValueError) for an illegal target
+            resolve_target(shape, gdn_target)  # raises TargetError (a ValueError) for an illegal target
     if plan is not None:
         resolve_plan(plan, shapes)
+    # the sub-blocks a target or plan cuts (checked now, scored beside the GDN layers)
+    sub_blocks = bool(plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans)
+    if sub_blocks and sequential:
+        raise TargetError("sequential compensation refits GDN layers on a model whose attention and MLPs are "
+                          "whole; it does not support attention / MLP cuts yet (use compensate=\"statistics\")")
     with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
         gpus = local_gpus() if scoring.get("device_map") is not None else None
         model = load_causal_lm(model_dir, dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
                                device_map=scoring.get("device_map"), gpus=gpus)
     scores = score_checkpoint(model_dir, data, progress=progress, compensation=bool(compensate) and not sequential,
-                              model=model, **scoring)
+                              model=model, **{"blocks": sub_blocks, **scoring})
     stats = scores.pop("compensation_statistics", None)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
     if search is not None:
@@ -86,7 +99,7 @@ def prune_checkpoint(
         plan = read_plan(plan)
     if sequential:
         targets = resolve_plan(plan, shapes) if plan is not None else \
-            {prefix: resolve_target(shape, target) for prefix, shape in shapes.items()}
+            {prefix: resolve_target(shape, gdn_target) for prefix, shape in shapes.items()}
         stats = _sequential_columns(model, model_dir, data, scores, targets, progress)
     return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
                                 tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",

@@ -7,9 +7,11 @@ heads per key head, key dim and value dim. This module does not import torch.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Mapping
 
-__all__ = ["TARGET_FIELDS", "TargetError", "resolve_target"]
+__all__ = ["TARGET_FIELDS", "TargetError", "resolve_target", "keyword_target"]
 
 #: the four fields of a target geometry
 TARGET_FIELDS = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
@@ -17,6 +19,27 @@ TARGET_FIELDS = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head
 
 class TargetError(ValueError):
     """A slice target that the layers cannot be cut to."""
+
+
+def keyword_target(paths: int):
+    """Decorator for a function whose ``target`` is keyword-only after ``paths`` path arguments: the old
+    call form with the target given positionally after the paths still works, with a ``FutureWarning``."""
+
+    def wrap(func):
+        @functools.wraps(func)
+        def call(*args, **kwargs):
+            if len(args) > paths:
+                if len(args) > paths + 1 or "target" in kwargs:
+                    raise TypeError(f"{func.__name__}() takes {paths} positional arguments (the paths); give "
+                                    f"everything else by keyword")
+                warnings.warn(f"{func.__name__}: give the target by keyword (target=...); a positional target is "
+                              f"deprecated", FutureWarning, stacklevel=2)
+                kwargs["target"], args = args[paths], args[:paths]
+            return func(*args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 def resolve_target(shape, target):

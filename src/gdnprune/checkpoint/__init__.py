@@ -7,7 +7,8 @@ The public API (the ``gdnprune`` subcommands are thin layers over it):
   layer of a checkpoint folder into a new folder;
 * :func:`sort_checkpoint` / :func:`slice_checkpoint` — the two operations of the command line;
 * :func:`verify_checkpoints` — load two folders with transformers and compare their logits;
-* :func:`read_manifest`, :func:`find_gdn_layers`, :func:`open_checkpoint`, :func:`load_scores`.
+* :func:`read_manifest`, :func:`find_gdn_layers`, :func:`open_checkpoint`, :func:`read_scores` (the orders
+  ``sort`` accepts; :func:`gdnprune.scores.load_scores` reads and checks a whole file of ``gdnprune score``).
 
 The rooms: :mod:`.folder` reads a folder (headers only), :mod:`.engine` streams tensors,
 :mod:`.output` owns the output folder, :mod:`.transform` drives a transform, :mod:`.verify` runs
@@ -16,7 +17,7 @@ models. Only :mod:`.verify` imports torch (inside its functions).
 
 from ..safetensors_io import CheckpointError
 from ..scores import ScoresError, matching_prefixes
-from ..scores import read_scores as load_scores
+from ..scores import read_scores
 from ..targets import TargetError
 from .folder import (
     CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, SINGLE_NAME, Checkpoint, GDNLayer,
@@ -33,7 +34,20 @@ from .verify import verify_checkpoints
 __all__ = [
     "CheckpointError", "ScoresError", "TargetError", "OutputError", "UnsortedInputWarning",
     "MissingScoresWarning", "PassthroughWarning", "KernelShapeWarning", "Checkpoint", "GDNLayer", "open_checkpoint",
-    "find_gdn_layers", "inspect_checkpoint", "load_scores", "matching_prefixes", "read_manifest",
+    "find_gdn_layers", "inspect_checkpoint", "read_scores", "matching_prefixes", "read_manifest",
     "transform_checkpoint", "sort_checkpoint", "slice_checkpoint", "verify_checkpoints",
     "CONFIG_NAME", "INDEX_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "SINGLE_NAME",
 ]
+
+
+def __getattr__(name: str):
+    # ``gdnprune.checkpoint.load_scores`` was ``read_scores`` under another name, while
+    # ``gdnprune.scoring.load_scores`` (= ``gdnprune.scores.load_scores``) also checks the file: one name each now
+    if name == "load_scores":
+        import warnings
+
+        warnings.warn("gdnprune.checkpoint.load_scores is deprecated: it is gdnprune.scores.read_scores (the orders "
+                      "that sort accepts); gdnprune.scores.load_scores reads and checks a whole scores file",
+                      FutureWarning, stacklevel=2)
+        return read_scores
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

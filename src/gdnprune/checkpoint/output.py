@@ -85,18 +85,28 @@ def check_paths(src: Path, out: Path, overwrite: bool) -> None:
                                   f"choose another output folder")
     if os.path.lexists(out):
         if not overwrite:
-            raise OutputError(f"output folder {out} already exists (pass --overwrite / overwrite=True to replace it)")
+            raise OutputError(f"output folder {out} already exists (pass `overwrite=True` to replace it)")
         _check_replaceable(out)
 
 
-def _check_replaceable(out: Path) -> None:
-    """``--overwrite`` deletes ``out``: only a model folder (a config or a gdnprune manifest), or an empty one."""
+def _check_replaceable(out: Path, markers: frozenset = frozenset({CONFIG_NAME, MANIFEST_NAME})) -> None:
+    """``overwrite`` deletes ``out``: only an earlier output (a folder holding one of ``markers``: a config or a
+    gdnprune manifest for a model folder), or an empty folder."""
+    what = "a model folder" if CONFIG_NAME in markers else "an earlier output"
     if os.path.islink(out) or not os.path.isdir(out):
-        raise OutputError(f"output {out} exists and is not a folder; --overwrite only replaces a model folder")
+        raise OutputError(f"output {out} exists and is not a folder; `overwrite=True` only replaces {what}")
     names = set(os.listdir(out))
-    if names and not names & {CONFIG_NAME, MANIFEST_NAME}:
-        raise OutputError(f"refusing to replace {out}: it is not a model folder (no {CONFIG_NAME} or {MANIFEST_NAME}); "
-                          f"--overwrite only replaces an earlier output, remove the folder yourself")
+    if names and not names & markers:
+        raise OutputError(f"refusing to replace {out}: it is not {what} (no {' or '.join(sorted(markers))}); "
+                          f"`overwrite=True` only replaces an earlier output, remove the folder yourself")
+
+
+def check_output_folder(out: Path, overwrite: bool, markers: frozenset) -> None:
+    """Refuse an existing ``out`` without ``overwrite``, and with it anything but an earlier output."""
+    if os.path.lexists(out):
+        if not overwrite:
+            raise OutputError(f"output folder {out} already exists (pass `overwrite=True` to replace it)")
+        _check_replaceable(Path(out), markers)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -195,6 +205,7 @@ class Staging:
     out: Path
     overwrite: bool = False
     src: Path | None = None
+    markers: frozenset = frozenset({CONFIG_NAME, MANIFEST_NAME})  # what makes an existing ``out`` replaceable
     tmp: Path | None = None
     created: list[Path] = field(default_factory=list)
     committed: bool = False
@@ -246,11 +257,11 @@ class Staging:
                     self.committed = True
                     return
                 if not self.overwrite:
-                    raise OutputError(f"output folder {out} appeared while writing (pass --overwrite to replace it)")
+                    raise OutputError(f"output folder {out} appeared while writing (pass `overwrite=True` to replace it)")
                 if self.src is not None:
                     check_paths(self.src, out, overwrite=True)  # what is there now is what gets deleted
                 else:
-                    _check_replaceable(out)
+                    _check_replaceable(out, self.markers)
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-old-", dir=out.parent))
                 write_json(old / OWNER_NAME, _owner())
                 os.rename(out, old / "previous")
@@ -306,7 +317,7 @@ def plan_other_files(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
     left out (weights that are not the safetensors checkpoint, at any depth).
 
     Symlinks to files are followed (a Hugging Face cache snapshot is made of them); a symlink to a folder
-    that holds itself is refused. Top-level ``.cache`` (download metadata of the source files) is skipped.
+    that holds itself is refused; anything that is not a regular file or folder is skipped with a warning. Top-level ``.cache`` (download metadata of the source files) is skipped.
 
     Raises:
         CheckpointError: a symlink loop, or a folder that cannot be read.
@@ -333,6 +344,9 @@ def plan_other_files(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
                 left_out.append(name)
             elif entry.is_file():
                 files.append(name)
+            else:  # a FIFO, socket or device (or a broken symlink): reading it could block or mean nothing
+                warnings.warn(f"{src}: {name} is not a regular file or folder (a FIFO, socket, device or broken "
+                              f"symlink); skipped, not copied to the output", UserWarning, stacklevel=2)
 
     walk(src, "", (os.path.realpath(src),))
     return files, left_out

@@ -129,6 +129,13 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
     return out
 
 
+#: how to keep FP8 scale blocks whole, per kind of layer
+_WHOLE = {"gdn": "Cut whole heads (head dims that are multiples of {b})",
+          "attention": "Move and cut whole heads (head dims that are multiples of {b})",
+          "mlp": "Order and cut channels in whole blocks of {b}",
+          "shared_expert": "Order and cut channels in whole blocks of {b}"}
+
+
 def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
     """FP8: every scale block must stay whole (:func:`gdnprune.layouts.scale_rule`). With ``dequantize`` the
     weights whose blocks a gather would split are marked to be written in BF16; else a TargetError."""
@@ -141,7 +148,7 @@ def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
                 if not dequantize:
                     what = "sorted" if layer_plan.target == layer_plan.layer.shape else f"cut to {layer_plan.target}"
                     raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
-                                      f"exactly: {exc}. Cut whole heads (head dims that are multiples of "
-                                      f"{rule.block}), or pass --dequantize to write such weights in BF16") from None
+                                      f"exactly: {exc}. {_WHOLE[layer_plan.layer.kind].format(b=rule.block)}, or "
+                                      f"pass `dequantize=True` to write such weights in BF16") from None
                 broken.add(suffix[: -len("weight_scale_inv")] + "weight")
         layer_plan.dequantize = frozenset(broken)

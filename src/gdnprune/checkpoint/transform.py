@@ -22,7 +22,7 @@ from ..geometry import apply_targets_to_config, layer_index_of
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
 from ..fileio import file_sha256
 from ..scores import read_scores, resolve_orders
-from ..targets import TARGET_FIELDS, TargetError, resolve_target
+from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from .. import compensate, depth
 from . import output, refit, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
@@ -352,33 +352,44 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
 
 
 def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Mapping, output_dir: str | os.PathLike,
-                    **kwargs) -> dict:
+                    *, dequantize: bool = False, overwrite: bool = False, progress: bool = True,
+                    manifest_extra: Mapping[str, Any] | None = None) -> dict:
     """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
 
-    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). Keyword arguments are those of
-    :func:`transform_checkpoint` (``overwrite``, ``progress``, ``manifest_extra``). Returns the manifest.
+    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). The keyword arguments
+    are those of :func:`transform_checkpoint`. Returns the manifest.
     """
     data = read_scores(scores)
     info = {"metadata": {k: v for k, v in data.items() if k != "layers"}}
     if not isinstance(scores, Mapping):
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
-    extra = {"scores": info, **dict(kwargs.pop("manifest_extra", None) or {})}
+    extra = {"scores": info, **dict(manifest_extra or {})}
     return transform_checkpoint(model_dir, output_dir, permutations=data["layers"], operation="sort",
-                                manifest_extra=extra, **kwargs)
+                                manifest_extra=extra, dequantize=dequantize, overwrite=overwrite, progress=progress)
 
 
-def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, target: Any = None, *,
-                     plan: str | os.PathLike | Mapping | None = None, **kwargs) -> dict:
+@keyword_target(paths=2)
+def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, target: Any = None,
+                     plan: str | os.PathLike | Mapping | None = None, tp: int | None = None,
+                     multiple_of: int | None = None, compensation: str | os.PathLike | Mapping | None = None,
+                     ridge: float | None = None, dequantize: bool = False, overwrite: bool = False,
+                     progress: bool = True, manifest_extra: Mapping[str, Any] | None = None,
+                     remove_layers: Any = None) -> dict:
     """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
     ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
     size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
-    ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers. ``plan`` gives every
+    ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers, ``num_experts`` keeps that
+    many routed experts per MoE layer. ``remove_layers`` removes decoder layers (numbers as in the input,
+    :mod:`gdnprune.depth`), alone or with a target or plan. ``plan`` gives every
     layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """
-    if target is None and plan is None and not kwargs.get("remove_layers"):
+    if target is None and plan is None and not remove_layers:
         raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ") or a plan")
-    return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, operation="slice", **kwargs)
+    return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, tp=tp, multiple_of=multiple_of,
+                                compensation=compensation, ridge=ridge, dequantize=dequantize, operation="slice",
+                                overwrite=overwrite, progress=progress, manifest_extra=manifest_extra,
+                                remove_layers=remove_layers)

@@ -34,7 +34,7 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
     try:
         raw = Path(data).read_bytes()
     except OSError as exc:
-        raise ValueError(f"--data {data}: cannot read ({exc.strerror or exc})") from None
+        raise ValueError(f"`data={data}`: cannot read ({exc.strerror or exc})") from None
     ids, source = None, None
     if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         try:
@@ -50,7 +50,7 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
         ids, source = list(raw), f"{data} as bytes mod {vocab}"
     ids = torch.tensor(ids[: seq_len * num_sequences], dtype=torch.long) % vocab
     if ids.numel() < 2:
-        raise ValueError(f"--data {data}: gives {ids.numel()} tokens, need at least 2")
+        raise ValueError(f"`data={data}`: gives {ids.numel()} tokens, need at least 2")
     n = max(1, ids.numel() // seq_len)
     length = min(seq_len, ids.numel())
     return ids[: n * length].reshape(n, length), source
@@ -81,17 +81,18 @@ def verify_checkpoints(
     data: str | os.PathLike | None = None,
     tolerance: float = 1e-4,
     seq_len: int = 128,
-    num_sequences: int = 4,
+    num_samples: int = 4,
     seed: int = 0,
     progress: bool = False,
+    num_sequences: int | None = None,
 ) -> dict:
     """Run the same tokens through two checkpoints (transformers, fp32, CPU) and compare their logits.
 
     Tokens: ``data`` (a text file) tokenised with ``model_a``'s tokenizer when its folder has one, else
-    its bytes mod the vocabulary; without ``data``, seeded random ids. At most ``num_sequences``
-    sequences of ``seq_len`` tokens (default 128, longer than the 64-token chunks of the GDN kernel).
+    its bytes mod the vocabulary; without ``data``, seeded random ids. At most ``num_samples``
+    windows of ``seq_len`` tokens (default 128, longer than the 64-token chunks of the GDN kernel).
     The models are loaded one after the other. A sliced model may be compared with its source (same
-    vocabulary, different widths).
+    vocabulary, different widths). ``num_sequences`` is the deprecated name of ``num_samples``.
 
     Returns a dict with ``max_abs_diff``, ``mean_abs_diff``, ``loss_a``, ``loss_b`` (next-token cross
     entropy), ``tolerance``, ``within_tolerance`` (``max_abs_diff <= tolerance``), ``tokens`` (shape) and
@@ -102,6 +103,9 @@ def verify_checkpoints(
     """
     import torch
 
+    if num_sequences is not None:
+        warnings.warn("verify_checkpoints: num_sequences is deprecated, use num_samples", FutureWarning, stacklevel=2)
+        num_samples = num_sequences
     a, b = Path(model_a), Path(model_b)
     configs = []
     for path in (a, b):
@@ -111,7 +115,7 @@ def verify_checkpoints(
     vocab_a, vocab_b = _vocab_size(configs[0]), _vocab_size(configs[1])
     if not vocab_a or vocab_a != vocab_b:
         raise CheckpointError(f"vocabulary sizes differ or are unknown: {a}: {vocab_a}, {b}: {vocab_b}")
-    ids, source = _verify_tokens(a, data, vocab_a, seq_len, num_sequences, seed)
+    ids, source = _verify_tokens(a, data, vocab_a, seq_len, num_samples, seed)
 
     import transformers
 

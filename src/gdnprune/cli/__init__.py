@@ -4,17 +4,25 @@ Each command module has ``NAME``, ``HELP``, ``add_parser(subparsers)`` and ``run
 and imports the library inside ``run``, so that ``gdnprune --help`` stays fast and ``inspect``, ``sort``
 and ``slice`` never load torch. This package owns every message and exit code:
 
-* 0 success, 1 a check failed (``verify`` beyond tolerance), 2 an input error (one line on stderr),
+* 0 success, 1 a check failed (``verify`` beyond tolerance) or the environment failed (an ``OSError`` such
+  as a full disk or an I/O error: one line on stderr), 2 the user's mistake (an input error, a path that
+  does not exist or cannot be written: one line on stderr),
   128 + the signal number when SIGINT (130), SIGTERM (143) or SIGHUP (129) stopped the run — after the
   partial output was removed; a signal that arrives while a finished output is being moved into place is
   held until the move is done, and the run then exits 0 with a note;
 * library warnings are shown as one ``gdnprune COMMAND: warning: ...`` line each.
+
+The library names its keyword arguments in messages as ```name``` or ```name=value```; :func:`cli_message`
+shows them as the command's flags (```batch_size``` -> ``--batch-size``, ```overwrite=True``` ->
+``--overwrite``).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import re
 import signal
 import sys
 import warnings
@@ -39,7 +47,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser: with every subcommand, or only ``command`` when it is one."""
     parser = argparse.ArgumentParser(
         prog="gdnprune",
-        description="Score, sort and slice the GatedDeltaNet (linear attention) layers of Qwen hybrid models.",
+        description="Make the GatedDeltaNet (linear attention) layers of Qwen hybrid models narrower: score, sort, "
+                    "plan, slice (or prune: all in one) and distill.",
         epilog="Run `gdnprune COMMAND --help` for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"gdnprune {__version__}")
@@ -47,6 +56,52 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name in (command,) if command in COMMANDS else COMMANDS:
         importlib.import_module(COMMANDS[name]).add_parser(sub)
     return parser
+
+
+#: the flags of the command that runs: dest -> (its long flag, whether it takes no value)
+_FLAGS: dict[str, tuple[str, bool]] = {}
+_KEYWORD = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
+#: OSErrors that a user causes (a path that does not exist, is of the wrong kind, or may not be written):
+#: exit 2; any other OSError (a full disk, an I/O error, a read-only file system, ...) is the environment's: 1
+#: (= gdnprune.distributed.USER_ERRNOS, written out here because importing that module imports torch)
+_USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
+                          errno.ENAMETOOLONG, errno.ELOOP})
+
+
+def _flags_of(parser: argparse.ArgumentParser) -> dict[str, tuple[str, bool]]:
+    flags = {}
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and action.help != argparse.SUPPRESS and action.dest not in flags:
+            flags[action.dest] = (longs[0], action.nargs == 0)
+    return flags
+
+
+def cli_message(text: str) -> str:
+    """A library message on one line, with its keyword arguments shown as the running command's flags."""
+
+    def flag(match: re.Match) -> str:
+        name, value = match.group(1), match.group(2)
+        if name not in _FLAGS:
+            return match.group(0)
+        option, switch = _FLAGS[name]
+        return option if value is None or switch else f"{option} {value}"
+
+    return _KEYWORD.sub(flag, " ".join(str(text).split()))
+
+
+def exit_code(exc: BaseException) -> int:
+    """1 for an environment failure (an OSError that is not about the user's paths), else 2."""
+    if isinstance(exc, OSError) and exc.errno not in _USER_ERRNOS:
+        return 1
+    return 2
+
+
+def report_error(command: str, exc: BaseException, who: str = "") -> int:
+    """Print ``gdnprune COMMAND: error: ...`` (one line, ``who`` in front) and return the exit code."""
+    message = cli_message(str(exc)) or type(exc).__name__
+    print(f"gdnprune {command}: error: {who}{message}", file=sys.stderr)
+    return exit_code(exc)
 
 
 class _StderrWarnings:
@@ -61,7 +116,7 @@ class _StderrWarnings:
         warnings.simplefilter("always", UserWarning)
 
         def show(message, category, filename, lineno, file=None, line=None):
-            print(f"gdnprune {self.command}: warning: {message}", file=sys.stderr)
+            print(f"gdnprune {self.command}: warning: {cli_message(str(message))}", file=sys.stderr)
 
         warnings.showwarning = show
         return self
@@ -73,15 +128,19 @@ class _StderrWarnings:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gdnprune`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
     try:
-        parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
-        args = parser.parse_args(argv)
+        parser = build_parser(command)
+        with _StderrWarnings(command if command in COMMANDS else ""):  # deprecated options say so
+            args = parser.parse_args(argv)
     except KeyboardInterrupt:  # Ctrl-C while starting: no traceback
         print("gdnprune: interrupted", file=sys.stderr)
         return 130
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    _FLAGS.clear()
+    _FLAGS.update(_flags_of(parser._subparsers._group_actions[0].choices[args.command]))
     from ..interrupts import handle_signals
 
     try:
@@ -97,10 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
               file=sys.stderr)
         return 128 + signum
-    except (ValueError, OSError) as exc:  # input errors: one line, exit 2
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"gdnprune {args.command}: error: {message}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as exc:  # one line: exit 2 for the user's mistake, 1 for the environment's
+        return report_error(args.command, exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

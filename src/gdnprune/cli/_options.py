@@ -18,21 +18,80 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_output_arguments(p, *, short: bool = True) -> None:
-    """``--output``, ``--overwrite`` and ``--quiet`` of the commands that write a model folder."""
-    names = ("--output", "-o") if short else ("--output",)
-    p.add_argument(*names, required=True, metavar="OUT_DIR", help="folder to create")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _number(text: str, *, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 if positive else value >= 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number {'>' if positive else '>='} 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return _number(text, positive=True)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    return _number(text, positive=False)
+
+
+def add_output_arguments(p, *, metavar: str = "OUT_DIR", help: str = "folder to create",
+                         required: bool = True, folder: bool = True) -> None:
+    """``-o/--output``, ``--overwrite`` and ``-q/--quiet``, the same on every command that writes something
+    (a folder, or a file with ``folder=False``)."""
+    p.add_argument("--output", "-o", required=required, metavar=metavar, help=help)
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace {metavar} if it exists" + (" (only an earlier output)" if folder else ""))
+    add_quiet_argument(p)
+
+
+def deprecated(old: str, new: str) -> None:
+    """Say (as a warning line) that ``old`` is a deprecated spelling of ``new``; the option still works."""
+    import warnings
+
+    warnings.warn(f"{old} is deprecated and will be removed; use {new}", UserWarning, stacklevel=2)
+
+
+def add_deprecated_alias(p, old: str, dest: str, new: str, **kwargs) -> None:
+    """A hidden option ``old`` that stores into ``dest`` and says (a warning line) that ``new`` is its name now."""
+
+    class Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            deprecated(old, new)
+            setattr(namespace, self.dest, values)
+
+    p.add_argument(old, dest=dest, action=Alias, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+
+def add_quiet_argument(p) -> None:
+    """``-q/--quiet``."""
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars and no notes")
 
 
 def add_target_arguments(p) -> None:
     """The nested-target options shared by ``gdnprune slice`` and ``gdnprune prune``."""
-    p.add_argument("--num-key-heads", dest="num_key_heads", type=positive_int, metavar="N")
+    p.add_argument("--num-key-heads", dest="num_key_heads", type=positive_int, metavar="N",
+                   help="key heads (= key groups) to keep per GDN layer")
     p.add_argument("--num-value-heads", dest="num_value_heads", type=positive_int, metavar="N",
-                   help="total value heads, a multiple of the key heads")
-    p.add_argument("--key-head-dim", dest="key_head_dim", type=positive_int, metavar="N")
-    p.add_argument("--value-head-dim", dest="value_head_dim", type=positive_int, metavar="N")
+                   help="value heads to keep per GDN layer: the total, a multiple of the key heads")
+    p.add_argument("--key-head-dim", dest="key_head_dim", type=positive_int, metavar="N",
+                   help="channels to keep per key head")
+    p.add_argument("--value-head-dim", dest="value_head_dim", type=positive_int, metavar="N",
+                   help="channels to keep per value head")
 
 
 def add_plan_arguments(p) -> None:
@@ -78,12 +137,9 @@ def shard_spec(text: str) -> tuple[int, int]:
 def positive_seconds(text: str) -> float:
     """An argparse type: a number of seconds > 0."""
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+        return _number(text, positive=True)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
 
 
 def add_distributed_arguments(p) -> None:
@@ -93,25 +149,49 @@ def add_distributed_arguments(p) -> None:
                         "synchronisation point before it gives up with an error (default 1800)")
 
 
-def add_calibration_arguments(p, *, data_required: bool = True) -> None:
-    """The calibration options shared by ``gdnprune score`` and ``gdnprune prune``."""
+def add_calibration_arguments(p, *, data_required: bool = True, num_samples: int = 128,
+                              purpose: str = "scoring", method: bool = True) -> None:
+    """``--data`` and ``--num-samples`` (and ``--method``, ``--seed`` with ``method``), then the forward-pass
+    options of :func:`add_forward_arguments`; for ``score``, ``plan`` and ``prune``.
+
+    ``--num-samples`` is the number of calibration windows of the command's own stage, so its default is
+    per command: scoring sums statistics over many windows (128), the measured sensitivity of ``plan`` runs
+    a forward per candidate width and layer, so it uses fewer (16).
+    """
     p.add_argument("--data", required=data_required, metavar="FILE",
                    help="calibration text: a UTF-8 text file, or JSONL with a \"text\" field per line")
-    p.add_argument("--method", choices=("projection", "activation", "random"), default="projection",
-                   help="projection (default): output-projection Gram + greedy removal; activation: "
-                        "Minitron-style magnitudes; random: seeded random orders")
-    p.add_argument("--num-samples", type=positive_int, default=128,
-                   help="calibration windows (default 128); the first ones of the file are used")
-    p.add_argument("--seq-len", type=positive_int, default=None,
+    if method:
+        p.add_argument("--method", choices=("projection", "activation", "random"), default="projection",
+                       help="projection (default): output-projection Gram + greedy removal; activation: "
+                            "Minitron-style magnitudes; random: seeded random orders")
+    p.add_argument("--num-samples", type=positive_int, default=num_samples, metavar="N",
+                   help=f"calibration windows for {purpose} (default {num_samples}); the first ones of the file")
+    add_forward_arguments(p)
+    if method:
+        p.add_argument("--seed", type=int, default=0, help="seed of --method random (default 0)")
+
+
+def add_forward_arguments(p) -> None:
+    """``--seq-len``, ``--batch-size``, ``--device``, ``--dtype``, ``--device-map``: how the model runs."""
+    p.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
                    help="tokens per window (default: what the model supports, max_position_embeddings or the "
                         "tokenizer's model_max_length, at most 512)")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--batch-size", type=positive_int, default=4, metavar="N",
+                   help="windows per forward pass (default 4)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights dtype for the forward passes (default float32)")
     p.add_argument("--device-map", choices=("auto", "balanced", "balanced_low_0", "sequential"), default=None,
                    help="spread the model over the GPUs and CPU of this machine through accelerate")
-    p.add_argument("--seed", type=int, default=0, help="seed of --method random (default 0)")
+
+
+def add_refine_arguments(g) -> None:
+    """``--refine`` and ``--refine-samples`` of ``score`` and ``prune``."""
+    g.add_argument("--refine", choices=("lanes",), default=None,
+                   help="decide the lane orders by measured KL (real forwards, a few times the scoring cost) "
+                        "instead of the loss-aware Gram")
+    g.add_argument("--refine-samples", type=positive_int, default=16, metavar="N",
+                   help="calibration windows the lane refinement measures on (default 16)")
 
 
 def scoring_options(args) -> dict:

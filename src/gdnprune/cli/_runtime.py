@@ -45,19 +45,29 @@ class _FallbackNote(logging.Filter):
 
 @contextlib.contextmanager
 def model_runtime(args) -> Iterator[None]:
-    """Apply ``--threads`` and show transformers' kernel-fallback warnings as one note (none with ``--quiet``)."""
+    """Apply ``--threads`` and show transformers' kernel-fallback warnings as one note; with ``--quiet``, no
+    note and no progress bars of transformers (loading the weights)."""
     threads = getattr(args, "threads", None)
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    note = _FallbackNote(args.command, bool(getattr(args, "quiet", False)))
+    quiet = bool(getattr(args, "quiet", False))
+    note = _FallbackNote(args.command, quiet)
     logger = logging.getLogger(_LOGGER)
     logger.addFilter(note)
+    bars = None
+    if quiet:  # transformers' own bars ("Loading weights", ...) too
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         logger.removeFilter(note)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def without_blas_threads() -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 
+from ._options import add_deprecated_alias, add_output_arguments, non_negative_int, positive_int
 from ._runtime import model_runtime
 
 NAME = "demo"
-HELP = "score -> sort -> slice the bundled demo model and compare orderings"
+HELP = "score -> sort -> slice -> distill the bundled demo model and compare orderings"
 
 
 def add_parser(subparsers) -> None:
@@ -15,43 +16,50 @@ def add_parser(subparsers) -> None:
         NAME, help=HELP,
         description="Run the whole pipeline on the bundled byte-level Qwen3.5 model: score, sort (checked to be "
         "function preserving), slice to nested targets, and report validation loss for the importance order, "
-        "the identity order and random orders. Writes a table, results.json, a PNG plot and checkpoints.",
+        "the identity order and random orders, then distill the middle slice from the unpruned model for a "
+        "few steps (--recover-steps). Writes a table, results.json, a PNG plot and checkpoints.",
     )
-    p.add_argument("--output", default="demo_output", help="output folder (default: %(default)s)")
-    p.add_argument("--method", default="projection", choices=["projection", "activation", "random"],
-                   help="scoring method (default: %(default)s)")
-    p.add_argument("--calibration-windows", type=int, default=64, help="calibration windows (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=256, help="window length in bytes (default: %(default)s)")
-    p.add_argument("--num-random", type=int, default=4, help="random orders to average (default: %(default)s)")
-    p.add_argument("--validation-windows", type=int, default=32, help="validation windows (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s; the model is tiny)")
+    add_output_arguments(p, metavar="OUT_DIR", help="folder to create (default: demo_output)", required=False)
+    p.set_defaults(output="demo_output")
+    p.add_argument("--method", default="projection", choices=("projection", "activation", "random"),
+                   help="projection (default): output-projection Gram + greedy removal; activation: "
+                        "Minitron-style magnitudes; random: seeded random orders")
+    p.add_argument("--num-samples", type=positive_int, default=64, metavar="N",
+                   help="calibration windows for scoring (default 64)")
+    add_deprecated_alias(p, "--calibration-windows", "num_samples", "--num-samples", type=positive_int)
+    p.add_argument("--seq-len", type=positive_int, default=256, metavar="N",
+                   help="tokens (bytes) per window (default 256)")
+    p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
+                   help="held-out windows the losses are measured on (default 32)")
+    add_deprecated_alias(p, "--validation-windows", "eval_samples", "--eval-samples", type=positive_int)
+    p.add_argument("--num-random", type=non_negative_int, default=4, metavar="N",
+                   help="random orders to average (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")
+    p.add_argument("--recover-steps", type=non_negative_int, default=40, metavar="N",
+                   help="distillation steps that recover the middle slice (default 40; 0 skips it)")
     p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
-    p.add_argument("--recover-steps", type=int, default=40,
-                   help="distillation steps that recover the middle slice (default: %(default)s; 0 skips it)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--threads", type=positive_int, default=1, metavar="N",
+                   help="CPU threads for torch (default 1: the model is tiny)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    for name in ("calibration_windows", "seq_len", "num_random", "validation_windows", "threads", "recover_steps"):
-        if getattr(args, name) < (0 if name in ("num_random", "recover_steps") else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     from ..demo import run_demo
 
     with model_runtime(args):
         run_demo(
             args.output,
-            calibration_windows=args.calibration_windows,
+            num_samples=args.num_samples,
             seq_len=args.seq_len,
             num_random=args.num_random,
-            validation_windows=args.validation_windows,
+            eval_samples=args.eval_samples,
             method=args.method,
             seed=args.seed,
             write_checkpoints=not args.no_checkpoints,
             recover_steps=args.recover_steps,
             progress=not args.quiet and sys.stderr.isatty(),
             threads=args.threads,
+            overwrite=args.overwrite,
             log=print,
         )
     return 0

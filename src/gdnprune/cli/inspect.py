@@ -14,7 +14,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(NAME, help=HELP,
                               description="A table of every GDN layer (prefix, layout, geometry, parameters) "
                                           "and the parameter totals. Reads the safetensors headers only.")
-    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -46,7 +46,7 @@ def format_inspect(info: dict) -> str:
     total = info["total_parameters"]
     lines.append(
         f"{len(info['layers'])} GDN layers: {info['gdn_parameters']:,} parameters "
-        f"({100 * info['gdn_parameters'] / max(total, 1):.1f}%); other: {info['other_parameters']:,}; "
+        f"({100 * info['gdn_parameters'] / max(total, 1):.1f}% of all parameters); other: {info['other_parameters']:,}; "
         f"total: {total:,}"
     )
     quantized = {layer["prefix"]: layer["quantized"] for layer in info["layers"] if layer.get("quantized")}

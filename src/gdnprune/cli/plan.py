@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from ._options import add_constraint_arguments, positive_int
+from ._options import add_calibration_arguments, add_constraint_arguments, add_distributed_arguments, \
+    add_output_arguments
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "plan"
@@ -61,22 +62,13 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="the (unsorted) model the scores describe")
     p.add_argument("--scores", required=True, metavar="SCORES.json", help="gdnprune score's file for MODEL_DIR")
-    p.add_argument("--output", required=True, metavar="PLAN.json", help="plan file to write")
-    p.add_argument("--overwrite", action="store_true", help="replace PLAN.json (and its report) if they exist")
-    p.add_argument("--data", metavar="FILE", help="calibration text (needed by the measured sensitivity)")
-    p.add_argument("--num-samples", type=positive_int, default=16,
-                   help="calibration windows for the measured sensitivity (default 16)")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default: what the model "
-                                                                       "supports, at most 512)")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass (default 4)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype (float32)")
-    p.add_argument("--device-map", choices=("auto", "balanced", "balanced_low_0", "sequential"), default=None,
-                   help="spread the model over the GPUs and CPU of this machine through accelerate")
+    add_output_arguments(p, metavar="PLAN.json", help="plan file to write (and its report beside it)", folder=False)
+    add_calibration_arguments(p, data_required=False, num_samples=16, method=False,
+                              purpose="the measured sensitivity (needs --data)")
     add_search_arguments(p)
+    add_distributed_arguments(p)
     add_runtime_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no notes")
     p.set_defaults(func=run)
 
 
@@ -135,20 +127,20 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
 def run(args) -> int:
     """Under torchrun / accelerate launch every rank measures its share of the windows; rank 0 writes."""
     from ..distributed import RankFailedError, process_group, rank, world_size
+    from . import report_error
 
     who = ""
     try:
-        with process_group() as several:
+        with process_group(timeout=args.dist_timeout) as several:
             who = f"rank {rank()} of {world_size()}: " if several else ""
             return _plan(args)
     except RankFailedError as exc:
-        print(f"gdnprune plan: error: {who}{' '.join(str(exc).split())}", file=sys.stderr)
+        report_error(NAME, exc, who)
         return 2 if exc.user_error else 1
     except (ValueError, OSError) as exc:
         if not who:
             raise
-        print(f"gdnprune plan: error: {who}{' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
-        return 2
+        return report_error(NAME, exc, who)
 
 
 def _plan(args) -> int:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._options import add_calibration_arguments, add_output_arguments, add_target_arguments, positive_int, \
-    scoring_options, target_from_args
+from ._options import add_calibration_arguments, add_output_arguments, add_refine_arguments, \
+    add_target_arguments, positive_int, scoring_options, target_from_args
 from ._runtime import add_runtime_arguments, model_runtime
 from .plan import add_search_arguments, search_options
 
@@ -24,12 +24,12 @@ def add_parser(subparsers) -> None:
     add_target_arguments(p)
     p.add_argument("--plan", metavar="PLAN.json", help="per-layer targets (from gdnprune plan)")
     add_search_arguments(p)
-    p.add_argument("--plan-samples", type=positive_int, default=16,
-                   help="calibration windows of the plan search's measured sensitivity (default 16)")
+    p.add_argument("--plan-samples", type=positive_int, default=16, metavar="N",
+                   help="calibration windows of the plan search's measured sensitivity (default 16; `gdnprune "
+                        "plan --num-samples`)")
     add_calibration_arguments(p)
     q = p.add_argument_group("one-shot quality")
-    q.add_argument("--refine", choices=("lanes",), default=None,
-                   help="decide the lane orders by measured KL (see gdnprune score --refine)")
+    add_refine_arguments(q)
     q.add_argument("--compensate", nargs="?", const="statistics", choices=("statistics", "sequential"),
                    default=None,
                    help="refit each cut layer's out_proj by least squares on the calibration windows (the output "
@@ -56,10 +56,11 @@ def run(args) -> int:
         for key in ("tp", "multiple_of"):
             search.pop(key)
     with model_runtime(args):
-        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target, plan=args.plan, search=search,
+        manifest = prune_checkpoint(args.model_dir, args.data, args.output, target=target, plan=args.plan, search=search,
                                     plan_samples=args.plan_samples, tp=args.tp, multiple_of=args.multiple_of,
                                     compensate=args.compensate or False, overwrite=args.overwrite, progress=not args.quiet,
-                                    refine=args.refine, **scoring_options(args))
+                                    refine=args.refine, refine_samples=args.refine_samples,
+                                    **scoring_options(args))
     uniform = manifest.get("target")
     what = f"sliced to {uniform}" if uniform else "sliced layer by layer"
     if budget:

@@ -8,10 +8,10 @@ shares (``--merge OUT_0 ... --output SCORES.json``).
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 
-from ._options import add_calibration_arguments, add_distributed_arguments, scoring_options, shard_spec
+from ._options import add_calibration_arguments, add_distributed_arguments, add_output_arguments, \
+    add_refine_arguments, deprecated, scoring_options, shard_spec
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "score"
@@ -29,18 +29,14 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
                    help="Hugging Face model folder (config, weights, tokenizer); not with --merge")
-    p.add_argument("--output", metavar="SCORES.json", help="scores file to write")
-    p.add_argument("--overwrite", action="store_true", help="replace SCORES.json (or the --partial file) if it exists")
+    add_output_arguments(p, metavar="SCORES.json", help="scores file to write", required=False, folder=False)
     add_calibration_arguments(p, data_required=False)
     q = p.add_argument_group("one-shot quality")
-    q.add_argument("--refine", choices=("lanes",), default=None,
-                   help="decide the lane orders by measured KL (real forwards, a few times the scoring cost) "
-                        "instead of the loss-aware Gram")
-    q.add_argument("--refine-samples", type=int, default=16, metavar="N",
-                   help="calibration windows the lane refinement measures on (default 16)")
-    q.add_argument("--compensation", action="store_true",
-                   help="also write SCORES.compensation.safetensors, the statistics for `slice --compensate` "
-                        "(least-squares refit of out_proj; float64 [Hv*dv]^2 per layer)")
+    add_refine_arguments(q)
+    q.add_argument("--compensation-stats", metavar="STATS.safetensors", default=None,
+                   help="also write the calibration statistics that `slice --compensation-stats` refits out_proj "
+                        "with (least squares; float64 [Hv*dv]^2 per layer)")
+    q.add_argument("--compensation", action="store_true", help=argparse.SUPPRESS)  # deprecated alias
     g = p.add_argument_group("many processes")
     g.add_argument("--shard", type=shard_spec, default=None, metavar="i/n",
                    help="score only share i of n of the calibration windows (0 <= i < n) and write its raw "
@@ -52,12 +48,11 @@ def add_parser(subparsers) -> None:
                         "(no MODEL_DIR, no --data)")
     add_distributed_arguments(g)
     add_runtime_arguments(p)
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no notes")
     p.set_defaults(func=run)
 
 
 def compensation_path(output) -> str:
-    """Where ``score --compensation`` writes its statistics: beside the scores file."""
+    """Where the deprecated ``score --compensation`` writes its statistics: beside the scores file."""
     text = str(output)
     return (text[: -len(".json")] if text.endswith(".json") else text) + ".compensation.safetensors"
 
@@ -118,8 +113,8 @@ def _score(args, mode: str) -> int:
     with fail_together():
         if main:
             check_output_file(target, args.overwrite)
-            if mode == "scores" and args.compensation:
-                check_output_file(compensation_path(args.output), args.overwrite)
+            if mode == "scores" and args.compensation_stats:
+                check_output_file(args.compensation_stats, args.overwrite)
     options = dict(progress=not args.quiet, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
@@ -140,14 +135,15 @@ def _score(args, mode: str) -> int:
             done = f"{what}, {int(tokens) if tokens is not None else 0} tokens"
         else:
             scores = score_checkpoint(args.model_dir, args.data, refine=args.refine,
-                                      refine_samples=args.refine_samples, compensation=args.compensation, **options)
+                                      refine_samples=args.refine_samples,
+                                      compensation=args.compensation_stats is not None, **options)
             stats = scores.pop("compensation_statistics", None)
             with fail_together():
                 path = save_scores(scores, args.output, overwrite=args.overwrite) if main else None
                 if stats is not None and main:
                     from ..compensate import model_identity, save_statistics
 
-                    stats_path = compensation_path(args.output)
+                    stats_path = args.compensation_stats
                     save_statistics(stats, stats_path, model=model_identity(args.model_dir))
                     path = f"{path} (compensation statistics: {stats_path})"
             done = f"{len(scores['layers'])} GDN layers scored with {args.method!r} on {scores['num_tokens']} tokens"
@@ -161,10 +157,16 @@ def _score(args, mode: str) -> int:
 
 def run(args) -> int:
     from ..distributed import RankFailedError, process_group, rank, world_size
+    from . import report_error
 
+    if args.compensation:
+        deprecated("--compensation", "--compensation-stats STATS.safetensors")
+        if args.compensation_stats is None:  # beside the scores file, as before
+            args.compensation_stats = compensation_path(args.output or "SCORES.json")
     mode = _mode(args)
-    if mode != "scores" and (args.refine or args.compensation):
-        raise ValueError("--refine and --compensation write a scores file: not with --shard/--partial or --merge")
+    if mode != "scores" and (args.refine or args.compensation_stats):
+        raise ValueError("--refine and --compensation-stats go with a scores file: not with --shard/--partial or "
+                         "--merge")
     if mode == "merge":
         return _merge(args)
     who = ""  # "rank R of N: " in front of the messages of a multi-process run
@@ -173,11 +175,9 @@ def run(args) -> int:
             who = f"rank {rank()} of {world_size()}: " if several else ""
             return _score(args, mode)
     except RankFailedError as exc:  # another rank failed (its message), or the ranks lost touch
-        print(f"gdnprune score: error: {who}{' '.join(str(exc).split())}", file=sys.stderr)
+        report_error(NAME, exc, who)
         return 2 if exc.user_error else 1
     except (ValueError, OSError) as exc:
         if not who:
             raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"gdnprune score: error: {who}{message}", file=sys.stderr)
-        return 2
+        return report_error(NAME, exc, who)

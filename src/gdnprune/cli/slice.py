@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._options import add_output_arguments, add_plan_arguments, add_target_arguments, positive_int, summary, \
-    target_from_args
+from ._options import add_deprecated_alias, add_output_arguments, add_plan_arguments, add_target_arguments, \
+    positive_float, positive_int, summary, target_from_args
 from ._runtime import without_blas_threads
 
 NAME = "slice"
@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
                                           "(written with transformers' per_layer_config when the layers "
                                           "differ; load those with gdnprune.load_pretrained). Sort first so "
                                           "that the prefix is the most important part.")
-    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
     add_output_arguments(p)
     add_target_arguments(p)
     blocks = p.add_argument_group("attention and MLP", "cut every full-attention layer or MLP (the same nested "
@@ -38,10 +38,13 @@ def add_parser(subparsers) -> None:
                    help="remove these decoder layers (numbered as in the input, e.g. 3,7): their tensors are "
                         "dropped, later layers renumbered, config.json rewritten; mtp.* is kept")
     add_plan_arguments(p)
-    p.add_argument("--compensate", metavar="STATS.safetensors",
-                   help="refit out_proj by least squares to reconstruct the full layer output (calibration "
-                        "statistics from `gdnprune score --compensation`); outputs are then not nested")
-    p.add_argument("--ridge", type=float, default=None, help="ridge strength of --compensate (default 1e-3)")
+    p.add_argument("--compensation-stats", metavar="STATS.safetensors", default=None,
+                   help="refit out_proj by least squares to reconstruct the full layer output, from these "
+                        "calibration statistics (`gdnprune score --compensation-stats`); outputs are then not nested")
+    add_deprecated_alias(p, "--compensate", "compensation_stats", "--compensation-stats STATS.safetensors",
+                         metavar="STATS.safetensors")
+    p.add_argument("--ridge", type=positive_float, default=None, metavar="X",
+                   help="ridge strength of the least-squares refit, relative to the mean diagonal (default 1e-3)")
     p.add_argument("--dequantize", action="store_true",
                    help="FP8 checkpoints: write the weights whose scale blocks the %s would split in BF16 (added "
                         "to modules_to_not_convert) instead of refusing" % ("order" if NAME == "sort" else "cut"))
@@ -49,7 +52,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    if not args.compensate:  # the refit multiplies matrices (torch, which may use OpenBLAS)
+    if not args.compensation_stats:  # the refit multiplies matrices (torch, which may use OpenBLAS)
         without_blas_threads()
     from ..checkpoint import slice_checkpoint
 
@@ -65,8 +68,8 @@ def run(args) -> int:
     target = target_from_args(args, required=not sub_blocks and not remove and args.plan is None)
     if sub_blocks:
         target = {**(target or {}), **sub_blocks}
-    manifest = slice_checkpoint(args.model_dir, args.output, target, plan=args.plan, tp=args.tp,
-                                multiple_of=args.multiple_of, compensation=args.compensate, ridge=args.ridge,
+    manifest = slice_checkpoint(args.model_dir, args.output, target=target, plan=args.plan, tp=args.tp,
+                                multiple_of=args.multiple_of, compensation=args.compensation_stats, ridge=args.ridge,
                                 dequantize=args.dequantize, remove_layers=remove,
                                 overwrite=args.overwrite, progress=not args.quiet)
     line = summary(manifest, args.output)

@@ -13,7 +13,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(NAME, help=HELP,
                               description="Apply the importance orders of a scores file to every GDN layer: "
                                           "the output computes the same function (the sorted teacher).")
-    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
     p.add_argument("--scores", required=True, metavar="SCORES.json",
                    help='JSON object with "layers": {prefix: {*_order_most_important_first: ...}}')
     add_output_arguments(p)

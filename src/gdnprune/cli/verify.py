@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._options import positive_int
+from ._options import add_deprecated_alias, add_quiet_argument, non_negative_float, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "verify"
@@ -14,15 +14,17 @@ def add_parser(subparsers) -> None:
                               description="Load both folders with transformers (fp32), run the same tokens and "
                                           "print the max and mean absolute logit difference and each model's "
                                           "loss. Exit 0 within tolerance, 1 otherwise.")
-    p.add_argument("model_a", metavar="MODEL_A")
-    p.add_argument("model_b", metavar="MODEL_B")
-    p.add_argument("--data", metavar="TEXT_FILE", help="text to run (default: seeded random token ids)")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (default 1e-4)")
-    p.add_argument("--seq-len", dest="seq_len", type=positive_int, default=128, help="tokens per sequence (128)")
-    p.add_argument("--num-sequences", dest="num_sequences", type=positive_int, default=4, help="sequences (4)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random ids (0)")
+    p.add_argument("model_a", metavar="MODEL_A", help="a model folder (its tokenizer tokenises --data)")
+    p.add_argument("model_b", metavar="MODEL_B", help="the model folder to compare with (same vocabulary)")
+    p.add_argument("--data", metavar="FILE", help="text to run: a UTF-8 text file (default: seeded random token ids)")
+    p.add_argument("--tolerance", type=non_negative_float, default=1e-4, metavar="X",
+                   help="max |logit diff| allowed (default 1e-4)")
+    p.add_argument("--seq-len", type=positive_int, default=128, metavar="N", help="tokens per window (default 128)")
+    p.add_argument("--num-samples", type=positive_int, default=4, metavar="N", help="windows to run (default 4)")
+    add_deprecated_alias(p, "--num-sequences", "num_samples", "--num-samples", type=positive_int)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     add_runtime_arguments(p)
-    p.add_argument("--quiet", "-q", action="store_true", help="no notes")
+    add_quiet_argument(p)
     p.set_defaults(func=run)
 
 
@@ -31,7 +33,7 @@ def run(args) -> int:
 
     with model_runtime(args):
         r = verify_checkpoints(args.model_a, args.model_b, data=args.data, tolerance=args.tolerance,
-                               seq_len=args.seq_len, num_sequences=args.num_sequences, seed=args.seed)
+                               seq_len=args.seq_len, num_samples=args.num_samples, seed=args.seed)
     print(f"tokens: {r['tokens'][0]} x {r['tokens'][1]} ({r['token_source']})")
     print(f"loss A: {r['loss_a']:.6f}  ({r['model_a']})")
     print(f"loss B: {r['loss_b']:.6f}  ({r['model_b']})")

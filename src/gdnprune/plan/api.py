@@ -29,7 +29,7 @@ def budget_limit(value: float | None, total: int, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not value > 0:
-        raise ValueError(f"--budget-{what} must be a positive fraction (<= 1) or an absolute amount, got {value!r}")
+        raise ValueError(f"`budget_{what}` must be a positive fraction (<= 1) or an absolute amount, got {value!r}")
     return float(value) * total if value <= 1 else float(value)
 
 
@@ -81,7 +81,7 @@ def plan_model(
     if sensitivity not in SENSITIVITIES:
         raise ValueError(f"unknown sensitivity {sensitivity!r}; expected one of {list(SENSITIVITIES)}")
     if budget_params is None and budget_state is None:
-        raise ValueError("give a budget: --budget-params and/or --budget-state")
+        raise ValueError("give a budget: `budget_params` and/or `budget_state`")
     step = parse_dim_step(dim_step)
     data = read_scores(scores)
     modules = find_gdn_modules(model)
@@ -221,7 +221,7 @@ def plan_checkpoint(
         from ..calibration import calibration_windows, iter_batches
 
         if data is None:
-            raise ValueError("measured sensitivity needs calibration data (--data)")
+            raise ValueError("measured sensitivity needs calibration data (`data`)")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if seq_len is None:
             seq_len = default_seq_len(json.loads((model_dir / "config.json").read_text()), tokenizer)[0]

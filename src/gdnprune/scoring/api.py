@@ -357,7 +357,7 @@ def measure_checkpoint(
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"{model_dir}: not a model folder (no config.json)")
         if batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+            raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
         index, count = (int(x) for x in shard)
         if not 0 <= index < count:
             raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {tuple(shard)}")
@@ -369,7 +369,7 @@ def measure_checkpoint(
         else:
             source = "given"
             if seq_len > limit and "cap" not in why and is_main_process():
-                warnings.warn(f"--seq-len {seq_len} is longer than the model supports ({why}); the scores "
+                warnings.warn(f"`seq_len={seq_len}` is longer than the model supports ({why}); the scores "
                               f"describe the model on windows it never saw in training", UserWarning, stacklevel=3)
         windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples,
                                       warn=is_main_process())

@@ -131,7 +131,7 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
     except json.JSONDecodeError:
         meta = None
     if not isinstance(meta, dict) or meta.get("format") != PARTIAL_FORMAT:
-        raise PartialError(f"{where}: not a gdnprune partial scores file (written by `gdnprune score --partial`)")
+        raise PartialError(f"{where}: not a gdnprune partial scores file (the statistics of one share of the windows)")
     if meta.get("version") != PARTIAL_VERSION:
         raise PartialError(f"{where}: unsupported partial version {meta.get('version')!r}, expected {PARTIAL_VERSION}")
     try:
@@ -190,7 +190,7 @@ def merge_partials(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
         for key in _SAME:
             if _get(meta, key) != _get(first, key):
                 what = {"model/config_sha256": "model configurations (config.json)",
-                        "data/windows_sha256": "calibration windows (data, tokenizer, --seq-len or --num-samples)",
+                        "data/windows_sha256": "calibration windows (data, tokenizer, `seq_len` or `num_samples`)",
                         }.get(key, key)
                 raise PartialError(
                     f"partials do not match: {path} and {first_path} differ in {what}: "

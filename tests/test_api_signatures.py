@@ -1,0 +1,92 @@
+"""One vocabulary in the Python API (issue 19, part 3): the paths are positional, in one order (inputs first,
+the output last), everything else is keyword-only and visible in the signature; old call forms still work."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import warnings
+
+import pytest
+
+from test_byte_identity import TARGET, build_source, scores_for
+
+#: function -> its positional parameters (the paths, inputs first, the output last)
+PUBLIC = {
+    "gdnprune.checkpoint.inspect_checkpoint": ["model_dir"],
+    "gdnprune.checkpoint.sort_checkpoint": ["model_dir", "scores", "output_dir"],
+    "gdnprune.checkpoint.slice_checkpoint": ["model_dir", "output_dir"],
+    "gdnprune.checkpoint.transform_checkpoint": ["model_dir", "output_dir"],
+    "gdnprune.checkpoint.verify_checkpoints": ["model_a", "model_b"],
+    "gdnprune.scoring.score_checkpoint": ["model_dir", "data"],
+    "gdnprune.scoring.measure_checkpoint": ["model_dir", "data"],
+    "gdnprune.plan.plan_checkpoint": ["model_dir", "data", "scores"],
+    "gdnprune.prune.prune_checkpoint": ["model_dir", "data", "output_dir"],
+    "gdnprune.distill.distill_checkpoint": ["student_dir", "teacher_dir", "data", "output_dir"],
+    "gdnprune.demo.run_demo": ["output"],
+}
+#: functions that still take **kwargs: each names where they go in its docstring
+KNOWN_VAR_KEYWORD = {
+    "gdnprune.plan.plan_checkpoint",  # plan_model's options; being restructured (issue 19, part 1)
+    "gdnprune.prune.prune_checkpoint",  # score_checkpoint's options; being restructured (issue 19, part 1)
+    "gdnprune.distill.distill_checkpoint",  # distill is being rewritten (issue 20)
+    "gdnprune.demo.run_demo",  # only the deprecated calibration_windows / validation_windows
+}
+#: old names of a concept that has one name now (see docs/cli.md)
+RETIRED_KEYWORDS = {"calibration_windows", "validation_windows", "num_sequences"}
+KNOWN_RETIRED = {("gdnprune.checkpoint.verify_checkpoints", "num_sequences")}  # deprecated, still accepted
+
+
+def _function(name):
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_paths_positional_everything_else_keyword_only(name):
+    params = inspect.signature(_function(name)).parameters.values()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    assert positional == PUBLIC[name]
+    assert not any(p.kind is p.VAR_POSITIONAL for p in params)
+    assert any(p.kind is p.VAR_KEYWORD for p in params) == (name in KNOWN_VAR_KEYWORD)
+    retired = {p.name for p in params} & RETIRED_KEYWORDS
+    assert {(name, r) for r in retired} <= KNOWN_RETIRED
+
+
+def test_a_positional_target_still_works_with_a_warning(tmp_path):
+    from gdnprune.checkpoint import slice_checkpoint
+
+    src = build_source(tmp_path / "model", "qwen3_next")
+    with pytest.warns(FutureWarning, match="target="):
+        old = slice_checkpoint(src, tmp_path / "old", TARGET, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        new = slice_checkpoint(src, tmp_path / "new", target=TARGET, progress=False)
+    assert old["layers"] == new["layers"]
+    for shard in sorted((tmp_path / "new").glob("*.safetensors")):
+        assert shard.read_bytes() == (tmp_path / "old" / shard.name).read_bytes()
+    with pytest.raises(TypeError, match="by keyword"):
+        slice_checkpoint(src, tmp_path / "x", TARGET, target=TARGET)
+
+
+def test_one_name_for_reading_scores(tmp_path):
+    import gdnprune.checkpoint as ck
+    from gdnprune import scores, scoring
+
+    assert scoring.load_scores is scores.load_scores and ck.read_scores is scores.read_scores
+    assert "load_scores" not in ck.__all__
+    with pytest.warns(FutureWarning, match="read_scores"):
+        assert ck.load_scores is scores.read_scores
+
+
+def test_sort_checkpoint_shows_its_keywords(tmp_path):
+    from gdnprune.checkpoint import sort_checkpoint
+
+    src = build_source(tmp_path / "model", "qwen3_next")
+    path = tmp_path / "scores.json"
+    path.write_text(json.dumps(scores_for(src, "qwen3_next")))
+    with pytest.raises(TypeError):
+        sort_checkpoint(src, path, tmp_path / "out", no_such_option=True)
+    manifest = sort_checkpoint(src, path, tmp_path / "out", progress=False, manifest_extra={"note": 1})
+    assert manifest["note"] == 1 and manifest["sorted"] is True
