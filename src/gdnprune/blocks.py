@@ -2,10 +2,10 @@
 
 Numpy only (the streaming checkpoint commands use it without torch). A *sub-block* is a module of a
 decoder layer whose width can shrink: the GDN layer (:mod:`gdnprune.geometry`), the full attention
-(``self_attn``), the dense MLP (``mlp``) and the MoE shared expert (``mlp.shared_expert``). Each kind is a
-row of :data:`KINDS` — where it lives (the module path), which tensors mark it, which config keys hold its
-geometry, which layout tables (:mod:`gdnprune.layouts`) it may have — so a new kind is a new row (part 2's
-routed experts: one more geometry and one more table), not a new code path.
+(``self_attn``), the dense MLP (``mlp``), the MoE shared expert (``mlp.shared_expert``) and the routed
+experts with their router (``experts``, also at ``mlp``). Each kind is a row of :data:`KINDS` — where it
+lives (the module path), which tensors mark it, which config keys hold its geometry, which layout tables
+(:mod:`gdnprune.layouts`) it may have — so a new kind is a new row, not a new code path.
 
 Geometries and their canonical index *kinds* (``new[i] = old[idx[i]]`` along a segment of that kind):
 
@@ -549,7 +549,8 @@ def block_candidates(block: Block, *, step: Any = None, tp: int | None = None,
 
     MLP: intermediate sizes in steps of ``step`` (a ``fractions.Fraction`` of the full size, default 1/8,
     or a channel count), multiples of ``multiple_of`` and divisible by ``tp`` (tensor-parallel shards cut
-    the channels). Attention: every count of key-value heads and of query heads per key-value head, with
+    the channels). Experts: expert counts in the same steps, never below ``num_experts_per_tok``.
+    Attention: every count of key-value heads and of query heads per key-value head, with
     the query heads divisible by ``tp`` and the key-value heads divisible by ``tp`` or dividing it (vLLM
     replicates key-value heads when ``tp`` exceeds them). The full geometry is always a candidate when it
     meets the constraints.
