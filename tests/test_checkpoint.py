@@ -215,7 +215,7 @@ def test_sort_preserves_logits_and_copies_everything_else(model_type, sources, t
     ref, got = logits_of(src, model_type), logits_of(out, model_type)
     assert (ref - got).abs().max() < 1e-4
 
-    # GDN tensors equal the core API's permutation; every other tensor byte-identical, dtypes kept
+    # GDN tensors equal the permutation done by hand; every other tensor byte-identical, dtypes kept
     src_raw, out_raw = raw_tensors(src), raw_tensors(out)
     assert src_raw.keys() == out_raw.keys()
     gdn = {t.name for layer in layers for t in layer.tensors.values()}
@@ -274,7 +274,7 @@ def test_sorted_vl_checkpoint_loads_as_conditional_generation_and_causal_lm(sour
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_slice_matches_core_api_and_loads(model_type, sources, tmp_path, capsys):
+def test_slice_matches_the_hand_cut_and_loads(model_type, sources, tmp_path, capsys):
     src = sources[model_type]
     before = hash_tree(src)
     prefixes = [layer.prefix for layer in gdn_layers(src)]
@@ -363,9 +363,9 @@ def test_sort_then_slice_equals_prune_in_one_pass(sources, tmp_path):
 
 @pytest.mark.parametrize("mode", ["pwritev", "pwrite", "pwritev, 3 buffers per call, short writes"])
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
-def test_every_write_path_gives_the_core_api_result(model_type, mode, sources, tmp_path, monkeypatch):
+def test_every_write_path_gives_the_hand_cut_result(model_type, mode, sources, tmp_path, monkeypatch):
     """Row gathers are written from the memory map with vectored writes (or one pwrite per run where the
-    platform has no pwritev); force each path, including partial writes, and compare with the core API."""
+    platform has no pwritev); force each path, including partial writes, and compare with the hand cut."""
     from gdnprune import safetensors_io
 
     src = sources[model_type]

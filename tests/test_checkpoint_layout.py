@@ -242,16 +242,20 @@ def test_copies_start_at_block_boundaries_after_the_first(tmp_path, monkeypatch)
 
 @pytest.fixture
 def xfs(tmp_path):
-    if os.geteuid() != 0 or not shutil.which("mkfs.xfs"):
-        pytest.skip("needs root and mkfs.xfs (xfsprogs) for a loop-mounted XFS image")
+    if os.geteuid() != 0:
+        pytest.skip("the reflink test loop-mounts an XFS image: needs root")
+    if not shutil.which("mkfs.xfs") or not shutil.which("filefrag"):
+        pytest.skip("the reflink test needs mkfs.xfs (xfsprogs) and filefrag (e2fsprogs); "
+                    f"missing: {[t for t in ('mkfs.xfs', 'filefrag') if not shutil.which(t)]}")
     image, mount = tmp_path / "xfs.img", tmp_path / "mnt"
     with open(image, "wb") as f:
         f.truncate(320 << 20)  # sparse; mkfs.xfs needs at least 300 MB
     mount.mkdir()
-    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True)
-    if made.returncode or subprocess.run(["mount", "-o", "loop", str(image), str(mount)],
-                                         capture_output=True).returncode:
-        pytest.skip("cannot make or loop-mount an XFS image here")
+    for step in (["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], ["mount", "-o", "loop", str(image), str(mount)]):
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"the reflink test cannot run {step[0]} here (exit {done.returncode}: "
+                        f"{' '.join(done.stderr.split())[:120]})")
     try:
         yield mount
     finally:

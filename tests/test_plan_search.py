@@ -75,6 +75,7 @@ def test_the_milp_equals_brute_force(layers, params_budget, state_budget):
     picks = choose(sensitivity, {"params": params, "state": state}, budgets)
     assert sum(sensitivity[l][p] for l, p in enumerate(picks)) == pytest.approx(best)
     assert sum(params[l][p] for l, p in enumerate(picks)) <= params_budget
+    assert sum(state[l][p] for l, p in enumerate(picks)) <= state_budget
 
 
 def test_uniform_choice_takes_the_best_shared_geometry():
@@ -195,9 +196,22 @@ def folder(tmp_path_factory):
     src = make_source(root / "model", "qwen3_5", seed=6)
     text = root / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 400))
-    main(["score", str(src), "--data", str(text), "--output", str(root / "scores.json"), "--num-samples", "4",
-          "--seq-len", "72", "--quiet"])
+    assert main(["score", str(src), "--data", str(text), "--output", str(root / "scores.json"), "--num-samples", "4",
+                 "--seq-len", "72", "--quiet"]) == 0
+    assert json.loads((root / "scores.json").read_text())["layers"]
     return src, text, root / "scores.json"
+
+
+def _gdn_params(model) -> int:
+    return sum(p.numel() for _, m in find_gdn_modules(model) for p in m.parameters())
+
+
+def _gdn_state(model) -> int:
+    """Recurrent state per sequence, summed over the GDN layers of a loaded model, by the formula of DESIGN.md:
+    the delta-rule state Hv*dk*dv plus the conv state (2*Hk*dk + Hv*dv)*(K-1)."""
+    return sum(m.num_v_heads * m.head_k_dim * m.head_v_dim
+               + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads * m.head_v_dim) * (m.conv_kernel_size - 1)
+               for _, m in find_gdn_modules(model))
 
 
 def test_plan_command_writes_the_plan_its_report_and_plot(folder, tmp_path, capsys):
@@ -239,6 +253,13 @@ def test_uniform_and_state_budgets(folder, tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert len({json.dumps(t, sort_keys=True) for t in plan["layers"].values()}) == 1
     assert plan["totals"]["state_fraction"] <= 0.5 and plan["uniform"]
+    # the state of the model sliced to the plan, counted on the loaded model, is within the budget
+    assert main(["slice", str(src), "--plan", str(out), "-o", str(tmp_path / "sliced"), "-q"]) == 0
+    sliced, full = load_pretrained(tmp_path / "sliced", dtype=torch.float32), load_pretrained(src, dtype=torch.float32)
+    assert 0 < _gdn_state(sliced) <= 0.5 * _gdn_state(full)
+    # and the plan's report counts the same state (float32 elements: 4 bytes)
+    assert (plan["totals"]["state_bytes_kept"], plan["totals"]["state_bytes"]) == (4 * _gdn_state(sliced),
+                                                                                     4 * _gdn_state(full))
 
 
 def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, capsys):
@@ -251,6 +272,7 @@ def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, cap
     assert manifest["operation"] == "prune" and manifest["sorted"]
     assert manifest["plan"]["metadata"]["totals"]["gdn_params_fraction"] <= 0.5
     model = load_pretrained(out, dtype=torch.float32)
+    assert 0 < _gdn_params(model) <= 0.5 * _gdn_params(load_pretrained(src, dtype=torch.float32))
     assert model(input_ids=windows(1, 80, vocab=11)).logits.isfinite().all()
     assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "x"), "--budget-params", "0.5",
                  "--num-key-heads", "1"]) == 2
