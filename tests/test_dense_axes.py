@@ -24,6 +24,7 @@ from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, 
 
 SHAPE = GDNShape(2, 4, 8, 8)
 FAMILIES = [t for t in MODEL_TYPES if t != "qwen4_exp"]  # Qwen4-exp's indexed attention is refused (see below)
+DENSE = ("attention", "mlp", "shared_expert")  # routed experts: tests/test_experts.py
 TARGET = {"intermediate_size": 40, "shared_expert_intermediate_size": 12, "num_attention_heads": 2,
           "num_key_value_heads": 1}
 
@@ -120,7 +121,7 @@ def test_a_wrong_order_changes_logits():
 def test_sorted_cut_equals_zeroing_the_removed_output_columns(model_type):
     model = _model(model_type)
     orders = _orders(model)
-    blocks = find_model_blocks(model)
+    blocks = find_model_blocks(model, DENSE)
     if model_type == "olmo_hybrid":  # its attention norms average over all heads: see the hand-built test
         blocks = [b for b in blocks if b.kind != "attention"]
     kept = {b.prefix: (b.kind, _kept(b, orders[b.prefix], TARGET)) for b in blocks}
@@ -166,10 +167,13 @@ def test_olmo_attention_cut_equals_a_smaller_model_built_by_hand():
 def test_per_layer_geometries_load_and_cached_decode_equals_the_full_forward(model_type):
     model = _model(model_type)
     fields = {}
-    for i, b in enumerate(find_model_blocks(model)):
-        fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (i % 2 + 1), "num_key_value_heads": i % 2 + 1},
+    for b in find_model_blocks(model):
+        i = int(b.prefix.split("layers.")[1].split(".")[0])  # the layer index
+        j = (i // 2) % 2  # attention layers are 1 and 3
+        fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
                             "mlp": {"intermediate_size": 16 + 8 * i},
-                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i}}[b.kind]
+                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
+                            "experts": {"num_experts": 2 + i % 3}}[b.kind]
     cut = slice_model(model, None, blocks=fields, block_orders=_orders(model))
     text = cut.config.get_text_config(decoder=True).to_dict()
     assert text["per_layer_config"], "the layers differ: the config must say so per layer"
@@ -187,6 +191,8 @@ def test_per_layer_geometries_load_and_cached_decode_equals_the_full_forward(mod
 def _geometry(kind, fields, shape):
     if kind == "attention":
         return AttentionShape(fields["num_attention_heads"], fields["num_key_value_heads"], shape.head_dim)
+    if kind == "experts":
+        return shape.replace(num_experts=fields["num_experts"])
     return MLPShape(next(iter(fields.values())))
 
 
@@ -242,7 +248,7 @@ def test_parameters_of_a_cut_are_those_of_the_cut_model(model_type):
     from gdnprune.blocks import kv_cache_elements, resolve_block_target
 
     model = _model(model_type)
-    blocks = find_model_blocks(model)
+    blocks = find_model_blocks(model, DENSE)
     fields = {k: v for k, v in TARGET.items() if any(k in KINDS[b.kind].config_keys for b in blocks)}
     cut = slice_model(model, None, blocks=fields)
     state = cut.state_dict()

@@ -25,7 +25,7 @@ from gdnprune.geometry import GDNShape
 from gdnprune.loading import load_pretrained, slice_model
 from gdnprune.plans import PlanError
 from test_checkpoint import MODEL_TYPES, raw_tensors
-from test_dense_axes import TARGET, _kept, _model, _orders, _same, _zeroed
+from test_dense_axes import DENSE, TARGET, _kept, _model, _orders, _same, _zeroed
 from tiny_models import cached_decode_logits, logits
 
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning"),
@@ -71,18 +71,18 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
     _same(logits(sorted_model, ids), logits(model, ids))
 
     manifest = ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", target=_target(model), progress=False)
-    assert set(manifest["blocks"]) == {b.prefix for b in find_model_blocks(model)}
+    assert set(manifest["blocks"]) == {b.prefix for b in find_model_blocks(model, DENSE)}
     cut = load_pretrained(tmp_path / "cut")
     memory = slice_model(model, None, blocks=_target(model), block_orders=orders)
     _same(logits(cut, ids), logits(memory, ids))
-    blocks = [b for b in find_model_blocks(model) if model_type != "olmo_hybrid" or b.kind != "attention"]
+    blocks = [b for b in find_model_blocks(model, DENSE) if model_type != "olmo_hybrid" or b.kind != "attention"]
     kept = {b.prefix: (b.kind, _kept(b, orders[b.prefix], TARGET)) for b in blocks}
     if model_type != "olmo_hybrid":  # OLMo's whole-projection norms: compared with the hand-built model in memory
         _same(logits(cut, ids), logits(_zeroed(model, kept), ids))
 
     # everything outside the changed blocks is byte for byte the sorted source (GDN layers, norms, mtp.*)
     before, after = raw_tensors(tmp_path / "sorted"), raw_tensors(tmp_path / "cut")
-    changed = {f"{b.prefix}.{s}" for b in find_model_blocks(model) for s in b.tensors}
+    changed = {f"{b.prefix}.{s}" for b in find_model_blocks(model, DENSE) for s in b.tensors}
     assert set(after) == set(before)
     assert {n for n in before if n not in changed and before[n] != after[n]} == set()
     assert all(before[n][1] != after[n][1] for n in changed)
@@ -94,10 +94,13 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
 def test_a_version_2_plan_cuts_every_sub_block_to_its_own_size(sources, tmp_path, model_type):
     model, src, orders = sources[model_type]
     fields = {}
-    for i, b in enumerate(find_model_blocks(model)):
-        fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (i % 2 + 1), "num_key_value_heads": i % 2 + 1},
+    for b in find_model_blocks(model):
+        i = int(b.prefix.split("layers.")[1].split(".")[0])  # the layer index
+        j = (i // 2) % 2  # attention layers are 1 and 3
+        fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
                             "mlp": {"intermediate_size": 16 + 8 * i},
-                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i}}[b.kind]
+                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
+                            "experts": {"num_experts": 2 + i % 3}}[b.kind]
     gdn = "model.language_model.layers.0.linear_attn" if model_type == "qwen3_5_vl" else "model.layers.0.linear_attn"
     plan = {"format": "gdnprune-plan", "version": 2, "layers": {gdn: {"num_key_heads": 1, "num_value_heads": 2},
                                                                 **fields}}
@@ -179,6 +182,7 @@ def test_inspect_gives_the_parameters_of_every_kind_of_sub_block(sources, tmp_pa
                        and ".experts." not in k and not k.endswith("mlp.gate.weight")
                        and "shared_expert_gate" not in k),
             "shared_expert": sum(v.numel() for k, v in sd.items() if ".mlp.shared_expert." in k),
+            "experts": sum(v.numel() for k, v in sd.items() if ".mlp.experts." in k or k.endswith("mlp.gate.weight")),
         }
         expected = {k: v for k, v in expected.items() if v}
         by_kind = info["parameters_by_kind"]

@@ -15,12 +15,12 @@ from gdnprune.block_surgery import find_model_blocks
 from gdnprune.blocks import orders_from_payload
 from gdnprune.loading import slice_model
 from gdnprune.scoring.blocks import BlockScorer, block_payload
-from test_dense_axes import _ids, _model, _same
+from test_dense_axes import DENSE, _ids, _model, _same
 from tiny_models import logits
 
 
 def _score(model, method, ids):
-    scorers = {b.prefix: BlockScorer(b, model.get_submodule(b.prefix), method) for b in find_model_blocks(model)}
+    scorers = {b.prefix: BlockScorer(b, model.get_submodule(b.prefix), method) for b in find_model_blocks(model, DENSE)}
     handles = [h for s in scorers.values() for h in s.attach()]
     try:
         with torch.no_grad():
@@ -143,7 +143,7 @@ def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(meth
     model = _model("qwen3_5_vl")
     batches = [_ids(seed=10), _ids(seed=11)]
     scores = check_scores(score_model(model, batches, method=method, progress=False, blocks=True))
-    blocks = {b.prefix: b for b in find_model_blocks(model)}
+    blocks = {b.prefix: b for b in find_model_blocks(model, DENSE)}
     gdn = [p for p in scores["layers"] if p.endswith("linear_attn")]
     assert set(scores["layers"]) == set(blocks) | set(gdn) and len(gdn) == 2
     if method != "random":  # the same sums as the scorers run alone on the same batches

@@ -97,7 +97,7 @@ print(json.dumps(report))
 def _plan(model):
     """A version-2 plan: one GDN layer cut, every attention and MLP sub-block its own size."""
     layers = {}
-    for i, b in enumerate(find_model_blocks(model)):
+    for i, b in enumerate(b for b in find_model_blocks(model) if b.kind != "experts"):  # expert counts: not yet
         layers[b.prefix] = {"attention": {"num_attention_heads": 2 * (i % 2 + 1), "num_key_value_heads": i % 2 + 1},
                             "mlp": {"intermediate_size": 16 + 8 * i},
                             "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i}}[b.kind]

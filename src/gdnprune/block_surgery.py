@@ -1,5 +1,8 @@
 """Permute and cut the dense sub-blocks (attention heads, MLP channels) of a state dict, with torch.
 
+Routed experts move whole (router rows with them): fused 3-D expert tensors are gathered along their
+first axis, per-expert tensors (``experts.N.*``) are renumbered by name.
+
 The geometry, the kinds and the index formulas are in :mod:`gdnprune.blocks` (numpy); which tensor takes
 which index along which axis is in the layout tables of :mod:`gdnprune.layouts`. This module applies
 them: one ``index_select`` per coupled tensor, as :mod:`gdnprune.gated_delta_net` does for GDN layers.
@@ -17,7 +20,8 @@ from typing import Any, Iterable, Mapping, MutableMapping
 import numpy as np
 import torch
 
-from .blocks import Block, block_indices, find_blocks, orders_from_payload, orders_to_payload, resolve_block_target
+from .blocks import Block, block_indices, find_blocks, numbered_name_map, orders_from_payload, orders_to_payload, \
+    resolve_block_target
 from .layouts import get_layout
 
 __all__ = ["find_model_blocks", "gather_block_tensor", "permute_block_state_dict", "slice_block_state_dict",
@@ -76,11 +80,16 @@ def slice_block_state_dict(state_dict: MutableMapping[str, torch.Tensor], block:
             raise ValueError(f"{block.prefix}: target {target} does not fit in {block.shape}: {'; '.join(problems)}")
     indices = block_indices(block.shape, target, _as_orders(block, orders))
     head = block.prefix + "."
-    missing = [s for s in block.tensors if head + s not in state_dict]
+    missing = [s for s in (*block.tensors, *block.numbered) if head + s not in state_dict]
     if missing:
         raise ValueError(f"{block.prefix}: state dict lacks {[head + s for s in missing]}")
     updated = {head + s: gather_block_tensor(block, s, state_dict[head + s], target, indices) for s in block.tensors}
+    renamed = numbered_name_map(block, indices)  # per-expert tensors: a gather over names
+    moved = {new: state_dict[old] for old, new in renamed.items() if new is not None}
+    for old in renamed:
+        del state_dict[old]
     state_dict.update(updated)
+    state_dict.update(moved)
     return indices
 
 

@@ -2,10 +2,10 @@
 
 Numpy only (the streaming checkpoint commands use it without torch). A *sub-block* is a module of a
 decoder layer whose width can shrink: the GDN layer (:mod:`gdnprune.geometry`), the full attention
-(``self_attn``), the dense MLP (``mlp``) and the MoE shared expert (``mlp.shared_expert``). Each kind is a
-row of :data:`KINDS` — where it lives (the module path), which tensors mark it, which config keys hold its
-geometry, which layout tables (:mod:`gdnprune.layouts`) it may have — so a new kind is a new row (part 2's
-routed experts: one more geometry and one more table), not a new code path.
+(``self_attn``), the dense MLP (``mlp``), the MoE shared expert (``mlp.shared_expert``) and the routed
+experts with their router (``experts``, also at ``mlp``). Each kind is a row of :data:`KINDS` — where it
+lives (the module path), which tensors mark it, which config keys hold its geometry, which layout tables
+(:mod:`gdnprune.layouts`) it may have — so a new kind is a new row, not a new code path.
 
 Geometries and their canonical index *kinds* (``new[i] = old[idx[i]]`` along a segment of that kind):
 
@@ -34,9 +34,9 @@ import numpy as np
 from .geometry import as_int as _as_int, as_order, config_value as _get, global_config_value as _get_global, \
     per_layer_overrides
 
-__all__ = ["MLPShape", "AttentionShape", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
+__all__ = ["MLPShape", "AttentionShape", "ExpertShape", "numbered_name_map", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
            "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders",
-           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of", "kv_cache_elements",
+           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of", "block_kinds_of", "kv_cache_elements",
            "BlockCandidate", "block_candidates"]
 
 
@@ -140,6 +140,43 @@ class AttentionShape(_Shape):
         return {"kv": _heads(groups, hd), "qo": _heads(heads, hd), "qg": _heads(heads, 2 * hd)}
 
 
+@dataclass(frozen=True)
+class ExpertShape(_Shape):
+    """Routed experts of an MoE layer: ``num_experts`` experts, ``num_experts_per_tok`` of them per token.
+
+    Segment ``"e"``: expert ``n`` -> ``n`` (router rows, the first axis of fused expert tensors, the ``N`` of
+    per-expert tensor names). ``num_experts_per_tok`` is never cut and never above the experts kept.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def segment_size(self, kind: str) -> int:
+        return {"e": self.num_experts}[kind]
+
+    def order_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"experts": (self.num_experts,)}
+
+    def fits(self, target: "ExpertShape") -> list[str]:
+        problems = []
+        if target.num_experts_per_tok != self.num_experts_per_tok:
+            problems.append(f"num_experts_per_tok {target.num_experts_per_tok} != {self.num_experts_per_tok} "
+                            f"(the experts per token are never changed)")
+        if target.num_experts > self.num_experts:
+            problems.append(f"num_experts {target.num_experts} > {self.num_experts}")
+        if target.num_experts < self.num_experts_per_tok:
+            problems.append(f"num_experts {target.num_experts} < num_experts_per_tok {self.num_experts_per_tok} "
+                            f"(keep at least as many experts as each token is routed to)")
+        return problems
+
+    def indices(self, orders: Mapping[str, np.ndarray] | None, target: "ExpertShape") -> dict[str, np.ndarray]:
+        experts = np.arange(self.num_experts) if orders is None else orders["experts"]
+        return {"e": np.asarray(experts[: target.num_experts], dtype=np.int64)}
+
+
 # --------------------------------------------------------------------------------------------------------
 # The kinds of sub-blocks, as data
 
@@ -165,6 +202,7 @@ class BlockKind:
     geometry: type
     config_keys: Mapping[str, str]
     layouts: tuple[str, ...]
+    excludes: tuple[str, ...] = ()  # member suffixes of other modules under the same prefix (left alone)
 
     @property
     def where(self) -> str:
@@ -203,10 +241,14 @@ KINDS: dict[str, BlockKind] = {kind.name: kind for kind in (
               {"intermediate_size": "intermediate_size"}, ("gated_mlp",)),
     BlockKind("shared_expert", _LAYER + r"mlp\.shared_expert$", frozenset({"gate_proj.weight", "down_proj.weight"}),
               MLPShape, {"shared_expert_intermediate_size": "intermediate_size"}, ("gated_mlp",)),
+    BlockKind("experts", _LAYER + r"mlp$", frozenset({"gate.weight"}), ExpertShape,
+              {"num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok"},
+              ("fused_experts", "numbered_experts"), excludes=("shared_expert.", "shared_expert_gate.")),
 )}
 
 #: target fields of the sub-blocks (``head_dim`` is part of the geometry but never a target)
-BLOCK_FIELDS = ("intermediate_size", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads")
+BLOCK_FIELDS = ("intermediate_size", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "num_experts")
 
 #: tensors under these prefixes are never sub-blocks (copied unchanged)
 _PASSTHROUGH = ("mtp.",)
@@ -218,9 +260,18 @@ def _text_holder(config: Any) -> Any:
     return config
 
 
-def block_kind_of(prefix: str) -> BlockKind | None:
-    """The kind whose module path ``prefix`` matches, or None."""
-    return next((kind for kind in KINDS.values() if kind.matches(prefix)), None)
+def block_kinds_of(prefix: str) -> list[BlockKind]:
+    """Every kind whose module path ``prefix`` matches (``layers.N.mlp``: a dense MLP or routed experts)."""
+    return [kind for kind in KINDS.values() if kind.matches(prefix)]
+
+
+def block_kind_of(prefix: str, keys: Iterable[str] = ()) -> BlockKind | None:
+    """The kind whose module path ``prefix`` matches, or None. Where several kinds share the path (a dense
+    MLP and routed experts at ``layers.N.mlp``) the first one that has one of ``keys`` (config keys or
+    geometry fields, e.g. a plan entry's or a payload shape's) is chosen, else the first."""
+    matches, keys = block_kinds_of(prefix), set(keys)
+    named = [k for k in matches if keys & (set(k.config_keys) | {f.name for f in fields(k.geometry)})]
+    return (named or matches or [None])[0]
 
 
 @dataclass
@@ -237,6 +288,7 @@ class Block:
     shape: Any
     tensors: dict[str, tuple[int, ...]]
     fixed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    numbered: dict[str, tuple[int, ...]] = field(default_factory=dict)  # experts.N.* of a numbered layout
 
     def parameters(self, target: Any = None) -> int:
         """Elements of the block's tensors after a cut to ``target`` (default: as it is), from the tensors'
@@ -246,6 +298,9 @@ class Block:
 
         layout, target = get_layout(self.layout), self.shape if target is None else target
         total = sum(_numel(dims) for dims in self.fixed.values())
+        if self.numbered:
+            kept = target.segment_size(layout.numbered_segment)
+            total += sum(_numel(d) for s, d in self.numbered.items() if int(s.split(".")[1]) < kept)
         for suffix, dims in self.tensors.items():
             rule = layout.rule(suffix)
             if rule is None:  # an FP8 scale: one entry per block of its weight's rows or columns
@@ -303,7 +358,8 @@ def find_blocks(shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Itera
     for prefix in sorted(prefixes, key=lambda p: (layer_index_of(p), p)):
         kind = prefixes[prefix]
         head = prefix + "."
-        members = {n[len(head):]: tuple(s) for n, s in shapes.items() if n.startswith(head)}
+        members = {n[len(head):]: tuple(s) for n, s in shapes.items()
+                   if n.startswith(head) and not n[len(head):].startswith(kind.excludes)}
         shape = kind.shape_from_config(config, layer_index_of(prefix))
         blocks.append(_fit_layout(prefix, kind, shape, members))
     return blocks
@@ -315,10 +371,12 @@ def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, 
     reports = []
     for name in kind.layouts:
         layout = get_layout(name)
-        problems = []
+        numbered, problems = _numbered_members(layout, shape, members)
         for suffix, dims in members.items():
-            if suffix.endswith("weight_scale_inv"):
+            if suffix.endswith("weight_scale_inv") and suffix not in numbered:
                 continue  # FP8 scales: checked with their weights (checkpoint.folder)
+            if suffix in numbered:
+                continue
             rule = layout.rule(suffix)
             if rule is None:
                 if suffix not in layout.fixed:
@@ -327,11 +385,54 @@ def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, 
                 problems.append(f"{suffix} has shape {list(dims)}, expected {rule.expected_shape(shape)}")
         problems += [f"{r.name} is missing" for r in layout.rules if r.required and r.name not in members]
         if not problems:
-            coupled = {s: d for s, d in members.items() if s not in layout.fixed}
+            coupled = {s: d for s, d in members.items() if s not in layout.fixed and s not in numbered}
             fixed = {s: d for s, d in sorted(members.items()) if s in layout.fixed}
-            return Block(prefix, kind.name, layout.name, shape, coupled, fixed)
+            return Block(prefix, kind.name, layout.name, shape, coupled, fixed, numbered)
         reports.append(f"{name}: {'; '.join(problems)}")
     raise ValueError(f"{prefix}: its tensors fit no {kind.name} layout for {shape} ({' | '.join(reports)})")
+
+
+_NUMBER = re.compile(r"^([A-Za-z_]+)\.(\d+)\.(.+)$")
+
+
+def _numbered_members(layout: Any, shape: Any, members: Mapping[str, tuple[int, ...]]
+                      ) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """The ``{numbered}.N.<suffix>`` members of a numbered layout and what is wrong with them: every suffix
+    must exist for every ``N`` below the segment's size, with one shape for all ``N``."""
+    if not layout.numbered:
+        return {}, []
+    count, found, problems = shape.segment_size(layout.numbered_segment), {}, []
+    for suffix, dims in members.items():
+        m = _NUMBER.match(suffix)
+        if m and m.group(1) == layout.numbered:
+            found.setdefault(m.group(3), {})[int(m.group(2))] = dims
+    if not found:
+        problems.append(f"no {layout.numbered}.N.* tensors")
+    for rest, by_number in sorted(found.items()):
+        if sorted(by_number) != list(range(count)):
+            problems.append(f"{layout.numbered}.N.{rest} exists for N in {sorted(by_number)}, expected 0..{count - 1}")
+        elif len(set(by_number.values())) != 1:
+            problems.append(f"{layout.numbered}.N.{rest} has several shapes {sorted(set(by_number.values()))}")
+    numbered = {f"{layout.numbered}.{n}.{rest}": d for rest, by_number in found.items() for n, d in by_number.items()}
+    return numbered, problems
+
+
+def numbered_name_map(block: Block, indices: Mapping[str, np.ndarray]) -> dict[str, str | None]:
+    """The gather over tensor NAMES of a numbered layout: full source name -> full output name (``None``:
+    dropped). Output ``{numbered}.i.<suffix>`` is source ``{numbered}.idx[i].<suffix>`` (``idx``: the canonical
+    index of the layout's numbered segment); a sort renumbers, a cut also drops. Empty for other layouts."""
+    from .layouts import get_layout
+
+    layout = get_layout(block.layout)
+    if not block.numbered:
+        return {}
+    new_number = {int(old): new for new, old in enumerate(np.asarray(indices[layout.numbered_segment]).tolist())}
+    out = {}
+    for suffix in block.numbered:
+        _, number, rest = _NUMBER.match(suffix).groups()
+        new = new_number.get(int(number))
+        out[f"{block.prefix}.{suffix}"] = None if new is None else f"{block.prefix}.{layout.numbered}.{new}.{rest}"
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -448,7 +549,8 @@ def block_candidates(block: Block, *, step: Any = None, tp: int | None = None,
 
     MLP: intermediate sizes in steps of ``step`` (a ``fractions.Fraction`` of the full size, default 1/8,
     or a channel count), multiples of ``multiple_of`` and divisible by ``tp`` (tensor-parallel shards cut
-    the channels). Attention: every count of key-value heads and of query heads per key-value head, with
+    the channels). Experts: expert counts in the same steps, never below ``num_experts_per_tok``.
+    Attention: every count of key-value heads and of query heads per key-value head, with
     the query heads divisible by ``tp`` and the key-value heads divisible by ``tp`` or dividing it (vLLM
     replicates key-value heads when ``tp`` exceeds them). The full geometry is always a candidate when it
     meets the constraints.
@@ -467,6 +569,18 @@ def block_candidates(block: Block, *, step: Any = None, tp: int | None = None,
                 if tp and (target.num_attention_heads % tp or (nkv % tp and tp % nkv)):
                     continue
                 out.append(BlockCandidate(target, block.parameters(target), kv_cache_elements(target)))
+    elif isinstance(shape, ExpertShape):
+        full, k = shape.num_experts, shape.num_experts_per_tok
+        step = Fraction(1, 8) if step is None else step
+        if isinstance(step, Fraction) and step < 1:
+            counts = {max(k, math.ceil(full * step * i)) for i in range(1, math.ceil(1 / step) + 1)}
+        else:
+            counts = set(range(max(k, int(step)), full + 1, int(step)))
+        for count in sorted({c for c in counts if c <= full} | {full}, reverse=True):
+            if (multiple_of and count % multiple_of) or (tp and count % tp):
+                continue
+            target = shape.replace(num_experts=count)
+            out.append(BlockCandidate(target, block.parameters(target), 0))
     else:
         full = shape.intermediate_size
         step = Fraction(1, 8) if step is None else step

@@ -173,6 +173,10 @@ class Layout:
     rules: tuple[TensorRule, ...]
     markers: frozenset[str]
     fixed: frozenset[str] = frozenset()  # tensors of the module that no width couples (copied unchanged)
+    #: numbered tensors ``{numbered}.N.<suffix>`` (one per routed expert ``N``): a gather over their NAMES
+    #: (renumbered with the canonical index of segment ``numbered_segment``), their bytes copied unchanged
+    numbered: str = ""
+    numbered_segment: str = ""
 
     def rule(self, name: str) -> TensorRule | None:
         """The rule for tensor suffix ``name``, or None when the layout does not couple it."""
@@ -252,7 +256,8 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (QWEN3_5, QWEN3_
 
 # --------------------------------------------------------------------------------------------------------
 # Sub-block layouts (kinds and geometries in gdnprune.blocks): the same rules, other segment kinds —
-# ``i`` MLP channel, ``kv`` key-value head channel, ``qo`` query head channel, ``qg`` gated q_proj row.
+# ``i`` MLP channel, ``kv`` key-value head channel, ``qo`` query head channel, ``qg`` gated q_proj row,
+# ``e`` routed expert.
 
 GATED_MLP = Layout(
     name="gated_mlp",
@@ -283,8 +288,33 @@ ATTENTION_WHOLE_NORM = Layout(
     fixed=frozenset({"o_proj.bias"}),
 )
 
+# Routed experts (segment ``e``: one entry per expert). The router's rows follow the experts; transformers 5
+# holds the experts fused in memory (and some tools save them so), Qwen's releases and ``save_pretrained``
+# store one tensor per expert (``experts.N.gate_proj.weight``, ...): then keeping experts renumbers ``N``.
+_ROUTER = TensorRule("gate.weight", 0, ("e",), ndim=2)
+
+FUSED_EXPERTS = Layout(
+    name="fused_experts",
+    description="routed experts as 3-D tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) "
+                "and the router rows (gate.weight [E, H])",
+    rules=(_ROUTER, TensorRule("experts.gate_up_proj", 0, ("e",), ndim=3),
+           TensorRule("experts.down_proj", 0, ("e",), ndim=3)),
+    markers=frozenset({"gate.weight"}),
+)
+
+NUMBERED_EXPERTS = Layout(
+    name="numbered_experts",
+    description="routed experts one tensor per expert (experts.N.gate_proj.weight, ..., FP8 scales with their "
+                "expert) and the router rows (gate.weight [E, H])",
+    rules=(_ROUTER,),
+    markers=frozenset({"gate.weight"}),
+    numbered="experts",
+    numbered_segment="e",
+)
+
 BLOCK_LAYOUTS: dict[str, Layout] = {
-    layout.name: layout for layout in (GATED_MLP, QWEN_GATED_ATTENTION, ATTENTION_WHOLE_NORM)}
+    layout.name: layout for layout in (GATED_MLP, QWEN_GATED_ATTENTION, ATTENTION_WHOLE_NORM, FUSED_EXPERTS,
+                                       NUMBERED_EXPERTS)}
 
 
 def get_layout(layout: str | Layout) -> Layout:

@@ -48,9 +48,35 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
         raise ValueError(f"{model_class.__name__}: no GatedDeltaNet module class in {model_class.__module__}; "
                          f"per-layer GDN geometries are supported for the Qwen3.5, Qwen3-Next and OLMo-hybrid "
                          f"families")
+    heads = [c for c in _classes(model_class, "ForCausalLM") + _classes(model_class, "ForConditionalGeneration")
+             if "__init__" in c.__dict__]
     with _LOCK:
         originals = {cls: cls.__dict__["__init__"] for cls in classes + layers if "__init__" in cls.__dict__}
+        globals_ = {cls: cls.__dict__["__init__"] for cls in heads}
+        for cls, original in globals_.items():
+            @functools.wraps(original)
+            def head_init(self, config, *args, _original=original, **kwargs):
+                # MoE heads read num_experts globally (router aux loss): the most common count, as config.json's
+                # global key holds it; the aux loss of per-layer expert counts is not defined (leave
+                # output_router_logits off)
+                text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+                before = {id(c): c.__dict__.get("allow_global_per_layer_attribute_access") for c in (config, text)}
+                for c in (config, text):
+                    c.__dict__["allow_global_per_layer_attribute_access"] = True
+                try:
+                    _original(self, config, *args, **kwargs)
+                finally:
+                    for c in (config, text):
+                        if before[id(c)] is None:
+                            c.__dict__.pop("allow_global_per_layer_attribute_access", None)
+                        else:
+                            c.__dict__["allow_global_per_layer_attribute_access"] = before[id(c)]
+
+            cls.__init__ = head_init
+        originals.update(globals_)
         for cls, original in originals.items():
+            if cls in globals_:
+                continue
             @functools.wraps(original)
             def init(self, config, layer_idx=None, *args, _original=original, **kwargs):
                 if layer_idx is not None and getattr(config, "is_heterogeneous", False):
@@ -203,7 +229,7 @@ def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, bl
     that :func:`load_pretrained` reads back.
     """
     from .block_surgery import find_model_blocks, slice_block_state_dict
-    from .blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_kind_of, resolve_block_target
+    from .blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_kinds_of, resolve_block_target
     from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
     from .geometry import GDNShape, apply_targets_to_config, layer_index_of
     from .layouts import find_gdn_modules
@@ -226,7 +252,7 @@ def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, bl
     if blocks is not None or block_orders:
         per_block = isinstance(blocks, Mapping) and not set(blocks) <= set(BLOCK_FIELDS)
         named = set(block_orders or {}) | (set(blocks) if per_block else set())
-        kinds = {kind.name for p in named if (kind := block_kind_of(p)) is not None}
+        kinds = {kind.name for p in named for kind in block_kinds_of(p)}
         kinds |= {k.name for k in KINDS.values() if not per_block and set(blocks or {}) & set(k.config_keys)}
         found = find_model_blocks(model, sorted(kinds))  # only the kinds asked for: others may be unsupported
         by_prefix = {b.prefix: b for b in found}

@@ -28,9 +28,9 @@ import json
 import os
 from typing import Any, Mapping
 
-from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, resolve_block_target
+from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, block_kinds_of, resolve_block_target
 from .fileio import write_json_atomic
-from .geometry import GDNShape
+from .geometry import GDNShape, layer_index_of
 from .scores import match_layers
 from .targets import TARGET_FIELDS, TargetError, resolve_target
 
@@ -42,6 +42,7 @@ __all__ = [
     "resolve_block_plan",
     "PlanError",
     "read_plan",
+    "removed_layers",
     "resolve_plan",
     "save_plan",
     "constraint_violations",
@@ -107,11 +108,22 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
     if not layers and plan.get("default") is None:
         raise PlanError(f"{where}: names no layer and has no 'default': nothing to cut")
     out = dict(plan)
-    out["layers"] = {}
+    out["layers"], removed = {}, set()
     for prefix, entry in layers.items():
         if not isinstance(prefix, str):
             raise PlanError(f"{where}: layer keys must be GDN layer prefixes, found {prefix!r}")
-        kind = block_kind_of(prefix)
+        if isinstance(entry, Mapping) and "removed" in entry:  # a decoder layer to drop (gdnprune.depth)
+            if version == 1 or set(entry) != {"removed"} or not isinstance(entry["removed"], bool):
+                raise PlanError(f"{where}: layers[{prefix!r}]: a removal is {{\"removed\": true}} alone, in a "
+                                f"version-2 plan; found {dict(entry)!r} in version {version}")
+            try:
+                index = layer_index_of(prefix)
+            except ValueError as exc:
+                raise PlanError(f"{where}: layers[{prefix!r}]: {exc}") from None
+            if entry["removed"]:
+                removed.add(index)
+            continue
+        kind = block_kind_of(prefix, entry if isinstance(entry, Mapping) else ())
         if kind is not None and version == 1:
             raise PlanError(f"{where}: layers[{prefix!r}] is a {kind.name} sub-block; plan version 1 cuts only GDN "
                             f"layers (write version 2)")
@@ -120,7 +132,14 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
     if plan.get("default") is not None:
         allowed = TARGET_FIELDS if version == 1 else TARGET_FIELDS + BLOCK_FIELDS
         out["default"] = _check_fields(plan["default"], f"{where}: default", allowed)
+    if removed:
+        out["removed_layers"] = sorted(removed)
     return out
+
+
+def removed_layers(plan: str | os.PathLike | Mapping) -> list[int]:
+    """The decoder layers a plan removes (entries ``{"removed": true}``, numbered as in its input)."""
+    return list(read_plan(plan).get("removed_layers", []))
 
 
 def _gdn_part(plan: Mapping) -> tuple[dict, dict]:
@@ -133,7 +152,7 @@ def _gdn_part(plan: Mapping) -> tuple[dict, dict]:
 def plan_block_kinds(plan: str | os.PathLike | Mapping) -> set[str]:
     """The sub-block kinds a plan cuts (named entries, or fields of ``default``)."""
     plan = read_plan(plan)
-    kinds = {kind.name for p in plan["layers"] if (kind := block_kind_of(p)) is not None}
+    kinds = {kind.name for p in plan["layers"] for kind in block_kinds_of(p)}
     default = set(plan.get("default") or {})
     return kinds | {k.name for k in KINDS.values() if default & set(k.config_keys)}
 

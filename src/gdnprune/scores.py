@@ -131,9 +131,9 @@ def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
 
 def _check_block_payload(prefix: str, payload: Mapping, source: str) -> None:
     """A sub-block's payload: its ``shape`` (the geometry's fields) and orders that fit it."""
-    kind = block_kind_of(prefix)
+    shape = payload.get("shape")
+    kind = block_kind_of(prefix, shape if isinstance(shape, Mapping) else ())
     try:
-        shape = payload.get("shape")
         if not isinstance(shape, Mapping):
             raise ValueError(f"shape must be an object of the {kind.geometry.__name__} fields, found "
                              f"{type(shape).__name__}")

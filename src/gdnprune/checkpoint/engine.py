@@ -112,13 +112,15 @@ class ShardPlan:
         return list(self._entries)
 
     def lay_out(self, gdn_shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None = None,
-                dropped: set[str] = frozenset()) -> None:
+                dropped: set[str] = frozenset(), names: Mapping[str, str | None] | None = None) -> None:
         """Place every tensor (GDN tensor ``name`` gets shape ``gdn_shapes[name]`` and dtype ``dtypes[name]``
-        when given; tensors in ``dropped`` are left out) and build the header."""
+        when given; tensors in ``dropped`` are left out; ``names`` renames source tensors in the output, a
+        gather over names: per-expert tensors renumbered, layers renumbered after a removal) and build the
+        header."""
         entries, runs, position = [], [], 0
-        dtypes = dtypes or {}
+        dtypes, names = dtypes or {}, names or {}
         for t in self.src.tensors.values():  # ordered by offset
-            if t.name in dropped:
+            if t.name in dropped or (t.name in names and names[t.name] is None):
                 continue
             dtype = dtypes.get(t.name, t.dtype)
             if t.name in gdn_shapes:
@@ -131,7 +133,7 @@ class ShardPlan:
                     runs[-1][2] += nbytes
                 elif nbytes:
                     runs.append([t.start, position, nbytes])
-            entries.append((t.name, dtype, shape, position, position + nbytes))
+            entries.append((names.get(t.name, t.name), dtype, shape, position, position + nbytes))
             position += nbytes
         header = encode_header(entries, self.src.metadata)
         data_start = _aligned_start(len(header), runs)
@@ -236,8 +238,9 @@ class GDNWork:
     SIGBUS as a memory map would) or copied in the kernel.
     """
 
-    def __init__(self, ckpt: Checkpoint, shards: list[ShardPlan], plans: dict[str, LayerPlan]):
-        self.ckpt, self.shards, self.plans = ckpt, shards, plans
+    def __init__(self, ckpt: Checkpoint, shards: list[ShardPlan], plans: dict[str, LayerPlan], *,
+                 names: Mapping[str, str | None] | None = None):
+        self.ckpt, self.shards, self.plans, self.names = ckpt, shards, plans, dict(names or {})
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -264,9 +267,10 @@ class GDNWork:
                 if job not in jobs_seen:  # the pieces of a split fused tensor are one job
                     jobs_seen.add(job)
                     self.jobs.append((plan, job[1]))
-            shard.lay_out(shapes, dtypes, dropped)
+            shard.lay_out(shapes, dtypes, dropped, self.names)
         self.total_bytes = sum(end - begin for shard in shards for _, _, begin, end in shard.gdn_entries.values())
         self.dropped = {plan.layer.name(s) for plan in plans.values() for s in plan.dropped}
+        self.dropped |= {name for name, new in self.names.items() if new is None}
         # The main thread copies the unchanged bytes shard by shard from the first; the GDN jobs start from
         # the last shard, so that the two threads write different files (writes to one file serialise,
         # presumably on its inode lock: measured 1.9 s of waiting on the benchmark checkpoint) until they meet.

@@ -231,7 +231,8 @@ class GDNLayer:
     tensors: dict[str, TensorInfo]
     splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
     scales: dict[str, Any] = field(default_factory=dict)
-    kind: str = "gdn"  # or a sub-block kind of gdnprune.blocks ("attention", "mlp", "shared_expert")
+    kind: str = "gdn"  # or a sub-block kind of gdnprune.blocks ("attention", "mlp", "shared_expert", "experts")
+    numbered: dict = field(default_factory=dict)  # experts.N.* suffix -> shape (renamed, not gathered)
 
     def rule(self, suffix: str):
         """The rule of tensor ``suffix``: the layout's, or the block rule of an FP8 scale tensor."""
@@ -338,7 +339,7 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
     for block in blocks:
         tensors = {s: checkpoint.tensor(f"{block.prefix}.{s}") for s in block.tensors}
         layer = _check_layer(block.prefix, get_layout(block.layout), block.shape, tensors, _block_size(checkpoint))
-        layer.kind = block.kind
+        layer.kind, layer.numbered = block.kind, block.numbered
         layers.append(layer)
     return layers
 
@@ -356,7 +357,7 @@ def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
             continue
         for layer in layers:
             fixed = [n for n in ckpt.names if n.startswith(layer.prefix + ".") and n[len(layer.prefix) + 1:]
-                     not in layer.tensors]
+                     not in layer.tensors and not n[len(layer.prefix) + 1:].startswith(KINDS[kind].excludes)]
             parameters = layer.parameters + sum(ckpt.tensor(n).numel for n in fixed)
             out.append({"prefix": layer.prefix, "kind": kind, "layout": layer.layout, **layer.shape.as_dict(),
                         "parameters": parameters})

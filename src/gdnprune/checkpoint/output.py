@@ -290,15 +290,19 @@ def write_json(path: Path, value: Any, indent: int = 2) -> None:
         f.write("\n")
 
 
-def write_index(ckpt: Checkpoint, tmp: Path, entries: list[tuple], dropped: set[str] = frozenset()) -> None:
+def write_index(ckpt: Checkpoint, tmp: Path, entries: list[tuple], dropped: set[str] = frozenset(),
+                names: Mapping[str, str | None] | None = None) -> None:
     """The output's safetensors index: the source index with the sizes of the output tensors ``entries``
-    (``(name, dtype, shape, begin, end)``), without the tensors ``dropped``; nothing for a single-file
-    checkpoint."""
+    (``(name, dtype, shape, begin, end)``), without the tensors ``dropped``, source tensors renamed by
+    ``names`` (None: dropped); nothing for a single-file checkpoint."""
     if ckpt.index is None:
         return
     index = json.loads(json.dumps(ckpt.index))
     for name in dropped:
         index.get("weight_map", {}).pop(name, None)
+    if names and isinstance(index.get("weight_map"), dict):
+        weight_map = {names.get(n, n): f for n, f in index["weight_map"].items() if names.get(n, n) is not None}
+        index["weight_map"] = dict(sorted(weight_map.items()))
     metadata = index.setdefault("metadata", {})
     if not isinstance(metadata, dict):
         metadata = index["metadata"] = {}

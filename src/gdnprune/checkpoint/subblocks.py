@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_indices, block_kind_of, \
-    orders_from_payload, orders_to_payload, resolve_block_target
+from ..blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_indices, block_kind_of, block_kinds_of, \
+    numbered_name_map, orders_from_payload, orders_to_payload, resolve_block_target
 from ..geometry import layer_index_of
 from ..layouts import BlockGridError
 from ..plans import plan_block_kinds, read_plan, resolve_block_plan
@@ -36,6 +36,7 @@ class SubBlockPlan:
     plans: dict[str, LayerPlan] = field(default_factory=dict)
     targets: dict[str, dict[int, Any]] = field(default_factory=dict)
     passthrough: list[str] = field(default_factory=list)  # mtp.* modules of a kind that is cut, left as they are
+    names: dict[str, str | None] = field(default_factory=dict)  # per-expert tensors renumbered (None: dropped)
 
     @property
     def cut(self) -> bool:
@@ -85,7 +86,7 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
         ScoresError, TargetError, PlanError: orders or targets that do not fit.
     """
     kinds = {k.name for k in KINDS.values() if set(target) & set(k.config_keys)}
-    kinds |= {block_kind_of(p).name for p in orders_in}
+    kinds |= {kind.name for p in orders_in for kind in block_kinds_of(p)}
     if plan is not None:
         kinds |= plan_block_kinds(plan)
     if not kinds:
@@ -120,6 +121,7 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
         if orders is not None or targets[prefix] != layer.shape:
             indices = block_indices(layer.shape, targets[prefix], orders)
             out.plans[prefix] = LayerPlan(layer, targets[prefix], indices, orders)
+            out.names.update(numbered_name_map(layer, indices))
     check_scale_grids(out.plans, dequantize)
     cut_kinds = {p.layer.kind for p in out.plans.values() if p.target != p.layer.shape}
     out.passthrough = sorted({n.rsplit(".", 2)[0] for n in ckpt.names if n.startswith("mtp.")

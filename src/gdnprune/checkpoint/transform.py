@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..geometry import apply_targets_to_config, layer_index_of
-from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
+from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
 from ..fileio import file_sha256
 from ..scores import read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
-from .. import compensate
+from .. import compensate, depth
 from . import output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
@@ -71,6 +71,7 @@ def transform_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
+    remove_layers: Any = None,
 ) -> dict:
     """Permute and/or cut every GDN layer of a checkpoint folder into a new folder, streaming.
 
@@ -111,6 +112,9 @@ def transform_checkpoint(
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
         manifest_extra: extra top-level entries for the manifest.
+        remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.depth`): their
+            tensors are dropped, later layers' tensors renumbered (bytes unchanged), ``config.json`` gets
+            ``num_hidden_layers``, ``layer_types`` and ``per_layer_config`` rewritten; ``mtp.*`` is kept.
 
     Permuting and slicing are one gather per GDN tensor (``permutation.indices(shape, target=...)``);
     every other tensor is copied byte for byte; dtypes, shard names and the tensor-to-shard assignment are
@@ -130,7 +134,7 @@ def transform_checkpoint(
     if self_contained:
         manifest_extra = {"self_contained": remote_code.MODELING_NAME, **dict(manifest_extra or {})}
     return _transform(src, out, permutations, target, plan, (tp, multiple_of, dequantize), (compensation, ridge),
-                      operation, overwrite, progress, manifest_extra, self_contained)
+                      operation, overwrite, progress, manifest_extra, self_contained, remove_layers)
 
 
 def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple[dict, list[str]]:
@@ -154,15 +158,24 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
 
 
 def _transform(src: Path, out: Path, permutations, target, plan, constraints, refit_options, operation, overwrite,
-               progress, manifest_extra, self_contained: bool) -> dict:
+               progress, manifest_extra, self_contained: bool, remove_layers=None) -> dict:
     start_time = time.time()
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
     layers, skipped = find_gdn_layers(ckpt)
     (target, block_target), (permutations, block_orders) = subblocks.split_target(target), \
         subblocks.split_permutations(permutations)
+    removed = list(remove_layers or []) + (sorted(removed_layers(plan)) if plan is not None else [])
+    removed = depth.check_removed(removed, depth.num_layers_of(ckpt.config)) if removed else []
     plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
     blocks = subblocks.plan_sub_blocks(ckpt, block_orders, block_target, plan, dequantize=constraints[2])
+    if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered
+        plans = {p: lp for p, lp in plans.items() if layer_index_of(p) not in removed}
+        blocks.plans = {p: lp for p, lp in blocks.plans.items() if layer_index_of(p) not in removed}
+        blocks.targets = {k: {i: t for i, t in v.items() if i not in removed} for k, v in blocks.targets.items()}
+        blocks.names = depth.compose_names(
+            blocks.names, depth.removal_name_map(ckpt.names, depth.num_layers_of(ckpt.config), removed))
+        manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
     gdn_names = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
@@ -209,7 +222,7 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     staging = output.Staging(out, overwrite, src=src)
     with staging as tmp:
         shards = plan_shards(ckpt, gdn_names, tmp)
-        work = GDNWork(ckpt, shards, {**plans, **blocks.plans})
+        work = GDNWork(ckpt, shards, {**plans, **blocks.plans}, names=blocks.names)
 
         def worker_main() -> None:
             try:
@@ -258,7 +271,7 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
             if blocks.plans:
                 manifest_extra = {"blocks": blocks.manifest(), **dict(manifest_extra or {})}
             manifest = _finish_folder(ckpt, tmp, work, operation, permutations, cut, plan, missing, skipped,
-                                      other_files, manifest_extra, blocks)
+                                      other_files, manifest_extra, blocks, removed)
             if self_contained:
                 remote_code.make_self_contained(tmp)
             check_unchanged(ckpt)
@@ -275,19 +288,21 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
 
 
 def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, cut, plan, missing, skipped,
-                   other_files, manifest_extra, blocks: subblocks.SubBlockPlan) -> dict:
+                   other_files, manifest_extra, blocks: subblocks.SubBlockPlan, removed=()) -> dict:
     """Index, config, other files and manifest of the output folder."""
     from ..geometry import orders_to_payload
 
     gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
 
-    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped)
+    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped, work.names)
     dequantized = [f"{prefix}.{suffix[: -len('.weight')]}" for prefix, p in work.plans.items() for suffix in sorted(p.dequantize)]
-    if cut or dequantized:
+    if cut or dequantized or removed:
         config = ckpt.config
         if cut:
             config = apply_targets_to_config(config, {layer_index_of(prefix): p.target for prefix, p in gdn_plans.items()})
             config = blocks.apply_to_config(config)
+        if removed:
+            config = depth.remove_layers_from_config(config, removed)
         if dequantized:
             config = _not_converted(config, dequantized)
         output.write_json(tmp / CONFIG_NAME, config)
@@ -370,20 +385,22 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
                      multiple_of: int | None = None, compensation: str | os.PathLike | Mapping | None = None,
                      ridge: float | None = None, dequantize: bool = False, self_contained: bool = False,
                      overwrite: bool = False, progress: bool = True,
-                     manifest_extra: Mapping[str, Any] | None = None) -> dict:
+                     manifest_extra: Mapping[str, Any] | None = None, remove_layers: Any = None) -> dict:
     """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
     ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
     size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
-    ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers. ``plan`` gives every
+    ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers, ``num_experts`` keeps that
+    many routed experts per MoE layer. ``remove_layers`` removes decoder layers (numbers as in the input,
+    :mod:`gdnprune.depth`), alone or with a target or plan. ``plan`` gives every
     layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """
-    if target is None and plan is None:
+    if target is None and plan is None and not remove_layers:
         raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ") or a plan")
     return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, tp=tp, multiple_of=multiple_of,
                                 compensation=compensation, ridge=ridge, dequantize=dequantize, operation="slice",
                                 self_contained=self_contained, overwrite=overwrite, progress=progress,
-                                manifest_extra=manifest_extra)
+                                manifest_extra=manifest_extra, remove_layers=remove_layers)

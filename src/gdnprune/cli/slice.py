@@ -33,6 +33,12 @@ def add_parser(subparsers) -> None:
                         help="query heads of every full-attention layer, a multiple of the key-value heads")
     blocks.add_argument("--num-key-value-heads", dest="num_key_value_heads", type=positive_int, metavar="N",
                         help="key-value heads (GQA groups) of every full-attention layer")
+    blocks.add_argument("--num-experts", dest="num_experts", type=positive_int, metavar="N",
+                        help="routed experts kept in every MoE layer (the first N: sort first; the router keeps "
+                             "their rows; num_experts_per_tok is unchanged and must be <= N)")
+    p.add_argument("--remove-layers", dest="remove_layers", metavar="I,J", default=None,
+                   help="remove these decoder layers (numbered as in the input, e.g. 3,7): their tensors are "
+                        "dropped, later layers renumbered, config.json rewritten; mtp.* is kept")
     add_plan_arguments(p)
     p.add_argument("--compensation-stats", metavar="STATS.safetensors", default=None,
                    help="refit out_proj by least squares to reconstruct the full layer output, from these "
@@ -55,17 +61,23 @@ def run(args) -> int:
     from ..blocks import BLOCK_FIELDS
     from ..targets import TargetError
 
+    from ..depth import parse_layer_list
+
     sub_blocks = {f: getattr(args, f) for f in BLOCK_FIELDS if getattr(args, f) is not None}
     if sub_blocks and args.plan is not None:
         raise TargetError("give a target (--intermediate-size, ...) or --plan, not both")
-    target = target_from_args(args, required=not sub_blocks)
+    remove = parse_layer_list(args.remove_layers) if args.remove_layers is not None else None
+    target = target_from_args(args, required=not sub_blocks and not remove and args.plan is None)
     if sub_blocks:
         target = {**(target or {}), **sub_blocks}
     manifest = slice_checkpoint(args.model_dir, args.output, target=target, plan=args.plan, tp=args.tp,
                                 multiple_of=args.multiple_of, compensation=args.compensation_stats, ridge=args.ridge,
                                 dequantize=args.dequantize, self_contained=args.self_contained,
+                                remove_layers=remove,
                                 overwrite=args.overwrite, progress=not args.quiet)
     line = summary(manifest, args.output)
+    if manifest.get("removed_layers"):
+        line += f"; removed decoder layers {manifest['removed_layers']}"
     if manifest.get("blocks"):
         kinds: dict[str, int] = {}
         for entry in manifest["blocks"].values():

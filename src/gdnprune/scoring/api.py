@@ -88,10 +88,11 @@ def measure_statistics(
     if blocks:
         from ..block_surgery import find_model_blocks
         from .blocks import BlockScorer
+        from .experts import ExpertScorer
 
         block_method = method if method != "random" else "activation"  # random: no statistics are used
-        block_scorers = [BlockScorer(b, model.get_submodule(b.prefix), block_method)
-                         for b in find_model_blocks(model, _supported_kinds(model))]
+        block_scorers = [(ExpertScorer if b.kind == "experts" else BlockScorer)(
+            b, model.get_submodule(b.prefix), block_method) for b in find_model_blocks(model, _supported_kinds(model))]
     if method == "random":
         layers = {}
         for prefix, module in modules:

@@ -274,6 +274,10 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
 def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
     """The score payload of a sub-block (a :class:`gdnprune.blocks.Block`) from its (summed) statistics
     (:class:`gdnprune.scoring.blocks.BlockScorer`): orders, raw scores, geometry."""
+    if block.kind == "experts":  # routed experts: REAP or frequency (gdnprune.scoring.experts)
+        from .experts import expert_payload
+
+        return expert_payload(block, stats, method)
     n = max(int(stats["num_tokens"]), 1)
     activation = stats["abs_sum"] / n
     payload: dict[str, Any] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),

@@ -1,0 +1,126 @@
+"""Importance of routed experts and of whole decoder layers (issue 23), from the calibration forwards.
+
+Experts (:class:`ExpertScorer`, a hook on the experts module, which receives every token's chosen experts
+and their gate weights): for expert ``e`` and the tokens ``t`` routed to it, ``g_e(t)`` the gate weight and
+``y_e(t)`` the expert's output, the statistics are ``count_e`` (how often the router picks ``e``: the
+frequency baseline) and ``sum_t g_e(t) ||y_e(t)||``. The default order (REAP, Cerebras 2025: router-weighted
+expert activation pruning) ranks by the mean over routed tokens, ``sum_t g_e(t) ||y_e(t)|| / count_e``; an
+expert never routed scores 0. The hook recomputes each expert's output for its tokens (the module does not
+expose it), which doubles the expert compute of a scoring pass. Orders and scores go into the scores file
+under the MoE layer's prefix (``layers.N.mlp``), which ``sort`` applies (:func:`expert_payload`).
+
+Layers (:func:`block_influence`, ShortGPT's block influence): ``1 - cos(x, f(x))`` between a decoder layer's
+input and output hidden states, averaged over tokens; a layer that barely turns the residual stream is
+cheap to remove. A one-pass proxy of the removal sensitivity, not a measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES"]
+
+#: the expert measure of each scoring method: ``projection`` (the default) -> REAP, ``activation`` -> frequency
+EXPERT_MEASURES = {"projection": "reap", "activation": "frequency"}
+
+
+class ExpertScorer:
+    """The hook and float64 statistics of the routed experts of one MoE layer (a loaded model's
+    ``mlp.experts`` module: fused ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], ``act_fn``).
+
+    Statistics (sums over tokens, so that batches and processes add up): ``num_tokens``, ``count`` [E],
+    ``weighted_norm`` [E] (sum of gate weight x output norm over the tokens routed to each expert).
+    """
+
+    def __init__(self, block: Any, module: torch.nn.Module, method: str = "projection") -> None:
+        experts = getattr(module, "experts", None)
+        if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
+            raise ValueError(f"{block.prefix}: expected an MoE module with fused experts (experts.gate_up_proj, "
+                             f"experts.down_proj), found {type(module).__name__}")
+        self.block, self.method, self.experts = block, method, experts
+        n = block.shape.num_experts
+        self.stats: dict[str, torch.Tensor] = {"num_tokens": torch.zeros((), dtype=torch.int64),
+                                               "count": torch.zeros(n, dtype=torch.float64),
+                                               "weighted_norm": torch.zeros(n, dtype=torch.float64)}
+        self.token_mask: torch.Tensor | None = None
+
+    def attach(self) -> list[Any]:
+        return [self.experts.register_forward_hook(self._on_forward)]
+
+    @torch.no_grad()
+    def _on_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        hidden, index, weights = args[:3]
+        if self.token_mask is not None:  # padding tokens are left out (the module sees tokens flattened)
+            keep = self.token_mask.to(hidden.device).reshape(-1)
+            if keep.numel() == hidden.shape[0]:
+                hidden, index, weights = hidden[keep], index[keep], weights[keep]
+        self.stats["num_tokens"] += hidden.shape[0]
+        for e in torch.unique(index).tolist():
+            if not 0 <= e < self.stats["count"].numel():
+                continue
+            token, slot = torch.where(index == e)
+            x = hidden[token]
+            gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(module.act_fn(gate) * up, module.down_proj[e])
+            g = weights[token, slot].to(torch.float64)
+            self.stats["count"][e] += token.numel()
+            self.stats["weighted_norm"][e] += (g * y.to(torch.float64).norm(dim=-1)).sum().cpu()
+
+
+def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
+    """The score payload of one MoE layer's experts: the order of the method's measure (REAP for
+    ``projection``, frequency for ``activation``; ties keep the lower expert first) and both raw scores."""
+    from ..blocks import orders_to_payload
+
+    count, weighted = stats["count"].to(torch.float64), stats["weighted_norm"].to(torch.float64)
+    tokens = max(int(stats["num_tokens"]), 1)
+    reap = torch.where(count > 0, weighted / count.clamp_min(1), torch.zeros_like(weighted))
+    frequency = count / tokens
+    measure = EXPERT_MEASURES.get(method, "reap")
+    score = reap if measure == "reap" else frequency
+    order = torch.argsort(-score, stable=True)
+    return {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(), "method": method,
+            "expert_measure": measure, **orders_to_payload({"experts": order.numpy()}),
+            "expert_scores": score.tolist(), "expert_reap": reap.tolist(), "expert_frequency": frequency.tolist(),
+            "num_tokens": int(stats["num_tokens"])}
+
+
+@torch.no_grad()
+def block_influence(model: torch.nn.Module, batches: Iterable[Any]) -> dict[int, float]:
+    """``{layer index: mean over tokens of 1 - cos(input, output)}`` of every decoder layer (block influence),
+    from one pass over ``batches`` (token ids, or ``(ids, mask)``; masked tokens are left out)."""
+    from ..forwards import decoder_blocks, hidden_argument, input_device, unpack_batch
+
+    layers = list(decoder_blocks(model))
+    sums, counts = [0.0] * len(layers), [0] * len(layers)
+    state: dict[str, Any] = {}
+
+    def hook_for(i):
+        def hook(module, args, kwargs, output):
+            x = hidden_argument(args, kwargs)
+            y = output[0] if isinstance(output, tuple) else output
+            x, y = x.to(torch.float64), y.to(torch.float64)
+            cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
+            mask = state.get("mask")
+            if mask is not None:
+                cos = cos[mask.to(cos.device)]
+            sums[i] += float((1 - cos).sum())
+            counts[i] += cos.numel()
+        return hook
+
+    handles = [layer.register_forward_hook(hook_for(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    device = input_device(model)
+    try:
+        for batch in batches:
+            ids, mask = unpack_batch(batch)
+            state["mask"] = None if mask is None else mask.bool()
+            kwargs = {"use_cache": False}
+            if mask is not None:
+                kwargs["attention_mask"] = mask.to(device).long()
+            model(input_ids=ids.to(device), **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: sums[i] / max(counts[i], 1) for i in range(len(layers))}
