@@ -25,6 +25,8 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py                  # both parts (a few minutes)
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --gradient-checkpointing
     python benchmarks/distill_scale.py --table-only                       # part 2 only (seconds)
+    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --hidden 2048 --layers 12 --batch-size 2 --seq-len 128 \\
+        --modes fsdp+teacher fsdp ddp                            # 428M teacher: DDP ~9.5 GB per process
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ WORKER = textwrap.dedent('''
             self.steps.append(time.perf_counter() - self.start)
 
     mode, out = sys.argv[1], sys.argv[2]
-    steps, batch, seq_len, layers, checkpointing = map(int, sys.argv[4:9])
-    teacher, student = build_pair(layers)
+    steps, batch, seq_len, layers, checkpointing, hidden = map(int, sys.argv[4:10])
+    teacher, student = build_pair(layers, hidden)
     fsdp = mode.startswith("fsdp")
     sharding = "shard" if "teacher" in mode else "replicate"
     lm_only = mode.endswith("lm")
@@ -103,8 +105,8 @@ LABELS = {"ddp": "DDP", "fsdp": "FSDP2 (student)", "fsdp+teacher": "FSDP2 (stude
 
 
 def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
-    """A random Qwen3.5 text model (hidden 1024, 3 GDN + 1 attention per 4 layers, GDN 16/16 heads of 128,
-    MLP 1024, vocabulary 32000, tied embeddings) and its GDN half-slice (8 key and 8 value heads)."""
+    """A random Qwen3.5 text model (hidden and MLP ``hidden``, 3 GDN + 1 attention per 4 layers, GDN 16/16
+    heads of 128, vocabulary 32000, tied embeddings) and its GDN half-slice (8 key and 8 value heads)."""
     import torch
     import transformers
 
@@ -131,7 +133,8 @@ def measure(args) -> dict:
         for mode in args.modes:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    str(script), mode, tmp, str(args.threads), str(args.steps), str(args.batch_size),
-                   str(args.seq_len), str(args.layers), str(int(args.gradient_checkpointing))]
+                   str(args.seq_len), str(args.layers), str(int(args.gradient_checkpointing)),
+                   str(args.hidden)]
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
@@ -139,7 +142,7 @@ def measure(args) -> dict:
             ranks = [json.loads((Path(tmp) / f"{mode}-{r}.json").read_text()) for r in (0, 1)]
             results[mode] = {"ranks": ranks, "wall": time.perf_counter() - start}
             print(f"  {mode}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return results
+    return {mode: results[mode] for mode in MODES if mode in results}  # reported in this order
 
 
 def _mean(xs):
@@ -154,7 +157,8 @@ def _median(xs):
 def report_measured(results: dict, args) -> None:
     first = next(iter(results.values()))["ranks"][0]
     sizes = first["teacher_parameters"] / 1e6, first["student_parameters"] / 1e6
-    print(f"Teacher {sizes[0]:.1f}M parameters, student {sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
+    print(f"Teacher {sizes[0]:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), student "
+          f"{sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
           f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, "
           f"{'gradient checkpointing, ' if args.gradient_checkpointing else ''}{args.threads} "
           f"thread(s) per process. Peak = the high-water mark of resident memory while training (reset when the "
@@ -287,7 +291,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=4, help="global batch (2 processes)")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size and MLP width of the teacher")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute the decoder layers")
