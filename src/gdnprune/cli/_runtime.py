@@ -52,7 +52,7 @@ class _FallbackNote(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if _FALLBACK not in record.getMessage():
             return True
-        if not self.quiet and not self.shown:
+        if not self.quiet and not self.shown and os.environ.get("RANK", "0") == "0":  # one note per launch
             self.shown = True
             print(f"gdnprune {self.command}: note: the GDN layers run transformers' reference PyTorch kernels "
                   f"(correct, but slow); on a GPU, `pip install flash-linear-attention causal-conv1d` gives the "
