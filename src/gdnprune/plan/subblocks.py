@@ -38,6 +38,7 @@ class BlockToPlan:
                  candidates: Sequence[Any]):
         self.block, self.module, self.orders = block, module, orders
         self.prefix, self.shape, self.candidates = block.prefix, block.shape, list(candidates)
+        self.key = block.prefix  # the prefix the scores (and the plan file) use
 
     def sorted_state(self) -> dict[str, torch.Tensor]:
         """The block's tensors (materialised if offloaded), keyed as in the model, sorted by its orders."""
@@ -89,26 +90,35 @@ def _geometry_attributes(target: Any) -> dict[str, int]:
     return {}
 
 
-def plannable_blocks(model: torch.nn.Module, kinds: Sequence[str], payload_of: Mapping[str, Any], *, step: Any,
-                     tp: int | None, multiple_of: int | None, orders_applied: bool) -> list[BlockToPlan]:
+def plannable_blocks(model: torch.nn.Module, kinds: Sequence[str], score_layers: Mapping[str, Any] | None, *,
+                     step: Any, tp: int | None, multiple_of: int | None, orders_applied: bool) -> list[BlockToPlan]:
     """The sub-blocks of ``kinds`` of ``model`` with their candidates (:func:`gdnprune.blocks.block_candidates`)
-    and the scores' orders (``payload_of``: block prefix -> its scores payload).
+    and the scores' orders (``score_layers``: a scores file's ``layers``; ``key`` of each: its prefix there).
 
     Raises:
         ValueError: a sub-block the scores have no orders for (score with the sub-blocks first).
     """
     from ..block_surgery import find_model_blocks
     from ..blocks import block_candidates
+    from ..scores import match_layers
 
+    found = find_model_blocks(model, kinds) if kinds else []
+    if score_layers is not None:
+        score_layers = {k: v for k, v in score_layers.items() if isinstance(v, Mapping) and v.get("kind") in kinds}
+    payload_of = match_layers(score_layers, [b.prefix for b in found]) if score_layers is not None else {}
+    key_of = {}
+    for key in score_layers or {}:
+        key_of.update({p: key for p in match_layers({key: None}, [b.prefix for b in found])})
     out = []
-    for block in find_model_blocks(model, kinds) if kinds else []:
+    for block in found:
         if not orders_applied and block.prefix not in payload_of:
             raise ValueError(f"the scores have no orders for the {block.kind} sub-block {block.prefix}; score this "
-                             f"model with its sub-blocks (gdnprune score --blocks) or leave {block.kind} out of "
-                             f"`blocks`")
+                             f"model with its sub-blocks (gdnprune score --sub-blocks, score_checkpoint(..., "
+                             f"blocks=True)) or leave {block.kind} out of `blocks`")
         cands = [c.target for c in block_candidates(block, step=step, tp=tp, multiple_of=multiple_of)]
         out.append(BlockToPlan(block, model.get_submodule(block.prefix),
                                None if orders_applied else payload_of[block.prefix], cands))
+        out[-1].key = key_of.get(block.prefix, block.prefix)
     return out
 
 
