@@ -230,3 +230,66 @@ def test_prune_with_a_whole_model_budget_halves_the_model_and_says_so(folder, tm
     assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "x"), "--budget-params", "0.05",
                  "--num-samples", "4", "--seq-len", "40", "-q"]) == 2
     assert "no plan meets the budgets" in capsys.readouterr().err
+
+
+def test_an_active_parameter_budget_on_a_moe_model_counts_the_routed_experts_at_k_of_e(tmp_path, capsys):
+    """Qwen3.5-MoE: active parameters = every parameter less the routed experts' unused share (a token runs
+    num_experts_per_tok of num_experts), counted on the loaded sliced model; the shared experts and attention
+    shrink to meet it."""
+    import json
+
+    from gdnprune import load_pretrained
+    from gdnprune.cli import main
+    from test_checkpoint import make_source
+
+    src = make_source(tmp_path / "moe", "qwen3_5_moe", seed=2)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["experts route tokens and the plan counts them"] * 300))
+    assert main(["score", str(src), "--data", str(text), "--output", str(tmp_path / "s.json"), "--num-samples", "2",
+                 "--seq-len", "32", "--sub-blocks", "--quiet"]) == 0
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(src), "--scores", str(tmp_path / "s.json"), "--data", str(text), "--output", str(out),
+                 "--budget-active-params", "0.8", "--blocks", "attention,shared_expert", "--dim-step", "1/2",
+                 "--num-samples", "2", "--seq-len", "32", "-q"]) == 0
+    capsys.readouterr()
+    plan = json.loads(out.read_text())
+    assert not any(k.endswith("linear_attn") for k in plan["layers"])  # --blocks left the GDN layers out
+    assert main(["slice", str(src), "--plan", str(out), "-o", str(tmp_path / "sliced"), "-q"]) == 0
+
+    def active(model):
+        text_config = model.config.get_text_config(decoder=True)
+        share = text_config.num_experts_per_tok / text_config.num_experts
+        total = 0.0
+        for name, p in model.named_parameters():
+            routed = ".mlp.experts." in name
+            total += p.numel() * (share if routed else 1.0)
+        return total
+
+    full = load_pretrained(src, dtype=torch.float32)
+    cut = load_pretrained(tmp_path / "sliced", dtype=torch.float32)
+    assert active(full) != sum(p.numel() for p in full.parameters())  # the routed experts are there
+    assert active(cut) <= 0.8 * active(full) < active(full)
+    assert plan["totals"]["active_params"] == pytest.approx(active(full))
+    assert plan["totals"]["active_params_kept"] == pytest.approx(active(cut))
+
+
+def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_runs_on_sub_blocks():
+    from gdnprune.plan import check_budgets, plan_model
+    from gdnprune.scoring import score_model
+
+    model = _model("qwen3_5", seed=1)
+    for options, words in ((dict(budget_memory=0.5), "`context`"), (dict(budget_params=0.5, blocks=["mlp", "ffn"]),
+                                                                     "`blocks`"),
+                           (dict(budget_params=0.5, uniform=True), "uniform"),
+                           (dict(budget_params=0.5, blocks=["mlp"], budget_state=0.5), "leaves them out")):
+        with pytest.raises(ValueError, match=words):
+            check_budgets(model, **options)
+    ids = _ids(seed=2, batch=4, seq=16)
+    with pytest.raises(ValueError, match="sub-blocks"):  # scores without the sub-blocks' orders
+        plan_model(model, [ids], score_model(model, [ids], progress=False), budget_params=0.8, progress=False)
+    scores = score_model(model, [ids], progress=False, blocks=True)
+    plan, report = plan_model(model, [ids[:2], ids[2:]], scores, budget_params=0.75, blocks=["attention", "mlp"],
+                              sensitivity="measured", refine_generations=2, refine_offspring=3, progress=False)
+    refined = report["refinement"]
+    assert refined["kl"] <= refined["seed_kl"] and plan["totals"]["model_params_kept"] <= 0.75 * plan["totals"]["model_params"]
+    assert {k.rsplit(".", 1)[-1] for k in plan["layers"]} == {"self_attn", "mlp"}

@@ -131,9 +131,10 @@ def format_plan(plan: dict, report: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     totals = plan["totals"]
-    lines.append(f"GDN parameters kept: {totals['gdn_params_kept']:,} of {totals['gdn_params']:,} "
-                 f"({totals['gdn_params_fraction']:.1%}); recurrent state kept: {totals['state_bytes_kept']:,} of "
-                 f"{totals['state_bytes']:,} bytes per sequence ({totals['state_fraction']:.1%})")
+    if "gdn_params" in totals:
+        lines.append(f"GDN parameters kept: {totals['gdn_params_kept']:,} of {totals['gdn_params']:,} "
+                     f"({totals['gdn_params_fraction']:.1%}); recurrent state kept: {totals['state_bytes_kept']:,} of "
+                     f"{totals['state_bytes']:,} bytes per sequence ({totals['state_fraction']:.1%})")
     lines += model_summary(plan, report)
     what = "summed KL (per token)" if measured else "summed proxy"
     lines.append(f"predicted {what}: {plan['predicted']['summed_sensitivity']:.4g}"

@@ -149,7 +149,9 @@ def _score(args, mode: str) -> int:
                     stats_path = args.compensation_stats
                     save_statistics(stats, stats_path, model=model_identity(args.model_dir))
                     path = f"{path} (compensation statistics: {stats_path})"
-            done = f"{len(scores['layers'])} GDN layers scored with {args.method!r} on {scores['num_tokens']} tokens"
+            subs = sum(1 for payload in scores["layers"].values() if "kind" in payload)
+            done = (f"{len(scores['layers']) - subs} GDN layers" + (f" and {subs} sub-blocks" if subs else "")
+                    + f" scored with {args.method!r} on {scores['num_tokens']} tokens")
             run = None
     if main:
         processes = run.world_size if run is not None else scores["world_size"]

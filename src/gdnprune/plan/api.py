@@ -177,10 +177,10 @@ def plan_model(
         "predicted": {"summed_sensitivity": float(sum(v[pick] for v, pick in zip(values, picks))),
                       **({"measured_losses_of_chosen": [losses[i][pick] for i, pick in enumerate(picks)]}
                          if losses else {})},
-        "totals": {"gdn_params": totals["params"], "gdn_params_kept": kept["params"],
-                   "gdn_params_fraction": kept["params"] / totals["params"],
-                   "state_bytes": totals["state"], "state_bytes_kept": kept["state"],
-                   "state_fraction": kept["state"] / totals["state"],
+        "totals": {**({"gdn_params": totals["params"], "gdn_params_kept": kept["params"],
+                       "gdn_params_fraction": kept["params"] / totals["params"],
+                       "state_bytes": totals["state"], "state_bytes_kept": kept["state"],
+                       "state_fraction": kept["state"] / totals["state"]} if layers else {}),
                    **_model_totals(problem, picks)},
         "grid": {"dim_step": str(step), "axes": list(axes), "tp": tp, "multiple_of": multiple_of,
                  **({"blocks": sorted({b.block.kind for b in sub} | ({"gdn"} if layers else set())),
@@ -188,6 +188,7 @@ def plan_model(
         "scores": {"sha256": _scores_hash(scores), "method": data.get("method")},
         "kernel_warnings": kernel_warnings({key_of[p]: c.target for p, c in chosen.items()}),
     }
+    whole_costs = problem["whole_costs"] or {}
     report = {
         "sensitivity": sensitivity,
         "seconds": round(seconds, 3),
@@ -211,7 +212,7 @@ def plan_model(
             key_of.get(b.prefix, b.prefix): {
                 "kind": b.block.kind, "shape": b.shape.as_dict(), "chosen": picks[n + j],
                 "candidates": [
-                    {"target": _block_entry(b, t), **{name: costs[name][n + j][k] for name in costs},
+                    {"target": _block_entry(b, t), **{name: table_[n + j][k] for name, table_ in whole_costs.items()},
                      "sensitivity": values[n + j][k], **({"loss": losses[n + j][k]} if losses else {}),
                      **({"windows": measured["windows"][b.prefix][k],
                          "survivor": survivors[n + j][k]} if survivors else {})}
