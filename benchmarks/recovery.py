@@ -102,7 +102,7 @@ def plan_student(teacher, shape: GDNShape, target: GDNShape, scores: dict, calib
     else:
         uniform = slice_model(teacher, target)
         budget = sum(p.numel() for _, m in find_gdn_modules(uniform) for p in m.parameters())
-        plan, _ = plan_model(teacher, list(calibration[:16].split(4)), scores, budget_params=budget, dim_step="1/4",
+        plan, _ = plan_model(teacher, list(calibration[:16].split(4)), scores, budget_gdn_params=budget, dim_step="1/4",
                              progress=False)
         results.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(plan, indent=1))

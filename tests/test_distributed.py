@@ -233,7 +233,7 @@ WORKER = textwrap.dedent('''
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         code = main(["plan", model, "--scores", out + "/projection.json", "--data", data, "--output",
-                     out + "/plan.json", "--budget-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
+                     out + "/plan.json", "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
                      "--seq-len", "%d", "--batch-size", "1", "--quiet", "--threads", "1"])
     results["plan"] = {"code": code, "err": err.getvalue()}
     call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
@@ -279,7 +279,7 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
     alone = tmp_path / "alone.json"
     assert main(["plan", str(model_dir), "--scores", str(tmp_path / "projection.json"), "--data", str(text_file),
-                 "--output", str(alone), "--budget-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
+                 "--output", str(alone), "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
                  "--seq-len", str(SEQ), "--batch-size", "1", "--quiet"]) == 0
     assert json.loads(alone.read_text())["layers"] == plan["layers"]
     single_report = json.loads((tmp_path / "alone.sensitivity.json").read_text())

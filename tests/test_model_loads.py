@@ -34,7 +34,7 @@ def test_prune_with_a_searched_plan_and_sequential_refit_loads_the_model_once(fo
     original = gdnprune.loading.load_pretrained
     monkeypatch.setattr(gdnprune.loading, "load_pretrained", lambda *a, **k: loads.append(a) or original(*a, **k))
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-params", "0.5", "--dim-step",
+    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-gdn-params", "0.5", "--dim-step",
                  "1/2", "--num-samples", "4", "--plan-samples", "2", "--seq-len", "72", "--compensate",
                  "sequential", "--refine", "lanes", "--quiet"]) == 0
     assert len(loads) == 1  # scoring, lane refinement, the plan search and the refit share it
@@ -57,7 +57,7 @@ def test_the_proxy_plan_reads_no_weights(folder, tmp_path):
     shell = _weightless_copy(src, tmp_path / "shell")
     with pytest.raises(Exception):
         load_causal_lm(shell, device="cpu")  # the placeholders are really unreadable
-    options = dict(sensitivity="proxy", budget_params=0.5, dim_step="1/2")
+    options = dict(sensitivity="proxy", budget_gdn_params=0.5, dim_step="1/2")
     plan, report = plan_checkpoint(shell, None, scores, **options)
     reference, reference_report = plan_model(load_pretrained(src, dtype=torch.float32), None, scores, **options)
     assert {k: v for k, v in plan.items() if k != "model"} == reference

@@ -17,7 +17,7 @@ SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_
 def test_every_layout_plans_and_an_unknown_module_is_named(model_type):
     model = build_model(model_type, SHAPE)
     scores = score_model(model, [], method="random", progress=False)
-    plan, report = plan_model(model, None, scores, sensitivity="proxy", budget_params=0.5, dim_step="1/2")
+    plan, report = plan_model(model, None, scores, sensitivity="proxy", budget_gdn_params=0.5, dim_step="1/2")
     assert plan["totals"]["gdn_params_fraction"] <= 0.5
     prefix, module = find_gdn_modules(model)[0]
     for name, child in list(module.named_children()):  # the same module, its projections renamed
@@ -25,4 +25,4 @@ def test_every_layout_plans_and_an_unknown_module_is_named(model_type):
             delattr(module, name)
             setattr(module, f"renamed_{name}", child)
     with pytest.raises(ValueError, match=rf"{prefix}: a {type(module).__name__} of no known GDN layout"):
-        plan_model(model, None, scores, sensitivity="proxy", budget_params=0.5, dim_step="1/2")
+        plan_model(model, None, scores, sensitivity="proxy", budget_gdn_params=0.5, dim_step="1/2")

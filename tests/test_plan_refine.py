@@ -249,7 +249,7 @@ def test_budgets_are_checked_before_any_forward(case):
         yield
 
     with pytest.raises(BudgetError, match="no plan meets the budgets"):
-        plan_model(model, batches(), scores, budget_params=0.001, dim_step="1/2", progress=False)
+        plan_model(model, batches(), scores, budget_gdn_params=0.001, dim_step="1/2", progress=False)
 
 
 def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path, capsys, monkeypatch):
@@ -262,7 +262,7 @@ def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path,
         raise AssertionError("scored before the budgets were checked")
 
     monkeypatch.setattr(gdnprune.scoring, "score_checkpoint", never)
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p"), "--budget-params", "0.001",
+    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p"), "--budget-gdn-params", "0.001",
                  "--quiet"]) == 2
     assert "no plan meets the budgets" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
@@ -276,7 +276,7 @@ def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, ca
     src, text, scores = folder
     out = tmp_path / "plan.json"
     assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
-                 "--budget-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "72",
+                 "--budget-gdn-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "72",
                  "--refine-generations", "2", "--refine-offspring", "3", "-q"]) == 0
     stdout = capsys.readouterr().out
     assert "joint refinement: KL of the whole cut model" in stdout
@@ -292,7 +292,7 @@ def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, ca
     assert (tmp_path / "plan.sensitivity.png").stat().st_size > 1000
     with pytest.raises(SystemExit) as exit_:
         main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "x.json"),
-              "--budget-params", "0.5", "--sensitivity", "proxy", "--refine-generations", "-1"])
+              "--budget-gdn-params", "0.5", "--sensitivity", "proxy", "--refine-generations", "-1"])
     assert exit_.value.code == 2
     assert "expected an integer >= 0" in capsys.readouterr().err
 
@@ -305,7 +305,7 @@ def test_prune_with_a_plan_uses_its_scores_or_says_why_not(folder, tmp_path, cap
 
     src, text, scores = folder
     plan = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--output", str(plan), "--budget-params", "0.5",
+    assert main(["plan", str(src), "--scores", str(scores), "--output", str(plan), "--budget-gdn-params", "0.5",
                  "--sensitivity", "proxy", "--dim-step", "1/2", "-q"]) == 0
     out = tmp_path / "pruned"
     assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--plan", str(plan), "--scores",
@@ -334,7 +334,7 @@ WORKER = '''
 import json, sys
 from gdnprune.cli import main
 model, scores, text, out = sys.argv[1:5]
-code = main(["plan", model, "--scores", scores, "--data", text, "--output", out + "/two.json", "--budget-params",
+code = main(["plan", model, "--scores", scores, "--data", text, "--output", out + "/two.json", "--budget-gdn-params",
              "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40", "--refine-generations", "2",
              "--refine-offspring", "3", "--quiet", "--threads", "1"])
 sys.exit(code)
@@ -361,7 +361,7 @@ def test_two_processes_under_torchrun_find_the_plan_one_process_finds(folder, tm
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(tmp_path / "one.json"),
-                 "--budget-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40",
+                 "--budget-gdn-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40",
                  "--refine-generations", "2", "--refine-offspring", "3", "--quiet", "--threads", "1"]) == 0
     two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
     assert two["layers"] == one["layers"] and two["refined"] == one["refined"]

@@ -163,9 +163,9 @@ def test_measured_sensitivity_on_a_dispatched_model_matches():
     model = build_model("qwen3_5", SHAPE, seed=4)
     x = windows(seed=2)
     scores = score_model(model, [x], progress=False)
-    plan, report = plan_model(model, [x], scores, budget_params=0.6, dim_step="1/2", progress=False)
+    plan, report = plan_model(model, [x], scores, budget_gdn_params=0.6, dim_step="1/2", progress=False)
     dispatched = dispatch_model(build_model("qwen3_5", SHAPE, seed=4), device_map={"": "cpu"})
-    plan_d, report_d = plan_model(dispatched, [x], scores, budget_params=0.6, dim_step="1/2", progress=False)
+    plan_d, report_d = plan_model(dispatched, [x], scores, budget_gdn_params=0.6, dim_step="1/2", progress=False)
     assert plan_d["layers"] == plan["layers"]
     for prefix, layer in report["layers"].items():
         assert [c["sensitivity"] for c in report_d["layers"][prefix]["candidates"]] == pytest.approx(
@@ -218,12 +218,12 @@ def test_plan_command_writes_the_plan_its_report_and_plot(folder, tmp_path, caps
     src, text, scores = folder
     out = tmp_path / "plan.json"
     assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
-                 "--budget-params", "0.5", "--dim-step", "1/2", "--num-samples", "2", "--seq-len", "72", "-q"]) == 0
+                 "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "2", "--seq-len", "72", "-q"]) == 0
     stdout = capsys.readouterr().out
     assert "predicted summed KL" in stdout and "GDN parameters kept" in stdout
     plan = json.loads(out.read_text())
     assert plan["format"] == "gdnprune-plan" and plan["totals"]["gdn_params_fraction"] <= 0.5
-    assert plan["budgets"]["params"]["given"] == 0.5
+    assert plan["budgets"]["gdn_params"]["given"] == 0.5
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
     assert set(report["layers"]) == set(plan["layers"])
     assert (tmp_path / "plan.sensitivity.png").stat().st_size > 1000
@@ -234,11 +234,11 @@ def test_plan_command_writes_the_plan_its_report_and_plot(folder, tmp_path, caps
     kept = sum(p.numel() for _, m in find_gdn_modules(model) for p in m.parameters())
     assert kept == plan["totals"]["gdn_params_kept"]
     # an existing plan is not replaced without --overwrite; budgets that nothing meets say why
-    assert main(["plan", str(src), "--scores", str(scores), "--output", str(out), "--budget-params", "0.5",
+    assert main(["plan", str(src), "--scores", str(scores), "--output", str(out), "--budget-gdn-params", "0.5",
                  "--sensitivity", "proxy"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "p2.json"),
-                 "--budget-params", "10", "--sensitivity", "proxy"]) == 2
+                 "--budget-gdn-params", "10", "--sensitivity", "proxy"]) == 2
     assert "no plan meets the budgets" in capsys.readouterr().err
     assert main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "p3.json"),
                  "--sensitivity", "proxy"]) == 2
@@ -265,7 +265,7 @@ def test_uniform_and_state_budgets(folder, tmp_path, capsys):
 def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, capsys):
     src, text, _ = folder
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-params", "0.5", "--dim-step",
+    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-gdn-params", "0.5", "--dim-step",
                  "1/2", "--num-samples", "4", "--plan-samples", "2", "--seq-len", "72", "--quiet",
                  "--self-contained"]) == 0
     assert "under the budget" in (line := capsys.readouterr().out) and "self-contained" in line
@@ -277,6 +277,6 @@ def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, cap
     model = load_pretrained(out, dtype=torch.float32)
     assert 0 < _gdn_params(model) <= 0.5 * _gdn_params(load_pretrained(src, dtype=torch.float32))
     assert model(input_ids=windows(1, 80, vocab=11)).logits.isfinite().all()
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "x"), "--budget-params", "0.5",
+    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "x"), "--budget-gdn-params", "0.5",
                  "--num-key-heads", "1"]) == 2
     assert "exactly one of" in capsys.readouterr().err

@@ -35,8 +35,8 @@ def prune_checkpoint(
     fields ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` also score, sort and cut the MLPs and attention layers), ``plan`` (a plan
     file or dict, :mod:`gdnprune.plans`), or ``search`` — the options of :func:`gdnprune.plan.plan_model`
-    (``budget_params``, ``budget_state``, ``sensitivity``, ``dim_step``, ``axes``, ``uniform``): the plan is
-    then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
+    (``budget_params`` of the whole model, ``budget_gdn_params``, ``budget_state``, ``sensitivity``, ...): the
+    plan is then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
     options of :func:`gdnprune.scoring.score_checkpoint` (``refine="lanes"`` included). ``compensate``
     (``True`` or ``"statistics"``) collects the least-squares statistics in the scoring pass and refits every
     cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is
@@ -68,7 +68,7 @@ def prune_checkpoint(
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
         raise TargetError("give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
-                          f"(`budget_params` / `budget_state`); got {given or 'none'}")
+                          f"(`budget_params`, `budget_gdn_params`, ...); got {given or 'none'}")
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     ckpt = open_checkpoint(model_dir)
@@ -87,7 +87,9 @@ def prune_checkpoint(
         resolve_plan(checked, shapes)
         _check_plan_scores(checked, scores)
     # the sub-blocks a target or plan cuts (checked now, scored beside the GDN layers)
-    sub_blocks = bool(plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans)
+    whole = search is not None and any(search.get(f"budget_{name}") is not None
+                                       for name in ("params", "active_params", "memory"))
+    sub_blocks = whole or bool(plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans)
     if sub_blocks and sequential:
         raise TargetError("sequential compensation refits GDN layers on a model whose attention and MLPs are "
                           "whole; it does not support attention / MLP cuts yet (use compensate=\"statistics\")")

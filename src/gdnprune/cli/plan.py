@@ -11,7 +11,8 @@ from ._options import add_calibration_arguments, add_constraint_arguments, add_d
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "plan"
-HELP = "choose every GDN layer's width under a parameter or state budget (measured sensitivity + exact MILP)"
+HELP = ("choose every layer's widths (GDN, attention heads, MLP channels) under parameter, memory or state budgets "
+        "(measured sensitivity + exact MILP)")
 
 
 def _budget(text: str) -> float:
@@ -29,9 +30,22 @@ def _budget(text: str) -> float:
 def add_search_arguments(p) -> None:
     """The budget and search options, shared with ``gdnprune prune``."""
     p.add_argument("--budget-params", type=_budget, metavar="X",
-                   help="GDN parameters to keep: a fraction (e.g. 0.5) or an absolute count")
+                   help="parameters of the whole model to keep, embeddings included: a fraction (e.g. 0.5) or an "
+                        "absolute count; every sub-block of --blocks may shrink")
+    p.add_argument("--budget-active-params", type=_budget, metavar="X",
+                   help="parameters used per token to keep (routed experts count num_experts_per_tok/num_experts of "
+                        "theirs; without MoE the same as --budget-params): a fraction or a count")
+    p.add_argument("--budget-memory", type=_budget, metavar="X",
+                   help="inference memory per sequence to keep: GDN recurrent state (float32) plus the attention "
+                        "layers' KV cache at --context tokens (model dtype): a fraction or bytes")
+    p.add_argument("--context", type=positive_int, metavar="N",
+                   help="tokens per sequence of --budget-memory's KV cache (required with it)")
+    p.add_argument("--budget-gdn-params", type=_budget, metavar="X",
+                   help="GDN parameters to keep: a fraction or a count (given alone, only GDN layers are cut)")
     p.add_argument("--budget-state", type=_budget, metavar="X",
                    help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes")
+    p.add_argument("--blocks", default="gdn,attention,mlp,shared_expert", metavar="LIST",
+                   help="what may shrink under a whole-model budget (default all: gdn,attention,mlp,shared_expert)")
     p.add_argument("--sensitivity", choices=("halving", "measured", "proxy"), default="halving",
                    help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
                         "windows, by successive halving (every candidate on a few windows, those that can be "
@@ -56,17 +70,27 @@ def add_search_arguments(p) -> None:
 
 def search_options(args) -> dict:
     """The keyword arguments of :func:`gdnprune.plan.plan_model` given on the command line."""
-    return dict(budget_params=args.budget_params, budget_state=args.budget_state, sensitivity=args.sensitivity,
+    return dict(budget_params=args.budget_params, budget_gdn_params=args.budget_gdn_params,
+                budget_active_params=args.budget_active_params, budget_memory=args.budget_memory,
+                budget_state=args.budget_state, context=args.context,
+                blocks=[b.strip() for b in args.blocks.split(",") if b.strip()], sensitivity=args.sensitivity,
                 dim_step=args.dim_step, axes=[a.strip() for a in args.axes.split(",") if a.strip()], tp=args.tp,
                 multiple_of=args.multiple_of, uniform=args.uniform, refine_generations=args.refine_generations,
                 refine_offspring=args.refine_offspring, refine_seed=args.refine_seed)
 
 
+def any_budget(args) -> bool:
+    """Whether the command line gives a budget."""
+    return any(getattr(args, f"budget_{name}") is not None
+               for name in ("params", "active_params", "memory", "gdn_params", "state"))
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME, help=HELP,
-        description="Measure how much each GDN layer suffers from every candidate width (the KL divergence from "
-                    "the unpruned model when that layer alone is cut, by successive halving or in full, or a proxy "
+        description="Measure how much each GDN layer, and under a whole-model budget (--budget-params, "
+                    "--budget-active-params, --budget-memory) each attention and MLP sub-block, suffers from every "
+                    "candidate width (the KL divergence from the unpruned model when that sub-block alone is cut, by successive halving or in full, or a proxy "
                     "from the scores), then choose one candidate per layer that minimises the summed sensitivity "
                     "within the budgets (an exact multiple-choice knapsack, scipy's MILP); with "
                     "--refine-generations, improve that plan by measuring whole plans. The budgets are checked "
@@ -107,9 +131,11 @@ def format_plan(plan: dict, report: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     totals = plan["totals"]
-    lines.append(f"GDN parameters kept: {totals['gdn_params_kept']:,} of {totals['gdn_params']:,} "
-                 f"({totals['gdn_params_fraction']:.1%}); recurrent state kept: {totals['state_bytes_kept']:,} of "
-                 f"{totals['state_bytes']:,} bytes per sequence ({totals['state_fraction']:.1%})")
+    if "gdn_params" in totals:
+        lines.append(f"GDN parameters kept: {totals['gdn_params_kept']:,} of {totals['gdn_params']:,} "
+                     f"({totals['gdn_params_fraction']:.1%}); recurrent state kept: {totals['state_bytes_kept']:,} of "
+                     f"{totals['state_bytes']:,} bytes per sequence ({totals['state_fraction']:.1%})")
+    lines += model_summary(plan, report)
     what = "summed KL (per token)" if measured else "summed proxy"
     lines.append(f"predicted {what}: {plan['predicted']['summed_sensitivity']:.4g}"
                  + (f"; base loss {report['base_loss']:.4f} on {report['tokens']:,} tokens, "
@@ -121,6 +147,27 @@ def format_plan(plan: dict, report: dict) -> str:
                      f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
                      f"window forwards in {refined['seconds']:.1f} s)")
     return "\n".join(lines)
+
+
+def model_summary(plan: dict, report: dict | None = None) -> list[str]:
+    """The whole-model lines of a plan: every budget's share kept and the parameters split over sub-blocks."""
+    totals = plan.get("totals", {})
+    if "model_params" not in totals:
+        return []
+    lines = []
+    for prefix, block in ((report or {}).get("blocks") or {}).items():
+        t = block["candidates"][block["chosen"]]
+        lines.append(f"{prefix}: " + ", ".join(f"{k}={v}" for k, v in t["target"].items())
+                     + f"  params {t['params']:,.0f} ({t['params'] / block['candidates'][0]['params']:.0%})"
+                     + f"  KL {t['sensitivity']:.4g}")
+    lines.append(f"model parameters kept: {totals['model_params_kept']:,.0f} of {totals['model_params']:,.0f} "
+                 f"({totals['model_params_fraction']:.1%}); active per token: {totals['active_params_fraction']:.1%}"
+                 + (f"; memory per sequence: {totals['memory_bytes_kept']:,.0f} of {totals['memory_bytes']:,.0f} "
+                    f"bytes ({totals['memory_bytes_fraction']:.1%})" if "memory_bytes" in totals else ""))
+    lines.append("split: " + ", ".join(f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f}"
+                                       f" ({v['params_kept'] / max(v['params'], 1):.0%})"
+                                       for kind, v in totals["split"].items()))
+    return lines
 
 
 def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool) -> list[str]:
@@ -190,8 +237,9 @@ def _plan(args) -> int:
         if args.sensitivity != "proxy" and args.data is None:
             raise ValueError("the measured sensitivity needs calibration text: give --data FILE (or --sensitivity "
                              "proxy)")
-        if args.budget_params is None and args.budget_state is None:
-            raise ValueError("give a budget: --budget-params and/or --budget-state")
+        if not any_budget(args):
+            raise ValueError("give a budget: --budget-params, --budget-active-params, --budget-memory, "
+                             "--budget-gdn-params and/or --budget-state")
     if args.threads is None:
         args.threads = plan_threads(args.model_dir, args.seq_len)
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})

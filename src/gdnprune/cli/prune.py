@@ -5,7 +5,7 @@ from __future__ import annotations
 from ._options import add_calibration_arguments, add_output_arguments, add_refine_arguments, \
     add_self_contained_argument, add_target_arguments, positive_int, scoring_options, target_from_args
 from ._runtime import add_runtime_arguments, model_runtime
-from .plan import add_search_arguments, search_options
+from .plan import add_search_arguments, any_budget, model_summary, search_options
 
 NAME = "prune"
 HELP = "score + (plan) + sort + slice a checkpoint in one command"
@@ -16,8 +16,9 @@ def add_parser(subparsers) -> None:
         NAME, help=HELP,
         description="Score the GDN layers of MODEL_DIR on calibration text, then sort every layer by importance "
                     "and cut it in one streaming pass: to one target (--num-key-heads ...; axes not given keep "
-                    "their size), to a plan (--plan), or to the plan searched under a budget (--budget-params / "
-                    "--budget-state, as `gdnprune plan` does).",
+                    "their size), to a plan (--plan), or to the plan searched under a budget (--budget-params: of the "
+                    "whole model, attention and MLP widths included; --budget-gdn-params / --budget-state: of the GDN "
+                    "layers alone; as `gdnprune plan` does).",
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)")
     add_output_arguments(p)
@@ -53,7 +54,7 @@ def run(args) -> int:
     if info is not None and info.world_size > 1:
         raise ValueError(f"prune runs in one process (found a launch of {info.world_size}); under torchrun, run "
                          f"`gdnprune score` (and `gdnprune plan`) there, then `sort` and `slice` in one process")
-    budget = args.budget_params is not None or args.budget_state is not None
+    budget = any_budget(args)
     target = target_from_args(args, required=not budget and args.plan is None)
     search = search_options(args) if budget else None
     if search is not None:
@@ -76,9 +77,16 @@ def run(args) -> int:
     if budget:
         plan = manifest.get("plan", {}).get("metadata", {})
         totals = plan.get("totals", {})
-        what += (f" under the budget ({totals.get('gdn_params_fraction', 0):.1%} of GDN parameters, "
-                 f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
+        if "model_params" in totals:
+            what += (f" under the budget ({totals['model_params_fraction']:.1%} of the model's parameters kept: "
+                     f"{totals['model_params_kept']:,.0f} of {totals['model_params']:,.0f})")
+        else:
+            what += (f" under the budget ({totals.get('gdn_params_fraction', 0):.1%} of GDN parameters, "
+                     f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
     how = f"sorted by {args.scores}" if args.scores else f"scored with {args.method!r}, sorted"
     also = f" (self-contained: {manifest['self_contained']})" if manifest.get("self_contained") else ""
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
+    if budget:
+        for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:
+            print(f"  {line}")
     return 0

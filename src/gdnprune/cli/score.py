@@ -31,6 +31,9 @@ def add_parser(subparsers) -> None:
                    help="Hugging Face model folder (config, weights, tokenizer); not with --merge")
     add_output_arguments(p, metavar="SCORES.json", help="scores file to write", required=False, folder=False)
     add_calibration_arguments(p, data_required=False)
+    p.add_argument("--sub-blocks", action="store_true",
+                   help="also score the attention heads, MLP and shared-expert channels (orders beside the GDN "
+                        "layers' in the same file): what a whole-model plan (plan --budget-params) sorts and cuts")
     q = p.add_argument_group("one-shot quality")
     add_refine_arguments(q)
     q.add_argument("--compensation-stats", metavar="STATS.safetensors", default=None,
@@ -115,7 +118,7 @@ def _score(args, mode: str) -> int:
             check_output_file(target, args.overwrite)
             if mode == "scores" and args.compensation_stats:
                 check_output_file(args.compensation_stats, args.overwrite)
-    options = dict(progress=not args.quiet, **scoring_options(args))
+    options = dict(progress=not args.quiet, blocks=args.sub_blocks, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
         if not main:  # the ranks see the same data and model: rank 0 speaks for them
@@ -146,7 +149,9 @@ def _score(args, mode: str) -> int:
                     stats_path = args.compensation_stats
                     save_statistics(stats, stats_path, model=model_identity(args.model_dir))
                     path = f"{path} (compensation statistics: {stats_path})"
-            done = f"{len(scores['layers'])} GDN layers scored with {args.method!r} on {scores['num_tokens']} tokens"
+            subs = sum(1 for payload in scores["layers"].values() if "kind" in payload)
+            done = (f"{len(scores['layers']) - subs} GDN layers" + (f" and {subs} sub-blocks" if subs else "")
+                    + f" scored with {args.method!r} on {scores['num_tokens']} tokens")
             run = None
     if main:
         processes = run.world_size if run is not None else scores["world_size"]

@@ -15,6 +15,7 @@ from ..plans import PLAN_FORMAT, PLAN_VERSION, kernel_warnings
 from ..scores import match_layers, read_scores
 from .candidates import AXES, layer_candidates, parse_dim_step
 from .solve import BudgetError, choose, choose_among, choose_uniform
+from .subblocks import BLOCK_NAMES
 
 __all__ = ["SENSITIVITIES", "STATE_BYTES", "BudgetError", "budget_limit", "check_budgets", "plan_checkpoint",
            "plan_model"]
@@ -40,7 +41,12 @@ def plan_model(
     scores: str | Path | Mapping,
     *,
     budget_params: float | None = None,
+    budget_gdn_params: float | None = None,
+    budget_active_params: float | None = None,
+    budget_memory: float | None = None,
     budget_state: float | None = None,
+    context: int | None = None,
+    blocks: Sequence[str] = BLOCK_NAMES,
     sensitivity: str = "halving",
     dim_step: str | float | int = "1/8",
     axes: Sequence[str] = AXES,
@@ -53,15 +59,26 @@ def plan_model(
     refine_seed: int = 0,
     progress: bool = True,
 ) -> tuple[dict, dict]:
-    """Choose every GDN layer's target under the budgets; returns ``(plan, report)``.
+    """Choose every GDN layer's target, and every sub-block's, under the budgets; returns ``(plan, report)``.
+
+    With only GDN budgets (``budget_gdn_params``, ``budget_state``) only GDN layers are cut. With a
+    whole-model budget (``budget_params``, ``budget_active_params``, ``budget_memory``) every sub-block of
+    ``blocks`` is a candidate group too (:mod:`.subblocks`), and one exact MILP chooses all of them.
 
     Args:
         model: a loaded transformers model with GDN layers (the unsorted model the scores describe).
         batches: calibration batches for the measured sensitivity (unused by ``"proxy"``).
         scores: the scores file (or dict) of ``model``; its orders sort each layer before it is cut, and the
             proxy reads its raw scores.
-        budget_params: GDN parameters kept: a fraction of the model's (<= 1) or a count.
+        budget_params: every parameter of the model (embeddings included) kept: a fraction (<= 1) or a count.
+        budget_gdn_params: GDN parameters kept: a fraction of the GDN layers' (<= 1) or a count.
+        budget_active_params: parameters used per token (routed experts count ``k / E`` of theirs; without
+            MoE the same as ``budget_params``): a fraction or a count.
+        budget_memory: inference memory per sequence, GDN recurrent state (float32) plus the attention
+            layers' KV cache at ``context`` tokens (in the model's dtype): a fraction or bytes.
         budget_state: recurrent-state bytes per sequence (float32) kept: a fraction (<= 1) or bytes.
+        context: tokens per sequence of ``budget_memory``'s KV cache.
+        blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.subblocks.BLOCK_NAMES`).
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: the candidates that can be chosen
             on every window, the others on a few, :mod:`.halving`), ``"measured"`` (every candidate on every
             window: the exact reference) or ``"proxy"`` (output energy removed, from the scores).
@@ -84,33 +101,24 @@ def plan_model(
         ValueError: bad options, a scores file that does not fit the model, or budgets no plan meets
             (:class:`~gdnprune.plan.solve.BudgetError`).
     """
-    from ..layouts import find_gdn_modules
-    from .sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity
+    from .sensitivity import measured_sensitivity, proxy_sensitivity
 
     if sensitivity not in SENSITIVITIES:
         raise ValueError(f"unknown sensitivity {sensitivity!r}; expected one of {list(SENSITIVITIES)}")
-    if budget_params is None and budget_state is None:
-        raise ValueError("give a budget: `budget_params` and/or `budget_state`")
     step = parse_dim_step(dim_step)
     data = read_scores(scores)
-    modules = find_gdn_modules(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no GDN layers to plan")
-    payload_of = match_layers(data["layers"], [p for p, _ in modules])
-    missing = [p for p, _ in modules if p not in payload_of]
-    if missing:
-        raise ValueError(f"the scores have no entry for the GDN layers {missing[:3]}; score this model first")
-    key_of = {}  # module prefix -> the prefix the scores use (checkpoint names: the plan file uses them)
-    for key in data["layers"]:
-        key_of.update({p: key for p in match_layers({key: None}, [p for p, _ in modules])})
-
-    table = _candidate_table(modules, step, axes, tp, multiple_of)
-    layers = [LayerToPlan(prefix, module, None if orders_applied else orders_from_payload(
-        payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
-        for (prefix, module), cands in zip(modules, table)]
-    totals, budgets, costs = _budget_costs(table, budget_params, budget_state)
+    given = dict(params=budget_params, gdn_params=budget_gdn_params, active_params=budget_active_params,
+                 memory=budget_memory, state=budget_state)
+    problem = _problem(model, given, data["layers"], context=context, blocks=blocks, step=step, axes=axes, tp=tp,
+                       multiple_of=multiple_of, orders_applied=orders_applied, uniform=uniform)
+    table, layers, sub = problem["table"], problem["layers"], problem["blocks"]
+    budgets, costs, key_of = problem["budgets"], problem["costs"], problem["key_of"]
+    groups = layers + sub
     keys = [[c.target for c in cands] for cands in table]
-    _check_feasible(table, costs, budgets, uniform)  # before any forward
+    if sub and sensitivity == "proxy":
+        raise ValueError("the proxy sensitivity covers GDN layers only; measure the sub-blocks (sensitivity "
+                         "\"halving\" or \"measured\") or let only GDN layers shrink (`blocks` [\"gdn\"])")
+    payload_of = problem["payload_of"]
 
     start = time.perf_counter()
     survivors = None
@@ -119,14 +127,14 @@ def plan_model(
             raise ValueError("measured sensitivity needs calibration batches")
         batches = list(batches)
         if sensitivity == "measured":
-            measured = measured_sensitivity(model, batches, layers, progress=progress)
+            measured = measured_sensitivity(model, batches, groups, progress=progress)
         else:
             from .halving import halving_sensitivity
 
-            measured = halving_sensitivity(model, batches, layers, costs, budgets, progress=progress)
-            survivors = [measured["survivors"][layer.prefix] for layer in layers]
-        values = [measured["kl"][layer.prefix] for layer in layers]
-        losses = [measured["loss"][layer.prefix] for layer in layers]
+            measured = halving_sensitivity(model, batches, groups, costs, budgets, progress=progress)
+            survivors = [measured["survivors"][layer.prefix] for layer in groups]
+        values = [measured["kl"][layer.prefix] for layer in groups]
+        losses = [measured["loss"][layer.prefix] for layer in groups]
         extra = {"base_loss": measured["base_loss"], "tokens": measured["tokens"], "forwards": measured["forwards"],
                  **({"rungs": measured["rungs"]} if survivors else {})}
     else:
@@ -146,33 +154,41 @@ def plan_model(
             raise ValueError("the joint refinement needs calibration batches and a heterogeneous plan (not --uniform)")
         from .joint import refine_plan
 
-        refinement = refine_plan(model, batches, layers, costs, budgets, picks, generations=refine_generations,
+        refinement = refine_plan(model, batches, groups, costs, budgets, picks, generations=refine_generations,
                                  offspring=refine_offspring, seed=refine_seed, progress=progress)
         picks = refinement["picks"]
+    n = len(layers)
     chosen = {layer.prefix: table[i][pick] for i, (layer, pick) in enumerate(zip(layers, picks))}
     kept = {"params": sum(c.params for c in chosen.values()),
             "state": sum(c.state for c in chosen.values()) * STATE_BYTES}
-    given = {"params": budget_params, "state": budget_state}
+    totals = problem["gdn_totals"]
+    entries = {key_of[p]: c.target.as_dict() for p, c in chosen.items()}
+    for b, pick in zip(sub, picks[n:]):
+        entries[key_of.get(b.prefix, b.prefix)] = _block_entry(b, b.candidates[pick])
     plan = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
-        "layers": {key_of[p]: c.target.as_dict() for p, c in chosen.items()},
+        "layers": entries,
         "sensitivity": sensitivity,
         "uniform": bool(uniform),
-        "budgets": {name: {"given": given[name], "limit": round(limit, 3)} for name, limit in budgets.items()},
+        "budgets": {name: {"given": given[name], "limit": round(problem["limits"][name], 3)} for name in budgets},
         **({"refined": {k: refinement[k] for k in ("generations", "offspring", "seed", "seed_kl", "kl", "windows")}}
            if refinement else {}),
         "predicted": {"summed_sensitivity": float(sum(v[pick] for v, pick in zip(values, picks))),
                       **({"measured_losses_of_chosen": [losses[i][pick] for i, pick in enumerate(picks)]}
                          if losses else {})},
-        "totals": {"gdn_params": totals["params"], "gdn_params_kept": kept["params"],
-                   "gdn_params_fraction": kept["params"] / totals["params"],
-                   "state_bytes": totals["state"], "state_bytes_kept": kept["state"],
-                   "state_fraction": kept["state"] / totals["state"]},
-        "grid": {"dim_step": str(step), "axes": list(axes), "tp": tp, "multiple_of": multiple_of},
+        "totals": {**({"gdn_params": totals["params"], "gdn_params_kept": kept["params"],
+                       "gdn_params_fraction": kept["params"] / totals["params"],
+                       "state_bytes": totals["state"], "state_bytes_kept": kept["state"],
+                       "state_fraction": kept["state"] / totals["state"]} if layers else {}),
+                   **_model_totals(problem, picks)},
+        "grid": {"dim_step": str(step), "axes": list(axes), "tp": tp, "multiple_of": multiple_of,
+                 **({"blocks": sorted({b.block.kind for b in sub} | ({"gdn"} if layers else set())),
+                     "context": context} if problem["whole"] else {})},
         "scores": {"sha256": _scores_hash(scores), "method": data.get("method")},
         "kernel_warnings": kernel_warnings({key_of[p]: c.target for p, c in chosen.items()}),
     }
+    whole_costs = problem["whole_costs"] or {}
     report = {
         "sensitivity": sensitivity,
         "seconds": round(seconds, 3),
@@ -192,6 +208,19 @@ def plan_model(
             }
             for i, layer in enumerate(layers)
         },
+        **({"blocks": {
+            key_of.get(b.prefix, b.prefix): {
+                "kind": b.block.kind, "shape": b.shape.as_dict(), "chosen": picks[n + j],
+                "candidates": [
+                    {"target": _block_entry(b, t), **{name: table_[n + j][k] for name, table_ in whole_costs.items()},
+                     "sensitivity": values[n + j][k], **({"loss": losses[n + j][k]} if losses else {}),
+                     **({"windows": measured["windows"][b.prefix][k],
+                         "survivor": survivors[n + j][k]} if survivors else {})}
+                    for k, t in enumerate(b.candidates)
+                ],
+            }
+            for j, b in enumerate(sub)
+        }} if sub else {}),
     }
     return plan, report
 
@@ -214,15 +243,118 @@ def _candidate_table(modules: Sequence[tuple[str, Any]], step: Any, axes: Sequen
     return table
 
 
-def _budget_costs(table: Sequence[Sequence[Any]], budget_params: float | None, budget_state: float | None):
-    """``(totals, budgets, costs)``: the full layers' totals, the budgets as amounts, every candidate's costs."""
-    totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
-    budgets = {name: limit for name, limit in (
-        ("params", budget_limit(budget_params, totals["params"], "params")),
-        ("state", budget_limit(budget_state, totals["state"], "state"))) if limit is not None}
-    costs = {"params": [[c.params for c in cands] for cands in table],
-             "state": [[c.state * STATE_BYTES for c in cands] for cands in table]}
-    return totals, budgets, costs
+#: the whole-model budgets (the others, ``gdn_params`` and ``state``, count the GDN layers alone)
+WHOLE = ("params", "active_params", "memory")
+
+
+def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mapping | None, *, context: int | None,
+             blocks: Sequence[str], step: Any, axes: Sequence[str], tp: int | None, multiple_of: int | None,
+             orders_applied: bool, uniform: bool) -> dict[str, Any]:
+    """The candidate groups (GDN layers, then sub-blocks), their costs and the budgets as group limits;
+    checks that some plan meets the budgets (no forward, no weight read)."""
+    from ..layouts import find_gdn_modules
+    from .sensitivity import LayerToPlan
+    from .subblocks import BLOCK_NAMES, plannable_blocks, whole_model_costs
+
+    if all(v is None for v in given.values()):
+        raise ValueError("give a budget: `budget_params`, `budget_gdn_params`, `budget_active_params`, "
+                         "`budget_memory` and/or `budget_state`")
+    unknown = sorted(set(blocks) - set(BLOCK_NAMES))
+    if unknown or not blocks:
+        raise ValueError(f"`blocks` must name some of {list(BLOCK_NAMES)}, got {list(blocks)}")
+    if given["memory"] is not None and context is None:
+        raise ValueError("`budget_memory` counts the KV cache at `context` tokens per sequence: give `context`")
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+        raise ValueError(f"`context` must be a positive number of tokens, got {context!r}")
+    whole = any(given[name] is not None for name in WHOLE)
+    gdn = "gdn" in blocks or not whole
+    if not gdn and (given["gdn_params"] is not None or given["state"] is not None):
+        raise ValueError("`budget_gdn_params` and `budget_state` limit the GDN layers, but `blocks` leaves them out")
+    modules = find_gdn_modules(model) if gdn else []
+    if gdn and not modules:
+        raise ValueError(f"{type(model).__name__} has no GDN layers to plan")
+    from ..blocks import block_kind_of
+
+    gdn_entries = None if score_layers is None else \
+        {k: v for k, v in score_layers.items() if block_kind_of(k) is None}  # sub-blocks: .subblocks
+    payload_of = match_layers(gdn_entries, [p for p, _ in modules]) if gdn_entries is not None and modules else {}
+    missing = [p for p, _ in modules if not orders_applied and p not in payload_of]
+    if missing:
+        raise ValueError(f"the scores have no entry for the GDN layers {missing[:3]}; score this model first")
+    key_of = {}  # module prefix -> the prefix the scores use (checkpoint names: the plan file uses them)
+    for key in gdn_entries if modules and gdn_entries else ():
+        key_of.update({p: key for p in match_layers({key: None}, [p for p, _ in modules])})
+    key_of.update({p: p for p, _ in modules if p not in key_of})
+    table = _candidate_table(modules, step, axes, tp, multiple_of)
+    layers = [LayerToPlan(prefix, module, None if orders_applied or prefix not in payload_of else orders_from_payload(
+        payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
+        for (prefix, module), cands in zip(modules, table)]
+    kinds = [k for k in blocks if k != "gdn"] if whole else []
+    sub = plannable_blocks(model, kinds, score_layers, step=step, tp=tp, multiple_of=multiple_of,
+                           orders_applied=orders_applied or score_layers is None)
+    key_of.update({b.prefix: b.key for b in sub})
+    if uniform and sub:
+        raise ValueError("a uniform plan cuts GDN layers only: give `blocks` [\"gdn\"] or no whole-model budget")
+    if not layers and not sub:
+        raise ValueError(f"nothing in {type(model).__name__} may shrink: `blocks` {list(blocks)}")
+    zeros = [[0.0] * len(b.candidates) for b in sub]
+    gdn_totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
+    gdn_costs = {"gdn_params": [[float(c.params) for c in cands] for cands in table] + zeros,
+                 "state": [[float(c.state * STATE_BYTES) for c in cands] for cands in table] + zeros}
+    limits, budgets, costs = {}, {}, {}
+    for name, total in (("gdn_params", gdn_totals["params"]), ("state", gdn_totals["state"])):
+        if given[name] is not None:
+            limits[name] = budgets[name] = budget_limit(given[name], total, name)
+            costs[name] = gdn_costs[name]
+    totals = fixed = wcosts = None
+    if whole:
+        totals, wcosts, fixed = whole_model_costs(model, [(m, c) for (_, m), c in zip(modules, table)], sub,
+                                                  context=context, state_bytes=STATE_BYTES)
+        for name in WHOLE:
+            if given[name] is None:
+                continue
+            limits[name] = budget_limit(given[name], totals[name], name)
+            budgets[name], costs[name] = limits[name] - fixed[name], wcosts[name]
+            least = fixed[name] + sum(min(g) for g in wcosts[name])
+            if least > limits[name]:
+                raise BudgetError(f"no plan meets the budgets: {name} needs at least {least:,.0f} (every sub-block at "
+                                  f"its smallest candidate; {fixed[name]:,.0f} in what no candidate changes), "
+                                  f"budget {limits[name]:,.0f}")
+    _check_feasible(table + [[None] * len(b.candidates) for b in sub], costs, budgets, uniform)  # before any forward
+    return {"table": table, "layers": layers, "blocks": sub, "budgets": budgets, "costs": costs, "limits": limits,
+            "key_of": key_of, "payload_of": payload_of, "gdn_totals": gdn_totals, "whole": whole, "totals": totals,
+            "fixed": fixed, "whole_costs": wcosts}
+
+
+def _block_entry(block: Any, target: Any) -> dict[str, int]:
+    """A sub-block's plan-file entry: its target fields (:data:`gdnprune.blocks.BLOCK_FIELDS`)."""
+    from ..blocks import BLOCK_FIELDS, KINDS
+
+    return {k: v for k, v in KINDS[block.block.kind].config_updates(target).items() if k in BLOCK_FIELDS}
+
+
+def _model_totals(problem: Mapping[str, Any], picks: Sequence[int]) -> dict[str, Any]:
+    """The whole-model totals of a plan: every budget's full and kept amounts, and the parameters split over
+    the kinds of sub-block (``other``: what no candidate changes, embeddings included)."""
+    if not problem["whole"]:
+        return {}
+    out: dict[str, Any] = {}
+    wcosts, fixed = problem["whole_costs"], problem["fixed"]
+    for name, total in problem["totals"].items():
+        kept = fixed[name] + sum(g[pick] for g, pick in zip(wcosts[name], picks))
+        word = "memory_bytes" if name == "memory" else f"model_{name}" if name == "params" else name
+        out.update({word: total, f"{word}_kept": kept, f"{word}_fraction": kept / total})
+    kinds = ["gdn"] * len(problem["layers"]) + [b.block.kind for b in problem["blocks"]]
+    full = [sum(p.numel() for p in layer.module.parameters()) for layer in problem["layers"]] + \
+        [b.block.parameters() for b in problem["blocks"]]
+    split: dict[str, dict[str, float]] = {}
+    for kind, size, g, pick in zip(kinds, full, wcosts["params"], picks):
+        entry = split.setdefault(kind, {"params": 0.0, "params_kept": 0.0})
+        entry["params"] += size
+        entry["params_kept"] += g[pick]
+    split["other"] = {"params": fixed["params"], "params_kept": fixed["params"]}
+    out["split"] = split
+    return out
 
 
 def _check_feasible(table, costs, budgets, uniform: bool) -> None:
@@ -233,18 +365,17 @@ def _check_feasible(table, costs, budgets, uniform: bool) -> None:
         choose(zeros, costs, budgets)
 
 
-def check_budgets(model: Any, *, budget_params: float | None = None, budget_state: float | None = None,
-                  dim_step: str | float | int = "1/8", axes: Sequence[str] = AXES, tp: int | None = None,
-                  multiple_of: int | None = None, uniform: bool = False, **_: Any) -> None:
+def check_budgets(model: Any, *, budget_params: float | None = None, budget_gdn_params: float | None = None,
+                  budget_active_params: float | None = None, budget_memory: float | None = None,
+                  budget_state: float | None = None, context: int | None = None,
+                  blocks: Sequence[str] = BLOCK_NAMES, dim_step: str | float | int = "1/8", axes: Sequence[str] = AXES,
+                  tp: int | None = None, multiple_of: int | None = None, uniform: bool = False, **_: Any) -> None:
     """Raise :class:`~gdnprune.plan.solve.BudgetError` when no plan of ``model`` (weights not needed: a
     ``meta`` model will do) meets the budgets; the other options of :func:`plan_model` are ignored."""
-    from ..layouts import find_gdn_modules
-
-    if budget_params is None and budget_state is None:
-        raise ValueError("give a budget: --budget-params and/or --budget-state")
-    table = _candidate_table(find_gdn_modules(model), parse_dim_step(dim_step), axes, tp, multiple_of)
-    _, budgets, costs = _budget_costs(table, budget_params, budget_state)
-    _check_feasible(table, costs, budgets, uniform)
+    given = dict(params=budget_params, gdn_params=budget_gdn_params, active_params=budget_active_params,
+                 memory=budget_memory, state=budget_state)
+    _problem(model, given, None, context=context, blocks=blocks, step=parse_dim_step(dim_step), axes=axes, tp=tp,
+             multiple_of=multiple_of, orders_applied=True, uniform=uniform)
 
 
 def _scores_hash(scores: Any) -> str | None:

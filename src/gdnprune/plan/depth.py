@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .solve import BudgetError
+from .solve import MILP_OPTIONS, BudgetError, exact_objective
 
 __all__ = ["choose_with_removal", "removal_sensitivity"]
 
@@ -62,7 +62,8 @@ def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[s
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
     c = np.concatenate([np.concatenate([np.asarray(g, dtype=np.float64) for g in sensitivity]),
                         np.asarray([removal[l] for l in layers], dtype=np.float64)])
-    result = milp(c, constraints=constraints, integrality=np.ones(n + m), bounds=Bounds(0, 1))
+    result = milp(exact_objective(c), constraints=constraints, integrality=np.ones(n + m), bounds=Bounds(0, 1),
+                  options=MILP_OPTIONS)
     if result.status == 2 or result.x is None:
         least = {name: float(sum(min(g) for g, l in zip(costs[name], layer_of) if l not in removal))
                  for name in budgets}

@@ -43,7 +43,10 @@ class LayerToPlan:
 
 
 def sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
-    """The layer's weights (materialised if offloaded), permuted by its orders (a function-preserving sort)."""
+    """The layer's weights (materialised if offloaded), permuted by its orders (a function-preserving sort).
+    A sub-block to plan (:class:`gdnprune.plan.subblocks.BlockToPlan`) sorts its own."""
+    if not isinstance(layer, LayerToPlan):
+        return layer.sorted_state()
     from ..gated_delta_net import GDNPermutation, permute_gated_delta_net_state_dict
     from ..scoring.hooks import materialized_weight
 
@@ -60,7 +63,10 @@ def sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
 
 def candidate_module(layer: LayerToPlan, state: Mapping[str, torch.Tensor], target: GDNShape,
                       text_config: Any, device: torch.device) -> torch.nn.Module:
-    """The GDN module of ``layer`` cut to ``target``: built from the layer's config with that geometry."""
+    """The GDN module of ``layer`` cut to ``target``: built from the layer's config with that geometry (a
+    sub-block to plan builds its own: :meth:`gdnprune.plan.subblocks.BlockToPlan.build`)."""
+    if not isinstance(layer, LayerToPlan):
+        return layer.build(state, target, device)
     from ..gated_delta_net import slice_gated_delta_net_state_dict
 
     index = layer.module.layer_idx

@@ -1,0 +1,185 @@
+"""Sub-blocks beside GDN in the plan search (issue 21): attention heads, MLP and shared-expert channels.
+
+A sub-block to plan (:class:`BlockToPlan`) offers what the sensitivity measurement reads from a GDN layer
+(:class:`gdnprune.plan.sensitivity.LayerToPlan`) — ``prefix``, ``module``, ``shape``, ``candidates`` — and
+builds its own cut modules (:meth:`BlockToPlan.sorted_state`, :meth:`BlockToPlan.build`), so the measured
+and the successive-halving sensitivities run over GDN layers and sub-blocks alike: a candidate is a
+(decoder layer, module builder) pair, measured with the cut module in place of the full one.
+
+A cut sub-block is the module itself with its tensors sorted by the scores' orders and cut to the
+candidate (:func:`gdnprune.block_surgery.slice_block_state_dict`, the gather a sliced checkpoint gets),
+and the few attributes its forward reads from the geometry (``num_key_value_groups``) updated.
+
+The whole-model budgets (:func:`whole_model_costs`): every parameter of the model (embeddings included),
+the active parameters per token (routed experts count ``num_experts_per_tok / num_experts`` of their
+weights), and the inference memory per sequence (GDN recurrent state in float32 plus the KV cache of the
+attention layers at ``context`` tokens in the model's dtype). What no candidate changes is a fixed part
+of every budget.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping, Sequence
+
+import torch
+
+__all__ = ["BLOCK_NAMES", "BlockToPlan", "plannable_blocks", "whole_model_costs"]
+
+#: names of ``blocks`` (``--blocks``): the GDN layers and the sub-block kinds the search may shrink
+BLOCK_NAMES = ("gdn", "attention", "mlp", "shared_expert")
+
+
+class BlockToPlan:
+    """One sub-block of a loaded model to plan: its :class:`~gdnprune.blocks.Block`, module, orders, candidates."""
+
+    def __init__(self, block: Any, module: torch.nn.Module, orders: Mapping[str, Any] | None,
+                 candidates: Sequence[Any]):
+        self.block, self.module, self.orders = block, module, orders
+        self.prefix, self.shape, self.candidates = block.prefix, block.shape, list(candidates)
+        self.key = block.prefix  # the prefix the scores (and the plan file) use
+
+    def sorted_state(self) -> dict[str, torch.Tensor]:
+        """The block's tensors (materialised if offloaded), keyed as in the model, sorted by its orders."""
+        from ..block_surgery import permute_block_state_dict
+        from ..scoring.hooks import materialized_weight
+
+        state = {}
+        for name, _ in self.module.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            state[f"{self.prefix}.{name}"] = materialized_weight(
+                self.module.get_submodule(owner) if owner else self.module, leaf).detach()
+        if self.orders is not None:
+            permute_block_state_dict(state, self.block, self.orders)
+        return state
+
+    def build(self, state: Mapping[str, torch.Tensor], target: Any, device: torch.device) -> torch.nn.Module:
+        """The sub-block cut to ``target``: a copy of the module holding the sorted tensors cut to it."""
+        from ..block_surgery import slice_block_state_dict
+
+        cut = dict(state)
+        slice_block_state_dict(cut, self.block, target)
+        module = _meta_copy(self.module)
+        head = self.prefix + "."
+        for name, _ in self.module.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
+            setattr(holder, leaf, torch.nn.Parameter(cut[head + name].to(device), requires_grad=False))
+        for name, value in _geometry_attributes(target).items():
+            if hasattr(module, name):
+                setattr(module, name, value)
+        return module.eval()
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters are on the meta device (no weights copied)."""
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
+def _geometry_attributes(target: Any) -> dict[str, int]:
+    from ..blocks import AttentionShape, MLPShape
+
+    if isinstance(target, AttentionShape):
+        return {"num_key_value_groups": target.heads_per_group, "num_heads": target.num_attention_heads,
+                "num_attention_heads": target.num_attention_heads, "num_key_value_heads": target.num_key_value_heads}
+    if isinstance(target, MLPShape):
+        return {"intermediate_size": target.intermediate_size}
+    return {}
+
+
+def plannable_blocks(model: torch.nn.Module, kinds: Sequence[str], score_layers: Mapping[str, Any] | None, *,
+                     step: Any, tp: int | None, multiple_of: int | None, orders_applied: bool) -> list[BlockToPlan]:
+    """The sub-blocks of ``kinds`` of ``model`` with their candidates (:func:`gdnprune.blocks.block_candidates`)
+    and the scores' orders (``score_layers``: a scores file's ``layers``; ``key`` of each: its prefix there).
+
+    Raises:
+        ValueError: a sub-block the scores have no orders for (score with the sub-blocks first).
+    """
+    from ..block_surgery import find_model_blocks
+    from ..blocks import block_candidates
+    from ..scores import match_layers
+
+    found = find_model_blocks(model, kinds) if kinds else []
+    if score_layers is not None:
+        score_layers = {k: v for k, v in score_layers.items() if isinstance(v, Mapping) and v.get("kind") in kinds}
+    payload_of = match_layers(score_layers, [b.prefix for b in found]) if score_layers is not None else {}
+    key_of = {}
+    for key in score_layers or {}:
+        key_of.update({p: key for p in match_layers({key: None}, [b.prefix for b in found])})
+    out = []
+    for block in found:
+        if not orders_applied and block.prefix not in payload_of:
+            raise ValueError(f"the scores have no orders for the {block.kind} sub-block {block.prefix}; score this "
+                             f"model with its sub-blocks (gdnprune score --sub-blocks, score_checkpoint(..., "
+                             f"blocks=True)) or leave {block.kind} out of `blocks`")
+        cands = [c.target for c in block_candidates(block, step=step, tp=tp, multiple_of=multiple_of)]
+        out.append(BlockToPlan(block, model.get_submodule(block.prefix),
+                               None if orders_applied else payload_of[block.prefix], cands))
+        out[-1].key = key_of.get(block.prefix, block.prefix)
+    return out
+
+
+def _active_share(model: torch.nn.Module) -> dict[str, float]:
+    """Routed-expert tensors' prefixes -> the share of them a token uses (``k / E``)."""
+    from ..block_surgery import find_model_blocks
+
+    experts = find_model_blocks(model, ("experts",))  # a layout no table knows: an error, not a full count
+    return {f"{b.prefix}.experts": b.shape.num_experts_per_tok / b.shape.num_experts for b in experts}
+
+
+def whole_model_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
+                      blocks: Sequence[BlockToPlan], *, context: int | None, state_bytes: int
+                      ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, float]]:
+    """``(totals, costs, fixed)`` of the whole-model budgets, per candidate group (GDN layers, then ``blocks``).
+
+    ``gdn``: per GDN layer to plan, its module and its candidates (with ``params`` and ``state``).
+    ``totals``: the full model's ``params`` (every parameter, a tied embedding once), ``active_params`` and,
+    with ``context``, ``memory`` (bytes per sequence); ``costs[name][group][cand]``: what the group costs at
+    that candidate; ``fixed[name]``: what the rest of the model costs (no candidate changes it).
+    """
+    from ..block_surgery import find_model_blocks
+    from ..blocks import kv_cache_elements
+    from ..geometry import GDNShape
+    from ..layouts import find_gdn_modules
+    from ..plans import state_elements
+
+    share = _active_share(model)
+    seen, total, active = set(), 0, 0.0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        active += p.numel() * next((s for prefix, s in share.items() if name.startswith(prefix + ".")), 1.0)
+    kv_bytes = next(model.parameters()).element_size()
+    kv = context or 0
+    costs: dict[str, list[list[float]]] = {"params": [], "active_params": [], "memory": []}
+    full = {"params": 0.0, "memory": 0.0}
+    for module, cands in gdn:
+        costs["params"].append([float(c.params) for c in cands])
+        costs["active_params"].append([float(c.params) for c in cands])
+        costs["memory"].append([float(c.state * state_bytes) for c in cands])
+        full["params"] += sum(p.numel() for p in module.parameters())
+        full["memory"] += state_elements(GDNShape.from_module(module), int(module.conv_kernel_size)) * state_bytes
+    for b in blocks:
+        params = [float(b.block.parameters(t)) for t in b.candidates]
+        costs["params"].append(params)
+        costs["active_params"].append(params)  # experts are not candidates: a dense sub-block is all active
+        attention = b.block.kind == "attention"
+        costs["memory"].append([float(kv_cache_elements(t) * kv * kv_bytes) if attention else 0.0
+                                for t in b.candidates])
+        full["params"] += b.block.parameters()
+        full["memory"] += kv_cache_elements(b.shape) * kv * kv_bytes if attention else 0.0
+    memory = sum(state_elements(GDNShape.from_module(m), int(m.conv_kernel_size)) * state_bytes
+                 for _, m in find_gdn_modules(model))
+    memory += sum(kv_cache_elements(b.shape) * kv * kv_bytes for b in find_model_blocks(model, ("attention",)))
+    totals = {"params": float(total), "active_params": active}
+    fixed = {"params": total - full["params"], "active_params": active - full["params"]}
+    if context is not None:
+        totals["memory"] = float(memory)
+        fixed["memory"] = float(memory - full["memory"])
+    else:
+        del costs["memory"]
+    return totals, costs, fixed
