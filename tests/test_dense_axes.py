@@ -163,17 +163,23 @@ def test_olmo_attention_cut_equals_a_smaller_model_built_by_hand():
     _same(logits(cut, ids), logits(ref, ids))
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_per_layer_geometries_load_and_cached_decode_equals_the_full_forward(model_type):
-    model = _model(model_type)
+def per_layer_fields(model) -> dict[str, dict[str, int]]:
+    """Every sub-block of ``model`` cut to a size of its own, by its layer index (attention layers are 1 and 3)."""
     fields = {}
     for b in find_model_blocks(model):
         i = int(b.prefix.split("layers.")[1].split(".")[0])  # the layer index
-        j = (i // 2) % 2  # attention layers are 1 and 3
+        j = (i // 2) % 2
         fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
                             "mlp": {"intermediate_size": 16 + 8 * i},
                             "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
                             "experts": {"num_experts": 2 + i % 3}}[b.kind]
+    return fields
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_per_layer_geometries_load_and_cached_decode_equals_the_full_forward(model_type):
+    model = _model(model_type)
+    fields = per_layer_fields(model)
     cut = slice_model(model, None, blocks=fields, block_orders=_orders(model))
     text = cut.config.get_text_config(decoder=True).to_dict()
     assert text["per_layer_config"], "the layers differ: the config must say so per layer"

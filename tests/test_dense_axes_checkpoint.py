@@ -25,7 +25,7 @@ from gdnprune.geometry import GDNShape
 from gdnprune.loading import load_pretrained, slice_model
 from gdnprune.plans import PlanError
 from test_checkpoint import MODEL_TYPES, raw_tensors
-from test_dense_axes import DENSE, TARGET, _kept, _model, _orders, _same, _zeroed
+from test_dense_axes import DENSE, TARGET, _kept, _model, _orders, _same, _zeroed, per_layer_fields
 from tiny_models import cached_decode_logits, logits
 
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning"),
@@ -93,14 +93,7 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
 @pytest.mark.parametrize("model_type", ["qwen3_5_vl", "qwen3_next", "olmo_hybrid"])
 def test_a_version_2_plan_cuts_every_sub_block_to_its_own_size(sources, tmp_path, model_type):
     model, src, orders = sources[model_type]
-    fields = {}
-    for b in find_model_blocks(model):
-        i = int(b.prefix.split("layers.")[1].split(".")[0])  # the layer index
-        j = (i // 2) % 2  # attention layers are 1 and 3
-        fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
-                            "mlp": {"intermediate_size": 16 + 8 * i},
-                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
-                            "experts": {"num_experts": 2 + i % 3}}[b.kind]
+    fields = per_layer_fields(model)
     gdn = "model.language_model.layers.0.linear_attn" if model_type == "qwen3_5_vl" else "model.layers.0.linear_attn"
     plan = {"format": "gdnprune-plan", "version": 2, "layers": {gdn: {"num_key_heads": 1, "num_value_heads": 2},
                                                                 **fields}}
