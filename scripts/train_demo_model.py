@@ -91,16 +91,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--value-heads", type=int, default=8, help="GDN value heads, a multiple of the key heads (default 8)")
     g.add_argument("--key-head-dim", type=int, default=32, help="GDN key head dim (default 32)")
     g.add_argument("--value-head-dim", type=int, default=32, help="GDN value head dim (default 32)")
+    g.add_argument("--num-experts", type=int, default=4, help="routed experts per MoE layer (default 4)")
+    g.add_argument("--experts-per-token", type=int, default=2, help="routed experts per token (default 2)")
+    g.add_argument("--expert-size", type=int, default=None,
+                   help="intermediate size of each routed expert and the shared expert (default hidden size)")
     return p.parse_args(argv)
 
 
 def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, layer_types: str = "GGGA",
                  hidden_size: int = 128, key_heads: int = 4, value_heads: int = 8, key_head_dim: int = 32,
-                 value_head_dim: int = 32, family: str = "qwen3_5", intermediate_size: int | None = None):
+                 value_head_dim: int = 32, family: str = "qwen3_5", intermediate_size: int | None = None,
+                 num_experts: int = 4, experts_per_token: int = 2, expert_size: int | None = None):
     """The demo model's geometry (defaults): hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters.
 
-    Other families get the same text geometry in their own config class (MoE: 4 experts, 2 per token,
-    expert and shared-expert widths = ``hidden_size``; the vision-language model: a one-block vision tower).
+    Other families get the same text geometry in their own config class (MoE: ``num_experts`` routed
+    experts, ``experts_per_token`` per token, expert and shared-expert widths ``expert_size``, by default
+    ``hidden_size``; the vision-language model: a one-block vision tower).
     """
     import transformers
 
@@ -127,8 +133,10 @@ def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, laye
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
     )
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
-               shared_expert_intermediate_size=hidden_size)
+    if not 1 <= experts_per_token <= num_experts:
+        raise SystemExit(f"--experts-per-token must be between 1 and --num-experts ({num_experts}), got {experts_per_token}")
+    moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_token,
+               moe_intermediate_size=expert_size or hidden_size, shared_expert_intermediate_size=expert_size or hidden_size)
     if family == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**text)
     if family == "qwen3_next":
@@ -178,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     config = model_config(len(tokenizer), tokenizer.eos_token_id, args.seq_len, layer_types=args.layer_types,
                           hidden_size=args.hidden_size, key_heads=args.key_heads, value_heads=args.value_heads,
                           key_head_dim=args.key_head_dim, value_head_dim=args.value_head_dim,
-                          family=args.family, intermediate_size=args.intermediate_size)
+                          family=args.family, intermediate_size=args.intermediate_size,
+                          num_experts=args.num_experts, experts_per_token=args.experts_per_token,
+                          expert_size=args.expert_size)
     model = getattr(transformers, MODEL_CLASS[args.family])(config)
     n_params = sum(p.numel() for p in model.parameters())
     layer_types = config.get_text_config(decoder=True).layer_types
