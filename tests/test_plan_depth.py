@@ -268,3 +268,62 @@ def test_the_proxy_cannot_rank_removals_against_widths_and_says_so():
     with pytest.raises(BudgetError):
         check_budgets(model, budget_params=0.3, blocks=["gdn"])
     check_budgets(model, budget_params=0.3, blocks=["gdn", "depth"])
+
+
+def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_the_model_cut_in_memory():
+    """Routed experts are planned at ``layers.N.mlp``, the shared expert inside it: a whole plan cutting both
+    must cut both (the shared-expert candidate goes into the cut MoE block). Reference: ``slice_model``
+    (a model built from the cut config, tested against router masking in test_experts.py)."""
+    from gdnprune.block_surgery import find_model_blocks, random_orders
+    from gdnprune.blocks import ExpertShape, MLPShape
+    from gdnprune.loading import slice_model
+    from gdnprune.plan.joint import JointKL, plan_kl
+    from gdnprune.plan.subblocks import BlockToPlan
+
+    model = _model("qwen3_5_moe", seed=6)
+    g = torch.Generator().manual_seed(4)
+    blocks = [b for b in find_model_blocks(model, ("experts", "shared_expert")) if ".layers.1." in b.prefix]
+    orders = {b.prefix: random_orders(b, generator=g) for b in blocks}
+    targets = {"experts": ExpertShape(2, 2), "shared_expert": MLPShape(8)}
+    groups = [BlockToPlan(b, model.get_submodule(b.prefix), orders[b.prefix], [b.shape, targets[b.kind]])
+              for b in blocks]
+    assert sorted(b.block.kind for b in groups) == ["experts", "shared_expert"]
+    batches = [_ids(seed=i, batch=1, seq=10) for i in range(2)]
+    joint = JointKL(model, batches, groups)
+    cut = slice_model(model, None, blocks={b.prefix: {"num_experts": 2} if b.kind == "experts" else
+                                           {"shared_expert_intermediate_size": 8} for b in blocks},
+                      block_orders=orders)
+    expected = _kl_per_token(model, cut, batches)
+    assert plan_kl(joint, [1, 1]) == pytest.approx(expected, rel=1e-4)
+    only_experts = [1 if b.block.kind == "experts" else 0 for b in groups]
+    assert abs(plan_kl(joint, only_experts) - expected) > 1e-3 * expected  # the shared-expert cut is in it
+
+
+def test_a_refined_plan_with_removal_and_expert_counts_meets_its_budgets_and_is_no_worse():
+    from gdnprune.plan import plan_model
+    from gdnprune.scoring import score_model
+
+    model = _model("qwen3_5_moe", seed=1)
+    ids = _ids(seed=2, batch=4, seq=16)
+    scores = score_model(model, [ids], progress=False, blocks=True)
+    plan, report = plan_model(model, [ids[:2], ids[2:]], scores, budget_params=0.55, budget_active_params=0.7,
+                              dim_step="1/2", sensitivity="measured", refine_generations=4, refine_offspring=4,
+                              progress=False)
+    refined = report["refinement"]
+    assert refined["kl"] <= refined["seed_kl"]
+    totals = plan["totals"]
+    assert totals["model_params_kept"] <= 0.55 * totals["model_params"] + 1e-6
+    assert totals["active_params_kept"] <= 0.7 * totals["active_params"] + 1e-6
+    removed = plan["predicted"]["removed_layers"]
+    assert removed == sorted(e["layer"] for e in report["removal"].values() if e["removed"])
+    assert all(not k.startswith(tuple(f"model.layers.{i}." for i in removed)) for k in plan["layers"])
+    assert any("num_experts" in v for v in plan["layers"].values())
+
+
+def test_a_rung_that_removes_a_layer_keeps_its_groups_smallest_candidates():
+    from gdnprune.plan.halving import near
+
+    sizes = np.array([4.0, 1.0, 3.0, 2.0])
+    alive = np.array([True, True, False, True])
+    assert near(sizes, alive, None, 2).tolist() == [False, True, False, True]  # removed: nearest to size 0
+    assert near(sizes, alive, 0, 1).tolist() == [True, False, False, False]
