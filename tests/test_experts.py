@@ -207,3 +207,49 @@ def test_fp8_experts_move_with_their_scales(tmp_path):
         router = before[f"{prefix}.gate.weight"][2]  # float32 rows of 64: the kept experts' rows, in order
         assert after[f"{prefix}.gate.weight"][2] == b"".join(router[e * 256:(e + 1) * 256] for e in o["experts"][:3])
     assert moved == 4 * 3 * 3 * 2 and after[next(n for n in after if n.endswith(".experts.0.up_proj.weight"))][0] == "F8_E4M3"
+
+
+def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
+    """Fused 3-D FP8 experts (``experts.gate_up_proj`` [E, 2I, H] float8_e4m3fn with ``gate_up_proj_scale_inv``
+    [E, 2I/B, H/B], transformers' names), written by hand: a sort then ``--num-experts`` keeps exactly the kept
+    experts' weights and scales, in the order of the experts kept. Reference: the source tensors indexed here."""
+    from safetensors.torch import load_file, save_file
+
+    from gdnprune.cli import main
+    from test_fp8 import BLOCK, quantize
+
+    model = _model("qwen3_5_moe", seed=7)
+    src = tmp_path / "src"
+    _fused_folder(model, src)
+    state = load_file(src / "model.safetensors")
+    fused = [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert fused
+    for name in fused:
+        pairs = [quantize(expert) for expert in state[name]]
+        state[name] = torch.stack([q for q, _ in pairs])
+        state[name + "_scale_inv"] = torch.stack([s for _, s in pairs])
+        assert state[name].dtype == torch.float8_e4m3fn and state[name + "_scale_inv"].shape[0] == 4
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    (src / "config.json").write_text(json.dumps(config))
+    orders = _orders(model, seed=9)
+    ck.sort_checkpoint(src, {"layers": {p: orders_to_payload(o) for p, o in orders.items()}}, tmp_path / "sorted",
+                       progress=False)
+    assert main(["slice", str(tmp_path / "sorted"), "--num-experts", "3", "-o", str(tmp_path / "cut"), "-q"]) == 0
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    checked = 0
+    for prefix, o in orders.items():
+        kept = torch.as_tensor(o["experts"][:3])
+        for part in ("gate_up_proj", "down_proj"):
+            for name in (f"{prefix}.experts.{part}", f"{prefix}.experts.{part}_scale_inv"):
+                assert after[name].dtype == before[name].dtype and after[name].shape[0] == 3
+                # byte-exact: FP8 compared through its bits
+                assert torch.equal(after[name].view(torch.uint8) if after[name].dtype == torch.float8_e4m3fn
+                                   else after[name], before[name][kept].view(torch.uint8)
+                                   if before[name].dtype == torch.float8_e4m3fn else before[name][kept])
+                checked += 1
+        assert torch.equal(after[f"{prefix}.gate.weight"], before[f"{prefix}.gate.weight"][kept])
+    assert checked == 4 * len(orders)
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["num_experts"] == 3

@@ -141,9 +141,13 @@ def test_a_whole_model_plan_meets_every_budget_on_the_loaded_sliced_model(folder
     stdout = capsys.readouterr().out
     assert "model parameters kept" in stdout and "split: " in stdout
     plan = json.loads(out.read_text())
-    assert plan["version"] == 2 and read_plan(out)["layers"] == plan["layers"]  # the file reads back as written
-    kinds = {("attention" if k.endswith("self_attn") else "mlp" if k.endswith("mlp") else "gdn") for k in plan["layers"]}
-    assert kinds == {"gdn", "attention", "mlp"}
+    removed = sorted(int(k.rsplit(".", 1)[1]) for k, v in plan["layers"].items() if "removed" in v)
+    assert plan["version"] == 2 and read_plan(out)["layers"] == {k: v for k, v in plan["layers"].items()
+                                                                 if "removed" not in v}  # reads back as written
+    assert read_plan(out).get("removed_layers", []) == removed == plan["predicted"]["removed_layers"]
+    kinds = {("attention" if k.endswith("self_attn") else "mlp" if k.endswith("mlp") else "gdn" if
+              k.endswith("linear_attn") else "depth") for k in plan["layers"]}
+    assert kinds - {"depth"} == {"gdn", "attention", "mlp"}
     assert main(["slice", str(src), "--plan", str(out), "-o", str(tmp_path / "sliced"), "-q"]) == 0
     full = load_pretrained(src, dtype=torch.float32)
     sliced = load_pretrained(tmp_path / "sliced", dtype=torch.float32)
@@ -157,28 +161,72 @@ def test_a_whole_model_plan_meets_every_budget_on_the_loaded_sliced_model(folder
     assert sum(v["params_kept"] for v in totals["split"].values()) == p_cut
     # the plan is the exact optimum over the report's candidates (brute force over its measured sensitivities)
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
-    _check_optimal(report, plan)
+    _check_optimal(report, plan, _layer_costs(full, 64))
+    # the removal candidates: every decoder layer, measured, and the chosen ones are the plan's
+    assert sorted(e["layer"] for e in report["removal"].values()) == list(range(full.config.num_hidden_layers))
+    assert sorted(e["layer"] for e in report["removal"].values() if e["removed"]) == removed
+    assert all(e["sensitivity"] > 0 for e in report["removal"].values())
+    if removed:  # a removed layer's sub-blocks have no width in the plan
+        assert all(g["chosen"] is None for k, g in report["blocks"].items() if f"layers.{removed[0]}." in k)
 
 
-def _check_optimal(report, plan):
-    """No combination of the report's candidates that meets the plan's budgets has a lower summed KL."""
+def _layer_costs(model, context):
+    """Per decoder layer of a loaded model, counted directly: its parameters and its memory per sequence
+    (as :func:`_count` counts them)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        params = sum(p.numel() for p in layer.parameters())
+        memory = 0
+        if hasattr(layer, "linear_attn"):
+            m = layer.linear_attn
+            memory += (m.num_v_heads * m.head_k_dim * m.head_v_dim + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads
+                       * m.head_v_dim) * (m.conv_kernel_size - 1)) * 4
+        if hasattr(layer, "self_attn"):
+            w = layer.self_attn.k_proj.weight
+            memory += 2 * w.shape[0] * context * w.element_size()
+        out[i] = {"params": params, "memory": memory}
+    return out
+
+
+def _check_optimal(report, plan, layer_costs=None):
+    """No combination of the report's candidates (and, with ``layer_costs`` — per decoder layer, what it costs
+    as a whole —, of removed layers) that meets the plan's budgets has a lower summed KL: brute force."""
     import itertools
+    import re
+
+    def layer(key):
+        return int(re.search(r"layers\.(\d+)", key).group(1))
 
     groups = [{"kl": [c["sensitivity"] for c in g["candidates"]], "params": [c["params"] for c in g["candidates"]],
-               "memory": [c["state_bytes"] for c in g["candidates"]], "chosen": g["chosen"]}
-              for g in report["layers"].values()]
+               "memory": [c["state_bytes"] for c in g["candidates"]], "chosen": g["chosen"], "layer": layer(k)}
+              for k, g in report["layers"].items()]
     groups += [{"kl": [c["sensitivity"] for c in g["candidates"]], "params": [c["params"] for c in g["candidates"]],
-                "memory": [c["memory"] for c in g["candidates"]], "chosen": g["chosen"]}
-               for g in report["blocks"].values()]
+                "memory": [c["memory"] for c in g["candidates"]], "chosen": g["chosen"], "layer": layer(k)}
+               for k, g in report["blocks"].items()]
     totals = plan["totals"]
-    fixed = {"params": totals["model_params"] - sum(g["params"][0] for g in groups),
-             "memory": totals["memory_bytes"] - sum(g["memory"][0] for g in groups)}
-    limits = {n: plan["budgets"][n]["limit"] for n in ("params", "memory")}
-    options = [range(len(g["kl"])) for g in groups]
-    assert np_prod([len(o) for o in options]) < 3_000_000
-    chosen = sum(g["kl"][g["chosen"]] for g in groups)
-    best = min(sum(g["kl"][c] for g, c in zip(groups, pick)) for pick in itertools.product(*options)
-               if all(fixed[n] + sum(g[n][c] for g, c in zip(groups, pick)) <= limits[n] + 1e-6 for n in limits))
+    names = ("params", "memory")
+    full = {"params": totals["model_params"], "memory": totals["memory_bytes"]}
+    fixed = {n: full[n] - sum(g[n][0] for g in groups) for n in names}
+    limits = {n: plan["budgets"][n]["limit"] for n in names}
+    removal = {e["layer"]: e["sensitivity"] for e in (report.get("removal") or {}).values()} if layer_costs else {}
+    rest = {i: {n: layer_costs[i][n] - sum(g[n][0] for g in groups if g["layer"] == i) for n in names}
+            for i in removal}  # what a removed layer frees beyond its planned groups
+    layers = sorted({g["layer"] for g in groups} | set(removal))
+    per_layer = []  # every option of every decoder layer: (kl, costs) of a width choice of its groups, or removal
+    for i in layers:
+        mine = [g for g in groups if g["layer"] == i]
+        options = [(sum(g["kl"][c] for g, c in zip(mine, pick)), {n: sum(g[n][c] for g, c in zip(mine, pick))
+                                                                   for n in names}, pick)
+                   for pick in itertools.product(*[range(len(g["kl"])) for g in mine])]
+        if i in removal:
+            options.append((removal[i], {n: -rest[i][n] for n in names}, None))
+        per_layer.append(options)
+    assert np_prod([len(o) for o in per_layer]) < 3_000_000
+    chosen = sum(g["kl"][g["chosen"]] for g in groups if g["chosen"] is not None) + \
+        sum(e["sensitivity"] for e in report.get("removal", {}).values() if e["removed"])
+    best = min(sum(o[0] for o in pick) for pick in itertools.product(*per_layer)
+               if all(fixed[n] + sum(o[1][n] for o in pick) <= limits[n] + 1e-6 for n in names)
+               and sum(o[2] is None for o in pick) < len(layers))
     assert chosen == pytest.approx(best, abs=1e-12)
 
 

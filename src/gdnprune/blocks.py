@@ -304,7 +304,9 @@ class Block:
         for suffix, dims in self.tensors.items():
             rule = layout.rule(suffix)
             if rule is None:  # an FP8 scale: one entry per block of its weight's rows or columns
-                weight = layout.rule(suffix[: -len("weight_scale_inv")] + "weight")
+                from .layouts import scaled_weight
+
+                weight = layout.rule(scaled_weight(suffix))
                 full, cut = weight.length(self.shape), weight.length(target)
                 axis = weight.axis
                 dims = list(dims)
@@ -366,14 +368,14 @@ def find_blocks(shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Itera
 
 
 def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, tuple[int, ...]]) -> Block:
-    from .layouts import get_layout
+    from .layouts import get_layout, scaled_weight
 
     reports = []
     for name in kind.layouts:
         layout = get_layout(name)
         numbered, problems = _numbered_members(layout, shape, members)
         for suffix, dims in members.items():
-            if suffix.endswith("weight_scale_inv") and suffix not in numbered:
+            if scaled_weight(suffix) is not None and suffix not in numbered:
                 continue  # FP8 scales: checked with their weights (checkpoint.folder)
             if suffix in numbered:
                 continue

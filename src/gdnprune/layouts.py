@@ -128,10 +128,32 @@ def _block_index(rows: np.ndarray, block: int, name: str) -> np.ndarray:
 
 
 def scale_rule(weight: TensorRule, suffix: str, block_size: tuple[int, int]) -> TensorRule:
-    """The rule of the per-block scales ``suffix`` of the block-quantised 2-D weight ``weight``: the same
-    coupled axis and segments, one entry per block of ``block_size = (rows, columns)``."""
-    return TensorRule(suffix, weight.axis, weight.segments, weight.grouped, ndim=2, required=False,
-                      block=int(block_size[weight.axis]))
+    """The rule of the per-block scales ``suffix`` of the block-quantised weight ``weight``: the same coupled
+    axis and segments, one entry per block of ``block_size = (rows, columns)``. A fused 3-D expert tensor
+    (``[E, rows, columns]``, coupled along the expert axis 0) has scales ``[E, blocks, blocks]``: one set per
+    expert, gathered with its expert (block 1 along that axis)."""
+    leading = weight.ndim - 2
+    block = 1 if weight.axis < leading else int(block_size[weight.axis - leading])
+    return TensorRule(suffix, weight.axis, weight.segments, weight.grouped, ndim=weight.ndim, required=False,
+                      block=block)
+
+
+def scale_name(weight: str) -> str:
+    """The FP8 block-scale tensor of weight suffix ``weight``: ``x.weight`` -> ``x.weight_scale_inv``; a
+    parameter not called ``weight`` (fused experts ``experts.gate_up_proj``) -> ``experts.gate_up_proj_scale_inv``
+    (transformers' names)."""
+    if weight == "weight" or weight.endswith(".weight"):
+        return weight[: -len("weight")] + "weight_scale_inv"
+    return weight + "_scale_inv"
+
+
+def scaled_weight(suffix: str) -> str | None:
+    """The weight an FP8 block-scale suffix scales (the inverse of :func:`scale_name`), None for other tensors."""
+    if suffix.endswith("weight_scale_inv"):
+        return suffix[: -len("weight_scale_inv")] + "weight"
+    if suffix.endswith("_scale_inv"):
+        return suffix[: -len("_scale_inv")]
+    return None
 
 
 @functools.lru_cache(maxsize=256)

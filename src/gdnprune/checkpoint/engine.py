@@ -53,7 +53,9 @@ class LayerPlan:
     dequantize: frozenset = frozenset()  # FP8 weight suffixes written dequantised in BF16 (their scales dropped)
 
     def scale_of(self, weight: str) -> str:
-        return weight[: -len("weight")] + "weight_scale_inv"
+        from ..layouts import scale_name
+
+        return scale_name(weight)
 
     @property
     def dropped(self) -> set[str]:

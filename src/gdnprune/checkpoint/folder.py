@@ -243,7 +243,9 @@ class GDNLayer:
     @property
     def quantized(self) -> dict[str, str]:
         """``{weight suffix: "F8_E4M3, scales 128x128"}`` for the block-quantised weights of the layer."""
-        return {s[: -len(SCALE_SUFFIX)] + "weight": f"{self.tensors[s[: -len(SCALE_SUFFIX)] + 'weight'].dtype}, "
+        from ..layouts import scaled_weight
+
+        return {scaled_weight(s): f"{self.tensors[scaled_weight(s)].dtype}, "
                 f"scales of {self.scales[s].block} along axis {self.scales[s].axis}" for s in self.scales}
 
     @property
@@ -381,20 +383,20 @@ def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
 def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
                  block_size: tuple[int, int] | None = None) -> GDNLayer:
     """Validate one layer's tensors (names, presence, shapes, dtypes) without reading data."""
-    from ..layouts import scale_rule
+    from ..layouts import scale_rule, scaled_weight
 
     splits = {fused: pieces for fused, pieces in _DISK_SPLITS.get(layout.name, {}).items()
               if any(p in tensors for p in pieces)}
     piece_of = {p: fused for fused, pieces in splits.items() for p in pieces}
     scales = {}
-    for suffix in tensors:
-        weight = layout.rule(suffix[: -len(SCALE_SUFFIX)] + "weight") if suffix.endswith("." + SCALE_SUFFIX) else None
-        if weight is not None and weight.ndim == 2 and block_size is not None:
+    for suffix in tensors:  # x.weight_scale_inv; a fused expert tensor's experts.gate_up_proj_scale_inv
+        weight = layout.rule(scaled_weight(suffix)) if scaled_weight(suffix) and "." in suffix else None
+        if weight is not None and block_size is not None and (weight.ndim == 2 or weight.axis == 0):
             scales[suffix] = scale_rule(weight, suffix, block_size)
     unknown = sorted(s for s in tensors if layout.rule(s) is None and s not in piece_of and s not in scales)
     if unknown:
         hint = (" (block-quantised weights need quantization_config with quant_method fp8 and weight_block_size "
-                "in config.json)" if any(s.endswith(SCALE_SUFFIX) for s in unknown) else "")
+                "in config.json)" if any(scaled_weight(s) for s in unknown) else "")
         raise CheckpointError(
             f"{prefix}: tensors {[f'{prefix}.{s}' for s in unknown]} are not part of the {layout.name} GDN "
             f"layout; refusing to change the layer{hint}"
@@ -413,7 +415,7 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
                 f"{prefix}: missing tensor {prefix + '.' + rule.name!r} of the {layout.name} GDN layout "
                 f"(expected shape {rule.expected_shape(shape)})"
             )
-    quantized = {s[: -len(SCALE_SUFFIX)] + "weight" for s in scales}
+    quantized = {scaled_weight(s) for s in scales}
     for suffix, info in tensors.items():
         if suffix in scales:
             continue
@@ -445,17 +447,20 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
 
 def _check_scales(prefix: str, layout, shape, tensors: Mapping[str, TensorInfo], scales: Mapping[str, Any],
                   block_size: tuple[int, int] | None) -> None:
-    """FP8 weights come with their scales, of the shape the block grid gives: ``ceil(rows/B) x ceil(cols/B)``."""
+    """FP8 weights come with their scales, of the shape the block grid gives: ``ceil(rows/B) x ceil(cols/B)``
+    (``E x ...`` for a fused 3-D expert tensor: one grid per expert)."""
+    from ..layouts import scale_name, scaled_weight
+
     for suffix, info in tensors.items():
-        if info.dtype in FP8_DTYPES and suffix[: -len("weight")] + SCALE_SUFFIX not in scales:
-            raise CheckpointError(f"{prefix}: {info.name!r} is {info.dtype} but has no {SCALE_SUFFIX} beside it "
-                                  f"(or config.json has no FP8 quantization_config)")
+        if info.dtype in FP8_DTYPES and scale_name(suffix) not in scales:
+            raise CheckpointError(f"{prefix}: {info.name!r} is {info.dtype} but has no {scale_name(suffix)} beside "
+                                  f"it (or config.json has no FP8 quantization_config)")
     for suffix, rule in scales.items():
-        info, weight = tensors[suffix], tensors.get(suffix[: -len(SCALE_SUFFIX)] + "weight")
+        info, weight = tensors[suffix], tensors.get(scaled_weight(suffix))
         if weight is None or weight.dtype not in FP8_DTYPES:
             raise CheckpointError(f"{prefix}: {info.name!r} scales a weight that is not FP8 "
                                   f"({None if weight is None else weight.dtype})")
-        expected = tuple(-(-d // b) for d, b in zip(weight.shape, block_size))
+        expected = tuple(weight.shape[:-2]) + tuple(-(-d // b) for d, b in zip(weight.shape[-2:], block_size))
         if info.shape != expected or info.dtype not in SCALE_DTYPES:
             raise CheckpointError(f"{prefix}: {info.name!r} is {info.dtype} {list(info.shape)}, expected one of "
                                   f"{list(SCALE_DTYPES)} with shape {list(expected)} (blocks of {list(block_size)} "

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from ..blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_indices, block_kind_of, block_kinds_of, \
     numbered_name_map, orders_from_payload, orders_to_payload, resolve_block_target
 from ..geometry import layer_index_of
-from ..layouts import BlockGridError
+from ..layouts import BlockGridError, scaled_weight
 from ..plans import plan_block_kinds, read_plan, resolve_block_plan
 from ..scores import ScoresError, match_layers
 from ..targets import TargetError
@@ -133,7 +133,8 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
 _WHOLE = {"gdn": "Cut whole heads (head dims that are multiples of {b})",
           "attention": "Move and cut whole heads (head dims that are multiples of {b})",
           "mlp": "Order and cut channels in whole blocks of {b}",
-          "shared_expert": "Order and cut channels in whole blocks of {b}"}
+          "shared_expert": "Order and cut channels in whole blocks of {b}",
+          "experts": "Keep whole experts"}
 
 
 def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
@@ -150,5 +151,5 @@ def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
                     raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
                                       f"exactly: {exc}. {_WHOLE[layer_plan.layer.kind].format(b=rule.block)}, or "
                                       f"pass `dequantize=True` to write such weights in BF16") from None
-                broken.add(suffix[: -len("weight_scale_inv")] + "weight")
+                broken.add(scaled_weight(suffix))
         layer_plan.dequantize = frozenset(broken)

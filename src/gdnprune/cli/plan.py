@@ -11,8 +11,8 @@ from ._options import add_calibration_arguments, add_constraint_arguments, add_d
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "plan"
-HELP = ("choose every layer's widths (GDN, attention heads, MLP channels) under parameter, memory or state budgets "
-        "(measured sensitivity + exact MILP)")
+HELP = ("choose every layer's widths (GDN, attention heads, MLP channels, routed experts) and which layers to remove "
+        "under parameter, memory or state budgets (measured sensitivity + exact MILP)")
 
 
 def _budget(text: str) -> float:
@@ -44,8 +44,11 @@ def add_search_arguments(p) -> None:
                    help="GDN parameters to keep: a fraction or a count (given alone, only GDN layers are cut)")
     p.add_argument("--budget-state", type=_budget, metavar="X",
                    help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes")
-    p.add_argument("--blocks", default="gdn,attention,mlp,shared_expert", metavar="LIST",
-                   help="what may shrink under a whole-model budget (default all: gdn,attention,mlp,shared_expert)")
+    p.add_argument("--blocks", default="gdn,attention,mlp,shared_expert,experts,depth", metavar="LIST",
+                   help="what may shrink under a whole-model budget (default all: "
+                        "gdn,attention,mlp,shared_expert,experts,depth); experts: the number of routed experts kept "
+                        "per MoE layer; depth: whole decoder layers removed (a candidate of every layer that costs "
+                        "nothing, measured as the KL with that layer alone skipped)")
     p.add_argument("--sensitivity", choices=("halving", "measured", "proxy"), default="halving",
                    help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
                         "windows, by successive halving (every candidate on a few windows, those that can be "
@@ -89,9 +92,11 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME, help=HELP,
         description="Measure how much each GDN layer, and under a whole-model budget (--budget-params, "
-                    "--budget-active-params, --budget-memory) each attention and MLP sub-block, suffers from every "
-                    "candidate width (the KL divergence from the unpruned model when that sub-block alone is cut, by successive halving or in full, or a proxy "
-                    "from the scores), then choose one candidate per layer that minimises the summed sensitivity "
+                    "--budget-active-params, --budget-memory) each attention, MLP and routed-experts sub-block, "
+                    "suffers from every candidate width and from the removal of its decoder layer (the KL divergence "
+                    "from the unpruned model when that sub-block alone is cut or that layer alone skipped, by "
+                    "successive halving or in full, or a proxy from the scores), then choose one candidate per layer "
+                    "that minimises the summed sensitivity "
                     "within the budgets (an exact multiple-choice knapsack, scipy's MILP); with "
                     "--refine-generations, improve that plan by measuring whole plans. The budgets are checked "
                     "before any forward. Writes PLAN.json for `slice --plan` / `prune --plan`, "
@@ -122,6 +127,9 @@ def format_plan(plan: dict, report: dict) -> str:
     rows = [("layer", "Hk", "Hv", "dk", "dv", "params kept", "state kept", "KL" if measured else "proxy",
              *(("loss",) if measured else ()))]
     for prefix, layer in report["layers"].items():
+        if layer["chosen"] is None:
+            rows.append((prefix, "removed", *[""] * (len(rows[0]) - 2)))
+            continue
         full, chosen = layer["candidates"][0], layer["candidates"][layer["chosen"]]
         t = chosen["target"]
         rows.append((prefix, str(t["num_key_heads"]), str(t["num_value_heads"]), str(t["key_head_dim"]),
@@ -156,10 +164,18 @@ def model_summary(plan: dict, report: dict | None = None) -> list[str]:
         return []
     lines = []
     for prefix, block in ((report or {}).get("blocks") or {}).items():
+        if block["chosen"] is None:
+            lines.append(f"{prefix}: removed with its decoder layer")
+            continue
         t = block["candidates"][block["chosen"]]
         lines.append(f"{prefix}: " + ", ".join(f"{k}={v}" for k, v in t["target"].items())
                      + f"  params {t['params']:,.0f} ({t['params'] / block['candidates'][0]['params']:.0%})"
                      + f"  KL {t['sensitivity']:.4g}")
+    removal = (report or {}).get("removal") or {}
+    if removal:
+        gone = [f"{prefix} (KL {entry['sensitivity']:.4g})" for prefix, entry in removal.items() if entry["removed"]]
+        lines.append(f"removed decoder layers: {', '.join(gone) if gone else 'none'} (removal candidates: "
+                     f"{len(removal)})")
     lines.append(f"model parameters kept: {totals['model_params_kept']:,.0f} of {totals['model_params']:,.0f} "
                  f"({totals['model_params_fraction']:.1%}); active per token: {totals['active_params_fraction']:.1%}"
                  + (f"; memory per sequence: {totals['memory_bytes_kept']:,.0f} of {totals['memory_bytes']:,.0f} "
@@ -183,7 +199,9 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
     save_plan(plan, output)
     write_json_atomic(report_json, report)
     notes = [f"report: {report_json}"]
-    if plot_sensitivity(report, report_png):
+    # the plot draws each GDN layer's chosen width: removed layers have none
+    kept = {**report, "layers": {k: v for k, v in report["layers"].items() if v["chosen"] is not None}}
+    if plot_sensitivity(kept, report_png):
         notes.append(f"plot: {report_png}")
     else:
         notes.append("no plot: matplotlib is not installed (pip install 'gdnprune[plot]')")

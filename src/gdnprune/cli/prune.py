@@ -85,6 +85,8 @@ def run(args) -> int:
                      f"{totals.get('state_fraction', 0):.1%} of the recurrent state kept)")
     how = f"sorted by {args.scores}" if args.scores else f"scored with {args.method!r}, sorted"
     also = f" (self-contained: {manifest['self_contained']})" if manifest.get("self_contained") else ""
+    if manifest.get("removed_layers"):
+        what += f", decoder layers {manifest['removed_layers']} removed"
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:

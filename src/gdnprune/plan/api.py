@@ -63,7 +63,10 @@ def plan_model(
 
     With only GDN budgets (``budget_gdn_params``, ``budget_state``) only GDN layers are cut. With a
     whole-model budget (``budget_params``, ``budget_active_params``, ``budget_memory``) every sub-block of
-    ``blocks`` is a candidate group too (:mod:`.subblocks`), and one exact MILP chooses all of them.
+    ``blocks`` is a candidate group too (:mod:`.subblocks`: attention heads, MLP and shared-expert channels,
+    routed-expert counts), and with ``"depth"`` in ``blocks`` every decoder layer may also be removed (a
+    candidate of cost 0 whose sensitivity is the KL with that layer alone skipped, :mod:`.depth`); one exact
+    MILP chooses all of them. A removed layer is ``{"removed": true}`` in the plan file.
 
     Args:
         model: a loaded transformers model with GDN layers (the unsorted model the scores describe).
@@ -72,23 +75,27 @@ def plan_model(
             proxy reads its raw scores.
         budget_params: every parameter of the model (embeddings included) kept: a fraction (<= 1) or a count.
         budget_gdn_params: GDN parameters kept: a fraction of the GDN layers' (<= 1) or a count.
-        budget_active_params: parameters used per token (routed experts count ``k / E`` of theirs; without
-            MoE the same as ``budget_params``): a fraction or a count.
+        budget_active_params: parameters used per token (routed experts count ``num_experts_per_tok`` experts'
+            weights and every kept router row; without MoE the same as ``budget_params``): a fraction or a count.
         budget_memory: inference memory per sequence, GDN recurrent state (float32) plus the attention
             layers' KV cache at ``context`` tokens (in the model's dtype): a fraction or bytes.
         budget_state: recurrent-state bytes per sequence (float32) kept: a fraction (<= 1) or bytes.
         context: tokens per sequence of ``budget_memory``'s KV cache.
-        blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.subblocks.BLOCK_NAMES`).
+        blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.subblocks.BLOCK_NAMES`, all of
+            them by default: ``gdn``, ``attention``, ``mlp``, ``shared_expert``, ``experts``, and ``depth`` —
+            whole decoder layers removed).
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: the candidates that can be chosen
             on every window, the others on a few, :mod:`.halving`), ``"measured"`` (every candidate on every
-            window: the exact reference) or ``"proxy"`` (output energy removed, from the scores).
+            window: the exact reference; removals are measured on every window either way) or ``"proxy"``
+            (output energy removed, from the scores; GDN layers only).
         dim_step: head-dim grid step: a fraction of the dim (``"1/8"``) or a channel count.
         axes: the axes the search may cut (:data:`~gdnprune.plan.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
         uniform: one geometry for all layers (the best one under the budgets).
         orders_applied: the model is already sorted by these scores (e.g. a ``gdnprune sort`` output).
         refine_generations: generations of the joint refinement (:mod:`.evolve`, fitness the KL of the whole
-            cut model on the calibration batches) that starts from the exact choice; 0: none.
+            cut model on the calibration batches) that starts from the exact choice; its mutations also remove
+            decoder layers and bring them back when ``depth`` is planned; 0: none.
         refine_offspring, refine_seed: plans tried per generation, and the refinement's random seed.
         progress: progress bars over the measured candidates and the refinement's generations.
 
@@ -111,27 +118,38 @@ def plan_model(
                  memory=budget_memory, state=budget_state)
     problem = _problem(model, given, data["layers"], context=context, blocks=blocks, step=step, axes=axes, tp=tp,
                        multiple_of=multiple_of, orders_applied=orders_applied, uniform=uniform)
-    table, layers, sub = problem["table"], problem["layers"], problem["blocks"]
-    budgets, costs, key_of = problem["budgets"], problem["costs"], problem["key_of"]
+    table, layers, sub, rests = problem["table"], problem["layers"], problem["blocks"], problem["rests"]
+    budgets, costs, key_of, layer_of = problem["budgets"], problem["costs"], problem["key_of"], problem["layer_of"]
     groups = layers + sub
     keys = [[c.target for c in cands] for cands in table]
+    if rests and sensitivity == "proxy":
+        raise ValueError("the proxy sensitivity cannot rank removing a decoder layer against cutting widths (block "
+                         "influence, 1 - cos between a layer's input and output, is no KL): measure (sensitivity "
+                         "\"halving\" or \"measured\") or leave \"depth\" out of `blocks`")
     if sub and sensitivity == "proxy":
         raise ValueError("the proxy sensitivity covers GDN layers only; measure the sub-blocks (sensitivity "
                          "\"halving\" or \"measured\") or let only GDN layers shrink (`blocks` [\"gdn\"])")
     payload_of = problem["payload_of"]
 
     start = time.perf_counter()
-    survivors = None
+    survivors = removal = None
     if sensitivity in ("measured", "halving"):
         if batches is None:
             raise ValueError("measured sensitivity needs calibration batches")
         batches = list(batches)
-        if sensitivity == "measured":
+        if rests:  # few candidates: each measured on every window
+            from .depth import removal_sensitivity
+
+            removal = removal_sensitivity(model, batches)
+        if sensitivity == "measured" or not groups:
             measured = measured_sensitivity(model, batches, groups, progress=progress)
         else:
             from .halving import halving_sensitivity
 
-            measured = halving_sensitivity(model, batches, groups, costs, budgets, progress=progress)
+            chooser = None if not rests else lambda estimate, alive: _choose_with_removal(
+                problem, list(estimate), removal, list(alive))[:len(groups)]
+            measured = halving_sensitivity(model, batches, groups, {k: v[:len(groups)] for k, v in costs.items()},
+                                           budgets, choose=chooser, progress=progress)
             survivors = [measured["survivors"][layer.prefix] for layer in groups]
         values = [measured["kl"][layer.prefix] for layer in groups]
         losses = [measured["loss"][layer.prefix] for layer in groups]
@@ -146,25 +164,35 @@ def plan_model(
 
     if uniform:
         picks = choose_uniform(keys, values, costs, budgets)
+    elif rests:
+        picks = _choose_with_removal(problem, values, removal, survivors)
     else:
         picks = choose_among(values, costs, budgets, survivors)
     refinement = None
     if refine_generations:
         if uniform or sensitivity == "proxy" or batches is None:
             raise ValueError("the joint refinement needs calibration batches and a heterogeneous plan (not --uniform)")
+        from .evolve import REMOVED
         from .joint import refine_plan
 
-        refinement = refine_plan(model, batches, groups, costs, budgets, picks, generations=refine_generations,
-                                 offspring=refine_offspring, seed=refine_seed, progress=progress)
-        picks = refinement["picks"]
+        refinement = refine_plan(model, batches, groups + rests, costs, budgets,
+                                 [REMOVED if p is None else p for p in picks], generations=refine_generations,
+                                 offspring=refine_offspring, seed=refine_seed, progress=progress,
+                                 layer_of=layer_of, removable=[r.index for r in rests])
+        picks = [None if p == REMOVED else p for p in refinement["picks"]]
     n = len(layers)
-    chosen = {layer.prefix: table[i][pick] for i, (layer, pick) in enumerate(zip(layers, picks))}
+    removed = sorted({layer_of[g] for g, p in enumerate(picks) if p is None}) if rests else []
+    chosen = {layer.prefix: table[i][pick] for i, (layer, pick) in enumerate(zip(layers, picks)) if pick is not None}
     kept = {"params": sum(c.params for c in chosen.values()),
             "state": sum(c.state for c in chosen.values()) * STATE_BYTES}
     totals = problem["gdn_totals"]
     entries = {key_of[p]: c.target.as_dict() for p, c in chosen.items()}
     for b, pick in zip(sub, picks[n:]):
-        entries[key_of.get(b.prefix, b.prefix)] = _block_entry(b, b.candidates[pick])
+        if pick is not None:
+            entries[key_of.get(b.prefix, b.prefix)] = _block_entry(b, b.candidates[pick])
+    layer_keys = _decoder_keys(problem, groups) if rests else {}
+    entries.update({layer_keys[i]: {"removed": True} for i in removed})
+    removal_kl = {i: v[0] for i, v in (removal or {}).items()}
     plan = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
@@ -174,16 +202,20 @@ def plan_model(
         "budgets": {name: {"given": given[name], "limit": round(problem["limits"][name], 3)} for name in budgets},
         **({"refined": {k: refinement[k] for k in ("generations", "offspring", "seed", "seed_kl", "kl", "windows")}}
            if refinement else {}),
-        "predicted": {"summed_sensitivity": float(sum(v[pick] for v, pick in zip(values, picks))),
-                      **({"measured_losses_of_chosen": [losses[i][pick] for i, pick in enumerate(picks)]}
-                         if losses else {})},
+        "predicted": {"summed_sensitivity": float(sum(v[pick] for v, pick in zip(values, picks) if pick is not None)
+                                                  + sum(removal_kl[i] for i in removed)),
+                      **({"measured_losses_of_chosen": [None if pick is None else losses[i][pick]
+                                                        for i, pick in enumerate(picks[:len(groups)])]}
+                         if losses else {}),
+                      **({"removed_layers": removed} if rests else {})},
         "totals": {**({"gdn_params": totals["params"], "gdn_params_kept": kept["params"],
                        "gdn_params_fraction": kept["params"] / totals["params"],
                        "state_bytes": totals["state"], "state_bytes_kept": kept["state"],
                        "state_fraction": kept["state"] / totals["state"]} if layers else {}),
                    **_model_totals(problem, picks)},
         "grid": {"dim_step": str(step), "axes": list(axes), "tp": tp, "multiple_of": multiple_of,
-                 **({"blocks": sorted({b.block.kind for b in sub} | ({"gdn"} if layers else set())),
+                 **({"blocks": sorted({b.block.kind for b in sub} | ({"gdn"} if layers else set())
+                                      | ({"depth"} if rests else set())),
                      "context": context} if problem["whole"] else {})},
         "scores": {"sha256": _scores_hash(scores), "method": data.get("method")},
         "kernel_warnings": kernel_warnings({key_of[p]: c.target for p, c in chosen.items()}),
@@ -197,7 +229,7 @@ def plan_model(
         "layers": {
             key_of[layer.prefix]: {
                 "shape": layer.shape.as_dict(),
-                "chosen": picks[i],
+                "chosen": picks[i], **({"removed": True} if picks[i] is None else {}),
                 "candidates": [
                     {"target": c.target.as_dict(), "params": c.params, "state_bytes": c.state * STATE_BYTES,
                      "sensitivity": values[i][k], **({"loss": losses[i][k]} if losses else {}),
@@ -211,6 +243,7 @@ def plan_model(
         **({"blocks": {
             key_of.get(b.prefix, b.prefix): {
                 "kind": b.block.kind, "shape": b.shape.as_dict(), "chosen": picks[n + j],
+                **({"removed": True} if picks[n + j] is None else {}),
                 "candidates": [
                     {"target": _block_entry(b, t), **{name: table_[n + j][k] for name, table_ in whole_costs.items()},
                      "sensitivity": values[n + j][k], **({"loss": losses[n + j][k]} if losses else {}),
@@ -221,8 +254,51 @@ def plan_model(
             }
             for j, b in enumerate(sub)
         }} if sub else {}),
+        **({"removal": _removal_report(problem, layer_keys, removal, removed, model, batches)} if rests else {}),
     }
     return plan, report
+
+
+def _choose_with_removal(problem: Mapping[str, Any], values: list, removal: Mapping[int, tuple[float, float]],
+                         allowed: list | None) -> list[int | None]:
+    """The exact choice of widths and removed layers (:func:`.depth.choose_with_removal`) over the width groups'
+    ``values`` (and ``allowed``) and the layers' rests (one candidate each, sensitivity 0)."""
+    from .depth import choose_with_removal
+
+    rests = [[0.0]] * len(problem["rests"])
+    picks, _ = choose_with_removal(values + rests, problem["costs"], problem["budgets"], layer_of=problem["layer_of"],
+                                   removal={i: v[0] for i, v in removal.items()},
+                                   allowed=None if allowed is None else allowed + [[True]] * len(rests))
+    return picks
+
+
+def _decoder_keys(problem: Mapping[str, Any], groups: Sequence[Any]) -> dict[int, str]:
+    """Decoder layer index -> its prefix in the plan file: a planned group's key (the scores' and checkpoint's
+    naming) cut after ``layers.N``, else the module path."""
+    import re
+
+    out = {r.index: r.prefix for r in problem["rests"]}
+    for g, group in enumerate(groups):
+        key = problem["key_of"].get(group.prefix, group.prefix)
+        found = re.search(r"(?:^|\.)layers\.\d+", key)
+        if found:
+            out[problem["layer_of"][g]] = key[:found.end()]
+    return out
+
+
+def _removal_report(problem: Mapping[str, Any], keys: Mapping[int, str], removal: Mapping[int, tuple[float, float]],
+                    removed: Sequence[int], model: Any, batches: Any) -> dict[str, dict]:
+    """Per decoder layer: the removal candidate (KL and loss with the layer alone skipped, block influence, what
+    the whole layer costs on every budget) and whether it was chosen."""
+    from ..scoring.experts import block_influence
+
+    influence = block_influence(model, batches) if removal is not None else {}
+    costs = problem["layer_costs"]
+    return {keys[r.index]: {"layer": r.index, "removed": r.index in removed,
+                            **({"sensitivity": removal[r.index][0], "loss": removal[r.index][1],
+                                "block_influence": influence[r.index]} if removal is not None else {}),
+                            **{name: costs[name][r.index] for name in costs}}
+            for r in problem["rests"]}
 
 
 def _candidate_table(modules: Sequence[tuple[str, Any]], step: Any, axes: Sequence[str], tp: int | None,
@@ -254,7 +330,7 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
     checks that some plan meets the budgets (no forward, no weight read)."""
     from ..layouts import find_gdn_modules
     from .sensitivity import LayerToPlan
-    from .subblocks import BLOCK_NAMES, plannable_blocks, whole_model_costs
+    from .subblocks import BLOCK_NAMES, SUB_BLOCK_NAMES, plannable_blocks, whole_model_costs
 
     if all(v is None for v in given.values()):
         raise ValueError("give a budget: `budget_params`, `budget_gdn_params`, `budget_active_params`, "
@@ -289,13 +365,14 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
     layers = [LayerToPlan(prefix, module, None if orders_applied or prefix not in payload_of else orders_from_payload(
         payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
         for (prefix, module), cands in zip(modules, table)]
-    kinds = [k for k in blocks if k != "gdn"] if whole else []
+    kinds = [k for k in blocks if k in SUB_BLOCK_NAMES] if whole else []
+    depth = whole and "depth" in blocks
     sub = plannable_blocks(model, kinds, score_layers, step=step, tp=tp, multiple_of=multiple_of,
                            orders_applied=orders_applied or score_layers is None)
     key_of.update({b.prefix: b.key for b in sub})
-    if uniform and sub:
+    if uniform and (sub or depth):
         raise ValueError("a uniform plan cuts GDN layers only: give `blocks` [\"gdn\"] or no whole-model budget")
-    if not layers and not sub:
+    if not layers and not sub and not depth:
         raise ValueError(f"nothing in {type(model).__name__} may shrink: `blocks` {list(blocks)}")
     zeros = [[0.0] * len(b.candidates) for b in sub]
     gdn_totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
@@ -307,23 +384,41 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
             limits[name] = budgets[name] = budget_limit(given[name], total, name)
             costs[name] = gdn_costs[name]
     totals = fixed = wcosts = None
+    rests, layer_of, wholes = [], None, None
+    gdn_pairs = [(m, c) for (_, m), c in zip(modules, table)]
     if whole:
-        totals, wcosts, fixed = whole_model_costs(model, [(m, c) for (_, m), c in zip(modules, table)], sub,
-                                                  context=context, state_bytes=STATE_BYTES)
+        totals, wcosts, fixed = whole_model_costs(model, gdn_pairs, sub, context=context, state_bytes=STATE_BYTES)
+    if depth:  # every decoder layer may go: the part of it no candidate changes is a group of its own
+        from ..forwards import decoder_blocks
+        from .depth import LayerRest
+        from .subblocks import decoder_layer_rests
+
+        layer_of, prefixes, rest_costs, wholes = decoder_layer_rests(model, gdn_pairs, sub, context=context,
+                                                                     state_bytes=STATE_BYTES)
+        rests = [LayerRest(p, m, i) for i, (p, m) in enumerate(zip(prefixes, decoder_blocks(model)))]
+        layer_of = layer_of + list(range(len(rests)))
+        for name in wcosts:
+            wcosts[name] = wcosts[name] + [[v] for v in rest_costs[name]]
+            fixed[name] -= sum(rest_costs[name])
+        for name in costs:  # the GDN-only budgets: a layer's rest holds no GDN parameter or state
+            costs[name] = costs[name] + [[0.0]] * len(rests)
+    if whole:
         for name in WHOLE:
             if given[name] is None:
                 continue
             limits[name] = budget_limit(given[name], totals[name], name)
             budgets[name], costs[name] = limits[name] - fixed[name], wcosts[name]
-            least = fixed[name] + sum(min(g) for g in wcosts[name])
+            least = fixed[name] + (0.0 if depth else sum(min(g) for g in wcosts[name]))
             if least > limits[name]:
                 raise BudgetError(f"no plan meets the budgets: {name} needs at least {least:,.0f} (every sub-block at "
-                                  f"its smallest candidate; {fixed[name]:,.0f} in what no candidate changes), "
-                                  f"budget {limits[name]:,.0f}")
-    _check_feasible(table + [[None] * len(b.candidates) for b in sub], costs, budgets, uniform)  # before any forward
+                                  f"its smallest candidate{', every decoder layer but one removed' if depth else ''}; "
+                                  f"{fixed[name]:,.0f} in what no candidate changes), budget {limits[name]:,.0f}")
+    groups = table + [[None] * len(b.candidates) for b in sub] + [[None]] * len(rests)
+    _check_feasible(groups, costs, budgets, uniform, layer_of if depth else None)  # before any forward
     return {"table": table, "layers": layers, "blocks": sub, "budgets": budgets, "costs": costs, "limits": limits,
             "key_of": key_of, "payload_of": payload_of, "gdn_totals": gdn_totals, "whole": whole, "totals": totals,
-            "fixed": fixed, "whole_costs": wcosts}
+            "fixed": fixed, "whole_costs": wcosts, "depth": depth, "rests": rests, "layer_of": layer_of,
+            "layer_costs": wholes}
 
 
 def _block_entry(block: Any, target: Any) -> dict[str, int]:
@@ -333,34 +428,42 @@ def _block_entry(block: Any, target: Any) -> dict[str, int]:
     return {k: v for k, v in KINDS[block.block.kind].config_updates(target).items() if k in BLOCK_FIELDS}
 
 
-def _model_totals(problem: Mapping[str, Any], picks: Sequence[int]) -> dict[str, Any]:
+def _model_totals(problem: Mapping[str, Any], picks: Sequence[int | None]) -> dict[str, Any]:
     """The whole-model totals of a plan: every budget's full and kept amounts, and the parameters split over
-    the kinds of sub-block (``other``: what no candidate changes, embeddings included)."""
+    the kinds of sub-block (``other``: what no candidate changes, embeddings and removable layers' rests
+    included); a pick None (its decoder layer removed) keeps nothing."""
     if not problem["whole"]:
         return {}
     out: dict[str, Any] = {}
     wcosts, fixed = problem["whole_costs"], problem["fixed"]
     for name, total in problem["totals"].items():
-        kept = fixed[name] + sum(g[pick] for g, pick in zip(wcosts[name], picks))
+        kept = fixed[name] + sum(g[pick] for g, pick in zip(wcosts[name], picks) if pick is not None)
         word = "memory_bytes" if name == "memory" else f"model_{name}" if name == "params" else name
         out.update({word: total, f"{word}_kept": kept, f"{word}_fraction": kept / total})
-    kinds = ["gdn"] * len(problem["layers"]) + [b.block.kind for b in problem["blocks"]]
+    rests = problem["rests"]
+    kinds = ["gdn"] * len(problem["layers"]) + [b.block.kind for b in problem["blocks"]] + ["other"] * len(rests)
     full = [sum(p.numel() for p in layer.module.parameters()) for layer in problem["layers"]] + \
-        [b.block.parameters() for b in problem["blocks"]]
+        [b.block.parameters() for b in problem["blocks"]] + [g[0] for g in wcosts["params"][len(kinds) - len(rests):]]
     split: dict[str, dict[str, float]] = {}
     for kind, size, g, pick in zip(kinds, full, wcosts["params"], picks):
         entry = split.setdefault(kind, {"params": 0.0, "params_kept": 0.0})
         entry["params"] += size
-        entry["params_kept"] += g[pick]
-    split["other"] = {"params": fixed["params"], "params_kept": fixed["params"]}
+        entry["params_kept"] += 0.0 if pick is None else g[pick]
+    other = split.setdefault("other", {"params": 0.0, "params_kept": 0.0})
+    other["params"] += fixed["params"]
+    other["params_kept"] += fixed["params"]
     out["split"] = split
     return out
 
 
-def _check_feasible(table, costs, budgets, uniform: bool) -> None:
+def _check_feasible(table, costs, budgets, uniform: bool, layer_of: Sequence[int] | None = None) -> None:
     zeros = [[0.0] * len(cands) for cands in table]
     if uniform:
         choose_uniform([[c.target for c in cands] for cands in table], zeros, costs, budgets)
+    elif layer_of is not None:
+        from .depth import choose_with_removal
+
+        choose_with_removal(zeros, costs, budgets, layer_of=layer_of, removal={i: 0.0 for i in set(layer_of)})
     else:
         choose(zeros, costs, budgets)
 

@@ -9,7 +9,13 @@ recurrent state and its KV cache leave every budget). One exact MILP then choose
 
 :func:`removal_sensitivity` measures ``S_l`` like the other candidates: the KL against the teacher of the
 model with layer ``l`` alone skipped (its output is its input), from the layer's cached input
-(:class:`gdnprune.forwards.Forwards`). :func:`gdnprune.scoring.experts.block_influence` is the one-pass proxy.
+(:class:`gdnprune.forwards.Forwards`). :func:`gdnprune.scoring.experts.block_influence` is the one-pass proxy
+(``1 - cos``, not a KL: it ranks layers against each other but not against width candidates, so the plan
+refuses it where removal and widths compete).
+
+In the whole-model search (:mod:`.api`) every decoder layer that may go also has a :class:`LayerRest`
+group: what the layer costs beyond its planned sub-blocks (norms, sub-blocks left out of ``blocks``), one
+candidate, sensitivity 0; removing the layer takes it off every budget with the rest.
 """
 
 from __future__ import annotations
@@ -20,19 +26,42 @@ import numpy as np
 
 from .solve import MILP_OPTIONS, BudgetError, exact_objective
 
-__all__ = ["choose_with_removal", "removal_sensitivity"]
+__all__ = ["LayerRest", "choose_with_removal", "removal_sensitivity", "skipped_output"]
+
+
+class LayerRest:
+    """The part of a decoder layer no candidate changes, as a candidate group: one candidate (the layer as it
+    is), never cut; it goes only with the whole layer. Offers what the refinement reads from a group
+    (``prefix``, ``module`` — the decoder layer —, ``shape``, ``candidates``)."""
+
+    shape = "whole"
+
+    def __init__(self, prefix: str, module: Any, index: int):
+        self.prefix, self.module, self.index = prefix, module, index
+        self.candidates = [self.shape]
+
+
+def skipped_output(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """A forward hook (``with_kwargs=True``) that makes a decoder layer hand on its input: the layer skipped."""
+    from ..forwards import hidden_argument
+
+    hidden = hidden_argument(args, kwargs)
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
 def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[Sequence[float]]],
                         budgets: Mapping[str, float], *, layer_of: Sequence[int],
-                        removal: Mapping[int, float]) -> tuple[list[int | None], list[int]]:
+                        removal: Mapping[int, float], allowed: Sequence[Sequence[bool]] | None = None
+                        ) -> tuple[list[int | None], list[int]]:
     """The candidate of every group, or None where its decoder layer is removed, that minimises the summed
-    sensitivity within ``budgets``; and the removed layers.
+    sensitivity within ``budgets``; and the removed layers. At least one of the groups' layers stays.
 
     Args:
         sensitivity, costs, budgets: as for :func:`gdnprune.plan.solve.choose` (per group, per candidate).
         layer_of: the decoder layer of every group.
         removal: decoder layer -> the sensitivity of removing it (layers not named may not be removed).
+        allowed: ``allowed[g][c]``: the candidates that may be chosen (all when None; as
+            :func:`gdnprune.plan.solve.choose_among`, e.g. successive halving's survivors); removal always may.
 
     Raises:
         BudgetError: no choice meets the budgets; ValueError: inconsistent inputs.
@@ -57,12 +86,20 @@ def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[s
         if layer_of[g] in removal:
             rows[g, n + layers.index(layer_of[g])] = 1
     constraints = [LinearConstraint(rows, 1, 1)]
+    if m:  # never every layer
+        constraints.append(LinearConstraint(np.concatenate([np.zeros(n), np.ones(m)])[None, :], 0,
+                                            len(set(layer_of)) - 1))
     for name, budget in budgets.items():
         row = np.concatenate([np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)])
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
     c = np.concatenate([np.concatenate([np.asarray(g, dtype=np.float64) for g in sensitivity]),
                         np.asarray([removal[l] for l in layers], dtype=np.float64)])
-    result = milp(exact_objective(c), constraints=constraints, integrality=np.ones(n + m), bounds=Bounds(0, 1),
+    upper = np.ones(n + m)
+    if allowed is not None:
+        if len(allowed) != len(sizes) or any(len(a) != size for a, size in zip(allowed, sizes)):
+            raise ValueError("`allowed` must have one flag per candidate of every group")
+        upper[:n] = np.concatenate([np.asarray(a, dtype=np.float64) for a in allowed])
+    result = milp(exact_objective(c), constraints=constraints, integrality=np.ones(n + m), bounds=Bounds(0, upper),
                   options=MILP_OPTIONS)
     if result.status == 2 or result.x is None:
         least = {name: float(sum(min(g) for g, l in zip(costs[name], layer_of) if l not in removal))
@@ -85,7 +122,7 @@ def removal_sensitivity(model: Any, batches: Iterable[Any], layers: Iterable[int
     """``{layer: (KL per token, loss per token)}`` of the model with that decoder layer alone skipped (its
     output replaced by its input), against the unchanged model, from one teacher pass and the cached layer
     inputs (each measurement runs only the layers from the skipped one on)."""
-    from ..forwards import Forwards, hidden_argument
+    from ..forwards import Forwards
 
     forwards = Forwards(model, batches)
     indices = list(range(len(forwards.decoder.layers))) if layers is None else sorted(set(layers))
@@ -93,13 +130,8 @@ def removal_sensitivity(model: Any, batches: Iterable[Any], layers: Iterable[int
     out = {}
     for i in indices:
         layer = forwards.decoder.layers[i]
-
-        def skip(module, args, kwargs, output):
-            hidden = hidden_argument(args, kwargs)
-            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
         with forwards.from_layer(i) as measure:
-            handle = layer.register_forward_hook(skip, with_kwargs=True)
+            handle = layer.register_forward_hook(skipped_output, with_kwargs=True)
             try:
                 out[i] = measure()
             finally:

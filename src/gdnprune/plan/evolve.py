@@ -16,6 +16,12 @@ mutation moves width between layers: one layer steps to a nearby larger or small
 their share of the budgets), another layer gives back or takes up what that needs, and every budget holds
 after every mutation. The serving constraints (``--tp``, ``--multiple-of``) hold because only listed
 candidates are ever used. No torch here.
+
+Depth (issue 23): with ``layer_of`` (the decoder layer of every group) and ``removable`` (the layers that may
+go), a plan marks every group of a removed layer with :data:`REMOVED` (it costs nothing), and a quarter of
+the mutations move between depth and width: a kept layer is removed and what it frees goes to another
+group, or a removed layer comes back (its groups at their smallest candidates) and other groups shrink to
+pay for it. At least one layer always stays.
 """
 
 from __future__ import annotations
@@ -25,15 +31,20 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["feasible", "mutate", "evolve", "stages"]
+__all__ = ["REMOVED", "feasible", "mutate", "evolve", "stages"]
+
+#: the pick of every group of a removed decoder layer
+REMOVED = -1
 
 Fitness = Callable[[Sequence[Sequence[int]], int, int], Sequence[Sequence[float]]]
 
 
 def feasible(picks: Sequence[int], costs: Mapping[str, Sequence[Sequence[float]]],
              budgets: Mapping[str, float]) -> bool:
-    """Whether the plan ``picks`` (a candidate index per layer) meets every budget."""
-    return all(sum(costs[name][layer][c] for layer, c in enumerate(picks)) <= limit for name, limit in budgets.items())
+    """Whether the plan ``picks`` (a candidate index per layer, :data:`REMOVED` costing nothing) meets every
+    budget."""
+    return all(sum(costs[name][layer][c] for layer, c in enumerate(picks) if c != REMOVED) <= limit
+               for name, limit in budgets.items())
 
 
 def _sizes(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float]) -> list[np.ndarray]:
@@ -44,15 +55,20 @@ def _sizes(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
 
 
 def mutate(picks: Sequence[int], costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float],
-           rng: np.random.Generator, *, reach: int = 3) -> list[int] | None:
+           rng: np.random.Generator, *, reach: int = 3, layer_of: Sequence[int] | None = None,
+           removable: Sequence[int] = ()) -> list[int] | None:
     """One mutation of a feasible plan: layer ``a`` steps up to ``reach`` places along its candidates ordered
     by size; when that breaks a budget, another layer shrinks to its largest candidate that restores every
-    budget; when it frees budget, another layer grows to its largest candidate that still fits. Returns
-    the new plan (meeting every budget), or None when this draw found no such move."""
+    budget; when it frees budget, another layer grows to its largest candidate that still fits. With
+    ``removable`` decoder layers (``layer_of``: the decoder layer of every group), a quarter of the mutations
+    remove one of them or bring it back (:func:`_depth_move`). Returns the new plan (meeting every budget), or
+    None when this draw found no such move."""
     sizes = _sizes(costs, budgets)
-    layers = len(picks)
+    if removable and rng.random() < 0.25:
+        return _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable)
+    kept = [g for g, c in enumerate(picks) if c != REMOVED]
     new = list(picks)
-    a = int(rng.integers(layers))
+    a = int(kept[int(rng.integers(len(kept)))]) if len(kept) < len(picks) else int(rng.integers(len(picks)))
     order = np.argsort(sizes[a], kind="stable")
     pos = int(np.flatnonzero(order == picks[a])[0])
     steps = [s for s in range(-reach, reach + 1) if s and 0 <= pos + s < len(order)]
@@ -60,24 +76,52 @@ def mutate(picks: Sequence[int], costs: Mapping[str, Sequence[Sequence[float]]],
         return None
     step = int(steps[int(rng.integers(len(steps)))])
     new[a] = int(order[pos + step])
-    others = [int(b) for b in rng.permutation(layers) if b != a]
+    others = [int(b) for b in rng.permutation(len(picks)) if b != a and new[b] != REMOVED]
     if not feasible(new, costs, budgets):  # take the difference from another layer
-        for b in others:
-            smaller = [c for c in np.argsort(-sizes[b], kind="stable") if sizes[b][c] < sizes[b][new[b]]]
-            for c in smaller:
-                trial = new[:b] + [int(c)] + new[b + 1:]
-                if feasible(trial, costs, budgets):
-                    return trial
-        return None
+        return _shrink_another(new, others, costs, budgets, sizes)
     if step < 0 and others:  # give what was freed to another layer
-        b = others[0]
-        for c in np.argsort(-sizes[b], kind="stable"):
-            if sizes[b][c] <= sizes[b][new[b]]:
-                break
+        return _grow(new, others[0], costs, budgets, sizes)
+    return new
+
+
+def _shrink_another(new: list[int], others: Sequence[int], costs, budgets, sizes) -> list[int] | None:
+    """``new`` with one of ``others`` shrunk to its largest candidate that meets every budget, or None."""
+    for b in others:
+        smaller = [c for c in np.argsort(-sizes[b], kind="stable") if sizes[b][c] < sizes[b][new[b]]]
+        for c in smaller:
             trial = new[:b] + [int(c)] + new[b + 1:]
             if feasible(trial, costs, budgets):
                 return trial
+    return None
+
+
+def _grow(new: list[int], b: int, costs, budgets, sizes) -> list[int]:
+    """``new`` with group ``b`` grown to its largest candidate that still meets every budget (or as it is)."""
+    for c in np.argsort(-sizes[b], kind="stable"):
+        if sizes[b][c] <= sizes[b][new[b]]:
+            break
+        trial = new[:b] + [int(c)] + new[b + 1:]
+        if feasible(trial, costs, budgets):
+            return trial
     return new
+
+
+def _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable) -> list[int] | None:
+    """Remove a kept layer of ``removable`` (what it frees goes to another group) or bring a removed one back
+    (its groups at their smallest candidates, another group shrinking when a budget needs it)."""
+    layer = int(removable[int(rng.integers(len(removable)))])
+    mine = [g for g, l in enumerate(layer_of) if l == layer]
+    new = list(picks)
+    others = [int(b) for b in rng.permutation(len(picks)) if layer_of[b] != layer and picks[b] != REMOVED]
+    if picks[mine[0]] != REMOVED:
+        if not others:  # the last layer stays
+            return None
+        for g in mine:
+            new[g] = REMOVED
+        return _grow(new, others[0], costs, budgets, sizes)
+    for g in mine:
+        new[g] = int(np.argmin(sizes[g]))
+    return new if feasible(new, costs, budgets) else _shrink_another(new, others, costs, budgets, sizes)
 
 
 def stages(windows: int, offspring: int) -> list[tuple[int, int]]:
@@ -90,7 +134,8 @@ def stages(windows: int, offspring: int) -> list[tuple[int, int]]:
 
 def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], seed_picks: Sequence[int],
            fitness: Fitness, weights: Sequence[float], *, generations: int, offspring: int = 8, seed: int = 0,
-           mutations: int = 2, on_generation: Callable[[dict], None] | None = None) -> dict:
+           mutations: int = 2, on_generation: Callable[[dict], None] | None = None,
+           layer_of: Sequence[int] | None = None, removable: Sequence[int] = ()) -> dict:
     """Improve the plan ``seed_picks`` by whole-plan fitness; returns the best plan found and the history.
 
     Args:
@@ -103,6 +148,8 @@ def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
         seed: the random seed (the search is deterministic for a seed and a deterministic fitness).
         mutations: at most this many mutations make one offspring (drawn uniformly from 1 ..).
         on_generation: called with every generation's record.
+        layer_of, removable: the decoder layer of every group and the layers that may be removed (their groups'
+            picks :data:`REMOVED` in a plan; ``seed_picks`` may hold removed layers already).
 
     Returns:
         ``{"picks", "kl", "seed_kl", "history": [per generation: "kl" (the current plan's, all windows),
@@ -130,7 +177,7 @@ def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
         for _ in range(50 * offspring):
             child = parent
             for _ in range(int(rng.integers(1, mutations + 1))):
-                child = mutate(child, costs, budgets, rng) or child
+                child = mutate(child, costs, budgets, rng, layer_of=layer_of, removable=removable) or child
             if child != parent and child not in children:
                 children.append(child)
             if len(children) == offspring:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -73,10 +73,11 @@ def rungs(total: int, first: int | None = None, grow: int = 4) -> list[int]:
     return out
 
 
-def near(sizes: np.ndarray, alive: np.ndarray, pick: int, keep: int) -> np.ndarray:
-    """The ``keep`` alive candidates nearest to ``pick`` in the order of ``sizes`` (the pick included)."""
+def near(sizes: np.ndarray, alive: np.ndarray, pick: int | None, keep: int) -> np.ndarray:
+    """The ``keep`` alive candidates nearest to ``pick`` in the order of ``sizes`` (the pick included); ``pick``
+    None (the layer removed, size 0): the ``keep`` smallest."""
     order = [int(c) for c in np.argsort(sizes, kind="stable") if alive[c]]
-    pos = order.index(pick)
+    pos = 0 if pick is None else order.index(pick)
     ranked = sorted(range(len(order)), key=lambda k: (abs(k - pos), -k))
     out = np.zeros_like(alive)
     out[[order[k] for k in ranked[:keep]]] = True
@@ -136,6 +137,7 @@ def gather_over_ranks(values: dict) -> dict:
 def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan],
                         costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], *,
                         first: int | None = None, grow: int = 4, eta: int = 2, z: float = 2.0,
+                        choose: Callable[[list, list], Sequence[int | None]] | None = None,
                         progress: bool = True, max_logits: int = 1 << 24) -> dict[str, Any]:
     """KL from the unpruned model of every candidate of every layer cut alone, by successive halving.
 
@@ -151,6 +153,9 @@ def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: 
             windows or more measures every candidate on every window (the full measurement).
         grow: the factor by which the windows grow from rung to rung; eta: 1 / the share kept per rung.
         z: paired standard errors by which a dominator must be better to drop a candidate.
+        choose: ``choose(estimates, alive)`` -> a candidate per layer (None: its decoder layer removed), the
+            exact choice of a rung (default :func:`~gdnprune.plan.solve.choose_among` with ``costs`` and
+            ``budgets``; the plan with layer removal passes :func:`~gdnprune.plan.depth.choose_with_removal`'s).
         progress: a tqdm bar over the partial forwards (one window each).
 
     Returns:
@@ -217,7 +222,7 @@ def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: 
             for li in range(len(layers)):
                 alive[li] &= ~dominated(kl[li][:, :upto], tables[li], alive[li], z=z)
             estimate = [kl[li][:, :upto].mean(1) for li in range(len(layers))]
-            picks = choose_among(estimate, costs, budgets, alive)
+            picks = choose(estimate, alive) if choose is not None else choose_among(estimate, costs, budgets, alive)
             for li in range(len(layers)):
                 alive[li] = near(sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta)))
     finally:

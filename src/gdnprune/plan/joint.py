@@ -3,7 +3,10 @@
 :class:`JointKL` measures a whole plan (every layer at its candidate): the teacher pass keeps every planned
 layer's input once; a plan is then run from the input of its first cut layer (the layers before it are
 unchanged), with each cut layer's module swapped for the candidate module (the module a sliced checkpoint
-loads, built as the sensitivity builds it), and compared with the teacher window by window.
+loads, built as the sensitivity builds it), and compared with the teacher window by window. A group whose
+pick is :data:`~gdnprune.plan.evolve.REMOVED` has its decoder layer skipped (its output is its input). Cut
+modules are swapped outermost first, each into the layer as it is by then (a cut MoE block is a copy that holds
+its shared expert, which a shared-expert candidate then replaces inside the copy).
 :func:`refine_plan` runs the search (:func:`gdnprune.plan.evolve.evolve`) with it.
 
 Under ``torchrun`` every rank holds every window and measures its share of the plans of a generation; the
@@ -18,7 +21,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..forwards import Forwards, parent_and_name
+from ..forwards import Forwards
+from .depth import skipped_output
+from .evolve import REMOVED
 from .halving import gather_over_ranks, rank_share, token_counts, windows_of
 from .sensitivity import LayerToPlan, candidate_module, sorted_state
 
@@ -38,30 +43,40 @@ class JointKL:
         self.forwards.teacher(self.index)
         self.text_config = model.config.get_text_config(decoder=True)
         self.weights = [token_counts(w)[0] for w in self.windows]
-        self.slots = []
+        self.paths = []  # each group's module path inside its decoder layer ("" for the layer itself)
         for layer, i in zip(self.layers, self.index):
-            self.slots.append(parent_and_name(self.forwards.decoder.layers[i], layer.module))
+            names = {id(m): n for n, m in self.forwards.decoder.layers[i].named_modules()}
+            self.paths.append(names[id(layer.module)])
 
     @torch.no_grad()
     def kl(self, picks: Sequence[int], lo: int, hi: int) -> list[float]:
-        """The KL per token of every window ``lo..hi-1`` with every layer cut to its candidate."""
-        cut = [k for k, (layer, c) in enumerate(zip(self.layers, picks)) if layer.candidates[c] != layer.shape]
-        if not cut:
+        """The KL per token of every window ``lo..hi-1`` with every layer cut to its candidate (or skipped)."""
+        removed = sorted({self.index[k] for k, c in enumerate(picks) if c == REMOVED})
+        cut = [k for k, (layer, c) in enumerate(zip(self.layers, picks))
+               if c != REMOVED and self.index[k] not in removed and layer.candidates[c] != layer.shape]
+        if not cut and not removed:
             return [0.0] * (hi - lo)
+        cut.sort(key=lambda k: self.paths[k].count("."))  # outer modules first
+        swapped, handles = [], []
         try:
             for k in cut:
                 layer = self.layers[k]
                 state = sorted_state(layer)
                 device = next(iter(state.values())).device
-                parent, attr = self.slots[k]
+                owner, _, attr = self.paths[k].rpartition(".")
+                parent = self.forwards.decoder.layers[self.index[k]].get_submodule(owner)
+                swapped.append((parent, attr, getattr(parent, attr)))
                 setattr(parent, attr, candidate_module(layer, state, layer.candidates[picks[k]], self.text_config,
                                                         device))
-            with self.forwards.from_layer(min(self.index[k] for k in cut)) as measure:
+            for i in removed:
+                handles.append(self.forwards.decoder.layers[i].register_forward_hook(skipped_output, with_kwargs=True))
+            with self.forwards.from_layer(min([self.index[k] for k in cut] + removed)) as measure:
                 return [measure([w])[0] for w in range(lo, hi)]
         finally:
-            for k in cut:
-                parent, attr = self.slots[k]
-                setattr(parent, attr, self.layers[k].module)
+            for handle in handles:
+                handle.remove()
+            for parent, attr, original in reversed(swapped):
+                setattr(parent, attr, original)
 
     def __call__(self, plans: Sequence[Sequence[int]], lo: int, hi: int) -> list[list[float]]:
         mine = {i: self.kl(plans[i], lo, hi) for i in rank_share(len(plans))}
@@ -72,8 +87,12 @@ class JointKL:
 def refine_plan(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan],
                 costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], picks: Sequence[int], *,
                 generations: int, offspring: int = 8, seed: int = 0, progress: bool = True,
-                max_logits: int = 1 << 24) -> dict[str, Any]:
+                max_logits: int = 1 << 24, layer_of: Sequence[int] | None = None,
+                removable: Sequence[int] = ()) -> dict[str, Any]:
     """The joint refinement of the plan ``picks`` (:func:`~gdnprune.plan.evolve.evolve` with :class:`JointKL`).
+
+    ``layer_of``, ``removable``: as :func:`~gdnprune.plan.evolve.evolve` (``picks`` may mark removed layers'
+    groups :data:`~gdnprune.plan.evolve.REMOVED`); mutations then move between removal and width.
 
     Returns :func:`~gdnprune.plan.evolve.evolve`'s result with ``generations``, ``offspring``, ``seed``,
     ``windows`` (calibration windows of the fitness) and ``seconds``.
@@ -92,7 +111,7 @@ def refine_plan(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence
 
     try:
         result = evolve(costs, budgets, picks, fitness, fitness.weights, generations=generations, offspring=offspring,
-                        seed=seed, on_generation=step)
+                        seed=seed, on_generation=step, layer_of=layer_of, removable=removable)
     finally:
         bar.close()
     result.update(generations=generations, offspring=offspring, seed=seed, windows=len(fitness.windows),

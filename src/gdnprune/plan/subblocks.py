@@ -1,4 +1,5 @@
-"""Sub-blocks beside GDN in the plan search (issue 21): attention heads, MLP and shared-expert channels.
+"""Sub-blocks beside GDN in the plan search (issues 21, 23): attention heads, MLP and shared-expert channels,
+routed-expert counts.
 
 A sub-block to plan (:class:`BlockToPlan`) offers what the sensitivity measurement reads from a GDN layer
 (:class:`gdnprune.plan.sensitivity.LayerToPlan`) — ``prefix``, ``module``, ``shape``, ``candidates`` — and
@@ -8,13 +9,16 @@ and the successive-halving sensitivities run over GDN layers and sub-blocks alik
 
 A cut sub-block is the module itself with its tensors sorted by the scores' orders and cut to the
 candidate (:func:`gdnprune.block_surgery.slice_block_state_dict`, the gather a sliced checkpoint gets),
-and the few attributes its forward reads from the geometry (``num_key_value_groups``) updated.
+and the few attributes its forward reads from the geometry (``num_key_value_groups``; the expert count of
+the router and of the experts module) updated.
 
 The whole-model budgets (:func:`whole_model_costs`): every parameter of the model (embeddings included),
-the active parameters per token (routed experts count ``num_experts_per_tok / num_experts`` of their
-weights), and the inference memory per sequence (GDN recurrent state in float32 plus the KV cache of the
-attention layers at ``context`` tokens in the model's dtype). What no candidate changes is a fixed part
-of every budget.
+the active parameters per token (routed experts count ``num_experts_per_tok`` experts' weights, whatever
+the number kept, and every router row), and the inference memory per sequence (GDN recurrent state in
+float32 plus the KV cache of the attention layers at ``context`` tokens in the model's dtype). What no
+candidate changes is a fixed part of every budget; with layer removal (:mod:`.depth`) the part of each
+decoder layer that no candidate changes is a group of its own (:func:`decoder_layer_rests`), so a removed
+layer leaves every budget whole.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["BLOCK_NAMES", "BlockToPlan", "plannable_blocks", "whole_model_costs"]
+__all__ = ["BLOCK_NAMES", "BlockToPlan", "active_parameters", "decoder_layer_rests", "plannable_blocks",
+           "whole_model_costs"]
 
-#: names of ``blocks`` (``--blocks``): the GDN layers and the sub-block kinds the search may shrink
-BLOCK_NAMES = ("gdn", "attention", "mlp", "shared_expert")
+#: names of ``blocks`` (``--blocks``): the GDN layers, the sub-block kinds the search may shrink, and ``depth``
+#: (whole decoder layers removed, :mod:`.depth`)
+BLOCK_NAMES = ("gdn", "attention", "mlp", "shared_expert", "experts", "depth")
+#: the names of :data:`BLOCK_NAMES` that are sub-block kinds (:data:`gdnprune.blocks.KINDS`)
+SUB_BLOCK_NAMES = ("attention", "mlp", "shared_expert", "experts")
 
 
 class BlockToPlan:
@@ -65,9 +73,14 @@ class BlockToPlan:
             owner, _, leaf = name.rpartition(".")
             holder = module.get_submodule(owner) if owner else module
             setattr(holder, leaf, torch.nn.Parameter(cut[head + name].to(device), requires_grad=False))
+        from ..blocks import ExpertShape
+
+        # the router and the experts module of an MoE block read their expert count in the forward
+        holders = list(module.modules()) if isinstance(target, ExpertShape) else [module]
         for name, value in _geometry_attributes(target).items():
-            if hasattr(module, name):
-                setattr(module, name, value)
+            for holder in holders:
+                if hasattr(holder, name):
+                    setattr(holder, name, value)
         return module.eval()
 
 
@@ -79,7 +92,10 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _geometry_attributes(target: Any) -> dict[str, int]:
-    from ..blocks import AttentionShape, MLPShape
+    from ..blocks import AttentionShape, ExpertShape, MLPShape
+
+    if isinstance(target, ExpertShape):
+        return {"num_experts": target.num_experts}
 
     if isinstance(target, AttentionShape):
         return {"num_key_value_groups": target.heads_per_group, "num_heads": target.num_attention_heads,
@@ -129,6 +145,52 @@ def _active_share(model: torch.nn.Module) -> dict[str, float]:
     return {f"{b.prefix}.experts": b.shape.num_experts_per_tok / b.shape.num_experts for b in experts}
 
 
+def active_parameters(block: Any, target: Any = None) -> float:
+    """Parameters a token uses of ``block`` cut to ``target`` (default: as it is). Routed experts: every
+    router row (each token scores every kept expert) and ``num_experts_per_tok`` experts' weights, however
+    many are kept; any other sub-block: all of them."""
+    from ..blocks import ExpertShape
+
+    target = block.shape if target is None else target
+    total = block.parameters(target)
+    if not isinstance(target, ExpertShape):
+        return float(total)
+    router = block.tensors["gate.weight"][1] * target.num_experts
+    return float(router + (total - router) * target.num_experts_per_tok / target.num_experts)
+
+
+def _group_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
+                 blocks: Sequence[BlockToPlan], *, kv: int, kv_bytes: int, state_bytes: int
+                 ) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+    """Per group (GDN layers, then ``blocks``): its cost on every whole-model budget at every candidate, and
+    at its full geometry (which need not be a candidate under serving constraints)."""
+    from ..blocks import kv_cache_elements
+    from ..geometry import GDNShape
+    from ..plans import state_elements
+
+    costs: dict[str, list[list[float]]] = {"params": [], "active_params": [], "memory": []}
+    full: dict[str, list[float]] = {"params": [], "active_params": [], "memory": []}
+    for module, cands in gdn:
+        costs["params"].append([float(c.params) for c in cands])
+        costs["active_params"].append([float(c.params) for c in cands])
+        costs["memory"].append([float(c.state * state_bytes) for c in cands])
+        size = float(sum(p.numel() for p in module.parameters()))
+        full["params"].append(size)
+        full["active_params"].append(size)
+        full["memory"].append(float(state_elements(GDNShape.from_module(module), int(module.conv_kernel_size))
+                                    * state_bytes))
+    for b in blocks:
+        costs["params"].append([float(b.block.parameters(t)) for t in b.candidates])
+        costs["active_params"].append([active_parameters(b.block, t) for t in b.candidates])
+        attention = b.block.kind == "attention"
+        costs["memory"].append([float(kv_cache_elements(t) * kv * kv_bytes) if attention else 0.0
+                                for t in b.candidates])
+        full["params"].append(float(b.block.parameters()))
+        full["active_params"].append(active_parameters(b.block))
+        full["memory"].append(float(kv_cache_elements(b.shape) * kv * kv_bytes) if attention else 0.0)
+    return costs, full
+
+
 def whole_model_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
                       blocks: Sequence[BlockToPlan], *, context: int | None, state_bytes: int
                       ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, float]]:
@@ -139,47 +201,67 @@ def whole_model_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Modul
     with ``context``, ``memory`` (bytes per sequence); ``costs[name][group][cand]``: what the group costs at
     that candidate; ``fixed[name]``: what the rest of the model costs (no candidate changes it).
     """
+    totals = _model_totals(model, context=context, state_bytes=state_bytes)
+    costs, full = _group_costs(model, gdn, blocks, kv=context or 0, kv_bytes=next(model.parameters()).element_size(),
+                               state_bytes=state_bytes)
+    fixed = {name: totals[name] - sum(full[name]) for name in totals}
+    if context is None:
+        del costs["memory"]
+    return totals, costs, fixed
+
+
+def _model_totals(model: torch.nn.Module, *, context: int | None, state_bytes: int,
+                  under: str | None = None) -> dict[str, float]:
+    """Every parameter, the active parameters and (with ``context``) the memory per sequence of ``model``, or of
+    its decoder layer at module path ``under`` alone."""
     from ..block_surgery import find_model_blocks
     from ..blocks import kv_cache_elements
     from ..geometry import GDNShape
     from ..layouts import find_gdn_modules
     from ..plans import state_elements
 
+    head = None if under is None else under + "."
     share = _active_share(model)
     seen, total, active = set(), 0, 0.0
     for name, p in model.named_parameters():
-        if id(p) in seen:
+        if id(p) in seen or (head is not None and not name.startswith(head)):
             continue
         seen.add(id(p))
         total += p.numel()
         active += p.numel() * next((s for prefix, s in share.items() if name.startswith(prefix + ".")), 1.0)
-    kv_bytes = next(model.parameters()).element_size()
-    kv = context or 0
-    costs: dict[str, list[list[float]]] = {"params": [], "active_params": [], "memory": []}
-    full = {"params": 0.0, "memory": 0.0}
-    for module, cands in gdn:
-        costs["params"].append([float(c.params) for c in cands])
-        costs["active_params"].append([float(c.params) for c in cands])
-        costs["memory"].append([float(c.state * state_bytes) for c in cands])
-        full["params"] += sum(p.numel() for p in module.parameters())
-        full["memory"] += state_elements(GDNShape.from_module(module), int(module.conv_kernel_size)) * state_bytes
-    for b in blocks:
-        params = [float(b.block.parameters(t)) for t in b.candidates]
-        costs["params"].append(params)
-        costs["active_params"].append(params)  # experts are not candidates: a dense sub-block is all active
-        attention = b.block.kind == "attention"
-        costs["memory"].append([float(kv_cache_elements(t) * kv * kv_bytes) if attention else 0.0
-                                for t in b.candidates])
-        full["params"] += b.block.parameters()
-        full["memory"] += kv_cache_elements(b.shape) * kv * kv_bytes if attention else 0.0
-    memory = sum(state_elements(GDNShape.from_module(m), int(m.conv_kernel_size)) * state_bytes
-                 for _, m in find_gdn_modules(model))
-    memory += sum(kv_cache_elements(b.shape) * kv * kv_bytes for b in find_model_blocks(model, ("attention",)))
-    totals = {"params": float(total), "active_params": active}
-    fixed = {"params": total - full["params"], "active_params": active - full["params"]}
+    out = {"params": float(total), "active_params": active}
     if context is not None:
-        totals["memory"] = float(memory)
-        fixed["memory"] = float(memory - full["memory"])
-    else:
-        del costs["memory"]
-    return totals, costs, fixed
+        kv_bytes = next(model.parameters()).element_size()
+        inside = (lambda prefix: True) if head is None else (lambda prefix: prefix.startswith(head))
+        memory = sum(state_elements(GDNShape.from_module(m), int(m.conv_kernel_size)) * state_bytes
+                     for prefix, m in find_gdn_modules(model) if inside(prefix))
+        memory += sum(kv_cache_elements(b.shape) * context * kv_bytes
+                      for b in find_model_blocks(model, ("attention",)) if inside(b.prefix))
+        out["memory"] = float(memory)
+    return out
+
+
+def decoder_layer_rests(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
+                        blocks: Sequence[BlockToPlan], *, context: int | None, state_bytes: int
+                        ) -> tuple[list[int], list[str], dict[str, list[float]], dict[str, list[float]]]:
+    """What each decoder layer costs beyond its planned groups (norms, the sub-blocks ``blocks`` leaves out):
+    ``(layer_of, prefixes, rests, wholes)`` — the decoder layer of every group (GDN layers, then ``blocks``),
+    every decoder layer's module path, ``rests[name][layer]`` on every whole-model budget and
+    ``wholes[name][layer]``, what the whole layer costs. Removing a layer removes its groups and its rest."""
+    from ..forwards import block_index, decoder_blocks
+
+    layers = decoder_blocks(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [names[id(layer)] for layer in layers]
+    layer_of = [block_index(layers, m) for m, _ in gdn] + [block_index(layers, b.module) for b in blocks]
+    _, full = _group_costs(model, gdn, blocks, kv=context or 0, kv_bytes=next(model.parameters()).element_size(),
+                           state_bytes=state_bytes)
+    rests: dict[str, list[float]] = {}
+    wholes: dict[str, list[float]] = {}
+    for i, prefix in enumerate(prefixes):
+        whole = _model_totals(model, context=context, state_bytes=state_bytes, under=prefix)
+        for name, value in whole.items():
+            planned = sum(f for f, layer in zip(full[name], layer_of) if layer == i)
+            rests.setdefault(name, []).append(value - planned)
+            wholes.setdefault(name, []).append(value)
+    return layer_of, prefixes, rests, wholes
