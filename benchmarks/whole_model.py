@@ -64,7 +64,8 @@ from gdnprune.plan.depth import choose_with_removal, removal_sensitivity  # noqa
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity  # noqa: E402
 from gdnprune.plan.subblocks import plannable_blocks, whole_model_costs  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
-from plans import window_losses  # noqa: E402
+from gdnprune.scoring.experts import block_influence  # noqa: E402
+from plans import spearman, window_losses  # noqa: E402
 
 BUDGETS = (0.75, 0.5, 0.35)
 DEPTH_BUDGETS = (0.75, 0.5)
@@ -144,9 +145,13 @@ class Problem:
         if args.depth and depth_key not in stored:
             t1 = time.perf_counter()
             removal = removal_sensitivity(self.model, self.sens)
+            t2 = time.perf_counter()
+            influence = block_influence(self.model, self.sens)
             stored[depth_key] = {"kl": {str(i): v[0] for i, v in removal.items()},
                                  "loss": {str(i): v[1] for i, v in removal.items()},
-                                 "benchmark_seconds": time.perf_counter() - t1}
+                                 "influence": {str(i): v for i, v in influence.items()},
+                                 "influence_seconds": time.perf_counter() - t2,
+                                 "benchmark_seconds": t2 - t1}
         stored[key] = gdn
         if args.cache and gdn_orders_same:
             args.cache.parent.mkdir(parents=True, exist_ok=True)
@@ -154,6 +159,7 @@ class Problem:
         sub = stored[sub_key]
         self.kl = [gdn["kl"][g.prefix] for g in self.gdn] + [sub["kl"][b.prefix] for b in self.sub]
         self.removal = {int(i): v for i, v in stored[depth_key]["kl"].items()} if args.depth else {}
+        self.influence = {int(i): v for i, v in stored[depth_key]["influence"].items()} if args.depth else {}
         self.seconds = {"score": self.score_seconds, "gdn": gdn["benchmark_seconds"],
                         "sub_blocks": sub["benchmark_seconds"],
                         **({"removal": stored[depth_key]["benchmark_seconds"]} if args.depth else {})}
@@ -331,7 +337,10 @@ def run_model(problem: Problem, args) -> dict:
     split["outside the decoder"] = problem.outside / problem.total
     return {"model": problem.name, "corpus": problem.corpus, "params": problem.total, "decoder_params": problem.decoder,
             "base_loss": float(problem.base.mean()), "seconds": problem.seconds, "forwards": problem.forwards,
-            "removal_kl": problem.removal, "shares": split, "steps": args.steps, "recipe": RECIPE, "rows": rows}
+            "removal_kl": problem.removal, "block_influence": problem.influence,
+            "influence_spearman": (spearman([problem.influence[i] for i in sorted(problem.removal)],
+                                            [problem.removal[i] for i in sorted(problem.removal)])
+                                   if len(problem.removal) > 2 else None), "shares": split, "steps": args.steps, "recipe": RECIPE, "rows": rows}
 
 
 NAMES = [("searched", "searched"), ("gdn_only", "GDN-only"), ("best_uniform", "best uniform"),
@@ -343,6 +352,10 @@ def print_model(result: dict) -> None:
     print(f"\n{result['model']}: {result['params']:,} parameters ({shares}); decoder {result['decoder_params']:,}; "
           f"unpruned validation loss {result['base_loss']:.4f}; sensitivity seconds "
           + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items()))
+    if result["removal_kl"]:
+        print("removal KL (measured) / block influence per layer: " + ", ".join(
+            f"{i}: {result['removal_kl'][i]:.3f}/{result['block_influence'][i]:.3f}" for i in sorted(result["removal_kl"]))
+            + f"; Spearman rho {result['influence_spearman']:.2f}")
     header = f"{'budget':<7} {'plan':<16} {'kept':>6} {'loss':>7} {'- searched':>17} {'after':>7} {'- searched':>17}  removed"
     print(header)
     print("-" * len(header))
