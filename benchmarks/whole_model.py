@@ -152,6 +152,10 @@ class Problem:
                                  "influence": {str(i): v for i, v in influence.items()},
                                  "influence_seconds": time.perf_counter() - t2,
                                  "benchmark_seconds": t2 - t1}
+        if args.depth and "influence" not in stored[depth_key]:  # a cache written before the proxy was added
+            t2 = time.perf_counter()
+            stored[depth_key]["influence"] = {str(i): v for i, v in block_influence(self.model, self.sens).items()}
+            stored[depth_key]["influence_seconds"] = time.perf_counter() - t2
         stored[key] = gdn
         if args.cache and gdn_orders_same:
             args.cache.parent.mkdir(parents=True, exist_ok=True)
