@@ -67,6 +67,16 @@ from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
 
 
+def parse_budgets(text: str) -> list[tuple[str, float]]:
+    out = []
+    for item in text.split(","):
+        kind, _, value = item.partition(":")
+        if kind not in ("params", "state") or not value:
+            raise argparse.ArgumentTypeError(f"a budget is params:F or state:F, got {item!r}")
+        out.append((kind, float(value)))
+    return out
+
+
 def window_losses(model, windows: torch.Tensor, batch: int = 16) -> np.ndarray:
     """Mean next-token cross entropy of every window (nats/byte)."""
     out = []
@@ -155,7 +165,7 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         return cache[key]
 
     rows = []
-    for kind, fraction in BUDGETS:
+    for kind, fraction in args.budgets:
         budgets = {kind: fraction * totals[kind]}
         row = {"budget": f"{kind} {fraction:.0%}"}
         try:
@@ -287,6 +297,9 @@ def main() -> int:
     p.add_argument("--refine-generations", type=int, default=30, help="generations of the refinement (30)")
     p.add_argument("--refine-offspring", type=int, default=8, help="offspring per generation (8)")
     p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivity here")
+    p.add_argument("--budgets", type=parse_budgets, default=BUDGETS,
+                   help="the budgets to run, e.g. params:0.25,state:0.5 (default: "
+                        + ",".join(f"{k}:{v}" for k, v in BUDGETS) + "; to spread them over processes)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quiet", action="store_true")
