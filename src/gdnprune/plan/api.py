@@ -86,7 +86,9 @@ def plan_model(
         axes: the axes the search may cut (:data:`~gdnprune.plan.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
         uniform: one geometry per kind of block (all GDN layers one, all MLPs one, all attention layers one,
-            ...): the best combination under the budgets (:func:`~gdnprune.plan.solve.choose_uniform`).
+            ...): the best combination under the budgets (:func:`~gdnprune.plan.solve.choose_uniform`). Its
+            choice is exact over the sensitivities it is given; successive halving's rungs serve the
+            heterogeneous choice, so ``sensitivity="measured"`` is the exact reference of a uniform plan.
         orders_applied: the model is already sorted by these scores (e.g. a ``gdnprune sort`` output).
         refine_generations: generations of the joint refinement (:mod:`.evolve`, fitness the KL of the whole
             cut model on the calibration batches) that starts from the exact choice; 0: none.
