@@ -244,7 +244,7 @@ def test_demo_refuses_an_existing_folder_and_replaces_only_an_earlier_output(tmp
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
     small = ["--num-samples", "1", "--eval-samples", "1", "--num-random", "0", "--seq-len", "16",
-             "--recover-steps", "0", "--no-checkpoints", "-q"]
+             "--recover-steps", "0", "--no-plan", "--no-checkpoints", "-q"]
     assert main(["demo", "-o", str(other), *small]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["demo", "-o", str(other), "--overwrite", *small]) == 2

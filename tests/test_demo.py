@@ -47,6 +47,30 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         assert (out / name / "config.json").is_file() and (out / name / "gdnprune.json").is_file()
     printed = capsys.readouterr().out
     assert "importance" in printed and "identity" in printed and "random" in printed
+    # the whole-model plan: half of ALL the parameters, split over GDN, attention and MLP
+    whole = results["whole_model_plan"]
+    assert "whole-model plan at 0.5 of all parameters" in printed and "split: gdn" in printed
+    assert "attention" in printed.split("split: gdn")[1] and "mlp" in printed.split("split: gdn")[1]
+    plan = json.loads((out / "whole_model_plan.json").read_text())
+    assert (out / "whole_model_plan.sensitivity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {k.rsplit(".", 1)[1] for k in plan["layers"]} == {"linear_attn", "self_attn", "mlp"}
+    # the budget, counted on the bundled checkpoint sliced to the plan (parameter counts do not depend on orders)
+    import warnings
+
+    import torch
+
+    from gdnprune import load_pretrained
+    from gdnprune.demo_data import demo_model_path
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["slice", str(demo_model_path()), "--plan", str(out / "whole_model_plan.json"),
+                     "-o", str(tmp_path / "whole"), "-q"]) == 0
+    full = load_pretrained(demo_model_path(), dtype=torch.float32)
+    cut = load_pretrained(tmp_path / "whole", dtype=torch.float32)
+    full_params, cut_params = (sum(p.numel() for p in m.parameters()) for m in (full, cut))
+    assert cut_params <= 0.5 * full_params and cut_params == whole["params_kept"] == plan["totals"]["model_params_kept"]
+    assert whole["params"] == full_params and whole["loss"] > whole["unpruned_loss"]
 
 
 def _tensors(folder):
@@ -124,7 +148,8 @@ def test_the_importance_order_beats_identity_and_random_orders_at_the_middle_sli
 
     monkeypatch.setattr(demo, "nested_targets", middle_targets)
     results = demo.run_demo(None, model_dir=model_dir, num_samples=8, seq_len=128, num_random=2,
-                            eval_samples=8, recover_steps=0, write_checkpoints=False, progress=False)
+                            eval_samples=8, recover_steps=0, budget_params=None, write_checkpoints=False,
+                            progress=False)
     assert len(middle) == 3 and [GDNShape(**row["target"]) for row in results["rows"]] == middle
     assert results["sort_max_abs_logit_diff"] < 1e-4
     for row in results["rows"]:

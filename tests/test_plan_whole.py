@@ -328,7 +328,6 @@ def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_r
     model = _model("qwen3_5", seed=1)
     for options, words in ((dict(budget_memory=0.5), "`context`"), (dict(budget_params=0.5, blocks=["mlp", "ffn"]),
                                                                      "`blocks`"),
-                           (dict(budget_params=0.5, uniform=True), "uniform"),
                            (dict(budget_params=0.5, blocks=["mlp"], budget_state=0.5), "leaves them out")):
         with pytest.raises(ValueError, match=words):
             check_budgets(model, **options)

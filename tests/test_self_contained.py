@@ -95,12 +95,16 @@ print(json.dumps(report))
 
 
 def _plan(model):
-    """A version-2 plan: one GDN layer cut, every attention and MLP sub-block its own size."""
+    """A version-2 plan: one GDN layer cut, every attention and MLP sub-block its own size, and in MoE models
+    every layer its own number of routed experts (4 experts, 2 per token: 2, 3 or 4 kept)."""
     layers = {}
-    for i, b in enumerate(b for b in find_model_blocks(model) if b.kind != "experts"):  # expert counts: not yet
+    blocks = find_model_blocks(model)
+    for i, b in enumerate(b for b in blocks if b.kind != "experts"):
         layers[b.prefix] = {"attention": {"num_attention_heads": 2 * (i % 2 + 1), "num_key_value_heads": i % 2 + 1},
                             "mlp": {"intermediate_size": 16 + 8 * i},
                             "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i}}[b.kind]
+    for i, b in enumerate(b for b in blocks if b.kind == "experts"):
+        layers[b.prefix] = {"num_experts": 2 + i % 3}
     gdn = "model.language_model.layers.0.linear_attn" if hasattr(model.model, "language_model") else \
         "model.layers.0.linear_attn"
     layers[gdn] = {"num_key_heads": 1, "num_value_heads": 2}
@@ -145,6 +149,9 @@ def test_heterogeneous_outputs_load_without_gdnprune(tmp_path):
             assert manifest["self_contained"] == MODELING_NAME
         config = json.loads((out / "config.json").read_text())
         assert (config.get("text_config") or config)["per_layer_config"]  # heterogeneous indeed
+        if "moe" in model_type or model_type == "qwen3_next":  # per-layer expert counts
+            counts = {o.get("num_experts", config["num_experts"]) for o in config["per_layer_config"].values()}
+            assert len(counts | {config["num_experts"]}) > 1
         assert config["auto_map"] == auto_map(config)
         assert (out / MODELING_NAME).read_bytes() == modeling_source()
         folders[model_type] = out

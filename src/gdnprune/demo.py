@@ -1,12 +1,13 @@
-"""The demo: the whole pipeline, score -> sort -> slice, on the bundled model.
+"""The demo: the whole pipeline, score -> sort -> slice -> plan, on the bundled model.
 
 :func:`run_demo` runs on the bundled byte-level Qwen3.5 model (no download, no training): it scores the GDN
 layers on the training text, sorts the model (checking that the sorted model computes the same
 function), slices it to a chain of nested targets that shrink every axis, and measures the validation
 loss of each slice for the importance order, the identity order and a few random orders. It prints a
 table, writes ``results.json``, a plot ``loss_vs_params.png``, the scores, and the sorted and one
-sliced checkpoint (through the streaming checkpoint API) into ``output``. Messages go to the ``log``
-callback (the command line passes ``print``).
+sliced checkpoint (through the streaming checkpoint API) into ``output``. Then it plans the whole model
+(GDN layers, attention heads and MLP channels) at a fraction of ALL its parameters and prints how the plan
+splits them over the sub-blocks. Messages go to the ``log`` callback (the command line passes ``print``).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ def run_demo(
     seed: int = 0,
     write_checkpoints: bool = True,
     recover_steps: int = 40,
+    budget_params: float | None = 0.5,
     progress: bool = True,
     threads: int | None = 1,
     overwrite: bool = False,
@@ -149,7 +151,8 @@ def run_demo(
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,
     ``identity``, ``random`` = mean over ``num_random`` seeded random orders), and ``recovery``: the middle
     target's importance-order slice distilled from the unpruned model for ``recover_steps`` steps
-    (:func:`recover_demo_slice`; 0 skips it). ``threads`` sets torch's
+    (:func:`recover_demo_slice`; 0 skips it), and ``whole_model_plan``: the plan of the whole model at
+    ``budget_params`` of all its parameters (:func:`whole_model_plan`; None or 0 skips it). ``threads`` sets torch's
     intra-op threads (default 1: the model is tiny, and on a busy machine extra threads spin and can make
     a forward pass tens of times slower); None leaves torch's setting alone.
 
@@ -256,6 +259,27 @@ def run_demo(
     else:
         recovery = None
 
+    whole = None
+    if budget_params:
+        from .plan import BudgetError
+
+        full_row = next((row for row in rows if row["target"] == shape.as_dict()), None)
+        try:
+            whole = whole_model_plan(model, calibration[:PLAN_SAMPLES], budget_params, seq_len=seq_len,
+                                     eval_samples=eval_samples, batch_size=batch_size, seed=seed, progress=progress,
+                                     unpruned_loss=None if full_row is None else full_row["loss"]["importance"])
+        except BudgetError as exc:  # e.g. an MoE model whose routed experts alone hold more than the budget
+            log(f"whole-model plan at {budget_params:g} of all parameters: skipped, {exc}")
+    if whole is not None:
+        totals = whole["plan"]["totals"]
+        log(f"whole-model plan at {budget_params:g} of all parameters (GDN, attention heads, MLP channels; "
+            f"{whole['plan_windows']} calibration windows, {whole['seconds']:.0f} s): "
+            f"{whole['params_kept']:,} of {whole['params']:,} parameters kept ({whole['params_kept'] / whole['params']:.1%}); "
+            f"validation loss {whole['loss']:.4f} nats/byte (unpruned {whole['unpruned_loss']:.4f})")
+        log("  split: " + ", ".join(f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f} "
+                                    f"({v['params_kept'] / max(v['params'], 1):.0%})"
+                                    for kind, v in totals["split"].items()) + "  (other: embeddings and norms)")
+
     results = {
         "model": str(model_dir),
         "shape": shape.as_dict(),
@@ -267,6 +291,7 @@ def run_demo(
         "sort_max_abs_logit_diff": diff,
         "rows": rows,
         "recovery": recovery,
+        "whole_model_plan": None if whole is None else {k: v for k, v in whole.items() if k != "report"},
     }
     if out_dir is None:
         results["seconds"] = time.perf_counter() - start
@@ -276,7 +301,7 @@ def run_demo(
         staging = Staging(out_dir, overwrite, markers=DEMO_MARKERS)
         with staging as tmp:
             _write_outputs(results, scores, rows, [*orderings, "random"], targets, tmp, out_dir, write_checkpoints,
-                           start, log, model_dir=model_dir, title=title)
+                           start, log, model_dir=model_dir, title=title, whole=whole)
             staging.commit()
     log(f"done in {results['seconds']:.1f} s")
     return results
@@ -287,9 +312,18 @@ DEMO_MARKERS = frozenset({"results.json"})
 
 
 def _write_outputs(results, scores, rows, orderings, targets, tmp: Path, out_dir: Path, write_checkpoints: bool,
-                   start: float, log, *, model_dir: Path, title: str) -> None:
+                   start: float, log, *, model_dir: Path, title: str, whole: dict | None = None) -> None:
     """Write the scores, plot, checkpoints and results.json into ``tmp``, naming their places in ``out_dir``."""
     (tmp / "scores.json").write_text(json.dumps(scores, indent=1))
+    if whole is not None:
+        from .plan import plot_sensitivity
+
+        (tmp / "whole_model_plan.json").write_text(json.dumps(whole["plan"], indent=1))
+        (tmp / "whole_model_plan.sensitivity.json").write_text(json.dumps(whole["report"], indent=1))
+        results["whole_model_plan"]["file"] = str(out_dir / "whole_model_plan.json")
+        if plot_sensitivity(whole["report"], tmp / "whole_model_plan.sensitivity.png"):
+            log(f"whole-model plan: {out_dir / 'whole_model_plan.json'} (sensitivity plot: "
+                f"{out_dir / 'whole_model_plan.sensitivity.png'})")
     if _plot(rows, orderings, tmp / "loss_vs_params.png", f"{title}: nested GDN slices"):
         results["plot"] = str(out_dir / "loss_vs_params.png")
         log(f"plot: {results['plot']}")
@@ -312,6 +346,44 @@ def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], t
     sorted_dir, sliced_dir = out_dir / "sorted", out_dir / "sliced"
     log(f"checkpoints: {sorted_dir} (sorted), {sliced_dir} (sliced to {middle})")
     return {"sorted": str(sorted_dir), "sliced": str(sliced_dir), "sliced_target": middle.as_dict()}
+
+
+#: calibration windows of the demo's whole-model plan (its sub-block scores and measured sensitivities)
+PLAN_SAMPLES = 4
+
+
+def whole_model_plan(model, windows: "torch.Tensor", budget_params: float, *, seq_len: int = 256,
+                     eval_samples: int | None = 32, batch_size: int = 8, dim_step: str = "1/2", seed: int = 0,
+                     progress: bool = False, unpruned_loss: float | None = None) -> dict[str, Any]:
+    """Plan the whole model (GDN layers, attention heads, MLP channels) at ``budget_params`` of all its
+    parameters, on a coarse grid (``dim_step``) and a few calibration ``windows``; cut it in memory.
+
+    Returns the ``plan`` and its ``report`` (:func:`gdnprune.plan.plan_model`), the parameters of the full
+    and of the cut model counted on the models (``params``, ``params_kept``), the validation loss of both
+    (``unpruned_loss``, ``loss``, nats/byte on ``eval_samples`` windows; ``unpruned_loss`` given: not measured
+    again), ``plan_windows`` and ``seconds``.
+    """
+    from .demo_data import validation_loss
+    from .gated_delta_net import GDNPermutation, GDNShape
+    from .loading import slice_model
+    from .plan import plan_model
+    from .scoring import score_model
+
+    start = time.perf_counter()
+    batches = list(windows.split(batch_size))
+    scores = score_model(model, batches, progress=progress, seed=seed, blocks=True)
+    plan, report = plan_model(model, batches, scores, budget_params=budget_params, dim_step=dim_step,
+                              sensitivity="halving", progress=progress)
+    gdn = {p: t for p, t in plan["layers"].items() if p in report["layers"]}
+    blocks = {p: t for p, t in plan["layers"].items() if p not in gdn}
+    permutations = {p: GDNPermutation.from_score_payload(scores["layers"][p], GDNShape(**report["layers"][p]["shape"]))
+                    for p in gdn}
+    cut = slice_model(model, gdn, permutations, blocks=blocks, block_orders={p: scores["layers"][p] for p in blocks})
+    val = lambda m: validation_loss(m, num_windows=eval_samples, seq_len=seq_len)  # noqa: E731
+    return {"budget_params": budget_params, "plan": plan, "report": report,
+            "params": sum(p.numel() for p in model.parameters()), "params_kept": sum(p.numel() for p in cut.parameters()),
+            "unpruned_loss": val(model) if unpruned_loss is None else unpruned_loss, "loss": val(cut), "plan_windows": int(windows.shape[0]),
+            "seconds": time.perf_counter() - start}
 
 
 def recover_demo_slice(

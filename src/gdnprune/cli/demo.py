@@ -17,7 +17,9 @@ def add_parser(subparsers) -> None:
         description="Run the whole pipeline on the bundled byte-level Qwen3.5 model: score, sort (checked to be "
         "function preserving), slice to nested targets, and report validation loss for the importance order, "
         "the identity order and random orders, then distill the middle slice from the unpruned model for a "
-        "few steps (--recover-steps). Writes a table, results.json, a PNG plot and checkpoints.",
+        "few steps (--recover-steps), and plan the whole model (GDN layers, attention heads, MLP channels) at "
+        "half of all its parameters, printing the split over sub-blocks. Writes a table, results.json, "
+        "PNG plots, checkpoints and the whole-model plan.",
     )
     add_output_arguments(p, metavar="OUT_DIR", help="folder to create (default: demo_output)", required=False)
     p.set_defaults(output="demo_output")
@@ -37,6 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")
     p.add_argument("--recover-steps", type=non_negative_int, default=40, metavar="N",
                    help="distillation steps that recover the middle slice (default 40; 0 skips it)")
+    p.add_argument("--no-plan", action="store_true",
+                   help="do not plan the whole model at half of its parameters")
     p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
     p.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="CPU threads for torch (default 1: the model is tiny)")
@@ -57,6 +61,7 @@ def run(args) -> int:
             seed=args.seed,
             write_checkpoints=not args.no_checkpoints,
             recover_steps=args.recover_steps,
+            budget_params=None if args.no_plan else 0.5,
             progress=not args.quiet and sys.stderr.isatty(),
             threads=args.threads,
             overwrite=args.overwrite,

@@ -59,7 +59,7 @@ def add_search_arguments(p) -> None:
     p.add_argument("--axes", default="key_heads,lanes,key_dim,value_dim", metavar="LIST",
                    help="axes the search may cut (default all four: key_heads,lanes,key_dim,value_dim)")
     p.add_argument("--uniform", action="store_true",
-                   help="one geometry for all layers (for engines that need uniform layers)")
+                   help="one geometry per kind of block: all GDN layers one, all MLPs one, all attention layers one (for engines that need uniform layers)")
     p.add_argument("--refine-generations", type=non_negative_int, default=0, metavar="N",
                    help="then improve the plan by measuring whole plans: N generations of an evolutionary search "
                         "(fitness: the KL of the whole cut model on the calibration windows; never worse than the "

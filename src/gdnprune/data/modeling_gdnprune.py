@@ -23,6 +23,9 @@ import threading
 import transformers
 
 _LOCK = threading.RLock()
+#: the config attribute that lets a heterogeneous config's global keys be read (transformers' heterogeneity)
+_GLOBAL_ACCESS = "allow_global_per_layer_attribute_access"
+_UNSET = object()
 
 
 def _per_layer_classes(module):
@@ -51,15 +54,28 @@ def _heterogeneous(base):
                              f"GatedDeltaNet hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid)")
 
     def __init__(self, config, *args, **kwargs):
+        # MoE model classes read num_experts globally (the router aux loss): they get the global key, which
+        # holds the most common count; the aux loss of per-layer expert counts is not defined (leave
+        # output_router_logits off). Every layer is built from its own config.
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        holders = [config] if text is config else [config, text]
         with _LOCK:  # the layer classes are shared: built per layer only while this model is constructed
             originals = {cls: cls.__dict__["__init__"] for cls in layers}
+            before = [c.__dict__.get(_GLOBAL_ACCESS, _UNSET) for c in holders]
             for cls, original in originals.items():
                 cls.__init__ = _own_layer_config(original)
+            for c in holders:
+                c.__dict__[_GLOBAL_ACCESS] = True
             try:
                 base.__init__(self, config, *args, **kwargs)
             finally:
                 for cls, original in originals.items():
                     cls.__init__ = original
+                for c, value in zip(holders, before):
+                    if value is _UNSET:
+                        c.__dict__.pop(_GLOBAL_ACCESS, None)
+                    else:
+                        c.__dict__[_GLOBAL_ACCESS] = value
 
     return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": base.__name__,
                                          "__doc__": f"{base.__name__}, built layer by layer (per_layer_config)."})

@@ -18,7 +18,7 @@ from .solve import BudgetError, choose, choose_among, choose_uniform
 from .subblocks import BLOCK_NAMES
 
 __all__ = ["SENSITIVITIES", "STATE_BYTES", "BudgetError", "budget_limit", "check_budgets", "plan_checkpoint",
-           "plan_model"]
+           "plan_model", "uniform_plans"]
 
 #: how sensitivity is obtained, the default first
 SENSITIVITIES = ("halving", "measured", "proxy")
@@ -91,7 +91,10 @@ def plan_model(
         dim_step: head-dim grid step: a fraction of the dim (``"1/8"``) or a channel count.
         axes: the axes the search may cut (:data:`~gdnprune.plan.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
-        uniform: one geometry for all layers (the best one under the budgets).
+        uniform: one geometry per kind of block (all GDN layers one, all MLPs one, all attention layers one,
+            ...): the best combination under the budgets (:func:`~gdnprune.plan.solve.choose_uniform`). Its
+            choice is exact over the sensitivities it is given; successive halving's rungs serve the
+            heterogeneous choice, so ``sensitivity="measured"`` is the exact reference of a uniform plan.
         orders_applied: the model is already sorted by these scores (e.g. a ``gdnprune sort`` output).
         refine_generations: generations of the joint refinement (:mod:`.evolve`, fitness the KL of the whole
             cut model on the calibration batches) that starts from the exact choice; its mutations also remove
@@ -121,7 +124,6 @@ def plan_model(
     table, layers, sub, rests = problem["table"], problem["layers"], problem["blocks"], problem["rests"]
     budgets, costs, key_of, layer_of = problem["budgets"], problem["costs"], problem["key_of"], problem["layer_of"]
     groups = layers + sub
-    keys = [[c.target for c in cands] for cands in table]
     if rests and sensitivity == "proxy":
         raise ValueError("the proxy sensitivity cannot rank removing a decoder layer against cutting widths (block "
                          "influence, 1 - cos between a layer's input and output, is no KL): measure (sensitivity "
@@ -163,7 +165,7 @@ def plan_model(
     seconds = time.perf_counter() - start
 
     if uniform:
-        picks = choose_uniform(keys, values, costs, budgets)
+        picks = choose_uniform(problem["keys"], values, costs, budgets, kinds=problem["kinds"])
     elif rests:
         picks = _choose_with_removal(problem, values, removal, survivors)
     else:
@@ -186,10 +188,7 @@ def plan_model(
     kept = {"params": sum(c.params for c in chosen.values()),
             "state": sum(c.state for c in chosen.values()) * STATE_BYTES}
     totals = problem["gdn_totals"]
-    entries = {key_of[p]: c.target.as_dict() for p, c in chosen.items()}
-    for b, pick in zip(sub, picks[n:]):
-        if pick is not None:
-            entries[key_of.get(b.prefix, b.prefix)] = _block_entry(b, b.candidates[pick])
+    entries = _entries(problem, picks)
     layer_keys = _decoder_keys(problem, groups) if rests else {}
     entries.update({layer_keys[i]: {"removed": True} for i in removed})
     removal_kl = {i: v[0] for i, v in (removal or {}).items()}
@@ -366,12 +365,10 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
         payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
         for (prefix, module), cands in zip(modules, table)]
     kinds = [k for k in blocks if k in SUB_BLOCK_NAMES] if whole else []
-    depth = whole and "depth" in blocks
+    depth = whole and "depth" in blocks and not uniform  # a uniform plan keeps every layer
     sub = plannable_blocks(model, kinds, score_layers, step=step, tp=tp, multiple_of=multiple_of,
                            orders_applied=orders_applied or score_layers is None)
     key_of.update({b.prefix: b.key for b in sub})
-    if uniform and (sub or depth):
-        raise ValueError("a uniform plan cuts GDN layers only: give `blocks` [\"gdn\"] or no whole-model budget")
     if not layers and not sub and not depth:
         raise ValueError(f"nothing in {type(model).__name__} may shrink: `blocks` {list(blocks)}")
     zeros = [[0.0] * len(b.candidates) for b in sub]
@@ -413,12 +410,60 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
                 raise BudgetError(f"no plan meets the budgets: {name} needs at least {least:,.0f} (every sub-block at "
                                   f"its smallest candidate{', every decoder layer but one removed' if depth else ''}; "
                                   f"{fixed[name]:,.0f} in what no candidate changes), budget {limits[name]:,.0f}")
-    groups = table + [[None] * len(b.candidates) for b in sub] + [[None]] * len(rests)
-    _check_feasible(groups, costs, budgets, uniform, layer_of if depth else None)  # before any forward
+    keys = [[c.target for c in cands] for cands in table] + [list(b.candidates) for b in sub]
+    kinds = ["gdn"] * len(layers) + [b.block.kind for b in sub]
+    if uniform:
+        _check_uniform(layers + sub, keys, kinds)
+    _check_feasible(keys + [[None]] * len(rests), kinds, costs, budgets, uniform,
+                    layer_of if depth else None)  # before any forward
     return {"table": table, "layers": layers, "blocks": sub, "budgets": budgets, "costs": costs, "limits": limits,
+            "keys": keys, "kinds": kinds,
             "key_of": key_of, "payload_of": payload_of, "gdn_totals": gdn_totals, "whole": whole, "totals": totals,
             "fixed": fixed, "whole_costs": wcosts, "depth": depth, "rests": rests, "layer_of": layer_of,
             "layer_costs": wholes}
+
+
+def _entries(problem: Mapping[str, Any], picks: Sequence[int]) -> dict[str, dict[str, int]]:
+    """The plan file's ``layers``: every group's chosen target, keyed as the scores (or the model) name it."""
+    n, key_of = len(problem["layers"]), problem["key_of"]
+    entries = {key_of[layer.prefix]: problem["table"][i][pick].target.as_dict()
+               for i, (layer, pick) in enumerate(zip(problem["layers"], picks)) if pick is not None}
+    for b, pick in zip(problem["blocks"], picks[n:]):
+        if pick is not None:  # None: its decoder layer is removed
+            entries[key_of.get(b.prefix, b.prefix)] = _block_entry(b, b.candidates[pick])
+    return entries
+
+
+def uniform_plans(model: Any, *, maximal: bool = True, **options: Any) -> list[dict]:
+    """Every uniform plan of ``model`` that meets the budgets, without a forward (weights not needed: a
+    ``meta`` model will do): one geometry per kind of block (:func:`~gdnprune.plan.solve.uniform_choices`;
+    with ``maximal``, only those where no single kind can take a larger geometry within the budgets).
+
+    ``options``: the budgets and grid options of :func:`plan_model` (``budget_params``, ``blocks``,
+    ``dim_step``, ``context``, ...); the others are ignored. Each plan is a plan-file dict (``layers`` keyed
+    by the model's module prefixes; ``slice_model`` or ``gdnprune slice --plan`` take it) with its
+    ``totals`` (kept amounts per budget, the split over sub-blocks) and no sensitivity.
+    """
+    from .solve import uniform_choices
+
+    names = ("params", "gdn_params", "active_params", "memory", "state")
+    given = {name: options.get(f"budget_{name}") for name in names}
+    problem = _problem(model, given, None, context=options.get("context"), blocks=options.get("blocks", BLOCK_NAMES),
+                       step=parse_dim_step(options.get("dim_step", "1/8")), axes=options.get("axes", AXES),
+                       tp=options.get("tp"), multiple_of=options.get("multiple_of"), orders_applied=True, uniform=True)
+    plans = []
+    for picks in uniform_choices(problem["keys"], problem["costs"], problem["budgets"], kinds=problem["kinds"],
+                                 maximal=maximal):
+        gdn = [problem["table"][i][pick] for i, pick in enumerate(picks[:len(problem["layers"])])]
+        totals = _model_totals(problem, picks)
+        if gdn:
+            totals.update(gdn_params=problem["gdn_totals"]["params"], gdn_params_kept=sum(c.params for c in gdn),
+                          state_bytes=problem["gdn_totals"]["state"],
+                          state_bytes_kept=sum(c.state for c in gdn) * STATE_BYTES)
+        plans.append({"format": PLAN_FORMAT, "version": PLAN_VERSION, "layers": _entries(problem, picks),
+                      "uniform": True, "budgets": {name: {"given": given[name], "limit": round(problem["limits"][name], 3)}
+                                                   for name in problem["budgets"]}, "totals": totals})
+    return plans
 
 
 def _block_entry(block: Any, target: Any) -> dict[str, int]:
@@ -456,16 +501,29 @@ def _model_totals(problem: Mapping[str, Any], picks: Sequence[int | None]) -> di
     return out
 
 
-def _check_feasible(table, costs, budgets, uniform: bool, layer_of: Sequence[int] | None = None) -> None:
-    zeros = [[0.0] * len(cands) for cands in table]
+def _check_feasible(keys, kinds, costs, budgets, uniform: bool, layer_of: Sequence[int] | None = None) -> None:
+    zeros = [[0.0] * len(group) for group in keys]
     if uniform:
-        choose_uniform([[c.target for c in cands] for cands in table], zeros, costs, budgets)
+        choose_uniform(keys, zeros, costs, budgets, kinds=kinds)
     elif layer_of is not None:
         from .depth import choose_with_removal
 
         choose_with_removal(zeros, costs, budgets, layer_of=layer_of, removal={i: 0.0 for i in set(layer_of)})
     else:
         choose(zeros, costs, budgets)
+
+
+def _check_uniform(groups: Sequence[Any], keys: Sequence[Sequence[Any]], kinds: Sequence[str]) -> None:
+    """Every kind's blocks must share a candidate geometry for a uniform plan (blocks of one shape do)."""
+    for kind in dict.fromkeys(kinds):
+        members = [g for g, k in enumerate(kinds) if k == kind]
+        if not set(keys[members[0]]).intersection(*(keys[g] for g in members[1:])):
+            shapes = {}
+            for g in members:
+                shapes.setdefault(str(groups[g].shape), groups[g].prefix)
+            raise ValueError(f"a uniform plan gives all {kind} blocks one geometry, but they have different shapes "
+                             f"and share no candidate: " + "; ".join(f"{s} (e.g. {p})" for s, p in shapes.items())
+                             + f"; leave {kind} out of `blocks` or plan without `uniform`")
 
 
 def check_budgets(model: Any, *, budget_params: float | None = None, budget_gdn_params: float | None = None,

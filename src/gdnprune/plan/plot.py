@@ -1,4 +1,5 @@
-"""The sensitivity plot: each layer's sensitivity against its kept parameters, the chosen points marked."""
+"""The sensitivity plot: each block's sensitivity against its kept parameters, one panel per kind, the chosen
+points marked."""
 
 from __future__ import annotations
 
@@ -19,29 +20,30 @@ def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float
     return out
 
 
-def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
-    """Write a PNG of a plan report (:func:`gdnprune.plan.plan_model`); False when matplotlib is missing.
+#: panel titles and x labels of the kinds of block, in the order the panels appear
+_KINDS = {"gdn": ("GDN layers", "kept GDN parameters of the layer"),
+          "attention": ("attention", "kept parameters of the attention"),
+          "mlp": ("MLP", "kept parameters of the MLP"),
+          "shared_expert": ("shared expert", "kept parameters of the shared expert"),
+          "experts": ("routed experts", "kept parameters of the routed experts")}
 
-    Per layer: every candidate as a point — filled when measured on every calibration window, hollow when
-    successive halving left it with an estimate from fewer windows —, the lower envelope of all of them (the
-    least sensitivity reachable with at most that many kept parameters) as a line, and the chosen candidate as a
-    star. With a joint refinement, a second panel shows its fitness (the whole cut model's KL) per generation.
-    """
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    refinement = report.get("refinement")
-    fig, axes = plt.subplots(1, 2 if refinement else 1, figsize=(12 if refinement else 7.5, 4.8), dpi=120,
-                             gridspec_kw={"width_ratios": [3, 2]} if refinement else None, squeeze=False)
-    ax = axes[0][0]
+def _short(prefix: str) -> str:
+    """``model.layers.3.linear_attn`` -> ``layers.3`` (the legend of a panel names the layer)."""
+    parts = prefix.split(".")
+    if "layers" not in parts:
+        return prefix
+    i = parts.index("layers")
+    return ".".join(parts[i:i + 2])
+
+
+def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured: bool) -> bool:
+    """One kind's blocks: every candidate, the lower envelope, the chosen one; True when some are estimated."""
     estimated = False
-    for i, (prefix, layer) in enumerate(report["layers"].items()):
-        color = f"C{i % 10}"
-        cands = layer["candidates"]
+    for i, (prefix, group) in enumerate(groups.items()):
+        layer = _short(prefix).rpartition(".")[2]
+        color = f"C{(int(layer) if layer.isdigit() else i) % 10}"  # a layer has one color in every panel
+        cands = group["candidates"]
         full_windows = max((c.get("windows", 0) for c in cands), default=0)
         exact = [c for c in cands if c.get("windows", full_windows) == full_windows]
         rough = [c for c in cands if c.get("windows", full_windows) != full_windows]
@@ -52,24 +54,57 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
                        facecolors="none", edgecolors=color, linewidths=0.6)
         envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in cands])
         ax.step([p[0] for p in envelope], [p[1] for p in envelope], where="post", color=color, lw=1.2,
-                label=prefix.replace(".linear_attn", ""))
-        chosen = cands[layer["chosen"]]
+                label=_short(prefix))
+        chosen = cands[group["chosen"]]
         ax.scatter([chosen["params"]], [chosen["sensitivity"]], s=70, marker="*", color=color, edgecolor="black",
                    zorder=5)
-    measured = report.get("sensitivity") in ("measured", "halving")
-    kind = "KL divergence per token (cut alone)" if measured else "output energy removed"
-    ax.set_xlabel("kept GDN parameters of the layer")
-    ax.set_ylabel(kind)
-    positive = [c["sensitivity"] for layer in report["layers"].values() for c in layer["candidates"]
-                if c["sensitivity"] > 0]
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("KL divergence per token (cut alone)" if measured else "output energy removed")
+    positive = [c["sensitivity"] for g in groups.values() for c in g["candidates"] if c["sensitivity"] > 0]
     ax.set_yscale("symlog", linthresh=max(min(positive, default=1e-4), 1e-9))
     ax.invert_xaxis()
-    ax.set_title("per-layer sensitivity (star: chosen" + ("; hollow: estimated on fewer windows)" if estimated
-                                                          else ")"))
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2 if len(groups) > 4 else 1)
+    return estimated
+
+
+def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
+    """Write a PNG of a plan report (:func:`gdnprune.plan.plan_model`); False when matplotlib is missing.
+
+    One panel per kind of block (GDN layers, then attention, MLP, shared experts of a whole-model plan), per
+    block: every candidate as a point — filled when measured on every calibration window, hollow when
+    successive halving left it with an estimate from fewer windows —, the lower envelope of all of them (the
+    least sensitivity reachable with at most that many kept parameters) as a line, and the chosen candidate as a
+    star. With a joint refinement, one more panel shows its fitness (the whole cut model's KL) per generation.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    kinds: dict[str, dict[str, Mapping]] = {}
+    if report.get("layers"):
+        kinds["gdn"] = dict(report["layers"])
+    for prefix, block in (report.get("blocks") or {}).items():
+        kinds.setdefault(block["kind"], {})[prefix] = block
+    kinds = {k: kinds[k] for k in sorted(kinds, key=lambda k: list(_KINDS).index(k) if k in _KINDS else len(_KINDS))}
+    refinement = report.get("refinement")
+    count = len(kinds) + bool(refinement)
+    columns = 1 if count == 1 else 2
+    rows = -(-count // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120,
+                             squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    measured = report.get("sensitivity") in ("measured", "halving")
+    estimated = False
+    for ax, (kind, groups) in zip(flat, kinds.items()):
+        title, xlabel = _KINDS.get(kind, (kind, "kept parameters"))
+        estimated |= _panel(ax, groups, title, xlabel, measured)
     if refinement:
-        ax = axes[0][1]
+        ax = flat[len(kinds)]
         history = refinement["history"]
         ax.plot(range(len(history) + 1), [refinement["seed_kl"], *[h["kl"] for h in history]], marker="o", ms=3,
                 label="current plan (all windows)")
@@ -82,6 +117,10 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
         ax.set_title("joint refinement")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    for ax in flat[count:]:
+        ax.set_visible(False)
+    fig.suptitle("per-block sensitivity (star: chosen" + ("; hollow: estimated on fewer windows)" if estimated
+                                                          else ")"), fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

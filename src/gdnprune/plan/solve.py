@@ -3,8 +3,9 @@
 It is a multiple-choice knapsack. :func:`choose` solves it as a mixed-integer linear program with scipy's
 ``milp`` (HiGHS): binary ``x[l, c]`` picks candidate ``c`` of layer ``l``; ``sum_c x[l, c] = 1`` for every
 layer; ``sum x[l, c] * cost_k[l, c] <= budget_k`` for every budget ``k`` (parameters, recurrent state);
-minimise ``sum x[l, c] * sensitivity[l, c]``. :func:`choose_uniform` picks one geometry for all layers by
-evaluating every geometry the layers share.
+minimise ``sum x[l, c] * sensitivity[l, c]``. :func:`choose_uniform` picks one geometry per kind of block
+(all GDN layers one, all MLPs one, ...): the same knapsack over the kinds, each geometry costing what all
+the kind's blocks cost at it; :func:`uniform_choices` lists every such combination within the budgets.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["BudgetError", "MILP_OPTIONS", "choose", "choose_among", "choose_uniform", "exact_objective"]
+__all__ = ["BudgetError", "MAX_COMBINATIONS", "MILP_OPTIONS", "choose", "choose_among", "choose_uniform", "exact_objective",
+           "nested_in", "uniform_choices"]
 
 
 class BudgetError(ValueError):
@@ -93,21 +95,131 @@ def choose_among(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Seq
     return [k[p] for k, p in zip(keep, picks)]
 
 
+def _uniform_table(keys: Sequence[Sequence[object]], sensitivity: Sequence[Sequence[float]] | None,
+                   costs: Mapping[str, Sequence[Sequence[float]]], kinds: Sequence[str] | None) -> list[dict]:
+    """Per kind (in order of first appearance): its groups, the geometries all of them have (in the first
+    group's order), and per geometry the summed sensitivity and costs over the kind's groups."""
+    kinds = [""] * len(keys) if kinds is None else list(kinds)
+    if len(kinds) != len(keys):
+        raise ValueError(f"`kinds` must name the kind of every group: {len(kinds)} kinds for {len(keys)} groups")
+    index = [{key: c for c, key in enumerate(group)} for group in keys]
+    table = []
+    for kind in dict.fromkeys(kinds):
+        members = [g for g, k in enumerate(kinds) if k == kind]
+        common = [key for key in keys[members[0]] if all(key in index[g] for g in members)]
+        if not common:
+            raise ValueError(f"the {kind + ' ' if kind else ''}groups share no candidate geometry, so they cannot "
+                             f"all take the same one (a uniform plan)")
+        picks = [[index[g][key] for g in members] for key in common]  # per geometry: its index in every group
+        table.append({
+            "kind": kind, "groups": members, "keys": common, "picks": picks,
+            "sensitivity": None if sensitivity is None else
+            [float(sum(sensitivity[g][c] for g, c in zip(members, p))) for p in picks],
+            "costs": {name: [float(sum(costs[name][g][c] for g, c in zip(members, p))) for p in picks]
+                      for name in costs}})
+    return table
+
+
+def _spread(table: Sequence[dict], choice: Sequence[int], n: int) -> list[int]:
+    """One geometry per kind (``choice[k]``: an index into kind ``k``'s common geometries) -> per-group picks."""
+    picks = [0] * n
+    for entry, j in zip(table, choice):
+        for g, c in zip(entry["groups"], entry["picks"][j]):
+            picks[g] = c
+    return picks
+
+
 def choose_uniform(keys: Sequence[Sequence[object]], sensitivity: Sequence[Sequence[float]],
-                   costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float]) -> list[int]:
-    """Like :func:`choose`, but every layer takes the same geometry: ``keys[l][c]`` names candidate ``c`` of
-    layer ``l`` (e.g. its target shape); only keys every layer has are tried, each one evaluated exactly."""
+                   costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], *,
+                   kinds: Sequence[str] | None = None) -> list[int]:
+    """Like :func:`choose`, but every group of one kind takes the same geometry: ``keys[g][c]`` names candidate
+    ``c`` of group ``g`` (e.g. its target shape), ``kinds[g]`` the group's kind (``"gdn"``, ``"mlp"``, ...;
+    None: all groups one kind). Only geometries every group of a kind has are tried. Exact: the kinds'
+    geometries, each with its groups' summed sensitivity and costs, are a multiple-choice knapsack with one
+    choice per kind, solved by :func:`choose`.
+
+    Raises:
+        ValueError: the groups of a kind share no geometry.
+        BudgetError: no combination of one geometry per kind meets the budgets.
+    """
     _check(sensitivity, costs)
-    index = [{key: c for c, key in enumerate(layer)} for layer in keys]
-    common = [key for key in keys[0] if all(key in layer for layer in index)]
-    best, best_value = None, np.inf
-    for key in common:
-        picks = [layer[key] for layer in index]
-        if all(sum(costs[name][l][c] for l, c in enumerate(picks)) <= budgets[name] for name in budgets):
-            value = sum(sensitivity[l][c] for l, c in enumerate(picks))
-            if value < best_value:
-                best, best_value = picks, value
-    if best is None:
-        raise BudgetError(f"no single geometry for all layers meets the budgets: {_minimum(costs, budgets)}"
-                          if common else "the layers share no candidate geometry")
-    return best
+    table = _uniform_table(keys, sensitivity, costs, kinds)
+    try:
+        choice = choose([e["sensitivity"] for e in table], {name: [e["costs"][name] for e in table] for name in costs},
+                        budgets)
+    except BudgetError:
+        least = "; ".join(f"{name}: at least {sum(min(e['costs'][name]) for e in table):,.0f} needed, budget "
+                          f"{budgets[name]:,.0f}" for name in budgets)
+        raise BudgetError(f"no single geometry per kind of block meets the budgets ({least})") from None
+    return _spread(table, choice, len(keys))
+
+
+def _sizes(shape: object) -> tuple | None:
+    """The nested sizes of a geometry (a smaller geometry is a nested prefix when no size is larger), or None."""
+    from ..geometry import GDNShape
+
+    if isinstance(shape, GDNShape):
+        return (shape.num_key_heads, shape.value_heads_per_group, shape.key_head_dim, shape.value_head_dim)
+    if isinstance(shape, (int, float)) and not isinstance(shape, bool):
+        return (shape,)
+    return None
+
+
+def nested_in(small: object, large: object) -> bool:
+    """Whether geometry ``small`` is a nested prefix of ``large`` (``large`` keeps all of it, and more or as
+    much): GDN shapes by key heads, lanes and head dims; sub-block shapes by their ``fits``; numbers by size;
+    anything else only when equal."""
+    if small == large:
+        return True
+    if hasattr(large, "fits") and type(small) is type(large):
+        return not large.fits(small)
+    a, b = _sizes(small), _sizes(large)
+    return a is not None and b is not None and len(a) == len(b) and all(x <= y for x, y in zip(a, b))
+
+
+#: the most combinations :func:`uniform_choices` enumerates
+MAX_COMBINATIONS = 20_000_000
+
+
+def uniform_choices(keys: Sequence[Sequence[object]], costs: Mapping[str, Sequence[Sequence[float]]],
+                    budgets: Mapping[str, float], *, kinds: Sequence[str] | None = None,
+                    maximal: bool = True) -> list[list[int]]:
+    """Every uniform plan that meets the budgets: per-group picks, one geometry per kind (as in
+    :func:`choose_uniform`), in the order of the kinds' common geometries (the first kind's slowest).
+
+    With ``maximal`` (the default) only the maximal ones: a combination is maximal when no single kind can
+    take a strictly larger geometry (one its current geometry is a nested prefix of, :func:`nested_in`) and
+    still meet every budget. Every feasible combination is at most as good as some maximal one when a cut
+    never lowers the sensitivity, so these are the uniform candidates worth evaluating.
+
+    Raises:
+        ValueError: the groups of a kind share no geometry, or more than :data:`MAX_COMBINATIONS`
+            combinations (a coarser grid will do).
+    """
+    zeros = [[0.0] * len(group) for group in keys]
+    _check(zeros, costs)
+    table = _uniform_table(keys, None, costs, kinds)
+    sizes = [len(e["keys"]) for e in table]
+    if int(np.prod(sizes, dtype=np.float64)) > MAX_COMBINATIONS:
+        raise ValueError(f"{' x '.join(map(str, sizes))} uniform combinations are too many to list (at most "
+                         f"{MAX_COMBINATIONS:,}): use a coarser grid")
+    feasible = np.ones(sizes, dtype=bool)
+    for name, budget in budgets.items():
+        total = np.zeros(sizes)
+        for axis, entry in enumerate(table):
+            shape = [1] * len(sizes)
+            shape[axis] = sizes[axis]
+            total = total + np.asarray(entry["costs"][name]).reshape(shape)
+        feasible &= total <= budget
+    keep = feasible.copy()
+    if maximal:
+        for axis, entry in enumerate(table):
+            for j, key in enumerate(entry["keys"]):
+                larger = [i for i, other in enumerate(entry["keys"]) if i != j and nested_in(key, other)
+                          and other != key]
+                if larger:
+                    grows = np.take(feasible, larger, axis=axis).any(axis=axis)
+                    index = [slice(None)] * len(sizes)
+                    index[axis] = j
+                    keep[tuple(index)] &= ~grows
+    return [_spread(table, choice, len(keys)) for choice in zip(*(a.tolist() for a in np.nonzero(keep)))]
