@@ -373,7 +373,7 @@ def whole_model_plan(model, windows: "torch.Tensor", budget_params: float, *, se
     batches = list(windows.split(batch_size))
     scores = score_model(model, batches, progress=progress, seed=seed, blocks=True)
     plan, report = plan_model(model, batches, scores, budget_params=budget_params, dim_step=dim_step,
-                              sensitivity="halving", progress=progress)
+                              blocks=("gdn", "attention", "mlp"), sensitivity="halving", progress=progress)
     gdn = {p: t for p, t in plan["layers"].items() if p in report["layers"]}
     blocks = {p: t for p, t in plan["layers"].items() if p not in gdn}
     permutations = {p: GDNPermutation.from_score_payload(scores["layers"][p], GDNShape(**report["layers"][p]["shape"]))

@@ -199,9 +199,7 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
     save_plan(plan, output)
     write_json_atomic(report_json, report)
     notes = [f"report: {report_json}"]
-    # the plot draws each GDN layer's chosen width: removed layers have none
-    kept = {**report, "layers": {k: v for k, v in report["layers"].items() if v["chosen"] is not None}}
-    if plot_sensitivity(kept, report_png):
+    if plot_sensitivity(report, report_png):
         notes.append(f"plot: {report_png}")
     else:
         notes.append("no plot: matplotlib is not installed (pip install 'gdnprune[plot]')")

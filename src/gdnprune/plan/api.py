@@ -365,6 +365,9 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
         payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
         for (prefix, module), cands in zip(modules, table)]
     kinds = [k for k in blocks if k in SUB_BLOCK_NAMES] if whole else []
+    if uniform and whole and "depth" in blocks and tuple(blocks) != tuple(BLOCK_NAMES):
+        raise ValueError("a uniform plan keeps every decoder layer: leave \"depth\" out of `blocks` (the default "
+                         "`blocks` with `uniform` plans widths only)")
     depth = whole and "depth" in blocks and not uniform  # a uniform plan keeps every layer
     sub = plannable_blocks(model, kinds, score_layers, step=step, tp=tp, multiple_of=multiple_of,
                            orders_applied=orders_applied or score_layers is None)

@@ -55,9 +55,10 @@ def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured:
         envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in cands])
         ax.step([p[0] for p in envelope], [p[1] for p in envelope], where="post", color=color, lw=1.2,
                 label=_short(prefix))
-        chosen = cands[group["chosen"]]
-        ax.scatter([chosen["params"]], [chosen["sensitivity"]], s=70, marker="*", color=color, edgecolor="black",
-                   zorder=5)
+        if group.get("chosen") is not None:  # None: the block's decoder layer is removed
+            chosen = cands[group["chosen"]]
+            ax.scatter([chosen["params"]], [chosen["sensitivity"]], s=70, marker="*", color=color, edgecolor="black",
+                       zorder=5)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("KL divergence per token (cut alone)" if measured else "output energy removed")
     positive = [c["sensitivity"] for g in groups.values() for c in g["candidates"] if c["sensitivity"] > 0]
@@ -76,7 +77,9 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     block: every candidate as a point — filled when measured on every calibration window, hollow when
     successive halving left it with an estimate from fewer windows —, the lower envelope of all of them (the
     least sensitivity reachable with at most that many kept parameters) as a line, and the chosen candidate as a
-    star. With a joint refinement, one more panel shows its fitness (the whole cut model's KL) per generation.
+    star. With removal candidates (``depth``), one more panel shows each decoder layer's removal sensitivity,
+    the removed ones in red; with a joint refinement, one more its fitness (the whole cut model's KL) per
+    generation.
     """
     try:
         import matplotlib
@@ -92,7 +95,8 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
         kinds.setdefault(block["kind"], {})[prefix] = block
     kinds = {k: kinds[k] for k in sorted(kinds, key=lambda k: list(_KINDS).index(k) if k in _KINDS else len(_KINDS))}
     refinement = report.get("refinement")
-    count = len(kinds) + bool(refinement)
+    removal = {k: v for k, v in (report.get("removal") or {}).items() if "sensitivity" in v}
+    count = len(kinds) + bool(removal) + bool(refinement)
     columns = 1 if count == 1 else 2
     rows = -(-count // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120,
@@ -103,8 +107,18 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     for ax, (kind, groups) in zip(flat, kinds.items()):
         title, xlabel = _KINDS.get(kind, (kind, "kept parameters"))
         estimated |= _panel(ax, groups, title, xlabel, measured)
-    if refinement:
+    if removal:
         ax = flat[len(kinds)]
+        entries = sorted(removal.values(), key=lambda e: e["layer"])
+        ax.bar([str(e["layer"]) for e in entries], [e["sensitivity"] for e in entries],
+               color=["C3" if e["removed"] else "C7" for e in entries])
+        ax.set_xlabel("decoder layer (red: removed)")
+        ax.set_ylabel("KL divergence per token (layer alone skipped)" if measured else "sensitivity")
+        ax.set_yscale("log")
+        ax.set_title("layer removal")
+        ax.grid(alpha=0.3, axis="y")
+    if refinement:
+        ax = flat[len(kinds) + bool(removal)]
         history = refinement["history"]
         ax.plot(range(len(history) + 1), [refinement["seed_kl"], *[h["kl"] for h in history]], marker="o", ms=3,
                 label="current plan (all windows)")
