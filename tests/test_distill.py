@@ -252,7 +252,7 @@ class _CtrlCTwice(TrainerCallback):
         if state.global_step == 2:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)  # within a second: the same Ctrl-C (torchrun forwards a copy)
-            time.sleep(1.1)
+            time.sleep(1.5)
             os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: stop at once
 
 
