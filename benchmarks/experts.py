@@ -31,7 +31,7 @@ training window of the corpus) one after another, each result cached as ``--resu
 exactness check on the trained model: the 50% REAP cut against the unpruned model with the removed experts'
 router logits set to -inf before top-k (a reference written here from the router's definition).
 
-    .venv/bin/python benchmarks/experts.py --threads 1 --json experts.json   # ~35 min on a busy 2-core machine
+    .venv/bin/python benchmarks/experts.py --threads 1 --json experts.json   # 54 min on a busy 2-core machine
     .venv/bin/python benchmarks/experts.py --runs                           # one-shot part only
 """
 
