@@ -83,7 +83,7 @@ def window_losses(model, windows: torch.Tensor, batch: int = 16) -> np.ndarray:
     with torch.no_grad():
         for start in range(0, windows.shape[0], batch):
             x = windows[start:start + batch]
-            logits = model(input_ids=x).logits[:, :-1].float()
+            logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
             ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                                    reduction="none").reshape(x.shape[0], -1).mean(1)
             out.append(ce)

@@ -209,12 +209,16 @@ class Problem:
                                    layer_of=self.layer_of, removal=self.removal)
 
     def depth_only(self, fraction: float) -> list[list[int]]:
-        """Every minimal set of removed layers that fits, the rest at full width."""
+        """Every minimal set of removed layers that fits, the rest at full width (one full-attention layer kept)."""
         layers = sorted(self.removal)
         budget = self.limit(fraction)
+        types = self.model.config.get_text_config(decoder=True).layer_types
+        attention = {i for i, t in enumerate(types) if t == "full_attention"}
         fits = []
         for k in range(len(layers) + 1):
             for removed in itertools.combinations(layers, k):
+                if attention and attention <= set(removed):
+                    continue  # transformers' hybrid cache needs a full-attention layer (gdnprune keeps one)
                 cost = sum(c[0] for c, layer in zip(self.costs, self.layer_of) if layer not in removed)
                 if cost <= budget and not any(set(f) <= set(removed) for f in fits):
                     fits.append(removed)
