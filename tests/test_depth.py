@@ -127,11 +127,15 @@ def test_removal_with_width_cuts_and_expert_counts_in_one_plan(tmp_path):
 def test_wrong_removals_are_refused_before_anything_is_written(tmp_path, capsys):
     model = _model("qwen3_5")
     model.save_pretrained(tmp_path / "src")
-    for removed, message in (([4], "0..3"), ([0, 1, 2, 3], "all 4"), ([1, 1], "repeated")):
+    assert model.config.layer_types[1] == model.config.layer_types[3] == "full_attention"
+    for removed, message in (([4], "0..3"), ([0, 1, 2, 3], "all 4"), ([1, 1], "repeated"),
+                             ([1, 3], "every full-attention layer"), ([0, 1, 3], "every full-attention layer")):
         with pytest.raises(DepthError, match=message):
             ck.slice_checkpoint(tmp_path / "src", tmp_path / "cut", remove_layers=removed, progress=False)
         assert not (tmp_path / "cut").exists()
     assert main(["slice", str(tmp_path / "src"), "--output", str(tmp_path / "cut"), "--remove-layers", "a"]) == 2
+    assert main(["slice", str(tmp_path / "src"), "--output", str(tmp_path / "cut"), "--remove-layers", "3,1"]) == 2
+    assert "full-attention" in capsys.readouterr().err and not (tmp_path / "cut").exists()
     with pytest.raises(PlanError, match="removed"):
         ck.slice_checkpoint(tmp_path / "src", tmp_path / "cut", plan={
             "format": "gdnprune-plan", "version": 2, "layers": {"model.layers.1": {"removed": "yes"}}}, progress=False)

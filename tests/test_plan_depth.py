@@ -17,11 +17,13 @@ from test_dense_axes import _ids, _model
 from test_depth import _skipped
 
 
-def _brute(sensitivity, costs, budgets, layer_of, removal):
+def _brute(sensitivity, costs, budgets, layer_of, removal, keep_one_of=()):
     best = (np.inf, None)
     layers = sorted(removal)
     for removed in itertools.product([False, True], repeat=len(layers)):
         gone = {l for l, r in zip(layers, removed) if r}
+        if gone == set(layer_of) or (keep_one_of and set(keep_one_of) <= gone):
+            continue
         options = [[None] if layer_of[g] in gone else range(len(s)) for g, s in enumerate(sensitivity)]
         for pick in itertools.product(*options):
             if any(sum(costs[name][g][c] for g, c in enumerate(pick) if c is not None) > budget + 1e-9
@@ -266,8 +268,10 @@ def test_the_proxy_cannot_rank_removals_against_widths_and_says_so():
         check_budgets(model, budget_params=0.8, blocks=["gdn", "depth"], uniform=True)
     # removal makes budgets reachable that widths alone are not, and the feasibility check says so first
     with pytest.raises(BudgetError):
-        check_budgets(model, budget_params=0.3, blocks=["gdn"])
-    check_budgets(model, budget_params=0.3, blocks=["gdn", "depth"])
+        check_budgets(model, budget_params=0.45, blocks=["gdn"])
+    check_budgets(model, budget_params=0.45, blocks=["gdn", "depth"])
+    with pytest.raises(BudgetError):  # even with removal one full-attention layer stays
+        check_budgets(model, budget_params=0.3, blocks=["gdn", "depth"])
 
 
 def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_the_model_cut_in_memory():
@@ -327,3 +331,35 @@ def test_a_rung_that_removes_a_layer_keeps_its_groups_smallest_candidates():
     alive = np.array([True, True, False, True])
     assert near(sizes, alive, None, 2).tolist() == [False, True, False, True]  # removed: nearest to size 0
     assert near(sizes, alive, 0, 1).tolist() == [True, False, False, False]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_full_attention_layer_always_stays_in_the_milp_and_in_every_mutation(seed):
+    """``keep_one_of`` (a hybrid model's full-attention layers): the MILP equals brute force over the removals
+    that keep one of them, and no mutation of the refinement removes the last one."""
+    from gdnprune.plan.evolve import REMOVED, mutate
+
+    rng = np.random.default_rng(seed)
+    layer_of = [0, 1, 2, 3]
+    sensitivity = [[0.0] + sorted(rng.uniform(0, 1, 2).tolist()) for _ in layer_of]
+    params = [sorted(rng.integers(5, 20, 3).tolist(), reverse=True) for _ in layer_of]
+    removal = {l: float(rng.uniform(0.01, 0.3)) for l in layer_of}
+    removal[1], removal[3] = 0.001, 0.002  # the attention layers are the cheapest to remove
+    budgets = {"params": 0.3 * sum(p[0] for p in params)}
+    value, best = _brute(sensitivity, {"params": params}, budgets, layer_of, removal, keep_one_of=[1, 3])
+    if best is None:
+        with pytest.raises(BudgetError):
+            choose_with_removal(sensitivity, {"params": params}, budgets, layer_of=layer_of, removal=removal,
+                                keep_one_of=[1, 3])
+        return
+    choice, removed = choose_with_removal(sensitivity, {"params": params}, budgets, layer_of=layer_of,
+                                          removal=removal, keep_one_of=[1, 3])
+    assert not {1, 3} <= set(removed)
+    got = sum(sensitivity[g][c] for g, c in enumerate(choice) if c is not None) + sum(removal[l] for l in removed)
+    assert abs(got - value) < 1e-9
+    free, _ = choose_with_removal(sensitivity, {"params": params}, budgets, layer_of=layer_of, removal=removal)
+    picks = [REMOVED if c is None else c for c in choice]
+    for _ in range(200):
+        picks = mutate(picks, {"params": params}, budgets, rng, layer_of=layer_of, removable=layer_of,
+                       keep_one_of=[1, 3]) or picks
+        assert not (picks[1] == REMOVED and picks[3] == REMOVED)

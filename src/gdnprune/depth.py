@@ -44,9 +44,16 @@ def parse_layer_list(text: str) -> list[int]:
     return values
 
 
-def check_removed(removed: Iterable[int], num_layers: int) -> list[int]:
+def attention_layers(config: Mapping) -> list[int]:
+    """The full-attention decoder layers of a hybrid ``config`` dict (``layer_types``); [] without them."""
+    types = _holder(config).get("layer_types")
+    return [i for i, t in enumerate(types or []) if t == "full_attention"]
+
+
+def check_removed(removed: Iterable[int], num_layers: int, attention: Iterable[int] = ()) -> list[int]:
     """The sorted, checked layer numbers to remove. Raises :class:`DepthError` for numbers out of range,
-    repeated, or all layers."""
+    repeated, all layers, or every full-attention layer of ``attention`` (transformers' hybrid cache counts
+    the sequence length on a full-attention layer: a hybrid model without one cannot generate)."""
     removed = list(removed)
     bad = [i for i in removed if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
     if bad:
@@ -56,6 +63,10 @@ def check_removed(removed: Iterable[int], num_layers: int) -> list[int]:
         raise DepthError(f"layers to remove are repeated: {removed}")
     if len(removed) >= num_layers:
         raise DepthError(f"cannot remove all {num_layers} decoder layers")
+    attention = list(attention)
+    if attention and set(attention) <= set(removed):
+        raise DepthError(f"cannot remove every full-attention layer ({attention}): a hybrid model keeps at least one "
+                         f"(transformers' cache counts the sequence length on it)")
     return sorted(removed)
 
 
@@ -91,7 +102,7 @@ def remove_layers_from_config(config: Mapping, removed: Iterable[int]) -> dict:
     config = copy.deepcopy(dict(config))
     holder = _holder(config)
     num_layers = int(holder["num_hidden_layers"])
-    removed = check_removed(removed, num_layers)
+    removed = check_removed(removed, num_layers, attention_layers(config))
     numbers = layer_numbers(num_layers, removed)
     holder["num_hidden_layers"] = len(numbers)
     if isinstance(holder.get("layer_types"), list):

@@ -166,7 +166,8 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     (target, block_target), (permutations, block_orders) = subblocks.split_target(target), \
         subblocks.split_permutations(permutations)
     removed = list(remove_layers or []) + (sorted(removed_layers(plan)) if plan is not None else [])
-    removed = depth.check_removed(removed, depth.num_layers_of(ckpt.config)) if removed else []
+    removed = depth.check_removed(removed, depth.num_layers_of(ckpt.config), depth.attention_layers(ckpt.config)) \
+        if removed else []
     plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
     blocks = subblocks.plan_sub_blocks(ckpt, block_orders, block_target, plan, dequantize=constraints[2])
     if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered

@@ -180,7 +180,8 @@ def plan_model(
         refinement = refine_plan(model, batches, groups + rests, costs, budgets,
                                  [REMOVED if p is None else p for p in picks], generations=refine_generations,
                                  offspring=refine_offspring, seed=refine_seed, progress=progress,
-                                 layer_of=layer_of, removable=[r.index for r in rests])
+                                 layer_of=layer_of, removable=[r.index for r in rests],
+                                 keep_one_of=problem["keep_one_of"])
         picks = [None if p == REMOVED else p for p in refinement["picks"]]
     n = len(layers)
     removed = sorted({layer_of[g] for g, p in enumerate(picks) if p is None}) if rests else []
@@ -267,8 +268,16 @@ def _choose_with_removal(problem: Mapping[str, Any], values: list, removal: Mapp
     rests = [[0.0]] * len(problem["rests"])
     picks, _ = choose_with_removal(values + rests, problem["costs"], problem["budgets"], layer_of=problem["layer_of"],
                                    removal={i: v[0] for i, v in removal.items()},
-                                   allowed=None if allowed is None else allowed + [[True]] * len(rests))
+                                   allowed=None if allowed is None else allowed + [[True]] * len(rests),
+                                   keep_one_of=problem["keep_one_of"])
     return picks
+
+
+def _attention_layers(model: Any) -> list[int]:
+    """The full-attention decoder layers of a hybrid model: one of them always stays (transformers' hybrid cache
+    counts the sequence length on one; :func:`gdnprune.depth.check_removed` refuses the rest)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return [i for i, t in enumerate(getattr(config, "layer_types", None) or []) if t == "full_attention"]
 
 
 def _decoder_keys(problem: Mapping[str, Any], groups: Sequence[Any]) -> dict[int, str]:
@@ -417,12 +426,14 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
     kinds = ["gdn"] * len(layers) + [b.block.kind for b in sub]
     if uniform:
         _check_uniform(layers + sub, keys, kinds)
+    keep_one_of = _attention_layers(model) if depth else []
     _check_feasible(keys + [[None]] * len(rests), kinds, costs, budgets, uniform,
-                    layer_of if depth else None)  # before any forward
+                    layer_of if depth else None, keep_one_of)  # before any forward
     return {"table": table, "layers": layers, "blocks": sub, "budgets": budgets, "costs": costs, "limits": limits,
             "keys": keys, "kinds": kinds,
             "key_of": key_of, "payload_of": payload_of, "gdn_totals": gdn_totals, "whole": whole, "totals": totals,
             "fixed": fixed, "whole_costs": wcosts, "depth": depth, "rests": rests, "layer_of": layer_of,
+            "keep_one_of": keep_one_of,
             "layer_costs": wholes}
 
 
@@ -504,14 +515,16 @@ def _model_totals(problem: Mapping[str, Any], picks: Sequence[int | None]) -> di
     return out
 
 
-def _check_feasible(keys, kinds, costs, budgets, uniform: bool, layer_of: Sequence[int] | None = None) -> None:
+def _check_feasible(keys, kinds, costs, budgets, uniform: bool, layer_of: Sequence[int] | None = None,
+                    keep_one_of: Sequence[int] = ()) -> None:
     zeros = [[0.0] * len(group) for group in keys]
     if uniform:
         choose_uniform(keys, zeros, costs, budgets, kinds=kinds)
     elif layer_of is not None:
         from .depth import choose_with_removal
 
-        choose_with_removal(zeros, costs, budgets, layer_of=layer_of, removal={i: 0.0 for i in set(layer_of)})
+        choose_with_removal(zeros, costs, budgets, layer_of=layer_of, removal={i: 0.0 for i in set(layer_of)},
+                            keep_one_of=keep_one_of)
     else:
         choose(zeros, costs, budgets)
 

@@ -51,8 +51,8 @@ def skipped_output(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
 
 def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[Sequence[float]]],
                         budgets: Mapping[str, float], *, layer_of: Sequence[int],
-                        removal: Mapping[int, float], allowed: Sequence[Sequence[bool]] | None = None
-                        ) -> tuple[list[int | None], list[int]]:
+                        removal: Mapping[int, float], allowed: Sequence[Sequence[bool]] | None = None,
+                        keep_one_of: Sequence[int] = ()) -> tuple[list[int | None], list[int]]:
     """The candidate of every group, or None where its decoder layer is removed, that minimises the summed
     sensitivity within ``budgets``; and the removed layers. At least one of the groups' layers stays.
 
@@ -62,6 +62,8 @@ def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[s
         removal: decoder layer -> the sensitivity of removing it (layers not named may not be removed).
         allowed: ``allowed[g][c]``: the candidates that may be chosen (all when None; as
             :func:`gdnprune.plan.solve.choose_among`, e.g. successive halving's survivors); removal always may.
+        keep_one_of: decoder layers of which at least one stays (a hybrid model's full-attention layers:
+            transformers' cache counts the sequence length on one).
 
     Raises:
         BudgetError: no choice meets the budgets; ValueError: inconsistent inputs.
@@ -89,6 +91,11 @@ def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[s
     if m:  # never every layer
         constraints.append(LinearConstraint(np.concatenate([np.zeros(n), np.ones(m)])[None, :], 0,
                                             len(set(layer_of)) - 1))
+    keep = [layers.index(l) for l in keep_one_of if l in removal]
+    if keep and len(keep) == len(set(keep_one_of)):  # every one of them could go: one stays
+        row = np.zeros(n + m)
+        row[[n + k for k in keep]] = 1
+        constraints.append(LinearConstraint(row[None, :], 0, len(keep) - 1))
     for name, budget in budgets.items():
         row = np.concatenate([np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)])
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))

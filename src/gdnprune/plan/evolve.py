@@ -56,16 +56,16 @@ def _sizes(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
 
 def mutate(picks: Sequence[int], costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float],
            rng: np.random.Generator, *, reach: int = 3, layer_of: Sequence[int] | None = None,
-           removable: Sequence[int] = ()) -> list[int] | None:
+           removable: Sequence[int] = (), keep_one_of: Sequence[int] = ()) -> list[int] | None:
     """One mutation of a feasible plan: layer ``a`` steps up to ``reach`` places along its candidates ordered
     by size; when that breaks a budget, another layer shrinks to its largest candidate that restores every
     budget; when it frees budget, another layer grows to its largest candidate that still fits. With
     ``removable`` decoder layers (``layer_of``: the decoder layer of every group), a quarter of the mutations
-    remove one of them or bring it back (:func:`_depth_move`). Returns the new plan (meeting every budget), or
+    remove one of them or bring it back (:func:`_depth_move`; one layer of ``keep_one_of`` always stays). Returns the new plan (meeting every budget), or
     None when this draw found no such move."""
     sizes = _sizes(costs, budgets)
     if removable and rng.random() < 0.25:
-        return _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable)
+        return _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable, keep_one_of)
     kept = [g for g, c in enumerate(picks) if c != REMOVED]
     new = list(picks)
     a = int(kept[int(rng.integers(len(kept)))]) if len(kept) < len(picks) else int(rng.integers(len(picks)))
@@ -106,7 +106,7 @@ def _grow(new: list[int], b: int, costs, budgets, sizes) -> list[int]:
     return new
 
 
-def _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable) -> list[int] | None:
+def _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable, keep_one_of=()) -> list[int] | None:
     """Remove a kept layer of ``removable`` (what it frees goes to another group) or bring a removed one back
     (its groups at their smallest candidates, another group shrinking when a budget needs it)."""
     layer = int(removable[int(rng.integers(len(removable)))])
@@ -115,6 +115,9 @@ def _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable) -> list[
     others = [int(b) for b in rng.permutation(len(picks)) if layer_of[b] != layer and picks[b] != REMOVED]
     if picks[mine[0]] != REMOVED:
         if not others:  # the last layer stays
+            return None
+        gone = {layer_of[g] for g, p in enumerate(picks) if p == REMOVED} | {layer}
+        if keep_one_of and set(keep_one_of) <= gone:  # and one of these (a full-attention layer)
             return None
         for g in mine:
             new[g] = REMOVED
@@ -135,7 +138,7 @@ def stages(windows: int, offspring: int) -> list[tuple[int, int]]:
 def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], seed_picks: Sequence[int],
            fitness: Fitness, weights: Sequence[float], *, generations: int, offspring: int = 8, seed: int = 0,
            mutations: int = 2, on_generation: Callable[[dict], None] | None = None,
-           layer_of: Sequence[int] | None = None, removable: Sequence[int] = ()) -> dict:
+           layer_of: Sequence[int] | None = None, removable: Sequence[int] = (), keep_one_of: Sequence[int] = ()) -> dict:
     """Improve the plan ``seed_picks`` by whole-plan fitness; returns the best plan found and the history.
 
     Args:
@@ -149,7 +152,8 @@ def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
         mutations: at most this many mutations make one offspring (drawn uniformly from 1 ..).
         on_generation: called with every generation's record.
         layer_of, removable: the decoder layer of every group and the layers that may be removed (their groups'
-            picks :data:`REMOVED` in a plan; ``seed_picks`` may hold removed layers already).
+            picks :data:`REMOVED` in a plan; ``seed_picks`` may hold removed layers already); ``keep_one_of``:
+            layers of which one always stays (a hybrid model's full-attention layers).
 
     Returns:
         ``{"picks", "kl", "seed_kl", "history": [per generation: "kl" (the current plan's, all windows),
@@ -177,7 +181,8 @@ def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
         for _ in range(50 * offspring):
             child = parent
             for _ in range(int(rng.integers(1, mutations + 1))):
-                child = mutate(child, costs, budgets, rng, layer_of=layer_of, removable=removable) or child
+                child = mutate(child, costs, budgets, rng, layer_of=layer_of, removable=removable,
+                               keep_one_of=keep_one_of) or child
             if child != parent and child not in children:
                 children.append(child)
             if len(children) == offspring:

@@ -88,10 +88,10 @@ def refine_plan(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence
                 costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], picks: Sequence[int], *,
                 generations: int, offspring: int = 8, seed: int = 0, progress: bool = True,
                 max_logits: int = 1 << 24, layer_of: Sequence[int] | None = None,
-                removable: Sequence[int] = ()) -> dict[str, Any]:
+                removable: Sequence[int] = (), keep_one_of: Sequence[int] = ()) -> dict[str, Any]:
     """The joint refinement of the plan ``picks`` (:func:`~gdnprune.plan.evolve.evolve` with :class:`JointKL`).
 
-    ``layer_of``, ``removable``: as :func:`~gdnprune.plan.evolve.evolve` (``picks`` may mark removed layers'
+    ``layer_of``, ``removable``, ``keep_one_of``: as :func:`~gdnprune.plan.evolve.evolve` (``picks`` may mark removed layers'
     groups :data:`~gdnprune.plan.evolve.REMOVED`); mutations then move between removal and width.
 
     Returns :func:`~gdnprune.plan.evolve.evolve`'s result with ``generations``, ``offspring``, ``seed``,
@@ -111,7 +111,8 @@ def refine_plan(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence
 
     try:
         result = evolve(costs, budgets, picks, fitness, fitness.weights, generations=generations, offspring=offspring,
-                        seed=seed, on_generation=step, layer_of=layer_of, removable=removable)
+                        seed=seed, on_generation=step, layer_of=layer_of, removable=removable,
+                        keep_one_of=keep_one_of)
     finally:
         bar.close()
     result.update(generations=generations, offspring=offspring, seed=seed, windows=len(fitness.windows),
