@@ -93,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--value-head-dim", type=int, default=32, help="GDN value head dim (default 32)")
     g.add_argument("--num-experts", type=int, default=4, help="routed experts per MoE layer (default 4)")
     g.add_argument("--experts-per-token", type=int, default=2, help="routed experts per token (default 2)")
+    g.add_argument("--router-aux-loss", type=float, default=0.0,
+                   help="MoE families: weight of the router's load-balancing loss in training (transformers' "
+                        "router_aux_loss_coef with output_router_logits; default 0: off, as before); the logged "
+                        "loss then includes it, the saved config has output_router_logits false")
     g.add_argument("--expert-size", type=int, default=None,
                    help="intermediate size of each routed expert and the shared expert (default hidden size)")
     return p.parse_args(argv)
@@ -189,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                           family=args.family, intermediate_size=args.intermediate_size,
                           num_experts=args.num_experts, experts_per_token=args.experts_per_token,
                           expert_size=args.expert_size)
+    if args.router_aux_loss:
+        if not hasattr(config, "router_aux_loss_coef"):
+            raise SystemExit(f"--router-aux-loss needs an MoE family, got {args.family}")
+        config.router_aux_loss_coef = args.router_aux_loss
     model = getattr(transformers, MODEL_CLASS[args.family])(config)
     n_params = sum(p.numel() for p in model.parameters())
     layer_types = config.get_text_config(decoder=True).layer_types
@@ -218,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sample_batch(train_ids, args.batch_size, args.seq_len, generator)
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss = model(input_ids=batch, labels=batch, use_cache=False,
+                     **({"output_router_logits": True} if args.router_aux_loss else {})).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
