@@ -204,6 +204,15 @@ class Problem:
             b != a and all(contains(cands[k][b[i]], cands[k][a[i]]) for i, k in enumerate(kinds)) for b in feasible)]
         return [[combo[kinds.index(k)] for k in self.kind] for combo in maximal]
 
+    def refined(self, fraction: float, picks: list[int], generations: int) -> tuple[list[int], dict]:
+        """The joint refinement (issue 22) of ``picks``: whole cut models' KL on the calibration windows."""
+        from gdnprune.plan.joint import refine_plan
+
+        result = refine_plan(self.model, self.sens, self.groups, {"params": self.costs},
+                             {"params": self.limit(fraction)}, picks, generations=generations, offspring=8, seed=0,
+                             progress=False)
+        return result["picks"], {k: result[k] for k in ("seed_kl", "kl", "seconds", "evaluations")}
+
     def with_depth(self, fraction: float) -> tuple[list[int | None], list[int]]:
         return choose_with_removal(self.kl, {"params": self.costs}, {"params": self.limit(fraction)},
                                    layer_of=self.layer_of, removal=self.removal)
@@ -283,15 +292,18 @@ def distil(problem: Problem, student, steps: int) -> np.ndarray:
 
 def run_model(problem: Problem, args) -> dict:
     rows = []
-    for fraction in BUDGETS:
+    for fraction in args.budgets:
         row = {"budget": fraction, "limit_decoder_params": fraction * problem.decoder}
         plans: dict[str, tuple] = {"searched": (problem.searched(fraction), ())}
-        gdn = problem.gdn_only(fraction)
+        if args.refine_generations:
+            picks, row["refinement"] = problem.refined(fraction, plans["searched"][0], args.refine_generations)
+            plans["refined"] = (picks, ())
+        gdn = problem.gdn_only(fraction) if "gdn_only" in args.plans else None
         if gdn is not None:
             plans["gdn_only"] = (gdn, ())
         t0 = time.perf_counter()
         best, n_uniform = None, 0
-        for picks in problem.uniform_choices(fraction):
+        for picks in problem.uniform_choices(fraction) if "best_uniform" in args.plans else ():
             losses = window_losses(problem.build(picks), problem.validation)
             n_uniform += 1
             if best is None or losses.mean() < best[1].mean():
@@ -299,7 +311,7 @@ def run_model(problem: Problem, args) -> dict:
         row["uniform_evaluated"], row["uniform_seconds"] = n_uniform, time.perf_counter() - t0
         if best is not None:
             plans["best_uniform"] = (best[0], ())
-        if args.depth and fraction in DEPTH_BUDGETS:
+        if args.depth and fraction in DEPTH_BUDGETS and "depth_allowed" in args.plans:
             choice, removed = problem.with_depth(fraction)
             plans["depth_allowed"] = ([0 if c is None else c for c in choice], tuple(removed))
             best_depth, n_depth = None, 0
@@ -351,7 +363,7 @@ def run_model(problem: Problem, args) -> dict:
                                    if len(problem.removal) > 2 else None), "shares": split, "steps": args.steps, "recipe": RECIPE, "rows": rows}
 
 
-NAMES = [("searched", "searched"), ("gdn_only", "GDN-only"), ("best_uniform", "best uniform"),
+NAMES = [("searched", "searched"), ("refined", "refined"), ("gdn_only", "GDN-only"), ("best_uniform", "best uniform"),
          ("depth_allowed", "depth allowed"), ("depth_only", "best depth-only")]
 
 
@@ -389,6 +401,13 @@ def main() -> int:
     p.add_argument("--depth", action="store_true", help="also depth-allowed and depth-only plans (75 %% and 50 %%)")
     p.add_argument("--dim-step", default="1/4", help="GDN head-dim grid (default 1/4)")
     p.add_argument("--validation-windows", type=int, default=32, help="held-out windows of 256 bytes (32)")
+    p.add_argument("--budgets", type=lambda t: [float(v) for v in t.split(",")], default=list(BUDGETS),
+                   help="fractions of the decoder's parameters (default 0.75,0.5,0.35)")
+    p.add_argument("--plans", type=lambda t: t.split(","), default=["gdn_only", "best_uniform", "depth_allowed"],
+                   help="comparisons besides the searched plan (default gdn_only,best_uniform,depth_allowed; "
+                        "depth_allowed also brings the best depth-only cut, with --depth)")
+    p.add_argument("--refine-generations", type=int, default=0,
+                   help="also the searched plan after this many generations of the joint refinement (0: not)")
     p.add_argument("--steps", type=int, default=300, help="distillation steps per plan (300; 0: none)")
     p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivities here")
     p.add_argument("--threads", type=int, default=1)
