@@ -128,7 +128,6 @@ class Problem:
     def measure(self, args) -> None:
         key = f"{self.name}|{args.dim_step}|64|16"
         stored = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
-        gdn_orders_same = True
         t0 = time.perf_counter()
         if key in stored:
             gdn = stored[key]
@@ -157,7 +156,7 @@ class Problem:
             stored[depth_key]["influence"] = {str(i): v for i, v in block_influence(self.model, self.sens).items()}
             stored[depth_key]["influence_seconds"] = time.perf_counter() - t2
         stored[key] = gdn
-        if args.cache and gdn_orders_same:
+        if args.cache:
             args.cache.parent.mkdir(parents=True, exist_ok=True)
             args.cache.write_text(json.dumps(stored))
         sub = stored[sub_key]
@@ -237,8 +236,8 @@ class Problem:
 
     def plan_layers(self, picks, removed=()) -> dict:
         out = {}
-        for g, pick in zip(self.groups, picks):
-            if self.layer_of[self.groups.index(g)] in removed:
+        for g, pick, layer in zip(self.groups, picks, self.layer_of):
+            if layer in removed:
                 continue
             target = g.candidates[pick]
             if isinstance(g, LayerToPlan):

@@ -273,13 +273,6 @@ def _choose_with_removal(problem: Mapping[str, Any], values: list, removal: Mapp
     return picks
 
 
-def _attention_layers(model: Any) -> list[int]:
-    """The full-attention decoder layers of a hybrid model: one of them always stays (transformers' hybrid cache
-    counts the sequence length on one; :func:`gdnprune.depth.check_removed` refuses the rest)."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return [i for i, t in enumerate(getattr(config, "layer_types", None) or []) if t == "full_attention"]
-
-
 def _decoder_keys(problem: Mapping[str, Any], groups: Sequence[Any]) -> dict[int, str]:
     """Decoder layer index -> its prefix in the plan file: a planned group's key (the scores' and checkpoint's
     naming) cut after ``layers.N``, else the module path."""
@@ -426,7 +419,9 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
     kinds = ["gdn"] * len(layers) + [b.block.kind for b in sub]
     if uniform:
         _check_uniform(layers + sub, keys, kinds)
-    keep_one_of = _attention_layers(model) if depth else []
+    from ..depth import attention_layers
+
+    keep_one_of = attention_layers(model.config.to_dict()) if depth else []  # one stays (slice refuses the rest)
     _check_feasible(keys + [[None]] * len(rests), kinds, costs, budgets, uniform,
                     layer_of if depth else None, keep_one_of)  # before any forward
     return {"table": table, "layers": layers, "blocks": sub, "budgets": budgets, "costs": costs, "limits": limits,
