@@ -64,8 +64,12 @@ def _attention_choices(block) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="byte-level model folder (default: the bundled model)")
-    p.add_argument("--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="byte-level model folder (default: the bundled model)"
+    )
+    p.add_argument(
+        "--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)"
+    )
     p.add_argument("--calib-seq-len", type=int, default=128)
     p.add_argument("--val-windows", type=int, default=48, help="validation windows (default 48)")
     p.add_argument("--seq-len", type=int, default=128)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_pretrained(args.model, dtype=torch.float32).eval()
     base = demo_data.validation_loss(model, seq_len=args.seq_len, num_windows=args.val_windows)
     calib = demo_data.byte_windows(demo_data.train_text(), args.calib_seq_len, args.calib_samples)
-    batches = [calib[i:i + 4] for i in range(0, calib.shape[0], 4)]
+    batches = [calib[i : i + 4] for i in range(0, calib.shape[0], 4)]
     blocks = find_model_blocks(model)
     orders = {}
     for method in ("projection", "activation"):
@@ -93,25 +97,40 @@ def main(argv: list[str] | None = None) -> int:
     orders["identity"] = None
     orders["reversed projection"] = {k: _reversed(v) for k, v in orders["projection"].items()}
     g = torch.Generator().manual_seed(0)
-    randoms = [{b.prefix: orders_to_payload(random_orders(b, generator=g)) for b in blocks}
-               for _ in range(args.random_orders)]
+    randoms = [
+        {b.prefix: orders_to_payload(random_orders(b, generator=g)) for b in blocks}
+        for _ in range(args.random_orders)
+    ]
     mlp = next((b for b in blocks if b.kind in ("mlp", "shared_expert")), None)
     attention = [b for b in blocks if b.kind == "attention"]
     cuts = []
     if mlp is not None:
         key = "intermediate_size" if mlp.kind == "mlp" else "shared_expert_intermediate_size"
         for frac in (2, 4, 8):
-            cuts.append((f"MLPs at 1/{frac} of the channels", {key: mlp.shape.intermediate_size // frac}, "mlp"))
+            cuts.append(
+                (f"MLPs at 1/{frac} of the channels", {key: mlp.shape.intermediate_size // frac}, "mlp")
+            )
     if attention:
         a = attention[0].shape
-        cuts += [("attention: 1 key-value group", {"num_key_value_heads": 1, "num_attention_heads": a.heads_per_group},
-                  "attention"),
-                 ("attention: 1 query head per group", {"num_key_value_heads": a.num_key_value_heads,
-                                                        "num_attention_heads": a.num_key_value_heads}, "attention"),
-                 ("attention: 1 head", {"num_key_value_heads": 1, "num_attention_heads": 1}, "attention")]
-    print(f"model {args.model or 'bundled'}: {len(blocks)} sub-blocks ({', '.join(sorted({b.kind for b in blocks}))}); "
-          f"validation loss {base:.4f} nats/byte ({args.val_windows} windows x {args.seq_len}); calibration "
-          f"{args.calib_samples} x {args.calib_seq_len} training bytes", flush=True)
+        cuts += [
+            (
+                "attention: 1 key-value group",
+                {"num_key_value_heads": 1, "num_attention_heads": a.heads_per_group},
+                "attention",
+            ),
+            (
+                "attention: 1 query head per group",
+                {"num_key_value_heads": a.num_key_value_heads, "num_attention_heads": a.num_key_value_heads},
+                "attention",
+            ),
+            ("attention: 1 head", {"num_key_value_heads": 1, "num_attention_heads": 1}, "attention"),
+        ]
+    print(
+        f"model {args.model or 'bundled'}: {len(blocks)} sub-blocks ({', '.join(sorted({b.kind for b in blocks}))}); "
+        f"validation loss {base:.4f} nats/byte ({args.val_windows} windows x {args.seq_len}); calibration "
+        f"{args.calib_samples} x {args.calib_seq_len} training bytes",
+        flush=True,
+    )
     results = []
     for label, target, kind in cuts:
         kind_blocks = [b for b in blocks if (b.kind == "attention") == (kind == "attention")]
@@ -137,10 +156,14 @@ def _format(row: dict) -> str:
     rnd = row["random"]
     mean, std = statistics.mean(rnd), statistics.pstdev(rnd)
     beats = {m: sum(v > row[m] for v in rnd) / len(rnd) for m in ("projection", "activation")}
-    parts = [f"{row['cut']:<36}", f"projection {row['projection']:+.4f} (beats {beats['projection']:.0%} of random)",
-             f"activation {row['activation']:+.4f} (beats {beats['activation']:.0%})",
-             f"identity {row['identity']:+.4f}", f"reversed {row['reversed projection']:+.4f}",
-             f"random {mean:+.4f} +- {std:.4f}"]
+    parts = [
+        f"{row['cut']:<36}",
+        f"projection {row['projection']:+.4f} (beats {beats['projection']:.0%} of random)",
+        f"activation {row['activation']:+.4f} (beats {beats['activation']:.0%})",
+        f"identity {row['identity']:+.4f}",
+        f"reversed {row['reversed projection']:+.4f}",
+        f"random {mean:+.4f} +- {std:.4f}",
+    ]
     if "best possible" in row:
         parts.append(f"best/worst possible {row['best possible']:+.4f}/{row['worst possible']:+.4f}")
     return "  ".join(parts)

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, os, resource, sys, time
     import torch
     from transformers import TrainerCallback
@@ -97,11 +97,16 @@ WORKER = textwrap.dedent('''
               "teacher_parameters": sum(p.numel() for p in teacher.parameters())}}
     with open(os.path.join(out, f"{{mode}}-{{report['rank']}}.json"), "w") as f:
         json.dump(report, f)
-''')
+""")
 
 MODES = ("ddp", "fsdp", "fsdp+teacher", "ddp+lm", "fsdp+teacher+lm")
-LABELS = {"ddp": "DDP", "fsdp": "FSDP2 (student)", "fsdp+teacher": "FSDP2 (student + teacher)",
-          "ddp+lm": "DDP, LM only", "fsdp+teacher+lm": "FSDP2 (student + teacher), LM only"}
+LABELS = {
+    "ddp": "DDP",
+    "fsdp": "FSDP2 (student)",
+    "fsdp+teacher": "FSDP2 (student + teacher)",
+    "ddp+lm": "DDP, LM only",
+    "fsdp+teacher+lm": "FSDP2 (student + teacher), LM only",
+}
 
 
 def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
@@ -114,10 +119,21 @@ def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
 
     torch.manual_seed(seed)
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4), num_attention_heads=8,
-        num_key_value_heads=2, head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True)
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_hidden_layers=layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
+    )
     teacher = transformers.Qwen3_5ForCausalLM(config).eval()
     student = slice_model(teacher, {"num_key_heads": 8, "num_value_heads": 8})
     return teacher, student
@@ -128,13 +144,30 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(WORKER.format(bench=str(Path(__file__).resolve().parent)))
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(args.threads),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        }
         for mode in args.modes:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(script), mode, tmp, str(args.threads), str(args.steps), str(args.batch_size),
-                   str(args.seq_len), str(args.layers), str(int(args.gradient_checkpointing)),
-                   str(args.hidden)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                str(script),
+                mode,
+                tmp,
+                str(args.threads),
+                str(args.steps),
+                str(args.batch_size),
+                str(args.seq_len),
+                str(args.layers),
+                str(int(args.gradient_checkpointing)),
+                str(args.hidden),
+            ]
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
@@ -157,40 +190,56 @@ def _median(xs):
 def report_measured(results: dict, args) -> None:
     first = next(iter(results.values()))["ranks"][0]
     sizes = first["teacher_parameters"] / 1e6, first["student_parameters"] / 1e6
-    print(f"Teacher {sizes[0]:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), student "
-          f"{sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
-          f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, "
-          f"{'gradient checkpointing, ' if args.gradient_checkpointing else ''}{args.threads} "
-          f"thread(s) per process. Peak = the high-water mark of resident memory while training (reset when the "
-          f"Trainer has wrapped the model); setup = the high-water mark before (building random models, slicing, "
-          f"sharding).\n")
-    print("| engine | training peak per process (rank 0 / 1) | estimate | setup peak | s/step (median) | "
-          "tokens/s (2 processes) |")
+    print(
+        f"Teacher {sizes[0]:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), student "
+        f"{sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
+        f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, "
+        f"{'gradient checkpointing, ' if args.gradient_checkpointing else ''}{args.threads} "
+        f"thread(s) per process. Peak = the high-water mark of resident memory while training (reset when the "
+        f"Trainer has wrapped the model); setup = the high-water mark before (building random models, slicing, "
+        f"sharding).\n"
+    )
+    print(
+        "| engine | training peak per process (rank 0 / 1) | estimate | setup peak | s/step (median) | "
+        "tokens/s (2 processes) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     step = {}
     for mode, res in results.items():
         r0, r1 = res["ranks"]
         step[mode] = _median([max(a, b) for a, b in zip(r0["step_seconds"][1:], r1["step_seconds"][1:])])
         tps = args.batch_size * args.seq_len / step[mode]
-        print(f"| {LABELS[mode]} | {r0['peak'] / GB:.2f} / {r1['peak'] / GB:.2f} GB | "
-              f"{r0['estimate']['total'] / GB + r0['baseline'] / GB:.2f} GB | "
-              f"{max(r0['setup_peak'], r1['setup_peak']) / GB:.2f} GB | {step[mode]:.1f} | {tps:,.0f} |")
-    print(f"\n(estimate = estimate_memory + the {first['baseline'] / GB:.2f} GB the interpreter, torch and "
-          f"transformers take before any model)")
+        print(
+            f"| {LABELS[mode]} | {r0['peak'] / GB:.2f} / {r1['peak'] / GB:.2f} GB | "
+            f"{r0['estimate']['total'] / GB + r0['baseline'] / GB:.2f} GB | "
+            f"{max(r0['setup_peak'], r1['setup_peak']) / GB:.2f} GB | {step[mode]:.1f} | {tps:,.0f} |"
+        )
+    print(
+        f"\n(estimate = estimate_memory + the {first['baseline'] / GB:.2f} GB the interpreter, torch and "
+        f"transformers take before any model)"
+    )
     peak = {m: max(r["peak"] for r in res["ranks"]) for m, res in results.items()}
     if "ddp" in results:
         print()
         for mode in ("fsdp", "fsdp+teacher"):
             if mode in results:
-                print(f"- {LABELS[mode]} training peak / DDP: {peak[mode] / peak['ddp']:.1%} (target <= 65%); "
-                      f"above the {first['baseline'] / GB:.2f} GB floor: "
-                      f"{(peak[mode] - first['baseline']) / (peak['ddp'] - first['baseline']):.1%}")
+                print(
+                    f"- {LABELS[mode]} training peak / DDP: {peak[mode] / peak['ddp']:.1%} (target <= 65%); "
+                    f"above the {first['baseline'] / GB:.2f} GB floor: "
+                    f"{(peak[mode] - first['baseline']) / (peak['ddp'] - first['baseline']):.1%}"
+                )
         base = results["ddp"]["ranks"][0]["losses"]
         for mode in results:
             losses = results[mode]["ranks"][0]["losses"]
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
-            print(f"- {LABELS[mode]} loss curve {['%.4f' % x for x in losses]}"
-                  + ("" if mode == "ddp" or mode.endswith("lm") else f", max relative difference to DDP {diff:.1e}"))
+            print(
+                f"- {LABELS[mode]} loss curve {['%.4f' % x for x in losses]}"
+                + (
+                    ""
+                    if mode == "ddp" or mode.endswith("lm")
+                    else f", max relative difference to DDP {diff:.1e}"
+                )
+            )
     for kd, lm in (("ddp", "ddp+lm"), ("fsdp+teacher", "fsdp+teacher+lm")):
         if kd in step and lm in step:
             print(f"- KD step / LM step, {LABELS[kd]}: {step[kd] / step[lm]:.2f}x (target <= 1.5x)")
@@ -214,24 +263,70 @@ def report_measured(results: dict, args) -> None:
 #   (10 routed + 1 shared) of 512, attention 16 Q / 2 KV heads of 256, Gated DeltaNet 16 QK / 32 V heads of
 #   128, vocabulary 151936. Built here: 79.7B parameters.
 CONFIGS = {
-    "Qwen3.5-27B": ("Qwen3_5TextConfig", dict(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False)),
-    "Qwen3-Next-80B-A3B": ("Qwen3NextConfig", dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512,
-        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        tie_word_embeddings=False)),
-    "Qwen3.5-122B-A10B": ("Qwen3_5MoeTextConfig", dict(
-        vocab_size=248320, hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
-        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
-        linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
-        shared_expert_intermediate_size=1024, tie_word_embeddings=False)),
+    "Qwen3.5-27B": (
+        "Qwen3_5TextConfig",
+        dict(
+            vocab_size=248320,
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=64,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "Qwen3-Next-80B-A3B": (
+        "Qwen3NextConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5120,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "Qwen3.5-122B-A10B": (
+        "Qwen3_5MoeTextConfig",
+        dict(
+            vocab_size=248320,
+            hidden_size=3072,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=64,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
-CLASSES = {"Qwen3_5TextConfig": "Qwen3_5ForCausalLM", "Qwen3NextConfig": "Qwen3NextForCausalLM",
-           "Qwen3_5MoeTextConfig": "Qwen3_5MoeForCausalLM"}
+CLASSES = {
+    "Qwen3_5TextConfig": "Qwen3_5ForCausalLM",
+    "Qwen3NextConfig": "Qwen3NextForCausalLM",
+    "Qwen3_5MoeTextConfig": "Qwen3_5MoeForCausalLM",
+}
 
 
 def meta_models(name: str, student_heads: str):
@@ -247,8 +342,11 @@ def meta_models(name: str, student_heads: str):
         teacher = cls(config)
         if student_heads == "full":
             return teacher, teacher
-        half = dict(values, linear_num_key_heads=values["linear_num_key_heads"] // 2,
-                    linear_num_value_heads=values["linear_num_value_heads"] // 2)
+        half = dict(
+            values,
+            linear_num_key_heads=values["linear_num_key_heads"] // 2,
+            linear_num_value_heads=values["linear_num_value_heads"] // 2,
+        )
         return teacher, cls(getattr(transformers, config_class)(**half))
 
 
@@ -262,13 +360,16 @@ def report_table(args) -> None:
         "DDP": dict(fsdp=False, teacher_sharded=False),
         "FSDP2": dict(fsdp=True, teacher_sharded=True),
         "FSDP2, teacher whole": dict(fsdp=True, teacher_sharded=False),
-        "FSDP2, bf16 params + AdamW": dict(fsdp=True, teacher_sharded=True, dtype=torch.bfloat16,
-                                           mixed_precision="no"),
+        "FSDP2, bf16 params + AdamW": dict(
+            fsdp=True, teacher_sharded=True, dtype=torch.bfloat16, mixed_precision="no"
+        ),
         "FSDP2 + CPU offload (GPU part)": dict(fsdp=True, teacher_sharded=True, cpu_offload=True),
     }
-    print(f"Estimated memory per GPU on {gpus} GPUs of 80 GB (estimate_memory on meta-device models): float32 "
-          f"parameters and AdamW state with bf16 mixed precision unless said, bf16 teacher, gradient "
-          f"checkpointing, micro-batch 1 x 4096 tokens. FSDP2 shards the teacher too unless said.\n")
+    print(
+        f"Estimated memory per GPU on {gpus} GPUs of 80 GB (estimate_memory on meta-device models): float32 "
+        f"parameters and AdamW state with bf16 mixed precision unless said, bf16 teacher, gradient "
+        f"checkpointing, micro-batch 1 x 4096 tokens. FSDP2 shards the teacher too unless said.\n"
+    )
     print("| teacher | student | params (teacher / student) | " + " | ".join(engines) + " |")
     print("|---|---|---:|" + "---:|" * len(engines))
     for name in CONFIGS:
@@ -276,9 +377,16 @@ def report_table(args) -> None:
             teacher, student = meta_models(name, student_heads)
             cells = []
             for options in engines.values():
-                options = {"processes": gpus, "dtype": torch.float32, "teacher_dtype": torch.bfloat16,
-                           "mixed_precision": "bf16", "micro_batch_size": 1, "seq_len": 4096,
-                           "gradient_checkpointing": True, **options}
+                options = {
+                    "processes": gpus,
+                    "dtype": torch.float32,
+                    "teacher_dtype": torch.bfloat16,
+                    "mixed_precision": "bf16",
+                    "micro_batch_size": 1,
+                    "seq_len": 4096,
+                    "gradient_checkpointing": True,
+                    **options,
+                }
                 total = estimate_memory(student, teacher, **options).total
                 cells.append(f"{total / GB:,.0f} GB {'fits' if total <= budget else 'no'}")
             sizes = [sum(p.numel() for p in m.parameters()) / 1e9 for m in (teacher, student)]

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from plans import joint_kl, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.block_surgery import find_model_blocks, random_orders  # noqa: E402
@@ -62,15 +63,26 @@ from gdnprune.distill import distill  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan.solve import choose  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
-from plans import joint_kl, window_losses  # noqa: E402
 
 SEQ_LEN, SEED, WARMUP = 256, 0, 0.03
 FRACTIONS = (0.5, 0.25)
 # distillation runs: name -> (fraction, "uniform" | "plan", order)
-RUNS = {f"{int(f * 100)}-{cut}-{order}": (f, cut, order)
-        for f in FRACTIONS for cut in ("uniform", "plan") for order in ("reap", "frequency", "random0")}
-DEFAULT_RUNS = ["50-uniform-reap", "50-uniform-frequency", "50-uniform-random0", "50-plan-reap",
-                "25-uniform-reap", "25-uniform-frequency", "25-uniform-random0", "25-plan-reap"]
+RUNS = {
+    f"{int(f * 100)}-{cut}-{order}": (f, cut, order)
+    for f in FRACTIONS
+    for cut in ("uniform", "plan")
+    for order in ("reap", "frequency", "random0")
+}
+DEFAULT_RUNS = [
+    "50-uniform-reap",
+    "50-uniform-frequency",
+    "50-uniform-random0",
+    "50-plan-reap",
+    "25-uniform-reap",
+    "25-uniform-frequency",
+    "25-uniform-random0",
+    "25-plan-reap",
+]
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -81,8 +93,12 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 def cut(model, orders: dict, counts: dict) -> torch.nn.Module:
     """``model`` with MoE layer ``p`` keeping the first ``counts[p]`` experts of ``orders[p]``."""
-    return slice_model(model, None, blocks={p: {"num_experts": c} for p, c in counts.items()},
-                       block_orders={p: orders[p] for p in counts})
+    return slice_model(
+        model,
+        None,
+        blocks={p: {"num_experts": c} for p, c in counts.items()},
+        block_orders={p: orders[p] for p in counts},
+    )
 
 
 class MaskedRouters:
@@ -109,30 +125,52 @@ class MaskedRouters:
             logits = F.linear(args[0].reshape(-1, router.weight.shape[1]), router.weight)
             mask = torch.full_like(logits, float("-inf"))
             mask[:, keep] = 0
-            top, index = torch.topk(torch.softmax(logits + mask, dim=-1, dtype=torch.float), router.top_k, dim=-1)
+            top, index = torch.topk(
+                torch.softmax(logits + mask, dim=-1, dtype=torch.float), router.top_k, dim=-1
+            )
             return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), index
+
         return hook
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", type=Path, nargs="?", default=REPO / "benchmarks/_work/models/moe16",
-                   help="the trained MoE model folder (default: %(default)s)")
-    p.add_argument("--calibration-windows", type=int, default=64, help="scoring windows of 256 training bytes (64)")
+    p.add_argument(
+        "model",
+        type=Path,
+        nargs="?",
+        default=REPO / "benchmarks/_work/models/moe16",
+        help="the trained MoE model folder (default: %(default)s)",
+    )
+    p.add_argument(
+        "--calibration-windows", type=int, default=64, help="scoring windows of 256 training bytes (64)"
+    )
     p.add_argument("--sensitivity-windows", type=int, default=16, help="of those, for the per-layer KL (16)")
     p.add_argument("--validation-windows", type=int, default=None, help="held-out windows (default: all)")
     p.add_argument("--random-orders", type=int, default=12, help="random orders of the one-shot cuts (12)")
     p.add_argument("--plan-random-orders", type=int, default=3, help="of those, with a per-layer plan (3)")
-    p.add_argument("--sum-order", action="store_true",
-                   help="also the router-weighted sum order (REAP x frequency: the mean over all tokens of gate weight "
-                        "x output norm), a diagnostic beside the library's two measures")
-    p.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, choices=list(RUNS),
-                   help="distillation runs, in this order (default: %(default)s); none: one-shot only")
+    p.add_argument(
+        "--sum-order",
+        action="store_true",
+        help="also the router-weighted sum order (REAP x frequency: the mean over all tokens of gate weight "
+        "x output norm), a diagnostic beside the library's two measures",
+    )
+    p.add_argument(
+        "--runs",
+        nargs="*",
+        default=DEFAULT_RUNS,
+        choices=list(RUNS),
+        help="distillation runs, in this order (default: %(default)s); none: one-shot only",
+    )
     p.add_argument("--steps", type=int, default=300, help="distillation steps (300)")
     p.add_argument("--batch-size", type=int, default=4, help="distillation windows of 256 bytes per step (4)")
     p.add_argument("--lr", type=float, default=1e-3, help="distillation learning rate (1e-3)")
-    p.add_argument("--results", type=Path, default=REPO / "benchmarks/_work/experts",
-                   help="per-run distillation results, reused when present (default: %(default)s)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=REPO / "benchmarks/_work/experts",
+        help="per-run distillation results, reused when present (default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file")
     args = p.parse_args(argv)
@@ -148,10 +186,12 @@ def main(argv=None) -> int:
     n_experts, top_k = blocks[0].shape.num_experts, blocks[0].shape.num_experts_per_tok
     calibration = demo_data.byte_windows(demo_data.train_text(corpus), SEQ_LEN, args.calibration_windows)
     validation = demo_data.byte_windows(demo_data.validation_text(corpus), SEQ_LEN, args.validation_windows)
-    print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; model {args.model}: "
-          f"{len(blocks)} MoE layers x {n_experts} experts (top-{top_k}), corpus {corpus}; calibration "
-          f"{calibration.shape[0]} x {SEQ_LEN} training bytes, validation {validation.shape[0]} x {SEQ_LEN}",
-          flush=True)
+    print(
+        f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; model {args.model}: "
+        f"{len(blocks)} MoE layers x {n_experts} experts (top-{top_k}), corpus {corpus}; calibration "
+        f"{calibration.shape[0]} x {SEQ_LEN} training bytes, validation {validation.shape[0]} x {SEQ_LEN}",
+        flush=True,
+    )
 
     # one scoring pass: the REAP order (the default) and the frequency measure of every MoE layer
     t0 = time.perf_counter()
@@ -160,21 +200,35 @@ def main(argv=None) -> int:
     payloads = {p: scores["layers"][p] for p in prefixes}
     orders = {
         "reap": {b.prefix: orders_from_payload(payloads[b.prefix], b.shape) for b in blocks},
-        "frequency": {p: {"experts": torch.argsort(-torch.tensor(payloads[p]["expert_frequency"]), stable=True).numpy()}
-                      for p in prefixes},
+        "frequency": {
+            p: {"experts": torch.argsort(-torch.tensor(payloads[p]["expert_frequency"]), stable=True).numpy()}
+            for p in prefixes
+        },
     }
     if args.sum_order:
-        orders["sum"] = {p: {"experts": torch.argsort(-torch.tensor(payloads[p]["expert_reap"]) * torch.tensor(
-            payloads[p]["expert_frequency"]), stable=True).numpy()} for p in prefixes}
+        orders["sum"] = {
+            p: {
+                "experts": torch.argsort(
+                    -torch.tensor(payloads[p]["expert_reap"]) * torch.tensor(payloads[p]["expert_frequency"]),
+                    stable=True,
+                ).numpy()
+            }
+            for p in prefixes
+        }
     g = torch.Generator().manual_seed(SEED)
     randoms = [{b.prefix: random_orders(b, generator=g) for b in blocks} for _ in range(args.random_orders)]
     orders.update({f"random{i}": r for i, r in enumerate(randoms)})
     t0 = time.perf_counter()
     base = window_losses(model, validation)
     eval_seconds = time.perf_counter() - t0
-    print(f"unpruned validation loss {base.mean():.4f} nats/byte ({eval_seconds:.1f} s per evaluation); scoring "
-          f"{score_seconds:.1f} s", flush=True)
-    agreement = {p: _overlap(orders["reap"][p]["experts"], orders["frequency"][p]["experts"]) for p in prefixes}
+    print(
+        f"unpruned validation loss {base.mean():.4f} nats/byte ({eval_seconds:.1f} s per evaluation); scoring "
+        f"{score_seconds:.1f} s",
+        flush=True,
+    )
+    agreement = {
+        p: _overlap(orders["reap"][p]["experts"], orders["frequency"][p]["experts"]) for p in prefixes
+    }
 
     # per-layer sensitivity: KL of one layer alone cut to every count, per order
     sens_windows = list(calibration[: args.sensitivity_windows].split(4))
@@ -186,28 +240,43 @@ def main(argv=None) -> int:
     sensitivity, sens_seconds = {}, {}
     for name in planned:
         t0 = time.perf_counter()
-        sensitivity[name] = [[0.0 if c == n_experts else joint_kl(cut(model, orders[name], {p: c}), teacher_logp,
-                                                                    sens_windows) for c in counts] for p in prefixes]
+        sensitivity[name] = [
+            [
+                0.0
+                if c == n_experts
+                else joint_kl(cut(model, orders[name], {p: c}), teacher_logp, sens_windows)
+                for c in counts
+            ]
+            for p in prefixes
+        ]
         sens_seconds[name] = time.perf_counter() - t0
-    print(f"per-layer sensitivity: {len(prefixes)} layers x {len(counts) - 1} counts, "
-          f"{sens_seconds['reap']:.0f} s per order", flush=True)
+    print(
+        f"per-layer sensitivity: {len(prefixes)} layers x {len(counts) - 1} counts, "
+        f"{sens_seconds['reap']:.0f} s per order",
+        flush=True,
+    )
 
     losses: dict[str, dict[str, np.ndarray]] = {}
     one_shot, plans = [], {}
     for fraction in FRACTIONS:
         keep = round(n_experts * fraction)
         key = f"{int(fraction * 100)}"
-        uniform = {name: window_losses(cut(model, o, {p: keep for p in prefixes}), validation)
-                   for name, o in orders.items()}
+        uniform = {
+            name: window_losses(cut(model, o, {p: keep for p in prefixes}), validation)
+            for name, o in orders.items()
+        }
         plan_losses = {}
         for name in planned:
-            picks = choose(sensitivity[name], {"experts": [counts] * len(prefixes)},
-                           {"experts": keep * len(prefixes)})
+            picks = choose(
+                sensitivity[name], {"experts": [counts] * len(prefixes)}, {"experts": keep * len(prefixes)}
+            )
             chosen = {p: counts[i] for p, i in zip(prefixes, picks)}
             plans[f"{key}-{name}"] = chosen
             plan_losses[name] = window_losses(cut(model, orders[name], chosen), validation)
         losses[f"{key}-uniform"], losses[f"{key}-plan"] = uniform, plan_losses
-        one_shot.append(_one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, args.random_orders))
+        one_shot.append(
+            _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, args.random_orders)
+        )
         print(_format_one_shot(one_shot[-1]), flush=True)
 
     # exactness on the trained model: the 50% REAP cut = the unpruned model with a masked router
@@ -219,37 +288,73 @@ def main(argv=None) -> int:
         with MaskedRouters(model, kept):
             reference = model(input_ids=x).logits
         exact = float((small(input_ids=x).logits - reference).abs().max())
-    print(f"50% REAP cut vs the unpruned model with the removed experts masked out of the router: max |logit "
-          f"difference| {exact:.2e} on 8 x {SEQ_LEN} validation bytes", flush=True)
+    print(
+        f"50% REAP cut vs the unpruned model with the removed experts masked out of the router: max |logit "
+        f"difference| {exact:.2e} on 8 x {SEQ_LEN} validation bytes",
+        flush=True,
+    )
     one_shot_seconds = time.perf_counter() - t_start
 
     distilled = []
     if args.runs:
         train = demo_data.byte_windows(demo_data.train_text(corpus), SEQ_LEN)
         for name in args.runs:
-            distilled.append(_distill_run(name, model, orders, plans, prefixes, n_experts, train, validation, args))
+            distilled.append(
+                _distill_run(name, model, orders, plans, prefixes, n_experts, train, validation, args)
+            )
             r = distilled[-1]
-            print(f"{name}: {r['before']:.4f} -> {r['after']:.4f} nats/byte, {r['cpu_s']:.0f} s CPU, "
-                  f"{r['wall_s']:.0f} s wall{' (cached)' if r.get('cached') else ''}", flush=True)
+            print(
+                f"{name}: {r['before']:.4f} -> {r['after']:.4f} nats/byte, {r['cpu_s']:.0f} s CPU, "
+                f"{r['wall_s']:.0f} s wall{' (cached)' if r.get('cached') else ''}",
+                flush=True,
+            )
         print(_format_distilled(distilled, float(base.mean())))
     total = time.perf_counter() - t_start
-    print(f"\ncosts: scoring {score_seconds:.1f} s, per-layer sensitivity {sens_seconds['reap']:.0f} s per order, "
-          f"one validation evaluation {eval_seconds:.1f} s, one-shot part {one_shot_seconds:.0f} s, all {total:.0f} s; "
-          f"load average at the end {os.getloadavg()[0]:.1f}")
+    print(
+        f"\ncosts: scoring {score_seconds:.1f} s, per-layer sensitivity {sens_seconds['reap']:.0f} s per order, "
+        f"one validation evaluation {eval_seconds:.1f} s, one-shot part {one_shot_seconds:.0f} s, all {total:.0f} s; "
+        f"load average at the end {os.getloadavg()[0]:.1f}"
+    )
     if args.json:
-        args.json.write_text(json.dumps({
-            "model": str(args.model), "corpus": corpus, "num_experts": n_experts, "num_experts_per_tok": top_k,
-            "moe_layers": prefixes, "validation_windows": int(validation.shape[0]),
-            "calibration_windows": int(calibration.shape[0]), "sensitivity_windows": args.sensitivity_windows,
-            "base_loss": float(base.mean()), "reap_frequency_top_half_overlap": agreement,
-            "expert_scores": {p: {k: payloads[p][k] for k in ("expert_reap", "expert_frequency")} for p in prefixes},
-            "orders": {name: {p: np.asarray(o[p]["experts"]).tolist() for p in prefixes}
-                       for name, o in orders.items() if not name.startswith("random")},
-            "sensitivity": sensitivity, "sensitivity_counts": counts, "plans": plans, "one_shot": one_shot,
-            "masked_router_max_abs_logit_difference": exact, "distilled": distilled,
-            "seconds": {"score": score_seconds, "sensitivity_per_order": sens_seconds, "evaluation": eval_seconds,
-                        "one_shot": one_shot_seconds, "total": total},
-            "command": " ".join(sys.argv)}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": str(args.model),
+                    "corpus": corpus,
+                    "num_experts": n_experts,
+                    "num_experts_per_tok": top_k,
+                    "moe_layers": prefixes,
+                    "validation_windows": int(validation.shape[0]),
+                    "calibration_windows": int(calibration.shape[0]),
+                    "sensitivity_windows": args.sensitivity_windows,
+                    "base_loss": float(base.mean()),
+                    "reap_frequency_top_half_overlap": agreement,
+                    "expert_scores": {
+                        p: {k: payloads[p][k] for k in ("expert_reap", "expert_frequency")} for p in prefixes
+                    },
+                    "orders": {
+                        name: {p: np.asarray(o[p]["experts"]).tolist() for p in prefixes}
+                        for name, o in orders.items()
+                        if not name.startswith("random")
+                    },
+                    "sensitivity": sensitivity,
+                    "sensitivity_counts": counts,
+                    "plans": plans,
+                    "one_shot": one_shot,
+                    "masked_router_max_abs_logit_difference": exact,
+                    "distilled": distilled,
+                    "seconds": {
+                        "score": score_seconds,
+                        "sensitivity_per_order": sens_seconds,
+                        "evaluation": eval_seconds,
+                        "one_shot": one_shot_seconds,
+                        "total": total,
+                    },
+                    "command": " ".join(sys.argv),
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
@@ -264,7 +369,9 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
     row = {"cut": f"{key}%", "experts_kept": keep, "base": float(base.mean())}
     for name in [n for n in ("reap", "frequency", "sum") if n in uniform]:
         row[f"uniform_{name}"] = float(uniform[name].mean())
-        row[f"uniform_{name}_beats_random"] = sum(uniform[r].mean() > uniform[name].mean() for r in rand) / len(rand)
+        row[f"uniform_{name}_beats_random"] = sum(
+            uniform[r].mean() > uniform[name].mean() for r in rand
+        ) / len(rand)
     row["uniform_random"] = [float(uniform[r].mean()) for r in rand]
     row["uniform_reap_minus_frequency"] = paired(uniform["reap"], uniform["frequency"])
     row["uniform_reap_minus_random_mean"] = paired(uniform["reap"], random_mean)
@@ -280,10 +387,12 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
         row["plan_sum_minus_frequency"] = paired(plan_losses["sum"], plan_losses["frequency"])
     if plan_rand:
         row["plan_random"] = [float(plan_losses[r].mean()) for r in plan_rand]
-        row["plan_reap_minus_random_mean"] = paired(plan_losses["reap"],
-                                                    np.mean([plan_losses[r] for r in plan_rand], axis=0))
-        row["plan_reap_beats_random"] = sum(plan_losses[r].mean() > plan_losses["reap"].mean()
-                                            for r in plan_rand) / len(plan_rand)
+        row["plan_reap_minus_random_mean"] = paired(
+            plan_losses["reap"], np.mean([plan_losses[r] for r in plan_rand], axis=0)
+        )
+        row["plan_reap_beats_random"] = sum(
+            plan_losses[r].mean() > plan_losses["reap"].mean() for r in plan_rand
+        ) / len(plan_rand)
     return row
 
 
@@ -294,37 +403,52 @@ def _se(pair) -> str:
 
 def _format_one_shot(row: dict) -> str:
     b, rnd = row["base"], row["uniform_random"]
-    lines = [f"\n{row['cut']} of the experts ({row['experts_kept']} per layer), loss increase over the unpruned "
-             f"{b:.4f} nats/byte:",
-             f"  uniform   REAP {row['uniform_reap'] - b:+.4f} "
-             f"(beats {row['uniform_reap_beats_random']:.0%} of random)  "
-             f"frequency {row['uniform_frequency'] - b:+.4f} (beats {row['uniform_frequency_beats_random']:.0%})  "
-             f"random {statistics.mean(rnd) - b:+.4f} ± {statistics.stdev(rnd):.4f} sd (n={len(rnd)}, "
-             f"best {min(rnd) - b:+.4f})",
-             f"            REAP - frequency {_se(row['uniform_reap_minus_frequency'])}; REAP - random mean "
-             f"{_se(row['uniform_reap_minus_random_mean'])}; frequency - random mean "
-             f"{_se(row['uniform_frequency_minus_random_mean'])}",
-             f"  per-layer REAP {row['plan_reap'] - b:+.4f} {row['plan_reap_counts']}  frequency "
-             f"{row['plan_frequency'] - b:+.4f} {row['plan_frequency_counts']}"]
+    lines = [
+        f"\n{row['cut']} of the experts ({row['experts_kept']} per layer), loss increase over the unpruned "
+        f"{b:.4f} nats/byte:",
+        f"  uniform   REAP {row['uniform_reap'] - b:+.4f} "
+        f"(beats {row['uniform_reap_beats_random']:.0%} of random)  "
+        f"frequency {row['uniform_frequency'] - b:+.4f} (beats {row['uniform_frequency_beats_random']:.0%})  "
+        f"random {statistics.mean(rnd) - b:+.4f} ± {statistics.stdev(rnd):.4f} sd (n={len(rnd)}, "
+        f"best {min(rnd) - b:+.4f})",
+        f"            REAP - frequency {_se(row['uniform_reap_minus_frequency'])}; REAP - random mean "
+        f"{_se(row['uniform_reap_minus_random_mean'])}; frequency - random mean "
+        f"{_se(row['uniform_frequency_minus_random_mean'])}",
+        f"  per-layer REAP {row['plan_reap'] - b:+.4f} {row['plan_reap_counts']}  frequency "
+        f"{row['plan_frequency'] - b:+.4f} {row['plan_frequency_counts']}",
+    ]
     if "plan_random" in row:
         pr = row["plan_random"]
-        lines[-1] += (f"  random {statistics.mean(pr) - b:+.4f} ± {statistics.stdev(pr) if len(pr) > 1 else 0:.4f} "
-                      f"sd (n={len(pr)}; REAP beats {row['plan_reap_beats_random']:.0%})")
-    lines.append(f"            REAP plan - REAP uniform {_se(row['plan_reap_minus_uniform'])}; frequency plan - "
-                 f"frequency uniform {_se(row['plan_frequency_minus_uniform'])}; REAP plan - frequency plan "
-                 f"{_se(row['plan_reap_minus_frequency'])}")
+        lines[-1] += (
+            f"  random {statistics.mean(pr) - b:+.4f} ± {statistics.stdev(pr) if len(pr) > 1 else 0:.4f} "
+            f"sd (n={len(pr)}; REAP beats {row['plan_reap_beats_random']:.0%})"
+        )
+    lines.append(
+        f"            REAP plan - REAP uniform {_se(row['plan_reap_minus_uniform'])}; frequency plan - "
+        f"frequency uniform {_se(row['plan_frequency_minus_uniform'])}; REAP plan - frequency plan "
+        f"{_se(row['plan_reap_minus_frequency'])}"
+    )
     if "uniform_sum" in row:
-        lines.append(f"  sum order (REAP x frequency): uniform {row['uniform_sum'] - b:+.4f} (beats "
-                     f"{row['uniform_sum_beats_random']:.0%} of random), - frequency "
-                     f"{_se(row['uniform_sum_minus_frequency'])}; per-layer {row['plan_sum'] - b:+.4f} "
-                     f"{row['plan_sum_counts']}, - frequency plan {_se(row['plan_sum_minus_frequency'])}")
+        lines.append(
+            f"  sum order (REAP x frequency): uniform {row['uniform_sum'] - b:+.4f} (beats "
+            f"{row['uniform_sum_beats_random']:.0%} of random), - frequency "
+            f"{_se(row['uniform_sum_minus_frequency'])}; per-layer {row['plan_sum'] - b:+.4f} "
+            f"{row['plan_sum_counts']}, - frequency plan {_se(row['plan_sum_minus_frequency'])}"
+        )
     return "\n".join(lines)
 
 
 def _distill_run(name, model, orders, plans, prefixes, n_experts, train, validation, args) -> dict:
     path = args.results / f"{name}.json"
-    settings = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seq_len": SEQ_LEN,
-                "warmup": WARMUP, "seed": SEED, "validation_windows": int(validation.shape[0])}
+    settings = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seq_len": SEQ_LEN,
+        "warmup": WARMUP,
+        "seed": SEED,
+        "validation_windows": int(validation.shape[0]),
+    }
     if path.exists():
         stored = json.loads(path.read_text())
         if stored.get("settings") == settings and stored.get("model") == str(args.model):
@@ -335,16 +459,40 @@ def _distill_run(name, model, orders, plans, prefixes, n_experts, train, validat
     student = cut(model, orders[order], counts)
     before = window_losses(student, validation)
     cpu, wall = time.process_time(), time.perf_counter()
-    result = distill(student, model, train, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=WARMUP,
-                     seed=SEED, kd_weight=1.0, lm_weight=0.0, log_every=50, progress=False)
+    result = distill(
+        student,
+        model,
+        train,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup=WARMUP,
+        seed=SEED,
+        kd_weight=1.0,
+        lm_weight=0.0,
+        log_every=50,
+        progress=False,
+    )
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     student.eval()
     after = window_losses(student, validation)
-    out = {"name": name, "model": str(args.model), "settings": settings, "fraction": fraction, "cut": kind,
-           "order": order, "counts": [counts[p] for p in prefixes], "before": float(before.mean()),
-           "after": float(after.mean()), "before_windows": before.tolist(), "after_windows": after.tolist(),
-           "train_loss": [(h["step"], h["loss"]) for h in result["history"] if "loss" in h],
-           "cpu_s": cpu, "wall_s": wall, "load_average": os.getloadavg()[0]}
+    out = {
+        "name": name,
+        "model": str(args.model),
+        "settings": settings,
+        "fraction": fraction,
+        "cut": kind,
+        "order": order,
+        "counts": [counts[p] for p in prefixes],
+        "before": float(before.mean()),
+        "after": float(after.mean()),
+        "before_windows": before.tolist(),
+        "after_windows": after.tolist(),
+        "train_loss": [(h["step"], h["loss"]) for h in result["history"] if "loss" in h],
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "load_average": os.getloadavg()[0],
+    }
     args.results.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out
@@ -352,12 +500,16 @@ def _distill_run(name, model, orders, plans, prefixes, n_experts, train, validat
 
 def _format_distilled(runs: list[dict], base: float) -> str:
     by = {r["name"]: r for r in runs}
-    lines = [f"\nafter {runs[0]['settings']['steps']} distillation steps (loss increase over the unpruned "
-             f"{base:.4f}; recovered = share of the cut's increase removed):",
-             f"{'run':<24} {'counts':<16} {'before':>8} {'after':>8} {'recovered':>9} {'CPU s':>6}"]
+    lines = [
+        f"\nafter {runs[0]['settings']['steps']} distillation steps (loss increase over the unpruned "
+        f"{base:.4f}; recovered = share of the cut's increase removed):",
+        f"{'run':<24} {'counts':<16} {'before':>8} {'after':>8} {'recovered':>9} {'CPU s':>6}",
+    ]
     for r in runs:
-        lines.append(f"{r['name']:<24} {str(r['counts']):<16} {r['before'] - base:+8.4f} {r['after'] - base:+8.4f} "
-                     f"{(r['before'] - r['after']) / (r['before'] - base):9.1%} {r['cpu_s']:6.0f}")
+        lines.append(
+            f"{r['name']:<24} {str(r['counts']):<16} {r['before'] - base:+8.4f} {r['after'] - base:+8.4f} "
+            f"{(r['before'] - r['after']) / (r['before'] - base):9.1%} {r['cpu_s']:6.0f}"
+        )
     for f in ("50", "25"):
         reap = by.get(f"{f}-uniform-reap")
         for other in (f"{f}-uniform-frequency", f"{f}-uniform-random0", f"{f}-plan-reap"):

@@ -38,8 +38,12 @@ from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="byte-level Qwen3.5 model folder (default: bundled)")
-    p.add_argument("--strides", default="1,8,16,32,64,128", help="loss-token strides (default 1,8,16,32,64,128)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="byte-level Qwen3.5 model folder (default: bundled)"
+    )
+    p.add_argument(
+        "--strides", default="1,8,16,32,64,128", help="loss-token strides (default 1,8,16,32,64,128)"
+    )
     p.add_argument("--random-orders", type=int, default=20, help="random orders (default 20, seed 0)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
@@ -65,11 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     energy = score_model(model, batches, progress=False, lane_measure="energy_gram")
     rows.append(("energy Gram", 0, ev.loss(scores_to_permutations(energy), target) - ev.base))
     gen = torch.Generator().manual_seed(0)
-    randoms = [ev.loss({p: GDNPermutation.random(ev.shape, generator=gen) for p in ev.layers}, target) - ev.base
-               for _ in range(args.random_orders)]
-    print(f"model {args.model or 'bundled'}: unpruned validation loss {ev.base:.4f} nats/byte; lanes cut to "
-          f"{target.value_heads_per_group}/{ev.shape.value_heads_per_group} per group; "
-          f"random orders {statistics.mean(randoms):.3f} ± {statistics.stdev(randoms):.3f} (best {min(randoms):.3f})")
+    randoms = [
+        ev.loss({p: GDNPermutation.random(ev.shape, generator=gen) for p in ev.layers}, target) - ev.base
+        for _ in range(args.random_orders)
+    ]
+    print(
+        f"model {args.model or 'bundled'}: unpruned validation loss {ev.base:.4f} nats/byte; lanes cut to "
+        f"{target.value_heads_per_group}/{ev.shape.value_heads_per_group} per group; "
+        f"random orders {statistics.mean(randoms):.3f} ± {statistics.stdev(randoms):.3f} (best {min(randoms):.3f})"
+    )
     print()
     print("| lane order | measured tokens | loss increase | random orders beaten |")
     print("|---|---:|---:|---:|")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,10 @@ def layer_types(config: Mapping[str, Any]) -> list[str]:
     if c.get("layer_types"):
         return list(c["layer_types"])
     interval = c.get("full_attention_interval", 4)
-    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(c["num_hidden_layers"])]
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(c["num_hidden_layers"])
+    ]
 
 
 def _sparse(config: Mapping[str, Any], i: int) -> bool:
@@ -67,8 +71,12 @@ def param_counts(config: Mapping[str, Any]) -> dict[str, float]:
     h, vocab = c["hidden_size"], c["vocab_size"]
     nq, nkv = c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or h // nq
-    hk, hv, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
-                      c["linear_value_head_dim"])
+    hk, hv, dk, dv = (
+        c["linear_num_key_heads"],
+        c["linear_num_value_heads"],
+        c["linear_key_head_dim"],
+        c["linear_value_head_dim"],
+    )
     kernel = c.get("linear_conv_kernel_dim", 4)
     key, value = hk * dk, hv * dv
     gdn = h * (2 * key + 2 * value) + 2 * h * hv + (2 * key + value) * kernel + value * h + 2 * hv + dv
@@ -79,7 +87,9 @@ def param_counts(config: Mapping[str, Any]) -> dict[str, float]:
     counts = dict.fromkeys(KINDS, 0.0)
     routed_active = 0.0
     for i, kind in enumerate(layer_types(config)):
-        counts["gdn" if kind == "linear_attention" else "attention"] += gdn if kind == "linear_attention" else attention
+        counts["gdn" if kind == "linear_attention" else "attention"] += (
+            gdn if kind == "linear_attention" else attention
+        )
         counts["other"] += 2 * h
         if _sparse(config, i):
             experts, k = c["num_experts"], c["num_experts_per_tok"]
@@ -129,30 +139,89 @@ def param_counts(config: Mapping[str, Any]) -> dict[str, float]:
 # Not found with all values from consistent sources: the small dense Qwen3.5 releases (0.8B, 2B, 4B, 9B):
 # slime gives 0.8B's widths but not its linear heads, and the 4B's quoted configs disagree (16 vs 20 query
 # heads, linear key head dim 128 vs 192), so they are left out rather than guessed.
-_QWEN35 = dict(vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
-               linear_conv_kernel_dim=4, linear_num_key_heads=16, full_attention_interval=4,
-               tie_word_embeddings=False)
+_QWEN35 = dict(
+    vocab_size=248320,
+    head_dim=256,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=16,
+    full_attention_interval=4,
+    tie_word_embeddings=False,
+)
 PUBLIC = {
-    "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
-                               num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                               linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-                               num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
-                               shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
-                               tie_word_embeddings=False),
-    "Qwen3.5-27B": dict(model_type="qwen3_5_text", **_QWEN35, hidden_size=5120, intermediate_size=17408,
-                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
-    "Qwen3.5-35B-A3B": dict(model_type="qwen3_5_moe_text", **_QWEN35, hidden_size=2048, num_hidden_layers=40,
-                            num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32, num_experts=256,
-                            num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512),
-    "Qwen3.5-122B-A10B": dict(model_type="qwen3_5_moe_text", **_QWEN35, hidden_size=3072, num_hidden_layers=48,
-                              num_attention_heads=32, num_key_value_heads=2, linear_num_value_heads=64,
-                              num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
-                              shared_expert_intermediate_size=1024),
-    "Qwen3.5-397B-A17B": dict(model_type="qwen3_5_moe_text", **_QWEN35, hidden_size=4096, num_hidden_layers=60,
-                              num_attention_heads=32, num_key_value_heads=2, linear_num_value_heads=64,
-                              num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
-                              shared_expert_intermediate_size=1024),
+    "Qwen3-Next-80B-A3B": dict(
+        model_type="qwen3_next",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    ),
+    "Qwen3.5-27B": dict(
+        model_type="qwen3_5_text",
+        **_QWEN35,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_value_heads=48,
+    ),
+    "Qwen3.5-35B-A3B": dict(
+        model_type="qwen3_5_moe_text",
+        **_QWEN35,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    ),
+    "Qwen3.5-122B-A10B": dict(
+        model_type="qwen3_5_moe_text",
+        **_QWEN35,
+        hidden_size=3072,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        linear_num_value_heads=64,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+    ),
+    "Qwen3.5-397B-A17B": dict(
+        model_type="qwen3_5_moe_text",
+        **_QWEN35,
+        hidden_size=4096,
+        num_hidden_layers=60,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        linear_num_value_heads=64,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+    ),
 }
 
 
@@ -164,10 +233,20 @@ def benchmark_configs() -> dict[str, dict]:
 
     demo = json.loads((ROOT / "src" / "gdnprune" / "data" / "demo_model" / "config.json").read_text())
     deep = model_config(257, 256, layer_types="GGGAGGGA", key_heads=2, value_heads=8).to_dict()
-    moe = model_config(257, 256, family="qwen3_5_moe", layer_types="GGGA", num_experts=16, experts_per_token=2,
-                       expert_size=64).to_dict()
-    return {"demo model (bundled)": demo, "deeper benchmark model (GGGAGGGA)": deep,
-            "MoE benchmark model (16 experts, 2 per token)": moe}
+    moe = model_config(
+        257,
+        256,
+        family="qwen3_5_moe",
+        layer_types="GGGA",
+        num_experts=16,
+        experts_per_token=2,
+        expert_size=64,
+    ).to_dict()
+    return {
+        "demo model (bundled)": demo,
+        "deeper benchmark model (GGGAGGGA)": deep,
+        "MoE benchmark model (16 experts, 2 per token)": moe,
+    }
 
 
 def _size(n: float) -> str:
@@ -176,15 +255,19 @@ def _size(n: float) -> str:
 
 def table(configs: Mapping[str, Mapping]) -> str:
     """A markdown table: parameters (all, active per token) and the share of each kind in all of them."""
-    head = ("| model | params | active | GDN | attention | dense MLP | shared experts | routed experts | "
-            "routed, active | embeddings | LM head | other |")
+    head = (
+        "| model | params | active | GDN | attention | dense MLP | shared experts | routed experts | "
+        "routed, active | embeddings | LM head | other |"
+    )
     lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for name, config in configs.items():
         c = param_counts(config)
         share = lambda k: f"{c[k] / c['total']:.1%}" if c[k] else "–"  # noqa: E731
-        lines.append(f"| {name} | {_size(c['total'])} | {_size(c['active'])} | {share('gdn')} | {share('attention')} "
-                     f"| {share('dense_mlp')} | {share('shared_expert')} | {share('routed_experts')} | "
-                     f"{share('routed_active')} | {share('embeddings')} | {share('lm_head')} | {share('other')} |")
+        lines.append(
+            f"| {name} | {_size(c['total'])} | {_size(c['active'])} | {share('gdn')} | {share('attention')} "
+            f"| {share('dense_mlp')} | {share('shared_expert')} | {share('routed_experts')} | "
+            f"{share('routed_active')} | {share('embeddings')} | {share('lm_head')} | {share('other')} |"
+        )
     return "\n".join(lines)
 
 
@@ -197,17 +280,21 @@ def active_table(configs: Mapping[str, Mapping]) -> str:
         if not c["routed_experts"]:
             continue
         share = lambda v: f"{v / c['active']:.1%}"  # noqa: E731
-        lines.append(f"| {name} | {_size(c['active'])} | {share(c['gdn'])} | {share(c['attention'])} | "
-                     f"{share(c['shared_expert'])} | {share(c['routed_active'])} | "
-                     f"{share(c['embeddings'] + c['lm_head'])} | {share(c['other'])} |")
+        lines.append(
+            f"| {name} | {_size(c['active'])} | {share(c['gdn'])} | {share(c['attention'])} | "
+            f"{share(c['shared_expert'])} | {share(c['routed_active'])} | "
+            f"{share(c['embeddings'] + c['lm_head'])} | {share(c['other'])} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     configs = {**benchmark_configs(), **PUBLIC}
     print(table(configs))
-    print("\nShares of all parameters; 'routed, active': the routed experts a token uses (num_experts_per_tok / "
-          "num_experts of them); 'other': norms and MoE routers. Text model only (no vision tower, no mtp.* layer).")
+    print(
+        "\nShares of all parameters; 'routed, active': the routed experts a token uses (num_experts_per_tok / "
+        "num_experts of them); 'other': norms and MoE routers. Text model only (no vision tower, no mtp.* layer)."
+    )
     print("\nShares of the parameters a token uses (MoE models):\n")
     print(active_table(configs))
     return 0

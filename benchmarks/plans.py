@@ -60,8 +60,8 @@ from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan import STATE_BYTES, BudgetError, choose, choose_uniform, layer_candidates  # noqa: E402
 from gdnprune.plan.halving import halving_sensitivity  # noqa: E402
 from gdnprune.plan.joint import refine_plan  # noqa: E402
-from gdnprune.plan.solve import choose_among  # noqa: E402
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity  # noqa: E402
+from gdnprune.plan.solve import choose_among  # noqa: E402
 from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 
 BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
@@ -82,10 +82,15 @@ def window_losses(model, windows: torch.Tensor, batch: int = 16) -> np.ndarray:
     out = []
     with torch.no_grad():
         for start in range(0, windows.shape[0], batch):
-            x = windows[start:start + batch]
+            x = windows[start : start + batch]
             logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                                   reduction="none").reshape(x.shape[0], -1).mean(1)
+            ce = (
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
+                )
+                .reshape(x.shape[0], -1)
+                .mean(1)
+            )
             out.append(ce)
     return torch.cat(out).numpy()
 
@@ -120,10 +125,22 @@ def run_model(name: str, model, corpus: str, args) -> dict:
     for prefix, module in modules:
         shape = GDNShape.from_module(module)
         tensors = {n: tuple(p.shape) for n, p in module.named_parameters()}
-        cands = layer_candidates(prefix, shape, tensors, detect_layout(tensors).name, module.conv_kernel_size,
-                                 dim_step=args.dim_step)
-        layers.append(LayerToPlan(prefix, module, orders_from_payload(scores["layers"][prefix], shape),
-                                  [c.target for c in cands]))
+        cands = layer_candidates(
+            prefix,
+            shape,
+            tensors,
+            detect_layout(tensors).name,
+            module.conv_kernel_size,
+            dim_step=args.dim_step,
+        )
+        layers.append(
+            LayerToPlan(
+                prefix,
+                module,
+                orders_from_payload(scores["layers"][prefix], shape),
+                [c.target for c in cands],
+            )
+        )
         table.append(cands)
     key = f"{name}|{args.dim_step}|{args.calibration_windows}|{args.sensitivity_windows}"
     stored = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
@@ -135,11 +152,17 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         measured = measured_sensitivity(model, sens_windows, layers, progress=not args.quiet)
         measured_seconds = time.perf_counter() - t0
         if args.cache:
-            stored[key] = {**measured, "benchmark_seconds": measured_seconds, "load_average": os.getloadavg()[0]}
+            stored[key] = {
+                **measured,
+                "benchmark_seconds": measured_seconds,
+                "load_average": os.getloadavg()[0],
+            }
             args.cache.parent.mkdir(parents=True, exist_ok=True)
             args.cache.write_text(json.dumps(stored))
     t0 = time.perf_counter()
-    proxy = [proxy_sensitivity(scores["layers"][layer.prefix], layer.shape, layer.candidates) for layer in layers]
+    proxy = [
+        proxy_sensitivity(scores["layers"][layer.prefix], layer.shape, layer.candidates) for layer in layers
+    ]
     proxy_seconds = time.perf_counter() - t0
     kl = [measured["kl"][layer.prefix] for layer in layers]
     rho = [spearman(p[1:], k[1:]) for p, k in zip(proxy, kl)]
@@ -147,8 +170,10 @@ def run_model(name: str, model, corpus: str, args) -> dict:
     with torch.no_grad():
         teacher = [model(input_ids=x).logits.float().log_softmax(-1) for x in sens_windows]
 
-    costs = {"params": [[c.params for c in cands] for cands in table],
-             "state": [[c.state * STATE_BYTES for c in cands] for cands in table]}
+    costs = {
+        "params": [[c.params for c in cands] for cands in table],
+        "state": [[c.state * STATE_BYTES for c in cands] for cands in table],
+    }
     totals = {k: sum(v[0] for v in costs[k]) for k in costs}
     keys = [[c.target for c in cands] for cands in table]
     cache: dict = {}
@@ -158,10 +183,13 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         key = tuple(sorted((k, v) for k, v in targets.items()))
         if key not in cache:
             small = slice_model(model, targets, permutations)
-            cache[key] = {"losses": window_losses(small, validation), "joint_kl": joint_kl(small, teacher, sens_windows),
-                          "targets": {k: v.as_dict() for k, v in targets.items()},
-                          "params": sum(costs["params"][i][p] for i, p in enumerate(picks)) / totals["params"],
-                          "state": sum(costs["state"][i][p] for i, p in enumerate(picks)) / totals["state"]}
+            cache[key] = {
+                "losses": window_losses(small, validation),
+                "joint_kl": joint_kl(small, teacher, sens_windows),
+                "targets": {k: v.as_dict() for k, v in targets.items()},
+                "params": sum(costs["params"][i][p] for i, p in enumerate(picks)) / totals["params"],
+                "state": sum(costs["state"][i][p] for i, p in enumerate(picks)) / totals["state"],
+            }
         return cache[key]
 
     rows = []
@@ -193,68 +221,108 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         t0 = time.perf_counter()
         halved = halving_sensitivity(model, sens_windows, layers, costs, budgets, progress=False)
         cheap_seconds = time.perf_counter() - t0
-        cheap_picks = choose_among([halved["kl"][layer.prefix] for layer in layers], costs, budgets,
-                                   [halved["survivors"][layer.prefix] for layer in layers])
+        cheap_picks = choose_among(
+            [halved["kl"][layer.prefix] for layer in layers],
+            costs,
+            budgets,
+            [halved["survivors"][layer.prefix] for layer in layers],
+        )
         cheap = evaluate(cheap_picks)
-        refined_result = refine_plan(model, sens_windows, layers, costs, budgets, cheap_picks,
-                                     generations=args.refine_generations, offspring=args.refine_offspring, seed=0,
-                                     progress=False)
+        refined_result = refine_plan(
+            model,
+            sens_windows,
+            layers,
+            costs,
+            budgets,
+            cheap_picks,
+            generations=args.refine_generations,
+            offspring=args.refine_offspring,
+            seed=0,
+            progress=False,
+        )
         refined = evaluate(refined_result["picks"])
 
         def paired(a, b):  # a - b over the held-out windows: mean and standard error
             d = a["losses"] - b["losses"]
             return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
 
-        row.update({
-            "cheap_loss": float(cheap["losses"].mean()), "cheap_minus_searched": paired(cheap, searched),
-            "cheap_same_plan": cheap_picks == picks, "cheap_predicted_kl": float(sum(k[p] for k, p in zip(
-                [halved["kl"][layer.prefix] for layer in layers], cheap_picks))),
-            "cheap_joint_kl": cheap["joint_kl"], "cheap_forwards": halved["forwards"], "cheap_seconds": cheap_seconds,
-            "cheap_targets": cheap["targets"], "cheap_rungs": halved["rungs"],
-            "refined_loss": float(refined["losses"].mean()), "refined_minus_searched": paired(refined, searched),
-            "refined_minus_cheap": paired(refined, cheap), "refined_joint_kl": refined["joint_kl"],
-            "refined_fitness": refined_result["kl"], "refined_seed_fitness": refined_result["seed_kl"],
-            "refined_seconds": refined_result["seconds"], "refined_window_forwards": refined_result["evaluations"],
-            "refined_history": [h["kl"] for h in refined_result["history"]],
-            "refined_accepted": sum(h["accepted"] for h in refined_result["history"]),
-            "refined_targets": refined["targets"], "best_uniform_joint_kl": best_uniform["joint_kl"],
-        })
-        row.update({
-            "searched_loss": float(searched["losses"].mean()),
-            "searched_kept": {"params": searched["params"], "state": searched["state"]},
-            "searched_targets": searched["targets"],
-            "best_uniform_loss": float(best_uniform["losses"].mean()),
-            "best_uniform_target": next(iter(best_uniform["targets"].values())),
-            "uniform_evaluated": n_uniform,
-            "uniform_by_sensitivity_loss": float(measured_uniform["losses"].mean()),
-            "proxy_plan_loss": float(proxy_plan["losses"].mean()),
-            "paired_gain": float(diff.mean()),
-            "paired_se": float(diff.std(ddof=1) / math.sqrt(len(diff))),
-            "predicted_kl": predicted,
-            "measured_joint_kl": searched["joint_kl"],
-        })
+        row.update(
+            {
+                "cheap_loss": float(cheap["losses"].mean()),
+                "cheap_minus_searched": paired(cheap, searched),
+                "cheap_same_plan": cheap_picks == picks,
+                "cheap_predicted_kl": float(
+                    sum(k[p] for k, p in zip([halved["kl"][layer.prefix] for layer in layers], cheap_picks))
+                ),
+                "cheap_joint_kl": cheap["joint_kl"],
+                "cheap_forwards": halved["forwards"],
+                "cheap_seconds": cheap_seconds,
+                "cheap_targets": cheap["targets"],
+                "cheap_rungs": halved["rungs"],
+                "refined_loss": float(refined["losses"].mean()),
+                "refined_minus_searched": paired(refined, searched),
+                "refined_minus_cheap": paired(refined, cheap),
+                "refined_joint_kl": refined["joint_kl"],
+                "refined_fitness": refined_result["kl"],
+                "refined_seed_fitness": refined_result["seed_kl"],
+                "refined_seconds": refined_result["seconds"],
+                "refined_window_forwards": refined_result["evaluations"],
+                "refined_history": [h["kl"] for h in refined_result["history"]],
+                "refined_accepted": sum(h["accepted"] for h in refined_result["history"]),
+                "refined_targets": refined["targets"],
+                "best_uniform_joint_kl": best_uniform["joint_kl"],
+            }
+        )
+        row.update(
+            {
+                "searched_loss": float(searched["losses"].mean()),
+                "searched_kept": {"params": searched["params"], "state": searched["state"]},
+                "searched_targets": searched["targets"],
+                "best_uniform_loss": float(best_uniform["losses"].mean()),
+                "best_uniform_target": next(iter(best_uniform["targets"].values())),
+                "uniform_evaluated": n_uniform,
+                "uniform_by_sensitivity_loss": float(measured_uniform["losses"].mean()),
+                "proxy_plan_loss": float(proxy_plan["losses"].mean()),
+                "paired_gain": float(diff.mean()),
+                "paired_se": float(diff.std(ddof=1) / math.sqrt(len(diff))),
+                "predicted_kl": predicted,
+                "measured_joint_kl": searched["joint_kl"],
+            }
+        )
         rows.append(row)
     return {
-        "model": name, "corpus": corpus, "layers": len(layers), "shape": layers[0].shape.as_dict(),
-        "candidates_per_layer": [len(c) for c in table], "base_loss": float(base.mean()),
+        "model": name,
+        "corpus": corpus,
+        "layers": len(layers),
+        "shape": layers[0].shape.as_dict(),
+        "candidates_per_layer": [len(c) for c in table],
+        "base_loss": float(base.mean()),
         "seconds": {"score": score_seconds, "measured_sensitivity": measured_seconds, "proxy": proxy_seconds},
-        "forwards": measured["forwards"], "tokens": measured["tokens"],
-        "proxy_spearman": {"per_layer": rho, "pooled": pooled}, "rows": rows,
+        "forwards": measured["forwards"],
+        "tokens": measured["tokens"],
+        "proxy_spearman": {"per_layer": rho, "pooled": pooled},
+        "rows": rows,
     }
 
 
 def print_model(result: dict) -> None:
     s = result["shape"]
-    print(f"\n{result['model']}: {result['layers']} GDN layers, Hk {s['num_key_heads']} Hv {s['num_value_heads']} "
-          f"dk {s['key_head_dim']} dv {s['value_head_dim']}, corpus {result['corpus']}, "
-          f"{result['candidates_per_layer'][0]} candidates/layer; unpruned validation loss {result['base_loss']:.4f}")
+    print(
+        f"\n{result['model']}: {result['layers']} GDN layers, Hk {s['num_key_heads']} Hv {s['num_value_heads']} "
+        f"dk {s['key_head_dim']} dv {s['value_head_dim']}, corpus {result['corpus']}, "
+        f"{result['candidates_per_layer'][0]} candidates/layer; unpruned validation loss {result['base_loss']:.4f}"
+    )
     sec = result["seconds"]
-    print(f"cost: scoring {sec['score']:.1f} s; measured sensitivity {sec['measured_sensitivity']:.1f} s "
-          f"({result['forwards']} partial forwards on {result['tokens']} tokens); proxy {sec['proxy']:.3f} s; "
-          f"proxy vs measured Spearman rho: pooled {result['proxy_spearman']['pooled']:.2f}, per layer "
-          + ", ".join(f"{r:.2f}" for r in result["proxy_spearman"]["per_layer"]))
-    header = (f"{'budget':<12} {'searched':>9} {'best unif':>9} {'gain':>8} {'± se':>7} {'unif(pred)':>10} "
-              f"{'proxy plan':>10} {'pred KL':>8} {'joint KL':>8}  best uniform target")
+    print(
+        f"cost: scoring {sec['score']:.1f} s; measured sensitivity {sec['measured_sensitivity']:.1f} s "
+        f"({result['forwards']} partial forwards on {result['tokens']} tokens); proxy {sec['proxy']:.3f} s; "
+        f"proxy vs measured Spearman rho: pooled {result['proxy_spearman']['pooled']:.2f}, per layer "
+        + ", ".join(f"{r:.2f}" for r in result["proxy_spearman"]["per_layer"])
+    )
+    header = (
+        f"{'budget':<12} {'searched':>9} {'best unif':>9} {'gain':>8} {'± se':>7} {'unif(pred)':>10} "
+        f"{'proxy plan':>10} {'pred KL':>8} {'joint KL':>8}  best uniform target"
+    )
     print(header)
     print("-" * len(header))
     for row in result["rows"]:
@@ -262,28 +330,36 @@ def print_model(result: dict) -> None:
             print(f"{row['budget']:<12} {row['error']}")
             continue
         t = row["best_uniform_target"]
-        print(f"{row['budget']:<12} {row['searched_loss']:9.4f} {row['best_uniform_loss']:9.4f} "
-              f"{row['paired_gain']:8.4f} {row['paired_se']:7.4f} {row['uniform_by_sensitivity_loss']:10.4f} "
-              f"{row['proxy_plan_loss']:10.4f} {row['predicted_kl']:8.4f} {row['measured_joint_kl']:8.4f}  "
-              f"{t['num_key_heads']}/{t['num_value_heads']}/{t['key_head_dim']}/{t['value_head_dim']} "
-              f"(of {row['uniform_evaluated']})")
+        print(
+            f"{row['budget']:<12} {row['searched_loss']:9.4f} {row['best_uniform_loss']:9.4f} "
+            f"{row['paired_gain']:8.4f} {row['paired_se']:7.4f} {row['uniform_by_sensitivity_loss']:10.4f} "
+            f"{row['proxy_plan_loss']:10.4f} {row['predicted_kl']:8.4f} {row['measured_joint_kl']:8.4f}  "
+            f"{t['num_key_heads']}/{t['num_value_heads']}/{t['key_head_dim']}/{t['value_head_dim']} "
+            f"(of {row['uniform_evaluated']})"
+        )
     score = sec["score"]
-    print(f"\ncheap = successive halving (the default), refined = cheap + the joint refinement; "
-          f"searched (measured) sensitivity: {sec['measured_sensitivity']:.0f} s = "
-          f"{sec['measured_sensitivity'] / score:.0f}x scoring")
-    header = (f"{'budget':<12} {'cheap':>7} {'-searched':>15} {'fwd':>5} {'s':>5} {'xscore':>6} {'refined':>7} "
-              f"{'-searched':>15} {'s':>5} {'wfwd':>5} {'jKL srch':>8} {'unif':>6} {'cheap':>6} {'refined':>7}")
+    print(
+        f"\ncheap = successive halving (the default), refined = cheap + the joint refinement; "
+        f"searched (measured) sensitivity: {sec['measured_sensitivity']:.0f} s = "
+        f"{sec['measured_sensitivity'] / score:.0f}x scoring"
+    )
+    header = (
+        f"{'budget':<12} {'cheap':>7} {'-searched':>15} {'fwd':>5} {'s':>5} {'xscore':>6} {'refined':>7} "
+        f"{'-searched':>15} {'s':>5} {'wfwd':>5} {'jKL srch':>8} {'unif':>6} {'cheap':>6} {'refined':>7}"
+    )
     print(header)
     print("-" * len(header))
     for row in result["rows"]:
         if "error" in row:
             continue
         c, r = row["cheap_minus_searched"], row["refined_minus_searched"]
-        print(f"{row['budget']:<12} {row['cheap_loss']:7.4f} {c[0]:+8.4f}±{c[1]:.4f} {row['cheap_forwards']:5d} "
-              f"{row['cheap_seconds']:5.0f} {row['cheap_seconds'] / score:6.1f} {row['refined_loss']:7.4f} "
-              f"{r[0]:+8.4f}±{r[1]:.4f} {row['refined_seconds']:5.0f} {row['refined_window_forwards']:5d} "
-              f"{row['measured_joint_kl']:8.4f} {row['best_uniform_joint_kl']:6.3f} {row['cheap_joint_kl']:6.3f} "
-              f"{row['refined_joint_kl']:7.4f}")
+        print(
+            f"{row['budget']:<12} {row['cheap_loss']:7.4f} {c[0]:+8.4f}±{c[1]:.4f} {row['cheap_forwards']:5d} "
+            f"{row['cheap_seconds']:5.0f} {row['cheap_seconds'] / score:6.1f} {row['refined_loss']:7.4f} "
+            f"{r[0]:+8.4f}±{r[1]:.4f} {row['refined_seconds']:5.0f} {row['refined_window_forwards']:5d} "
+            f"{row['measured_joint_kl']:8.4f} {row['best_uniform_joint_kl']:6.3f} {row['cheap_joint_kl']:6.3f} "
+            f"{row['refined_joint_kl']:7.4f}"
+        )
 
 
 def main() -> int:
@@ -297,9 +373,14 @@ def main() -> int:
     p.add_argument("--refine-generations", type=int, default=30, help="generations of the refinement (30)")
     p.add_argument("--refine-offspring", type=int, default=8, help="offspring per generation (8)")
     p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivity here")
-    p.add_argument("--budgets", type=parse_budgets, default=BUDGETS,
-                   help="the budgets to run, e.g. params:0.25,state:0.5 (default: "
-                        + ",".join(f"{k}:{v}" for k, v in BUDGETS) + "; to spread them over processes)")
+    p.add_argument(
+        "--budgets",
+        type=parse_budgets,
+        default=BUDGETS,
+        help="the budgets to run, e.g. params:0.25,state:0.5 (default: "
+        + ",".join(f"{k}:{v}" for k, v in BUDGETS)
+        + "; to spread them over processes)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quiet", action="store_true")

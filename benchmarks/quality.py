@@ -57,8 +57,12 @@ from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 
 AXES = ("key_groups", "value_lanes", "key_dim", "value_dim")
 AXIS_FIELD = {"key_groups": "num_key_heads", "key_dim": "key_head_dim", "value_dim": "value_head_dim"}
-AXIS_LABEL = {"key_groups": "key groups", "value_lanes": "value heads per group", "key_dim": "key head dim",
-              "value_dim": "value head dim"}
+AXIS_LABEL = {
+    "key_groups": "key groups",
+    "value_lanes": "value heads per group",
+    "key_dim": "key head dim",
+    "value_dim": "value head dim",
+}
 # name -> score_model keyword arguments
 METHODS = {
     "projection": dict(method="projection"),
@@ -105,14 +109,19 @@ class Evaluator:
         model = self._model_for(target)
         model.load_state_dict(sd, strict=True)
         self.evals += 1
-        return demo_data.validation_loss(model, seq_len=self.seq_len, num_windows=self.windows, text=self.text)
+        return demo_data.validation_loss(
+            model, seq_len=self.seq_len, num_windows=self.windows, text=self.text
+        )
 
     def loss(self, perms: dict[str, GDNPermutation] | None, target: GDNShape) -> float:
         """Loss after permuting every layer by ``perms`` (None = identity) and slicing to ``target``."""
         sd = dict(self.base_sd)
         for prefix in self.layers:
             slice_gated_delta_net_state_dict(
-                sd, prefix=prefix, shape=self.shape, target=target,
+                sd,
+                prefix=prefix,
+                shape=self.shape,
+                target=target,
                 permutation=None if perms is None else perms[prefix],
             )
         return self.loss_of_state_dict(sd, target)
@@ -158,7 +167,8 @@ def per_layer_key_groups(ev: Evaluator, keep: int) -> dict:
         best = min(
             itertools.combinations(range(Hk), keep),
             key=lambda kept: ev.loss_without_heads(
-                prefix, [g * r + j for g in range(Hk) if g not in kept for j in range(r)]),
+                prefix, [g * r + j for g in range(Hk) if g not in kept for j in range(r)]
+            ),
         )
         perms[prefix] = _replace(perms[prefix], key_groups=_order(best, Hk))
     return perms
@@ -170,8 +180,12 @@ def per_layer_lanes(ev: Evaluator, keep: int) -> dict:
     choices = list(itertools.product(itertools.combinations(range(r), keep), repeat=Hk))
     perms = identity_perms(ev)
     for prefix in ev.layers:
-        best = min(choices, key=lambda ch: ev.loss_without_heads(
-            prefix, [g * r + j for g, kept in enumerate(ch) for j in range(r) if j not in kept]))
+        best = min(
+            choices,
+            key=lambda ch: ev.loss_without_heads(
+                prefix, [g * r + j for g, kept in enumerate(ch) for j in range(r) if j not in kept]
+            ),
+        )
         perms[prefix] = _replace(perms[prefix], value_lanes=[_order(kept, r) for kept in best])
     return perms
 
@@ -264,26 +278,50 @@ def targets(shape: GDNShape, combined: GDNShape) -> list[tuple[str, str, GDNShap
             else:
                 t = shape.replace(**{AXIS_FIELD[axis]: keep})
             out.append((axis, f"{AXIS_LABEL[axis]} {keep}/{full} ({frac:.0%})", t))
-    out.append(("combined", f"combined Hk {combined.num_key_heads}, r {combined.value_heads_per_group}, "
-                f"dk {combined.key_head_dim}, dv {combined.value_head_dim}", combined))
+    out.append(
+        (
+            "combined",
+            f"combined Hk {combined.num_key_heads}, r {combined.value_heads_per_group}, "
+            f"dk {combined.key_head_dim}, dv {combined.value_head_dim}",
+            combined,
+        )
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)")
-    p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
+    p.add_argument(
+        "--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)"
+    )
+    p.add_argument(
+        "--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)"
+    )
     p.add_argument("--val-windows", type=int, default=48, help="validation windows (default 48)")
-    p.add_argument("--search-windows", type=int, default=16, help="training-text windows for the optimum searches (default 16)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per validation / search window (default 256)")
+    p.add_argument(
+        "--search-windows",
+        type=int,
+        default=16,
+        help="training-text windows for the optimum searches (default 16)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=256, help="tokens per validation / search window (default 256)"
+    )
     p.add_argument("--random-orders", type=int, default=20, help="random orders per target (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")
     p.add_argument("--combined", default="3,2,24,24", help="combined target Hk,r,dk,dv (default 3,2,24,24)")
     p.add_argument("--no-optimum", action="store_true", help="skip the reference optimum searches")
-    p.add_argument("--no-variants", action="store_true", help="skip the projection variants and the experiment")
+    p.add_argument(
+        "--no-variants", action="store_true", help="skip the projection variants and the experiment"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", type=Path, default=None, help="also write all numbers to this JSON file")
-    p.add_argument("--model", type=Path, default=None, help="byte-level Qwen3.5 model folder (default: the bundled model)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="byte-level Qwen3.5 model folder (default: the bundled model)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -295,13 +333,20 @@ def main(argv: list[str] | None = None) -> int:
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     cache: dict = {}
-    ev = Evaluator(model, text=demo_data.validation_text(), windows=args.val_windows, seq_len=args.seq_len, cache=cache)
-    sev = Evaluator(model, text=demo_data.train_text(), windows=args.search_windows, seq_len=args.seq_len, cache=cache)
+    ev = Evaluator(
+        model, text=demo_data.validation_text(), windows=args.val_windows, seq_len=args.seq_len, cache=cache
+    )
+    sev = Evaluator(
+        model, text=demo_data.train_text(), windows=args.search_windows, seq_len=args.seq_len, cache=cache
+    )
     Hk, r, dk, dv = (int(x) for x in args.combined.split(","))
     combined = GDNShape(Hk, Hk * r, dk, dv)
-    print(f"model {args.model or 'bundled'} {ev.shape}, {len(ev.layers)} GDN layers; validation loss {ev.base:.4f} "
-          f"nats/byte ({args.val_windows} windows x {args.seq_len}); calibration {args.calib_samples} x "
-          f"{args.calib_seq_len} training bytes; {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"model {args.model or 'bundled'} {ev.shape}, {len(ev.layers)} GDN layers; validation loss {ev.base:.4f} "
+        f"nats/byte ({args.val_windows} windows x {args.seq_len}); calibration {args.calib_samples} x "
+        f"{args.calib_seq_len} training bytes; {torch.get_num_threads()} threads",
+        flush=True,
+    )
 
     calib = demo_data.byte_windows(demo_data.train_text(), args.calib_seq_len, args.calib_samples)
     batches = [calib[i : i + 4] for i in range(0, calib.shape[0], 4)]
@@ -312,14 +357,21 @@ def main(argv: list[str] | None = None) -> int:
     orders["identity"] = identity_perms(ev)
     orders["reversed projection"] = reversed_perms(orders["projection"])
     gen = torch.Generator().manual_seed(args.seed)
-    randoms = [{p: GDNPermutation.random(ev.shape, generator=gen) for p in ev.layers} for _ in range(args.random_orders)]
+    randoms = [
+        {p: GDNPermutation.random(ev.shape, generator=gen) for p in ev.layers}
+        for _ in range(args.random_orders)
+    ]
     loo = {}
     if not args.no_optimum:
         loo = {"key_dim": leave_one_out_key_dims(sev), "value_dim": leave_one_out_value_dims(sev)}
         print(f"leave-one-out rankings done ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    results = {"base_loss": ev.base, "shape": ev.shape.as_dict(), "args": {k: str(v) for k, v in vars(args).items()},
-               "targets": []}
+    results = {
+        "base_loss": ev.base,
+        "shape": ev.shape.as_dict(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "targets": [],
+    }
     for axis, label, target in targets(ev.shape, combined):
         row = {"axis": axis, "label": label, "target": target.as_dict(), "methods": {}}
         for name, perms in orders.items():
@@ -340,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 row["optimum"] = ev.loss(loo[axis], target) - ev.base
         results["targets"].append(row)
-        print(f"  {label}: done ({ev.evals + sev.evals} evaluations, {time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"  {label}: done ({ev.evals + sev.evals} evaluations, {time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
 
     print()
     print(report(results))
@@ -375,7 +430,9 @@ def report(results) -> str:
     lines = []
     names = list(results["targets"][0]["methods"])
     header = ["target", *names, "random mean ± std (best)", "per-layer optimum", "joint optimum"]
-    lines.append(f"Validation loss increase over the unpruned model ({results['base_loss']:.4f} nats/byte); lower is better:")
+    lines.append(
+        f"Validation loss increase over the unpruned model ({results['base_loss']:.4f} nats/byte); lower is better:"
+    )
     lines.append("")
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
@@ -383,11 +440,19 @@ def report(results) -> str:
         mean, std, best = _stats(row)
         opt = "–" if row["optimum"] is None else f"{row['optimum']:.3f}"
         jopt = "–" if row.get("joint_optimum") is None else f"{row['joint_optimum']:.3f}"
-        cells = [row["label"], *(f"{row['methods'][n]:.3f}" for n in names), f"{mean:.3f} ± {std:.3f} ({best:.3f})", opt, jopt]
+        cells = [
+            row["label"],
+            *(f"{row['methods'][n]:.3f}" for n in names),
+            f"{mean:.3f} ± {std:.3f} ({best:.3f})",
+            opt,
+            jopt,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Share of random orders beaten / gap closed vs the per-layer optimum / vs the joint optimum "
-                 "(channels: the leave-one-out ranking):")
+    lines.append(
+        "Share of random orders beaten / gap closed vs the per-layer optimum / vs the joint optimum "
+        "(channels: the leave-one-out ranking):"
+    )
     lines.append("")
     scored = [n for n in names if n != "identity"]
     lines.append("| " + " | ".join(["target", *scored]) + " |")
@@ -405,22 +470,42 @@ def report(results) -> str:
     lines.append("")
     half = {row["axis"]: row for row in results["targets"] if "(50%)" in row["label"]}
     checks = []
-    beats = {a: sum(half[a]["methods"]["projection"] < x for x in half[a]["random"]) / len(half[a]["random"]) for a in half}
-    checks.append(("projection beats >= 90% of random orders on all four axes (50%)",
-                   len(beats) == 4 and all(b >= 0.9 for b in beats.values()),
-                   ", ".join(f"{a} {b:.0%}" for a, b in beats.items())))
-    for key, what in (("optimum", "per-layer optimum, the issue's reference"), ("joint_optimum", "joint optimum")):
-        gaps = {a: _gap(half[a], half[a]["methods"]["projection"], key) for a in ("key_groups", "value_lanes") if a in half}
+    beats = {
+        a: sum(half[a]["methods"]["projection"] < x for x in half[a]["random"]) / len(half[a]["random"])
+        for a in half
+    }
+    checks.append(
+        (
+            "projection beats >= 90% of random orders on all four axes (50%)",
+            len(beats) == 4 and all(b >= 0.9 for b in beats.values()),
+            ", ".join(f"{a} {b:.0%}" for a, b in beats.items()),
+        )
+    )
+    for key, what in (
+        ("optimum", "per-layer optimum, the issue's reference"),
+        ("joint_optimum", "joint optimum"),
+    ):
+        gaps = {
+            a: _gap(half[a], half[a]["methods"]["projection"], key)
+            for a in ("key_groups", "value_lanes")
+            if a in half
+        }
         detail = ", ".join(f"{a} {_fmt_gap(g)}" for a, g in gaps.items())
         ok = len(gaps) == 2 and all(g is not None and g >= 0.7 for g in gaps.values())
         if any(half[a].get(key) is None for a in gaps):
             detail = "optimum not computed"
-        checks.append((f"projection closes >= 70% of the gap on key groups and lanes (50%, vs the {what})", ok, detail))
+        checks.append(
+            (f"projection closes >= 70% of the gap on key groups and lanes (50%, vs the {what})", ok, detail)
+        )
     if "activation" in names:
         not_worse = {a: half[a]["methods"]["projection"] <= half[a]["methods"]["activation"] for a in half}
-        checks.append(("projection no worse than activation on >= 3 of 4 axes (50%)",
-                       sum(not_worse.values()) >= 3,
-                       ", ".join(f"{a} {'yes' if v else 'no'}" for a, v in not_worse.items())))
+        checks.append(
+            (
+                "projection no worse than activation on >= 3 of 4 axes (50%)",
+                sum(not_worse.values()) >= 3,
+                ", ".join(f"{a} {'yes' if v else 'no'}" for a, v in not_worse.items()),
+            )
+        )
     lines.append("Targets:")
     for text, ok, detail in checks:
         lines.append(f"- {'MET' if ok else 'NOT MET'}: {text} ({detail})")

@@ -87,7 +87,9 @@ def student_for(teacher, shape: GDNShape, target: GDNShape, kind: str, orders):
         orders = {p: GDNPermutation.random(shape, generator=g) for p, _ in find_gdn_modules(teacher)}
     state = dict(teacher.state_dict())
     for prefix, _ in find_gdn_modules(teacher):
-        slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=orders[prefix])
+        slice_gated_delta_net_state_dict(
+            state, prefix=prefix, shape=shape, target=target, permutation=orders[prefix]
+        )
     student = type(teacher)(small_config)
     student.load_state_dict(state, strict=True)
     return student
@@ -102,8 +104,14 @@ def plan_student(teacher, shape: GDNShape, target: GDNShape, scores: dict, calib
     else:
         uniform = slice_model(teacher, target)
         budget = sum(p.numel() for _, m in find_gdn_modules(uniform) for p in m.parameters())
-        plan, _ = plan_model(teacher, list(calibration[:16].split(4)), scores, budget_gdn_params=budget, dim_step="1/4",
-                             progress=False)
+        plan, _ = plan_model(
+            teacher,
+            list(calibration[:16].split(4)),
+            scores,
+            budget_gdn_params=budget,
+            dim_step="1/4",
+            progress=False,
+        )
         results.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(plan, indent=1))
     return slice_model(teacher, plan["layers"], scores["layers"]), plan
@@ -122,28 +130,57 @@ def run_one(name: str, steps: int, long_steps: int, results: Path) -> dict:
         uniform = student_for(teacher, shape, SLICES[slice_name], "sorted", orders)
         uniform_start = demo_data.validation_loss(uniform, num_windows=None, seq_len=SEQ_LEN)
     else:
-        student, plan, uniform_start = student_for(teacher, shape, SLICES[slice_name], kind, orders), None, None
+        student, plan, uniform_start = (
+            student_for(teacher, shape, SLICES[slice_name], kind, orders),
+            None,
+            None,
+        )
     train = demo_data.byte_windows(demo_data.train_text(), SEQ_LEN, 256 if data_name == "small" else None)
     held_out = demo_data.byte_windows(demo_data.validation_text(), SEQ_LEN)
     kd_weight, lm_weight = LOSSES[loss]
     n = long_steps if long else steps
     cpu, wall = time.process_time(), time.perf_counter()
-    result = distill(student, teacher, train, steps=n, batch_size=BATCH, lr=LR, warmup=WARMUP, seed=SEED,
-                     kd_weight=kd_weight, lm_weight=lm_weight, eval_data=held_out, eval_every=100,
-                     log_every=50, progress=False)
+    result = distill(
+        student,
+        teacher,
+        train,
+        steps=n,
+        batch_size=BATCH,
+        lr=LR,
+        warmup=WARMUP,
+        seed=SEED,
+        kd_weight=kd_weight,
+        lm_weight=lm_weight,
+        eval_data=held_out,
+        eval_every=100,
+        log_every=50,
+        progress=False,
+    )
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     check = demo_data.validation_loss(student, num_windows=None, seq_len=SEQ_LEN)
     evals = {h["step"]: h for h in result["history"] if "eval_lm_loss" in h}
     record = {
-        "name": name, "slice": slice_name, "target": SLICES[slice_name].as_dict(), "student": kind,
-        "data": data_name, "train_windows": train.shape[0], "loss": loss, "steps": n,
-        "teacher": evals[0]["eval_teacher_lm_loss"], "start": evals[0]["eval_lm_loss"],
+        "name": name,
+        "slice": slice_name,
+        "target": SLICES[slice_name].as_dict(),
+        "student": kind,
+        "data": data_name,
+        "train_windows": train.shape[0],
+        "loss": loss,
+        "steps": n,
+        "teacher": evals[0]["eval_teacher_lm_loss"],
+        "start": evals[0]["eval_lm_loss"],
         "eval_lm_loss": {s: h["eval_lm_loss"] for s, h in evals.items()},
         "eval_kd_loss": {s: h["eval_kd_loss"] for s, h in evals.items()},
         "train_loss": [(h["step"], h["loss"]) for h in result["history"] if "loss" in h],
-        "final": evals[n]["eval_lm_loss"], "validation_loss_check": check, "cpu_s": cpu, "wall_s": wall,
-        "torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv),
-        "plan": plan and plan["layers"], "uniform_start": uniform_start,
+        "final": evals[n]["eval_lm_loss"],
+        "validation_loss_check": check,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "torch_threads": torch.get_num_threads(),
+        "command": " ".join(sys.argv),
+        "plan": plan and plan["layers"],
+        "uniform_start": uniform_start,
         "gdn_parameters": sum(p.numel() for prefix, m in find_gdn_modules(student) for p in m.parameters()),
     }
     if abs(check - record["final"]) > 1e-4:
@@ -163,8 +200,13 @@ def report(results: Path) -> str:
         return f"no results in {results}"
     # the sorted slice's starting loss is the reference "sliced" loss, also for scratch runs
     sliced = {r["slice"]: r["start"] for r in records.values() if r["student"] == "sorted"}
-    sliced.update({r["slice"]: r["uniform_start"] for r in records.values() if r.get("uniform_start")
-                   and r["slice"] not in sliced})
+    sliced.update(
+        {
+            r["slice"]: r["uniform_start"]
+            for r in records.values()
+            if r.get("uniform_start") and r["slice"] not in sliced
+        }
+    )
     lines = [
         "| run | slice | student | data | loss | steps | start | after 100 | after 300 | final | recovered | "
         "CPU s |",
@@ -181,23 +223,42 @@ def report(results: Path) -> str:
             f"{recovered(r, r['final'], ref):.1%} | {r['cpu_s']:.0f} |"
         )
     teacher = next(iter(records.values()))["teacher"]
-    out = [f"teacher {teacher:.4f} nats/byte; sliced (sorted): "
-           + ", ".join(f"{k}% {v:.4f}" for k, v in sorted(sliced.items(), reverse=True)), "", *lines]
+    out = [
+        f"teacher {teacher:.4f} nats/byte; sliced (sorted): "
+        + ", ".join(f"{k}% {v:.4f}" for k, v in sorted(sliced.items(), reverse=True)),
+        "",
+        *lines,
+    ]
     long = [r for r in records.values() if RUNS.get(r["name"], (0, 0, 0, 0, False))[4]]
     for r in long:
         at = {int(k): v for k, v in r["eval_lm_loss"].items()}
-        out += ["", f"{r['name']}: recovered after " + ", ".join(
-            f"{s} steps {recovered(r, at[s], r['start']):.1%} ({at[s]:.4f})" for s in sorted(at) if s)]
+        out += [
+            "",
+            f"{r['name']}: recovered after "
+            + ", ".join(
+                f"{s} steps {recovered(r, at[s], r['start']):.1%} ({at[s]:.4f})" for s in sorted(at) if s
+            ),
+        ]
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS), help="runs (default: all)")
-    parser.add_argument("--steps", type=int, default=300, help="steps of each comparison run (default: %(default)s)")
-    parser.add_argument("--long-steps", type=int, default=1000, help="steps of the long run (default: %(default)s)")
-    parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()) / "gdnprune_recovery",
-                        help="folder of per-run JSON results (default: %(default)s)")
+    parser.add_argument(
+        "--runs", nargs="*", default=list(RUNS), choices=list(RUNS), help="runs (default: all)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=300, help="steps of each comparison run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--long-steps", type=int, default=1000, help="steps of the long run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "gdnprune_recovery",
+        help="folder of per-run JSON results (default: %(default)s)",
+    )
     parser.add_argument("--report", action="store_true", help="only print the table of the saved results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -205,8 +266,11 @@ def main(argv=None) -> int:
         for name in args.runs:
             start = time.perf_counter()
             r = run_one(name, args.steps, args.long_steps, args.results)
-            print(f"{name}: {r['start']:.4f} -> {r['final']:.4f} nats/byte (teacher {r['teacher']:.4f}), "
-                  f"{r['cpu_s']:.0f} s CPU, {time.perf_counter() - start:.0f} s wall", flush=True)
+            print(
+                f"{name}: {r['start']:.4f} -> {r['final']:.4f} nats/byte (teacher {r['teacher']:.4f}), "
+                f"{r['cpu_s']:.0f} s CPU, {time.perf_counter() - start:.0f} s wall",
+                flush=True,
+            )
     print(report(args.results))
     return 0
 

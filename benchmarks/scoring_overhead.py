@@ -93,7 +93,9 @@ def measure(model, batches, repeats: int) -> dict[str, float]:
         "full": lambda: run_plain(model, batches, full_logits=True),
         "activation": lambda: score_model(model, batches, method="activation", progress=False),
         "projection": lambda: score_model(model, batches, method="projection", progress=False),
-        "stride8": lambda: score_model(model, batches, method="projection", progress=False, loss_token_stride=8),
+        "stride8": lambda: score_model(
+            model, batches, method="projection", progress=False, loss_token_stride=8
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in modes}
     for round_ in range(repeats + 1):
@@ -107,11 +109,19 @@ def measure(model, batches, repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", choices=("bundled", "large", "large-vocab"), default=["bundled", "large"])
+    p.add_argument(
+        "--models", nargs="+", choices=("bundled", "large", "large-vocab"), default=["bundled", "large"]
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode (default 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--bundled-batches", default="4x4x256", help="NUMxBATCHxSEQ for the bundled model (default 4x4x256)")
-    p.add_argument("--large-batches", default="2x2x512", help="NUMxBATCHxSEQ for the large model (default 2x2x512)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
+    )
+    p.add_argument(
+        "--bundled-batches", default="4x4x256", help="NUMxBATCHxSEQ for the bundled model (default 4x4x256)"
+    )
+    p.add_argument(
+        "--large-batches", default="2x2x512", help="NUMxBATCHxSEQ for the large model (default 2x2x512)"
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"load average before: {' '.join(open('/proc/loadavg').read().split()[:3])}")
     print()
-    print("| model | tokens | plain tok/s | plain, full logits tok/s | activation tok/s | projection tok/s "
-          "| activation × | projection × (loss stride) | projection, stride 8 × | projection × full-logits plain |")
+    print(
+        "| model | tokens | plain tok/s | plain, full logits tok/s | activation tok/s | projection tok/s "
+        "| activation × | projection × (loss stride) | projection, stride 8 × | projection × full-logits plain |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     ok = True
     for name in args.models:
@@ -128,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             model, vocab = bundled_model()
         else:
             model, vocab = large_model(vocab=248320 if name == "large-vocab" else 32000)
-        n, b, t = (int(x) for x in (args.bundled_batches if name == "bundled" else args.large_batches).split("x"))
+        n, b, t = (
+            int(x) for x in (args.bundled_batches if name == "bundled" else args.large_batches).split("x")
+        )
         g = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, min(vocab, 256), (b, t), generator=g) for _ in range(n)]
         if name == "bundled":  # real text for the trained model
@@ -142,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio_a, ratio_p = secs["activation"] / secs["plain"], secs["projection"] / secs["plain"]
         ok &= ratio_a <= 1.15 and ratio_p <= 1.5
         hidden = model.config.hidden_size
-        label = (f"{name} (hidden {hidden}, vocab {model.config.vocab_size}, "
-                 f"{sum(x.numel() for x in model.parameters()) / 1e6:.1f}M params)")
+        label = (
+            f"{name} (hidden {hidden}, vocab {model.config.vocab_size}, "
+            f"{sum(x.numel() for x in model.parameters()) / 1e6:.1f}M params)"
+        )
         print(
             f"| {label} | {tokens} | {tokens / secs['plain']:.0f} | {tokens / secs['full']:.0f} | "
             f"{tokens / secs['activation']:.0f} | {tokens / secs['projection']:.0f} | {ratio_a:.3f} | "

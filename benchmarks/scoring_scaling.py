@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, sys, time
     import torch
     from gdnprune import distributed
@@ -62,7 +62,7 @@ WORKER = textwrap.dedent('''
         if distributed.is_main_process():
             with open(out, "w") as f:
                 json.dump({"seconds": seconds, "tokens": int(windows.numel()), "scores": scores}, f)
-''')
+""")
 
 
 def bundled(folder: Path, windows: int, seq_len: int) -> None:
@@ -119,20 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=("bundled", "large"), default=["bundled", "large"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    p.add_argument("--bundled-windows", type=int, default=64, help="calibration windows, bundled (default 64)")
+    p.add_argument(
+        "--bundled-windows", type=int, default=64, help="calibration windows, bundled (default 64)"
+    )
     p.add_argument("--large-windows", type=int, default=16, help="calibration windows, large (default 16)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--batch-size", type=int, default=2, help="windows per forward pass (default 2)")
     args = p.parse_args(argv)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(args.threads),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    print(f"{args.threads} torch thread(s) per process; {os.cpu_count()} CPUs; load average before: "
-          f"{' '.join(open('/proc/loadavg').read().split()[:3])}")
+    print(
+        f"{args.threads} torch thread(s) per process; {os.cpu_count()} CPUs; load average before: "
+        f"{' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
     print()
-    print("| model | tokens | 1 process tok/s | 2 processes tok/s | scaling efficiency | orders identical "
-          "| max rel. score diff | `gdnprune score` wall, 1 → 2 processes |")
+    print(
+        "| model | tokens | 1 process tok/s | 2 processes tok/s | scaling efficiency | orders identical "
+        "| max rel. score diff | `gdnprune score` wall, 1 → 2 processes |"
+    )
     print("|---|---:|---:|---:|---:|---|---:|---:|")
     for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
@@ -143,23 +152,53 @@ def main(argv: list[str] | None = None) -> int:
             runs = {}
             for n in (1, 2):
                 out = folder / f"timing{n}.json"
-                _launch(n, [str(folder / "worker.py"), str(folder / "model"), str(folder / "calib.txt"), str(out),
-                            str(args.threads), str(windows), str(args.seq_len), str(args.batch_size)], env)
+                _launch(
+                    n,
+                    [
+                        str(folder / "worker.py"),
+                        str(folder / "model"),
+                        str(folder / "calib.txt"),
+                        str(out),
+                        str(args.threads),
+                        str(windows),
+                        str(args.seq_len),
+                        str(args.batch_size),
+                    ],
+                    env,
+                )
                 runs[n] = json.loads(out.read_text())
-            cli = ["-m", "gdnprune", "score", str(folder / "model"), "--data", str(folder / "calib.txt"),
-                   "--num-samples", str(windows), "--seq-len", str(args.seq_len), "--batch-size",
-                   str(args.batch_size), "--threads", str(args.threads), "--quiet"]
+            cli = [
+                "-m",
+                "gdnprune",
+                "score",
+                str(folder / "model"),
+                "--data",
+                str(folder / "calib.txt"),
+                "--num-samples",
+                str(windows),
+                "--seq-len",
+                str(args.seq_len),
+                "--batch-size",
+                str(args.batch_size),
+                "--threads",
+                str(args.threads),
+                "--quiet",
+            ]
             walls = {}
             for n in (1, 2):
                 walls[n], _ = _launch(n, cli + ["--output", str(folder / f"cli{n}.json")], env)
             same, worst = compare(runs[1]["scores"], runs[2]["scores"])
-            cli_same, cli_worst = compare(json.loads((folder / "cli1.json").read_text()),
-                                          json.loads((folder / "cli2.json").read_text()))
+            cli_same, cli_worst = compare(
+                json.loads((folder / "cli1.json").read_text()), json.loads((folder / "cli2.json").read_text())
+            )
             tokens = runs[1]["tokens"]
             rate = {n: tokens / runs[n]["seconds"] for n in (1, 2)}
-            print(f"| {name} | {tokens} | {rate[1]:.0f} | {rate[2]:.0f} | {rate[2] / (2 * rate[1]):.0%} | "
-                  f"{'yes' if same and cli_same else 'NO'} | {max(worst, cli_worst):.1e} | "
-                  f"{walls[1]:.1f} s → {walls[2]:.1f} s |", flush=True)
+            print(
+                f"| {name} | {tokens} | {rate[1]:.0f} | {rate[2]:.0f} | {rate[2] / (2 * rate[1]):.0%} | "
+                f"{'yes' if same and cli_same else 'NO'} | {max(worst, cli_worst):.1e} | "
+                f"{walls[1]:.1f} s → {walls[2]:.1f} s |",
+                flush=True,
+            )
     print()
     print(f"load average after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
     return 0

@@ -134,7 +134,9 @@ def gdn_tensors(prefix: str, g, fp8: bool = False):
     """One Qwen3-Next GDN layer (fused layout), bf16; with ``fp8`` its two large projections block-scaled FP8."""
     import torch
 
-    Hk, Hv, dk, dv = (GEOMETRY[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+    Hk, Hv, dk, dv = (
+        GEOMETRY[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
+    )
     shapes = {
         "in_proj_qkvz.weight": (Hk * (2 * dk + 2 * (Hv // Hk) * dv), HIDDEN),
         "in_proj_ba.weight": (2 * Hv, HIDDEN),
@@ -155,11 +157,16 @@ def filler(prefix: str, nbytes: int):
     import torch
 
     per_expert = 3 * MOE_INTER * HIDDEN * 2
-    out = {f"{prefix}.input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
-           f"{prefix}.post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
+    out = {
+        f"{prefix}.input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+    }
     for e in range(max(1, round(nbytes / per_expert))):
-        for name, shape in (("gate_proj", (MOE_INTER, HIDDEN)), ("up_proj", (MOE_INTER, HIDDEN)),
-                            ("down_proj", (HIDDEN, MOE_INTER))):
+        for name, shape in (
+            ("gate_proj", (MOE_INTER, HIDDEN)),
+            ("up_proj", (MOE_INTER, HIDDEN)),
+            ("down_proj", (HIDDEN, MOE_INTER)),
+        ):
             t = torch.empty(shape[0] * shape[1] * 2, dtype=torch.uint8).random_()
             out[f"{prefix}.mlp.experts.{e}.{name}.weight"] = t.view(torch.bfloat16).view(shape)
     return out
@@ -189,25 +196,45 @@ def build(folder: str, layers: int, shard_scale: float, fp8: bool = False, seed:
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config = {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": HIDDEN,
-        "num_hidden_layers": layers, "layer_types": ["linear_attention"] * layers, "vocab_size": 151936,
-        "linear_conv_kernel_dim": 4, "num_experts": 512, "moe_intermediate_size": MOE_INTER,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention"] * layers,
+        "vocab_size": 151936,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 512,
+        "moe_intermediate_size": MOE_INTER,
         **shape.config_updates(),
     }
     if fp8:
-        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-                                         "modules_to_not_convert": ["lm_head", "mlp.gate", "in_proj_ba"]}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "modules_to_not_convert": ["lm_head", "mlp.gate", "in_proj_ba"],
+        }
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    scores = {"layers": {f"model.layers.{i}.linear_attn": GDNPermutation.random(shape, generator=g).to_score_payload()
-                         for i in range(layers)}, "note": "random orders (benchmark)"}
+    scores = {
+        "layers": {
+            f"model.layers.{i}.linear_attn": GDNPermutation.random(shape, generator=g).to_score_payload()
+            for i in range(layers)
+        },
+        "note": "random orders (benchmark)",
+    }
     scores_path = folder + ".scores.json"
     with open(scores_path, "w") as f:
         json.dump(scores, f)
     shard = os.path.getsize(os.path.join(folder, f"model-00001-of-{layers:05d}.safetensors"))
-    return {"total_bytes": total, "largest_tensor": largest, "shard_bytes": shard, "scores": scores_path,
-            "gdn_bytes_per_shard": gdn_bytes}
+    return {
+        "total_bytes": total,
+        "largest_tensor": largest,
+        "shard_bytes": shard,
+        "scores": scores_path,
+        "gdn_bytes_per_shard": gdn_bytes,
+    }
 
 
 def others_cpu() -> float:
@@ -265,9 +292,17 @@ def run_child(cmd: list[str], out: str) -> dict:
     cpu = usage.ru_utime + usage.ru_stime
     start = time.perf_counter()
     subprocess.run(["sync"], check=True)
-    return {"wall": wall, "rss": usage.ru_maxrss * 1024, "sync": time.perf_counter() - start, "cpu": cpu,
-            "written": usage.ru_oublock * 512, "unshared": unshared_bytes(out), "load": load,
-            "others_cpu": max(0.0, others), "others": max(0.0, others) / wall}
+    return {
+        "wall": wall,
+        "rss": usage.ru_maxrss * 1024,
+        "sync": time.perf_counter() - start,
+        "cpu": cpu,
+        "written": usage.ru_oublock * 512,
+        "unshared": unshared_bytes(out),
+        "load": load,
+        "others_cpu": max(0.0, others),
+        "others": max(0.0, others) / wall,
+    }
 
 
 def wait_until_calm(limit: float, seconds: float) -> None:
@@ -288,13 +323,18 @@ class XFSImage:
         with open(self.image, "wb") as f:
             f.truncate(size)
         os.makedirs(self.mount)
-        for cmd in (["mkfs.xfs", "-q", "-m", "reflink=1", self.image], ["mount", "-o", "loop", self.image, self.mount]):
+        for cmd in (
+            ["mkfs.xfs", "-q", "-m", "reflink=1", self.image],
+            ["mount", "-o", "loop", self.image, self.mount],
+        ):
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True)
             except FileNotFoundError:
                 raise SystemExit(f"--fs xfs needs {cmd[0]} (Debian: apt-get install xfsprogs)") from None
             if done.returncode:
-                raise SystemExit(f"--fs xfs: {' '.join(cmd)} failed (root and loop devices needed): {done.stderr}")
+                raise SystemExit(
+                    f"--fs xfs: {' '.join(cmd)} failed (root and loop devices needed): {done.stderr}"
+                )
 
     def close(self) -> None:
         subprocess.run(["umount", self.mount], check=False)
@@ -325,8 +365,10 @@ def others_cores(round_: dict) -> float:
 def table(title: str, rounds: list[dict], names: list[str]) -> None:
     """Medians over ``rounds`` (each: command -> run_child result), ratios to ``names[0]`` (`cp -r`) of the
     same rounds."""
-    med = {k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall", "sync", "cpu", "written")}
-           for k in names}
+    med = {
+        k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall", "sync", "cpu", "written")}
+        for k in names
+    }
     for k in names:
         med[k]["best"] = min(r[k]["wall"] for r in rounds)
         med[k]["with_sync"] = statistics.median(r[k]["wall"] + r[k]["sync"] for r in rounds)
@@ -335,17 +377,25 @@ def table(title: str, rounds: list[dict], names: list[str]) -> None:
     cp = med[names[0]]
     loads = [r[k]["load"] for r in rounds for k in names]
     others = [others_cores(r) for r in rounds]
-    print(f"\n{title}: median of {len(rounds)} rounds; 1-min load average {min(loads):.2f}-{max(loads):.2f}, "
-          f"other processes used {min(others):.2f}-{max(others):.2f} cores (per round)")
-    print(f"{'command':22s} {'wall s':>7s} {'x cp':>6s} {'best s':>7s} {'x cp':>6s} {'+sync':>6s} {'x cp':>6s} "
-          f"{'cpu s':>6s} {'RSS MiB':>8s} {'written MB':>11s} {'unshared MB':>12s}")
+    print(
+        f"\n{title}: median of {len(rounds)} rounds; 1-min load average {min(loads):.2f}-{max(loads):.2f}, "
+        f"other processes used {min(others):.2f}-{max(others):.2f} cores (per round)"
+    )
+    print(
+        f"{'command':22s} {'wall s':>7s} {'x cp':>6s} {'best s':>7s} {'x cp':>6s} {'+sync':>6s} {'x cp':>6s} "
+        f"{'cpu s':>6s} {'RSS MiB':>8s} {'written MB':>11s} {'unshared MB':>12s}"
+    )
     for k in names:
         m = med[k]
-        print(f"{k:22s} {m['wall']:7.2f} {m['wall'] / cp['wall']:6.2f} {m['best']:7.2f} {m['best'] / cp['best']:6.2f} "
-              f"{m['with_sync']:6.2f} "
-              f"{m['with_sync'] / cp['with_sync']:6.2f} {m['cpu']:6.2f} {m['rss'] / 2**20:8.0f} "
-              f"{m['written'] / 1e6:11.0f} {m['unshared'] / 1e6:12.0f}")
-    per_round = "; ".join(" ".join(f"{r[k]['wall'] / r[names[0]]['wall']:.2f}" for k in names[1:]) for r in rounds)
+        print(
+            f"{k:22s} {m['wall']:7.2f} {m['wall'] / cp['wall']:6.2f} {m['best']:7.2f} {m['best'] / cp['best']:6.2f} "
+            f"{m['with_sync']:6.2f} "
+            f"{m['with_sync'] / cp['with_sync']:6.2f} {m['cpu']:6.2f} {m['rss'] / 2**20:8.0f} "
+            f"{m['written'] / 1e6:11.0f} {m['unshared'] / 1e6:12.0f}"
+        )
+    per_round = "; ".join(
+        " ".join(f"{r[k]['wall'] / r[names[0]]['wall']:.2f}" for k in names[1:]) for r in rounds
+    )
     print(f"per round, x {names[0]} ({', '.join(names[1:])}): {per_round}")
 
 
@@ -353,23 +403,46 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=6, help="GDN layers = shards (default 6; 12 doubles)")
     p.add_argument("--shard-scale", type=float, default=1.0, help="shard size multiplier (4: ~1.9 GB shards)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of all commands, alternating (medians reported)")
-    p.add_argument("--fs", choices=("default", "xfs"), default="default",
-                   help="xfs: run on a loop-mounted XFS image with reflinks (root, xfsprogs), against "
-                        "`cp -r --reflink=auto`")
-    p.add_argument("--calm", type=float, default=0.25, metavar="CORES",
-                   help="a round is calm when other processes used less than this many cores during its commands "
-                        "(default 0.25)")
-    p.add_argument("--wait-calm", type=float, default=0, metavar="S",
-                   help="before each round, wait up to S seconds for the machine to be calm")
-    p.add_argument("--workdir", help="folder for the checkpoint and outputs (default: /tmp or /work, by free space)")
-    p.add_argument("--fp8", action="store_true",
-                   help="FP8 checkpoint: in_proj_qkvz and out_proj block-scaled float8_e4m3fn with weight_scale_inv, as "
-                        "in Qwen's FP8 releases (the naive baseline, which knows no scales, is left out)")
+    p.add_argument(
+        "--rounds", type=int, default=5, help="rounds of all commands, alternating (medians reported)"
+    )
+    p.add_argument(
+        "--fs",
+        choices=("default", "xfs"),
+        default="default",
+        help="xfs: run on a loop-mounted XFS image with reflinks (root, xfsprogs), against "
+        "`cp -r --reflink=auto`",
+    )
+    p.add_argument(
+        "--calm",
+        type=float,
+        default=0.25,
+        metavar="CORES",
+        help="a round is calm when other processes used less than this many cores during its commands "
+        "(default 0.25)",
+    )
+    p.add_argument(
+        "--wait-calm",
+        type=float,
+        default=0,
+        metavar="S",
+        help="before each round, wait up to S seconds for the machine to be calm",
+    )
+    p.add_argument(
+        "--workdir", help="folder for the checkpoint and outputs (default: /tmp or /work, by free space)"
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 checkpoint: in_proj_qkvz and out_proj block-scaled float8_e4m3fn with weight_scale_inv, as "
+        "in Qwen's FP8 releases (the naive baseline, which knows no scales, is left out)",
+    )
     p.add_argument("--skip-naive", action="store_true", help="leave out the naive baseline")
     p.add_argument("--skip-api", action="store_true", help="leave out the Python API commands")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
-    p.add_argument("--build-only", metavar="DIR", help=argparse.SUPPRESS)  # internal: build in a child process
+    p.add_argument(
+        "--build-only", metavar="DIR", help=argparse.SUPPRESS
+    )  # internal: build in a child process
     args = p.parse_args(argv)
     if args.build_only:
         print(json.dumps(build(args.build_only, args.layers, args.shard_scale, args.fp8)))
@@ -382,26 +455,65 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.fs == "xfs":
             xfs = XFSImage(work, max(int(2.5 * est), 400 << 20))
-            print(f"XFS image {xfs.image} ({max(int(2.5 * est), 400 << 20) / 1e9:.1f} GB, sparse) mounted on {xfs.mount}")
+            print(
+                f"XFS image {xfs.image} ({max(int(2.5 * est), 400 << 20) / 1e9:.1f} GB, sparse) mounted on {xfs.mount}"
+            )
         base = xfs.mount if xfs else work
         src, out = os.path.join(base, "model"), os.path.join(base, "out")
         t0 = time.perf_counter()
         # built in a child process: this process stays small, so that forked children start small
-        built = subprocess.run([PYTHON, os.path.abspath(__file__), "--build-only", src, "--layers", str(args.layers),
-                                "--shard-scale", str(args.shard_scale), *(["--fp8"] if args.fp8 else [])],
-                               check=True, capture_output=True, text=True)
+        built = subprocess.run(
+            [
+                PYTHON,
+                os.path.abspath(__file__),
+                "--build-only",
+                src,
+                "--layers",
+                str(args.layers),
+                "--shard-scale",
+                str(args.shard_scale),
+                *(["--fp8"] if args.fp8 else []),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         facts = json.loads(built.stdout.strip().splitlines()[-1])
-        print(f"built {src}: {'FP8, ' if args.fp8 else ''}{args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shard "
-              f"{facts['shard_bytes'] / 1e6:.0f} MB ({facts['gdn_bytes_per_shard'] / 1e6:.0f} MB GDN), largest "
-              f"tensor {facts['largest_tensor'] / 1e6:.0f} MB, in {time.perf_counter() - t0:.0f} s")
+        print(
+            f"built {src}: {'FP8, ' if args.fp8 else ''}{args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shard "
+            f"{facts['shard_bytes'] / 1e6:.0f} MB ({facts['gdn_bytes_per_shard'] / 1e6:.0f} MB GDN), largest "
+            f"tensor {facts['largest_tensor'] / 1e6:.0f} MB, in {time.perf_counter() - t0:.0f} s"
+        )
         target = json.dumps({"num_key_heads": 8, "num_value_heads": 16})
         cp = ["cp", "-r", "--reflink=auto", src, out] if xfs else ["cp", "-r", src, out]
         commands = {
             " ".join(cp[:-2]): cp,
-            "gdnprune sort": [PYTHON, "-m", "gdnprune", "sort", src, "--scores", facts["scores"], "--output", out,
-                              "--quiet"],
-            "gdnprune slice": [PYTHON, "-m", "gdnprune", "slice", src, "--output", out, "--num-key-heads", "8",
-                               "--num-value-heads", "16", "--quiet"],
+            "gdnprune sort": [
+                PYTHON,
+                "-m",
+                "gdnprune",
+                "sort",
+                src,
+                "--scores",
+                facts["scores"],
+                "--output",
+                out,
+                "--quiet",
+            ],
+            "gdnprune slice": [
+                PYTHON,
+                "-m",
+                "gdnprune",
+                "slice",
+                src,
+                "--output",
+                out,
+                "--num-key-heads",
+                "8",
+                "--num-value-heads",
+                "16",
+                "--quiet",
+            ],
         }
         if not args.skip_api:
             commands["sort (python API)"] = [PYTHON, "-c", API, src, out, "sort", facts["scores"]]
@@ -413,21 +525,27 @@ def main(argv: list[str] | None = None) -> int:
             if args.wait_calm:
                 wait_until_calm(args.calm, args.wait_calm)
             # page-cached: read the source (this machine pages out what has not been used for a minute)
-            subprocess.run(["cat", *[os.path.join(src, f) for f in os.listdir(src)]], stdout=subprocess.DEVNULL)
+            subprocess.run(
+                ["cat", *[os.path.join(src, f) for f in os.listdir(src)]], stdout=subprocess.DEVNULL
+            )
             rounds.append({})
             for name in williams_order(list(commands), r):
                 shutil.rmtree(out, ignore_errors=True)
                 res = rounds[-1][name] = run_child(commands[name], out)
-                print(f"round {r + 1} {name:22s} {res['wall']:7.2f} s  {res['rss'] / 2**20:5.0f} MiB  cpu "
-                      f"{res['cpu']:5.2f} s  +sync {res['sync']:.2f} s  written {res['written'] / 1e6:6.0f} MB  unshared "
-                      f"{(res['unshared'] or 0) / 1e6:6.0f} MB  load {res['load']:.2f}  others {res['others']:.2f} cores",
-                      flush=True)
+                print(
+                    f"round {r + 1} {name:22s} {res['wall']:7.2f} s  {res['rss'] / 2**20:5.0f} MiB  cpu "
+                    f"{res['cpu']:5.2f} s  +sync {res['sync']:.2f} s  written {res['written'] / 1e6:6.0f} MB  unshared "
+                    f"{(res['unshared'] or 0) / 1e6:6.0f} MB  load {res['load']:.2f}  others {res['others']:.2f} cores",
+                    flush=True,
+                )
         shutil.rmtree(out, ignore_errors=True)
 
-        print(f"\ncheckpoint: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shards "
-              f"{facts['shard_bytes'] / 1e6:.0f} MB, largest tensor {facts['largest_tensor'] / 1e6:.0f} MB"
-              f"{', GDN projections FP8 (128 x 128 blocks)' if args.fp8 else ''}; "
-              f"file system: {'XFS (reflink=1, loop)' if xfs else 'that of ' + work}; {os.cpu_count()} CPUs")
+        print(
+            f"\ncheckpoint: {args.layers} layers, {facts['total_bytes'] / 1e9:.2f} GB, shards "
+            f"{facts['shard_bytes'] / 1e6:.0f} MB, largest tensor {facts['largest_tensor'] / 1e6:.0f} MB"
+            f"{', GDN projections FP8 (128 x 128 blocks)' if args.fp8 else ''}; "
+            f"file system: {'XFS (reflink=1, loop)' if xfs else 'that of ' + work}; {os.cpu_count()} CPUs"
+        )
         calm = [r for r in rounds if others_cores(r) < args.calm]
         busy = [r for r in rounds if r not in calm]
         if calm:
@@ -437,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         if busy:
             table("busy rounds", busy, list(commands))
         table("all rounds", rounds, list(commands))
-        print(f"targets: wall <= 1.2 x cp on a calm machine, <= 0.8 x on a busy one; peak RSS <= 256 MiB")
+        print("targets: wall <= 1.2 x cp on a calm machine, <= 0.8 x on a busy one; peak RSS <= 256 MiB")
     finally:
         if xfs:
             shutil.rmtree(os.path.join(xfs.mount, "out"), ignore_errors=True)

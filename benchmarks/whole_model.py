@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from plans import spearman, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.blocks import AttentionShape  # noqa: E402
@@ -65,7 +66,6 @@ from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity  # noqa:
 from gdnprune.plan.subblocks import plannable_blocks, whole_model_costs  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 from gdnprune.scoring.experts import block_influence  # noqa: E402
-from plans import spearman, window_losses  # noqa: E402
 
 BUDGETS = (0.75, 0.5, 0.35)
 DEPTH_BUDGETS = (0.75, 0.5)
@@ -82,10 +82,17 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 def contains(big, small) -> bool:
     """``small`` is a nested prefix of ``big`` (every axis at most as large)."""
     if isinstance(big, GDNShape):
-        return (big.num_key_heads >= small.num_key_heads and big.value_heads_per_group >= small.value_heads_per_group
-                and big.key_head_dim >= small.key_head_dim and big.value_head_dim >= small.value_head_dim)
+        return (
+            big.num_key_heads >= small.num_key_heads
+            and big.value_heads_per_group >= small.value_heads_per_group
+            and big.key_head_dim >= small.key_head_dim
+            and big.value_head_dim >= small.value_head_dim
+        )
     if isinstance(big, AttentionShape):
-        return big.num_key_value_heads >= small.num_key_value_heads and big.heads_per_group >= small.heads_per_group
+        return (
+            big.num_key_value_heads >= small.num_key_value_heads
+            and big.heads_per_group >= small.heads_per_group
+        )
     return big.intermediate_size >= small.intermediate_size
 
 
@@ -99,7 +106,9 @@ class Problem:
         self.scores = score_model(model, list(calibration.split(8)), progress=False, blocks=True)
         self.score_seconds = time.perf_counter() - t0
         self.sens = list(calibration[:16].split(4))
-        self.validation = demo_data.byte_windows(demo_data.validation_text(corpus), SEQ, args.validation_windows)
+        self.validation = demo_data.byte_windows(
+            demo_data.validation_text(corpus), SEQ, args.validation_windows
+        )
         self.train = demo_data.byte_windows(demo_data.train_text(corpus), SEQ)
         self.base = window_losses(model, self.validation)
         step = Fraction(args.dim_step)
@@ -108,18 +117,37 @@ class Problem:
         for prefix, module in find_gdn_modules(model):
             shape = GDNShape.from_module(module)
             tensors = {n: tuple(p.shape) for n, p in module.named_parameters()}
-            cands = layer_candidates(prefix, shape, tensors, detect_layout(tensors).name, module.conv_kernel_size,
-                                     dim_step=step)
-            self.gdn.append(LayerToPlan(prefix, module, orders_from_payload(self.scores["layers"][prefix], shape),
-                                        [c.target for c in cands]))
+            cands = layer_candidates(
+                prefix, shape, tensors, detect_layout(tensors).name, module.conv_kernel_size, dim_step=step
+            )
+            self.gdn.append(
+                LayerToPlan(
+                    prefix,
+                    module,
+                    orders_from_payload(self.scores["layers"][prefix], shape),
+                    [c.target for c in cands],
+                )
+            )
             gdn_table.append(cands)
-        self.sub = plannable_blocks(model, ("attention", "mlp", "shared_expert"), self.scores["layers"],
-                                    step=Fraction(1, 4), tp=None, multiple_of=None, orders_applied=False)
+        self.sub = plannable_blocks(
+            model,
+            ("attention", "mlp", "shared_expert"),
+            self.scores["layers"],
+            step=Fraction(1, 4),
+            tp=None,
+            multiple_of=None,
+            orders_applied=False,
+        )
         self.groups = self.gdn + self.sub
         self.kind = ["gdn"] * len(self.gdn) + [b.block.kind for b in self.sub]
         self.layer_of = [int(g.prefix.split(".layers.")[1].split(".")[0]) for g in self.groups]
-        totals, wcosts, fixed = whole_model_costs(model, [(layer.module, c) for layer, c in zip(self.gdn, gdn_table)],
-                                                  self.sub, context=None, state_bytes=4)
+        totals, wcosts, fixed = whole_model_costs(
+            model,
+            [(layer.module, c) for layer, c in zip(self.gdn, gdn_table)],
+            self.sub,
+            context=None,
+            state_bytes=4,
+        )
         self.costs, self.fixed, self.total = wcosts["params"], fixed["params"], totals["params"]
         self.decoder = sum(p.numel() for p in model.model.layers.parameters())
         self.outside = self.total - self.decoder  # embeddings (tied head once), final norm
@@ -146,14 +174,18 @@ class Problem:
             removal = removal_sensitivity(self.model, self.sens)
             t2 = time.perf_counter()
             influence = block_influence(self.model, self.sens)
-            stored[depth_key] = {"kl": {str(i): v[0] for i, v in removal.items()},
-                                 "loss": {str(i): v[1] for i, v in removal.items()},
-                                 "influence": {str(i): v for i, v in influence.items()},
-                                 "influence_seconds": time.perf_counter() - t2,
-                                 "benchmark_seconds": t2 - t1}
+            stored[depth_key] = {
+                "kl": {str(i): v[0] for i, v in removal.items()},
+                "loss": {str(i): v[1] for i, v in removal.items()},
+                "influence": {str(i): v for i, v in influence.items()},
+                "influence_seconds": time.perf_counter() - t2,
+                "benchmark_seconds": t2 - t1,
+            }
         if args.depth and "influence" not in stored[depth_key]:  # a cache written before the proxy was added
             t2 = time.perf_counter()
-            stored[depth_key]["influence"] = {str(i): v for i, v in block_influence(self.model, self.sens).items()}
+            stored[depth_key]["influence"] = {
+                str(i): v for i, v in block_influence(self.model, self.sens).items()
+            }
             stored[depth_key]["influence_seconds"] = time.perf_counter() - t2
         stored[key] = gdn
         if args.cache:
@@ -163,9 +195,12 @@ class Problem:
         self.kl = [gdn["kl"][g.prefix] for g in self.gdn] + [sub["kl"][b.prefix] for b in self.sub]
         self.removal = {int(i): v for i, v in stored[depth_key]["kl"].items()} if args.depth else {}
         self.influence = {int(i): v for i, v in stored[depth_key]["influence"].items()} if args.depth else {}
-        self.seconds = {"score": self.score_seconds, "gdn": gdn["benchmark_seconds"],
-                        "sub_blocks": sub["benchmark_seconds"],
-                        **({"removal": stored[depth_key]["benchmark_seconds"]} if args.depth else {})}
+        self.seconds = {
+            "score": self.score_seconds,
+            "gdn": gdn["benchmark_seconds"],
+            "sub_blocks": sub["benchmark_seconds"],
+            **({"removal": stored[depth_key]["benchmark_seconds"]} if args.depth else {}),
+        }
         self.forwards = {"gdn": gdn["forwards"], "sub_blocks": sub["forwards"]}
 
     # ---- plans -------------------------------------------------------------------------------------------------
@@ -192,29 +227,51 @@ class Problem:
         members = {k: [g for g, kk in enumerate(self.kind) if kk == k] for k in kinds}
         cands = {k: self.groups[members[k][0]].candidates for k in kinds}
         for k in kinds:
-            assert all(self.groups[g].candidates == cands[k] for g in members[k]), f"{k}: blocks differ in shape"
+            assert all(self.groups[g].candidates == cands[k] for g in members[k]), (
+                f"{k}: blocks differ in shape"
+            )
         budget = self.limit(fraction)
         feasible = []
         for combo in itertools.product(*[range(len(cands[k])) for k in kinds]):
             cost = sum(self.costs[g][combo[i]] for i, k in enumerate(kinds) for g in members[k])
             if cost <= budget:
                 feasible.append(combo)
-        maximal = [a for a in feasible if not any(
-            b != a and all(contains(cands[k][b[i]], cands[k][a[i]]) for i, k in enumerate(kinds)) for b in feasible)]
+        maximal = [
+            a
+            for a in feasible
+            if not any(
+                b != a and all(contains(cands[k][b[i]], cands[k][a[i]]) for i, k in enumerate(kinds))
+                for b in feasible
+            )
+        ]
         return [[combo[kinds.index(k)] for k in self.kind] for combo in maximal]
 
     def refined(self, fraction: float, picks: list[int], generations: int) -> tuple[list[int], dict]:
         """The joint refinement (issue 22) of ``picks``: whole cut models' KL on the calibration windows."""
         from gdnprune.plan.joint import refine_plan
 
-        result = refine_plan(self.model, self.sens, self.groups, {"params": self.costs},
-                             {"params": self.limit(fraction)}, picks, generations=generations, offspring=8, seed=0,
-                             progress=False)
+        result = refine_plan(
+            self.model,
+            self.sens,
+            self.groups,
+            {"params": self.costs},
+            {"params": self.limit(fraction)},
+            picks,
+            generations=generations,
+            offspring=8,
+            seed=0,
+            progress=False,
+        )
         return result["picks"], {k: result[k] for k in ("seed_kl", "kl", "seconds", "evaluations")}
 
     def with_depth(self, fraction: float) -> tuple[list[int | None], list[int]]:
-        return choose_with_removal(self.kl, {"params": self.costs}, {"params": self.limit(fraction)},
-                                   layer_of=self.layer_of, removal=self.removal)
+        return choose_with_removal(
+            self.kl,
+            {"params": self.costs},
+            {"params": self.limit(fraction)},
+            layer_of=self.layer_of,
+            removal=self.removal,
+        )
 
     def depth_only(self, fraction: float) -> list[list[int]]:
         """Every minimal set of removed layers that fits, the rest at full width (one full-attention layer kept)."""
@@ -249,12 +306,17 @@ class Problem:
     def build(self, picks, removed=()) -> torch.nn.Module:
         gdn = {g.prefix: g.candidates[p] for g, p in zip(self.gdn, picks)}
         blocks = {}
-        for b, p in zip(self.sub, picks[len(self.gdn):]):
+        for b, p in zip(self.sub, picks[len(self.gdn) :]):
             t = b.candidates[p]
-            blocks[b.prefix] = ({"num_attention_heads": t.num_attention_heads,
-                                 "num_key_value_heads": t.num_key_value_heads} if b.block.kind == "attention" else
-                                {"shared_expert_intermediate_size" if b.block.kind == "shared_expert"
-                                 else "intermediate_size": t.intermediate_size})
+            blocks[b.prefix] = (
+                {"num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads}
+                if b.block.kind == "attention"
+                else {
+                    "shared_expert_intermediate_size"
+                    if b.block.kind == "shared_expert"
+                    else "intermediate_size": t.intermediate_size
+                }
+            )
         gdn_payloads = {g.prefix: self.scores["layers"][g.prefix] for g in self.gdn}
         block_payloads = {b.prefix: self.scores["layers"][b.prefix] for b in self.sub}
         small = slice_model(self.model, gdn, gdn_payloads, blocks=blocks, block_orders=block_payloads)
@@ -284,7 +346,9 @@ def distil(problem: Problem, student, steps: int) -> np.ndarray:
     student.train()
     for p in student.parameters():
         p.requires_grad_(True)
-    distill(student, problem.model, problem.train, steps=steps, log_every=max(steps, 1), progress=False, **RECIPE)
+    distill(
+        student, problem.model, problem.train, steps=steps, log_every=max(steps, 1), progress=False, **RECIPE
+    )
     student.eval()
     return window_losses(student, problem.validation)
 
@@ -295,7 +359,9 @@ def run_model(problem: Problem, args) -> dict:
         row = {"budget": fraction, "limit_decoder_params": fraction * problem.decoder}
         plans: dict[str, tuple] = {"searched": (problem.searched(fraction), ())}
         if args.refine_generations:
-            picks, row["refinement"] = problem.refined(fraction, plans["searched"][0], args.refine_generations)
+            picks, row["refinement"] = problem.refined(
+                fraction, plans["searched"][0], args.refine_generations
+            )
             plans["refined"] = (picks, ())
         gdn = problem.gdn_only(fraction) if "gdn_only" in args.plans else None
         if gdn is not None:
@@ -330,51 +396,101 @@ def run_model(problem: Problem, args) -> dict:
             before = window_losses(small, problem.validation)
             t0 = time.perf_counter()
             after = distil(problem, small, args.steps) if args.steps else None
-            results[name] = {"before": before, "after": after, "distill_seconds": time.perf_counter() - t0,
-                             "decoder_fraction": kept / problem.decoder, "removed": list(removed),
-                             "predicted_kl": float(sum(problem.kl[g][p] for g, p in enumerate(picks)
-                                                       if problem.layer_of[g] not in removed)
-                                                   + sum(problem.removal.get(l, 0.0) for l in removed)),
-                             "plan": problem.plan_layers(picks, removed)}
+            results[name] = {
+                "before": before,
+                "after": after,
+                "distill_seconds": time.perf_counter() - t0,
+                "decoder_fraction": kept / problem.decoder,
+                "removed": list(removed),
+                "predicted_kl": float(
+                    sum(problem.kl[g][p] for g, p in enumerate(picks) if problem.layer_of[g] not in removed)
+                    + sum(problem.removal.get(l, 0.0) for l in removed)
+                ),
+                "plan": problem.plan_layers(picks, removed),
+            }
             if not args.quiet:
-                print(f"  {problem.name} {fraction:.0%} {name}: {before.mean():.4f}"
-                      + (f" -> {after.mean():.4f}" if after is not None else ""), flush=True)
+                print(
+                    f"  {problem.name} {fraction:.0%} {name}: {before.mean():.4f}"
+                    + (f" -> {after.mean():.4f}" if after is not None else ""),
+                    flush=True,
+                )
         ref = results["searched"]
         for name, r in results.items():
-            entry = {"loss": float(r["before"].mean()), "decoder_fraction": r["decoder_fraction"],
-                     "removed": r["removed"], "predicted_kl": r["predicted_kl"], "plan": r["plan"],
-                     "minus_searched": paired(r["before"], ref["before"])}
+            entry = {
+                "loss": float(r["before"].mean()),
+                "decoder_fraction": r["decoder_fraction"],
+                "removed": r["removed"],
+                "predicted_kl": r["predicted_kl"],
+                "plan": r["plan"],
+                "minus_searched": paired(r["before"], ref["before"]),
+            }
             if r["after"] is not None:
-                entry.update({"loss_after": float(r["after"].mean()),
-                              "minus_searched_after": paired(r["after"], ref["after"]),
-                              "distill_seconds": r["distill_seconds"]})
+                entry.update(
+                    {
+                        "loss_after": float(r["after"].mean()),
+                        "minus_searched_after": paired(r["after"], ref["after"]),
+                        "distill_seconds": r["distill_seconds"],
+                    }
+                )
             row[name] = entry
         rows.append(row)
     split = {}
     for kind in dict.fromkeys(problem.kind):
-        split[kind] = sum(problem.costs[g][0] for g, k in enumerate(problem.kind) if k == kind) / problem.total
+        split[kind] = (
+            sum(problem.costs[g][0] for g, k in enumerate(problem.kind) if k == kind) / problem.total
+        )
     split["outside the decoder"] = problem.outside / problem.total
-    return {"model": problem.name, "corpus": problem.corpus, "params": problem.total, "decoder_params": problem.decoder,
-            "base_loss": float(problem.base.mean()), "seconds": problem.seconds, "forwards": problem.forwards,
-            "removal_kl": problem.removal, "block_influence": problem.influence,
-            "influence_spearman": (spearman([problem.influence[i] for i in sorted(problem.removal)],
-                                            [problem.removal[i] for i in sorted(problem.removal)])
-                                   if len(problem.removal) > 2 else None), "shares": split, "steps": args.steps, "recipe": RECIPE, "rows": rows}
+    return {
+        "model": problem.name,
+        "corpus": problem.corpus,
+        "params": problem.total,
+        "decoder_params": problem.decoder,
+        "base_loss": float(problem.base.mean()),
+        "seconds": problem.seconds,
+        "forwards": problem.forwards,
+        "removal_kl": problem.removal,
+        "block_influence": problem.influence,
+        "influence_spearman": (
+            spearman(
+                [problem.influence[i] for i in sorted(problem.removal)],
+                [problem.removal[i] for i in sorted(problem.removal)],
+            )
+            if len(problem.removal) > 2
+            else None
+        ),
+        "shares": split,
+        "steps": args.steps,
+        "recipe": RECIPE,
+        "rows": rows,
+    }
 
 
-NAMES = [("searched", "searched"), ("refined", "refined"), ("gdn_only", "GDN-only"), ("best_uniform", "best uniform"),
-         ("depth_allowed", "depth allowed"), ("depth_only", "best depth-only")]
+NAMES = [
+    ("searched", "searched"),
+    ("refined", "refined"),
+    ("gdn_only", "GDN-only"),
+    ("best_uniform", "best uniform"),
+    ("depth_allowed", "depth allowed"),
+    ("depth_only", "best depth-only"),
+]
 
 
 def print_model(result: dict) -> None:
     shares = ", ".join(f"{k} {v:.1%}" for k, v in result["shares"].items())
-    print(f"\n{result['model']}: {result['params']:,} parameters ({shares}); decoder {result['decoder_params']:,}; "
-          f"unpruned validation loss {result['base_loss']:.4f}; sensitivity seconds "
-          + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items()))
+    print(
+        f"\n{result['model']}: {result['params']:,} parameters ({shares}); decoder {result['decoder_params']:,}; "
+        f"unpruned validation loss {result['base_loss']:.4f}; sensitivity seconds "
+        + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items())
+    )
     if result["removal_kl"]:
-        print("removal KL (measured) / block influence per layer: " + ", ".join(
-            f"{i}: {result['removal_kl'][i]:.3f}/{result['block_influence'][i]:.3f}" for i in sorted(result["removal_kl"]))
-            + f"; Spearman rho {result['influence_spearman']:.2f}")
+        print(
+            "removal KL (measured) / block influence per layer: "
+            + ", ".join(
+                f"{i}: {result['removal_kl'][i]:.3f}/{result['block_influence'][i]:.3f}"
+                for i in sorted(result["removal_kl"])
+            )
+            + f"; Spearman rho {result['influence_spearman']:.2f}"
+        )
     header = f"{'budget':<7} {'plan':<16} {'kept':>6} {'loss':>7} {'- searched':>17} {'after':>7} {'- searched':>17}  removed"
     print(header)
     print("-" * len(header))
@@ -389,24 +505,43 @@ def print_model(result: dict) -> None:
                 a = e["minus_searched_after"]
                 line += f" {e['loss_after']:7.4f} {a[0]:+9.4f}±{a[1]:.4f}"
             print(line + f"  {e['removed'] or ''}")
-        print(f"{'':7} ({row['uniform_evaluated']} maximal uniform cuts evaluated"
-              + (f", {row['depth_only_evaluated']} depth-only cuts" if "depth_only_evaluated" in row else "") + ")")
+        print(
+            f"{'':7} ({row['uniform_evaluated']} maximal uniform cuts evaluated"
+            + (f", {row['depth_only_evaluated']} depth-only cuts" if "depth_only_evaluated" in row else "")
+            + ")"
+        )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--deep", type=Path, default=None, help="folder of the deeper model (benchmarks/plans.py says how)")
+    p.add_argument(
+        "--deep", type=Path, default=None, help="folder of the deeper model (benchmarks/plans.py says how)"
+    )
     p.add_argument("--skip-bundled", action="store_true", help="only the --deep model")
-    p.add_argument("--depth", action="store_true", help="also depth-allowed and depth-only plans (75 %% and 50 %%)")
+    p.add_argument(
+        "--depth", action="store_true", help="also depth-allowed and depth-only plans (75 %% and 50 %%)"
+    )
     p.add_argument("--dim-step", default="1/4", help="GDN head-dim grid (default 1/4)")
     p.add_argument("--validation-windows", type=int, default=32, help="held-out windows of 256 bytes (32)")
-    p.add_argument("--budgets", type=lambda t: [float(v) for v in t.split(",")], default=list(BUDGETS),
-                   help="fractions of the decoder's parameters (default 0.75,0.5,0.35)")
-    p.add_argument("--plans", type=lambda t: t.split(","), default=["gdn_only", "best_uniform", "depth_allowed"],
-                   help="comparisons besides the searched plan (default gdn_only,best_uniform,depth_allowed; "
-                        "depth_allowed also brings the best depth-only cut, with --depth)")
-    p.add_argument("--refine-generations", type=int, default=0,
-                   help="also the searched plan after this many generations of the joint refinement (0: not)")
+    p.add_argument(
+        "--budgets",
+        type=lambda t: [float(v) for v in t.split(",")],
+        default=list(BUDGETS),
+        help="fractions of the decoder's parameters (default 0.75,0.5,0.35)",
+    )
+    p.add_argument(
+        "--plans",
+        type=lambda t: t.split(","),
+        default=["gdn_only", "best_uniform", "depth_allowed"],
+        help="comparisons besides the searched plan (default gdn_only,best_uniform,depth_allowed; "
+        "depth_allowed also brings the best depth-only cut, with --depth)",
+    )
+    p.add_argument(
+        "--refine-generations",
+        type=int,
+        default=0,
+        help="also the searched plan after this many generations of the joint refinement (0: not)",
+    )
     p.add_argument("--steps", type=int, default=300, help="distillation steps per plan (300; 0: none)")
     p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivities here")
     p.add_argument("--threads", type=int, default=1)
@@ -417,16 +552,23 @@ def main() -> int:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; distillation {args.steps} steps, "
-          f"{RECIPE}")
+    print(
+        f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; distillation {args.steps} steps, "
+        f"{RECIPE}"
+    )
     results = []
     models = []
     if not args.skip_bundled:
         models.append(("bundled", lambda: demo_data.load_demo_model()[0], "pydoc"))
     if args.deep is not None:
         record = json.loads((args.deep / "training.json").read_text())
-        models.append((args.deep.name, lambda: load_pretrained(args.deep, dtype=torch.float32).eval(),
-                       record["corpus"].get("name", "pydoc")))
+        models.append(
+            (
+                args.deep.name,
+                lambda: load_pretrained(args.deep, dtype=torch.float32).eval(),
+                record["corpus"].get("name", "pydoc"),
+            )
+        )
     for name, load, corpus in models:
         problem = Problem(name, load(), corpus, args)
         results.append(run_model(problem, args))

@@ -5,14 +5,28 @@ import copy
 import torch
 import transformers
 
-from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict, slice_gated_delta_net_state_dict
+from gdnprune.gated_delta_net import (
+    GDNPermutation,
+    GDNShape,
+    permute_gated_delta_net_state_dict,
+    slice_gated_delta_net_state_dict,
+)
 from gdnprune.layouts import find_gdn_modules
 
 torch.manual_seed(0)
 config = transformers.Qwen3_5TextConfig(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
-    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
 )
 model = transformers.Qwen3_5ForCausalLM(config).eval()
 with torch.no_grad():  # fresh GDN weights are nearly symmetric; make them distinct
@@ -37,7 +51,9 @@ print(f"permuted model: max |logit difference| = {diff:.2e} (function preserved)
 
 target = GDNShape(num_key_heads=2, num_value_heads=2, key_head_dim=8, value_head_dim=8)
 for prefix, module in find_gdn_modules(model):
-    slice_gated_delta_net_state_dict(state_dict, prefix=prefix, shape=GDNShape.from_module(module), target=target)
+    slice_gated_delta_net_state_dict(
+        state_dict, prefix=prefix, shape=GDNShape.from_module(module), target=target
+    )
 small_config = copy.deepcopy(config)
 for key, value in target.config_updates().items():
     setattr(small_config, key, value)

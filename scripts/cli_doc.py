@@ -72,7 +72,9 @@ def _cell(text: str) -> str:
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+    return [
+        a for a in parser._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+    ]
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -104,15 +106,22 @@ def render() -> str:
         lines.append("| option | value | default | meaning |")
         lines.append("|---|---|---|---|")
         for action in _options(parser):
-            flag = ", ".join(f"`{o}`" for o in sorted(action.option_strings, key=len)) or f"`{action.metavar}`"
-            default = "" if action.default in (None, False, argparse.SUPPRESS) or action.required \
+            flag = (
+                ", ".join(f"`{o}`" for o in sorted(action.option_strings, key=len)) or f"`{action.metavar}`"
+            )
+            default = (
+                ""
+                if action.default in (None, False, argparse.SUPPRESS) or action.required
                 else f"`{action.default}`"
+            )
             if not action.option_strings:
                 default = "(optional)" if action.nargs == "?" else ""
             elif action.required:
                 default = "required"
             value = _value(action)
-            lines.append(f"| {flag} | {'`' + value + '`' if value else ''} | {default} | {_cell(action.help or '')} |")
+            lines.append(
+                f"| {flag} | {'`' + value + '`' if value else ''} | {default} | {_cell(action.help or '')} |"
+            )
     return "\n".join(lines) + "\n"
 
 

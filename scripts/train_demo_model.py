@@ -63,49 +63,95 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and batch sampling (default 0)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr of the cosine (default 0.1)")
+    p.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr of the cosine (default 0.1)"
+    )
     p.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default 20)")
     p.add_argument("--batch-size", type=int, default=16, help="windows per batch (default 16)")
     p.add_argument("--seq-len", type=int, default=256, help="bytes per window (default 256)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default 0.1)")
+    p.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default 0.1)"
+    )
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (default 1.0)")
     p.add_argument("--eval-every", type=int, default=100, help="steps between validation evals (default 100)")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines (default 10)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="dtype of the written weights (default float32); with bfloat16 the final losses are "
-                        "measured on the rounded weights, i.e. on the model as written")
+    p.add_argument(
+        "--save-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype of the written weights (default float32); with bfloat16 the final losses are "
+        "measured on the rounded weights, i.e. on the model as written",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     g = p.add_argument_group("geometry and corpus (defaults: the bundled demo model)")
-    g.add_argument("--family", choices=list(MODEL_CLASS), default="qwen3_5",
-                   help="model family (default qwen3_5, the bundled model's; the MoE families get 4 experts, "
-                        "2 per token, expert and shared-expert widths = hidden size)")
-    g.add_argument("--corpus", choices=demo_data.CORPORA, default="pydoc",
-                   help="training text: pydoc topics (default) or the standard library's docstrings")
-    g.add_argument("--layer-types", default="GGGA",
-                   help="one letter per decoder layer: G = GatedDeltaNet, A = full attention (default GGGA)")
+    g.add_argument(
+        "--family",
+        choices=list(MODEL_CLASS),
+        default="qwen3_5",
+        help="model family (default qwen3_5, the bundled model's; the MoE families get 4 experts, "
+        "2 per token, expert and shared-expert widths = hidden size)",
+    )
+    g.add_argument(
+        "--corpus",
+        choices=demo_data.CORPORA,
+        default="pydoc",
+        help="training text: pydoc topics (default) or the standard library's docstrings",
+    )
+    g.add_argument(
+        "--layer-types",
+        default="GGGA",
+        help="one letter per decoder layer: G = GatedDeltaNet, A = full attention (default GGGA)",
+    )
     g.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
-    g.add_argument("--intermediate-size", type=int, default=None,
-                   help="MLP width of the dense families (default 2 x hidden size)")
+    g.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=None,
+        help="MLP width of the dense families (default 2 x hidden size)",
+    )
     g.add_argument("--key-heads", type=int, default=4, help="GDN key heads (default 4)")
-    g.add_argument("--value-heads", type=int, default=8, help="GDN value heads, a multiple of the key heads (default 8)")
+    g.add_argument(
+        "--value-heads", type=int, default=8, help="GDN value heads, a multiple of the key heads (default 8)"
+    )
     g.add_argument("--key-head-dim", type=int, default=32, help="GDN key head dim (default 32)")
     g.add_argument("--value-head-dim", type=int, default=32, help="GDN value head dim (default 32)")
     g.add_argument("--num-experts", type=int, default=4, help="routed experts per MoE layer (default 4)")
     g.add_argument("--experts-per-token", type=int, default=2, help="routed experts per token (default 2)")
-    g.add_argument("--router-aux-loss", type=float, default=0.0,
-                   help="MoE families: weight of the router's load-balancing loss in training (transformers' "
-                        "router_aux_loss_coef with output_router_logits; default 0: off, as before); the logged "
-                        "loss then includes it, the saved config has output_router_logits false")
-    g.add_argument("--expert-size", type=int, default=None,
-                   help="intermediate size of each routed expert and the shared expert (default hidden size)")
+    g.add_argument(
+        "--router-aux-loss",
+        type=float,
+        default=0.0,
+        help="MoE families: weight of the router's load-balancing loss in training (transformers' "
+        "router_aux_loss_coef with output_router_logits; default 0: off, as before); the logged "
+        "loss then includes it, the saved config has output_router_logits false",
+    )
+    g.add_argument(
+        "--expert-size",
+        type=int,
+        default=None,
+        help="intermediate size of each routed expert and the shared expert (default hidden size)",
+    )
     return p.parse_args(argv)
 
 
-def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, layer_types: str = "GGGA",
-                 hidden_size: int = 128, key_heads: int = 4, value_heads: int = 8, key_head_dim: int = 32,
-                 value_head_dim: int = 32, family: str = "qwen3_5", intermediate_size: int | None = None,
-                 num_experts: int = 4, experts_per_token: int = 2, expert_size: int | None = None):
+def model_config(
+    vocab_size: int,
+    eos_token_id: int,
+    seq_len: int = 256,
+    *,
+    layer_types: str = "GGGA",
+    hidden_size: int = 128,
+    key_heads: int = 4,
+    value_heads: int = 8,
+    key_head_dim: int = 32,
+    value_head_dim: int = 32,
+    family: str = "qwen3_5",
+    intermediate_size: int | None = None,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    expert_size: int | None = None,
+):
     """The demo model's geometry (defaults): hidden 128, 3 GDN layers + 1 full-attention layer, ~0.9M parameters.
 
     Other families get the same text geometry in their own config class (MoE: ``num_experts`` routed
@@ -138,9 +184,15 @@ def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, laye
         pad_token_id=eos_token_id,
     )
     if not 1 <= experts_per_token <= num_experts:
-        raise SystemExit(f"--experts-per-token must be between 1 and --num-experts ({num_experts}), got {experts_per_token}")
-    moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_token,
-               moe_intermediate_size=expert_size or hidden_size, shared_expert_intermediate_size=expert_size or hidden_size)
+        raise SystemExit(
+            f"--experts-per-token must be between 1 and --num-experts ({num_experts}), got {experts_per_token}"
+        )
+    moe = dict(
+        num_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=expert_size or hidden_size,
+        shared_expert_intermediate_size=expert_size or hidden_size,
+    )
     if family == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**text)
     if family == "qwen3_next":
@@ -150,8 +202,17 @@ def model_config(vocab_size: int, eos_token_id: int, seq_len: int = 256, *, laye
     if family == "olmo_hybrid":
         return transformers.OlmoHybridConfig(**{k: v for k, v in text.items() if k != "head_dim"})
     if family == "qwen3_5_vl":
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
-                      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden_size,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+        )
         return transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     raise SystemExit(f"--family must be one of {list(MODEL_CLASS)}, got {family!r}")
 
@@ -166,7 +227,9 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return floor + 0.5 * (args.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def sample_batch(ids: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+def sample_batch(
+    ids: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> torch.Tensor:
     """``batch_size`` random windows of ``seq_len`` tokens from the 1-D ``ids`` (one gather, no loops)."""
     starts = torch.randint(0, ids.numel() - seq_len + 1, (batch_size, 1), generator=generator)
     return ids[starts + torch.arange(seq_len)]
@@ -187,12 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     val_text = demo_data.validation_text(args.corpus)
 
     torch.manual_seed(args.seed)
-    config = model_config(len(tokenizer), tokenizer.eos_token_id, args.seq_len, layer_types=args.layer_types,
-                          hidden_size=args.hidden_size, key_heads=args.key_heads, value_heads=args.value_heads,
-                          key_head_dim=args.key_head_dim, value_head_dim=args.value_head_dim,
-                          family=args.family, intermediate_size=args.intermediate_size,
-                          num_experts=args.num_experts, experts_per_token=args.experts_per_token,
-                          expert_size=args.expert_size)
+    config = model_config(
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        args.seq_len,
+        layer_types=args.layer_types,
+        hidden_size=args.hidden_size,
+        key_heads=args.key_heads,
+        value_heads=args.value_heads,
+        key_head_dim=args.key_head_dim,
+        value_head_dim=args.value_head_dim,
+        family=args.family,
+        intermediate_size=args.intermediate_size,
+        num_experts=args.num_experts,
+        experts_per_token=args.experts_per_token,
+        expert_size=args.expert_size,
+    )
     if args.router_aux_loss:
         if not hasattr(config, "router_aux_loss_coef"):
             raise SystemExit(f"--router-aux-loss needs an MoE family, got {args.family}")
@@ -226,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sample_batch(train_ids, args.batch_size, args.seq_len, generator)
-        loss = model(input_ids=batch, labels=batch, use_cache=False,
-                     **({"output_router_logits": True} if args.router_aux_loss else {})).loss
+        loss = model(
+            input_ids=batch,
+            labels=batch,
+            use_cache=False,
+            **({"output_router_logits": True} if args.router_aux_loss else {}),
+        ).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -243,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.eval_every > 0 and (done % args.eval_every == 0) and done != args.steps:
             val = demo_data.validation_loss(model, text=val_text)
-            history.append({"step": done, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)})
+            history.append(
+                {"step": done, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)}
+            )
             print(f"step {done:5d}  validation loss {val:.4f} nats/byte", flush=True)
     train_seconds = time.perf_counter() - t_start
 
@@ -255,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     val = demo_data.validation_loss(model, text=val_text)
     val_full = demo_data.validation_loss(model, num_windows=None, text=val_text)
     train_eval = demo_data.validation_loss(model, text=train_eval_text)
-    history.append({"step": args.steps, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)})
+    history.append(
+        {"step": args.steps, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)}
+    )
     print(
         f"final: validation {val:.4f} (all windows {val_full:.4f}), train {train_eval:.4f} nats/byte, "
         f"train time {train_seconds:.1f}s",
@@ -287,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         "saved_dtype": args.save_dtype,
         "corpus": {
             "name": args.corpus,
-            "source": {"pydoc": "pydoc_data.topics.topics (sorted keys, joined by a blank line)",
-                       "docstrings": "docstrings of the standard library's source files (ast; sorted paths)"}[args.corpus],
+            "source": {
+                "pydoc": "pydoc_data.topics.topics (sorted keys, joined by a blank line)",
+                "docstrings": "docstrings of the standard library's source files (ast; sorted paths)",
+            }[args.corpus],
             "sha256": demo_data.corpus_sha256(args.corpus),
             "block_chars": demo_data.BLOCK_CHARS,
             "validation_every": demo_data.VALIDATION_EVERY,

@@ -21,8 +21,12 @@ import torch
 
 #: the three tensor layouts of the tiny models, named by the tensors that tell them apart
 FAMILY_OF_MODEL = {
-    "qwen3_5": "qwen3_5", "qwen3_5_vl": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen4_exp": "qwen3_5",
-    "qwen3_next": "qwen3_next", "olmo_hybrid": "olmo_hybrid",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_vl": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen4_exp": "qwen3_5",
+    "qwen3_next": "qwen3_next",
+    "olmo_hybrid": "olmo_hybrid",
 }
 
 
@@ -48,7 +52,7 @@ class Geometry:
         return self.Hv // self.Hk
 
     @classmethod
-    def of(cls, shape) -> "Geometry":
+    def of(cls, shape) -> Geometry:
         """From anything with the four GDNShape fields (a GDNShape, or a transformers GDN module)."""
         if hasattr(shape, "num_k_heads"):
             return cls(shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim)
@@ -86,8 +90,12 @@ def picks(shape, target, permutation=None) -> Picks:
         key_groups, lanes = permutation.key_groups.tolist(), permutation.value_lanes.tolist()
         key_dim, value_dim = permutation.key_dim.tolist(), permutation.value_dim.tolist()
     groups = _rows(key_groups, t.Hk)
-    return Picks(groups, {g: _rows(lanes[g], t.r) for g in groups}, {g: _rows(key_dim[g], t.dk) for g in groups},
-                 _rows(value_dim, t.dv))
+    return Picks(
+        groups,
+        {g: _rows(lanes[g], t.r) for g in groups},
+        {g: _rows(key_dim[g], t.dk) for g in groups},
+        _rows(value_dim, t.dv),
+    )
 
 
 # ---- the zeroing reference -----------------------------------------------------------------------------
@@ -147,14 +155,18 @@ def _qkvz_grouped(x, s: Geometry, p: Picks):
         for block in (q, k):
             out.append(block[p.key_dims[g]])
         for block in (v, z):
-            out.append(block.reshape(s.r, s.dv, *x.shape[1:])[p.lanes[g]][:, p.value_dims].reshape(-1, *x.shape[1:]))
+            out.append(
+                block.reshape(s.r, s.dv, *x.shape[1:])[p.lanes[g]][:, p.value_dims].reshape(-1, *x.shape[1:])
+            )
     return torch.cat(out)
 
 
 def _ba_grouped(x, s: Geometry, p: Picks):
     """Qwen3-Next ``in_proj_ba``: per key group g the rows [b_g (r), a_g (r)]."""
     per_group = x.reshape(s.Hk, 2 * s.r, *x.shape[1:])
-    return torch.cat([torch.cat([per_group[g][:s.r][p.lanes[g]], per_group[g][s.r:][p.lanes[g]]]) for g in p.groups])
+    return torch.cat(
+        [torch.cat([per_group[g][: s.r][p.lanes[g]], per_group[g][s.r :][p.lanes[g]]]) for g in p.groups]
+    )
 
 
 def _dims(x, s: Geometry, p: Picks):
@@ -168,12 +180,39 @@ def _columns(x, s: Geometry, p: Picks):
 
 
 _TABLES = {
-    "qwen3_5": {"in_proj_qkv": _qkv, "in_proj_z": _v, "in_proj_b": _h, "in_proj_a": _h, "conv1d": _qkv,
-                "A_log": _h, "dt_bias": _h, "norm": _dims, "out_proj": _columns},
-    "qwen3_next": {"in_proj_qkvz": _qkvz_grouped, "in_proj_ba": _ba_grouped, "conv1d": _qkv, "A_log": _h,
-                   "dt_bias": _h, "norm": _dims, "out_proj": _columns},
-    "olmo_hybrid": {"q_proj": _q, "k_proj": _q, "v_proj": _v, "g_proj": _v, "a_proj": _h, "b_proj": _h,
-                    "conv1d": _qkv, "A_log": _h, "dt_bias": _h, "o_norm": _dims, "o_proj": _columns},
+    "qwen3_5": {
+        "in_proj_qkv": _qkv,
+        "in_proj_z": _v,
+        "in_proj_b": _h,
+        "in_proj_a": _h,
+        "conv1d": _qkv,
+        "A_log": _h,
+        "dt_bias": _h,
+        "norm": _dims,
+        "out_proj": _columns,
+    },
+    "qwen3_next": {
+        "in_proj_qkvz": _qkvz_grouped,
+        "in_proj_ba": _ba_grouped,
+        "conv1d": _qkv,
+        "A_log": _h,
+        "dt_bias": _h,
+        "norm": _dims,
+        "out_proj": _columns,
+    },
+    "olmo_hybrid": {
+        "q_proj": _q,
+        "k_proj": _q,
+        "v_proj": _v,
+        "g_proj": _v,
+        "a_proj": _h,
+        "b_proj": _h,
+        "conv1d": _qkv,
+        "A_log": _h,
+        "dt_bias": _h,
+        "o_norm": _dims,
+        "o_proj": _columns,
+    },
 }
 
 
@@ -193,7 +232,7 @@ def hand_cut_state_dict(state: dict[str, torch.Tensor], layers: dict[str, tuple]
     out = dict(state)
     for prefix, (shape, target) in layers.items():
         head = prefix + "."
-        tensors = {k[len(head):]: v for k, v in state.items() if k.startswith(head)}
+        tensors = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
         perm = None if permutations is None else permutations.get(prefix)
         out.update({head + k: v for k, v in hand_cut(tensors, shape, target, perm).items()})
     return out

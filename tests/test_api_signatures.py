@@ -9,7 +9,6 @@ import json
 import warnings
 
 import pytest
-
 from test_byte_identity import TARGET, build_source, scores_for
 
 #: function -> its positional parameters (the paths, inputs first, the output last)

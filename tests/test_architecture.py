@@ -77,8 +77,10 @@ def imports_of(name: str, source: str, known: set[str], *, is_package: bool = Fa
 
 def graph_of(root: Path = PACKAGE) -> dict[str, list[Import]]:
     mods = modules(root)
-    return {name: imports_of(name, path.read_text(), set(mods), is_package=path.name == "__init__.py")
-            for name, path in mods.items()}
+    return {
+        name: imports_of(name, path.read_text(), set(mods), is_package=path.name == "__init__.py")
+        for name, path in mods.items()
+    }
 
 
 def is_free(name: str) -> bool:
@@ -129,6 +131,7 @@ def layer_violations(graph: dict[str, list[Import]], order: list[str]) -> list[s
 def private_violations(graph: dict[str, list[Import]], root: Path = PACKAGE) -> list[str]:
     """Private names (``_x``, not dunders) taken from another gdnprune module: ``from m import _x``, ``m._x``
     on an imported module, or a private module imported from outside its own package."""
+
     def private(word: str) -> bool:
         return word.startswith("_") and not (word.startswith("__") and word.endswith("__"))
 
@@ -146,8 +149,13 @@ def private_violations(graph: dict[str, list[Import]], root: Path = PACKAGE) -> 
         source = paths[name].read_text()
         bound = _module_aliases(name, source, set(graph), paths[name].name == "__init__.py")
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
-                    and private(node.attr) and bound[node.value.id] != name:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and private(node.attr)
+                and bound[node.value.id] != name
+            ):
                 problems.append(f"{name}:{node.lineno} uses {bound[node.value.id]}.{node.attr}")
     return problems
 
@@ -160,7 +168,9 @@ def _module_aliases(name: str, source: str, known: set[str], is_package: bool) -
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             base = _base(package, node)
-            out.update({a.asname or a.name: f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known})
+            out.update(
+                {a.asname or a.name: f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+            )
         elif isinstance(node, ast.Import):
             out.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
     return out
@@ -168,8 +178,10 @@ def _module_aliases(name: str, source: str, known: set[str], is_package: bool) -
 
 def find_cycle(graph: dict[str, list[Import]]) -> list[str] | None:
     """A cycle of the import graph (every import; edges to a module's own packages dropped), or None."""
-    edges = {n: sorted({i.target for i in found if not n.startswith(i.target + ".") and i.target != n})
-             for n, found in graph.items()}
+    edges = {
+        n: sorted({i.target for i in found if not n.startswith(i.target + ".") and i.target != n})
+        for n, found in graph.items()
+    }
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> list[str] | None:
@@ -236,9 +248,9 @@ def synthetic(tmp_path):
     files = {
         "__init__.py": "",
         "low.py": "def f():\n    if True:\n        try:\n            from .high import g\n        except ImportError:\n"
-                  "            pass\n",
+        "            pass\n",
         "high.py": "from . import low\nfrom .sub import mod\n\ndef g():\n    from .sub.mod import _secret\n"
-                   "    return low._hidden\n",
+        "    return low._hidden\n",
         "sub/__init__.py": "",
         "sub/mod.py": "import gdnprune.sub._inner\n_secret = 1\n",
         "sub/_inner.py": "",
@@ -253,12 +265,21 @@ def test_the_checkers_see_lazy_imports_cycles_and_private_names(synthetic):
     graph = graph_of(synthetic)
     assert {i.target for i in graph["gdnprune.low"]} == {"gdnprune.high"}  # inside def, if and try
     assert find_cycle(graph) == ["gdnprune.high", "gdnprune.low", "gdnprune.high"]
-    order = ["gdnprune.low", "gdnprune.sub._inner", "gdnprune.sub.mod", "gdnprune.sub", "gdnprune.high",
-             "gdnprune.other"]
-    assert layer_violations(graph, order) == ["gdnprune.low:4 imports gdnprune.high, which is not listed above it"]
-    assert layer_violations(graph, order[1:]) == ["gdnprune.low is not in the code map",
-                                                  "gdnprune.high:1 imports gdnprune.low, which is not listed "
-                                                  "above it"]
+    order = [
+        "gdnprune.low",
+        "gdnprune.sub._inner",
+        "gdnprune.sub.mod",
+        "gdnprune.sub",
+        "gdnprune.high",
+        "gdnprune.other",
+    ]
+    assert layer_violations(graph, order) == [
+        "gdnprune.low:4 imports gdnprune.high, which is not listed above it"
+    ]
+    assert layer_violations(graph, order[1:]) == [
+        "gdnprune.low is not in the code map",
+        "gdnprune.high:1 imports gdnprune.low, which is not listed above it",
+    ]
     assert sorted(private_violations(graph, synthetic)) == [
         "gdnprune.high:5 imports _secret from gdnprune.sub.mod",
         "gdnprune.high:6 uses gdnprune.low._hidden",
@@ -267,12 +288,20 @@ def test_the_checkers_see_lazy_imports_cycles_and_private_names(synthetic):
 
 
 def test_the_code_map_parser_reads_entries_packages_and_bullets():
-    text = ("# A\n\n## Code map\n\n**`geometry`** — x.\n\n**`fileio`**, **`interrupts`** — y.\n\n"
-            "**`checkpoint/`** — z.\n- `folder`: a.\n- `engine`: b.\n\n**`calibration`** — c.\n\n"
-            "**`cli/`** — the rest.\n\n## Invariants\n\n**`late`** — not in the map.\n")
-    assert code_map_order(text) == ["gdnprune.geometry", "gdnprune.fileio", "gdnprune.interrupts",
-                                    "gdnprune.checkpoint.folder", "gdnprune.checkpoint.engine",
-                                    "gdnprune.checkpoint", "gdnprune.calibration"]
+    text = (
+        "# A\n\n## Code map\n\n**`geometry`** — x.\n\n**`fileio`**, **`interrupts`** — y.\n\n"
+        "**`checkpoint/`** — z.\n- `folder`: a.\n- `engine`: b.\n\n**`calibration`** — c.\n\n"
+        "**`cli/`** — the rest.\n\n## Invariants\n\n**`late`** — not in the map.\n"
+    )
+    assert code_map_order(text) == [
+        "gdnprune.geometry",
+        "gdnprune.fileio",
+        "gdnprune.interrupts",
+        "gdnprune.checkpoint.folder",
+        "gdnprune.checkpoint.engine",
+        "gdnprune.checkpoint",
+        "gdnprune.calibration",
+    ]
     with pytest.raises(AssertionError, match="cli/"):
         code_map_order(text.replace("**`cli/`**", "**`cli`**"))
 
@@ -312,10 +341,18 @@ print(json.dumps({{"codes": codes, "loaded": sorted(m for m in ("torch", "transf
                   "blas_threads": blas}}))
 """
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"codes": [0, 0, 0, 0], "loaded": [], "blas_threads": "1"}  # numpy's pool would only spin
-    assert (tmp_path / "sliced" / "config.json").is_file() and (tmp_path / "sliced" / "modeling_gdnprune.py").is_file()
+    assert report == {
+        "codes": [0, 0, 0, 0],
+        "loaded": [],
+        "blas_threads": "1",
+    }  # numpy's pool would only spin
+    assert (tmp_path / "sliced" / "config.json").is_file() and (
+        tmp_path / "sliced" / "modeling_gdnprune.py"
+    ).is_file()
     manifest = json.loads((tmp_path / "compensated" / "gdnprune.json").read_text())
     assert manifest["compensation"]["layers"]  # the refit ran

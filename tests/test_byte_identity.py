@@ -38,13 +38,27 @@ OLMO_SPLIT = {"conv1d.weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.
 
 
 def _config(name: str) -> dict:
-    gdn = {"linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 6,
-           "linear_value_head_dim": 4, "linear_conv_kernel_dim": KERNEL}
-    text = {"hidden_size": HIDDEN, "num_hidden_layers": 3, "vocab_size": 32,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention"], **gdn}
+    gdn = {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 6,
+        "linear_key_head_dim": 6,
+        "linear_value_head_dim": 4,
+        "linear_conv_kernel_dim": KERNEL,
+    }
+    text = {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 3,
+        "vocab_size": 32,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        **gdn,
+    }
     if name == "qwen3_5_vl":
-        return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-                "text_config": {"model_type": "qwen3_5_text", **text}, "vision_config": {"depth": 1}}
+        return {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": {"model_type": "qwen3_5_text", **text},
+            "vision_config": {"depth": 1},
+        }
     return {"model_type": name, **text}
 
 
@@ -67,7 +81,11 @@ def _write_shard(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> None
     header, blobs, offset = {}, [], 0
     for name, array in tensors.items():
         data = array.tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         blobs.append(data)
         offset += len(data)
     header["__metadata__"] = {"format": "pt"}
@@ -84,7 +102,13 @@ def build_source(folder: Path, name: str) -> Path:
     shapes.update(_gdn_tensors(layout, f"{base}layers.0.linear_attn"))
     shapes[f"{base}layers.1.self_attn.q_proj.weight"] = (HIDDEN, HIDDEN)
     shapes.update(_gdn_tensors(layout, f"{base}layers.2.linear_attn"))
-    shapes.update({f"{base}norm.weight": (HIDDEN,), "lm_head.weight": (32, HIDDEN), "mtp.fc.weight": (HIDDEN, 2 * HIDDEN)})
+    shapes.update(
+        {
+            f"{base}norm.weight": (HIDDEN,),
+            "lm_head.weight": (32, HIDDEN),
+            "mtp.fc.weight": (HIDDEN, 2 * HIDDEN),
+        }
+    )
     names = list(shapes)
     cut1, cut2 = names.index(f"{base}layers.1.self_attn.q_proj.weight"), len(names) - 6
     shards = [names[:cut1], names[cut1:cut2], names[cut2:]]
@@ -95,15 +119,18 @@ def build_source(folder: Path, name: str) -> Path:
         arrays = {}
         for n in members:
             if dtype == "BF16":
-                arrays[n] = rng.integers(0x3C00, 0x4100, size=shapes[n], dtype=np.uint16) ^ rng.integers(
-                    0, 2, size=shapes[n], dtype=np.uint16) << 15
+                arrays[n] = (
+                    rng.integers(0x3C00, 0x4100, size=shapes[n], dtype=np.uint16)
+                    ^ rng.integers(0, 2, size=shapes[n], dtype=np.uint16) << 15
+                )
             else:
                 arrays[n] = rng.standard_normal(shapes[n]).astype(DTYPES[dtype])
         _write_shard(folder / file, arrays, dtype)
         weight_map.update({n: file for n in members})
     total = sum((folder / f).stat().st_size for f in set(weight_map.values()))
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     (folder / "config.json").write_text(json.dumps(_config(name), indent=2))
     (folder / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
     return folder
@@ -170,6 +197,7 @@ def test_outputs_are_byte_identical_to_the_recorded_ones(name, operation, tmp_pa
     elif operation == "slice":
         slice_checkpoint(src, out, TARGET, progress=False)
     else:
-        transform_checkpoint(src, out, permutations=scores["layers"], target=TARGET, operation="prune",
-                             progress=False)
+        transform_checkpoint(
+            src, out, permutations=scores["layers"], target=TARGET, operation="prune", progress=False
+        )
     assert tree_digest(out) == RECORDED[(name, operation)]

@@ -20,25 +20,38 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from reference import hand_cut_state_dict, picks, zero_removed_heads
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny_models import MODEL_CLASS, build_model
 
 from gdnprune import checkpoint as ck
 from gdnprune.cli import main
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape
-from reference import hand_cut_state_dict, picks, zero_removed_heads
-from tiny_models import MODEL_CLASS, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 TARGET = {"num_key_heads": 1, "num_value_heads": 1, "key_head_dim": 5, "value_head_dim": 4}
-TARGET_ARGS = ["--num-key-heads", "1", "--num-value-heads", "1", "--key-head-dim", "5", "--value-head-dim", "4"]
+TARGET_ARGS = [
+    "--num-key-heads",
+    "1",
+    "--num-value-heads",
+    "1",
+    "--key-head-dim",
+    "5",
+    "--value-head-dim",
+    "4",
+]
 MODEL_TYPES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
 SEQ = 80  # longer than the GDN kernel's 64-token chunks
 OLMO_CONV = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
-EXTRA_FILES = {"chat_template.jinja": "{{ messages }}", "preprocessor_config.json": '{"size": 4}',
-               "README.md": "# tiny\n", "assets/notes.txt": "nested file\n"}
+EXTRA_FILES = {
+    "chat_template.jinja": "{{ messages }}",
+    "preprocessor_config.json": '{"size": 4}',
+    "README.md": "# tiny\n",
+    "assets/notes.txt": "nested file\n",
+}
 
 
 # ---- building source folders ----------------------------------------------------------------------------
@@ -79,8 +92,9 @@ def _mtp_tensors(dtype) -> dict[str, torch.Tensor]:
     }
 
 
-def make_source(folder: Path, model_type: str, *, dtype=torch.float32, sharded: bool = True, seed: int = 0,
-                config=None) -> Path:
+def make_source(
+    folder: Path, model_type: str, *, dtype=torch.float32, sharded: bool = True, seed: int = 0, config=None
+) -> Path:
     """A model folder of ``model_type`` as save_pretrained writes it, plus mtp tensors and other files."""
     model = build_model(model_type, SHAPE, seed=seed, config=config).to(dtype)
     model.save_pretrained(folder, max_shard_size="20KB" if sharded else "1GB")
@@ -103,8 +117,11 @@ def sources(tmp_path_factory):
 
 
 def hash_tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def raw_tensors(folder: Path) -> dict[str, tuple[str, tuple, bytes]]:
@@ -114,7 +131,7 @@ def raw_tensors(folder: Path) -> dict[str, tuple[str, tuple, bytes]]:
     for shard in ckpt.shards:
         data = Path(shard.path).read_bytes()
         for t in shard.tensors.values():
-            out[t.name] = (t.dtype, t.shape, data[t.start:t.end])
+            out[t.name] = (t.dtype, t.shape, data[t.start : t.end])
     return out
 
 
@@ -142,8 +159,13 @@ def expected_state_dict(src_sd, prefixes, *, perms=None, target=None):
     """The source tensors with every GDN layer permuted and/or cut by hand (``reference.hand_cut``: heads
     and channels picked by the model's own formulas, no gdnprune index code)."""
     sd = fuse_olmo_conv(src_sd, prefixes)
-    cut = SHAPE if target is None else GDNShape(**{**SHAPE.as_dict(), **dict(
-        target.as_dict() if isinstance(target, GDNShape) else target)})
+    cut = (
+        SHAPE
+        if target is None
+        else GDNShape(
+            **{**SHAPE.as_dict(), **dict(target.as_dict() if isinstance(target, GDNShape) else target)}
+        )
+    )
     return hand_cut_state_dict(sd, {p: (SHAPE, cut) for p in prefixes}, perms)
 
 
@@ -161,7 +183,9 @@ def write_scores(path: Path, scores: dict) -> str:
 def load_model(folder: Path, model_type: str):
     cls = getattr(transformers, MODEL_CLASS[model_type])
     model, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    problems = {
+        k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+    }
     assert not problems, problems
     return model.eval()
 
@@ -206,7 +230,12 @@ def test_sort_preserves_logits_and_copies_everything_else(model_type, sources, t
     assert any(len({ckpt.shard_of(t.name) for t in layer.tensors.values()}) > 1 for layer in layers)
     scores, perms = random_scores(prefixes)
     out = tmp_path / "sorted"
-    assert run_cli(["sort", src, "--scores", write_scores(tmp_path / "s.json", scores), "--output", out, "--quiet"]) == 0
+    assert (
+        run_cli(
+            ["sort", src, "--scores", write_scores(tmp_path / "s.json", scores), "--output", out, "--quiet"]
+        )
+        == 0
+    )
     assert "wrote" in capsys.readouterr().out
     assert hash_tree(src) == before  # the input is never modified
     assert leftovers(tmp_path) == []
@@ -228,15 +257,25 @@ def test_sort_preserves_logits_and_copies_everything_else(model_type, sources, t
     for name in expected:
         assert torch.equal(expected[name], got_sd[name]), name
     fused_src = fuse_olmo_conv(src_sd, prefixes)
-    assert all(not torch.equal(expected[n], fused_src[n]) for n in expected if n.endswith("linear_attn.A_log"))
+    assert all(
+        not torch.equal(expected[n], fused_src[n]) for n in expected if n.endswith("linear_attn.A_log")
+    )
 
     # same shard files and assignment; index total_size right; everything else copied
     src_files, out_files = hash_tree(src), hash_tree(out)
-    assert {f for f in src_files if f.endswith(".safetensors")} == {f for f in out_files if f.endswith(".safetensors")}
+    assert {f for f in src_files if f.endswith(".safetensors")} == {
+        f for f in out_files if f.endswith(".safetensors")
+    }
     index = json.loads((out / ck.INDEX_NAME).read_text())
     assert index["weight_map"] == json.loads((src / ck.INDEX_NAME).read_text())["weight_map"]
     assert index["metadata"]["total_size"] == sum(len(v[2]) for v in out_raw.values())
-    for name in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", *EXTRA_FILES]:
+    for name in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        *EXTRA_FILES,
+    ]:
         if name in src_files:
             assert out_files[name] == src_files[name], name
     assert "tokenizer.json" in out_files and "assets/notes.txt" in out_files
@@ -244,8 +283,12 @@ def test_sort_preserves_logits_and_copies_everything_else(model_type, sources, t
     manifest = json.loads((out / ck.MANIFEST_NAME).read_text())
     assert manifest["operation"] == "sort" and manifest["sorted"] is True and manifest["target"] is None
     assert manifest["source"]["path"] == str(src.resolve())
-    assert manifest["source"]["index_sha256"] == hashlib.sha256((src / ck.INDEX_NAME).read_bytes()).hexdigest()
-    assert manifest["source"]["config_sha256"] == hashlib.sha256((src / "config.json").read_bytes()).hexdigest()
+    assert (
+        manifest["source"]["index_sha256"] == hashlib.sha256((src / ck.INDEX_NAME).read_bytes()).hexdigest()
+    )
+    assert (
+        manifest["source"]["config_sha256"] == hashlib.sha256((src / "config.json").read_bytes()).hexdigest()
+    )
     for p in prefixes:
         assert manifest["layers"][p]["permutation"] == perms[p].to_score_payload()
     assert manifest["scores"]["metadata"] == {"method": "random"}
@@ -266,8 +309,10 @@ def test_sorted_vl_checkpoint_loads_as_conditional_generation_and_causal_lm(sour
     ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (causal(input_ids=ids()).logits - ref(input_ids=ids()).logits).abs().max() < 1e-4
-    assert json.loads((out / ck.MANIFEST_NAME).read_text())["layers"][prefixes[0]]["permutation"] == \
-        perms[prefixes[0]].to_score_payload()
+    assert (
+        json.loads((out / ck.MANIFEST_NAME).read_text())["layers"][prefixes[0]]["permutation"]
+        == perms[prefixes[0]].to_score_payload()
+    )
 
 
 # ---- slice ----------------------------------------------------------------------------------------------
@@ -311,30 +356,67 @@ def test_slice_on_disk_equals_zeroing_the_removed_heads(model_type, sources, tmp
     # groups swapped and each group's lanes in its own order, so that the kept heads (2 and 1, then 2) read key
     # groups h // r that differ from h % Hk, and reading a lane order by new position instead of old group shows
     g = torch.Generator().manual_seed(4)
-    perms = {p: GDNPermutation([1, 0], [[1, 0], [0, 1]], torch.rand(2, 8, generator=g).argsort(-1),
-                               torch.randperm(6, generator=g)) for p in prefixes}
+    perms = {
+        p: GDNPermutation(
+            [1, 0],
+            [[1, 0], [0, 1]],
+            torch.rand(2, 8, generator=g).argsort(-1),
+            torch.randperm(6, generator=g),
+        )
+        for p in prefixes
+    }
     scores = {"layers": {p: perm.to_score_payload() for p, perm in perms.items()}, "method": "by hand"}
     r = SHAPE.value_heads_per_group
     assert picks(SHAPE, GDNShape(2, 2, 8, 6), perms[prefixes[0]]).value_heads(r) == [2, 1]
     sorted_dir = tmp_path / "sorted"
-    assert run_cli(["sort", src, "--scores", write_scores(tmp_path / "s.json", scores), "-o", sorted_dir, "-q"]) == 0
+    assert (
+        run_cli(["sort", src, "--scores", write_scores(tmp_path / "s.json", scores), "-o", sorted_dir, "-q"])
+        == 0
+    )
     cases = [  # (name, target, permutations, how)
-        ("groups", GDNShape(1, 2, 8, 6), None, lambda out: run_cli(
-            ["slice", src, "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2"])),
-        ("lanes", GDNShape(2, 2, 8, 6), None, lambda out: ck.slice_checkpoint(src, out, {"num_value_heads": 2},
-                                                                              progress=False)),
-        ("sorted, then groups+lanes", GDNShape(1, 1, 8, 6), perms, lambda out: run_cli(
-            ["slice", sorted_dir, "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "1"])),
-        ("prune, lanes", GDNShape(2, 2, 8, 6), perms, lambda out: ck.transform_checkpoint(
-            src, out, permutations=perms, target={"num_value_heads": 2}, operation="prune", progress=False)),
+        (
+            "groups",
+            GDNShape(1, 2, 8, 6),
+            None,
+            lambda out: run_cli(
+                ["slice", src, "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2"]
+            ),
+        ),
+        (
+            "lanes",
+            GDNShape(2, 2, 8, 6),
+            None,
+            lambda out: ck.slice_checkpoint(src, out, {"num_value_heads": 2}, progress=False),
+        ),
+        (
+            "sorted, then groups+lanes",
+            GDNShape(1, 1, 8, 6),
+            perms,
+            lambda out: run_cli(
+                ["slice", sorted_dir, "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "1"]
+            ),
+        ),
+        (
+            "prune, lanes",
+            GDNShape(2, 2, 8, 6),
+            perms,
+            lambda out: ck.transform_checkpoint(
+                src, out, permutations=perms, target={"num_value_heads": 2}, operation="prune", progress=False
+            ),
+        ),
     ]
     for name, target, permutations, how in cases:
         out = tmp_path / name.replace(" ", "_").replace(",", "")
         done = how(out)  # the CLI's exit code, or the API's manifest
         assert done == 0 or isinstance(done, dict), name
         reference = copy.deepcopy(full)
-        zero_removed_heads(reference, {p: picks(SHAPE, target, None if permutations is None else permutations[p])
-                                       .value_heads(r) for p in prefixes})
+        zero_removed_heads(
+            reference,
+            {
+                p: picks(SHAPE, target, None if permutations is None else permutations[p]).value_heads(r)
+                for p in prefixes
+            },
+        )
         with torch.no_grad():
             want, before = reference(input_ids=ids()).logits, full(input_ids=ids()).logits
             got = load_model(out, model_type)(input_ids=ids()).logits
@@ -349,16 +431,25 @@ def test_sort_then_slice_equals_prune_in_one_pass(sources, tmp_path):
     ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ck.UnsortedInputWarning)  # the sorted output says it is sorted
-        manifest = ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "sliced", GDNShape(1, 2, 5, 4), progress=False)
+        manifest = ck.slice_checkpoint(
+            tmp_path / "sorted", tmp_path / "sliced", GDNShape(1, 2, 5, 4), progress=False
+        )
     assert manifest["sorted"] is True and manifest["source"]["operation"] == "sort"
-    pruned = ck.transform_checkpoint(src, tmp_path / "pruned", permutations=perms, target=dict(num_key_heads=1,
-                                     num_value_heads=2, key_head_dim=5, value_head_dim=4), operation="prune",
-                                     progress=False)
+    pruned = ck.transform_checkpoint(
+        src,
+        tmp_path / "pruned",
+        permutations=perms,
+        target=dict(num_key_heads=1, num_value_heads=2, key_head_dim=5, value_head_dim=4),
+        operation="prune",
+        progress=False,
+    )
     assert pruned["sorted"] is True
     two_pass, one_pass = load_all(tmp_path / "sliced"), load_all(tmp_path / "pruned")
     expected = expected_state_dict(load_all(src), prefixes, perms=perms, target=GDNShape(1, 2, 5, 4))
     for name in expected:
-        assert torch.equal(two_pass[name], one_pass[name]) and torch.equal(expected[name], one_pass[name]), name
+        assert torch.equal(two_pass[name], one_pass[name]) and torch.equal(expected[name], one_pass[name]), (
+            name
+        )
 
 
 @pytest.mark.parametrize("mode", ["pwritev", "pwrite", "pwritev, 3 buffers per call, short writes"])
@@ -384,20 +475,32 @@ def test_every_write_path_gives_the_hand_cut_result(model_type, mode, sources, t
         monkeypatch.setattr(os, "pwritev", short_pwritev)
     scores, perms = random_scores(prefixes, seed=11)
     target = GDNShape(1, 2, 5, 4)
-    ck.transform_checkpoint(src, tmp_path / "pruned", permutations=perms, target=target.as_dict(), operation="prune",
-                            progress=False)
+    ck.transform_checkpoint(
+        src,
+        tmp_path / "pruned",
+        permutations=perms,
+        target=target.as_dict(),
+        operation="prune",
+        progress=False,
+    )
     ck.slice_checkpoint(src, tmp_path / "sliced", target, progress=False)
     ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
     if calls:
         assert max(calls) == 3
     src_sd = load_all(src)
-    for out, kw in (("pruned", dict(perms=perms, target=target)), ("sliced", dict(target=target)),
-                    ("sorted", dict(perms=perms))):
+    for out, kw in (
+        ("pruned", dict(perms=perms, target=target)),
+        ("sliced", dict(target=target)),
+        ("sorted", dict(perms=perms)),
+    ):
         expected = expected_state_dict(src_sd, prefixes, **kw)
         got = fuse_olmo_conv(load_all(tmp_path / out), prefixes)
         assert expected.keys() == got.keys()
         for name in expected:
-            assert expected[name].dtype == got[name].dtype and torch.equal(expected[name], got[name]), (out, name)
+            assert expected[name].dtype == got[name].dtype and torch.equal(expected[name], got[name]), (
+                out,
+                name,
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -409,8 +512,10 @@ def test_single_file_checkpoint_keeps_dtype(dtype, tmp_path):
     ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
     ck.slice_checkpoint(src, tmp_path / "sliced", TARGET, progress=False)
     src_raw = raw_tensors(src)
-    for folder, exp in [(tmp_path / "sorted", expected_state_dict(load_all(src), prefixes, perms=perms)),
-                        (tmp_path / "sliced", expected_state_dict(load_all(src), prefixes, target=TARGET))]:
+    for folder, exp in [
+        (tmp_path / "sorted", expected_state_dict(load_all(src), prefixes, perms=perms)),
+        (tmp_path / "sliced", expected_state_dict(load_all(src), prefixes, target=TARGET)),
+    ]:
         assert sorted(os.listdir(folder)).count(ck.SINGLE_NAME) == 1 and not (folder / ck.INDEX_NAME).exists()
         got, raw = load_all(folder), raw_tensors(folder)
         for name, tensor in exp.items():
@@ -441,14 +546,19 @@ def test_inspect_table_and_json(sources, capsys):
     src = sources["qwen3_5_moe"]
     assert run_cli(["inspect", src]) == 0
     table = capsys.readouterr().out
-    assert "model.layers.0.linear_attn" in table and "model.layers.2.linear_attn" in table and "qwen3_5" in table
+    assert (
+        "model.layers.0.linear_attn" in table and "model.layers.2.linear_attn" in table and "qwen3_5" in table
+    )
     assert run_cli(["inspect", src, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     sd = load_all(src)
     assert info["total_parameters"] == sum(t.numel() for t in sd.values())
     gdn = sum(t.numel() for k, t in sd.items() if ".linear_attn." in k)
     assert info["gdn_parameters"] == gdn and info["other_parameters"] == info["total_parameters"] - gdn
-    assert [layer["prefix"] for layer in info["layers"]] == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    assert [layer["prefix"] for layer in info["layers"]] == [
+        "model.layers.0.linear_attn",
+        "model.layers.2.linear_attn",
+    ]
     assert info["layers"][0]["num_value_heads"] == 4 and info["layers"][0]["layout"] == "qwen3_5"
     assert info["format"] == "sharded" and info["shards"] > 10 and info["manifest"] is None
     assert len(info["layers"][0]["shards"]) >= 1
@@ -467,7 +577,9 @@ def test_verify_cli(sources, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the model sorts heads and slices them " * 30)
     result = ck.verify_checkpoints(src, tmp_path / "sorted", data=text, seq_len=70, num_samples=2)
-    assert "tokenizer" in result["token_source"] and result["tokens"] == [2, 70] and result["within_tolerance"]
+    assert (
+        "tokenizer" in result["token_source"] and result["tokens"] == [2, 70] and result["within_tolerance"]
+    )
     assert abs(result["loss_a"] - result["loss_b"]) < 1e-4
     no_tok = tmp_path / "no_tokenizer"
     shutil.copytree(tmp_path / "sorted", no_tok)
@@ -516,9 +628,13 @@ def test_cli_warnings_are_one_line_on_stderr(sources, tmp_path, capsys):
 
 def test_gdn_looking_mtp_layer_is_left_untouched(tmp_path):
     src = make_source(tmp_path / "src", "qwen3_5")
-    mtp = {f"mtp.layers.0.linear_attn.{r}": t for r, t in {
-        "in_proj_qkv.weight": torch.randn(SHAPE.conv_dim, 64), "in_proj_z.weight": torch.randn(SHAPE.value_dim, 64),
-    }.items()}
+    mtp = {
+        f"mtp.layers.0.linear_attn.{r}": t
+        for r, t in {
+            "in_proj_qkv.weight": torch.randn(SHAPE.conv_dim, 64),
+            "in_proj_z.weight": torch.randn(SHAPE.value_dim, 64),
+        }.items()
+    }
     _add_mtp(src, mtp)
     with pytest.warns(ck.PassthroughWarning, match="mtp.layers.0.linear_attn"):
         manifest = ck.slice_checkpoint(src, tmp_path / "out", TARGET, progress=False)
@@ -533,14 +649,34 @@ def test_overwrite_replaces_existing_output(sources, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    assert run_cli(["slice", sources["qwen3_5"], "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2"]) == 2
+    assert (
+        run_cli(
+            ["slice", sources["qwen3_5"], "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2"]
+        )
+        == 2
+    )
     assert "exists" in capsys.readouterr().err and (out / "old.txt").exists()
     # --overwrite replaces an earlier model folder only, never an arbitrary folder
     assert run_cli(["slice", sources["qwen3_5"], "-o", out, "-q", "--num-key-heads", "1", "--overwrite"]) == 2
     assert "not a model folder" in capsys.readouterr().err and (out / "old.txt").exists()
     (out / "config.json").write_text("{}")
-    assert run_cli(["slice", sources["qwen3_5"], "-o", out, "-q", "--num-key-heads", "1", "--num-value-heads", "2",
-                    "--overwrite"]) == 0
+    assert (
+        run_cli(
+            [
+                "slice",
+                sources["qwen3_5"],
+                "-o",
+                out,
+                "-q",
+                "--num-key-heads",
+                "1",
+                "--num-value-heads",
+                "2",
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     assert not (out / "old.txt").exists() and (out / ck.MANIFEST_NAME).exists()
     assert leftovers(tmp_path) == []
 
@@ -586,7 +722,9 @@ def _no_weights(folder):
 def _index_disagrees(folder):
     index = json.loads((folder / ck.INDEX_NAME).read_text())
     name = next(iter(index["weight_map"]))
-    index["weight_map"][name] = next(v for v in index["weight_map"].values() if v != index["weight_map"][name])
+    index["weight_map"][name] = next(
+        v for v in index["weight_map"].values() if v != index["weight_map"][name]
+    )
     (folder / ck.INDEX_NAME).write_text(json.dumps(index))
 
 
@@ -609,8 +747,17 @@ def _unknown_layout(folder):
 
 
 def _quantised(folder):
-    _rewrite_tensors(folder, lambda k, v: {k: v, **({k + "_scale_inv": torch.ones(1)} if k.endswith(
-        "layers.0.linear_attn.in_proj_qkv.weight") else {})})
+    _rewrite_tensors(
+        folder,
+        lambda k, v: {
+            k: v,
+            **(
+                {k + "_scale_inv": torch.ones(1)}
+                if k.endswith("layers.0.linear_attn.in_proj_qkv.weight")
+                else {}
+            ),
+        },
+    )
 
 
 def _missing_gdn_tensor(folder):
@@ -640,7 +787,10 @@ INPUT_ERRORS = {
     "unknown layout": (_unknown_layout, "unknown GDN layout"),
     "quantised": (_quantised, "not part of the qwen3_5 GDN layout"),
     "missing tensor": (_missing_gdn_tensor, "missing tensor 'model.layers.2.linear_attn.dt_bias'"),
-    "wrong geometry": (_wrong_geometry, r"A_log' has shape \(4,\), expected \(6\) for GDNShape.* \(config.json"),
+    "wrong geometry": (
+        _wrong_geometry,
+        r"A_log' has shape \(4,\), expected \(6\) for GDNShape.* \(config.json",
+    ),
     "no GDN layer": (_no_gdn_layer, "no GDN layer"),
 }
 
@@ -675,12 +825,18 @@ SCORE_ERRORS = {
     "not json": ("{oops", "not valid JSON"),
     "no layers": ({"method": "x"}, "'layers'"),
     "not a GDN layer": ({"layers": {"model.layers.1.linear_attn": {}}}, "not a GDN layer"),
-    "wrong shape": ({"layers": {"model.layers.0.linear_attn": {"key_group_order_most_important_first": [0, 1, 2]}}},
-                    r"key_group_order_most_important_first: expected shape \[2\], found \[3\]"),
-    "not a permutation": ({"layers": {"model.layers.0.linear_attn": {"value_dim_order_most_important_first": [0] * 6}}},
-                          "not a permutation"),
-    "lanes wrong shape": ({"layers": {"model.layers.2.linear_attn": {
-        "value_lane_order_most_important_first": [[0, 1, 2, 3]]}}}, r"expected shape \[2, 2\], found \[1, 4\]"),
+    "wrong shape": (
+        {"layers": {"model.layers.0.linear_attn": {"key_group_order_most_important_first": [0, 1, 2]}}},
+        r"key_group_order_most_important_first: expected shape \[2\], found \[3\]",
+    ),
+    "not a permutation": (
+        {"layers": {"model.layers.0.linear_attn": {"value_dim_order_most_important_first": [0] * 6}}},
+        "not a permutation",
+    ),
+    "lanes wrong shape": (
+        {"layers": {"model.layers.2.linear_attn": {"value_lane_order_most_important_first": [[0, 1, 2, 3]]}}},
+        r"expected shape \[2, 2\], found \[1, 4\]",
+    ),
 }
 
 
@@ -725,10 +881,26 @@ def test_output_inside_or_equal_to_input_is_refused(sources, tmp_path, capsys):
     folder = _copy(sources, tmp_path)
     before = hash_tree(folder)
     for out in (folder / "sub", folder, folder / "a" / "b"):
-        assert run_cli(["slice", folder, "--output", out, "--num-key-heads", "1", "--num-value-heads", "2"]) == 2
+        assert (
+            run_cli(["slice", folder, "--output", out, "--num-key-heads", "1", "--num-value-heads", "2"]) == 2
+        )
         assert "model folder" in capsys.readouterr().err
-    assert run_cli(["slice", folder, "--output", tmp_path, "--overwrite", "--num-key-heads", "1",
-                    "--num-value-heads", "2"]) == 2
+    assert (
+        run_cli(
+            [
+                "slice",
+                folder,
+                "--output",
+                tmp_path,
+                "--overwrite",
+                "--num-key-heads",
+                "1",
+                "--num-value-heads",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "inside the output folder" in capsys.readouterr().err
     assert hash_tree(folder) == before and not (folder / "sub").exists()
 
@@ -750,7 +922,12 @@ def test_interrupt_while_copying_leaves_nothing(sources, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(engine, "copy_range", interrupted)
     out = tmp_path / "out"
-    assert run_cli(["slice", sources["qwen3_5"], "--output", out, "--num-key-heads", "1", "--num-value-heads", "2"]) == 130
+    assert (
+        run_cli(
+            ["slice", sources["qwen3_5"], "--output", out, "--num-key-heads", "1", "--num-value-heads", "2"]
+        )
+        == 130
+    )
     assert calls["n"] == 3 and not out.exists() and leftovers(tmp_path) == []
 
 
@@ -762,12 +939,17 @@ def test_interrupt_in_the_gather_worker_leaves_nothing(sources, tmp_path, monkey
 
     monkeypatch.setattr(engine, "_write_job", interrupted)
     out = tmp_path / "out"
-    assert run_cli(["slice", sources["qwen3_next"], "-o", out, "--num-key-heads", "1", "--num-value-heads", "2"]) == 130
+    assert (
+        run_cli(["slice", sources["qwen3_next"], "-o", out, "--num-key-heads", "1", "--num-value-heads", "2"])
+        == 130
+    )
     assert not out.exists() and leftovers(tmp_path) == []
 
 
 def test_python_m_gdnprune_help():
-    result = subprocess.run([sys.executable, "-m", "gdnprune", "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "gdnprune", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0
     for command in ("inspect", "sort", "slice", "verify"):
         assert command in result.stdout

@@ -37,7 +37,7 @@ def test_read_header_of_a_safetensors_file(tmp_path):
     for name, t in tensors.items():
         info = h.tensors[name]
         assert info.shape == tuple(t.shape) and info.nbytes == t.numel() * t.element_size()
-        assert data[info.start:info.end] == t.contiguous().view(torch.uint8).numpy().tobytes()
+        assert data[info.start : info.end] == t.contiguous().view(torch.uint8).numpy().tobytes()
     assert h.tensors["b"].dtype == "BF16" and h.tensors["c"].numel == 6
 
 
@@ -75,8 +75,14 @@ def _write_raw(path, header: dict, data: bytes, pad: bytes = b""):
         ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "needs 8 bytes"),
         ({"x": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unknown dtype"),
         ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}, b"\0" * 8, "non-negative"),
-        ({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-          "y": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8, "overlapping"),
+        (
+            {
+                "x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                "y": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            },
+            b"\0" * 8,
+            "overlapping",
+        ),
         ({"x": {"dtype": "F32", "shape": [1]}}, b"\0" * 4, "expected dtype, shape and data_offsets"),
         ([1, 2], b"", "expected an object"),
         ({"__metadata__": {"a": 1}}, b"", "__metadata__"),
@@ -102,7 +108,9 @@ def test_read_header_rejects_short_and_unreadable_files(tmp_path):
 
 def test_trailing_spaces_in_header_are_fine(tmp_path):
     path = tmp_path / "pad.safetensors"
-    _write_raw(path, {"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, struct.pack("<f", 1.5), b" " * 13)
+    _write_raw(
+        path, {"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, struct.pack("<f", 1.5), b" " * 13
+    )
     assert read_header(path).tensors["x"].start == 8 + path.stat().st_size - 12
     with safe_open(path, "pt") as f:
         assert f.get_tensor("x").item() == 1.5

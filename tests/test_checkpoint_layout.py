@@ -29,8 +29,13 @@ from gdnprune.checkpoint.engine import InputChangedError
 from gdnprune.safetensors_io import BLOCK, copy_range, read_header
 
 HIDDEN = 512  # BF16 rows of 1 KiB
-GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-       "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+GDN = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
 TARGET = {"num_key_heads": 1, "num_value_heads": 2}
 
 
@@ -38,10 +43,15 @@ def _gdn(prefix: str) -> dict[str, tuple[int, ...]]:
     """A Qwen3-Next layer (fused in_proj_qkvz / in_proj_ba), in the order safetensors writes names."""
     hk, hv, dk, dv = 2, 4, 16, 16
     conv = 2 * hk * dk + hv * dv
-    return {f"{prefix}.A_log": (hv,), f"{prefix}.conv1d.weight": (conv, 1, 4), f"{prefix}.dt_bias": (hv,),
-            f"{prefix}.in_proj_ba.weight": (2 * hv, HIDDEN),
-            f"{prefix}.in_proj_qkvz.weight": (hk * (2 * dk + 2 * (hv // hk) * dv), HIDDEN),
-            f"{prefix}.norm.weight": (dv,), f"{prefix}.out_proj.weight": (HIDDEN, hv * dv)}
+    return {
+        f"{prefix}.A_log": (hv,),
+        f"{prefix}.conv1d.weight": (conv, 1, 4),
+        f"{prefix}.dt_bias": (hv,),
+        f"{prefix}.in_proj_ba.weight": (2 * hv, HIDDEN),
+        f"{prefix}.in_proj_qkvz.weight": (hk * (2 * dk + 2 * (hv // hk) * dv), HIDDEN),
+        f"{prefix}.norm.weight": (dv,),
+        f"{prefix}.out_proj.weight": (HIDDEN, hv * dv),
+    }
 
 
 def build_wide(folder: Path, pad: int = 0) -> Path:
@@ -66,27 +76,45 @@ def build_wide(folder: Path, pad: int = 0) -> Path:
         header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
         for tensor, shape in shapes.items():
             data = rng.integers(0x3C00, 0x4100, size=shape, dtype=np.uint16).tobytes()
-            header[tensor] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+            header[tensor] = {
+                "dtype": "BF16",
+                "shape": list(shape),
+                "data_offsets": [offset, offset + len(data)],
+            }
             blobs.append(data)
             offset += len(data)
             weight_map[tensor] = name
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8 + pad)
         (folder / name).write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = {"model_type": "qwen3_next", "hidden_size": HIDDEN, "num_hidden_layers": 3, "vocab_size": 32,
-              "layer_types": ["linear_attention", "full_attention", "linear_attention"], **GDN}
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    config = {
+        "model_type": "qwen3_next",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 3,
+        "vocab_size": 32,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        **GDN,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
 def random_scores(seed: int = 3) -> dict:
     rng = np.random.Generator(np.random.PCG64(seed))
-    return {"layers": {f"model.layers.{i}.linear_attn": {
-        "key_group_order_most_important_first": rng.permutation(2).tolist(),
-        "value_lane_order_most_important_first": [rng.permutation(2).tolist() for _ in range(2)],
-        "key_dim_order_most_important_first": [rng.permutation(16).tolist() for _ in range(2)],
-        "value_dim_order_most_important_first": rng.permutation(16).tolist()} for i in (0, 2)}}
+    return {
+        "layers": {
+            f"model.layers.{i}.linear_attn": {
+                "key_group_order_most_important_first": rng.permutation(2).tolist(),
+                "value_lane_order_most_important_first": [rng.permutation(2).tolist() for _ in range(2)],
+                "key_dim_order_most_important_first": [rng.permutation(16).tolist() for _ in range(2)],
+                "value_dim_order_most_important_first": rng.permutation(16).tolist(),
+            }
+            for i in (0, 2)
+        }
+    }
 
 
 def tensors(path: Path) -> dict[str, bytes]:
@@ -95,7 +123,7 @@ def tensors(path: Path) -> dict[str, bytes]:
     header = read_header(path)
     data = path.read_bytes()
     assert set(names) == set(header.tensors)
-    return {t.name: data[t.start:t.end] for t in header.tensors.values()}
+    return {t.name: data[t.start : t.end] for t in header.tensors.values()}
 
 
 def digest(folder: Path) -> str:
@@ -112,8 +140,9 @@ def test_a_sort_keeps_the_source_layout(tmp_path, pad):
     for path in sorted(src.glob("*.safetensors")):
         a, b = read_header(path), read_header(tmp_path / "out" / path.name)
         assert b.data_start % BLOCK == a.data_start % BLOCK and b.data_start % 8 == 0
-        assert [(t.name, t.start - a.data_start, t.end - a.data_start) for t in a.tensors.values()] == \
-               [(t.name, t.start - b.data_start, t.end - b.data_start) for t in b.tensors.values()]
+        assert [(t.name, t.start - a.data_start, t.end - a.data_start) for t in a.tensors.values()] == [
+            (t.name, t.start - b.data_start, t.end - b.data_start) for t in b.tensors.values()
+        ]
         before, after = tensors(path), tensors(tmp_path / "out" / path.name)
         changed = {n for n in before if before[n] != after[n]}
         assert changed and all(".linear_attn." in n for n in changed)
@@ -125,7 +154,7 @@ def test_a_slice_keeps_the_largest_unchanged_run_at_its_block_offset(tmp_path):
     slice_checkpoint(src, tmp_path / "out", TARGET, progress=False)
     for path in sorted(src.glob("*.safetensors")):
         a, b = read_header(path), read_header(tmp_path / "out" / path.name)
-        raw = (tmp_path / "out" / path.name).read_bytes()[8:b.data_start]
+        raw = (tmp_path / "out" / path.name).read_bytes()[8 : b.data_start]
         assert b.data_start % 8 == 0 and raw.rstrip(b" ").endswith(b"}") and b" " * 64 in raw  # padded
         experts = [n for n in a.tensors if ".mlp." in n]
         assert all((b.tensors[n].start - a.tensors[n].start) % BLOCK == 0 for n in experts)
@@ -139,8 +168,12 @@ def test_a_slice_keeps_the_largest_unchanged_run_at_its_block_offset(tmp_path):
 def test_kernel_copies_and_vectored_writes_give_the_same_rows(tmp_path, monkeypatch, operation):
     """A slice keeps whole heads (runs of 96 rows of 1 KiB, copied in the kernel); force both row paths."""
     src = build_wide(tmp_path / "src")
-    kwargs = dict(target=TARGET, operation="prune", progress=False,
-                  permutations=random_scores()["layers"] if operation == "sort+slice" else None)
+    kwargs = dict(
+        target=TARGET,
+        operation="prune",
+        progress=False,
+        permutations=random_scores()["layers"] if operation == "sort+slice" else None,
+    )
     calls = []
     real = engine._copy
     monkeypatch.setattr(engine, "_copy", lambda *args: calls.append(args) or real(*args))
@@ -151,14 +184,18 @@ def test_kernel_copies_and_vectored_writes_give_the_same_rows(tmp_path, monkeypa
         transform_checkpoint(src, out, **kwargs)
         results[threshold] = digest(out)
     assert results[0] == results[1 << 40]
-    assert any(len(c) == 4 for c in calls)  # GDN rows copied in the kernel (the unchanged bytes pass on_chunk)
+    assert any(
+        len(c) == 4 for c in calls
+    )  # GDN rows copied in the kernel (the unchanged bytes pass on_chunk)
 
 
 def test_two_threads_share_the_unchanged_bytes_of_large_shards(tmp_path, monkeypatch):
     """Once its GDN jobs are done the worker copies unchanged pieces from the back of the shards; each piece
     is copied once, by one thread, and the output does not depend on who copied what."""
     src = build_wide(tmp_path / "src")
-    sort_checkpoint(src, random_scores(), tmp_path / "alone", progress=False)  # small shards: the main thread alone
+    sort_checkpoint(
+        src, random_scores(), tmp_path / "alone", progress=False
+    )  # small shards: the main thread alone
     monkeypatch.setattr(engine, "_SHARE_MIN", 0)
     monkeypatch.setattr(engine, "_PIECE", BLOCK)
     pieces, main_copied = [], threading.Event()
@@ -185,8 +222,11 @@ def test_two_threads_share_the_unchanged_bytes_of_large_shards(tmp_path, monkeyp
         assert sum(piece[2] for p, piece in copied if p == str(path)) == unchanged
 
 
-@pytest.mark.parametrize("threshold,cut_at", [(0, "conv1d"), (1 << 40, "conv1d"), (1 << 40, "experts")],
-                         ids=["kernel row copies", "reads", "shared unchanged copies"])
+@pytest.mark.parametrize(
+    "threshold,cut_at",
+    [(0, "conv1d"), (1 << 40, "conv1d"), (1 << 40, "experts")],
+    ids=["kernel row copies", "reads", "shared unchanged copies"],
+)
 def test_a_shard_truncated_under_the_gdn_work_gives_a_clear_error(tmp_path, monkeypatch, threshold, cut_at):
     from gdnprune.checkpoint import find_gdn_layers, open_checkpoint
     from gdnprune.targets import resolve_target
@@ -196,23 +236,33 @@ def test_a_shard_truncated_under_the_gdn_work_gives_a_clear_error(tmp_path, monk
     monkeypatch.setattr(engine, "_PIECE", BLOCK)
     ckpt = open_checkpoint(build_wide(tmp_path / "src"))
     layers, _ = find_gdn_layers(ckpt)
-    plans = {layer.prefix: engine.plan_layer(layer, resolve_target(layer.shape, TARGET), None) for layer in layers}
+    plans = {
+        layer.prefix: engine.plan_layer(layer, resolve_target(layer.shape, TARGET), None) for layer in layers
+    }
     (tmp_path / "out").mkdir()
-    shards = engine.plan_shards(ckpt, {layer.name(s) for layer in layers for s in layer.tensors}, tmp_path / "out")
+    shards = engine.plan_shards(
+        ckpt, {layer.name(s) for layer in layers for s in layer.tensors}, tmp_path / "out"
+    )
     work = engine.GDNWork(ckpt, shards, plans)
-    cut = {"conv1d": "model.layers.2.linear_attn.conv1d.weight", "experts": "model.layers.2.mlp.experts.1.down_proj.weight"}
+    cut = {
+        "conv1d": "model.layers.2.linear_attn.conv1d.weight",
+        "experts": "model.layers.2.mlp.experts.1.down_proj.weight",
+    }
     with open(ckpt.shards[-1].path, "r+b") as f:  # after the headers were read (the GDN tensors come before)
         f.truncate(ckpt.tensor(cut[cut_at]).end)
     with pytest.raises(InputChangedError, match="input changed while reading"):
         work.run()
 
 
-@pytest.mark.parametrize("index", [
-    np.random.default_rng(0).permutation(64),                              # single columns
-    np.concatenate([np.arange(h * 16, h * 16 + 16) for h in (3, 0, 2)]),  # whole heads of 16
-    np.concatenate([np.arange(h * 16, h * 16 + 8) for h in (1, 2)]),       # half heads: blocks of 8
-    np.arange(10, 30),                                                     # one run, unaligned start
-])
+@pytest.mark.parametrize(
+    "index",
+    [
+        np.random.default_rng(0).permutation(64),  # single columns
+        np.concatenate([np.arange(h * 16, h * 16 + 16) for h in (3, 0, 2)]),  # whole heads of 16
+        np.concatenate([np.arange(h * 16, h * 16 + 8) for h in (1, 2)]),  # half heads: blocks of 8
+        np.arange(10, 30),  # one run, unaligned start
+    ],
+)
 def test_block_gathers_equal_numpy_take(index):
     array = np.random.default_rng(1).integers(0, 2**16, size=(5, 64), dtype=np.uint16)
     out = np.empty((5, index.size), dtype=np.uint16)
@@ -231,7 +281,7 @@ def test_copies_start_at_block_boundaries_after_the_first(tmp_path, monkeypatch)
         fout.seek(0, os.SEEK_END)
         copy_range(fin.fileno(), fout.fileno(), 0, 10)  # at the current position, which then moves on
         assert fout.tell() == len(payload) + BLOCK + 10
-    assert (tmp_path / "dst").read_bytes()[BLOCK + 100:] == payload[100:] + payload[:10]
+    assert (tmp_path / "dst").read_bytes()[BLOCK + 100 :] == payload[100:] + payload[:10]
     offsets = [(src, dst) for _, src, dst in calls[:-1]]
     assert [c[0] for c in calls[:-1]] == [BLOCK - 100, 2 * BLOCK, 2 * BLOCK, 123]
     assert all(src % BLOCK == 0 and dst == src + BLOCK for src, dst in offsets[1:])
@@ -245,17 +295,24 @@ def xfs(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("the reflink test loop-mounts an XFS image: needs root")
     if not shutil.which("mkfs.xfs") or not shutil.which("filefrag"):
-        pytest.skip("the reflink test needs mkfs.xfs (xfsprogs) and filefrag (e2fsprogs); "
-                    f"missing: {[t for t in ('mkfs.xfs', 'filefrag') if not shutil.which(t)]}")
+        pytest.skip(
+            "the reflink test needs mkfs.xfs (xfsprogs) and filefrag (e2fsprogs); "
+            f"missing: {[t for t in ('mkfs.xfs', 'filefrag') if not shutil.which(t)]}"
+        )
     image, mount = tmp_path / "xfs.img", tmp_path / "mnt"
     with open(image, "wb") as f:
         f.truncate(320 << 20)  # sparse; mkfs.xfs needs at least 300 MB
     mount.mkdir()
-    for step in (["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], ["mount", "-o", "loop", str(image), str(mount)]):
+    for step in (
+        ["mkfs.xfs", "-q", "-m", "reflink=1", str(image)],
+        ["mount", "-o", "loop", str(image), str(mount)],
+    ):
         done = subprocess.run(step, capture_output=True, text=True)
         if done.returncode:
-            pytest.skip(f"the reflink test cannot run {step[0]} here (exit {done.returncode}: "
-                        f"{' '.join(done.stderr.split())[:120]})")
+            pytest.skip(
+                f"the reflink test cannot run {step[0]} here (exit {done.returncode}: "
+                f"{' '.join(done.stderr.split())[:120]})"
+            )
     try:
         yield mount
     finally:
@@ -264,7 +321,9 @@ def xfs(tmp_path):
 
 def shared_bytes(path: Path) -> int:
     """Bytes of ``path`` in extents that the file system marks as shared (FIEMAP, via filefrag)."""
-    out = subprocess.run(["filefrag", "-v", "-b1", str(path)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["filefrag", "-v", "-b1", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     total = 0
     for line in out.splitlines():
         fields = [f.strip() for f in line.split(":")]

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_byte_identity import TARGET, build_source, scores_for
 
 from gdnprune.cli import exit_code, main
-from test_byte_identity import TARGET, build_source, scores_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_ARGS = [a for k, v in TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
@@ -35,9 +35,23 @@ COMMANDS = CLI_DOC.subparsers()
 
 #: options whose help names the command's own object (its output, its data, its default), so that the help
 #: may differ between commands; flags, value type, choices and kind must still agree
-PER_COMMAND = {"output", "overwrite", "data", "num_samples", "seq_len", "seed", "threads", "batch_size", "json",
-               "scores", "plan", "dequantize", "compensation_stats", "eval_samples",
-               "dtype"}  # dtype: of the forward passes' weights, or (distill) of the trained parameters
+PER_COMMAND = {
+    "output",
+    "overwrite",
+    "data",
+    "num_samples",
+    "seq_len",
+    "seed",
+    "threads",
+    "batch_size",
+    "json",
+    "scores",
+    "plan",
+    "dequantize",
+    "compensation_stats",
+    "eval_samples",
+    "dtype",
+}  # dtype: of the forward passes' weights, or (distill) of the trained parameters
 #: (vocabulary differences that are known and accepted: none)
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 #: old spellings: none may be a visible option of any command
@@ -49,8 +63,9 @@ def _visible(parser):
 
 
 def test_docs_cli_md_is_generated_from_the_parsers():
-    assert (ROOT / "docs" / "cli.md").read_text() == CLI_DOC.render(), \
+    assert (ROOT / "docs" / "cli.md").read_text() == CLI_DOC.render(), (
         "docs/cli.md is out of date: run python scripts/cli_doc.py"
+    )
 
 
 def vocabulary_problems(commands) -> list[str]:
@@ -79,7 +94,11 @@ def vocabulary_problems(commands) -> list[str]:
             }
             for what, ok in same.items():
                 key = f"{what}:{dest}" if what in ("help", "metavar") else what
-                if not ok and (command, key) not in KNOWN_EXCEPTIONS and (first_command, key) not in KNOWN_EXCEPTIONS:
+                if (
+                    not ok
+                    and (command, key) not in KNOWN_EXCEPTIONS
+                    and (first_command, key) not in KNOWN_EXCEPTIONS
+                ):
                     problems.append(f"{dest}: {command} and {first_command} differ in {what}")
     return problems
 
@@ -101,9 +120,12 @@ def test_the_checker_sees_two_names_for_one_concept_and_two_meanings_for_one_nam
     b.add_argument("--compensate", dest="compensation_stats", metavar="FILE")  # one flag, two meanings
     b.add_argument("--calibration-windows", type=positive_int)  # a retired spelling
     problems = "\n".join(vocabulary_problems({"a": a, "b": b}))
-    for expected in ("quiet: b and a differ in flags", "num_samples: b and a differ in type",
-                     "--compensate stores into ['compensate', 'compensation_stats']",
-                     "b --calibration-windows: a retired spelling"):
+    for expected in (
+        "quiet: b and a differ in flags",
+        "num_samples: b and a differ in type",
+        "--compensate stores into ['compensate', 'compensation_stats']",
+        "b --calibration-windows: a retired spelling",
+    ):
         assert expected in problems, problems
 
 
@@ -116,17 +138,23 @@ def test_every_writing_command_has_the_same_output_options():
         assert "--dist-timeout" in {f for a in _visible(COMMANDS[command]) for f in a.option_strings}
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["score", "m", "--refine-samples", "0"], "expected a positive integer, got 0"),
-    (["score", "m", "--num-samples", "-3"], "expected a positive integer, got -3"),
-    (["verify", "a", "b", "--tolerance", "-1"], "expected a finite number >= 0, got '-1'"),
-    (["verify", "a", "b", "--tolerance", "nan"], "expected a finite number >= 0, got 'nan'"),
-    (["slice", "m", "-o", "x", "--ridge", "0"], "expected a finite number > 0, got '0'"),
-    (["slice", "m", "-o", "x", "--ridge", "inf"], "expected a finite number > 0, got 'inf'"),
-    (["plan", "m", "--scores", "s", "-o", "p", "--dist-timeout", "0"], "expected a number of seconds > 0"),
-    (["demo", "--threads", "0"], "expected a positive integer, got 0"),
-    (["demo", "--num-random", "-1"], "expected an integer >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["score", "m", "--refine-samples", "0"], "expected a positive integer, got 0"),
+        (["score", "m", "--num-samples", "-3"], "expected a positive integer, got -3"),
+        (["verify", "a", "b", "--tolerance", "-1"], "expected a finite number >= 0, got '-1'"),
+        (["verify", "a", "b", "--tolerance", "nan"], "expected a finite number >= 0, got 'nan'"),
+        (["slice", "m", "-o", "x", "--ridge", "0"], "expected a finite number > 0, got '0'"),
+        (["slice", "m", "-o", "x", "--ridge", "inf"], "expected a finite number > 0, got 'inf'"),
+        (
+            ["plan", "m", "--scores", "s", "-o", "p", "--dist-timeout", "0"],
+            "expected a number of seconds > 0",
+        ),
+        (["demo", "--threads", "0"], "expected a positive integer, got 0"),
+        (["demo", "--num-random", "-1"], "expected an integer >= 0, got -1"),
+    ],
+)
 def test_numbers_are_checked_when_the_command_line_is_read(argv, expected, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
@@ -135,12 +163,15 @@ def test_numbers_are_checked_when_the_command_line_is_read(argv, expected, capsy
     assert expected in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("command, old, new, dest, value", [
-    ("demo", "--calibration-windows", "--num-samples", "num_samples", 8),
-    ("demo", "--validation-windows", "--eval-samples", "eval_samples", 8),
-    ("verify", "--num-sequences", "--num-samples", "num_samples", 3),
-    ("slice", "--compensate", "--compensation-stats", "compensation_stats", "stats.safetensors"),
-])
+@pytest.mark.parametrize(
+    "command, old, new, dest, value",
+    [
+        ("demo", "--calibration-windows", "--num-samples", "num_samples", 8),
+        ("demo", "--validation-windows", "--eval-samples", "eval_samples", 8),
+        ("verify", "--num-sequences", "--num-samples", "num_samples", 3),
+        ("slice", "--compensate", "--compensation-stats", "compensation_stats", "stats.safetensors"),
+    ],
+)
 def test_deprecated_spellings_still_work_and_say_so(command, old, new, dest, value, capsys, recwarn):
     from gdnprune.cli import build_parser
 
@@ -186,7 +217,9 @@ def tiny_tmpfs(tmp_path):
         pytest.skip("needs root to mount a small tmpfs (a full disk cannot be simulated otherwise as root)")
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -229,8 +262,24 @@ def test_quiet_hides_the_weight_loading_bar(tmp_path):
     from gdnprune.demo_data import demo_model_path
 
     (tmp_path / "text.txt").write_text("a few words of calibration text")
-    argv = [sys.executable, "-m", "gdnprune", "score", str(demo_model_path()), "--data", str(tmp_path / "text.txt"),
-            "-o", str(tmp_path / "s.json"), "--overwrite", "--num-samples", "1", "--seq-len", "8", "--threads", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gdnprune",
+        "score",
+        str(demo_model_path()),
+        "--data",
+        str(tmp_path / "text.txt"),
+        "-o",
+        str(tmp_path / "s.json"),
+        "--overwrite",
+        "--num-samples",
+        "1",
+        "--seq-len",
+        "8",
+        "--threads",
+        "1",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     loud = subprocess.run(argv, capture_output=True, text=True, env=env)
@@ -243,8 +292,21 @@ def test_demo_refuses_an_existing_folder_and_replaces_only_an_earlier_output(tmp
     other = tmp_path / "mine"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
-    small = ["--num-samples", "1", "--eval-samples", "1", "--num-random", "0", "--seq-len", "16",
-             "--recover-steps", "0", "--no-plan", "--no-checkpoints", "-q"]
+    small = [
+        "--num-samples",
+        "1",
+        "--eval-samples",
+        "1",
+        "--num-random",
+        "0",
+        "--seq-len",
+        "16",
+        "--recover-steps",
+        "0",
+        "--no-plan",
+        "--no-checkpoints",
+        "-q",
+    ]
     assert main(["demo", "-o", str(other), *small]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["demo", "-o", str(other), "--overwrite", *small]) == 2

@@ -10,16 +10,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_checkpoint import SHAPE, make_source
+from tiny_models import build_model
 
 from gdnprune import compensate, load_pretrained
-from gdnprune.checkpoint import codecs, slice_checkpoint, sort_checkpoint, transform_checkpoint
+from gdnprune.checkpoint import codecs, sort_checkpoint, transform_checkpoint
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.loading import slice_model
 from gdnprune.scoring import score_model, scores_to_permutations
-from test_checkpoint import SHAPE, make_source
-from tiny_models import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -31,7 +31,9 @@ def _problem(seed: int, h: int = 6, v: int = 10, n: int = 40):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), keep=st.integers(1, 10), ridge=st.sampled_from([0.0, 1e-6, 1e-3, 1e-1, 10.0]))
+@given(
+    seed=st.integers(0, 10_000), keep=st.integers(1, 10), ridge=st.sampled_from([0.0, 1e-6, 1e-3, 1e-1, 10.0])
+)
 def test_compensation_never_increases_the_reconstruction_error(seed, keep, ridge):
     weight, moment, o = _problem(seed)
     kept = np.random.default_rng(seed + 1).permutation(10)[:keep]
@@ -41,8 +43,9 @@ def test_compensation_never_increases_the_reconstruction_error(seed, keep, ridge
     # the error from the moment equals the error on the tokens themselves
     direct = float(((o @ weight.T - o[:, kept] @ columns.T) ** 2).sum())
     scale = float(((o @ weight.T) ** 2).sum())  # the moment form subtracts terms of this size
-    assert compensate.reconstruction_error(weight, moment, kept, columns) == pytest.approx(direct, rel=1e-8,
-                                                                                          abs=1e-10 * scale)
+    assert compensate.reconstruction_error(weight, moment, kept, columns) == pytest.approx(
+        direct, rel=1e-8, abs=1e-10 * scale
+    )
 
 
 def test_nothing_removed_is_the_identity_and_small_ridge_is_least_squares():
@@ -76,8 +79,12 @@ def _layer_output_error(model, small, x) -> float:
     error = 0.0
     for prefix, module in full_modules.items():
         seen = {}
-        handle = module.register_forward_hook(lambda m, a, k, out: seen.update(input=a, kwargs=k, out=out[0] if
-                                              isinstance(out, tuple) else out), with_kwargs=True)
+        handle = module.register_forward_hook(
+            lambda m, a, k, out: seen.update(
+                input=a, kwargs=k, out=out[0] if isinstance(out, tuple) else out
+            ),
+            with_kwargs=True,
+        )
         with torch.no_grad():
             model(input_ids=x, use_cache=False)
         handle.remove()
@@ -97,7 +104,9 @@ def test_compensation_never_increases_the_calibration_error_of_real_layers(model
     for target in HEAD_CUTS:
         plain = slice_model(model, target, permutations)
         refit = _refit(model, plain, target, permutations, stats)
-        assert _layer_output_error(model, refit, calib) <= _layer_output_error(model, plain, calib) * (1 + 1e-6)
+        assert _layer_output_error(model, refit, calib) <= _layer_output_error(model, plain, calib) * (
+            1 + 1e-6
+        )
 
 
 def trained_case():
@@ -113,7 +122,11 @@ def trained_case():
     def loss(m):
         with torch.no_grad():
             logits = m(input_ids=heldout).logits[:, :-1]
-        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), heldout[:, 1:].reshape(-1)))
+        return float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), heldout[:, 1:].reshape(-1)
+            )
+        )
 
     return model, calib, permutations, stats, loss
 
@@ -125,7 +138,12 @@ def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
     there the RMSNorm renormalisation makes it worse on these windows, 1.27 -> 1.30.)"""
     model, calib, permutations, stats, loss = trained_case()
     base = loss(model)
-    for target in (GDNShape(2, 4, 32, 32), GDNShape(4, 4, 32, 32), GDNShape(4, 8, 32, 8), GDNShape(4, 8, 16, 32)):
+    for target in (
+        GDNShape(2, 4, 32, 32),
+        GDNShape(4, 4, 32, 32),
+        GDNShape(4, 8, 32, 8),
+        GDNShape(4, 8, 16, 32),
+    ):
         plain = slice_model(model, target, permutations)
         increase = loss(plain) - base
         compensated = loss(_refit(model, plain, target, permutations, stats)) - base
@@ -146,8 +164,9 @@ def _refit(model, plain, target, permutations, stats, ridge=compensate.DEFAULT_R
         shape = GDNShape.from_module(module)
         kept = permutations[prefix].indices(shape, target=target)["vidx"].numpy()
         out = getattr(module, "out_proj", None) or module.o_proj
-        columns = compensate.compensated_columns(out.weight.detach().double().numpy(),
-                                                 stats[prefix]["out_moment"], kept, ridge=ridge)
+        columns = compensate.compensated_columns(
+            out.weight.detach().double().numpy(), stats[prefix]["out_moment"], kept, ridge=ridge
+        )
         small_out = getattr(small_modules[prefix], "out_proj", None) or small_modules[prefix].o_proj
         with torch.no_grad():
             small_out.weight.copy_(torch.from_numpy(columns))
@@ -173,8 +192,15 @@ def test_slice_with_compensation_writes_the_refitted_out_proj(source, tmp_path):
     src, stats_path, scores, model = source
     target = GDNShape(1, 2, 8, 6)
     out = tmp_path / "out"
-    manifest = transform_checkpoint(src, out, permutations=scores["layers"], target=target, operation="prune",
-                                    compensation=stats_path, progress=False)
+    manifest = transform_checkpoint(
+        src,
+        out,
+        permutations=scores["layers"],
+        target=target,
+        operation="prune",
+        compensation=stats_path,
+        progress=False,
+    )
     assert manifest["compensation"]["nested"] is False and len(manifest["compensation"]["layers"]) == 2
     got = load_pretrained(out, dtype=torch.float32)
     stats = compensate.load_statistics(stats_path)
@@ -189,21 +215,77 @@ def test_compensation_follows_a_sorted_input_and_refuses_other_models(source, tm
     src, stats_path, scores, _ = source
     target = {"num_key_heads": 1, "num_value_heads": 2}
     direct = tmp_path / "direct"
-    transform_checkpoint(src, direct, permutations=scores["layers"], target=target, operation="prune",
-                         compensation=stats_path, progress=False)
+    transform_checkpoint(
+        src,
+        direct,
+        permutations=scores["layers"],
+        target=target,
+        operation="prune",
+        compensation=stats_path,
+        progress=False,
+    )
     sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
     two_steps = tmp_path / "two_steps"
-    assert main(["slice", str(tmp_path / "sorted"), "-o", str(two_steps), "--num-key-heads", "1",
-                 "--num-value-heads", "2", "--compensation-stats", str(stats_path), "-q"]) == 0
+    assert (
+        main(
+            [
+                "slice",
+                str(tmp_path / "sorted"),
+                "-o",
+                str(two_steps),
+                "--num-key-heads",
+                "1",
+                "--num-value-heads",
+                "2",
+                "--compensation-stats",
+                str(stats_path),
+                "-q",
+            ]
+        )
+        == 0
+    )
     for shard in sorted(direct.glob("*.safetensors")):
         assert shard.read_bytes() == (two_steps / shard.name).read_bytes()
     other = make_source(tmp_path / "other", "qwen3_5", seed=13)
-    assert main(["slice", str(other), "-o", str(tmp_path / "x"), "--num-key-heads", "1", "--num-value-heads", "2",
-                 "--compensation-stats", str(stats_path)]) == 2
+    assert (
+        main(
+            [
+                "slice",
+                str(other),
+                "-o",
+                str(tmp_path / "x"),
+                "--num-key-heads",
+                "1",
+                "--num-value-heads",
+                "2",
+                "--compensation-stats",
+                str(stats_path),
+            ]
+        )
+        == 2
+    )
     assert "collected on" in capsys.readouterr().err
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
-    assert main(["slice", str(src), "-o", str(tmp_path / "y"), "--num-key-heads", "1", "--num-value-heads", "2",
-                 "--compensation-stats", str(tmp_path / "junk.safetensors")]) == 2
+    assert (
+        main(
+            [
+                "slice",
+                str(src),
+                "-o",
+                str(tmp_path / "y"),
+                "--num-key-heads",
+                "1",
+                "--num-value-heads",
+                "2",
+                "--compensation-stats",
+                str(tmp_path / "junk.safetensors"),
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     recorded = json.loads((two_steps / "gdnprune.json").read_text())["compensation"]["statistics"]
-    assert recorded == {"path": str(stats_path.resolve()), "sha256": hashlib.sha256(stats_path.read_bytes()).hexdigest()}
+    assert recorded == {
+        "path": str(stats_path.resolve()),
+        "sha256": hashlib.sha256(stats_path.read_bytes()).hexdigest(),
+    }

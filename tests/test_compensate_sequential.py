@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_checkpoint import SHAPE
+from tiny_models import build_model
 
 from gdnprune import compensate, load_pretrained
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.loading import slice_model
 from gdnprune.scoring import score_model, scores_to_permutations
-from test_checkpoint import SHAPE
-from tiny_models import build_model
 
 # value heads, value channels, key channels (no change of the out_proj width), and all at once
 CUTS = [GDNShape(1, 2, 8, 6), GDNShape(2, 4, 8, 3), GDNShape(2, 4, 4, 6), GDNShape(1, 2, 5, 4)]
@@ -30,9 +30,12 @@ def _inputs(net, prefix, x):
     module = dict(find_gdn_modules(net))[prefix]
     block = next(b for b in net.get_decoder().layers if any(m is module for m in b.modules()))
     seen = {}
-    handles = [_out(module).register_forward_pre_hook(lambda m, a: seen.update(o=a[0].double())),
-               block.register_forward_pre_hook(lambda m, a, k: seen.update(
-                   x=(a[0] if a else k["hidden_states"]).double()), with_kwargs=True)]
+    handles = [
+        _out(module).register_forward_pre_hook(lambda m, a: seen.update(o=a[0].double())),
+        block.register_forward_pre_hook(
+            lambda m, a, k: seen.update(x=(a[0] if a else k["hidden_states"]).double()), with_kwargs=True
+        ),
+    ]
     with torch.no_grad():
         net(input_ids=x, use_cache=False)
     for handle in handles:
@@ -46,8 +49,16 @@ def _setup(model_type, seed=11):
     return model, calib, scores_to_permutations(score_model(model, [calib], progress=False))
 
 
-@pytest.mark.parametrize("model_type,reference", [("qwen3_5", "stream"), ("qwen3_5", "full"), ("qwen3_5", "cut"),
-                                                  ("qwen3_next", "stream"), ("olmo_hybrid", "stream")])
+@pytest.mark.parametrize(
+    "model_type,reference",
+    [
+        ("qwen3_5", "stream"),
+        ("qwen3_5", "full"),
+        ("qwen3_5", "cut"),
+        ("qwen3_next", "stream"),
+        ("olmo_hybrid", "stream"),
+    ],
+)
 def test_every_refitted_layer_reconstructs_better_than_the_plain_cut_on_its_own_inputs(model_type, reference):
     model, calib, permutations = _setup(model_type)
     batches = list(calib.split(2))
@@ -77,8 +88,12 @@ def test_every_refitted_layer_reconstructs_better_than_the_plain_cut_on_its_own_
             before = float(((y - o @ w_plain.T) ** 2).sum())
             after = float(((y - o @ w_refit.T) ** 2).sum())
             assert after <= before * (1 + 1e-9), (target, prefix)
-            assert report[prefix]["error_refit"] == pytest.approx(after, rel=1e-6, abs=1e-9 * float((y * y).sum()))
-            assert report[prefix]["error_plain"] == pytest.approx(before, rel=1e-6, abs=1e-9 * float((y * y).sum()))
+            assert report[prefix]["error_refit"] == pytest.approx(
+                after, rel=1e-6, abs=1e-9 * float((y * y).sum())
+            )
+            assert report[prefix]["error_plain"] == pytest.approx(
+                before, rel=1e-6, abs=1e-9 * float((y * y).sum())
+            )
             if target != GDNShape(2, 4, 4, 6) or prefix != next(iter(report)):
                 continue
             assert after < 0.9 * before  # a key-dim cut, which the statistics cannot compensate, is
@@ -120,27 +135,54 @@ def test_sequential_refit_reduces_the_heldout_loss_of_the_trained_model_more_tha
 
 
 def test_prune_compensate_sequential_writes_the_in_memory_refit(tmp_path):
+    from test_checkpoint import make_source
+    from transformers import AutoTokenizer
+
     from gdnprune.calibration import calibration_windows
     from gdnprune.cli import main
     from gdnprune.scoring import score_checkpoint
-    from test_checkpoint import make_source
-    from transformers import AutoTokenizer
 
     src = make_source(tmp_path / "model", "qwen3_5", seed=22)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 300))
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "-o", str(out), "--num-key-heads", "1", "--num-value-heads", "2",
-                 "--key-head-dim", "5",
-                 "--compensate", "sequential", "--data", str(text), "--num-samples", "4", "--seq-len", "72",
-                 "--batch-size", "2", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "-o",
+                str(out),
+                "--num-key-heads",
+                "1",
+                "--num-value-heads",
+                "2",
+                "--key-head-dim",
+                "5",
+                "--compensate",
+                "sequential",
+                "--data",
+                str(text),
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "72",
+                "--batch-size",
+                "2",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "gdnprune.json").read_text())
     assert manifest["compensation"]["method"] == "sequential"
     assert len(manifest["compensation"]["layers"]) == 2
     got = load_pretrained(out, dtype=torch.float32)
     model = load_pretrained(src, dtype=torch.float32)
     scores = score_checkpoint(src, text, num_samples=4, seq_len=72, batch_size=2, progress=False)
-    small = slice_model(model, {"num_key_heads": 1, "num_value_heads": 2, "key_head_dim": 5}, scores["layers"])
+    small = slice_model(
+        model, {"num_key_heads": 1, "num_value_heads": 2, "key_head_dim": 5}, scores["layers"]
+    )
     plain = {p: _out(m).weight.clone() for p, m in find_gdn_modules(small)}
     windows = calibration_windows(text, AutoTokenizer.from_pretrained(src), seq_len=72, num_samples=4)
     compensate.sequential_refit(model, small, list(windows.split(2)))

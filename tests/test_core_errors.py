@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 import transformers
+from tiny_models import synthetic_layer
 
 from gdnprune.gated_delta_net import (
     GDNPermutation,
@@ -14,7 +15,6 @@ from gdnprune.gated_delta_net import (
     permute_gated_delta_net_state_dict,
     slice_gated_delta_net_state_dict,
 )
-from tiny_models import synthetic_layer
 
 SHAPE = GDNShape(2, 4, 3, 5)
 PREFIX = "model.layers.0.linear_attn"
@@ -39,7 +39,9 @@ def _unchanged(sd, snap):
 # ---- GDNShape -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [(0, 4, 3, 5), (2, -4, 3, 5), (2, 4, 0, 5), (2, 4, 3, 0), (2.0, 4, 3, 5), (True, 4, 3, 5)])
+@pytest.mark.parametrize(
+    "args", [(0, 4, 3, 5), (2, -4, 3, 5), (2, 4, 0, 5), (2, 4, 3, 0), (2.0, 4, 3, 5), (True, 4, 3, 5)]
+)
 def test_shape_rejects_non_positive_or_non_integer(args):
     with pytest.raises(ValueError, match="positive integer"):
         GDNShape(*args)
@@ -51,14 +53,21 @@ def test_shape_rejects_value_heads_not_multiple_of_key_heads():
 
 
 def test_shape_constructors():
-    text = transformers.Qwen3_5TextConfig(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3,
-                                          linear_value_head_dim=5)
+    text = transformers.Qwen3_5TextConfig(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3, linear_value_head_dim=5
+    )
     assert GDNShape.from_config(text) == SHAPE
     vl = transformers.Qwen3_5Config(text_config=text.to_dict())
     assert GDNShape.from_config(vl) == SHAPE
     assert GDNShape.from_config({"text_config": text.to_dict()}) == SHAPE
-    assert GDNShape.from_mamba_config(types.SimpleNamespace(num_groups=2, num_heads=4, state_dim=3, head_dim=5)) == SHAPE
-    assert GDNShape.from_module(types.SimpleNamespace(num_k_heads=2, num_v_heads=4, head_k_dim=3, head_v_dim=5)) == SHAPE
+    assert (
+        GDNShape.from_mamba_config(types.SimpleNamespace(num_groups=2, num_heads=4, state_dim=3, head_dim=5))
+        == SHAPE
+    )
+    assert (
+        GDNShape.from_module(types.SimpleNamespace(num_k_heads=2, num_v_heads=4, head_k_dim=3, head_v_dim=5))
+        == SHAPE
+    )
     assert SHAPE.value_heads_per_group == 2
 
 
@@ -95,7 +104,11 @@ def test_payload_round_trips_through_json_lists_and_tensors():
         ("key_group_order_most_important_first", [1, 1], "not a permutation of 0..1"),
         ("value_lane_order_most_important_first", [0, 1], r"expected shape \[2, 2\], found \[2\]"),
         ("value_lane_order_most_important_first", [[0, 1], [0, 0]], r"not a permutation of 0..1 \(row 1\)"),
-        ("key_dim_order_most_important_first", [[0, 1, 3], [0, 1, 2]], r"not a permutation of 0..2 \(row 0\)"),
+        (
+            "key_dim_order_most_important_first",
+            [[0, 1, 3], [0, 1, 2]],
+            r"not a permutation of 0..2 \(row 0\)",
+        ),
         ("key_dim_order_most_important_first", [[0, 1, 2]], r"expected shape \[2, 3\]"),
         ("value_dim_order_most_important_first", [0.5, 1, 2, 3, 4], "non-integral"),
         ("value_dim_order_most_important_first", [True] * 5, "expected integers"),
@@ -116,10 +129,16 @@ def test_payload_must_be_a_mapping():
 
 def test_permutation_constructor_validates():
     with pytest.raises(ValueError, match="key_groups: not a permutation"):
-        GDNPermutation(torch.tensor([0, 0]), torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long),
-                       torch.tensor([0]))
+        GDNPermutation(
+            torch.tensor([0, 0]),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.tensor([0]),
+        )
     with pytest.raises(ValueError, match=r"value_lanes: expected shape \[2, n\]"):
-        GDNPermutation(torch.tensor([0, 1]), torch.tensor([0]), torch.zeros(2, 1, dtype=torch.long), torch.tensor([0]))
+        GDNPermutation(
+            torch.tensor([0, 1]), torch.tensor([0]), torch.zeros(2, 1, dtype=torch.long), torch.tensor([0])
+        )
 
 
 def test_permutation_for_another_geometry_is_rejected():
@@ -206,8 +225,12 @@ def test_state_dict_for_other_geometry_is_rejected_before_any_change():
     sd = _layer()
     snap = _snapshot(sd)
     with pytest.raises(ValueError, match="expected"):
-        permute_gated_delta_net_state_dict(sd, prefix=PREFIX, shape=GDNShape(2, 4, 3, 4),
-                                           permutation=GDNPermutation.identity(GDNShape(2, 4, 3, 4)))
+        permute_gated_delta_net_state_dict(
+            sd,
+            prefix=PREFIX,
+            shape=GDNShape(2, 4, 3, 4),
+            permutation=GDNPermutation.identity(GDNShape(2, 4, 3, 4)),
+        )
     assert _unchanged(sd, snap)
 
 
@@ -215,9 +238,13 @@ def test_prefix_without_gdn_tensors():
     sd = _layer()
     sd["model.layers.1.self_attn.q_proj.weight"] = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="model.layers.1.self_attn: no GDN tensors found"):
-        permute_gated_delta_net_state_dict(sd, prefix="model.layers.1.self_attn", shape=SHAPE, permutation=_perm())
+        permute_gated_delta_net_state_dict(
+            sd, prefix="model.layers.1.self_attn", shape=SHAPE, permutation=_perm()
+        )
     with pytest.raises(ValueError, match="model.layers.7.linear_attn: no tensors under this prefix"):
-        permute_gated_delta_net_state_dict(sd, prefix="model.layers.7.linear_attn", shape=SHAPE, permutation=_perm())
+        permute_gated_delta_net_state_dict(
+            sd, prefix="model.layers.7.linear_attn", shape=SHAPE, permutation=_perm()
+        )
 
 
 def test_unknown_tensor_under_prefix_refuses_partial_permutation():
@@ -232,22 +259,30 @@ def test_unknown_tensor_under_prefix_refuses_partial_permutation():
 def test_forced_layout_that_does_not_match():
     sd = _layer("qwen3_5")
     with pytest.raises(ValueError, match="not part of the qwen3_next GDN layout"):
-        permute_gated_delta_net_state_dict(sd, prefix=PREFIX, shape=SHAPE, permutation=_perm(), layout="qwen3_next")
+        permute_gated_delta_net_state_dict(
+            sd, prefix=PREFIX, shape=SHAPE, permutation=_perm(), layout="qwen3_next"
+        )
     with pytest.raises(ValueError, match="unknown GDN layout 'mamba'"):
-        permute_gated_delta_net_state_dict(sd, prefix=PREFIX, shape=SHAPE, permutation=_perm(), layout="mamba")
+        permute_gated_delta_net_state_dict(
+            sd, prefix=PREFIX, shape=SHAPE, permutation=_perm(), layout="mamba"
+        )
 
 
 def test_partial_state_dict_needs_explicit_non_strict_layout():
     full = _layer()
     part = {k: v for k, v in full.items() if "out_proj" in k or "A_log" in k}
     with pytest.raises(ValueError, match="strict=False needs an explicit layout"):
-        permute_gated_delta_net_state_dict(dict(part), prefix=PREFIX, shape=SHAPE, permutation=_perm(), strict=False)
+        permute_gated_delta_net_state_dict(
+            dict(part), prefix=PREFIX, shape=SHAPE, permutation=_perm(), strict=False
+        )
     with pytest.raises(ValueError, match="missing tensor"):
-        permute_gated_delta_net_state_dict(dict(part), prefix=PREFIX, shape=SHAPE, permutation=_perm(),
-                                           layout="qwen3_5")
+        permute_gated_delta_net_state_dict(
+            dict(part), prefix=PREFIX, shape=SHAPE, permutation=_perm(), layout="qwen3_5"
+        )
     # explicit partial mode permutes exactly what is there, the same way as the whole layer
-    permute_gated_delta_net_state_dict(part, prefix=PREFIX, shape=SHAPE, permutation=_perm(), layout="qwen3_5",
-                                       strict=False)
+    permute_gated_delta_net_state_dict(
+        part, prefix=PREFIX, shape=SHAPE, permutation=_perm(), layout="qwen3_5", strict=False
+    )
     permute_gated_delta_net_state_dict(full, prefix=PREFIX, shape=SHAPE, permutation=_perm())
     for k in part:
         assert torch.equal(part[k], full[k])
@@ -257,18 +292,27 @@ def test_gather_single_tensor_errors_and_agrees():
     sd = _layer()
     idx = gated_delta_net_prefix_indices(SHAPE, GDNShape(1, 1, 2, 3))
     w = sd[f"{PREFIX}.in_proj_z.weight"]
-    out = gather_gated_delta_net_tensor("in_proj_z.weight", w, layout="qwen3_5", shape=SHAPE,
-                                        target=GDNShape(1, 1, 2, 3), indices=idx)
+    out = gather_gated_delta_net_tensor(
+        "in_proj_z.weight", w, layout="qwen3_5", shape=SHAPE, target=GDNShape(1, 1, 2, 3), indices=idx
+    )
     assert torch.equal(out, w[idx["vidx"]])
     with pytest.raises(ValueError, match="'in_proj_qkvz.weight' is not part of the qwen3_5 GDN layout"):
-        gather_gated_delta_net_tensor("in_proj_qkvz.weight", w, layout="qwen3_5", shape=SHAPE,
-                                      target=SHAPE, indices=idx)
+        gather_gated_delta_net_tensor(
+            "in_proj_qkvz.weight", w, layout="qwen3_5", shape=SHAPE, target=SHAPE, indices=idx
+        )
     with pytest.raises(ValueError, match=r"expected 4 entries .* found 3"):
-        gather_gated_delta_net_tensor("in_proj_z.weight", w, layout="qwen3_5", shape=SHAPE,
-                                      target=GDNShape(1, 1, 2, 4), indices=idx)
+        gather_gated_delta_net_tensor(
+            "in_proj_z.weight", w, layout="qwen3_5", shape=SHAPE, target=GDNShape(1, 1, 2, 4), indices=idx
+        )
     with pytest.raises(ValueError, match="indices lack 'hidx'"):
-        gather_gated_delta_net_tensor("in_proj_z.weight", w, layout="qwen3_5", shape=SHAPE,
-                                      target=GDNShape(1, 1, 2, 3), indices={"qidx": idx["qidx"]})
+        gather_gated_delta_net_tensor(
+            "in_proj_z.weight",
+            w,
+            layout="qwen3_5",
+            shape=SHAPE,
+            target=GDNShape(1, 1, 2, 3),
+            indices={"qidx": idx["qidx"]},
+        )
 
 
 def test_indices_follow_the_tensor_device_and_dtype():
@@ -285,8 +329,9 @@ def test_indices_follow_the_tensor_device_and_dtype():
 
 def test_apply_to_config_sets_geometry_where_from_config_reads_it():
     target = GDNShape(1, 3, 2, 2)
-    text = transformers.Qwen3_5TextConfig(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3,
-                                          linear_value_head_dim=5)
+    text = transformers.Qwen3_5TextConfig(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3, linear_value_head_dim=5
+    )
     vl = transformers.Qwen3_5Config(text_config=text.to_dict())
     for config in (text, vl, text.to_dict(), {"text_config": text.to_dict()}):
         new = target.apply_to_config(config)

@@ -3,14 +3,6 @@
 import pytest
 import torch
 import transformers
-
-from gdnprune.gated_delta_net import (
-    GDNPermutation,
-    GDNShape,
-    gated_delta_net_prefix_indices,
-    permute_gated_delta_net_state_dict,
-    slice_gated_delta_net_state_dict,
-)
 from reference import hand_cut_state_dict
 from tiny_models import (
     LAYOUT_OF,
@@ -22,6 +14,14 @@ from tiny_models import (
     config_for,
     gdn_layers,
     logits,
+)
+
+from gdnprune.gated_delta_net import (
+    GDNPermutation,
+    GDNShape,
+    gated_delta_net_prefix_indices,
+    permute_gated_delta_net_state_dict,
+    slice_gated_delta_net_state_dict,
 )
 
 SEQ = 150  # longer than the chunked kernel's 64-token chunks
@@ -94,8 +94,13 @@ def _modulo_grouping(sd, prefix, shape, seed):
     qidx = (wrong_groups[:, None] * dk + torch.arange(dk)).reshape(-1)
     vidx = idx["vidx"]
     cidx = torch.cat([qidx, shape.key_dim + qidx, 2 * shape.key_dim + vidx])
-    for name, rows in (("in_proj_qkv", cidx), ("conv1d", cidx), ("in_proj_z", vidx), ("in_proj_a", hidx),
-                       ("in_proj_b", hidx)):
+    for name, rows in (
+        ("in_proj_qkv", cidx),
+        ("conv1d", cidx),
+        ("in_proj_z", vidx),
+        ("in_proj_a", hidx),
+        ("in_proj_b", hidx),
+    ):
         sd[f"{prefix}.{name}.weight"] = sd[f"{prefix}.{name}.weight"][rows]
     for name in ("A_log", "dt_bias"):
         sd[f"{prefix}.{name}"] = sd[f"{prefix}.{name}"][hidx]
@@ -142,7 +147,9 @@ def test_slice_loads_strictly_into_target_model_and_runs(model_type):
         assert [s for _, s in gdn_layers(small)] == [target] * 2
         out = logits(small, ids)
         # the tensors are those picked head by head by hand (reference.py: no gdnprune index code)
-        by_hand = hand_cut_state_dict(model.state_dict(), {prefix: (s, target) for prefix, s in gdn_layers(model)})
+        by_hand = hand_cut_state_dict(
+            model.state_dict(), {prefix: (s, target) for prefix, s in gdn_layers(model)}
+        )
         assert sd.keys() == by_hand.keys() and all(torch.equal(sd[k], by_hand[k]) for k in sd)
         diff = (out - ref).abs().max().item()
         if target == shape:
@@ -162,7 +169,9 @@ def test_permute_then_slice_is_the_prefix_of_the_permutation(model_type):
         b = clone_state_dict(model)
         for prefix, s in gdn_layers(model):
             slice_gated_delta_net_state_dict(a, prefix=prefix, shape=s, target=target)
-            slice_gated_delta_net_state_dict(b, prefix=prefix, shape=s, target=target, permutation=perms[prefix])
+            slice_gated_delta_net_state_dict(
+                b, prefix=prefix, shape=s, target=target, permutation=perms[prefix]
+            )
             # and the indices of the one-gather path are the permutation's indices at the prefix
             full = perms[prefix].indices(s)
             pre = gated_delta_net_prefix_indices(s, target)
@@ -197,7 +206,9 @@ def test_sorted_and_sliced_model_equals_sliced_sorted_model_logits():
     one_gather = clone_state_dict(model)
     for prefix, s in gdn_layers(model):
         slice_gated_delta_net_state_dict(sorted_sd, prefix=prefix, shape=s, target=target)
-        slice_gated_delta_net_state_dict(one_gather, prefix=prefix, shape=s, target=target, permutation=perms[prefix])
+        slice_gated_delta_net_state_dict(
+            one_gather, prefix=prefix, shape=s, target=target, permutation=perms[prefix]
+        )
     ids = _ids(seq=70)
     outs = []
     for sd in (sorted_sd, one_gather):
@@ -228,5 +239,5 @@ def test_layout_is_detected_per_model_type():
     for model_type in MODEL_TYPES:
         model = build_model(model_type, shape, randomize=False)
         prefix, _ = gdn_layers(model)[0]
-        names = [k[len(prefix) + 1:] for k in model.state_dict() if k.startswith(prefix + ".")]
+        names = [k[len(prefix) + 1 :] for k in model.state_dict() if k.startswith(prefix + ".")]
         assert detect_layout(names).name == LAYOUT_OF[model_type]

@@ -3,6 +3,7 @@
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import synthetic_layer
 
 from gdnprune.gated_delta_net import (
     GDNPermutation,
@@ -12,7 +13,6 @@ from gdnprune.gated_delta_net import (
     slice_gated_delta_net_state_dict,
 )
 from gdnprune.layouts import LAYOUTS
-from tiny_models import synthetic_layer
 
 
 @st.composite
@@ -27,7 +27,9 @@ def geometry_and_target(draw):
     shape = draw(geometries())
     hk = draw(st.integers(1, shape.num_key_heads))
     r = draw(st.integers(1, shape.value_heads_per_group))
-    target = GDNShape(hk, hk * r, draw(st.integers(1, shape.key_head_dim)), draw(st.integers(1, shape.value_head_dim)))
+    target = GDNShape(
+        hk, hk * r, draw(st.integers(1, shape.key_head_dim)), draw(st.integers(1, shape.value_head_dim))
+    )
     return shape, target
 
 
@@ -58,7 +60,12 @@ def test_inverse_round_trips(shape, seed, layout, biases):
 @given(shape=geometries(), seed=seeds)
 def test_indices_are_permutations_in_range(shape, seed):
     idx = _perm(shape, seed).indices(shape)
-    sizes = {"qidx": shape.key_dim, "hidx": shape.num_value_heads, "vidx": shape.value_dim, "cidx": shape.conv_dim}
+    sizes = {
+        "qidx": shape.key_dim,
+        "hidx": shape.num_value_heads,
+        "vidx": shape.value_dim,
+        "cidx": shape.conv_dim,
+    }
     assert set(idx) == set(sizes)
     for key, n in sizes.items():
         assert idx[key].dtype == torch.long
@@ -69,16 +76,26 @@ def test_indices_are_permutations_in_range(shape, seed):
 @given(st=geometry_and_target(), seed=seeds)
 def test_prefix_indices_are_duplicate_free_in_range_and_grouped(st, seed):
     shape, target = st
-    for idx in (gated_delta_net_prefix_indices(shape, target), _perm(shape, seed).indices(shape, target=target)):
-        sizes = {"qidx": (target.key_dim, shape.key_dim), "hidx": (target.num_value_heads, shape.num_value_heads),
-                 "vidx": (target.value_dim, shape.value_dim), "cidx": (target.conv_dim, shape.conv_dim)}
+    for idx in (
+        gated_delta_net_prefix_indices(shape, target),
+        _perm(shape, seed).indices(shape, target=target),
+    ):
+        sizes = {
+            "qidx": (target.key_dim, shape.key_dim),
+            "hidx": (target.num_value_heads, shape.num_value_heads),
+            "vidx": (target.value_dim, shape.value_dim),
+            "cidx": (target.conv_dim, shape.conv_dim),
+        }
         for key, (n, full) in sizes.items():
             assert idx[key].numel() == n
             assert idx[key].unique().numel() == n, key
             assert 0 <= int(idx[key].min()) and int(idx[key].max()) < full, key
         # every kept value head reads the key head kept at its group position
         kept_groups = idx["qidx"].view(target.num_key_heads, target.key_head_dim)[:, 0] // shape.key_head_dim
-        heads_group = idx["hidx"].view(target.num_key_heads, target.value_heads_per_group) // shape.value_heads_per_group
+        heads_group = (
+            idx["hidx"].view(target.num_key_heads, target.value_heads_per_group)
+            // shape.value_heads_per_group
+        )
         assert torch.equal(heads_group, kept_groups[:, None].expand_as(heads_group))
 
 
@@ -89,8 +106,9 @@ def test_prefix_of_identity_equals_slice(st, layout, seed):
     a = synthetic_layer(layout, shape, seed=seed % 1000, biases=True)
     b = dict(a)
     slice_gated_delta_net_state_dict(a, prefix="layer", shape=shape, target=target)
-    slice_gated_delta_net_state_dict(b, prefix="layer", shape=shape, target=target,
-                                     permutation=GDNPermutation.identity(shape))
+    slice_gated_delta_net_state_dict(
+        b, prefix="layer", shape=shape, target=target, permutation=GDNPermutation.identity(shape)
+    )
     for k in a:
         assert torch.equal(a[k], b[k])
     # and the sliced layer has exactly the target's shapes

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from tiny_models import MODEL_CLASS
 
 from gdnprune.cli import main
@@ -21,14 +20,32 @@ def test_nested_targets_shrink_every_axis_and_are_nested():
         for axis in ("num_key_heads", "value_heads_per_group", "key_head_dim", "value_head_dim"):
             assert getattr(small, axis) <= getattr(big, axis)
     last = targets[-1]
-    assert all(getattr(last, a) < getattr(shape, a) for a in ("num_key_heads", "num_value_heads", "key_head_dim",
-                                                               "value_head_dim"))
+    assert all(
+        getattr(last, a) < getattr(shape, a)
+        for a in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
+    )
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    code = main(["demo", "--output", str(out), "--num-samples", "8", "--num-random", "2",
-                 "--eval-samples", "4", "--seq-len", "128", "--recover-steps", "3", "--quiet"])
+    code = main(
+        [
+            "demo",
+            "--output",
+            str(out),
+            "--num-samples",
+            "8",
+            "--num-random",
+            "2",
+            "--eval-samples",
+            "4",
+            "--seq-len",
+            "128",
+            "--recover-steps",
+            "3",
+            "--quiet",
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     recovery = results["recovery"]  # a few distillation steps win some of the slice's loss back
@@ -38,7 +55,9 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert len(rows) >= 6
     full = rows[0]["loss"]
     # unpruned: every ordering is the same model
-    assert abs(full["importance"] - full["identity"]) < 1e-6 and abs(full["importance"] - full["random"]) < 1e-6
+    assert (
+        abs(full["importance"] - full["identity"]) < 1e-6 and abs(full["importance"] - full["random"]) < 1e-6
+    )
     # kept parameters shrink along the chain and cutting costs loss
     assert [r["gdn_params"] for r in rows] == sorted((r["gdn_params"] for r in rows), reverse=True)
     assert rows[-1]["loss"]["importance"] > full["importance"] + 0.5
@@ -64,12 +83,27 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert main(["slice", str(demo_model_path()), "--plan", str(out / "whole_model_plan.json"),
-                     "-o", str(tmp_path / "whole"), "-q"]) == 0
+        assert (
+            main(
+                [
+                    "slice",
+                    str(demo_model_path()),
+                    "--plan",
+                    str(out / "whole_model_plan.json"),
+                    "-o",
+                    str(tmp_path / "whole"),
+                    "-q",
+                ]
+            )
+            == 0
+        )
     full = load_pretrained(demo_model_path(), dtype=torch.float32)
     cut = load_pretrained(tmp_path / "whole", dtype=torch.float32)
     full_params, cut_params = (sum(p.numel() for p in m.parameters()) for m in (full, cut))
-    assert cut_params <= 0.5 * full_params and cut_params == whole["params_kept"] == plan["totals"]["model_params_kept"]
+    assert (
+        cut_params <= 0.5 * full_params
+        and cut_params == whole["params_kept"] == plan["totals"]["model_params_kept"]
+    )
     assert whole["params"] == full_params and whole["loss"] > whole["unpruned_loss"]
 
 
@@ -93,14 +127,40 @@ def test_prune_equals_score_then_sort_then_slice(tmp_path):
     data.write_text(train_text()[:20000], encoding="utf-8")
     src = demo_model_path()
     opts = ["--num-samples", "4", "--seq-len", "128", "--batch-size", "2"]
-    target = ["--num-key-heads", "2", "--num-value-heads", "2", "--key-head-dim", "16", "--value-head-dim", "24"]
-    assert main(["prune", str(src), "--data", str(data), "-o", str(tmp_path / "pruned"), *target, *opts,
-                 "--quiet"]) == 0
+    target = [
+        "--num-key-heads",
+        "2",
+        "--num-value-heads",
+        "2",
+        "--key-head-dim",
+        "16",
+        "--value-head-dim",
+        "24",
+    ]
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(data),
+                "-o",
+                str(tmp_path / "pruned"),
+                *target,
+                *opts,
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     scores = score_checkpoint(src, data, num_samples=4, seq_len=128, batch_size=2, progress=False)
     sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
-    slice_checkpoint(tmp_path / "sorted", tmp_path / "sliced",
-                     {"num_key_heads": 2, "num_value_heads": 2, "key_head_dim": 16, "value_head_dim": 24},
-                     progress=False)
+    slice_checkpoint(
+        tmp_path / "sorted",
+        tmp_path / "sliced",
+        {"num_key_heads": 2, "num_value_heads": 2, "key_head_dim": 16, "value_head_dim": 24},
+        progress=False,
+    )
     a, b = _tensors(tmp_path / "pruned"), _tensors(tmp_path / "sliced")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -115,8 +175,19 @@ def test_prune_rejects_illegal_target_before_scoring(tmp_path, capsys):
     data = tmp_path / "calib.txt"
     data.write_text("x" * 5000, encoding="utf-8")
     out = tmp_path / "pruned"
-    code = main(["prune", str(demo_model_path()), "--data", str(data), "-o", str(out), "--num-key-heads", "8",
-                 "--quiet"])
+    code = main(
+        [
+            "prune",
+            str(demo_model_path()),
+            "--data",
+            str(data),
+            "-o",
+            str(out),
+            "--num-key-heads",
+            "8",
+            "--quiet",
+        ]
+    )
     assert code == 2 and not out.exists()
     assert "num_key_heads 8 > 4" in capsys.readouterr().err
 
@@ -147,9 +218,18 @@ def test_the_importance_order_beats_identity_and_random_orders_at_the_middle_sli
         return middle
 
     monkeypatch.setattr(demo, "nested_targets", middle_targets)
-    results = demo.run_demo(None, model_dir=model_dir, num_samples=8, seq_len=128, num_random=2,
-                            eval_samples=8, recover_steps=0, budget_params=None, write_checkpoints=False,
-                            progress=False)
+    results = demo.run_demo(
+        None,
+        model_dir=model_dir,
+        num_samples=8,
+        seq_len=128,
+        num_random=2,
+        eval_samples=8,
+        recover_steps=0,
+        budget_params=None,
+        write_checkpoints=False,
+        progress=False,
+    )
     assert len(middle) == 3 and [GDNShape(**row["target"]) for row in results["rows"]] == middle
     assert results["sort_max_abs_logit_diff"] < 1e-4
     for row in results["rows"]:

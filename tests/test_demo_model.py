@@ -27,7 +27,13 @@ def test_bundled_files_are_package_data():
     path = demo_data.demo_model_path()
     assert path.parts[-3:] == ("gdnprune", "data", "demo_model")
     names = {p.name for p in path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training.json",
+    } <= names
     size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     assert size < 8_000_000, f"bundled demo model is {size} bytes, expected a few MB"
 
@@ -59,7 +65,10 @@ def test_tokenizer_ids_are_utf8_bytes_and_round_trip(bundled):
     _, _, tokenizer = bundled
     assert tokenizer.eos_token == demo_data.EOS_TOKEN
     assert tokenizer.eos_token_id == 256
-    text = "  two leading spaces\n\n\ttab, CRLF\r\n é ñ 中文 🙂 \x00\x7f trailing  \n" + demo_data.validation_text()[:2000]
+    text = (
+        "  two leading spaces\n\n\ttab, CRLF\r\n é ñ 中文 🙂 \x00\x7f trailing  \n"
+        + demo_data.validation_text()[:2000]
+    )
     ids = tokenizer(text)["input_ids"]
     assert ids == list(text.encode("utf-8"))
     assert tokenizer.decode(ids) == text

@@ -15,18 +15,24 @@ import tempfile
 
 import pytest
 import torch
+from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, make_config
 
 from gdnprune.block_surgery import find_model_blocks, permute_block_state_dict, random_orders
 from gdnprune.blocks import KINDS, AttentionShape, MLPShape, find_blocks
 from gdnprune.geometry import GDNShape
 from gdnprune.loading import load_pretrained, slice_model
-from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, make_config
 
 SHAPE = GDNShape(2, 4, 8, 8)
-FAMILIES = [t for t in MODEL_TYPES if t != "qwen4_exp"]  # Qwen4-exp's indexed attention is refused (see below)
+FAMILIES = [
+    t for t in MODEL_TYPES if t != "qwen4_exp"
+]  # Qwen4-exp's indexed attention is refused (see below)
 DENSE = ("attention", "mlp", "shared_expert")  # routed experts: tests/test_experts.py
-TARGET = {"intermediate_size": 40, "shared_expert_intermediate_size": 12, "num_attention_heads": 2,
-          "num_key_value_heads": 1}
+TARGET = {
+    "intermediate_size": 40,
+    "shared_expert_intermediate_size": 12,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
 
 
 def _ids(seed=0, batch=2, seq=12):
@@ -38,7 +44,10 @@ def _same(actual, expected):
     them by more than 1e-2 of it, see the negative controls)."""
     assert actual.shape == expected.shape
     scale = expected.abs().max().item()
-    assert (actual - expected).abs().max().item() <= 1e-4 * scale, ((actual - expected).abs().max().item(), scale)
+    assert (actual - expected).abs().max().item() <= 1e-4 * scale, (
+        (actual - expected).abs().max().item(),
+        scale,
+    )
 
 
 def _model(model_type, seed=0):
@@ -50,7 +59,11 @@ def _model(model_type, seed=0):
         for name, p in model.named_parameters():
             if ".self_attn." in name or ".mlp." in name:
                 noise = torch.randn(p.shape, generator=g)
-                p.copy_(1.0 + 0.5 * noise if "norm" in name else noise * (p.shape[-1] ** -0.5 if p.dim() > 1 else 1))
+                p.copy_(
+                    1.0 + 0.5 * noise
+                    if "norm" in name
+                    else noise * (p.shape[-1] ** -0.5 if p.dim() > 1 else 1)
+                )
     return model
 
 
@@ -80,7 +93,7 @@ def _zeroed(model, kept: dict):
             hd = ref.config.get_text_config(decoder=True).head_dim
             for h in range(weight.shape[1] // hd):
                 if h not in keep:
-                    weight[:, h * hd:(h + 1) * hd] = 0
+                    weight[:, h * hd : (h + 1) * hd] = 0
         else:
             weight = state[prefix + ".down_proj.weight"]
             for c in range(weight.shape[1]):
@@ -138,8 +151,12 @@ def test_olmo_attention_cut_equals_a_smaller_model_built_by_hand():
     model = _model("olmo_hybrid")
     orders = _orders(model)
     attention = [b for b in find_model_blocks(model) if b.kind == "attention"]
-    cut = slice_model(model, None, blocks={b.prefix: TARGET for b in attention},
-                      block_orders={b.prefix: orders[b.prefix] for b in attention})
+    cut = slice_model(
+        model,
+        None,
+        blocks={b.prefix: TARGET for b in attention},
+        block_orders={b.prefix: orders[b.prefix] for b in attention},
+    )
 
     config = make_config("olmo_hybrid", SHAPE)
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 16
@@ -154,11 +171,17 @@ def test_olmo_attention_cut_equals_a_smaller_model_built_by_hand():
         g = int(o["kv_groups"][0])  # the one key-value group kept, and its first two query heads
         heads = [g * 2 + int(o["query_heads"][g][0]), g * 2 + int(o["query_heads"][g][1])]
         for pos, h in enumerate(heads):
-            new[f"{p}.q_proj.weight"][pos * hd:(pos + 1) * hd] = old[f"{p}.q_proj.weight"][h * hd:(h + 1) * hd]
-            new[f"{p}.q_norm.weight"][pos * hd:(pos + 1) * hd] = old[f"{p}.q_norm.weight"][h * hd:(h + 1) * hd]
-            new[f"{p}.o_proj.weight"][:, pos * hd:(pos + 1) * hd] = old[f"{p}.o_proj.weight"][:, h * hd:(h + 1) * hd]
+            new[f"{p}.q_proj.weight"][pos * hd : (pos + 1) * hd] = old[f"{p}.q_proj.weight"][
+                h * hd : (h + 1) * hd
+            ]
+            new[f"{p}.q_norm.weight"][pos * hd : (pos + 1) * hd] = old[f"{p}.q_norm.weight"][
+                h * hd : (h + 1) * hd
+            ]
+            new[f"{p}.o_proj.weight"][:, pos * hd : (pos + 1) * hd] = old[f"{p}.o_proj.weight"][
+                :, h * hd : (h + 1) * hd
+            ]
         for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
-            new[f"{p}.{name}"][:] = old[f"{p}.{name}"][g * hd:(g + 1) * hd]
+            new[f"{p}.{name}"][:] = old[f"{p}.{name}"][g * hd : (g + 1) * hd]
     ids = _ids(seed=4)
     _same(logits(cut, ids), logits(ref, ids))
 
@@ -169,10 +192,12 @@ def per_layer_fields(model) -> dict[str, dict[str, int]]:
     for b in find_model_blocks(model):
         i = int(b.prefix.split("layers.")[1].split(".")[0])  # the layer index
         j = (i // 2) % 2
-        fields[b.prefix] = {"attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
-                            "mlp": {"intermediate_size": 16 + 8 * i},
-                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
-                            "experts": {"num_experts": 2 + i % 3}}[b.kind]
+        fields[b.prefix] = {
+            "attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
+            "mlp": {"intermediate_size": 16 + 8 * i},
+            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
+            "experts": {"num_experts": 2 + i % 3},
+        }[b.kind]
     return fields
 
 
@@ -260,9 +285,12 @@ def test_parameters_of_a_cut_are_those_of_the_cut_model(model_type):
     state = cut.state_dict()
     for block in blocks:
         target = resolve_block_target(block, fields)
-        assert block.parameters(target) == sum(v.numel() for k, v in state.items() if k.startswith(block.prefix + "."))
-        assert block.parameters() == sum(v.numel() for k, v in model.state_dict().items()
-                                         if k.startswith(block.prefix + "."))
+        assert block.parameters(target) == sum(
+            v.numel() for k, v in state.items() if k.startswith(block.prefix + ".")
+        )
+        assert block.parameters() == sum(
+            v.numel() for k, v in model.state_dict().items() if k.startswith(block.prefix + ".")
+        )
         if block.kind == "attention":
             cache = cut.model.layers[int(block.prefix.split(".")[2])].self_attn
             assert kv_cache_elements(target) == 2 * cache.k_proj.out_features
@@ -276,16 +304,24 @@ def test_candidates_of_a_sub_block_are_nested_cuts_with_their_exact_costs():
     model = _model("qwen3_5")
     attention = next(b for b in find_model_blocks(model) if b.kind == "attention")
     mlp = next(b for b in find_model_blocks(model) if b.kind == "mlp")
-    heads = [(c.target.num_attention_heads, c.target.num_key_value_heads) for c in block_candidates(attention)]
+    heads = [
+        (c.target.num_attention_heads, c.target.num_key_value_heads) for c in block_candidates(attention)
+    ]
     assert heads == [(4, 2), (2, 2), (2, 1), (1, 1)]
     assert [c.cache_per_token for c in block_candidates(attention)] == [64, 64, 32, 32]
-    assert [(c.target.num_attention_heads, c.target.num_key_value_heads)
-            for c in block_candidates(attention, tp=2)] == [(4, 2), (2, 2), (2, 1)]
+    assert [
+        (c.target.num_attention_heads, c.target.num_key_value_heads)
+        for c in block_candidates(attention, tp=2)
+    ] == [(4, 2), (2, 2), (2, 1)]
     sizes = [c.target.intermediate_size for c in block_candidates(mlp, step=Fraction(1, 4))]
     assert sizes == [96, 72, 48, 24]
     assert [c.target.intermediate_size for c in block_candidates(mlp, step=32, multiple_of=64)] == [64]
     for candidate in block_candidates(mlp, step=Fraction(1, 4)):
-        cut = slice_model(model, None, blocks={mlp.prefix: {"intermediate_size": candidate.target.intermediate_size}})
-        assert candidate.params == sum(v.numel() for k, v in cut.state_dict().items() if k.startswith(mlp.prefix + "."))
+        cut = slice_model(
+            model, None, blocks={mlp.prefix: {"intermediate_size": candidate.target.intermediate_size}}
+        )
+        assert candidate.params == sum(
+            v.numel() for k, v in cut.state_dict().items() if k.startswith(mlp.prefix + ".")
+        )
     with pytest.raises(ValueError, match="no candidate geometry"):
         block_candidates(mlp, multiple_of=1000)

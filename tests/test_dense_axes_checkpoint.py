@@ -12,24 +12,25 @@ import json
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-
-from gdnprune import checkpoint as ck
-from gdnprune.blocks import KINDS, orders_to_payload
-from gdnprune.block_surgery import find_model_blocks
-from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.loading import load_pretrained, slice_model
-from gdnprune.plans import PlanError
 from test_checkpoint import MODEL_TYPES, raw_tensors
 from test_dense_axes import DENSE, TARGET, _kept, _model, _orders, _same, _zeroed, per_layer_fields
 from tiny_models import cached_decode_logits, logits
 
-pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning"),
-              pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.PassthroughWarning")]
+from gdnprune import checkpoint as ck
+from gdnprune.block_surgery import find_model_blocks
+from gdnprune.blocks import KINDS, orders_to_payload
+from gdnprune.cli import main
+from gdnprune.geometry import GDNShape
+from gdnprune.loading import load_pretrained, slice_model
+from gdnprune.plans import PlanError
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning"),
+    pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.PassthroughWarning"),
+]
 
 
 def _ids(seed=0, seq=12):
@@ -70,14 +71,20 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
     sorted_model = load_pretrained(tmp_path / "sorted")
     _same(logits(sorted_model, ids), logits(model, ids))
 
-    manifest = ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", target=_target(model), progress=False)
+    manifest = ck.slice_checkpoint(
+        tmp_path / "sorted", tmp_path / "cut", target=_target(model), progress=False
+    )
     assert set(manifest["blocks"]) == {b.prefix for b in find_model_blocks(model, DENSE)}
     cut = load_pretrained(tmp_path / "cut")
     memory = slice_model(model, None, blocks=_target(model), block_orders=orders)
     _same(logits(cut, ids), logits(memory, ids))
-    blocks = [b for b in find_model_blocks(model, DENSE) if model_type != "olmo_hybrid" or b.kind != "attention"]
+    blocks = [
+        b for b in find_model_blocks(model, DENSE) if model_type != "olmo_hybrid" or b.kind != "attention"
+    ]
     kept = {b.prefix: (b.kind, _kept(b, orders[b.prefix], TARGET)) for b in blocks}
-    if model_type != "olmo_hybrid":  # OLMo's whole-projection norms: compared with the hand-built model in memory
+    if (
+        model_type != "olmo_hybrid"
+    ):  # OLMo's whole-projection norms: compared with the hand-built model in memory
         _same(logits(cut, ids), logits(_zeroed(model, kept), ids))
 
     # everything outside the changed blocks is byte for byte the sorted source (GDN layers, norms, mtp.*)
@@ -86,24 +93,34 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
     assert set(after) == set(before)
     assert {n for n in before if n not in changed and before[n] != after[n]} == set()
     assert all(before[n][1] != after[n][1] for n in changed)
-    assert any(".q_norm." in n for n in before) and all(before[n] == after[n] for n in before if ".q_norm." in n
-                                                       and model_type != "olmo_hybrid")
+    assert any(".q_norm." in n for n in before) and all(
+        before[n] == after[n] for n in before if ".q_norm." in n and model_type != "olmo_hybrid"
+    )
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_vl", "qwen3_next", "olmo_hybrid"])
 def test_a_version_2_plan_cuts_every_sub_block_to_its_own_size(sources, tmp_path, model_type):
     model, src, orders = sources[model_type]
     fields = per_layer_fields(model)
-    gdn = "model.language_model.layers.0.linear_attn" if model_type == "qwen3_5_vl" else "model.layers.0.linear_attn"
-    plan = {"format": "gdnprune-plan", "version": 2, "layers": {gdn: {"num_key_heads": 1, "num_value_heads": 2},
-                                                                **fields}}
+    gdn = (
+        "model.language_model.layers.0.linear_attn"
+        if model_type == "qwen3_5_vl"
+        else "model.layers.0.linear_attn"
+    )
+    plan = {
+        "format": "gdnprune-plan",
+        "version": 2,
+        "layers": {gdn: {"num_key_heads": 1, "num_value_heads": 2}, **fields},
+    }
     ck.sort_checkpoint(src, _scores(orders), tmp_path / "sorted", progress=False)
     ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", plan=plan, progress=False)
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
     per_layer = (config.get("text_config") or config)["per_layer_config"]
     assert any("num_attention_heads" in v for v in per_layer.values())
     cut = load_pretrained(tmp_path / "cut")
-    memory = slice_model(model, {gdn: {"num_key_heads": 1, "num_value_heads": 2}}, blocks=fields, block_orders=orders)
+    memory = slice_model(
+        model, {gdn: {"num_key_heads": 1, "num_value_heads": 2}}, blocks=fields, block_orders=orders
+    )
     ids = _ids(seed=2, seq=10)
     full = logits(cut, ids)
     _same(full, logits(memory, ids))
@@ -115,26 +132,46 @@ def test_plans_of_version_1_still_read_and_version_1_refuses_sub_blocks(sources,
     v1 = {"format": "gdnprune-plan", "version": 1, "default": {"num_key_heads": 1, "num_value_heads": 2}}
     ck.slice_checkpoint(src, tmp_path / "v1", plan=v1, progress=False)
     assert json.loads((tmp_path / "v1" / "config.json").read_text())["linear_num_key_heads"] == 1
-    bad = {"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.1.self_attn": {"num_attention_heads": 2}}}
+    bad = {
+        "format": "gdnprune-plan",
+        "version": 1,
+        "layers": {"model.layers.1.self_attn": {"num_attention_heads": 2}},
+    }
     with pytest.raises(PlanError, match="plan version 1 cuts only GDN layers"):
         ck.slice_checkpoint(src, tmp_path / "bad", plan=bad, progress=False)
-    wrong = {"format": "gdnprune-plan", "version": 2, "layers": {"model.layers.1.mlp": {"num_attention_heads": 2}}}
-    with pytest.raises(ValueError, match=r"unknown fields \['num_attention_heads'\]; expected some of "
-                                         r"\['intermediate_size'\]"):
+    wrong = {
+        "format": "gdnprune-plan",
+        "version": 2,
+        "layers": {"model.layers.1.mlp": {"num_attention_heads": 2}},
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"unknown fields \['num_attention_heads'\]; expected some of "
+        r"\['intermediate_size'\]",
+    ):
         ck.slice_checkpoint(src, tmp_path / "bad", plan=wrong, progress=False)
     assert not (tmp_path / "bad").exists()
 
 
 def test_errors_name_the_block_and_leave_nothing_behind(sources, tmp_path):
     _, src, _ = sources["qwen3_5"]
-    with pytest.raises(ck.TargetError, match=r"self_attn: target .* does not fit.*query heads per key-value head"):
-        ck.slice_checkpoint(src, tmp_path / "out", target={"num_attention_heads": 4, "num_key_value_heads": 1},
-                            progress=False)
+    with pytest.raises(
+        ck.TargetError, match=r"self_attn: target .* does not fit.*query heads per key-value head"
+    ):
+        ck.slice_checkpoint(
+            src, tmp_path / "out", target={"num_attention_heads": 4, "num_key_value_heads": 1}, progress=False
+        )
     with pytest.raises(ck.ScoresError, match="not a permutation"):
-        ck.sort_checkpoint(src, {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": [0] * 96}}},
-                           tmp_path / "out", progress=False)
+        ck.sort_checkpoint(
+            src,
+            {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": [0] * 96}}},
+            tmp_path / "out",
+            progress=False,
+        )
     with pytest.raises(ck.ScoresError, match=r"'model.layers.0.self_attn' is not a sub-block"):
-        ck.sort_checkpoint(src, {"layers": {"model.layers.0.self_attn": {}}}, tmp_path / "out", progress=False)
+        ck.sort_checkpoint(
+            src, {"layers": {"model.layers.0.self_attn": {}}}, tmp_path / "out", progress=False
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -149,19 +186,38 @@ code = main(["slice", {str(src)!r}, "-o", {str(out)!r}, "-q", "--num-attention-h
              "1", "--shared-expert-intermediate-size", "16"])
 print(json.dumps({{"code": code, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules)}}))
 """
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"code": 0, "loaded": []}
     config = json.loads((out / "config.json").read_text())
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
-            config["shared_expert_intermediate_size"]) == (2, 1, 16, 16)
+    assert (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["shared_expert_intermediate_size"],
+    ) == (2, 1, 16, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = load_pretrained(out)
     assert model.model.layers[1].self_attn.q_proj.weight.shape == (2 * 2 * 16, 64)
-    assert main(["slice", str(src), "-o", str(tmp_path / "x"), "-q", "--intermediate-size", "8",
-                 "--plan", "p.json"]) == 2
+    assert (
+        main(
+            [
+                "slice",
+                str(src),
+                "-o",
+                str(tmp_path / "x"),
+                "-q",
+                "--intermediate-size",
+                "8",
+                "--plan",
+                "p.json",
+            ]
+        )
+        == 2
+    )
 
 
 def test_inspect_gives_the_parameters_of_every_kind_of_sub_block(sources, tmp_path):
@@ -171,11 +227,19 @@ def test_inspect_gives_the_parameters_of_every_kind_of_sub_block(sources, tmp_pa
         sd = model.state_dict()
         expected = {
             "attention": sum(v.numel() for k, v in sd.items() if ".self_attn." in k),
-            "mlp": sum(v.numel() for k, v in sd.items() if ".mlp." in k and ".shared_expert." not in k
-                       and ".experts." not in k and not k.endswith("mlp.gate.weight")
-                       and "shared_expert_gate" not in k),
+            "mlp": sum(
+                v.numel()
+                for k, v in sd.items()
+                if ".mlp." in k
+                and ".shared_expert." not in k
+                and ".experts." not in k
+                and not k.endswith("mlp.gate.weight")
+                and "shared_expert_gate" not in k
+            ),
             "shared_expert": sum(v.numel() for k, v in sd.items() if ".mlp.shared_expert." in k),
-            "experts": sum(v.numel() for k, v in sd.items() if ".mlp.experts." in k or k.endswith("mlp.gate.weight")),
+            "experts": sum(
+                v.numel() for k, v in sd.items() if ".mlp.experts." in k or k.endswith("mlp.gate.weight")
+            ),
         }
         expected = {k: v for k, v in expected.items() if v}
         by_kind = info["parameters_by_kind"]
@@ -194,22 +258,37 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
     """Heads of 16 rows are four whole 4x4 blocks: a head cut is exact on the FP8 bytes; an MLP channel order
     splits blocks, which is refused (or written in BF16 with dequantize=True)."""
     from safetensors.torch import load_file, save_file
-
     from test_fp8 import BLOCK, NOT_CONVERTED, dequantize, quantize
 
     model = _model("qwen3_5")
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    fp8 = [k for k in state if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                                           "down_proj.weight", "gate_proj.weight", "up_proj.weight"))]
+    fp8 = [
+        k
+        for k in state
+        if k.endswith(
+            (
+                "q_proj.weight",
+                "k_proj.weight",
+                "v_proj.weight",
+                "o_proj.weight",
+                "down_proj.weight",
+                "gate_proj.weight",
+                "up_proj.weight",
+            )
+        )
+    ]
     for name in fp8:
         state[name], state[name[: -len("weight")] + "weight_scale_inv"] = quantize(state[name])
     src = tmp_path / "src"
     model.save_pretrained(src)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK],
-                                     "modules_to_not_convert": [n for n in NOT_CONVERTED
-                                                                if n not in ("self_attn", "mlp")]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+        "modules_to_not_convert": [n for n in NOT_CONVERTED if n not in ("self_attn", "mlp")],
+    }
     (src / "config.json").write_text(json.dumps(config))
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
 
@@ -217,24 +296,32 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
     attention = ("model.layers.1.self_attn", "model.layers.3.self_attn")
     scores = {"layers": {p: orders_to_payload(orders) for p in attention}}
     ck.sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
-    ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut",
-                        target={"num_attention_heads": 2, "num_key_value_heads": 1}, progress=False)
+    ck.slice_checkpoint(
+        tmp_path / "sorted",
+        tmp_path / "cut",
+        target={"num_attention_heads": 2, "num_key_value_heads": 1},
+        progress=False,
+    )
     out = load_file(tmp_path / "cut" / "model.safetensors")
     hd, p = 16, "model.layers.1.self_attn"
     q = dequantize(state[f"{p}.q_proj.weight"], state[f"{p}.q_proj.weight_scale_inv"])
     o = dequantize(state[f"{p}.o_proj.weight"], state[f"{p}.o_proj.weight_scale_inv"])
     k = dequantize(state[f"{p}.k_proj.weight"], state[f"{p}.k_proj.weight_scale_inv"])
     heads = [1 * 2 + 0, 1 * 2 + 1]  # group 1 is kept, its heads in its own order (row 1: [0, 1])
-    expected_q = torch.cat([q[h * 2 * hd:(h + 1) * 2 * hd] for h in heads])
-    expected_o = torch.cat([o[:, h * hd:(h + 1) * hd] for h in heads], dim=1)
+    expected_q = torch.cat([q[h * 2 * hd : (h + 1) * 2 * hd] for h in heads])
+    expected_o = torch.cat([o[:, h * hd : (h + 1) * hd] for h in heads], dim=1)
     assert out[f"{p}.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert torch.equal(dequantize(out[f"{p}.q_proj.weight"], out[f"{p}.q_proj.weight_scale_inv"]), expected_q)
     assert torch.equal(dequantize(out[f"{p}.o_proj.weight"], out[f"{p}.o_proj.weight_scale_inv"]), expected_o)
-    assert torch.equal(dequantize(out[f"{p}.k_proj.weight"], out[f"{p}.k_proj.weight_scale_inv"]), k[hd:2 * hd])
+    assert torch.equal(
+        dequantize(out[f"{p}.k_proj.weight"], out[f"{p}.k_proj.weight_scale_inv"]), k[hd : 2 * hd]
+    )
 
     swap = [4, 1, 2, 3, 0] + list(range(5, 96))  # channels 0 and 4 sit in different 4-channel blocks
     channels = {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": swap}}}
-    with pytest.raises(ck.TargetError, match=r"model.layers.0.mlp is FP8 with 4-wide scale blocks.*dequantize=True"):
+    with pytest.raises(
+        ck.TargetError, match=r"model.layers.0.mlp is FP8 with 4-wide scale blocks.*dequantize=True"
+    ):
         ck.sort_checkpoint(src, channels, tmp_path / "bad", progress=False)
     ck.sort_checkpoint(src, channels, tmp_path / "bf16", progress=False, dequantize=True)
     out = load_file(tmp_path / "bf16" / "model.safetensors")
@@ -256,7 +343,9 @@ def test_a_cut_of_attention_warns_that_mtp_layers_keep_their_width(sources, tmp_
 def test_a_field_that_no_sub_block_has_is_an_error(sources, tmp_path):
     _, src, _ = sources["qwen3_5"]
     with pytest.raises(ck.TargetError, match=r"no shared_expert sub-block \(at layers.N.mlp.shared_expert\)"):
-        ck.slice_checkpoint(src, tmp_path / "out", target={"shared_expert_intermediate_size": 8}, progress=False)
+        ck.slice_checkpoint(
+            src, tmp_path / "out", target={"shared_expert_intermediate_size": 8}, progress=False
+        )
     plan = {"format": "gdnprune-plan", "version": 2, "default": {"shared_expert_intermediate_size": 8}}
     with pytest.raises(ck.TargetError, match="nothing to cut with"):
         ck.slice_checkpoint(src, tmp_path / "out", plan=plan, progress=False)

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_dense_axes import DENSE, _ids, _model, _same
+from tiny_models import logits
 
 from gdnprune.block_surgery import find_model_blocks
 from gdnprune.blocks import orders_from_payload
 from gdnprune.loading import slice_model
 from gdnprune.scoring.blocks import BlockScorer, block_payload
-from test_dense_axes import DENSE, _ids, _model, _same
-from tiny_models import logits
 
 
 def _score(model, method, ids):
-    scorers = {b.prefix: BlockScorer(b, model.get_submodule(b.prefix), method) for b in find_model_blocks(model, DENSE)}
+    scorers = {
+        b.prefix: BlockScorer(b, model.get_submodule(b.prefix), method)
+        for b in find_model_blocks(model, DENSE)
+    }
     handles = [h for s in scorers.values() for h in s.attach()]
     try:
         with torch.no_grad():
@@ -33,8 +36,9 @@ def _score(model, method, ids):
 
 def _output_of(model, prefix, ids):
     seen = []
-    handle = model.get_submodule(prefix).register_forward_hook(lambda m, a, out: seen.append(
-        (out[0] if isinstance(out, tuple) else out).detach().double()))
+    handle = model.get_submodule(prefix).register_forward_hook(
+        lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).detach().double())
+    )
     try:
         with torch.no_grad():
             model(input_ids=ids)
@@ -59,7 +63,7 @@ def test_the_gram_predicts_the_output_change_of_removing_any_set(model_type):
         saved = weight.detach().clone()
         with torch.no_grad():
             for u in removed.tolist():
-                weight[:, u * width:(u + 1) * width] = 0
+                weight[:, u * width : (u + 1) * width] = 0
         try:
             measured = (_output_of(model, prefix, ids) - full).pow(2).sum().item()
         finally:
@@ -75,7 +79,8 @@ def test_the_activation_baseline_is_the_mean_absolute_activation_and_orders_sort
     prefix = next(p for p, s in scorers.items() if not s.attention)
     seen = []
     handle = model.get_submodule(prefix + ".down_proj").register_forward_pre_hook(
-        lambda m, a: seen.append(a[0].detach().double().abs().reshape(-1, a[0].shape[-1]).mean(0)))
+        lambda m, a: seen.append(a[0].detach().double().abs().reshape(-1, a[0].shape[-1]).mean(0))
+    )
     with torch.no_grad():
         model(input_ids=ids)
     handle.remove()
@@ -108,8 +113,11 @@ def test_projection_orders_keep_what_the_greedy_kept_and_group_heads_stay_in_the
         removed = list(reversed(channels.tolist()))
         for k in range(1, 6):
             before = removed[:k]
-            costs = {c: gram[before + [c]][:, before + [c]].sum().item() for c in range(gram.shape[0])
-                     if c not in before}
+            costs = {
+                c: gram[before + [c]][:, before + [c]].sum().item()
+                for c in range(gram.shape[0])
+                if c not in before
+            }
             assert costs[removed[k]] <= min(costs.values()) + 1e-9 * abs(min(costs.values()))
 
 
@@ -119,11 +127,18 @@ def test_a_scores_file_holds_sub_block_payloads_beside_gdn_ones(tmp_path):
     model = _model("qwen3_5")
     scorers = _score(model, "projection", _ids(seed=9))
     layers = {p: block_payload(s.block, s.stats, "projection") for p, s in scorers.items()}
-    gdn = {"key_group_order_most_important_first": [1, 0], "value_lane_order_most_important_first": [[0, 1], [1, 0]],
-           "key_dim_order_most_important_first": [list(range(8))] * 2,
-           "value_dim_order_most_important_first": list(range(8)),
-           "shape": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8}}
-    scores = {"format": "gdnprune-scores", "version": 1, "layers": {"model.layers.0.linear_attn": gdn, **layers}}
+    gdn = {
+        "key_group_order_most_important_first": [1, 0],
+        "value_lane_order_most_important_first": [[0, 1], [1, 0]],
+        "key_dim_order_most_important_first": [list(range(8))] * 2,
+        "value_dim_order_most_important_first": list(range(8)),
+        "shape": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8},
+    }
+    scores = {
+        "format": "gdnprune-scores",
+        "version": 1,
+        "layers": {"model.layers.0.linear_attn": gdn, **layers},
+    }
     save_scores(scores, tmp_path / "scores.json")
     assert load_scores(tmp_path / "scores.json")["layers"].keys() == scores["layers"].keys()
     attention = next(p for p in layers if p.endswith("self_attn"))
@@ -150,12 +165,17 @@ def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(meth
         alone = _score(model, method, torch.cat(batches))
         for prefix, scorer in alone.items():
             expected, got = block_payload(scorer.block, scorer.stats, method), scores["layers"][prefix]
-            assert {k: v for k, v in got.items() if not k.endswith("_scores")} == \
-                {k: v for k, v in expected.items() if not k.endswith("_scores")}
+            assert {k: v for k, v in got.items() if not k.endswith("_scores")} == {
+                k: v for k, v in expected.items() if not k.endswith("_scores")
+            }
             for key in (k for k in expected if k.endswith("_scores")):
-                torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(expected[key]), rtol=1e-12, atol=0)
-    _same(logits(slice_model(model, None, block_orders={p: scores["layers"][p] for p in blocks}), batches[0]),
-          logits(model, batches[0]))
+                torch.testing.assert_close(
+                    torch.tensor(got[key]), torch.tensor(expected[key]), rtol=1e-12, atol=0
+                )
+    _same(
+        logits(slice_model(model, None, block_orders={p: scores["layers"][p] for p in blocks}), batches[0]),
+        logits(model, batches[0]),
+    )
 
 
 def test_score_model_warns_about_sub_blocks_it_cannot_score():
@@ -170,23 +190,34 @@ def test_score_model_warns_about_sub_blocks_it_cannot_score():
 
 def test_score_checkpoint_then_sort_orders_every_sub_block_of_a_vision_language_folder(tmp_path):
     """The scores name the checkpoint's own prefixes (``model.language_model.``), sort applies them."""
+    from test_checkpoint import _tokenizer_files
+
     from gdnprune import checkpoint as ck
     from gdnprune.loading import load_pretrained
     from gdnprune.scores import load_scores, save_scores
     from gdnprune.scoring import score_checkpoint
-    from test_checkpoint import _tokenizer_files
 
     model = _model("qwen3_5_vl")
     model.save_pretrained(tmp_path / "src")
     _tokenizer_files(tmp_path / "src")
     (tmp_path / "data.txt").write_text("the model sorts heads and slices them " * 200)
-    scores = score_checkpoint(tmp_path / "src", tmp_path / "data.txt", num_samples=4, seq_len=16, batch_size=2,
-                              device="cpu", progress=False, blocks=True)
+    scores = score_checkpoint(
+        tmp_path / "src",
+        tmp_path / "data.txt",
+        num_samples=4,
+        seq_len=16,
+        batch_size=2,
+        device="cpu",
+        progress=False,
+        blocks=True,
+    )
     save_scores(scores, tmp_path / "scores.json")
     layers = load_scores(tmp_path / "scores.json")["layers"]
     blocks = [p for p in layers if not p.endswith("linear_attn")]
     assert len(blocks) == 6 and all(p.startswith("model.language_model.layers.") for p in blocks)
-    manifest = ck.sort_checkpoint(tmp_path / "src", tmp_path / "scores.json", tmp_path / "sorted", progress=False)
+    manifest = ck.sort_checkpoint(
+        tmp_path / "src", tmp_path / "scores.json", tmp_path / "sorted", progress=False
+    )
     assert set(manifest["blocks"]) == set(blocks)
     ids = _ids(seed=13)
     _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
@@ -201,43 +232,74 @@ def test_masked_tokens_are_left_out_of_the_sub_block_statistics():
     ids = _ids(seed=14)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[1, 8:] = False  # right padding of the second window
-    padded = measure_statistics(model, [{"input_ids": ids, "attention_mask": mask}], progress=False, blocks=True,
-                                method="activation")
-    alone = measure_statistics(model, [ids[:1], ids[1:, :8]], progress=False, blocks=True, method="activation")
+    padded = measure_statistics(
+        model, [{"input_ids": ids, "attention_mask": mask}], progress=False, blocks=True, method="activation"
+    )
+    alone = measure_statistics(
+        model, [ids[:1], ids[1:, :8]], progress=False, blocks=True, method="activation"
+    )
     for prefix, (_, stats) in alone.blocks.items():
         assert int(padded.blocks[prefix][1]["num_tokens"]) == 12 + 8 == int(stats["num_tokens"])
-        torch.testing.assert_close(padded.blocks[prefix][1]["abs_sum"], stats["abs_sum"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            padded.blocks[prefix][1]["abs_sum"], stats["abs_sum"], rtol=1e-5, atol=1e-6
+        )
 
 
 def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_path):
+    from test_checkpoint import _tokenizer_files
+
     from gdnprune.loading import load_pretrained
     from gdnprune.prune import prune_checkpoint
     from gdnprune.targets import TargetError
-    from test_checkpoint import _tokenizer_files
 
     model = _model("qwen3_5")
     model.save_pretrained(tmp_path / "src")
     _tokenizer_files(tmp_path / "src")
     (tmp_path / "data.txt").write_text("the model sorts heads and slices them " * 200)
-    target = {"num_key_heads": 1, "num_value_heads": 2, "intermediate_size": 48, "num_attention_heads": 2,
-              "num_key_value_heads": 1}
+    target = {
+        "num_key_heads": 1,
+        "num_value_heads": 2,
+        "intermediate_size": 48,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     options = dict(num_samples=4, seq_len=16, batch_size=2, device="cpu")
-    manifest = prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "out", target=target,
-                                progress=False, **options)
+    manifest = prune_checkpoint(
+        tmp_path / "src", tmp_path / "data.txt", tmp_path / "out", target=target, progress=False, **options
+    )
     blocks = manifest["blocks"]
     assert {b["kind"] for b in blocks.values()} == {"attention", "mlp"} and len(blocks) == 6
     assert all(b["permutation"] is not None for b in blocks.values())
-    expected = slice_model(model, {"num_key_heads": 1, "num_value_heads": 2},
-                           {p: layer["permutation"] for p, layer in manifest["layers"].items()},
-                           blocks={k: v for k, v in target.items() if k in ("intermediate_size", "num_attention_heads",
-                                                                            "num_key_value_heads")},
-                           block_orders={p: b["permutation"] for p, b in blocks.items()})
+    expected = slice_model(
+        model,
+        {"num_key_heads": 1, "num_value_heads": 2},
+        {p: layer["permutation"] for p, layer in manifest["layers"].items()},
+        blocks={
+            k: v
+            for k, v in target.items()
+            if k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")
+        },
+        block_orders={p: b["permutation"] for p, b in blocks.items()},
+    )
     ids = _ids(seed=15)
     _same(logits(load_pretrained(tmp_path / "out"), ids), logits(expected, ids))
     with pytest.raises(TargetError, match="num_attention_heads 3 / num_key_value_heads 1"):
-        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad",
-                         target={"num_attention_heads": 3, "num_key_value_heads": 1}, progress=False, **options)
+        prune_checkpoint(
+            tmp_path / "src",
+            tmp_path / "data.txt",
+            tmp_path / "bad",
+            target={"num_attention_heads": 3, "num_key_value_heads": 1},
+            progress=False,
+            **options,
+        )
     with pytest.raises(TargetError, match="sequential compensation"):
-        prune_checkpoint(tmp_path / "src", tmp_path / "data.txt", tmp_path / "bad",
-                         target={"intermediate_size": 8}, compensate="sequential", progress=False, **options)
+        prune_checkpoint(
+            tmp_path / "src",
+            tmp_path / "data.txt",
+            tmp_path / "bad",
+            target={"intermediate_size": 8},
+            compensate="sequential",
+            progress=False,
+            **options,
+        )
     assert not (tmp_path / "bad").exists()

@@ -37,7 +37,9 @@ def sliced(model, target=HALF):
     """The nested prefix ``target`` of every GDN layer of ``model``, as a new model."""
     state = dict(model.state_dict())
     for prefix, module in find_gdn_modules(model):
-        slice_gated_delta_net_state_dict(state, prefix=prefix, shape=GDNShape.from_module(module), target=target)
+        slice_gated_delta_net_state_dict(
+            state, prefix=prefix, shape=GDNShape.from_module(module), target=target
+        )
     small = type(model)(target.apply_to_config(model.config)).eval()
     small.load_state_dict(state, strict=True)
     return small
@@ -78,8 +80,17 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_siz
     labels = torch.randint(0, vocab, (n,), generator=g)
     labels[[3, 10, 22]] = -100
 
-    loss = distillation_loss(h, ht, head, t_head, labels, temperature=temperature, kd_weight=kd_w, lm_weight=lm_w,
-                             chunk_size=chunk_size)
+    loss = distillation_loss(
+        h,
+        ht,
+        head,
+        t_head,
+        labels,
+        temperature=temperature,
+        kd_weight=kd_w,
+        lm_weight=lm_w,
+        chunk_size=chunk_size,
+    )
     loss.loss.backward()
     got = [h.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if bias else [])
     h.grad = None
@@ -98,8 +109,17 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_siz
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert t_head.weight.grad is None
     with torch.no_grad():  # the no-grad path gives the same value
-        assert distillation_loss(h, ht, head, t_head, labels, temperature=temperature, kd_weight=kd_w,
-                                 lm_weight=lm_w, chunk_size=chunk_size).loss.item() == pytest.approx(loss.loss.item())
+        assert distillation_loss(
+            h,
+            ht,
+            head,
+            t_head,
+            labels,
+            temperature=temperature,
+            kd_weight=kd_w,
+            lm_weight=lm_w,
+            chunk_size=chunk_size,
+        ).loss.item() == pytest.approx(loss.loss.item())
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_vl", "qwen3_next", "olmo_hybrid"])
@@ -111,9 +131,14 @@ def test_loss_from_hidden_states_equals_kd_of_the_models_logits(model_type):
     with torch.no_grad():
         direct = kd_loss(student(input_ids=ids).logits[:, :-1], teacher(input_ids=ids).logits[:, :-1])
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
-        got = distillation_loss(_final_hidden(student, ids), _final_hidden(teacher, ids),
-                                student.get_output_embeddings(), teacher.get_output_embeddings(), labels,
-                                chunk_size=32)
+        got = distillation_loss(
+            _final_hidden(student, ids),
+            _final_hidden(teacher, ids),
+            student.get_output_embeddings(),
+            teacher.get_output_embeddings(),
+            labels,
+            chunk_size=32,
+        )
     assert direct.item() > 1e-3
     assert got.loss.item() == pytest.approx(direct.item(), rel=1e-5)
 
@@ -125,7 +150,7 @@ def test_lm_only_loss_needs_no_teacher():
     got = distillation_loss(h, None, head, None, labels, kd_weight=0, lm_weight=1, chunk_size=4)
     want = F.cross_entropy(head(h).flatten(0, 1), labels.flatten())
     assert got.loss.item() == pytest.approx(want.item(), rel=1e-6) and torch.isnan(got.kd)
-    grad, = torch.autograd.grad(got.loss, h)
+    (grad,) = torch.autograd.grad(got.loss, h)
     torch.testing.assert_close(grad, torch.autograd.grad(want, h)[0])
     with pytest.raises(ValueError, match="teacher hidden states"):
         distillation_loss(h, None, head, None, labels, kd_weight=1)
@@ -148,8 +173,17 @@ def test_loss_rejects_bad_weights_and_shapes():
 
 def test_a_few_steps_decrease_the_kd_loss():
     teacher, student = pair()
-    result = distill(student, teacher, windows(16), steps=6, batch_size=4, lr=3e-3, eval_data=windows(4, seed=9),
-                     eval_every=6, progress=False)
+    result = distill(
+        student,
+        teacher,
+        windows(16),
+        steps=6,
+        batch_size=4,
+        lr=3e-3,
+        eval_data=windows(4, seed=9),
+        eval_every=6,
+        progress=False,
+    )
     evals = [h for h in result["history"] if "eval_kd_loss" in h]
     assert [h["step"] for h in evals] == [0, 6]
     assert evals[-1]["eval_kd_loss"] < 0.8 * evals[0]["eval_kd_loss"]
@@ -163,18 +197,37 @@ def test_a_bf16_teacher_and_mixed_precision():
     teacher, student = pair()
     data, held_out = windows(8), windows(4, seed=3)
     ref = distill(sliced(teacher), teacher, data, steps=2, batch_size=4, eval_data=held_out, progress=False)
-    got = distill(student, teacher.to(torch.bfloat16), data, steps=2, batch_size=4, eval_data=held_out,
-                  mixed_precision="bf16",
-                  progress=False)
+    got = distill(
+        student,
+        teacher.to(torch.bfloat16),
+        data,
+        steps=2,
+        batch_size=4,
+        eval_data=held_out,
+        mixed_precision="bf16",
+        progress=False,
+    )
     assert got["eval"]["kd_loss"] == pytest.approx(ref["eval"]["kd_loss"], rel=0.05)
     assert next(student.parameters()).dtype == torch.float32
 
 
 def test_gradient_checkpointing_gives_the_same_run():
     teacher, _ = pair()
-    runs = [distill(sliced(teacher).train(), teacher, windows(8), steps=2, batch_size=4, lr=3e-3, lm_weight=0.5,
-                    log_every=1, gradient_checkpointing=checkpointing, progress=False)
-            for checkpointing in (False, True)]
+    runs = [
+        distill(
+            sliced(teacher).train(),
+            teacher,
+            windows(8),
+            steps=2,
+            batch_size=4,
+            lr=3e-3,
+            lm_weight=0.5,
+            log_every=1,
+            gradient_checkpointing=checkpointing,
+            progress=False,
+        )
+        for checkpointing in (False, True)
+    ]
     losses = [[h["loss"] for h in r["history"] if "loss" in h] for r in runs]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5) and len(losses[0]) == 2
     assert runs[1]["trainer"].model.is_gradient_checkpointing
@@ -196,15 +249,26 @@ def _weights(model):
 def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     teacher, _ = pair()
     data, held_out = windows(12), windows(4, seed=5)
-    options = dict(steps=7, batch_size=4, lr=3e-3, lm_weight=0.5, eval_data=held_out, eval_every=7, save_every=2,
-                   log_every=1, progress=False)
+    options = dict(
+        steps=7,
+        batch_size=4,
+        lr=3e-3,
+        lm_weight=0.5,
+        eval_data=held_out,
+        eval_every=7,
+        save_every=2,
+        log_every=1,
+        progress=False,
+    )
 
     straight = sliced(teacher)
     full = distill(straight, teacher, data, tmp_path / "straight", **options)
 
     handler = signal.getsignal(signal.SIGINT)
     first = distill(sliced(teacher), teacher, data, tmp_path / "run", callbacks=[_CtrlCAt(4)], **options)
-    assert first["interrupted"] and first["signal"] == "SIGINT" and first["steps"] == 4  # mid-epoch: 3 per epoch
+    assert (
+        first["interrupted"] and first["signal"] == "SIGINT" and first["steps"] == 4
+    )  # mid-epoch: 3 per epoch
     assert signal.getsignal(signal.SIGINT) is handler
     assert first["checkpoint"].endswith("checkpoint-4")
     assert json.loads((tmp_path / "run" / LOG_NAME).read_text())["status"] == "interrupted"
@@ -237,7 +301,9 @@ def test_resume_of_a_model_with_tied_embeddings_warns_of_nothing(tmp_path, caplo
     config.tie_word_embeddings = True
     teacher = build_model("qwen3_5", SHAPE, config=config)
     options = dict(steps=3, batch_size=4, lr=3e-3, save_every=1, log_every=1, progress=False)
-    first = distill(sliced(teacher), teacher, windows(8), tmp_path / "run", callbacks=[_CtrlCAt(1)], **options)
+    first = distill(
+        sliced(teacher), teacher, windows(8), tmp_path / "run", callbacks=[_CtrlCAt(1)], **options
+    )
     assert first["interrupted"]
     student = sliced(teacher)
     assert student.lm_head.weight is student.model.embed_tokens.weight
@@ -259,8 +325,15 @@ class _CtrlCTwice(TrainerCallback):
 def test_sigterm_stops_like_ctrl_c():
     teacher, student = pair()
     handler = signal.getsignal(signal.SIGTERM)
-    result = distill(student, teacher, windows(8), steps=5, batch_size=4, callbacks=[_CtrlCAt(1, signal.SIGTERM)],
-                     progress=False)
+    result = distill(
+        student,
+        teacher,
+        windows(8),
+        steps=5,
+        batch_size=4,
+        callbacks=[_CtrlCAt(1, signal.SIGTERM)],
+        progress=False,
+    )
     assert (result["interrupted"], result["signal"], result["steps"]) == (True, "SIGTERM", 1)
     assert signal.getsignal(signal.SIGTERM) is handler
 
@@ -269,8 +342,17 @@ def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
     teacher, student = pair()
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
-        distill(student, teacher, windows(8), tmp_path / "run", steps=5, batch_size=4, save_every=10,
-                callbacks=[_CtrlCTwice()], progress=False)
+        distill(
+            student,
+            teacher,
+            windows(8),
+            tmp_path / "run",
+            steps=5,
+            batch_size=4,
+            save_every=10,
+            callbacks=[_CtrlCTwice()],
+            progress=False,
+        )
     assert signal.getsignal(signal.SIGINT) is handler
     assert not list(tmp_path.glob("run/checkpoint-*"))
 
@@ -301,8 +383,16 @@ def test_two_processes_give_the_loss_curve_of_one(tmp_path):
     script = tmp_path / "ddp_worker.py"
     script.write_text(_DDP_WORKER.format(tests=os.path.dirname(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path / "two.pt")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path / "two.pt"),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -362,8 +452,17 @@ def test_distill_checkpoint_writes_a_loadable_folder(tmp_path, model_type):
     (tmp_path / "train.txt").write_text(train_text()[:4000])
     (tmp_path / "eval.txt").write_text(train_text()[-2000:])
 
-    result = distill_checkpoint(tmp_path / "student", tmp_path / "teacher", tmp_path / "train.txt", tmp_path / "out",
-                                eval_data=tmp_path / "eval.txt", steps=2, batch_size=4, lr=1e-3, progress=False)
+    result = distill_checkpoint(
+        tmp_path / "student",
+        tmp_path / "teacher",
+        tmp_path / "train.txt",
+        tmp_path / "out",
+        eval_data=tmp_path / "eval.txt",
+        steps=2,
+        batch_size=4,
+        lr=1e-3,
+        progress=False,
+    )
     out = tmp_path / "out"
     assert result["steps"] == 2 and result["eval"]["kd_loss"] > 0
     assert result["config"]["seq_len"] == 80  # the model's max_position_embeddings
@@ -374,14 +473,30 @@ def test_distill_checkpoint_writes_a_loadable_folder(tmp_path, model_type):
     assert (out / PLOT_NAME).is_file() and json.loads((out / LOG_NAME).read_text())["status"] == "finished"
 
     with pytest.raises(ValueError, match="outside the student folder"):
-        distill_checkpoint(tmp_path / "student", tmp_path / "teacher", tmp_path / "train.txt",
-                           tmp_path / "student" / "out", seq_len=80, steps=1, batch_size=4, progress=False)
+        distill_checkpoint(
+            tmp_path / "student",
+            tmp_path / "teacher",
+            tmp_path / "train.txt",
+            tmp_path / "student" / "out",
+            seq_len=80,
+            steps=1,
+            batch_size=4,
+            progress=False,
+        )
     extended = build_byte_tokenizer()
     extended.add_tokens(["<extra>"])
     extended.save_pretrained(tmp_path / "teacher")
     with pytest.raises(ValueError, match="share a tokenizer"):
-        distill_checkpoint(tmp_path / "student", tmp_path / "teacher", tmp_path / "train.txt", tmp_path / "out2",
-                           seq_len=80, steps=1, batch_size=4, progress=False)
+        distill_checkpoint(
+            tmp_path / "student",
+            tmp_path / "teacher",
+            tmp_path / "train.txt",
+            tmp_path / "out2",
+            seq_len=80,
+            steps=1,
+            batch_size=4,
+            progress=False,
+        )
 
 
 def test_options_are_checked(tmp_path):
@@ -392,9 +507,12 @@ def test_options_are_checked(tmp_path):
         distill(student, teacher, windows(8), tmp_path / "notes", steps=1, batch_size=4, overwrite=True)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     data = windows(8)
-    for bad, match in [(dict(steps=1, tokens=10), "exactly one"), (dict(steps=0), "at least one step"),
-                       (dict(steps=1, batch_size=16), "at least batch_size"),
-                       (dict(steps=1, batch_size=4, micro_batch_size=3), "multiple")]:
+    for bad, match in [
+        (dict(steps=1, tokens=10), "exactly one"),
+        (dict(steps=0), "at least one step"),
+        (dict(steps=1, batch_size=16), "at least batch_size"),
+        (dict(steps=1, batch_size=4, micro_batch_size=3), "multiple"),
+    ]:
         with pytest.raises(ValueError, match=match):
             distill(student, teacher, data, **{"batch_size": 4, **bad}, progress=False)
     with pytest.raises(ValueError, match="token windows"):

@@ -12,19 +12,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import make_source, raw_tensors
 
 from gdnprune import load_pretrained
 from gdnprune.checkpoint import slice_checkpoint
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules
-from test_checkpoint import make_source, raw_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
-PLAN = {"format": "gdnprune-plan", "version": 1,
-        "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
-                   "model.layers.2.linear_attn": {"value_head_dim": 4}}}
+PLAN = {
+    "format": "gdnprune-plan",
+    "version": 1,
+    "layers": {
+        "model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
+        "model.layers.2.linear_attn": {"value_head_dim": 4},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +57,41 @@ def _mtp(folder: Path) -> dict:
 def test_distill_a_heterogeneous_student_from_the_command_line(folders, tmp_path, capsys):
     teacher, student, text = folders / "teacher", folders / "hetero", folders / "train.txt"
     out = tmp_path / "out"
-    assert main(["distill", str(student), "--teacher", str(teacher), "--data", str(text), "--output", str(out),
-                 "--steps", "3", "--batch-size", "2", "--seq-len", "40", "--lr", "1e-3", "--eval-data", str(text),
-                 "--eval-samples", "2", "--eval-every", "3", "--log-every", "1", "--save-every", "2",
-                 "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                str(student),
+                "--teacher",
+                str(teacher),
+                "--data",
+                str(text),
+                "--output",
+                str(out),
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "40",
+                "--lr",
+                "1e-3",
+                "--eval-data",
+                str(text),
+                "--eval-samples",
+                "2",
+                "--eval-every",
+                "3",
+                "--log-every",
+                "1",
+                "--save-every",
+                "2",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     # the console: the estimate, one line per log (no raw dicts, no cursor-up marks), the comparable LM losses
     assert "expected peak memory per process (1 process: student whole, teacher whole" in captured.out
@@ -82,17 +118,22 @@ def test_distill_a_heterogeneous_student_from_the_command_line(folders, tmp_path
     assert manifest["teacher"]["path"] == str(teacher.resolve())
     assert manifest["data"]["sha256"] == hashlib.sha256(text.read_bytes()).hexdigest()
     last_eval = [h for h in log["history"] if "eval_lm_loss" in h][-1]
-    assert manifest["final"]["eval"]["lm_loss"] == last_eval["eval_lm_loss"] and manifest["final"]["train_loss"] > 0
+    assert (
+        manifest["final"]["eval"]["lm_loss"] == last_eval["eval_lm_loss"]
+        and manifest["final"]["train_loss"] > 0
+    )
     assert manifest["carried_over"] == sorted(_mtp(student))
     mode = 0o666 & ~_umask()
     weights = [out / "model.safetensors", *sorted((out / "checkpoint-3").glob("*"))]
-    assert {p.name: oct(p.stat().st_mode & 0o777) for p in weights if p.is_file()} == \
-        {p.name: oct(mode) for p in weights if p.is_file()}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in weights if p.is_file()} == {
+        p.name: oct(mode) for p in weights if p.is_file()
+    }
     assert main(["inspect", str(out)]) == 0 and "gdnprune output of 'distill'" in capsys.readouterr().out
 
 
-def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded(folders, tmp_path, capsys,
-                                                                                 monkeypatch):
+def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded(
+    folders, tmp_path, capsys, monkeypatch
+):
     import gdnprune.distill.api as api
 
     def no_loading(*args, **kwargs):
@@ -101,8 +142,17 @@ def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded
     monkeypatch.setattr(api, "_load_model", no_loading)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x.txt").write_text("mine")
-    base = ["distill", str(folders / "uniform"), "--teacher", str(folders / "teacher"), "--data",
-            str(folders / "train.txt"), "--steps", "1", "-q"]
+    base = [
+        "distill",
+        str(folders / "uniform"),
+        "--teacher",
+        str(folders / "teacher"),
+        "--data",
+        str(folders / "train.txt"),
+        "--steps",
+        "1",
+        "-q",
+    ]
     assert main([*base, "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--resume" in err and "--overwrite" in err and "resume=True" not in err
@@ -114,8 +164,23 @@ def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded
     assert main([*base, "-o", str(tmp_path / "new"), "--fsdp"]) == 2
     err = capsys.readouterr().err
     assert "--fsdp shards the student over processes" in err and "torchrun" in err
-    assert main([*base, "-o", str(tmp_path / "new"), "--teacher-device-map", "auto", "--teacher-sharding", "shard",
-                 "--dry-run", "--processes", "2"]) == 2
+    assert (
+        main(
+            [
+                *base,
+                "-o",
+                str(tmp_path / "new"),
+                "--teacher-device-map",
+                "auto",
+                "--teacher-sharding",
+                "shard",
+                "--dry-run",
+                "--processes",
+                "2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--teacher-device-map" in err and "--teacher-sharding 'replicate'" in err and "teacher_" not in err
     assert not (tmp_path / "new").exists()
@@ -125,31 +190,70 @@ def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded
     config = json.loads((broken / "config.json").read_text())
     config["vocab_size"] = 99  # the weights have 128 rows
     (broken / "config.json").write_text(json.dumps(config))
-    assert main(["distill", str(folders / "uniform"), "--teacher", str(broken), "--data", str(folders / "train.txt"),
-                 "--output", str(tmp_path / "x"), "--steps", "1", "--seq-len", "40", "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "distill",
+                str(folders / "uniform"),
+                "--teacher",
+                str(broken),
+                "--data",
+                str(folders / "train.txt"),
+                "--output",
+                str(tmp_path / "x"),
+                "--steps",
+                "1",
+                "--seq-len",
+                "40",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "cannot load it" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_dry_run_prints_the_estimate_whose_parameter_and_optimizer_bytes_are_the_models(folders, tmp_path, capsys,
-                                                                                      monkeypatch):
+def test_dry_run_prints_the_estimate_whose_parameter_and_optimizer_bytes_are_the_models(
+    folders, tmp_path, capsys, monkeypatch
+):
     from gdnprune.distill import distill_checkpoint, estimate_checkpoint_memory
     from gdnprune.distill.fsdp import optimizer_bytes
 
     student, teacher = folders / "hetero", folders / "teacher"
-    args = ["distill", str(student), "--teacher", str(teacher), "--data", str(folders / "train.txt"), "-o",
-            str(tmp_path / "out"), "--steps", "1", "--dry-run"]
+    args = [
+        "distill",
+        str(student),
+        "--teacher",
+        str(teacher),
+        "--data",
+        str(folders / "train.txt"),
+        "-o",
+        str(tmp_path / "out"),
+        "--steps",
+        "1",
+        "--dry-run",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "student parameters" in out and "optimizer state (AdamW)" in out and "total" in out
     assert not (tmp_path / "out").exists()
     estimate = estimate_checkpoint_memory(student, teacher, micro_batch_size=2, seq_len=40)
-    result = distill_checkpoint(student, teacher, folders / "train.txt", tmp_path / "run", steps=1, batch_size=2,
-                                seq_len=40, progress=False)
+    result = distill_checkpoint(
+        student,
+        teacher,
+        folders / "train.txt",
+        tmp_path / "run",
+        steps=1,
+        batch_size=2,
+        seq_len=40,
+        progress=False,
+    )
     model = result["trainer"].model
     assert estimate.student_parameters == sum(p.numel() * p.element_size() for p in model.parameters())
     assert estimate.optimizer_state == optimizer_bytes(result["trainer"].optimizer)
-    assert estimate.teacher_parameters == sum(p.numel() * p.element_size()
-                                              for p in load_pretrained(teacher).parameters())
+    assert estimate.teacher_parameters == sum(
+        p.numel() * p.element_size() for p in load_pretrained(teacher).parameters()
+    )
     # for 2 FSDP processes the student's shares halve (the worker in test_distill_fsdp measures them)
     two = estimate_checkpoint_memory(student, teacher, processes=2, fsdp=True, teacher_sharded=True)
     assert two.student_parameters <= 0.55 * estimate.student_parameters
@@ -170,16 +274,48 @@ def test_accelerate_launch_with_the_shipped_fsdp2_config_writes_a_plain_checkpoi
     config = ACCELERATE_FSDP2_CONFIG.read_text()
     assert "fsdp_version: 2" in config and "distributed_type: FSDP" in config
     cpu = tmp_path / "cpu.yaml"  # the shipped config, on 2 CPU processes in full precision
-    cpu.write_text(config.replace("num_processes: 8", "num_processes: 2").replace("use_cpu: false", "use_cpu: true")
-                   .replace("mixed_precision: bf16", "mixed_precision: 'no'"))
+    cpu.write_text(
+        config.replace("num_processes: 8", "num_processes: 2")
+        .replace("use_cpu: false", "use_cpu: true")
+        .replace("mixed_precision: bf16", "mixed_precision: 'no'")
+    )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cpu), "-m", "gdnprune",
-           "distill", str(student), "--teacher", str(teacher), "--data", str(text), "-o", str(out), "--steps", "2",
-           "--batch-size", "4", "--seq-len", "40", "--lr", "1e-3", "--threads", "1", "--save-every", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(cpu),
+        "-m",
+        "gdnprune",
+        "distill",
+        str(student),
+        "--teacher",
+        str(teacher),
+        "--data",
+        str(text),
+        "-o",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "40",
+        "--lr",
+        "1e-3",
+        "--threads",
+        "1",
+        "--save-every",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "2 processes: student sharded (FSDP2), teacher sharded" in done.stdout and done.stdout.count("2 steps") == 1
+    assert (
+        "2 processes: student sharded (FSDP2), teacher sharded" in done.stdout
+        and done.stdout.count("2 steps") == 1
+    )
     assert (out / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()
     from transformers import AutoModelForCausalLM
 

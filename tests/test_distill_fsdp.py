@@ -27,16 +27,35 @@ def make_pair(heterogeneous):
     """A teacher and its student: the nested half of every GDN layer, or different cuts per layer."""
     teacher, student = pair()
     if heterogeneous:
-        student = slice_model(teacher, {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
-                                        "model.layers.2.linear_attn": {"value_head_dim": 8}})
+        student = slice_model(
+            teacher,
+            {
+                "model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
+                "model.layers.2.linear_attn": {"value_head_dim": 8},
+            },
+        )
     return teacher, student
 
 
 def run_case(name, out, **options):
     heterogeneous, lm_weight = CASES[name]
     teacher, student = make_pair(heterogeneous)
-    result = distill(student, teacher, windows(16), out, steps=3, batch_size=4, lr=3e-3, lm_weight=lm_weight,
-                     eval_data=windows(4, seed=5), eval_every=3, log_every=1, save_every=3, progress=False, **options)
+    result = distill(
+        student,
+        teacher,
+        windows(16),
+        out,
+        steps=3,
+        batch_size=4,
+        lr=3e-3,
+        lm_weight=lm_weight,
+        eval_data=windows(4, seed=5),
+        eval_every=3,
+        log_every=1,
+        save_every=3,
+        progress=False,
+        **options,
+    )
     return teacher, student, result
 
 
@@ -73,8 +92,16 @@ _WORKER = textwrap.dedent("""
 
 def _torchrun(script, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        *map(str, args),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
@@ -90,8 +117,11 @@ def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sha
     for name, (heterogeneous, _) in CASES.items():
         teacher, student, one = run_case(name, tmp_path / "one" / name)
         two = ranks[0][name]
-        assert (two["config"]["processes"], two["config"]["fsdp"], two["config"]["teacher_sharding"]) == \
-            (2, True, "shard"), name
+        assert (two["config"]["processes"], two["config"]["fsdp"], two["config"]["teacher_sharding"]) == (
+            2,
+            True,
+            "shard",
+        ), name
         losses = [h["loss"] for h in one["history"] if "loss" in h]
         assert len(losses) == 3 and losses[-1] < losses[0], name
         assert two["losses"] == pytest.approx(losses, rel=1e-4), name
@@ -122,7 +152,11 @@ def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sha
             assert held <= 0.6 * whole, name
         # the estimate counts the first process's shards exactly
         params, optimizer, teacher_bytes = two["estimate"]
-        assert (params, optimizer, teacher_bytes) == (two["student"][0], two["optimizer"], two["teacher"][0]), name
+        assert (params, optimizer, teacher_bytes) == (
+            two["student"][0],
+            two["optimizer"],
+            two["teacher"][0],
+        ), name
 
 
 def _umask():
@@ -188,8 +222,11 @@ def test_models_fsdp2_cannot_wrap_are_refused_with_the_reason():
     teacher, student = pair()
     check_shardable(student, "student")  # decoder layers to wrap, one dtype
     student.model.norm.to(torch.bfloat16)
-    with pytest.raises(ValueError, match="student: cannot shard Qwen3_5ForCausalLM with FSDP2: expected parameters "
-                                         "of one dtype, found bfloat16, float32"):
+    with pytest.raises(
+        ValueError,
+        match="student: cannot shard Qwen3_5ForCausalLM with FSDP2: expected parameters "
+        "of one dtype, found bfloat16, float32",
+    ):
         check_shardable(student, "student")
     teacher._no_split_modules = ["SomethingElse"]
     with pytest.raises(ValueError, match="teacher: cannot shard .* expected decoder layer classes"):

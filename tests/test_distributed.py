@@ -18,15 +18,21 @@ import textwrap
 import pytest
 import torch
 import transformers
+from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
 from gdnprune.cli import main
 from gdnprune.demo_data import build_byte_tokenizer, train_text
 from gdnprune.distributed import (
-    RankFailedError, all_reduce_sum, exchange, fail_together, launch_info, local_gpus, shard_indices,
+    RankFailedError,
+    all_reduce_sum,
+    exchange,
+    fail_together,
+    launch_info,
+    local_gpus,
+    shard_indices,
 )
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.scoring import load_partial, load_scores, merge_partials
-from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 SEQ, SAMPLES = 72, 5  # 5 windows: uneven shares, and the loss tokens depend on the global window index
@@ -52,8 +58,20 @@ def text_file(tmp_path_factory):
 
 
 def _common(model_dir, *extra):
-    return ["score", *([str(model_dir)] if model_dir else []), "--num-samples", str(SAMPLES), "--seq-len", str(SEQ),
-            "--batch-size", "2", "--quiet", "--threads", "1", *extra]
+    return [
+        "score",
+        *([str(model_dir)] if model_dir else []),
+        "--num-samples",
+        str(SAMPLES),
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        "2",
+        "--quiet",
+        "--threads",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +79,20 @@ def single(model_dir, text_file, tmp_path_factory):
     """Single-process scores files of both methods (the reference)."""
     out = tmp_path_factory.mktemp("single")
     for method in ("projection", "activation"):
-        assert main(_common(model_dir, "--data", str(text_file), "--method", method,
-                            "--output", str(out / f"{method}.json"))) == 0
+        assert (
+            main(
+                _common(
+                    model_dir,
+                    "--data",
+                    str(text_file),
+                    "--method",
+                    method,
+                    "--output",
+                    str(out / f"{method}.json"),
+                )
+            )
+            == 0
+        )
     return {m: load_scores(out / f"{m}.json") for m in ("projection", "activation")}
 
 
@@ -100,7 +130,9 @@ def test_launch_info_reads_torchrun_and_mpi_variables():
     assert launch_info({}) is None and launch_info({"WORLD_SIZE": "1", "RANK": "0"}) is None
     info = launch_info({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
-    info = launch_info({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})  # accelerate's mpirun launch
+    info = launch_info(
+        {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    )  # accelerate's mpirun launch
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (1, 2, 1, 2)
     with pytest.raises(ValueError, match="no RANK"):
         launch_info({"WORLD_SIZE": "2"})
@@ -127,17 +159,38 @@ def test_one_process_needs_no_group():
 
 
 @pytest.mark.parametrize("method", ["projection", "activation"])
-def test_the_merge_of_every_share_equals_the_single_process_scores(method, model_dir, text_file, single, tmp_path):
+def test_the_merge_of_every_share_equals_the_single_process_scores(
+    method, model_dir, text_file, single, tmp_path
+):
     parts = []
     for i in range(3):
         parts.append(tmp_path / f"part{i}.safetensors")
-        assert main(_common(model_dir, "--data", str(text_file), "--method", method, "--shard", f"{i}/3",
-                            "--partial", str(parts[i]))) == 0
+        assert (
+            main(
+                _common(
+                    model_dir,
+                    "--data",
+                    str(text_file),
+                    "--method",
+                    method,
+                    "--shard",
+                    f"{i}/3",
+                    "--partial",
+                    str(parts[i]),
+                )
+            )
+            == 0
+        )
     meta, statistics = load_partial(parts[2])
     assert meta["shard"] == {"index": 2, "count": 3, "windows": [4, 5], "total_windows": SAMPLES}
     assert meta["model"]["config_sha256"] and len(meta["data"]["windows_sha256"]) == 64
-    assert meta["calibration"] == {"num_samples": SAMPLES, "seq_len": SEQ, "seq_len_source": "given",
-                                   "batch_size": 2, "dtype": "float32"}
+    assert meta["calibration"] == {
+        "num_samples": SAMPLES,
+        "seq_len": SEQ,
+        "seq_len_source": "given",
+        "batch_size": 2,
+        "dtype": "float32",
+    }
     assert int(next(iter(statistics.layers.values())).stats["num_tokens"]) == SEQ
     out = tmp_path / "merged.json"
     assert main(["score", "--merge", *map(str, reversed(parts)), "--output", str(out), "--quiet"]) == 0
@@ -149,8 +202,23 @@ def test_the_merge_of_every_share_equals_the_single_process_scores(method, model
 def test_a_merge_refuses_incomplete_overlapping_and_mismatched_sets(model_dir, text_file, tmp_path, capsys):
     def part(name, *extra, shard="0/2"):
         path = tmp_path / name
-        assert main(_common(model_dir, "--data", str(text_file), "--shard", shard, "--partial", str(path),
-                            "--method", "activation", *extra)) == 0
+        assert (
+            main(
+                _common(
+                    model_dir,
+                    "--data",
+                    str(text_file),
+                    "--shard",
+                    shard,
+                    "--partial",
+                    str(path),
+                    "--method",
+                    "activation",
+                    *extra,
+                )
+            )
+            == 0
+        )
         return str(path)
 
     p0, p1 = part("p0", shard="0/2"), part("p1", shard="1/2")
@@ -160,15 +228,43 @@ def test_a_merge_refuses_incomplete_overlapping_and_mismatched_sets(model_dir, t
     other_text = tmp_path / "other.txt"
     other_text.write_text(train_text()[3000:6000], encoding="utf-8")
     d1 = str(tmp_path / "d1")
-    assert main(_common(model_dir, "--data", str(other_text), "--shard", "1/2", "--partial", d1,
-                        "--method", "activation")) == 0
+    assert (
+        main(
+            _common(
+                model_dir,
+                "--data",
+                str(other_text),
+                "--shard",
+                "1/2",
+                "--partial",
+                d1,
+                "--method",
+                "activation",
+            )
+        )
+        == 0
+    )
     other_model = tmp_path / "other_model"
     shutil.copytree(model_dir, other_model)
     config = json.loads((other_model / "config.json").read_text())
     (other_model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
     m1 = str(tmp_path / "m1")
-    assert main(_common(other_model, "--data", str(text_file), "--shard", "1/2", "--partial", m1,
-                        "--method", "activation")) == 0
+    assert (
+        main(
+            _common(
+                other_model,
+                "--data",
+                str(text_file),
+                "--shard",
+                "1/2",
+                "--partial",
+                m1,
+                "--method",
+                "activation",
+            )
+        )
+        == 0
+    )
     cases = [
         ([p0], "incomplete set of partials: share(s) 1 of 2 missing"),
         ([p0, p0], "overlapping partials"),
@@ -193,7 +289,10 @@ def test_a_merge_refuses_incomplete_overlapping_and_mismatched_sets(model_dir, t
 
 def test_score_says_which_options_go_together(model_dir, text_file, tmp_path, capsys):
     cases = [
-        (_common(model_dir, "--data", str(text_file), "--shard", "0/2", "--output", "x.json"), "give --partial FILE"),
+        (
+            _common(model_dir, "--data", str(text_file), "--shard", "0/2", "--output", "x.json"),
+            "give --partial FILE",
+        ),
         (_common(model_dir, "--data", str(text_file), "--partial", "p", "--output", "x.json"), "not both"),
         (_common(model_dir, "--merge", "a", "b", "--output", "x.json"), "remove MODEL_DIR"),
         (_common(None, "--merge", "a"), "--merge needs --output"),
@@ -212,7 +311,8 @@ def test_score_says_which_options_go_together(model_dir, text_file, tmp_path, ca
 
 # ---- two real processes -----------------------------------------------------------------------------------------
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent(
+    """
     import contextlib, io, json, os, sys, threading, time
     from gdnprune.cli import main
 
@@ -252,19 +352,37 @@ WORKER = textwrap.dedent('''
     with open(out + "/.rank%%d.json" %% rank, "w") as f:
         json.dump(results, f)
     os.rename(out + "/.rank%%d.json" %% rank, out + "/rank%%d.json" %% rank)
-''' % (SAMPLES, SEQ, SEQ))
+"""
+    % (SAMPLES, SEQ, SEQ)
+)
 
 
 def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, text_file, single, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER, encoding="utf-8")
     os.mkfifo(tmp_path / "stuck.fifo")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-         str(model_dir), str(text_file), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker),
+            str(model_dir),
+            str(text_file),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # the results equal one process's; only rank 0 wrote them
@@ -278,18 +396,44 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
     plan = json.loads((tmp_path / "plan.json").read_text())
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
     alone = tmp_path / "alone.json"
-    assert main(["plan", str(model_dir), "--scores", str(tmp_path / "projection.json"), "--data", str(text_file),
-                 "--output", str(alone), "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
-                 "--seq-len", str(SEQ), "--batch-size", "1", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(model_dir),
+                "--scores",
+                str(tmp_path / "projection.json"),
+                "--data",
+                str(text_file),
+                "--output",
+                str(alone),
+                "--budget-gdn-params",
+                "0.5",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "4",
+                "--seq-len",
+                str(SEQ),
+                "--batch-size",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert json.loads(alone.read_text())["layers"] == plan["layers"]
     single_report = json.loads((tmp_path / "alone.sensitivity.json").read_text())
     assert report["tokens"] == single_report["tokens"] == 4 * SEQ
     for prefix, layer in report["layers"].items():
         assert [c["sensitivity"] for c in layer["candidates"]] == pytest.approx(
-            [c["sensitivity"] for c in single_report["layers"][prefix]["candidates"]], rel=1e-6, abs=1e-9)
+            [c["sensitivity"] for c in single_report["layers"][prefix]["candidates"]], rel=1e-6, abs=1e-9
+        )
     # a user error on rank 1 stops both ranks with its message, exit 2; nothing is written
     assert ranks[1]["failure"]["code"] == 2
-    assert "error: rank 1 of 2: " in ranks[1]["failure"]["err"] and "missing.txt" in ranks[1]["failure"]["err"]
+    assert (
+        "error: rank 1 of 2: " in ranks[1]["failure"]["err"] and "missing.txt" in ranks[1]["failure"]["err"]
+    )
     assert ranks[0]["failure"]["code"] == 2
     assert "error: rank 0 of 2: rank 1 failed:" in ranks[0]["failure"]["err"]
     assert "missing.txt" in ranks[0]["failure"]["err"]
@@ -311,7 +455,9 @@ def test_gpu_blocks_split_a_machine_by_local_rank():
         gpu_block(0, 4, 2)
 
 
-def test_a_group_that_cannot_form_says_so_instead_of_hanging(monkeypatch, model_dir, text_file, tmp_path, capsys):
+def test_a_group_that_cannot_form_says_so_instead_of_hanging(
+    monkeypatch, model_dir, text_file, tmp_path, capsys
+):
     """Rank 0 of 2 alone: its store waits for rank 1, gives up after --dist-timeout, and the message says why."""
     import socket
 
@@ -324,10 +470,15 @@ def test_a_group_that_cannot_form_says_so_instead_of_hanging(monkeypatch, model_
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    argv = _common(model_dir, "--data", str(text_file), "--output", str(tmp_path / "s.json"), "--dist-timeout", "0.5")
+    argv = _common(
+        model_dir, "--data", str(text_file), "--output", str(tmp_path / "s.json"), "--dist-timeout", "0.5"
+    )
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "rank 0 could not form the process group of 2 processes at 127.0.0.1:" in err and "within 0.5 s" in err
+    assert (
+        "rank 0 could not form the process group of 2 processes at 127.0.0.1:" in err
+        and "within 0.5 s" in err
+    )
     assert not dist.is_initialized() and not (tmp_path / "s.json").exists()
     monkeypatch.delenv("MASTER_PORT")
     assert main(argv) == 2

@@ -13,14 +13,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from test_checkpoint import raw_tensors
+from test_dense_axes import _ids, _model, _same
+from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
 from gdnprune.block_surgery import find_model_blocks, random_orders
 from gdnprune.blocks import ExpertShape, block_candidates, orders_to_payload
 from gdnprune.loading import load_pretrained, slice_model
-from test_checkpoint import raw_tensors
-from test_dense_axes import _ids, _model, _same
-from tiny_models import cached_decode_logits, logits
 
 MOE_TYPES = ["qwen3_5_moe", "qwen3_next"]
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")]
@@ -50,6 +50,7 @@ def _masked(model, kept: dict[str, set[int]]):
             if getattr(router, "norm_topk_prob", True):
                 top = top / top.sum(dim=-1, keepdim=True)
             return logits_, top.to(logits_.dtype), index
+
         return hook
 
     class Ctx:
@@ -108,8 +109,12 @@ def test_on_disk_sort_and_cut_equal_the_masked_router_in_both_storage_forms(tmp_
         assert any(".experts.3.down_proj.weight" in n for n in raw_tensors(src))
     orders = _orders(model, seed=5)
     ids = _ids(seed=2)
-    ck.sort_checkpoint(src, {"layers": {p: orders_to_payload(o) for p, o in orders.items()}}, tmp_path / "sorted",
-                       progress=False)
+    ck.sort_checkpoint(
+        src,
+        {"layers": {p: orders_to_payload(o) for p, o in orders.items()}},
+        tmp_path / "sorted",
+        progress=False,
+    )
     _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
     ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", target={"num_experts": 2}, progress=False)
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
@@ -120,7 +125,9 @@ def test_on_disk_sort_and_cut_equal_the_masked_router_in_both_storage_forms(tmp_
         assert not any(".experts.2." in n for n in tensors)
         first = next(iter(orders))
         e = int(orders[first]["experts"][1])
-        assert tensors[f"{first}.experts.1.down_proj.weight"] == before[f"{first}.experts.{e}.down_proj.weight"]
+        assert (
+            tensors[f"{first}.experts.1.down_proj.weight"] == before[f"{first}.experts.{e}.down_proj.weight"]
+        )
         index = json.loads((tmp_path / "cut" / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"]) == set(tensors)
     cut = load_pretrained(tmp_path / "cut")
@@ -134,8 +141,11 @@ def test_per_layer_expert_counts_load_and_decode_with_a_cache(tmp_path):
     model = _model("qwen3_5_moe", seed=4)
     src = tmp_path / "src"
     model.save_pretrained(src)
-    plan = {"format": "gdnprune-plan", "version": 2,
-            "layers": {b.prefix: {"num_experts": 2 + i % 3} for i, b in enumerate(_experts(model))}}
+    plan = {
+        "format": "gdnprune-plan",
+        "version": 2,
+        "layers": {b.prefix: {"num_experts": 2 + i % 3} for i, b in enumerate(_experts(model))},
+    }
     ck.slice_checkpoint(src, tmp_path / "cut", plan=plan, progress=False)
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
     assert {v.get("num_experts") for v in config["per_layer_config"].values()} - {None}
@@ -167,16 +177,22 @@ def test_expert_candidates_are_counts_down_to_the_experts_per_token():
     counts = [c.target.num_experts for c in block_candidates(block, step=1)]
     assert counts == [4, 3, 2]
     state = model.state_dict()
-    full = sum(v.numel() for k, v in state.items() if k.startswith(block.prefix + ".experts.")
-               or k == block.prefix + ".gate.weight")
+    full = sum(
+        v.numel()
+        for k, v in state.items()
+        if k.startswith(block.prefix + ".experts.") or k == block.prefix + ".gate.weight"
+    )
     per_expert = full // 4
-    assert [c.params for c in block_candidates(block, step=1)] == [4 * per_expert, 3 * per_expert, 2 * per_expert]
+    assert [c.params for c in block_candidates(block, step=1)] == [
+        4 * per_expert,
+        3 * per_expert,
+        2 * per_expert,
+    ]
     assert isinstance(block.shape, ExpertShape)
 
 
 def test_fp8_experts_move_with_their_scales(tmp_path):
     from safetensors.torch import load_file, save_file
-
     from test_fp8 import BLOCK, quantize
 
     model = _model("qwen3_5_moe", seed=6)
@@ -187,8 +203,12 @@ def test_fp8_experts_move_with_their_scales(tmp_path):
         state[name], state[name[: -len("weight")] + "weight_scale_inv"] = quantize(state[name])
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
     (src / "config.json").write_text(json.dumps(config))
     orders = _orders(model, seed=8)
     scores = {"layers": {p: orders_to_payload(o) for p, o in orders.items()}}
@@ -200,13 +220,20 @@ def test_fp8_experts_move_with_their_scales(tmp_path):
         for new, old in enumerate(o["experts"][:3].tolist()):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 for suffix in ("weight", "weight_scale_inv"):
-                    assert after[f"{prefix}.experts.{new}.{part}.{suffix}"] == \
-                        before[f"{prefix}.experts.{old}.{part}.{suffix}"]
+                    assert (
+                        after[f"{prefix}.experts.{new}.{part}.{suffix}"]
+                        == before[f"{prefix}.experts.{old}.{part}.{suffix}"]
+                    )
                     moved += 1
         assert f"{prefix}.experts.3.up_proj.weight_scale_inv" not in after
         router = before[f"{prefix}.gate.weight"][2]  # float32 rows of 64: the kept experts' rows, in order
-        assert after[f"{prefix}.gate.weight"][2] == b"".join(router[e * 256:(e + 1) * 256] for e in o["experts"][:3])
-    assert moved == 4 * 3 * 3 * 2 and after[next(n for n in after if n.endswith(".experts.0.up_proj.weight"))][0] == "F8_E4M3"
+        assert after[f"{prefix}.gate.weight"][2] == b"".join(
+            router[e * 256 : (e + 1) * 256] for e in o["experts"][:3]
+        )
+    assert (
+        moved == 4 * 3 * 3 * 2
+        and after[next(n for n in after if n.endswith(".experts.0.up_proj.weight"))][0] == "F8_E4M3"
+    )
 
 
 def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
@@ -214,9 +241,9 @@ def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
     [E, 2I/B, H/B], transformers' names), written by hand: a sort then ``--num-experts`` keeps exactly the kept
     experts' weights and scales, in the order of the experts kept. Reference: the source tensors indexed here."""
     from safetensors.torch import load_file, save_file
+    from test_fp8 import BLOCK, quantize
 
     from gdnprune.cli import main
-    from test_fp8 import BLOCK, quantize
 
     model = _model("qwen3_5_moe", seed=7)
     src = tmp_path / "src"
@@ -231,13 +258,24 @@ def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
         assert state[name].dtype == torch.float8_e4m3fn and state[name + "_scale_inv"].shape[0] == 4
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
     (src / "config.json").write_text(json.dumps(config))
     orders = _orders(model, seed=9)
-    ck.sort_checkpoint(src, {"layers": {p: orders_to_payload(o) for p, o in orders.items()}}, tmp_path / "sorted",
-                       progress=False)
-    assert main(["slice", str(tmp_path / "sorted"), "--num-experts", "3", "-o", str(tmp_path / "cut"), "-q"]) == 0
+    ck.sort_checkpoint(
+        src,
+        {"layers": {p: orders_to_payload(o) for p, o in orders.items()}},
+        tmp_path / "sorted",
+        progress=False,
+    )
+    assert (
+        main(["slice", str(tmp_path / "sorted"), "--num-experts", "3", "-o", str(tmp_path / "cut"), "-q"])
+        == 0
+    )
     before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     checked = 0
     for prefix, o in orders.items():
@@ -246,9 +284,14 @@ def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
             for name in (f"{prefix}.experts.{part}", f"{prefix}.experts.{part}_scale_inv"):
                 assert after[name].dtype == before[name].dtype and after[name].shape[0] == 3
                 # byte-exact: FP8 compared through its bits
-                assert torch.equal(after[name].view(torch.uint8) if after[name].dtype == torch.float8_e4m3fn
-                                   else after[name], before[name][kept].view(torch.uint8)
-                                   if before[name].dtype == torch.float8_e4m3fn else before[name][kept])
+                assert torch.equal(
+                    after[name].view(torch.uint8)
+                    if after[name].dtype == torch.float8_e4m3fn
+                    else after[name],
+                    before[name][kept].view(torch.uint8)
+                    if before[name].dtype == torch.float8_e4m3fn
+                    else before[name][kept],
+                )
                 checked += 1
         assert torch.equal(after[f"{prefix}.gate.weight"], before[f"{prefix}.gate.weight"][kept])
     assert checked == 4 * len(orders)

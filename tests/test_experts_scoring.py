@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_dense_axes import _ids, _model, _same
+from tiny_models import logits
 
 from gdnprune import checkpoint as ck
 from gdnprune.block_surgery import find_model_blocks
@@ -16,8 +18,6 @@ from gdnprune.loading import load_pretrained
 from gdnprune.scores import read_scores, save_scores
 from gdnprune.scoring.api import score_model
 from gdnprune.scoring.experts import block_influence
-from test_dense_axes import _ids, _model, _same
-from tiny_models import logits
 
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")]
 
@@ -26,9 +26,12 @@ def _brute_force(model, batches):
     """Per MoE prefix: (count [E], sum of gate weight x ||expert output|| [E], tokens), token by token."""
     inputs: dict[str, list] = {}
     blocks = find_model_blocks(model, ("experts",))
-    handles = [model.get_submodule(b.prefix).register_forward_pre_hook(
-        lambda m, a, p=b.prefix: inputs.setdefault(p, []).append(a[0].reshape(-1, a[0].shape[-1])))
-        for b in blocks]
+    handles = [
+        model.get_submodule(b.prefix).register_forward_pre_hook(
+            lambda m, a, p=b.prefix: inputs.setdefault(p, []).append(a[0].reshape(-1, a[0].shape[-1]))
+        )
+        for b in blocks
+    ]
     with torch.no_grad():
         for ids in batches:
             model(input_ids=ids)
@@ -66,10 +69,12 @@ def test_reap_and_frequency_equal_a_token_by_token_computation(model_type):
             payload = scores["layers"][prefix]
             assert payload["kind"] == "experts" and payload["expert_measure"] == measure
             reap = torch.where(count > 0, total / count.clamp_min(1), torch.zeros_like(total))
-            torch.testing.assert_close(torch.tensor(payload["expert_reap"], dtype=torch.float64), reap,
-                                       rtol=1e-4, atol=1e-9)
-            torch.testing.assert_close(torch.tensor(payload["expert_frequency"], dtype=torch.float64),
-                                       count / tokens)
+            torch.testing.assert_close(
+                torch.tensor(payload["expert_reap"], dtype=torch.float64), reap, rtol=1e-4, atol=1e-9
+            )
+            torch.testing.assert_close(
+                torch.tensor(payload["expert_frequency"], dtype=torch.float64), count / tokens
+            )
             wanted = reap if measure == "reap" else count
             order = payload["expert_order_most_important_first"]
             assert all(wanted[a] >= wanted[b] - 1e-9 for a, b in zip(order, order[1:]))
@@ -84,7 +89,9 @@ def test_reap_ranks_a_busy_expert_with_a_tiny_output_last_and_frequency_does_not
     with torch.no_grad():  # the expert still gets routed, but writes almost nothing
         model.get_submodule(prefix).experts.down_proj[busiest] *= 1e-4
     reap = score_model(model, batches, method="projection", blocks=True, progress=False)["layers"][prefix]
-    frequency = score_model(model, batches, method="activation", blocks=True, progress=False)["layers"][prefix]
+    frequency = score_model(model, batches, method="activation", blocks=True, progress=False)["layers"][
+        prefix
+    ]
     assert reap["expert_order_most_important_first"][-1] == busiest
     assert frequency["expert_order_most_important_first"][0] == busiest
 
@@ -96,7 +103,9 @@ def test_score_writes_expert_orders_that_sort_applies(tmp_path):
     save_scores(scores, tmp_path / "scores.json")
     read = read_scores(tmp_path / "scores.json")
     assert any(p.get("kind") == "experts" for p in read["layers"].values())
-    manifest = ck.sort_checkpoint(tmp_path / "src", tmp_path / "scores.json", tmp_path / "sorted", progress=False)
+    manifest = ck.sort_checkpoint(
+        tmp_path / "src", tmp_path / "scores.json", tmp_path / "sorted", progress=False
+    )
     assert {p for p, e in manifest["blocks"].items() if e["kind"] == "experts"}
     ids = _ids(seed=2)
     _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))

@@ -8,15 +8,25 @@ import re
 import pytest
 import torch
 import transformers
+from tiny_models import build_model
 
 from gdnprune import compensate
 from gdnprune.forwards import (
-    Forwards, block_index, block_of, decoder_blocks, hidden_argument, input_device, output_projection,
-    parent_and_name, record_input, run_model, unpack_batch, with_hidden,
+    Forwards,
+    block_index,
+    block_of,
+    decoder_blocks,
+    hidden_argument,
+    input_device,
+    output_projection,
+    parent_and_name,
+    record_input,
+    run_model,
+    unpack_batch,
+    with_hidden,
 )
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.layouts import find_gdn_modules
-from tiny_models import build_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 
@@ -26,8 +36,11 @@ def _batches():
     ids = torch.randint(0, 128, (2, 24), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 17:] = 0
-    return [ids, {"input_ids": ids[:1, :20], "attention_mask": torch.ones(1, 20)},
-            {"input_ids": ids, "attention_mask": mask}]
+    return [
+        ids,
+        {"input_ids": ids[:1, :20], "attention_mask": torch.ones(1, 20)},
+        {"input_ids": ids, "attention_mask": mask},
+    ]
 
 
 def test_unpack_batch_takes_tensors_and_mappings_and_refuses_anything_else():
@@ -87,7 +100,7 @@ def test_a_stopped_run_sees_the_input_of_a_block_as_transformers_reports_it(mode
     for k in range(len(blocks)):
         seen = {}
         hooks = [(blocks[k], record_input(seen, "x", stop=True))]
-        hooks += [(b, lambda *a, **kw: later.append(1)) for b in list(blocks)[k + 1:]]
+        hooks += [(b, lambda *a, **kw: later.append(1)) for b in list(blocks)[k + 1 :]]
         with torch.no_grad():
             run_model(model, ids, mask, hooks)
         torch.testing.assert_close(seen["x"], reference[k], rtol=0, atol=0)
@@ -120,10 +133,16 @@ def offloaded(tmp_path_factory):
     root = tmp_path_factory.mktemp("offload")
     model = build_model("qwen3_5", SHAPE, seed=4)
     model.save_pretrained(root / "model")
-    device_map = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu",
-                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "disk",
+        "model.layers": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     dispatched = transformers.AutoModelForCausalLM.from_pretrained(
-        root / "model", device_map=device_map, offload_folder=str(root / "offload"))
+        root / "model", device_map=device_map, offload_folder=str(root / "offload")
+    )
     return model, dispatched
 
 
@@ -143,5 +162,9 @@ def test_compensation_statistics_of_an_offloaded_model_equal_the_plain_models(of
     assert set(got) == set(want) and len(got) == 2
     for prefix, entry in want.items():
         assert got[prefix]["tokens"] == entry["tokens"] == 24 * 2 + 20 + 24 + 17
-        torch.testing.assert_close(torch.from_numpy(got[prefix]["out_moment"]),
-                                   torch.from_numpy(entry["out_moment"]), rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(
+            torch.from_numpy(got[prefix]["out_moment"]),
+            torch.from_numpy(entry["out_moment"]),
+            rtol=1e-6,
+            atol=1e-9,
+        )

@@ -14,13 +14,17 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from tiny_models import build_model
 
 from gdnprune.checkpoint import inspect_checkpoint, slice_checkpoint, sort_checkpoint
 from gdnprune.cli import main
-from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict, \
-    slice_gated_delta_net_state_dict
+from gdnprune.gated_delta_net import (
+    GDNPermutation,
+    GDNShape,
+    permute_gated_delta_net_state_dict,
+    slice_gated_delta_net_state_dict,
+)
 from gdnprune.layouts import find_gdn_modules
-from tiny_models import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -52,8 +56,13 @@ def make_fp8(folder, model_type: str, seed: int = 0):
             state[f"{prefix}.{name}.weight"], state[f"{prefix}.{name}.weight_scale_inv"] = q, s
     model.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": NOT_CONVERTED}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+        "modules_to_not_convert": NOT_CONVERTED,
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
@@ -75,8 +84,12 @@ def _permutation(seed: int, block_respecting: bool = True) -> GDNPermutation:
     g = torch.Generator().manual_seed(seed)
     perm = GDNPermutation.random(SHAPE, generator=g)
     if block_respecting:  # channels move inside their own 4-channel block only
-        key_dim = torch.stack([torch.cat([torch.randperm(4, generator=g), 4 + torch.randperm(4, generator=g)])
-                               for _ in range(SHAPE.num_key_heads)])
+        key_dim = torch.stack(
+            [
+                torch.cat([torch.randperm(4, generator=g), 4 + torch.randperm(4, generator=g)])
+                for _ in range(SHAPE.num_key_heads)
+            ]
+        )
         value_dim = torch.cat([torch.randperm(4, generator=g), 4 + torch.randperm(4, generator=g)])
         perm = GDNPermutation(perm.key_groups, perm.value_lanes, key_dim, value_dim)
     return perm
@@ -89,7 +102,9 @@ def source(request, tmp_path_factory):
 
 def _scores(folder, model_type, block_respecting=True):
     prefixes = [p for p, _ in find_gdn_modules(build_model(model_type, SHAPE))]
-    return {"layers": {p: _permutation(i, block_respecting).to_score_payload() for i, p in enumerate(prefixes)}}
+    return {
+        "layers": {p: _permutation(i, block_respecting).to_score_payload() for i, p in enumerate(prefixes)}
+    }
 
 
 def test_sort_and_head_slices_are_exact_on_fp8(source, tmp_path):
@@ -98,8 +113,12 @@ def test_sort_and_head_slices_are_exact_on_fp8(source, tmp_path):
     sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
     expected = dequantized(src)
     for prefix, payload in scores["layers"].items():
-        permute_gated_delta_net_state_dict(expected, prefix=prefix, shape=SHAPE,
-                                           permutation=GDNPermutation.from_score_payload(payload, SHAPE))
+        permute_gated_delta_net_state_dict(
+            expected,
+            prefix=prefix,
+            shape=SHAPE,
+            permutation=GDNPermutation.from_score_payload(payload, SHAPE),
+        )
     got = dequantized(tmp_path / "sorted")
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in got)  # bit for bit
@@ -164,8 +183,9 @@ def test_fp8_without_its_config_or_scales_is_refused(tmp_path, capsys):
 def test_score_reads_an_fp8_checkpoint_and_its_scores_sort_it(tmp_path):
     """On a CPU transformers dequantises FP8 checkpoints as it loads them: scoring works and its prefixes and
     shapes are the checkpoint's, so the scores sort the FP8 checkpoint itself."""
-    from gdnprune.scoring import score_checkpoint
     from test_checkpoint import _tokenizer_files
+
+    from gdnprune.scoring import score_checkpoint
 
     src = make_fp8(tmp_path / "m", "qwen3_5", seed=4)
     _tokenizer_files(src)
@@ -195,13 +215,18 @@ def test_dequantize_writes_the_split_blocks_in_bf16(source, tmp_path, capsys):
         slice_gated_delta_net_state_dict(expected, prefix=prefix, shape=SHAPE, target=target)
         # the projections that carry q/k rows lose part of a block: BF16 now; out_proj keeps its blocks: FP8
         qk = FP8[model_type][0]
-        assert raw[f"{prefix}.{qk}.weight"].dtype == torch.bfloat16 and f"{prefix}.{qk}.weight_scale_inv" not in raw
+        assert (
+            raw[f"{prefix}.{qk}.weight"].dtype == torch.bfloat16
+            and f"{prefix}.{qk}.weight_scale_inv" not in raw
+        )
         assert f"{prefix}.{qk}" in not_converted
         assert raw[f"{prefix}.out_proj.weight"].dtype == torch.float8_e4m3fn
         got = raw[f"{prefix}.{qk}.weight"].float()
-        assert torch.allclose(got, expected[f"{prefix}.{qk}.weight"], rtol=2 ** -8, atol=0)
+        assert torch.allclose(got, expected[f"{prefix}.{qk}.weight"], rtol=2**-8, atol=0)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     index = out / "model.safetensors.index.json"
-    assert not index.exists() or all(not k.endswith(f"{FP8[model_type][0]}.weight_scale_inv")
-                                     for k in json.loads(index.read_text())["weight_map"])
+    assert not index.exists() or all(
+        not k.endswith(f"{FP8[model_type][0]}.weight_scale_inv")
+        for k in json.loads(index.read_text())["weight_map"]
+    )

@@ -26,12 +26,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_byte_identity import TARGET, build_source, scores_for
 
 from gdnprune.checkpoint import output as output_mod
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
-from gdnprune.scores import ScoresError, check_scores, read_scores, resolve_orders
-from test_byte_identity import TARGET, build_source, scores_for
+from gdnprune.scores import check_scores, read_scores, resolve_orders
 
 TARGET_ARGS = [a for k, v in TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
@@ -66,7 +66,9 @@ sys.exit(main({argv!r}))
 
 def start_child(argv: list[str], patch: str) -> subprocess.Popen:
     code = _CHILD.format(patch=textwrap.dedent(patch), argv=[str(a) for a in argv])
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait_for(child: subprocess.Popen, text: str, timeout: float = 60) -> None:
@@ -96,19 +98,26 @@ engine.copy_range = copy_range
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_during_sort_removes_everything_and_exits_128_plus_the_signal(sig, source, tmp_path):
     out = tmp_path / "new" / "out"
-    child = start_child(["sort", source, "--scores", tmp_path / "scores.json", "-o", out, "-q"], PAUSE_IN_COPY)
+    child = start_child(
+        ["sort", source, "--scores", tmp_path / "scores.json", "-o", out, "-q"], PAUSE_IN_COPY
+    )
     wait_for(child, "PAUSE")
     child.send_signal(sig)
     _, err = child.communicate(timeout=60)
     assert child.returncode == 128 + sig
-    assert err.strip().splitlines() == [f"gdnprune sort: interrupted by {signal.Signals(sig).name}; stopped "
-                                        f"without leaving a partial output"]
-    assert not (tmp_path / "new").exists()  # neither the output, its temporary folder, nor the parent made for it
+    assert err.strip().splitlines() == [
+        f"gdnprune sort: interrupted by {signal.Signals(sig).name}; stopped without leaving a partial output"
+    ]
+    assert not (
+        tmp_path / "new"
+    ).exists()  # neither the output, its temporary folder, nor the parent made for it
 
 
 def test_a_second_ctrl_c_during_cleanup_does_not_stop_the_cleanup(source, tmp_path):
     out = tmp_path / "out"
-    patch = PAUSE_IN_COPY + """
+    patch = (
+        PAUSE_IN_COPY
+        + """
 real_rmtree = output.shutil.rmtree
 def rmtree(*args, **kwargs):
     marker("CLEANING")
@@ -116,6 +125,7 @@ def rmtree(*args, **kwargs):
     return real_rmtree(*args, **kwargs)
 output.shutil.rmtree = rmtree
 """
+    )
     child = start_child(["slice", source, "-o", out, "-q", *TARGET_ARGS], patch)
     wait_for(child, "PAUSE")
     child.send_signal(signal.SIGINT)
@@ -154,7 +164,9 @@ def rename(src, dst):
     return real_rename(src, dst)
 os.rename = rename
 """
-    child = start_child(["sort", source, "--scores", tmp_path / "scores.json", "-o", out, "-q", "--overwrite"], patch)
+    child = start_child(
+        ["sort", source, "--scores", tmp_path / "scores.json", "-o", out, "-q", "--overwrite"], patch
+    )
     _, err = child.communicate(timeout=60)
     assert child.returncode == 0, err
     assert "the move was completed first" in err and str(out) in err
@@ -181,12 +193,18 @@ def _stale(parent: Path, out_name: str, suffix: str, owner: dict | None) -> Path
     return folder
 
 
-def test_stale_temporary_folders_are_removed_when_provably_stale_and_named_otherwise(source, tmp_path, capsys):
+def test_stale_temporary_folders_are_removed_when_provably_stale_and_named_otherwise(
+    source, tmp_path, capsys
+):
     import socket
 
     host = socket.gethostname()
-    dead = _stale(tmp_path, "out", "dead", {"pid": _dead_pid(), "start": "1", "host": host,
-                                            "boot_id": output_mod._boot_id()})
+    dead = _stale(
+        tmp_path,
+        "out",
+        "dead",
+        {"pid": _dead_pid(), "start": "1", "host": host, "boot_id": output_mod._boot_id()},
+    )
     alive = _stale(tmp_path, "out", "alive", output_mod._owner())  # this very process: alive
     unknown = _stale(tmp_path, "out", "unknown", None)
     other_host = _stale(tmp_path, "out", "remote", {"pid": 1, "start": "1", "host": host + "-elsewhere"})
@@ -199,7 +217,12 @@ def test_stale_temporary_folders_are_removed_when_provably_stale_and_named_other
 
 def test_a_previous_output_left_aside_by_a_killed_overwrite_is_restored(source, tmp_path, capsys):
     out = tmp_path / "out"
-    aside = _stale(tmp_path, "out", "old-x", {"pid": _dead_pid(), "start": "1", "host": __import__("socket").gethostname()})
+    aside = _stale(
+        tmp_path,
+        "out",
+        "old-x",
+        {"pid": _dead_pid(), "start": "1", "host": __import__("socket").gethostname()},
+    )
     (aside / "previous").mkdir()
     (aside / "previous" / "config.json").write_text('{"previous": true}')
     assert main(["slice", str(source), "-o", str(out), "-q", *TARGET_ARGS]) == 2  # out exists again: refused
@@ -216,11 +239,37 @@ def _refuses_the_alias(source: Path, data: Path, alias: Path, tmp_path: Path, ca
     or inside the model through it, is refused, and so is the alias of the model as input with ``data`` as output."""
     before = tree(source)
     for out in (alias / "model", alias / "model" / "inside"):
-        assert main(["sort", str(source), "--scores", str(tmp_path / "scores.json"), "-o", str(out),
-                     "--overwrite", "-q"]) == 2
+        assert (
+            main(
+                [
+                    "sort",
+                    str(source),
+                    "--scores",
+                    str(tmp_path / "scores.json"),
+                    "-o",
+                    str(out),
+                    "--overwrite",
+                    "-q",
+                ]
+            )
+            == 2
+        )
         assert "model folder" in capsys.readouterr().err
-    assert main(["sort", str(alias / "model"), "--scores", str(tmp_path / "scores.json"), "-o", str(data),
-                 "--overwrite", "-q"]) == 2
+    assert (
+        main(
+            [
+                "sort",
+                str(alias / "model"),
+                "--scores",
+                str(tmp_path / "scores.json"),
+                "-o",
+                str(data),
+                "--overwrite",
+                "-q",
+            ]
+        )
+        == 2
+    )
     assert "model folder" in capsys.readouterr().err
     assert tree(source) == before
 
@@ -230,8 +279,10 @@ def test_an_output_that_is_the_input_through_a_bind_mount_is_refused(source, tmp
     alias.mkdir()
     mounted = subprocess.run(["mount", "--bind", str(data), str(alias)], capture_output=True, text=True)
     if mounted.returncode:
-        pytest.skip(f"mount --bind needs root (CAP_SYS_ADMIN): {' '.join(mounted.stderr.split())[:120]}; "
-                    "the symlink alias is tested on its own")
+        pytest.skip(
+            f"mount --bind needs root (CAP_SYS_ADMIN): {' '.join(mounted.stderr.split())[:120]}; "
+            "the symlink alias is tested on its own"
+        )
     try:
         assert os.path.ismount(alias) and os.path.samefile(alias / "model", source)
         _refuses_the_alias(source, data, alias, tmp_path, capsys)
@@ -301,9 +352,24 @@ def test_outputs_follow_the_umask(source, tmp_path):
     try:
         out = tmp_path / "out"
         assert main(["slice", str(source), "-o", str(out), "-q", *TARGET_ARGS]) == 0
-        scores = save_scores(scores_for(source, "qwen3_next") | {"layers": {
-            k: {**v, "shape": {"num_key_heads": 2, "num_value_heads": 6, "key_head_dim": 6, "value_head_dim": 4}}
-            for k, v in scores_for(source, "qwen3_next")["layers"].items()}}, tmp_path / "s.json")
+        scores = save_scores(
+            scores_for(source, "qwen3_next")
+            | {
+                "layers": {
+                    k: {
+                        **v,
+                        "shape": {
+                            "num_key_heads": 2,
+                            "num_value_heads": 6,
+                            "key_head_dim": 6,
+                            "value_head_dim": 4,
+                        },
+                    }
+                    for k, v in scores_for(source, "qwen3_next")["layers"].items()
+                }
+            },
+            tmp_path / "s.json",
+        )
     finally:
         os.umask(previous)
     assert stat.S_IMODE(out.stat().st_mode) == 0o775
@@ -315,8 +381,11 @@ def test_outputs_follow_the_umask(source, tmp_path):
 
 
 def test_a_late_input_error_leaves_no_folders_behind(source, tmp_path, capsys):
-    (tmp_path / "bad.json").write_text(json.dumps({"layers": {"model.layers.0.linear_attn": {
-        "key_group_order_most_important_first": [0, 0]}}}))
+    (tmp_path / "bad.json").write_text(
+        json.dumps(
+            {"layers": {"model.layers.0.linear_attn": {"key_group_order_most_important_first": [0, 0]}}}
+        )
+    )
     out = tmp_path / "new1" / "new2" / "out"
     assert main(["sort", str(source), "--scores", str(tmp_path / "bad.json"), "-o", str(out), "-q"]) == 2
     assert "not a permutation" in capsys.readouterr().err
@@ -340,8 +409,13 @@ def test_subfolders_are_copied_without_their_weight_files(source, tmp_path, caps
     out = tmp_path / "out"
     assert main(["slice", str(source), "-o", str(out), "-q", *TARGET_ARGS]) == 0
     assert "original/consolidated.00.pth" in capsys.readouterr().err
-    assert (out / "original" / "params.json").is_file() and not (out / "original" / "consolidated.00.pth").exists()
-    assert not (out / "linked.json").is_symlink() and (out / "linked.json").read_bytes() == (source / "config.json").read_bytes()
+    assert (out / "original" / "params.json").is_file() and not (
+        out / "original" / "consolidated.00.pth"
+    ).exists()
+    assert (
+        not (out / "linked.json").is_symlink()
+        and (out / "linked.json").read_bytes() == (source / "config.json").read_bytes()
+    )
 
 
 # ---- the core API takes the integers people have ---------------------------------------------------------
@@ -350,8 +424,18 @@ def test_subfolders_are_copied_without_their_weight_files(source, tmp_path, caps
 def test_gdnshape_accepts_integral_numpy_and_torch_scalars_and_refuses_the_rest():
     shape = GDNShape(np.int64(2), np.int32(4), torch.tensor(8), np.array(6, dtype=np.uint8))
     assert shape == GDNShape(2, 4, 8, 6) and all(type(v) is int for v in shape.as_dict().values())
-    for bad in (True, 2.0, np.float64(2), torch.tensor(2.0), torch.tensor(True), np.bool_(True), torch.tensor([2]),
-                np.array([2]), "2", None):
+    for bad in (
+        True,
+        2.0,
+        np.float64(2),
+        torch.tensor(2.0),
+        torch.tensor(True),
+        np.bool_(True),
+        torch.tensor([2]),
+        np.array([2]),
+        "2",
+        None,
+    ):
         with pytest.raises(ValueError, match="must be a positive integer"):
             GDNShape(bad, 4, 8, 6)
 
@@ -360,17 +444,29 @@ def test_gdnshape_accepts_integral_numpy_and_torch_scalars_and_refuses_the_rest(
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 10) | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=20,
 )
-_ORDER_KEYS = ["key_group_order_most_important_first", "value_lane_order_most_important_first",
-               "key_dim_order_most_important_first", "value_dim_order_most_important_first", "shape"]
+_ORDER_KEYS = [
+    "key_group_order_most_important_first",
+    "value_lane_order_most_important_first",
+    "key_dim_order_most_important_first",
+    "value_dim_order_most_important_first",
+    "shape",
+]
 _PAYLOAD = st.dictionaries(st.sampled_from(_ORDER_KEYS), _JSON, max_size=5)
 
 
 @settings(max_examples=150, deadline=None)
-@given(scores=_JSON | st.fixed_dictionaries({"layers": st.dictionaries(st.text(max_size=30), _PAYLOAD, max_size=3)},
-                                            optional={"format": st.just("gdnprune-scores"), "version": st.just(1)}))
+@given(
+    scores=_JSON
+    | st.fixed_dictionaries(
+        {"layers": st.dictionaries(st.text(max_size=30), _PAYLOAD, max_size=3)},
+        optional={"format": st.just("gdnprune-scores"), "version": st.just(1)},
+    )
+)
 def test_the_scores_parsers_give_clean_errors_for_junk(scores):
     shapes = {"model.layers.0.linear_attn": GDNShape(2, 4, 8, 6)}
     for parse in (read_scores, check_scores, lambda s: resolve_orders(read_scores(s)["layers"], shapes)):
@@ -395,15 +491,19 @@ def _geometry(draw):
 @st.composite
 def _valid_payload(draw, shape: GDNShape):
     """The four orders of a permutation of ``shape`` (as ``gdnprune score`` writes them) and its shape."""
+
     def perm(n):
         return draw(st.permutations(range(n)))
 
-    return {"key_group_order_most_important_first": perm(shape.num_key_heads),
-            "value_lane_order_most_important_first": [perm(shape.value_heads_per_group)
-                                                      for _ in range(shape.num_key_heads)],
-            "key_dim_order_most_important_first": [perm(shape.key_head_dim) for _ in range(shape.num_key_heads)],
-            "value_dim_order_most_important_first": perm(shape.value_head_dim),
-            "shape": shape.as_dict()}
+    return {
+        "key_group_order_most_important_first": perm(shape.num_key_heads),
+        "value_lane_order_most_important_first": [
+            perm(shape.value_heads_per_group) for _ in range(shape.num_key_heads)
+        ],
+        "key_dim_order_most_important_first": [perm(shape.key_head_dim) for _ in range(shape.num_key_heads)],
+        "value_dim_order_most_important_first": perm(shape.value_head_dim),
+        "shape": shape.as_dict(),
+    }
 
 
 @settings(max_examples=60, deadline=None)
@@ -424,16 +524,34 @@ def test_the_scores_parsers_accept_every_valid_scores_file_and_keep_its_orders(d
     assert missing == [] and set(orders) == set(on_disk)
     for prefix, payload in layers.items():
         got = orders[prefix.replace("model.", "model.language_model.") if vl else prefix]
-        as_lists = {key: got[name].tolist() for name, key in zip(
-            ("key_groups", "value_lanes", "key_dim", "value_dim"), ORDER_KEYS)}
-        assert as_lists == {k: [list(row) if isinstance(row, (list, tuple)) else row for row in v]
-                            for k, v in payload.items() if k != "shape"}
+        as_lists = {
+            key: got[name].tolist()
+            for name, key in zip(("key_groups", "value_lanes", "key_dim", "value_dim"), ORDER_KEYS)
+        }
+        assert as_lists == {
+            k: [list(row) if isinstance(row, (list, tuple)) else row for row in v]
+            for k, v in payload.items()
+            if k != "shape"
+        }
 
 
 @settings(max_examples=150, deadline=None)
-@given(config=_JSON | st.dictionaries(st.sampled_from(["linear_num_key_heads", "linear_num_value_heads",
-                                                       "linear_key_head_dim", "linear_value_head_dim",
-                                                       "text_config"]), _JSON, max_size=5))
+@given(
+    config=_JSON
+    | st.dictionaries(
+        st.sampled_from(
+            [
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "text_config",
+            ]
+        ),
+        _JSON,
+        max_size=5,
+    )
+)
 def test_the_config_parser_gives_clean_errors_for_junk(config):
     try:
         shape = GDNShape.from_config(config)
@@ -444,17 +562,42 @@ def test_the_config_parser_gives_clean_errors_for_junk(config):
 
 
 @settings(max_examples=60, deadline=None)
-@given(shape=_geometry(), nested=st.booleans(), extra=st.dictionaries(st.sampled_from(["hidden_size", "model_type",
-                                                                                        "layer_types"]), _JSON))
+@given(
+    shape=_geometry(),
+    nested=st.booleans(),
+    extra=st.dictionaries(st.sampled_from(["hidden_size", "model_type", "layer_types"]), _JSON),
+)
 def test_the_config_parser_reads_every_valid_geometry(shape, nested, extra):
-    keys = {"linear_num_key_heads": shape.num_key_heads, "linear_num_value_heads": shape.num_value_heads,
-            "linear_key_head_dim": shape.key_head_dim, "linear_value_head_dim": shape.value_head_dim}
+    keys = {
+        "linear_num_key_heads": shape.num_key_heads,
+        "linear_num_value_heads": shape.num_value_heads,
+        "linear_key_head_dim": shape.key_head_dim,
+        "linear_value_head_dim": shape.value_head_dim,
+    }
     config = {**extra, "text_config": {**extra, **keys}} if nested else {**extra, **keys}
     assert GDNShape.from_config(config) == shape
 
 
-_ARG = st.sampled_from(["--num-key-heads", "--num-value-heads", "--key-head-dim", "--value-head-dim", "--scores",
-                        "-o", "--overwrite", "-q", "--json", "0", "-1", "3", "x", "", "--", "--tolerance"]) | st.text(max_size=6)
+_ARG = st.sampled_from(
+    [
+        "--num-key-heads",
+        "--num-value-heads",
+        "--key-head-dim",
+        "--value-head-dim",
+        "--scores",
+        "-o",
+        "--overwrite",
+        "-q",
+        "--json",
+        "0",
+        "-1",
+        "3",
+        "x",
+        "",
+        "--",
+        "--tolerance",
+    ]
+) | st.text(max_size=6)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -475,25 +618,45 @@ def test_junk_command_lines_exit_cleanly(command, args, source, tmp_path, capsys
         # ours; the junk it quotes may hold newlines); before it only argparse's usage or our warnings
         found = re.search(rf"(?m)^gdnprune( {command})?: error: \S", err)
         assert found and err.count(": error: ") == 1, err
-        before, after = err[:found.start()], err[found.end():]
+        before, after = err[: found.start()], err[found.end() :]
         assert not re.search(r"(?m)^(gdnprune|usage:|Traceback)", after), err  # the error is the last message
-        assert before.startswith("usage:") or all(line.startswith(f"gdnprune {command}: warning: ")
-                                                  for line in before.splitlines()), err
+        assert before.startswith("usage:") or all(
+            line.startswith(f"gdnprune {command}: warning: ") for line in before.splitlines()
+        ), err
     else:  # it did what it was asked: printed help, an inspection, or wrote a model folder
         assert ": error: " not in err
-        assert captured.out.startswith("usage:") or (command == "inspect" and captured.out) or \
-            (tmp_path / "junk-out" / "config.json").is_file(), captured
+        assert (
+            captured.out.startswith("usage:")
+            or (command == "inspect" and captured.out)
+            or (tmp_path / "junk-out" / "config.json").is_file()
+        ), captured
     shutil.rmtree(tmp_path / "junk-out", ignore_errors=True)
     assert leftovers(tmp_path) == []
 
 
 @settings(max_examples=150, deadline=None)
-@given(plan=_JSON | st.fixed_dictionaries(
-    {"format": st.just("gdnprune-plan"), "version": st.just(1),
-     "layers": st.dictionaries(st.text(max_size=30), _JSON | st.dictionaries(
-         st.sampled_from(["num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "x"]),
-         _JSON, max_size=4), max_size=3)},
-    optional={"default": _JSON}))
+@given(
+    plan=_JSON
+    | st.fixed_dictionaries(
+        {
+            "format": st.just("gdnprune-plan"),
+            "version": st.just(1),
+            "layers": st.dictionaries(
+                st.text(max_size=30),
+                _JSON
+                | st.dictionaries(
+                    st.sampled_from(
+                        ["num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "x"]
+                    ),
+                    _JSON,
+                    max_size=4,
+                ),
+                max_size=3,
+            ),
+        },
+        optional={"default": _JSON},
+    )
+)
 def test_the_plan_parser_gives_clean_errors_for_junk(plan):
     from gdnprune.plans import read_plan, resolve_plan
 
@@ -514,11 +677,17 @@ def test_the_plan_parser_gives_clean_errors_for_junk(plan):
 def _fitting_fields(draw, shape: GDNShape):
     """Some of the four target fields, chosen so that the target fits ``shape``."""
     hk = draw(st.integers(1, shape.num_key_heads))
-    fields = {"num_key_heads": hk, "num_value_heads": hk * draw(st.integers(1, shape.value_heads_per_group)),
-              "key_head_dim": draw(st.integers(1, shape.key_head_dim)),
-              "value_head_dim": draw(st.integers(1, shape.value_head_dim))}
+    fields = {
+        "num_key_heads": hk,
+        "num_value_heads": hk * draw(st.integers(1, shape.value_heads_per_group)),
+        "key_head_dim": draw(st.integers(1, shape.key_head_dim)),
+        "value_head_dim": draw(st.integers(1, shape.value_head_dim)),
+    }
     keep = draw(st.sets(st.sampled_from(sorted(fields)), min_size=1))
-    if keep & {"num_key_heads", "num_value_heads"}:  # a head count alone may not fit the other (Hv % Hk, lanes)
+    if keep & {
+        "num_key_heads",
+        "num_value_heads",
+    }:  # a head count alone may not fit the other (Hv % Hk, lanes)
         keep |= {"num_key_heads", "num_value_heads"}
     return {k: v for k, v in fields.items() if k in keep}
 
@@ -534,7 +703,9 @@ def test_the_plan_parser_accepts_every_fitting_plan_and_resolves_it(data):
     named = data.draw(st.sets(st.sampled_from(sorted(shapes))))
     layers = {p: data.draw(_fitting_fields(shapes[p])) for p in sorted(named)}
     unnamed_fit = {k: min(getattr(s, k) for s in shapes.values()) for k in ("key_head_dim", "value_head_dim")}
-    default = data.draw(st.just(unnamed_fit) if not named else st.none() | st.just(unnamed_fit))  # (a plan that
+    default = data.draw(
+        st.just(unnamed_fit) if not named else st.none() | st.just(unnamed_fit)
+    )  # (a plan that
     # names no layer and has no default cuts nothing: refused)
     plan = {"format": "gdnprune-plan", "version": 1, "layers": layers, "predicted": {"kl": 0.5}}
     if default is not None:

@@ -55,12 +55,20 @@ def test_dev_pins_satisfy_core_dependencies():
     from packaging.requirements import Requirement
 
     pins = _dev_pins()
-    deps = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
-    assert "accelerate" in {d.name for d in deps}, "the Trainer (demo, distill) needs accelerate: a core dependency"
+    deps = [
+        Requirement(d)
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    ]
+    assert "accelerate" in {d.name for d in deps}, (
+        "the Trainer (demo, distill) needs accelerate: a core dependency"
+    )
     for dep in deps:
-        assert dep.name.lower() in pins, f"{dep.name} is a core dependency but not pinned in requirements-dev.txt"
-        assert dep.specifier.contains(pins[dep.name.lower()], prereleases=True), \
+        assert dep.name.lower() in pins, (
+            f"{dep.name} is a core dependency but not pinned in requirements-dev.txt"
+        )
+        assert dep.specifier.contains(pins[dep.name.lower()], prereleases=True), (
             f"requirements-dev.txt pins {dep.name}=={pins[dep.name.lower()]}, outside pyproject's {dep}"
+        )
 
 
 def _view_of_running_environment(view: Path) -> list[str]:
@@ -98,33 +106,57 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
     (tmp_path / "constraints.txt").write_text("\n".join(constraints) + "\n")
 
     venv = tmp_path / "fresh"
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
-                   check=True)
+    subprocess.run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+        check=True,
+    )
     python = venv / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     None, tmp_path).stdout.strip())
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], None, tmp_path
+        ).stdout.strip()
+    )
     (site / "view.pth").write_text(f"{view}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
 
-    where = [str(python), "-c", "import importlib.util as u\n"
-             "for m in ('torch', 'transformers', 'accelerate', 'matplotlib', 'gdnprune'):\n"
-             "    spec = u.find_spec(m); print(m, spec.origin if spec else None)"]  # finds, imports nothing
+    where = [
+        str(python),
+        "-c",
+        "import importlib.util as u\n"
+        "for m in ('torch', 'transformers', 'accelerate', 'matplotlib', 'gdnprune'):\n"
+        "    spec = u.find_spec(m); print(m, spec.origin if spec else None)",
+    ]  # finds, imports nothing
     before = _run(where, env, tmp_path)
     assert before.returncode == 0, before.stderr
     found = dict(line.split(" ", 1) for line in before.stdout.splitlines())
     assert found["torch"] != "None" and found["transformers"] != "None", found
-    assert [m for m in ("accelerate", "matplotlib", "gdnprune") if found[m] != "None"] == [], \
+    assert [m for m in ("accelerate", "matplotlib", "gdnprune") if found[m] != "None"] == [], (
         f"the fresh environment must not see these before the install: {found}"
+    )
 
     source = tmp_path / "source"  # pip builds in the source tree: build from a copy, never the checkout
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    install = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-                    "--no-build-isolation", "--constraint", str(tmp_path / "constraints.txt"), str(source)],
-                   env, tmp_path)
+    install = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-build-isolation",
+            "--constraint",
+            str(tmp_path / "constraints.txt"),
+            str(source),
+        ],
+        env,
+        tmp_path,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     after = _run(where, env, tmp_path)
     found = dict(line.split(" ", 1) for line in after.stdout.splitlines())
@@ -133,16 +165,54 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
     assert found["matplotlib"] == "None", found  # no extra came along
 
     gdnprune = str(venv / "bin" / "gdnprune")
-    demo = _run([gdnprune, "demo", "--output", "demo", "--num-samples", "2", "--eval-samples", "2",
-                 "--num-random", "1", "--seq-len", "32", "--recover-steps", "2", "--quiet"], env, tmp_path)
+    demo = _run(
+        [
+            gdnprune,
+            "demo",
+            "--output",
+            "demo",
+            "--num-samples",
+            "2",
+            "--eval-samples",
+            "2",
+            "--num-random",
+            "1",
+            "--seq-len",
+            "32",
+            "--recover-steps",
+            "2",
+            "--quiet",
+        ],
+        env,
+        tmp_path,
+    )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "recovery: validation loss" in demo.stdout
     _one_line_about_matplotlib(demo)
 
     (tmp_path / "train.txt").write_text("A plain install must run the main job. " * 200)
-    distill = _run([gdnprune, "distill", str(tmp_path / "demo" / "sliced"), "--teacher", str(tmp_path / "demo" / "sorted"),
-                    "--data", "train.txt", "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--output", "rec",
-                    "--quiet"], env, tmp_path)
+    distill = _run(
+        [
+            gdnprune,
+            "distill",
+            str(tmp_path / "demo" / "sliced"),
+            "--teacher",
+            str(tmp_path / "demo" / "sorted"),
+            "--data",
+            "train.txt",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--output",
+            "rec",
+            "--quiet",
+        ],
+        env,
+        tmp_path,
+    )
     assert distill.returncode == 0, distill.stdout + distill.stderr
     assert "2 steps" in distill.stdout and (tmp_path / "rec" / "model.safetensors").is_file()
     _one_line_about_matplotlib(distill)

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from test_checkpoint import make_source
 
 import gdnprune.loading
 from gdnprune import load_pretrained
@@ -14,7 +15,6 @@ from gdnprune.cli import main
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.loading import empty_causal_lm, load_causal_lm
 from gdnprune.plan import plan_checkpoint, plan_model
-from test_checkpoint import make_source
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,24 @@ def folder(tmp_path_factory):
     src = make_source(root / "model", "qwen3_5", seed=7)
     text = root / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 400))
-    assert main(["score", str(src), "--data", str(text), "--output", str(root / "scores.json"), "--num-samples",
-                 "4", "--seq-len", "72", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--data",
+                str(text),
+                "--output",
+                str(root / "scores.json"),
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "72",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return src, text, root / "scores.json"
 
 
@@ -32,11 +48,38 @@ def test_prune_with_a_searched_plan_and_sequential_refit_loads_the_model_once(fo
     src, text, _ = folder
     loads = []
     original = gdnprune.loading.load_pretrained
-    monkeypatch.setattr(gdnprune.loading, "load_pretrained", lambda *a, **k: loads.append(a) or original(*a, **k))
+    monkeypatch.setattr(
+        gdnprune.loading, "load_pretrained", lambda *a, **k: loads.append(a) or original(*a, **k)
+    )
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-gdn-params", "0.5", "--dim-step",
-                 "1/2", "--num-samples", "4", "--plan-samples", "2", "--seq-len", "72", "--compensate",
-                 "sequential", "--refine", "lanes", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(out),
+                "--budget-gdn-params",
+                "0.5",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "4",
+                "--plan-samples",
+                "2",
+                "--seq-len",
+                "72",
+                "--compensate",
+                "sequential",
+                "--refine",
+                "lanes",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert len(loads) == 1  # scoring, lane refinement, the plan search and the refit share it
     manifest = json.loads((out / "gdnprune.json").read_text())
     assert manifest["compensation"]["method"] == "sequential" and manifest["plan"]
@@ -59,16 +102,21 @@ def test_the_proxy_plan_reads_no_weights(folder, tmp_path):
         load_causal_lm(shell, device="cpu")  # the placeholders are really unreadable
     options = dict(sensitivity="proxy", budget_gdn_params=0.5, dim_step="1/2")
     plan, report = plan_checkpoint(shell, None, scores, **options)
-    reference, reference_report = plan_model(load_pretrained(src, dtype=torch.float32), None, scores, **options)
+    reference, reference_report = plan_model(
+        load_pretrained(src, dtype=torch.float32), None, scores, **options
+    )
     assert {k: v for k, v in plan.items() if k != "model"} == reference
-    assert {k: v for k, v in report.items() if k != "seconds"} == \
-        {k: v for k, v in reference_report.items() if k != "seconds"}
+    assert {k: v for k, v in report.items() if k != "seconds"} == {
+        k: v for k, v in reference_report.items() if k != "seconds"
+    }
 
 
 def test_an_empty_model_has_the_loaded_models_modules_and_shapes_on_meta(folder):
     src, _, _ = folder
     empty, loaded = empty_causal_lm(src), load_causal_lm(src, device="cpu")
     assert type(empty) is type(loaded)
-    assert {n: p.shape for n, p in empty.named_parameters()} == {n: p.shape for n, p in loaded.named_parameters()}
+    assert {n: p.shape for n, p in empty.named_parameters()} == {
+        n: p.shape for n, p in loaded.named_parameters()
+    }
     assert {p.device.type for p in empty.parameters()} == {"meta"}
     assert [p for p, _ in find_gdn_modules(empty)] == [p for p, _ in find_gdn_modules(loaded)]

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import transformers
-
-from gdnprune.geometry import GDNShape
 from tiny_models import MODEL_CLASS, make_config
 
-_SPEC = importlib.util.spec_from_file_location("param_shares", Path(__file__).parents[1] / "benchmarks" / "param_shares.py")
+from gdnprune.geometry import GDNShape
+
+_SPEC = importlib.util.spec_from_file_location(
+    "param_shares", Path(__file__).parents[1] / "benchmarks" / "param_shares.py"
+)
 shares = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(shares)
 
@@ -48,8 +50,15 @@ def _counted(model) -> dict[str, int]:
 
 
 CASES = {
-    "qwen3_5": {}, "qwen3_5_vl": {}, "qwen3_5_moe": {}, "qwen3_next": {}, "olmo_hybrid": {},
-    "qwen3_next_mixed": {"mlp_only_layers": [0], "decoder_sparse_step": 2},  # dense MLPs between sparse layers
+    "qwen3_5": {},
+    "qwen3_5_vl": {},
+    "qwen3_5_moe": {},
+    "qwen3_next": {},
+    "olmo_hybrid": {},
+    "qwen3_next_mixed": {
+        "mlp_only_layers": [0],
+        "decoder_sparse_step": 2,
+    },  # dense MLPs between sparse layers
     "qwen3_5_tied": {"tie_word_embeddings": True},
 }
 
@@ -72,7 +81,9 @@ def test_formulas_equal_the_parameters_of_a_model_built_from_the_config(case):
     if family in ("qwen3_5_moe", "qwen3_next"):
         assert expected["routed_experts"] > 0 and computed["active"] < text
         c = config.get_text_config(decoder=True)
-        assert computed["active"] == text - expected["routed_experts"] * (1 - c.num_experts_per_tok / c.num_experts)
+        assert computed["active"] == text - expected["routed_experts"] * (
+            1 - c.num_experts_per_tok / c.num_experts
+        )
     if case == "qwen3_next_mixed":
         assert expected["dense_mlp"] > 0 and expected["routed_experts"] > 0
     if case == "qwen3_5_tied":
@@ -85,8 +96,12 @@ def test_the_table_lists_the_benchmark_models_and_the_public_releases():
     assert all(name in text for name in configs)
     # sanity of the values: the releases' names give total and active parameters (rounded; active here without
     # embeddings and head)
-    for name, total, active in (("Qwen3-Next-80B-A3B", 80e9, 3e9), ("Qwen3.5-35B-A3B", 35e9, 3e9),
-                                ("Qwen3.5-122B-A10B", 122e9, 10e9), ("Qwen3.5-397B-A17B", 397e9, 17e9)):
+    for name, total, active in (
+        ("Qwen3-Next-80B-A3B", 80e9, 3e9),
+        ("Qwen3.5-35B-A3B", 35e9, 3e9),
+        ("Qwen3.5-122B-A10B", 122e9, 10e9),
+        ("Qwen3.5-397B-A17B", 397e9, 17e9),
+    ):
         c = shares.param_counts(shares.PUBLIC[name])
         assert abs(c["total"] / total - 1) < 0.05, (name, c["total"])
         assert abs((c["active"] - c["embeddings"] - c["lm_head"]) / active - 1) < 0.25, (name, c["active"])

@@ -12,22 +12,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dense_axes import _ids, _kept, _same, _zeroed
 
 from gdnprune import load_pretrained
 from gdnprune.block_surgery import find_model_blocks, random_orders
 from gdnprune.blocks import AttentionShape, MLPShape
 from gdnprune.plan.subblocks import BlockToPlan
-from test_dense_axes import _ids, _kept, _same, _zeroed
 
 TRAINED = Path(__file__).parent / "data" / "trained"
-TARGETS = {"attention": {"num_attention_heads": 2, "num_key_value_heads": 1}, "mlp": {"intermediate_size": 40},
-           "shared_expert": {"shared_expert_intermediate_size": 24}}
+TARGETS = {
+    "attention": {"num_attention_heads": 2, "num_key_value_heads": 1},
+    "mlp": {"intermediate_size": 40},
+    "shared_expert": {"shared_expert_intermediate_size": 24},
+}
 
 
 def _target(block):
     fields = TARGETS[block.kind]
     if block.kind == "attention":
-        return AttentionShape(fields["num_attention_heads"], fields["num_key_value_heads"], block.shape.head_dim)
+        return AttentionShape(
+            fields["num_attention_heads"], fields["num_key_value_heads"], block.shape.head_dim
+        )
     return MLPShape(next(iter(fields.values())))
 
 
@@ -67,7 +72,7 @@ def _olmo_attention_by_hand(model, prefix, orders):
             new["q_norm.weight"][rows] = old["q_norm.weight"][cols]
             new["o_proj.weight"][:, rows] = old["o_proj.weight"][:, cols]
         for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
-            new[name][:] = old[name][g * hd:(g + 1) * hd]
+            new[name][:] = old[name][g * hd : (g + 1) * hd]
         assert set(new) == set(old)
         small.load_state_dict(new)
     return small
@@ -86,15 +91,18 @@ def test_built_cut_modules_give_the_logits_of_the_reference_on_a_trained_model(f
         orders = random_orders(block, generator=g)
         cut = _logits(_with_module(model, block.prefix, _built(model, block, orders)), ids)
         if family == "olmo_hybrid" and block.kind == "attention":
-            reference = _logits(_with_module(model, block.prefix, _olmo_attention_by_hand(model, block.prefix, orders)),
-                                ids)
+            reference = _logits(
+                _with_module(model, block.prefix, _olmo_attention_by_hand(model, block.prefix, orders)), ids
+            )
         else:
             keep = _kept(block, orders, TARGETS[block.kind])
             reference = _logits(_zeroed(model, {block.prefix: (block.kind, keep)}), ids)
         _same(cut, reference)
         assert (cut - full).abs().max() > 1e-2 * full.abs().max(), block.prefix  # a real cut
         # negative control: the reversed orders keep what these orders drop, and their cut is not the reference
-        other = {name: order[..., ::-1].copy() if name != "query_heads" else order.copy()
-                 for name, order in orders.items()}
+        other = {
+            name: order[..., ::-1].copy() if name != "query_heads" else order.copy()
+            for name, order in orders.items()
+        }
         wrong = _logits(_with_module(model, block.prefix, _built(model, block, other)), ids)
         assert (wrong - reference).abs().max() > 1e-3 * reference.abs().max(), block.prefix

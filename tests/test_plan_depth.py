@@ -9,12 +9,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from test_dense_axes import _ids, _model
+from test_depth import _skipped
 
 from gdnprune.plan.depth import choose_with_removal, removal_sensitivity
 from gdnprune.plan.solve import BudgetError
 from gdnprune.scoring.experts import block_influence
-from test_dense_axes import _ids, _model
-from test_depth import _skipped
 
 
 def _brute(sensitivity, costs, budgets, layer_of, removal, keep_one_of=()):
@@ -26,10 +26,14 @@ def _brute(sensitivity, costs, budgets, layer_of, removal, keep_one_of=()):
             continue
         options = [[None] if layer_of[g] in gone else range(len(s)) for g, s in enumerate(sensitivity)]
         for pick in itertools.product(*options):
-            if any(sum(costs[name][g][c] for g, c in enumerate(pick) if c is not None) > budget + 1e-9
-                   for name, budget in budgets.items()):
+            if any(
+                sum(costs[name][g][c] for g, c in enumerate(pick) if c is not None) > budget + 1e-9
+                for name, budget in budgets.items()
+            ):
                 continue
-            value = sum(sensitivity[g][c] for g, c in enumerate(pick) if c is not None) + sum(removal[l] for l in gone)
+            value = sum(sensitivity[g][c] for g, c in enumerate(pick) if c is not None) + sum(
+                removal[l] for l in gone
+            )
             if value < best[0] - 1e-12:
                 best = (value, (list(pick), sorted(gone)))
     return best
@@ -55,7 +59,9 @@ def test_widths_and_removals_chosen_together_equal_brute_force(seed):
             choose_with_removal(sensitivity, costs, budgets, layer_of=layer_of, removal=removal)
         return
     choice, removed = choose_with_removal(sensitivity, costs, budgets, layer_of=layer_of, removal=removal)
-    got = sum(sensitivity[g][c] for g, c in enumerate(choice) if c is not None) + sum(removal[l] for l in removed)
+    got = sum(sensitivity[g][c] for g, c in enumerate(choice) if c is not None) + sum(
+        removal[l] for l in removed
+    )
     assert abs(got - value) < 1e-9
     assert all((c is None) == (layer_of[g] in removed) for g, c in enumerate(choice))
     assert sum(params[g][c] for g, c in enumerate(choice) if c is not None) <= budgets["params"]
@@ -65,11 +71,14 @@ def test_removal_is_chosen_when_it_is_the_cheapest_way_to_meet_a_budget():
     sensitivity = [[0.0, 5.0], [0.0, 5.0], [0.0, 5.0], [0.0, 5.0]]
     costs = {"params": [[10, 5], [10, 5], [10, 5], [10, 5]]}
     layer_of = [0, 0, 1, 1]
-    choice, removed = choose_with_removal(sensitivity, costs, {"params": 20}, layer_of=layer_of,
-                                          removal={0: 1.0, 1: 2.0})
+    choice, removed = choose_with_removal(
+        sensitivity, costs, {"params": 20}, layer_of=layer_of, removal={0: 1.0, 1: 2.0}
+    )
     assert removed == [0] and choice == [None, None, 0, 0]
     choice, removed = choose_with_removal(sensitivity, costs, {"params": 20}, layer_of=layer_of, removal={})
-    assert removed == [] and sum(c for c in choice) == 4  # without removal: every sub-block halved (20 of sensitivity)
+    assert (
+        removed == [] and sum(c for c in choice) == 4
+    )  # without removal: every sub-block halved (20 of sensitivity)
 
 
 def test_measured_removal_sensitivity_is_the_kl_of_the_full_model_with_the_layer_skipped():
@@ -88,7 +97,9 @@ def test_measured_removal_sensitivity_is_the_kl_of_the_full_model_with_the_layer
                 n += ids.numel()
             assert abs(measured[i][0] - kl / n) <= 1e-4 * max(kl / n, 1e-6), (i, measured[i][0], kl / n)
     proxy = block_influence(model, batches)
-    assert set(proxy) == set(measured)  # the one-pass proxy covers the same layers (how well it ranks: BENCHMARKS)
+    assert set(proxy) == set(
+        measured
+    )  # the one-pass proxy covers the same layers (how well it ranks: BENCHMARKS)
 
 
 # ---- removal in the whole-model search on real models -----------------------------------------------------------
@@ -105,7 +116,9 @@ def _kl_per_token(teacher, student, batches):
     return kl / n
 
 
-def test_removal_sensitivity_and_a_joint_kl_with_a_removed_layer_equal_the_model_with_it_removed_on_disk(tmp_path):
+def test_removal_sensitivity_and_a_joint_kl_with_a_removed_layer_equal_the_model_with_it_removed_on_disk(
+    tmp_path,
+):
     """The reference is the checkpoint written without the layer (``slice --remove-layers``) and loaded back,
     not a hook: the measured removal and the refinement's whole-plan KL with that layer's groups removed."""
     from gdnprune import checkpoint as ck
@@ -157,18 +170,38 @@ def test_mutations_with_removal_keep_every_budget_and_remove_whole_layers():
 
 
 def _source(root, model_type, seed):
-    from gdnprune.cli import main
     from test_checkpoint import make_source
+
+    from gdnprune.cli import main
 
     src = make_source(root / model_type, model_type, seed=seed)
     text = root / "calib.txt"
     text.write_text(" ".join(["layers go and experts stay or go under the budget"] * 300))
-    assert main(["score", str(src), "--data", str(text), "--output", str(root / f"{model_type}.json"),
-                 "--num-samples", "2", "--seq-len", "32", "--sub-blocks", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--data",
+                str(text),
+                "--output",
+                str(root / f"{model_type}.json"),
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "--sub-blocks",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return src, text, root / f"{model_type}.json"
 
 
-def test_a_plan_of_expert_counts_counts_the_loaded_sliced_models_parameters_and_active_parameters(tmp_path, capsys):
+def test_a_plan_of_expert_counts_counts_the_loaded_sliced_models_parameters_and_active_parameters(
+    tmp_path, capsys
+):
     """``--blocks experts``: the plan keeps fewer routed experts in some MoE layers; its kept parameters and
     active parameters (k experts' weights + every kept router row per MoE layer, a direct formula from the
     loaded model's tensors and config) are those of the sliced checkpoint loaded back."""
@@ -179,8 +212,30 @@ def test_a_plan_of_expert_counts_counts_the_loaded_sliced_models_parameters_and_
 
     src, text, scores = _source(tmp_path, "qwen3_5_moe", seed=3)
     out = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
-                 "--budget-params", "0.8", "--blocks", "experts", "--num-samples", "2", "--seq-len", "32", "-q"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--data",
+                str(text),
+                "--output",
+                str(out),
+                "--budget-params",
+                "0.8",
+                "--blocks",
+                "experts",
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "-q",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     plan = json.loads(out.read_text())
     assert plan["layers"] and all(set(v) == {"num_experts"} for v in plan["layers"].values())
@@ -199,12 +254,15 @@ def test_a_plan_of_expert_counts_counts_the_loaded_sliced_models_parameters_and_
         return total, active
 
     full, cut = load_pretrained(src), load_pretrained(tmp_path / "sliced")
-    assert [m.mlp.experts.gate_up_proj.shape[0] for m in cut.model.layers] == \
-        [plan["layers"].get(f"model.layers.{i}.mlp", {}).get("num_experts", 4) for i in range(4)]
+    assert [m.mlp.experts.gate_up_proj.shape[0] for m in cut.model.layers] == [
+        plan["layers"].get(f"model.layers.{i}.mlp", {}).get("num_experts", 4) for i in range(4)
+    ]
     (p_full, a_full), (p_cut, a_cut) = count(full), count(cut)
     totals = plan["totals"]
     assert (totals["model_params"], totals["model_params_kept"]) == (p_full, p_cut) and p_cut <= 0.8 * p_full
-    assert totals["active_params"] == pytest.approx(a_full) and totals["active_params_kept"] == pytest.approx(a_cut)
+    assert totals["active_params"] == pytest.approx(a_full) and totals["active_params_kept"] == pytest.approx(
+        a_cut
+    )
     assert a_cut < a_full  # the router rows of the removed experts
 
 
@@ -214,15 +272,38 @@ def test_plan_and_prune_remove_decoder_layers_and_the_output_generates(tmp_path,
     skipped, which loads and generates with a cache."""
     import json
 
-    from gdnprune.cli import main
-    from gdnprune.loading import load_pretrained
     from test_depth import _skipped
     from tiny_models import cached_decode_logits, logits
 
+    from gdnprune.cli import main
+    from gdnprune.loading import load_pretrained
+
     src, text, scores = _source(tmp_path, "qwen3_5", seed=5)
     out = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
-                 "--budget-params", "0.8", "--blocks", "depth", "--num-samples", "2", "--seq-len", "32", "-q"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--data",
+                str(text),
+                "--output",
+                str(out),
+                "--budget-params",
+                "0.8",
+                "--blocks",
+                "depth",
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "-q",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     plan = json.loads(out.read_text())
     removed = sorted(int(k.rsplit(".", 1)[1]) for k, v in plan["layers"].items() if v == {"removed": True})
@@ -235,12 +316,38 @@ def test_plan_and_prune_remove_decoder_layers_and_the_output_generates(tmp_path,
     kl = {e["layer"]: e["sensitivity"] for e in report["removal"].values()}
     size = {e["layer"]: e["params"] for e in report["removal"].values()}
     total, limit = plan["totals"]["model_params"], plan["budgets"]["params"]["limit"]
-    best = min((sum(kl[i] for i in s), sorted(s)) for r in range(1, 4) for s in itertools.combinations(range(4), r)
-               if total - sum(size[i] for i in s) <= limit)
+    best = min(
+        (sum(kl[i] for i in s), sorted(s))
+        for r in range(1, 4)
+        for s in itertools.combinations(range(4), r)
+        if total - sum(size[i] for i in s) <= limit
+    )
     assert best[1] == removed
 
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "pruned"), "--budget-params", "0.8",
-                 "--blocks", "depth", "--num-samples", "2", "--plan-samples", "2", "--seq-len", "32", "-q"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(tmp_path / "pruned"),
+                "--budget-params",
+                "0.8",
+                "--blocks",
+                "depth",
+                "--num-samples",
+                "2",
+                "--plan-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert "removed" in capsys.readouterr().out
     full, cut = load_pretrained(src), load_pretrained(tmp_path / "pruned")
     gone = json.loads((tmp_path / "pruned" / "gdnprune.json").read_text())["removed_layers"]
@@ -249,7 +356,9 @@ def test_plan_and_prune_remove_decoder_layers_and_the_output_generates(tmp_path,
     ids = _ids(seed=3, seq=8)
     expected = logits(_skipped(full, gone), ids)
     assert torch.allclose(logits(cut, ids), expected, atol=1e-4 * expected.abs().max().item())
-    assert torch.allclose(cached_decode_logits(cut, ids, 3), expected[:, -4:], atol=1e-4 * expected.abs().max().item())
+    assert torch.allclose(
+        cached_decode_logits(cut, ids, 3), expected[:, -4:], atol=1e-4 * expected.abs().max().item()
+    )
     assert cut.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 12)
 
 
@@ -262,7 +371,9 @@ def test_the_proxy_cannot_rank_removals_against_widths_and_says_so():
     scores = score_model(model, [ids], progress=False)
     with pytest.raises(ValueError, match="cannot rank removing a decoder layer"):
         plan_model(model, None, scores, budget_params=0.8, blocks=["gdn", "depth"], sensitivity="proxy")
-    plan, _ = plan_model(model, None, scores, budget_gdn_params=0.8, sensitivity="proxy")  # GDN budgets: widths
+    plan, _ = plan_model(
+        model, None, scores, budget_gdn_params=0.8, sensitivity="proxy"
+    )  # GDN budgets: widths
     assert not any("removed" in v for v in plan["layers"].values())
     with pytest.raises(ValueError, match="uniform"):
         check_budgets(model, budget_params=0.8, blocks=["gdn", "depth"], uniform=True)
@@ -289,14 +400,22 @@ def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_t
     blocks = [b for b in find_model_blocks(model, ("experts", "shared_expert")) if ".layers.1." in b.prefix]
     orders = {b.prefix: random_orders(b, generator=g) for b in blocks}
     targets = {"experts": ExpertShape(2, 2), "shared_expert": MLPShape(8)}
-    groups = [BlockToPlan(b, model.get_submodule(b.prefix), orders[b.prefix], [b.shape, targets[b.kind]])
-              for b in blocks]
+    groups = [
+        BlockToPlan(b, model.get_submodule(b.prefix), orders[b.prefix], [b.shape, targets[b.kind]])
+        for b in blocks
+    ]
     assert sorted(b.block.kind for b in groups) == ["experts", "shared_expert"]
     batches = [_ids(seed=i, batch=1, seq=10) for i in range(2)]
     joint = JointKL(model, batches, groups)
-    cut = slice_model(model, None, blocks={b.prefix: {"num_experts": 2} if b.kind == "experts" else
-                                           {"shared_expert_intermediate_size": 8} for b in blocks},
-                      block_orders=orders)
+    cut = slice_model(
+        model,
+        None,
+        blocks={
+            b.prefix: {"num_experts": 2} if b.kind == "experts" else {"shared_expert_intermediate_size": 8}
+            for b in blocks
+        },
+        block_orders=orders,
+    )
     expected = _kl_per_token(model, cut, batches)
     assert plan_kl(joint, [1, 1]) == pytest.approx(expected, rel=1e-4)
     only_experts = [1 if b.block.kind == "experts" else 0 for b in groups]
@@ -310,9 +429,18 @@ def test_a_refined_plan_with_removal_and_expert_counts_meets_its_budgets_and_is_
     model = _model("qwen3_5_moe", seed=1)
     ids = _ids(seed=2, batch=4, seq=16)
     scores = score_model(model, [ids], progress=False, blocks=True)
-    plan, report = plan_model(model, [ids[:2], ids[2:]], scores, budget_params=0.55, budget_active_params=0.7,
-                              dim_step="1/2", sensitivity="measured", refine_generations=4, refine_offspring=4,
-                              progress=False)
+    plan, report = plan_model(
+        model,
+        [ids[:2], ids[2:]],
+        scores,
+        budget_params=0.55,
+        budget_active_params=0.7,
+        dim_step="1/2",
+        sensitivity="measured",
+        refine_generations=4,
+        refine_offspring=4,
+        progress=False,
+    )
     refined = report["refinement"]
     assert refined["kl"] <= refined["seed_kl"]
     totals = plan["totals"]
@@ -349,17 +477,38 @@ def test_one_full_attention_layer_always_stays_in_the_milp_and_in_every_mutation
     value, best = _brute(sensitivity, {"params": params}, budgets, layer_of, removal, keep_one_of=[1, 3])
     if best is None:
         with pytest.raises(BudgetError):
-            choose_with_removal(sensitivity, {"params": params}, budgets, layer_of=layer_of, removal=removal,
-                                keep_one_of=[1, 3])
+            choose_with_removal(
+                sensitivity,
+                {"params": params},
+                budgets,
+                layer_of=layer_of,
+                removal=removal,
+                keep_one_of=[1, 3],
+            )
         return
-    choice, removed = choose_with_removal(sensitivity, {"params": params}, budgets, layer_of=layer_of,
-                                          removal=removal, keep_one_of=[1, 3])
+    choice, removed = choose_with_removal(
+        sensitivity, {"params": params}, budgets, layer_of=layer_of, removal=removal, keep_one_of=[1, 3]
+    )
     assert not {1, 3} <= set(removed)
-    got = sum(sensitivity[g][c] for g, c in enumerate(choice) if c is not None) + sum(removal[l] for l in removed)
+    got = sum(sensitivity[g][c] for g, c in enumerate(choice) if c is not None) + sum(
+        removal[l] for l in removed
+    )
     assert abs(got - value) < 1e-9
-    free, _ = choose_with_removal(sensitivity, {"params": params}, budgets, layer_of=layer_of, removal=removal)
+    free, _ = choose_with_removal(
+        sensitivity, {"params": params}, budgets, layer_of=layer_of, removal=removal
+    )
     picks = [REMOVED if c is None else c for c in choice]
     for _ in range(200):
-        picks = mutate(picks, {"params": params}, budgets, rng, layer_of=layer_of, removable=layer_of,
-                       keep_one_of=[1, 3]) or picks
+        picks = (
+            mutate(
+                picks,
+                {"params": params},
+                budgets,
+                rng,
+                layer_of=layer_of,
+                removable=layer_of,
+                keep_one_of=[1, 3],
+            )
+            or picks
+        )
         assert not (picks[1] == REMOVED and picks[3] == REMOVED)

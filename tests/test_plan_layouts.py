@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import build_model
 
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.plan import plan_model
 from gdnprune.scoring import score_model
-from tiny_models import build_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8)
 

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from tiny_models import build_model, cut_model
 
 from gdnprune.geometry import GDNShape, orders_from_payload
 from gdnprune.layouts import find_gdn_modules
@@ -17,7 +18,6 @@ from gdnprune.plan.joint import JointKL, refine_plan
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity
 from gdnprune.plans import constraint_violations
 from gdnprune.scoring import score_model, scores_to_permutations
-from tiny_models import build_model, cut_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -36,13 +36,27 @@ def case():
     scores = score_model(model, [x], progress=False)
     layers, table = [], []
     for prefix, module in find_gdn_modules(model):
-        cands = layer_candidates(prefix, SHAPE, {n: tuple(p.shape) for n, p in module.named_parameters()}, "qwen3_5",
-                                 module.conv_kernel_size, dim_step="1/2")
-        layers.append(LayerToPlan(prefix, module, orders_from_payload(scores["layers"][prefix], SHAPE),
-                                  [c.target for c in cands]))
+        cands = layer_candidates(
+            prefix,
+            SHAPE,
+            {n: tuple(p.shape) for n, p in module.named_parameters()},
+            "qwen3_5",
+            module.conv_kernel_size,
+            dim_step="1/2",
+        )
+        layers.append(
+            LayerToPlan(
+                prefix,
+                module,
+                orders_from_payload(scores["layers"][prefix], SHAPE),
+                [c.target for c in cands],
+            )
+        )
         table.append(cands)
-    costs = {"params": [[c.params for c in cands] for cands in table],
-             "state": [[c.state for c in cands] for cands in table]}
+    costs = {
+        "params": [[c.params for c in cands] for cands in table],
+        "state": [[c.state for c in cands] for cands in table],
+    }
     return model, x, scores, layers, table, costs
 
 
@@ -50,7 +64,9 @@ def case():
 
 
 def test_rungs_and_the_survivors_near_the_choice():
-    assert rungs(16) == [1, 4, 16] and rungs(16, 16) == [16] and rungs(5, 2, 2) == [2, 4, 5] and rungs(1) == [1]
+    assert (
+        rungs(16) == [1, 4, 16] and rungs(16, 16) == [16] and rungs(5, 2, 2) == [2, 4, 5] and rungs(1) == [1]
+    )
     sizes = np.array([5.0, 1.0, 4.0, 2.0, 3.0])
     alive = np.array([True, True, True, False, True])
     # alive in size order: 1 (1.0), 4 (3.0), 2 (4.0), 0 (5.0); nearest to candidate 2 first, ties to the larger
@@ -61,10 +77,14 @@ def test_rungs_and_the_survivors_near_the_choice():
 
 def test_dominance_needs_a_cheaper_candidate_better_beyond_the_noise():
     costs = np.array([[10.0], [5.0], [5.0], [1.0]])
-    kl = np.array([[1.0, 1.2, 0.8, 1.0],   # costs most; candidate 1 is better by far on every window
-                   [0.1, 0.2, 0.1, 0.2],
-                   [0.3, 0.1, 0.2, 0.05],  # same cost as 1, better on average by less than two standard errors
-                   [2.0, 2.0, 2.0, 2.0]])  # cheapest: nothing can dominate it
+    kl = np.array(
+        [
+            [1.0, 1.2, 0.8, 1.0],  # costs most; candidate 1 is better by far on every window
+            [0.1, 0.2, 0.1, 0.2],
+            [0.3, 0.1, 0.2, 0.05],  # same cost as 1, better on average by less than two standard errors
+            [2.0, 2.0, 2.0, 2.0],
+        ]
+    )  # cheapest: nothing can dominate it
     alive = np.ones(4, dtype=bool)
     assert dominated(kl, costs, alive).tolist() == [True, False, False, False]
     # brute force over pairs with the same rule
@@ -107,7 +127,9 @@ def test_halving_measures_its_survivors_exactly_and_the_others_on_fewer_windows(
         for c, (n, kept) in enumerate(zip(seen, alive)):
             assert (n == 4) == kept or c == 0
             if n == 4:
-                assert halved["kl"][layer.prefix][c] == pytest.approx(full["kl"][layer.prefix][c], rel=1e-5, abs=1e-8)
+                assert halved["kl"][layer.prefix][c] == pytest.approx(
+                    full["kl"][layer.prefix][c], rel=1e-5, abs=1e-8
+                )
 
 
 # ---- the refinement's mutations and search ---------------------------------------------------------------
@@ -117,18 +139,32 @@ def _constrained_layers(tp, multiple_of):
     model = build_model("qwen3_5", GDNShape(4, 8, 8, 8), seed=1)
     out = []
     for prefix, module in find_gdn_modules(model) * 2:  # 4 layers
-        out.append(layer_candidates(prefix, GDNShape(4, 8, 8, 8), {n: tuple(p.shape) for n, p in
-                                    module.named_parameters()}, "qwen3_5", 4, dim_step="1/4", tp=tp,
-                                    multiple_of=multiple_of))
+        out.append(
+            layer_candidates(
+                prefix,
+                GDNShape(4, 8, 8, 8),
+                {n: tuple(p.shape) for n, p in module.named_parameters()},
+                "qwen3_5",
+                4,
+                dim_step="1/4",
+                tp=tp,
+                multiple_of=multiple_of,
+            )
+        )
     return out
 
 
 @pytest.mark.parametrize("tp,multiple_of", [(None, None), (2, 4)])
 def test_every_mutation_keeps_every_budget_and_constraint(tp, multiple_of):
     table = _constrained_layers(tp, multiple_of)
-    costs = {"params": [[c.params for c in cands] for cands in table],
-             "state": [[c.state for c in cands] for cands in table]}
-    budgets = {"params": 0.45 * sum(c[0] for c in costs["params"]), "state": 0.6 * sum(c[0] for c in costs["state"])}
+    costs = {
+        "params": [[c.params for c in cands] for cands in table],
+        "state": [[c.state for c in cands] for cands in table],
+    }
+    budgets = {
+        "params": 0.45 * sum(c[0] for c in costs["params"]),
+        "state": 0.6 * sum(c[0] for c in costs["state"]),
+    }
     rng = np.random.default_rng(0)
     picks = choose([list(rng.random(len(cands))) for cands in table], costs, budgets)
     moved = 0
@@ -179,9 +215,14 @@ def test_evolution_is_deterministic_never_worse_and_finds_the_joint_optimum():
     assert first["kl"] == pytest.approx(np.mean(fitness([first["picks"]], 0, 6)[0]))
     assert [h["kl"] for h in first["history"]] == sorted((h["kl"] for h in first["history"]), reverse=True)
     # brute force over every feasible plan
-    best = min(np.mean(fitness([list(p)], 0, 6)[0]) for p in itertools.product(range(5), repeat=4)
-               if feasible(p, costs, budgets))
-    assert first["kl"] == pytest.approx(best) and first["seed_kl"] > best  # the additive choice is not optimal
+    best = min(
+        np.mean(fitness([list(p)], 0, 6)[0])
+        for p in itertools.product(range(5), repeat=4)
+        if feasible(p, costs, budgets)
+    )
+    assert (
+        first["kl"] == pytest.approx(best) and first["seed_kl"] > best
+    )  # the additive choice is not optimal
     # staged: most offspring are seen on the first quarter of the windows only
     assert (6, 0, 2) in calls and any(n < 6 and hi == 6 for n, _, hi in calls)
 
@@ -192,7 +233,9 @@ def test_the_joint_kl_is_the_kl_of_the_whole_cut_model(case):
     picks = [5, 9]
     values = fitness([picks, [0, 0]], 0, 4)
     permutations = scores_to_permutations(scores)
-    cut = cut_model(model, {layer.prefix: layer.candidates[c] for layer, c in zip(layers, picks)}, permutations)
+    cut = cut_model(
+        model, {layer.prefix: layer.candidates[c] for layer, c in zip(layers, picks)}, permutations
+    )
     with torch.no_grad():
         teacher = model(input_ids=x).logits.log_softmax(-1)
         student = cut(input_ids=x).logits.log_softmax(-1)
@@ -206,8 +249,12 @@ def test_refining_a_real_plan_never_makes_it_worse_and_repeats_for_a_seed(case):
     budgets = {"params": 0.4 * sum(c[0] for c in costs["params"])}
     full = measured_sensitivity(model, [x], layers, progress=False)
     picks = choose([full["kl"][layer.prefix] for layer in layers], costs, budgets)
-    result = refine_plan(model, [x], layers, costs, budgets, picks, generations=3, offspring=4, seed=1, progress=False)
-    again = refine_plan(model, [x], layers, costs, budgets, picks, generations=3, offspring=4, seed=1, progress=False)
+    result = refine_plan(
+        model, [x], layers, costs, budgets, picks, generations=3, offspring=4, seed=1, progress=False
+    )
+    again = refine_plan(
+        model, [x], layers, costs, budgets, picks, generations=3, offspring=4, seed=1, progress=False
+    )
     assert result["picks"] == again["picks"] and result["history"] == again["history"]
     assert result["kl"] <= result["seed_kl"] and feasible(result["picks"], costs, budgets)
     assert len(result["history"]) == 3 and result["windows"] == 4
@@ -262,8 +309,22 @@ def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path,
         raise AssertionError("scored before the budgets were checked")
 
     monkeypatch.setattr(gdnprune.scoring, "score_checkpoint", never)
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p"), "--budget-gdn-params", "0.001",
-                 "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(tmp_path / "p"),
+                "--budget-gdn-params",
+                "0.001",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "no plan meets the budgets" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
 
@@ -275,9 +336,34 @@ def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, ca
 
     src, text, scores = folder
     out = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
-                 "--budget-gdn-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "72",
-                 "--refine-generations", "2", "--refine-offspring", "3", "-q"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--data",
+                str(text),
+                "--output",
+                str(out),
+                "--budget-gdn-params",
+                "0.4",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "72",
+                "--refine-generations",
+                "2",
+                "--refine-offspring",
+                "3",
+                "-q",
+            ]
+        )
+        == 0
+    )
     stdout = capsys.readouterr().out
     assert "joint refinement: KL of the whole cut model" in stdout
     plan = json.loads(out.read_text())
@@ -291,8 +377,22 @@ def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, ca
         assert all(c["windows"] == 4 for c in layer["candidates"] if c["survivor"])
     assert (tmp_path / "plan.sensitivity.png").stat().st_size > 1000
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "x.json"),
-              "--budget-gdn-params", "0.5", "--sensitivity", "proxy", "--refine-generations", "-1"])
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--output",
+                str(tmp_path / "x.json"),
+                "--budget-gdn-params",
+                "0.5",
+                "--sensitivity",
+                "proxy",
+                "--refine-generations",
+                "-1",
+            ]
+        )
     assert exit_.value.code == 2
     assert "expected an integer >= 0" in capsys.readouterr().err
 
@@ -305,11 +405,45 @@ def test_prune_with_a_plan_uses_its_scores_or_says_why_not(folder, tmp_path, cap
 
     src, text, scores = folder
     plan = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--output", str(plan), "--budget-gdn-params", "0.5",
-                 "--sensitivity", "proxy", "--dim-step", "1/2", "-q"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--output",
+                str(plan),
+                "--budget-gdn-params",
+                "0.5",
+                "--sensitivity",
+                "proxy",
+                "--dim-step",
+                "1/2",
+                "-q",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--plan", str(plan), "--scores",
-                 str(scores), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(out),
+                "--plan",
+                str(plan),
+                "--scores",
+                str(scores),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "sorted by" in capsys.readouterr().out
     manifest = json.loads((out / "gdnprune.json").read_text())
     sha = json.loads(plan.read_text())["scores"]["sha256"]
@@ -320,17 +454,51 @@ def test_prune_with_a_plan_uses_its_scores_or_says_why_not(folder, tmp_path, cap
     shutil.copy(scores, other)
     with open(other, "a") as f:
         f.write("\n")
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p2"), "--plan", str(plan),
-                 "--scores", str(other), "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(tmp_path / "p2"),
+                "--plan",
+                str(plan),
+                "--scores",
+                str(other),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "the plan was searched on the scores with sha256" in capsys.readouterr().err
     assert not (tmp_path / "p2").exists()
     # scored afresh: a warning names the scores the plan was searched on
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "p3"), "--plan", str(plan),
-                 "--num-samples", "2", "--seq-len", "72", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(tmp_path / "p3"),
+                "--plan",
+                str(plan),
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "72",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "gdnprune prune: warning: the plan was searched on the scores" in capsys.readouterr().err
 
 
-WORKER = '''
+WORKER = """
 import json, sys
 from gdnprune.cli import main
 model, scores, text, out = sys.argv[1:5]
@@ -338,7 +506,7 @@ code = main(["plan", model, "--scores", scores, "--data", text, "--output", out 
              "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40", "--refine-generations", "2",
              "--refine-offspring", "3", "--quiet", "--threads", "1"])
 sys.exit(code)
-'''
+"""
 
 
 def test_two_processes_under_torchrun_find_the_plan_one_process_finds(folder, tmp_path):
@@ -354,20 +522,66 @@ def test_two_processes_under_torchrun_find_the_plan_one_process_finds(folder, tm
     src, text, scores = folder
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker), str(src), str(scores), str(text), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker),
+            str(src),
+            str(scores),
+            str(text),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(tmp_path / "one.json"),
-                 "--budget-gdn-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40",
-                 "--refine-generations", "2", "--refine-offspring", "3", "--quiet", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--data",
+                str(text),
+                "--output",
+                str(tmp_path / "one.json"),
+                "--budget-gdn-params",
+                "0.4",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "40",
+                "--refine-generations",
+                "2",
+                "--refine-offspring",
+                "3",
+                "--quiet",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
     assert two["layers"] == one["layers"] and two["refined"] == one["refined"]
     two, one = (json.loads((tmp_path / f"{n}.sensitivity.json").read_text()) for n in ("two", "one"))
     assert two["refinement"]["history"] == one["refinement"]["history"]
     assert two["forwards"] == one["forwards"] and two["rungs"] == one["rungs"]
     for prefix, layer in one["layers"].items():
-        assert [(c["sensitivity"], c["windows"]) for c in two["layers"][prefix]["candidates"]] == \
-            [(c["sensitivity"], c["windows"]) for c in layer["candidates"]]
+        assert [(c["sensitivity"], c["windows"]) for c in two["layers"][prefix]["candidates"]] == [
+            (c["sensitivity"], c["windows"]) for c in layer["candidates"]
+        ]

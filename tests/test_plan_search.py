@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_checkpoint import SHAPE, make_source
+from tiny_models import build_model, cut_model
 
 from gdnprune import load_pretrained
 from gdnprune.cli import main
@@ -19,8 +20,6 @@ from gdnprune.plan import BudgetError, choose, choose_uniform, layer_candidates,
 from gdnprune.plan.candidates import dim_values
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity
 from gdnprune.scoring import score_model, scores_to_permutations
-from test_checkpoint import SHAPE, make_source
-from tiny_models import build_model, cut_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -37,8 +36,12 @@ def _ratio_greedy(sensitivity, costs, budget):
     added per unit of cost saved, until the budget is met: the heuristic the MILP replaces."""
     picks = [0] * len(sensitivity)
     while sum(costs[l][p] for l, p in enumerate(picks)) > budget:
-        moves = [((sensitivity[l][c] - sensitivity[l][picks[l]]) / (costs[l][picks[l]] - costs[l][c]), l, c)
-                 for l in range(len(picks)) for c in range(len(costs[l])) if costs[l][c] < costs[l][picks[l]]]
+        moves = [
+            ((sensitivity[l][c] - sensitivity[l][picks[l]]) / (costs[l][picks[l]] - costs[l][c]), l, c)
+            for l in range(len(picks))
+            for c in range(len(costs[l]))
+            if costs[l][c] < costs[l][picks[l]]
+        ]
         _, l, c = min(moves)
         picks[l] = c
     return picks
@@ -54,17 +57,25 @@ def test_the_milp_finds_the_optimum_where_the_greedy_does_not():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 30)), min_size=1, max_size=4),
-                min_size=1, max_size=4),
-       st.integers(0, 60), st.integers(0, 60))
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 20), st.integers(0, 30)), min_size=1, max_size=4),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(0, 60),
+    st.integers(0, 60),
+)
 def test_the_milp_equals_brute_force(layers, params_budget, state_budget):
     sensitivity = [[float(s) for s, _ in layer] for layer in layers]
     params = [[c for _, c in layer] for layer in layers]
     state = [[(3 * c) % 17 for _, c in layer] for layer in layers]
     best = None
     for picks in itertools.product(*[range(len(layer)) for layer in layers]):
-        if sum(params[l][p] for l, p in enumerate(picks)) <= params_budget and \
-                sum(state[l][p] for l, p in enumerate(picks)) <= state_budget:
+        if (
+            sum(params[l][p] for l, p in enumerate(picks)) <= params_budget
+            and sum(state[l][p] for l, p in enumerate(picks)) <= state_budget
+        ):
             value = sum(sensitivity[l][p] for l, p in enumerate(picks))
             best = value if best is None else min(best, value)
     budgets = {"params": params_budget, "state": state_budget}
@@ -108,7 +119,9 @@ def test_candidate_parameter_counts_are_exact(model_type):
     prefix, module = find_gdn_modules(model)[0]
     tensors = {n: tuple(p.shape) for n, p in module.named_parameters()}
     layout = {"qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next", "olmo_hybrid": "olmo_hybrid"}[model_type]
-    candidates = layer_candidates(prefix, SHAPE, tensors, layout, module.conv_kernel_size, dim_step="1/2", tp=None)
+    candidates = layer_candidates(
+        prefix, SHAPE, tensors, layout, module.conv_kernel_size, dim_step="1/2", tp=None
+    )
     assert candidates[0].target == SHAPE and len(candidates) == 2 * 2 * 2 * 2
     for candidate in candidates[::5]:
         cut = cut_model(model, {prefix: candidate.target})
@@ -117,7 +130,9 @@ def test_candidate_parameter_counts_are_exact(model_type):
         t = candidate.target
         assert candidate.state == t.num_value_heads * t.key_head_dim * t.value_head_dim + t.conv_dim * 3
     with_tp = layer_candidates(prefix, SHAPE, tensors, layout, 4, dim_step="1/2", tp=2)
-    assert {c.target.num_key_heads for c in with_tp} == {2} and all(c.target.num_value_heads % 2 == 0 for c in with_tp)
+    assert {c.target.num_key_heads for c in with_tp} == {2} and all(
+        c.target.num_value_heads % 2 == 0 for c in with_tp
+    )
 
 
 # ---- sensitivity ---------------------------------------------------------------------------------------------
@@ -131,8 +146,10 @@ def test_measured_sensitivity_is_the_kl_of_the_real_cut_model(model_type):
     permutations = scores_to_permutations(scores)
     layers = [(p, m) for p, m in find_gdn_modules(model)]
     targets = [GDNShape(1, 2, 8, 6), GDNShape(2, 2, 5, 4)]
-    to_plan = [LayerToPlan(p, m, _orders(scores["layers"][p], m), [GDNShape.from_module(m), *targets])
-               for p, m in layers]
+    to_plan = [
+        LayerToPlan(p, m, _orders(scores["layers"][p], m), [GDNShape.from_module(m), *targets])
+        for p, m in layers
+    ]
     result = measured_sensitivity(model, [x[:1], x[1:]], to_plan, progress=False)
     with torch.no_grad():
         teacher = model(input_ids=x).logits.log_softmax(-1)
@@ -142,8 +159,9 @@ def test_measured_sensitivity_is_the_kl_of_the_real_cut_model(model_type):
                 cut = cut_model(model, {prefix: target}, {p: permutations[p] for p, _ in layers})
                 student = cut(input_ids=x).logits.log_softmax(-1)
                 kl = (teacher.exp() * (teacher - student)).sum(-1).mean()
-                loss = torch.nn.functional.cross_entropy(student[:, :-1].reshape(-1, student.shape[-1]),
-                                                         x[:, 1:].reshape(-1))
+                loss = torch.nn.functional.cross_entropy(
+                    student[:, :-1].reshape(-1, student.shape[-1]), x[:, 1:].reshape(-1)
+                )
                 assert result["kl"][prefix][k] == pytest.approx(float(kl), rel=1e-4, abs=1e-7)
                 assert result["loss"][prefix][k] == pytest.approx(float(loss), rel=1e-5)
     # the model is left as it was
@@ -165,25 +183,39 @@ def test_measured_sensitivity_on_a_dispatched_model_matches():
     scores = score_model(model, [x], progress=False)
     plan, report = plan_model(model, [x], scores, budget_gdn_params=0.6, dim_step="1/2", progress=False)
     dispatched = dispatch_model(build_model("qwen3_5", SHAPE, seed=4), device_map={"": "cpu"})
-    plan_d, report_d = plan_model(dispatched, [x], scores, budget_gdn_params=0.6, dim_step="1/2", progress=False)
+    plan_d, report_d = plan_model(
+        dispatched, [x], scores, budget_gdn_params=0.6, dim_step="1/2", progress=False
+    )
     assert plan_d["layers"] == plan["layers"]
     for prefix, layer in report["layers"].items():
         assert [c["sensitivity"] for c in report_d["layers"][prefix]["candidates"]] == pytest.approx(
-            [c["sensitivity"] for c in layer["candidates"]], rel=1e-6, abs=1e-9)
+            [c["sensitivity"] for c in layer["candidates"]], rel=1e-6, abs=1e-9
+        )
 
 
 def test_the_proxy_grows_as_candidates_shrink():
     model = build_model("qwen3_5", SHAPE, seed=5)
     scores = score_model(model, [windows()], progress=False)
     prefix, module = find_gdn_modules(model)[0]
-    candidates = [c.target for c in layer_candidates(prefix, SHAPE, {n: tuple(p.shape) for n, p in
-                  module.named_parameters()}, "qwen3_5", 4, dim_step="1/2")]
+    candidates = [
+        c.target
+        for c in layer_candidates(
+            prefix,
+            SHAPE,
+            {n: tuple(p.shape) for n, p in module.named_parameters()},
+            "qwen3_5",
+            4,
+            dim_step="1/2",
+        )
+    ]
     proxy = proxy_sensitivity(scores["layers"][prefix], SHAPE, candidates)
     assert proxy[0] == pytest.approx(0.0, abs=1e-9) and min(proxy) >= 0
     for a, b in itertools.product(range(len(candidates)), repeat=2):
         ta, tb = candidates[a], candidates[b]
-        if all(getattr(ta, f) <= getattr(tb, f) for f in ("num_key_heads", "value_heads_per_group", "key_head_dim",
-                                                          "value_head_dim")):
+        if all(
+            getattr(ta, f) <= getattr(tb, f)
+            for f in ("num_key_heads", "value_heads_per_group", "key_head_dim", "value_head_dim")
+        ):
             assert proxy[a] >= proxy[b] - 1e-9  # a nested smaller cut removes at least as much
 
 
@@ -196,8 +228,24 @@ def folder(tmp_path_factory):
     src = make_source(root / "model", "qwen3_5", seed=6)
     text = root / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 400))
-    assert main(["score", str(src), "--data", str(text), "--output", str(root / "scores.json"), "--num-samples", "4",
-                 "--seq-len", "72", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--data",
+                str(text),
+                "--output",
+                str(root / "scores.json"),
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "72",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert json.loads((root / "scores.json").read_text())["layers"]
     return src, text, root / "scores.json"
 
@@ -209,16 +257,40 @@ def _gdn_params(model) -> int:
 def _gdn_state(model) -> int:
     """Recurrent state per sequence, summed over the GDN layers of a loaded model, by the formula of DESIGN.md:
     the delta-rule state Hv*dk*dv plus the conv state (2*Hk*dk + Hv*dv)*(K-1)."""
-    return sum(m.num_v_heads * m.head_k_dim * m.head_v_dim
-               + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads * m.head_v_dim) * (m.conv_kernel_size - 1)
-               for _, m in find_gdn_modules(model))
+    return sum(
+        m.num_v_heads * m.head_k_dim * m.head_v_dim
+        + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads * m.head_v_dim) * (m.conv_kernel_size - 1)
+        for _, m in find_gdn_modules(model)
+    )
 
 
 def test_plan_command_writes_the_plan_its_report_and_plot(folder, tmp_path, capsys):
     src, text, scores = folder
     out = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
-                 "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "2", "--seq-len", "72", "-q"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--data",
+                str(text),
+                "--output",
+                str(out),
+                "--budget-gdn-params",
+                "0.5",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "72",
+                "-q",
+            ]
+        )
+        == 0
+    )
     stdout = capsys.readouterr().out
     assert "predicted summed KL" in stdout and "GDN parameters kept" in stdout
     plan = json.loads(out.read_text())
@@ -234,40 +306,129 @@ def test_plan_command_writes_the_plan_its_report_and_plot(folder, tmp_path, caps
     kept = sum(p.numel() for _, m in find_gdn_modules(model) for p in m.parameters())
     assert kept == plan["totals"]["gdn_params_kept"]
     # an existing plan is not replaced without --overwrite; budgets that nothing meets say why
-    assert main(["plan", str(src), "--scores", str(scores), "--output", str(out), "--budget-gdn-params", "0.5",
-                 "--sensitivity", "proxy"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--output",
+                str(out),
+                "--budget-gdn-params",
+                "0.5",
+                "--sensitivity",
+                "proxy",
+            ]
+        )
+        == 2
+    )
     assert "already exists" in capsys.readouterr().err
-    assert main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "p2.json"),
-                 "--budget-gdn-params", "10", "--sensitivity", "proxy"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--output",
+                str(tmp_path / "p2.json"),
+                "--budget-gdn-params",
+                "10",
+                "--sensitivity",
+                "proxy",
+            ]
+        )
+        == 2
+    )
     assert "no plan meets the budgets" in capsys.readouterr().err
-    assert main(["plan", str(src), "--scores", str(scores), "--output", str(tmp_path / "p3.json"),
-                 "--sensitivity", "proxy"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--output",
+                str(tmp_path / "p3.json"),
+                "--sensitivity",
+                "proxy",
+            ]
+        )
+        == 2
+    )
     assert "give a budget" in capsys.readouterr().err
 
 
 def test_uniform_and_state_budgets(folder, tmp_path, capsys):
     src, _, scores = folder
     out = tmp_path / "uniform.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--output", str(out), "--budget-state", "0.5",
-                 "--sensitivity", "proxy", "--uniform", "--dim-step", "1/2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--output",
+                str(out),
+                "--budget-state",
+                "0.5",
+                "--sensitivity",
+                "proxy",
+                "--uniform",
+                "--dim-step",
+                "1/2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert len({json.dumps(t, sort_keys=True) for t in plan["layers"].values()}) == 1
     assert plan["totals"]["state_fraction"] <= 0.5 and plan["uniform"]
     # the state of the model sliced to the plan, counted on the loaded model, is within the budget
     assert main(["slice", str(src), "--plan", str(out), "-o", str(tmp_path / "sliced"), "-q"]) == 0
-    sliced, full = load_pretrained(tmp_path / "sliced", dtype=torch.float32), load_pretrained(src, dtype=torch.float32)
+    sliced, full = (
+        load_pretrained(tmp_path / "sliced", dtype=torch.float32),
+        load_pretrained(src, dtype=torch.float32),
+    )
     assert 0 < _gdn_state(sliced) <= 0.5 * _gdn_state(full)
     # and the plan's report counts the same state (float32 elements: 4 bytes)
-    assert (plan["totals"]["state_bytes_kept"], plan["totals"]["state_bytes"]) == (4 * _gdn_state(sliced),
-                                                                                     4 * _gdn_state(full))
+    assert (plan["totals"]["state_bytes_kept"], plan["totals"]["state_bytes"]) == (
+        4 * _gdn_state(sliced),
+        4 * _gdn_state(full),
+    )
 
 
 def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, capsys):
     src, text, _ = folder
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-gdn-params", "0.5", "--dim-step",
-                 "1/2", "--num-samples", "4", "--plan-samples", "2", "--seq-len", "72", "--quiet",
-                 "--self-contained"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(out),
+                "--budget-gdn-params",
+                "0.5",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "4",
+                "--plan-samples",
+                "2",
+                "--seq-len",
+                "72",
+                "--quiet",
+                "--self-contained",
+            ]
+        )
+        == 0
+    )
     assert "under the budget" in (line := capsys.readouterr().out) and "self-contained" in line
     manifest = json.loads((out / "gdnprune.json").read_text())
     assert manifest["operation"] == "prune" and manifest["sorted"]
@@ -277,6 +438,21 @@ def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, cap
     model = load_pretrained(out, dtype=torch.float32)
     assert 0 < _gdn_params(model) <= 0.5 * _gdn_params(load_pretrained(src, dtype=torch.float32))
     assert model(input_ids=windows(1, 80, vocab=11)).logits.isfinite().all()
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "x"), "--budget-gdn-params", "0.5",
-                 "--num-key-heads", "1"]) == 2
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(tmp_path / "x"),
+                "--budget-gdn-params",
+                "0.5",
+                "--num-key-heads",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "exactly one of" in capsys.readouterr().err

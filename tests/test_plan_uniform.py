@@ -10,29 +10,44 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
+from test_dense_axes import _ids, _model
 
-from gdnprune.blocks import AttentionShape, MLPShape
+from gdnprune.blocks import AttentionShape
 from gdnprune.geometry import GDNShape
 from gdnprune.plan import BudgetError, choose_uniform, plan_model, uniform_choices, uniform_plans
 from gdnprune.plan.api import _problem
 from gdnprune.plan.candidates import parse_dim_step
-from test_dense_axes import _ids, _model
 
 
 def _tables(model, *, dim_step="1/2", axes=("key_heads", "lanes", "key_dim", "value_dim"), budget=1.0):
     given = dict(params=budget, gdn_params=None, active_params=None, memory=None, state=None)
-    problem = _problem(model, given, None, context=None, blocks=("gdn", "attention", "mlp", "shared_expert"),
-                       step=parse_dim_step(dim_step), axes=axes, tp=None, multiple_of=None, orders_applied=True,
-                       uniform=True)
+    problem = _problem(
+        model,
+        given,
+        None,
+        context=None,
+        blocks=("gdn", "attention", "mlp", "shared_expert"),
+        step=parse_dim_step(dim_step),
+        axes=axes,
+        tp=None,
+        multiple_of=None,
+        orders_applied=True,
+        uniform=True,
+    )
     return problem
 
 
 def _combinations(keys, kinds):
     """Brute force: per kind, the geometries all its groups have; every product of them, as per-group picks."""
     order = list(dict.fromkeys(kinds))
-    shared = {k: [key for key in keys[kinds.index(k)] if all(key in keys[g] for g in range(len(keys)) if kinds[g] == k)]
-              for k in order}
+    shared = {
+        k: [
+            key
+            for key in keys[kinds.index(k)]
+            if all(key in keys[g] for g in range(len(keys)) if kinds[g] == k)
+        ]
+        for k in order
+    }
     for combo in itertools.product(*(shared[k] for k in order)):
         geometry = dict(zip(order, combo))
         yield tuple(keys[g].index(geometry[kinds[g]]) for g in range(len(keys))), geometry
@@ -64,10 +79,19 @@ def test_uniform_choice_and_list_equal_brute_force_on_a_real_models_cost_tables(
     checked_optimum = 0
     for trial in range(12):
         # sensitivity grows as a candidate shrinks (like a real KL), with noise so that kinds trade off
-        sensitivity = [[float(rng.uniform(0, 1) * (1 - c / cands[0]) + rng.uniform(0, 0.05)) if c < cands[0] else 0.0
-                        for c in cands] for cands in costs]
+        sensitivity = [
+            [
+                float(rng.uniform(0, 1) * (1 - c / cands[0]) + rng.uniform(0, 0.05)) if c < cands[0] else 0.0
+                for c in cands
+            ]
+            for cands in costs
+        ]
         budget = {"params": float(rng.uniform(0.3, 1.0)) * full}
-        feasible = [(picks, g) for picks, g in combos if sum(costs[i][p] for i, p in enumerate(picks)) <= budget["params"]]
+        feasible = [
+            (picks, g)
+            for picks, g in combos
+            if sum(costs[i][p] for i, p in enumerate(picks)) <= budget["params"]
+        ]
         if not feasible:
             with pytest.raises(BudgetError, match="single geometry per kind"):
                 choose_uniform(keys, sensitivity, {"params": costs}, budget, kinds=kinds)
@@ -79,14 +103,18 @@ def test_uniform_choice_and_list_equal_brute_force_on_a_real_models_cost_tables(
             assert len({keys[i][p] for i, p in enumerate(picks) if kinds[i] == kind}) == 1
         checked_optimum += 1
         # the list: every feasible combination, and the maximal ones (no single kind can grow within the budget)
-        listed = {tuple(p) for p in uniform_choices(keys, {"params": costs}, budget, kinds=kinds, maximal=False)}
+        listed = {
+            tuple(p) for p in uniform_choices(keys, {"params": costs}, budget, kinds=kinds, maximal=False)
+        }
         assert listed == {picks for picks, _ in feasible}
         maximal = set()
         for picks, geometry in feasible:
             grows = False
             for kind, shape in geometry.items():
                 for other_picks, other in feasible:
-                    if all(other[k] == geometry[k] for k in geometry if k != kind) and _larger(shape, other[kind]):
+                    if all(other[k] == geometry[k] for k in geometry if k != kind) and _larger(
+                        shape, other[kind]
+                    ):
                         grows = True
             if not grows:
                 maximal.add(picks)
@@ -102,12 +130,25 @@ def test_a_uniform_whole_model_plan_on_a_real_model_meets_its_budget_and_is_the_
     model = _model("qwen3_5", seed=4)
     ids = _ids(seed=3, batch=4, seq=16)
     scores = score_model(model, [ids], progress=False, blocks=True)
-    plan, report = plan_model(model, [ids[:2], ids[2:]], scores, budget_params=0.6, dim_step="1/2",
-                              sensitivity="measured", uniform=True, progress=False)
+    plan, report = plan_model(
+        model,
+        [ids[:2], ids[2:]],
+        scores,
+        budget_params=0.6,
+        dim_step="1/2",
+        sensitivity="measured",
+        uniform=True,
+        progress=False,
+    )
     assert plan["uniform"]
-    groups = {**{k: ("gdn", v) for k, v in plan["layers"].items() if k.endswith("linear_attn")},
-              **{k: ("attention" if k.endswith("self_attn") else "mlp", v) for k, v in plan["layers"].items()
-                 if not k.endswith("linear_attn")}}
+    groups = {
+        **{k: ("gdn", v) for k, v in plan["layers"].items() if k.endswith("linear_attn")},
+        **{
+            k: ("attention" if k.endswith("self_attn") else "mlp", v)
+            for k, v in plan["layers"].items()
+            if not k.endswith("linear_attn")
+        },
+    }
     for kind, count in (("gdn", 2), ("attention", 2), ("mlp", 4)):
         entries = [v for k, v in groups.values() if k == kind]
         assert len(entries) == count and all(e == entries[0] for e in entries), kind
@@ -117,18 +158,29 @@ def test_a_uniform_whole_model_plan_on_a_real_model_meets_its_budget_and_is_the_
     from gdnprune.scoring import scores_to_permutations
 
     gdn_scores = {**scores, "layers": {k: v for k, v in scores["layers"].items() if k in gdn}}
-    cut = slice_model(model, gdn, scores_to_permutations(gdn_scores), blocks=blocks,
-                      block_orders={k: scores["layers"][k] for k in blocks})
+    cut = slice_model(
+        model,
+        gdn,
+        scores_to_permutations(gdn_scores),
+        blocks=blocks,
+        block_orders={k: scores["layers"][k] for k in blocks},
+    )
     full_params = sum(p.numel() for p in model.parameters())
     cut_params = sum(p.numel() for p in cut.parameters())
     assert cut_params <= 0.6 * full_params and cut_params == plan["totals"]["model_params_kept"]
     # no other uniform combination of the report's measured candidates is better within the budget
-    values = [g["candidates"] for g in report["layers"].values()] + [g["candidates"] for g in report["blocks"].values()]
+    values = [g["candidates"] for g in report["layers"].values()] + [
+        g["candidates"] for g in report["blocks"].values()
+    ]
     kinds = ["gdn"] * len(report["layers"]) + [g["kind"] for g in report["blocks"].values()]
     keys = [[tuple(sorted(c["target"].items())) for c in g] for g in values]
     fixed = plan["totals"]["model_params"] - sum(g[0]["params"] for g in values)
-    best = min(sum(values[i][p]["sensitivity"] for i, p in enumerate(picks)) for picks, _ in _combinations(keys, kinds)
-               if fixed + sum(values[i][p]["params"] for i, p in enumerate(picks)) <= plan["budgets"]["params"]["limit"])
+    best = min(
+        sum(values[i][p]["sensitivity"] for i, p in enumerate(picks))
+        for picks, _ in _combinations(keys, kinds)
+        if fixed + sum(values[i][p]["params"] for i, p in enumerate(picks))
+        <= plan["budgets"]["params"]["limit"]
+    )
     assert plan["predicted"]["summed_sensitivity"] == pytest.approx(best, abs=1e-12)
     # the listed uniform plans (no forward) hold the chosen one, each within the budget
     listed = uniform_plans(model, budget_params=0.6, dim_step="1/2", maximal=False)

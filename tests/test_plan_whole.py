@@ -5,15 +5,15 @@ sliced model, counted independently; the GDN-only path unchanged."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
+from test_dense_axes import DENSE, _ids, _kept, _model, _orders, _zeroed
 
 from gdnprune.block_surgery import find_model_blocks
 from gdnprune.blocks import AttentionShape, MLPShape
 from gdnprune.plan.halving import halving_sensitivity
 from gdnprune.plan.sensitivity import measured_sensitivity
 from gdnprune.plan.subblocks import BlockToPlan
-from test_dense_axes import DENSE, _ids, _kept, _model, _orders, _zeroed
 
 
 def _kl(teacher, student):
@@ -27,19 +27,31 @@ def test_sub_block_sensitivity_is_the_kl_of_the_model_with_the_removed_columns_z
     orders = _orders(model, seed=5)
     blocks = find_model_blocks(model, DENSE)
     targets = {"mlp": MLPShape(40), "shared_expert": MLPShape(12)}
-    to_plan = [BlockToPlan(b, model.get_submodule(b.prefix), orders[b.prefix],
-                           [b.shape, AttentionShape(2, 1, b.shape.head_dim) if b.kind == "attention" else targets[b.kind]])
-               for b in blocks]
-    assert {b.kind for b in blocks} == ({"attention", "shared_expert"} if "moe" in model_type else {"attention", "mlp"})
+    to_plan = [
+        BlockToPlan(
+            b,
+            model.get_submodule(b.prefix),
+            orders[b.prefix],
+            [b.shape, AttentionShape(2, 1, b.shape.head_dim) if b.kind == "attention" else targets[b.kind]],
+        )
+        for b in blocks
+    ]
+    assert {b.kind for b in blocks} == (
+        {"attention", "shared_expert"} if "moe" in model_type else {"attention", "mlp"}
+    )
     ids = _ids(seed=4, batch=2, seq=10)
     result = measured_sensitivity(model, [ids[:1], ids[1:]], to_plan, progress=False)
     with torch.no_grad():
         teacher = model(input_ids=ids).logits
         for layer in to_plan:
-            fields = {"attention": {"num_attention_heads": 2, "num_key_value_heads": 1},
-                      "mlp": {"intermediate_size": 40},
-                      "shared_expert": {"shared_expert_intermediate_size": 12}}[layer.block.kind]
-            ref = _zeroed(model, {layer.prefix: (layer.block.kind, _kept(layer.block, orders[layer.prefix], fields))})
+            fields = {
+                "attention": {"num_attention_heads": 2, "num_key_value_heads": 1},
+                "mlp": {"intermediate_size": 40},
+                "shared_expert": {"shared_expert_intermediate_size": 12},
+            }[layer.block.kind]
+            ref = _zeroed(
+                model, {layer.prefix: (layer.block.kind, _kept(layer.block, orders[layer.prefix], fields))}
+            )
             expected = _kl(teacher, ref(input_ids=ids).logits)
             assert result["kl"][layer.prefix][0] == 0.0
             assert expected > 1e-6
@@ -72,16 +84,32 @@ def test_the_milp_with_whole_model_budgets_equals_brute_force(seed):
         gdn = g < 2
         params = sorted(rng.integers(5, 40, k).tolist(), reverse=True)
         memory = sorted(rng.integers(1, 12, k).tolist(), reverse=True)
-        groups.append({"kl": [0.0] + sorted(rng.uniform(0, 1, k - 1).tolist()), "params": params,
-                       "gdn_params": params if gdn else [0] * k, "state": memory if gdn else [0] * k,
-                       "memory": memory if gdn or g == 2 else [0] * k})  # group 2: an attention (KV cache)
+        groups.append(
+            {
+                "kl": [0.0] + sorted(rng.uniform(0, 1, k - 1).tolist()),
+                "params": params,
+                "gdn_params": params if gdn else [0] * k,
+                "state": memory if gdn else [0] * k,
+                "memory": memory if gdn or g == 2 else [0] * k,
+            }
+        )  # group 2: an attention (KV cache)
     fixed = {"params": 50, "memory": 7}
-    full = {n: sum(gr[n][0] for gr in groups) + fixed.get(n, 0) for n in ("params", "gdn_params", "state", "memory")}
-    limits = {"params": 0.6 * full["params"], "memory": 0.7 * full["memory"], "gdn_params": 0.8 * full["gdn_params"],
-              "state": 0.9 * full["state"]}
+    full = {
+        n: sum(gr[n][0] for gr in groups) + fixed.get(n, 0)
+        for n in ("params", "gdn_params", "state", "memory")
+    }
+    limits = {
+        "params": 0.6 * full["params"],
+        "memory": 0.7 * full["memory"],
+        "gdn_params": 0.8 * full["gdn_params"],
+        "state": 0.9 * full["state"],
+    }
     best = (np.inf, None)
     for pick in itertools.product(*[range(len(gr["kl"])) for gr in groups]):
-        if all(fixed.get(n, 0) + sum(gr[n][c] for gr, c in zip(groups, pick)) <= limit for n, limit in limits.items()):
+        if all(
+            fixed.get(n, 0) + sum(gr[n][c] for gr, c in zip(groups, pick)) <= limit
+            for n, limit in limits.items()
+        ):
             value = sum(gr["kl"][c] for gr, c in zip(groups, pick))
             if value < best[0]:
                 best = (value, pick)
@@ -100,15 +128,33 @@ def test_the_milp_with_whole_model_budgets_equals_brute_force(seed):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from gdnprune.cli import main
     from test_checkpoint import make_source
+
+    from gdnprune.cli import main
 
     root = tmp_path_factory.mktemp("plan_whole")
     src = make_source(root / "model", "qwen3_5", seed=6)
     text = root / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and channels and slices them"] * 400))
-    assert main(["score", str(src), "--data", str(text), "--output", str(root / "scores.json"), "--num-samples", "4",
-                 "--seq-len", "40", "--sub-blocks", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--data",
+                str(text),
+                "--output",
+                str(root / "scores.json"),
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "40",
+                "--sub-blocks",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return src, text, root / "scores.json"
 
 
@@ -118,11 +164,19 @@ def _count(model, context):
     from gdnprune.layouts import find_gdn_modules
 
     params = sum(p.numel() for p in model.parameters())
-    state = sum(m.num_v_heads * m.head_k_dim * m.head_v_dim
-                + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads * m.head_v_dim) * (m.conv_kernel_size - 1)
-                for _, m in find_gdn_modules(model)) * 4
-    kv = sum(2 * m.k_proj.weight.shape[0] * context * m.k_proj.weight.element_size()
-             for name, m in model.named_modules() if name.endswith("self_attn"))
+    state = (
+        sum(
+            m.num_v_heads * m.head_k_dim * m.head_v_dim
+            + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads * m.head_v_dim) * (m.conv_kernel_size - 1)
+            for _, m in find_gdn_modules(model)
+        )
+        * 4
+    )
+    kv = sum(
+        2 * m.k_proj.weight.shape[0] * context * m.k_proj.weight.element_size()
+        for name, m in model.named_modules()
+        if name.endswith("self_attn")
+    )
     return params, state + kv
 
 
@@ -135,18 +189,56 @@ def test_a_whole_model_plan_meets_every_budget_on_the_loaded_sliced_model(folder
 
     src, text, scores = folder
     out = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(scores), "--data", str(text), "--output", str(out),
-                 "--budget-params", "0.7", "--budget-memory", "0.6", "--context", "64", "--dim-step", "1/2",
-                 "--sensitivity", "measured", "--num-samples", "2", "--seq-len", "40", "-q"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(scores),
+                "--data",
+                str(text),
+                "--output",
+                str(out),
+                "--budget-params",
+                "0.7",
+                "--budget-memory",
+                "0.6",
+                "--context",
+                "64",
+                "--dim-step",
+                "1/2",
+                "--sensitivity",
+                "measured",
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "40",
+                "-q",
+            ]
+        )
+        == 0
+    )
     stdout = capsys.readouterr().out
     assert "model parameters kept" in stdout and "split: " in stdout
     plan = json.loads(out.read_text())
     removed = sorted(int(k.rsplit(".", 1)[1]) for k, v in plan["layers"].items() if "removed" in v)
-    assert plan["version"] == 2 and read_plan(out)["layers"] == {k: v for k, v in plan["layers"].items()
-                                                                 if "removed" not in v}  # reads back as written
+    assert plan["version"] == 2 and read_plan(out)["layers"] == {
+        k: v for k, v in plan["layers"].items() if "removed" not in v
+    }  # reads back as written
     assert read_plan(out).get("removed_layers", []) == removed == plan["predicted"]["removed_layers"]
-    kinds = {("attention" if k.endswith("self_attn") else "mlp" if k.endswith("mlp") else "gdn" if
-              k.endswith("linear_attn") else "depth") for k in plan["layers"]}
+    kinds = {
+        (
+            "attention"
+            if k.endswith("self_attn")
+            else "mlp"
+            if k.endswith("mlp")
+            else "gdn"
+            if k.endswith("linear_attn")
+            else "depth"
+        )
+        for k in plan["layers"]
+    }
     assert kinds - {"depth"} == {"gdn", "attention", "mlp"}
     assert main(["slice", str(src), "--plan", str(out), "-o", str(tmp_path / "sliced"), "-q"]) == 0
     full = load_pretrained(src, dtype=torch.float32)
@@ -163,7 +255,9 @@ def test_a_whole_model_plan_meets_every_budget_on_the_loaded_sliced_model(folder
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
     _check_optimal(report, plan, _layer_costs(full, 64))
     # the removal candidates: every decoder layer, measured, and the chosen ones are the plan's
-    assert sorted(e["layer"] for e in report["removal"].values()) == list(range(full.config.num_hidden_layers))
+    assert sorted(e["layer"] for e in report["removal"].values()) == list(
+        range(full.config.num_hidden_layers)
+    )
     assert sorted(e["layer"] for e in report["removal"].values() if e["removed"]) == removed
     assert all(e["sensitivity"] > 0 for e in report["removal"].values())
     if removed:  # a removed layer's sub-blocks have no width in the plan
@@ -179,8 +273,10 @@ def _layer_costs(model, context):
         memory = 0
         if hasattr(layer, "linear_attn"):
             m = layer.linear_attn
-            memory += (m.num_v_heads * m.head_k_dim * m.head_v_dim + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads
-                       * m.head_v_dim) * (m.conv_kernel_size - 1)) * 4
+            memory += (
+                m.num_v_heads * m.head_k_dim * m.head_v_dim
+                + (2 * m.num_k_heads * m.head_k_dim + m.num_v_heads * m.head_v_dim) * (m.conv_kernel_size - 1)
+            ) * 4
         if hasattr(layer, "self_attn"):
             w = layer.self_attn.k_proj.weight
             memory += 2 * w.shape[0] * context * w.element_size()
@@ -197,36 +293,63 @@ def _check_optimal(report, plan, layer_costs=None):
     def layer(key):
         return int(re.search(r"layers\.(\d+)", key).group(1))
 
-    groups = [{"kl": [c["sensitivity"] for c in g["candidates"]], "params": [c["params"] for c in g["candidates"]],
-               "memory": [c["state_bytes"] for c in g["candidates"]], "chosen": g["chosen"], "layer": layer(k)}
-              for k, g in report["layers"].items()]
-    groups += [{"kl": [c["sensitivity"] for c in g["candidates"]], "params": [c["params"] for c in g["candidates"]],
-                "memory": [c["memory"] for c in g["candidates"]], "chosen": g["chosen"], "layer": layer(k)}
-               for k, g in report["blocks"].items()]
+    groups = [
+        {
+            "kl": [c["sensitivity"] for c in g["candidates"]],
+            "params": [c["params"] for c in g["candidates"]],
+            "memory": [c["state_bytes"] for c in g["candidates"]],
+            "chosen": g["chosen"],
+            "layer": layer(k),
+        }
+        for k, g in report["layers"].items()
+    ]
+    groups += [
+        {
+            "kl": [c["sensitivity"] for c in g["candidates"]],
+            "params": [c["params"] for c in g["candidates"]],
+            "memory": [c["memory"] for c in g["candidates"]],
+            "chosen": g["chosen"],
+            "layer": layer(k),
+        }
+        for k, g in report["blocks"].items()
+    ]
     totals = plan["totals"]
     names = ("params", "memory")
     full = {"params": totals["model_params"], "memory": totals["memory_bytes"]}
     fixed = {n: full[n] - sum(g[n][0] for g in groups) for n in names}
     limits = {n: plan["budgets"][n]["limit"] for n in names}
-    removal = {e["layer"]: e["sensitivity"] for e in (report.get("removal") or {}).values()} if layer_costs else {}
-    rest = {i: {n: layer_costs[i][n] - sum(g[n][0] for g in groups if g["layer"] == i) for n in names}
-            for i in removal}  # what a removed layer frees beyond its planned groups
+    removal = (
+        {e["layer"]: e["sensitivity"] for e in (report.get("removal") or {}).values()} if layer_costs else {}
+    )
+    rest = {
+        i: {n: layer_costs[i][n] - sum(g[n][0] for g in groups if g["layer"] == i) for n in names}
+        for i in removal
+    }  # what a removed layer frees beyond its planned groups
     layers = sorted({g["layer"] for g in groups} | set(removal))
     per_layer = []  # every option of every decoder layer: (kl, costs) of a width choice of its groups, or removal
     for i in layers:
         mine = [g for g in groups if g["layer"] == i]
-        options = [(sum(g["kl"][c] for g, c in zip(mine, pick)), {n: sum(g[n][c] for g, c in zip(mine, pick))
-                                                                   for n in names}, pick)
-                   for pick in itertools.product(*[range(len(g["kl"])) for g in mine])]
+        options = [
+            (
+                sum(g["kl"][c] for g, c in zip(mine, pick)),
+                {n: sum(g[n][c] for g, c in zip(mine, pick)) for n in names},
+                pick,
+            )
+            for pick in itertools.product(*[range(len(g["kl"])) for g in mine])
+        ]
         if i in removal:
             options.append((removal[i], {n: -rest[i][n] for n in names}, None))
         per_layer.append(options)
     assert np_prod([len(o) for o in per_layer]) < 3_000_000
-    chosen = sum(g["kl"][g["chosen"]] for g in groups if g["chosen"] is not None) + \
-        sum(e["sensitivity"] for e in report.get("removal", {}).values() if e["removed"])
-    best = min(sum(o[0] for o in pick) for pick in itertools.product(*per_layer)
-               if all(fixed[n] + sum(o[1][n] for o in pick) <= limits[n] + 1e-6 for n in names)
-               and sum(o[2] is None for o in pick) < len(layers))
+    chosen = sum(g["kl"][g["chosen"]] for g in groups if g["chosen"] is not None) + sum(
+        e["sensitivity"] for e in report.get("removal", {}).values() if e["removed"]
+    )
+    best = min(
+        sum(o[0] for o in pick)
+        for pick in itertools.product(*per_layer)
+        if all(fixed[n] + sum(o[1][n] for o in pick) <= limits[n] + 1e-6 for n in names)
+        and sum(o[2] is None for o in pick) < len(layers)
+    )
     assert chosen == pytest.approx(best, abs=1e-12)
 
 
@@ -243,17 +366,29 @@ def test_only_gdn_budgets_cut_only_gdn_layers(folder):
     from gdnprune.plan import plan_checkpoint
 
     src, text, scores = folder
-    plan, report = plan_checkpoint(src, text, scores, num_samples=2, seq_len=40, budget_gdn_params=0.5,
-                                   sensitivity="measured", dim_step="1/2", progress=False)
+    plan, report = plan_checkpoint(
+        src,
+        text,
+        scores,
+        num_samples=2,
+        seq_len=40,
+        budget_gdn_params=0.5,
+        sensitivity="measured",
+        dim_step="1/2",
+        progress=False,
+    )
     assert all(k.endswith("linear_attn") for k in plan["layers"]) and "blocks" not in report
     assert set(plan["budgets"]) == {"gdn_params"} and "model_params" not in plan["totals"]
     assert plan["totals"]["gdn_params_kept"] <= 0.5 * plan["totals"]["gdn_params"]
     import itertools
 
     groups = list(report["layers"].values())
-    best = min(sum(g["candidates"][c]["sensitivity"] for g, c in zip(groups, pick))
-               for pick in itertools.product(*[range(len(g["candidates"])) for g in groups])
-               if sum(g["candidates"][c]["params"] for g, c in zip(groups, pick)) <= plan["budgets"]["gdn_params"]["limit"])
+    best = min(
+        sum(g["candidates"][c]["sensitivity"] for g, c in zip(groups, pick))
+        for pick in itertools.product(*[range(len(g["candidates"])) for g in groups])
+        if sum(g["candidates"][c]["params"] for g, c in zip(groups, pick))
+        <= plan["budgets"]["gdn_params"]["limit"]
+    )
     assert plan["predicted"]["summed_sensitivity"] == pytest.approx(best, abs=1e-12)
 
 
@@ -263,8 +398,30 @@ def test_prune_with_a_whole_model_budget_halves_the_model_and_says_so(folder, tm
 
     src, text, _ = folder
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "--data", str(text), "-o", str(out), "--budget-params", "0.5", "--dim-step", "1/2",
-                 "--num-samples", "4", "--plan-samples", "2", "--seq-len", "40", "-q"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(out),
+                "--budget-params",
+                "0.5",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "4",
+                "--plan-samples",
+                "2",
+                "--seq-len",
+                "40",
+                "-q",
+            ]
+        )
+        == 0
+    )
     stdout = capsys.readouterr().out
     assert "of the model's parameters kept" in stdout and "split: gdn" in stdout and "attention" in stdout
     full, cut = load_pretrained(src, dtype=torch.float32), load_pretrained(out, dtype=torch.float32)
@@ -275,8 +432,26 @@ def test_prune_with_a_whole_model_budget_halves_the_model_and_says_so(folder, tm
     full_shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
     assert any(shapes[n] != full_shapes[n] for n in shapes if ".mlp." in n or ".self_attn." in n)
     # what no candidate changes cannot go: a budget below it is refused before any forward
-    assert main(["prune", str(src), "--data", str(text), "-o", str(tmp_path / "x"), "--budget-params", "0.05",
-                 "--num-samples", "4", "--seq-len", "40", "-q"]) == 2
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(tmp_path / "x"),
+                "--budget-params",
+                "0.05",
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "40",
+                "-q",
+            ]
+        )
+        == 2
+    )
     assert "no plan meets the budgets" in capsys.readouterr().err
 
 
@@ -286,19 +461,60 @@ def test_an_active_parameter_budget_on_a_moe_model_counts_the_routed_experts_at_
     shrink to meet it."""
     import json
 
+    from test_checkpoint import make_source
+
     from gdnprune import load_pretrained
     from gdnprune.cli import main
-    from test_checkpoint import make_source
 
     src = make_source(tmp_path / "moe", "qwen3_5_moe", seed=2)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["experts route tokens and the plan counts them"] * 300))
-    assert main(["score", str(src), "--data", str(text), "--output", str(tmp_path / "s.json"), "--num-samples", "2",
-                 "--seq-len", "32", "--sub-blocks", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--data",
+                str(text),
+                "--output",
+                str(tmp_path / "s.json"),
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "--sub-blocks",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--scores", str(tmp_path / "s.json"), "--data", str(text), "--output", str(out),
-                 "--budget-active-params", "0.8", "--blocks", "attention,shared_expert", "--dim-step", "1/2",
-                 "--num-samples", "2", "--seq-len", "32", "-q"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(src),
+                "--scores",
+                str(tmp_path / "s.json"),
+                "--data",
+                str(text),
+                "--output",
+                str(out),
+                "--budget-active-params",
+                "0.8",
+                "--blocks",
+                "attention,shared_expert",
+                "--dim-step",
+                "1/2",
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "-q",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     plan = json.loads(out.read_text())
     assert not any(k.endswith("linear_attn") for k in plan["layers"])  # --blocks left the GDN layers out
@@ -326,17 +542,31 @@ def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_r
     from gdnprune.scoring import score_model
 
     model = _model("qwen3_5", seed=1)
-    for options, words in ((dict(budget_memory=0.5), "`context`"), (dict(budget_params=0.5, blocks=["mlp", "ffn"]),
-                                                                     "`blocks`"),
-                           (dict(budget_params=0.5, blocks=["mlp"], budget_state=0.5), "leaves them out")):
+    for options, words in (
+        (dict(budget_memory=0.5), "`context`"),
+        (dict(budget_params=0.5, blocks=["mlp", "ffn"]), "`blocks`"),
+        (dict(budget_params=0.5, blocks=["mlp"], budget_state=0.5), "leaves them out"),
+    ):
         with pytest.raises(ValueError, match=words):
             check_budgets(model, **options)
     ids = _ids(seed=2, batch=4, seq=16)
     with pytest.raises(ValueError, match="sub-blocks"):  # scores without the sub-blocks' orders
         plan_model(model, [ids], score_model(model, [ids], progress=False), budget_params=0.8, progress=False)
     scores = score_model(model, [ids], progress=False, blocks=True)
-    plan, report = plan_model(model, [ids[:2], ids[2:]], scores, budget_params=0.75, blocks=["attention", "mlp"],
-                              sensitivity="measured", refine_generations=2, refine_offspring=3, progress=False)
+    plan, report = plan_model(
+        model,
+        [ids[:2], ids[2:]],
+        scores,
+        budget_params=0.75,
+        blocks=["attention", "mlp"],
+        sensitivity="measured",
+        refine_generations=2,
+        refine_offspring=3,
+        progress=False,
+    )
     refined = report["refinement"]
-    assert refined["kl"] <= refined["seed_kl"] and plan["totals"]["model_params_kept"] <= 0.75 * plan["totals"]["model_params"]
+    assert (
+        refined["kl"] <= refined["seed_kl"]
+        and plan["totals"]["model_params_kept"] <= 0.75 * plan["totals"]["model_params"]
+    )
     assert {k.rsplit(".", 1)[-1] for k in plan["layers"]} == {"self_attn", "mlp"}

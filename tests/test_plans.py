@@ -8,14 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_checkpoint import SHAPE, leftovers, make_source
+from tiny_models import cached_decode_logits, cut_model
 
 from gdnprune import load_pretrained
-from gdnprune.checkpoint import find_gdn_layers, inspect_checkpoint, open_checkpoint, slice_checkpoint, sort_checkpoint
+from gdnprune.checkpoint import (
+    find_gdn_layers,
+    inspect_checkpoint,
+    open_checkpoint,
+    slice_checkpoint,
+    sort_checkpoint,
+)
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
-from gdnprune.plans import PlanError, constraint_violations, kernel_warnings, read_plan, resolve_plan
-from test_checkpoint import SHAPE, leftovers, make_source
-from tiny_models import cached_decode_logits, cut_model, text_config
+from gdnprune.plans import PlanError, constraint_violations, kernel_warnings, resolve_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -31,7 +37,12 @@ def prefixes(model_type: str) -> tuple[str, str]:
 
 
 def plan_of(targets: dict, **extra) -> dict:
-    return {"format": "gdnprune-plan", "version": 1, "layers": {p: t.as_dict() for p, t in targets.items()}, **extra}
+    return {
+        "format": "gdnprune-plan",
+        "version": 1,
+        "layers": {p: t.as_dict() for p, t in targets.items()},
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -48,30 +59,70 @@ def ids(n=2, length=80, seed=0):
 
 
 def test_plan_fields_default_and_aliases():
-    shapes = {"model.language_model.layers.0.linear_attn": SHAPE, "model.language_model.layers.2.linear_attn": SHAPE}
-    plan = {"format": "gdnprune-plan", "version": 1, "default": {"value_head_dim": 4},
-            "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2}}}
+    shapes = {
+        "model.language_model.layers.0.linear_attn": SHAPE,
+        "model.language_model.layers.2.linear_attn": SHAPE,
+    }
+    plan = {
+        "format": "gdnprune-plan",
+        "version": 1,
+        "default": {"value_head_dim": 4},
+        "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2}},
+    }
     targets = resolve_plan(plan, shapes)
-    assert targets["model.language_model.layers.0.linear_attn"] == SHAPE.replace(num_key_heads=1, num_value_heads=2)
+    assert targets["model.language_model.layers.0.linear_attn"] == SHAPE.replace(
+        num_key_heads=1, num_value_heads=2
+    )
     assert targets["model.language_model.layers.2.linear_attn"] == SHAPE.replace(value_head_dim=4)
     no_default = dict(plan, default=None)
     assert resolve_plan(no_default, shapes)["model.language_model.layers.2.linear_attn"] == SHAPE
 
 
-@pytest.mark.parametrize("plan, message", [
-    ({"format": "other", "version": 1, "layers": {}}, "not a gdnprune plan"),
-    ({"format": "gdnprune-plan", "version": 3, "layers": {}}, "unsupported plan version"),
-    ({"format": "gdnprune-plan", "version": 1, "layers": {}}, "nothing to cut"),
-    ({"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.0.linear_attn": {"heads": 1}}}, "unknown fields"),
-    ({"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1.0}}},
-     "positive integer"),
-    ({"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.0.linear_attn": {"num_key_heads": True}}},
-     "positive integer"),
-    ({"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.7.linear_attn": {"num_key_heads": 1}}},
-     "not a GDN layer"),
-    ({"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.0.linear_attn": {"num_key_heads": 3}},
-      "default": {"key_head_dim": 9}}, "2 layer(s) of the plan do not fit"),
-])
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ({"format": "other", "version": 1, "layers": {}}, "not a gdnprune plan"),
+        ({"format": "gdnprune-plan", "version": 3, "layers": {}}, "unsupported plan version"),
+        ({"format": "gdnprune-plan", "version": 1, "layers": {}}, "nothing to cut"),
+        (
+            {"format": "gdnprune-plan", "version": 1, "layers": {"model.layers.0.linear_attn": {"heads": 1}}},
+            "unknown fields",
+        ),
+        (
+            {
+                "format": "gdnprune-plan",
+                "version": 1,
+                "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1.0}},
+            },
+            "positive integer",
+        ),
+        (
+            {
+                "format": "gdnprune-plan",
+                "version": 1,
+                "layers": {"model.layers.0.linear_attn": {"num_key_heads": True}},
+            },
+            "positive integer",
+        ),
+        (
+            {
+                "format": "gdnprune-plan",
+                "version": 1,
+                "layers": {"model.layers.7.linear_attn": {"num_key_heads": 1}},
+            },
+            "not a GDN layer",
+        ),
+        (
+            {
+                "format": "gdnprune-plan",
+                "version": 1,
+                "layers": {"model.layers.0.linear_attn": {"num_key_heads": 3}},
+                "default": {"key_head_dim": 9},
+            },
+            "2 layer(s) of the plan do not fit",
+        ),
+    ],
+)
 def test_bad_plans_are_refused_with_what_was_expected(plan, message):
     shapes = {"model.layers.0.linear_attn": SHAPE, "model.layers.2.linear_attn": SHAPE}
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -81,11 +132,27 @@ def test_bad_plans_are_refused_with_what_was_expected(plan, message):
 def test_a_bad_plan_exits_2_and_writes_nothing(sources, tmp_path, capsys):
     (tmp_path / "plan.json").write_text(json.dumps(plan_of({"model.layers.5.linear_attn": SMALL})))
     out = tmp_path / "new" / "out"
-    assert main(["slice", str(sources["qwen3_5"]), "--plan", str(tmp_path / "plan.json"), "-o", str(out), "-q"]) == 2
+    assert (
+        main(["slice", str(sources["qwen3_5"]), "--plan", str(tmp_path / "plan.json"), "-o", str(out), "-q"])
+        == 2
+    )
     assert "not a GDN layer" in capsys.readouterr().err
     assert not (tmp_path / "new").exists() and leftovers(tmp_path) == []
-    assert main(["slice", str(sources["qwen3_5"]), "--plan", str(tmp_path / "plan.json"), "--num-key-heads", "1",
-                 "-o", str(out)]) == 2
+    assert (
+        main(
+            [
+                "slice",
+                str(sources["qwen3_5"]),
+                "--plan",
+                str(tmp_path / "plan.json"),
+                "--num-key-heads",
+                "1",
+                "-o",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "not both" in capsys.readouterr().err
 
 
@@ -93,7 +160,9 @@ def test_a_bad_plan_exits_2_and_writes_nothing(sources, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_a_per_layer_slice_loads_with_load_pretrained_and_matches_module_surgery(model_type, sources, tmp_path):
+def test_a_per_layer_slice_loads_with_load_pretrained_and_matches_module_surgery(
+    model_type, sources, tmp_path
+):
     first, second = prefixes(model_type)
     targets = {first: SMALL, second: WIDE}
     out = tmp_path / "out"
@@ -103,8 +172,11 @@ def test_a_per_layer_slice_loads_with_load_pretrained_and_matches_module_surgery
     config = json.loads((out / "config.json").read_text())
     holder = config.get("text_config", config)
     assert holder["per_layer_config"]  # transformers' own convention, not a key of ours
-    with pytest.raises(transformers.AmbiguousGlobalPerLayerAttributeError if hasattr(
-            transformers, "AmbiguousGlobalPerLayerAttributeError") else RuntimeError):
+    with pytest.raises(
+        transformers.AmbiguousGlobalPerLayerAttributeError
+        if hasattr(transformers, "AmbiguousGlobalPerLayerAttributeError")
+        else RuntimeError
+    ):
         transformers.AutoModelForCausalLM.from_pretrained(out)  # fails loudly, never loads wrong shapes
 
     model, info = load_pretrained(out, dtype=torch.float32, output_loading_info=True)
@@ -140,7 +212,9 @@ def _gdn(model):
 def _module_prefix(model, checkpoint_prefix: str) -> str:
     """The module name of a checkpoint's GDN layer (a VL checkpoint loaded as itself keeps its prefix)."""
     names = [p for p, _ in _gdn(model)]
-    return checkpoint_prefix if checkpoint_prefix in names else checkpoint_prefix.replace("language_model.", "")
+    return (
+        checkpoint_prefix if checkpoint_prefix in names else checkpoint_prefix.replace("language_model.", "")
+    )
 
 
 def _module_targets(model, targets: dict) -> dict:
@@ -154,8 +228,9 @@ def _source_model(folder: Path, model_type: str):
 def test_a_uniform_plan_writes_the_plain_config(sources, tmp_path):
     first, second = prefixes("qwen3_next")
     out = tmp_path / "out"
-    manifest = slice_checkpoint(sources["qwen3_next"], out, plan=plan_of({first: SMALL, second: SMALL}),
-                                progress=False)
+    manifest = slice_checkpoint(
+        sources["qwen3_next"], out, plan=plan_of({first: SMALL, second: SMALL}), progress=False
+    )
     config = json.loads((out / "config.json").read_text())
     assert "per_layer_config" not in config and config["linear_num_value_heads"] == 2
     assert manifest["target"] == SMALL.as_dict()
@@ -196,19 +271,36 @@ def test_slice_refuses_a_plan_that_breaks_a_constraint(sources, tmp_path, capsys
     first, second = prefixes("qwen3_5")
     (tmp_path / "plan.json").write_text(json.dumps(plan_of({first: SMALL, second: WIDE})))
     out = tmp_path / "out"
-    assert main(["slice", str(sources["qwen3_5"]), "--plan", str(tmp_path / "plan.json"), "-o", str(out),
-                 "--tp", "2"]) == 2
+    assert (
+        main(
+            [
+                "slice",
+                str(sources["qwen3_5"]),
+                "--plan",
+                str(tmp_path / "plan.json"),
+                "-o",
+                str(out),
+                "--tp",
+                "2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert first in err and "--tp 2" in err and not out.exists()
-    assert main(["slice", str(sources["qwen3_5"]), "--plan", str(tmp_path / "plan.json"), "-o", str(out), "-q"]) == 0
+    assert (
+        main(["slice", str(sources["qwen3_5"]), "--plan", str(tmp_path / "plan.json"), "-o", str(out), "-q"])
+        == 0
+    )
     assert "flash-linear-attention" in capsys.readouterr().err  # dims 5 and 3: a warning, not an error
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_vl", "olmo_hybrid", "qwen4_exp"])
 def test_slice_model_cuts_in_memory_and_saves_a_loadable_folder(model_type, tmp_path):
+    from tiny_models import build_model
+
     from gdnprune.loading import slice_model
     from gdnprune.scoring import score_model, scores_to_permutations
-    from tiny_models import build_model
 
     model = build_model(model_type, SHAPE, seed=2)
     x = ids()

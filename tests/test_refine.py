@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
+from tiny_models import build_model
 
 from gdnprune.geometry import GDNShape, orders_from_payload
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.refine import refine_lane_orders
 from gdnprune.scoring import score_model
-from tiny_models import build_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=6, key_head_dim=8, value_head_dim=4)
 
@@ -24,7 +24,7 @@ def _kl_without_head(model, x, prefix, head) -> float:
     out = getattr(module, "out_proj", None) or module.o_proj
     dv = SHAPE.value_head_dim
     with torch.no_grad():
-        out.weight[:, head * dv:(head + 1) * dv] = 0
+        out.weight[:, head * dv : (head + 1) * dv] = 0
         t = model(input_ids=x).logits.log_softmax(-1)
         s = cut(input_ids=x).logits.log_softmax(-1)
     return float((t.exp() * (t - s)).sum(-1).mean())
@@ -43,18 +43,26 @@ def test_refined_lane_orders_are_measured_exactly_and_batch_invariant(model_type
     for prefix, payload in refined["layers"].items():
         orders = orders_from_payload(payload, SHAPE)  # valid permutations of the right shape
         assert orders["value_lanes"].shape == (2, r)
-        assert payload["value_lane_order_most_important_first"] == again["layers"][prefix][
-            "value_lane_order_most_important_first"]
+        assert (
+            payload["value_lane_order_most_important_first"]
+            == again["layers"][prefix]["value_lane_order_most_important_first"]
+        )
         assert sum(payload["value_lane_scores"], []) == pytest.approx(
-            sum(again["layers"][prefix]["value_lane_scores"], []), rel=1e-5)  # float32 forwards of other batch shapes
+            sum(again["layers"][prefix]["value_lane_scores"], []), rel=1e-5
+        )  # float32 forwards of other batch shapes
         for key in ("key_group_order_most_important_first", "key_dim_order_most_important_first"):
             assert payload[key] == scores["layers"][prefix][key]
     # the first lane removed in group 0 of the first layer (nothing else cut yet): its KL is that of the model
     # with that head alone removed, computed independently with full forwards
     payload = refined["layers"][first]
     lane = payload["value_lane_order_most_important_first"][0][-1]
-    assert payload["value_lane_scores"][0][lane] == pytest.approx(_kl_without_head(model, x, first, lane), rel=1e-4)
-    assert report["evaluations"] == 2 * 2 * r * (r + 1) // 2 and refined["measures"]["value_lane"] == "measured_kl"
+    assert payload["value_lane_scores"][0][lane] == pytest.approx(
+        _kl_without_head(model, x, first, lane), rel=1e-4
+    )
+    assert (
+        report["evaluations"] == 2 * 2 * r * (r + 1) // 2
+        and refined["measures"]["value_lane"] == "measured_kl"
+    )
     for prefix, module in find_gdn_modules(model):  # no hook or weight left behind
         assert all(torch.equal(v, module.state_dict()[k]) for k, v in before[prefix].items())
         assert not (getattr(module, "out_proj", None) or module.o_proj)._forward_pre_hooks
@@ -63,18 +71,36 @@ def test_refined_lane_orders_are_measured_exactly_and_batch_invariant(model_type
 def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     import json
 
+    from test_checkpoint import SHAPE as SMALL_SHAPE
+    from test_checkpoint import make_source
+
     from gdnprune import load_pretrained
     from gdnprune.cli import main
     from gdnprune.compensate import load_statistics
     from gdnprune.scores import load_scores
-    from test_checkpoint import SHAPE as SMALL_SHAPE, make_source
 
     src = make_source(tmp_path / "model", "qwen3_5", seed=22)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 300))
     common = ["--data", str(text), "--num-samples", "4", "--seq-len", "72", "--quiet"]
-    assert main(["score", str(src), "--output", str(tmp_path / "s.json"), "--refine", "lanes", "--refine-samples",
-                 "2", "--compensation-stats", str(tmp_path / "s.compensation.safetensors"), *common]) == 0
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--output",
+                str(tmp_path / "s.json"),
+                "--refine",
+                "lanes",
+                "--refine-samples",
+                "2",
+                "--compensation-stats",
+                str(tmp_path / "s.compensation.safetensors"),
+                *common,
+            ]
+        )
+        == 0
+    )
     assert "compensation statistics" in capsys.readouterr().out
     scores = load_scores(tmp_path / "s.json")
     assert scores["measures"]["value_lane"] == "measured_kl" and scores["lane_refinement"]["evaluations"] > 0
@@ -87,8 +113,28 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err  # neither file is replaced without --overwrite
     # prune with both in one run; the output loads and records what was done
     out = tmp_path / "pruned"
-    assert main(["prune", str(src), "-o", str(out), "--num-key-heads", "1", "--num-value-heads", "2", "--refine",
-                 "lanes", "--compensate", *common]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(src),
+                "-o",
+                str(out),
+                "--num-key-heads",
+                "1",
+                "--num-value-heads",
+                "2",
+                "--refine",
+                "lanes",
+                "--compensate",
+                *common,
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "gdnprune.json").read_text())
-    assert manifest["compensation"]["nested"] is False and manifest["scores"]["measures"]["value_lane"] == "measured_kl"
+    assert (
+        manifest["compensation"]["nested"] is False
+        and manifest["scores"]["measures"]["value_lane"] == "measured_kl"
+    )
     assert load_pretrained(out)(input_ids=torch.randint(0, 11, (1, 20))).logits.isfinite().all()

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tiny_models import build_model, clone_state_dict, logits, make_config
 
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict
 from gdnprune.layouts import find_gdn_modules
@@ -17,7 +18,6 @@ from gdnprune.scoring import (
     score_model,
     scores_to_permutations,
 )
-from tiny_models import build_model, clone_state_dict, logits, make_config
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 KERNEL_MODULE = {
@@ -87,8 +87,14 @@ def test_greedy_lane_orders_remove_one_lane_per_group_per_round():
 
 @pytest.mark.parametrize(
     "model_type,method",
-    [("qwen3_5", "projection"), ("qwen3_5_vl", "projection"), ("qwen3_5_moe", "activation"),
-     ("qwen3_next", "projection"), ("olmo_hybrid", "projection"), ("olmo_hybrid", "activation")],
+    [
+        ("qwen3_5", "projection"),
+        ("qwen3_5_vl", "projection"),
+        ("qwen3_5_moe", "activation"),
+        ("qwen3_next", "projection"),
+        ("olmo_hybrid", "projection"),
+        ("olmo_hybrid", "activation"),
+    ],
 )
 def test_payloads_sort_model_and_preserve_logits(model_type, method, ids):
     model = build_model(model_type, SHAPE)
@@ -123,7 +129,9 @@ def _direct_loss_gradients(model, ids: torch.Tensor) -> torch.Tensor:
     try:
         with torch.enable_grad():
             out = model(input_ids=ids, use_cache=False)
-            loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+            loss = F.cross_entropy(
+                out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum"
+            )
             (grad,) = torch.autograd.grad(loss, seen["h"])
     finally:
         handle.remove()
@@ -132,12 +140,17 @@ def _direct_loss_gradients(model, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "model_type,value_measure,key_measure,extra",
-    [("qwen3_5", "head_rms", "qk_rms", {}), ("qwen3_5", "gram", "qk_gram", {"loss_token_stride": 1}),
-     ("qwen3_5_vl", "loss_gram", "qk_rms", {"key_group_measure": "loss_gram", "loss_token_stride": 3}),
-     ("qwen3_next", "energy", "qk_energy", {"lane_measure": "energy_gram"}),
-     ("olmo_hybrid", "head_rms", "qk_gram", {})],
+    [
+        ("qwen3_5", "head_rms", "qk_rms", {}),
+        ("qwen3_5", "gram", "qk_gram", {"loss_token_stride": 1}),
+        ("qwen3_5_vl", "loss_gram", "qk_rms", {"key_group_measure": "loss_gram", "loss_token_stride": 3}),
+        ("qwen3_next", "energy", "qk_energy", {"lane_measure": "energy_gram"}),
+        ("olmo_hybrid", "head_rms", "qk_gram", {}),
+    ],
 )
-def test_projection_statistics_match_brute_force(model_type, value_measure, key_measure, extra, ids, monkeypatch):
+def test_projection_statistics_match_brute_force(
+    model_type, value_measure, key_measure, extra, ids, monkeypatch
+):
     model = build_model(model_type, SHAPE)
     grads = _direct_loss_gradients(model, ids)
     modeling = importlib.import_module(KERNEL_MODULE[model_type])
@@ -154,13 +167,22 @@ def test_projection_statistics_match_brute_force(model_type, value_measure, key_
     out_proj = gdn.out_proj if hasattr(gdn, "out_proj") else gdn.o_proj
     handle = out_proj.register_forward_pre_hook(lambda m, a: outs.append(a[0].detach().clone()))
     try:
-        payload = _score(model, ids, "projection", batch_size=4, value_dim_measure=value_measure,
-                         key_dim_measure=key_measure, **extra)["layers"][prefix]
+        payload = _score(
+            model,
+            ids,
+            "projection",
+            batch_size=4,
+            value_dim_measure=value_measure,
+            key_dim_measure=key_measure,
+            **extra,
+        )["layers"][prefix]
     finally:
         handle.remove()
 
     def close(key, expected, rtol=1e-5):
-        torch.testing.assert_close(torch.tensor(payload[key], dtype=torch.float64), expected, rtol=rtol, atol=1e-9)
+        torch.testing.assert_close(
+            torch.tensor(payload[key], dtype=torch.float64), expected, rtol=rtol, atol=1e-9
+        )
 
     q, k = seen[0]  # the first GDN layer's kernel inputs: [B, T, Hk, dk]
     o = outs[0].double().reshape(-1, SHAPE.num_value_heads, SHAPE.value_head_dim)
@@ -180,12 +202,18 @@ def test_projection_statistics_match_brute_force(model_type, value_measure, key_
     n_loss = int(chosen.sum())
     assert payload.get("loss_tokens", n_loss) == n_loss
     energy_gram = torch.einsum("nhk,ngk->hg", contrib, contrib)
-    lane_gram, lane_n = (energy_gram, N) if extra.get("lane_measure") == "energy_gram" else (loss_gram, n_loss)
-    group_gram, group_n = (loss_gram, n_loss) if extra.get("key_group_measure") == "loss_gram" else (energy_gram, N)
+    lane_gram, lane_n = (
+        (energy_gram, N) if extra.get("lane_measure") == "energy_gram" else (loss_gram, n_loss)
+    )
+    group_gram, group_n = (
+        (loss_gram, n_loss) if extra.get("key_group_measure") == "loss_gram" else (energy_gram, N)
+    )
     close("value_lane_scores", (lane_gram.diagonal() / lane_n).reshape(2, 2))
     group_gram = group_gram.reshape(2, 2, 2, 2).sum((1, 3))
     close("key_group_scores", group_gram.diagonal() / group_n)
-    dim_gram = loss_dim_gram if value_measure == "loss_gram" else torch.einsum("nek,nfk->ef", per_dim, per_dim)
+    dim_gram = (
+        loss_dim_gram if value_measure == "loss_gram" else torch.einsum("nek,nfk->ef", per_dim, per_dim)
+    )
     if value_measure == "head_rms":
         per_head_dim = o[..., None] * W.permute(1, 2, 0)  # [N, Hv, dv, H]: W[:, (h, e)] o_(h, e)
         value_scores = per_head_dim.pow(2).sum(-1).mean(0).sqrt().sum(0)
@@ -208,8 +236,10 @@ def test_projection_statistics_match_brute_force(model_type, value_measure, key_
     expected_dims = greedy_removal_order(dim_gram) if greedy_dims else value_scores.argsort(descending=True)
     assert payload["value_dim_order_most_important_first"] == expected_dims.tolist()
     if key_measure == "qk_gram":
-        expected_keys = [greedy_removal_order(qn[:, g].T @ qn[:, g] * (kn[:, g].T @ kn[:, g])).tolist()
-                         for g in range(SHAPE.num_key_heads)]
+        expected_keys = [
+            greedy_removal_order(qn[:, g].T @ qn[:, g] * (kn[:, g].T @ kn[:, g])).tolist()
+            for g in range(SHAPE.num_key_heads)
+        ]
     else:
         expected_keys = key_scores.argsort(dim=-1, descending=True).tolist()
     assert payload["key_dim_order_most_important_first"] == expected_keys
@@ -247,7 +277,9 @@ def test_loss_aware_lanes_discount_output_the_head_cannot_see(ids):
     (_, m0), (prefix, m) = find_gdn_modules(model)
     dv, dead = SHAPE.value_head_dim, slice(0, 8)
     hidden = model.config.hidden_size
-    writers = [x for x in model.model.modules() if isinstance(x, torch.nn.Linear) and x.out_features == hidden]
+    writers = [
+        x for x in model.model.modules() if isinstance(x, torch.nn.Linear) and x.out_features == hidden
+    ]
     assert len(writers) == 8  # 2 GDN out_proj, 2 attention o_proj, 4 MLP down_proj
     with torch.no_grad():
         model.model.embed_tokens.weight[:, dead] = 0
@@ -312,9 +344,13 @@ def test_duplicated_value_head_is_scored_like_its_original(method, ids):
     src, dst = 2, 3  # lanes 0 and 1 of group 1
     with torch.no_grad():
         for lin, base in ((m.in_proj_qkv, 2 * Hk * dk), (m.in_proj_z, 0)):
-            lin.weight[base + dst * dv : base + (dst + 1) * dv] = lin.weight[base + src * dv : base + (src + 1) * dv]
+            lin.weight[base + dst * dv : base + (dst + 1) * dv] = lin.weight[
+                base + src * dv : base + (src + 1) * dv
+            ]
         c = m.conv1d.weight
-        c[2 * Hk * dk + dst * dv : 2 * Hk * dk + (dst + 1) * dv] = c[2 * Hk * dk + src * dv : 2 * Hk * dk + (src + 1) * dv]
+        c[2 * Hk * dk + dst * dv : 2 * Hk * dk + (dst + 1) * dv] = c[
+            2 * Hk * dk + src * dv : 2 * Hk * dk + (src + 1) * dv
+        ]
         for p in (m.in_proj_a.weight, m.in_proj_b.weight, m.A_log, m.dt_bias):
             p[dst] = p[src]
         m.out_proj.weight[:, dst * dv : (dst + 1) * dv] = m.out_proj.weight[:, src * dv : (src + 1) * dv]
@@ -338,20 +374,32 @@ def test_orders_follow_a_function_preserving_permutation(ids):
     G, L, K, V = perm.key_groups, perm.value_lanes, perm.key_dim, perm.value_dim
     for prefix, old in scores["layers"].items():
         new = {k: torch.tensor(v) for k, v in new_scores["layers"][prefix].items() if "order" in k}
-        assert G[new["key_group_order_most_important_first"]].tolist() == old["key_group_order_most_important_first"]
+        assert (
+            G[new["key_group_order_most_important_first"]].tolist()
+            == old["key_group_order_most_important_first"]
+        )
         for p in range(SHAPE.num_key_heads):
             old_g = int(G[p])
             lanes = L[old_g][new["value_lane_order_most_important_first"][p]].tolist()
             assert lanes == old["value_lane_order_most_important_first"][old_g]
             dims = K[old_g][new["key_dim_order_most_important_first"][p]].tolist()
             assert dims == old["key_dim_order_most_important_first"][old_g]
-        assert V[new["value_dim_order_most_important_first"]].tolist() == old["value_dim_order_most_important_first"]
+        assert (
+            V[new["value_dim_order_most_important_first"]].tolist()
+            == old["value_dim_order_most_important_first"]
+        )
 
 
 @pytest.mark.parametrize(
     "method,extra",
-    [("projection", {}), ("activation", {}),
-     ("projection", {"value_dim_measure": "loss_gram", "key_group_measure": "loss_gram", "loss_token_stride": 5})],
+    [
+        ("projection", {}),
+        ("activation", {}),
+        (
+            "projection",
+            {"value_dim_measure": "loss_gram", "key_group_measure": "loss_gram", "loss_token_stride": 5},
+        ),
+    ],
 )
 def test_batch_size_invariance(method, extra, ids):
     model = build_model("qwen3_5", SHAPE)
@@ -377,8 +425,10 @@ def test_attention_mask_excludes_padding(ids):
     assert masked["num_tokens"] == full["num_tokens"] == 128
     for prefix, a in full["layers"].items():
         torch.testing.assert_close(
-            torch.tensor(masked["layers"][prefix]["value_lane_scores"]), torch.tensor(a["value_lane_scores"]),
-            rtol=1e-5, atol=1e-12,
+            torch.tensor(masked["layers"][prefix]["value_lane_scores"]),
+            torch.tensor(a["value_lane_scores"]),
+            rtol=1e-5,
+            atol=1e-12,
         )
 
 
@@ -418,11 +468,16 @@ def test_bad_arguments_raise_value_error(ids):
 
 @pytest.mark.parametrize(
     "method,extra",
-    [("projection", {"loss_token_stride": 3}),
-     ("projection", {"value_dim_measure": "gram", "key_dim_measure": "qk_gram"}),
-     ("projection", {"value_dim_measure": "energy", "lane_measure": "energy_gram"}),
-     ("projection", {"value_dim_measure": "loss_gram", "key_group_measure": "loss_gram", "loss_token_stride": 5}),
-     ("activation", {})],
+    [
+        ("projection", {"loss_token_stride": 3}),
+        ("projection", {"value_dim_measure": "gram", "key_dim_measure": "qk_gram"}),
+        ("projection", {"value_dim_measure": "energy", "lane_measure": "energy_gram"}),
+        (
+            "projection",
+            {"value_dim_measure": "loss_gram", "key_group_measure": "loss_gram", "loss_token_stride": 5},
+        ),
+        ("activation", {}),
+    ],
 )
 def test_statistics_of_shares_add_up_to_the_whole(method, extra, ids):
     from gdnprune.scoring import measure_statistics, scores_from_statistics
@@ -430,13 +485,19 @@ def test_statistics_of_shares_add_up_to_the_whole(method, extra, ids):
     model = build_model("qwen3_5", SHAPE)
     whole = measure_statistics(model, [ids[:2], ids[2:]], method=method, progress=False, **extra)
     first = measure_statistics(model, [ids[:1]], method=method, progress=False, **extra)
-    rest = measure_statistics(model, [ids[1:3], ids[3:]], method=method, progress=False, window_offset=1, **extra)
+    rest = measure_statistics(
+        model, [ids[1:3], ids[3:]], method=method, progress=False, window_offset=1, **extra
+    )
     empty = measure_statistics(model, [], method=method, progress=False, **extra)  # a rank with no windows
     assert first.measures == whole.measures and list(first.layers) == list(whole.layers)
     for prefix, layer in whole.layers.items():
         assert sorted(layer.stats) == sorted(first.layers[prefix].stats) == sorted(empty.layers[prefix].stats)
         for name, value in layer.stats.items():
-            parts = (first.layers[prefix].stats[name], rest.layers[prefix].stats[name], empty.layers[prefix].stats[name])
+            parts = (
+                first.layers[prefix].stats[name],
+                rest.layers[prefix].stats[name],
+                empty.layers[prefix].stats[name],
+            )
             total = parts[0] + parts[1] + parts[2]
             assert total.dtype == value.dtype and total.device.type == "cpu"
             torch.testing.assert_close(total, value, rtol=1e-12, atol=1e-12)
@@ -447,18 +508,28 @@ def test_statistics_of_shares_add_up_to_the_whole(method, extra, ids):
     for prefix, payload in expected["layers"].items():
         for key, value in payload.items():
             if key.endswith("_scores"):
-                torch.testing.assert_close(torch.tensor(merged["layers"][prefix][key]), torch.tensor(value),
-                                           rtol=1e-9, atol=0)
+                torch.testing.assert_close(
+                    torch.tensor(merged["layers"][prefix][key]), torch.tensor(value), rtol=1e-9, atol=0
+                )
             else:
                 assert merged["layers"][prefix][key] == value, key
     with pytest.raises(ValueError, match="statistic 'head_gram' should have shape"):
         from gdnprune.scoring.payload import layer_payload
 
         layer = next(iter(whole.layers.values()))
-        layer_payload({**layer.stats, "head_gram": torch.zeros(3, 3, dtype=torch.float64)}, prefix="p",
-                      shape=layer.shape, layout=layer.layout, method="projection",
-                      measures={"key_group": "energy_gram", "value_lane": "energy_gram", "key_dim": "qk_rms",
-                                "value_dim": "head_rms"})
+        layer_payload(
+            {**layer.stats, "head_gram": torch.zeros(3, 3, dtype=torch.float64)},
+            prefix="p",
+            shape=layer.shape,
+            layout=layer.layout,
+            method="projection",
+            measures={
+                "key_group": "energy_gram",
+                "value_lane": "energy_gram",
+                "key_dim": "qk_rms",
+                "value_dim": "head_rms",
+            },
+        )
 
 
 def test_the_default_loss_token_stride_bounds_the_vocabulary_cost(ids):

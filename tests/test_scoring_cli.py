@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import transformers
+from tiny_models import TEXT, VISION, gdn_kwargs, randomize_gdn
 
 from gdnprune.calibration import pack_windows, read_texts
 from gdnprune.cli import main
@@ -14,7 +15,6 @@ from gdnprune.demo_data import build_byte_tokenizer, train_text
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.scoring import load_scores, score_model
-from tiny_models import TEXT, VISION, gdn_kwargs, randomize_gdn
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 SEQ, SAMPLES = 72, 4
@@ -43,15 +43,33 @@ def text_file(tmp_path_factory):
 
 
 def _run(model_dir, data, out, *extra):
-    return main(["score", str(model_dir), "--data", str(data), "--output", str(out), "--num-samples", str(SAMPLES),
-                 "--seq-len", str(SEQ), "--batch-size", "2", "--quiet", *extra])
+    return main(
+        [
+            "score",
+            str(model_dir),
+            "--data",
+            str(data),
+            "--output",
+            str(out),
+            "--num-samples",
+            str(SAMPLES),
+            "--seq-len",
+            str(SEQ),
+            "--batch-size",
+            "2",
+            "--quiet",
+            *extra,
+        ]
+    )
 
 
 def test_text_and_jsonl_give_the_same_scores(model_dir, text_file, tmp_path, capsys):
     assert _run(model_dir, text_file, tmp_path / "a.json") == 0
     assert "2 GDN layers" in capsys.readouterr().out
     jsonl = tmp_path / "calib.jsonl"
-    jsonl.write_text(json.dumps({"text": text_file.read_text(encoding="utf-8"), "id": 1}) + "\n\n", encoding="utf-8")
+    jsonl.write_text(
+        json.dumps({"text": text_file.read_text(encoding="utf-8"), "id": 1}) + "\n\n", encoding="utf-8"
+    )
     assert _run(model_dir, jsonl, tmp_path / "b.json") == 0
     a, b = load_scores(tmp_path / "a.json"), load_scores(tmp_path / "b.json")
     assert a["method"] == "projection" and a["num_tokens"] == SAMPLES * SEQ
@@ -83,28 +101,45 @@ def test_data_errors_exit_2(model_dir, tmp_path, capsys):
 
 def test_random_method_is_deterministic_with_seed(model_dir, text_file, tmp_path):
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
-        assert _run(model_dir, text_file, tmp_path / f"{name}.json", "--method", "random", "--seed", str(seed)) == 0
+        assert (
+            _run(model_dir, text_file, tmp_path / f"{name}.json", "--method", "random", "--seed", str(seed))
+            == 0
+        )
     a, b, c = (load_scores(tmp_path / f"{n}.json") for n in "abc")
     assert a["layers"] == b["layers"] != c["layers"]
     assert a["method"] == "random" and a["seed"] == 1
 
 
 def test_activation_method_and_device_map_auto(model_dir, text_file, tmp_path):
-    assert _run(model_dir, text_file, tmp_path / "act.json", "--method", "activation", "--device-map", "auto") == 0
+    assert (
+        _run(model_dir, text_file, tmp_path / "act.json", "--method", "activation", "--device-map", "auto")
+        == 0
+    )
     scores = load_scores(tmp_path / "act.json")
     assert scores["method"] == "activation"
-    assert all(len(p["value_dim_order_most_important_first"]) == SHAPE.value_head_dim for p in scores["layers"].values())
+    assert all(
+        len(p["value_dim_order_most_important_first"]) == SHAPE.value_head_dim
+        for p in scores["layers"].values()
+    )
 
 
 @pytest.mark.parametrize("head_device", ["cpu", "disk"])
 def test_layers_split_over_devices_with_offload(head_device, model_dir, text_file, tmp_path):
     """accelerate dispatch (real hooks; layer 2 offloaded to disk, so its weights sit on the meta device;
     with ``head_device="disk"`` also the final norm and lm_head that the loss-aware lane Gram runs)."""
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-                  "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": head_device,
-                  "model.rotary_emb": "cpu", "lm_head": head_device}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "cpu",
+        "model.layers.2": "disk",
+        "model.layers.3": "cpu",
+        "model.norm": head_device,
+        "model.rotary_emb": "cpu",
+        "lm_head": head_device,
+    }
     dispatched = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+        model_dir, device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
     gdn = dict(find_gdn_modules(dispatched))
     assert gdn["model.layers.2.linear_attn"].out_proj.weight.device.type == "meta"
     assert hasattr(gdn["model.layers.0.linear_attn"], "_hf_hook")
@@ -120,7 +155,9 @@ def test_layers_split_over_devices_with_offload(head_device, model_dir, text_fil
         pb = b["layers"][prefix]
         for key in pa:
             if key.endswith("scores"):
-                torch.testing.assert_close(torch.tensor(pa[key]), torch.tensor(pb[key]), rtol=1e-5, atol=1e-12)
+                torch.testing.assert_close(
+                    torch.tensor(pa[key]), torch.tensor(pb[key]), rtol=1e-5, atol=1e-12
+                )
             elif "order" in key:
                 assert pa[key] == pb[key]
 
@@ -128,14 +165,17 @@ def test_layers_split_over_devices_with_offload(head_device, model_dir, text_fil
 def test_vision_language_checkpoint_keeps_its_tensor_prefixes(text_file, tmp_path):
     torch.manual_seed(0)
     config = transformers.Qwen3_5Config(
-        text_config=dict(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE)), vision_config=dict(VISION))
+        text_config=dict(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE)), vision_config=dict(VISION)
+    )
     model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
     randomize_gdn(model)
     folder = _save(model, tmp_path / "vl")
     assert _run(folder, text_file, tmp_path / "vl.json") == 0
     scores = load_scores(tmp_path / "vl.json")
     assert list(scores["layers"]) == [
-        "model.language_model.layers.0.linear_attn", "model.language_model.layers.2.linear_attn"]
+        "model.language_model.layers.0.linear_attn",
+        "model.language_model.layers.2.linear_attn",
+    ]
 
 
 # ---- score for real users: output files, window length, streaming, notes, threads --------------------------
@@ -152,11 +192,26 @@ def test_an_existing_scores_file_needs_overwrite(model_dir, text_file, tmp_path,
 
 def test_the_default_window_is_what_the_model_supports(tmp_path, text_file):
     torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE),
-                                            max_position_embeddings=96)
+    config = transformers.Qwen3_5TextConfig(
+        **{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE), max_position_embeddings=96
+    )
     folder = _save(transformers.Qwen3_5ForCausalLM(config).eval(), tmp_path / "short_model")
-    assert main(["score", str(folder), "--data", str(text_file), "--output", str(tmp_path / "s.json"),
-                 "--num-samples", "2", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                str(folder),
+                "--data",
+                str(text_file),
+                "--output",
+                str(tmp_path / "s.json"),
+                "--num-samples",
+                "2",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     calibration = load_scores(tmp_path / "s.json")["calibration"]
     assert calibration["seq_len"] == 96 and "max_position_embeddings 96" in calibration["seq_len_source"]
     from gdnprune.scoring import default_seq_len
@@ -182,8 +237,20 @@ def test_kernel_fallback_warnings_become_one_note(model_dir, text_file, tmp_path
 
     for quiet, expected in ((False, 1), (True, 0)):
         logging.Logger.warning_once.cache_clear()  # transformers warns once per process
-        args = ["score", str(model_dir), "--data", str(text_file), "--output", str(tmp_path / f"{quiet}.json"),
-                "--num-samples", "1", "--seq-len", str(SEQ), "--threads", "1"] + (["--quiet"] if quiet else [])
+        args = [
+            "score",
+            str(model_dir),
+            "--data",
+            str(text_file),
+            "--output",
+            str(tmp_path / f"{quiet}.json"),
+            "--num-samples",
+            "1",
+            "--seq-len",
+            str(SEQ),
+            "--threads",
+            "1",
+        ] + (["--quiet"] if quiet else [])
         assert main(args) == 0
         err = capsys.readouterr().err
         assert err.count("note: the GDN layers run transformers' reference PyTorch kernels") == expected

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dense_axes import _model, _same
+from tiny_models import logits
 
 from gdnprune import checkpoint as ck
 from gdnprune.block_surgery import find_model_blocks
 from gdnprune.checkpoint.remote_code import MODELING_NAME, SelfContainedError, auto_map, modeling_source
 from gdnprune.cli import main
 from gdnprune.loading import load_pretrained
-from test_dense_axes import _model, _same
-from tiny_models import logits
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -100,13 +100,18 @@ def _plan(model):
     layers = {}
     blocks = find_model_blocks(model)
     for i, b in enumerate(b for b in blocks if b.kind != "experts"):
-        layers[b.prefix] = {"attention": {"num_attention_heads": 2 * (i % 2 + 1), "num_key_value_heads": i % 2 + 1},
-                            "mlp": {"intermediate_size": 16 + 8 * i},
-                            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i}}[b.kind]
+        layers[b.prefix] = {
+            "attention": {"num_attention_heads": 2 * (i % 2 + 1), "num_key_value_heads": i % 2 + 1},
+            "mlp": {"intermediate_size": 16 + 8 * i},
+            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
+        }[b.kind]
     for i, b in enumerate(b for b in blocks if b.kind == "experts"):
         layers[b.prefix] = {"num_experts": 2 + i % 3}
-    gdn = "model.language_model.layers.0.linear_attn" if hasattr(model.model, "language_model") else \
-        "model.layers.0.linear_attn"
+    gdn = (
+        "model.language_model.layers.0.linear_attn"
+        if hasattr(model.model, "language_model")
+        else "model.layers.0.linear_attn"
+    )
     layers[gdn] = {"num_key_heads": 1, "num_value_heads": 2}
     return {"format": "gdnprune-plan", "version": 2, "layers": layers}
 
@@ -116,10 +121,20 @@ def _isolated_python(script: str, tmp_path: Path, **values) -> subprocess.Popen:
     paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
     text = "".join(f"{k} = {v!r}\n" for k, v in {"PATHS": paths, **values}.items()) + script
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS"))}
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", text], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=tmp_path)
+    env.update(
+        HF_HOME=str(tmp_path / "hf"),
+        HF_MODULES_CACHE=str(tmp_path / "modules"),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", text],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
 
 
 def _report(process: subprocess.Popen) -> dict:
@@ -141,16 +156,32 @@ def test_heterogeneous_outputs_load_without_gdnprune(tmp_path):
         out = tmp_path / "out" / model_type
         if model_type == "olmo_hybrid":  # through the command line (no torch there)
             (tmp_path / "plan.json").write_text(json.dumps(plan))
-            assert main(["slice", str(tmp_path / "src" / model_type), "-o", str(out), "--plan",
-                         str(tmp_path / "plan.json"), "--self-contained", "-q"]) == 0
+            assert (
+                main(
+                    [
+                        "slice",
+                        str(tmp_path / "src" / model_type),
+                        "-o",
+                        str(out),
+                        "--plan",
+                        str(tmp_path / "plan.json"),
+                        "--self-contained",
+                        "-q",
+                    ]
+                )
+                == 0
+            )
         else:
-            manifest = ck.slice_checkpoint(tmp_path / "src" / model_type, out, plan=plan, self_contained=True,
-                                           progress=False)
+            manifest = ck.slice_checkpoint(
+                tmp_path / "src" / model_type, out, plan=plan, self_contained=True, progress=False
+            )
             assert manifest["self_contained"] == MODELING_NAME
         config = json.loads((out / "config.json").read_text())
         assert (config.get("text_config") or config)["per_layer_config"]  # heterogeneous indeed
         if "moe" in model_type or model_type == "qwen3_next":  # per-layer expert counts
-            counts = {o.get("num_experts", config["num_experts"]) for o in config["per_layer_config"].values()}
+            counts = {
+                o.get("num_experts", config["num_experts"]) for o in config["per_layer_config"].values()
+            }
             assert len(counts | {config["num_experts"]}) > 1
         assert config["auto_map"] == auto_map(config)
         assert (out / MODELING_NAME).read_bytes() == modeling_source()
@@ -163,16 +194,25 @@ def test_heterogeneous_outputs_load_without_gdnprune(tmp_path):
     ck.slice_checkpoint(first, tmp_path / "again", {"value_head_dim": 4}, self_contained=True, progress=False)
     ck.slice_checkpoint(first, tmp_path / "copied", {"key_head_dim": 4}, progress=False)
     for name in ("again", "copied"):
-        assert json.loads((tmp_path / name / "config.json").read_text())["auto_map"] == \
-            json.loads((first / "config.json").read_text())["auto_map"]
+        assert (
+            json.loads((tmp_path / name / "config.json").read_text())["auto_map"]
+            == json.loads((first / "config.json").read_text())["auto_map"]
+        )
         assert (tmp_path / name / MODELING_NAME).read_bytes() == modeling_source()
         folders[name] = tmp_path / name
 
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
     torch.save(ids, tmp_path / "ids.pt")
-    child = _isolated_python(CHILD, tmp_path, FOLDERS={k: str(v) for k, v in folders.items()},
-                             IDS=str(tmp_path / "ids.pt"), OUT=str(tmp_path / "results.pt"),
-                             SAVED=str(tmp_path / "saved"), SAVE=SAVE, STEPS=STEPS)
+    child = _isolated_python(
+        CHILD,
+        tmp_path,
+        FOLDERS={k: str(v) for k, v in folders.items()},
+        IDS=str(tmp_path / "ids.pt"),
+        OUT=str(tmp_path / "results.pt"),
+        SAVED=str(tmp_path / "saved"),
+        SAVE=SAVE,
+        STEPS=STEPS,
+    )
     references = {name: logits(load_pretrained(folder), ids) for name, folder in folders.items()}  # meanwhile
     report = _report(child)
     assert report["gdnprune_imported"] is None and report["modules"] == []
@@ -185,11 +225,13 @@ def test_heterogeneous_outputs_load_without_gdnprune(tmp_path):
         assert entry["loading_info"] == {}
         full, cached = results[name]["full"], results[name]["cached"]
         _same(full, references[name])
-        _same(cached, full[:, -STEPS - 1:])
+        _same(cached, full[:, -STEPS - 1 :])
         if name in SAVE:  # save_pretrained wrote the modeling file and auto_map again
             assert torch.equal(results[name]["reloaded"], full)
-            assert json.loads((tmp_path / "saved" / name / "config.json").read_text())["auto_map"] == \
-                json.loads((folder / "config.json").read_text())["auto_map"]
+            assert (
+                json.loads((tmp_path / "saved" / name / "config.json").read_text())["auto_map"]
+                == json.loads((folder / "config.json").read_text())["auto_map"]
+            )
     # the cut is real: the outputs differ from the full models'
     full_model = logits(models["qwen3_5"], ids)
     assert (results["qwen3_5"]["full"] - full_model).abs().max() > 1e-2 * full_model.abs().max()
@@ -200,16 +242,31 @@ def test_families_and_foreign_modeling_code_are_refused_before_writing(tmp_path)
         auto_map({"model_type": "llama"})
     assert auto_map({"model_type": "qwen3_5"}) == {
         "AutoModelForCausalLM": "modeling_gdnprune.Qwen3_5ForConditionalGeneration",
-        "AutoModelForImageTextToText": "modeling_gdnprune.Qwen3_5ForConditionalGeneration"}
+        "AutoModelForImageTextToText": "modeling_gdnprune.Qwen3_5ForConditionalGeneration",
+    }
     model = _model("qwen3_5")
     model.save_pretrained(tmp_path / "src")
     config = json.loads((tmp_path / "src" / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_other.OtherForCausalLM"}
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
     with pytest.raises(SelfContainedError, match="modeling_other.OtherForCausalLM"):
-        ck.slice_checkpoint(tmp_path / "src", tmp_path / "out", plan=_plan(model), self_contained=True,
-                            progress=False)
+        ck.slice_checkpoint(
+            tmp_path / "src", tmp_path / "out", plan=_plan(model), self_contained=True, progress=False
+        )
     assert sorted(os.listdir(tmp_path)) == ["src"]
-    assert main(["slice", str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--num-value-heads", "2",
-                 "--self-contained", "-q"]) == 2
+    assert (
+        main(
+            [
+                "slice",
+                str(tmp_path / "src"),
+                "-o",
+                str(tmp_path / "out"),
+                "--num-value-heads",
+                "2",
+                "--self-contained",
+                "-q",
+            ]
+        )
+        == 2
+    )
     assert sorted(os.listdir(tmp_path)) == ["src"]

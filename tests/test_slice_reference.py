@@ -15,6 +15,16 @@ import copy
 import pytest
 import torch
 import transformers
+from reference import Geometry, hand_cut_state_dict, picks, zero_removed_heads
+from tiny_models import (
+    MODEL_CLASS,
+    MODEL_TYPES,
+    build_model,
+    clone_state_dict,
+    config_for,
+    cut_model,
+    gdn_layers,
+)
 
 from gdnprune.gated_delta_net import (
     GDNPermutation,
@@ -22,8 +32,6 @@ from gdnprune.gated_delta_net import (
     permute_gated_delta_net_state_dict,
     slice_gated_delta_net_state_dict,
 )
-from reference import Geometry, hand_cut_state_dict, picks, zero_removed_heads
-from tiny_models import MODEL_CLASS, MODEL_TYPES, build_model, clone_state_dict, config_for, cut_model, gdn_layers
 
 SHAPE = GDNShape(3, 9, 4, 4)  # Hk 3, r 3: h // r and h % Hk disagree for most heads
 IDS = torch.randint(2, 128, (2, 80), generator=torch.Generator().manual_seed(0))  # > one 64-token chunk
@@ -48,8 +56,12 @@ def _permutations(model, seed):
 def _zeroing_reference(model, target, perms):
     """Logits of the full model with every removed head's out_proj columns zeroed; the kept heads by formula."""
     reference = copy.deepcopy(model)
-    kept = {prefix: picks(shape, target, None if perms is None else perms[prefix]).value_heads(SHAPE.value_heads_per_group)
-            for prefix, shape in gdn_layers(model)}
+    kept = {
+        prefix: picks(shape, target, None if perms is None else perms[prefix]).value_heads(
+            SHAPE.value_heads_per_group
+        )
+        for prefix, shape in gdn_layers(model)
+    }
     assert all(len(set(h)) == target.num_value_heads for h in kept.values())
     zero_removed_heads(reference, kept)
     return reference(input_ids=IDS).logits
@@ -75,13 +87,20 @@ def test_removing_heads_equals_zeroing_their_out_proj_columns(model_type):
         if permuted:  # sort first (permute), then slice the prefix; and both in one gather
             sorted_sd = clone_state_dict(model)
             for prefix, shape in gdn_layers(model):
-                permute_gated_delta_net_state_dict(sorted_sd, prefix=prefix, shape=shape, permutation=perms[prefix])
+                permute_gated_delta_net_state_dict(
+                    sorted_sd, prefix=prefix, shape=shape, permutation=perms[prefix]
+                )
                 slice_gated_delta_net_state_dict(sorted_sd, prefix=prefix, shape=shape, target=target)
             ways["sort, then slice"] = sorted_sd
         one_gather = clone_state_dict(model)
         for prefix, shape in gdn_layers(model):
-            slice_gated_delta_net_state_dict(one_gather, prefix=prefix, shape=shape, target=target,
-                                             permutation=perms[prefix] if permuted else None)
+            slice_gated_delta_net_state_dict(
+                one_gather,
+                prefix=prefix,
+                shape=shape,
+                target=target,
+                permutation=perms[prefix] if permuted else None,
+            )
         ways["slice"] = one_gather
         for way, state in ways.items():
             with torch.no_grad():
@@ -90,8 +109,13 @@ def test_removing_heads_equals_zeroing_their_out_proj_columns(model_type):
 
 
 # dk / dv cuts too: the torch API gives exactly the tensors picked by hand
-ANY_CUTS = [GDNShape(3, 9, 4, 4), GDNShape(2, 4, 3, 4), GDNShape(3, 3, 2, 3), GDNShape(1, 1, 1, 1),
-            GDNShape(2, 6, 4, 2)]
+ANY_CUTS = [
+    GDNShape(3, 9, 4, 4),
+    GDNShape(2, 4, 3, 4),
+    GDNShape(3, 3, 2, 3),
+    GDNShape(1, 1, 1, 1),
+    GDNShape(2, 6, 4, 2),
+]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
@@ -103,8 +127,13 @@ def test_the_torch_api_picks_the_tensors_a_hand_cut_picks(model_type):
         for permutations in (None, perms):
             got = dict(state)
             for prefix, shape in gdn_layers(model):
-                slice_gated_delta_net_state_dict(got, prefix=prefix, shape=shape, target=target,
-                                                 permutation=None if permutations is None else permutations[prefix])
+                slice_gated_delta_net_state_dict(
+                    got,
+                    prefix=prefix,
+                    shape=shape,
+                    target=target,
+                    permutation=None if permutations is None else permutations[prefix],
+                )
             want = hand_cut_state_dict(state, {p: (s, target) for p, s in gdn_layers(model)}, permutations)
             assert got.keys() == want.keys()
             for key in want:
@@ -122,7 +151,13 @@ def test_the_hand_built_reference_model_equals_zeroing_for_head_cuts(model_type)
         cut = cut_model(model, {first: target}, permutations)  # one layer cut, the other left whole
         reference = copy.deepcopy(model)
         shape = Geometry.of(SHAPE)
-        zero_removed_heads(reference, {first: picks(SHAPE, target, None if permutations is None else
-                                                    permutations[first]).value_heads(shape.r)})
+        zero_removed_heads(
+            reference,
+            {
+                first: picks(
+                    SHAPE, target, None if permutations is None else permutations[first]
+                ).value_heads(shape.r)
+            },
+        )
         with torch.no_grad():
             assert (cut(input_ids=IDS).logits - reference(input_ids=IDS).logits).abs().max().item() < TOL

@@ -20,14 +20,25 @@ TEXT = dict(
 )
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 VISION = dict(
-    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
 )
 
 MODEL_TYPES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "qwen4_exp", "olmo_hybrid"]
 LAYOUT_OF = {
-    "qwen3_5": "qwen3_5", "qwen3_5_vl": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen4_exp": "qwen3_5",
-    "qwen3_next": "qwen3_next", "olmo_hybrid": "olmo_hybrid",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_vl": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen4_exp": "qwen3_5",
+    "qwen3_next": "qwen3_next",
+    "olmo_hybrid": "olmo_hybrid",
 }
 
 
@@ -49,8 +60,16 @@ def make_config(model_type: str, shape: GDNShape):
     if model_type == "qwen4_exp":
         text = dict(TEXT, layer_types=["linear_attention", "indexed_attention"] * 2)
         return transformers.Qwen4ExpTextConfig(
-            **text, **gdn, **MOE, hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1,
-            indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+            **text,
+            **gdn,
+            **MOE,
+            hc_count=2,
+            hc_lowrank=8,
+            indexer_n_heads=2,
+            indexer_kv_heads=1,
+            indexer_head_dim=16,
+            indexer_budget=8,
+            indexer_compress_ratio=4,
         )
     if model_type == "olmo_hybrid":
         text = {k: v for k, v in TEXT.items() if k != "head_dim"}
@@ -59,9 +78,12 @@ def make_config(model_type: str, shape: GDNShape):
 
 
 MODEL_CLASS = {
-    "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
-    "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-    "qwen4_exp": "Qwen4ExpForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen4_exp": "Qwen4ExpForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
 }
 
 
@@ -122,8 +144,17 @@ def cached_decode_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.stack(logits_seq, dim=1)
 
 
-def synthetic_layer(layout, shape: GDNShape, *, prefix: str = "layer", hidden: int = 5, kernel: int = 3,
-                    biases: bool = False, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def synthetic_layer(
+    layout,
+    shape: GDNShape,
+    *,
+    prefix: str = "layer",
+    hidden: int = 5,
+    kernel: int = 3,
+    biases: bool = False,
+    seed: int = 0,
+    dtype=torch.float32,
+) -> dict[str, torch.Tensor]:
     """A random state dict holding one GDN layer of ``layout`` (no model needed: fast for property tests)."""
     from gdnprune.layouts import get_layout
 
@@ -161,6 +192,10 @@ def cut_model(model, targets: dict, permutations: dict | None = None):
         target = targets.get(prefix, shape)
         layers[prefix] = (shape, target)
         parent, name = prefix.rsplit(".", 1)
-        setattr(new.get_submodule(parent), name, type(module)(config_for(text_config(model), target), module.layer_idx))
+        setattr(
+            new.get_submodule(parent),
+            name,
+            type(module)(config_for(text_config(model), target), module.layer_idx),
+        )
     new.load_state_dict(hand_cut_state_dict(dict(model.state_dict()), layers, permutations), strict=True)
     return new.eval()

@@ -15,17 +15,30 @@ query heads inside their group (``q_proj`` rows — query and output gate of a h
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from .blocks import Block, block_indices, find_blocks, numbered_name_map, orders_from_payload, orders_to_payload, \
-    resolve_block_target
+from .blocks import (
+    Block,
+    block_indices,
+    find_blocks,
+    numbered_name_map,
+    orders_from_payload,
+    orders_to_payload,
+    resolve_block_target,
+)
 from .layouts import get_layout
 
-__all__ = ["find_model_blocks", "gather_block_tensor", "permute_block_state_dict", "slice_block_state_dict",
-           "random_orders"]
+__all__ = [
+    "find_model_blocks",
+    "gather_block_tensor",
+    "permute_block_state_dict",
+    "slice_block_state_dict",
+    "random_orders",
+]
 
 
 def find_model_blocks(model: torch.nn.Module, kinds: Iterable[str] | None = None) -> list[Block]:
@@ -34,16 +47,19 @@ def find_model_blocks(model: torch.nn.Module, kinds: Iterable[str] | None = None
     return find_blocks(shapes, model.config, kinds)
 
 
-def gather_block_tensor(block: Block, suffix: str, tensor: torch.Tensor, target: Any,
-                        indices: Mapping[str, np.ndarray]) -> torch.Tensor:
+def gather_block_tensor(
+    block: Block, suffix: str, tensor: torch.Tensor, target: Any, indices: Mapping[str, np.ndarray]
+) -> torch.Tensor:
     """Tensor ``suffix`` of ``block`` gathered from the block's geometry to ``target`` (``indices``: from
     :func:`gdnprune.blocks.block_indices`). Raises ``ValueError`` for a tensor of the wrong shape."""
     rule = get_layout(block.layout).rule(suffix)
     if rule is None:
         raise ValueError(f"{block.prefix}: tensor {suffix!r} is not part of the {block.layout} layout")
     if tensor.dim() != rule.ndim or tensor.shape[rule.axis] != rule.length(block.shape):
-        raise ValueError(f"{block.prefix}: tensor {block.prefix}.{suffix} has shape {tuple(tensor.shape)}, expected "
-                         f"{rule.expected_shape(block.shape)} for {block.shape}")
+        raise ValueError(
+            f"{block.prefix}: tensor {block.prefix}.{suffix} has shape {tuple(tensor.shape)}, expected "
+            f"{rule.expected_shape(block.shape)} for {block.shape}"
+        )
     index = torch.from_numpy(rule.gather_index(block.shape, target, indices)).to(tensor.device)
     return tensor.index_select(rule.axis, index).contiguous()
 
@@ -57,8 +73,10 @@ def _as_orders(block: Block, orders: Mapping[str, Any] | None) -> dict[str, np.n
     if not any(k.endswith("_most_important_first") for k in orders):
         unknown = sorted(set(orders) - set(block.shape.order_shapes()))
         if unknown:
-            raise ValueError(f"{block.prefix}: unknown orders {unknown}; expected some of "
-                             f"{list(block.shape.order_shapes())}")
+            raise ValueError(
+                f"{block.prefix}: unknown orders {unknown}; expected some of "
+                f"{list(block.shape.order_shapes())}"
+            )
         orders = orders_to_payload(orders)
     try:
         return orders_from_payload(orders, block.shape)
@@ -66,8 +84,13 @@ def _as_orders(block: Block, orders: Mapping[str, Any] | None) -> dict[str, np.n
         raise ValueError(f"{block.prefix}: {exc}") from None
 
 
-def slice_block_state_dict(state_dict: MutableMapping[str, torch.Tensor], block: Block, target: Any = None, *,
-                           orders: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+def slice_block_state_dict(
+    state_dict: MutableMapping[str, torch.Tensor],
+    block: Block,
+    target: Any = None,
+    *,
+    orders: Mapping[str, Any] | None = None,
+) -> dict[str, np.ndarray]:
     """Sort (``orders``: a payload or ``{"channels": ...}`` / ``{"kv_groups": ..., "query_heads": ...}``) and
     cut (``target``: a geometry or a mapping of target fields; None keeps the size) the sub-block ``block``
     of ``state_dict``, in place, with one gather per coupled tensor. Checks everything before changing
@@ -77,13 +100,17 @@ def slice_block_state_dict(state_dict: MutableMapping[str, torch.Tensor], block:
     else:
         problems = block.shape.fits(target)
         if problems:
-            raise ValueError(f"{block.prefix}: target {target} does not fit in {block.shape}: {'; '.join(problems)}")
+            raise ValueError(
+                f"{block.prefix}: target {target} does not fit in {block.shape}: {'; '.join(problems)}"
+            )
     indices = block_indices(block.shape, target, _as_orders(block, orders))
     head = block.prefix + "."
     missing = [s for s in (*block.tensors, *block.numbered) if head + s not in state_dict]
     if missing:
         raise ValueError(f"{block.prefix}: state dict lacks {[head + s for s in missing]}")
-    updated = {head + s: gather_block_tensor(block, s, state_dict[head + s], target, indices) for s in block.tensors}
+    updated = {
+        head + s: gather_block_tensor(block, s, state_dict[head + s], target, indices) for s in block.tensors
+    }
     renamed = numbered_name_map(block, indices)  # per-expert tensors: a gather over names
     moved = {new: state_dict[old] for old, new in renamed.items() if new is not None}
     for old in renamed:
@@ -93,8 +120,9 @@ def slice_block_state_dict(state_dict: MutableMapping[str, torch.Tensor], block:
     return indices
 
 
-def permute_block_state_dict(state_dict: MutableMapping[str, torch.Tensor], block: Block,
-                             orders: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def permute_block_state_dict(
+    state_dict: MutableMapping[str, torch.Tensor], block: Block, orders: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
     """Sort sub-block ``block`` of ``state_dict`` in place by ``orders`` (function preserving)."""
     return slice_block_state_dict(state_dict, block, None, orders=orders)
 

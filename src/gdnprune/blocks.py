@@ -26,18 +26,49 @@ query heads inside their group, preserves the function; so does any channel orde
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from .geometry import as_int as _as_int, as_order, config_value as _get, global_config_value as _get_global, \
-    per_layer_overrides
+from .geometry import (
+    as_int as _as_int,
+)
+from .geometry import (
+    as_order,
+    per_layer_overrides,
+)
+from .geometry import (
+    config_value as _get,
+)
+from .geometry import (
+    global_config_value as _get_global,
+)
 
-__all__ = ["MLPShape", "AttentionShape", "ExpertShape", "numbered_name_map", "BlockKind", "KINDS", "BLOCK_FIELDS", "Block", "find_blocks",
-           "block_indices", "order_keys", "orders_from_payload", "orders_to_payload", "identity_orders",
-           "resolve_block_target", "apply_block_targets_to_config", "block_kind_of", "block_kinds_of", "kv_cache_elements",
-           "BlockCandidate", "block_candidates"]
+__all__ = [
+    "MLPShape",
+    "AttentionShape",
+    "ExpertShape",
+    "numbered_name_map",
+    "BlockKind",
+    "KINDS",
+    "BLOCK_FIELDS",
+    "Block",
+    "find_blocks",
+    "block_indices",
+    "order_keys",
+    "orders_from_payload",
+    "orders_to_payload",
+    "identity_orders",
+    "resolve_block_target",
+    "apply_block_targets_to_config",
+    "block_kind_of",
+    "block_kinds_of",
+    "kv_cache_elements",
+    "BlockCandidate",
+    "block_candidates",
+]
 
 
 def _heads(index: np.ndarray, width: int) -> np.ndarray:
@@ -52,8 +83,10 @@ class _Shape:
         for f in fields(self):
             value = _as_int(getattr(self, f.name))
             if value is None or value <= 0:
-                raise ValueError(f"{type(self).__name__}.{f.name} must be a positive integer, got "
-                                 f"{getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"{type(self).__name__}.{f.name} must be a positive integer, got "
+                    f"{getattr(self, f.name)!r}"
+                )
             object.__setattr__(self, f.name, value)
 
     def as_dict(self) -> dict[str, int]:
@@ -78,13 +111,13 @@ class MLPShape(_Shape):
     def order_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"channels": (self.intermediate_size,)}
 
-    def fits(self, target: "MLPShape") -> list[str]:
+    def fits(self, target: MLPShape) -> list[str]:
         """What of ``target`` does not fit in this geometry (empty when it fits)."""
         if target.intermediate_size > self.intermediate_size:
             return [f"intermediate_size {target.intermediate_size} > {self.intermediate_size}"]
         return []
 
-    def indices(self, orders: Mapping[str, np.ndarray] | None, target: "MLPShape") -> dict[str, np.ndarray]:
+    def indices(self, orders: Mapping[str, np.ndarray] | None, target: MLPShape) -> dict[str, np.ndarray]:
         channels = np.arange(self.intermediate_size) if orders is None else orders["channels"]
         return {"i": np.asarray(channels[: target.intermediate_size], dtype=np.int64)}
 
@@ -100,8 +133,10 @@ class AttentionShape(_Shape):
     def __post_init__(self) -> None:
         self._check()
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"AttentionShape: num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                             f"of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"AttentionShape: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
 
     @property
     def heads_per_group(self) -> int:
@@ -113,10 +148,12 @@ class AttentionShape(_Shape):
         return {"kv": nkv * hd, "qo": nq * hd, "qg": 2 * nq * hd}[kind]
 
     def order_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {"kv_groups": (self.num_key_value_heads,),
-                "query_heads": (self.num_key_value_heads, self.heads_per_group)}
+        return {
+            "kv_groups": (self.num_key_value_heads,),
+            "query_heads": (self.num_key_value_heads, self.heads_per_group),
+        }
 
-    def fits(self, target: "AttentionShape") -> list[str]:
+    def fits(self, target: AttentionShape) -> list[str]:
         problems = []
         if target.head_dim != self.head_dim:
             problems.append(f"head_dim {target.head_dim} != {self.head_dim} (the head dim is never cut)")
@@ -127,10 +164,13 @@ class AttentionShape(_Shape):
                 f"num_attention_heads {target.num_attention_heads} / num_key_value_heads "
                 f"{target.num_key_value_heads} = {target.heads_per_group} query heads per key-value head > "
                 f"{self.heads_per_group} (give num_attention_heads <= "
-                f"{target.num_key_value_heads * self.heads_per_group}, a multiple of {target.num_key_value_heads})")
+                f"{target.num_key_value_heads * self.heads_per_group}, a multiple of {target.num_key_value_heads})"
+            )
         return problems
 
-    def indices(self, orders: Mapping[str, np.ndarray] | None, target: "AttentionShape") -> dict[str, np.ndarray]:
+    def indices(
+        self, orders: Mapping[str, np.ndarray] | None, target: AttentionShape
+    ) -> dict[str, np.ndarray]:
         r, hd = self.heads_per_group, self.head_dim
         if orders is None:
             orders = identity_orders(self)
@@ -160,19 +200,25 @@ class ExpertShape(_Shape):
     def order_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"experts": (self.num_experts,)}
 
-    def fits(self, target: "ExpertShape") -> list[str]:
+    def fits(self, target: ExpertShape) -> list[str]:
         problems = []
         if target.num_experts_per_tok != self.num_experts_per_tok:
-            problems.append(f"num_experts_per_tok {target.num_experts_per_tok} != {self.num_experts_per_tok} "
-                            f"(the experts per token are never changed)")
+            problems.append(
+                f"num_experts_per_tok {target.num_experts_per_tok} != {self.num_experts_per_tok} "
+                f"(the experts per token are never changed)"
+            )
         if target.num_experts > self.num_experts:
             problems.append(f"num_experts {target.num_experts} > {self.num_experts}")
         if target.num_experts < self.num_experts_per_tok:
-            problems.append(f"num_experts {target.num_experts} < num_experts_per_tok {self.num_experts_per_tok} "
-                            f"(keep at least as many experts as each token is routed to)")
+            problems.append(
+                f"num_experts {target.num_experts} < num_experts_per_tok {self.num_experts_per_tok} "
+                f"(keep at least as many experts as each token is routed to)"
+            )
         return problems
 
-    def indices(self, orders: Mapping[str, np.ndarray] | None, target: "ExpertShape") -> dict[str, np.ndarray]:
+    def indices(
+        self, orders: Mapping[str, np.ndarray] | None, target: ExpertShape
+    ) -> dict[str, np.ndarray]:
         experts = np.arange(self.num_experts) if orders is None else orders["experts"]
         return {"e": np.asarray(experts[: target.num_experts], dtype=np.int64)}
 
@@ -233,22 +279,57 @@ class BlockKind:
 
 
 _LAYER = r"(?:^|\.)layers\.\d+\."
-KINDS: dict[str, BlockKind] = {kind.name: kind for kind in (
-    BlockKind("attention", _LAYER + r"self_attn$", frozenset({"q_proj.weight", "o_proj.weight"}), AttentionShape,
-              {"num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
-               "head_dim": "head_dim"}, ("qwen_gated_attention", "attention_whole_norm")),
-    BlockKind("mlp", _LAYER + r"mlp$", frozenset({"gate_proj.weight", "down_proj.weight"}), MLPShape,
-              {"intermediate_size": "intermediate_size"}, ("gated_mlp",)),
-    BlockKind("shared_expert", _LAYER + r"mlp\.shared_expert$", frozenset({"gate_proj.weight", "down_proj.weight"}),
-              MLPShape, {"shared_expert_intermediate_size": "intermediate_size"}, ("gated_mlp",)),
-    BlockKind("experts", _LAYER + r"mlp$", frozenset({"gate.weight"}), ExpertShape,
-              {"num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok"},
-              ("fused_experts", "numbered_experts"), excludes=("shared_expert.", "shared_expert_gate.")),
-)}
+KINDS: dict[str, BlockKind] = {
+    kind.name: kind
+    for kind in (
+        BlockKind(
+            "attention",
+            _LAYER + r"self_attn$",
+            frozenset({"q_proj.weight", "o_proj.weight"}),
+            AttentionShape,
+            {
+                "num_attention_heads": "num_attention_heads",
+                "num_key_value_heads": "num_key_value_heads",
+                "head_dim": "head_dim",
+            },
+            ("qwen_gated_attention", "attention_whole_norm"),
+        ),
+        BlockKind(
+            "mlp",
+            _LAYER + r"mlp$",
+            frozenset({"gate_proj.weight", "down_proj.weight"}),
+            MLPShape,
+            {"intermediate_size": "intermediate_size"},
+            ("gated_mlp",),
+        ),
+        BlockKind(
+            "shared_expert",
+            _LAYER + r"mlp\.shared_expert$",
+            frozenset({"gate_proj.weight", "down_proj.weight"}),
+            MLPShape,
+            {"shared_expert_intermediate_size": "intermediate_size"},
+            ("gated_mlp",),
+        ),
+        BlockKind(
+            "experts",
+            _LAYER + r"mlp$",
+            frozenset({"gate.weight"}),
+            ExpertShape,
+            {"num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok"},
+            ("fused_experts", "numbered_experts"),
+            excludes=("shared_expert.", "shared_expert_gate."),
+        ),
+    )
+}
 
 #: target fields of the sub-blocks (``head_dim`` is part of the geometry but never a target)
-BLOCK_FIELDS = ("intermediate_size", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "num_experts")
+BLOCK_FIELDS = (
+    "intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+)
 
 #: tensors under these prefixes are never sub-blocks (copied unchanged)
 _PASSTHROUGH = ("mtp.",)
@@ -325,13 +406,14 @@ def _numel(dims) -> int:
     return n
 
 
-def kv_cache_elements(shape: "AttentionShape") -> int:
+def kv_cache_elements(shape: AttentionShape) -> int:
     """KV cache of one token in one attention layer, in elements: keys and values, ``2 * nkv * hd``."""
     return 2 * shape.num_key_value_heads * shape.head_dim
 
 
-def find_blocks(shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Iterable[str] | None = None
-                ) -> list[Block]:
+def find_blocks(
+    shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Iterable[str] | None = None
+) -> list[Block]:
     """Every sub-block of ``kinds`` (default: all) among tensors ``shapes`` (name -> shape), checked.
 
     A prefix is a block of a kind when it matches the kind's module path and holds one of its marker
@@ -343,7 +425,6 @@ def find_blocks(shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Itera
             expected and the found shapes) or has tensors no layout knows (e.g. Qwen4-exp's indexer).
     """
     from .geometry import layer_index_of
-    from .layouts import get_layout
 
     wanted = [KINDS[k] for k in (KINDS if kinds is None else kinds)]
     prefixes: dict[str, BlockKind] = {}
@@ -360,8 +441,11 @@ def find_blocks(shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Itera
     for prefix in sorted(prefixes, key=lambda p: (layer_index_of(p), p)):
         kind = prefixes[prefix]
         head = prefix + "."
-        members = {n[len(head):]: tuple(s) for n, s in shapes.items()
-                   if n.startswith(head) and not n[len(head):].startswith(kind.excludes)}
+        members = {
+            n[len(head) :]: tuple(s)
+            for n, s in shapes.items()
+            if n.startswith(head) and not n[len(head) :].startswith(kind.excludes)
+        }
         shape = kind.shape_from_config(config, layer_index_of(prefix))
         blocks.append(_fit_layout(prefix, kind, shape, members))
     return blocks
@@ -397,8 +481,9 @@ def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, 
 _NUMBER = re.compile(r"^([A-Za-z_]+)\.(\d+)\.(.+)$")
 
 
-def _numbered_members(layout: Any, shape: Any, members: Mapping[str, tuple[int, ...]]
-                      ) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+def _numbered_members(
+    layout: Any, shape: Any, members: Mapping[str, tuple[int, ...]]
+) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """The ``{numbered}.N.<suffix>`` members of a numbered layout and what is wrong with them: every suffix
     must exist for every ``N`` below the segment's size, with one shape for all ``N``."""
     if not layout.numbered:
@@ -412,10 +497,16 @@ def _numbered_members(layout: Any, shape: Any, members: Mapping[str, tuple[int, 
         problems.append(f"no {layout.numbered}.N.* tensors")
     for rest, by_number in sorted(found.items()):
         if sorted(by_number) != list(range(count)):
-            problems.append(f"{layout.numbered}.N.{rest} exists for N in {sorted(by_number)}, expected 0..{count - 1}")
+            problems.append(
+                f"{layout.numbered}.N.{rest} exists for N in {sorted(by_number)}, expected 0..{count - 1}"
+            )
         elif len(set(by_number.values())) != 1:
-            problems.append(f"{layout.numbered}.N.{rest} has several shapes {sorted(set(by_number.values()))}")
-    numbered = {f"{layout.numbered}.{n}.{rest}": d for rest, by_number in found.items() for n, d in by_number.items()}
+            problems.append(
+                f"{layout.numbered}.N.{rest} has several shapes {sorted(set(by_number.values()))}"
+            )
+    numbered = {
+        f"{layout.numbered}.{n}.{rest}": d for rest, by_number in found.items() for n, d in by_number.items()
+    }
     return numbered, problems
 
 
@@ -428,12 +519,16 @@ def numbered_name_map(block: Block, indices: Mapping[str, np.ndarray]) -> dict[s
     layout = get_layout(block.layout)
     if not block.numbered:
         return {}
-    new_number = {int(old): new for new, old in enumerate(np.asarray(indices[layout.numbered_segment]).tolist())}
+    new_number = {
+        int(old): new for new, old in enumerate(np.asarray(indices[layout.numbered_segment]).tolist())
+    }
     out = {}
     for suffix in block.numbered:
         _, number, rest = _NUMBER.match(suffix).groups()
         new = new_number.get(int(number))
-        out[f"{block.prefix}.{suffix}"] = None if new is None else f"{block.prefix}.{layout.numbered}.{new}.{rest}"
+        out[f"{block.prefix}.{suffix}"] = (
+            None if new is None else f"{block.prefix}.{layout.numbered}.{new}.{rest}"
+        )
     return out
 
 
@@ -481,7 +576,9 @@ def resolve_block_target(block: Block, target: Mapping[str, int] | None) -> Any:
         ValueError: the target does not fit the block (the message names the prefix and what is too big).
     """
     kind = KINDS[block.kind]
-    changes = {kind.config_keys[k]: v for k, v in (target or {}).items() if k in kind.config_keys and v is not None}
+    changes = {
+        kind.config_keys[k]: v for k, v in (target or {}).items() if k in kind.config_keys and v is not None
+    }
     if "head_dim" in changes:
         raise ValueError(f"{block.prefix}: the head dim is never cut")
     try:
@@ -494,8 +591,9 @@ def resolve_block_target(block: Block, target: Mapping[str, int] | None) -> Any:
     return t
 
 
-def block_indices(block_shape: Any, target: Any, orders: Mapping[str, np.ndarray] | None = None
-                  ) -> dict[str, np.ndarray]:
+def block_indices(
+    block_shape: Any, target: Any, orders: Mapping[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
     """Canonical indices (one array per segment kind) of the sorted (``orders``) nested prefix ``target``."""
     return block_shape.indices(orders, target)
 
@@ -545,8 +643,9 @@ class BlockCandidate:
     cache_per_token: int
 
 
-def block_candidates(block: Block, *, step: Any = None, tp: int | None = None,
-                     multiple_of: int | None = None) -> list[BlockCandidate]:
+def block_candidates(
+    block: Block, *, step: Any = None, tp: int | None = None, multiple_of: int | None = None
+) -> list[BlockCandidate]:
     """Every candidate of a sub-block, largest first, for a plan's grid.
 
     MLP: intermediate sizes in steps of ``step`` (a ``fractions.Fraction`` of the full size, default 1/8,
@@ -597,6 +696,8 @@ def block_candidates(block: Block, *, step: Any = None, tp: int | None = None,
             target = MLPShape(size)
             out.append(BlockCandidate(target, block.parameters(target), 0))
     if not out:
-        raise ValueError(f"{block.prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
-                         f"multiple_of={multiple_of})")
+        raise ValueError(
+            f"{block.prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
+            f"multiple_of={multiple_of})"
+        )
     return out

@@ -16,8 +16,9 @@ from __future__ import annotations
 import codecs
 import json
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -51,7 +52,9 @@ def _decoded_lines(path: Path) -> Iterator[str]:
             try:
                 line = decoder.decode(raw)
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {position + exc.start})") from None
+                raise ValueError(
+                    f"{path}: not UTF-8 text ({exc.reason} at byte {position + exc.start})"
+                ) from None
             position += len(raw)
             if first and line.startswith("\ufeff"):
                 line = line[1:]
@@ -96,14 +99,19 @@ def iter_documents(path: str | Path) -> Iterator[tuple[str, bool]]:
             except RecursionError:
                 raise ValueError(f"{path}:{number}: not valid JSON (nested too deeply)") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                found_type = type(record.get("text")).__name__ if isinstance(record, dict) and "text" in record else "none"
-                raise ValueError(f"{path}:{number}: expected a JSON object with a string \"text\" field, "
-                                 f"found {found_type}")
+                found_type = (
+                    type(record.get("text")).__name__
+                    if isinstance(record, dict) and "text" in record
+                    else "none"
+                )
+                raise ValueError(
+                    f'{path}:{number}: expected a JSON object with a string "text" field, found {found_type}'
+                )
             if record["text"]:
                 found = True
                 yield record["text"], True
         if not found:
-            raise ValueError(f"{path}: the JSONL file holds no non-empty \"text\" field")
+            raise ValueError(f'{path}: the JSONL file holds no non-empty "text" field')
         return
     piece: list[str] = []
     size, first, limit = 0, True, _FIRST_PIECE
@@ -166,7 +174,11 @@ def pack_windows(
     if num_samples == 1:
         return windows[:1].clone()
     available = windows.shape[0]
-    index = (torch.arange(num_samples, dtype=torch.float64) * ((available - 1) / (num_samples - 1))).round().long()
+    index = (
+        (torch.arange(num_samples, dtype=torch.float64) * ((available - 1) / (num_samples - 1)))
+        .round()
+        .long()
+    )
     return windows[index].clone()
 
 
@@ -212,15 +224,21 @@ def _token_stream(pieces, tokenizer: Any, needed: int | None) -> torch.Tensor:
 
 def _warn_if_short(available: int, seq_len: int, num_samples: int | None, warn: bool) -> None:
     if num_samples is not None and num_samples > available and warn:
-        warnings.warn(f"the calibration text gives {available} windows of {seq_len} tokens, fewer than the "
-                      f"{num_samples} requested; using all of them", UserWarning, stacklevel=4)
+        warnings.warn(
+            f"the calibration text gives {available} windows of {seq_len} tokens, fewer than the "
+            f"{num_samples} requested; using all of them",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _windows(stream: torch.Tensor, seq_len: int, num_samples: int | None) -> torch.Tensor:
     """The first ``num_samples`` (all when None) windows of ``seq_len`` tokens of ``stream``."""
     available = stream.numel() // seq_len
     if available == 0:
-        raise ValueError(f"the calibration text has {stream.numel()} tokens, fewer than one window of {seq_len}")
+        raise ValueError(
+            f"the calibration text has {stream.numel()} tokens, fewer than one window of {seq_len}"
+        )
     keep = available if num_samples is None else min(available, num_samples)
     return stream[: keep * seq_len].view(keep, seq_len).clone()
 

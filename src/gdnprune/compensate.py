@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -55,8 +56,9 @@ STATS_FORMAT = "gdnprune-compensation"
 DEFAULT_RIDGE = 1e-3
 
 
-def compensated_columns(weight: np.ndarray, moment: np.ndarray, kept: np.ndarray, *,
-                        ridge: float = DEFAULT_RIDGE) -> np.ndarray:
+def compensated_columns(
+    weight: np.ndarray, moment: np.ndarray, kept: np.ndarray, *, ridge: float = DEFAULT_RIDGE
+) -> np.ndarray:
     """``W'`` [H, |K|] (float64) for ``out_proj`` ``weight`` [H, V], input second moment ``moment`` [V, V] and
     the kept columns ``kept`` (indices into V, in their output order)."""
     weight = np.asarray(weight, dtype=np.float64)
@@ -75,7 +77,9 @@ def compensated_columns(weight: np.ndarray, moment: np.ndarray, kept: np.ndarray
     return base + correction
 
 
-def reconstruction_error(weight: np.ndarray, moment: np.ndarray, kept: np.ndarray, columns: np.ndarray) -> float:
+def reconstruction_error(
+    weight: np.ndarray, moment: np.ndarray, kept: np.ndarray, columns: np.ndarray
+) -> float:
     """``sum_t |W o_t - W' o_K,t|^2`` from the second moment alone."""
     weight = np.asarray(weight, dtype=np.float64)
     columns = np.asarray(columns, dtype=np.float64)
@@ -109,6 +113,7 @@ def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = F
             entry = stats.setdefault(prefix, {"out_moment": 0, "tokens": 0})
             entry["out_moment"] = entry["out_moment"] + (o.T @ o).cpu()
             entry["tokens"] += int(o.shape[0])
+
         return record
 
     for prefix, module in find_gdn_modules(model):
@@ -118,7 +123,9 @@ def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = F
     model.eval()
     try:
         with torch.no_grad():
-            for batch in tqdm(list(batches), disable=not progress, desc="compensation statistics", unit="batch"):
+            for batch in tqdm(
+                list(batches), disable=not progress, desc="compensation statistics", unit="batch"
+            ):
                 ids, mask = unpack_batch(batch)
                 current["mask"] = mask
                 model(**model_inputs(ids, mask, device))
@@ -139,8 +146,15 @@ def _tokens(x: Any, mask: Any, device: Any) -> Any:
     return x.to(device=device, dtype=torch.float64)
 
 
-def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, reference: str = "stream",
-                     ridge: float = DEFAULT_RIDGE, progress: bool = False) -> dict[str, dict]:
+def sequential_refit(
+    model: Any,
+    small: Any,
+    batches: Iterable[Any],
+    *,
+    reference: str = "stream",
+    ridge: float = DEFAULT_RIDGE,
+    progress: bool = False,
+) -> dict[str, dict]:
     """Refit the ``out_proj`` of the cut model ``small`` layer by layer, in place, against ``model``.
 
     ``small`` is ``model`` sorted and cut (:func:`gdnprune.loading.slice_model`; per-layer widths are fine).
@@ -192,7 +206,7 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
     small.eval()
     try:
         with torch.no_grad():
-            todo = full_layers[changed.index(True):]
+            todo = full_layers[changed.index(True) :]
             for prefix, full in tqdm(todo, disable=not progress, desc="sequential refit", unit="layer"):
                 cut = cut_layers[prefix]
                 weight = output_projection(full).weight.detach().to(torch.float64)
@@ -203,7 +217,9 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
 
                 def full_on_cut_inputs(module, args, kwargs, seen):
                     inner: dict = {}
-                    run_with_hooks(full, args, kwargs, [(output_projection(full), record_input(inner, "o", stop=True))])
+                    run_with_hooks(
+                        full, args, kwargs, [(output_projection(full), record_input(inner, "o", stop=True))]
+                    )
                     seen["o_full"] = inner["o"]
 
                 for ids, mask in data:
@@ -222,7 +238,9 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
                     y = _tokens(seen["o_full"], mask, weight.device) @ weight.T
                     y = y.to(plain.device)
                     if reference == "stream":
-                        y += _tokens(seen["x_full"], mask, plain.device) - _tokens(seen["x_cut"], mask, plain.device)
+                        y += _tokens(seen["x_full"], mask, plain.device) - _tokens(
+                            seen["x_cut"], mask, plain.device
+                        )
                     cross += y.T @ o
                     auto += o.T @ o
                     energy += float((y * y).sum())
@@ -235,15 +253,21 @@ def sequential_refit(model: Any, small: Any, batches: Iterable[Any], *, referenc
                     return energy - 2 * float((w * cross).sum()) + float(((w @ auto) * w).sum())
 
                 output_projection(cut).weight.copy_(refit.to(output_projection(cut).weight.dtype))
-                result[prefix] = {"columns": refit.cpu().numpy(), "error_plain": error(plain),
-                                  "error_refit": error(refit), "tokens": tokens}
+                result[prefix] = {
+                    "columns": refit.cpu().numpy(),
+                    "error_plain": error(plain),
+                    "error_refit": error(refit),
+                    "tokens": tokens,
+                }
     finally:
         model.train(states[0])
         small.train(states[1])
     return result
 
 
-def save_statistics(stats: Mapping[str, Mapping], path: str | os.PathLike, *, model: Mapping | None = None) -> None:
+def save_statistics(
+    stats: Mapping[str, Mapping], path: str | os.PathLike, *, model: Mapping | None = None
+) -> None:
     """Write :func:`collect_statistics`' result as safetensors (float64), atomically. ``model`` describes the
     model the statistics come from (see :func:`model_identity`)."""
     import tempfile
@@ -274,8 +298,11 @@ def model_identity(model_dir: str | os.PathLike) -> dict:
     manifest's hash (a sorted output has the same config as its source, not the same manifest)."""
     from .fileio import file_sha256
 
-    return {"path": os.fspath(model_dir), "config_sha256": file_sha256(os.path.join(model_dir, "config.json")),
-            "manifest_sha256": file_sha256(os.path.join(model_dir, "gdnprune.json"))}
+    return {
+        "path": os.fspath(model_dir),
+        "config_sha256": file_sha256(os.path.join(model_dir, "config.json")),
+        "manifest_sha256": file_sha256(os.path.join(model_dir, "gdnprune.json")),
+    }
 
 
 def statistics_model(path: str | os.PathLike) -> dict | None:
@@ -294,8 +321,10 @@ def load_statistics(path: str | os.PathLike) -> dict[str, dict]:
         with safe_open(os.fspath(path), framework="numpy") as f:
             metadata = f.metadata() or {}
             if metadata.get("format") != STATS_FORMAT:
-                raise ValueError(f"{path}: not a gdnprune compensation statistics file "
-                                 f"(format {metadata.get('format')!r}, expected {STATS_FORMAT!r})")
+                raise ValueError(
+                    f"{path}: not a gdnprune compensation statistics file "
+                    f"(format {metadata.get('format')!r}, expected {STATS_FORMAT!r})"
+                )
             out: dict[str, dict] = {}
             for key in f.keys():
                 prefix, _, name = key.rpartition(".")

@@ -17,9 +17,7 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch and transformers load inside the commands, so `gdnprune --help` stays fast
     import torch
@@ -165,7 +163,14 @@ def run_demo(
     """
     import torch
 
-    from .demo_data import byte_windows, demo_model_path, load_demo_model, train_text, validation_loss, validation_text
+    from .demo_data import (
+        byte_windows,
+        demo_model_path,
+        load_demo_model,
+        train_text,
+        validation_loss,
+        validation_text,
+    )
     from .gated_delta_net import GDNPermutation, GDNShape
     from .layouts import find_gdn_modules
     from .scoring import score_model
@@ -202,7 +207,9 @@ def run_demo(
 
     # 1. score
     calibration = byte_windows(train_text(), seq_len, num_samples)
-    scores = score_model(model, list(calibration.split(batch_size)), method=method, progress=progress, seed=seed)
+    scores = score_model(
+        model, list(calibration.split(batch_size)), method=method, progress=progress, seed=seed
+    )
     permutations = {p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in layers}
     log(f"scored {calibration.numel()} calibration tokens with method={method!r}")
 
@@ -250,12 +257,15 @@ def run_demo(
         middle = targets[len(targets) // 2]
         student = _sliced_model(model, permutations, shape, middle)
         log(f"recovery: distilling the slice {middle} from the unpruned model for {recover_steps} steps ...")
-        recovery = recover_demo_slice(student, model, steps=recover_steps, seq_len=seq_len,
-                                      validation_windows=eval_samples, seed=seed)
+        recovery = recover_demo_slice(
+            student, model, steps=recover_steps, seq_len=seq_len, validation_windows=eval_samples, seed=seed
+        )
         recovery["target"] = middle.as_dict()
-        log(f"recovery: validation loss {recovery['loss_before']:.4f} -> {recovery['loss_after']:.4f} nats/byte "
+        log(
+            f"recovery: validation loss {recovery['loss_before']:.4f} -> {recovery['loss_after']:.4f} nats/byte "
             f"(unpruned {recovery['teacher_loss']:.4f}; {recovery['recovered']:.0%} of the loss increase won back "
-            f"in {recovery['steps']} steps, {recovery['seconds']:.0f} s)")
+            f"in {recovery['steps']} steps, {recovery['seconds']:.0f} s)"
+        )
     else:
         recovery = None
 
@@ -265,20 +275,36 @@ def run_demo(
 
         full_row = next((row for row in rows if row["target"] == shape.as_dict()), None)
         try:
-            whole = whole_model_plan(model, calibration[:PLAN_SAMPLES], budget_params, seq_len=seq_len,
-                                     eval_samples=eval_samples, batch_size=batch_size, seed=seed, progress=progress,
-                                     unpruned_loss=None if full_row is None else full_row["loss"]["importance"])
+            whole = whole_model_plan(
+                model,
+                calibration[:PLAN_SAMPLES],
+                budget_params,
+                seq_len=seq_len,
+                eval_samples=eval_samples,
+                batch_size=batch_size,
+                seed=seed,
+                progress=progress,
+                unpruned_loss=None if full_row is None else full_row["loss"]["importance"],
+            )
         except BudgetError as exc:  # e.g. an MoE model whose routed experts alone hold more than the budget
             log(f"whole-model plan at {budget_params:g} of all parameters: skipped, {exc}")
     if whole is not None:
         totals = whole["plan"]["totals"]
-        log(f"whole-model plan at {budget_params:g} of all parameters (GDN, attention heads, MLP channels; "
+        log(
+            f"whole-model plan at {budget_params:g} of all parameters (GDN, attention heads, MLP channels; "
             f"{whole['plan_windows']} calibration windows, {whole['seconds']:.0f} s): "
             f"{whole['params_kept']:,} of {whole['params']:,} parameters kept ({whole['params_kept'] / whole['params']:.1%}); "
-            f"validation loss {whole['loss']:.4f} nats/byte (unpruned {whole['unpruned_loss']:.4f})")
-        log("  split: " + ", ".join(f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f} "
-                                    f"({v['params_kept'] / max(v['params'], 1):.0%})"
-                                    for kind, v in totals["split"].items()) + "  (other: embeddings and norms)")
+            f"validation loss {whole['loss']:.4f} nats/byte (unpruned {whole['unpruned_loss']:.4f})"
+        )
+        log(
+            "  split: "
+            + ", ".join(
+                f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f} "
+                f"({v['params_kept'] / max(v['params'], 1):.0%})"
+                for kind, v in totals["split"].items()
+            )
+            + "  (other: embeddings and norms)"
+        )
 
     results = {
         "model": str(model_dir),
@@ -300,8 +326,21 @@ def run_demo(
 
         staging = Staging(out_dir, overwrite, markers=DEMO_MARKERS)
         with staging as tmp:
-            _write_outputs(results, scores, rows, [*orderings, "random"], targets, tmp, out_dir, write_checkpoints,
-                           start, log, model_dir=model_dir, title=title, whole=whole)
+            _write_outputs(
+                results,
+                scores,
+                rows,
+                [*orderings, "random"],
+                targets,
+                tmp,
+                out_dir,
+                write_checkpoints,
+                start,
+                log,
+                model_dir=model_dir,
+                title=title,
+                whole=whole,
+            )
             staging.commit()
     log(f"done in {results['seconds']:.1f} s")
     return results
@@ -311,8 +350,22 @@ def run_demo(
 DEMO_MARKERS = frozenset({"results.json"})
 
 
-def _write_outputs(results, scores, rows, orderings, targets, tmp: Path, out_dir: Path, write_checkpoints: bool,
-                   start: float, log, *, model_dir: Path, title: str, whole: dict | None = None) -> None:
+def _write_outputs(
+    results,
+    scores,
+    rows,
+    orderings,
+    targets,
+    tmp: Path,
+    out_dir: Path,
+    write_checkpoints: bool,
+    start: float,
+    log,
+    *,
+    model_dir: Path,
+    title: str,
+    whole: dict | None = None,
+) -> None:
     """Write the scores, plot, checkpoints and results.json into ``tmp``, naming their places in ``out_dir``."""
     (tmp / "scores.json").write_text(json.dumps(scores, indent=1))
     if whole is not None:
@@ -322,8 +375,10 @@ def _write_outputs(results, scores, rows, orderings, targets, tmp: Path, out_dir
         (tmp / "whole_model_plan.sensitivity.json").write_text(json.dumps(whole["report"], indent=1))
         results["whole_model_plan"]["file"] = str(out_dir / "whole_model_plan.json")
         if plot_sensitivity(whole["report"], tmp / "whole_model_plan.sensitivity.png"):
-            log(f"whole-model plan: {out_dir / 'whole_model_plan.json'} (sensitivity plot: "
-                f"{out_dir / 'whole_model_plan.sensitivity.png'})")
+            log(
+                f"whole-model plan: {out_dir / 'whole_model_plan.json'} (sensitivity plot: "
+                f"{out_dir / 'whole_model_plan.sensitivity.png'})"
+            )
     if _plot(rows, orderings, tmp / "loss_vs_params.png", f"{title}: nested GDN slices"):
         results["plot"] = str(out_dir / "loss_vs_params.png")
         log(f"plot: {results['plot']}")
@@ -336,10 +391,12 @@ def _write_outputs(results, scores, rows, orderings, targets, tmp: Path, out_dir
     log(f"results: {out_dir / 'results.json'}")
 
 
-def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], tmp: Path, out_dir: Path, log
-                       ) -> dict:
+def _write_checkpoints(
+    model_dir: Path, scores: dict, targets: list[GDNShape], tmp: Path, out_dir: Path, log
+) -> dict:
     """Sort the model's checkpoint and slice the sorted one to the middle target, with the streaming API."""
     from .checkpoint import slice_checkpoint, sort_checkpoint
+
     sort_checkpoint(model_dir, scores, tmp / "sorted", overwrite=True, progress=False)
     middle = targets[len(targets) // 2]
     slice_checkpoint(tmp / "sorted", tmp / "sliced", target=middle, overwrite=True, progress=False)
@@ -352,9 +409,19 @@ def _write_checkpoints(model_dir: Path, scores: dict, targets: list[GDNShape], t
 PLAN_SAMPLES = 4
 
 
-def whole_model_plan(model, windows: "torch.Tensor", budget_params: float, *, seq_len: int = 256,
-                     eval_samples: int | None = 32, batch_size: int = 8, dim_step: str = "1/2", seed: int = 0,
-                     progress: bool = False, unpruned_loss: float | None = None) -> dict[str, Any]:
+def whole_model_plan(
+    model,
+    windows: torch.Tensor,
+    budget_params: float,
+    *,
+    seq_len: int = 256,
+    eval_samples: int | None = 32,
+    batch_size: int = 8,
+    dim_step: str = "1/2",
+    seed: int = 0,
+    progress: bool = False,
+    unpruned_loss: float | None = None,
+) -> dict[str, Any]:
     """Plan the whole model (GDN layers, attention heads, MLP channels) at ``budget_params`` of all its
     parameters, on a coarse grid (``dim_step``) and a few calibration ``windows``; cut it in memory.
 
@@ -372,18 +439,37 @@ def whole_model_plan(model, windows: "torch.Tensor", budget_params: float, *, se
     start = time.perf_counter()
     batches = list(windows.split(batch_size))
     scores = score_model(model, batches, progress=progress, seed=seed, blocks=True)
-    plan, report = plan_model(model, batches, scores, budget_params=budget_params, dim_step=dim_step,
-                              blocks=("gdn", "attention", "mlp"), sensitivity="halving", progress=progress)
+    plan, report = plan_model(
+        model,
+        batches,
+        scores,
+        budget_params=budget_params,
+        dim_step=dim_step,
+        blocks=("gdn", "attention", "mlp"),
+        sensitivity="halving",
+        progress=progress,
+    )
     gdn = {p: t for p, t in plan["layers"].items() if p in report["layers"]}
     blocks = {p: t for p, t in plan["layers"].items() if p not in gdn}
-    permutations = {p: GDNPermutation.from_score_payload(scores["layers"][p], GDNShape(**report["layers"][p]["shape"]))
-                    for p in gdn}
-    cut = slice_model(model, gdn, permutations, blocks=blocks, block_orders={p: scores["layers"][p] for p in blocks})
+    permutations = {
+        p: GDNPermutation.from_score_payload(scores["layers"][p], GDNShape(**report["layers"][p]["shape"]))
+        for p in gdn
+    }
+    cut = slice_model(
+        model, gdn, permutations, blocks=blocks, block_orders={p: scores["layers"][p] for p in blocks}
+    )
     val = lambda m: validation_loss(m, num_windows=eval_samples, seq_len=seq_len)  # noqa: E731
-    return {"budget_params": budget_params, "plan": plan, "report": report,
-            "params": sum(p.numel() for p in model.parameters()), "params_kept": sum(p.numel() for p in cut.parameters()),
-            "unpruned_loss": val(model) if unpruned_loss is None else unpruned_loss, "loss": val(cut), "plan_windows": int(windows.shape[0]),
-            "seconds": time.perf_counter() - start}
+    return {
+        "budget_params": budget_params,
+        "plan": plan,
+        "report": report,
+        "params": sum(p.numel() for p in model.parameters()),
+        "params_kept": sum(p.numel() for p in cut.parameters()),
+        "unpruned_loss": val(model) if unpruned_loss is None else unpruned_loss,
+        "loss": val(cut),
+        "plan_windows": int(windows.shape[0]),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def recover_demo_slice(
@@ -412,10 +498,24 @@ def recover_demo_slice(
     start = time.perf_counter()
     val = lambda m: validation_loss(m, seq_len=seq_len, num_windows=validation_windows)  # noqa: E731
     teacher_loss, before = val(teacher), val(student)
-    result = distill(student, teacher, byte_windows(train_text(), seq_len), options.pop("output_dir", None),
-                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, **{"progress": False, **options})
+    result = distill(
+        student,
+        teacher,
+        byte_windows(train_text(), seq_len),
+        options.pop("output_dir", None),
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        **{"progress": False, **options},
+    )
     after = val(student)
     gap = before - teacher_loss
-    return {"teacher_loss": teacher_loss, "loss_before": before, "loss_after": after,
-            "recovered": (before - after) / gap if gap > 0 else float("nan"), "steps": result["steps"],
-            "seconds": time.perf_counter() - start}
+    return {
+        "teacher_loss": teacher_loss,
+        "loss_before": before,
+        "loss_after": after,
+        "recovered": (before - after) / gap if gap > 0 else float("nan"),
+        "steps": result["steps"],
+        "seconds": time.perf_counter() - start,
+    }

@@ -77,7 +77,16 @@ _TOPIC_SEPARATOR = "\n\n"
 CORPORA = ("pydoc", "docstrings")
 #: Size cap of the ``docstrings`` corpus, in characters (about the size of the pydoc topics).
 DOCSTRINGS_CHARS = 600_000
-_DOCSTRING_SKIP = ("test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "__pycache__")
+_DOCSTRING_SKIP = (
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "site-packages",
+    "dist-packages",
+    "turtledemo",
+    "__pycache__",
+)
 
 
 @functools.lru_cache(maxsize=4)
@@ -112,8 +121,9 @@ def _stdlib_docstrings() -> str:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
-        nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
-                                                                          ast.AsyncFunctionDef))]
+        nodes = [tree] + [
+            n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
         for node in nodes:
             doc = ast.get_docstring(node)
             if doc and len(doc) > 40:
@@ -205,7 +215,11 @@ def byte_windows(
     if num_windows == 1:
         return windows[:1].clone()
     # Evenly spaced, strictly increasing indices (spacing >= 1 because num_windows <= available).
-    index = (torch.arange(num_windows, dtype=torch.float64) * ((available - 1) / (num_windows - 1))).round().long()
+    index = (
+        (torch.arange(num_windows, dtype=torch.float64) * ((available - 1) / (num_windows - 1)))
+        .round()
+        .long()
+    )
     return windows[index].clone()
 
 

@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
-__all__ = ["DepthError", "check_removed", "layer_numbers", "removal_name_map", "remove_layers_from_config",
-           "parse_layer_list", "num_layers_of", "compose_names"]
+__all__ = [
+    "DepthError",
+    "check_removed",
+    "layer_numbers",
+    "removal_name_map",
+    "remove_layers_from_config",
+    "parse_layer_list",
+    "num_layers_of",
+    "compose_names",
+]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 _PASSTHROUGH = ("mtp.",)
@@ -38,7 +46,9 @@ def parse_layer_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise DepthError(f"--remove-layers takes layer numbers separated by commas (e.g. 3,7), got {text!r}") from None
+        raise DepthError(
+            f"--remove-layers takes layer numbers separated by commas (e.g. 3,7), got {text!r}"
+        ) from None
     if not values:
         raise DepthError(f"--remove-layers names no layer: {text!r}")
     return values
@@ -57,16 +67,19 @@ def check_removed(removed: Iterable[int], num_layers: int, attention: Iterable[i
     removed = list(removed)
     bad = [i for i in removed if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
     if bad:
-        raise DepthError(f"layers to remove must be decoder layer numbers 0..{num_layers - 1} (as in the input), "
-                         f"got {bad}")
+        raise DepthError(
+            f"layers to remove must be decoder layer numbers 0..{num_layers - 1} (as in the input), got {bad}"
+        )
     if len(set(removed)) != len(removed):
         raise DepthError(f"layers to remove are repeated: {removed}")
     if len(removed) >= num_layers:
         raise DepthError(f"cannot remove all {num_layers} decoder layers")
     attention = list(attention)
     if attention and set(attention) <= set(removed):
-        raise DepthError(f"cannot remove every full-attention layer ({attention}): a hybrid model keeps at least one "
-                         f"(transformers' cache counts the sequence length on it)")
+        raise DepthError(
+            f"cannot remove every full-attention layer ({attention}): a hybrid model keeps at least one "
+            f"(transformers' cache counts the sequence length on it)"
+        )
     return sorted(removed)
 
 
@@ -93,7 +106,7 @@ def removal_name_map(names: Iterable[str], num_layers: int, removed: Iterable[in
         if new is None:
             out[name] = None
         elif new != old:
-            out[name] = f"{name[:m.start()]}{m.group(1)}layers.{new}.{name[m.end():]}"
+            out[name] = f"{name[: m.start()]}{m.group(1)}layers.{new}.{name[m.end() :]}"
     return out
 
 
@@ -140,4 +153,3 @@ def compose_names(first: Mapping[str, str | None], then: Mapping[str, str | None
         if name not in first:
             out[name] = new
     return {k: v for k, v in out.items() if v != k}
-

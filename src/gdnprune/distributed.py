@@ -35,16 +35,27 @@ import errno
 import os
 import re
 import socket
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
 #: OSErrors that the user causes (a path that does not exist, is of the wrong kind or may not be written);
 #: any other OSError (a full disk, an I/O error, ...) is the environment's. The CLI has the same set.
-USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
-                         errno.ENAMETOOLONG, errno.ELOOP})
+USER_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+    }
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -73,7 +84,12 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 _RANK = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 _WORLD = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 _LOCAL_RANK = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
-_LOCAL_WORLD = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+_LOCAL_WORLD = (
+    "LOCAL_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+)
 
 _EXCHANGED = "_gdnprune_exchanged"  # attribute set on an exception once the ranks have seen it
 _timeout_in_use: timedelta | None = None  # the timeout of the group this module initialised (for messages)
@@ -138,8 +154,12 @@ def launch_info(environ: Mapping[str, str] | None = None) -> LaunchInfo | None:
         raise ValueError(f"{found[0]}={rank_} is outside [0, {world[1]}) ({world[0]}={world[1]})")
     local = _env_int(env, _LOCAL_RANK)
     local_world = _env_int(env, _LOCAL_WORLD)
-    return LaunchInfo(rank=rank_, world_size=world[1], local_rank=rank_ if local is None else local[1],
-                      local_world_size=world[1] if local_world is None else local_world[1])
+    return LaunchInfo(
+        rank=rank_,
+        world_size=world[1],
+        local_rank=rank_ if local is None else local[1],
+        local_world_size=world[1] if local_world is None else local_world[1],
+    )
 
 
 def _as_timedelta(timeout: timedelta | float | None) -> timedelta:
@@ -179,29 +199,39 @@ def init_process_group(*, timeout: timedelta | float | None = None, backend: str
     if info is None or (dist.is_available() and dist.is_initialized()):
         return False
     if not dist.is_available():
-        raise ValueError(f"a launcher started {info.world_size} processes, but this torch build has no "
-                         "torch.distributed")
+        raise ValueError(
+            f"a launcher started {info.world_size} processes, but this torch build has no torch.distributed"
+        )
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if missing:
-        raise ValueError(f"a multi-process launch (world size {info.world_size}) needs {' and '.join(missing)} "
-                         "in the environment; start the processes with torchrun or accelerate launch")
+        raise ValueError(
+            f"a multi-process launch (world size {info.world_size}) needs {' and '.join(missing)} "
+            "in the environment; start the processes with torchrun or accelerate launch"
+        )
     value = _as_timedelta(timeout)
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     # the env:// rendezvous, with this process's own key prefix per group: a group created again in the same
     # process (the CLI called twice) would otherwise find the previous group's addresses in the store
     try:
-        store, rank_, world = next(dist.rendezvous("env://", rank=info.rank, world_size=info.world_size,
-                                                   timeout=value))
+        store, rank_, world = next(
+            dist.rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=value)
+        )
         _groups_created += 1
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gdnprune/{_groups_created}", store),
-                                rank=rank_, world_size=world, timeout=value)
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(f"gdnprune/{_groups_created}", store),
+            rank=rank_,
+            world_size=world,
+            timeout=value,
+        )
     except RuntimeError as exc:  # the store or the backend could not reach every rank in time
         detail = _short(exc)
         raise RankFailedError(
-            None, info.world_size,
+            None,
+            info.world_size,
             f"rank {info.rank} could not form the process group of {info.world_size} processes at "
-            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {value.total_seconds():g} s ({detail})"
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {value.total_seconds():g} s ({detail})",
         ) from None
     _timeout_in_use = value
     return True
@@ -260,7 +290,9 @@ def shard_indices(n: int, rank: int, world: int) -> range:
     """
     n, rank, world = int(n), int(rank), int(world)
     if n < 0 or world < 1 or not 0 <= rank < world:
-        raise ValueError(f"shard_indices needs n >= 0 and 0 <= rank < world, got n={n}, rank={rank}, world={world}")
+        raise ValueError(
+            f"shard_indices needs n >= 0 and 0 <= rank < world, got n={n}, rank={rank}, world={world}"
+        )
     base, extra = divmod(n, world)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
@@ -295,9 +327,11 @@ def _run_collective(fn, what: str, group: Any):
     except RuntimeError as exc:  # DistBackendError, gloo timeouts and closed connections are RuntimeErrors
         detail = _short(exc)
         error = RankFailedError(
-            None, world_size(group),
+            None,
+            world_size(group),
             f"gave up waiting for the other ranks in {what}: one did not answer within {_timeout_text()} or "
-            f"stopped without a word ({detail})")
+            f"stopped without a word ({detail})",
+        )
         setattr(error, _EXCHANGED, True)
         raise error from None
 
@@ -355,8 +389,11 @@ def exchange(value: Any = None, error: BaseException | None = None, *, group: An
         note = (text, user)
     gathered: list[Any] = [None] * world_size(group)
     try:
-        _run_collective(lambda: dist.all_gather_object(gathered, (note, None if error else value), group=group),
-                        "an exchange between ranks", group)
+        _run_collective(
+            lambda: dist.all_gather_object(gathered, (note, None if error else value), group=group),
+            "an exchange between ranks",
+            group,
+        )
     except RankFailedError:
         if error is None:
             raise
@@ -423,6 +460,8 @@ def gpu_block(local_rank: int, local_world_size: int, count: int) -> list[int]:
     L, l = int(local_world_size), int(local_rank)
     block = list(range(l * count // L, (l + 1) * count // L))
     if not block:
-        raise ValueError(f"local rank {l} of {L} gets no GPU: only {count} GPU(s) visible on this machine; "
-                         "start fewer processes per machine or give each rank its own CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"local rank {l} of {L} gets no GPU: only {count} GPU(s) visible on this machine; "
+            "start fewer processes per machine or give each rank its own CUDA_VISIBLE_DEVICES"
+        )
     return block

@@ -69,4 +69,6 @@ def check_output_file(path: str | os.PathLike, overwrite: bool) -> None:
     if os.path.isdir(path):
         raise ValueError(f"output {os.fspath(path)} is a folder; give a file name such as scores.json")
     if os.path.lexists(path) and not overwrite:
-        raise ValueError(f"output file {os.fspath(path)} already exists (pass `overwrite=True` to replace it)")
+        raise ValueError(
+            f"output file {os.fspath(path)} already exists (pass `overwrite=True` to replace it)"
+        )

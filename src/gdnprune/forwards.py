@@ -23,16 +23,31 @@ Nothing here knows GDN geometry: a "module" is any sub-module of a decoder block
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "unpack_batch", "unpack_batches", "input_device", "model_inputs",
-    "decoder_blocks", "block_index", "block_of", "parent_and_name", "output_projection", "OUTPUT_PROJECTIONS",
-    "hidden_argument", "with_hidden", "Stop", "record_input", "run_with_hooks", "run_model",
-    "Passthrough", "Forwards",
+    "unpack_batch",
+    "unpack_batches",
+    "input_device",
+    "model_inputs",
+    "decoder_blocks",
+    "block_index",
+    "block_of",
+    "parent_and_name",
+    "output_projection",
+    "OUTPUT_PROJECTIONS",
+    "hidden_argument",
+    "with_hidden",
+    "Stop",
+    "record_input",
+    "run_with_hooks",
+    "run_model",
+    "Passthrough",
+    "Forwards",
 ]
 
 #: names of the linear that writes a sub-block's output into the residual stream, tried in this order
@@ -51,7 +66,9 @@ def unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"a calibration batch must be integer input_ids [B, T], got {ids.dtype} {list(ids.shape)}")
+        raise ValueError(
+            f"a calibration batch must be integer input_ids [B, T], got {ids.dtype} {list(ids.shape)}"
+        )
     if mask is not None:
         mask = torch.as_tensor(mask).reshape(ids.shape).bool()
         if bool(mask.all()):
@@ -92,7 +109,9 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder's blocks (``model.get_decoder().layers``), in order."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is None or not hasattr(decoder, "layers"):
-        raise ValueError(f"{type(model).__name__}: expected a decoder with .layers (model.get_decoder().layers)")
+        raise ValueError(
+            f"{type(model).__name__}: expected a decoder with .layers (model.get_decoder().layers)"
+        )
     return decoder.layers
 
 
@@ -127,7 +146,9 @@ def output_projection(module: torch.nn.Module) -> torch.nn.Module:
         found = getattr(module, name, None)
         if found is not None:
             return found
-    raise ValueError(f"{type(module).__name__} has no output projection (expected one of {list(OUTPUT_PROJECTIONS)})")
+    raise ValueError(
+        f"{type(module).__name__} has no output projection (expected one of {list(OUTPUT_PROJECTIONS)})"
+    )
 
 
 def hidden_argument(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor:
@@ -150,10 +171,12 @@ class Stop(Exception):
 def record_input(seen: dict, key: str, *, stop: bool = False) -> Callable:
     """A forward pre-hook (``with_kwargs=True``) that keeps its module's hidden-state input under
     ``seen[key]``; ``stop`` then ends the pass."""
+
     def hook(module, args, kwargs):
         seen[key] = hidden_argument(args, kwargs)
         if stop:
             raise Stop
+
     return hook
 
 
@@ -170,7 +193,9 @@ def run_with_hooks(module: torch.nn.Module, args: tuple, kwargs: dict, hooks: It
             handle.remove()
 
 
-def run_model(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, hooks: Iterable[tuple]) -> None:
+def run_model(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, hooks: Iterable[tuple]
+) -> None:
     """One forward of ``model`` on a batch (on :func:`input_device`) with the pre-hooks ``[(sub-module,
     hook)]``, until a hook stops it."""
     run_with_hooks(model, (), model_inputs(ids, mask, input_device(model)), hooks)
@@ -187,13 +212,21 @@ def _decoder_and_head(model: torch.nn.Module):
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
     if decoder is None or head is None or not hasattr(decoder, "layers"):
-        raise ValueError(f"{type(model).__name__}: measured sensitivity needs a decoder with .layers and an "
-                         f"lm_head; use the proxy sensitivity")
+        raise ValueError(
+            f"{type(model).__name__}: measured sensitivity needs a decoder with .layers and an "
+            f"lm_head; use the proxy sensitivity"
+        )
     return decoder, head
 
 
-def _divergence(head: torch.nn.Module, student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor,
-                mask: torch.Tensor | None, max_logits: int) -> tuple[float, float, int, int]:
+def _divergence(
+    head: torch.nn.Module,
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    max_logits: int,
+) -> tuple[float, float, int, int]:
     """Summed KL(teacher || student) over tokens, summed next-token loss, and their token counts."""
     hidden = student.shape[-1]
     student, teacher = student.reshape(-1, hidden), teacher.reshape(-1, hidden)
@@ -234,8 +267,9 @@ class Forwards:
     ``forwards`` (batches run by :meth:`from_layer` so far), ``tokens``.
     """
 
-    def __init__(self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24,
-                 shard: bool = True):
+    def __init__(
+        self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24, shard: bool = True
+    ):
         from . import distributed
 
         self.model = model.eval()
@@ -246,7 +280,10 @@ class Forwards:
             raise ValueError("a measured sensitivity needs at least one calibration batch")
         self.several = shard and distributed.is_distributed()  # shard=False: every rank holds every batch
         if self.several:
-            data = [data[i] for i in distributed.shard_indices(len(data), distributed.rank(), distributed.world_size())]
+            data = [
+                data[i]
+                for i in distributed.shard_indices(len(data), distributed.rank(), distributed.world_size())
+            ]
         self.data = data
         self.max_logits = max_logits
         self.captured: list[dict[int, torch.Tensor]] = []
@@ -281,7 +318,10 @@ class Forwards:
         return block_index(self.decoder.layers, module)
 
     def _kwargs(self, mask: torch.Tensor | None) -> dict:
-        return {"use_cache": False, **({} if mask is None else {"attention_mask": mask.to(self.device).long()})}
+        return {
+            "use_cache": False,
+            **({} if mask is None else {"attention_mask": mask.to(self.device).long()}),
+        }
 
     @torch.no_grad()
     def teacher(self, layer_indices: Iterable[int]) -> None:
@@ -291,6 +331,7 @@ class Forwards:
         def capture(i):
             def hook(module, args, kwargs):
                 self.captured[-1][i] = hidden_argument(args, kwargs).detach().cpu()
+
             return hook
 
         ce = n = 0.0
@@ -300,14 +341,20 @@ class Forwards:
                 logits = self.model(input_ids=probe, use_cache=False).logits.float()
                 direct = self.head(self.decoder(input_ids=probe, use_cache=False).last_hidden_state).float()
                 if (direct - logits).abs().max() > 1e-3 * (1 + logits.abs().max()):
-                    raise ValueError(f"{type(self.model).__name__}: its logits are not lm_head(last hidden state), "
-                                     f"which a measured sensitivity needs; use the proxy sensitivity")
-            handles = [self.decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
-                       for i in sorted(set(layer_indices))]
+                    raise ValueError(
+                        f"{type(self.model).__name__}: its logits are not lm_head(last hidden state), "
+                        f"which a measured sensitivity needs; use the proxy sensitivity"
+                    )
+            handles = [
+                self.decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
+                for i in sorted(set(layer_indices))
+            ]
             try:
                 for ids, mask in self.data:
                     self.captured.append({})
-                    final = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
+                    final = self.decoder(
+                        input_ids=ids.to(self.device), **self._kwargs(mask)
+                    ).last_hidden_state
                     self.finals.append(final.detach().cpu())
                     _, c, _, k = _divergence(self.head, final, final, ids, mask, self.max_logits)
                     ce, n = ce + c, n + k
@@ -360,8 +407,12 @@ class Forwards:
         layers cut by hooks), replacing the teacher's."""
         for k, (ids, mask) in enumerate(self.data):
             seen: dict = {}
-            run_with_hooks(self.decoder, (), {"input_ids": ids.to(self.device), **self._kwargs(mask)},
-                           [(self.decoder.layers[index], record_input(seen, "hidden", stop=True))])
+            run_with_hooks(
+                self.decoder,
+                (),
+                {"input_ids": ids.to(self.device), **self._kwargs(mask)},
+                [(self.decoder.layers[index], record_input(seen, "hidden", stop=True))],
+            )
             self.captured[k][index] = seen["hidden"].detach().cpu()
 
     @property

@@ -19,14 +19,16 @@ and cutting ``dv`` changes what the gated RMSNorm averages over.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import geometry
-from .geometry import INDEX_KEYS, GDNShape, as_target as _as_target
+from .geometry import GDNShape
+from .geometry import as_target as _as_target
 from .layouts import LAYOUTS, Layout, TensorRule, detect_layout, get_layout
 
 __all__ = [
@@ -38,11 +40,14 @@ __all__ = [
     "gather_gated_delta_net_tensor",
 ]
 
+
 def _torch(indices: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in indices.items()}
 
 
-def gated_delta_net_prefix_indices(shape: GDNShape, target: GDNShape | Mapping[str, int]) -> dict[str, torch.Tensor]:
+def gated_delta_net_prefix_indices(
+    shape: GDNShape, target: GDNShape | Mapping[str, int]
+) -> dict[str, torch.Tensor]:
     """Canonical indices that keep the nested prefix ``target`` of a layer of geometry ``shape``.
 
     The prefix keeps the first ``Hk'`` key groups, the first ``r'`` lanes of each, the first ``dk'`` key
@@ -104,14 +109,21 @@ class GDNPermutation:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GDNPermutation):
             return NotImplemented
-        return all(torch.equal(getattr(self, f.name).cpu(), getattr(other, f.name).cpu()) for f in fields(self))
+        return all(
+            torch.equal(getattr(self, f.name).cpu(), getattr(other, f.name).cpu()) for f in fields(self)
+        )
 
     __hash__ = None  # mutable tensors inside
 
     @property
     def shape_signature(self) -> tuple[int, int, int, int]:
         """``(Hk, r, dk, dv)`` implied by the orders."""
-        return (self.key_groups.numel(), self.value_lanes.shape[1], self.key_dim.shape[1], self.value_dim.numel())
+        return (
+            self.key_groups.numel(),
+            self.value_lanes.shape[1],
+            self.key_dim.shape[1],
+            self.value_dim.numel(),
+        )
 
     def _check_shape(self, shape: GDNShape) -> None:
         want = (shape.num_key_heads, shape.value_heads_per_group, shape.key_head_dim, shape.value_head_dim)
@@ -122,14 +134,19 @@ class GDNPermutation:
             )
 
     @classmethod
-    def identity(cls, shape: GDNShape) -> "GDNPermutation":
+    def identity(cls, shape: GDNShape) -> GDNPermutation:
         """The permutation that changes nothing."""
         return cls(**geometry.identity_orders(shape))
 
     @classmethod
-    def random(cls, shape: GDNShape, *, generator: torch.Generator | None = None) -> "GDNPermutation":
+    def random(cls, shape: GDNShape, *, generator: torch.Generator | None = None) -> GDNPermutation:
         """Uniformly random orders on every axis (independent per group where the axis is per group)."""
-        Hk, r, dk, dv = shape.num_key_heads, shape.value_heads_per_group, shape.key_head_dim, shape.value_head_dim
+        Hk, r, dk, dv = (
+            shape.num_key_heads,
+            shape.value_heads_per_group,
+            shape.key_head_dim,
+            shape.value_head_dim,
+        )
         return cls(
             torch.randperm(Hk, generator=generator),
             torch.rand(Hk, r, generator=generator).argsort(dim=-1),
@@ -138,7 +155,7 @@ class GDNPermutation:
         )
 
     @classmethod
-    def from_score_payload(cls, payload: Mapping[str, Any], shape: GDNShape) -> "GDNPermutation":
+    def from_score_payload(cls, payload: Mapping[str, Any], shape: GDNShape) -> GDNPermutation:
         """Build from a score payload (one layer of a scores file).
 
         Reads ``key_group_order_most_important_first`` [Hk], ``value_lane_order_most_important_first``
@@ -154,14 +171,19 @@ class GDNPermutation:
         """The four ``*_order_most_important_first`` keys as JSON-ready lists."""
         return geometry.orders_to_payload(self._numpy())
 
-    def inverse(self) -> "GDNPermutation":
+    def inverse(self) -> GDNPermutation:
         """The permutation that undoes this one (applied to the permuted layer)."""
         G = self.key_groups
         return GDNPermutation(
-            G.argsort(), self.value_lanes[G].argsort(dim=-1), self.key_dim[G].argsort(dim=-1), self.value_dim.argsort()
+            G.argsort(),
+            self.value_lanes[G].argsort(dim=-1),
+            self.key_dim[G].argsort(dim=-1),
+            self.value_dim.argsort(),
         )
 
-    def indices(self, shape: GDNShape, *, target: GDNShape | Mapping[str, int] | None = None) -> dict[str, torch.Tensor]:
+    def indices(
+        self, shape: GDNShape, *, target: GDNShape | Mapping[str, int] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Canonical full-width gather indices (``qidx``, ``hidx``, ``vidx``, ``cidx``) of this permutation.
 
         With ``target``, the indices of permute-then-slice in one gather: the nested prefix ``target`` of
@@ -202,7 +224,9 @@ def gather_gated_delta_net_tensor(
     layout = get_layout(layout)
     rule = layout.rule(name)
     if rule is None:
-        raise ValueError(f"{prefix or '<layer>'}: tensor {name!r} is not part of the {layout.name} GDN layout")
+        raise ValueError(
+            f"{prefix or '<layer>'}: tensor {name!r} is not part of the {layout.name} GDN layout"
+        )
     _check_tensor(prefix, rule, tensor, shape)
     full = geometry.check_indices(indices, shape, target)
     return _gather(rule, tensor, shape, target, full)
@@ -240,7 +264,7 @@ def _gather_layer(
         raise ValueError(f"shape must be a GDNShape, got {type(shape).__name__}")
     prefix = prefix.rstrip(".")
     head = prefix + "." if prefix else ""
-    names = {k[len(head):]: k for k in state_dict if k.startswith(head)}
+    names = {k[len(head) :]: k for k in state_dict if k.startswith(head)}
     if layout is None:
         if not strict:
             raise ValueError("strict=False needs an explicit layout= (detection needs the whole layer)")
@@ -272,7 +296,9 @@ def _gather_layer(
     full = geometry.check_indices(indices, shape, target)
     for name, key in names.items():
         _check_tensor(prefix, chosen.rule(name), state_dict[key], shape)
-    updated = {key: _gather(chosen.rule(name), state_dict[key], shape, target, full) for name, key in names.items()}
+    updated = {
+        key: _gather(chosen.rule(name), state_dict[key], shape, target, full) for name, key in names.items()
+    }
     state_dict.update(updated)
 
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +128,7 @@ def layer_index_of(prefix: str) -> int:
     return int(match.group(1))
 
 
-def apply_targets_to_config(config: Mapping, targets: Mapping[int, "GDNShape"]) -> dict:
+def apply_targets_to_config(config: Mapping, targets: Mapping[int, GDNShape]) -> dict:
     """A copy of the dict ``config`` with the GDN geometry of each layer in ``targets`` (layer index -> shape).
 
     One geometry for all: the plain ``linear_*`` keys (:meth:`GDNShape.apply_to_config`), which every
@@ -146,8 +147,11 @@ def apply_targets_to_config(config: Mapping, targets: Mapping[int, "GDNShape"]) 
     holder = _holder(config)
     overrides = {int(k): dict(v) for k, v in holder.get("per_layer_config", {}).items()}
     for index, target in targets.items():
-        differ = {key: value for key, value in target.config_updates().items()
-                  if value != common.config_updates()[key]}
+        differ = {
+            key: value
+            for key, value in target.config_updates().items()
+            if value != common.config_updates()[key]
+        }
         if differ:
             overrides.setdefault(index, {}).update(differ)
     width = len(str(max(overrides)))
@@ -203,7 +207,9 @@ class GDNShape:
         for f in fields(self):
             value = _as_int(getattr(self, f.name))
             if value is None or value <= 0:
-                raise ValueError(f"GDNShape.{f.name} must be a positive integer, got {getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"GDNShape.{f.name} must be a positive integer, got {getattr(self, f.name)!r}"
+                )
             object.__setattr__(self, f.name, value)
         if self.num_value_heads % self.num_key_heads:
             raise ValueError(
@@ -231,7 +237,7 @@ class GDNShape:
         """``2*Hk*dk + Hv*dv``: channels of the depthwise conv (and of the fused q-k-v projection)."""
         return 2 * self.key_dim + self.value_dim
 
-    def replace(self, **changes: int) -> "GDNShape":
+    def replace(self, **changes: int) -> GDNShape:
         """A copy with some fields changed (validated like the constructor)."""
         return GDNShape(**{**self.as_dict(), **changes})
 
@@ -258,15 +264,18 @@ class GDNShape:
             else:
                 setattr(holder, key, value)
         if isinstance(holder, MutableMapping) and isinstance(holder.get("per_layer_config"), Mapping):
-            kept = {k: {a: v for a, v in o.items() if a not in _GDN_CONFIG_KEYS}
-                    for k, o in holder["per_layer_config"].items() if isinstance(o, Mapping)}
+            kept = {
+                k: {a: v for a, v in o.items() if a not in _GDN_CONFIG_KEYS}
+                for k, o in holder["per_layer_config"].items()
+                if isinstance(o, Mapping)
+            }
             holder["per_layer_config"] = {k: o for k, o in kept.items() if o}
             if not holder["per_layer_config"]:
                 del holder["per_layer_config"]
         return config
 
     @classmethod
-    def from_config(cls, config: Any, *, layer_index: int | None = None) -> "GDNShape":
+    def from_config(cls, config: Any, *, layer_index: int | None = None) -> GDNShape:
         """Geometry from a transformers config (object or dict) with ``linear_*`` keys, or its ``text_config``.
 
         A heterogeneous config (transformers' ``per_layer_config`` overriding ``linear_*`` keys for some
@@ -276,8 +285,10 @@ class GDNShape:
         values = {name: _get_global(source, key) for name, key in _CONFIG_KEYS.items()}
         overrides = per_layer_gdn_overrides(config)
         if overrides and layer_index is None:
-            raise ValueError(f"config has a heterogeneous GDN geometry (per_layer_config sets linear_* for layers "
-                             f"{sorted(overrides)}); give the layer_index of the layer")
+            raise ValueError(
+                f"config has a heterogeneous GDN geometry (per_layer_config sets linear_* for layers "
+                f"{sorted(overrides)}); give the layer_index of the layer"
+            )
         for key, value in overrides.get(layer_index, {}).items():
             values[_FIELD_OF[key]] = value
         missing = [_CONFIG_KEYS[name] for name, value in values.items() if value is None]
@@ -286,7 +297,7 @@ class GDNShape:
         return cls(**values)
 
     @classmethod
-    def from_module(cls, module: Any) -> "GDNShape":
+    def from_module(cls, module: Any) -> GDNShape:
         """Geometry of a transformers GDN module (``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``)."""
         try:
             return cls(module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim)
@@ -294,10 +305,14 @@ class GDNShape:
             raise ValueError(f"{type(module).__name__} is not a GDN module: {exc}") from None
 
     @classmethod
-    def from_mamba_config(cls, config: Any) -> "GDNShape":
+    def from_mamba_config(cls, config: Any) -> GDNShape:
         """Geometry from a Mamba-style config: ``num_groups`` (Hk), ``num_heads`` (Hv), ``state_dim`` (dk), ``head_dim`` (dv)."""
-        names = {"num_groups": ("num_groups", "n_groups"), "num_heads": ("num_heads",),
-                 "state_dim": ("state_dim", "ssm_state_size", "d_state"), "head_dim": ("head_dim",)}
+        names = {
+            "num_groups": ("num_groups", "n_groups"),
+            "num_heads": ("num_heads",),
+            "state_dim": ("state_dim", "ssm_state_size", "d_state"),
+            "head_dim": ("head_dim",),
+        }
         values = {}
         for field, candidates in names.items():
             values[field] = next((v for c in candidates if (v := _get(config, c)) is not None), None)
@@ -311,7 +326,9 @@ def as_target(shape: GDNShape, target: GDNShape | Mapping[str, int]) -> GDNShape
     if isinstance(target, Mapping):
         unknown = set(target) - set(shape.as_dict())
         if unknown:
-            raise ValueError(f"unknown target fields {sorted(unknown)}; expected some of {list(shape.as_dict())}")
+            raise ValueError(
+                f"unknown target fields {sorted(unknown)}; expected some of {list(shape.as_dict())}"
+            )
         target = shape.replace(**{k: v for k, v in target.items() if v is not None})
     if not isinstance(target, GDNShape):
         raise ValueError(f"target must be a GDNShape or a mapping of its fields, got {type(target).__name__}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["SIGNALS", "Interrupted", "handle_signals", "deferred_signals"]
 

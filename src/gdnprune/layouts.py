@@ -24,9 +24,10 @@ segment in turn: ``[q_g, k_g, v_g, z_g]``. Permuting and slicing are then one ga
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -99,8 +100,11 @@ class TensorRule:
             parts.append(np.asarray(indices[_SEGMENT_INDEX.get(kind, kind)], dtype=np.int64) + base)
             base += segment_size(kind, shape)
         canonical = np.concatenate(parts)
-        rows = canonical if not self.grouped else _physical_rows(self.segments, shape)[
-            canonical[self.canonical_rows(target)]]
+        rows = (
+            canonical
+            if not self.grouped
+            else _physical_rows(self.segments, shape)[canonical[self.canonical_rows(target)]]
+        )
         return rows if self.block == 1 else _block_index(rows, self.block, self.name)
 
 
@@ -122,8 +126,9 @@ def _block_index(rows: np.ndarray, block: int, name: str) -> np.ndarray:
         b = int(broken[0])
         raise BlockGridError(
             f"{name}: the gather takes rows of one {block}-row scale block from several source blocks (output "
-            f"block {b} mixes source blocks {sorted(set(source[b * block:(b + 1) * block].tolist()))}); with "
-            f"{block}-wide quantisation blocks only moves and cuts of whole blocks keep the FP8 weights exact")
+            f"block {b} mixes source blocks {sorted(set(source[b * block : (b + 1) * block].tolist()))}); with "
+            f"{block}-wide quantisation blocks only moves and cuts of whole blocks keep the FP8 weights exact"
+        )
     return low
 
 
@@ -134,8 +139,9 @@ def scale_rule(weight: TensorRule, suffix: str, block_size: tuple[int, int]) -> 
     expert, gathered with its expert (block 1 along that axis)."""
     leading = weight.ndim - 2
     block = 1 if weight.axis < leading else int(block_size[weight.axis - leading])
-    return TensorRule(suffix, weight.axis, weight.segments, weight.grouped, ndim=weight.ndim, required=False,
-                      block=block)
+    return TensorRule(
+        suffix, weight.axis, weight.segments, weight.grouped, ndim=weight.ndim, required=False, block=block
+    )
 
 
 def scale_name(weight: str) -> str:
@@ -167,7 +173,9 @@ def _canonical_rows(segments: tuple[str, ...], grouped: bool, shape) -> np.ndarr
         per_group = [segment_size(kind, shape) // Hk for kind in segments]
         starts = np.cumsum([0] + [p * Hk for p in per_group[:-1]])
         g = np.arange(Hk)[:, None]
-        rows = np.concatenate([start + g * p + np.arange(p) for start, p in zip(starts, per_group)], axis=1).reshape(-1)
+        rows = np.concatenate(
+            [start + g * p + np.arange(p) for start, p in zip(starts, per_group)], axis=1
+        ).reshape(-1)
     rows.setflags(write=False)
     return rows
 
@@ -284,7 +292,11 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (QWEN3_5, QWEN3_
 GATED_MLP = Layout(
     name="gated_mlp",
     description="SwiGLU MLP (gate_proj / up_proj rows, down_proj columns): dense MLPs and MoE shared experts",
-    rules=(*_linear("gate_proj", ("i",)), *_linear("up_proj", ("i",)), TensorRule("down_proj.weight", 1, ("i",))),
+    rules=(
+        *_linear("gate_proj", ("i",)),
+        *_linear("up_proj", ("i",)),
+        TensorRule("down_proj.weight", 1, ("i",)),
+    ),
     markers=frozenset({"gate_proj.weight", "down_proj.weight"}),
     fixed=frozenset({"down_proj.bias"}),
 )
@@ -292,9 +304,13 @@ GATED_MLP = Layout(
 QWEN_GATED_ATTENTION = Layout(
     name="qwen_gated_attention",
     description="Qwen3.5 / Qwen3-Next gated attention: q_proj rows [query_h | gate_h] per head, q_norm/k_norm "
-                "over the head dim (shared by all heads)",
-    rules=(*_linear("q_proj", ("qg",)), *_linear("k_proj", ("kv",)), *_linear("v_proj", ("kv",)),
-           TensorRule("o_proj.weight", 1, ("qo",))),
+    "over the head dim (shared by all heads)",
+    rules=(
+        *_linear("q_proj", ("qg",)),
+        *_linear("k_proj", ("kv",)),
+        *_linear("v_proj", ("kv",)),
+        TensorRule("o_proj.weight", 1, ("qo",)),
+    ),
     markers=frozenset({"q_proj.weight", "o_proj.weight"}),
     fixed=frozenset({"q_norm.weight", "k_norm.weight", "o_proj.bias"}),
 )
@@ -302,10 +318,15 @@ QWEN_GATED_ATTENTION = Layout(
 ATTENTION_WHOLE_NORM = Layout(
     name="attention_whole_norm",
     description="OLMo-hybrid attention: q_norm/k_norm over the whole projection (one weight per channel; "
-                "sorting keeps the function, a cut changes what the norms average over)",
-    rules=(*_linear("q_proj", ("qo",)), *_linear("k_proj", ("kv",)), *_linear("v_proj", ("kv",)),
-           TensorRule("o_proj.weight", 1, ("qo",)),
-           TensorRule("q_norm.weight", 0, ("qo",), ndim=1), TensorRule("k_norm.weight", 0, ("kv",), ndim=1)),
+    "sorting keeps the function, a cut changes what the norms average over)",
+    rules=(
+        *_linear("q_proj", ("qo",)),
+        *_linear("k_proj", ("kv",)),
+        *_linear("v_proj", ("kv",)),
+        TensorRule("o_proj.weight", 1, ("qo",)),
+        TensorRule("q_norm.weight", 0, ("qo",), ndim=1),
+        TensorRule("k_norm.weight", 0, ("kv",), ndim=1),
+    ),
     markers=frozenset({"q_proj.weight", "o_proj.weight"}),
     fixed=frozenset({"o_proj.bias"}),
 )
@@ -318,16 +339,19 @@ _ROUTER = TensorRule("gate.weight", 0, ("e",), ndim=2)
 FUSED_EXPERTS = Layout(
     name="fused_experts",
     description="routed experts as 3-D tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) "
-                "and the router rows (gate.weight [E, H])",
-    rules=(_ROUTER, TensorRule("experts.gate_up_proj", 0, ("e",), ndim=3),
-           TensorRule("experts.down_proj", 0, ("e",), ndim=3)),
+    "and the router rows (gate.weight [E, H])",
+    rules=(
+        _ROUTER,
+        TensorRule("experts.gate_up_proj", 0, ("e",), ndim=3),
+        TensorRule("experts.down_proj", 0, ("e",), ndim=3),
+    ),
     markers=frozenset({"gate.weight"}),
 )
 
 NUMBERED_EXPERTS = Layout(
     name="numbered_experts",
     description="routed experts one tensor per expert (experts.N.gate_proj.weight, ..., FP8 scales with their "
-                "expert) and the router rows (gate.weight [E, H])",
+    "expert) and the router rows (gate.weight [E, H])",
     rules=(_ROUTER,),
     markers=frozenset({"gate.weight"}),
     numbered="experts",
@@ -335,8 +359,9 @@ NUMBERED_EXPERTS = Layout(
 )
 
 BLOCK_LAYOUTS: dict[str, Layout] = {
-    layout.name: layout for layout in (GATED_MLP, QWEN_GATED_ATTENTION, ATTENTION_WHOLE_NORM, FUSED_EXPERTS,
-                                       NUMBERED_EXPERTS)}
+    layout.name: layout
+    for layout in (GATED_MLP, QWEN_GATED_ATTENTION, ATTENTION_WHOLE_NORM, FUSED_EXPERTS, NUMBERED_EXPERTS)
+}
 
 
 def get_layout(layout: str | Layout) -> Layout:

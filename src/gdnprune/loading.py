@@ -20,7 +20,8 @@ import functools
 import os
 import sys
 import threading
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 __all__ = ["load_pretrained", "load_causal_lm", "empty_causal_lm", "slice_model", "per_layer_gdn_modules"]
 
@@ -45,22 +46,30 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
     classes = _gdn_classes(model_class)
     layers = _classes(model_class, "DecoderLayer")
     if not classes:
-        raise ValueError(f"{model_class.__name__}: no GatedDeltaNet module class in {model_class.__module__}; "
-                         f"per-layer GDN geometries are supported for the Qwen3.5, Qwen3-Next and OLMo-hybrid "
-                         f"families")
-    heads = [c for c in _classes(model_class, "ForCausalLM") + _classes(model_class, "ForConditionalGeneration")
-             if "__init__" in c.__dict__]
+        raise ValueError(
+            f"{model_class.__name__}: no GatedDeltaNet module class in {model_class.__module__}; "
+            f"per-layer GDN geometries are supported for the Qwen3.5, Qwen3-Next and OLMo-hybrid "
+            f"families"
+        )
+    heads = [
+        c
+        for c in _classes(model_class, "ForCausalLM") + _classes(model_class, "ForConditionalGeneration")
+        if "__init__" in c.__dict__
+    ]
     with _LOCK:
         originals = {cls: cls.__dict__["__init__"] for cls in classes + layers if "__init__" in cls.__dict__}
         globals_ = {cls: cls.__dict__["__init__"] for cls in heads}
         for cls, original in globals_.items():
+
             @functools.wraps(original)
             def head_init(self, config, *args, _original=original, **kwargs):
                 # MoE heads read num_experts globally (router aux loss): the most common count, as config.json's
                 # global key holds it; the aux loss of per-layer expert counts is not defined (leave
                 # output_router_logits off)
                 text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-                before = {id(c): c.__dict__.get("allow_global_per_layer_attribute_access") for c in (config, text)}
+                before = {
+                    id(c): c.__dict__.get("allow_global_per_layer_attribute_access") for c in (config, text)
+                }
                 for c in (config, text):
                     c.__dict__["allow_global_per_layer_attribute_access"] = True
                 try:
@@ -77,6 +86,7 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
         for cls, original in originals.items():
             if cls in globals_:
                 continue
+
             @functools.wraps(original)
             def init(self, config, layer_idx=None, *args, _original=original, **kwargs):
                 if layer_idx is not None and getattr(config, "is_heterogeneous", False):
@@ -116,7 +126,9 @@ def _heterogeneous(config: Any) -> bool:
     return bool(per_layer_overrides(config, keys))
 
 
-def load_pretrained(path: str | os.PathLike, *, model_class: Any = None, **from_pretrained_kwargs: Any) -> Any:
+def load_pretrained(
+    path: str | os.PathLike, *, model_class: Any = None, **from_pretrained_kwargs: Any
+) -> Any:
     """Load a Hugging Face model folder, with per-layer GDN geometries when ``config.json`` has them.
 
     Args:
@@ -142,8 +154,14 @@ def load_pretrained(path: str | os.PathLike, *, model_class: Any = None, **from_
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
 
 
-def load_causal_lm(model_dir: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
-                   device_map: str | None = None, gpus: list[int] | None = None) -> Any:
+def load_causal_lm(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    device: str | None = None,
+    device_map: str | None = None,
+    gpus: list[int] | None = None,
+) -> Any:
     """A causal LM from ``model_dir`` in eval mode, for calibration forwards (the text part of a
     vision-language checkpoint; per-layer GDN geometries as :func:`load_pretrained` reads them).
 
@@ -209,8 +227,9 @@ def _default_device() -> str:
     return f"cuda:{(info.local_rank if info else 0) % max(1, torch.cuda.device_count())}"
 
 
-def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, blocks: Any = None,
-                block_orders: Any = None) -> Any:
+def slice_model(
+    model: Any, targets: Any = None, permutations: Any = None, *, blocks: Any = None, block_orders: Any = None
+) -> Any:
     """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory,
     and its attention and MLP sub-blocks sorted by ``block_orders`` and cut to ``blocks``.
 
@@ -229,15 +248,24 @@ def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, bl
     that :func:`load_pretrained` reads back.
     """
     from .block_surgery import find_model_blocks, slice_block_state_dict
-    from .blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_kinds_of, resolve_block_target
+    from .blocks import (
+        BLOCK_FIELDS,
+        KINDS,
+        apply_block_targets_to_config,
+        block_kinds_of,
+        resolve_block_target,
+    )
     from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
     from .geometry import GDNShape, apply_targets_to_config, layer_index_of
     from .layouts import find_gdn_modules
     from .targets import resolve_target
 
     modules = find_gdn_modules(model)
-    per_layer = isinstance(targets, dict) and all(isinstance(v, (GDNShape, dict)) for v in targets.values()) and \
-        set(targets) <= {p for p, _ in modules}
+    per_layer = (
+        isinstance(targets, dict)
+        and all(isinstance(v, (GDNShape, dict)) for v in targets.values())
+        and set(targets) <= {p for p, _ in modules}
+    )
     state = dict(model.state_dict())
     chosen = {}
     for prefix, module in modules:
@@ -257,14 +285,20 @@ def slice_model(model: Any, targets: Any = None, permutations: Any = None, *, bl
         found = find_model_blocks(model, sorted(kinds))  # only the kinds asked for: others may be unsupported
         by_prefix = {b.prefix: b for b in found}
         unknown = sorted(named - set(by_prefix))
-        absent = [] if per_block else sorted(
-            f for f in (blocks or {}) if not any(f in KINDS[b.kind].config_keys for b in found))
+        absent = (
+            []
+            if per_block
+            else sorted(f for f in (blocks or {}) if not any(f in KINDS[b.kind].config_keys for b in found))
+        )
         if absent:
-            raise ValueError(f"no sub-block of this model has {absent} (its sub-blocks: "
-                             f"{sorted({b.kind for b in found}) or 'none'})")
+            raise ValueError(
+                f"no sub-block of this model has {absent} (its sub-blocks: "
+                f"{sorted({b.kind for b in found}) or 'none'})"
+            )
         if unknown:
-            raise ValueError(f"{unknown} are not sub-blocks of this model (its sub-blocks: "
-                             f"{sorted(by_prefix)[:4]} ...)")
+            raise ValueError(
+                f"{unknown} are not sub-blocks of this model (its sub-blocks: {sorted(by_prefix)[:4]} ...)"
+            )
         cut: dict[str, dict[int, Any]] = {}
         for block in found:
             fields = (blocks or {}).get(block.prefix) if per_block else blocks

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, block_kinds_of, resolve_block_target
 from .fileio import write_json_atomic
@@ -67,7 +68,9 @@ class PlanError(ValueError):
 
 def _check_fields(entry: Any, where: str, allowed=TARGET_FIELDS) -> dict[str, int]:
     if not isinstance(entry, Mapping):
-        raise PlanError(f"{where}: expected an object of some of {list(allowed)}, found {type(entry).__name__}")
+        raise PlanError(
+            f"{where}: expected an object of some of {list(allowed)}, found {type(entry).__name__}"
+        )
     unknown = sorted(map(str, set(entry) - set(allowed)))
     if unknown:
         raise PlanError(f"{where}: unknown fields {unknown}; expected some of {list(allowed)}")
@@ -98,13 +101,19 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
     if not isinstance(plan, Mapping):
         raise PlanError(f"{where}: expected a JSON object, found {type(plan).__name__}")
     if plan.get("format") != PLAN_FORMAT:
-        raise PlanError(f"{where}: not a gdnprune plan (format {plan.get('format')!r}, expected {PLAN_FORMAT!r})")
+        raise PlanError(
+            f"{where}: not a gdnprune plan (format {plan.get('format')!r}, expected {PLAN_FORMAT!r})"
+        )
     version = plan.get("version")
     if isinstance(version, bool) or version not in PLAN_VERSIONS:
-        raise PlanError(f"{where}: unsupported plan version {version!r}, expected one of {list(PLAN_VERSIONS)}")
+        raise PlanError(
+            f"{where}: unsupported plan version {version!r}, expected one of {list(PLAN_VERSIONS)}"
+        )
     layers = plan.get("layers", {})
     if not isinstance(layers, Mapping):
-        raise PlanError(f"{where}: 'layers' must map GDN layer prefixes to targets, found {type(layers).__name__}")
+        raise PlanError(
+            f"{where}: 'layers' must map GDN layer prefixes to targets, found {type(layers).__name__}"
+        )
     if not layers and plan.get("default") is None:
         raise PlanError(f"{where}: names no layer and has no 'default': nothing to cut")
     out = dict(plan)
@@ -114,8 +123,10 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
             raise PlanError(f"{where}: layer keys must be GDN layer prefixes, found {prefix!r}")
         if isinstance(entry, Mapping) and "removed" in entry:  # a decoder layer to drop (gdnprune.depth)
             if version == 1 or set(entry) != {"removed"} or not isinstance(entry["removed"], bool):
-                raise PlanError(f"{where}: layers[{prefix!r}]: a removal is {{\"removed\": true}} alone, in a "
-                                f"version-2 plan; found {dict(entry)!r} in version {version}")
+                raise PlanError(
+                    f'{where}: layers[{prefix!r}]: a removal is {{"removed": true}} alone, in a '
+                    f"version-2 plan; found {dict(entry)!r} in version {version}"
+                )
             try:
                 index = layer_index_of(prefix)
             except ValueError as exc:
@@ -125,8 +136,10 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
             continue
         kind = block_kind_of(prefix, entry if isinstance(entry, Mapping) else ())
         if kind is not None and version == 1:
-            raise PlanError(f"{where}: layers[{prefix!r}] is a {kind.name} sub-block; plan version 1 cuts only GDN "
-                            f"layers (write version 2)")
+            raise PlanError(
+                f"{where}: layers[{prefix!r}] is a {kind.name} sub-block; plan version 1 cuts only GDN "
+                f"layers (write version 2)"
+            )
         allowed = TARGET_FIELDS if kind is None else tuple(k for k in kind.config_keys if k in BLOCK_FIELDS)
         out["layers"][prefix] = _check_fields(entry, f"{where}: layers[{prefix!r}]", allowed)
     if plan.get("default") is not None:
@@ -215,8 +228,9 @@ def save_plan(plan: Mapping[str, Any], path: str | os.PathLike) -> os.PathLike:
     return write_json_atomic(path, dict(plan), indent=1)
 
 
-def constraint_violations(targets: Mapping[str, GDNShape], *, tp: int | None = None,
-                          multiple_of: int | None = None) -> list[str]:
+def constraint_violations(
+    targets: Mapping[str, GDNShape], *, tp: int | None = None, multiple_of: int | None = None
+) -> list[str]:
     """What breaks the serving constraints, one line per layer (empty when none does).
 
     ``tp``: tensor-parallel serving shards GDN heads over ``tp`` ranks, so every layer's key heads and value
@@ -226,8 +240,10 @@ def constraint_violations(targets: Mapping[str, GDNShape], *, tp: int | None = N
     for prefix, t in targets.items():
         problems = []
         if tp and (t.num_key_heads % tp or t.num_value_heads % tp):
-            problems.append(f"{t.num_key_heads} key heads and {t.num_value_heads} value heads must be divisible "
-                            f"by `tp={tp}`")
+            problems.append(
+                f"{t.num_key_heads} key heads and {t.num_value_heads} value heads must be divisible "
+                f"by `tp={tp}`"
+            )
         if multiple_of:
             for name in ("key_head_dim", "value_head_dim"):
                 if getattr(t, name) % multiple_of:
@@ -244,12 +260,16 @@ def kernel_warnings(targets: Mapping[str, GDNShape]) -> list[str]:
     for prefix, t in targets.items():
         notes = []
         if t.key_head_dim < KERNEL_MULTIPLE:
-            notes.append(f"key_head_dim {t.key_head_dim} < {KERNEL_MULTIPLE}: flash-linear-attention's Triton "
-                         f"kernels fail on it")
+            notes.append(
+                f"key_head_dim {t.key_head_dim} < {KERNEL_MULTIPLE}: flash-linear-attention's Triton "
+                f"kernels fail on it"
+            )
         for name in ("key_head_dim", "value_head_dim"):
             if getattr(t, name) % KERNEL_MULTIPLE:
-                notes.append(f"{name} {getattr(t, name)} is not a multiple of {KERNEL_MULTIPLE}: "
-                             f"flash-linear-attention pads it (slower, no memory saved)")
+                notes.append(
+                    f"{name} {getattr(t, name)} is not a multiple of {KERNEL_MULTIPLE}: "
+                    f"flash-linear-attention pads it (slower, no memory saved)"
+                )
         if notes:
             lines.append(f"{prefix}: " + "; ".join(notes))
     return lines
@@ -258,4 +278,6 @@ def kernel_warnings(targets: Mapping[str, GDNShape]) -> list[str]:
 def state_elements(shape: GDNShape, conv_kernel: int) -> int:
     """Recurrent state of one sequence in one GDN layer, in elements: the delta-rule state ``Hv*dk*dv``
     plus the conv state ``conv_dim * (K - 1)``. It replaces the KV cache and does not grow with context."""
-    return shape.num_value_heads * shape.key_head_dim * shape.value_head_dim + shape.conv_dim * (conv_kernel - 1)
+    return shape.num_value_heads * shape.key_head_dim * shape.value_head_dim + shape.conv_dim * (
+        conv_kernel - 1
+    )

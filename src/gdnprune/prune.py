@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .targets import keyword_target
 
@@ -63,12 +64,16 @@ def prune_checkpoint(
         raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
     sequential = compensate == "sequential"
     if sequential and scoring.get("device_map") is not None:
-        raise ValueError("sequential compensation cuts the model in memory: it needs the model on one device "
-                         "(no device map)")
+        raise ValueError(
+            "sequential compensation cuts the model in memory: it needs the model on one device "
+            "(no device map)"
+        )
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
-        raise TargetError("give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
-                          f"(`budget_params`, `budget_gdn_params`, ...); got {given or 'none'}")
+        raise TargetError(
+            "give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
+            f"(`budget_params`, `budget_gdn_params`, ...); got {given or 'none'}"
+        )
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     ckpt = open_checkpoint(model_dir)
@@ -87,26 +92,36 @@ def prune_checkpoint(
         resolve_plan(checked, shapes)
         _check_plan_scores(checked, scores)
     # the sub-blocks a target or plan cuts (checked now, scored beside the GDN layers)
-    whole = search is not None and any(search.get(f"budget_{name}") is not None
-                                       for name in ("params", "active_params", "memory"))
+    whole = search is not None and any(
+        search.get(f"budget_{name}") is not None for name in ("params", "active_params", "memory")
+    )
     sub_blocks = whole or bool(plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans)
     if sub_blocks and sequential:
-        raise TargetError("sequential compensation refits GDN layers on a model whose attention and MLPs are "
-                          "whole; it does not support attention / MLP cuts yet (use compensate=\"statistics\")")
+        raise TargetError(
+            "sequential compensation refits GDN layers on a model whose attention and MLPs are "
+            'whole; it does not support attention / MLP cuts yet (use compensate="statistics")'
+        )
     if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
         from .loading import empty_causal_lm
         from .plan import check_budgets
 
         check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search)
     if scores is not None and compensate and not sequential:
-        raise ValueError("compensate=\"statistics\" collects its statistics while scoring; with `scores` give "
-                         "compensate=\"sequential\", or score afresh (no `scores`)")
+        raise ValueError(
+            'compensate="statistics" collects its statistics while scoring; with `scores` give '
+            'compensate="sequential", or score afresh (no `scores`)'
+        )
     model = None
     if scores is None or search is not None or sequential:
         with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
             gpus = local_gpus() if scoring.get("device_map") is not None else None
-            model = load_causal_lm(model_dir, dtype=scoring.get("dtype", "float32"), device=scoring.get("device"),
-                                   device_map=scoring.get("device_map"), gpus=gpus)
+            model = load_causal_lm(
+                model_dir,
+                dtype=scoring.get("dtype", "float32"),
+                device=scoring.get("device"),
+                device_map=scoring.get("device_map"),
+                gpus=gpus,
+            )
     if scores is not None:
         from .fileio import file_sha256
         from .scores import load_scores
@@ -115,27 +130,58 @@ def prune_checkpoint(
         scores = load_scores(path)
         scores["sha256"] = file_sha256(path)
     else:
-        scores = score_checkpoint(model_dir, data, progress=progress,
-                                  compensation=bool(compensate) and not sequential, model=model,
-                                  **{"blocks": sub_blocks, **scoring})
+        scores = score_checkpoint(
+            model_dir,
+            data,
+            progress=progress,
+            compensation=bool(compensate) and not sequential,
+            model=model,
+            **{"blocks": sub_blocks, **scoring},
+        )
         path = scores
     stats = scores.pop("compensation_statistics", None)
     extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
     if search is not None:
         from .plan import plan_checkpoint
 
-        options = {k: scoring[k] for k in ("seq_len", "batch_size", "device", "dtype", "device_map") if k in scoring}
-        plan, report = plan_checkpoint(model_dir, data, path, num_samples=plan_samples, tp=tp,
-                                       multiple_of=multiple_of, progress=progress, model=model, **options, **search)
+        options = {
+            k: scoring[k] for k in ("seq_len", "batch_size", "device", "dtype", "device_map") if k in scoring
+        }
+        plan, report = plan_checkpoint(
+            model_dir,
+            data,
+            path,
+            num_samples=plan_samples,
+            tp=tp,
+            multiple_of=multiple_of,
+            progress=progress,
+            model=model,
+            **options,
+            **search,
+        )
         extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
     if sequential:
-        targets = resolve_plan(plan, shapes) if plan is not None else \
-            {prefix: resolve_target(shape, gdn_target) for prefix, shape in shapes.items()}
+        targets = (
+            resolve_plan(plan, shapes)
+            if plan is not None
+            else {prefix: resolve_target(shape, gdn_target) for prefix, shape in shapes.items()}
+        )
         stats = _sequential_columns(model, model_dir, data, scores, targets, progress)
-    return transform_checkpoint(model_dir, output_dir, permutations=scores["layers"], target=target, plan=plan,
-                                tp=tp, multiple_of=multiple_of, compensation=stats, operation="prune",
-                                overwrite=overwrite, self_contained=self_contained,
-                                progress=progress, manifest_extra=extra)
+    return transform_checkpoint(
+        model_dir,
+        output_dir,
+        permutations=scores["layers"],
+        target=target,
+        plan=plan,
+        tp=tp,
+        multiple_of=multiple_of,
+        compensation=stats,
+        operation="prune",
+        overwrite=overwrite,
+        self_contained=self_contained,
+        progress=progress,
+        manifest_extra=extra,
+    )
 
 
 class PlanScoresWarning(UserWarning):
@@ -152,20 +198,28 @@ def _check_plan_scores(plan: Mapping, scores: str | Path | None) -> None:
     if not recorded:
         return
     if scores is None:
-        warnings.warn(f"the plan was searched on the scores with sha256 {recorded[:12]}...; the model is scored "
-                      f"afresh, and orders that differ from those make the plan's measurements stale: give those "
-                      f"scores with `scores`", PlanScoresWarning, stacklevel=3)
+        warnings.warn(
+            f"the plan was searched on the scores with sha256 {recorded[:12]}...; the model is scored "
+            f"afresh, and orders that differ from those make the plan's measurements stale: give those "
+            f"scores with `scores`",
+            PlanScoresWarning,
+            stacklevel=3,
+        )
         return
     given = file_sha256(scores)
     if given is None:
         raise ValueError(f"scores {scores}: no such file")
     if given != recorded:
-        raise ValueError(f"the plan was searched on the scores with sha256 {recorded[:12]}..., but `scores` "
-                         f"{scores} has sha256 {given[:12]}...: search the plan on these scores, or give the "
-                         f"scores it was searched on")
+        raise ValueError(
+            f"the plan was searched on the scores with sha256 {recorded[:12]}..., but `scores` "
+            f"{scores} has sha256 {given[:12]}...: search the plan on these scores, or give the "
+            f"scores it was searched on"
+        )
 
 
-def _sequential_columns(model, model_dir, data, scores: Mapping, targets: Mapping, progress: bool) -> dict[str, dict]:
+def _sequential_columns(
+    model, model_dir, data, scores: Mapping, targets: Mapping, progress: bool
+) -> dict[str, dict]:
     """``{checkpoint prefix: {"columns": ...}}``: ``out_proj`` refitted in memory for ``targets`` (checkpoint
     prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.compensate.sequential_refit`)."""
     from transformers import AutoTokenizer
@@ -177,12 +231,22 @@ def _sequential_columns(model, model_dir, data, scores: Mapping, targets: Mappin
     from .loading import slice_model
 
     calibration = scores["calibration"]
-    windows = calibration_windows(data, AutoTokenizer.from_pretrained(model_dir), seq_len=calibration["seq_len"],
-                                  num_samples=calibration["num_samples"], warn=False)
+    windows = calibration_windows(
+        data,
+        AutoTokenizer.from_pretrained(model_dir),
+        seq_len=calibration["seq_len"],
+        num_samples=calibration["num_samples"],
+        warn=False,
+    )
     mapping = map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
     layers = scores["layers"]
-    small = slice_model(model, {p: targets[c] for p, c in mapping.items()},
-                        {p: layers[c] for p, c in mapping.items() if c in layers})
+    small = slice_model(
+        model,
+        {p: targets[c] for p, c in mapping.items()},
+        {p: layers[c] for p, c in mapping.items() if c in layers},
+    )
     small.to(next(model.parameters()).device)
-    fitted = sequential_refit(model, small, list(iter_batches(windows, calibration["batch_size"])), progress=progress)
+    fitted = sequential_refit(
+        model, small, list(iter_batches(windows, calibration["batch_size"])), progress=progress
+    )
     return {mapping[p]: {"columns": entry["columns"]} for p, entry in fitted.items()}

@@ -23,7 +23,8 @@ are batched.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,8 +86,10 @@ def refine_lane_orders(
         handles.append(out.register_forward_pre_hook(hook))
 
     shapes = {prefix: GDNShape.from_module(module) for prefix, module in modules}
-    total = sweeps * sum(s.num_key_heads * s.value_heads_per_group * (s.value_heads_per_group + 1) // 2
-                         for s in shapes.values())
+    total = sweeps * sum(
+        s.num_key_heads * s.value_heads_per_group * (s.value_heads_per_group + 1) // 2
+        for s in shapes.values()
+    )
     bar = tqdm(total=total, disable=not progress, desc="refining lanes", unit="eval")
     orders: dict[str, np.ndarray] = {}
     removal_kl: dict[str, np.ndarray] = {}
@@ -138,7 +141,14 @@ def refine_lane_orders(
         payload["value_lane_scores"] = removal_kl[prefix].tolist()
         refined["layers"][key_of[prefix]] = payload
     refined["measures"] = {**dict(scores.get("measures") or {}), "value_lane": "measured_kl"}
-    report = {"sweeps": sweeps, "keep_lanes": keep_lanes, "evaluations": total, "forwards": forwards.forwards,
-              "tokens": forwards.tokens, "seconds": round(time.perf_counter() - start, 3), "history": history}
+    report = {
+        "sweeps": sweeps,
+        "keep_lanes": keep_lanes,
+        "evaluations": total,
+        "forwards": forwards.forwards,
+        "tokens": forwards.tokens,
+        "seconds": round(time.perf_counter() - start, 3),
+        "history": history,
+    }
     refined["lane_refinement"] = {k: v for k, v in report.items() if k != "history"}
     return refined, report

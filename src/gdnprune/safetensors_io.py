@@ -17,8 +17,8 @@ import errno as _errno
 import json
 import os
 import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "CheckpointError",
@@ -34,9 +34,26 @@ __all__ = [
 
 #: Bits per element of every dtype safetensors knows (sub-byte types are packed).
 DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
-    "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
 }
 
 _MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
@@ -150,7 +167,9 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     entries = []
     for name, entry in header.items():
         if not isinstance(entry, dict) or {"dtype", "shape", "data_offsets"} - set(entry):
-            raise _fail(path, f"tensor {name!r}: expected dtype, shape and data_offsets, found {entry!r}"[:300])
+            raise _fail(
+                path, f"tensor {name!r}: expected dtype, shape and data_offsets, found {entry!r}"[:300]
+            )
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPE_BITS:
             raise _fail(path, f"tensor {name!r}: unknown dtype {dtype!r}")
@@ -161,22 +180,30 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         info = TensorInfo(name, dtype, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
         expected = (info.numel * DTYPE_BITS[dtype] + 7) // 8
         if info.nbytes != expected:
-            raise _fail(path, f"tensor {name!r}: {dtype} {list(shape)} needs {expected} bytes, "
-                              f"data_offsets {offsets} give {info.nbytes}")
+            raise _fail(
+                path,
+                f"tensor {name!r}: {dtype} {list(shape)} needs {expected} bytes, "
+                f"data_offsets {offsets} give {info.nbytes}",
+            )
         entries.append(info)
     entries.sort(key=lambda t: (t.start, t.end))
     position = 8 + n
     for info in entries:
         if info.start != position:
-            raise _fail(path, f"tensor {info.name!r}: data starts at {info.start - 8 - n}, expected "
-                              f"{position - 8 - n} (overlapping or missing data)")
+            raise _fail(
+                path,
+                f"tensor {info.name!r}: data starts at {info.start - 8 - n}, expected "
+                f"{position - 8 - n} (overlapping or missing data)",
+            )
         position = info.end
     if position != size:
         raise _fail(path, f"data section ends at byte {position} but the file has {size} bytes (truncated?)")
     return ShardHeader(path, n, metadata, {t.name: t for t in entries}, size, st.st_mtime_ns)
 
 
-def _header_json(entries: Iterable[tuple[str, str, Sequence[int], int, int]], metadata: Mapping | None) -> bytes:
+def _header_json(
+    entries: Iterable[tuple[str, str, Sequence[int], int, int]], metadata: Mapping | None
+) -> bytes:
     header: dict = {}
     if metadata is not None:
         header["__metadata__"] = dict(metadata)
@@ -273,7 +300,7 @@ def write_vectors(fd: int, buffers: Sequence, offset: int) -> int:
     pending = list(buffers)
     total = i = 0
     while i < len(pending):
-        batch = pending[i:i + _IOV_MAX]
+        batch = pending[i : i + _IOV_MAX]
         n = os.pwritev(fd, batch, offset + total)
         total += n
         if n == sum(map(len, batch)):
@@ -316,9 +343,18 @@ def _read_write(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int) 
     return len(data)
 
 
-_UNSUPPORTED = {_errno.EXDEV, _errno.ENOSYS, _errno.EINVAL, _errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EBADF,
-                _errno.EPERM}
+_UNSUPPORTED = {
+    _errno.EXDEV,
+    _errno.ENOSYS,
+    _errno.EINVAL,
+    _errno.EOPNOTSUPP,
+    _errno.ENOTSUP,
+    _errno.EBADF,
+    _errno.EPERM,
+}
 _FALLBACKS = {_copy_file_range: _sendfile, _sendfile: _read_write}
 _copy_method = _copy_file_range
 _HAVE_PWRITEV = hasattr(os, "pwritev")
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+_IOV_MAX = (
+    min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+)

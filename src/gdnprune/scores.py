@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from . import blocks, geometry
 from .blocks import block_kind_of
@@ -88,10 +89,14 @@ def read_scores(scores: str | os.PathLike | Mapping) -> dict:
         raise ScoresError(f"{where}: expected a JSON object, found {type(scores).__name__}")
     layers = scores.get("layers")
     if not isinstance(layers, Mapping) or not layers:
-        raise ScoresError(f"{where}: expected a non-empty 'layers' object mapping GDN layer prefixes to payloads")
+        raise ScoresError(
+            f"{where}: expected a non-empty 'layers' object mapping GDN layer prefixes to payloads"
+        )
     bad = [k for k, v in layers.items() if not isinstance(k, str) or not isinstance(v, Mapping)]
     if bad:
-        raise ScoresError(f"{where}: layers[{bad[0]!r}] is not an object of *_order_most_important_first lists")
+        raise ScoresError(
+            f"{where}: layers[{bad[0]!r}] is not an object of *_order_most_important_first lists"
+        )
     return dict(scores)
 
 
@@ -104,12 +109,16 @@ def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
     """
     if not isinstance(scores, Mapping) or scores.get("format") != SCORES_FORMAT:
         found = scores.get("format") if isinstance(scores, Mapping) else type(scores).__name__
-        raise ScoresError(f"{source}: not a gdnprune scores file (format {found!r}, expected {SCORES_FORMAT!r})")
+        raise ScoresError(
+            f"{source}: not a gdnprune scores file (format {found!r}, expected {SCORES_FORMAT!r})"
+        )
     if scores.get("version") != SCORES_VERSION:
-        raise ScoresError(f"{source}: unsupported scores version {scores.get('version')!r}, expected {SCORES_VERSION}")
+        raise ScoresError(
+            f"{source}: unsupported scores version {scores.get('version')!r}, expected {SCORES_VERSION}"
+        )
     layers = scores.get("layers")
     if not isinstance(layers, Mapping) or not layers:
-        raise ScoresError(f"{source}: no \"layers\" in the scores file")
+        raise ScoresError(f'{source}: no "layers" in the scores file')
     for prefix, payload in layers.items():
         if not isinstance(payload, Mapping):
             raise ScoresError(f"{source}: layer {prefix!r} is not an object")
@@ -122,7 +131,9 @@ def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
         try:
             shape = payload["shape"]
             if not isinstance(shape, Mapping):
-                raise ValueError(f"shape must be an object of the four GDNShape fields, found {type(shape).__name__}")
+                raise ValueError(
+                    f"shape must be an object of the four GDNShape fields, found {type(shape).__name__}"
+                )
             geometry.orders_from_payload(payload, geometry.GDNShape(**shape))
         except (TypeError, ValueError) as exc:
             raise ScoresError(f"{source}: layer {prefix!r}: {exc}") from None
@@ -135,8 +146,10 @@ def _check_block_payload(prefix: str, payload: Mapping, source: str) -> None:
     kind = block_kind_of(prefix, shape if isinstance(shape, Mapping) else ())
     try:
         if not isinstance(shape, Mapping):
-            raise ValueError(f"shape must be an object of the {kind.geometry.__name__} fields, found "
-                             f"{type(shape).__name__}")
+            raise ValueError(
+                f"shape must be an object of the {kind.geometry.__name__} fields, found "
+                f"{type(shape).__name__}"
+            )
         block_shape = kind.geometry(**shape)
         blocks.orders_from_payload(payload, block_shape)
     except (TypeError, ValueError) as exc:
@@ -166,7 +179,7 @@ def prefix_alias(prefix: str) -> str:
     """``prefix`` spelled without the ``language_model.`` part of a vision-language checkpoint."""
     for long, short in _PREFIX_ALIASES:
         if prefix.startswith(long):
-            return short + prefix[len(long):]
+            return short + prefix[len(long) :]
     return prefix
 
 
@@ -201,8 +214,9 @@ def match_layers(entries: Mapping[str, Any], prefixes: Iterable[str], what: str 
     return out
 
 
-def resolve_orders(permutations: Mapping | None, shapes: Mapping[str, geometry.GDNShape]
-                   ) -> tuple[dict[str, dict], list[str]]:
+def resolve_orders(
+    permutations: Mapping | None, shapes: Mapping[str, geometry.GDNShape]
+) -> tuple[dict[str, dict], list[str]]:
     """Validated orders (numpy, see :func:`gdnprune.geometry.orders_from_payload`) for the layers ``shapes``.
 
     ``permutations`` maps layer prefixes (aliases allowed) to score payloads or
@@ -226,7 +240,9 @@ def resolve_orders(permutations: Mapping | None, shapes: Mapping[str, geometry.G
             elif isinstance(value, Mapping):
                 out[prefix] = geometry.orders_from_payload(value, shape)
             else:
-                raise ValueError(f"expected a GDNPermutation or a score payload, found {type(value).__name__}")
+                raise ValueError(
+                    f"expected a GDNPermutation or a score payload, found {type(value).__name__}"
+                )
         except ValueError as exc:
             raise ScoresError(f"scores for GDN layer {prefix!r} ({shape}): {exc}") from None
     missing = [p for p in shapes if p not in out]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["TARGET_FIELDS", "TargetError", "resolve_target", "keyword_target"]
 
@@ -30,10 +30,16 @@ def keyword_target(paths: int):
         def call(*args, **kwargs):
             if len(args) > paths:
                 if len(args) > paths + 1 or "target" in kwargs:
-                    raise TypeError(f"{func.__name__}() takes {paths} positional arguments (the paths); give "
-                                    f"everything else by keyword")
-                warnings.warn(f"{func.__name__}: give the target by keyword (target=...); a positional target is "
-                              f"deprecated", FutureWarning, stacklevel=2)
+                    raise TypeError(
+                        f"{func.__name__}() takes {paths} positional arguments (the paths); give "
+                        f"everything else by keyword"
+                    )
+                warnings.warn(
+                    f"{func.__name__}: give the target by keyword (target=...); a positional target is "
+                    f"deprecated",
+                    FutureWarning,
+                    stacklevel=2,
+                )
                 kwargs["target"], args = args[paths], args[:paths]
             return func(*args, **kwargs)
 
@@ -59,7 +65,9 @@ def resolve_target(shape, target):
         except ValueError as exc:
             raise TargetError(f"illegal target for layers of {shape}: {exc}") from None
     else:
-        raise TargetError(f"target must be a GDNShape or a mapping of its fields, got {type(target).__name__}")
+        raise TargetError(
+            f"target must be a GDNShape or a mapping of its fields, got {type(target).__name__}"
+        )
     problems = []
     if t.num_key_heads > shape.num_key_heads:
         problems.append(f"num_key_heads {t.num_key_heads} > {shape.num_key_heads}")

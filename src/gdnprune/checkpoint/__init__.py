@@ -16,27 +16,59 @@ models. Only :mod:`.verify` imports torch (inside its functions).
 """
 
 from ..safetensors_io import CheckpointError
-from ..scores import ScoresError, matching_prefixes
-from ..scores import read_scores
+from ..scores import ScoresError, matching_prefixes, read_scores
 from ..targets import TargetError
 from .folder import (
-    CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, SINGLE_NAME, Checkpoint, GDNLayer,
-    find_gdn_layers, inspect_checkpoint, open_checkpoint, read_manifest,
+    CONFIG_NAME,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    PASSTHROUGH_PREFIXES,
+    SINGLE_NAME,
+    Checkpoint,
+    GDNLayer,
+    find_gdn_layers,
+    inspect_checkpoint,
+    open_checkpoint,
+    read_manifest,
 )
 from .output import OutputError
 from .transform import (
-    KernelShapeWarning, MissingScoresWarning, PassthroughWarning, UnsortedInputWarning, slice_checkpoint, sort_checkpoint,
+    KernelShapeWarning,
+    MissingScoresWarning,
+    PassthroughWarning,
+    UnsortedInputWarning,
+    slice_checkpoint,
+    sort_checkpoint,
     transform_checkpoint,
 )
 from .verify import verify_checkpoints
 
-
 __all__ = [
-    "CheckpointError", "ScoresError", "TargetError", "OutputError", "UnsortedInputWarning",
-    "MissingScoresWarning", "PassthroughWarning", "KernelShapeWarning", "Checkpoint", "GDNLayer", "open_checkpoint",
-    "find_gdn_layers", "inspect_checkpoint", "read_scores", "matching_prefixes", "read_manifest",
-    "transform_checkpoint", "sort_checkpoint", "slice_checkpoint", "verify_checkpoints",
-    "CONFIG_NAME", "INDEX_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "SINGLE_NAME",
+    "CheckpointError",
+    "ScoresError",
+    "TargetError",
+    "OutputError",
+    "UnsortedInputWarning",
+    "MissingScoresWarning",
+    "PassthroughWarning",
+    "KernelShapeWarning",
+    "Checkpoint",
+    "GDNLayer",
+    "open_checkpoint",
+    "find_gdn_layers",
+    "inspect_checkpoint",
+    "read_scores",
+    "matching_prefixes",
+    "read_manifest",
+    "transform_checkpoint",
+    "sort_checkpoint",
+    "slice_checkpoint",
+    "verify_checkpoints",
+    "CONFIG_NAME",
+    "INDEX_NAME",
+    "MANIFEST_NAME",
+    "PASSTHROUGH_PREFIXES",
+    "SINGLE_NAME",
 ]
 
 
@@ -46,8 +78,11 @@ def __getattr__(name: str):
     if name == "load_scores":
         import warnings
 
-        warnings.warn("gdnprune.checkpoint.load_scores is deprecated: it is gdnprune.scores.read_scores (the orders "
-                      "that sort accepts); gdnprune.scores.load_scores reads and checks a whole scores file",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            "gdnprune.checkpoint.load_scores is deprecated: it is gdnprune.scores.read_scores (the orders "
+            "that sort accepts); gdnprune.scores.load_scores reads and checks a whole scores file",
+            FutureWarning,
+            stacklevel=2,
+        )
         return read_scores
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,16 +30,34 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from ..safetensors_io import BLOCK, DTYPE_BITS, ShardHeader, TensorInfo, copy_range, encode_header, write_all, \
-    write_vectors
+from ..safetensors_io import (
+    BLOCK,
+    DTYPE_BITS,
+    ShardHeader,
+    TensorInfo,
+    copy_range,
+    encode_header,
+    write_all,
+    write_vectors,
+)
 from .folder import Checkpoint, CheckpointError, GDNLayer
 
-__all__ = ["LayerPlan", "ShardPlan", "GDNWork", "InputChangedError", "plan_layer", "plan_shards",
-           "copy_unchanged", "write_header", "check_unchanged"]
+__all__ = [
+    "LayerPlan",
+    "ShardPlan",
+    "GDNWork",
+    "InputChangedError",
+    "plan_layer",
+    "plan_shards",
+    "copy_unchanged",
+    "write_header",
+    "check_unchanged",
+]
 
 
 @dataclass
@@ -50,7 +68,9 @@ class LayerPlan:
     target: Any  # GDNShape after the gather
     indices: dict  # canonical indices for shape -> target, with didx (gdnprune.geometry.check_indices)
     permutation: Any  # the four orders (numpy) or None
-    dequantize: frozenset = frozenset()  # FP8 weight suffixes written dequantised in BF16 (their scales dropped)
+    dequantize: frozenset = (
+        frozenset()
+    )  # FP8 weight suffixes written dequantised in BF16 (their scales dropped)
 
     def scale_of(self, weight: str) -> str:
         from ..layouts import scale_name
@@ -98,7 +118,9 @@ class ShardPlan:
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
     gdn_entries: dict = field(default_factory=dict)
     _entries: list[tuple] = field(default_factory=list, repr=False)
-    _claimed: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # pieces taken from the front, back
+    _claimed: list[int] = field(
+        default_factory=lambda: [0, 0], repr=False
+    )  # pieces taken from the front, back
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -113,8 +135,13 @@ class ShardPlan:
         """``(name, dtype, shape, begin, end)`` of every output tensor, in file order."""
         return list(self._entries)
 
-    def lay_out(self, gdn_shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None = None,
-                dropped: set[str] = frozenset(), names: Mapping[str, str | None] | None = None) -> None:
+    def lay_out(
+        self,
+        gdn_shapes: Mapping[str, tuple[int, ...]],
+        dtypes: Mapping[str, str] | None = None,
+        dropped: set[str] = frozenset(),
+        names: Mapping[str, str | None] | None = None,
+    ) -> None:
         """Place every tensor (GDN tensor ``name`` gets shape ``gdn_shapes[name]`` and dtype ``dtypes[name]``
         when given; tensors in ``dropped`` are left out; ``names`` renames source tensors in the output, a
         gather over names: per-expert tensors renumbered, layers renumbered after a removal) and build the
@@ -186,8 +213,12 @@ def _aligned_start(minimum: int, runs: list) -> int:
 
 def plan_shards(ckpt: Checkpoint, gdn_names: set[str], tmp: Path) -> list[ShardPlan]:
     """The output shards (one per source shard, same file name in ``tmp``); :class:`GDNWork` lays them out."""
-    return [ShardPlan(i, shard, str(tmp / os.path.basename(shard.path)), [n for n in shard.tensors if n in gdn_names])
-            for i, shard in enumerate(ckpt.shards)]
+    return [
+        ShardPlan(
+            i, shard, str(tmp / os.path.basename(shard.path)), [n for n in shard.tensors if n in gdn_names]
+        )
+        for i, shard in enumerate(ckpt.shards)
+    ]
 
 
 def copy_unchanged(plan: ShardPlan, on_chunk: Callable[[int], None]) -> None:
@@ -214,7 +245,8 @@ def _copy(src: int, dst: int, path: str, piece: tuple[int, int, int], on_chunk=N
         if os.fstat(src).st_size < begin + length:
             raise InputChangedError(
                 f"{path}: input changed while reading: the file is now shorter than its header says; do not "
-                f"modify a checkpoint while gdnprune reads it") from None
+                f"modify a checkpoint while gdnprune reads it"
+            ) from None
         raise exc
 
 
@@ -240,8 +272,14 @@ class GDNWork:
     SIGBUS as a memory map would) or copied in the kernel.
     """
 
-    def __init__(self, ckpt: Checkpoint, shards: list[ShardPlan], plans: dict[str, LayerPlan], *,
-                 names: Mapping[str, str | None] | None = None):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        shards: list[ShardPlan],
+        plans: dict[str, LayerPlan],
+        *,
+        names: Mapping[str, str | None] | None = None,
+    ):
         self.ckpt, self.shards, self.plans, self.names = ckpt, shards, plans, dict(names or {})
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -270,7 +308,9 @@ class GDNWork:
                     jobs_seen.add(job)
                     self.jobs.append((plan, job[1]))
             shard.lay_out(shapes, dtypes, dropped, self.names)
-        self.total_bytes = sum(end - begin for shard in shards for _, _, begin, end in shard.gdn_entries.values())
+        self.total_bytes = sum(
+            end - begin for shard in shards for _, _, begin, end in shard.gdn_entries.values()
+        )
         self.dropped = {plan.layer.name(s) for plan in plans.values() for s in plan.dropped}
         self.dropped |= {name for name, new in self.names.items() if new is None}
         # The main thread copies the unchanged bytes shard by shard from the first; the GDN jobs start from
@@ -369,13 +409,14 @@ class _SourceFiles:
             fd, path = self.fd(info.name)
             done = 0
             while done < info.nbytes:
-                n = os.preadv(fd, [view[position + done:position + info.nbytes]], info.start + done)
+                n = os.preadv(fd, [view[position + done : position + info.nbytes]], info.start + done)
                 if n == 0:
                     raise InputChangedError(
                         f"{path}: input changed while reading: the file ends before tensor {info.name!r} (bytes "
-                        f"{info.start}-{info.end}); do not modify a checkpoint while gdnprune reads it")
+                        f"{info.start}-{info.end}); do not modify a checkpoint while gdnprune reads it"
+                    )
                 done += n
-            out.append((info, view[position:position + info.nbytes]))
+            out.append((info, view[position : position + info.nbytes]))
             position += info.nbytes
         return out
 
@@ -418,8 +459,8 @@ def _take_blocks(array, index, axis: int, out):
 
     begin, lengths = _runs(index, 1)
     b = math.gcd(array.shape[axis], *begin.tolist(), *lengths.tolist()) or 1
-    split = array.shape[:axis] + (array.shape[axis] // b, b) + array.shape[axis + 1:]
-    out_split = out.shape[:axis] + (out.shape[axis] // b, b) + out.shape[axis + 1:]
+    split = array.shape[:axis] + (array.shape[axis] // b, b) + array.shape[axis + 1 :]
+    out_split = out.shape[:axis] + (out.shape[axis] // b, b) + out.shape[axis + 1 :]
     # mode="clip" gathers straight into `out` ("raise" buffers it); the indices were checked by check_indices
     np.take(array.reshape(split), index[::b] // b, axis=axis, out=out.reshape(out_split), mode="clip")
     return out
@@ -456,7 +497,9 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
             try:
                 if lengths.size and int(lengths.sum()) >= _KERNEL_RUN * lengths.size:
                     src, path = files.fd(info.name)
-                    for b, n, at in zip(begin.tolist(), lengths.tolist(), (offset + np.cumsum(lengths) - lengths).tolist()):
+                    for b, n, at in zip(
+                        begin.tolist(), lengths.tolist(), (offset + np.cumsum(lengths) - lengths).tolist()
+                    ):
                         _copy(src, fd, path, (info.start + b, at, n))
                     return int(lengths.sum())
                 ((_, data),) = files.read([info.name])
@@ -465,7 +508,7 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
             finally:
                 os.close(fd)
         ((_, data),) = files.read([info.name])
-        out_shape = shape[:rule.axis] + (index.size,) + shape[rule.axis + 1:]
+        out_shape = shape[: rule.axis] + (index.size,) + shape[rule.axis + 1 :]
         source = _byte_view(info, data, rule.axis)
         gathered = np.frombuffer(files.buffer(1, _numel(out_shape) * source.itemsize), dtype=source.dtype)
         out = {suffix: _take_blocks(source, index, rule.axis, gathered.reshape(out_shape))}
@@ -498,7 +541,11 @@ def _fp8_table(dtype: str):
     mant_bits, bias = (3, 7) if dtype == "F8_E4M3" else (2, 15)
     exponent = (bits >> mant_bits) & ((1 << (7 - mant_bits)) - 1)
     mantissa = (bits & ((1 << mant_bits) - 1)) / float(1 << mant_bits)
-    value = np.where(exponent == 0, mantissa * 2.0 ** (1 - bias), (1 + mantissa) * 2.0 ** (exponent.astype(np.float64) - bias))
+    value = np.where(
+        exponent == 0,
+        mantissa * 2.0 ** (1 - bias),
+        (1 + mantissa) * 2.0 ** (exponent.astype(np.float64) - bias),
+    )
     value = sign * value
     if dtype == "F8_E4M3":
         value[(bits & 0x7F) == 0x7F] = np.nan
@@ -515,10 +562,17 @@ def _write_dequantized(plan: LayerPlan, suffix: str, rule, index, files: _Source
     from .codecs import from_float, to_float
 
     layer = plan.layer
-    (info, data), (scale_info, scale_data) = files.read([layer.name(suffix), layer.name(plan.scale_of(suffix))])
+    (info, data), (scale_info, scale_data) = files.read(
+        [layer.name(suffix), layer.name(plan.scale_of(suffix))]
+    )
     weight = _fp8_table(info.dtype)[np.frombuffer(data, dtype=np.uint8)].reshape(info.shape)
-    scale = to_float(scale_data, scale_info.dtype, scale_info.shape) if scale_info.dtype != "F8_E8M0" else \
-        np.exp2(np.frombuffer(scale_data, dtype=np.uint8).astype(np.float64) - 127).reshape(scale_info.shape)
+    scale = (
+        to_float(scale_data, scale_info.dtype, scale_info.shape)
+        if scale_info.dtype != "F8_E8M0"
+        else np.exp2(np.frombuffer(scale_data, dtype=np.uint8).astype(np.float64) - 127).reshape(
+            scale_info.shape
+        )
+    )
     rows, cols = info.shape
     block_rows, block_cols = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
     full = np.repeat(np.repeat(scale, block_rows, axis=0)[:rows], block_cols, axis=1)[:, :cols]
@@ -568,8 +622,11 @@ def check_unchanged(ckpt: Checkpoint) -> None:
         try:
             st = os.stat(shard.path)
         except OSError as exc:
-            raise InputChangedError(f"{shard.path}: input changed while reading: {exc.strerror or exc}") from None
+            raise InputChangedError(
+                f"{shard.path}: input changed while reading: {exc.strerror or exc}"
+            ) from None
         if (st.st_size, st.st_mtime_ns) != (shard.file_size, shard.mtime_ns):
             raise InputChangedError(
                 f"{shard.path}: input changed while reading (size {shard.file_size} -> {st.st_size} bytes, "
-                f"modified again); do not modify a checkpoint while gdnprune reads it")
+                f"modified again); do not modify a checkpoint while gdnprune reads it"
+            )

@@ -14,16 +14,29 @@ import bisect
 import collections
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
 
 __all__ = [
-    "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "MANIFEST_NAME", "PASSTHROUGH_PREFIXES", "GDN_DTYPES",
-    "Checkpoint", "GDNLayer", "open_checkpoint", "read_manifest", "find_gdn_layers", "find_block_layers",
-    "inspect_checkpoint", "read_json", "map_to_checkpoint",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "CONFIG_NAME",
+    "MANIFEST_NAME",
+    "PASSTHROUGH_PREFIXES",
+    "GDN_DTYPES",
+    "Checkpoint",
+    "GDNLayer",
+    "open_checkpoint",
+    "read_manifest",
+    "find_gdn_layers",
+    "find_block_layers",
+    "inspect_checkpoint",
+    "read_json",
+    "map_to_checkpoint",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -144,7 +157,9 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
-            raise CheckpointError(f"{path / INDEX_NAME}: expected a 'weight_map' object of tensor name -> file")
+            raise CheckpointError(
+                f"{path / INDEX_NAME}: expected a 'weight_map' object of tensor name -> file"
+            )
         files = sorted(set(weight_map.values()))
         for name in files:
             if os.path.dirname(name) or name in ("", ".", ".."):
@@ -181,7 +196,9 @@ def _all_markers() -> frozenset[str]:
     return frozenset().union(*(layout.markers for layout in LAYOUTS.values()))
 
 
-def _group_gdn_tensors(names: Iterable[str], markers: frozenset[str]) -> tuple[dict[str, list[str]], list[str]]:
+def _group_gdn_tensors(
+    names: Iterable[str], markers: frozenset[str]
+) -> tuple[dict[str, list[str]], list[str]]:
     """Group tensor names into GDN layers by marker suffix.
 
     Returns ``{prefix: [names under prefix]}`` and the sorted pass-through prefixes (``mtp.``) that
@@ -231,7 +248,9 @@ class GDNLayer:
     tensors: dict[str, TensorInfo]
     splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
     scales: dict[str, Any] = field(default_factory=dict)
-    kind: str = "gdn"  # or a sub-block kind of gdnprune.blocks ("attention", "mlp", "shared_expert", "experts")
+    kind: str = (
+        "gdn"  # or a sub-block kind of gdnprune.blocks ("attention", "mlp", "shared_expert", "experts")
+    )
     numbered: dict = field(default_factory=dict)  # experts.N.* suffix -> shape (renamed, not gathered)
 
     def rule(self, suffix: str):
@@ -245,8 +264,11 @@ class GDNLayer:
         """``{weight suffix: "F8_E4M3, scales 128x128"}`` for the block-quantised weights of the layer."""
         from ..layouts import scaled_weight
 
-        return {scaled_weight(s): f"{self.tensors[scaled_weight(s)].dtype}, "
-                f"scales of {self.scales[s].block} along axis {self.scales[s].axis}" for s in self.scales}
+        return {
+            scaled_weight(s): f"{self.tensors[scaled_weight(s)].dtype}, "
+            f"scales of {self.scales[s].block} along axis {self.scales[s].axis}"
+            for s in self.scales
+        }
 
     @property
     def parameters(self) -> int:
@@ -257,7 +279,8 @@ class GDNLayer:
     def conv_kernel(self) -> int:
         """The depthwise conv's kernel size ``K`` (the last dim of ``conv1d.weight`` or its split pieces)."""
         conv = self.tensors.get("conv1d.weight") or next(
-            self.tensors[p] for p in self.splits.get("conv1d.weight", ()))
+            self.tensors[p] for p in self.splits.get("conv1d.weight", ())
+        )
         return conv.shape[-1]
 
     def name(self, suffix: str) -> str:
@@ -293,12 +316,13 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
     members, skipped = _group_gdn_tensors(checkpoint.names, _all_markers())
     inside = {n for names in members.values() for n in names}
     stray = sorted(
-        n for n in checkpoint.names
+        n
+        for n in checkpoint.names
         if ".linear_attn." in n and n not in inside and not n.startswith(PASSTHROUGH_PREFIXES)
     )
     if stray:
         module = stray[0].split(".linear_attn.")[0] + ".linear_attn"
-        found = sorted(n[len(module) + 1:] for n in stray if n.startswith(module + "."))
+        found = sorted(n[len(module) + 1 :] for n in stray if n.startswith(module + "."))
         raise CheckpointError(
             f"{module}: unknown GDN layout: its tensors {found[:6]} match none of the layouts "
             f"{sorted(LAYOUTS)} (marker tensors: {sorted(_all_markers())})"
@@ -311,7 +335,7 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
     layers = []
     for prefix, names in members.items():
         shape = _config_shape(checkpoint.config, checkpoint.path, prefix)
-        tensors = {n[len(prefix) + 1:]: checkpoint.tensor(n) for n in names}
+        tensors = {n[len(prefix) + 1 :]: checkpoint.tensor(n) for n in names}
         try:
             layout = detect_layout(tensors)
         except ValueError as exc:
@@ -334,13 +358,17 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
     from ..layouts import get_layout
 
     try:
-        blocks = find_blocks({n: checkpoint.tensor(n).shape for n in checkpoint.names}, checkpoint.config, kinds)
+        blocks = find_blocks(
+            {n: checkpoint.tensor(n).shape for n in checkpoint.names}, checkpoint.config, kinds
+        )
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     layers = []
     for block in blocks:
         tensors = {s: checkpoint.tensor(f"{block.prefix}.{s}") for s in block.tensors}
-        layer = _check_layer(block.prefix, get_layout(block.layout), block.shape, tensors, _block_size(checkpoint))
+        layer = _check_layer(
+            block.prefix, get_layout(block.layout), block.shape, tensors, _block_size(checkpoint)
+        )
         layer.kind, layer.numbered = block.kind, block.numbered
         layers.append(layer)
     return layers
@@ -358,11 +386,23 @@ def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
             out.append({"kind": kind, "unsupported": str(exc)})
             continue
         for layer in layers:
-            fixed = [n for n in ckpt.names if n.startswith(layer.prefix + ".") and n[len(layer.prefix) + 1:]
-                     not in layer.tensors and not n[len(layer.prefix) + 1:].startswith(KINDS[kind].excludes)]
+            fixed = [
+                n
+                for n in ckpt.names
+                if n.startswith(layer.prefix + ".")
+                and n[len(layer.prefix) + 1 :] not in layer.tensors
+                and not n[len(layer.prefix) + 1 :].startswith(KINDS[kind].excludes)
+            ]
             parameters = layer.parameters + sum(ckpt.tensor(n).numel for n in fixed)
-            out.append({"prefix": layer.prefix, "kind": kind, "layout": layer.layout, **layer.shape.as_dict(),
-                        "parameters": parameters})
+            out.append(
+                {
+                    "prefix": layer.prefix,
+                    "kind": kind,
+                    "layout": layer.layout,
+                    **layer.shape.as_dict(),
+                    "parameters": parameters,
+                }
+            )
             by_kind[kind] = by_kind.get(kind, 0) + parameters
     return out, by_kind
 
@@ -375,18 +415,24 @@ def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
         return None
     block = quant.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError(f"{checkpoint.path / CONFIG_NAME}: quantization_config.weight_block_size must be "
-                              f"[rows, columns] (e.g. [128, 128]), found {block!r}")
+        raise CheckpointError(
+            f"{checkpoint.path / CONFIG_NAME}: quantization_config.weight_block_size must be "
+            f"[rows, columns] (e.g. [128, 128]), found {block!r}"
+        )
     return tuple(block)
 
 
-def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
-                 block_size: tuple[int, int] | None = None) -> GDNLayer:
+def _check_layer(
+    prefix: str, layout, shape, tensors: dict[str, TensorInfo], block_size: tuple[int, int] | None = None
+) -> GDNLayer:
     """Validate one layer's tensors (names, presence, shapes, dtypes) without reading data."""
     from ..layouts import scale_rule, scaled_weight
 
-    splits = {fused: pieces for fused, pieces in _DISK_SPLITS.get(layout.name, {}).items()
-              if any(p in tensors for p in pieces)}
+    splits = {
+        fused: pieces
+        for fused, pieces in _DISK_SPLITS.get(layout.name, {}).items()
+        if any(p in tensors for p in pieces)
+    }
     piece_of = {p: fused for fused, pieces in splits.items() for p in pieces}
     scales = {}
     for suffix in tensors:  # x.weight_scale_inv; a fused expert tensor's experts.gate_up_proj_scale_inv
@@ -395,8 +441,12 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
             scales[suffix] = scale_rule(weight, suffix, block_size)
     unknown = sorted(s for s in tensors if layout.rule(s) is None and s not in piece_of and s not in scales)
     if unknown:
-        hint = (" (block-quantised weights need quantization_config with quant_method fp8 and weight_block_size "
-                "in config.json)" if any(scaled_weight(s) for s in unknown) else "")
+        hint = (
+            " (block-quantised weights need quantization_config with quant_method fp8 and weight_block_size "
+            "in config.json)"
+            if any(scaled_weight(s) for s in unknown)
+            else ""
+        )
         raise CheckpointError(
             f"{prefix}: tensors {[f'{prefix}.{s}' for s in unknown]} are not part of the {layout.name} GDN "
             f"layout; refusing to change the layer{hint}"
@@ -407,8 +457,10 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
             raise CheckpointError(f"{prefix}: has both {fused!r} and its split form {list(pieces)}")
         absent = [p for p in pieces if p not in tensors]
         if absent:
-            raise CheckpointError(f"{prefix}: missing tensor {prefix + '.' + absent[0]!r} (the split {fused} needs "
-                                  f"{list(pieces)})")
+            raise CheckpointError(
+                f"{prefix}: missing tensor {prefix + '.' + absent[0]!r} (the split {fused} needs "
+                f"{list(pieces)})"
+            )
     for rule in layout.rules:
         if rule.required and rule.name not in tensors and rule.name not in splits:
             raise CheckpointError(
@@ -423,14 +475,20 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
         if suffix in quantized and info.dtype in FP8_DTYPES:
             pass
         elif info.dtype not in GDN_DTYPES:
-            raise CheckpointError(f"{prefix}: tensor {info.name!r} has dtype {info.dtype}; GDN tensors must be "
-                                  f"one of {list(GDN_DTYPES)}")
+            raise CheckpointError(
+                f"{prefix}: tensor {info.name!r} has dtype {info.dtype}; GDN tensors must be "
+                f"one of {list(GDN_DTYPES)}"
+            )
         if len(info.shape) != rule.ndim:
-            raise CheckpointError(f"{prefix}: tensor {info.name!r} has shape {info.shape}, expected "
-                                  f"{rule.ndim} dimensions {rule.expected_shape(shape)} for {shape}")
+            raise CheckpointError(
+                f"{prefix}: tensor {info.name!r} has shape {info.shape}, expected "
+                f"{rule.ndim} dimensions {rule.expected_shape(shape)} for {shape}"
+            )
         if suffix not in piece_of and info.shape[rule.axis] != rule.length(shape):
-            raise CheckpointError(f"{prefix}: tensor {info.name!r} has shape {info.shape}, expected "
-                                  f"{rule.expected_shape(shape)} for {shape} (config.json geometry)")
+            raise CheckpointError(
+                f"{prefix}: tensor {info.name!r} has shape {info.shape}, expected "
+                f"{rule.expected_shape(shape)} for {shape} (config.json geometry)"
+            )
     for fused, pieces in splits.items():
         rule = layout.rule(fused)
         infos = [tensors[p] for p in pieces]
@@ -445,26 +503,38 @@ def _check_layer(prefix: str, layout, shape, tensors: dict[str, TensorInfo],
     return GDNLayer(prefix, layout.name, shape, tensors, splits, scales)
 
 
-def _check_scales(prefix: str, layout, shape, tensors: Mapping[str, TensorInfo], scales: Mapping[str, Any],
-                  block_size: tuple[int, int] | None) -> None:
+def _check_scales(
+    prefix: str,
+    layout,
+    shape,
+    tensors: Mapping[str, TensorInfo],
+    scales: Mapping[str, Any],
+    block_size: tuple[int, int] | None,
+) -> None:
     """FP8 weights come with their scales, of the shape the block grid gives: ``ceil(rows/B) x ceil(cols/B)``
     (``E x ...`` for a fused 3-D expert tensor: one grid per expert)."""
     from ..layouts import scale_name, scaled_weight
 
     for suffix, info in tensors.items():
         if info.dtype in FP8_DTYPES and scale_name(suffix) not in scales:
-            raise CheckpointError(f"{prefix}: {info.name!r} is {info.dtype} but has no {scale_name(suffix)} beside "
-                                  f"it (or config.json has no FP8 quantization_config)")
+            raise CheckpointError(
+                f"{prefix}: {info.name!r} is {info.dtype} but has no {scale_name(suffix)} beside "
+                f"it (or config.json has no FP8 quantization_config)"
+            )
     for suffix, rule in scales.items():
         info, weight = tensors[suffix], tensors.get(scaled_weight(suffix))
         if weight is None or weight.dtype not in FP8_DTYPES:
-            raise CheckpointError(f"{prefix}: {info.name!r} scales a weight that is not FP8 "
-                                  f"({None if weight is None else weight.dtype})")
+            raise CheckpointError(
+                f"{prefix}: {info.name!r} scales a weight that is not FP8 "
+                f"({None if weight is None else weight.dtype})"
+            )
         expected = tuple(weight.shape[:-2]) + tuple(-(-d // b) for d, b in zip(weight.shape[-2:], block_size))
         if info.shape != expected or info.dtype not in SCALE_DTYPES:
-            raise CheckpointError(f"{prefix}: {info.name!r} is {info.dtype} {list(info.shape)}, expected one of "
-                                  f"{list(SCALE_DTYPES)} with shape {list(expected)} (blocks of {list(block_size)} "
-                                  f"over {list(weight.shape)})")
+            raise CheckpointError(
+                f"{prefix}: {info.name!r} is {info.dtype} {list(info.shape)}, expected one of "
+                f"{list(SCALE_DTYPES)} with shape {list(expected)} (blocks of {list(block_size)} "
+                f"over {list(weight.shape)})"
+            )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -513,8 +583,12 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
                 "parameters": layer.parameters,
                 "state_elements": state_elements(layer.shape, layer.conv_kernel),
                 "quantized": layer.quantized,
-                "shards": sorted({os.path.basename(ckpt.shards[ckpt.shard_of(t.name)].path)
-                                  for t in layer.tensors.values()}),
+                "shards": sorted(
+                    {
+                        os.path.basename(ckpt.shards[ckpt.shard_of(t.name)].path)
+                        for t in layer.tensors.values()
+                    }
+                ),
             }
             for layer in layers
         ],
@@ -525,14 +599,18 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
         "total_parameters": total,
         "total_bytes": ckpt.total_bytes,
         "passthrough": skipped,
-        "manifest": None if ckpt.manifest is None else {
-            "operation": ckpt.manifest.get("operation"), "sorted": ckpt.is_sorted,
+        "manifest": None
+        if ckpt.manifest is None
+        else {
+            "operation": ckpt.manifest.get("operation"),
+            "sorted": ckpt.is_sorted,
         },
     }
 
 
-def map_to_checkpoint(prefixes: list[str], model_dir: str | os.PathLike, *, modules: bool = False
-                      ) -> dict[str, str]:
+def map_to_checkpoint(
+    prefixes: list[str], model_dir: str | os.PathLike, *, modules: bool = False
+) -> dict[str, str]:
     """``{model prefix: checkpoint prefix}``: a loaded model's GDN module prefixes mapped to the GDN layer
     prefixes of the folder's tensors (they differ when a vision-language checkpoint is loaded as a text
     model). Unchanged when the folder has no safetensors. ``modules``: map to any module of the folder's
@@ -543,8 +621,11 @@ def map_to_checkpoint(prefixes: list[str], model_dir: str | os.PathLike, *, modu
         return {}
     try:
         ckpt = open_checkpoint(model_dir)
-        stored = sorted({n.rsplit(".", 2)[0] for n in ckpt.names}) if modules else \
-            [layer.prefix for layer in find_gdn_layers(ckpt)[0]]
+        stored = (
+            sorted({n.rsplit(".", 2)[0] for n in ckpt.names})
+            if modules
+            else [layer.prefix for layer in find_gdn_layers(ckpt)[0]]
+        )
     except CheckpointError:
         return {p: p for p in prefixes}
     mapping = {}

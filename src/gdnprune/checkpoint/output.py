@@ -26,17 +26,29 @@ import shutil
 import socket
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .. import __version__
 from ..fileio import file_sha256, umask
 from ..interrupts import deferred_signals
 from .folder import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 
-__all__ = ["OutputError", "StaleOutputWarning", "clear_stale", "check_paths", "Staging", "write_json", "write_index",
-           "plan_other_files", "copy_other_files", "build_manifest", "write_manifest"]
+__all__ = [
+    "OutputError",
+    "StaleOutputWarning",
+    "clear_stale",
+    "check_paths",
+    "Staging",
+    "write_json",
+    "write_index",
+    "plan_other_files",
+    "copy_other_files",
+    "build_manifest",
+    "write_manifest",
+]
 
 OWNER_NAME = ".gdnprune-owner.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
@@ -75,14 +87,19 @@ def check_paths(src: Path, out: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{src}: not a directory" if src.exists() else f"{src}: no such directory")
     for above in _existing_ancestors(out):
         if _same(above, src):
-            where = "the" if os.path.abspath(above) == os.path.abspath(out) or _same(out, src) else "inside the"
-            raise OutputError(f"output folder {out} is {where} model folder {src} (the same folder on disk); "
-                              f"write the output somewhere else (the input is never modified)")
+            where = (
+                "the" if os.path.abspath(above) == os.path.abspath(out) or _same(out, src) else "inside the"
+            )
+            raise OutputError(
+                f"output folder {out} is {where} model folder {src} (the same folder on disk); "
+                f"write the output somewhere else (the input is never modified)"
+            )
     if os.path.exists(out):
         for above in _existing_ancestors(src)[1:]:
             if _same(above, out):
-                raise OutputError(f"the model folder {src} is inside the output folder {out}; "
-                                  f"choose another output folder")
+                raise OutputError(
+                    f"the model folder {src} is inside the output folder {out}; choose another output folder"
+                )
     if os.path.lexists(out):
         if not overwrite:
             raise OutputError(f"output folder {out} already exists (pass `overwrite=True` to replace it)")
@@ -97,8 +114,10 @@ def _check_replaceable(out: Path, markers: frozenset = frozenset({CONFIG_NAME, M
         raise OutputError(f"output {out} exists and is not a folder; `overwrite=True` only replaces {what}")
     names = set(os.listdir(out))
     if names and not names & markers:
-        raise OutputError(f"refusing to replace {out}: it is not {what} (no {' or '.join(sorted(markers))}); "
-                          f"`overwrite=True` only replaces an earlier output, remove the folder yourself")
+        raise OutputError(
+            f"refusing to replace {out}: it is not {what} (no {' or '.join(sorted(markers))}); "
+            f"`overwrite=True` only replaces an earlier output, remove the folder yourself"
+        )
 
 
 def check_output_folder(out: Path, overwrite: bool, markers: frozenset) -> None:
@@ -130,13 +149,22 @@ def _boot_id() -> str | None:
 
 
 def _owner() -> dict:
-    return {"pid": os.getpid(), "start": _process_start(os.getpid()), "host": socket.gethostname(),
-            "boot_id": _boot_id(), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "pid": os.getpid(),
+        "start": _process_start(os.getpid()),
+        "host": socket.gethostname(),
+        "boot_id": _boot_id(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _owner_gone(owner: Any) -> bool:
     """Whether the process that wrote ``owner`` has provably ended (same host; gone, or another boot)."""
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+    if (
+        not isinstance(owner, dict)
+        or owner.get("host") != socket.gethostname()
+        or not isinstance(owner.get("pid"), int)
+    ):
         return False
     if owner.get("boot_id") and _boot_id() and owner["boot_id"] != _boot_id():
         return True
@@ -175,20 +203,29 @@ def _clean_stale(out: Path) -> list[str]:
         except (OSError, ValueError):
             owner = None
         if not _owner_gone(owner):
-            who = (f"process {owner.get('pid')} on {owner.get('host')}" if isinstance(owner, dict)
-                   else "an unknown process")
-            notes.append(f"{path} is a temporary folder of another gdnprune run ({who}, perhaps still running); "
-                         f"left alone: remove it yourself once that run is over")
+            who = (
+                f"process {owner.get('pid')} on {owner.get('host')}"
+                if isinstance(owner, dict)
+                else "an unknown process"
+            )
+            notes.append(
+                f"{path} is a temporary folder of another gdnprune run ({who}, perhaps still running); "
+                f"left alone: remove it yourself once that run is over"
+            )
             continue
         previous = path / "previous"
         if entry.name.startswith(prefix + "old-") and previous.is_dir() and not os.path.lexists(out):
             with deferred_signals():
                 os.rename(previous, out)
-            notes.append(f"restored the previous output {out} from {path}, left aside by a run that was killed "
-                         f"while replacing it (process {owner['pid']})")
+            notes.append(
+                f"restored the previous output {out} from {path}, left aside by a run that was killed "
+                f"while replacing it (process {owner['pid']})"
+            )
         with deferred_signals():
             shutil.rmtree(path, ignore_errors=True)
-        notes.append(f"removed {path}, a temporary folder left by a run that was killed (process {owner['pid']})")
+        notes.append(
+            f"removed {path}, a temporary folder left by a run that was killed (process {owner['pid']})"
+        )
     return notes
 
 
@@ -257,7 +294,9 @@ class Staging:
                     self.committed = True
                     return
                 if not self.overwrite:
-                    raise OutputError(f"output folder {out} appeared while writing (pass `overwrite=True` to replace it)")
+                    raise OutputError(
+                        f"output folder {out} appeared while writing (pass `overwrite=True` to replace it)"
+                    )
                 if self.src is not None:
                     check_paths(self.src, out, overwrite=True)  # what is there now is what gets deleted
                 else:
@@ -290,8 +329,13 @@ def write_json(path: Path, value: Any, indent: int = 2) -> None:
         f.write("\n")
 
 
-def write_index(ckpt: Checkpoint, tmp: Path, entries: list[tuple], dropped: set[str] = frozenset(),
-                names: Mapping[str, str | None] | None = None) -> None:
+def write_index(
+    ckpt: Checkpoint,
+    tmp: Path,
+    entries: list[tuple],
+    dropped: set[str] = frozenset(),
+    names: Mapping[str, str | None] | None = None,
+) -> None:
     """The output's safetensors index: the source index with the sizes of the output tensors ``entries``
     (``(name, dtype, shape, begin, end)``), without the tensors ``dropped``, source tensors renamed by
     ``names`` (None: dropped); nothing for a single-file checkpoint."""
@@ -301,7 +345,9 @@ def write_index(ckpt: Checkpoint, tmp: Path, entries: list[tuple], dropped: set[
     for name in dropped:
         index.get("weight_map", {}).pop(name, None)
     if names and isinstance(index.get("weight_map"), dict):
-        weight_map = {names.get(n, n): f for n, f in index["weight_map"].items() if names.get(n, n) is not None}
+        weight_map = {
+            names.get(n, n): f for n, f in index["weight_map"].items() if names.get(n, n) is not None
+        }
         index["weight_map"] = dict(sorted(weight_map.items()))
     metadata = index.setdefault("metadata", {})
     if not isinstance(metadata, dict):
@@ -338,15 +384,20 @@ def plan_other_files(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
                 if real in ancestors:
                     raise CheckpointError(
                         f"{src}: {name} is a symlink loop (-> {os.readlink(entry.path) if entry.is_symlink() else real}); "
-                        f"remove it from the model folder")
+                        f"remove it from the model folder"
+                    )
                 walk(Path(entry.path), f"{name}/", (*ancestors, real))
             elif entry.name.endswith(_WEIGHT_SUFFIXES) and entry.name != "training_args.bin":
                 left_out.append(name)
             elif entry.is_file():
                 files.append(name)
             else:  # a FIFO, socket or device (or a broken symlink): reading it could block or mean nothing
-                warnings.warn(f"{src}: {name} is not a regular file or folder (a FIFO, socket, device or broken "
-                              f"symlink); skipped, not copied to the output", UserWarning, stacklevel=2)
+                warnings.warn(
+                    f"{src}: {name} is not a regular file or folder (a FIFO, socket, device or broken "
+                    f"symlink); skipped, not copied to the output",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     walk(src, "", (os.path.realpath(src),))
     return files, left_out
@@ -364,9 +415,18 @@ def copy_other_files(src: Path, dst: Path, files: list[str]) -> None:
         os.chmod(target, os.stat(src / name).st_mode & 0o777 & ~mask)
 
 
-def build_manifest(ckpt: Checkpoint, operation: str, *, sorted_out: bool, source_shape: dict, target: dict | None,
-                   layers: dict, unsorted_layers: list | None, passthrough: list,
-                   extra: Mapping[str, Any] | None) -> dict:
+def build_manifest(
+    ckpt: Checkpoint,
+    operation: str,
+    *,
+    sorted_out: bool,
+    source_shape: dict,
+    target: dict | None,
+    layers: dict,
+    unsorted_layers: list | None,
+    passthrough: list,
+    extra: Mapping[str, Any] | None,
+) -> dict:
     """The ``gdnprune.json`` manifest: what was done to which source (its index and config hashes)."""
     return {
         "tool": "gdnprune",

@@ -10,16 +10,17 @@ checkpoint, or to a ``gdnprune sort`` output of it (its manifest's per-layer per
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from .. import compensate
+from ..fileio import file_sha256
 from ..geometry import order_indices, orders_from_payload
 from ..layouts import get_layout
 from ..safetensors_io import write_all
-from ..fileio import file_sha256
 from .codecs import from_float, to_float
 from .folder import CONFIG_NAME, MANIFEST_NAME, Checkpoint, CheckpointError
 
@@ -35,15 +36,22 @@ def statistics_order(ckpt: Checkpoint, stats_path: str | os.PathLike) -> dict[st
         ValueError: the statistics describe another model.
     """
     described = compensate.statistics_model(stats_path) or {}
-    here = {"config_sha256": file_sha256(ckpt.path / CONFIG_NAME),
-            "manifest_sha256": file_sha256(ckpt.path / MANIFEST_NAME)}
-    if described.get("config_sha256") == here["config_sha256"] and \
-            described.get("manifest_sha256") == here["manifest_sha256"]:
+    here = {
+        "config_sha256": file_sha256(ckpt.path / CONFIG_NAME),
+        "manifest_sha256": file_sha256(ckpt.path / MANIFEST_NAME),
+    }
+    if (
+        described.get("config_sha256") == here["config_sha256"]
+        and described.get("manifest_sha256") == here["manifest_sha256"]
+    ):
         return None
     manifest = ckpt.manifest or {}
     source = manifest.get("source") or {}
-    if (manifest.get("operation") == "sort" and described.get("manifest_sha256") is None
-            and source.get("config_sha256") == described.get("config_sha256")):
+    if (
+        manifest.get("operation") == "sort"
+        and described.get("manifest_sha256") is None
+        and source.get("config_sha256") == described.get("config_sha256")
+    ):
         from ..geometry import GDNShape
 
         order = {}
@@ -52,8 +60,10 @@ def statistics_order(ckpt: Checkpoint, stats_path: str | os.PathLike) -> dict[st
             orders = orders_from_payload(layer.get("permutation") or {}, shape)
             order[prefix] = order_indices(orders, shape)["vidx"]
         return order
-    raise ValueError(f"{stats_path}: these compensation statistics were collected on {described.get('path')!r}, "
-                     f"not on {ckpt.path} nor on the model it was sorted from; collect them on this model")
+    raise ValueError(
+        f"{stats_path}: these compensation statistics were collected on {described.get('path')!r}, "
+        f"not on {ckpt.path} nor on the model it was sorted from; collect them on this model"
+    )
 
 
 def _read(path: str, start: int, nbytes: int) -> bytes:
@@ -61,13 +71,21 @@ def _read(path: str, start: int, nbytes: int) -> bytes:
         f.seek(start)
         data = f.read(nbytes)
     if len(data) != nbytes:
-        raise CheckpointError(f"{path}: input changed while reading (short read of {nbytes} bytes at {start})")
+        raise CheckpointError(
+            f"{path}: input changed while reading (short read of {nbytes} bytes at {start})"
+        )
     return data
 
 
-def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Mapping[str, tuple[str, int]],
-                   stats: Mapping[str, Mapping], order: Mapping[str, np.ndarray] | None, *,
-                   ridge: float = compensate.DEFAULT_RIDGE) -> list[str]:
+def refit_out_proj(
+    ckpt: Checkpoint,
+    plans: Mapping[str, Any],
+    destinations: Mapping[str, tuple[str, int]],
+    stats: Mapping[str, Mapping],
+    order: Mapping[str, np.ndarray] | None,
+    *,
+    ridge: float = compensate.DEFAULT_RIDGE,
+) -> list[str]:
     """Overwrite the gathered ``out_proj`` of every cut layer with its compensated columns.
 
     Args:
@@ -94,8 +112,10 @@ def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Map
         keys = matching_prefixes(prefix, stats)
         if fitted and not keys:
             continue  # refitted in memory: a layer before the first cut keeps its columns
-        if not fitted and (target.num_value_heads, target.value_head_dim) == (layer.shape.num_value_heads,
-                                                                              layer.shape.value_head_dim):
+        if not fitted and (target.num_value_heads, target.value_head_dim) == (
+            layer.shape.num_value_heads,
+            layer.shape.value_head_dim,
+        ):
             continue  # nothing of the out_proj input was removed
         rules = get_layout(layer.layout)
         suffix = next(s for s in layer.tensors if (r := rules.rule(s)) is not None and r.axis == 1)
@@ -103,24 +123,32 @@ def refit_out_proj(ckpt: Checkpoint, plans: Mapping[str, Any], destinations: Map
             raise ValueError(f"the compensation statistics have no entry for the GDN layer {prefix}")
         info = layer.tensors[suffix]
         if info.dtype not in ("F64", "F32", "F16", "BF16"):
-            raise ValueError(f"{info.name} is {info.dtype}: least-squares compensation refits it in floating point "
-                             f"and is not supported for FP8 weights")
+            raise ValueError(
+                f"{info.name} is {info.dtype}: least-squares compensation refits it in floating point "
+                f"and is not supported for FP8 weights"
+            )
         kept = rules.rule(suffix).gather_index(layer.shape, target, plan.indices)
         if fitted:  # columns refitted in memory, in the output's order (compensate.sequential_refit)
             columns = np.asarray(stats[keys[0]]["columns"], dtype=np.float64)
             if columns.shape != (info.shape[0], len(kept)):
-                raise ValueError(f"refitted columns of {prefix} are {columns.shape}, expected "
-                                 f"{(info.shape[0], len(kept))}")
+                raise ValueError(
+                    f"refitted columns of {prefix} are {columns.shape}, expected {(info.shape[0], len(kept))}"
+                )
         else:
             moment = stats[keys[0]]["out_moment"]
             if moment.shape[0] != layer.shape.value_dim:
-                raise ValueError(f"compensation statistics of {prefix}: out_moment is {moment.shape}, expected "
-                                 f"{layer.shape.value_dim} channels ({layer.shape})")
+                raise ValueError(
+                    f"compensation statistics of {prefix}: out_moment is {moment.shape}, expected "
+                    f"{layer.shape.value_dim} channels ({layer.shape})"
+                )
             if order is not None:
                 vidx = order[prefix]
                 moment = moment[np.ix_(vidx, vidx)]
-            weight = to_float(_read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
-                                         info.dtype, info.shape)
+            weight = to_float(
+                _read(ckpt.shards[ckpt.shard_of(info.name)].path, info.start, info.nbytes),
+                info.dtype,
+                info.shape,
+            )
             columns = compensate.compensated_columns(weight, moment, kept, ridge=ridge)
         path, offset = destinations[info.name]
         data = from_float(columns, info.dtype)

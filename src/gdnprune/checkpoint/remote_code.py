@@ -17,9 +17,10 @@ and its ``auto_map``. No torch here: the file is copied as bytes.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .folder import CONFIG_NAME
 from .output import write_json
@@ -59,20 +60,26 @@ def auto_map(config: Mapping[str, Any]) -> dict[str, str]:
     """
     model_type = config.get("model_type")
     if model_type not in MODEL_CLASSES:
-        raise SelfContainedError(f"--self-contained: expected a model_type of {sorted(MODEL_CLASSES)} in "
-                                 f"{CONFIG_NAME}, found {model_type!r}")
+        raise SelfContainedError(
+            f"--self-contained: expected a model_type of {sorted(MODEL_CLASSES)} in "
+            f"{CONFIG_NAME}, found {model_type!r}"
+        )
     name = f"{_MODULE}.{MODEL_CLASSES[model_type]}"
     entries = {"AutoModelForCausalLM": name}
     if name.endswith("ForConditionalGeneration"):
         entries["AutoModelForImageTextToText"] = name
     existing = config.get("auto_map") or {}
     if not isinstance(existing, Mapping):
-        raise SelfContainedError(f"--self-contained: expected auto_map in {CONFIG_NAME} to be an object, found "
-                                 f"{type(existing).__name__}")
+        raise SelfContainedError(
+            f"--self-contained: expected auto_map in {CONFIG_NAME} to be an object, found "
+            f"{type(existing).__name__}"
+        )
     foreign = {k: v for k, v in existing.items() if k in entries and v != entries[k]}
     if foreign:
-        raise SelfContainedError(f"--self-contained: {CONFIG_NAME} already maps {foreign} to modeling code of its "
-                                 f"own; expected no auto_map entry for these classes or {entries}")
+        raise SelfContainedError(
+            f"--self-contained: {CONFIG_NAME} already maps {foreign} to modeling code of its "
+            f"own; expected no auto_map entry for these classes or {entries}"
+        )
     return entries
 
 

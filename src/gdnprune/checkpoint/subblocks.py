@@ -12,11 +12,22 @@ are copied byte for byte. No torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from ..blocks import BLOCK_FIELDS, KINDS, apply_block_targets_to_config, block_indices, block_kind_of, block_kinds_of, \
-    numbered_name_map, orders_from_payload, orders_to_payload, resolve_block_target
+from ..blocks import (
+    BLOCK_FIELDS,
+    KINDS,
+    apply_block_targets_to_config,
+    block_indices,
+    block_kind_of,
+    block_kinds_of,
+    numbered_name_map,
+    orders_from_payload,
+    orders_to_payload,
+    resolve_block_target,
+)
 from ..geometry import layer_index_of
 from ..layouts import BlockGridError, scaled_weight
 from ..plans import plan_block_kinds, read_plan, resolve_block_plan
@@ -35,8 +46,12 @@ class SubBlockPlan:
 
     plans: dict[str, LayerPlan] = field(default_factory=dict)
     targets: dict[str, dict[int, Any]] = field(default_factory=dict)
-    passthrough: list[str] = field(default_factory=list)  # mtp.* modules of a kind that is cut, left as they are
-    names: dict[str, str | None] = field(default_factory=dict)  # per-expert tensors renumbered (None: dropped)
+    passthrough: list[str] = field(
+        default_factory=list
+    )  # mtp.* modules of a kind that is cut, left as they are
+    names: dict[str, str | None] = field(
+        default_factory=dict
+    )  # per-expert tensors renumbered (None: dropped)
 
     @property
     def cut(self) -> bool:
@@ -52,10 +67,16 @@ class SubBlockPlan:
 
     def manifest(self) -> dict:
         """The ``blocks`` entry of the manifest: kind, layout, geometry, target and orders of each changed block."""
-        return {prefix: {"kind": p.layer.kind, "layout": p.layer.layout, "shape": p.layer.shape.as_dict(),
-                         "target": p.target.as_dict(),
-                         "permutation": None if p.permutation is None else orders_to_payload(p.permutation)}
-                for prefix, p in self.plans.items()}
+        return {
+            prefix: {
+                "kind": p.layer.kind,
+                "layout": p.layer.layout,
+                "shape": p.layer.shape.as_dict(),
+                "target": p.target.as_dict(),
+                "permutation": None if p.permutation is None else orders_to_payload(p.permutation),
+            }
+            for prefix, p in self.plans.items()
+        }
 
 
 def split_target(target: Any) -> tuple[Any, dict[str, int]]:
@@ -76,8 +97,9 @@ def split_permutations(permutations: Mapping | None) -> tuple[Mapping | None, di
     return (gdn if gdn or not blocks else None), blocks
 
 
-def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, int], plan, *,
-                    dequantize: bool) -> SubBlockPlan:
+def plan_sub_blocks(
+    ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, int], plan, *, dequantize: bool
+) -> SubBlockPlan:
     """The layer plans of the sub-blocks that ``orders_in`` (prefix -> payload), the sub-block ``target``
     fields or ``plan`` sort or cut.
 
@@ -92,12 +114,18 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
     if not kinds:
         return SubBlockPlan()
     layers = {layer.prefix: layer for layer in find_block_layers(ckpt, sorted(kinds))}
-    asked = set(target) | (set(read_plan(plan).get("default") or {}) & set(BLOCK_FIELDS) if plan is not None else set())
-    absent = sorted(f for f in asked if not any(f in KINDS[layer.kind].config_keys for layer in layers.values()))
+    asked = set(target) | (
+        set(read_plan(plan).get("default") or {}) & set(BLOCK_FIELDS) if plan is not None else set()
+    )
+    absent = sorted(
+        f for f in asked if not any(f in KINDS[layer.kind].config_keys for layer in layers.values())
+    )
     if absent:
         missing = sorted({k.name for k in KINDS.values() for f in absent if f in k.config_keys})
-        raise TargetError(f"{ckpt.path}: nothing to cut with {absent}: the checkpoint has no {' or '.join(missing)} "
-                          f"sub-block (at {', '.join(KINDS[k].where for k in missing)})")
+        raise TargetError(
+            f"{ckpt.path}: nothing to cut with {absent}: the checkpoint has no {' or '.join(missing)} "
+            f"sub-block (at {', '.join(KINDS[k].where for k in missing)})"
+        )
     try:
         named = match_layers(orders_in, layers, what="scores")
     except ValueError as exc:
@@ -124,17 +152,24 @@ def plan_sub_blocks(ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, i
             out.names.update(numbered_name_map(layer, indices))
     check_scale_grids(out.plans, dequantize)
     cut_kinds = {p.layer.kind for p in out.plans.values() if p.target != p.layer.shape}
-    out.passthrough = sorted({n.rsplit(".", 2)[0] for n in ckpt.names if n.startswith("mtp.")
-                              and any(KINDS[k].matches(n.rsplit(".", 2)[0]) for k in cut_kinds)})
+    out.passthrough = sorted(
+        {
+            n.rsplit(".", 2)[0]
+            for n in ckpt.names
+            if n.startswith("mtp.") and any(KINDS[k].matches(n.rsplit(".", 2)[0]) for k in cut_kinds)
+        }
+    )
     return out
 
 
 #: how to keep FP8 scale blocks whole, per kind of layer
-_WHOLE = {"gdn": "Cut whole heads (head dims that are multiples of {b})",
-          "attention": "Move and cut whole heads (head dims that are multiples of {b})",
-          "mlp": "Order and cut channels in whole blocks of {b}",
-          "shared_expert": "Order and cut channels in whole blocks of {b}",
-          "experts": "Keep whole experts"}
+_WHOLE = {
+    "gdn": "Cut whole heads (head dims that are multiples of {b})",
+    "attention": "Move and cut whole heads (head dims that are multiples of {b})",
+    "mlp": "Order and cut channels in whole blocks of {b}",
+    "shared_expert": "Order and cut channels in whole blocks of {b}",
+    "experts": "Keep whole experts",
+}
 
 
 def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
@@ -147,9 +182,15 @@ def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
                 rule.gather_index(layer_plan.layer.shape, layer_plan.target, layer_plan.indices)
             except BlockGridError as exc:
                 if not dequantize:
-                    what = "sorted" if layer_plan.target == layer_plan.layer.shape else f"cut to {layer_plan.target}"
-                    raise TargetError(f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
-                                      f"exactly: {exc}. {_WHOLE[layer_plan.layer.kind].format(b=rule.block)}, or "
-                                      f"pass `dequantize=True` to write such weights in BF16") from None
+                    what = (
+                        "sorted"
+                        if layer_plan.target == layer_plan.layer.shape
+                        else f"cut to {layer_plan.target}"
+                    )
+                    raise TargetError(
+                        f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
+                        f"exactly: {exc}. {_WHOLE[layer_plan.layer.kind].format(b=rule.block)}, or "
+                        f"pass `dequantize=True` to write such weights in BF16"
+                    ) from None
                 broken.add(scaled_weight(suffix))
         layer_plan.dequantize = frozenset(broken)

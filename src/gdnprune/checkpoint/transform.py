@@ -15,23 +15,37 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from .. import compensate, depth
+from ..fileio import file_sha256
 from ..geometry import apply_targets_to_config, layer_index_of
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
-from ..fileio import file_sha256
 from ..scores import read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
-from .. import compensate, depth
 from . import output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
-    CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, PASSTHROUGH_PREFIXES, Checkpoint, find_gdn_layers, open_checkpoint,
+    CONFIG_NAME,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    PASSTHROUGH_PREFIXES,
+    Checkpoint,
+    find_gdn_layers,
+    open_checkpoint,
 )
 
-__all__ = ["UnsortedInputWarning", "MissingScoresWarning", "PassthroughWarning", "KernelShapeWarning", "transform_checkpoint",
-           "sort_checkpoint", "slice_checkpoint"]
+__all__ = [
+    "UnsortedInputWarning",
+    "MissingScoresWarning",
+    "PassthroughWarning",
+    "KernelShapeWarning",
+    "transform_checkpoint",
+    "sort_checkpoint",
+    "slice_checkpoint",
+]
 
 
 class UnsortedInputWarning(UserWarning):
@@ -133,8 +147,21 @@ def transform_checkpoint(
     output.check_paths(src, out, overwrite)
     if self_contained:
         manifest_extra = {"self_contained": remote_code.MODELING_NAME, **dict(manifest_extra or {})}
-    return _transform(src, out, permutations, target, plan, (tp, multiple_of, dequantize), (compensation, ridge),
-                      operation, overwrite, progress, manifest_extra, self_contained, remove_layers)
+    return _transform(
+        src,
+        out,
+        permutations,
+        target,
+        plan,
+        (tp, multiple_of, dequantize),
+        (compensation, ridge),
+        operation,
+        overwrite,
+        progress,
+        manifest_extra,
+        self_contained,
+        remove_layers,
+    )
 
 
 def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple[dict, list[str]]:
@@ -152,61 +179,102 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
         raise PlanError(f"{len(violations)} layer(s) break the serving constraints: " + "; ".join(violations))
     for line in kernel_warnings(cut):
         _warn(KernelShapeWarning, line)
-    plans = {layer.prefix: plan_layer(layer, targets[layer.prefix], orders.get(layer.prefix)) for layer in layers}
+    plans = {
+        layer.prefix: plan_layer(layer, targets[layer.prefix], orders.get(layer.prefix)) for layer in layers
+    }
     subblocks.check_scale_grids(plans, dequantize)
     return plans, missing
 
 
-def _transform(src: Path, out: Path, permutations, target, plan, constraints, refit_options, operation, overwrite,
-               progress, manifest_extra, self_contained: bool, remove_layers=None) -> dict:
+def _transform(
+    src: Path,
+    out: Path,
+    permutations,
+    target,
+    plan,
+    constraints,
+    refit_options,
+    operation,
+    overwrite,
+    progress,
+    manifest_extra,
+    self_contained: bool,
+    remove_layers=None,
+) -> dict:
     start_time = time.time()
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
     layers, skipped = find_gdn_layers(ckpt)
-    (target, block_target), (permutations, block_orders) = subblocks.split_target(target), \
-        subblocks.split_permutations(permutations)
+    (target, block_target), (permutations, block_orders) = (
+        subblocks.split_target(target),
+        subblocks.split_permutations(permutations),
+    )
     removed = list(remove_layers or []) + (sorted(removed_layers(plan)) if plan is not None else [])
-    removed = depth.check_removed(removed, depth.num_layers_of(ckpt.config), depth.attention_layers(ckpt.config)) \
-        if removed else []
+    removed = (
+        depth.check_removed(removed, depth.num_layers_of(ckpt.config), depth.attention_layers(ckpt.config))
+        if removed
+        else []
+    )
     plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
     blocks = subblocks.plan_sub_blocks(ckpt, block_orders, block_target, plan, dequantize=constraints[2])
     if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered
         plans = {p: lp for p, lp in plans.items() if layer_index_of(p) not in removed}
         blocks.plans = {p: lp for p, lp in blocks.plans.items() if layer_index_of(p) not in removed}
-        blocks.targets = {k: {i: t for i, t in v.items() if i not in removed} for k, v in blocks.targets.items()}
+        blocks.targets = {
+            k: {i: t for i, t in v.items() if i not in removed} for k, v in blocks.targets.items()
+        }
         blocks.names = depth.compose_names(
-            blocks.names, depth.removal_name_map(ckpt.names, depth.num_layers_of(ckpt.config), removed))
+            blocks.names, depth.removal_name_map(ckpt.names, depth.num_layers_of(ckpt.config), removed)
+        )
         manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
     gdn_names = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
     cut = target is not None or plan is not None or blocks.cut
     if cut and permutations is None and not block_orders and not ckpt.is_sorted:
-        _warn(UnsortedInputWarning,
-              f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
-              f"channels in their original order, not the most important ones (run `gdnprune sort` first)")
+        _warn(
+            UnsortedInputWarning,
+            f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
+            f"channels in their original order, not the most important ones (run `gdnprune sort` first)",
+        )
     for prefix in missing:
         _warn(MissingScoresWarning, f"GDN layer {prefix} has no entry in the scores: it keeps its order")
     if skipped:
-        _warn(PassthroughWarning, f"{skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: left untouched")
+        _warn(
+            PassthroughWarning,
+            f"{skipped} look like GDN layers but are under {PASSTHROUGH_PREFIXES}: left untouched",
+        )
     if blocks.passthrough:
-        _warn(PassthroughWarning, f"{blocks.passthrough} keep their width while config.json's global sizes now "
-                                  f"describe the cut layers: a server that builds the MTP head from config.json "
-                                  f"(speculative decoding) will not load it; transformers ignores mtp.*")
+        _warn(
+            PassthroughWarning,
+            f"{blocks.passthrough} keep their width while config.json's global sizes now "
+            f"describe the cut layers: a server that builds the MTP head from config.json "
+            f"(speculative decoding) will not load it; transformers ignores mtp.*",
+        )
     if left_out:
-        _warn(UserWarning, f"other weight files {left_out} of {src} are not copied (they are not part of the "
-                           f"safetensors checkpoint that is transformed)")
+        _warn(
+            UserWarning,
+            f"other weight files {left_out} of {src} are not copied (they are not part of the "
+            f"safetensors checkpoint that is transformed)",
+        )
     if self_contained:
         remote_code.auto_map(ckpt.config)  # a family it cannot load is refused before any folder is made
     stats_path, ridge = refit_options
     if stats_path is not None:
         if not cut:
-            raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
-        fp8 = [layer.prefix for layer in layers if any(s.endswith("weight_scale_inv") and "out_proj" in s or
-                                                          "o_proj" in s for s in layer.scales)]
+            raise TargetError(
+                "compensation needs a cut (a target or a plan): sorting alone changes no output"
+            )
+        fp8 = [
+            layer.prefix
+            for layer in layers
+            if any(s.endswith("weight_scale_inv") and "out_proj" in s or "o_proj" in s for s in layer.scales)
+        ]
         if fp8:
-            raise TargetError(f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
-                              f"({fp8[:3]}); slice a BF16 copy to compensate")
+            raise TargetError(
+                f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
+                f"({fp8[:3]}); slice a BF16 copy to compensate"
+            )
         if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
             stats, order = stats_path, None
         else:
@@ -215,8 +283,10 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < at_least:
-        raise output.OutputError(f"not enough free disk space for {out}: the output needs more than "
-                                 f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+        raise output.OutputError(
+            f"not enough free disk space for {out}: the output needs more than "
+            f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
+        )
 
     from tqdm import tqdm
 
@@ -232,9 +302,16 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
                 work.error = work.error or exc
 
         worker = threading.Thread(target=worker_main, name="gdnprune-gdn", daemon=True)
-        bar = tqdm(total=sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes, unit="B",
-                   unit_scale=True, unit_divisor=1024, desc=f"gdnprune {operation}", disable=not progress,
-                   file=sys.stderr, leave=False)
+        bar = tqdm(
+            total=sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"gdnprune {operation}",
+            disable=not progress,
+            file=sys.stderr,
+            leave=False,
+        )
         state = {"gdn_bytes": 0}
 
         def on_chunk(n: int) -> None:
@@ -255,24 +332,52 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
                 on_chunk(0)
             on_chunk(0)
             if stats_path is not None:
-                destinations = {name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
-                                for shard in shards for name in shard.gdn}
-                refitted = refit.refit_out_proj(ckpt, plans, destinations, stats, order,
-                                                ridge=compensate.DEFAULT_RIDGE if ridge is None else ridge)
+                destinations = {
+                    name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
+                    for shard in shards
+                    for name in shard.gdn
+                }
+                refitted = refit.refit_out_proj(
+                    ckpt,
+                    plans,
+                    destinations,
+                    stats,
+                    order,
+                    ridge=compensate.DEFAULT_RIDGE if ridge is None else ridge,
+                )
                 fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
-                manifest_extra = {"compensation": {
-                    "method": "sequential" if fitted else "statistics",
-                    "statistics": "collected in this run" if isinstance(stats_path, Mapping)
-                    else refit.stats_info(stats_path), "ridge": compensate.DEFAULT_RIDGE if ridge is None
-                    else ridge, "layers": refitted, "nested": False,
-                    "note": "out_proj refitted by least squares per target: not nested across targets"},
-                    **dict(manifest_extra or {})}
+                manifest_extra = {
+                    "compensation": {
+                        "method": "sequential" if fitted else "statistics",
+                        "statistics": "collected in this run"
+                        if isinstance(stats_path, Mapping)
+                        else refit.stats_info(stats_path),
+                        "ridge": compensate.DEFAULT_RIDGE if ridge is None else ridge,
+                        "layers": refitted,
+                        "nested": False,
+                        "note": "out_proj refitted by least squares per target: not nested across targets",
+                    },
+                    **dict(manifest_extra or {}),
+                }
             for shard in shards:
                 on_chunk(write_header(shard))
             if blocks.plans:
                 manifest_extra = {"blocks": blocks.manifest(), **dict(manifest_extra or {})}
-            manifest = _finish_folder(ckpt, tmp, work, operation, permutations, cut, plan, missing, skipped,
-                                      other_files, manifest_extra, blocks, removed)
+            manifest = _finish_folder(
+                ckpt,
+                tmp,
+                work,
+                operation,
+                permutations,
+                cut,
+                plan,
+                missing,
+                skipped,
+                other_files,
+                manifest_extra,
+                blocks,
+                removed,
+            )
             if self_contained:
                 remote_code.make_self_contained(tmp)
             check_unchanged(ckpt)
@@ -288,19 +393,40 @@ def _transform(src: Path, out: Path, permutations, target, plan, constraints, re
     return manifest
 
 
-def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permutations, cut, plan, missing, skipped,
-                   other_files, manifest_extra, blocks: subblocks.SubBlockPlan, removed=()) -> dict:
+def _finish_folder(
+    ckpt: Checkpoint,
+    tmp: Path,
+    work: GDNWork,
+    operation,
+    permutations,
+    cut,
+    plan,
+    missing,
+    skipped,
+    other_files,
+    manifest_extra,
+    blocks: subblocks.SubBlockPlan,
+    removed=(),
+) -> dict:
     """Index, config, other files and manifest of the output folder."""
     from ..geometry import orders_to_payload
 
     gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
 
-    output.write_index(ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped, work.names)
-    dequantized = [f"{prefix}.{suffix[: -len('.weight')]}" for prefix, p in work.plans.items() for suffix in sorted(p.dequantize)]
+    output.write_index(
+        ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped, work.names
+    )
+    dequantized = [
+        f"{prefix}.{suffix[: -len('.weight')]}"
+        for prefix, p in work.plans.items()
+        for suffix in sorted(p.dequantize)
+    ]
     if cut or dequantized or removed:
         config = ckpt.config
         if cut:
-            config = apply_targets_to_config(config, {layer_index_of(prefix): p.target for prefix, p in gdn_plans.items()})
+            config = apply_targets_to_config(
+                config, {layer_index_of(prefix): p.target for prefix, p in gdn_plans.items()}
+            )
             config = blocks.apply_to_config(config)
         if removed:
             config = depth.remove_layers_from_config(config, removed)
@@ -317,13 +443,18 @@ def _finish_folder(ckpt: Checkpoint, tmp: Path, work: GDNWork, operation, permut
     shapes_in = {layer_plan.layer.shape for layer_plan in gdn_plans.values()}
     if plan is not None:
         plan_info = read_plan(plan)
-        extra = {"plan": {"path": None if isinstance(plan, Mapping) else str(Path(plan).resolve()),
-                          "sha256": None if isinstance(plan, Mapping) else file_sha256(Path(plan)),
-                          "metadata": {k: v for k, v in plan_info.items() if k not in ("layers", "default")}},
-                 **dict(manifest_extra or {})}
+        extra = {
+            "plan": {
+                "path": None if isinstance(plan, Mapping) else str(Path(plan).resolve()),
+                "sha256": None if isinstance(plan, Mapping) else file_sha256(Path(plan)),
+                "metadata": {k: v for k, v in plan_info.items() if k not in ("layers", "default")},
+            },
+            **dict(manifest_extra or {}),
+        }
         manifest_extra = extra
     manifest = output.build_manifest(
-        ckpt, operation,
+        ckpt,
+        operation,
         sorted_out=all(p in permuted or ckpt.is_sorted for p in gdn_plans),
         source_shape=next(iter(shapes_in)).as_dict() if len(shapes_in) == 1 else None,
         target=next(iter(targets_out)).as_dict() if cut and len(targets_out) == 1 else None,
@@ -362,9 +493,17 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
     return config
 
 
-def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Mapping, output_dir: str | os.PathLike,
-                    *, dequantize: bool = False, self_contained: bool = False, overwrite: bool = False,
-                    progress: bool = True, manifest_extra: Mapping[str, Any] | None = None) -> dict:
+def sort_checkpoint(
+    model_dir: str | os.PathLike,
+    scores: str | os.PathLike | Mapping,
+    output_dir: str | os.PathLike,
+    *,
+    dequantize: bool = False,
+    self_contained: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    manifest_extra: Mapping[str, Any] | None = None,
+) -> dict:
     """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
 
     ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). The keyword arguments
@@ -375,18 +514,37 @@ def sort_checkpoint(model_dir: str | os.PathLike, scores: str | os.PathLike | Ma
     if not isinstance(scores, Mapping):
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
     extra = {"scores": info, **dict(manifest_extra or {})}
-    return transform_checkpoint(model_dir, output_dir, permutations=data["layers"], operation="sort",
-                                manifest_extra=extra, dequantize=dequantize, self_contained=self_contained,
-                                overwrite=overwrite, progress=progress)
+    return transform_checkpoint(
+        model_dir,
+        output_dir,
+        permutations=data["layers"],
+        operation="sort",
+        manifest_extra=extra,
+        dequantize=dequantize,
+        self_contained=self_contained,
+        overwrite=overwrite,
+        progress=progress,
+    )
 
 
 @keyword_target(paths=2)
-def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, target: Any = None,
-                     plan: str | os.PathLike | Mapping | None = None, tp: int | None = None,
-                     multiple_of: int | None = None, compensation: str | os.PathLike | Mapping | None = None,
-                     ridge: float | None = None, dequantize: bool = False, self_contained: bool = False,
-                     overwrite: bool = False, progress: bool = True,
-                     manifest_extra: Mapping[str, Any] | None = None, remove_layers: Any = None) -> dict:
+def slice_checkpoint(
+    model_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    target: Any = None,
+    plan: str | os.PathLike | Mapping | None = None,
+    tp: int | None = None,
+    multiple_of: int | None = None,
+    compensation: str | os.PathLike | Mapping | None = None,
+    ridge: float | None = None,
+    dequantize: bool = False,
+    self_contained: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    manifest_extra: Mapping[str, Any] | None = None,
+    remove_layers: Any = None,
+) -> dict:
     """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
     ``target`` is a ``GDNShape`` or a mapping of some of its fields (``num_key_heads``,
@@ -401,7 +559,20 @@ def slice_checkpoint(model_dir: str | os.PathLike, output_dir: str | os.PathLike
     """
     if target is None and plan is None and not remove_layers:
         raise TargetError("slice needs a target (at least one of " + ", ".join(TARGET_FIELDS) + ") or a plan")
-    return transform_checkpoint(model_dir, output_dir, target=target, plan=plan, tp=tp, multiple_of=multiple_of,
-                                compensation=compensation, ridge=ridge, dequantize=dequantize, operation="slice",
-                                self_contained=self_contained, overwrite=overwrite, progress=progress,
-                                manifest_extra=manifest_extra, remove_layers=remove_layers)
+    return transform_checkpoint(
+        model_dir,
+        output_dir,
+        target=target,
+        plan=plan,
+        tp=tp,
+        multiple_of=multiple_of,
+        compensation=compensation,
+        ridge=ridge,
+        dequantize=dequantize,
+        operation="slice",
+        self_contained=self_contained,
+        overwrite=overwrite,
+        progress=progress,
+        manifest_extra=manifest_extra,
+        remove_layers=remove_layers,
+    )

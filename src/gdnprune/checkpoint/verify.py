@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from .folder import CONFIG_NAME, CheckpointError, read_json
 
@@ -45,7 +45,9 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
             ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
             source = f"{data} tokenised with the tokenizer of {model_dir}"
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure falls back to bytes
-            warnings.warn(f"tokenizer of {model_dir} unusable ({exc}); using bytes", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"tokenizer of {model_dir} unusable ({exc}); using bytes", UserWarning, stacklevel=3
+            )
     if ids is None:
         ids, source = list(raw), f"{data} as bytes mod {vocab}"
     ids = torch.tensor(ids[: seq_len * num_sequences], dtype=torch.long) % vocab
@@ -63,11 +65,14 @@ def _load_causal_lm(path: Path):
     from ..loading import load_pretrained
 
     try:
-        model, info = load_pretrained(path, model_class=transformers.AutoModelForCausalLM, dtype=torch.float32,
-                                      output_loading_info=True)
+        model, info = load_pretrained(
+            path, model_class=transformers.AutoModelForCausalLM, dtype=torch.float32, output_loading_info=True
+        )
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the folder is the problem
         raise CheckpointError(f"{path}: transformers cannot load it as a causal LM: {exc}") from None
-    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    problems = {
+        k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+    }
     if problems:
         listed = "; ".join(f"{k}: {sorted(map(str, v))[:3]}" for k, v in problems.items())
         raise CheckpointError(f"{path}: does not load cleanly ({listed})")
@@ -104,7 +109,9 @@ def verify_checkpoints(
     import torch
 
     if num_sequences is not None:
-        warnings.warn("verify_checkpoints: num_sequences is deprecated, use num_samples", FutureWarning, stacklevel=2)
+        warnings.warn(
+            "verify_checkpoints: num_sequences is deprecated, use num_samples", FutureWarning, stacklevel=2
+        )
         num_samples = num_sequences
     a, b = Path(model_a), Path(model_b)
     configs = []
@@ -127,9 +134,13 @@ def verify_checkpoints(
         for path in (a, b):
             model = _load_causal_lm(path)
             with torch.no_grad():
-                logits = torch.cat([model(input_ids=ids[i : i + 1]).logits.float() for i in range(ids.shape[0])])
+                logits = torch.cat(
+                    [model(input_ids=ids[i : i + 1]).logits.float() for i in range(ids.shape[0])]
+                )
             del model
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+            )
             results.append((logits, float(loss)))
     finally:
         if bars:

@@ -48,7 +48,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gdnprune",
         description="Make the GatedDeltaNet (linear attention) layers of Qwen hybrid models narrower: score, sort, "
-                    "plan, slice (or prune: all in one) and distill.",
+        "plan, slice (or prune: all in one) and distill.",
         epilog="Run `gdnprune COMMAND --help` for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"gdnprune {__version__}")
@@ -64,8 +64,18 @@ _KEYWORD = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
 #: OSErrors that a user causes (a path that does not exist, is of the wrong kind, or may not be written):
 #: exit 2; any other OSError (a full disk, an I/O error, a read-only file system, ...) is the environment's: 1
 #: (= gdnprune.distributed.USER_ERRNOS, written out here because importing that module imports torch)
-_USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
-                          errno.ENAMETOOLONG, errno.ELOOP})
+_USER_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+    }
+)
 
 
 def _flags_of(parser: argparse.ArgumentParser) -> dict[str, tuple[str, bool]]:
@@ -150,11 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(exc, "signum", signal.SIGINT)
         name = signal.Signals(signum).name
         if getattr(exc, "output_complete", None):
-            print(f"gdnprune {args.command}: {name} arrived while the finished output was moved into place; "
-                  f"the move was completed first: {exc.output_complete} is the new output", file=sys.stderr)
+            print(
+                f"gdnprune {args.command}: {name} arrived while the finished output was moved into place; "
+                f"the move was completed first: {exc.output_complete} is the new output",
+                file=sys.stderr,
+            )
             return 0
-        print(f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
-              file=sys.stderr)
+        print(
+            f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
+            file=sys.stderr,
+        )
         return 128 + signum
     except (ValueError, OSError) as exc:  # one line: exit 2 for the user's mistake, 1 for the environment's
         return report_error(args.command, exc)

@@ -35,7 +35,9 @@ def _number(text: str, *, positive: bool) -> float:
     except ValueError:
         value = float("nan")
     if not (value > 0 if positive else value >= 0) or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number {'>' if positive else '>='} 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number {'>' if positive else '>='} 0, got {text!r}"
+        )
     return value
 
 
@@ -49,13 +51,17 @@ def non_negative_float(text: str) -> float:
     return _number(text, positive=False)
 
 
-def add_output_arguments(p, *, metavar: str = "OUT_DIR", help: str = "folder to create",
-                         required: bool = True, folder: bool = True) -> None:
+def add_output_arguments(
+    p, *, metavar: str = "OUT_DIR", help: str = "folder to create", required: bool = True, folder: bool = True
+) -> None:
     """``-o/--output``, ``--overwrite`` and ``-q/--quiet``, the same on every command that writes something
     (a folder, or a file with ``folder=False``)."""
     p.add_argument("--output", "-o", required=required, metavar=metavar, help=help)
-    p.add_argument("--overwrite", action="store_true",
-                   help=f"replace {metavar} if it exists" + (" (only an earlier output)" if folder else ""))
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace {metavar} if it exists" + (" (only an earlier output)" if folder else ""),
+    )
     add_quiet_argument(p)
 
 
@@ -84,37 +90,75 @@ def add_quiet_argument(p) -> None:
 
 def add_self_contained_argument(p) -> None:
     """``--self-contained``, on the commands that write a model folder through the streaming engine."""
-    p.add_argument("--self-contained", dest="self_contained", action="store_true",
-                   help="also write a small modeling file and auto_map into OUT_DIR, so that a folder whose layers "
-                        "differ (per_layer_config) loads with plain AutoModelForCausalLM.from_pretrained(OUT_DIR, "
-                        "trust_remote_code=True) where gdnprune is not installed")
+    p.add_argument(
+        "--self-contained",
+        dest="self_contained",
+        action="store_true",
+        help="also write a small modeling file and auto_map into OUT_DIR, so that a folder whose layers "
+        "differ (per_layer_config) loads with plain AutoModelForCausalLM.from_pretrained(OUT_DIR, "
+        "trust_remote_code=True) where gdnprune is not installed",
+    )
 
 
 def add_target_arguments(p) -> None:
     """The nested-target options shared by ``gdnprune slice`` and ``gdnprune prune``."""
-    p.add_argument("--num-key-heads", dest="num_key_heads", type=positive_int, metavar="N",
-                   help="key heads (= key groups) to keep per GDN layer")
-    p.add_argument("--num-value-heads", dest="num_value_heads", type=positive_int, metavar="N",
-                   help="value heads to keep per GDN layer: the total, a multiple of the key heads")
-    p.add_argument("--key-head-dim", dest="key_head_dim", type=positive_int, metavar="N",
-                   help="channels to keep per key head")
-    p.add_argument("--value-head-dim", dest="value_head_dim", type=positive_int, metavar="N",
-                   help="channels to keep per value head")
+    p.add_argument(
+        "--num-key-heads",
+        dest="num_key_heads",
+        type=positive_int,
+        metavar="N",
+        help="key heads (= key groups) to keep per GDN layer",
+    )
+    p.add_argument(
+        "--num-value-heads",
+        dest="num_value_heads",
+        type=positive_int,
+        metavar="N",
+        help="value heads to keep per GDN layer: the total, a multiple of the key heads",
+    )
+    p.add_argument(
+        "--key-head-dim",
+        dest="key_head_dim",
+        type=positive_int,
+        metavar="N",
+        help="channels to keep per key head",
+    )
+    p.add_argument(
+        "--value-head-dim",
+        dest="value_head_dim",
+        type=positive_int,
+        metavar="N",
+        help="channels to keep per value head",
+    )
 
 
 def add_plan_arguments(p) -> None:
     """``--plan`` and the serving constraints, for ``gdnprune slice`` and ``gdnprune prune``."""
-    p.add_argument("--plan", metavar="PLAN.json",
-                   help="per-layer targets (gdnprune plan writes one) instead of --num-key-heads etc.")
+    p.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="per-layer targets (gdnprune plan writes one) instead of --num-key-heads etc.",
+    )
     add_constraint_arguments(p)
 
 
 def add_constraint_arguments(p) -> None:
     """``--tp`` and ``--multiple-of``."""
-    p.add_argument("--tp", type=positive_int, default=None, metavar="N",
-                   help="tensor-parallel degree of the server: every layer's key and value heads divisible by N")
-    p.add_argument("--multiple-of", dest="multiple_of", type=positive_int, default=None, metavar="M",
-                   help="head dims must be multiples of M (16 suits flash-linear-attention's kernels)")
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tensor-parallel degree of the server: every layer's key and value heads divisible by N",
+    )
+    p.add_argument(
+        "--multiple-of",
+        dest="multiple_of",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="head dims must be multiples of M (16 suits flash-linear-attention's kernels)",
+    )
 
 
 def target_from_args(args, *, required: bool = True) -> dict[str, int] | None:
@@ -125,8 +169,10 @@ def target_from_args(args, *, required: bool = True) -> dict[str, int] | None:
             raise TargetError("give a target (--num-key-heads, ...) or --plan, not both")
         return None
     if not target and required:
-        raise TargetError("nothing to slice: give at least one of --num-key-heads, --num-value-heads, "
-                          "--key-head-dim, --value-head-dim, or --plan")
+        raise TargetError(
+            "nothing to slice: give at least one of --num-key-heads, --num-value-heads, "
+            "--key-head-dim, --value-head-dim, or --plan"
+        )
     return target or None
 
 
@@ -138,7 +184,9 @@ def shard_spec(text: str) -> tuple[int, int]:
     except ValueError:
         i = n = -1
     if not sep or n < 1 or not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"expected i/n with 0 <= i < n (share i of n, e.g. 0/4), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected i/n with 0 <= i < n (share i of n, e.g. 0/4), got {text!r}"
+        )
     return i, n
 
 
@@ -152,13 +200,19 @@ def positive_seconds(text: str) -> float:
 
 def add_distributed_arguments(p) -> None:
     """``--dist-timeout`` of the commands that run under ``torchrun`` / ``accelerate launch``."""
-    p.add_argument("--dist-timeout", type=positive_seconds, default=1800.0, metavar="SECONDS",
-                   help="under torchrun or accelerate launch: how long a rank waits for the others at a "
-                        "synchronisation point before it gives up with an error (default 1800)")
+    p.add_argument(
+        "--dist-timeout",
+        type=positive_seconds,
+        default=1800.0,
+        metavar="SECONDS",
+        help="under torchrun or accelerate launch: how long a rank waits for the others at a "
+        "synchronisation point before it gives up with an error (default 1800)",
+    )
 
 
-def add_calibration_arguments(p, *, data_required: bool = True, num_samples: int = 128,
-                              purpose: str = "scoring", method: bool = True) -> None:
+def add_calibration_arguments(
+    p, *, data_required: bool = True, num_samples: int = 128, purpose: str = "scoring", method: bool = True
+) -> None:
     """``--data`` and ``--num-samples`` (and ``--method``, ``--seed`` with ``method``), then the forward-pass
     options of :func:`add_forward_arguments`; for ``score``, ``plan`` and ``prune``.
 
@@ -166,14 +220,27 @@ def add_calibration_arguments(p, *, data_required: bool = True, num_samples: int
     per command: scoring sums statistics over many windows (128), the measured sensitivity of ``plan`` runs
     a forward per candidate width and layer, so it uses fewer (16).
     """
-    p.add_argument("--data", required=data_required, metavar="FILE",
-                   help="calibration text: a UTF-8 text file, or JSONL with a \"text\" field per line")
+    p.add_argument(
+        "--data",
+        required=data_required,
+        metavar="FILE",
+        help='calibration text: a UTF-8 text file, or JSONL with a "text" field per line',
+    )
     if method:
-        p.add_argument("--method", choices=("projection", "activation", "random"), default="projection",
-                       help="projection (default): output-projection Gram + greedy removal; activation: "
-                            "Minitron-style magnitudes; random: seeded random orders")
-    p.add_argument("--num-samples", type=positive_int, default=num_samples, metavar="N",
-                   help=f"calibration windows for {purpose} (default {num_samples}); the first ones of the file")
+        p.add_argument(
+            "--method",
+            choices=("projection", "activation", "random"),
+            default="projection",
+            help="projection (default): output-projection Gram + greedy removal; activation: "
+            "Minitron-style magnitudes; random: seeded random orders",
+        )
+    p.add_argument(
+        "--num-samples",
+        type=positive_int,
+        default=num_samples,
+        metavar="N",
+        help=f"calibration windows for {purpose} (default {num_samples}); the first ones of the file",
+    )
     add_forward_arguments(p)
     if method:
         p.add_argument("--seed", type=int, default=0, help="seed of --method random (default 0)")
@@ -181,31 +248,62 @@ def add_calibration_arguments(p, *, data_required: bool = True, num_samples: int
 
 def add_forward_arguments(p) -> None:
     """``--seq-len``, ``--batch-size``, ``--device``, ``--dtype``, ``--device-map``: how the model runs."""
-    p.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
-                   help="tokens per window (default: what the model supports, max_position_embeddings or the "
-                        "tokenizer's model_max_length, at most 512)")
-    p.add_argument("--batch-size", type=positive_int, default=4, metavar="N",
-                   help="windows per forward pass (default 4)")
+    p.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per window (default: what the model supports, max_position_embeddings or the "
+        "tokenizer's model_max_length, at most 512)",
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, default=4, metavar="N", help="windows per forward pass (default 4)"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="weights dtype for the forward passes (default float32)")
-    p.add_argument("--device-map", choices=("auto", "balanced", "balanced_low_0", "sequential"), default=None,
-                   help="spread the model over the GPUs and CPU of this machine through accelerate")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights dtype for the forward passes (default float32)",
+    )
+    p.add_argument(
+        "--device-map",
+        choices=("auto", "balanced", "balanced_low_0", "sequential"),
+        default=None,
+        help="spread the model over the GPUs and CPU of this machine through accelerate",
+    )
 
 
 def add_refine_arguments(g) -> None:
     """``--refine`` and ``--refine-samples`` of ``score`` and ``prune``."""
-    g.add_argument("--refine", choices=("lanes",), default=None,
-                   help="decide the lane orders by measured KL (real forwards, a few times the scoring cost) "
-                        "instead of the loss-aware Gram")
-    g.add_argument("--refine-samples", type=positive_int, default=16, metavar="N",
-                   help="calibration windows the lane refinement measures on (default 16)")
+    g.add_argument(
+        "--refine",
+        choices=("lanes",),
+        default=None,
+        help="decide the lane orders by measured KL (real forwards, a few times the scoring cost) "
+        "instead of the loss-aware Gram",
+    )
+    g.add_argument(
+        "--refine-samples",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="calibration windows the lane refinement measures on (default 16)",
+    )
 
 
 def scoring_options(args) -> dict:
     """The keyword arguments of :func:`gdnprune.scoring.score_checkpoint` given by the calibration options."""
-    return dict(method=args.method, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
-                device=args.device, dtype=args.dtype, device_map=args.device_map, seed=args.seed)
+    return dict(
+        method=args.method,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        device_map=args.device_map,
+        seed=args.seed,
+    )
 
 
 def summary(manifest: dict, out: str) -> str:
@@ -215,5 +313,7 @@ def summary(manifest: dict, out: str) -> str:
     cut = any(layer["target"] != layer["shape"] for layer in layers.values())
     what = f"cut to {target}" if target else "cut layer by layer (per_layer_config)" if cut else "permuted"
     also = f", self-contained ({manifest['self_contained']})" if manifest.get("self_contained") else ""
-    return (f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']}{also} "
-            f"({manifest['elapsed_seconds']:.1f} s)")
+    return (
+        f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']}{also} "
+        f"({manifest['elapsed_seconds']:.1f} s)"
+    )

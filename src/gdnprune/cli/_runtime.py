@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 from ._options import positive_int
 
@@ -23,9 +23,14 @@ _LOGGER = "transformers.integrations.hub_kernels"
 
 def add_runtime_arguments(p) -> None:
     """``--threads``."""
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="CPU threads for torch (default: torch's choice; `plan` and `prune` choose from the size of "
-                        "their forwards and the free cores)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch (default: torch's choice; `plan` and `prune` choose from the size of "
+        "their forwards and the free cores)",
+    )
 
 
 def default_threads(hidden_size: int, tokens: int) -> int:
@@ -54,9 +59,12 @@ class _FallbackNote(logging.Filter):
             return True
         if not self.quiet and not self.shown and os.environ.get("RANK", "0") == "0":  # one note per launch
             self.shown = True
-            print(f"gdnprune {self.command}: note: the GDN layers run transformers' reference PyTorch kernels "
-                  f"(correct, but slow); on a GPU, `pip install flash-linear-attention causal-conv1d` gives the "
-                  f"fast ones", file=sys.stderr)
+            print(
+                f"gdnprune {self.command}: note: the GDN layers run transformers' reference PyTorch kernels "
+                f"(correct, but slow); on a GPU, `pip install flash-linear-attention causal-conv1d` gives the "
+                f"fast ones",
+                file=sys.stderr,
+            )
         return False
 
 

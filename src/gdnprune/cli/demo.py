@@ -13,7 +13,8 @@ HELP = "score -> sort -> slice -> distill the bundled demo model and compare ord
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        NAME, help=HELP,
+        NAME,
+        help=HELP,
         description="Run the whole pipeline on the bundled byte-level Qwen3.5 model: score, sort (checked to be "
         "function preserving), slice to nested targets, and report validation loss for the importance order, "
         "the identity order and random orders, then distill the middle slice from the unpruned model for a "
@@ -23,27 +24,64 @@ def add_parser(subparsers) -> None:
     )
     add_output_arguments(p, metavar="OUT_DIR", help="folder to create (default: demo_output)", required=False)
     p.set_defaults(output="demo_output")
-    p.add_argument("--method", default="projection", choices=("projection", "activation", "random"),
-                   help="projection (default): output-projection Gram + greedy removal; activation: "
-                        "Minitron-style magnitudes; random: seeded random orders")
-    p.add_argument("--num-samples", type=positive_int, default=64, metavar="N",
-                   help="calibration windows for scoring (default 64)")
+    p.add_argument(
+        "--method",
+        default="projection",
+        choices=("projection", "activation", "random"),
+        help="projection (default): output-projection Gram + greedy removal; activation: "
+        "Minitron-style magnitudes; random: seeded random orders",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="calibration windows for scoring (default 64)",
+    )
     add_deprecated_alias(p, "--calibration-windows", "num_samples", "--num-samples", type=positive_int)
-    p.add_argument("--seq-len", type=positive_int, default=256, metavar="N",
-                   help="tokens (bytes) per window (default 256)")
-    p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
-                   help="held-out windows the losses are measured on (default 32)")
+    p.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="tokens (bytes) per window (default 256)",
+    )
+    p.add_argument(
+        "--eval-samples",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="held-out windows the losses are measured on (default 32)",
+    )
     add_deprecated_alias(p, "--validation-windows", "eval_samples", "--eval-samples", type=positive_int)
-    p.add_argument("--num-random", type=non_negative_int, default=4, metavar="N",
-                   help="random orders to average (default 4)")
+    p.add_argument(
+        "--num-random",
+        type=non_negative_int,
+        default=4,
+        metavar="N",
+        help="random orders to average (default 4)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")
-    p.add_argument("--recover-steps", type=non_negative_int, default=40, metavar="N",
-                   help="distillation steps that recover the middle slice (default 40; 0 skips it)")
-    p.add_argument("--no-plan", action="store_true",
-                   help="do not plan the whole model at half of its parameters")
-    p.add_argument("--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints")
-    p.add_argument("--threads", type=positive_int, default=1, metavar="N",
-                   help="CPU threads for torch (default 1: the model is tiny)")
+    p.add_argument(
+        "--recover-steps",
+        type=non_negative_int,
+        default=40,
+        metavar="N",
+        help="distillation steps that recover the middle slice (default 40; 0 skips it)",
+    )
+    p.add_argument(
+        "--no-plan", action="store_true", help="do not plan the whole model at half of its parameters"
+    )
+    p.add_argument(
+        "--no-checkpoints", action="store_true", help="do not write the sorted and sliced checkpoints"
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="CPU threads for torch (default 1: the model is tiny)",
+    )
     p.set_defaults(func=run)
 
 

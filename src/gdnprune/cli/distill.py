@@ -15,31 +15,45 @@ HELP = "recover a pruned model by knowledge distillation from its unpruned teach
 
 _DTYPES = ("float32", "bfloat16")  # as every command's --dtype
 # words of the library's messages (its Python arguments) -> this command's flags
-_FLAGS = (("resume: ", "--resume: "), ("resume=True", "--resume"), ("overwrite=True", "--overwrite"),
-          ("fsdp=True", "--fsdp"),
-          ("fsdp=False", "no --fsdp"), ("cpu_offload", "--cpu-offload"), ("teacher_device_map", "--teacher-device-map"),
-          ("teacher_sharding=", "--teacher-sharding "), ("teacher_sharding", "--teacher-sharding"),
-          ("mixed_precision", "--mixed-precision"), ("micro_batch_size", "--micro-batch-size"),
-          ("batch_size", "--batch-size"), ("keep_checkpoints", "--keep-checkpoints"), ("log_every", "log interval"),
-          ("steps=", "--steps "), ("tokens=", "--tokens "))
+_FLAGS = (
+    ("resume: ", "--resume: "),
+    ("resume=True", "--resume"),
+    ("overwrite=True", "--overwrite"),
+    ("fsdp=True", "--fsdp"),
+    ("fsdp=False", "no --fsdp"),
+    ("cpu_offload", "--cpu-offload"),
+    ("teacher_device_map", "--teacher-device-map"),
+    ("teacher_sharding=", "--teacher-sharding "),
+    ("teacher_sharding", "--teacher-sharding"),
+    ("mixed_precision", "--mixed-precision"),
+    ("micro_batch_size", "--micro-batch-size"),
+    ("batch_size", "--batch-size"),
+    ("keep_checkpoints", "--keep-checkpoints"),
+    ("log_every", "log interval"),
+    ("steps=", "--steps "),
+    ("tokens=", "--tokens "),
+)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        NAME, help=HELP,
+        NAME,
+        help=HELP,
         description="Train the student (a pruned checkpoint, uniform or per-layer) to match the next-token "
-                    "distribution of the teacher (the unpruned model): forward KL at --temperature, optionally "
-                    "mixed with the LM loss. Runs on the transformers Trainer: one process, or data-parallel (DDP) "
-                    "under torchrun / accelerate launch; --fsdp (or `accelerate launch --config_file` with an FSDP2 "
-                    "config) shards the student's parameters, gradients and optimizer state, and the teacher, over "
-                    "the processes. Prints the expected memory per process first (--dry-run: only that). "
-                    "Checkpoints every --save-every steps; --resume continues an interrupted run; Ctrl-C saves and "
-                    "stops. Writes the trained model (with the student's mtp.* weights unchanged), gdnprune.json, "
-                    "distill_log.json and distill_loss.png into OUT.",
+        "distribution of the teacher (the unpruned model): forward KL at --temperature, optionally "
+        "mixed with the LM loss. Runs on the transformers Trainer: one process, or data-parallel (DDP) "
+        "under torchrun / accelerate launch; --fsdp (or `accelerate launch --config_file` with an FSDP2 "
+        "config) shards the student's parameters, gradients and optimizer state, and the teacher, over "
+        "the processes. Prints the expected memory per process first (--dry-run: only that). "
+        "Checkpoints every --save-every steps; --resume continues an interrupted run; Ctrl-C saves and "
+        "stops. Writes the trained model (with the student's mtp.* weights unchanged), gdnprune.json, "
+        "distill_log.json and distill_loss.png into OUT.",
     )
-    p.add_argument("student", metavar="STUDENT", help="the model folder to train (e.g. gdnprune prune's output)")
+    p.add_argument(
+        "student", metavar="STUDENT", help="the model folder to train (e.g. gdnprune prune's output)"
+    )
     p.add_argument("--teacher", required=True, metavar="TEACHER", help="the unpruned model folder")
-    p.add_argument("--data", required=True, metavar="FILE", help="training text (UTF-8 or JSONL with \"text\")")
+    p.add_argument("--data", required=True, metavar="FILE", help='training text (UTF-8 or JSONL with "text")')
     p.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is an earlier output")
     g = p.add_argument_group("length of the run (one of)")
@@ -47,49 +61,109 @@ def add_parser(subparsers) -> None:
     length.add_argument("--steps", type=positive_int, help="optimizer steps")
     length.add_argument("--tokens", type=positive_int, help="training tokens (rounded up to whole steps)")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4; 1e-3 suits tiny models)")
+    o.add_argument(
+        "--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4; 1e-3 suits tiny models)"
+    )
     o.add_argument("--lr-schedule", default="cosine", help="transformers schedule name (default cosine)")
-    o.add_argument("--warmup", type=float, default=0.0, help="warmup steps, or a fraction of the steps (default 0)")
+    o.add_argument(
+        "--warmup", type=float, default=0.0, help="warmup steps, or a fraction of the steps (default 0)"
+    )
     o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    o.add_argument("--batch-size", type=positive_int, default=16, metavar="N", help="windows per step, over all processes (16)")
-    o.add_argument("--micro-batch-size", type=positive_int, default=None,
-                   help="windows per forward pass and process (gradient accumulation for the rest)")
-    o.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
-                   help="tokens per window (default: the student's max_position_embeddings, at most 2048)")
-    o.add_argument("--num-samples", type=positive_int, default=None, metavar="N", help="training windows (default: all)")
+    o.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="windows per step, over all processes (16)",
+    )
+    o.add_argument(
+        "--micro-batch-size",
+        type=positive_int,
+        default=None,
+        help="windows per forward pass and process (gradient accumulation for the rest)",
+    )
+    o.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per window (default: the student's max_position_embeddings, at most 2048)",
+    )
+    o.add_argument(
+        "--num-samples", type=positive_int, default=None, metavar="N", help="training windows (default: all)"
+    )
     o.add_argument("--seed", type=int, default=0, help="seed of the data order (default 0)")
     k = p.add_argument_group("loss")
     k.add_argument("--temperature", type=float, default=1.0, help="KD temperature (default 1)")
     k.add_argument("--kd-weight", type=float, default=1.0, help="weight of the KL term (default 1: pure KD)")
     k.add_argument("--lm-weight", type=float, default=0.0, help="weight of the LM loss (default 0)")
     n = p.add_argument_group("engine and memory")
-    n.add_argument("--fsdp", action="store_true",
-                   help="shard the student (parameters, gradients, optimizer state) with FSDP2 over the processes "
-                        "of torchrun; checkpoints become per-process shards")
-    n.add_argument("--teacher-sharding", choices=("shard", "replicate"), default=None,
-                   help="shard the teacher too (FSDP2, forward only; the default with --fsdp) or keep a whole "
-                        "teacher in every process (the default otherwise; fine for small teachers)")
-    n.add_argument("--teacher-device-map", metavar="MAP", default=None,
-                   help="spread a replicated teacher over the devices of its process (transformers device_map, "
-                        "e.g. auto)")
-    n.add_argument("--dtype", choices=_DTYPES, default="float32",
-                   help="dtype of the student's parameters and optimizer state (default float32)")
-    n.add_argument("--teacher-dtype", choices=(*_DTYPES, "float16"), default=None, help="dtype of the teacher (default: --dtype)")
-    n.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no",
-                   help="run forward and backward passes in this precision; parameters, optimizer and gradient "
-                        "reductions stay in --dtype (default no)")
-    n.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute the decoder layers in the backward pass (less memory, about 30%% more time)")
-    n.add_argument("--cpu-offload", action="store_true",
-                   help="with --fsdp: keep parameter shards and optimizer state in CPU memory")
+    n.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the student (parameters, gradients, optimizer state) with FSDP2 over the processes "
+        "of torchrun; checkpoints become per-process shards",
+    )
+    n.add_argument(
+        "--teacher-sharding",
+        choices=("shard", "replicate"),
+        default=None,
+        help="shard the teacher too (FSDP2, forward only; the default with --fsdp) or keep a whole "
+        "teacher in every process (the default otherwise; fine for small teachers)",
+    )
+    n.add_argument(
+        "--teacher-device-map",
+        metavar="MAP",
+        default=None,
+        help="spread a replicated teacher over the devices of its process (transformers device_map, "
+        "e.g. auto)",
+    )
+    n.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default="float32",
+        help="dtype of the student's parameters and optimizer state (default float32)",
+    )
+    n.add_argument(
+        "--teacher-dtype",
+        choices=(*_DTYPES, "float16"),
+        default=None,
+        help="dtype of the teacher (default: --dtype)",
+    )
+    n.add_argument(
+        "--mixed-precision",
+        choices=("no", "bf16", "fp16"),
+        default="no",
+        help="run forward and backward passes in this precision; parameters, optimizer and gradient "
+        "reductions stay in --dtype (default no)",
+    )
+    n.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute the decoder layers in the backward pass (less memory, about 30%% more time)",
+    )
+    n.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="with --fsdp: keep parameter shards and optimizer state in CPU memory",
+    )
     n.add_argument("--dry-run", action="store_true", help="print the expected memory per process and exit")
-    n.add_argument("--processes", type=positive_int, default=None, metavar="N",
-                   help="with --dry-run: the number of processes to estimate for (default: the launcher's, else 1)")
+    n.add_argument(
+        "--processes",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --dry-run: the number of processes to estimate for (default: the launcher's, else 1)",
+    )
     e = p.add_argument_group("evaluation and checkpoints")
     e.add_argument("--eval-data", metavar="FILE", help="held-out text for the eval loss")
-    e.add_argument("--eval-samples", type=positive_int, default=None, metavar="N", help="held-out windows (default: all)")
+    e.add_argument(
+        "--eval-samples", type=positive_int, default=None, metavar="N", help="held-out windows (default: all)"
+    )
     e.add_argument("--eval-every", type=positive_int, default=None, help="steps between evaluations")
-    e.add_argument("--save-every", type=positive_int, default=None, help="steps between checkpoints (default: 1/10)")
+    e.add_argument(
+        "--save-every", type=positive_int, default=None, help="steps between checkpoints (default: 1/10)"
+    )
     e.add_argument("--keep-checkpoints", type=positive_int, default=1, help="checkpoints kept (default 1)")
     e.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines (default 10)")
     e.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT_DIR")
@@ -129,27 +203,47 @@ def _estimate(args, world: int, teacher_sharding: str, *, table: bool) -> None:
     seq_len = args.seq_len or default_seq_len(meta_model(args.student).config)
     micro = args.micro_batch_size or max(1, args.batch_size // world)
     est = estimate_checkpoint_memory(
-        args.student, args.teacher, processes=world, fsdp=args.fsdp, teacher_sharded=teacher_sharding == "shard",
-        dtype=args.dtype, teacher_dtype=args.teacher_dtype, mixed_precision=args.mixed_precision,
-        micro_batch_size=micro, seq_len=seq_len, gradient_checkpointing=args.gradient_checkpointing,
-        cpu_offload=args.cpu_offload, kd=args.kd_weight > 0)
+        args.student,
+        args.teacher,
+        processes=world,
+        fsdp=args.fsdp,
+        teacher_sharded=teacher_sharding == "shard",
+        dtype=args.dtype,
+        teacher_dtype=args.teacher_dtype,
+        mixed_precision=args.mixed_precision,
+        micro_batch_size=micro,
+        seq_len=seq_len,
+        gradient_checkpointing=args.gradient_checkpointing,
+        cpu_offload=args.cpu_offload,
+        kd=args.kd_weight > 0,
+    )
     if int(os.environ.get("RANK", "0")) != 0:
         return
     if table:
         _print_estimate(est, world, micro, seq_len)
     device = _device_memory()
     if device is not None and est.total > device[0]:
-        print(f"gdnprune distill: warning: the estimate ({_gb(est.total)}) exceeds the {device[1]} "
-              f"({_gb(device[0])}); consider --fsdp, --gradient-checkpointing, a smaller --micro-batch-size or "
-              f"--cpu-offload", file=sys.stderr)
+        print(
+            f"gdnprune distill: warning: the estimate ({_gb(est.total)}) exceeds the {device[1]} "
+            f"({_gb(device[0])}); consider --fsdp, --gradient-checkpointing, a smaller --micro-batch-size or "
+            f"--cpu-offload",
+            file=sys.stderr,
+        )
 
 
 def _print_estimate(est, world: int, micro: int, seq_len: int) -> None:
-    student = "student sharded (FSDP2)" if est.student_sharded else "student replicated (DDP)" if world > 1 \
+    student = (
+        "student sharded (FSDP2)"
+        if est.student_sharded
+        else "student replicated (DDP)"
+        if world > 1
         else "student whole"
+    )
     teacher = "teacher sharded" if est.teacher_sharded else "teacher whole"
-    print(f"gdnprune distill: expected peak memory per process ({world} process{'es' * (world > 1)}: {student}, "
-          f"{teacher}; micro-batch {micro} x {seq_len} tokens):")
+    print(
+        f"gdnprune distill: expected peak memory per process ({world} process{'es' * (world > 1)}: {student}, "
+        f"{teacher}; micro-batch {micro} x {seq_len} tokens):"
+    )
     for label, size in est.rows():
         print(f"  {label:<40} {_gb(size):>12}")
     print(f"  {'total':<40} {_gb(est.total):>12}")
@@ -165,9 +259,14 @@ def run(args) -> int:
     try:
         if not args.dry_run:
             check_output_folder(args.output, args.resume, args.overwrite)
-        sharding = check_options(world_size=world, fsdp=args.fsdp, teacher_sharding=args.teacher_sharding,
-                                 teacher_device_map=device_map, mixed_precision=args.mixed_precision,
-                                 cpu_offload=args.cpu_offload)
+        sharding = check_options(
+            world_size=world,
+            fsdp=args.fsdp,
+            teacher_sharding=args.teacher_sharding,
+            teacher_device_map=device_map,
+            mixed_precision=args.mixed_precision,
+            cpu_offload=args.cpu_offload,
+        )
     except OutputFolderError as exc:
         return _output_error(exc)
     except ValueError as exc:
@@ -176,28 +275,59 @@ def run(args) -> int:
     _estimate(args, world, sharding, table=not args.quiet or args.dry_run)
     if args.dry_run:
         return 0
-    options = dict(steps=args.steps, tokens=args.tokens, lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup,
-                   weight_decay=args.weight_decay, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                   seed=args.seed, temperature=args.temperature, kd_weight=args.kd_weight, lm_weight=args.lm_weight,
-                   eval_every=args.eval_every, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                   log_every=args.log_every, resume=args.resume, overwrite=args.overwrite, fsdp=args.fsdp,
-                   teacher_sharding=args.teacher_sharding, mixed_precision=args.mixed_precision,
-                   gradient_checkpointing=args.gradient_checkpointing, cpu_offload=args.cpu_offload, progress=False,
-                   callbacks=[] if args.quiet else [_console_callback()])
+    options = dict(
+        steps=args.steps,
+        tokens=args.tokens,
+        lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+        temperature=args.temperature,
+        kd_weight=args.kd_weight,
+        lm_weight=args.lm_weight,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints,
+        log_every=args.log_every,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        fsdp=args.fsdp,
+        teacher_sharding=args.teacher_sharding,
+        mixed_precision=args.mixed_precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+        cpu_offload=args.cpu_offload,
+        progress=False,
+        callbacks=[] if args.quiet else [_console_callback()],
+    )
     import torch
     import transformers
 
-    dtype, teacher_dtype = (None if d is None else getattr(torch, d) for d in (args.dtype, args.teacher_dtype))
+    dtype, teacher_dtype = (
+        None if d is None else getattr(torch, d) for d in (args.dtype, args.teacher_dtype)
+    )
     transformers.utils.logging.disable_progress_bar()  # one bar: ours (no loading or shard-writing bars)
     # checkpoints a second apart make transformers doubt file times; it then orders them by step, as it should
     quiet_mtime = _DropMessage("mtime may not be reliable")
     logging.getLogger("transformers.trainer_utils").addFilter(quiet_mtime)
     try:
         with model_runtime(args):
-            result = distill_checkpoint(args.student, args.teacher, args.data, args.output, seq_len=args.seq_len,
-                                        num_samples=args.num_samples, eval_data=args.eval_data,
-                                        eval_samples=args.eval_samples, dtype=dtype,
-                                        teacher_dtype=teacher_dtype, teacher_device_map=device_map, **options)
+            result = distill_checkpoint(
+                args.student,
+                args.teacher,
+                args.data,
+                args.output,
+                seq_len=args.seq_len,
+                num_samples=args.num_samples,
+                eval_data=args.eval_data,
+                eval_samples=args.eval_samples,
+                dtype=dtype,
+                teacher_dtype=teacher_dtype,
+                teacher_device_map=device_map,
+                **options,
+            )
     except OutputFolderError as exc:
         return _output_error(exc)
     except ValueError as exc:
@@ -207,7 +337,11 @@ def run(args) -> int:
         transformers.utils.logging.enable_progress_bar()
         logging.getLogger("transformers.trainer_utils").removeFilter(quiet_mtime)
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0 if not result.get("interrupted") else 128 + int(getattr(signal, result.get("signal") or "SIGINT"))
+        return (
+            0
+            if not result.get("interrupted")
+            else 128 + int(getattr(signal, result.get("signal") or "SIGINT"))
+        )
     return _report(args, result)
 
 
@@ -222,11 +356,15 @@ class _DropMessage(logging.Filter):
 
 def _output_error(exc) -> int:
     if exc.reason == "exists":
-        message = (f"output folder {exc.path} exists and is not empty: give a new folder, or --resume to continue "
-                   f"its run, or --overwrite to replace it")
+        message = (
+            f"output folder {exc.path} exists and is not empty: give a new folder, or --resume to continue "
+            f"its run, or --overwrite to replace it"
+        )
     elif exc.reason == "not_ours":
-        message = (f"refusing to replace {exc.path}: --overwrite replaces an earlier output (a model folder or a "
-                   f"distill log), and this is neither; remove the folder yourself")
+        message = (
+            f"refusing to replace {exc.path}: --overwrite replaces an earlier output (a model folder or a "
+            f"distill log), and this is neither; remove the folder yourself"
+        )
     else:
         message = f"--resume: {str(exc).removeprefix('resume: ')}"
     print(f"gdnprune distill: error: {message}", file=sys.stderr)
@@ -236,17 +374,24 @@ def _output_error(exc) -> int:
 def _report(args, result) -> int:
     if result.get("interrupted"):
         name = result.get("signal") or "SIGINT"
-        print(f"gdnprune distill: interrupted by {name} at step {result['steps']}; saved {result.get('checkpoint')}; "
-              f"continue with the same command and --resume", file=sys.stderr)
+        print(
+            f"gdnprune distill: interrupted by {name} at step {result['steps']}; saved {result.get('checkpoint')}; "
+            f"continue with the same command and --resume",
+            file=sys.stderr,
+        )
         return 128 + int(getattr(signal, name, signal.SIGINT))
     last = result.get("train_loss")
-    print(f"gdnprune distill: {result['steps']} steps, {result['tokens']:,} tokens"
-          + (f", last train loss {last:.4f}" if isinstance(last, float) else "")
-          + f" in {result['seconds']:.0f} s -> {args.output}")
+    print(
+        f"gdnprune distill: {result['steps']} steps, {result['tokens']:,} tokens"
+        + (f", last train loss {last:.4f}" if isinstance(last, float) else "")
+        + f" in {result['seconds']:.0f} s -> {args.output}"
+    )
     evals = result.get("eval") or {}
     if isinstance(evals.get("lm_loss"), float):
-        print(f"gdnprune distill: eval LM loss (nats/token): student {evals['lm_loss']:.4f}, teacher "
-              f"{evals['teacher_lm_loss']:.4f}; KD (KL to the teacher) {evals['kd_loss']:.4f}")
+        print(
+            f"gdnprune distill: eval LM loss (nats/token): student {evals['lm_loss']:.4f}, teacher "
+            f"{evals['teacher_lm_loss']:.4f}; KD (KL to the teacher) {evals['kd_loss']:.4f}"
+        )
     return 0
 
 
@@ -260,8 +405,13 @@ def _console_callback():
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
-                self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="distill", unit="step",
-                                dynamic_ncols=True)
+                self.bar = tqdm(
+                    total=state.max_steps,
+                    initial=state.global_step,
+                    desc="distill",
+                    unit="step",
+                    dynamic_ncols=True,
+                )
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
@@ -287,8 +437,10 @@ def format_log(step: int, total: int, logs: dict) -> str | None:
     if "eval_loss" in logs:
         parts = [f"eval loss {logs['eval_loss']:.4f}"]
         if "eval_kd_loss" in logs:
-            parts.append(f"KD {logs['eval_kd_loss']:.4f}, LM {logs['eval_lm_loss']:.4f} (teacher "
-                         f"{logs['eval_teacher_lm_loss']:.4f})")
+            parts.append(
+                f"KD {logs['eval_kd_loss']:.4f}, LM {logs['eval_lm_loss']:.4f} (teacher "
+                f"{logs['eval_teacher_lm_loss']:.4f})"
+            )
         return "  ".join([head, *parts])
     if "loss" in logs:
         parts = [f"loss {logs['loss']:.4f}"]

@@ -11,10 +11,15 @@ HELP = "list the GDN layers of a checkpoint folder"
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(NAME, help=HELP,
-                              description="A table of every GDN layer (prefix, layout, geometry, parameters) "
-                                          "and the parameter totals. Reads the safetensors headers only.")
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
+    p = subparsers.add_parser(
+        NAME,
+        help=HELP,
+        description="A table of every GDN layer (prefix, layout, geometry, parameters) "
+        "and the parameter totals. Reads the safetensors headers only.",
+    )
+    p.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -32,17 +37,30 @@ def format_inspect(info: dict) -> str:
     """The table that ``gdnprune inspect`` prints for :func:`gdnprune.checkpoint.inspect_checkpoint`'s dict."""
     rows = [("prefix", "layout", "Hk", "Hv", "dk", "dv", "parameters")]
     for layer in info["layers"]:
-        rows.append((layer["prefix"], layer["layout"], str(layer["num_key_heads"]), str(layer["num_value_heads"]),
-                     str(layer["key_head_dim"]), str(layer["value_head_dim"]), f"{layer['parameters']:,}"))
+        rows.append(
+            (
+                layer["prefix"],
+                layer["layout"],
+                str(layer["num_key_heads"]),
+                str(layer["num_value_heads"]),
+                str(layer["key_head_dim"]),
+                str(layer["value_head_dim"]),
+                f"{layer['parameters']:,}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         f"{info['model_dir']}: {info['model_type']}, {info['format']}, {info['shards']} shard(s), "
         f"dtypes {info['dtypes']}",
     ]
     if info["manifest"]:
-        lines.append(f"gdnprune output of '{info['manifest']['operation']}', sorted: {info['manifest']['sorted']}")
+        lines.append(
+            f"gdnprune output of '{info['manifest']['operation']}', sorted: {info['manifest']['sorted']}"
+        )
     for r in rows:
-        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append(
+            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        )
     total = info["total_parameters"]
     lines.append(
         f"{len(info['layers'])} GDN layers: {info['gdn_parameters']:,} parameters "
@@ -53,8 +71,10 @@ def format_inspect(info: dict) -> str:
     if quantized:
         first = next(iter(quantized.values()))
         same = all(q == first for q in quantized.values())
-        lines.append(f"FP8 block-quantised GDN weights ({'every layer' if same else 'first layer'}): "
-                     + "; ".join(f"{k}: {v}" for k, v in first.items()))
+        lines.append(
+            f"FP8 block-quantised GDN weights ({'every layer' if same else 'first layer'}): "
+            + "; ".join(f"{k}: {v}" for k, v in first.items())
+        )
     if info["passthrough"]:
         lines.append(f"left untouched (pass-through): {info['passthrough']}")
     return "\n".join(lines)

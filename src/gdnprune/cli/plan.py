@@ -6,13 +6,21 @@ import json
 import sys
 from pathlib import Path
 
-from ._options import add_calibration_arguments, add_constraint_arguments, add_distributed_arguments, \
-    add_output_arguments, non_negative_int, positive_int
+from ._options import (
+    add_calibration_arguments,
+    add_constraint_arguments,
+    add_distributed_arguments,
+    add_output_arguments,
+    non_negative_int,
+    positive_int,
+)
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "plan"
-HELP = ("choose every layer's widths (GDN, attention heads, MLP channels, routed experts) and which layers to remove "
-        "under parameter, memory or state budgets (measured sensitivity + exact MILP)")
+HELP = (
+    "choose every layer's widths (GDN, attention heads, MLP channels, routed experts) and which layers to remove "
+    "under parameter, memory or state budgets (measured sensitivity + exact MILP)"
+)
 
 
 def _budget(text: str) -> float:
@@ -21,7 +29,9 @@ def _budget(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.5 or an absolute amount, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction such as 0.5 or an absolute amount, got {text!r}"
+        ) from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive budget, got {text!r}")
     return value
@@ -29,84 +39,165 @@ def _budget(text: str) -> float:
 
 def add_search_arguments(p) -> None:
     """The budget and search options, shared with ``gdnprune prune``."""
-    p.add_argument("--budget-params", type=_budget, metavar="X",
-                   help="parameters of the whole model to keep, embeddings included: a fraction (e.g. 0.5) or an "
-                        "absolute count; every sub-block of --blocks may shrink")
-    p.add_argument("--budget-active-params", type=_budget, metavar="X",
-                   help="parameters used per token to keep (routed experts count num_experts_per_tok/num_experts of "
-                        "theirs; without MoE the same as --budget-params): a fraction or a count")
-    p.add_argument("--budget-memory", type=_budget, metavar="X",
-                   help="inference memory per sequence to keep: GDN recurrent state (float32) plus the attention "
-                        "layers' KV cache at --context tokens (model dtype): a fraction or bytes")
-    p.add_argument("--context", type=positive_int, metavar="N",
-                   help="tokens per sequence of --budget-memory's KV cache (required with it)")
-    p.add_argument("--budget-gdn-params", type=_budget, metavar="X",
-                   help="GDN parameters to keep: a fraction or a count (given alone, only GDN layers are cut)")
-    p.add_argument("--budget-state", type=_budget, metavar="X",
-                   help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes")
-    p.add_argument("--blocks", default="gdn,attention,mlp,shared_expert,experts,depth", metavar="LIST",
-                   help="what may shrink under a whole-model budget (default all: "
-                        "gdn,attention,mlp,shared_expert,experts,depth); experts: the number of routed experts kept "
-                        "per MoE layer; depth: whole decoder layers removed (a candidate of every layer that costs "
-                        "nothing, measured as the KL with that layer alone skipped)")
-    p.add_argument("--sensitivity", choices=("halving", "measured", "proxy"), default="halving",
-                   help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
-                        "windows, by successive halving (every candidate on a few windows, those that can be "
-                        "chosen on all of them); measured: every candidate on every window (the exact reference, "
-                        "several times slower); proxy: output energy removed, from the scores (no forward pass)")
-    p.add_argument("--dim-step", default="1/8", metavar="STEP",
-                   help="head-dim grid: a fraction of the dim (default 1/8) or a channel count such as 16")
-    p.add_argument("--axes", default="key_heads,lanes,key_dim,value_dim", metavar="LIST",
-                   help="axes the search may cut (default all four: key_heads,lanes,key_dim,value_dim)")
-    p.add_argument("--uniform", action="store_true",
-                   help="one geometry per kind of block: all GDN layers one, all MLPs one, all attention layers one (for engines that need uniform layers)")
-    p.add_argument("--refine-generations", type=non_negative_int, default=0, metavar="N",
-                   help="then improve the plan by measuring whole plans: N generations of an evolutionary search "
-                        "(fitness: the KL of the whole cut model on the calibration windows; never worse than the "
-                        "plan it starts from; default 0: off)")
-    p.add_argument("--refine-offspring", type=positive_int, default=8, metavar="N",
-                   help="plans tried per generation of the refinement (default 8)")
-    p.add_argument("--refine-seed", type=non_negative_int, default=0, metavar="N",
-                   help="the refinement's random seed (default 0; the search is deterministic for a seed)")
+    p.add_argument(
+        "--budget-params",
+        type=_budget,
+        metavar="X",
+        help="parameters of the whole model to keep, embeddings included: a fraction (e.g. 0.5) or an "
+        "absolute count; every sub-block of --blocks may shrink",
+    )
+    p.add_argument(
+        "--budget-active-params",
+        type=_budget,
+        metavar="X",
+        help="parameters used per token to keep (routed experts count num_experts_per_tok/num_experts of "
+        "theirs; without MoE the same as --budget-params): a fraction or a count",
+    )
+    p.add_argument(
+        "--budget-memory",
+        type=_budget,
+        metavar="X",
+        help="inference memory per sequence to keep: GDN recurrent state (float32) plus the attention "
+        "layers' KV cache at --context tokens (model dtype): a fraction or bytes",
+    )
+    p.add_argument(
+        "--context",
+        type=positive_int,
+        metavar="N",
+        help="tokens per sequence of --budget-memory's KV cache (required with it)",
+    )
+    p.add_argument(
+        "--budget-gdn-params",
+        type=_budget,
+        metavar="X",
+        help="GDN parameters to keep: a fraction or a count (given alone, only GDN layers are cut)",
+    )
+    p.add_argument(
+        "--budget-state",
+        type=_budget,
+        metavar="X",
+        help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes",
+    )
+    p.add_argument(
+        "--blocks",
+        default="gdn,attention,mlp,shared_expert,experts,depth",
+        metavar="LIST",
+        help="what may shrink under a whole-model budget (default all: "
+        "gdn,attention,mlp,shared_expert,experts,depth); experts: the number of routed experts kept "
+        "per MoE layer; depth: whole decoder layers removed (a candidate of every layer that costs "
+        "nothing, measured as the KL with that layer alone skipped)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        choices=("halving", "measured", "proxy"),
+        default="halving",
+        help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
+        "windows, by successive halving (every candidate on a few windows, those that can be "
+        "chosen on all of them); measured: every candidate on every window (the exact reference, "
+        "several times slower); proxy: output energy removed, from the scores (no forward pass)",
+    )
+    p.add_argument(
+        "--dim-step",
+        default="1/8",
+        metavar="STEP",
+        help="head-dim grid: a fraction of the dim (default 1/8) or a channel count such as 16",
+    )
+    p.add_argument(
+        "--axes",
+        default="key_heads,lanes,key_dim,value_dim",
+        metavar="LIST",
+        help="axes the search may cut (default all four: key_heads,lanes,key_dim,value_dim)",
+    )
+    p.add_argument(
+        "--uniform",
+        action="store_true",
+        help="one geometry per kind of block: all GDN layers one, all MLPs one, all attention layers one (for engines that need uniform layers)",
+    )
+    p.add_argument(
+        "--refine-generations",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="then improve the plan by measuring whole plans: N generations of an evolutionary search "
+        "(fitness: the KL of the whole cut model on the calibration windows; never worse than the "
+        "plan it starts from; default 0: off)",
+    )
+    p.add_argument(
+        "--refine-offspring",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="plans tried per generation of the refinement (default 8)",
+    )
+    p.add_argument(
+        "--refine-seed",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="the refinement's random seed (default 0; the search is deterministic for a seed)",
+    )
     add_constraint_arguments(p)
 
 
 def search_options(args) -> dict:
     """The keyword arguments of :func:`gdnprune.plan.plan_model` given on the command line."""
-    return dict(budget_params=args.budget_params, budget_gdn_params=args.budget_gdn_params,
-                budget_active_params=args.budget_active_params, budget_memory=args.budget_memory,
-                budget_state=args.budget_state, context=args.context,
-                blocks=[b.strip() for b in args.blocks.split(",") if b.strip()], sensitivity=args.sensitivity,
-                dim_step=args.dim_step, axes=[a.strip() for a in args.axes.split(",") if a.strip()], tp=args.tp,
-                multiple_of=args.multiple_of, uniform=args.uniform, refine_generations=args.refine_generations,
-                refine_offspring=args.refine_offspring, refine_seed=args.refine_seed)
+    return dict(
+        budget_params=args.budget_params,
+        budget_gdn_params=args.budget_gdn_params,
+        budget_active_params=args.budget_active_params,
+        budget_memory=args.budget_memory,
+        budget_state=args.budget_state,
+        context=args.context,
+        blocks=[b.strip() for b in args.blocks.split(",") if b.strip()],
+        sensitivity=args.sensitivity,
+        dim_step=args.dim_step,
+        axes=[a.strip() for a in args.axes.split(",") if a.strip()],
+        tp=args.tp,
+        multiple_of=args.multiple_of,
+        uniform=args.uniform,
+        refine_generations=args.refine_generations,
+        refine_offspring=args.refine_offspring,
+        refine_seed=args.refine_seed,
+    )
 
 
 def any_budget(args) -> bool:
     """Whether the command line gives a budget."""
-    return any(getattr(args, f"budget_{name}") is not None
-               for name in ("params", "active_params", "memory", "gdn_params", "state"))
+    return any(
+        getattr(args, f"budget_{name}") is not None
+        for name in ("params", "active_params", "memory", "gdn_params", "state")
+    )
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        NAME, help=HELP,
+        NAME,
+        help=HELP,
         description="Measure how much each GDN layer, and under a whole-model budget (--budget-params, "
-                    "--budget-active-params, --budget-memory) each attention, MLP and routed-experts sub-block, "
-                    "suffers from every candidate width and from the removal of its decoder layer (the KL divergence "
-                    "from the unpruned model when that sub-block alone is cut or that layer alone skipped, by "
-                    "successive halving or in full, or a proxy from the scores), then choose one candidate per layer "
-                    "that minimises the summed sensitivity "
-                    "within the budgets (an exact multiple-choice knapsack, scipy's MILP); with "
-                    "--refine-generations, improve that plan by measuring whole plans. The budgets are checked "
-                    "before any forward. Writes PLAN.json for `slice --plan` / `prune --plan`, "
-                    "PLAN.sensitivity.json with every candidate and PLAN.sensitivity.png.",
+        "--budget-active-params, --budget-memory) each attention, MLP and routed-experts sub-block, "
+        "suffers from every candidate width and from the removal of its decoder layer (the KL divergence "
+        "from the unpruned model when that sub-block alone is cut or that layer alone skipped, by "
+        "successive halving or in full, or a proxy from the scores), then choose one candidate per layer "
+        "that minimises the summed sensitivity "
+        "within the budgets (an exact multiple-choice knapsack, scipy's MILP); with "
+        "--refine-generations, improve that plan by measuring whole plans. The budgets are checked "
+        "before any forward. Writes PLAN.json for `slice --plan` / `prune --plan`, "
+        "PLAN.sensitivity.json with every candidate and PLAN.sensitivity.png.",
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="the (unsorted) model the scores describe")
-    p.add_argument("--scores", required=True, metavar="SCORES.json", help="gdnprune score's file for MODEL_DIR")
-    add_output_arguments(p, metavar="PLAN.json", help="plan file to write (and its report beside it)", folder=False)
-    add_calibration_arguments(p, data_required=False, num_samples=16, method=False,
-                              purpose="the measured sensitivity (needs --data)")
+    p.add_argument(
+        "--scores", required=True, metavar="SCORES.json", help="gdnprune score's file for MODEL_DIR"
+    )
+    add_output_arguments(
+        p, metavar="PLAN.json", help="plan file to write (and its report beside it)", folder=False
+    )
+    add_calibration_arguments(
+        p,
+        data_required=False,
+        num_samples=16,
+        method=False,
+        purpose="the measured sensitivity (needs --data)",
+    )
     add_search_arguments(p)
     add_distributed_arguments(p)
     add_runtime_arguments(p)
@@ -124,36 +215,69 @@ def report_paths(output: str | Path) -> tuple[Path, Path]:
 def format_plan(plan: dict, report: dict) -> str:
     """The per-layer table ``gdnprune plan`` prints."""
     measured = report["sensitivity"] in ("measured", "halving")
-    rows = [("layer", "Hk", "Hv", "dk", "dv", "params kept", "state kept", "KL" if measured else "proxy",
-             *(("loss",) if measured else ()))]
+    rows = [
+        (
+            "layer",
+            "Hk",
+            "Hv",
+            "dk",
+            "dv",
+            "params kept",
+            "state kept",
+            "KL" if measured else "proxy",
+            *(("loss",) if measured else ()),
+        )
+    ]
     for prefix, layer in report["layers"].items():
         if layer["chosen"] is None:
             rows.append((prefix, "removed", *[""] * (len(rows[0]) - 2)))
             continue
         full, chosen = layer["candidates"][0], layer["candidates"][layer["chosen"]]
         t = chosen["target"]
-        rows.append((prefix, str(t["num_key_heads"]), str(t["num_value_heads"]), str(t["key_head_dim"]),
-                     str(t["value_head_dim"]), f"{chosen['params']:,} ({chosen['params'] / full['params']:.0%})",
-                     f"{chosen['state_bytes']:,} B ({chosen['state_bytes'] / full['state_bytes']:.0%})",
-                     f"{chosen['sensitivity']:.4g}", *((f"{chosen['loss']:.4f}",) if measured else ())))
+        rows.append(
+            (
+                prefix,
+                str(t["num_key_heads"]),
+                str(t["num_value_heads"]),
+                str(t["key_head_dim"]),
+                str(t["value_head_dim"]),
+                f"{chosen['params']:,} ({chosen['params'] / full['params']:.0%})",
+                f"{chosen['state_bytes']:,} B ({chosen['state_bytes'] / full['state_bytes']:.0%})",
+                f"{chosen['sensitivity']:.4g}",
+                *((f"{chosen['loss']:.4f}",) if measured else ()),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
     totals = plan["totals"]
     if "gdn_params" in totals:
-        lines.append(f"GDN parameters kept: {totals['gdn_params_kept']:,} of {totals['gdn_params']:,} "
-                     f"({totals['gdn_params_fraction']:.1%}); recurrent state kept: {totals['state_bytes_kept']:,} of "
-                     f"{totals['state_bytes']:,} bytes per sequence ({totals['state_fraction']:.1%})")
+        lines.append(
+            f"GDN parameters kept: {totals['gdn_params_kept']:,} of {totals['gdn_params']:,} "
+            f"({totals['gdn_params_fraction']:.1%}); recurrent state kept: {totals['state_bytes_kept']:,} of "
+            f"{totals['state_bytes']:,} bytes per sequence ({totals['state_fraction']:.1%})"
+        )
     lines += model_summary(plan, report)
     what = "summed KL (per token)" if measured else "summed proxy"
-    lines.append(f"predicted {what}: {plan['predicted']['summed_sensitivity']:.4g}"
-                 + (f"; base loss {report['base_loss']:.4f} on {report['tokens']:,} tokens, "
-                    f"{report['forwards']:,} partial forwards in {report['seconds']:.1f} s" if measured else ""))
+    lines.append(
+        f"predicted {what}: {plan['predicted']['summed_sensitivity']:.4g}"
+        + (
+            f"; base loss {report['base_loss']:.4f} on {report['tokens']:,} tokens, "
+            f"{report['forwards']:,} partial forwards in {report['seconds']:.1f} s"
+            if measured
+            else ""
+        )
+    )
     refined = report.get("refinement")
     if refined:
         accepted = sum(h["accepted"] for h in refined["history"])
-        lines.append(f"joint refinement: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
-                     f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
-                     f"window forwards in {refined['seconds']:.1f} s)")
+        lines.append(
+            f"joint refinement: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
+            f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
+            f"window forwards in {refined['seconds']:.1f} s)"
+        )
     return "\n".join(lines)
 
 
@@ -168,30 +292,49 @@ def model_summary(plan: dict, report: dict | None = None) -> list[str]:
             lines.append(f"{prefix}: removed with its decoder layer")
             continue
         t = block["candidates"][block["chosen"]]
-        lines.append(f"{prefix}: " + ", ".join(f"{k}={v}" for k, v in t["target"].items())
-                     + f"  params {t['params']:,.0f} ({t['params'] / block['candidates'][0]['params']:.0%})"
-                     + f"  KL {t['sensitivity']:.4g}")
+        lines.append(
+            f"{prefix}: "
+            + ", ".join(f"{k}={v}" for k, v in t["target"].items())
+            + f"  params {t['params']:,.0f} ({t['params'] / block['candidates'][0]['params']:.0%})"
+            + f"  KL {t['sensitivity']:.4g}"
+        )
     removal = (report or {}).get("removal") or {}
     if removal:
-        gone = [f"{prefix} (KL {entry['sensitivity']:.4g})" for prefix, entry in removal.items() if entry["removed"]]
-        lines.append(f"removed decoder layers: {', '.join(gone) if gone else 'none'} (removal candidates: "
-                     f"{len(removal)})")
-    lines.append(f"model parameters kept: {totals['model_params_kept']:,.0f} of {totals['model_params']:,.0f} "
-                 f"({totals['model_params_fraction']:.1%}); active per token: {totals['active_params_fraction']:.1%}"
-                 + (f"; memory per sequence: {totals['memory_bytes_kept']:,.0f} of {totals['memory_bytes']:,.0f} "
-                    f"bytes ({totals['memory_bytes_fraction']:.1%})" if "memory_bytes" in totals else ""))
-    lines.append("split: " + ", ".join(f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f}"
-                                       f" ({v['params_kept'] / max(v['params'], 1):.0%})"
-                                       for kind, v in totals["split"].items()))
+        gone = [
+            f"{prefix} (KL {entry['sensitivity']:.4g})"
+            for prefix, entry in removal.items()
+            if entry["removed"]
+        ]
+        lines.append(
+            f"removed decoder layers: {', '.join(gone) if gone else 'none'} (removal candidates: "
+            f"{len(removal)})"
+        )
+    lines.append(
+        f"model parameters kept: {totals['model_params_kept']:,.0f} of {totals['model_params']:,.0f} "
+        f"({totals['model_params_fraction']:.1%}); active per token: {totals['active_params_fraction']:.1%}"
+        + (
+            f"; memory per sequence: {totals['memory_bytes_kept']:,.0f} of {totals['memory_bytes']:,.0f} "
+            f"bytes ({totals['memory_bytes_fraction']:.1%})"
+            if "memory_bytes" in totals
+            else ""
+        )
+    )
+    lines.append(
+        "split: "
+        + ", ".join(
+            f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f}"
+            f" ({v['params_kept'] / max(v['params'], 1):.0%})"
+            for kind, v in totals["split"].items()
+        )
+    )
     return lines
 
 
 def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool) -> list[str]:
     """PLAN.json, its report and its plot; returns the notes for the user."""
-    from ..fileio import write_json_atomic
+    from ..fileio import check_output_file, write_json_atomic
     from ..plan import plot_sensitivity
     from ..plans import save_plan
-    from ..fileio import check_output_file
 
     report_json, report_png = report_paths(output)
     for path in (output, report_json):
@@ -243,19 +386,22 @@ def _plan(args) -> int:
     import warnings
 
     from ..distributed import fail_together, is_main_process
-    from ..plan import plan_checkpoint
     from ..fileio import check_output_file
+    from ..plan import plan_checkpoint
 
     main = is_main_process()
     with fail_together():
         if main:
             check_output_file(args.output, args.overwrite)
         if args.sensitivity != "proxy" and args.data is None:
-            raise ValueError("the measured sensitivity needs calibration text: give --data FILE (or --sensitivity "
-                             "proxy)")
+            raise ValueError(
+                "the measured sensitivity needs calibration text: give --data FILE (or --sensitivity proxy)"
+            )
         if not any_budget(args):
-            raise ValueError("give a budget: --budget-params, --budget-active-params, --budget-memory, "
-                             "--budget-gdn-params and/or --budget-state")
+            raise ValueError(
+                "give a budget: --budget-params, --budget-active-params, --budget-memory, "
+                "--budget-gdn-params and/or --budget-state"
+            )
     if args.threads is None:
         args.threads = plan_threads(args.model_dir, args.seq_len)
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
@@ -263,10 +409,19 @@ def _plan(args) -> int:
         if not main:  # every rank computes the same plan: rank 0 speaks and writes
             warnings.simplefilter("ignore")
         with fail_together():
-            plan, report = plan_checkpoint(args.model_dir, args.data, args.scores, num_samples=args.num_samples,
-                                           seq_len=args.seq_len, batch_size=args.batch_size, device=args.device,
-                                           dtype=args.dtype, device_map=args.device_map,
-                                           progress=main and not args.quiet, **search_options(args))
+            plan, report = plan_checkpoint(
+                args.model_dir,
+                args.data,
+                args.scores,
+                num_samples=args.num_samples,
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                device=args.device,
+                dtype=args.dtype,
+                device_map=args.device_map,
+                progress=main and not args.quiet,
+                **search_options(args),
+            )
         with fail_together():
             notes = write_outputs(plan, report, args.output, args.overwrite) if main else []
     if not main:

@@ -10,8 +10,15 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from ._options import add_calibration_arguments, add_distributed_arguments, add_output_arguments, \
-    add_refine_arguments, deprecated, scoring_options, shard_spec
+from ._options import (
+    add_calibration_arguments,
+    add_distributed_arguments,
+    add_output_arguments,
+    add_refine_arguments,
+    deprecated,
+    scoring_options,
+    shard_spec,
+)
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "score"
@@ -20,35 +27,61 @@ HELP = "measure the importance of every GDN head and channel on calibration text
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        NAME, help=HELP,
+        NAME,
+        help=HELP,
         description="Run calibration text through the model with hooks on every GatedDeltaNet layer and write a "
-                    "scores file (importance orders per layer, most important first) for `gdnprune sort`. Under "
-                    "torchrun or accelerate launch every process scores its share of the windows and rank 0 "
-                    "writes the file. Without a launcher, --shard i/n --partial FILE scores one share and "
-                    "--merge FILE... --output SCORES.json adds the shares up.",
+        "scores file (importance orders per layer, most important first) for `gdnprune sort`. Under "
+        "torchrun or accelerate launch every process scores its share of the windows and rank 0 "
+        "writes the file. Without a launcher, --shard i/n --partial FILE scores one share and "
+        "--merge FILE... --output SCORES.json adds the shares up.",
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
-                   help="Hugging Face model folder (config, weights, tokenizer); not with --merge")
+    p.add_argument(
+        "model_dir",
+        metavar="MODEL_DIR",
+        nargs="?",
+        help="Hugging Face model folder (config, weights, tokenizer); not with --merge",
+    )
     add_output_arguments(p, metavar="SCORES.json", help="scores file to write", required=False, folder=False)
     add_calibration_arguments(p, data_required=False)
-    p.add_argument("--sub-blocks", action="store_true",
-                   help="also score the attention heads, MLP and shared-expert channels (orders beside the GDN "
-                        "layers' in the same file): what a whole-model plan (plan --budget-params) sorts and cuts")
+    p.add_argument(
+        "--sub-blocks",
+        action="store_true",
+        help="also score the attention heads, MLP and shared-expert channels (orders beside the GDN "
+        "layers' in the same file): what a whole-model plan (plan --budget-params) sorts and cuts",
+    )
     q = p.add_argument_group("one-shot quality")
     add_refine_arguments(q)
-    q.add_argument("--compensation-stats", metavar="STATS.safetensors", default=None,
-                   help="also write the calibration statistics that `slice --compensation-stats` refits out_proj "
-                        "with (least squares; float64 [Hv*dv]^2 per layer)")
+    q.add_argument(
+        "--compensation-stats",
+        metavar="STATS.safetensors",
+        default=None,
+        help="also write the calibration statistics that `slice --compensation-stats` refits out_proj "
+        "with (least squares; float64 [Hv*dv]^2 per layer)",
+    )
     q.add_argument("--compensation", action="store_true", help=argparse.SUPPRESS)  # deprecated alias
     g = p.add_argument_group("many processes")
-    g.add_argument("--shard", type=shard_spec, default=None, metavar="i/n",
-                   help="score only share i of n of the calibration windows (0 <= i < n) and write its raw "
-                        "statistics with --partial")
-    g.add_argument("--partial", metavar="FILE", default=None,
-                   help="write the raw statistics of the share (a safetensors file) instead of a scores file")
-    g.add_argument("--merge", nargs="+", metavar="FILE", default=None,
-                   help="add up the partial files of every share and write the scores file given by --output "
-                        "(no MODEL_DIR, no --data)")
+    g.add_argument(
+        "--shard",
+        type=shard_spec,
+        default=None,
+        metavar="i/n",
+        help="score only share i of n of the calibration windows (0 <= i < n) and write its raw "
+        "statistics with --partial",
+    )
+    g.add_argument(
+        "--partial",
+        metavar="FILE",
+        default=None,
+        help="write the raw statistics of the share (a safetensors file) instead of a scores file",
+    )
+    g.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="add up the partial files of every share and write the scores file given by --output "
+        "(no MODEL_DIR, no --data)",
+    )
     add_distributed_arguments(g)
     add_runtime_arguments(p)
     p.set_defaults(func=run)
@@ -63,8 +96,16 @@ def compensation_path(output) -> str:
 def _mode(args) -> str:
     """``merge``, ``partial`` or ``scores``; the argument combinations that make no sense are errors."""
     if args.merge is not None:
-        extra = [flag for flag, value in (("MODEL_DIR", args.model_dir), ("--data", args.data),
-                                           ("--shard", args.shard), ("--partial", args.partial)) if value is not None]
+        extra = [
+            flag
+            for flag, value in (
+                ("MODEL_DIR", args.model_dir),
+                ("--data", args.data),
+                ("--shard", args.shard),
+                ("--partial", args.partial),
+            )
+            if value is not None
+        ]
         if extra:
             raise ValueError(f"--merge takes only partial files and --output; remove {', '.join(extra)}")
         if args.output is None:
@@ -75,12 +116,15 @@ def _mode(args) -> str:
     if args.data is None:
         raise ValueError("expected --data FILE, the calibration text")
     if args.shard is not None and args.partial is None:
-        raise ValueError("--shard scores one share of the windows: give --partial FILE for its statistics "
-                         "(and merge the shares with --merge)")
+        raise ValueError(
+            "--shard scores one share of the windows: give --partial FILE for its statistics "
+            "(and merge the shares with --merge)"
+        )
     if args.partial is not None:
         if args.output is not None:
-            raise ValueError("give either --output (a scores file) or --partial (the statistics of one share), "
-                             "not both")
+            raise ValueError(
+                "give either --output (a scores file) or --partial (the statistics of one share), not both"
+            )
         return "partial"
     if args.output is None:
         raise ValueError("expected --output SCORES.json (or --shard i/n --partial FILE)")
@@ -95,13 +139,17 @@ def _merge(args) -> int:
 
     info = launch_info()
     if info is not None:
-        raise ValueError(f"--merge runs in one process, found a launch of {info.world_size}; run it without "
-                         "torchrun or accelerate launch")
+        raise ValueError(
+            f"--merge runs in one process, found a launch of {info.world_size}; run it without "
+            "torchrun or accelerate launch"
+        )
     check_output_file(args.output, args.overwrite)
     scores = merge_partials(args.merge)
     path = save_scores(scores, args.output, overwrite=args.overwrite)
-    print(f"gdnprune score: merged {scores['shards']} partials ({len(scores['layers'])} GDN layers, "
-          f"{scores['num_tokens']} tokens, computed by {scores['world_size']} processes) -> {path}")
+    print(
+        f"gdnprune score: merged {scores['shards']} partials ({len(scores['layers'])} GDN layers, "
+        f"{scores['num_tokens']} tokens, computed by {scores['world_size']} processes) -> {path}"
+    )
     return 0
 
 
@@ -132,14 +180,22 @@ def _score(args, mode: str) -> int:
                 path = save_partial(run, args.partial, overwrite=args.overwrite) if main else None
             index, count = run.shard["index"], run.shard["count"]
             start, stop = run.shard["windows"]
-            what = (f"share {index} of {count} (windows {start}-{stop - 1} of {run.shard['total_windows']})"
-                    if stop > start else f"share {index} of {count} (no windows: only {run.shard['total_windows']})")
+            what = (
+                f"share {index} of {count} (windows {start}-{stop - 1} of {run.shard['total_windows']})"
+                if stop > start
+                else f"share {index} of {count} (no windows: only {run.shard['total_windows']})"
+            )
             tokens = next(iter(run.statistics.layers.values())).stats.get("num_tokens")
             done = f"{what}, {int(tokens) if tokens is not None else 0} tokens"
         else:
-            scores = score_checkpoint(args.model_dir, args.data, refine=args.refine,
-                                      refine_samples=args.refine_samples,
-                                      compensation=args.compensation_stats is not None, **options)
+            scores = score_checkpoint(
+                args.model_dir,
+                args.data,
+                refine=args.refine,
+                refine_samples=args.refine_samples,
+                compensation=args.compensation_stats is not None,
+                **options,
+            )
             stats = scores.pop("compensation_statistics", None)
             with fail_together():
                 path = save_scores(scores, args.output, overwrite=args.overwrite) if main else None
@@ -150,8 +206,11 @@ def _score(args, mode: str) -> int:
                     save_statistics(stats, stats_path, model=model_identity(args.model_dir))
                     path = f"{path} (compensation statistics: {stats_path})"
             subs = sum(1 for payload in scores["layers"].values() if "kind" in payload)
-            done = (f"{len(scores['layers']) - subs} GDN layers" + (f" and {subs} sub-blocks" if subs else "")
-                    + f" scored with {args.method!r} on {scores['num_tokens']} tokens")
+            done = (
+                f"{len(scores['layers']) - subs} GDN layers"
+                + (f" and {subs} sub-blocks" if subs else "")
+                + f" scored with {args.method!r} on {scores['num_tokens']} tokens"
+            )
             run = None
     if main:
         processes = run.world_size if run is not None else scores["world_size"]
@@ -170,8 +229,9 @@ def run(args) -> int:
             args.compensation_stats = compensation_path(args.output or "SCORES.json")
     mode = _mode(args)
     if mode != "scores" and (args.refine or args.compensation_stats):
-        raise ValueError("--refine and --compensation-stats go with a scores file: not with --shard/--partial or "
-                         "--merge")
+        raise ValueError(
+            "--refine and --compensation-stats go with a scores file: not with --shard/--partial or --merge"
+        )
     if mode == "merge":
         return _merge(args)
     who = ""  # "rank R of N: " in front of the messages of a multi-process run

@@ -10,17 +10,29 @@ HELP = "permute every GDN layer by importance (same function)"
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(NAME, help=HELP,
-                              description="Apply the importance orders of a scores file to every GDN layer: "
-                                          "the output computes the same function (the sorted teacher).")
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)")
-    p.add_argument("--scores", required=True, metavar="SCORES.json",
-                   help='JSON object with "layers": {prefix: {*_order_most_important_first: ...}}')
+    p = subparsers.add_parser(
+        NAME,
+        help=HELP,
+        description="Apply the importance orders of a scores file to every GDN layer: "
+        "the output computes the same function (the sorted teacher).",
+    )
+    p.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)"
+    )
+    p.add_argument(
+        "--scores",
+        required=True,
+        metavar="SCORES.json",
+        help='JSON object with "layers": {prefix: {*_order_most_important_first: ...}}',
+    )
     add_output_arguments(p)
     add_self_contained_argument(p)
-    p.add_argument("--dequantize", action="store_true",
-                   help="FP8 checkpoints: write the weights whose scale blocks the %s would split in BF16 (added "
-                        "to modules_to_not_convert) instead of refusing" % ("order" if NAME == "sort" else "cut"))
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="FP8 checkpoints: write the weights whose scale blocks the %s would split in BF16 (added "
+        "to modules_to_not_convert) instead of refusing" % ("order" if NAME == "sort" else "cut"),
+    )
     p.set_defaults(func=run)
 
 
@@ -28,7 +40,14 @@ def run(args) -> int:
     without_blas_threads()
     from ..checkpoint import sort_checkpoint
 
-    manifest = sort_checkpoint(args.model_dir, args.scores, args.output, overwrite=args.overwrite,
-                               dequantize=args.dequantize, self_contained=args.self_contained, progress=not args.quiet)
+    manifest = sort_checkpoint(
+        args.model_dir,
+        args.scores,
+        args.output,
+        overwrite=args.overwrite,
+        dequantize=args.dequantize,
+        self_contained=args.self_contained,
+        progress=not args.quiet,
+    )
     print(summary(manifest, args.output))
     return 0

@@ -49,7 +49,7 @@ from .api import (
     plot_history,
 )
 from .loss import DistillationLoss, distillation_loss, kd_loss
-from .memory import MemoryEstimate, estimate_memory, estimate_checkpoint_memory
+from .memory import MemoryEstimate, estimate_checkpoint_memory, estimate_memory
 from .trainer import DistillationTrainer, final_hidden, forward_redirect
 
 __all__ = [

@@ -16,23 +16,34 @@ import signal
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainingArguments, default_data_collator
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..checkpoint.output import copy_other_files, plan_other_files
 from ..checkpoint.folder import MANIFEST_NAME
+from ..checkpoint.output import copy_other_files, plan_other_files
 from ..fileio import write_json_atomic
 from .fsdp import check_shardable, is_sharded, shard_teacher
 from .output import save_model_folder
 from .trainer import DistillationTrainer, RunCallback, TokenWindows, as_windows, signals_stop
 
-__all__ = ["check_same_vocabulary", "check_options", "distill", "distill_checkpoint", "plot_history",
-           "OutputFolderError", "LOG_NAME", "PLOT_NAME", "MIXED_PRECISION", "ACCELERATE_FSDP2_CONFIG"]
+__all__ = [
+    "check_same_vocabulary",
+    "check_options",
+    "distill",
+    "distill_checkpoint",
+    "plot_history",
+    "OutputFolderError",
+    "LOG_NAME",
+    "PLOT_NAME",
+    "MIXED_PRECISION",
+    "ACCELERATE_FSDP2_CONFIG",
+]
 
 LOG_NAME = "distill_log.json"
 PLOT_NAME = "distill_loss.png"
@@ -47,21 +58,41 @@ def check_same_vocabulary(student=None, teacher=None, student_tokenizer=None, te
     if student is not None and teacher is not None:
         sizes = [m.get_output_embeddings().weight.shape[0] for m in (student, teacher)]
         if sizes[0] != sizes[1]:
-            raise ValueError(f"teacher and student must share a vocabulary: expected the student's lm_head to have "
-                             f"the teacher's {sizes[1]} outputs, found {sizes[0]}")
+            raise ValueError(
+                f"teacher and student must share a vocabulary: expected the student's lm_head to have "
+                f"the teacher's {sizes[1]} outputs, found {sizes[0]}"
+            )
     if student_tokenizer is not None and teacher_tokenizer is not None:
         vocabs = [t.get_vocab() for t in (student_tokenizer, teacher_tokenizer)]
         if vocabs[0] != vocabs[1]:
             differ = sorted(set(vocabs[0].items()) ^ set(vocabs[1].items()), key=lambda kv: kv[1])
-            raise ValueError(f"teacher and student must share a tokenizer: expected equal vocabularies, found "
-                             f"{len(vocabs[0])} and {len(vocabs[1])} tokens, {len(differ)} (token, id) pairs in "
-                             f"only one of them, e.g. {differ[:3]}")
+            raise ValueError(
+                f"teacher and student must share a tokenizer: expected equal vocabularies, found "
+                f"{len(vocabs[0])} and {len(vocabs[1])} tokens, {len(differ)} (token, id) pairs in "
+                f"only one of them, e.g. {differ[:3]}"
+            )
 
 
 # options that must not change when a run is resumed (all the others only change logging and saving)
-_RESUME_KEYS = ("steps", "batch_size", "micro_batch_size", "seq_len", "lr", "lr_schedule", "warmup", "weight_decay",
-                "max_grad_norm", "temperature", "kd_weight", "lm_weight", "seed", "train_windows", "train_sha256",
-                "fsdp", "mixed_precision")
+_RESUME_KEYS = (
+    "steps",
+    "batch_size",
+    "micro_batch_size",
+    "seq_len",
+    "lr",
+    "lr_schedule",
+    "warmup",
+    "weight_decay",
+    "max_grad_norm",
+    "temperature",
+    "kd_weight",
+    "lm_weight",
+    "seed",
+    "train_windows",
+    "train_sha256",
+    "fsdp",
+    "mixed_precision",
+)
 
 #: the accelerate config shipped for FSDP2 runs (``accelerate launch --config_file ... -m gdnprune distill``)
 ACCELERATE_FSDP2_CONFIG = Path(__file__).resolve().parent.parent / "data" / "accelerate_fsdp2.yaml"
@@ -80,28 +111,43 @@ class OutputFolderError(ValueError):
         self.path, self.reason = path, reason
 
 
-def check_options(*, world_size: int = 1, fsdp: bool = False, teacher_sharding: str | None = None,
-                  teacher_device_map: Any = None, mixed_precision: str = "no", cpu_offload: bool = False) -> str:
+def check_options(
+    *,
+    world_size: int = 1,
+    fsdp: bool = False,
+    teacher_sharding: str | None = None,
+    teacher_device_map: Any = None,
+    mixed_precision: str = "no",
+    cpu_offload: bool = False,
+) -> str:
     """Check the engine options before any work; return the teacher sharding (``"shard"`` / ``"replicate"``).
 
     ``teacher_sharding`` None: sharded when the student is (FSDP2 over more than one process), else
     replicated. A ``teacher_device_map`` spreads a replicated teacher over one process's devices.
     """
     if mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, found {mixed_precision!r}")
+        raise ValueError(
+            f"mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, found {mixed_precision!r}"
+        )
     if teacher_sharding not in (None, "shard", "replicate"):
         raise ValueError(f"teacher_sharding: expected 'shard' or 'replicate', found {teacher_sharding!r}")
     if fsdp and world_size < 2:
-        raise ValueError("fsdp=True shards the student over processes: expected a run over several processes "
-                         "(torchrun / accelerate launch), found 1")
+        raise ValueError(
+            "fsdp=True shards the student over processes: expected a run over several processes "
+            "(torchrun / accelerate launch), found 1"
+        )
     if cpu_offload and not fsdp:
         raise ValueError("cpu_offload offloads FSDP2 shards: expected fsdp=True with it, found fsdp=False")
     if teacher_sharding == "shard" and world_size < 2:
-        raise ValueError(f"teacher_sharding='shard': expected a run over several processes (torchrun / accelerate "
-                         f"launch), found {world_size}")
+        raise ValueError(
+            f"teacher_sharding='shard': expected a run over several processes (torchrun / accelerate "
+            f"launch), found {world_size}"
+        )
     if teacher_device_map is not None and teacher_sharding == "shard":
-        raise ValueError("teacher_device_map spreads a whole teacher over one process's devices: expected "
-                         "teacher_sharding='replicate' with it, found 'shard'")
+        raise ValueError(
+            "teacher_device_map spreads a whole teacher over one process's devices: expected "
+            "teacher_sharding='replicate' with it, found 'shard'"
+        )
     if teacher_sharding is None:
         teacher_sharding = "shard" if fsdp and world_size > 1 and teacher_device_map is None else "replicate"
     return teacher_sharding
@@ -189,22 +235,46 @@ def distill(
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
     fsdp = _fsdp(fsdp)
     device_map = getattr(teacher, "hf_device_map", None)
-    teacher_sharding = check_options(world_size=world, fsdp=fsdp, teacher_sharding=teacher_sharding,
-                                     teacher_device_map=device_map, mixed_precision=mixed_precision,
-                                     cpu_offload=cpu_offload)
-    steps, micro = _check_run(windows, steps, tokens, batch_size, micro_batch_size, world, log_every, keep_checkpoints)
+    teacher_sharding = check_options(
+        world_size=world,
+        fsdp=fsdp,
+        teacher_sharding=teacher_sharding,
+        teacher_device_map=device_map,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+    )
+    steps, micro = _check_run(
+        windows, steps, tokens, batch_size, micro_batch_size, world, log_every, keep_checkpoints
+    )
     check_same_vocabulary(student, teacher, tokenizer, teacher_tokenizer)
     if fsdp:
         check_shardable(student, "student")
     if teacher_sharding == "shard" and not is_sharded(teacher):
         check_shardable(teacher, "teacher")
-    config = dict(steps=steps, batch_size=batch_size, micro_batch_size=micro, seq_len=windows.shape[1], lr=lr,
-                  lr_schedule=lr_schedule, warmup=warmup, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                  temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight, seed=seed,
-                  train_windows=windows.shape[0], train_sha256=hashlib.sha256(windows.contiguous().numpy()).hexdigest(),
-                  eval_windows=None if eval_windows is None else eval_windows.shape[0], processes=world,
-                  fsdp=fsdp, teacher_sharding=teacher_sharding, mixed_precision=mixed_precision,
-                  gradient_checkpointing=gradient_checkpointing, cpu_offload=cpu_offload)
+    config = dict(
+        steps=steps,
+        batch_size=batch_size,
+        micro_batch_size=micro,
+        seq_len=windows.shape[1],
+        lr=lr,
+        lr_schedule=lr_schedule,
+        warmup=warmup,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        lm_weight=lm_weight,
+        seed=seed,
+        train_windows=windows.shape[0],
+        train_sha256=hashlib.sha256(windows.contiguous().numpy()).hexdigest(),
+        eval_windows=None if eval_windows is None else eval_windows.shape[0],
+        processes=world,
+        fsdp=fsdp,
+        teacher_sharding=teacher_sharding,
+        mixed_precision=mixed_precision,
+        gradient_checkpointing=gradient_checkpointing,
+        cpu_offload=cpu_offload,
+    )
 
     temporary = tempfile.TemporaryDirectory() if output_dir is None else None
     saving, out = temporary is None, Path(temporary.name if temporary else output_dir)
@@ -214,30 +284,64 @@ def distill(
     every = max(1, steps // 10)
     engine: dict[str, Any] = {}
     if fsdp:
-        engine = dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True,
-                                              "state_dict_type": "SHARDED_STATE_DICT", "cpu_offload": cpu_offload,
-                                              "activation_checkpointing": gradient_checkpointing})
+        engine = dict(
+            fsdp=True,
+            fsdp_config={
+                "version": 2,
+                "reshard_after_forward": True,
+                "state_dict_type": "SHARDED_STATE_DICT",
+                "cpu_offload": cpu_offload,
+                "activation_checkpointing": gradient_checkpointing,
+            },
+        )
     elif gradient_checkpointing:
         engine = dict(activation_checkpointing=True)
     args = TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
-        gradient_accumulation_steps=batch_size // (world * micro), learning_rate=lr, lr_scheduler_type=lr_schedule,
-        warmup_steps=warmup, weight_decay=weight_decay, max_grad_norm=max_grad_norm, seed=seed,
-        bf16=mixed_precision == "bf16", fp16=mixed_precision == "fp16",
-        logging_strategy="steps", logging_steps=log_every, logging_first_step=True,
-        eval_strategy="no" if eval_windows is None else "steps", eval_steps=eval_every or every,
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=micro,
+        per_device_eval_batch_size=micro,
+        gradient_accumulation_steps=batch_size // (world * micro),
+        learning_rate=lr,
+        lr_scheduler_type=lr_schedule,
+        warmup_steps=warmup,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        seed=seed,
+        bf16=mixed_precision == "bf16",
+        fp16=mixed_precision == "fp16",
+        logging_strategy="steps",
+        logging_steps=log_every,
+        logging_first_step=True,
+        eval_strategy="no" if eval_windows is None else "steps",
+        eval_steps=eval_every or every,
         eval_on_start=eval_windows is not None and checkpoint is None,
-        save_strategy="steps" if saving else "no", save_steps=save_every or every, save_total_limit=keep_checkpoints,
-        label_names=["input_ids"], dataloader_drop_last=True, average_tokens_across_devices=False,
-        report_to="none", disable_tqdm=not progress, use_cpu=not torch.cuda.is_available(), **engine,
+        save_strategy="steps" if saving else "no",
+        save_steps=save_every or every,
+        save_total_limit=keep_checkpoints,
+        label_names=["input_ids"],
+        dataloader_drop_last=True,
+        average_tokens_across_devices=False,
+        report_to="none",
+        disable_tqdm=not progress,
+        use_cpu=not torch.cuda.is_available(),
+        **engine,
     )
     if teacher_sharding == "shard" and not is_sharded(teacher):
         shard_teacher(teacher)  # after TrainingArguments: the process group exists
     trainer = DistillationTrainer(
-        model=student, teacher=teacher, args=args, train_dataset=TokenWindows(windows),
-        eval_dataset=None if eval_windows is None else TokenWindows(eval_windows), data_collator=default_data_collator,
-        processing_class=tokenizer, temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight,
-        chunk_size=chunk_size, callbacks=list(callbacks),
+        model=student,
+        teacher=teacher,
+        args=args,
+        train_dataset=TokenWindows(windows),
+        eval_dataset=None if eval_windows is None else TokenWindows(eval_windows),
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        lm_weight=lm_weight,
+        chunk_size=chunk_size,
+        callbacks=list(callbacks),
     )
     if not progress:
         trainer.remove_callback(PrinterCallback)
@@ -245,8 +349,13 @@ def distill(
 
     def write_log(status: str) -> None:
         if saving and trainer.is_world_process_zero():
-            payload = {"format": "gdnprune-distill-log", "version": 1, "status": status, "config": config,
-                       "history": trainer.state.log_history}
+            payload = {
+                "format": "gdnprune-distill-log",
+                "version": 1,
+                "status": status,
+                "config": config,
+                "history": trainer.state.log_history,
+            }
             write_json_atomic(out / LOG_NAME, payload)
 
     run = RunCallback(trainer, lambda logs: write_log("running"), saving)
@@ -295,22 +404,29 @@ def _check_run(windows, steps, tokens, batch_size, micro_batch_size, world, log_
     if (steps is None) == (tokens is None):
         raise ValueError(f"expected exactly one of steps and tokens, found steps={steps}, tokens={tokens}")
     if min(batch_size, micro_batch_size or 1, log_every, keep_checkpoints) < 1:
-        raise ValueError(f"expected batch_size, micro_batch_size, log_every and keep_checkpoints >= 1, found "
-                         f"{batch_size}, {micro_batch_size}, {log_every} and {keep_checkpoints}")
+        raise ValueError(
+            f"expected batch_size, micro_batch_size, log_every and keep_checkpoints >= 1, found "
+            f"{batch_size}, {micro_batch_size}, {log_every} and {keep_checkpoints}"
+        )
     steps = math.ceil(tokens / (batch_size * windows.shape[1])) if tokens is not None else steps
     if steps < 1:
         raise ValueError(f"expected at least one step, found steps={steps} (tokens={tokens})")
     if windows.shape[0] < batch_size:
-        raise ValueError(f"train_data: expected at least batch_size={batch_size} windows, found {windows.shape[0]}")
+        raise ValueError(
+            f"train_data: expected at least batch_size={batch_size} windows, found {windows.shape[0]}"
+        )
     micro = micro_batch_size or batch_size // world
     if micro < 1 or batch_size % (world * micro):
-        raise ValueError(f"expected batch_size ({batch_size}) to be a multiple of processes ({world}) x "
-                         f"micro_batch_size ({micro})")
+        raise ValueError(
+            f"expected batch_size ({batch_size}) to be a multiple of processes ({world}) x "
+            f"micro_batch_size ({micro})"
+        )
     return steps, micro
 
 
-def check_output_folder(out: str | Path, resume: bool | str | Path, overwrite: bool,
-                        config: dict | None = None) -> Path | None:
+def check_output_folder(
+    out: str | Path, resume: bool | str | Path, overwrite: bool, config: dict | None = None
+) -> Path | None:
     """The checkpoint to resume from, or None for a fresh run; :class:`OutputFolderError` when ``out`` cannot
     be used. With ``config`` (the run's options) a resumed run is checked against the interrupted one's.
     Cheap: call it before loading any model."""
@@ -320,28 +436,46 @@ def check_output_folder(out: str | Path, resume: bool | str | Path, overwrite: b
         if checkpoint is None:
             last = get_last_checkpoint(str(out)) if out.is_dir() else None
             if last is None:
-                raise OutputFolderError(f"resume: expected a checkpoint-STEP folder in {out}, found none",
-                                        path=out, reason="no_checkpoint")
+                raise OutputFolderError(
+                    f"resume: expected a checkpoint-STEP folder in {out}, found none",
+                    path=out,
+                    reason="no_checkpoint",
+                )
             checkpoint = Path(last)
         if not (checkpoint / "trainer_state.json").is_file():
-            raise OutputFolderError(f"resume: expected a Trainer checkpoint (trainer_state.json) in {checkpoint}, "
-                                    f"found none", path=out, reason="no_checkpoint")
+            raise OutputFolderError(
+                f"resume: expected a Trainer checkpoint (trainer_state.json) in {checkpoint}, found none",
+                path=out,
+                reason="no_checkpoint",
+            )
         log = out / LOG_NAME
         previous = json.loads(log.read_text())["config"] if log.is_file() and config is not None else {}
-        changed = {k: (previous.get(k), config[k]) for k in _RESUME_KEYS if k in previous and previous[k] != config[k]}
+        changed = {
+            k: (previous.get(k), config[k])
+            for k in _RESUME_KEYS
+            if k in previous and previous[k] != config[k]
+        }
         if changed:
-            raise ValueError("resume: expected the options of the interrupted run; found changes (before, now): "
-                             + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in changed.items()))
+            raise ValueError(
+                "resume: expected the options of the interrupted run; found changes (before, now): "
+                + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in changed.items())
+            )
         return checkpoint
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise OutputFolderError(f"output folder {out} exists and is not empty: expected a new folder, or "
-                                    f"resume=True to continue its run, or overwrite=True to replace it",
-                                    path=out, reason="exists")
+            raise OutputFolderError(
+                f"output folder {out} exists and is not empty: expected a new folder, or "
+                f"resume=True to continue its run, or overwrite=True to replace it",
+                path=out,
+                reason="exists",
+            )
         if not ((out / "config.json").is_file() or (out / LOG_NAME).is_file()):
-            raise OutputFolderError(f"refusing to replace {out}: expected an earlier output (a model folder or a "
-                                    f"distill log), found neither; remove the folder yourself",
-                                    path=out, reason="not_ours")
+            raise OutputFolderError(
+                f"refusing to replace {out}: expected an earlier output (a model folder or a "
+                f"distill log), found neither; remove the folder yourself",
+                path=out,
+                reason="not_ours",
+            )
     return None
 
 
@@ -353,15 +487,19 @@ def plot_history(history: Sequence[dict], path: str | Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn("matplotlib is not installed, so no loss plot was drawn; install it with "
-                      "`pip install matplotlib` (or `pip install gdnprune[plot]`)", stacklevel=2)
+        warnings.warn(
+            "matplotlib is not installed, so no loss plot was drawn; install it with "
+            "`pip install matplotlib` (or `pip install gdnprune[plot]`)",
+            stacklevel=2,
+        )
         return False
     series = {
         "train loss": [(h["step"], h["loss"]) for h in history if "loss" in h],
         "eval loss": [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h],
         "eval LM loss (student)": [(h["step"], h["eval_lm_loss"]) for h in history if "eval_lm_loss" in h],
-        "eval LM loss (teacher)": [(h["step"], h["eval_teacher_lm_loss"]) for h in history
-                                   if "eval_teacher_lm_loss" in h],
+        "eval LM loss (teacher)": [
+            (h["step"], h["eval_teacher_lm_loss"]) for h in history if "eval_teacher_lm_loss" in h
+        ],
     }
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for (label, points), style in zip(series.items(), ("-", "o-", "s--", ":")):
@@ -384,7 +522,9 @@ def _load_model(path: Path, dtype, device_map=None):
     from ..loading import load_pretrained
 
     try:
-        return load_pretrained(path, dtype=dtype, **({} if device_map is None else {"device_map": device_map}))
+        return load_pretrained(
+            path, dtype=dtype, **({} if device_map is None else {"device_map": device_map})
+        )
     except (OSError, RuntimeError, ValueError) as exc:
         raise ValueError(f"{path}: transformers cannot load it: {' '.join(str(exc).split())[:500]}") from None
 
@@ -392,8 +532,13 @@ def _load_model(path: Path, dtype, device_map=None):
 _MAX_SEQ_LEN = 2048  # default window length of distill_checkpoint, unless the model supports less
 
 # files of the student folder that the trained model replaces (weight files are never copied)
-_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json",
-                "gdnprune.json")
+_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "gdnprune.json",
+)
 #: tensors transformers does not load that the output carries over from the student unchanged
 CARRIED_PREFIXES = ("mtp.",)
 
@@ -454,30 +599,42 @@ def distill_checkpoint(
     for name, folder in (("student", student_dir), ("teacher", teacher_dir)):
         if not (folder / "config.json").is_file():
             raise ValueError(f"{name}: expected a Hugging Face model folder with config.json, found {folder}")
-        if any(_same_file(above, folder) for above in (output_dir.absolute(), *output_dir.absolute().parents)):
-            raise ValueError(f"output folder {output_dir}: expected a folder outside the {name} folder {folder}, "
-                             f"found it is (or is inside) that folder")
+        if any(
+            _same_file(above, folder) for above in (output_dir.absolute(), *output_dir.absolute().parents)
+        ):
+            raise ValueError(
+                f"output folder {output_dir}: expected a folder outside the {name} folder {folder}, "
+                f"found it is (or is inside) that folder"
+            )
     check_output_folder(output_dir, options.get("resume", False), options.get("overwrite", False))
-    sharding = check_options(world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                             fsdp=_fsdp(options.get("fsdp", False)), teacher_sharding=options.get("teacher_sharding"),
-                             teacher_device_map=teacher_device_map,
-                             mixed_precision=options.get("mixed_precision", "no"),
-                             cpu_offload=options.get("cpu_offload", False))
+    sharding = check_options(
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        fsdp=_fsdp(options.get("fsdp", False)),
+        teacher_sharding=options.get("teacher_sharding"),
+        teacher_device_map=teacher_device_map,
+        mixed_precision=options.get("mixed_precision", "no"),
+        cpu_offload=options.get("cpu_offload", False),
+    )
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
     try:
         teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     except (OSError, ValueError):
         teacher_tokenizer = None
-        warnings.warn(f"no tokenizer in {teacher_dir}: only the vocabulary sizes of teacher and student are compared",
-                      stacklevel=2)
+        warnings.warn(
+            f"no tokenizer in {teacher_dir}: only the vocabulary sizes of teacher and student are compared",
+            stacklevel=2,
+        )
     check_same_vocabulary(student_tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer)
     if seq_len is None:
         from transformers import AutoConfig
 
         seq_len = default_seq_len(AutoConfig.from_pretrained(student_dir))
     windows = pack_windows(read_texts(data), tokenizer, seq_len=seq_len, num_samples=num_samples)
-    eval_windows = None if eval_data is None else pack_windows(read_texts(eval_data), tokenizer, seq_len=seq_len,
-                                                               num_samples=eval_samples)
+    eval_windows = (
+        None
+        if eval_data is None
+        else pack_windows(read_texts(eval_data), tokenizer, seq_len=seq_len, num_samples=eval_samples)
+    )
     if _fsdp(options.get("fsdp", False)):  # what FSDP2 cannot wrap is said before any weight is read
         from .memory import meta_model
 
@@ -487,9 +644,20 @@ def distill_checkpoint(
     student = _load_model(student_dir, dtype)
     teacher = _load_model(teacher_dir, dtype if teacher_dtype is None else teacher_dtype, teacher_device_map)
     main = int(os.environ.get("RANK", "0")) == 0
-    carried = {k: v for p in CARRIED_PREFIXES for k, v in read_tensors(student_dir, p).items()} if main else {}
-    result = distill(student, teacher, windows, output_dir, eval_data=eval_windows, tokenizer=tokenizer,
-                     teacher_tokenizer=teacher_tokenizer, extra_tensors=carried, **options)
+    carried = (
+        {k: v for p in CARRIED_PREFIXES for k, v in read_tensors(student_dir, p).items()} if main else {}
+    )
+    result = distill(
+        student,
+        teacher,
+        windows,
+        output_dir,
+        eval_data=eval_windows,
+        tokenizer=tokenizer,
+        teacher_tokenizer=teacher_tokenizer,
+        extra_tensors=carried,
+        **options,
+    )
     if not result["interrupted"] and main:
         files, _ = plan_other_files(student_dir, skip=set(_MODEL_FILES))
         copy_other_files(student_dir, output_dir, [f for f in files if not (output_dir / f).exists()])
@@ -508,8 +676,11 @@ def _manifest(student_dir: Path, teacher_dir: Path, data, result: dict, carried:
     final = [h for h in result["history"] if "loss" in h]
 
     def folder(path: Path, manifest: dict | None) -> dict:
-        return {"path": str(path.resolve()), "config_sha256": file_sha256(path / "config.json"),
-                "operation": (manifest or {}).get("operation")}
+        return {
+            "path": str(path.resolve()),
+            "config_sha256": file_sha256(path / "config.json"),
+            "operation": (manifest or {}).get("operation"),
+        }
 
     return {
         "tool": "gdnprune",
@@ -519,9 +690,13 @@ def _manifest(student_dir: Path, teacher_dir: Path, data, result: dict, carried:
         "sorted": bool(student_manifest.get("sorted")),
         "student": folder(student_dir, student_manifest),
         "teacher": folder(teacher_dir, read_manifest(teacher_dir)),
-        "data": {"path": str(Path(data).resolve()), "sha256": file_sha256(Path(data)),
-                 "windows_sha256": result["config"]["train_sha256"], "windows": result["config"]["train_windows"],
-                 "seq_len": result["config"]["seq_len"]},
+        "data": {
+            "path": str(Path(data).resolve()),
+            "sha256": file_sha256(Path(data)),
+            "windows_sha256": result["config"]["train_sha256"],
+            "windows": result["config"]["train_windows"],
+            "seq_len": result["config"]["seq_len"],
+        },
         "steps": result["steps"],
         "tokens": result["tokens"],
         "final": {"train_loss": final[-1]["loss"] if final else None, "eval": result["eval"]},

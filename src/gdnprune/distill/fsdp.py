@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["layer_classes", "check_shardable", "shard_teacher", "is_sharded", "local_bytes", "optimizer_bytes"]
+__all__ = [
+    "layer_classes",
+    "check_shardable",
+    "shard_teacher",
+    "is_sharded",
+    "local_bytes",
+    "optimizer_bytes",
+]
 
 
 def layer_classes(model: torch.nn.Module) -> set[type]:
@@ -24,15 +31,23 @@ def layer_classes(model: torch.nn.Module) -> set[type]:
 def check_shardable(model: torch.nn.Module, name: str) -> None:
     """Raise ``ValueError`` unless FSDP2 can shard ``model``: decoder layers to wrap, one floating dtype."""
     if not layer_classes(model):
-        raise ValueError(f"{name}: cannot shard {type(model).__name__} with FSDP2: expected decoder layer classes "
-                         f"named in its _no_split_modules, found {getattr(model, '_no_split_modules', None)!r}")
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+        raise ValueError(
+            f"{name}: cannot shard {type(model).__name__} with FSDP2: expected decoder layer classes "
+            f"named in its _no_split_modules, found {getattr(model, '_no_split_modules', None)!r}"
+        )
+    dtypes = sorted(
+        {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    )
     if len(dtypes) > 1:
-        raise ValueError(f"{name}: cannot shard {type(model).__name__} with FSDP2: expected parameters of one "
-                         f"dtype, found {', '.join(dtypes)} (load it with one dtype)")
+        raise ValueError(
+            f"{name}: cannot shard {type(model).__name__} with FSDP2: expected parameters of one "
+            f"dtype, found {', '.join(dtypes)} (load it with one dtype)"
+        )
     if getattr(model, "hf_device_map", None) is not None:
-        raise ValueError(f"{name}: cannot shard a model spread over devices with a device_map; load it on one "
-                         f"device, or keep it replicated")
+        raise ValueError(
+            f"{name}: cannot shard a model spread over devices with a device_map; load it on one "
+            f"device, or keep it replicated"
+        )
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -14,7 +14,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kd_loss", "distillation_loss", "DistillationLoss", "IGNORE_INDEX", "lm_head_weights", "position_terms"]
+__all__ = [
+    "kd_loss",
+    "distillation_loss",
+    "DistillationLoss",
+    "IGNORE_INDEX",
+    "lm_head_weights",
+    "position_terms",
+]
 
 IGNORE_INDEX = -100
 # default chunk: 2**25 logits (128 MiB per float32 buffer, a few buffers live at once). Every chunk reads the
@@ -23,15 +30,19 @@ IGNORE_INDEX = -100
 _LOGITS_PER_CHUNK = 1 << 25
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+def kd_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
     """``T**2 * KL(softmax(teacher/T) || softmax(student/T))`` per position, averaged over all positions.
 
     Logits are ``[..., V]``; computed in float32 on the whole tensor (the reference formula;
     :func:`distillation_loss` computes the same in chunks from hidden states).
     """
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"kd_loss: expected logits of equal shape, found student {tuple(student_logits.shape)} "
-                         f"and teacher {tuple(teacher_logits.shape)}")
+        raise ValueError(
+            f"kd_loss: expected logits of equal shape, found student {tuple(student_logits.shape)} "
+            f"and teacher {tuple(teacher_logits.shape)}"
+        )
     log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
     log_p = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     return temperature**2 * (log_p.exp() * (log_p - log_q)).sum(-1).mean()
@@ -50,8 +61,18 @@ def lm_head_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor
     return module.weight, getattr(module, "bias", None)
 
 
-def position_terms(hidden, head, teacher_hidden, teacher_head, labels, temperature, chunk_size, *,
-                    grad_scale: tuple[float, float] | None = None, teacher_lm: bool = False):
+def position_terms(
+    hidden,
+    head,
+    teacher_hidden,
+    teacher_head,
+    labels,
+    temperature,
+    chunk_size,
+    *,
+    grad_scale: tuple[float, float] | None = None,
+    teacher_lm: bool = False,
+):
     """Per-position KD, LM (and teacher LM) terms, float32, detached, 0 where ``labels`` is ignored.
 
     Works ``chunk_size`` positions at a time. With ``grad_scale = (a, b)`` it also returns the gradients
@@ -64,8 +85,11 @@ def position_terms(hidden, head, teacher_hidden, teacher_head, labels, temperatu
     kd, lm, t_lm = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
     grads = None
     if grad_scale is not None:
-        grads = [torch.zeros_like(hidden), torch.zeros_like(weight, dtype=torch.float32),
-                 None if bias is None else torch.zeros_like(bias, dtype=torch.float32)]
+        grads = [
+            torch.zeros_like(hidden),
+            torch.zeros_like(weight, dtype=torch.float32),
+            None if bias is None else torch.zeros_like(bias, dtype=torch.float32),
+        ]
     step = chunk_size or max(1, _LOGITS_PER_CHUNK // vocab)
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
@@ -108,8 +132,15 @@ class _ChunkedDistillation(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, teacher_hidden, labels, teacher_head, options):
         temperature, kd_weight, lm_weight, chunk_size, count = options
         kd, lm, _, grads = position_terms(
-            hidden, (weight, bias), teacher_hidden, teacher_head, labels, temperature, chunk_size,
-            grad_scale=(kd_weight / count, lm_weight / count))
+            hidden,
+            (weight, bias),
+            teacher_hidden,
+            teacher_head,
+            labels,
+            temperature,
+            chunk_size,
+            grad_scale=(kd_weight / count, lm_weight / count),
+        )
         ctx.save_for_backward(*grads)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         kd_mean, lm_mean = kd.sum() / count, lm.sum() / count
@@ -146,8 +177,9 @@ def distillation_loss(
     With ``kd_weight=0`` the teacher may be None (LM-only fine-tuning; ``kd`` is then NaN).
     """
     if kd_weight < 0 or lm_weight < 0 or kd_weight + lm_weight == 0:
-        raise ValueError(f"expected non-negative kd_weight and lm_weight, not both 0; found {kd_weight} and "
-                         f"{lm_weight}")
+        raise ValueError(
+            f"expected non-negative kd_weight and lm_weight, not both 0; found {kd_weight} and {lm_weight}"
+        )
     if temperature <= 0:
         raise ValueError(f"expected a positive temperature, found {temperature}")
     if (teacher_hidden is None or teacher_head is None) and kd_weight:
@@ -160,15 +192,19 @@ def distillation_loss(
         t_head = lm_head_weights(teacher_head)
     if labels.shape[0] != hidden.shape[0] or (t_hidden is not None and t_hidden.shape[0] != hidden.shape[0]):
         found = (None if t_hidden is None else t_hidden.shape[0], labels.shape[0])
-        raise ValueError(f"expected as many positions in teacher hidden states and labels as in student hidden states "
-                         f"({hidden.shape[0]}), found {found[0]} and {found[1]}")
+        raise ValueError(
+            f"expected as many positions in teacher hidden states and labels as in student hidden states "
+            f"({hidden.shape[0]}), found {found[0]} and {found[1]}"
+        )
     count = max(1, int((labels != IGNORE_INDEX).sum()))
     weight, bias = lm_head_weights(student_head)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         options = (temperature, kd_weight, lm_weight, chunk_size, count)
         loss, kd, lm = _ChunkedDistillation.apply(hidden, weight, bias, t_hidden, labels, t_head, options)
     else:
-        kd, lm, _, _ = position_terms(hidden, (weight, bias), t_hidden, t_head, labels, temperature, chunk_size)
+        kd, lm, _, _ = position_terms(
+            hidden, (weight, bias), t_hidden, t_head, labels, temperature, chunk_size
+        )
         kd, lm = kd.sum() / count, lm.sum() / count
         loss = kd_weight * kd + lm_weight * lm
     return DistillationLoss(loss, kd if t_hidden is not None else torch.full_like(kd, math.nan), lm)

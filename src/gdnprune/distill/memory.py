@@ -45,17 +45,30 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (self.student_parameters + self.student_gradients + self.optimizer_state + self.teacher_parameters
-                + self.gathered_units + self.activations + self.loss_buffers + self.ddp_buckets - self.cpu_offloaded)
+        return (
+            self.student_parameters
+            + self.student_gradients
+            + self.optimizer_state
+            + self.teacher_parameters
+            + self.gathered_units
+            + self.activations
+            + self.loss_buffers
+            + self.ddp_buckets
+            - self.cpu_offloaded
+        )
 
     def rows(self) -> list[tuple[str, int]]:
         """``(label, bytes)`` per component, in the order they are usually shown."""
-        rows = [("student parameters", self.student_parameters), ("student gradients", self.student_gradients),
-                ("optimizer state (AdamW)", self.optimizer_state), ("teacher parameters", self.teacher_parameters),
-                ("units gathered for a forward (FSDP2)", self.gathered_units),
-                ("gradient buckets (DDP)", self.ddp_buckets),
-                ("activations per micro-batch (approx.)", self.activations),
-                ("loss buffers (approx.)", self.loss_buffers)]
+        rows = [
+            ("student parameters", self.student_parameters),
+            ("student gradients", self.student_gradients),
+            ("optimizer state (AdamW)", self.optimizer_state),
+            ("teacher parameters", self.teacher_parameters),
+            ("units gathered for a forward (FSDP2)", self.gathered_units),
+            ("gradient buckets (DDP)", self.ddp_buckets),
+            ("activations per micro-batch (approx.)", self.activations),
+            ("loss buffers (approx.)", self.loss_buffers),
+        ]
         if self.cpu_offloaded:
             rows.append(("offloaded to CPU memory", -self.cpu_offloaded))
         return rows
@@ -95,18 +108,30 @@ def _activations_per_token(config, itemsize: int, checkpointing: bool) -> int:
     hidden, layers = text.hidden_size, text.num_hidden_layers
     if getattr(text, "num_experts_per_tok", None) and getattr(text, "moe_intermediate_size", None):
         inner = text.num_experts_per_tok * text.moe_intermediate_size + (
-            getattr(text, "shared_expert_intermediate_size", 0) or 0)
+            getattr(text, "shared_expert_intermediate_size", 0) or 0
+        )
     else:
         inner = getattr(text, "intermediate_size", 4 * hidden)
     per_layer = (16 * hidden + 2 * inner) * itemsize
     return (layers * hidden * itemsize + per_layer) if checkpointing else layers * per_layer
 
 
-def estimate_memory(student: torch.nn.Module, teacher: torch.nn.Module, *, processes: int = 1, fsdp: bool = False,
-                    teacher_sharded: bool = False, dtype=torch.float32, teacher_dtype=None,
-                    mixed_precision: str = "no", micro_batch_size: int = 1, seq_len: int = 2048,
-                    gradient_checkpointing: bool = False, cpu_offload: bool = False,
-                    kd: bool = True) -> MemoryEstimate:
+def estimate_memory(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    *,
+    processes: int = 1,
+    fsdp: bool = False,
+    teacher_sharded: bool = False,
+    dtype=torch.float32,
+    teacher_dtype=None,
+    mixed_precision: str = "no",
+    micro_batch_size: int = 1,
+    seq_len: int = 2048,
+    gradient_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    kd: bool = True,
+) -> MemoryEstimate:
     """The expected peak memory of one process of a run (see the module docstring), from ``student`` and
     ``teacher`` built on any device, meta included (only shapes are read)."""
     size, t_size = _itemsize(dtype), _itemsize(teacher_dtype or dtype)
@@ -135,11 +160,20 @@ def estimate_memory(student: torch.nn.Module, teacher: torch.nn.Module, *, proce
     chunk = min(_CHUNK_LOGITS, max(1, tokens) * vocab)
     loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
     offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
-    return MemoryEstimate(processes=processes, student_sharded=fsdp and processes > 1,
-                          teacher_sharded=teacher_sharded and processes > 1, student_parameters=params,
-                          student_gradients=params, optimizer_state=optimizer, teacher_parameters=t_params,
-                          gathered_units=gathered, activations=activations, loss_buffers=loss,
-                          ddp_buckets=params if processes > 1 and not fsdp else 0, cpu_offloaded=offloaded)
+    return MemoryEstimate(
+        processes=processes,
+        student_sharded=fsdp and processes > 1,
+        teacher_sharded=teacher_sharded and processes > 1,
+        student_parameters=params,
+        student_gradients=params,
+        optimizer_state=optimizer,
+        teacher_parameters=t_params,
+        gathered_units=gathered,
+        activations=activations,
+        loss_buffers=loss,
+        ddp_buckets=params if processes > 1 and not fsdp else 0,
+        cpu_offloaded=offloaded,
+    )
 
 
 def meta_model(path: str | Path) -> torch.nn.Module:
@@ -157,8 +191,10 @@ def meta_model(path: str | Path) -> torch.nn.Module:
         with torch.device("meta"), per_layer_gdn_modules(cls):
             return cls._from_config(config)
     except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: transformers cannot build a model from its config.json: "
-                         f"{' '.join(str(exc).split())[:300]}") from None
+        raise ValueError(
+            f"{path}: transformers cannot build a model from its config.json: "
+            f"{' '.join(str(exc).split())[:300]}"
+        ) from None
 
 
 def estimate_checkpoint_memory(student_dir: str | Path, teacher_dir: str | Path, **options) -> MemoryEstimate:

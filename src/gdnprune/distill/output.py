@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -64,14 +64,25 @@ def _gathered(value: torch.Tensor) -> torch.Tensor:
     if local.device.type == "cpu" and torch.cuda.is_available():
         from torch.distributed.tensor import DTensor
 
-        value = DTensor.from_local(local.cuda(), value.device_mesh, value.placements, run_check=False,
-                                   shape=value.shape, stride=value.stride())
+        value = DTensor.from_local(
+            local.cuda(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
     return value.full_tensor()
 
 
-def save_model_folder(model: torch.nn.Module, out: str | Path, *, main: bool = True,
-                      extra: Mapping[str, torch.Tensor] | None = None,
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def save_model_folder(
+    model: torch.nn.Module,
+    out: str | Path,
+    *,
+    main: bool = True,
+    extra: Mapping[str, torch.Tensor] | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> list[str]:
     """Write ``model`` (whole, or FSDP2-sharded over the process group) into ``out`` as ``save_pretrained``
     would: config, generation config, ``model*.safetensors`` (with an index when more than one file).
 
@@ -93,8 +104,11 @@ def save_model_folder(model: torch.nn.Module, out: str | Path, *, main: bool = T
     entries += [(name, t.numel() * t.element_size()) for name, t in extra.items()]
     shards = _plan(entries, max_shard_bytes)
     count = len(shards)
-    names = ["model.safetensors"] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors"
-                                                         for i in range(1, count + 1)]
+    names = (
+        ["model.safetensors"]
+        if count == 1
+        else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    )
     mode = 0o666 & ~umask()
     weight_map, total = {}, 0
     if main:

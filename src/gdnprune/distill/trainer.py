@@ -19,7 +19,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,15 @@ from ..interrupts import SIGNALS
 from .fsdp import is_sharded, layer_classes
 from .loss import IGNORE_INDEX, distillation_loss, lm_head_weights, position_terms
 
-__all__ = ["DistillationTrainer", "TokenWindows", "RunCallback", "as_windows", "final_hidden", "forward_redirect",
-           "signals_stop"]
+__all__ = [
+    "DistillationTrainer",
+    "TokenWindows",
+    "RunCallback",
+    "as_windows",
+    "final_hidden",
+    "forward_redirect",
+    "signals_stop",
+]
 
 
 def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -40,7 +48,9 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     return base(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
-def forward_redirect(module: torch.nn.Module, fn: Callable, *args, via: torch.nn.Module | None = None, **kwargs):
+def forward_redirect(
+    module: torch.nn.Module, fn: Callable, *args, via: torch.nn.Module | None = None, **kwargs
+):
     """``fn(*args, **kwargs)`` run as ``module``'s forward: ``module`` (or the wrapper ``via`` around it, e.g.
     DDP) is called with its ``forward`` swapped for ``fn`` during the call, so the module's hooks run around
     ``fn``: FSDP2 gathers the parameters of ``module``'s unit before and frees them after (and hooks the
@@ -74,8 +84,10 @@ def as_windows(data, name: str) -> torch.Tensor:
     """``data`` (a tensor or a sequence of 1-d tensors) as ``[N, seq_len]`` int64; ``ValueError`` if not windows."""
     windows = data if isinstance(data, torch.Tensor) else torch.stack([torch.as_tensor(w) for w in data])
     if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32) or windows.shape[1] < 2:
-        raise ValueError(f"{name}: expected token windows, an integer tensor [N, seq_len >= 2], found "
-                         f"{windows.dtype} {tuple(windows.shape)}")
+        raise ValueError(
+            f"{name}: expected token windows, an integer tensor [N, seq_len >= 2], found "
+            f"{windows.dtype} {tuple(windows.shape)}"
+        )
     return windows.long()
 
 
@@ -107,15 +119,24 @@ class DistillationTrainer(Trainer):
     or spread with a ``device_map``). Under FSDP2 mixed precision the gradients are reduced in float32.
     """
 
-    def __init__(self, *args, teacher: torch.nn.Module, temperature: float = 1.0, kd_weight: float = 1.0,
-                 lm_weight: float = 0.0, chunk_size: int | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        teacher: torch.nn.Module,
+        temperature: float = 1.0,
+        kd_weight: float = 1.0,
+        lm_weight: float = 0.0,
+        chunk_size: int | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval()
         self.teacher.requires_grad_(False)
         if getattr(teacher, "hf_device_map", None) is None and not is_sharded(teacher):
             self.teacher.to(self.args.device)
-        self.loss_options = dict(temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight,
-                                 chunk_size=chunk_size)
+        self.loss_options = dict(
+            temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight, chunk_size=chunk_size
+        )
         self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides by the accumulation steps
         self._eval_parts: list[torch.Tensor] = []
         self.reset_clock()
@@ -183,14 +204,23 @@ class DistillationTrainer(Trainer):
     def _evaluation_loss(self, hidden, t_hidden, head, t_head, labels) -> torch.Tensor:
         """The objective of one eval batch; its per-window KD, LM and teacher LM means are gathered on the side."""
         o = self.loss_options
-        kd, lm, t_lm, _ = position_terms(hidden.flatten(0, 1), lm_head_weights(head), t_hidden.flatten(0, 1),
-                                         lm_head_weights(t_head), labels.flatten(), o["temperature"],
-                                         o["chunk_size"], teacher_lm=True)
+        kd, lm, t_lm, _ = position_terms(
+            hidden.flatten(0, 1),
+            lm_head_weights(head),
+            t_hidden.flatten(0, 1),
+            lm_head_weights(t_head),
+            labels.flatten(),
+            o["temperature"],
+            o["chunk_size"],
+            teacher_lm=True,
+        )
         counts = (labels != IGNORE_INDEX).sum(1)
         sums = torch.stack([x.view(labels.shape).sum(1) for x in (kd, lm, t_lm)], 1)
         # gathered per batch, as the Trainer gathers its own eval losses (duplicates of uneven shards dropped)
         self._eval_parts.append(self.accelerator.gather_for_metrics(sums / counts.clamp(min=1)[:, None]))
-        return (o["kd_weight"] * sums[:, 0].sum() + o["lm_weight"] * sums[:, 1].sum()) / max(1, int(counts.sum()))
+        return (o["kd_weight"] * sums[:, 0].sum() + o["lm_weight"] * sums[:, 1].sum()) / max(
+            1, int(counts.sum())
+        )
 
     def evaluation_loop(self, *args, **kwargs):
         self._eval_parts = []
@@ -211,8 +241,9 @@ class DistillationTrainer(Trainer):
         if out is not None and inp is not None and out.weight is inp.weight:
             tied = {name for name, p in model.named_parameters(remove_duplicate=False) if p is out.weight}
             if not tied <= set(load_result.missing_keys):  # one of the names was loaded: all of them were
-                load_result = type(load_result)([k for k in load_result.missing_keys if k not in tied],
-                                                load_result.unexpected_keys)
+                load_result = type(load_result)(
+                    [k for k in load_result.missing_keys if k not in tied], load_result.unexpected_keys
+                )
         return super()._issue_warnings_after_load(load_result)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -249,9 +280,11 @@ class RunCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         from ..fileio import umask
 
-        if self.trainer.is_local_process_zero():  # safetensors writes 0600 files; everything else follows the umask
+        if (
+            self.trainer.is_local_process_zero()
+        ):  # safetensors writes 0600 files; everything else follows the umask
             mode = 0o666 & ~umask()
-            for path in (args.output_dir and _checkpoints(args.output_dir, state.global_step)):
+            for path in args.output_dir and _checkpoints(args.output_dir, state.global_step):
                 os.chmod(path, mode)
         self.trainer.reset_clock()
 

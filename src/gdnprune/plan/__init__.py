@@ -9,13 +9,34 @@ plan and a report (:mod:`.api`), and a plot (:mod:`.plot`). The plan file format
 :mod:`gdnprune.plans`. This package imports torch (the candidates and the solver do not).
 """
 
-from .api import SENSITIVITIES, STATE_BYTES, budget_limit, check_budgets, plan_checkpoint, plan_model, uniform_plans
+from .api import (
+    SENSITIVITIES,
+    STATE_BYTES,
+    budget_limit,
+    check_budgets,
+    plan_checkpoint,
+    plan_model,
+    uniform_plans,
+)
 from .candidates import AXES, Candidate, layer_candidates, parse_dim_step
 from .plot import plot_sensitivity
 from .solve import BudgetError, choose, choose_uniform, uniform_choices
 
 __all__ = [
-    "AXES", "SENSITIVITIES", "STATE_BYTES", "BudgetError", "Candidate", "budget_limit", "check_budgets", "choose",
-    "choose_uniform", "layer_candidates", "parse_dim_step", "plan_checkpoint", "plan_model", "plot_sensitivity",
-    "uniform_choices", "uniform_plans",
+    "AXES",
+    "SENSITIVITIES",
+    "STATE_BYTES",
+    "BudgetError",
+    "Candidate",
+    "budget_limit",
+    "check_budgets",
+    "choose",
+    "choose_uniform",
+    "layer_candidates",
+    "parse_dim_step",
+    "plan_checkpoint",
+    "plan_model",
+    "plot_sensitivity",
+    "uniform_choices",
+    "uniform_plans",
 ]

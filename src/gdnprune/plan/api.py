@@ -7,8 +7,9 @@ Candidates per layer (:mod:`.candidates`), their sensitivity (:mod:`.sensitivity
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from ..geometry import GDNShape, orders_from_payload
 from ..plans import PLAN_FORMAT, PLAN_VERSION, kernel_warnings
@@ -17,8 +18,16 @@ from .candidates import AXES, layer_candidates, parse_dim_step
 from .solve import BudgetError, choose, choose_among, choose_uniform
 from .subblocks import BLOCK_NAMES
 
-__all__ = ["SENSITIVITIES", "STATE_BYTES", "BudgetError", "budget_limit", "check_budgets", "plan_checkpoint",
-           "plan_model", "uniform_plans"]
+__all__ = [
+    "SENSITIVITIES",
+    "STATE_BYTES",
+    "BudgetError",
+    "budget_limit",
+    "check_budgets",
+    "plan_checkpoint",
+    "plan_model",
+    "uniform_plans",
+]
 
 #: how sensitivity is obtained, the default first
 SENSITIVITIES = ("halving", "measured", "proxy")
@@ -31,7 +40,9 @@ def budget_limit(value: float | None, total: int, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not value > 0:
-        raise ValueError(f"`budget_{what}` must be a positive fraction (<= 1) or an absolute amount, got {value!r}")
+        raise ValueError(
+            f"`budget_{what}` must be a positive fraction (<= 1) or an absolute amount, got {value!r}"
+        )
     return float(value) * total if value <= 1 else float(value)
 
 
@@ -117,20 +128,45 @@ def plan_model(
         raise ValueError(f"unknown sensitivity {sensitivity!r}; expected one of {list(SENSITIVITIES)}")
     step = parse_dim_step(dim_step)
     data = read_scores(scores)
-    given = dict(params=budget_params, gdn_params=budget_gdn_params, active_params=budget_active_params,
-                 memory=budget_memory, state=budget_state)
-    problem = _problem(model, given, data["layers"], context=context, blocks=blocks, step=step, axes=axes, tp=tp,
-                       multiple_of=multiple_of, orders_applied=orders_applied, uniform=uniform)
+    given = dict(
+        params=budget_params,
+        gdn_params=budget_gdn_params,
+        active_params=budget_active_params,
+        memory=budget_memory,
+        state=budget_state,
+    )
+    problem = _problem(
+        model,
+        given,
+        data["layers"],
+        context=context,
+        blocks=blocks,
+        step=step,
+        axes=axes,
+        tp=tp,
+        multiple_of=multiple_of,
+        orders_applied=orders_applied,
+        uniform=uniform,
+    )
     table, layers, sub, rests = problem["table"], problem["layers"], problem["blocks"], problem["rests"]
-    budgets, costs, key_of, layer_of = problem["budgets"], problem["costs"], problem["key_of"], problem["layer_of"]
+    budgets, costs, key_of, layer_of = (
+        problem["budgets"],
+        problem["costs"],
+        problem["key_of"],
+        problem["layer_of"],
+    )
     groups = layers + sub
     if rests and sensitivity == "proxy":
-        raise ValueError("the proxy sensitivity cannot rank removing a decoder layer against cutting widths (block "
-                         "influence, 1 - cos between a layer's input and output, is no KL): measure (sensitivity "
-                         "\"halving\" or \"measured\") or leave \"depth\" out of `blocks`")
+        raise ValueError(
+            "the proxy sensitivity cannot rank removing a decoder layer against cutting widths (block "
+            "influence, 1 - cos between a layer's input and output, is no KL): measure (sensitivity "
+            '"halving" or "measured") or leave "depth" out of `blocks`'
+        )
     if sub and sensitivity == "proxy":
-        raise ValueError("the proxy sensitivity covers GDN layers only; measure the sub-blocks (sensitivity "
-                         "\"halving\" or \"measured\") or let only GDN layers shrink (`blocks` [\"gdn\"])")
+        raise ValueError(
+            "the proxy sensitivity covers GDN layers only; measure the sub-blocks (sensitivity "
+            '"halving" or "measured") or let only GDN layers shrink (`blocks` ["gdn"])'
+        )
     payload_of = problem["payload_of"]
 
     start = time.perf_counter()
@@ -148,19 +184,37 @@ def plan_model(
         else:
             from .halving import halving_sensitivity
 
-            chooser = None if not rests else lambda estimate, alive: _choose_with_removal(
-                problem, list(estimate), removal, list(alive))[:len(groups)]
-            measured = halving_sensitivity(model, batches, groups, {k: v[:len(groups)] for k, v in costs.items()},
-                                           budgets, choose=chooser, progress=progress)
+            chooser = (
+                None
+                if not rests
+                else lambda estimate, alive: _choose_with_removal(
+                    problem, list(estimate), removal, list(alive)
+                )[: len(groups)]
+            )
+            measured = halving_sensitivity(
+                model,
+                batches,
+                groups,
+                {k: v[: len(groups)] for k, v in costs.items()},
+                budgets,
+                choose=chooser,
+                progress=progress,
+            )
             survivors = [measured["survivors"][layer.prefix] for layer in groups]
         values = [measured["kl"][layer.prefix] for layer in groups]
         losses = [measured["loss"][layer.prefix] for layer in groups]
-        extra = {"base_loss": measured["base_loss"], "tokens": measured["tokens"], "forwards": measured["forwards"],
-                 **({"rungs": measured["rungs"]} if survivors else {})}
+        extra = {
+            "base_loss": measured["base_loss"],
+            "tokens": measured["tokens"],
+            "forwards": measured["forwards"],
+            **({"rungs": measured["rungs"]} if survivors else {}),
+        }
     else:
         # the scores' own orders and raw scores, both in the unsorted indexing: right whether or not the
         # model was sorted since
-        values = [proxy_sensitivity(payload_of[layer.prefix], layer.shape, layer.candidates) for layer in layers]
+        values = [
+            proxy_sensitivity(payload_of[layer.prefix], layer.shape, layer.candidates) for layer in layers
+        ]
         losses, extra = None, {}
     seconds = time.perf_counter() - start
 
@@ -173,21 +227,37 @@ def plan_model(
     refinement = None
     if refine_generations:
         if uniform or sensitivity == "proxy" or batches is None:
-            raise ValueError("the joint refinement needs calibration batches and a heterogeneous plan (not --uniform)")
+            raise ValueError(
+                "the joint refinement needs calibration batches and a heterogeneous plan (not --uniform)"
+            )
         from .evolve import REMOVED
         from .joint import refine_plan
 
-        refinement = refine_plan(model, batches, groups + rests, costs, budgets,
-                                 [REMOVED if p is None else p for p in picks], generations=refine_generations,
-                                 offspring=refine_offspring, seed=refine_seed, progress=progress,
-                                 layer_of=layer_of, removable=[r.index for r in rests],
-                                 keep_one_of=problem["keep_one_of"])
+        refinement = refine_plan(
+            model,
+            batches,
+            groups + rests,
+            costs,
+            budgets,
+            [REMOVED if p is None else p for p in picks],
+            generations=refine_generations,
+            offspring=refine_offspring,
+            seed=refine_seed,
+            progress=progress,
+            layer_of=layer_of,
+            removable=[r.index for r in rests],
+            keep_one_of=problem["keep_one_of"],
+        )
         picks = [None if p == REMOVED else p for p in refinement["picks"]]
     n = len(layers)
     removed = sorted({layer_of[g] for g, p in enumerate(picks) if p is None}) if rests else []
-    chosen = {layer.prefix: table[i][pick] for i, (layer, pick) in enumerate(zip(layers, picks)) if pick is not None}
-    kept = {"params": sum(c.params for c in chosen.values()),
-            "state": sum(c.state for c in chosen.values()) * STATE_BYTES}
+    chosen = {
+        layer.prefix: table[i][pick] for i, (layer, pick) in enumerate(zip(layers, picks)) if pick is not None
+    }
+    kept = {
+        "params": sum(c.params for c in chosen.values()),
+        "state": sum(c.state for c in chosen.values()) * STATE_BYTES,
+    }
     totals = problem["gdn_totals"]
     entries = _entries(problem, picks)
     layer_keys = _decoder_keys(problem, groups) if rests else {}
@@ -199,24 +269,68 @@ def plan_model(
         "layers": entries,
         "sensitivity": sensitivity,
         "uniform": bool(uniform),
-        "budgets": {name: {"given": given[name], "limit": round(problem["limits"][name], 3)} for name in budgets},
-        **({"refined": {k: refinement[k] for k in ("generations", "offspring", "seed", "seed_kl", "kl", "windows")}}
-           if refinement else {}),
-        "predicted": {"summed_sensitivity": float(sum(v[pick] for v, pick in zip(values, picks) if pick is not None)
-                                                  + sum(removal_kl[i] for i in removed)),
-                      **({"measured_losses_of_chosen": [None if pick is None else losses[i][pick]
-                                                        for i, pick in enumerate(picks[:len(groups)])]}
-                         if losses else {}),
-                      **({"removed_layers": removed} if rests else {})},
-        "totals": {**({"gdn_params": totals["params"], "gdn_params_kept": kept["params"],
-                       "gdn_params_fraction": kept["params"] / totals["params"],
-                       "state_bytes": totals["state"], "state_bytes_kept": kept["state"],
-                       "state_fraction": kept["state"] / totals["state"]} if layers else {}),
-                   **_model_totals(problem, picks)},
-        "grid": {"dim_step": str(step), "axes": list(axes), "tp": tp, "multiple_of": multiple_of,
-                 **({"blocks": sorted({b.block.kind for b in sub} | ({"gdn"} if layers else set())
-                                      | ({"depth"} if rests else set())),
-                     "context": context} if problem["whole"] else {})},
+        "budgets": {
+            name: {"given": given[name], "limit": round(problem["limits"][name], 3)} for name in budgets
+        },
+        **(
+            {
+                "refined": {
+                    k: refinement[k] for k in ("generations", "offspring", "seed", "seed_kl", "kl", "windows")
+                }
+            }
+            if refinement
+            else {}
+        ),
+        "predicted": {
+            "summed_sensitivity": float(
+                sum(v[pick] for v, pick in zip(values, picks) if pick is not None)
+                + sum(removal_kl[i] for i in removed)
+            ),
+            **(
+                {
+                    "measured_losses_of_chosen": [
+                        None if pick is None else losses[i][pick]
+                        for i, pick in enumerate(picks[: len(groups)])
+                    ]
+                }
+                if losses
+                else {}
+            ),
+            **({"removed_layers": removed} if rests else {}),
+        },
+        "totals": {
+            **(
+                {
+                    "gdn_params": totals["params"],
+                    "gdn_params_kept": kept["params"],
+                    "gdn_params_fraction": kept["params"] / totals["params"],
+                    "state_bytes": totals["state"],
+                    "state_bytes_kept": kept["state"],
+                    "state_fraction": kept["state"] / totals["state"],
+                }
+                if layers
+                else {}
+            ),
+            **_model_totals(problem, picks),
+        },
+        "grid": {
+            "dim_step": str(step),
+            "axes": list(axes),
+            "tp": tp,
+            "multiple_of": multiple_of,
+            **(
+                {
+                    "blocks": sorted(
+                        {b.block.kind for b in sub}
+                        | ({"gdn"} if layers else set())
+                        | ({"depth"} if rests else set())
+                    ),
+                    "context": context,
+                }
+                if problem["whole"]
+                else {}
+            ),
+        },
         "scores": {"sha256": _scores_hash(scores), "method": data.get("method")},
         "kernel_warnings": kernel_warnings({key_of[p]: c.target for p, c in chosen.items()}),
     }
@@ -229,47 +343,84 @@ def plan_model(
         "layers": {
             key_of[layer.prefix]: {
                 "shape": layer.shape.as_dict(),
-                "chosen": picks[i], **({"removed": True} if picks[i] is None else {}),
+                "chosen": picks[i],
+                **({"removed": True} if picks[i] is None else {}),
                 "candidates": [
-                    {"target": c.target.as_dict(), "params": c.params, "state_bytes": c.state * STATE_BYTES,
-                     "sensitivity": values[i][k], **({"loss": losses[i][k]} if losses else {}),
-                     **({"windows": measured["windows"][layer.prefix][k],
-                         "survivor": survivors[i][k]} if survivors else {})}
+                    {
+                        "target": c.target.as_dict(),
+                        "params": c.params,
+                        "state_bytes": c.state * STATE_BYTES,
+                        "sensitivity": values[i][k],
+                        **({"loss": losses[i][k]} if losses else {}),
+                        **(
+                            {"windows": measured["windows"][layer.prefix][k], "survivor": survivors[i][k]}
+                            if survivors
+                            else {}
+                        ),
+                    }
                     for k, c in enumerate(table[i])
                 ],
             }
             for i, layer in enumerate(layers)
         },
-        **({"blocks": {
-            key_of.get(b.prefix, b.prefix): {
-                "kind": b.block.kind, "shape": b.shape.as_dict(), "chosen": picks[n + j],
-                **({"removed": True} if picks[n + j] is None else {}),
-                "candidates": [
-                    {"target": _block_entry(b, t), **{name: table_[n + j][k] for name, table_ in whole_costs.items()},
-                     "sensitivity": values[n + j][k], **({"loss": losses[n + j][k]} if losses else {}),
-                     **({"windows": measured["windows"][b.prefix][k],
-                         "survivor": survivors[n + j][k]} if survivors else {})}
-                    for k, t in enumerate(b.candidates)
-                ],
+        **(
+            {
+                "blocks": {
+                    key_of.get(b.prefix, b.prefix): {
+                        "kind": b.block.kind,
+                        "shape": b.shape.as_dict(),
+                        "chosen": picks[n + j],
+                        **({"removed": True} if picks[n + j] is None else {}),
+                        "candidates": [
+                            {
+                                "target": _block_entry(b, t),
+                                **{name: table_[n + j][k] for name, table_ in whole_costs.items()},
+                                "sensitivity": values[n + j][k],
+                                **({"loss": losses[n + j][k]} if losses else {}),
+                                **(
+                                    {
+                                        "windows": measured["windows"][b.prefix][k],
+                                        "survivor": survivors[n + j][k],
+                                    }
+                                    if survivors
+                                    else {}
+                                ),
+                            }
+                            for k, t in enumerate(b.candidates)
+                        ],
+                    }
+                    for j, b in enumerate(sub)
+                }
             }
-            for j, b in enumerate(sub)
-        }} if sub else {}),
-        **({"removal": _removal_report(problem, layer_keys, removal, removed, model, batches)} if rests else {}),
+            if sub
+            else {}
+        ),
+        **(
+            {"removal": _removal_report(problem, layer_keys, removal, removed, model, batches)}
+            if rests
+            else {}
+        ),
     }
     return plan, report
 
 
-def _choose_with_removal(problem: Mapping[str, Any], values: list, removal: Mapping[int, tuple[float, float]],
-                         allowed: list | None) -> list[int | None]:
+def _choose_with_removal(
+    problem: Mapping[str, Any], values: list, removal: Mapping[int, tuple[float, float]], allowed: list | None
+) -> list[int | None]:
     """The exact choice of widths and removed layers (:func:`.depth.choose_with_removal`) over the width groups'
     ``values`` (and ``allowed``) and the layers' rests (one candidate each, sensitivity 0)."""
     from .depth import choose_with_removal
 
     rests = [[0.0]] * len(problem["rests"])
-    picks, _ = choose_with_removal(values + rests, problem["costs"], problem["budgets"], layer_of=problem["layer_of"],
-                                   removal={i: v[0] for i, v in removal.items()},
-                                   allowed=None if allowed is None else allowed + [[True]] * len(rests),
-                                   keep_one_of=problem["keep_one_of"])
+    picks, _ = choose_with_removal(
+        values + rests,
+        problem["costs"],
+        problem["budgets"],
+        layer_of=problem["layer_of"],
+        removal={i: v[0] for i, v in removal.items()},
+        allowed=None if allowed is None else allowed + [[True]] * len(rests),
+        keep_one_of=problem["keep_one_of"],
+    )
     return picks
 
 
@@ -283,27 +434,50 @@ def _decoder_keys(problem: Mapping[str, Any], groups: Sequence[Any]) -> dict[int
         key = problem["key_of"].get(group.prefix, group.prefix)
         found = re.search(r"(?:^|\.)layers\.\d+", key)
         if found:
-            out[problem["layer_of"][g]] = key[:found.end()]
+            out[problem["layer_of"][g]] = key[: found.end()]
     return out
 
 
-def _removal_report(problem: Mapping[str, Any], keys: Mapping[int, str], removal: Mapping[int, tuple[float, float]],
-                    removed: Sequence[int], model: Any, batches: Any) -> dict[str, dict]:
+def _removal_report(
+    problem: Mapping[str, Any],
+    keys: Mapping[int, str],
+    removal: Mapping[int, tuple[float, float]],
+    removed: Sequence[int],
+    model: Any,
+    batches: Any,
+) -> dict[str, dict]:
     """Per decoder layer: the removal candidate (KL and loss with the layer alone skipped, block influence, what
     the whole layer costs on every budget) and whether it was chosen."""
     from ..scoring.experts import block_influence
 
     influence = block_influence(model, batches) if removal is not None else {}
     costs = problem["layer_costs"]
-    return {keys[r.index]: {"layer": r.index, "removed": r.index in removed,
-                            **({"sensitivity": removal[r.index][0], "loss": removal[r.index][1],
-                                "block_influence": influence[r.index]} if removal is not None else {}),
-                            **{name: costs[name][r.index] for name in costs}}
-            for r in problem["rests"]}
+    return {
+        keys[r.index]: {
+            "layer": r.index,
+            "removed": r.index in removed,
+            **(
+                {
+                    "sensitivity": removal[r.index][0],
+                    "loss": removal[r.index][1],
+                    "block_influence": influence[r.index],
+                }
+                if removal is not None
+                else {}
+            ),
+            **{name: costs[name][r.index] for name in costs},
+        }
+        for r in problem["rests"]
+    }
 
 
-def _candidate_table(modules: Sequence[tuple[str, Any]], step: Any, axes: Sequence[str], tp: int | None,
-                     multiple_of: int | None) -> list[list]:
+def _candidate_table(
+    modules: Sequence[tuple[str, Any]],
+    step: Any,
+    axes: Sequence[str],
+    tp: int | None,
+    multiple_of: int | None,
+) -> list[list]:
     """Every candidate of every GDN module (:func:`~gdnprune.plan.candidates.layer_candidates`)."""
     from ..layouts import LAYOUTS, detect_layout
 
@@ -312,11 +486,23 @@ def _candidate_table(modules: Sequence[tuple[str, Any]], step: Any, axes: Sequen
         tensors = {name: tuple(p.shape) for name, p in module.named_parameters()}
         layout = detect_layout(tensors)
         if layout is None:
-            raise ValueError(f"{prefix}: a {type(module).__name__} of no known GDN layout (tensors {sorted(tensors)}; "
-                             f"expected one of {sorted(LAYOUTS)})")
-        table.append(layer_candidates(prefix, GDNShape.from_module(module), tensors, layout.name,
-                                      int(module.conv_kernel_size), dim_step=step, axes=axes, tp=tp,
-                                      multiple_of=multiple_of))
+            raise ValueError(
+                f"{prefix}: a {type(module).__name__} of no known GDN layout (tensors {sorted(tensors)}; "
+                f"expected one of {sorted(LAYOUTS)})"
+            )
+        table.append(
+            layer_candidates(
+                prefix,
+                GDNShape.from_module(module),
+                tensors,
+                layout.name,
+                int(module.conv_kernel_size),
+                dim_step=step,
+                axes=axes,
+                tp=tp,
+                multiple_of=multiple_of,
+            )
+        )
     return table
 
 
@@ -324,9 +510,20 @@ def _candidate_table(modules: Sequence[tuple[str, Any]], step: Any, axes: Sequen
 WHOLE = ("params", "active_params", "memory")
 
 
-def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mapping | None, *, context: int | None,
-             blocks: Sequence[str], step: Any, axes: Sequence[str], tp: int | None, multiple_of: int | None,
-             orders_applied: bool, uniform: bool) -> dict[str, Any]:
+def _problem(
+    model: Any,
+    given: Mapping[str, float | None],
+    score_layers: Mapping | None,
+    *,
+    context: int | None,
+    blocks: Sequence[str],
+    step: Any,
+    axes: Sequence[str],
+    tp: int | None,
+    multiple_of: int | None,
+    orders_applied: bool,
+    uniform: bool,
+) -> dict[str, Any]:
     """The candidate groups (GDN layers, then sub-blocks), their costs and the budgets as group limits;
     checks that some plan meets the budgets (no forward, no weight read)."""
     from ..layouts import find_gdn_modules
@@ -334,27 +531,36 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
     from .subblocks import BLOCK_NAMES, SUB_BLOCK_NAMES, plannable_blocks, whole_model_costs
 
     if all(v is None for v in given.values()):
-        raise ValueError("give a budget: `budget_params`, `budget_gdn_params`, `budget_active_params`, "
-                         "`budget_memory` and/or `budget_state`")
+        raise ValueError(
+            "give a budget: `budget_params`, `budget_gdn_params`, `budget_active_params`, "
+            "`budget_memory` and/or `budget_state`"
+        )
     unknown = sorted(set(blocks) - set(BLOCK_NAMES))
     if unknown or not blocks:
         raise ValueError(f"`blocks` must name some of {list(BLOCK_NAMES)}, got {list(blocks)}")
     if given["memory"] is not None and context is None:
-        raise ValueError("`budget_memory` counts the KV cache at `context` tokens per sequence: give `context`")
+        raise ValueError(
+            "`budget_memory` counts the KV cache at `context` tokens per sequence: give `context`"
+        )
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
         raise ValueError(f"`context` must be a positive number of tokens, got {context!r}")
     whole = any(given[name] is not None for name in WHOLE)
     gdn = "gdn" in blocks or not whole
     if not gdn and (given["gdn_params"] is not None or given["state"] is not None):
-        raise ValueError("`budget_gdn_params` and `budget_state` limit the GDN layers, but `blocks` leaves them out")
+        raise ValueError(
+            "`budget_gdn_params` and `budget_state` limit the GDN layers, but `blocks` leaves them out"
+        )
     modules = find_gdn_modules(model) if gdn else []
     if gdn and not modules:
         raise ValueError(f"{type(model).__name__} has no GDN layers to plan")
     from ..blocks import block_kind_of
 
-    gdn_entries = None if score_layers is None else \
-        {k: v for k, v in score_layers.items() if block_kind_of(k) is None}  # sub-blocks: .subblocks
-    payload_of = match_layers(gdn_entries, [p for p, _ in modules]) if gdn_entries is not None and modules else {}
+    gdn_entries = (
+        None if score_layers is None else {k: v for k, v in score_layers.items() if block_kind_of(k) is None}
+    )  # sub-blocks: .subblocks
+    payload_of = (
+        match_layers(gdn_entries, [p for p, _ in modules]) if gdn_entries is not None and modules else {}
+    )
     missing = [p for p, _ in modules if not orders_applied and p not in payload_of]
     if missing:
         raise ValueError(f"the scores have no entry for the GDN layers {missing[:3]}; score this model first")
@@ -363,23 +569,45 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
         key_of.update({p: key for p in match_layers({key: None}, [p for p, _ in modules])})
     key_of.update({p: p for p, _ in modules if p not in key_of})
     table = _candidate_table(modules, step, axes, tp, multiple_of)
-    layers = [LayerToPlan(prefix, module, None if orders_applied or prefix not in payload_of else orders_from_payload(
-        payload_of[prefix], GDNShape.from_module(module)), [c.target for c in cands])
-        for (prefix, module), cands in zip(modules, table)]
+    layers = [
+        LayerToPlan(
+            prefix,
+            module,
+            None
+            if orders_applied or prefix not in payload_of
+            else orders_from_payload(payload_of[prefix], GDNShape.from_module(module)),
+            [c.target for c in cands],
+        )
+        for (prefix, module), cands in zip(modules, table)
+    ]
     kinds = [k for k in blocks if k in SUB_BLOCK_NAMES] if whole else []
     if uniform and whole and "depth" in blocks and tuple(blocks) != tuple(BLOCK_NAMES):
-        raise ValueError("a uniform plan keeps every decoder layer: leave \"depth\" out of `blocks` (the default "
-                         "`blocks` with `uniform` plans widths only)")
+        raise ValueError(
+            'a uniform plan keeps every decoder layer: leave "depth" out of `blocks` (the default '
+            "`blocks` with `uniform` plans widths only)"
+        )
     depth = whole and "depth" in blocks and not uniform  # a uniform plan keeps every layer
-    sub = plannable_blocks(model, kinds, score_layers, step=step, tp=tp, multiple_of=multiple_of,
-                           orders_applied=orders_applied or score_layers is None)
+    sub = plannable_blocks(
+        model,
+        kinds,
+        score_layers,
+        step=step,
+        tp=tp,
+        multiple_of=multiple_of,
+        orders_applied=orders_applied or score_layers is None,
+    )
     key_of.update({b.prefix: b.key for b in sub})
     if not layers and not sub and not depth:
         raise ValueError(f"nothing in {type(model).__name__} may shrink: `blocks` {list(blocks)}")
     zeros = [[0.0] * len(b.candidates) for b in sub]
-    gdn_totals = {"params": sum(c[0].params for c in table), "state": sum(c[0].state for c in table) * STATE_BYTES}
-    gdn_costs = {"gdn_params": [[float(c.params) for c in cands] for cands in table] + zeros,
-                 "state": [[float(c.state * STATE_BYTES) for c in cands] for cands in table] + zeros}
+    gdn_totals = {
+        "params": sum(c[0].params for c in table),
+        "state": sum(c[0].state for c in table) * STATE_BYTES,
+    }
+    gdn_costs = {
+        "gdn_params": [[float(c.params) for c in cands] for cands in table] + zeros,
+        "state": [[float(c.state * STATE_BYTES) for c in cands] for cands in table] + zeros,
+    }
     limits, budgets, costs = {}, {}, {}
     for name, total in (("gdn_params", gdn_totals["params"]), ("state", gdn_totals["state"])):
         if given[name] is not None:
@@ -389,14 +617,17 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
     rests, layer_of, wholes = [], None, None
     gdn_pairs = [(m, c) for (_, m), c in zip(modules, table)]
     if whole:
-        totals, wcosts, fixed = whole_model_costs(model, gdn_pairs, sub, context=context, state_bytes=STATE_BYTES)
+        totals, wcosts, fixed = whole_model_costs(
+            model, gdn_pairs, sub, context=context, state_bytes=STATE_BYTES
+        )
     if depth:  # every decoder layer may go: the part of it no candidate changes is a group of its own
         from ..forwards import decoder_blocks
         from .depth import LayerRest
         from .subblocks import decoder_layer_rests
 
-        layer_of, prefixes, rest_costs, wholes = decoder_layer_rests(model, gdn_pairs, sub, context=context,
-                                                                     state_bytes=STATE_BYTES)
+        layer_of, prefixes, rest_costs, wholes = decoder_layer_rests(
+            model, gdn_pairs, sub, context=context, state_bytes=STATE_BYTES
+        )
         rests = [LayerRest(p, m, i) for i, (p, m) in enumerate(zip(prefixes, decoder_blocks(model)))]
         layer_of = layer_of + list(range(len(rests)))
         for name in wcosts:
@@ -412,31 +643,55 @@ def _problem(model: Any, given: Mapping[str, float | None], score_layers: Mappin
             budgets[name], costs[name] = limits[name] - fixed[name], wcosts[name]
             least = fixed[name] + (0.0 if depth else sum(min(g) for g in wcosts[name]))
             if least > limits[name]:
-                raise BudgetError(f"no plan meets the budgets: {name} needs at least {least:,.0f} (every sub-block at "
-                                  f"its smallest candidate{', every decoder layer but one removed' if depth else ''}; "
-                                  f"{fixed[name]:,.0f} in what no candidate changes), budget {limits[name]:,.0f}")
+                raise BudgetError(
+                    f"no plan meets the budgets: {name} needs at least {least:,.0f} (every sub-block at "
+                    f"its smallest candidate{', every decoder layer but one removed' if depth else ''}; "
+                    f"{fixed[name]:,.0f} in what no candidate changes), budget {limits[name]:,.0f}"
+                )
     keys = [[c.target for c in cands] for cands in table] + [list(b.candidates) for b in sub]
     kinds = ["gdn"] * len(layers) + [b.block.kind for b in sub]
     if uniform:
         _check_uniform(layers + sub, keys, kinds)
     from ..depth import attention_layers
 
-    keep_one_of = attention_layers(model.config.to_dict()) if depth else []  # one stays (slice refuses the rest)
-    _check_feasible(keys + [[None]] * len(rests), kinds, costs, budgets, uniform,
-                    layer_of if depth else None, keep_one_of)  # before any forward
-    return {"table": table, "layers": layers, "blocks": sub, "budgets": budgets, "costs": costs, "limits": limits,
-            "keys": keys, "kinds": kinds,
-            "key_of": key_of, "payload_of": payload_of, "gdn_totals": gdn_totals, "whole": whole, "totals": totals,
-            "fixed": fixed, "whole_costs": wcosts, "depth": depth, "rests": rests, "layer_of": layer_of,
-            "keep_one_of": keep_one_of,
-            "layer_costs": wholes}
+    keep_one_of = (
+        attention_layers(model.config.to_dict()) if depth else []
+    )  # one stays (slice refuses the rest)
+    _check_feasible(
+        keys + [[None]] * len(rests), kinds, costs, budgets, uniform, layer_of if depth else None, keep_one_of
+    )  # before any forward
+    return {
+        "table": table,
+        "layers": layers,
+        "blocks": sub,
+        "budgets": budgets,
+        "costs": costs,
+        "limits": limits,
+        "keys": keys,
+        "kinds": kinds,
+        "key_of": key_of,
+        "payload_of": payload_of,
+        "gdn_totals": gdn_totals,
+        "whole": whole,
+        "totals": totals,
+        "fixed": fixed,
+        "whole_costs": wcosts,
+        "depth": depth,
+        "rests": rests,
+        "layer_of": layer_of,
+        "keep_one_of": keep_one_of,
+        "layer_costs": wholes,
+    }
 
 
 def _entries(problem: Mapping[str, Any], picks: Sequence[int]) -> dict[str, dict[str, int]]:
     """The plan file's ``layers``: every group's chosen target, keyed as the scores (or the model) name it."""
     n, key_of = len(problem["layers"]), problem["key_of"]
-    entries = {key_of[layer.prefix]: problem["table"][i][pick].target.as_dict()
-               for i, (layer, pick) in enumerate(zip(problem["layers"], picks)) if pick is not None}
+    entries = {
+        key_of[layer.prefix]: problem["table"][i][pick].target.as_dict()
+        for i, (layer, pick) in enumerate(zip(problem["layers"], picks))
+        if pick is not None
+    }
     for b, pick in zip(problem["blocks"], picks[n:]):
         if pick is not None:  # None: its decoder layer is removed
             entries[key_of.get(b.prefix, b.prefix)] = _block_entry(b, b.candidates[pick])
@@ -457,21 +712,45 @@ def uniform_plans(model: Any, *, maximal: bool = True, **options: Any) -> list[d
 
     names = ("params", "gdn_params", "active_params", "memory", "state")
     given = {name: options.get(f"budget_{name}") for name in names}
-    problem = _problem(model, given, None, context=options.get("context"), blocks=options.get("blocks", BLOCK_NAMES),
-                       step=parse_dim_step(options.get("dim_step", "1/8")), axes=options.get("axes", AXES),
-                       tp=options.get("tp"), multiple_of=options.get("multiple_of"), orders_applied=True, uniform=True)
+    problem = _problem(
+        model,
+        given,
+        None,
+        context=options.get("context"),
+        blocks=options.get("blocks", BLOCK_NAMES),
+        step=parse_dim_step(options.get("dim_step", "1/8")),
+        axes=options.get("axes", AXES),
+        tp=options.get("tp"),
+        multiple_of=options.get("multiple_of"),
+        orders_applied=True,
+        uniform=True,
+    )
     plans = []
-    for picks in uniform_choices(problem["keys"], problem["costs"], problem["budgets"], kinds=problem["kinds"],
-                                 maximal=maximal):
-        gdn = [problem["table"][i][pick] for i, pick in enumerate(picks[:len(problem["layers"])])]
+    for picks in uniform_choices(
+        problem["keys"], problem["costs"], problem["budgets"], kinds=problem["kinds"], maximal=maximal
+    ):
+        gdn = [problem["table"][i][pick] for i, pick in enumerate(picks[: len(problem["layers"])])]
         totals = _model_totals(problem, picks)
         if gdn:
-            totals.update(gdn_params=problem["gdn_totals"]["params"], gdn_params_kept=sum(c.params for c in gdn),
-                          state_bytes=problem["gdn_totals"]["state"],
-                          state_bytes_kept=sum(c.state for c in gdn) * STATE_BYTES)
-        plans.append({"format": PLAN_FORMAT, "version": PLAN_VERSION, "layers": _entries(problem, picks),
-                      "uniform": True, "budgets": {name: {"given": given[name], "limit": round(problem["limits"][name], 3)}
-                                                   for name in problem["budgets"]}, "totals": totals})
+            totals.update(
+                gdn_params=problem["gdn_totals"]["params"],
+                gdn_params_kept=sum(c.params for c in gdn),
+                state_bytes=problem["gdn_totals"]["state"],
+                state_bytes_kept=sum(c.state for c in gdn) * STATE_BYTES,
+            )
+        plans.append(
+            {
+                "format": PLAN_FORMAT,
+                "version": PLAN_VERSION,
+                "layers": _entries(problem, picks),
+                "uniform": True,
+                "budgets": {
+                    name: {"given": given[name], "limit": round(problem["limits"][name], 3)}
+                    for name in problem["budgets"]
+                },
+                "totals": totals,
+            }
+        )
     return plans
 
 
@@ -495,9 +774,14 @@ def _model_totals(problem: Mapping[str, Any], picks: Sequence[int | None]) -> di
         word = "memory_bytes" if name == "memory" else f"model_{name}" if name == "params" else name
         out.update({word: total, f"{word}_kept": kept, f"{word}_fraction": kept / total})
     rests = problem["rests"]
-    kinds = ["gdn"] * len(problem["layers"]) + [b.block.kind for b in problem["blocks"]] + ["other"] * len(rests)
-    full = [sum(p.numel() for p in layer.module.parameters()) for layer in problem["layers"]] + \
-        [b.block.parameters() for b in problem["blocks"]] + [g[0] for g in wcosts["params"][len(kinds) - len(rests):]]
+    kinds = (
+        ["gdn"] * len(problem["layers"]) + [b.block.kind for b in problem["blocks"]] + ["other"] * len(rests)
+    )
+    full = (
+        [sum(p.numel() for p in layer.module.parameters()) for layer in problem["layers"]]
+        + [b.block.parameters() for b in problem["blocks"]]
+        + [g[0] for g in wcosts["params"][len(kinds) - len(rests) :]]
+    )
     split: dict[str, dict[str, float]] = {}
     for kind, size, g, pick in zip(kinds, full, wcosts["params"], picks):
         entry = split.setdefault(kind, {"params": 0.0, "params_kept": 0.0})
@@ -510,16 +794,29 @@ def _model_totals(problem: Mapping[str, Any], picks: Sequence[int | None]) -> di
     return out
 
 
-def _check_feasible(keys, kinds, costs, budgets, uniform: bool, layer_of: Sequence[int] | None = None,
-                    keep_one_of: Sequence[int] = ()) -> None:
+def _check_feasible(
+    keys,
+    kinds,
+    costs,
+    budgets,
+    uniform: bool,
+    layer_of: Sequence[int] | None = None,
+    keep_one_of: Sequence[int] = (),
+) -> None:
     zeros = [[0.0] * len(group) for group in keys]
     if uniform:
         choose_uniform(keys, zeros, costs, budgets, kinds=kinds)
     elif layer_of is not None:
         from .depth import choose_with_removal
 
-        choose_with_removal(zeros, costs, budgets, layer_of=layer_of, removal={i: 0.0 for i in set(layer_of)},
-                            keep_one_of=keep_one_of)
+        choose_with_removal(
+            zeros,
+            costs,
+            budgets,
+            layer_of=layer_of,
+            removal={i: 0.0 for i in set(layer_of)},
+            keep_one_of=keep_one_of,
+        )
     else:
         choose(zeros, costs, budgets)
 
@@ -532,22 +829,53 @@ def _check_uniform(groups: Sequence[Any], keys: Sequence[Sequence[Any]], kinds: 
             shapes = {}
             for g in members:
                 shapes.setdefault(str(groups[g].shape), groups[g].prefix)
-            raise ValueError(f"a uniform plan gives all {kind} blocks one geometry, but they have different shapes "
-                             f"and share no candidate: " + "; ".join(f"{s} (e.g. {p})" for s, p in shapes.items())
-                             + f"; leave {kind} out of `blocks` or plan without `uniform`")
+            raise ValueError(
+                f"a uniform plan gives all {kind} blocks one geometry, but they have different shapes "
+                f"and share no candidate: "
+                + "; ".join(f"{s} (e.g. {p})" for s, p in shapes.items())
+                + f"; leave {kind} out of `blocks` or plan without `uniform`"
+            )
 
 
-def check_budgets(model: Any, *, budget_params: float | None = None, budget_gdn_params: float | None = None,
-                  budget_active_params: float | None = None, budget_memory: float | None = None,
-                  budget_state: float | None = None, context: int | None = None,
-                  blocks: Sequence[str] = BLOCK_NAMES, dim_step: str | float | int = "1/8", axes: Sequence[str] = AXES,
-                  tp: int | None = None, multiple_of: int | None = None, uniform: bool = False, **_: Any) -> None:
+def check_budgets(
+    model: Any,
+    *,
+    budget_params: float | None = None,
+    budget_gdn_params: float | None = None,
+    budget_active_params: float | None = None,
+    budget_memory: float | None = None,
+    budget_state: float | None = None,
+    context: int | None = None,
+    blocks: Sequence[str] = BLOCK_NAMES,
+    dim_step: str | float | int = "1/8",
+    axes: Sequence[str] = AXES,
+    tp: int | None = None,
+    multiple_of: int | None = None,
+    uniform: bool = False,
+    **_: Any,
+) -> None:
     """Raise :class:`~gdnprune.plan.solve.BudgetError` when no plan of ``model`` (weights not needed: a
     ``meta`` model will do) meets the budgets; the other options of :func:`plan_model` are ignored."""
-    given = dict(params=budget_params, gdn_params=budget_gdn_params, active_params=budget_active_params,
-                 memory=budget_memory, state=budget_state)
-    _problem(model, given, None, context=context, blocks=blocks, step=parse_dim_step(dim_step), axes=axes, tp=tp,
-             multiple_of=multiple_of, orders_applied=True, uniform=uniform)
+    given = dict(
+        params=budget_params,
+        gdn_params=budget_gdn_params,
+        active_params=budget_active_params,
+        memory=budget_memory,
+        state=budget_state,
+    )
+    _problem(
+        model,
+        given,
+        None,
+        context=context,
+        blocks=blocks,
+        step=parse_dim_step(dim_step),
+        axes=axes,
+        tp=tp,
+        multiple_of=multiple_of,
+        orders_applied=True,
+        uniform=uniform,
+    )
 
 
 def _scores_hash(scores: Any) -> str | None:
@@ -584,8 +912,11 @@ def plan_checkpoint(
 
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir) or {}
-    applied = (not isinstance(scores, Mapping) and manifest.get("sorted")
-               and (manifest.get("scores") or {}).get("sha256") == _scores_hash(scores))
+    applied = (
+        not isinstance(scores, Mapping)
+        and manifest.get("sorted")
+        and (manifest.get("scores") or {}).get("sha256") == _scores_hash(scores)
+    )
     batches = None
     if options.get("sensitivity", "halving") != "proxy":
         import json
@@ -602,11 +933,18 @@ def plan_checkpoint(
         windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples)
         batches = list(iter_batches(windows, batch_size))
     if model is None:
-        model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map) if batches is not None \
+        model = (
+            load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map)
+            if batches is not None
             else empty_causal_lm(model_dir)
+        )
     plan, report = plan_model(model, batches, scores, orders_applied=bool(applied), **options)
     plan["model"] = str(model_dir)
     if batches is not None:
-        plan["calibration"] = {"data": str(data), "num_samples": sum(int(b.shape[0]) for b in batches),
-                               "seq_len": int(seq_len), "batch_size": batch_size}
+        plan["calibration"] = {
+            "data": str(data),
+            "num_samples": sum(int(b.shape[0]) for b in batches),
+            "seq_len": int(seq_len),
+            "batch_size": batch_size,
+        }
     return plan, report

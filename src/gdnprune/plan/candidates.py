@@ -9,9 +9,9 @@ only the ``axes`` asked for, and keeps only candidates that meet the serving con
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterable, Mapping
 
 from ..geometry import GDNShape
 from ..layouts import get_layout
@@ -37,7 +37,9 @@ def parse_dim_step(text: str | float | int) -> Fraction | int:
     try:
         value = Fraction(str(text)) if not isinstance(text, (int, Fraction)) else text
     except (ValueError, ZeroDivisionError):
-        raise ValueError(f"dim step must be a fraction such as 1/8 or a channel count such as 16, got {text!r}") from None
+        raise ValueError(
+            f"dim step must be a fraction such as 1/8 or a channel count such as 16, got {text!r}"
+        ) from None
     if isinstance(value, bool) or value <= 0:
         raise ValueError(f"dim step must be positive, got {text!r}")
     if value < 1:
@@ -59,8 +61,9 @@ def dim_values(full: int, step: Fraction | int, multiple_of: int | None = None) 
     return sorted(values)
 
 
-def parameters_of(tensor_shapes: Mapping[str, tuple[int, ...]], layout: str, shape: GDNShape,
-                  target: GDNShape) -> int:
+def parameters_of(
+    tensor_shapes: Mapping[str, tuple[int, ...]], layout: str, shape: GDNShape, target: GDNShape
+) -> int:
     """GDN parameters of a layer with ``tensor_shapes`` (suffix -> shape, as in its module or state dict)
     once cut to ``target``: each coupled axis scales with its canonical length."""
     rules = get_layout(layout)
@@ -100,9 +103,14 @@ def layer_candidates(
     r = shape.value_heads_per_group
     heads = range(1, shape.num_key_heads + 1) if "key_heads" in axes else [shape.num_key_heads]
     lanes = range(1, r + 1) if "lanes" in axes else [r]
-    key_dims = dim_values(shape.key_head_dim, dim_step, multiple_of) if "key_dim" in axes else [shape.key_head_dim]
-    value_dims = (dim_values(shape.value_head_dim, dim_step, multiple_of) if "value_dim" in axes
-                  else [shape.value_head_dim])
+    key_dims = (
+        dim_values(shape.key_head_dim, dim_step, multiple_of) if "key_dim" in axes else [shape.key_head_dim]
+    )
+    value_dims = (
+        dim_values(shape.value_head_dim, dim_step, multiple_of)
+        if "value_dim" in axes
+        else [shape.value_head_dim]
+    )
     out = []
     for hk in reversed(heads):
         for rr in reversed(lanes):
@@ -111,9 +119,16 @@ def layer_candidates(
                     target = GDNShape(hk, hk * rr, dk, dv)
                     if constraint_violations({prefix: target}, tp=tp, multiple_of=multiple_of):
                         continue
-                    out.append(Candidate(target, parameters_of(tensor_shapes, layout, shape, target),
-                                         state_elements(target, conv_kernel)))
+                    out.append(
+                        Candidate(
+                            target,
+                            parameters_of(tensor_shapes, layout, shape, target),
+                            state_elements(target, conv_kernel),
+                        )
+                    )
     if not out:
-        raise ValueError(f"{prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
-                         f"multiple_of={multiple_of})")
+        raise ValueError(
+            f"{prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
+            f"multiple_of={multiple_of})"
+        )
     return out

@@ -20,7 +20,8 @@ candidate, sensitivity 0; removing the layer takes it off every budget with the 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -49,10 +50,16 @@ def skipped_output(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[Sequence[float]]],
-                        budgets: Mapping[str, float], *, layer_of: Sequence[int],
-                        removal: Mapping[int, float], allowed: Sequence[Sequence[bool]] | None = None,
-                        keep_one_of: Sequence[int] = ()) -> tuple[list[int | None], list[int]]:
+def choose_with_removal(
+    sensitivity: Sequence[Sequence[float]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    *,
+    layer_of: Sequence[int],
+    removal: Mapping[int, float],
+    allowed: Sequence[Sequence[bool]] | None = None,
+    keep_one_of: Sequence[int] = (),
+) -> tuple[list[int | None], list[int]]:
     """The candidate of every group, or None where its decoder layer is removed, that minimises the summed
     sensitivity within ``budgets``; and the removed layers. At least one of the groups' layers stays.
 
@@ -73,7 +80,9 @@ def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[s
     if len(layer_of) != len(sensitivity):
         raise ValueError(f"layer_of names {len(layer_of)} groups, sensitivity has {len(sensitivity)}")
     for name, per_group in costs.items():
-        if len(per_group) != len(sensitivity) or any(len(a) != len(b) for a, b in zip(per_group, sensitivity)):
+        if len(per_group) != len(sensitivity) or any(
+            len(a) != len(b) for a, b in zip(per_group, sensitivity)
+        ):
             raise ValueError(f"costs[{name!r}] must have one cost per candidate of every group")
     unknown = sorted(set(removal) - set(layer_of))
     if unknown:
@@ -84,48 +93,65 @@ def choose_with_removal(sensitivity: Sequence[Sequence[float]], costs: Mapping[s
     starts = np.cumsum([0] + sizes[:-1])
     rows = np.zeros((len(sizes), n + m))
     for g, (start, size) in enumerate(zip(starts, sizes)):
-        rows[g, start:start + size] = 1
+        rows[g, start : start + size] = 1
         if layer_of[g] in removal:
             rows[g, n + layers.index(layer_of[g])] = 1
     constraints = [LinearConstraint(rows, 1, 1)]
     if m:  # never every layer
-        constraints.append(LinearConstraint(np.concatenate([np.zeros(n), np.ones(m)])[None, :], 0,
-                                            len(set(layer_of)) - 1))
+        constraints.append(
+            LinearConstraint(np.concatenate([np.zeros(n), np.ones(m)])[None, :], 0, len(set(layer_of)) - 1)
+        )
     keep = [layers.index(l) for l in keep_one_of if l in removal]
     if keep and len(keep) == len(set(keep_one_of)):  # every one of them could go: one stays
         row = np.zeros(n + m)
         row[[n + k for k in keep]] = 1
         constraints.append(LinearConstraint(row[None, :], 0, len(keep) - 1))
     for name, budget in budgets.items():
-        row = np.concatenate([np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)])
+        row = np.concatenate(
+            [np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)]
+        )
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
-    c = np.concatenate([np.concatenate([np.asarray(g, dtype=np.float64) for g in sensitivity]),
-                        np.asarray([removal[l] for l in layers], dtype=np.float64)])
+    c = np.concatenate(
+        [
+            np.concatenate([np.asarray(g, dtype=np.float64) for g in sensitivity]),
+            np.asarray([removal[l] for l in layers], dtype=np.float64),
+        ]
+    )
     upper = np.ones(n + m)
     if allowed is not None:
         if len(allowed) != len(sizes) or any(len(a) != size for a, size in zip(allowed, sizes)):
             raise ValueError("`allowed` must have one flag per candidate of every group")
         upper[:n] = np.concatenate([np.asarray(a, dtype=np.float64) for a in allowed])
-    result = milp(exact_objective(c), constraints=constraints, integrality=np.ones(n + m), bounds=Bounds(0, upper),
-                  options=MILP_OPTIONS)
+    result = milp(
+        exact_objective(c),
+        constraints=constraints,
+        integrality=np.ones(n + m),
+        bounds=Bounds(0, upper),
+        options=MILP_OPTIONS,
+    )
     if result.status == 2 or result.x is None:
-        least = {name: float(sum(min(g) for g, l in zip(costs[name], layer_of) if l not in removal))
-                 for name in budgets}
-        raise BudgetError(f"no plan meets the budgets even with every allowed layer removed: least reachable {least}, "
-                          f"budgets {dict(budgets)}")
+        least = {
+            name: float(sum(min(g) for g, l in zip(costs[name], layer_of) if l not in removal))
+            for name in budgets
+        }
+        raise BudgetError(
+            f"no plan meets the budgets even with every allowed layer removed: least reachable {least}, "
+            f"budgets {dict(budgets)}"
+        )
     if result.status != 0:
         raise RuntimeError(f"the MILP solver stopped without an optimum: {result.message}")
     x = np.round(result.x).astype(int)
     removed = [l for k, l in enumerate(layers) if x[n + k]]
     choice: list[int | None] = []
     for g, (start, size) in enumerate(zip(starts, sizes)):
-        picked = np.flatnonzero(x[start:start + size])
+        picked = np.flatnonzero(x[start : start + size])
         choice.append(None if layer_of[g] in removed else int(picked[0]))
     return choice, removed
 
 
-def removal_sensitivity(model: Any, batches: Iterable[Any], layers: Iterable[int] | None = None
-                        ) -> dict[int, tuple[float, float]]:
+def removal_sensitivity(
+    model: Any, batches: Iterable[Any], layers: Iterable[int] | None = None
+) -> dict[int, tuple[float, float]]:
     """``{layer: (KL per token, loss per token)}`` of the model with that decoder layer alone skipped (its
     output replaced by its input), against the unchanged model, from one teacher pass and the cached layer
     inputs (each measurement runs only the layers from the skipped one on)."""

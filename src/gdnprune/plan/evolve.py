@@ -27,7 +27,7 @@ pay for it. At least one layer always stays.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -39,24 +39,40 @@ REMOVED = -1
 Fitness = Callable[[Sequence[Sequence[int]], int, int], Sequence[Sequence[float]]]
 
 
-def feasible(picks: Sequence[int], costs: Mapping[str, Sequence[Sequence[float]]],
-             budgets: Mapping[str, float]) -> bool:
+def feasible(
+    picks: Sequence[int], costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float]
+) -> bool:
     """Whether the plan ``picks`` (a candidate index per layer, :data:`REMOVED` costing nothing) meets every
     budget."""
-    return all(sum(costs[name][layer][c] for layer, c in enumerate(picks) if c != REMOVED) <= limit
-               for name, limit in budgets.items())
+    return all(
+        sum(costs[name][layer][c] for layer, c in enumerate(picks) if c != REMOVED) <= limit
+        for name, limit in budgets.items()
+    )
 
 
 def _sizes(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float]) -> list[np.ndarray]:
     """Each candidate's share of the budgets (summed over the budgets): the order a mutation steps along."""
     layers = len(next(iter(costs.values())))
-    return [sum(np.asarray(costs[name][layer], dtype=np.float64) / max(float(limit), 1e-300)
-                for name, limit in budgets.items()) for layer in range(layers)]
+    return [
+        sum(
+            np.asarray(costs[name][layer], dtype=np.float64) / max(float(limit), 1e-300)
+            for name, limit in budgets.items()
+        )
+        for layer in range(layers)
+    ]
 
 
-def mutate(picks: Sequence[int], costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float],
-           rng: np.random.Generator, *, reach: int = 3, layer_of: Sequence[int] | None = None,
-           removable: Sequence[int] = (), keep_one_of: Sequence[int] = ()) -> list[int] | None:
+def mutate(
+    picks: Sequence[int],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    rng: np.random.Generator,
+    *,
+    reach: int = 3,
+    layer_of: Sequence[int] | None = None,
+    removable: Sequence[int] = (),
+    keep_one_of: Sequence[int] = (),
+) -> list[int] | None:
     """One mutation of a feasible plan: layer ``a`` steps up to ``reach`` places along its candidates ordered
     by size; when that breaks a budget, another layer shrinks to its largest candidate that restores every
     budget; when it frees budget, another layer grows to its largest candidate that still fits. With
@@ -89,7 +105,7 @@ def _shrink_another(new: list[int], others: Sequence[int], costs, budgets, sizes
     for b in others:
         smaller = [c for c in np.argsort(-sizes[b], kind="stable") if sizes[b][c] < sizes[b][new[b]]]
         for c in smaller:
-            trial = new[:b] + [int(c)] + new[b + 1:]
+            trial = new[:b] + [int(c)] + new[b + 1 :]
             if feasible(trial, costs, budgets):
                 return trial
     return None
@@ -100,7 +116,7 @@ def _grow(new: list[int], b: int, costs, budgets, sizes) -> list[int]:
     for c in np.argsort(-sizes[b], kind="stable"):
         if sizes[b][c] <= sizes[b][new[b]]:
             break
-        trial = new[:b] + [int(c)] + new[b + 1:]
+        trial = new[:b] + [int(c)] + new[b + 1 :]
         if feasible(trial, costs, budgets):
             return trial
     return new
@@ -135,10 +151,22 @@ def stages(windows: int, offspring: int) -> list[tuple[int, int]]:
     return [(windows, 1)]
 
 
-def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], seed_picks: Sequence[int],
-           fitness: Fitness, weights: Sequence[float], *, generations: int, offspring: int = 8, seed: int = 0,
-           mutations: int = 2, on_generation: Callable[[dict], None] | None = None,
-           layer_of: Sequence[int] | None = None, removable: Sequence[int] = (), keep_one_of: Sequence[int] = ()) -> dict:
+def evolve(
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    seed_picks: Sequence[int],
+    fitness: Fitness,
+    weights: Sequence[float],
+    *,
+    generations: int,
+    offspring: int = 8,
+    seed: int = 0,
+    mutations: int = 2,
+    on_generation: Callable[[dict], None] | None = None,
+    layer_of: Sequence[int] | None = None,
+    removable: Sequence[int] = (),
+    keep_one_of: Sequence[int] = (),
+) -> dict:
     """Improve the plan ``seed_picks`` by whole-plan fitness; returns the best plan found and the history.
 
     Args:
@@ -162,7 +190,9 @@ def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
     if not feasible(seed_picks, costs, budgets):
         raise ValueError("the refinement's seed plan does not meet the budgets")
     if generations < 0 or offspring < 1:
-        raise ValueError(f"the refinement needs generations >= 0 and offspring >= 1, got {generations}, {offspring}")
+        raise ValueError(
+            f"the refinement needs generations >= 0 and offspring >= 1, got {generations}, {offspring}"
+        )
     weights = np.asarray(weights, dtype=np.float64)
     total = len(weights)
     rng = np.random.default_rng(seed)
@@ -181,8 +211,18 @@ def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
         for _ in range(50 * offspring):
             child = parent
             for _ in range(int(rng.integers(1, mutations + 1))):
-                child = mutate(child, costs, budgets, rng, layer_of=layer_of, removable=removable,
-                               keep_one_of=keep_one_of) or child
+                child = (
+                    mutate(
+                        child,
+                        costs,
+                        budgets,
+                        rng,
+                        layer_of=layer_of,
+                        removable=removable,
+                        keep_one_of=keep_one_of,
+                    )
+                    or child
+                )
             if child != parent and child not in children:
                 children.append(child)
             if len(children) == offspring:
@@ -207,9 +247,20 @@ def evolve(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
         accepted = best_child is not None and best_child_kl < best_kl
         if accepted:
             parent, best_kl = best_child, best_child_kl
-        record = {"generation": generation + 1, "kl": best_kl, "best_offspring_kl": best_child_kl
-                  if best_child is not None else None, "accepted": accepted, "evaluations": evaluations}
+        record = {
+            "generation": generation + 1,
+            "kl": best_kl,
+            "best_offspring_kl": best_child_kl if best_child is not None else None,
+            "accepted": accepted,
+            "evaluations": evaluations,
+        }
         history.append(record)
         if on_generation is not None:
             on_generation(record)
-    return {"picks": parent, "kl": best_kl, "seed_kl": seed_kl, "history": history, "evaluations": evaluations}
+    return {
+        "picks": parent,
+        "kl": best_kl,
+        "seed_kl": seed_kl,
+        "history": history,
+        "evaluations": evaluations,
+    }

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +37,16 @@ import torch
 from ..forwards import Forwards, parent_and_name, unpack_batch
 from .sensitivity import LayerToPlan, candidate_module, sorted_state
 
-__all__ = ["dominated", "gather_over_ranks", "halving_sensitivity", "near", "rank_share", "rungs", "token_counts",
-           "windows_of"]
+__all__ = [
+    "dominated",
+    "gather_over_ranks",
+    "halving_sensitivity",
+    "near",
+    "rank_share",
+    "rungs",
+    "token_counts",
+    "windows_of",
+]
 
 
 def windows_of(batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
@@ -46,8 +55,12 @@ def windows_of(batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
     for batch in batches:
         ids, mask = unpack_batch(batch)
         for row in range(ids.shape[0]):
-            out.append({"input_ids": ids[row:row + 1],
-                        **({} if mask is None else {"attention_mask": mask[row:row + 1]})})
+            out.append(
+                {
+                    "input_ids": ids[row : row + 1],
+                    **({} if mask is None else {"attention_mask": mask[row : row + 1]}),
+                }
+            )
     return out
 
 
@@ -84,8 +97,9 @@ def near(sizes: np.ndarray, alive: np.ndarray, pick: int | None, keep: int) -> n
     return out
 
 
-def dominated(kl: np.ndarray, costs: np.ndarray, alive: np.ndarray, *, z: float = 2.0,
-              floor: float = 0.02) -> np.ndarray:
+def dominated(
+    kl: np.ndarray, costs: np.ndarray, alive: np.ndarray, *, z: float = 2.0, floor: float = 0.02
+) -> np.ndarray:
     """Which alive candidates another alive candidate dominates, beyond the noise.
 
     Args:
@@ -134,11 +148,21 @@ def gather_over_ranks(values: dict) -> dict:
 
 
 @torch.no_grad()
-def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan],
-                        costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], *,
-                        first: int | None = None, grow: int = 4, eta: int = 2, z: float = 2.0,
-                        choose: Callable[[list, list], Sequence[int | None]] | None = None,
-                        progress: bool = True, max_logits: int = 1 << 24) -> dict[str, Any]:
+def halving_sensitivity(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    layers: Sequence[LayerToPlan],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    *,
+    first: int | None = None,
+    grow: int = 4,
+    eta: int = 2,
+    z: float = 2.0,
+    choose: Callable[[list, list], Sequence[int | None]] | None = None,
+    progress: bool = True,
+    max_logits: int = 1 << 24,
+) -> dict[str, Any]:
     """KL from the unpruned model of every candidate of every layer cut alone, by successive halving.
 
     Every rung measures the alive candidates of every layer on more windows; then a candidate is dropped
@@ -177,10 +201,17 @@ def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: 
     counts = np.array([token_counts(w) for w in windows], dtype=np.float64)  # [windows, (kl, ce)]
     schedule = rungs(total, first, grow)
     names = list(budgets)
-    sizes = [sum(np.asarray(costs[name][li], dtype=np.float64) / max(float(budgets[name]), 1e-300) for name in names)
-             for li in range(len(layers))]
-    tables = [np.array([[costs[name][li][c] for name in names] for c in range(len(layer.candidates))])
-              for li, layer in enumerate(layers)]
+    sizes = [
+        sum(
+            np.asarray(costs[name][li], dtype=np.float64) / max(float(budgets[name]), 1e-300)
+            for name in names
+        )
+        for li in range(len(layers))
+    ]
+    tables = [
+        np.array([[costs[name][li][c] for name in names] for c in range(len(layer.candidates))])
+        for li, layer in enumerate(layers)
+    ]
     kl = [np.zeros((len(layer.candidates), total)) for layer in layers]
     ce = [np.full((len(layer.candidates), total), forwards.base_loss) for layer in layers]
     full = [np.array([t == layer.shape for t in layer.candidates]) for layer in layers]  # KL 0, not measured
@@ -204,16 +235,19 @@ def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: 
                 with forwards.from_layer(i) as measure:
                     try:
                         for c in (todo[k] for k in rank_share(len(todo))):
-                            setattr(parent, attr, candidate_module(layer, state, layer.candidates[c], text_config,
-                                                                    device))
+                            setattr(
+                                parent,
+                                attr,
+                                candidate_module(layer, state, layer.candidates[c], text_config, device),
+                            )
                             mine[c] = [measure([w]) for w in range(int(seen[li][c]), upto)]
                             bar.update(upto - int(seen[li][c]))
                     finally:
                         setattr(parent, attr, layer.module)
                 for c, values in sorted(gather_over_ranks(mine).items()):
                     done += upto - int(seen[li][c])
-                    kl[li][c, seen[li][c]:upto] = [v[0] for v in values]
-                    ce[li][c, seen[li][c]:upto] = [v[1] for v in values]
+                    kl[li][c, seen[li][c] : upto] = [v[0] for v in values]
+                    ce[li][c, seen[li][c] : upto] = [v[1] for v in values]
                     seen[li][c] = upto
                 if upto == total:
                     del states[li]
@@ -222,20 +256,36 @@ def halving_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: 
             for li in range(len(layers)):
                 alive[li] &= ~dominated(kl[li][:, :upto], tables[li], alive[li], z=z)
             estimate = [kl[li][:, :upto].mean(1) for li in range(len(layers))]
-            picks = choose(estimate, alive) if choose is not None else choose_among(estimate, costs, budgets, alive)
+            picks = (
+                choose(estimate, alive)
+                if choose is not None
+                else choose_among(estimate, costs, budgets, alive)
+            )
             for li in range(len(layers)):
-                alive[li] = near(sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta)))
+                alive[li] = near(
+                    sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta))
+                )
     finally:
         bar.close()
-    result: dict[str, Any] = {"kl": {}, "loss": {}, "windows": {}, "survivors": {}, "rungs": schedule,
-                              "base_loss": forwards.base_loss, "tokens": forwards.tokens, "forwards": done}
+    result: dict[str, Any] = {
+        "kl": {},
+        "loss": {},
+        "windows": {},
+        "survivors": {},
+        "rungs": schedule,
+        "base_loss": forwards.base_loss,
+        "tokens": forwards.tokens,
+        "forwards": done,
+    }
     w_kl, w_ce = counts[:, 0], counts[:, 1]
     for li, layer in enumerate(layers):
         n = np.where(full[li], total, seen[li])
-        result["kl"][layer.prefix] = [float((kl[li][c, :s] * w_kl[:s]).sum() / max(w_kl[:s].sum(), 1))
-                                      for c, s in enumerate(n)]
-        result["loss"][layer.prefix] = [float((ce[li][c, :s] * w_ce[:s]).sum() / max(w_ce[:s].sum(), 1))
-                                        for c, s in enumerate(n)]
+        result["kl"][layer.prefix] = [
+            float((kl[li][c, :s] * w_kl[:s]).sum() / max(w_kl[:s].sum(), 1)) for c, s in enumerate(n)
+        ]
+        result["loss"][layer.prefix] = [
+            float((ce[li][c, :s] * w_ce[:s]).sum() / max(w_ce[:s].sum(), 1)) for c, s in enumerate(n)
+        ]
         result["windows"][layer.prefix] = [int(s) for s in n]
         result["survivors"][layer.prefix] = [bool(a) for a in alive[li]]
     result["seconds"] = time.perf_counter() - start_time

@@ -16,7 +16,8 @@ values are exchanged, so every rank takes the same decisions as one process.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +35,14 @@ class JointKL:
     """``fitness(plans, lo, hi)``: per plan (a candidate index per layer of ``layers``), the KL per token of
     the whole cut model on each calibration window ``lo..hi-1`` (the model is left as it was)."""
 
-    def __init__(self, model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan], *,
-                 max_logits: int = 1 << 24):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[Any],
+        layers: Sequence[LayerToPlan],
+        *,
+        max_logits: int = 1 << 24,
+    ):
         self.layers = list(layers)
         self.windows = windows_of(batches)
         self.forwards = Forwards(model, self.windows, max_logits=max_logits, shard=False)
@@ -52,8 +59,11 @@ class JointKL:
     def kl(self, picks: Sequence[int], lo: int, hi: int) -> list[float]:
         """The KL per token of every window ``lo..hi-1`` with every layer cut to its candidate (or skipped)."""
         removed = sorted({self.index[k] for k, c in enumerate(picks) if c == REMOVED})
-        cut = [k for k, (layer, c) in enumerate(zip(self.layers, picks))
-               if c != REMOVED and self.index[k] not in removed and layer.candidates[c] != layer.shape]
+        cut = [
+            k
+            for k, (layer, c) in enumerate(zip(self.layers, picks))
+            if c != REMOVED and self.index[k] not in removed and layer.candidates[c] != layer.shape
+        ]
         if not cut and not removed:
             return [0.0] * (hi - lo)
         cut.sort(key=lambda k: self.paths[k].count("."))  # outer modules first
@@ -66,10 +76,15 @@ class JointKL:
                 owner, _, attr = self.paths[k].rpartition(".")
                 parent = self.forwards.decoder.layers[self.index[k]].get_submodule(owner)
                 swapped.append((parent, attr, getattr(parent, attr)))
-                setattr(parent, attr, candidate_module(layer, state, layer.candidates[picks[k]], self.text_config,
-                                                        device))
+                setattr(
+                    parent,
+                    attr,
+                    candidate_module(layer, state, layer.candidates[picks[k]], self.text_config, device),
+                )
             for i in removed:
-                handles.append(self.forwards.decoder.layers[i].register_forward_hook(skipped_output, with_kwargs=True))
+                handles.append(
+                    self.forwards.decoder.layers[i].register_forward_hook(skipped_output, with_kwargs=True)
+                )
             with self.forwards.from_layer(min([self.index[k] for k in cut] + removed)) as measure:
                 return [measure([w])[0] for w in range(lo, hi)]
         finally:
@@ -84,11 +99,23 @@ class JointKL:
         return [merged[i] for i in range(len(plans))]
 
 
-def refine_plan(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan],
-                costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], picks: Sequence[int], *,
-                generations: int, offspring: int = 8, seed: int = 0, progress: bool = True,
-                max_logits: int = 1 << 24, layer_of: Sequence[int] | None = None,
-                removable: Sequence[int] = (), keep_one_of: Sequence[int] = ()) -> dict[str, Any]:
+def refine_plan(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    layers: Sequence[LayerToPlan],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    picks: Sequence[int],
+    *,
+    generations: int,
+    offspring: int = 8,
+    seed: int = 0,
+    progress: bool = True,
+    max_logits: int = 1 << 24,
+    layer_of: Sequence[int] | None = None,
+    removable: Sequence[int] = (),
+    keep_one_of: Sequence[int] = (),
+) -> dict[str, Any]:
     """The joint refinement of the plan ``picks`` (:func:`~gdnprune.plan.evolve.evolve` with :class:`JointKL`).
 
     ``layer_of``, ``removable``, ``keep_one_of``: as :func:`~gdnprune.plan.evolve.evolve` (``picks`` may mark removed layers'
@@ -110,13 +137,29 @@ def refine_plan(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence
         bar.update(1)
 
     try:
-        result = evolve(costs, budgets, picks, fitness, fitness.weights, generations=generations, offspring=offspring,
-                        seed=seed, on_generation=step, layer_of=layer_of, removable=removable,
-                        keep_one_of=keep_one_of)
+        result = evolve(
+            costs,
+            budgets,
+            picks,
+            fitness,
+            fitness.weights,
+            generations=generations,
+            offspring=offspring,
+            seed=seed,
+            on_generation=step,
+            layer_of=layer_of,
+            removable=removable,
+            keep_one_of=keep_one_of,
+        )
     finally:
         bar.close()
-    result.update(generations=generations, offspring=offspring, seed=seed, windows=len(fitness.windows),
-                  seconds=round(time.perf_counter() - start, 3))
+    result.update(
+        generations=generations,
+        offspring=offspring,
+        seed=seed,
+        windows=len(fitness.windows),
+        seconds=round(time.perf_counter() - start, 3),
+    )
     result["picks"] = [int(p) for p in result["picks"]]
     return result
 

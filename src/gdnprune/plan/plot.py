@@ -3,8 +3,8 @@ points marked."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 __all__ = ["lower_envelope", "plot_sensitivity"]
 
@@ -21,11 +21,13 @@ def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float
 
 
 #: panel titles and x labels of the kinds of block, in the order the panels appear
-_KINDS = {"gdn": ("GDN layers", "kept GDN parameters of the layer"),
-          "attention": ("attention", "kept parameters of the attention"),
-          "mlp": ("MLP", "kept parameters of the MLP"),
-          "shared_expert": ("shared expert", "kept parameters of the shared expert"),
-          "experts": ("routed experts", "kept parameters of the routed experts")}
+_KINDS = {
+    "gdn": ("GDN layers", "kept GDN parameters of the layer"),
+    "attention": ("attention", "kept parameters of the attention"),
+    "mlp": ("MLP", "kept parameters of the MLP"),
+    "shared_expert": ("shared expert", "kept parameters of the shared expert"),
+    "experts": ("routed experts", "kept parameters of the routed experts"),
+}
 
 
 def _short(prefix: str) -> str:
@@ -34,7 +36,7 @@ def _short(prefix: str) -> str:
     if "layers" not in parts:
         return prefix
     i = parts.index("layers")
-    return ".".join(parts[i:i + 2])
+    return ".".join(parts[i : i + 2])
 
 
 def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured: bool) -> bool:
@@ -47,18 +49,40 @@ def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured:
         full_windows = max((c.get("windows", 0) for c in cands), default=0)
         exact = [c for c in cands if c.get("windows", full_windows) == full_windows]
         rough = [c for c in cands if c.get("windows", full_windows) != full_windows]
-        ax.scatter([c["params"] for c in exact], [c["sensitivity"] for c in exact], s=8, alpha=0.45, color=color)
+        ax.scatter(
+            [c["params"] for c in exact], [c["sensitivity"] for c in exact], s=8, alpha=0.45, color=color
+        )
         if rough:
             estimated = True
-            ax.scatter([c["params"] for c in rough], [c["sensitivity"] for c in rough], s=8, alpha=0.35,
-                       facecolors="none", edgecolors=color, linewidths=0.6)
+            ax.scatter(
+                [c["params"] for c in rough],
+                [c["sensitivity"] for c in rough],
+                s=8,
+                alpha=0.35,
+                facecolors="none",
+                edgecolors=color,
+                linewidths=0.6,
+            )
         envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in cands])
-        ax.step([p[0] for p in envelope], [p[1] for p in envelope], where="post", color=color, lw=1.2,
-                label=_short(prefix))
+        ax.step(
+            [p[0] for p in envelope],
+            [p[1] for p in envelope],
+            where="post",
+            color=color,
+            lw=1.2,
+            label=_short(prefix),
+        )
         if group.get("chosen") is not None:  # None: the block's decoder layer is removed
             chosen = cands[group["chosen"]]
-            ax.scatter([chosen["params"]], [chosen["sensitivity"]], s=70, marker="*", color=color, edgecolor="black",
-                       zorder=5)
+            ax.scatter(
+                [chosen["params"]],
+                [chosen["sensitivity"]],
+                s=70,
+                marker="*",
+                color=color,
+                edgecolor="black",
+                zorder=5,
+            )
     ax.set_xlabel(xlabel)
     ax.set_ylabel("KL divergence per token (cut alone)" if measured else "output energy removed")
     positive = [c["sensitivity"] for g in groups.values() for c in g["candidates"] if c["sensitivity"] > 0]
@@ -93,14 +117,18 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
         kinds["gdn"] = dict(report["layers"])
     for prefix, block in (report.get("blocks") or {}).items():
         kinds.setdefault(block["kind"], {})[prefix] = block
-    kinds = {k: kinds[k] for k in sorted(kinds, key=lambda k: list(_KINDS).index(k) if k in _KINDS else len(_KINDS))}
+    kinds = {
+        k: kinds[k]
+        for k in sorted(kinds, key=lambda k: list(_KINDS).index(k) if k in _KINDS else len(_KINDS))
+    }
     refinement = report.get("refinement")
     removal = {k: v for k, v in (report.get("removal") or {}).items() if "sensitivity" in v}
     count = len(kinds) + bool(removal) + bool(refinement)
     columns = 1 if count == 1 else 2
     rows = -(-count // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120, squeeze=False
+    )
     flat = [ax for row in axes for ax in row]
     measured = report.get("sensitivity") in ("measured", "halving")
     estimated = False
@@ -110,8 +138,11 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     if removal:
         ax = flat[len(kinds)]
         entries = sorted(removal.values(), key=lambda e: e["layer"])
-        ax.bar([str(e["layer"]) for e in entries], [e["sensitivity"] for e in entries],
-               color=["C3" if e["removed"] else "C7" for e in entries])
+        ax.bar(
+            [str(e["layer"]) for e in entries],
+            [e["sensitivity"] for e in entries],
+            color=["C3" if e["removed"] else "C7" for e in entries],
+        )
         ax.set_xlabel("decoder layer (red: removed)")
         ax.set_ylabel("KL divergence per token (layer alone skipped)" if measured else "sensitivity")
         ax.set_yscale("log")
@@ -120,11 +151,24 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     if refinement:
         ax = flat[len(kinds) + bool(removal)]
         history = refinement["history"]
-        ax.plot(range(len(history) + 1), [refinement["seed_kl"], *[h["kl"] for h in history]], marker="o", ms=3,
-                label="current plan (all windows)")
-        offspring = [(h["generation"], h["best_offspring_kl"]) for h in history if h["best_offspring_kl"] is not None]
-        ax.scatter([g for g, _ in offspring], [v for _, v in offspring], s=10, color="C3", alpha=0.6,
-                   label="best offspring")
+        ax.plot(
+            range(len(history) + 1),
+            [refinement["seed_kl"], *[h["kl"] for h in history]],
+            marker="o",
+            ms=3,
+            label="current plan (all windows)",
+        )
+        offspring = [
+            (h["generation"], h["best_offspring_kl"]) for h in history if h["best_offspring_kl"] is not None
+        ]
+        ax.scatter(
+            [g for g, _ in offspring],
+            [v for _, v in offspring],
+            s=10,
+            color="C3",
+            alpha=0.6,
+            label="best offspring",
+        )
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("generation")
         ax.set_ylabel("KL of the whole cut model (calibration)")
@@ -133,8 +177,11 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
         ax.legend(fontsize=7)
     for ax in flat[count:]:
         ax.set_visible(False)
-    fig.suptitle("per-block sensitivity (star: chosen" + ("; hollow: estimated on fewer windows)" if estimated
-                                                          else ")"), fontsize=11)
+    fig.suptitle(
+        "per-block sensitivity (star: chosen"
+        + ("; hollow: estimated on fewer windows)" if estimated else ")"),
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

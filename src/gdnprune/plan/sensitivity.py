@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +37,13 @@ __all__ = ["LayerToPlan", "candidate_module", "measured_sensitivity", "proxy_sen
 class LayerToPlan:
     """One GDN layer of a loaded model to plan: its module, name, orders and candidate geometries."""
 
-    def __init__(self, prefix: str, module: torch.nn.Module, orders: Mapping[str, np.ndarray] | None,
-                 candidates: Sequence[GDNShape]):
+    def __init__(
+        self,
+        prefix: str,
+        module: torch.nn.Module,
+        orders: Mapping[str, np.ndarray] | None,
+        candidates: Sequence[GDNShape],
+    ):
         self.prefix, self.module, self.orders, self.candidates = prefix, module, orders, list(candidates)
         self.shape = GDNShape.from_module(module)
 
@@ -53,16 +59,22 @@ def sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
     state = {}
     for name, _ in layer.module.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        state[f"layer.{name}"] = materialized_weight(layer.module.get_submodule(owner) if owner else layer.module,
-                                                     leaf).detach()
+        state[f"layer.{name}"] = materialized_weight(
+            layer.module.get_submodule(owner) if owner else layer.module, leaf
+        ).detach()
     if layer.orders is not None:
         permutation = GDNPermutation(**{k: torch.as_tensor(v) for k, v in layer.orders.items()})
         permute_gated_delta_net_state_dict(state, prefix="layer", shape=layer.shape, permutation=permutation)
     return state
 
 
-def candidate_module(layer: LayerToPlan, state: Mapping[str, torch.Tensor], target: GDNShape,
-                      text_config: Any, device: torch.device) -> torch.nn.Module:
+def candidate_module(
+    layer: LayerToPlan,
+    state: Mapping[str, torch.Tensor],
+    target: GDNShape,
+    text_config: Any,
+    device: torch.device,
+) -> torch.nn.Module:
     """The GDN module of ``layer`` cut to ``target``: built from the layer's config with that geometry (a
     sub-block to plan builds its own: :meth:`gdnprune.plan.subblocks.BlockToPlan.build`)."""
     if not isinstance(layer, LayerToPlan):
@@ -70,21 +82,32 @@ def candidate_module(layer: LayerToPlan, state: Mapping[str, torch.Tensor], targ
     from ..gated_delta_net import slice_gated_delta_net_state_dict
 
     index = layer.module.layer_idx
-    config = text_config.per_layer_config[index] if getattr(text_config, "is_heterogeneous", False) else \
-        copy.copy(text_config)
+    config = (
+        text_config.per_layer_config[index]
+        if getattr(text_config, "is_heterogeneous", False)
+        else copy.copy(text_config)
+    )
     for key, value in target.config_updates().items():
         setattr(config, key, value)
     cut = dict(state)
     slice_gated_delta_net_state_dict(cut, prefix="layer", shape=layer.shape, target=target)
     with torch.device("meta"):
         module = type(layer.module)(config, index)
-    module.load_state_dict({k[len("layer."):]: v.to(device) for k, v in cut.items()}, strict=True, assign=True)
+    module.load_state_dict(
+        {k[len("layer.") :]: v.to(device) for k, v in cut.items()}, strict=True, assign=True
+    )
     return module.eval()
 
 
 @torch.no_grad()
-def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers: Sequence[LayerToPlan], *,
-                         progress: bool = True, max_logits: int = 1 << 24) -> dict[str, Any]:
+def measured_sensitivity(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    layers: Sequence[LayerToPlan],
+    *,
+    progress: bool = True,
+    max_logits: int = 1 << 24,
+) -> dict[str, Any]:
     """KL divergence from the unpruned model (per token) of every candidate of every layer, cut alone.
 
     Under ``torchrun`` every rank measures its share of the batches; the sums are added over the ranks.
@@ -113,8 +136,12 @@ def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers:
     index = [forwards.decoder_index(layer.module) for layer in layers]
     forwards.teacher(index)
     result = {"kl": {}, "loss": {}, "base_loss": forwards.base_loss, "tokens": forwards.tokens}
-    bar = tqdm(total=sum(len(layer.candidates) for layer in layers), disable=not progress, desc="sensitivity",
-               unit="cand")
+    bar = tqdm(
+        total=sum(len(layer.candidates) for layer in layers),
+        disable=not progress,
+        desc="sensitivity",
+        unit="cand",
+    )
     try:
         for layer, i in zip(layers, index):
             state = sorted_state(layer)
@@ -144,7 +171,9 @@ def measured_sensitivity(model: torch.nn.Module, batches: Iterable[Any], layers:
     return result
 
 
-def proxy_sensitivity(payload: Mapping[str, Any], shape: GDNShape, candidates: Sequence[GDNShape]) -> list[float]:
+def proxy_sensitivity(
+    payload: Mapping[str, Any], shape: GDNShape, candidates: Sequence[GDNShape]
+) -> list[float]:
     """The output energy each candidate removes, from one layer's scores payload (no forward pass).
 
     Kept energy = sum over kept key groups of (group energy ``key_group_scores``) x (kept share of its lane
@@ -156,10 +185,17 @@ def proxy_sensitivity(payload: Mapping[str, Any], shape: GDNShape, candidates: S
     try:
         groups = np.asarray(payload["key_group_scores"], dtype=np.float64).reshape(shape.num_key_heads)
         lanes = np.asarray(payload["value_lane_scores"], dtype=np.float64).reshape(
-            shape.num_key_heads, shape.value_heads_per_group)
-        key_dims = np.asarray(payload["key_dim_scores"], dtype=np.float64).reshape(
-            shape.num_key_heads, shape.key_head_dim) ** 2
-        value_dims = np.asarray(payload["value_dim_scores"], dtype=np.float64).reshape(shape.value_head_dim) ** 2
+            shape.num_key_heads, shape.value_heads_per_group
+        )
+        key_dims = (
+            np.asarray(payload["key_dim_scores"], dtype=np.float64).reshape(
+                shape.num_key_heads, shape.key_head_dim
+            )
+            ** 2
+        )
+        value_dims = (
+            np.asarray(payload["value_dim_scores"], dtype=np.float64).reshape(shape.value_head_dim) ** 2
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"the proxy sensitivity needs the raw *_scores of a scores file: {exc}") from None
     groups, lanes = np.abs(groups), np.abs(lanes)
@@ -172,8 +208,11 @@ def proxy_sensitivity(payload: Mapping[str, Any], shape: GDNShape, candidates: S
     for t in candidates:
         kept = 0.0
         for g in orders["key_groups"][: t.num_key_heads]:
-            kept += (groups[g] * share(lanes[g], orders["value_lanes"][g], t.value_heads_per_group)
-                     * share(key_dims[g], orders["key_dim"][g], t.key_head_dim))
+            kept += (
+                groups[g]
+                * share(lanes[g], orders["value_lanes"][g], t.value_heads_per_group)
+                * share(key_dims[g], orders["key_dim"][g], t.key_head_dim)
+            )
         kept *= share(value_dims, orders["value_dim"], t.value_head_dim)
         out.append(max(0.0, float(groups.sum() - kept)))
     return out

@@ -10,12 +10,21 @@ the kind's blocks cost at it; :func:`uniform_choices` lists every such combinati
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["BudgetError", "MAX_COMBINATIONS", "MILP_OPTIONS", "choose", "choose_among", "choose_uniform", "exact_objective",
-           "nested_in", "uniform_choices"]
+__all__ = [
+    "BudgetError",
+    "MAX_COMBINATIONS",
+    "MILP_OPTIONS",
+    "choose",
+    "choose_among",
+    "choose_uniform",
+    "exact_objective",
+    "nested_in",
+    "uniform_choices",
+]
 
 
 class BudgetError(ValueError):
@@ -25,12 +34,17 @@ class BudgetError(ValueError):
 def _check(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[Sequence[float]]]) -> None:
     for name, table in costs.items():
         if len(table) != len(sensitivity) or any(len(a) != len(b) for a, b in zip(table, sensitivity)):
-            raise ValueError(f"cost {name!r} must have one value per layer and candidate, like the sensitivities")
+            raise ValueError(
+                f"cost {name!r} must have one value per layer and candidate, like the sensitivities"
+            )
 
 
 def _minimum(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float]) -> str:
-    return "; ".join(f"{name}: at least {sum(min(layer) for layer in costs[name]):,.0f} needed (each layer at its "
-                     f"smallest candidate), budget {budgets[name]:,.0f}" for name in budgets)
+    return "; ".join(
+        f"{name}: at least {sum(min(layer) for layer in costs[name]):,.0f} needed (each layer at its "
+        f"smallest candidate), budget {budgets[name]:,.0f}"
+        for name in budgets
+    )
 
 
 #: HiGHS stops within a gap of the optimum (relative 1e-4, absolute 1e-6 by default): far too loose for KLs
@@ -45,8 +59,11 @@ def exact_objective(c: np.ndarray) -> np.ndarray:
     return c * (1e6 / top) if top > 0 else c
 
 
-def choose(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[Sequence[float]]],
-           budgets: Mapping[str, float]) -> list[int]:
+def choose(
+    sensitivity: Sequence[Sequence[float]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+) -> list[int]:
     """The candidate index of every layer that minimises the summed sensitivity within ``budgets``.
 
     Args:
@@ -65,58 +82,86 @@ def choose(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[
     starts = np.cumsum([0] + sizes[:-1])
     one_each = np.zeros((len(sizes), n))
     for layer, (start, size) in enumerate(zip(starts, sizes)):
-        one_each[layer, start:start + size] = 1
+        one_each[layer, start : start + size] = 1
     constraints = [LinearConstraint(one_each, 1, 1)]
     for name, budget in budgets.items():
         row = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in costs[name]])
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
     c = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in sensitivity])
-    result = milp(exact_objective(c), constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1),
-                  options=MILP_OPTIONS)
+    result = milp(
+        exact_objective(c),
+        constraints=constraints,
+        integrality=np.ones(n),
+        bounds=Bounds(0, 1),
+        options=MILP_OPTIONS,
+    )
     if result.status == 2 or result.x is None:  # infeasible
         raise BudgetError(f"no plan meets the budgets: {_minimum(costs, budgets)}")
     if result.status != 0:
         raise RuntimeError(f"the MILP solver stopped without an optimum: {result.message}")
     x = np.round(result.x).astype(int)
-    return [int(np.flatnonzero(x[start:start + size])[0]) for start, size in zip(starts, sizes)]
+    return [int(np.flatnonzero(x[start : start + size])[0]) for start, size in zip(starts, sizes)]
 
 
-def choose_among(sensitivity: Sequence[Sequence[float]], costs: Mapping[str, Sequence[Sequence[float]]],
-                 budgets: Mapping[str, float], allowed: Sequence[Sequence[bool]] | None = None) -> list[int]:
+def choose_among(
+    sensitivity: Sequence[Sequence[float]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    allowed: Sequence[Sequence[bool]] | None = None,
+) -> list[int]:
     """:func:`choose` over the candidates ``allowed[l][c]`` only (all when None); indices into the full lists."""
     if allowed is None:
         return choose(sensitivity, costs, budgets)
     keep = [[c for c, ok in enumerate(layer) if ok] for layer in allowed]
     if any(not k for k in keep):
         raise ValueError("every layer needs at least one allowed candidate")
-    picks = choose([[sensitivity[l][c] for c in k] for l, k in enumerate(keep)],
-                   {name: [[table[l][c] for c in k] for l, k in enumerate(keep)] for name, table in costs.items()},
-                   budgets)
+    picks = choose(
+        [[sensitivity[l][c] for c in k] for l, k in enumerate(keep)],
+        {name: [[table[l][c] for c in k] for l, k in enumerate(keep)] for name, table in costs.items()},
+        budgets,
+    )
     return [k[p] for k, p in zip(keep, picks)]
 
 
-def _uniform_table(keys: Sequence[Sequence[object]], sensitivity: Sequence[Sequence[float]] | None,
-                   costs: Mapping[str, Sequence[Sequence[float]]], kinds: Sequence[str] | None) -> list[dict]:
+def _uniform_table(
+    keys: Sequence[Sequence[object]],
+    sensitivity: Sequence[Sequence[float]] | None,
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    kinds: Sequence[str] | None,
+) -> list[dict]:
     """Per kind (in order of first appearance): its groups, the geometries all of them have (in the first
     group's order), and per geometry the summed sensitivity and costs over the kind's groups."""
     kinds = [""] * len(keys) if kinds is None else list(kinds)
     if len(kinds) != len(keys):
-        raise ValueError(f"`kinds` must name the kind of every group: {len(kinds)} kinds for {len(keys)} groups")
+        raise ValueError(
+            f"`kinds` must name the kind of every group: {len(kinds)} kinds for {len(keys)} groups"
+        )
     index = [{key: c for c, key in enumerate(group)} for group in keys]
     table = []
     for kind in dict.fromkeys(kinds):
         members = [g for g, k in enumerate(kinds) if k == kind]
         common = [key for key in keys[members[0]] if all(key in index[g] for g in members)]
         if not common:
-            raise ValueError(f"the {kind + ' ' if kind else ''}groups share no candidate geometry, so they cannot "
-                             f"all take the same one (a uniform plan)")
+            raise ValueError(
+                f"the {kind + ' ' if kind else ''}groups share no candidate geometry, so they cannot "
+                f"all take the same one (a uniform plan)"
+            )
         picks = [[index[g][key] for g in members] for key in common]  # per geometry: its index in every group
-        table.append({
-            "kind": kind, "groups": members, "keys": common, "picks": picks,
-            "sensitivity": None if sensitivity is None else
-            [float(sum(sensitivity[g][c] for g, c in zip(members, p))) for p in picks],
-            "costs": {name: [float(sum(costs[name][g][c] for g, c in zip(members, p))) for p in picks]
-                      for name in costs}})
+        table.append(
+            {
+                "kind": kind,
+                "groups": members,
+                "keys": common,
+                "picks": picks,
+                "sensitivity": None
+                if sensitivity is None
+                else [float(sum(sensitivity[g][c] for g, c in zip(members, p))) for p in picks],
+                "costs": {
+                    name: [float(sum(costs[name][g][c] for g, c in zip(members, p))) for p in picks]
+                    for name in costs
+                },
+            }
+        )
     return table
 
 
@@ -129,9 +174,14 @@ def _spread(table: Sequence[dict], choice: Sequence[int], n: int) -> list[int]:
     return picks
 
 
-def choose_uniform(keys: Sequence[Sequence[object]], sensitivity: Sequence[Sequence[float]],
-                   costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], *,
-                   kinds: Sequence[str] | None = None) -> list[int]:
+def choose_uniform(
+    keys: Sequence[Sequence[object]],
+    sensitivity: Sequence[Sequence[float]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    *,
+    kinds: Sequence[str] | None = None,
+) -> list[int]:
     """Like :func:`choose`, but every group of one kind takes the same geometry: ``keys[g][c]`` names candidate
     ``c`` of group ``g`` (e.g. its target shape), ``kinds[g]`` the group's kind (``"gdn"``, ``"mlp"``, ...;
     None: all groups one kind). Only geometries every group of a kind has are tried. Exact: the kinds'
@@ -145,11 +195,17 @@ def choose_uniform(keys: Sequence[Sequence[object]], sensitivity: Sequence[Seque
     _check(sensitivity, costs)
     table = _uniform_table(keys, sensitivity, costs, kinds)
     try:
-        choice = choose([e["sensitivity"] for e in table], {name: [e["costs"][name] for e in table] for name in costs},
-                        budgets)
+        choice = choose(
+            [e["sensitivity"] for e in table],
+            {name: [e["costs"][name] for e in table] for name in costs},
+            budgets,
+        )
     except BudgetError:
-        least = "; ".join(f"{name}: at least {sum(min(e['costs'][name]) for e in table):,.0f} needed, budget "
-                          f"{budgets[name]:,.0f}" for name in budgets)
+        least = "; ".join(
+            f"{name}: at least {sum(min(e['costs'][name]) for e in table):,.0f} needed, budget "
+            f"{budgets[name]:,.0f}"
+            for name in budgets
+        )
         raise BudgetError(f"no single geometry per kind of block meets the budgets ({least})") from None
     return _spread(table, choice, len(keys))
 
@@ -181,9 +237,14 @@ def nested_in(small: object, large: object) -> bool:
 MAX_COMBINATIONS = 20_000_000
 
 
-def uniform_choices(keys: Sequence[Sequence[object]], costs: Mapping[str, Sequence[Sequence[float]]],
-                    budgets: Mapping[str, float], *, kinds: Sequence[str] | None = None,
-                    maximal: bool = True) -> list[list[int]]:
+def uniform_choices(
+    keys: Sequence[Sequence[object]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    *,
+    kinds: Sequence[str] | None = None,
+    maximal: bool = True,
+) -> list[list[int]]:
     """Every uniform plan that meets the budgets: per-group picks, one geometry per kind (as in
     :func:`choose_uniform`), in the order of the kinds' common geometries (the first kind's slowest).
 
@@ -201,8 +262,10 @@ def uniform_choices(keys: Sequence[Sequence[object]], costs: Mapping[str, Sequen
     table = _uniform_table(keys, None, costs, kinds)
     sizes = [len(e["keys"]) for e in table]
     if int(np.prod(sizes, dtype=np.float64)) > MAX_COMBINATIONS:
-        raise ValueError(f"{' x '.join(map(str, sizes))} uniform combinations are too many to list (at most "
-                         f"{MAX_COMBINATIONS:,}): use a coarser grid")
+        raise ValueError(
+            f"{' x '.join(map(str, sizes))} uniform combinations are too many to list (at most "
+            f"{MAX_COMBINATIONS:,}): use a coarser grid"
+        )
     feasible = np.ones(sizes, dtype=bool)
     for name, budget in budgets.items():
         total = np.zeros(sizes)
@@ -215,8 +278,11 @@ def uniform_choices(keys: Sequence[Sequence[object]], costs: Mapping[str, Sequen
     if maximal:
         for axis, entry in enumerate(table):
             for j, key in enumerate(entry["keys"]):
-                larger = [i for i, other in enumerate(entry["keys"]) if i != j and nested_in(key, other)
-                          and other != key]
+                larger = [
+                    i
+                    for i, other in enumerate(entry["keys"])
+                    if i != j and nested_in(key, other) and other != key
+                ]
                 if larger:
                     grows = np.take(feasible, larger, axis=axis).any(axis=axis)
                     index = [slice(None)] * len(sizes)

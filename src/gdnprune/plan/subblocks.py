@@ -24,12 +24,19 @@ layer leaves every budget whole.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["BLOCK_NAMES", "BlockToPlan", "active_parameters", "decoder_layer_rests", "plannable_blocks",
-           "whole_model_costs"]
+__all__ = [
+    "BLOCK_NAMES",
+    "BlockToPlan",
+    "active_parameters",
+    "decoder_layer_rests",
+    "plannable_blocks",
+    "whole_model_costs",
+]
 
 #: names of ``blocks`` (``--blocks``): the GDN layers, the sub-block kinds the search may shrink, and ``depth``
 #: (whole decoder layers removed, :mod:`.depth`)
@@ -41,8 +48,9 @@ SUB_BLOCK_NAMES = ("attention", "mlp", "shared_expert", "experts")
 class BlockToPlan:
     """One sub-block of a loaded model to plan: its :class:`~gdnprune.blocks.Block`, module, orders, candidates."""
 
-    def __init__(self, block: Any, module: torch.nn.Module, orders: Mapping[str, Any] | None,
-                 candidates: Sequence[Any]):
+    def __init__(
+        self, block: Any, module: torch.nn.Module, orders: Mapping[str, Any] | None, candidates: Sequence[Any]
+    ):
         self.block, self.module, self.orders = block, module, orders
         self.prefix, self.shape, self.candidates = block.prefix, block.shape, list(candidates)
         self.key = block.prefix  # the prefix the scores (and the plan file) use
@@ -56,7 +64,8 @@ class BlockToPlan:
         for name, _ in self.module.named_parameters():
             owner, _, leaf = name.rpartition(".")
             state[f"{self.prefix}.{name}"] = materialized_weight(
-                self.module.get_submodule(owner) if owner else self.module, leaf).detach()
+                self.module.get_submodule(owner) if owner else self.module, leaf
+            ).detach()
         if self.orders is not None:
             permute_block_state_dict(state, self.block, self.orders)
         return state
@@ -86,8 +95,10 @@ class BlockToPlan:
 
 def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module`` whose parameters are on the meta device (no weights copied)."""
-    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-            for p in module.parameters()}
+    memo = {
+        id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        for p in module.parameters()
+    }
     return copy.deepcopy(module, memo)
 
 
@@ -98,15 +109,27 @@ def _geometry_attributes(target: Any) -> dict[str, int]:
         return {"num_experts": target.num_experts}
 
     if isinstance(target, AttentionShape):
-        return {"num_key_value_groups": target.heads_per_group, "num_heads": target.num_attention_heads,
-                "num_attention_heads": target.num_attention_heads, "num_key_value_heads": target.num_key_value_heads}
+        return {
+            "num_key_value_groups": target.heads_per_group,
+            "num_heads": target.num_attention_heads,
+            "num_attention_heads": target.num_attention_heads,
+            "num_key_value_heads": target.num_key_value_heads,
+        }
     if isinstance(target, MLPShape):
         return {"intermediate_size": target.intermediate_size}
     return {}
 
 
-def plannable_blocks(model: torch.nn.Module, kinds: Sequence[str], score_layers: Mapping[str, Any] | None, *,
-                     step: Any, tp: int | None, multiple_of: int | None, orders_applied: bool) -> list[BlockToPlan]:
+def plannable_blocks(
+    model: torch.nn.Module,
+    kinds: Sequence[str],
+    score_layers: Mapping[str, Any] | None,
+    *,
+    step: Any,
+    tp: int | None,
+    multiple_of: int | None,
+    orders_applied: bool,
+) -> list[BlockToPlan]:
     """The sub-blocks of ``kinds`` of ``model`` with their candidates (:func:`gdnprune.blocks.block_candidates`)
     and the scores' orders (``score_layers``: a scores file's ``layers``; ``key`` of each: its prefix there).
 
@@ -119,7 +142,9 @@ def plannable_blocks(model: torch.nn.Module, kinds: Sequence[str], score_layers:
 
     found = find_model_blocks(model, kinds) if kinds else []
     if score_layers is not None:
-        score_layers = {k: v for k, v in score_layers.items() if isinstance(v, Mapping) and v.get("kind") in kinds}
+        score_layers = {
+            k: v for k, v in score_layers.items() if isinstance(v, Mapping) and v.get("kind") in kinds
+        }
     payload_of = match_layers(score_layers, [b.prefix for b in found]) if score_layers is not None else {}
     key_of = {}
     for key in score_layers or {}:
@@ -127,12 +152,20 @@ def plannable_blocks(model: torch.nn.Module, kinds: Sequence[str], score_layers:
     out = []
     for block in found:
         if not orders_applied and block.prefix not in payload_of:
-            raise ValueError(f"the scores have no orders for the {block.kind} sub-block {block.prefix}; score this "
-                             f"model with its sub-blocks (gdnprune score --sub-blocks, score_checkpoint(..., "
-                             f"blocks=True)) or leave {block.kind} out of `blocks`")
+            raise ValueError(
+                f"the scores have no orders for the {block.kind} sub-block {block.prefix}; score this "
+                f"model with its sub-blocks (gdnprune score --sub-blocks, score_checkpoint(..., "
+                f"blocks=True)) or leave {block.kind} out of `blocks`"
+            )
         cands = [c.target for c in block_candidates(block, step=step, tp=tp, multiple_of=multiple_of)]
-        out.append(BlockToPlan(block, model.get_submodule(block.prefix),
-                               None if orders_applied else payload_of[block.prefix], cands))
+        out.append(
+            BlockToPlan(
+                block,
+                model.get_submodule(block.prefix),
+                None if orders_applied else payload_of[block.prefix],
+                cands,
+            )
+        )
         out[-1].key = key_of.get(block.prefix, block.prefix)
     return out
 
@@ -159,9 +192,15 @@ def active_parameters(block: Any, target: Any = None) -> float:
     return float(router + (total - router) * target.num_experts_per_tok / target.num_experts)
 
 
-def _group_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
-                 blocks: Sequence[BlockToPlan], *, kv: int, kv_bytes: int, state_bytes: int
-                 ) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+def _group_costs(
+    model: torch.nn.Module,
+    gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
+    blocks: Sequence[BlockToPlan],
+    *,
+    kv: int,
+    kv_bytes: int,
+    state_bytes: int,
+) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
     """Per group (GDN layers, then ``blocks``): its cost on every whole-model budget at every candidate, and
     at its full geometry (which need not be a candidate under serving constraints)."""
     from ..blocks import kv_cache_elements
@@ -177,23 +216,30 @@ def _group_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Se
         size = float(sum(p.numel() for p in module.parameters()))
         full["params"].append(size)
         full["active_params"].append(size)
-        full["memory"].append(float(state_elements(GDNShape.from_module(module), int(module.conv_kernel_size))
-                                    * state_bytes))
+        full["memory"].append(
+            float(state_elements(GDNShape.from_module(module), int(module.conv_kernel_size)) * state_bytes)
+        )
     for b in blocks:
         costs["params"].append([float(b.block.parameters(t)) for t in b.candidates])
         costs["active_params"].append([active_parameters(b.block, t) for t in b.candidates])
         attention = b.block.kind == "attention"
-        costs["memory"].append([float(kv_cache_elements(t) * kv * kv_bytes) if attention else 0.0
-                                for t in b.candidates])
+        costs["memory"].append(
+            [float(kv_cache_elements(t) * kv * kv_bytes) if attention else 0.0 for t in b.candidates]
+        )
         full["params"].append(float(b.block.parameters()))
         full["active_params"].append(active_parameters(b.block))
         full["memory"].append(float(kv_cache_elements(b.shape) * kv * kv_bytes) if attention else 0.0)
     return costs, full
 
 
-def whole_model_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
-                      blocks: Sequence[BlockToPlan], *, context: int | None, state_bytes: int
-                      ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, float]]:
+def whole_model_costs(
+    model: torch.nn.Module,
+    gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
+    blocks: Sequence[BlockToPlan],
+    *,
+    context: int | None,
+    state_bytes: int,
+) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, float]]:
     """``(totals, costs, fixed)`` of the whole-model budgets, per candidate group (GDN layers, then ``blocks``).
 
     ``gdn``: per GDN layer to plan, its module and its candidates (with ``params`` and ``state``).
@@ -202,16 +248,23 @@ def whole_model_costs(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Modul
     that candidate; ``fixed[name]``: what the rest of the model costs (no candidate changes it).
     """
     totals = _model_totals(model, context=context, state_bytes=state_bytes)
-    costs, full = _group_costs(model, gdn, blocks, kv=context or 0, kv_bytes=next(model.parameters()).element_size(),
-                               state_bytes=state_bytes)
+    costs, full = _group_costs(
+        model,
+        gdn,
+        blocks,
+        kv=context or 0,
+        kv_bytes=next(model.parameters()).element_size(),
+        state_bytes=state_bytes,
+    )
     fixed = {name: totals[name] - sum(full[name]) for name in totals}
     if context is None:
         del costs["memory"]
     return totals, costs, fixed
 
 
-def _model_totals(model: torch.nn.Module, *, context: int | None, state_bytes: int,
-                  under: str | None = None) -> dict[str, float]:
+def _model_totals(
+    model: torch.nn.Module, *, context: int | None, state_bytes: int, under: str | None = None
+) -> dict[str, float]:
     """Every parameter, the active parameters and (with ``context``) the memory per sequence of ``model``, or of
     its decoder layer at module path ``under`` alone."""
     from ..block_surgery import find_model_blocks
@@ -233,17 +286,28 @@ def _model_totals(model: torch.nn.Module, *, context: int | None, state_bytes: i
     if context is not None:
         kv_bytes = next(model.parameters()).element_size()
         inside = (lambda prefix: True) if head is None else (lambda prefix: prefix.startswith(head))
-        memory = sum(state_elements(GDNShape.from_module(m), int(m.conv_kernel_size)) * state_bytes
-                     for prefix, m in find_gdn_modules(model) if inside(prefix))
-        memory += sum(kv_cache_elements(b.shape) * context * kv_bytes
-                      for b in find_model_blocks(model, ("attention",)) if inside(b.prefix))
+        memory = sum(
+            state_elements(GDNShape.from_module(m), int(m.conv_kernel_size)) * state_bytes
+            for prefix, m in find_gdn_modules(model)
+            if inside(prefix)
+        )
+        memory += sum(
+            kv_cache_elements(b.shape) * context * kv_bytes
+            for b in find_model_blocks(model, ("attention",))
+            if inside(b.prefix)
+        )
         out["memory"] = float(memory)
     return out
 
 
-def decoder_layer_rests(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
-                        blocks: Sequence[BlockToPlan], *, context: int | None, state_bytes: int
-                        ) -> tuple[list[int], list[str], dict[str, list[float]], dict[str, list[float]]]:
+def decoder_layer_rests(
+    model: torch.nn.Module,
+    gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
+    blocks: Sequence[BlockToPlan],
+    *,
+    context: int | None,
+    state_bytes: int,
+) -> tuple[list[int], list[str], dict[str, list[float]], dict[str, list[float]]]:
     """What each decoder layer costs beyond its planned groups (norms, the sub-blocks ``blocks`` leaves out):
     ``(layer_of, prefixes, rests, wholes)`` — the decoder layer of every group (GDN layers, then ``blocks``),
     every decoder layer's module path, ``rests[name][layer]`` on every whole-model budget and
@@ -254,8 +318,14 @@ def decoder_layer_rests(model: torch.nn.Module, gdn: Sequence[tuple[torch.nn.Mod
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(layer)] for layer in layers]
     layer_of = [block_index(layers, m) for m, _ in gdn] + [block_index(layers, b.module) for b in blocks]
-    _, full = _group_costs(model, gdn, blocks, kv=context or 0, kv_bytes=next(model.parameters()).element_size(),
-                           state_bytes=state_bytes)
+    _, full = _group_costs(
+        model,
+        gdn,
+        blocks,
+        kv=context or 0,
+        kv_bytes=next(model.parameters()).element_size(),
+        state_bytes=state_bytes,
+    )
     rests: dict[str, list[float]] = {}
     wholes: dict[str, list[float]] = {}
     for i, prefix in enumerate(prefixes):

@@ -15,8 +15,15 @@ imports torch.
 
 from ..scores import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
 from .api import (
-    DEFAULT_MAX_SEQ_LEN, METHODS, CheckpointStatistics, default_seq_len, measure_checkpoint, measure_statistics,
-    reduce_statistics, score_checkpoint, score_model,
+    DEFAULT_MAX_SEQ_LEN,
+    METHODS,
+    CheckpointStatistics,
+    default_seq_len,
+    measure_checkpoint,
+    measure_statistics,
+    reduce_statistics,
+    score_checkpoint,
+    score_model,
 )
 from .orders import greedy_lane_orders, greedy_removal_order
 from .partial import PartialError, load_partial, merge_partials, save_partial

@@ -12,14 +12,21 @@ import inspect
 import json
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from ..distributed import (
-    all_reduce_sum, fail_together, is_distributed, is_main_process, local_gpus, rank, shard_indices,
+    all_reduce_sum,
+    fail_together,
+    is_distributed,
+    is_main_process,
+    local_gpus,
+    rank,
+    shard_indices,
     world_size,
 )
 from ..forwards import input_device, unpack_batch
@@ -28,8 +35,17 @@ from .hooks import LayerScorer
 from .loss_head import LossGradients, default_loss_token_stride, loss_positions, output_head
 from .payload import LayerStatistics, ScoringStatistics, scores_from_statistics
 
-__all__ = ["METHODS", "DEFAULT_MAX_SEQ_LEN", "score_model", "measure_statistics", "reduce_statistics",
-           "CheckpointStatistics", "measure_checkpoint", "score_checkpoint", "default_seq_len"]
+__all__ = [
+    "METHODS",
+    "DEFAULT_MAX_SEQ_LEN",
+    "score_model",
+    "measure_statistics",
+    "reduce_statistics",
+    "CheckpointStatistics",
+    "measure_checkpoint",
+    "score_checkpoint",
+    "default_seq_len",
+]
 
 #: Scoring methods, the default first.
 METHODS = ("projection", "activation", "random")
@@ -39,15 +55,24 @@ _VALUE_DIM_MEASURES = ("head_rms", "energy", "gram", "loss_gram")
 _HEAD_MEASURES = ("loss_gram", "energy_gram")
 
 
-def _check_options(method: str, key_dim_measure: str, value_dim_measure: str, lane_measure: str,
-                   key_group_measure: str, loss_token_stride: int | None) -> None:
+def _check_options(
+    method: str,
+    key_dim_measure: str,
+    value_dim_measure: str,
+    lane_measure: str,
+    key_group_measure: str,
+    loss_token_stride: int | None,
+) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown scoring method {method!r}; expected one of {list(METHODS)}")
     if key_dim_measure not in _KEY_DIM_MEASURES:
-        raise ValueError(f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}")
+        raise ValueError(
+            f"unknown key_dim_measure {key_dim_measure!r}; expected one of {list(_KEY_DIM_MEASURES)}"
+        )
     if value_dim_measure not in _VALUE_DIM_MEASURES:
-        raise ValueError(f"unknown value_dim_measure {value_dim_measure!r}; expected one of "
-                         f"{list(_VALUE_DIM_MEASURES)}")
+        raise ValueError(
+            f"unknown value_dim_measure {value_dim_measure!r}; expected one of {list(_VALUE_DIM_MEASURES)}"
+        )
     for name, value in (("lane_measure", lane_measure), ("key_group_measure", key_group_measure)):
         if value not in _HEAD_MEASURES:
             raise ValueError(f"unknown {name} {value!r}; expected one of {list(_HEAD_MEASURES)}")
@@ -80,7 +105,9 @@ def measure_statistics(
     """
     from tqdm.auto import tqdm
 
-    _check_options(method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure, loss_token_stride)
+    _check_options(
+        method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure, loss_token_stride
+    )
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
@@ -91,35 +118,50 @@ def measure_statistics(
         from .experts import ExpertScorer
 
         block_method = method if method != "random" else "activation"  # random: no statistics are used
-        block_scorers = [(ExpertScorer if b.kind == "experts" else BlockScorer)(
-            b, model.get_submodule(b.prefix), block_method) for b in find_model_blocks(model, _supported_kinds(model))]
+        block_scorers = [
+            (ExpertScorer if b.kind == "experts" else BlockScorer)(
+                b, model.get_submodule(b.prefix), block_method
+            )
+            for b in find_model_blocks(model, _supported_kinds(model))
+        ]
     if method == "random":
         layers = {}
         for prefix, module in modules:
             scorer = LayerScorer(prefix, module, method, key_dim_measure, value_dim_measure)
             layers[prefix] = LayerStatistics(scorer.shape, scorer.layout)
-        return ScoringStatistics(method, int(seed), None, layers, {s.block.prefix: (s.block, {}) for s in block_scorers})
+        return ScoringStatistics(
+            method, int(seed), None, layers, {s.block.prefix: (s.block, {}) for s in block_scorers}
+        )
     head = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
         head = output_head(model)
         if isinstance(head, str):
             warnings.warn(
                 f"gdnprune score: {head}, so the loss-aware Gram cannot be computed; ordering with the energy "
-                "Gram (lanes, key groups) and head_rms (value channels) instead", RuntimeWarning, stacklevel=3)
+                "Gram (lanes, key groups) and head_rms (value channels) instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             lane_measure = "energy_gram" if lane_measure == "loss_gram" else lane_measure
             key_group_measure = "energy_gram" if key_group_measure == "loss_gram" else key_group_measure
             value_dim_measure = "head_rms" if value_dim_measure == "loss_gram" else value_dim_measure
             head = None
     measures = None
     if method == "projection":
-        measures = {"key_group": key_group_measure, "value_lane": lane_measure, "key_dim": key_dim_measure,
-                    "value_dim": value_dim_measure}
+        measures = {
+            "key_group": key_group_measure,
+            "value_lane": lane_measure,
+            "key_dim": key_dim_measure,
+            "value_dim": value_dim_measure,
+        }
         if head is not None:
             if loss_token_stride is None:
                 loss_token_stride = default_loss_token_stride(model, head[1])
             measures["loss_token_stride"] = int(loss_token_stride)
-    scorers = [LayerScorer(p, m, method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure)
-               for p, m in modules]
+    scorers = [
+        LayerScorer(p, m, method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure)
+        for p, m in modules
+    ]
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
     extra = {"use_cache": False}
@@ -139,11 +181,15 @@ def measure_statistics(
         for scorer in [*scorers, *block_scorers]:
             handles.extend(scorer.attach())
         if head is not None:
-            handles.append(head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0])))
+            handles.append(
+                head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0]))
+            )
         with torch.no_grad():
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
                 ids, mask = unpack_batch(batch)
-                select = None if head is None else loss_positions(ids, mask, windows_seen, int(loss_token_stride))
+                select = (
+                    None if head is None else loss_positions(ids, mask, windows_seen, int(loss_token_stride))
+                )
                 windows_seen += ids.shape[0]
                 for scorer in scorers:
                     scorer.token_mask = mask
@@ -164,8 +210,9 @@ def measure_statistics(
             handle.remove()
         model.train(was_training)
     layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
-    return ScoringStatistics(method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats)
-                                                                   for s in block_scorers})
+    return ScoringStatistics(
+        method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats) for s in block_scorers}
+    )
 
 
 def _supported_kinds(model: torch.nn.Module) -> list[str]:
@@ -178,7 +225,9 @@ def _supported_kinds(model: torch.nn.Module) -> list[str]:
         try:
             find_model_blocks(model, (kind,))
         except ValueError as exc:
-            warnings.warn(f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4
+            )
             continue
         kinds.append(kind)
     return kinds
@@ -257,10 +306,18 @@ def score_model(
     Raises:
         ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
     """
-    options = dict(method=method, seed=seed, total=total, key_dim_measure=key_dim_measure,
-                   value_dim_measure=value_dim_measure, lane_measure=lane_measure,
-                   key_group_measure=key_group_measure, loss_token_stride=loss_token_stride,
-                   window_offset=window_offset, blocks=blocks)
+    options = dict(
+        method=method,
+        seed=seed,
+        total=total,
+        key_dim_measure=key_dim_measure,
+        value_dim_measure=value_dim_measure,
+        lane_measure=lane_measure,
+        key_group_measure=key_group_measure,
+        loss_token_stride=loss_token_stride,
+        window_offset=window_offset,
+        blocks=blocks,
+    )
     if not (is_distributed() if distributed is None else distributed and is_distributed()):
         return scores_from_statistics(measure_statistics(model, batches, progress=progress, **options))
     with fail_together():
@@ -274,7 +331,9 @@ def score_model(
 DEFAULT_MAX_SEQ_LEN = 512
 
 
-def default_seq_len(config: Mapping, tokenizer: Any = None, cap: int = DEFAULT_MAX_SEQ_LEN) -> tuple[int, str]:
+def default_seq_len(
+    config: Mapping, tokenizer: Any = None, cap: int = DEFAULT_MAX_SEQ_LEN
+) -> tuple[int, str]:
     """The calibration window a model supports: the least of ``cap``, the (text) config's
     ``max_position_embeddings`` and the tokenizer's ``model_max_length`` when set; and why, in words."""
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
@@ -368,30 +427,58 @@ def measure_checkpoint(
         else:
             source = "given"
             if seq_len > limit and "cap" not in why and is_main_process():
-                warnings.warn(f"`seq_len={seq_len}` is longer than the model supports ({why}); the scores "
-                              f"describe the model on windows it never saw in training", UserWarning, stacklevel=3)
-        windows = calibration_windows(data, tokenizer, seq_len=seq_len, num_samples=num_samples,
-                                      warn=is_main_process())
+                warnings.warn(
+                    f"`seq_len={seq_len}` is longer than the model supports ({why}); the scores "
+                    f"describe the model on windows it never saw in training",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        windows = calibration_windows(
+            data, tokenizer, seq_len=seq_len, num_samples=num_samples, warn=is_main_process()
+        )
         share = shard_indices(windows.shape[0], index, count)
         mine = shard_indices(len(share), rank(), world_size())
         start = share.start + mine.start
         stat = os.stat(data)
         info = dict(
             model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
-            data={"path": str(data), "size": stat.st_size, "mtime": stat.st_mtime,
-                  "windows_sha256": _windows_sha256(windows)},
-            calibration={"data": str(data), "num_samples": int(windows.shape[0]), "seq_len": int(seq_len),
-                         "seq_len_source": source, "batch_size": int(batch_size), "dtype": dtype},
-            shard={"index": index, "count": count, "windows": [share.start, share.stop],
-                   "total_windows": int(windows.shape[0])},
+            data={
+                "path": str(data),
+                "size": stat.st_size,
+                "mtime": stat.st_mtime,
+                "windows_sha256": _windows_sha256(windows),
+            },
+            calibration={
+                "data": str(data),
+                "num_samples": int(windows.shape[0]),
+                "seq_len": int(seq_len),
+                "seq_len_source": source,
+                "batch_size": int(batch_size),
+                "dtype": dtype,
+            },
+            shard={
+                "index": index,
+                "count": count,
+                "windows": [share.start, share.stop],
+                "total_windows": int(windows.shape[0]),
+            },
         )
     with fail_together():
         if model is None:
-            gpus = local_gpus() if device_map is not None else None  # an exchange: first in the block, on every rank
+            gpus = (
+                local_gpus() if device_map is not None else None
+            )  # an exchange: first in the block, on every rank
             model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
         batches = list(iter_batches(windows[start : start + len(mine)], batch_size))
-        statistics = measure_statistics(model, batches, method=method, seed=seed, window_offset=start,
-                                        progress=progress and is_main_process(), blocks=blocks)
+        statistics = measure_statistics(
+            model,
+            batches,
+            method=method,
+            seed=seed,
+            window_offset=start,
+            progress=progress and is_main_process(),
+            blocks=blocks,
+        )
         mapping = map_to_checkpoint(list(statistics.layers), model_dir)
         statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
         mapping = map_to_checkpoint(list(statistics.blocks), model_dir, modules=True)
@@ -401,7 +488,7 @@ def measure_checkpoint(
     reduce_statistics(statistics)
     run = CheckpointStatistics(statistics, world_size=world_size(), **info)
     if keep_model:
-        run.loaded, run.windows = model, windows[share.start:share.stop]
+        run.loaded, run.windows = model, windows[share.start : share.stop]
     return run
 
 
@@ -450,9 +537,22 @@ def score_checkpoint(
     if refine not in (None, "lanes"):
         raise ValueError(f"unknown refinement {refine!r}; expected 'lanes'")
     keep = refine is not None or compensation
-    run = measure_checkpoint(model_dir, data, method=method, num_samples=num_samples, seq_len=seq_len,
-                             batch_size=batch_size, device=device, dtype=dtype, device_map=device_map, seed=seed,
-                             progress=progress, keep_model=keep, model=model, blocks=blocks)
+    run = measure_checkpoint(
+        model_dir,
+        data,
+        method=method,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        seed=seed,
+        progress=progress,
+        keep_model=keep,
+        model=model,
+        blocks=blocks,
+    )
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     if refine == "lanes":
@@ -461,8 +561,12 @@ def score_checkpoint(
 
         with fail_together():
             windows = run.windows[: max(1, int(refine_samples))]
-            scores, _ = refine_lane_orders(run.loaded, list(iter_batches(windows, batch_size)), scores,
-                                           progress=progress and is_main_process())
+            scores, _ = refine_lane_orders(
+                run.loaded,
+                list(iter_batches(windows, batch_size)),
+                scores,
+                progress=progress and is_main_process(),
+            )
     if compensation:
         from ..calibration import iter_batches
         from ..checkpoint.folder import map_to_checkpoint
@@ -470,11 +574,16 @@ def score_checkpoint(
 
         with fail_together():
             mine = shard_indices(run.windows.shape[0], rank(), world_size())
-            stats = collect_statistics(run.loaded, list(iter_batches(run.windows[mine.start:mine.stop], batch_size)))
+            stats = collect_statistics(
+                run.loaded, list(iter_batches(run.windows[mine.start : mine.stop], batch_size))
+            )
             mapping = map_to_checkpoint(list(stats), Path(model_dir))
         if world_size() > 1:
             for entry in stats.values():
-                total = [torch.from_numpy(entry["out_moment"]), torch.tensor([entry["tokens"]], dtype=torch.float64)]
+                total = [
+                    torch.from_numpy(entry["out_moment"]),
+                    torch.tensor([entry["tokens"]], dtype=torch.float64),
+                ]
                 all_reduce_sum(total)
                 entry["out_moment"], entry["tokens"] = total[0].numpy(), int(total[1].item())
         scores["compensation_statistics"] = {mapping[p]: v for p, v in stats.items()}

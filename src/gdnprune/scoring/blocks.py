@@ -43,7 +43,9 @@ class BlockScorer:
 
     def __init__(self, block: Block, module: torch.nn.Module, method: str = "projection") -> None:
         if method not in BLOCK_METHODS:
-            raise ValueError(f"unknown sub-block scoring method {method!r}; expected one of {list(BLOCK_METHODS)}")
+            raise ValueError(
+                f"unknown sub-block scoring method {method!r}; expected one of {list(BLOCK_METHODS)}"
+            )
         self.block, self.method = block, method
         self.attention = isinstance(block.shape, AttentionShape)
         self.out_proj = output_projection(module)
@@ -77,5 +79,7 @@ class BlockScorer:
                 w = materialized_weight(module).detach().to(x.device, torch.float64)
                 self._wtw = w.T @ w
             second = x.T @ x  # [units*width, units*width]
-            gram = (self._wtw.to(second.device) * second).reshape(self.units, self.width, self.units, self.width)
+            gram = (self._wtw.to(second.device) * second).reshape(
+                self.units, self.width, self.units, self.width
+            )
             self.stats["gram"] += gram.sum(dim=(1, 3)).cpu()

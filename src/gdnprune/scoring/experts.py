@@ -16,7 +16,8 @@ cheap to remove. A one-pass proxy of the removal sensitivity, not a measurement.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -37,13 +38,17 @@ class ExpertScorer:
     def __init__(self, block: Any, module: torch.nn.Module, method: str = "projection") -> None:
         experts = getattr(module, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
-            raise ValueError(f"{block.prefix}: expected an MoE module with fused experts (experts.gate_up_proj, "
-                             f"experts.down_proj), found {type(module).__name__}")
+            raise ValueError(
+                f"{block.prefix}: expected an MoE module with fused experts (experts.gate_up_proj, "
+                f"experts.down_proj), found {type(module).__name__}"
+            )
         self.block, self.method, self.experts = block, method, experts
         n = block.shape.num_experts
-        self.stats: dict[str, torch.Tensor] = {"num_tokens": torch.zeros((), dtype=torch.int64),
-                                               "count": torch.zeros(n, dtype=torch.float64),
-                                               "weighted_norm": torch.zeros(n, dtype=torch.float64)}
+        self.stats: dict[str, torch.Tensor] = {
+            "num_tokens": torch.zeros((), dtype=torch.int64),
+            "count": torch.zeros(n, dtype=torch.float64),
+            "weighted_norm": torch.zeros(n, dtype=torch.float64),
+        }
         self.token_mask: torch.Tensor | None = None
 
     def attach(self) -> list[Any]:
@@ -81,10 +86,18 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
     measure = EXPERT_MEASURES.get(method, "reap")
     score = reap if measure == "reap" else frequency
     order = torch.argsort(-score, stable=True)
-    return {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(), "method": method,
-            "expert_measure": measure, **orders_to_payload({"experts": order.numpy()}),
-            "expert_scores": score.tolist(), "expert_reap": reap.tolist(), "expert_frequency": frequency.tolist(),
-            "num_tokens": int(stats["num_tokens"])}
+    return {
+        "kind": block.kind,
+        "layout": block.layout,
+        "shape": block.shape.as_dict(),
+        "method": method,
+        "expert_measure": measure,
+        **orders_to_payload({"experts": order.numpy()}),
+        "expert_scores": score.tolist(),
+        "expert_reap": reap.tolist(),
+        "expert_frequency": frequency.tolist(),
+        "num_tokens": int(stats["num_tokens"]),
+    }
 
 
 @torch.no_grad()
@@ -108,6 +121,7 @@ def block_influence(model: torch.nn.Module, batches: Iterable[Any]) -> dict[int,
                 cos = cos[mask.to(cos.device)]
             sums[i] += float((1 - cos).sum())
             counts[i] += cos.numel()
+
         return hook
 
     handles = [layer.register_forward_hook(hook_for(i), with_kwargs=True) for i, layer in enumerate(layers)]

@@ -29,7 +29,9 @@ def materialized_weight(module: torch.nn.Module, name: str = "weight") -> torch.
     try:
         from accelerate.utils import align_module_device
     except ImportError:  # pragma: no cover - accelerate is what puts weights on meta
-        raise ValueError(f"{type(module).__name__}.{name} is on the meta device and accelerate is missing") from None
+        raise ValueError(
+            f"{type(module).__name__}.{name} is on the meta device and accelerate is missing"
+        ) from None
     with align_module_device(module):
         return getattr(module, name).detach().clone()
 
@@ -37,9 +39,16 @@ def materialized_weight(module: torch.nn.Module, name: str = "weight") -> torch.
 class LayerScorer:
     """Hooks and float64 statistics of one GDN layer."""
 
-    def __init__(self, prefix: str, module: torch.nn.Module, method: str, key_dim_measure: str,
-                 value_dim_measure: str, lane_measure: str = "energy_gram",
-                 key_group_measure: str = "energy_gram") -> None:
+    def __init__(
+        self,
+        prefix: str,
+        module: torch.nn.Module,
+        method: str,
+        key_dim_measure: str,
+        value_dim_measure: str,
+        lane_measure: str = "energy_gram",
+        key_group_measure: str = "energy_gram",
+    ) -> None:
         self.prefix, self.module, self.method = prefix, module, method
         self.key_dim_measure, self.value_dim_measure = key_dim_measure, value_dim_measure
         self.lane_measure, self.key_group_measure = lane_measure, key_group_measure
@@ -156,7 +165,9 @@ class LayerScorer:
         # [2, Hk, dk, B*T] -> per (q|k, head) second moments [2, Hk, dk, dk]
         flat = y.permute(1, 2, 3, 0, 4).reshape(2 * s.num_key_heads, s.key_head_dim, B * T)
         flat = flat.to(self._gram_dtype(flat.device))
-        moments = torch.bmm(flat, flat.transpose(1, 2)).reshape(2, s.num_key_heads, s.key_head_dim, s.key_head_dim)
+        moments = torch.bmm(flat, flat.transpose(1, 2)).reshape(
+            2, s.num_key_heads, s.key_head_dim, s.key_head_dim
+        )
         self._acc("qk_moments", moments)
 
     def _on_out(self, o: torch.Tensor) -> None:
@@ -224,7 +235,9 @@ class LayerScorer:
         if o is None or o.shape[0] == 0:
             return
         if o.shape[0] != grad.shape[0]:
-            raise RuntimeError(f"{self.prefix}: {o.shape[0]} out_proj tokens kept for {grad.shape[0]} loss gradients")
+            raise RuntimeError(
+                f"{self.prefix}: {o.shape[0]} out_proj tokens kept for {grad.shape[0]} loss gradients"
+            )
         s = self.shape
         Hv, dv = s.num_value_heads, s.value_head_dim
         W = materialized_weight(self.out_proj).detach()
@@ -249,8 +262,12 @@ class LayerScorer:
     @property
     def measures(self) -> dict[str, str]:
         """The measures of this layer's orders, as the scores file records them."""
-        return {"key_group": self.key_group_measure, "value_lane": self.lane_measure,
-                "key_dim": self.key_dim_measure, "value_dim": self.value_dim_measure}
+        return {
+            "key_group": self.key_group_measure,
+            "value_lane": self.lane_measure,
+            "key_dim": self.key_dim_measure,
+            "value_dim": self.value_dim_measure,
+        }
 
     def statistics(self) -> dict[str, torch.Tensor]:
         """The layer's sums so far, on the CPU: float64 sums and int64 counts (:func:`.payload.statistic_shapes`).
@@ -285,5 +302,11 @@ class LayerScorer:
 
     def payload(self) -> dict[str, Any]:
         """The layer's score payload (orders, raw scores, geometry) from the statistics of this process."""
-        return layer_payload(self.statistics(), prefix=self.prefix, shape=self.shape, layout=self.layout,
-                             method=self.method, measures=self.measures)
+        return layer_payload(
+            self.statistics(),
+            prefix=self.prefix,
+            shape=self.shape,
+            layout=self.layout,
+            method=self.method,
+            measures=self.measures,
+        )

@@ -11,9 +11,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["module_device", "output_head", "loss_gradient", "loss_positions", "LossGradients",
-           "default_loss_token_stride", "DEFAULT_LOSS_TOKEN_STRIDE", "LOSS_COST_SHARE",
-           "MAX_DEFAULT_LOSS_TOKEN_STRIDE"]
+__all__ = [
+    "module_device",
+    "output_head",
+    "loss_gradient",
+    "loss_positions",
+    "LossGradients",
+    "default_loss_token_stride",
+    "DEFAULT_LOSS_TOKEN_STRIDE",
+    "LOSS_COST_SHARE",
+    "MAX_DEFAULT_LOSS_TOKEN_STRIDE",
+]
 
 #: one token in this many is measured, unless the vocabulary makes that too expensive
 DEFAULT_LOSS_TOKEN_STRIDE = 8
@@ -86,8 +94,9 @@ def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modul
     return decoder.norm, head
 
 
-def loss_gradient(norm, head, hidden: torch.Tensor, targets: torch.Tensor, max_logits: int = 1 << 25
-                   ) -> torch.Tensor:
+def loss_gradient(
+    norm, head, hidden: torch.Tensor, targets: torch.Tensor, max_logits: int = 1 << 25
+) -> torch.Tensor:
     """Gradient of the summed next-token loss of ``lm_head(norm(hidden))`` with respect to ``hidden`` [n, H].
 
     Token chunks of at most ``max_logits`` logits at a time (the vocabulary may have 150K+ entries; 2^25
@@ -104,13 +113,17 @@ def loss_gradient(norm, head, hidden: torch.Tensor, targets: torch.Tensor, max_l
         for start in range(0, hidden.shape[0], chunk):
             x = hidden[start : start + chunk].detach().requires_grad_(True)
             logits = head(norm(x).to(head_device))
-            loss = F.cross_entropy(logits.float(), targets[start : start + chunk].to(logits.device), reduction="sum")
+            loss = F.cross_entropy(
+                logits.float(), targets[start : start + chunk].to(logits.device), reduction="sum"
+            )
             (grad,) = torch.autograd.grad(loss, x)
             out.append(grad.float())
     return torch.cat(out)
 
 
-def loss_positions(ids: torch.Tensor, mask: torch.Tensor | None, first_window: int, stride: int) -> torch.Tensor:
+def loss_positions(
+    ids: torch.Tensor, mask: torch.Tensor | None, first_window: int, stride: int
+) -> torch.Tensor:
     """[B, T] bool: the tokens whose loss gradient is measured.
 
     A token needs a next token in its window (both unmasked). Of those, one position in ``stride`` is
@@ -138,7 +151,9 @@ class LossGradients:
     much as about 30 tokens' products. Call :meth:`flush` after the last batch.
     """
 
-    def __init__(self, head: tuple[torch.nn.Module, torch.nn.Module], scorers, max_logits: int = 1 << 25) -> None:
+    def __init__(
+        self, head: tuple[torch.nn.Module, torch.nn.Module], scorers, max_logits: int = 1 << 25
+    ) -> None:
         self.norm, self.head = head
         self.scorers = scorers
         self.max_logits = max_logits
@@ -151,8 +166,10 @@ class LossGradients:
         """One batch: ``hidden`` [B, T, H] the final norm's input, ``ids`` [B, T], ``select`` [B, T] bool."""
         if hidden is None or tuple(hidden.shape[:2]) != tuple(ids.shape):
             found = None if hidden is None else list(hidden.shape)
-            raise RuntimeError(f"the final norm saw hidden states {found}, expected [batch, tokens, hidden] "
-                               f"for input_ids {list(ids.shape)}")
+            raise RuntimeError(
+                f"the final norm saw hidden states {found}, expected [batch, tokens, hidden] "
+                f"for input_ids {list(ids.shape)}"
+            )
         flat = select.reshape(-1)
         targets = torch.zeros_like(ids)
         targets[:, :-1] = ids[:, 1:]

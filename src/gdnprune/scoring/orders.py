@@ -55,7 +55,9 @@ def greedy_lane_orders(gram: torch.Tensor, num_key_heads: int) -> torch.Tensor:
     gram = torch.as_tensor(gram, dtype=torch.float64)
     Hv = gram.shape[0]
     if gram.shape != (Hv, Hv) or Hv % num_key_heads:
-        raise ValueError(f"gram must be [Hv, Hv] with Hv a multiple of {num_key_heads}, got {list(gram.shape)}")
+        raise ValueError(
+            f"gram must be [Hv, Hv] with Hv a multiple of {num_key_heads}, got {list(gram.shape)}"
+        )
     r = Hv // num_key_heads
     group = torch.arange(Hv, device=gram.device) // r
     diag = gram.diagonal().clone()

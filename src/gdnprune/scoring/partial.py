@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -38,15 +39,33 @@ from ..geometry import GDNShape
 from .api import CheckpointStatistics
 from .payload import COUNTS, LayerStatistics, ScoringStatistics, scores_from_statistics, statistic_shapes
 
-__all__ = ["PARTIAL_FORMAT", "PARTIAL_VERSION", "PartialError", "save_partial", "load_partial", "merge_partials"]
+__all__ = [
+    "PARTIAL_FORMAT",
+    "PARTIAL_VERSION",
+    "PartialError",
+    "save_partial",
+    "load_partial",
+    "merge_partials",
+]
 
 PARTIAL_FORMAT = "gdnprune-partial-scores"
 PARTIAL_VERSION = 1
 _META_KEY = "gdnprune"
 # the settings every partial of one merge must share (data and model are compared by hash)
-_SAME = ("method", "seed", "measures", "calibration/num_samples", "calibration/seq_len", "calibration/batch_size",
-         "calibration/dtype", "model/config_sha256", "data/windows_sha256", "shard/count", "shard/total_windows",
-         "layers")
+_SAME = (
+    "method",
+    "seed",
+    "measures",
+    "calibration/num_samples",
+    "calibration/seq_len",
+    "calibration/batch_size",
+    "calibration/dtype",
+    "model/config_sha256",
+    "data/windows_sha256",
+    "shard/count",
+    "shard/total_windows",
+    "layers",
+)
 
 
 class PartialError(ValueError):
@@ -70,7 +89,9 @@ def _metadata(run: CheckpointStatistics) -> dict[str, Any]:
         "model": dict(run.model),
         "data": dict(run.data),
         "calibration": calibration,
-        "layers": {p: {"shape": layer.shape.as_dict(), "layout": layer.layout} for p, layer in st.layers.items()},
+        "layers": {
+            p: {"shape": layer.shape.as_dict(), "layout": layer.layout} for p, layer in st.layers.items()
+        },
     }
 
 
@@ -86,11 +107,16 @@ def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrit
 
     check_output_file(path, overwrite)
     if run.statistics.blocks:
-        raise PartialError("partial scores files do not hold attention / MLP sub-block statistics yet: score "
-                           "sub-blocks in one run (or under torchrun, whose ranks sum them)")
+        raise PartialError(
+            "partial scores files do not hold attention / MLP sub-block statistics yet: score "
+            "sub-blocks in one run (or under torchrun, whose ranks sum them)"
+        )
     path = Path(path)
-    tensors = {f"{prefix}/{name}": value.detach().cpu().contiguous()
-               for prefix, layer in run.statistics.layers.items() for name, value in layer.stats.items()}
+    tensors = {
+        f"{prefix}/{name}": value.detach().cpu().contiguous()
+        for prefix, layer in run.statistics.layers.items()
+        for name, value in layer.stats.items()
+    }
     blob = save(tensors, metadata={_META_KEY: json.dumps(_metadata(run), sort_keys=True)})
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -131,9 +157,13 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
     except json.JSONDecodeError:
         meta = None
     if not isinstance(meta, dict) or meta.get("format") != PARTIAL_FORMAT:
-        raise PartialError(f"{where}: not a gdnprune partial scores file (the statistics of one share of the windows)")
+        raise PartialError(
+            f"{where}: not a gdnprune partial scores file (the statistics of one share of the windows)"
+        )
     if meta.get("version") != PARTIAL_VERSION:
-        raise PartialError(f"{where}: unsupported partial version {meta.get('version')!r}, expected {PARTIAL_VERSION}")
+        raise PartialError(
+            f"{where}: unsupported partial version {meta.get('version')!r}, expected {PARTIAL_VERSION}"
+        )
     try:
         layers = {}
         for prefix, info in meta["layers"].items():
@@ -145,13 +175,20 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
                     dtype = torch.int64 if name in COUNTS else torch.float64
                     if value is None or tuple(value.shape) != size or value.dtype != dtype:
                         found = "nothing" if value is None else f"{value.dtype} {list(value.shape)}"
-                        raise PartialError(f"{where}: statistic {prefix}/{name} should be {dtype} {list(size)}, "
-                                           f"found {found}")
+                        raise PartialError(
+                            f"{where}: statistic {prefix}/{name} should be {dtype} {list(size)}, "
+                            f"found {found}"
+                        )
                     stats[name] = value
             layers[prefix] = LayerStatistics(shape, info["layout"], stats)
         statistics = ScoringStatistics(meta["method"], int(meta["seed"]), meta["measures"], layers)
         start, stop = meta["shard"]["windows"]
-        int(meta["shard"]["index"]), int(meta["shard"]["count"]), int(meta["shard"]["total_windows"]), int(start)
+        (
+            int(meta["shard"]["index"]),
+            int(meta["shard"]["count"]),
+            int(meta["shard"]["total_windows"]),
+            int(start),
+        )
     except PartialError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
@@ -189,34 +226,44 @@ def merge_partials(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     for path, meta, _ in loaded[1:]:
         for key in _SAME:
             if _get(meta, key) != _get(first, key):
-                what = {"model/config_sha256": "model configurations (config.json)",
-                        "data/windows_sha256": "calibration windows (data, tokenizer, `seq_len` or `num_samples`)",
-                        }.get(key, key)
+                what = {
+                    "model/config_sha256": "model configurations (config.json)",
+                    "data/windows_sha256": "calibration windows (data, tokenizer, `seq_len` or `num_samples`)",
+                }.get(key, key)
                 raise PartialError(
                     f"partials do not match: {path} and {first_path} differ in {what}: "
-                    f"{_describe(_get(meta, key))} vs {_describe(_get(first, key))}")
+                    f"{_describe(_get(meta, key))} vs {_describe(_get(first, key))}"
+                )
     count, total = int(first["shard"]["count"]), int(first["shard"]["total_windows"])
     by_index: dict[int, str] = {}
     for path, meta, _ in loaded:
         index = int(meta["shard"]["index"])
         if index in by_index:
-            raise PartialError(f"overlapping partials: {by_index[index]} and {path} are both share {index} of {count}")
+            raise PartialError(
+                f"overlapping partials: {by_index[index]} and {path} are both share {index} of {count}"
+            )
         by_index[index] = path
         expected = shard_indices(total, index, count)
         if list(meta["shard"]["windows"]) != [expected.start, expected.stop]:
-            raise PartialError(f"{path}: share {index} of {count} should hold windows [{expected.start}, "
-                               f"{expected.stop}) of {total}, found {meta['shard']['windows']}")
+            raise PartialError(
+                f"{path}: share {index} of {count} should hold windows [{expected.start}, "
+                f"{expected.stop}) of {total}, found {meta['shard']['windows']}"
+            )
     missing = [i for i in range(count) if i not in by_index]
     if missing:
-        raise PartialError(f"incomplete set of partials: share(s) {', '.join(map(str, missing))} of {count} missing "
-                           f"(given: {', '.join(f'{i} ({by_index[i]})' for i in sorted(by_index))})")
+        raise PartialError(
+            f"incomplete set of partials: share(s) {', '.join(map(str, missing))} of {count} missing "
+            f"(given: {', '.join(f'{i} ({by_index[i]})' for i in sorted(by_index))})"
+        )
     loaded.sort(key=lambda item: int(item[1]["shard"]["index"]))
     statistics = loaded[0][2]
     for _, _, other in loaded[1:]:
         for prefix, layer in statistics.layers.items():
             for name, value in layer.stats.items():
                 value += other.layers[prefix].stats[name]
-    scores = scores_from_statistics(statistics, world_size=sum(int(meta["world_size"]) for _, meta, _ in loaded))
+    scores = scores_from_statistics(
+        statistics, world_size=sum(int(meta["world_size"]) for _, meta, _ in loaded)
+    )
     scores["shards"] = count
     scores["model"] = first["model"]["path"]
     scores["calibration"] = {"data": first["data"]["path"], **first["calibration"]}

@@ -12,8 +12,9 @@ those of their union and :func:`layer_payload` needs no model. The measures are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -21,8 +22,16 @@ from ..geometry import GDNShape
 from .orders import descending, greedy_lane_orders, greedy_removal_order
 
 __all__ = [
-    "COUNTS", "SCORE_KIND", "LayerStatistics", "ScoringStatistics", "statistic_shapes", "needs_loss_gradient",
-    "layer_payload", "random_payload", "scores_from_statistics", "block_payload",
+    "COUNTS",
+    "SCORE_KIND",
+    "LayerStatistics",
+    "ScoringStatistics",
+    "statistic_shapes",
+    "needs_loss_gradient",
+    "layer_payload",
+    "random_payload",
+    "scores_from_statistics",
+    "block_payload",
 ]
 
 #: what the raw ``*_scores`` of each method are, recorded in the scores file
@@ -47,7 +56,10 @@ COUNTS = ("num_tokens", "num_windows", "loss_tokens")
 def needs_loss_gradient(method: str, measures: Mapping[str, Any]) -> bool:
     """Whether an order uses the loss-aware Gram (``measures`` as the scores file records them)."""
     return method == "projection" and "loss_gram" in (
-        measures.get("value_lane"), measures.get("key_group"), measures.get("value_dim"))
+        measures.get("value_lane"),
+        measures.get("key_group"),
+        measures.get("value_dim"),
+    )
 
 
 def statistic_shapes(shape: GDNShape, method: str, measures: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -67,9 +79,16 @@ def statistic_shapes(shape: GDNShape, method: str, measures: Mapping[str, Any]) 
         out["qk_moments"] = (2, Hk, dk, dk)
     else:
         out["qk_sq"] = (2, Hk, dk)
-    out[{"head_rms": "value_col_energy", "energy": "value_dim_energy", "gram": "value_dim_gram",
-         "loss_gram": "loss_dim_gram"}[measures["value_dim"]]] = {
-        "head_rms": (Hv, dv), "energy": (dv,), "gram": (dv, dv), "loss_gram": (dv, dv)}[measures["value_dim"]]
+    out[
+        {
+            "head_rms": "value_col_energy",
+            "energy": "value_dim_energy",
+            "gram": "value_dim_gram",
+            "loss_gram": "loss_dim_gram",
+        }[measures["value_dim"]]
+    ] = {"head_rms": (Hv, dv), "energy": (dv,), "gram": (dv, dv), "loss_gram": (dv, dv)}[
+        measures["value_dim"]
+    ]
     if needs_loss_gradient(method, measures):
         out["loss_head_gram"] = (Hv, Hv)
     return out
@@ -83,8 +102,15 @@ def _check(stats: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, 
             raise ValueError(f"{prefix}: statistic {name!r} should have shape {list(size)}, found {found}")
 
 
-def layer_payload(stats: Mapping[str, torch.Tensor], *, prefix: str, shape: GDNShape, layout: str, method: str,
-                  measures: Mapping[str, Any]) -> dict[str, Any]:
+def layer_payload(
+    stats: Mapping[str, torch.Tensor],
+    *,
+    prefix: str,
+    shape: GDNShape,
+    layout: str,
+    method: str,
+    measures: Mapping[str, Any],
+) -> dict[str, Any]:
     """The score payload of one layer (four orders, raw scores, geometry, token counts) from its statistics.
 
     Raises:
@@ -123,7 +149,8 @@ def layer_payload(stats: Mapping[str, torch.Tensor], *, prefix: str, shape: GDNS
             if loss_tokens == 0:
                 raise ValueError(
                     f"{prefix}: no token with a next-token target reached this GDN layer (the "
-                    "loss-aware Gram needs windows of at least 2 tokens)")
+                    "loss-aware Gram needs windows of at least 2 tokens)"
+                )
             loss_gram = st["loss_head_gram"]
             if measures["value_lane"] == "loss_gram":
                 lane_gram, lane_scale = loss_gram, loss_tokens
@@ -225,8 +252,9 @@ class ScoringStatistics:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every statistic, layer by layer in a fixed order (the order ranks sum them in), sub-blocks last."""
-        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)] + \
-            [stats[name] for _, stats in self.blocks.values() for name in sorted(stats)]
+        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)] + [
+            stats[name] for _, stats in self.blocks.values() for name in sorted(stats)
+        ]
 
 
 def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1) -> dict[str, Any]:
@@ -257,13 +285,23 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
         for prefix, layer in statistics.layers.items():
             result["layers"][prefix] = random_payload(layer.shape, generator)
         for prefix, (block, _) in statistics.blocks.items():
-            result["layers"][prefix] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),
-                                        "method": method,
-                                        **orders_to_payload(random_orders(block, generator=generator))}
+            result["layers"][prefix] = {
+                "kind": block.kind,
+                "layout": block.layout,
+                "shape": block.shape.as_dict(),
+                "method": method,
+                **orders_to_payload(random_orders(block, generator=generator)),
+            }
         return result
     for prefix, layer in statistics.layers.items():
-        result["layers"][prefix] = layer_payload(layer.stats, prefix=prefix, shape=layer.shape, layout=layer.layout,
-                                                 method=method, measures=statistics.measures or {})
+        result["layers"][prefix] = layer_payload(
+            layer.stats,
+            prefix=prefix,
+            shape=layer.shape,
+            layout=layer.layout,
+            method=method,
+            measures=statistics.measures or {},
+        )
     result["num_tokens"] = next(iter(result["layers"].values()))["num_tokens"] if result["layers"] else 0
     if statistics.blocks:
         for prefix, (block, stats) in statistics.blocks.items():
@@ -280,8 +318,12 @@ def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> di
         return expert_payload(block, stats, method)
     n = max(int(stats["num_tokens"]), 1)
     activation = stats["abs_sum"] / n
-    payload: dict[str, Any] = {"kind": block.kind, "layout": block.layout, "shape": block.shape.as_dict(),
-                               "method": method}
+    payload: dict[str, Any] = {
+        "kind": block.kind,
+        "layout": block.layout,
+        "shape": block.shape.as_dict(),
+        "method": method,
+    }
     from ..blocks import orders_to_payload
 
     if block.kind == "attention":
