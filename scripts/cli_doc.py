@@ -31,13 +31,25 @@ command (`tests/test_cli_options.py` checks it):
   default differs because the cost per window differs: `score` and `prune` sum statistics over many
   windows (128), the measured sensitivity of `plan` runs one forward per candidate width and layer (16),
   `verify` compares logits (4), the `demo` model is tiny (64), `distill` trains on all of them.
-  A second stage in the same command has its own `--STAGE-samples`: `--refine-samples` (lane
-  refinement), `--plan-samples` (`prune`'s plan search, `plan --num-samples`), `--eval-samples`
+  A second stage in the same command has its own `--STAGE-samples`: `--lane-search-samples` (the lane
+  search), `--plan-samples` (`prune`'s plan search, `plan --num-samples`), `--eval-samples`
   (held-out windows).
 * Compensation (a least-squares refit of `out_proj` after the cut): `--compensate [statistics|sequential]`
   chooses how (`prune`, which scores and cuts in one run); `--compensation-stats FILE` is the file of
   calibration statistics that `score` writes and `slice` refits from. (In Python: `prune_checkpoint(compensate=)`,
-  `score_checkpoint(compensation=True)` returns the statistics, `slice_checkpoint(compensation=STATS)`.)
+  `score_checkpoint(compensate=True)` returns the statistics, `slice_checkpoint(compensation_stats=STATS)`.)
+* `--blocks LIST` names kinds of block: `gdn`, `attention`, `mlp`, `shared_expert`, `experts` (routed
+  experts) and `depth` (whole decoder layers). The default is every kind the model has, in `score` (the
+  kinds whose orders it writes; GDN always, `depth` has nothing to order) as in `plan` and `prune` (the
+  kinds a whole-model budget may shrink). A "layer" is a decoder layer (`model.layers.N`); a "block" is
+  one of its parts of those kinds.
+* Two searches, two words: `--lane-search` (`score`, `prune`) orders the value heads of each key group by
+  measured KL; `--evolve-generations/-offspring/-seed` (`plan`, `prune`) improve a whole plan by an
+  evolutionary search.
+* Old spellings still work for one release and print a warning: `--refine lanes` (`--lane-search`),
+  `--refine-samples`, `--refine-generations/-offspring/-seed` (`--evolve-...`), `--sub-blocks` (`--blocks`,
+  whose default now covers it), `--compensation`, `--compensate` of `slice`, `--calibration-windows`,
+  `--validation-windows`, `--num-sequences`.
 * Every flag is the keyword argument of the Python function under the command (`--num-samples` is
   `num_samples`); a library error names the keyword (`` `overwrite=True` ``) and the command shows the flag.
 * `--dtype {float32,bfloat16}` is the weights dtype; `--threads N` torch's CPU threads; `--seed` the seed of

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fnmatch
 import importlib.util
 import json
 import os
@@ -51,11 +52,42 @@ PER_COMMAND = {
     "compensation_stats",
     "eval_samples",
     "dtype",
+    "blocks",  # what the kinds of block are for: ordered (score) or shrunk (plan, prune)
 }  # dtype: of the forward passes' weights, or (distill) of the trained parameters
 #: (vocabulary differences that are known and accepted: none)
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 #: old spellings: none may be a visible option of any command
-RETIRED = {"--compensation", "--calibration-windows", "--validation-windows", "--num-sequences", "--bf16"}
+RETIRED = {
+    "--compensation",
+    "--calibration-windows",
+    "--validation-windows",
+    "--num-sequences",
+    "--bf16",
+    "--refine",
+    "--refine-samples",
+    "--refine-generations",
+    "--refine-offspring",
+    "--refine-seed",
+    "--sub-blocks",
+}
+#: concept words -> the dests (fnmatch patterns) a flag or dest holding that word may map to: one word, one
+#: concept (the glossary of ARCHITECTURE.md). A word with no dest left is retired: no visible flag may use it.
+CONCEPTS = {
+    "blocks": {"blocks"},
+    "sub": set(),  # --sub-blocks: the kinds of block are --blocks
+    "refine": set(),  # two searches had this word: the lane search and the evolutionary search
+    "lane": {"lane_search", "lane_search_samples"},
+    "evolve": {"evolve_generations", "evolve_offspring", "evolve_seed"},
+    "compensate": {"compensate"},  # how the refit runs
+    "compensation": {"compensation_stats"},  # the statistics file
+    "budget": {"budget_*"},
+    "samples": {"*samples"},  # a number of calibration windows
+    "seed": {"seed", "evolve_seed"},
+    "layers": {"remove_layers"},  # decoder layers
+    "plan": {"plan", "plan_samples", "no_plan"},
+    "scores": {"scores"},
+    "shard": {"shard"},
+}
 
 
 def _visible(parser):
@@ -103,6 +135,56 @@ def vocabulary_problems(commands) -> list[str]:
     return problems
 
 
+def concept_problems(commands) -> list[str]:
+    """Every flag or dest of ``commands`` that holds a concept word of :data:`CONCEPTS` but stores into a dest
+    outside that word's family: one word used for two concepts."""
+    problems = []
+    for command, parser in commands.items():
+        for action in _visible(parser):
+            names = [*(f.lstrip("-") for f in action.option_strings if f.startswith("--")), action.dest]
+            words = {w for name in names for w in name.replace("_", "-").split("-")}
+            for word in sorted(words & set(CONCEPTS)):
+                if not any(fnmatch.fnmatchcase(action.dest, pattern) for pattern in CONCEPTS[word]):
+                    flags = "/".join(action.option_strings)
+                    problems.append(
+                        f"{command} {flags} -> {action.dest}: {word!r} means {sorted(CONCEPTS[word])}"
+                    )
+    return problems
+
+
+def test_one_word_has_one_meaning_across_commands():
+    problems = concept_problems(COMMANDS)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_word_checker_sees_one_word_for_two_concepts():
+    a, b = argparse.ArgumentParser(), argparse.ArgumentParser()
+    a.add_argument("--refine", choices=("lanes",))  # a retired word
+    b.add_argument("--lane-search-generations", dest="evolve_generations")  # the lane word for the evolution
+    b.add_argument("--blocks", dest="blocks", action="store_true")
+    b.add_argument("--sub-blocks", dest="blocks")  # retired word, right dest
+    b.add_argument("--compensation", dest="compensate")  # the statistics' word for the refit's mode
+    b.add_argument("--plan-seed", dest="seed")  # 'seed' fits, 'plan' names another concept
+    problems = "\n".join(concept_problems({"a": a, "b": b}))
+    for expected in (
+        "a --refine -> refine: 'refine' means []",
+        "b --lane-search-generations -> evolve_generations: 'lane' means",
+        "b --sub-blocks -> blocks: 'sub' means []",
+        "b --compensation -> compensate: 'compensation' means ['compensation_stats']",
+        "b --plan-seed -> seed: 'plan' means",
+    ):
+        assert expected in problems, problems
+    assert "b --blocks" not in problems and "'seed'" not in problems, problems
+
+
+def test_score_and_plan_take_the_same_blocks_with_the_same_default():
+    from gdnprune.blocks import KINDS
+
+    score, plan = ({a.dest: a for a in _visible(COMMANDS[c])}["blocks"] for c in ("score", "plan"))
+    assert score.default == plan.default and score.metavar == plan.metavar == "LIST"
+    assert score.default.split(",") == ["gdn", *KINDS, "depth"]  # every kind of block there is
+
+
 def test_one_concept_has_one_name_across_commands():
     problems = vocabulary_problems(COMMANDS)
     assert not problems, "\n".join(problems)
@@ -141,7 +223,7 @@ def test_every_writing_command_has_the_same_output_options():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["score", "m", "--refine-samples", "0"], "expected a positive integer, got 0"),
+        (["score", "m", "--lane-search-samples", "0"], "expected a positive integer, got 0"),
         (["score", "m", "--num-samples", "-3"], "expected a positive integer, got -3"),
         (["verify", "a", "b", "--tolerance", "-1"], "expected a finite number >= 0, got '-1'"),
         (["verify", "a", "b", "--tolerance", "nan"], "expected a finite number >= 0, got 'nan'"),
@@ -170,14 +252,39 @@ def test_numbers_are_checked_when_the_command_line_is_read(argv, expected, capsy
         ("demo", "--validation-windows", "--eval-samples", "eval_samples", 8),
         ("verify", "--num-sequences", "--num-samples", "num_samples", 3),
         ("slice", "--compensate", "--compensation-stats", "compensation_stats", "stats.safetensors"),
+        ("score", "--refine", "--lane-search", "lane_search", ("lanes", True)),
+        ("prune", "--refine", "--lane-search", "lane_search", ("lanes", True)),
+        ("score", "--refine-samples", "--lane-search-samples", "lane_search_samples", 3),
+        ("prune", "--refine-samples", "--lane-search-samples", "lane_search_samples", 3),
+        ("plan", "--refine-generations", "--evolve-generations", "evolve_generations", 5),
+        ("prune", "--refine-generations", "--evolve-generations", "evolve_generations", 5),
+        ("plan", "--refine-offspring", "--evolve-offspring", "evolve_offspring", 3),
+        ("plan", "--refine-seed", "--evolve-seed", "evolve_seed", 7),
+        (
+            "score",
+            "--sub-blocks",
+            "--blocks",
+            "blocks",
+            (None, "gdn,attention,mlp,shared_expert,experts,depth"),
+        ),
     ],
 )
 def test_deprecated_spellings_still_work_and_say_so(command, old, new, dest, value, capsys, recwarn):
     from gdnprune.cli import build_parser
 
-    positional = {"demo": [], "verify": ["a", "b"], "slice": ["m", "-o", "x"]}[command]
-    args = build_parser(command).parse_args([command, *positional, old, str(value)])
-    assert getattr(args, dest) == value
+    positional = {
+        "demo": [],
+        "verify": ["a", "b"],
+        "slice": ["m", "-o", "x"],
+        "score": ["m", "-o", "s"],
+        "plan": ["m", "--scores", "s", "-o", "p"],
+        "prune": ["m", "-o", "x", "--data", "d"],
+    }[command]
+    given, expected = value if isinstance(value, tuple) else (value, value)
+    args = build_parser(command).parse_args(
+        [command, *positional, old, *([] if given is None else [str(given)])]
+    )
+    assert getattr(args, dest) == expected
     assert any(old in str(w.message) and new in str(w.message) for w in recwarn.list)
 
 

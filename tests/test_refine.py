@@ -1,4 +1,4 @@
-"""Measured lane choice (score --refine lanes): the masks are exact head removals, the orders are valid
+"""The lane search (score --lane-search): the masks are exact head removals, the orders are valid
 and do not depend on the batch split, and the model is left as it was."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tiny_models import build_model
 
 from gdnprune.geometry import GDNShape, orders_from_payload
 from gdnprune.layouts import find_gdn_modules
-from gdnprune.refine import refine_lane_orders
+from gdnprune.refine import search_lane_orders
 from gdnprune.scoring import score_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=6, key_head_dim=8, value_head_dim=4)
@@ -31,13 +31,13 @@ def _kl_without_head(model, x, prefix, head) -> float:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
-def test_refined_lane_orders_are_measured_exactly_and_batch_invariant(model_type):
+def test_searched_lane_orders_are_measured_exactly_and_batch_invariant(model_type):
     model = build_model(model_type, SHAPE, seed=21)
     x = torch.randint(0, 128, (2, 72), generator=torch.Generator().manual_seed(5))
     scores = score_model(model, [x], progress=False)
     before = {p: m.state_dict() for p, m in find_gdn_modules(model)}
-    refined, report = refine_lane_orders(model, [x], scores, sweeps=1, progress=False)
-    again, _ = refine_lane_orders(model, [x[:1], x[1:]], scores, sweeps=1, progress=False)
+    refined, report = search_lane_orders(model, [x], scores, sweeps=1, progress=False)
+    again, _ = search_lane_orders(model, [x[:1], x[1:]], scores, sweeps=1, progress=False)
     first = find_gdn_modules(model)[0][0]
     r = SHAPE.value_heads_per_group
     for prefix, payload in refined["layers"].items():
@@ -68,7 +68,7 @@ def test_refined_lane_orders_are_measured_exactly_and_batch_invariant(model_type
         assert not (getattr(module, "out_proj", None) or module.o_proj)._forward_pre_hooks
 
 
-def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
+def test_score_lane_search_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     import json
 
     from test_checkpoint import SHAPE as SMALL_SHAPE
@@ -77,7 +77,7 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     from gdnprune import load_pretrained
     from gdnprune.cli import main
     from gdnprune.compensate import load_statistics
-    from gdnprune.scores import load_scores
+    from gdnprune.scores import gdn_entries, load_scores
 
     src = make_source(tmp_path / "model", "qwen3_5", seed=22)
     text = tmp_path / "calib.txt"
@@ -90,9 +90,8 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
                 str(src),
                 "--output",
                 str(tmp_path / "s.json"),
-                "--refine",
-                "lanes",
-                "--refine-samples",
+                "--lane-search",
+                "--lane-search-samples",
                 "2",
                 "--compensation-stats",
                 str(tmp_path / "s.compensation.safetensors"),
@@ -104,8 +103,10 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     assert "compensation statistics" in capsys.readouterr().out
     scores = load_scores(tmp_path / "s.json")
     assert scores["measures"]["value_lane"] == "measured_kl" and scores["lane_refinement"]["evaluations"] > 0
+    subs = {k: v for k, v in scores["layers"].items() if k not in gdn_entries(scores["layers"])}
+    assert {v["kind"] for v in subs.values()} == {"attention", "mlp"}  # every kind by default, kept as scored
     stats = load_statistics(tmp_path / "s.compensation.safetensors")
-    assert set(stats) == set(scores["layers"])
+    assert set(stats) == set(gdn_entries(scores["layers"]))
     r = SMALL_SHAPE.num_value_heads * SMALL_SHAPE.value_head_dim
     assert all(v["out_moment"].shape == (r, r) and v["tokens"] == 4 * 72 for v in stats.values())
     # the deprecated spelling still works: --compensation writes beside the scores file
@@ -124,8 +125,7 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
                 "1",
                 "--num-value-heads",
                 "2",
-                "--refine",
-                "lanes",
+                "--lane-search",
                 "--compensate",
                 *common,
             ]
@@ -138,3 +138,17 @@ def test_score_refine_and_compensation_then_prune_end_to_end(tmp_path, capsys):
         and manifest["scores"]["measures"]["value_lane"] == "measured_kl"
     )
     assert load_pretrained(out)(input_ids=torch.randint(0, 11, (1, 20))).logits.isfinite().all()
+
+
+def test_the_old_name_of_the_lane_search_still_works_and_says_so():
+    from gdnprune.refine import refine_lane_orders
+
+    model = build_model("qwen3_5", SHAPE, seed=21)
+    x = torch.randint(0, 128, (1, 72), generator=torch.Generator().manual_seed(5))
+    scores = score_model(model, [x], progress=False)
+    with pytest.warns(FutureWarning, match="search_lane_orders"):
+        old, _ = refine_lane_orders(model, [x], scores, sweeps=1, progress=False)
+    new, _ = search_lane_orders(model, [x], scores, sweeps=1, progress=False)
+    for prefix, payload in new["layers"].items():
+        key = "value_lane_order_most_important_first"
+        assert old["layers"][prefix][key] == payload[key]

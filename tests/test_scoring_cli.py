@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +267,77 @@ def test_the_demo_says_how_to_get_its_plot(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     assert demo._plot([], [], tmp_path / "p.png", "t") is False
     assert "pip install 'gdnprune[plot]'" in demo.NO_PLOT
+
+
+# ---- score then sort order every axis by default (the outside view) ---------------------------------------
+
+TRAINED = Path(__file__).resolve().parent / "data" / "trained"
+
+
+def _logits(folder, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module")
+def byte_ids():
+    return torch.tensor([list(train_text()[5000:5096].encode("utf-8"))[:96]])
+
+
+def _score_and_sort(folder, text_file, tmp_path):
+    scores, sorted_dir = tmp_path / "s.json", tmp_path / "sorted"
+    assert _run(folder, text_file, scores) == 0
+    assert main(["sort", str(folder), "--scores", str(scores), "-o", str(sorted_dir), "-q"]) == 0
+    return json.loads(scores.read_text())["layers"], sorted_dir
+
+
+def test_score_sort_slice_cuts_the_least_important_mlp_channels(text_file, tmp_path, byte_ids):
+    """score + sort + slice --intermediate-size keeps each MLP's most important channels: the sliced model
+    computes what the full model computes with the other channels' down_proj columns zeroed (plain torch)."""
+    source, keep = TRAINED / "olmo_hybrid", 48
+    layers, sorted_dir = _score_and_sort(source, text_file, tmp_path)
+    mlps = {p: v for p, v in layers.items() if v.get("kind") == "mlp"}
+    assert len(mlps) == 3 and {v.get("kind") for v in layers.values()} >= {"attention", "mlp"}
+    cut_dir = tmp_path / "cut"
+    argv = ["slice", str(sorted_dir), "-o", str(cut_dir), "--intermediate-size", str(keep), "-q"]
+    assert main(argv) == 0
+
+    full = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    stored = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for prefix, payload in mlps.items():
+            order = payload["channel_order_most_important_first"]
+            assert set(order[:keep]) != set(range(keep))  # not the stored order: the test can tell them apart
+            full.get_submodule(f"{prefix}.down_proj").weight[:, order[keep:]] = 0
+            stored.get_submodule(f"{prefix}.down_proj").weight[:, keep:] = 0
+        expected, by_storage = full(input_ids=byte_ids).logits, stored(input_ids=byte_ids).logits
+    got = _logits(cut_dir, byte_ids)
+    assert json.loads((cut_dir / "config.json").read_text())["intermediate_size"] == keep
+    assert torch.allclose(got, expected, atol=2e-4), (got - expected).abs().max()
+    assert (got - by_storage).abs().max() > 1e-2  # cutting in the stored order is another model
+
+
+def test_sort_moves_the_experts_and_keeps_the_function(text_file, tmp_path, byte_ids):
+    """The default scores order the routed experts too, and sort applies them: expert i of the sorted folder is
+    expert order[i] of the source (bytes), its router row with it, and the logits stay the same."""
+    from safetensors.torch import load_file
+
+    source = TRAINED / "qwen3_5_moe"
+    layers, sorted_dir = _score_and_sort(source, text_file, tmp_path)
+    experts = {p: v for p, v in layers.items() if v.get("kind") == "experts"}
+    assert len(experts) == 3 and {"shared_expert", "attention"} <= {v.get("kind") for v in layers.values()}
+    before = load_file(source / "model.safetensors")
+    after = {k: v for f in sorted(sorted_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    moved = 0
+    for prefix, payload in experts.items():
+        order = payload["expert_order_most_important_first"]
+        moved += order != sorted(order)
+        assert torch.equal(after[f"{prefix}.gate.weight"], before[f"{prefix}.gate.weight"][order])
+        for i, e in enumerate(order):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                key = f"{prefix}.experts.{{}}.{name}.weight"
+                assert torch.equal(after[key.format(i)], before[key.format(e)])
+    assert moved  # at least one layer's experts really moved
+    expected, got = _logits(source, byte_ids), _logits(sorted_dir, byte_ids)
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()

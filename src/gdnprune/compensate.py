@@ -187,7 +187,7 @@ def sequential_refit(
     import torch
     from tqdm.auto import tqdm
 
-    from .forwards import block_of, output_projection, record_input, run_model, run_with_hooks, unpack_batches
+    from .forwards import layer_of, output_projection, record_input, run_model, run_with_hooks, unpack_batches
     from .geometry import GDNShape
     from .layouts import find_gdn_modules
 
@@ -230,8 +230,8 @@ def sequential_refit(
                     else:
                         teacher = [(output_projection(full), record_input(seen, "o_full", stop=True))]
                         if reference == "stream":
-                            teacher.insert(0, (block_of(model, full), record_input(seen, "x_full")))
-                            hooks.insert(0, (block_of(small, cut), record_input(seen, "x_cut")))
+                            teacher.insert(0, (layer_of(model, full), record_input(seen, "x_full")))
+                            hooks.insert(0, (layer_of(small, cut), record_input(seen, "x_cut")))
                         run_model(model, ids, mask, teacher)
                     run_model(small, ids, mask, hooks)
                     o = _tokens(seen["o"], mask, plain.device)

@@ -1,23 +1,25 @@
-"""Running models: the one place that feeds batches to a model, finds its blocks and stops or replays forwards.
+"""Running models: the one place that feeds batches to a model, finds its layers and stops or replays forwards.
 
-Scoring, plan sensitivity, lane refinement and compensation all run calibration batches through a
+Scoring, plan sensitivity, the lane search and compensation all run calibration batches through a
 transformers model and look inside it; this module is what they share:
 
 * batches: :func:`unpack_batch` (``input_ids`` and an optional ``attention_mask`` from a tensor or a
   mapping), :func:`input_device` (where the ids go, also when accelerate offloaded the embedding to
   ``meta``), :func:`model_inputs` (the keyword arguments of one forward);
-* where things are: :func:`decoder_blocks` (the decoder's layer list), :func:`block_index` /
-  :func:`block_of` (the block that holds a sub-module: a GDN module, an attention or MLP module, an
+* where things are: :func:`decoder_layers` (the decoder's layer list), :func:`layer_index` /
+  :func:`layer_of` (the decoder layer that holds a sub-module: a GDN module, an attention or MLP module, an
   expert), :func:`parent_and_name` (where to swap a sub-module), :func:`output_projection` (the linear that
   writes a sub-block's output into the residual stream);
-* the hidden-state argument of a block call: :func:`hidden_argument`, :func:`with_hidden`;
+* the hidden-state argument of a layer call: :func:`hidden_argument`, :func:`with_hidden`;
 * stopping a forward: :class:`Stop`, :func:`record_input` (a pre-hook that keeps a module's input and may
   stop the pass), :func:`run_with_hooks` (any module), :func:`run_model` (a model on one batch);
-* :class:`Forwards`: one teacher pass that keeps the inputs of chosen blocks, then runs from any of them
-  with the blocks before it passed through, and compares with the teacher (KL and loss per token). Plan
-  sensitivity and lane refinement run on it.
+* :class:`Forwards`: one teacher pass that keeps the inputs of chosen layers, then runs from any of them
+  with the layers before it passed through, and compares with the teacher (KL and loss per token). Plan
+  sensitivity and the lane search run on it.
 
-Nothing here knows GDN geometry: a "module" is any sub-module of a decoder block.
+Nothing here knows GDN geometry: a "module" is any sub-module of a decoder layer. ("Layer" here is always a
+decoder layer, ``model.layers.N``; the old names ``decoder_blocks``, ``block_index``, ``block_of`` remain as
+aliases for one release.)
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ __all__ = [
     "unpack_batches",
     "input_device",
     "model_inputs",
+    "decoder_layers",
+    "layer_index",
+    "layer_of",
     "decoder_blocks",
     "block_index",
     "block_of",
@@ -105,8 +110,8 @@ def model_inputs(ids: torch.Tensor, mask: torch.Tensor | None, device: torch.dev
     return kwargs
 
 
-def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder's blocks (``model.get_decoder().layers``), in order."""
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's layers (``model.get_decoder().layers``), in order."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is None or not hasattr(decoder, "layers"):
         raise ValueError(
@@ -115,18 +120,22 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     return decoder.layers
 
 
-def block_index(blocks: Sequence[torch.nn.Module], module: torch.nn.Module) -> int:
-    """The index of the block among ``blocks`` that holds ``module`` (or is it)."""
-    for i, block in enumerate(blocks):
-        if any(sub is module for sub in block.modules()):
+def layer_index(layers: Sequence[torch.nn.Module], module: torch.nn.Module) -> int:
+    """The index of the decoder layer among ``layers`` that holds ``module`` (or is it)."""
+    for i, layer in enumerate(layers):
+        if any(sub is module for sub in layer.modules()):
             return i
     raise ValueError(f"the {type(module).__name__} module is not inside one of the decoder's layers")
 
 
-def block_of(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
-    """The decoder block of ``model`` that holds ``module``."""
-    blocks = decoder_blocks(model)
-    return blocks[block_index(blocks, module)]
+def layer_of(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layer of ``model`` that holds ``module``."""
+    layers = decoder_layers(model)
+    return layers[layer_index(layers, module)]
+
+
+# the old names (a decoder layer was called a "block" here), kept for one release
+decoder_blocks, block_index, block_of = decoder_layers, layer_index, layer_of
 
 
 def parent_and_name(root: torch.nn.Module, module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
@@ -152,13 +161,13 @@ def output_projection(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def hidden_argument(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor:
-    """The hidden states a block (or sub-block) is called with: the first positional argument, else
+    """The hidden states a layer (or sub-block) is called with: the first positional argument, else
     ``hidden_states``."""
     return args[0] if args else kwargs["hidden_states"]
 
 
 def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a block call with the hidden states replaced by ``hidden``."""
+    """``(args, kwargs)`` of a layer call with the hidden states replaced by ``hidden``."""
     if args:
         return (hidden, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
@@ -202,7 +211,7 @@ def run_model(
 
 
 class Passthrough(torch.nn.Module):
-    """Stands in for a decoder block: hands its hidden-state input on unchanged."""
+    """Stands in for a decoder layer: hands its hidden-state input on unchanged."""
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden_argument(args, kwargs)
@@ -304,7 +313,7 @@ class Forwards:
 
     @contextlib.contextmanager
     def _together(self) -> Iterator[None]:
-        """A block that may fail on one rank only: all ranks raise together (then a sum may follow)."""
+        """A code block that may fail on one rank only: all ranks raise together (then a sum may follow)."""
         if not self.several:
             yield
             return
@@ -315,7 +324,7 @@ class Forwards:
 
     def decoder_index(self, module: torch.nn.Module) -> int:
         """The index of the decoder layer that holds ``module``."""
-        return block_index(self.decoder.layers, module)
+        return layer_index(self.decoder.layers, module)
 
     def _kwargs(self, mask: torch.Tensor | None) -> dict:
         return {
@@ -366,7 +375,7 @@ class Forwards:
 
     @contextlib.contextmanager
     def from_layer(self, index: int) -> Iterator[Callable[[], tuple[float, float]]]:
-        """Within the block, a call ``measure()`` runs every batch (``measure(indices)``: those batches) from
+        """Within the ``with`` statement, a call ``measure()`` runs every batch (``measure(indices)``: those batches) from
         decoder layer ``index``'s kept input and returns ``(KL per token, loss per token)`` against the teacher."""
         current = {"k": 0}
 

@@ -60,9 +60,9 @@ class TensorRule:
         grouped: whether the axis is interleaved per key group (Qwen3-Next fused projections).
         ndim: expected number of dimensions.
         required: whether a layer of this layout must have the tensor (biases are optional).
-        block: 1 for a tensor whose coupled axis runs over rows (or columns) of the weight itself; ``B`` for
-            the per-block scales of a block-quantised weight (FP8 ``weight_scale_inv``): one entry per ``B``
-            rows of the weight's coupled axis (see :func:`scale_rule`).
+        tile: 1 for a tensor whose coupled axis runs over rows (or columns) of the weight itself; ``B`` for
+            the scales of a tile-quantised weight (FP8 ``weight_scale_inv``, one scale per ``B`` x ``B``
+            tile): one entry per ``B`` rows of the weight's coupled axis (see :func:`scale_rule`).
     """
 
     name: str
@@ -71,12 +71,17 @@ class TensorRule:
     grouped: bool = False
     ndim: int = 2
     required: bool = True
-    block: int = 1
+    tile: int = 1
+
+    @property
+    def block(self) -> int:
+        """The old name of :attr:`tile` (kept for one release)."""
+        return self.tile
 
     def length(self, shape) -> int:
         """Expected size of the coupled axis for a layer of geometry ``shape``."""
         rows = sum(segment_size(kind, shape) for kind in self.segments)
-        return -(-rows // self.block)
+        return -(-rows // self.tile)
 
     def expected_shape(self, shape) -> str:
         """Human readable expected shape, ``*`` for axes the layout does not fix."""
@@ -105,47 +110,51 @@ class TensorRule:
             if not self.grouped
             else _physical_rows(self.segments, shape)[canonical[self.canonical_rows(target)]]
         )
-        return rows if self.block == 1 else _block_index(rows, self.block, self.name)
+        return rows if self.tile == 1 else _tile_index(rows, self.tile, self.name)
 
 
-class BlockGridError(ValueError):
-    """A gather that moves rows of a block-quantised weight out of their scale block."""
+class TileGridError(ValueError):
+    """A gather that moves rows of a tile-quantised weight out of their scale tile."""
 
 
-def _block_index(rows: np.ndarray, block: int, name: str) -> np.ndarray:
-    """The scale blocks of the source for the output blocks of a weight gathered with ``rows``.
+#: the old name of :class:`TileGridError` (kept for one release)
+BlockGridError = TileGridError
 
-    Output block ``b`` holds output rows ``[b*B, (b+1)*B)``; every one of them must come from the same source
-    block, whose scale then serves it unchanged (the dequantised weights are exactly the gathered ones).
+
+def _tile_index(rows: np.ndarray, tile: int, name: str) -> np.ndarray:
+    """The scale tiles of the source for the output tiles of a weight gathered with ``rows``.
+
+    Output tile ``b`` holds output rows ``[b*B, (b+1)*B)``; every one of them must come from the same source
+    tile, whose scale then serves it unchanged (the dequantised weights are exactly the gathered ones).
     """
-    source = rows // block
-    starts = np.arange(0, rows.size, block)
+    source = rows // tile
+    starts = np.arange(0, rows.size, tile)
     low, high = np.minimum.reduceat(source, starts), np.maximum.reduceat(source, starts)
     broken = np.flatnonzero(low != high)
     if broken.size:
         b = int(broken[0])
-        raise BlockGridError(
-            f"{name}: the gather takes rows of one {block}-row scale block from several source blocks (output "
-            f"block {b} mixes source blocks {sorted(set(source[b * block : (b + 1) * block].tolist()))}); with "
-            f"{block}-wide quantisation blocks only moves and cuts of whole blocks keep the FP8 weights exact"
+        raise TileGridError(
+            f"{name}: the gather takes rows of one {tile}-row scale tile from several source tiles (output "
+            f"tile {b} mixes source tiles {sorted(set(source[b * tile : (b + 1) * tile].tolist()))}); with "
+            f"{tile}-wide quantisation tiles only moves and cuts of whole tiles keep the FP8 weights exact"
         )
     return low
 
 
-def scale_rule(weight: TensorRule, suffix: str, block_size: tuple[int, int]) -> TensorRule:
-    """The rule of the per-block scales ``suffix`` of the block-quantised weight ``weight``: the same coupled
-    axis and segments, one entry per block of ``block_size = (rows, columns)``. A fused 3-D expert tensor
-    (``[E, rows, columns]``, coupled along the expert axis 0) has scales ``[E, blocks, blocks]``: one set per
-    expert, gathered with its expert (block 1 along that axis)."""
+def scale_rule(weight: TensorRule, suffix: str, tile_size: tuple[int, int]) -> TensorRule:
+    """The rule of the per-tile scales ``suffix`` of the tile-quantised weight ``weight``: the same coupled
+    axis and segments, one entry per tile of ``tile_size = (rows, columns)``. A fused 3-D expert tensor
+    (``[E, rows, columns]``, coupled along the expert axis 0) has scales ``[E, tiles, tiles]``: one set per
+    expert, gathered with its expert (tile 1 along that axis)."""
     leading = weight.ndim - 2
-    block = 1 if weight.axis < leading else int(block_size[weight.axis - leading])
+    tile = 1 if weight.axis < leading else int(tile_size[weight.axis - leading])
     return TensorRule(
-        suffix, weight.axis, weight.segments, weight.grouped, ndim=weight.ndim, required=False, block=block
+        suffix, weight.axis, weight.segments, weight.grouped, ndim=weight.ndim, required=False, tile=tile
     )
 
 
 def scale_name(weight: str) -> str:
-    """The FP8 block-scale tensor of weight suffix ``weight``: ``x.weight`` -> ``x.weight_scale_inv``; a
+    """The FP8 scale tensor (one scale per tile) of weight suffix ``weight``: ``x.weight`` -> ``x.weight_scale_inv``; a
     parameter not called ``weight`` (fused experts ``experts.gate_up_proj``) -> ``experts.gate_up_proj_scale_inv``
     (transformers' names)."""
     if weight == "weight" or weight.endswith(".weight"):
@@ -154,7 +163,7 @@ def scale_name(weight: str) -> str:
 
 
 def scaled_weight(suffix: str) -> str | None:
-    """The weight an FP8 block-scale suffix scales (the inverse of :func:`scale_name`), None for other tensors."""
+    """The weight an FP8 scale suffix scales (the inverse of :func:`scale_name`), None for other tensors."""
     if suffix.endswith("weight_scale_inv"):
         return suffix[: -len("weight_scale_inv")] + "weight"
     if suffix.endswith("_scale_inv"):

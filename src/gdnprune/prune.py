@@ -38,7 +38,7 @@ def prune_checkpoint(
     file or dict, :mod:`gdnprune.plans`), or ``search`` — the options of :func:`gdnprune.plan.plan_model`
     (``budget_params`` of the whole model, ``budget_gdn_params``, ``budget_state``, ``sensitivity``, ...): the
     plan is then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
-    options of :func:`gdnprune.scoring.score_checkpoint` (``refine="lanes"`` included). ``compensate``
+    options of :func:`gdnprune.scoring.score_checkpoint` (``lane_search=True`` included). ``compensate``
     (``True`` or ``"statistics"``) collects the least-squares statistics in the scoring pass and refits every
     cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is
     known, cuts the model in memory and refits ``out_proj`` layer by layer on the cut model's own hidden
@@ -134,9 +134,9 @@ def prune_checkpoint(
             model_dir,
             data,
             progress=progress,
-            compensation=bool(compensate) and not sequential,
+            compensate=bool(compensate) and not sequential,
             model=model,
-            **{"blocks": sub_blocks, **scoring},
+            **{"blocks": None if sub_blocks else ("gdn",), **scoring},
         )
         path = scores
     stats = scores.pop("compensation_statistics", None)
@@ -175,7 +175,7 @@ def prune_checkpoint(
         plan=plan,
         tp=tp,
         multiple_of=multiple_of,
-        compensation=stats,
+        compensation_stats=stats,
         operation="prune",
         overwrite=overwrite,
         self_contained=self_contained,

@@ -1,7 +1,7 @@
-"""Measured lane choice: order the value heads inside each key group by what removing them costs.
+"""The lane search: order the value heads inside each key group by what removing them costs, measured.
 
 Lanes (value heads sharing a key head) are the axis where a forward-only proxy is weakest
-(BENCHMARKS.md). :func:`refine_lane_orders` replaces the scores' lane orders with orders decided by
+(BENCHMARKS.md). :func:`search_lane_orders` replaces the scores' lane orders with orders decided by
 measurement, using the plan search's shared forwards (:class:`gdnprune.forwards.Forwards`: one
 teacher pass, every evaluation run from the layer's cached input):
 
@@ -23,16 +23,17 @@ are batched.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["refine_lane_orders"]
+__all__ = ["search_lane_orders", "refine_lane_orders"]
 
 
-def refine_lane_orders(
+def search_lane_orders(
     model: torch.nn.Module,
     batches: Iterable[Any],
     scores: Mapping[str, Any],
@@ -62,13 +63,14 @@ def refine_lane_orders(
     from .forwards import Forwards, output_projection
     from .geometry import GDNShape
     from .layouts import find_gdn_modules
-    from .scores import match_layers
+    from .scores import gdn_entries, match_layers
 
     if sweeps < 1:
         raise ValueError(f"sweeps must be >= 1, got {sweeps}")
     start = time.perf_counter()
     modules = find_gdn_modules(model)
-    payloads = match_layers(scores["layers"], [p for p, _ in modules])
+    gdn = gdn_entries(scores["layers"])  # the sub-blocks' orders are kept as they are
+    payloads = match_layers(gdn, [p for p, _ in modules])
     forwards = Forwards(model, batches)
     index = {prefix: forwards.decoder_index(module) for prefix, module in modules}
     forwards.teacher(index.values())
@@ -90,7 +92,7 @@ def refine_lane_orders(
         s.num_key_heads * s.value_heads_per_group * (s.value_heads_per_group + 1) // 2
         for s in shapes.values()
     )
-    bar = tqdm(total=total, disable=not progress, desc="refining lanes", unit="eval")
+    bar = tqdm(total=total, disable=not progress, desc="lane search", unit="eval")
     orders: dict[str, np.ndarray] = {}
     removal_kl: dict[str, np.ndarray] = {}
     history = []
@@ -134,7 +136,7 @@ def refine_lane_orders(
 
     refined = dict(scores)
     refined["layers"] = dict(scores["layers"])
-    key_of = {p: k for k in scores["layers"] for p in match_layers({k: None}, [p for p, _ in modules])}
+    key_of = {p: k for k in gdn for p in match_layers({k: None}, [p for p, _ in modules])}
     for prefix, _ in modules:
         payload = dict(payloads[prefix])
         payload["value_lane_order_most_important_first"] = orders[prefix].tolist()
@@ -152,3 +154,13 @@ def refine_lane_orders(
     }
     refined["lane_refinement"] = {k: v for k, v in report.items() if k != "history"}
     return refined, report
+
+
+def refine_lane_orders(*args: Any, **kwargs: Any) -> tuple[dict, dict]:
+    """The old name of :func:`search_lane_orders` (deprecated: it warns and calls it)."""
+    warnings.warn(
+        "refine_lane_orders is deprecated and will be removed; use search_lane_orders",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return search_lane_orders(*args, **kwargs)

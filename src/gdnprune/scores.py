@@ -42,6 +42,7 @@ __all__ = [
     "save_scores",
     "matching_prefixes",
     "match_layers",
+    "gdn_entries",
     "resolve_orders",
     "scores_to_permutations",
     "prefix_alias",
@@ -214,6 +215,12 @@ def match_layers(entries: Mapping[str, Any], prefixes: Iterable[str], what: str 
     return out
 
 
+def gdn_entries(layers: Mapping[str, Any]) -> dict[str, Any]:
+    """The GDN layers' entries of a scores (or plan) file's ``layers``: every key that names no sub-block
+    (:func:`gdnprune.blocks.block_kind_of`)."""
+    return {k: v for k, v in layers.items() if not isinstance(k, str) or block_kind_of(k) is None}
+
+
 def resolve_orders(
     permutations: Mapping | None, shapes: Mapping[str, geometry.GDNShape]
 ) -> tuple[dict[str, dict], list[str]]:
@@ -250,10 +257,11 @@ def resolve_orders(
 
 
 def scores_to_permutations(scores: Mapping[str, Any]) -> dict:
-    """``{prefix: GDNPermutation}`` from a scores-file dict (geometry read from each payload's ``shape``)."""
+    """``{prefix: GDNPermutation}`` of the GDN layers of a scores-file dict (geometry read from each payload's
+    ``shape``; the sub-blocks' orders are :mod:`gdnprune.blocks`' and left out)."""
     from .gated_delta_net import GDNPermutation, GDNShape
 
     out = {}
-    for prefix, payload in check_scores(scores)["layers"].items():
+    for prefix, payload in gdn_entries(check_scores(scores)["layers"]).items():
         out[prefix] = GDNPermutation.from_score_payload(payload, GDNShape(**payload["shape"]))
     return out

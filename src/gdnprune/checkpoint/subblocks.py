@@ -5,7 +5,7 @@ changed module; GDN layers and sub-blocks are planned alike (a layout table, a g
 and the engine does not tell them apart. Here: the sub-block fields of a target (``intermediate_size``,
 ``shared_expert_intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``), the sub-block
 entries of a scores dict (keyed by the block's prefix) and of a version-2 plan become layer plans; the
-config gets the new geometries (``per_layer_config`` where the layers differ); and the FP8 scale-block
+config gets the new geometries (``per_layer_config`` where the layers differ); and the FP8 scale-tile
 check that GDN layers and sub-blocks share. Only blocks that are sorted or cut are planned: the others
 are copied byte for byte. No torch.
 """
@@ -29,7 +29,7 @@ from ..blocks import (
     resolve_block_target,
 )
 from ..geometry import layer_index_of
-from ..layouts import BlockGridError, scaled_weight
+from ..layouts import TileGridError, scaled_weight
 from ..plans import plan_block_kinds, read_plan, resolve_block_plan
 from ..scores import ScoresError, match_layers
 from ..targets import TargetError
@@ -162,25 +162,25 @@ def plan_sub_blocks(
     return out
 
 
-#: how to keep FP8 scale blocks whole, per kind of layer
+#: how to keep FP8 scale tiles whole, per kind of block
 _WHOLE = {
     "gdn": "Cut whole heads (head dims that are multiples of {b})",
     "attention": "Move and cut whole heads (head dims that are multiples of {b})",
-    "mlp": "Order and cut channels in whole blocks of {b}",
-    "shared_expert": "Order and cut channels in whole blocks of {b}",
+    "mlp": "Order and cut channels in whole tiles of {b}",
+    "shared_expert": "Order and cut channels in whole tiles of {b}",
     "experts": "Keep whole experts",
 }
 
 
 def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
-    """FP8: every scale block must stay whole (:func:`gdnprune.layouts.scale_rule`). With ``dequantize`` the
-    weights whose blocks a gather would split are marked to be written in BF16; else a TargetError."""
+    """FP8: every scale tile must stay whole (:func:`gdnprune.layouts.scale_rule`). With ``dequantize`` the
+    weights whose tiles a gather would split are marked to be written in BF16; else a TargetError."""
     for prefix, layer_plan in plans.items():
         broken = set()
         for suffix, rule in layer_plan.layer.scales.items():
             try:
                 rule.gather_index(layer_plan.layer.shape, layer_plan.target, layer_plan.indices)
-            except BlockGridError as exc:
+            except TileGridError as exc:
                 if not dequantize:
                     what = (
                         "sorted"
@@ -188,8 +188,8 @@ def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
                         else f"cut to {layer_plan.target}"
                     )
                     raise TargetError(
-                        f"{prefix} is FP8 with {rule.block}-wide scale blocks and cannot be {what} "
-                        f"exactly: {exc}. {_WHOLE[layer_plan.layer.kind].format(b=rule.block)}, or "
+                        f"{prefix} is FP8 with {rule.tile}-wide scale blocks and cannot be {what} "
+                        f"exactly: {exc}. {_WHOLE[layer_plan.layer.kind].format(b=rule.tile)}, or "
                         f"pass `dequantize=True` to write such weights in BF16"
                     ) from None
                 broken.add(scaled_weight(suffix))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import compensate, depth
+from ..deprecation import renamed_keywords
 from ..fileio import file_sha256
 from ..geometry import apply_targets_to_config, layer_index_of
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
@@ -68,6 +69,7 @@ def _warn(category: type[Warning], message: str) -> None:
     warnings.warn(message, category, stacklevel=3)
 
 
+@renamed_keywords(compensation="compensation_stats")
 def transform_checkpoint(
     model_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -77,7 +79,7 @@ def transform_checkpoint(
     plan: str | os.PathLike | Mapping | None = None,
     tp: int | None = None,
     multiple_of: int | None = None,
-    compensation: str | os.PathLike | Mapping | None = None,
+    compensation_stats: str | os.PathLike | Mapping | None = None,
     ridge: float | None = None,
     dequantize: bool = False,
     self_contained: bool = False,
@@ -110,7 +112,7 @@ def transform_checkpoint(
             head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
             such layer. Head dims that flash-linear-attention cannot run or must pad give a
             :class:`KernelShapeWarning`.
-        compensation: a calibration statistics file (:mod:`gdnprune.compensate`; or the loaded statistics of
+        compensation_stats: a calibration statistics file (:mod:`gdnprune.compensate`; or the loaded statistics of
             this very checkpoint): the ``out_proj`` of every
             layer that loses value heads or value channels is refitted by least squares to reconstruct the
             full layer output (``ridge``: its strength, default ``1e-3``). Or ``{prefix: {"columns": ...}}``,
@@ -154,7 +156,7 @@ def transform_checkpoint(
         target,
         plan,
         (tp, multiple_of, dequantize),
-        (compensation, ridge),
+        (compensation_stats, ridge),
         operation,
         overwrite,
         progress,
@@ -528,6 +530,7 @@ def sort_checkpoint(
 
 
 @keyword_target(paths=2)
+@renamed_keywords(compensation="compensation_stats")
 def slice_checkpoint(
     model_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -536,7 +539,7 @@ def slice_checkpoint(
     plan: str | os.PathLike | Mapping | None = None,
     tp: int | None = None,
     multiple_of: int | None = None,
-    compensation: str | os.PathLike | Mapping | None = None,
+    compensation_stats: str | os.PathLike | Mapping | None = None,
     ridge: float | None = None,
     dequantize: bool = False,
     self_contained: bool = False,
@@ -566,7 +569,7 @@ def slice_checkpoint(
         plan=plan,
         tp=tp,
         multiple_of=multiple_of,
-        compensation=compensation,
+        compensation_stats=compensation_stats,
         ridge=ridge,
         dequantize=dequantize,
         operation="slice",

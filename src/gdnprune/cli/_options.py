@@ -72,13 +72,15 @@ def deprecated(old: str, new: str) -> None:
     warnings.warn(f"{old} is deprecated and will be removed; use {new}", UserWarning, stacklevel=2)
 
 
-def add_deprecated_alias(p, old: str, dest: str, new: str, **kwargs) -> None:
-    """A hidden option ``old`` that stores into ``dest`` and says (a warning line) that ``new`` is its name now."""
+def add_deprecated_alias(p, old: str, dest: str, new: str, convert=None, **kwargs) -> None:
+    """A hidden option ``old`` that stores into ``dest`` and says (a warning line) that ``new`` is its name now;
+    ``convert`` turns the old option's value into the new one's (for an old option that took another kind of
+    value; with ``nargs=0``, a flag, it receives ``[]``)."""
 
     class Alias(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             deprecated(old, new)
-            setattr(namespace, self.dest, values)
+            setattr(namespace, self.dest, values if convert is None else convert(values))
 
     p.add_argument(old, dest=dest, action=Alias, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
 
@@ -274,22 +276,42 @@ def add_forward_arguments(p) -> None:
     )
 
 
-def add_refine_arguments(g) -> None:
-    """``--refine`` and ``--refine-samples`` of ``score`` and ``prune``."""
+def add_lane_search_arguments(g) -> None:
+    """``--lane-search`` and ``--lane-search-samples`` of ``score`` and ``prune`` (``--refine lanes`` and
+    ``--refine-samples`` are their deprecated spellings)."""
     g.add_argument(
-        "--refine",
-        choices=("lanes",),
-        default=None,
+        "--lane-search",
+        action="store_true",
         help="decide the lane orders by measured KL (real forwards, a few times the scoring cost) "
         "instead of the loss-aware Gram",
     )
     g.add_argument(
-        "--refine-samples",
+        "--lane-search-samples",
         type=positive_int,
         default=16,
         metavar="N",
-        help="calibration windows the lane refinement measures on (default 16)",
+        help="calibration windows the lane search measures on (default 16)",
     )
+    add_deprecated_alias(
+        g, "--refine", "lane_search", "--lane-search", convert=lambda value: True, choices=("lanes",)
+    )
+    add_deprecated_alias(
+        g, "--refine-samples", "lane_search_samples", "--lane-search-samples", type=positive_int
+    )
+
+
+#: every kind of block (``--blocks``), as ``plan`` names them; the default of ``score`` and ``plan``
+BLOCKS = "gdn,attention,mlp,shared_expert,experts,depth"
+
+
+def add_blocks_argument(p, help: str) -> None:
+    """``--blocks LIST``: the kinds of block a command works on (default every kind the model has)."""
+    p.add_argument("--blocks", default=BLOCKS, metavar="LIST", help=help)
+
+
+def blocks_from_args(args) -> list[str]:
+    """The kinds of block of ``--blocks LIST``."""
+    return [b.strip() for b in args.blocks.split(",") if b.strip()]
 
 
 def scoring_options(args) -> dict:

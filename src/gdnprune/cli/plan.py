@@ -7,10 +7,14 @@ import sys
 from pathlib import Path
 
 from ._options import (
+    BLOCKS,
+    add_blocks_argument,
     add_calibration_arguments,
     add_constraint_arguments,
+    add_deprecated_alias,
     add_distributed_arguments,
     add_output_arguments,
+    blocks_from_args,
     non_negative_int,
     positive_int,
 )
@@ -78,12 +82,9 @@ def add_search_arguments(p) -> None:
         metavar="X",
         help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes",
     )
-    p.add_argument(
-        "--blocks",
-        default="gdn,attention,mlp,shared_expert,experts,depth",
-        metavar="LIST",
-        help="what may shrink under a whole-model budget (default all: "
-        "gdn,attention,mlp,shared_expert,experts,depth); experts: the number of routed experts kept "
+    add_blocks_argument(
+        p,
+        help=f"what may shrink under a whole-model budget (default all: {BLOCKS}); experts: the number of routed experts kept "
         "per MoE layer; depth: whole decoder layers removed (a candidate of every layer that costs "
         "nothing, measured as the KL with that layer alone skipped)",
     )
@@ -114,7 +115,7 @@ def add_search_arguments(p) -> None:
         help="one geometry per kind of block: all GDN layers one, all MLPs one, all attention layers one (for engines that need uniform layers)",
     )
     p.add_argument(
-        "--refine-generations",
+        "--evolve-generations",
         type=non_negative_int,
         default=0,
         metavar="N",
@@ -123,19 +124,25 @@ def add_search_arguments(p) -> None:
         "plan it starts from; default 0: off)",
     )
     p.add_argument(
-        "--refine-offspring",
+        "--evolve-offspring",
         type=positive_int,
         default=8,
         metavar="N",
-        help="plans tried per generation of the refinement (default 8)",
+        help="plans tried per generation of the evolutionary search (default 8)",
     )
     p.add_argument(
-        "--refine-seed",
+        "--evolve-seed",
         type=non_negative_int,
         default=0,
         metavar="N",
-        help="the refinement's random seed (default 0; the search is deterministic for a seed)",
+        help="the evolutionary search's random seed (default 0; the search is deterministic for a seed)",
     )
+    for name, kind in (
+        ("generations", non_negative_int),
+        ("offspring", positive_int),
+        ("seed", non_negative_int),
+    ):
+        add_deprecated_alias(p, f"--refine-{name}", f"evolve_{name}", f"--evolve-{name}", type=kind)
     add_constraint_arguments(p)
 
 
@@ -148,16 +155,16 @@ def search_options(args) -> dict:
         budget_memory=args.budget_memory,
         budget_state=args.budget_state,
         context=args.context,
-        blocks=[b.strip() for b in args.blocks.split(",") if b.strip()],
+        blocks=blocks_from_args(args),
         sensitivity=args.sensitivity,
         dim_step=args.dim_step,
         axes=[a.strip() for a in args.axes.split(",") if a.strip()],
         tp=args.tp,
         multiple_of=args.multiple_of,
         uniform=args.uniform,
-        refine_generations=args.refine_generations,
-        refine_offspring=args.refine_offspring,
-        refine_seed=args.refine_seed,
+        refine_generations=args.evolve_generations,  # plan_model's keywords keep their names for now
+        refine_offspring=args.evolve_offspring,
+        refine_seed=args.evolve_seed,
     )
 
 
@@ -180,7 +187,7 @@ def add_parser(subparsers) -> None:
         "successive halving or in full, or a proxy from the scores), then choose one candidate per layer "
         "that minimises the summed sensitivity "
         "within the budgets (an exact multiple-choice knapsack, scipy's MILP); with "
-        "--refine-generations, improve that plan by measuring whole plans. The budgets are checked "
+        "--evolve-generations, improve that plan by measuring whole plans (an evolutionary search). The budgets are checked "
         "before any forward. Writes PLAN.json for `slice --plan` / `prune --plan`, "
         "PLAN.sensitivity.json with every candidate and PLAN.sensitivity.png.",
     )
@@ -274,7 +281,7 @@ def format_plan(plan: dict, report: dict) -> str:
     if refined:
         accepted = sum(h["accepted"] for h in refined["history"])
         lines.append(
-            f"joint refinement: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
+            f"evolutionary search: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
             f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
             f"window forwards in {refined['seconds']:.1f} s)"
         )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from ._options import (
     add_calibration_arguments,
+    add_lane_search_arguments,
     add_output_arguments,
-    add_refine_arguments,
     add_self_contained_argument,
     add_target_arguments,
     positive_int,
@@ -53,7 +53,7 @@ def add_parser(subparsers) -> None:
     )
     add_calibration_arguments(p)
     q = p.add_argument_group("one-shot quality")
-    add_refine_arguments(q)
+    add_lane_search_arguments(q)
     q.add_argument(
         "--compensate",
         nargs="?",
@@ -106,8 +106,8 @@ def run(args) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet,
             self_contained=args.self_contained,
-            refine=args.refine,
-            refine_samples=args.refine_samples,
+            lane_search=args.lane_search,
+            lane_search_samples=args.lane_search_samples,
             **scoring_options(args),
         )
     uniform = manifest.get("target")

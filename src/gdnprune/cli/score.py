@@ -11,10 +11,14 @@ import argparse
 import warnings
 
 from ._options import (
+    BLOCKS,
+    add_blocks_argument,
     add_calibration_arguments,
+    add_deprecated_alias,
     add_distributed_arguments,
+    add_lane_search_arguments,
     add_output_arguments,
-    add_refine_arguments,
+    blocks_from_args,
     deprecated,
     scoring_options,
     shard_spec,
@@ -22,15 +26,19 @@ from ._options import (
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "score"
-HELP = "measure the importance of every GDN head and channel on calibration text"
+HELP = (
+    "measure the importance of every head, channel and expert (GDN, attention, MLP, shared expert, routed "
+    "experts) on calibration text"
+)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,
         help=HELP,
-        description="Run calibration text through the model with hooks on every GatedDeltaNet layer and write a "
-        "scores file (importance orders per layer, most important first) for `gdnprune sort`. Under "
+        description="Run calibration text through the model with hooks on every GatedDeltaNet layer and every "
+        "attention, MLP, shared-expert and routed-experts block (--blocks) and write a scores file (the "
+        "importance orders of every axis, most important first) for `gdnprune sort`. Under "
         "torchrun or accelerate launch every process scores its share of the windows and rank 0 "
         "writes the file. Without a launcher, --shard i/n --partial FILE scores one share and "
         "--merge FILE... --output SCORES.json adds the shares up.",
@@ -43,14 +51,16 @@ def add_parser(subparsers) -> None:
     )
     add_output_arguments(p, metavar="SCORES.json", help="scores file to write", required=False, folder=False)
     add_calibration_arguments(p, data_required=False)
-    p.add_argument(
-        "--sub-blocks",
-        action="store_true",
-        help="also score the attention heads, MLP and shared-expert channels (orders beside the GDN "
-        "layers' in the same file): what a whole-model plan (plan --budget-params) sorts and cuts",
+    add_blocks_argument(
+        p,
+        help=f"the kinds of block to order, GDN layers always (default all: {BLOCKS}; the kinds the model "
+        "lacks are skipped, depth has nothing to order)",
+    )
+    add_deprecated_alias(
+        p, "--sub-blocks", "blocks", "--blocks (default: every kind)", convert=lambda v: BLOCKS, nargs=0
     )
     q = p.add_argument_group("one-shot quality")
-    add_refine_arguments(q)
+    add_lane_search_arguments(q)
     q.add_argument(
         "--compensation-stats",
         metavar="STATS.safetensors",
@@ -166,7 +176,8 @@ def _score(args, mode: str) -> int:
             check_output_file(target, args.overwrite)
             if mode == "scores" and args.compensation_stats:
                 check_output_file(args.compensation_stats, args.overwrite)
-    options = dict(progress=not args.quiet, blocks=args.sub_blocks, **scoring_options(args))
+    blocks = None if args.blocks == BLOCKS else blocks_from_args(args)  # None: every kind, no note per kind
+    options = dict(progress=not args.quiet, blocks=blocks, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
         if not main:  # the ranks see the same data and model: rank 0 speaks for them
@@ -191,9 +202,9 @@ def _score(args, mode: str) -> int:
             scores = score_checkpoint(
                 args.model_dir,
                 args.data,
-                refine=args.refine,
-                refine_samples=args.refine_samples,
-                compensation=args.compensation_stats is not None,
+                lane_search=args.lane_search,
+                lane_search_samples=args.lane_search_samples,
+                compensate=args.compensation_stats is not None,
                 **options,
             )
             stats = scores.pop("compensation_statistics", None)
@@ -228,9 +239,9 @@ def run(args) -> int:
         if args.compensation_stats is None:  # beside the scores file, as before
             args.compensation_stats = compensation_path(args.output or "SCORES.json")
     mode = _mode(args)
-    if mode != "scores" and (args.refine or args.compensation_stats):
+    if mode != "scores" and (args.lane_search or args.compensation_stats):
         raise ValueError(
-            "--refine and --compensation-stats go with a scores file: not with --shard/--partial or --merge"
+            "--lane-search and --compensation-stats go with a scores file: not with --shard/--partial or --merge"
         )
     if mode == "merge":
         return _merge(args)

@@ -139,7 +139,7 @@ def run(args) -> int:
         plan=args.plan,
         tp=args.tp,
         multiple_of=args.multiple_of,
-        compensation=args.compensation_stats,
+        compensation_stats=args.compensation_stats,
         ridge=args.ridge,
         dequantize=args.dequantize,
         self_contained=args.self_contained,

@@ -12,13 +12,15 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..blocks import KINDS
+from ..deprecation import renamed_keywords
 from ..distributed import (
     all_reduce_sum,
     fail_together,
@@ -45,10 +47,19 @@ __all__ = [
     "measure_checkpoint",
     "score_checkpoint",
     "default_seq_len",
+    "SCORED_BLOCKS",
+    "GDN_ONLY",
+    "scored_kinds",
 ]
 
 #: Scoring methods, the default first.
 METHODS = ("projection", "activation", "random")
+
+#: what ``blocks`` may name: the kinds of block of a plan (``depth`` has nothing to order and is accepted so
+#: that ``score`` and ``plan`` take the same list); the GDN layers are always scored
+SCORED_BLOCKS = ("gdn", *KINDS, "depth")
+#: the library's default ``blocks``: the GDN layers alone (``gdnprune score`` passes every kind; ``None`` too)
+GDN_ONLY = ("gdn",)
 
 _KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
 _VALUE_DIM_MEASURES = ("head_rms", "energy", "gram", "loss_gram")
@@ -80,6 +91,33 @@ def _check_options(
         raise ValueError(f"loss_token_stride must be >= 1, got {loss_token_stride}")
 
 
+def scored_kinds(blocks: Sequence[str] | bool | None) -> tuple[str, ...] | None:
+    """The sub-block kinds that ``blocks`` asks to score, or None for every kind the model has.
+
+    ``blocks`` names kinds of block (:data:`SCORED_BLOCKS`) and must include ``"gdn"``. The old boolean
+    (``True``: every kind, ``False``: the GDN layers alone) still works, with a ``FutureWarning``.
+    """
+    if blocks is None:
+        return None
+    if isinstance(blocks, bool):
+        warnings.warn(
+            f"`blocks={blocks}` is deprecated and will be removed; give the kinds of block to score, "
+            f"e.g. `blocks={list(SCORED_BLOCKS[:-1]) if blocks else ['gdn']}` (default: every kind)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return tuple(KINDS) if blocks else ()
+    names = [blocks] if isinstance(blocks, str) else list(blocks)
+    unknown = [b for b in names if b not in SCORED_BLOCKS]
+    if unknown:
+        raise ValueError(f"`blocks` must name some of {list(SCORED_BLOCKS)}, got {names}")
+    if "gdn" not in names:
+        raise ValueError(
+            f"`blocks` must include 'gdn' (a scores file always orders the GDN layers), got {names}"
+        )
+    return tuple(k for k in KINDS if k in names)
+
+
 def measure_statistics(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -94,7 +132,7 @@ def measure_statistics(
     key_group_measure: str = "energy_gram",
     loss_token_stride: int | None = None,
     window_offset: int = 0,
-    blocks: bool = False,
+    blocks: Sequence[str] | bool | None = GDN_ONLY,
 ) -> ScoringStatistics:
     """The forward passes of :func:`score_model` in this process alone: the sums, before any order.
 
@@ -112,7 +150,8 @@ def measure_statistics(
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
     block_scorers = []
-    if blocks:
+    kinds = scored_kinds(blocks)
+    if kinds != ():
         from ..block_surgery import find_model_blocks
         from .blocks import BlockScorer
         from .experts import ExpertScorer
@@ -122,7 +161,7 @@ def measure_statistics(
             (ExpertScorer if b.kind == "experts" else BlockScorer)(
                 b, model.get_submodule(b.prefix), block_method
             )
-            for b in find_model_blocks(model, _supported_kinds(model))
+            for b in find_model_blocks(model, _supported_kinds(model, kinds))
         ]
     if method == "random":
         layers = {}
@@ -215,19 +254,20 @@ def measure_statistics(
     )
 
 
-def _supported_kinds(model: torch.nn.Module) -> list[str]:
-    """The sub-block kinds of ``model`` that fit a layout (an indexed attention, say, is left to GDN scoring)."""
+def _supported_kinds(model: torch.nn.Module, asked: tuple[str, ...] | None) -> list[str]:
+    """The sub-block kinds of ``asked`` (None: every kind) that fit a layout in ``model`` (an indexed
+    attention, say, is left to GDN scoring; a warning says so when the kind was asked for by name)."""
     from ..block_surgery import find_model_blocks
-    from ..blocks import KINDS
 
     kinds = []
-    for kind in KINDS:
+    for kind in KINDS if asked is None else asked:
         try:
             find_model_blocks(model, (kind,))
         except ValueError as exc:
-            warnings.warn(
-                f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4
-            )
+            if asked is not None:
+                warnings.warn(
+                    f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4
+                )
             continue
         kinds.append(kind)
     return kinds
@@ -254,7 +294,7 @@ def score_model(
     loss_token_stride: int | None = None,
     window_offset: int = 0,
     distributed: bool | None = None,
-    blocks: bool = False,
+    blocks: Sequence[str] | bool | None = GDN_ONLY,
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
 
@@ -288,10 +328,12 @@ def score_model(
             (:func:`~gdnprune.scoring.loss_head.default_loss_token_stride`).
         window_offset: the running index of the first window of ``batches`` among all calibration windows,
             when ``batches`` is one share of them (the loss tokens are chosen by the global index).
-        blocks: also score the attention heads and MLP channels (dense MLPs, MoE shared experts) in the same
-            forward passes (:mod:`gdnprune.scoring.blocks`); their payloads join ``layers`` under the
-            sub-blocks' prefixes (``random``: random orders). Kinds whose modules fit no layout (Qwen4-exp's
-            indexed attention) are left out.
+        blocks: the kinds of block to order (:data:`SCORED_BLOCKS`: ``gdn``, ``attention``, ``mlp``,
+            ``shared_expert``, ``experts``; ``gdn`` always; ``depth`` orders nothing); None: every kind the
+            model has (what ``gdnprune score`` does by default); default: the GDN layers alone. The sub-blocks are scored in the same forward passes
+            (:mod:`gdnprune.scoring.blocks`, :mod:`gdnprune.scoring.experts`); their payloads join ``layers``
+            under the sub-blocks' prefixes (``random``: random orders). Kinds whose modules fit no layout
+            (Qwen4-exp's indexed attention) are left out (with a warning when named).
         distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
             group before the orders are computed (default None: when a group with more than one process
             is initialised). Each rank passes its own share of the windows
@@ -390,7 +432,7 @@ def measure_checkpoint(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
     keep_model: bool = False,
-    blocks: bool = False,
+    blocks: Sequence[str] | bool | None = GDN_ONLY,
     model: Any = None,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
@@ -416,6 +458,8 @@ def measure_checkpoint(
             raise ValueError(f"{model_dir}: not a model folder (no config.json)")
         if batch_size < 1:
             raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+        kinds = scored_kinds(blocks)  # checked before the (long) load
+        blocks = None if kinds is None else ("gdn", *kinds)
         index, count = (int(x) for x in shard)
         if not 0 <= index < count:
             raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {tuple(shard)}")
@@ -492,6 +536,18 @@ def measure_checkpoint(
     return run
 
 
+def _lane_search_from_refine(refine: str | None) -> bool:
+    """The old ``refine=`` value as ``lane_search``: ``"lanes"`` -> True, None -> False."""
+    if refine not in (None, "lanes"):
+        raise ValueError(f"unknown refinement {refine!r}; expected 'lanes' (now `lane_search=True`)")
+    return refine == "lanes"
+
+
+@renamed_keywords(
+    refine=("lane_search", _lane_search_from_refine),
+    refine_samples="lane_search_samples",
+    compensation="compensate",
+)
 def score_checkpoint(
     model_dir: str | Path,
     data: str | Path,
@@ -505,10 +561,10 @@ def score_checkpoint(
     device_map: str | None = None,
     seed: int = 0,
     progress: bool = True,
-    refine: str | None = None,
-    refine_samples: int = 16,
-    compensation: bool = False,
-    blocks: bool = False,
+    lane_search: bool = False,
+    lane_search_samples: int = 16,
+    compensate: bool = False,
+    blocks: Sequence[str] | bool | None = GDN_ONLY,
     model: Any = None,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
@@ -521,11 +577,11 @@ def score_checkpoint(
     ``seq_len=None`` takes what the model supports, at most 512 (:func:`default_seq_len`); the value
     used, and where it came from, are recorded under ``calibration``.
 
-    ``blocks=True`` also scores the attention heads and MLP channels in the same forwards (see
-    :func:`score_model`).
+    ``blocks``: the kinds of block to order, None for every kind the model has (``gdnprune score``'s default;
+    here the default is the GDN layers alone, see :func:`score_model`).
 
-    ``refine="lanes"`` then decides the lane orders by measured KL on the first ``refine_samples`` windows
-    (:func:`gdnprune.refine.refine_lane_orders`). ``compensation=True`` also collects the least-squares
+    ``lane_search=True`` then decides the lane orders by measured KL on the first ``lane_search_samples``
+    windows (:func:`gdnprune.refine.search_lane_orders`). ``compensate=True`` also collects the least-squares
     compensation statistics (:mod:`gdnprune.compensate`) on every window, returned under the key
     ``"compensation_statistics"`` (numpy arrays: pop it before writing the scores as JSON; the CLI writes it
     beside the scores file). ``model``: the folder's model already loaded (see :func:`measure_checkpoint`).
@@ -534,9 +590,7 @@ def score_checkpoint(
     creates it), the windows are split across the ranks and the sums added (:func:`measure_checkpoint`);
     every rank returns the same scores, ``world_size`` records how many processes computed them.
     """
-    if refine not in (None, "lanes"):
-        raise ValueError(f"unknown refinement {refine!r}; expected 'lanes'")
-    keep = refine is not None or compensation
+    keep = lane_search or compensate
     run = measure_checkpoint(
         model_dir,
         data,
@@ -555,19 +609,19 @@ def score_checkpoint(
     )
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
-    if refine == "lanes":
+    if lane_search:
         from ..calibration import iter_batches
-        from ..refine import refine_lane_orders
+        from ..refine import search_lane_orders
 
         with fail_together():
-            windows = run.windows[: max(1, int(refine_samples))]
-            scores, _ = refine_lane_orders(
+            windows = run.windows[: max(1, int(lane_search_samples))]
+            scores, _ = search_lane_orders(
                 run.loaded,
                 list(iter_batches(windows, batch_size)),
                 scores,
                 progress=progress and is_main_process(),
             )
-    if compensation:
+    if compensate:
         from ..calibration import iter_batches
         from ..checkpoint.folder import map_to_checkpoint
         from ..compensate import collect_statistics

@@ -104,9 +104,9 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
 def block_influence(model: torch.nn.Module, batches: Iterable[Any]) -> dict[int, float]:
     """``{layer index: mean over tokens of 1 - cos(input, output)}`` of every decoder layer (block influence),
     from one pass over ``batches`` (token ids, or ``(ids, mask)``; masked tokens are left out)."""
-    from ..forwards import decoder_blocks, hidden_argument, input_device, unpack_batch
+    from ..forwards import decoder_layers, hidden_argument, input_device, unpack_batch
 
-    layers = list(decoder_blocks(model))
+    layers = list(decoder_layers(model))
     sums, counts = [0.0] * len(layers), [0] * len(layers)
     state: dict[str, Any] = {}
 

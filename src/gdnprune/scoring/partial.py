@@ -13,7 +13,8 @@ The file is a safetensors file: every statistic of every layer as a tensor named
 ``model`` (``path``, ``config_sha256``), the ``data`` (``path``, ``size``, ``mtime``, and
 ``windows_sha256``, the hash of all calibration windows as tokenised), the settings (``method``,
 ``seed``, ``measures``, ``calibration``: ``num_samples``, ``seq_len``, ``batch_size``, ``dtype``) and
-the layers' ``shape`` and ``layout``. JSON lists would do for the small Grams, but not for the
+the layers' ``shape`` and ``layout``, and the sub-blocks' (``blocks``: ``kind``, ``layout``, ``shape`` and
+their tensor tables; their statistics are tensors ``PREFIX/NAME`` too). JSON lists would do for the small Grams, but not for the
 ``[Hv*dv]^2`` moments of ``value_dim_measure="gram"`` (hundreds of MB of text per layer), and binary
 float64 round-trips by construction.
 
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..blocks import KINDS, Block
 from ..distributed import shard_indices
 from ..fileio import umask
 from ..geometry import GDNShape
@@ -65,6 +67,7 @@ _SAME = (
     "shard/count",
     "shard/total_windows",
     "layers",
+    "blocks",
 )
 
 
@@ -92,7 +95,39 @@ def _metadata(run: CheckpointStatistics) -> dict[str, Any]:
         "layers": {
             p: {"shape": layer.shape.as_dict(), "layout": layer.layout} for p, layer in st.layers.items()
         },
+        "blocks": {
+            p: {
+                "kind": block.kind,
+                "layout": block.layout,
+                "shape": block.shape.as_dict(),
+                **{part: {k: list(v) for k, v in getattr(block, part).items()} for part in _BLOCK_TENSORS},
+            }
+            for p, (block, _) in st.blocks.items()
+        },
     }
+
+
+#: the tensor tables of a :class:`~gdnprune.blocks.Block` (suffix -> shape), kept in a partial's metadata
+_BLOCK_TENSORS = ("tensors", "fixed", "numbered")
+
+
+def _read_blocks(meta: dict, tensors: dict[str, torch.Tensor], where: str) -> dict[str, tuple[Block, dict]]:
+    """The sub-blocks of a partial's metadata with their statistics (tensors ``PREFIX/NAME``)."""
+    out = {}
+    for prefix, info in (meta.get("blocks") or {}).items():
+        tables = {part: {k: tuple(v) for k, v in info[part].items()} for part in _BLOCK_TENSORS}
+        block = Block(
+            prefix, info["kind"], info["layout"], KINDS[info["kind"]].geometry(**info["shape"]), **tables
+        )
+        stats = {
+            key.rpartition("/")[2]: value
+            for key, value in tensors.items()
+            if key.rpartition("/")[0] == prefix
+        }
+        if meta["method"] != "random" and not stats:
+            raise PartialError(f"{where}: no statistics for sub-block {prefix}")
+        out[prefix] = (block, stats)
+    return out
 
 
 def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
@@ -106,17 +141,19 @@ def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrit
     from ..fileio import check_output_file
 
     check_output_file(path, overwrite)
-    if run.statistics.blocks:
-        raise PartialError(
-            "partial scores files do not hold attention / MLP sub-block statistics yet: score "
-            "sub-blocks in one run (or under torchrun, whose ranks sum them)"
-        )
     path = Path(path)
     tensors = {
         f"{prefix}/{name}": value.detach().cpu().contiguous()
         for prefix, layer in run.statistics.layers.items()
         for name, value in layer.stats.items()
     }
+    tensors.update(
+        {
+            f"{prefix}/{name}": value.detach().cpu().contiguous()
+            for prefix, (_, stats) in run.statistics.blocks.items()
+            for name, value in stats.items()
+        }
+    )
     blob = save(tensors, metadata={_META_KEY: json.dumps(_metadata(run), sort_keys=True)})
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -181,7 +218,8 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
                         )
                     stats[name] = value
             layers[prefix] = LayerStatistics(shape, info["layout"], stats)
-        statistics = ScoringStatistics(meta["method"], int(meta["seed"]), meta["measures"], layers)
+        blocks = _read_blocks(meta, tensors, where)
+        statistics = ScoringStatistics(meta["method"], int(meta["seed"]), meta["measures"], layers, blocks)
         start, stop = meta["shard"]["windows"]
         (
             int(meta["shard"]["index"]),
@@ -261,6 +299,9 @@ def merge_partials(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
         for prefix, layer in statistics.layers.items():
             for name, value in layer.stats.items():
                 value += other.layers[prefix].stats[name]
+        for prefix, (_, stats) in statistics.blocks.items():
+            for name, value in stats.items():
+                value += other.blocks[prefix][1][name]
     scores = scores_from_statistics(
         statistics, world_size=sum(int(meta["world_size"]) for _, meta, _ in loaded)
     )
