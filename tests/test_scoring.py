@@ -10,11 +10,15 @@ import torch.nn.functional as F
 import transformers
 from tiny_models import build_model, clone_state_dict, logits, make_config
 
+from gdnprune.blocks import KINDS
+from gdnprune.checkpoint import slice_checkpoint, transform_checkpoint
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict
 from gdnprune.layouts import find_gdn_modules
+from gdnprune.scores import gdn_entries
 from gdnprune.scoring import (
     greedy_lane_orders,
     greedy_removal_order,
+    score_checkpoint,
     score_model,
     scores_to_permutations,
 )
@@ -564,3 +568,46 @@ def test_the_default_loss_token_stride_bounds_the_vocabulary_cost(ids):
     pos = torch.arange(T)[None, :] + torch.arange(B)[:, None]
     expected = int(((pos % stride == 0) & (torch.arange(T) < T - 1)[None, :]).sum())
     assert all(p["loss_tokens"] == expected for p in scores["layers"].values())
+
+
+# ---- the kinds of block to score, and the old keywords ------------------------------------------------------
+
+
+def test_blocks_names_the_kinds_to_order_and_none_is_every_kind(ids):
+    model = build_model("qwen3_5_moe", SHAPE, seed=5)
+    every = _score(model, ids[:2], method="activation", blocks=None)
+    gdn = list(gdn_entries(every["layers"]))
+    kinds = {v["kind"] for k, v in every["layers"].items() if k not in gdn}
+    assert kinds == {"attention", "shared_expert", "experts"}  # every kind this MoE model has
+    assert list(_score(model, ids[:2], method="activation")["layers"]) == gdn  # the library default: GDN
+    named = _score(model, ids[:2], method="activation", blocks=["gdn", "experts", "depth"])
+    assert {v.get("kind") for v in named["layers"].values()} == {None, "experts"}
+    for key in gdn:
+        assert named["layers"][key] == every["layers"][key]  # the other kinds change no GDN order
+    with pytest.warns(FutureWarning, match="blocks=True"):
+        old = _score(model, ids[:2], method="activation", blocks=True)
+    assert old["layers"] == every["layers"] and set(KINDS) >= kinds
+    for bad, match in ((["mlp"], "must include 'gdn'"), (["gdn", "ffn"], "must name some of")):
+        with pytest.raises(ValueError, match=match):
+            _score(model, ids[:2], method="activation", blocks=bad)
+
+
+def test_score_checkpoints_old_keywords_warn_and_still_work(tmp_path):
+    for old, value, new in (
+        ("refine", "lanes", "lane_search"),
+        ("refine_samples", 4, "lane_search_samples"),
+        ("compensation", True, "compensate"),
+    ):
+        with pytest.warns(FutureWarning, match=f"`{old}` is deprecated.*`{new}`"):
+            with pytest.raises(ValueError, match="not a model folder"):  # the call went through
+                score_checkpoint(tmp_path / "nothing", tmp_path / "text.txt", **{old: value})
+        with pytest.raises(TypeError, match=f"`{old}` and `{new}`"):
+            score_checkpoint(tmp_path / "nothing", tmp_path / "text.txt", **{old: value, new: value})
+    with pytest.raises(ValueError, match="unknown refinement"):
+        score_checkpoint(tmp_path / "nothing", tmp_path / "text.txt", refine="heads")
+    for function, extra in ((slice_checkpoint, {}), (transform_checkpoint, {"operation": "slice"})):
+        with pytest.warns(FutureWarning, match="`compensation` is deprecated.*`compensation_stats`"):
+            with pytest.raises((ValueError, OSError)):  # the statistics are `compensation_stats` now
+                function(
+                    tmp_path / "no", tmp_path / "out", target={"num_key_heads": 1}, compensation="s", **extra
+                )

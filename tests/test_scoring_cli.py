@@ -15,6 +15,7 @@ from gdnprune.cli import main
 from gdnprune.demo_data import build_byte_tokenizer, train_text
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.layouts import find_gdn_modules
+from gdnprune.scores import gdn_entries
 from gdnprune.scoring import load_scores, score_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
@@ -66,7 +67,7 @@ def _run(model_dir, data, out, *extra):
 
 def test_text_and_jsonl_give_the_same_scores(model_dir, text_file, tmp_path, capsys):
     assert _run(model_dir, text_file, tmp_path / "a.json") == 0
-    assert "2 GDN layers" in capsys.readouterr().out
+    assert "2 GDN layers and 6 sub-blocks" in capsys.readouterr().out  # every kind by default
     jsonl = tmp_path / "calib.jsonl"
     jsonl.write_text(
         json.dumps({"text": text_file.read_text(encoding="utf-8"), "id": 1}) + "\n\n", encoding="utf-8"
@@ -75,7 +76,12 @@ def test_text_and_jsonl_give_the_same_scores(model_dir, text_file, tmp_path, cap
     a, b = load_scores(tmp_path / "a.json"), load_scores(tmp_path / "b.json")
     assert a["method"] == "projection" and a["num_tokens"] == SAMPLES * SEQ
     assert a["calibration"]["num_samples"] == SAMPLES and a["calibration"]["seq_len"] == SEQ
-    assert list(a["layers"]) == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    assert list(gdn_entries(a["layers"])) == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    subs = {p: v["kind"] for p, v in a["layers"].items() if p not in gdn_entries(a["layers"])}
+    assert subs == {
+        **{f"model.layers.{i}.mlp": "mlp" for i in range(4)},
+        **{f"model.layers.{i}.self_attn": "attention" for i in (1, 3)},
+    }
     assert a["layers"] == b["layers"]
 
 
@@ -120,7 +126,7 @@ def test_activation_method_and_device_map_auto(model_dir, text_file, tmp_path):
     assert scores["method"] == "activation"
     assert all(
         len(p["value_dim_order_most_important_first"]) == SHAPE.value_head_dim
-        for p in scores["layers"].values()
+        for p in gdn_entries(scores["layers"]).values()
     )
 
 
@@ -173,10 +179,11 @@ def test_vision_language_checkpoint_keeps_its_tensor_prefixes(text_file, tmp_pat
     folder = _save(model, tmp_path / "vl")
     assert _run(folder, text_file, tmp_path / "vl.json") == 0
     scores = load_scores(tmp_path / "vl.json")
-    assert list(scores["layers"]) == [
+    assert list(gdn_entries(scores["layers"])) == [
         "model.language_model.layers.0.linear_attn",
         "model.language_model.layers.2.linear_attn",
     ]
+    assert all(p.startswith("model.language_model.layers.") for p in scores["layers"])  # sub-blocks too
 
 
 # ---- score for real users: output files, window length, streaming, notes, threads --------------------------
