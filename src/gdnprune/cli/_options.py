@@ -335,7 +335,8 @@ def summary(manifest: dict, out: str) -> str:
     cut = any(layer["target"] != layer["shape"] for layer in layers.values())
     what = f"cut to {target}" if target else "cut layer by layer (per_layer_config)" if cut else "permuted"
     also = f", self-contained ({manifest['self_contained']})" if manifest.get("self_contained") else ""
+    subs = f" and {len(manifest['blocks'])} sub-blocks" if manifest.get("blocks") else ""
     return (
-        f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']}{also} "
+        f"wrote {out}: {len(layers)} GDN layers{subs} {what}, sorted: {manifest['sorted']}{also} "
         f"({manifest['elapsed_seconds']:.1f} s)"
     )

@@ -281,7 +281,7 @@ def format_plan(plan: dict, report: dict) -> str:
     if refined:
         accepted = sum(h["accepted"] for h in refined["history"])
         lines.append(
-            f"evolutionary search: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
+            f"joint refinement: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
             f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
             f"window forwards in {refined['seconds']:.1f} s)"
         )

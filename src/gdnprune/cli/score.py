@@ -156,8 +156,11 @@ def _merge(args) -> int:
     check_output_file(args.output, args.overwrite)
     scores = merge_partials(args.merge)
     path = save_scores(scores, args.output, overwrite=args.overwrite)
+    subs = sum(1 for payload in scores["layers"].values() if "kind" in payload)
     print(
-        f"gdnprune score: merged {scores['shards']} partials ({len(scores['layers'])} GDN layers, "
+        f"gdnprune score: merged {scores['shards']} partials ({len(scores['layers']) - subs} GDN layers"
+        + (f" and {subs} sub-blocks" if subs else "")
+        + ", "
         f"{scores['num_tokens']} tokens, computed by {scores['world_size']} processes) -> {path}"
     )
     return 0

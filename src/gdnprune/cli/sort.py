@@ -1,4 +1,5 @@
-"""``gdnprune sort MODEL_DIR --scores SCORES.json --output OUT``: the sorted teacher (same function)."""
+"""``gdnprune sort MODEL_DIR --scores SCORES.json --output OUT``: the sorted teacher (same function), every
+order of the scores file applied (GDN layers, attention heads, MLP and shared-expert channels, experts)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ from ._options import add_output_arguments, add_self_contained_argument, summary
 from ._runtime import without_blas_threads
 
 NAME = "sort"
-HELP = "permute every GDN layer by importance (same function)"
+HELP = "permute every block by importance: GDN, attention, MLP, experts (same function)"
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,
         help=HELP,
-        description="Apply the importance orders of a scores file to every GDN layer: "
-        "the output computes the same function (the sorted teacher).",
+        description="Apply every importance order of a scores file (GDN layers, attention heads, MLP and "
+        "shared-expert channels, routed experts): the output computes the same function (the sorted "
+        "teacher), and a later `gdnprune slice` of any axis keeps its most important part.",
     )
     p.add_argument(
         "model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)"
