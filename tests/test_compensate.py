@@ -80,7 +80,7 @@ def _layer_output_error(model, small, x) -> float:
     for prefix, module in full_modules.items():
         seen = {}
         handle = module.register_forward_hook(
-            lambda m, a, k, out: seen.update(
+            lambda m, a, k, out, seen=seen: seen.update(
                 input=a, kwargs=k, out=out[0] if isinstance(out, tuple) else out
             ),
             with_kwargs=True,

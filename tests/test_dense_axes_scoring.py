@@ -99,7 +99,7 @@ def test_projection_orders_keep_what_the_greedy_kept_and_group_heads_stay_in_the
     model = _model("qwen3_5")
     ids = _ids(seed=8)
     scorers = _score(model, "projection", ids)
-    for prefix, scorer in scorers.items():
+    for scorer in scorers.values():
         payload = block_payload(scorer.block, scorer.stats, "projection")
         orders = orders_from_payload(payload, scorer.block.shape)
         gram = scorer.stats["gram"]
