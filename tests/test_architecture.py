@@ -400,7 +400,7 @@ def test_inspect_sort_and_slice_never_import_torch_nor_start_blas_threads(tmp_pa
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_byte_identity import TARGET, build_source, scores_for
+    from helpers import BYTES_TARGET, build_source, scores_for
 
     from gdnprune.checkpoint import find_gdn_layers, open_checkpoint
     from gdnprune.compensate import model_identity, save_statistics
@@ -413,7 +413,7 @@ def test_inspect_sort_and_slice_never_import_torch_nor_start_blas_threads(tmp_pa
         o = rng.standard_normal((64, layer.shape.num_value_heads * layer.shape.value_head_dim))
         stats[layer.prefix] = {"out_moment": o.T @ o, "tokens": 64}
     save_statistics(stats, tmp_path / "stats.safetensors", model=model_identity(src))
-    target = [a for k, v in TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    target = [a for k, v in BYTES_TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     script = f"""
 import json, os, sys
 from gdnprune.cli import main

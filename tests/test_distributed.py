@@ -356,6 +356,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, text_file, single, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER, encoding="utf-8")

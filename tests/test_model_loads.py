@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
+from helpers import make_source
 from safetensors import SafetensorError
-from test_checkpoint import make_source
 
 import gdnprune.loading
 from gdnprune import load_pretrained
