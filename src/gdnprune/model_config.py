@@ -3,9 +3,10 @@
 The one place that knows how a config is accessed: a key of a dict or an attribute of an object
 (:func:`config_value`), the global value of a heterogeneous transformers config whose per-layer attributes
 raise when read globally (:func:`global_config_value`), the part that holds the decoder of a multimodal
-model (:func:`text_config`), and the per-layer overrides of transformers' ``per_layer_config``
-(:func:`per_layer_overrides`). The multi-token-prediction head's tensors (:data:`MTP_PREFIX`) are named
-here too: every command passes them through.
+model (:func:`text_config`), the per-layer overrides of transformers' ``per_layer_config``
+(:func:`per_layer_overrides`) and the longest window a model supports (:func:`default_seq_len`). The
+multi-token-prediction head's tensors (:data:`MTP_PREFIX`) are named here too: every command passes them
+through.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "global_config_value",
     "text_config",
     "per_layer_overrides",
+    "default_seq_len",
 ]
 
 #: tensor names of the multi-token-prediction head (``mtp.*``): never a decoder layer's, copied unchanged
@@ -84,3 +86,18 @@ def per_layer_overrides(config: Any, keys: Collection[str], *, key: str) -> dict
         if chosen:
             out[index] = chosen
     return out
+
+
+def default_seq_len(config: Any, tokenizer: Any = None, *, cap: int) -> tuple[int, str]:
+    """The longest window a model supports, at most ``cap``: the least of ``cap``, the (text) config's
+    ``max_position_embeddings`` and the tokenizer's ``model_max_length`` when they are set; and why, in words
+    (``"capped at 512"``, ``"max_position_embeddings 256"``, ``"tokenizer model_max_length 128"``)."""
+    limits = [(cap, f"capped at {cap}")]
+    positions = global_config_value(text_config(config), "max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and positions > 1:
+        limits.append((positions, f"max_position_embeddings {positions}"))
+    length = getattr(tokenizer, "model_max_length", None)
+    if isinstance(length, int) and 1 < length < 1_000_000:  # transformers says "no limit" with a huge number
+        limits.append((length, f"tokenizer model_max_length {length}"))
+    value = min(v for v, _ in limits)
+    return value, next(why for v, why in limits if v == value)
