@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+#: what ruff lints and format-checks (mypy reads its files from pyproject.toml: src/)
+LINT_PATHS := src tests benchmarks scripts examples
+
+.PHONY: demo test lint bench clean
 
 $(VENV)/.installed: requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +17,14 @@ $(VENV)/.installed: requirements-dev.txt pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m gdnprune demo --output demo_output --overwrite
 
-test: $(VENV)/.installed
+# Static checks first: ruff (lint and format) and mypy on src/, zero findings.
+lint: $(VENV)/.installed
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) demo_output .pytest_cache .hypothesis
+	rm -rf $(VENV) demo_output .pytest_cache .hypothesis .mypy_cache .ruff_cache

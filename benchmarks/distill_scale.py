@@ -233,7 +233,7 @@ def report_measured(results: dict, args) -> None:
             losses = results[mode]["ranks"][0]["losses"]
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
             print(
-                f"- {LABELS[mode]} loss curve {['%.4f' % x for x in losses]}"
+                f"- {LABELS[mode]} loss curve {[f'{x:.4f}' for x in losses]}"
                 + (
                     ""
                     if mode == "ddp" or mode.endswith("lm")

@@ -262,7 +262,7 @@ def table(configs: Mapping[str, Mapping]) -> str:
     lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for name, config in configs.items():
         c = param_counts(config)
-        share = lambda k: f"{c[k] / c['total']:.1%}" if c[k] else "–"  # noqa: E731
+        share = lambda k, c=c: f"{c[k] / c['total']:.1%}" if c[k] else "–"  # noqa: E731
         lines.append(
             f"| {name} | {_size(c['total'])} | {_size(c['active'])} | {share('gdn')} | {share('attention')} "
             f"| {share('dense_mlp')} | {share('shared_expert')} | {share('routed_experts')} | "
@@ -279,7 +279,7 @@ def active_table(configs: Mapping[str, Mapping]) -> str:
         c = param_counts(config)
         if not c["routed_experts"]:
             continue
-        share = lambda v: f"{v / c['active']:.1%}"  # noqa: E731
+        share = lambda v, c=c: f"{v / c['active']:.1%}"  # noqa: E731
         lines.append(
             f"| {name} | {_size(c['active'])} | {share(c['gdn'])} | {share(c['attention'])} | "
             f"{share(c['shared_expert'])} | {share(c['routed_active'])} | "

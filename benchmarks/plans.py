@@ -208,7 +208,7 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         measured_uniform = evaluate(choose_uniform(keys, kl, costs, budgets))
         # every uniform geometry within the budget, evaluated on validation
         best_uniform, n_uniform = None, 0
-        for c, target in enumerate(keys[0]):
+        for target in keys[0]:
             picks_u = [layer_keys.index(target) for layer_keys in keys]
             if sum(costs[kind][i][p] for i, p in enumerate(picks_u)) > budgets[kind]:
                 continue

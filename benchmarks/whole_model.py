@@ -404,7 +404,7 @@ def run_model(problem: Problem, args) -> dict:
                 "removed": list(removed),
                 "predicted_kl": float(
                     sum(problem.kl[g][p] for g, p in enumerate(picks) if problem.layer_of[g] not in removed)
-                    + sum(problem.removal.get(l, 0.0) for l in removed)
+                    + sum(problem.removal.get(layer, 0.0) for layer in removed)
                 ),
                 "plan": problem.plan_layers(picks, removed),
             }

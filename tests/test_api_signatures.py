@@ -9,7 +9,7 @@ import json
 import warnings
 
 import pytest
-from test_byte_identity import TARGET, build_source, scores_for
+from helpers import BYTES_TARGET, build_source, scores_for
 
 #: function -> its positional parameters (the paths, inputs first, the output last)
 PUBLIC = {
@@ -58,15 +58,15 @@ def test_a_positional_target_still_works_with_a_warning(tmp_path):
 
     src = build_source(tmp_path / "model", "qwen3_next")
     with pytest.warns(FutureWarning, match="target="):
-        old = slice_checkpoint(src, tmp_path / "old", TARGET, progress=False)
+        old = slice_checkpoint(src, tmp_path / "old", BYTES_TARGET, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        new = slice_checkpoint(src, tmp_path / "new", target=TARGET, progress=False)
+        new = slice_checkpoint(src, tmp_path / "new", target=BYTES_TARGET, progress=False)
     assert old["layers"] == new["layers"]
     for shard in sorted((tmp_path / "new").glob("*.safetensors")):
         assert shard.read_bytes() == (tmp_path / "old" / shard.name).read_bytes()
     with pytest.raises(TypeError, match="by keyword"):
-        slice_checkpoint(src, tmp_path / "x", TARGET, target=TARGET)
+        slice_checkpoint(src, tmp_path / "x", BYTES_TARGET, target=BYTES_TARGET)
 
 
 def test_one_name_for_reading_scores(tmp_path):

@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import EXTRA_FILES, MODEL_TYPES, add_mtp, leftovers, make_source, raw_tensors
+from helpers import SOURCE_SHAPE as SHAPE
+from helpers import add_mtp as _add_mtp  # noqa: F401  (test_depth still imports these from here)
+from helpers import mtp_tensors as _mtp_tensors  # noqa: F401
 from reference import hand_cut_state_dict, picks, zero_removed_heads
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -31,7 +35,6 @@ from gdnprune.gated_delta_net import GDNPermutation, GDNShape
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
-SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 TARGET = {"num_key_heads": 1, "num_value_heads": 1, "key_head_dim": 5, "value_head_dim": 4}
 TARGET_ARGS = [
     "--num-key-heads",
@@ -43,67 +46,11 @@ TARGET_ARGS = [
     "--value-head-dim",
     "4",
 ]
-MODEL_TYPES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
 SEQ = 80  # longer than the GDN kernel's 64-token chunks
 OLMO_CONV = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
-EXTRA_FILES = {
-    "chat_template.jinja": "{{ messages }}",
-    "preprocessor_config.json": '{"size": 4}',
-    "README.md": "# tiny\n",
-    "assets/notes.txt": "nested file\n",
-}
 
 
 # ---- building source folders ----------------------------------------------------------------------------
-
-
-def _tokenizer_files(folder: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["[UNK]", "the", "model", "sorts", "heads", "and", "slices", "them", "a", "of", "to"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
-
-
-def _add_mtp(folder: Path, extra: dict[str, torch.Tensor]) -> None:
-    """Add tensors (e.g. ``mtp.*``) to the last shard and to the index, as real Qwen checkpoints have them."""
-    index_path = folder / ck.INDEX_NAME
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-        shard = sorted(set(index["weight_map"].values()))[-1]
-    else:
-        index, shard = None, ck.SINGLE_NAME
-    tensors = load_file(folder / shard)
-    tensors.update(extra)
-    save_file(tensors, folder / shard, metadata={"format": "pt"})
-    if index is not None:
-        index["weight_map"].update({k: shard for k in extra})
-        index["metadata"]["total_size"] += sum(t.nbytes for t in extra.values())
-        index_path.write_text(json.dumps(index, indent=2))
-
-
-def _mtp_tensors(dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return {
-        "mtp.fc.weight": torch.randn(64, 128, generator=g).to(dtype),
-        "mtp.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).to(dtype),
-        "mtp.norm.weight": torch.randn(64, generator=g).to(dtype),
-    }
-
-
-def make_source(
-    folder: Path, model_type: str, *, dtype=torch.float32, sharded: bool = True, seed: int = 0, config=None
-) -> Path:
-    """A model folder of ``model_type`` as save_pretrained writes it, plus mtp tensors and other files."""
-    model = build_model(model_type, SHAPE, seed=seed, config=config).to(dtype)
-    model.save_pretrained(folder, max_shard_size="20KB" if sharded else "1GB")
-    _add_mtp(folder, _mtp_tensors(dtype))
-    _tokenizer_files(folder)
-    for name, text in EXTRA_FILES.items():
-        (folder / name).parent.mkdir(exist_ok=True)
-        (folder / name).write_text(text)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -122,17 +69,6 @@ def hash_tree(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
-
-
-def raw_tensors(folder: Path) -> dict[str, tuple[str, tuple, bytes]]:
-    """name -> (dtype, shape, raw bytes) read straight from the files."""
-    ckpt = ck.open_checkpoint(folder)
-    out = {}
-    for shard in ckpt.shards:
-        data = Path(shard.path).read_bytes()
-        for t in shard.tensors.values():
-            out[t.name] = (t.dtype, t.shape, data[t.start : t.end])
-    return out
 
 
 def load_all(folder: Path) -> dict[str, torch.Tensor]:
@@ -197,10 +133,6 @@ def ids(seed=0):
 @torch.no_grad()
 def logits_of(folder: Path, model_type: str) -> torch.Tensor:
     return load_model(folder, model_type)(input_ids=ids()).logits
-
-
-def leftovers(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if "gdnprune-" in p.name]
 
 
 def run_cli(args) -> int:
@@ -635,7 +567,7 @@ def test_gdn_looking_mtp_layer_is_left_untouched(tmp_path):
             "in_proj_z.weight": torch.randn(SHAPE.value_dim, 64),
         }.items()
     }
-    _add_mtp(src, mtp)
+    add_mtp(src, mtp)
     with pytest.warns(ck.PassthroughWarning, match="mtp.layers.0.linear_attn"):
         manifest = ck.slice_checkpoint(src, tmp_path / "out", TARGET, progress=False)
     assert manifest["passthrough"] == ["mtp.layers.0.linear_attn"]

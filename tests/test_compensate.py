@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import SOURCE_SHAPE, make_source, refit_by_hand, trained_demo_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_checkpoint import SHAPE, make_source
 from tiny_models import build_model
 
 from gdnprune import compensate, load_pretrained
@@ -80,7 +80,7 @@ def _layer_output_error(model, small, x) -> float:
     for prefix, module in full_modules.items():
         seen = {}
         handle = module.register_forward_hook(
-            lambda m, a, k, out: seen.update(
+            lambda m, a, k, out, seen=seen: seen.update(
                 input=a, kwargs=k, out=out[0] if isinstance(out, tuple) else out
             ),
             with_kwargs=True,
@@ -97,38 +97,16 @@ def _layer_output_error(model, small, x) -> float:
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
 def test_compensation_never_increases_the_calibration_error_of_real_layers(model_type):
-    model = build_model(model_type, SHAPE, seed=11)
+    model = build_model(model_type, SOURCE_SHAPE, seed=11)
     calib = torch.randint(0, 128, (4, 80), generator=torch.Generator().manual_seed(1))
     permutations = scores_to_permutations(score_model(model, [calib], progress=False))
     stats = compensate.collect_statistics(model, [calib])
     for target in HEAD_CUTS:
         plain = slice_model(model, target, permutations)
-        refit = _refit(model, plain, target, permutations, stats)
+        refit = refit_by_hand(model, plain, target, permutations, stats)
         assert _layer_output_error(model, refit, calib) <= _layer_output_error(model, plain, calib) * (
             1 + 1e-6
         )
-
-
-def trained_case():
-    """The bundled model, 8 calibration windows, its orders and statistics, and its held-out loss function."""
-    from gdnprune import demo_data
-
-    model, _ = demo_data.load_demo_model()
-    calib = demo_data.byte_windows(demo_data.train_text(), 256, 8)
-    heldout = demo_data.byte_windows(demo_data.validation_text(), 256, 8)
-    permutations = scores_to_permutations(score_model(model, [calib], progress=False))
-    stats = compensate.collect_statistics(model, [calib])
-
-    def loss(m):
-        with torch.no_grad():
-            logits = m(input_ids=heldout).logits[:, :-1]
-        return float(
-            torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), heldout[:, 1:].reshape(-1)
-            )
-        )
-
-    return model, calib, permutations, stats, loss
 
 
 def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
@@ -136,7 +114,7 @@ def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
     (removed key groups, removed lanes) and on a deep value-channel cut, and changes nothing on a key-dim cut
     (no out_proj column is removed). (A combined cut with dv halved, GDNShape(2, 4, 16, 16), is not asserted:
     there the RMSNorm renormalisation makes it worse on these windows, 1.27 -> 1.30.)"""
-    model, calib, permutations, stats, loss = trained_case()
+    model, calib, permutations, stats, loss = trained_demo_case()
     base = loss(model)
     for target in (
         GDNShape(2, 4, 32, 32),
@@ -146,31 +124,12 @@ def test_compensation_reduces_the_heldout_loss_increase_of_the_trained_model():
     ):
         plain = slice_model(model, target, permutations)
         increase = loss(plain) - base
-        compensated = loss(_refit(model, plain, target, permutations, stats)) - base
+        compensated = loss(refit_by_hand(model, plain, target, permutations, stats)) - base
         assert increase > 0.05, target
         if target.key_head_dim < 32:
             assert compensated == pytest.approx(increase, abs=1e-6), target
         else:
             assert compensated < 0.97 * increase, (target, compensated, increase)
-
-
-def _refit(model, plain, target, permutations, stats, ridge=compensate.DEFAULT_RIDGE):
-    """The compensated model by hand: out_proj columns from compensated_columns (torch API for the rest)."""
-    import copy
-
-    refit = copy.deepcopy(plain)
-    small_modules = dict(find_gdn_modules(refit))
-    for prefix, module in find_gdn_modules(model):
-        shape = GDNShape.from_module(module)
-        kept = permutations[prefix].indices(shape, target=target)["vidx"].numpy()
-        out = getattr(module, "out_proj", None) or module.o_proj
-        columns = compensate.compensated_columns(
-            out.weight.detach().double().numpy(), stats[prefix]["out_moment"], kept, ridge=ridge
-        )
-        small_out = getattr(small_modules[prefix], "out_proj", None) or small_modules[prefix].o_proj
-        with torch.no_grad():
-            small_out.weight.copy_(torch.from_numpy(columns))
-    return refit
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------
@@ -205,7 +164,7 @@ def test_slice_with_compensation_writes_the_refitted_out_proj(source, tmp_path):
     got = load_pretrained(out, dtype=torch.float32)
     stats = compensate.load_statistics(stats_path)
     permutations = scores_to_permutations(scores)
-    expected = _refit(model, slice_model(model, target, permutations), target, permutations, stats)
+    expected = refit_by_hand(model, slice_model(model, target, permutations), target, permutations, stats)
     for (prefix, a), (_, b) in zip(find_gdn_modules(got), find_gdn_modules(expected)):
         # the checkpoint is bf16: the refitted columns rounded once
         assert torch.equal(a.out_proj.weight, b.out_proj.weight.to(torch.bfloat16).float()), prefix

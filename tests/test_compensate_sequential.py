@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_checkpoint import SHAPE
+from helpers import SOURCE_SHAPE, refit_by_hand, trained_demo_case
 from tiny_models import build_model
 
 from gdnprune import compensate, load_pretrained
@@ -44,7 +44,7 @@ def _inputs(net, prefix, x):
 
 
 def _setup(model_type, seed=11):
-    model = build_model(model_type, SHAPE, seed=seed)
+    model = build_model(model_type, SOURCE_SHAPE, seed=seed)
     calib = torch.randint(0, 128, (4, 80), generator=torch.Generator().manual_seed(1))
     return model, calib, scores_to_permutations(score_model(model, [calib], progress=False))
 
@@ -102,18 +102,18 @@ def test_every_refitted_layer_reconstructs_better_than_the_plain_cut_on_its_own_
 def test_nothing_cut_changes_nothing_and_an_unchanged_layer_keeps_its_columns():
     model, calib, permutations = _setup("qwen3_5")
     batches = [calib]
-    sorted_only = slice_model(model, SHAPE, permutations)
+    sorted_only = slice_model(model, SOURCE_SHAPE, permutations)
     before = {k: v.clone() for k, v in sorted_only.state_dict().items()}
     assert compensate.sequential_refit(model, sorted_only, batches) == {}
     assert all(torch.equal(before[k], v) for k, v in sorted_only.state_dict().items())
     # only the second layer cut: the first is not refitted; with reference "cut", a layer whose own width is
     # kept computes the full layer on the same inputs, so its refit is its own (permuted) columns
     first, second = [p for p, _ in find_gdn_modules(model)]
-    small = slice_model(model, {first: SHAPE, second: GDNShape(1, 2, 8, 6)}, permutations)
+    small = slice_model(model, {first: SOURCE_SHAPE, second: GDNShape(1, 2, 8, 6)}, permutations)
     kept = _out(dict(find_gdn_modules(small))[first]).weight.clone()
     assert list(compensate.sequential_refit(model, small, batches)) == [second]
     assert torch.equal(_out(dict(find_gdn_modules(small))[first]).weight, kept)
-    small = slice_model(model, {first: GDNShape(1, 2, 8, 6), second: SHAPE}, permutations)
+    small = slice_model(model, {first: GDNShape(1, 2, 8, 6), second: SOURCE_SHAPE}, permutations)
     kept = _out(dict(find_gdn_modules(small))[second]).weight.detach().double().clone()
     report = compensate.sequential_refit(model, small, batches, reference="cut")
     assert np.allclose(report[second]["columns"], kept.numpy(), rtol=1e-5, atol=1e-6)  # float32 forwards
@@ -122,20 +122,18 @@ def test_nothing_cut_changes_nothing_and_an_unchanged_layer_keeps_its_columns():
 
 
 def test_sequential_refit_reduces_the_heldout_loss_of_the_trained_model_more_than_the_statistics():
-    from test_compensate import _refit, trained_case
-
-    model, calib, permutations, stats, loss = trained_case()
+    model, calib, permutations, stats, loss = trained_demo_case()
     base = loss(model)
     for target in (GDNShape(3, 3, 24, 24), GDNShape(4, 8, 16, 32)):  # combined; key dims only
         plain = slice_model(model, target, permutations)
-        statistics = loss(_refit(model, plain, target, permutations, stats)) - base
+        statistics = loss(refit_by_hand(model, plain, target, permutations, stats)) - base
         compensate.sequential_refit(model, plain, list(calib.split(4)))
         sequential = loss(plain) - base
         assert sequential < statistics, target
 
 
 def test_prune_compensate_sequential_writes_the_in_memory_refit(tmp_path):
-    from test_checkpoint import make_source
+    from helpers import make_source
     from transformers import AutoTokenizer
 
     from gdnprune.calibration import calibration_windows

@@ -15,107 +15,52 @@ import tempfile
 
 import pytest
 import torch
+from helpers import (
+    DENSE,
+    DENSE_SHAPE,
+    DENSE_TARGET,
+    assert_same,
+    kept_by_orders,
+    per_layer_fields,
+    random_block_orders,
+    random_dense_model,
+    token_ids,
+    zeroed_model,
+)
+
+# the old names, which test_depth and the test_plan_* modules still import from here (issue 27)
+from helpers import DENSE_TARGET as TARGET  # noqa: F401
+from helpers import assert_same as _same  # noqa: F401
+from helpers import kept_by_orders as _kept  # noqa: F401
+from helpers import random_block_orders as _orders  # noqa: F401
+from helpers import random_dense_model as _model  # noqa: F401
+from helpers import token_ids as _ids  # noqa: F401
+from helpers import zeroed_model as _zeroed  # noqa: F401
 from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, make_config
 
 from gdnprune.block_surgery import find_model_blocks, permute_block_state_dict, random_orders
 from gdnprune.blocks import KINDS, AttentionShape, MLPShape, find_blocks
-from gdnprune.geometry import GDNShape
 from gdnprune.loading import load_pretrained, slice_model
 
-SHAPE = GDNShape(2, 4, 8, 8)
 FAMILIES = [
     t for t in MODEL_TYPES if t != "qwen4_exp"
 ]  # Qwen4-exp's indexed attention is refused (see below)
-DENSE = ("attention", "mlp", "shared_expert")  # routed experts: tests/test_experts.py
-TARGET = {
-    "intermediate_size": 40,
-    "shared_expert_intermediate_size": 12,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-}
-
-
-def _ids(seed=0, batch=2, seq=12):
-    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def _same(actual, expected):
-    """Equal up to float32 summation order: within 1e-4 of the logits' scale (a wrong head or channel moves
-    them by more than 1e-2 of it, see the negative controls)."""
-    assert actual.shape == expected.shape
-    scale = expected.abs().max().item()
-    assert (actual - expected).abs().max().item() <= 1e-4 * scale, (
-        (actual - expected).abs().max().item(),
-        scale,
-    )
-
-
-def _model(model_type, seed=0):
-    """A tiny model whose attention and MLP parameters (norm weights included) are random: a fresh init has
-    ones in the norms, which would hide a norm weight left in the wrong place."""
-    model = build_model(model_type, SHAPE, seed=seed)
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".self_attn." in name or ".mlp." in name:
-                noise = torch.randn(p.shape, generator=g)
-                p.copy_(
-                    1.0 + 0.5 * noise
-                    if "norm" in name
-                    else noise * (p.shape[-1] ** -0.5 if p.dim() > 1 else 1)
-                )
-    return model
-
-
-def _orders(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return {b.prefix: random_orders(b, generator=g) for b in find_model_blocks(model)}
-
-
-def _kept(block, orders, target):
-    """Which channels / query heads a sorted cut keeps, from the definition of the orders."""
-    if block.kind == "attention":
-        r = block.shape.num_attention_heads // block.shape.num_key_value_heads
-        r_new = target["num_attention_heads"] // target["num_key_value_heads"]
-        groups = orders["kv_groups"][: target["num_key_value_heads"]]
-        return {int(g) * r + int(orders["query_heads"][g][j]) for g in groups for j in range(r_new)}
-    size = target["intermediate_size" if block.kind == "mlp" else "shared_expert_intermediate_size"]
-    return {int(c) for c in orders["channels"][:size]}
-
-
-def _zeroed(model, kept: dict):
-    """The full model with the output columns (down_proj / o_proj) of everything not kept set to zero."""
-    ref = copy.deepcopy(model)
-    state = ref.state_dict()
-    for prefix, (kind, keep) in kept.items():
-        if kind == "attention":
-            weight = state[prefix + ".o_proj.weight"]
-            hd = ref.config.get_text_config(decoder=True).head_dim
-            for h in range(weight.shape[1] // hd):
-                if h not in keep:
-                    weight[:, h * hd : (h + 1) * hd] = 0
-        else:
-            weight = state[prefix + ".down_proj.weight"]
-            for c in range(weight.shape[1]):
-                if c not in keep:
-                    weight[:, c] = 0
-    return ref
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_random_orders_of_heads_and_channels_preserve_logits(model_type):
-    model = _model(model_type)
-    ids = _ids()
-    sorted_model = slice_model(model, None, block_orders=_orders(model))
+    model = random_dense_model(model_type)
+    ids = token_ids()
+    sorted_model = slice_model(model, None, block_orders=random_block_orders(model))
     moved = [k for k, v in sorted_model.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
     assert any(".self_attn.q_proj" in k for k in moved) and any("down_proj" in k for k in moved)
-    _same(logits(sorted_model, ids), logits(model, ids))
+    assert_same(logits(sorted_model, ids), logits(model, ids))
 
 
 def test_a_wrong_order_changes_logits():
     """Negative control: query heads moved to another key-value group (not a legal order) change the output."""
-    model = _model("qwen3_5")
-    ids = _ids()
+    model = random_dense_model("qwen3_5")
+    ids = token_ids()
     block = next(b for b in find_model_blocks(model) if b.kind == "attention")
     state = dict(model.state_dict())
     hd = block.shape.head_dim
@@ -132,35 +77,35 @@ def test_a_wrong_order_changes_logits():
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_sorted_cut_equals_zeroing_the_removed_output_columns(model_type):
-    model = _model(model_type)
-    orders = _orders(model)
+    model = random_dense_model(model_type)
+    orders = random_block_orders(model)
     blocks = find_model_blocks(model, DENSE)
     if model_type == "olmo_hybrid":  # its attention norms average over all heads: see the hand-built test
         blocks = [b for b in blocks if b.kind != "attention"]
-    kept = {b.prefix: (b.kind, _kept(b, orders[b.prefix], TARGET)) for b in blocks}
-    fields = {b.prefix: TARGET for b in blocks}
+    kept = {b.prefix: (b.kind, kept_by_orders(b, orders[b.prefix], DENSE_TARGET)) for b in blocks}
+    fields = {b.prefix: DENSE_TARGET for b in blocks}
     cut = slice_model(model, None, blocks=fields, block_orders={p: orders[p] for p in fields})
-    ids = _ids(seed=3)
-    _same(logits(cut, ids), logits(_zeroed(model, kept), ids))
+    ids = token_ids(seed=3)
+    assert_same(logits(cut, ids), logits(zeroed_model(model, kept), ids))
     # and the cut is a real cut: the reference differs from the full model
     full = logits(model, ids)
-    assert (logits(_zeroed(model, kept), ids) - full).abs().max() > 1e-2 * full.abs().max()
+    assert (logits(zeroed_model(model, kept), ids) - full).abs().max() > 1e-2 * full.abs().max()
 
 
 def test_olmo_attention_cut_equals_a_smaller_model_built_by_hand():
-    model = _model("olmo_hybrid")
-    orders = _orders(model)
+    model = random_dense_model("olmo_hybrid")
+    orders = random_block_orders(model)
     attention = [b for b in find_model_blocks(model) if b.kind == "attention"]
     cut = slice_model(
         model,
         None,
-        blocks={b.prefix: TARGET for b in attention},
+        blocks={b.prefix: DENSE_TARGET for b in attention},
         block_orders={b.prefix: orders[b.prefix] for b in attention},
     )
 
-    config = make_config("olmo_hybrid", SHAPE)
+    config = make_config("olmo_hybrid", DENSE_SHAPE)
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 16
-    ref = build_model("olmo_hybrid", SHAPE, config=config, randomize=False)
+    ref = build_model("olmo_hybrid", DENSE_SHAPE, config=config, randomize=False)
     old, new = model.state_dict(), ref.state_dict()
     for k in new:
         if ".self_attn." not in k:
@@ -182,33 +127,18 @@ def test_olmo_attention_cut_equals_a_smaller_model_built_by_hand():
             ]
         for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
             new[f"{p}.{name}"][:] = old[f"{p}.{name}"][g * hd : (g + 1) * hd]
-    ids = _ids(seed=4)
-    _same(logits(cut, ids), logits(ref, ids))
-
-
-def per_layer_fields(model) -> dict[str, dict[str, int]]:
-    """Every sub-block of ``model`` cut to a size of its own, by its layer index (attention layers are 1 and 3)."""
-    fields = {}
-    for b in find_model_blocks(model):
-        i = int(b.prefix.split("layers.")[1].split(".")[0])  # the layer index
-        j = (i // 2) % 2
-        fields[b.prefix] = {
-            "attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
-            "mlp": {"intermediate_size": 16 + 8 * i},
-            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
-            "experts": {"num_experts": 2 + i % 3},
-        }[b.kind]
-    return fields
+    ids = token_ids(seed=4)
+    assert_same(logits(cut, ids), logits(ref, ids))
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_per_layer_geometries_load_and_cached_decode_equals_the_full_forward(model_type):
-    model = _model(model_type)
+    model = random_dense_model(model_type)
     fields = per_layer_fields(model)
-    cut = slice_model(model, None, blocks=fields, block_orders=_orders(model))
+    cut = slice_model(model, None, blocks=fields, block_orders=random_block_orders(model))
     text = cut.config.get_text_config(decoder=True).to_dict()
     assert text["per_layer_config"], "the layers differ: the config must say so per layer"
-    ids = _ids(seed=5, seq=10)
+    ids = token_ids(seed=5, seq=10)
     with tempfile.TemporaryDirectory() as folder:
         cut.save_pretrained(folder)
         loaded = load_pretrained(folder)
@@ -216,7 +146,7 @@ def test_per_layer_geometries_load_and_cached_decode_equals_the_full_forward(mod
         assert b.tensors and b.shape == _geometry(b.kind, fields[b.prefix], b.shape)
     full = logits(loaded, ids)
     torch.testing.assert_close(full, logits(cut, ids), rtol=0, atol=0)
-    _same(cached_decode_logits(loaded, ids, 4), full[:, -5:])
+    assert_same(cached_decode_logits(loaded, ids, 4), full[:, -5:])
 
 
 def _geometry(kind, fields, shape):
@@ -228,11 +158,11 @@ def _geometry(kind, fields, shape):
 
 
 def test_qwen4_exp_mlp_sorts_and_its_indexed_attention_is_refused():
-    model = _model("qwen4_exp")
-    ids = _ids()
+    model = random_dense_model("qwen4_exp")
+    ids = token_ids()
     orders = _orders_of_kinds(model, ("shared_expert",))
     sorted_model = slice_model(model, None, block_orders=orders)
-    _same(logits(sorted_model, ids), logits(model, ids))
+    assert_same(logits(sorted_model, ids), logits(model, ids))
     with pytest.raises(ValueError, match=r"self_attn: its tensors fit no attention layout.*indexer"):
         find_model_blocks(model, ("attention",))
 
@@ -243,7 +173,7 @@ def _orders_of_kinds(model, kinds):
 
 
 def test_targets_and_orders_are_checked():
-    model = _model("qwen3_5")
+    model = random_dense_model("qwen3_5")
     with pytest.raises(ValueError, match="query heads per key-value head"):
         slice_model(model, None, blocks={"num_attention_heads": 6, "num_key_value_heads": 1})
     with pytest.raises(ValueError, match=r"intermediate_size 100 > 96"):
@@ -278,9 +208,9 @@ def test_parameters_of_a_cut_are_those_of_the_cut_model(model_type):
     """The cost a plan candidate has: Block.parameters(target) from the table, against the cut model's tensors."""
     from gdnprune.blocks import kv_cache_elements, resolve_block_target
 
-    model = _model(model_type)
+    model = random_dense_model(model_type)
     blocks = find_model_blocks(model, DENSE)
-    fields = {k: v for k, v in TARGET.items() if any(k in KINDS[b.kind].config_keys for b in blocks)}
+    fields = {k: v for k, v in DENSE_TARGET.items() if any(k in KINDS[b.kind].config_keys for b in blocks)}
     cut = slice_model(model, None, blocks=fields)
     state = cut.state_dict()
     for block in blocks:
@@ -301,7 +231,7 @@ def test_candidates_of_a_sub_block_are_nested_cuts_with_their_exact_costs():
 
     from gdnprune.blocks import block_candidates
 
-    model = _model("qwen3_5")
+    model = random_dense_model("qwen3_5")
     attention = next(b for b in find_model_blocks(model) if b.kind == "attention")
     mlp = next(b for b in find_model_blocks(model) if b.kind == "mlp")
     heads = [

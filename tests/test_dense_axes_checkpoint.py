@@ -15,8 +15,18 @@ import warnings
 
 import pytest
 import torch
-from test_checkpoint import MODEL_TYPES, raw_tensors
-from test_dense_axes import DENSE, TARGET, _kept, _model, _orders, _same, _zeroed, per_layer_fields
+from helpers import (
+    DENSE,
+    DENSE_TARGET,
+    MODEL_TYPES,
+    assert_same,
+    kept_by_orders,
+    per_layer_fields,
+    random_block_orders,
+    random_dense_model,
+    raw_tensors,
+    zeroed_model,
+)
 from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
@@ -40,23 +50,23 @@ def _ids(seed=0, seq=12):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """model_type -> (model, its folder with 20 KB shards and mtp.* tensors, random sub-block orders)."""
-    from test_checkpoint import _add_mtp, _mtp_tensors
+    from helpers import add_mtp, mtp_tensors
 
     root = tmp_path_factory.mktemp("dense_sources")
     out = {}
     for i, model_type in enumerate(MODEL_TYPES):
-        model = _model(model_type, seed=i)
+        model = random_dense_model(model_type, seed=i)
         folder = root / model_type
         model.save_pretrained(folder, max_shard_size="20KB")
-        _add_mtp(folder, _mtp_tensors(torch.float32))
-        out[model_type] = (model, folder, _orders(model, seed=10 + i))
+        add_mtp(folder, mtp_tensors(torch.float32))
+        out[model_type] = (model, folder, random_block_orders(model, seed=10 + i))
     return out
 
 
 def _target(model):
-    """The fields of TARGET that the model has sub-blocks for."""
+    """The fields of DENSE_TARGET that the model has sub-blocks for."""
     kinds = {b.kind for b in find_model_blocks(model)}
-    return {k: v for k, v in TARGET.items() if any(k in KINDS[kind].config_keys for kind in kinds)}
+    return {k: v for k, v in DENSE_TARGET.items() if any(k in KINDS[kind].config_keys for kind in kinds)}
 
 
 def _scores(orders):
@@ -69,7 +79,7 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
     ck.sort_checkpoint(src, _scores(orders), tmp_path / "sorted", progress=False)
     ids = _ids()
     sorted_model = load_pretrained(tmp_path / "sorted")
-    _same(logits(sorted_model, ids), logits(model, ids))
+    assert_same(logits(sorted_model, ids), logits(model, ids))
 
     manifest = ck.slice_checkpoint(
         tmp_path / "sorted", tmp_path / "cut", target=_target(model), progress=False
@@ -77,15 +87,15 @@ def test_sort_then_slice_on_disk_equals_memory_and_the_zeroed_reference(sources,
     assert set(manifest["blocks"]) == {b.prefix for b in find_model_blocks(model, DENSE)}
     cut = load_pretrained(tmp_path / "cut")
     memory = slice_model(model, None, blocks=_target(model), block_orders=orders)
-    _same(logits(cut, ids), logits(memory, ids))
+    assert_same(logits(cut, ids), logits(memory, ids))
     blocks = [
         b for b in find_model_blocks(model, DENSE) if model_type != "olmo_hybrid" or b.kind != "attention"
     ]
-    kept = {b.prefix: (b.kind, _kept(b, orders[b.prefix], TARGET)) for b in blocks}
+    kept = {b.prefix: (b.kind, kept_by_orders(b, orders[b.prefix], DENSE_TARGET)) for b in blocks}
     if (
         model_type != "olmo_hybrid"
     ):  # OLMo's whole-projection norms: compared with the hand-built model in memory
-        _same(logits(cut, ids), logits(_zeroed(model, kept), ids))
+        assert_same(logits(cut, ids), logits(zeroed_model(model, kept), ids))
 
     # everything outside the changed blocks is byte for byte the sorted source (GDN layers, norms, mtp.*)
     before, after = raw_tensors(tmp_path / "sorted"), raw_tensors(tmp_path / "cut")
@@ -123,8 +133,8 @@ def test_a_version_2_plan_cuts_every_sub_block_to_its_own_size(sources, tmp_path
     )
     ids = _ids(seed=2, seq=10)
     full = logits(cut, ids)
-    _same(full, logits(memory, ids))
-    _same(cached_decode_logits(cut, ids, 4), full[:, -5:])
+    assert_same(full, logits(memory, ids))
+    assert_same(cached_decode_logits(cut, ids, 4), full[:, -5:])
 
 
 def test_plans_of_version_1_still_read_and_version_1_refuses_sub_blocks(sources, tmp_path):
@@ -257,10 +267,10 @@ def test_inspect_gives_the_parameters_of_every_kind_of_sub_block(sources, tmp_pa
 def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_refused(tmp_path):
     """Heads of 16 rows are four whole 4x4 blocks: a head cut is exact on the FP8 bytes; an MLP channel order
     splits blocks, which is refused (or written in BF16 with dequantize=True)."""
+    from helpers import FP8_BLOCK, NOT_CONVERTED, dequantize, quantize
     from safetensors.torch import load_file, save_file
-    from test_fp8 import BLOCK, NOT_CONVERTED, dequantize, quantize
 
-    model = _model("qwen3_5")
+    model = random_dense_model("qwen3_5")
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     fp8 = [
         k
@@ -286,7 +296,7 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
         "modules_to_not_convert": [n for n in NOT_CONVERTED if n not in ("self_attn", "mlp")],
     }
     (src / "config.json").write_text(json.dumps(config))

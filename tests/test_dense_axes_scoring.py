@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dense_axes import DENSE, _ids, _model, _same
+from helpers import DENSE, assert_same, random_dense_model, token_ids
 from tiny_models import logits
 
 from gdnprune.block_surgery import find_model_blocks
@@ -49,8 +49,8 @@ def _output_of(model, prefix, ids):
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
 def test_the_gram_predicts_the_output_change_of_removing_any_set(model_type):
-    model = _model(model_type)
-    ids = _ids(seed=6)
+    model = random_dense_model(model_type)
+    ids = token_ids(seed=6)
     scorers = _score(model, "projection", ids)
     g = torch.Generator().manual_seed(0)
     for prefix, scorer in scorers.items():
@@ -73,8 +73,8 @@ def test_the_gram_predicts_the_output_change_of_removing_any_set(model_type):
 
 
 def test_the_activation_baseline_is_the_mean_absolute_activation_and_orders_sort_exactly():
-    model = _model("qwen3_5_moe")
-    ids = _ids(seed=7)
+    model = random_dense_model("qwen3_5_moe")
+    ids = token_ids(seed=7)
     scorers = _score(model, "activation", ids)
     prefix = next(p for p, s in scorers.items() if not s.attention)
     seen = []
@@ -92,14 +92,14 @@ def test_the_activation_baseline_is_the_mean_absolute_activation_and_orders_sort
     payloads = {p: block_payload(s.block, s.stats, "activation") for p, s in scorers.items()}
     for p, s in scorers.items():
         orders_from_payload(payloads[p], s.block.shape)  # valid orders of the right shapes
-    _same(logits(slice_model(model, None, block_orders=payloads), ids), logits(model, ids))
+    assert_same(logits(slice_model(model, None, block_orders=payloads), ids), logits(model, ids))
 
 
 def test_projection_orders_keep_what_the_greedy_kept_and_group_heads_stay_in_their_group():
-    model = _model("qwen3_5")
-    ids = _ids(seed=8)
+    model = random_dense_model("qwen3_5")
+    ids = token_ids(seed=8)
     scorers = _score(model, "projection", ids)
-    for prefix, scorer in scorers.items():
+    for scorer in scorers.values():
         payload = block_payload(scorer.block, scorer.stats, "projection")
         orders = orders_from_payload(payload, scorer.block.shape)
         gram = scorer.stats["gram"]
@@ -124,8 +124,8 @@ def test_projection_orders_keep_what_the_greedy_kept_and_group_heads_stay_in_the
 def test_a_scores_file_holds_sub_block_payloads_beside_gdn_ones(tmp_path):
     from gdnprune.scores import ScoresError, check_scores, load_scores, save_scores
 
-    model = _model("qwen3_5")
-    scorers = _score(model, "projection", _ids(seed=9))
+    model = random_dense_model("qwen3_5")
+    scorers = _score(model, "projection", token_ids(seed=9))
     layers = {p: block_payload(s.block, s.stats, "projection") for p, s in scorers.items()}
     gdn = {
         "key_group_order_most_important_first": [1, 0],
@@ -155,8 +155,8 @@ def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(meth
     from gdnprune.scores import check_scores
     from gdnprune.scoring import score_model
 
-    model = _model("qwen3_5_vl")
-    batches = [_ids(seed=10), _ids(seed=11)]
+    model = random_dense_model("qwen3_5_vl")
+    batches = [token_ids(seed=10), token_ids(seed=11)]
     scores = check_scores(score_model(model, batches, method=method, progress=False, blocks=True))
     blocks = {b.prefix: b for b in find_model_blocks(model, DENSE)}
     gdn = [p for p in scores["layers"] if p.endswith("linear_attn")]
@@ -172,7 +172,7 @@ def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(meth
                 torch.testing.assert_close(
                     torch.tensor(got[key]), torch.tensor(expected[key]), rtol=1e-12, atol=0
                 )
-    _same(
+    assert_same(
         logits(slice_model(model, None, block_orders={p: scores["layers"][p] for p in blocks}), batches[0]),
         logits(model, batches[0]),
     )
@@ -181,25 +181,25 @@ def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(meth
 def test_score_model_warns_about_sub_blocks_it_cannot_score():
     from gdnprune.scoring import score_model
 
-    model = _model("qwen4_exp")
+    model = random_dense_model("qwen4_exp")
     with pytest.warns(UserWarning, match="self_attn: its tensors fit no attention layout.*not scored"):
-        scores = score_model(model, [_ids(seed=12)], progress=False, blocks=True, method="activation")
+        scores = score_model(model, [token_ids(seed=12)], progress=False, blocks=True, method="activation")
     assert any(p.endswith("shared_expert") for p in scores["layers"])
     assert not any(p.endswith("self_attn") for p in scores["layers"])
 
 
 def test_score_checkpoint_then_sort_orders_every_sub_block_of_a_vision_language_folder(tmp_path):
     """The scores name the checkpoint's own prefixes (``model.language_model.``), sort applies them."""
-    from test_checkpoint import _tokenizer_files
+    from helpers import tokenizer_files
 
     from gdnprune import checkpoint as ck
     from gdnprune.loading import load_pretrained
     from gdnprune.scores import load_scores, save_scores
     from gdnprune.scoring import score_checkpoint
 
-    model = _model("qwen3_5_vl")
+    model = random_dense_model("qwen3_5_vl")
     model.save_pretrained(tmp_path / "src")
-    _tokenizer_files(tmp_path / "src")
+    tokenizer_files(tmp_path / "src")
     (tmp_path / "data.txt").write_text("the model sorts heads and slices them " * 200)
     scores = score_checkpoint(
         tmp_path / "src",
@@ -219,8 +219,8 @@ def test_score_checkpoint_then_sort_orders_every_sub_block_of_a_vision_language_
         tmp_path / "src", tmp_path / "scores.json", tmp_path / "sorted", progress=False
     )
     assert set(manifest["blocks"]) == set(blocks)
-    ids = _ids(seed=13)
-    _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
+    ids = token_ids(seed=13)
+    assert_same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
 
 
 def test_masked_tokens_are_left_out_of_the_sub_block_statistics():
@@ -228,8 +228,8 @@ def test_masked_tokens_are_left_out_of_the_sub_block_statistics():
     kept tokens see the same context)."""
     from gdnprune.scoring.api import measure_statistics
 
-    model = _model("qwen3_5")
-    ids = _ids(seed=14)
+    model = random_dense_model("qwen3_5")
+    ids = token_ids(seed=14)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[1, 8:] = False  # right padding of the second window
     padded = measure_statistics(
@@ -246,15 +246,15 @@ def test_masked_tokens_are_left_out_of_the_sub_block_statistics():
 
 
 def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_path):
-    from test_checkpoint import _tokenizer_files
+    from helpers import tokenizer_files
 
     from gdnprune.loading import load_pretrained
     from gdnprune.prune import prune_checkpoint
     from gdnprune.targets import TargetError
 
-    model = _model("qwen3_5")
+    model = random_dense_model("qwen3_5")
     model.save_pretrained(tmp_path / "src")
-    _tokenizer_files(tmp_path / "src")
+    tokenizer_files(tmp_path / "src")
     (tmp_path / "data.txt").write_text("the model sorts heads and slices them " * 200)
     target = {
         "num_key_heads": 1,
@@ -281,8 +281,8 @@ def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_
         },
         block_orders={p: b["permutation"] for p, b in blocks.items()},
     )
-    ids = _ids(seed=15)
-    _same(logits(load_pretrained(tmp_path / "out"), ids), logits(expected, ids))
+    ids = token_ids(seed=15)
+    assert_same(logits(load_pretrained(tmp_path / "out"), ids), logits(expected, ids))
     with pytest.raises(TargetError, match="num_attention_heads 3 / num_key_value_heads 1"):
         prune_checkpoint(
             tmp_path / "src",

@@ -316,9 +316,9 @@ WORKER = textwrap.dedent(
     import contextlib, io, json, os, sys, threading, time
     from gdnprune.cli import main
 
-    model, data, out = sys.argv[1:4]
+    model, data, out, samples, seq = sys.argv[1:6]
     rank = int(os.environ["RANK"])
-    common = ["score", model, "--num-samples", "%d", "--seq-len", "%d", "--batch-size", "2", "--quiet",
+    common = ["score", model, "--num-samples", samples, "--seq-len", seq, "--batch-size", "2", "--quiet",
               "--threads", "1"]
     results = {}
 
@@ -334,7 +334,7 @@ WORKER = textwrap.dedent(
     with contextlib.redirect_stderr(err):
         code = main(["plan", model, "--scores", out + "/projection.json", "--data", data, "--output",
                      out + "/plan.json", "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
-                     "--seq-len", "%d", "--batch-size", "1", "--quiet", "--threads", "1"])
+                     "--seq-len", seq, "--batch-size", "1", "--quiet", "--threads", "1"])
     results["plan"] = {"code": code, "err": err.getvalue()}
     call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
     call("failure", "--data", data if rank == 0 else out + "/missing.txt", "--output", out + "/failure.json")
@@ -349,14 +349,14 @@ WORKER = textwrap.dedent(
     if rank == 1:
         threading.Thread(target=release, daemon=True).start()
     call("stuck", "--data", data if rank == 0 else fifo, "--output", out + "/stuck.json", "--dist-timeout", "3")
-    with open(out + "/.rank%%d.json" %% rank, "w") as f:
+    with open(out + "/.rank%d.json" % rank, "w") as f:
         json.dump(results, f)
-    os.rename(out + "/.rank%%d.json" %% rank, out + "/rank%%d.json" %% rank)
+    os.rename(out + "/.rank%d.json" % rank, out + "/rank%d.json" % rank)
 """
-    % (SAMPLES, SEQ, SEQ)
 )
 
 
+@pytest.mark.slow
 def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, text_file, single, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER, encoding="utf-8")
@@ -377,6 +377,8 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
             str(model_dir),
             str(text_file),
             str(tmp_path),
+            str(SAMPLES),
+            str(SEQ),
         ],
         env=env,
         capture_output=True,

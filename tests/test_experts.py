@@ -13,8 +13,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_checkpoint import raw_tensors
-from test_dense_axes import _ids, _model, _same
+from helpers import assert_same, random_dense_model, raw_tensors, token_ids
 from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
@@ -68,18 +67,18 @@ def _masked(model, kept: dict[str, set[int]]):
 
 @pytest.mark.parametrize("model_type", MOE_TYPES)
 def test_sorted_experts_keep_the_function_and_a_cut_equals_masking_the_router(model_type):
-    model = _model(model_type)
+    model = random_dense_model(model_type)
     orders = _orders(model)
-    ids = _ids(seed=1)
+    ids = token_ids(seed=1)
     full = logits(model, ids)
-    _same(logits(slice_model(model, None, block_orders=orders), ids), full)
+    assert_same(logits(slice_model(model, None, block_orders=orders), ids), full)
 
     cut = slice_model(model, None, blocks={"num_experts": 3}, block_orders=orders)
     assert all(b.shape.num_experts == 3 for b in _experts(cut))
     kept = {p: {int(e) for e in o["experts"][:3]} for p, o in orders.items()}
     with _masked(model, kept):
         reference = logits(model, ids)
-    _same(logits(cut, ids), reference)
+    assert_same(logits(cut, ids), reference)
     assert (reference - full).abs().max() > 1e-2 * full.abs().max()  # the cut is a real cut
     # a wrong set of experts is caught: keep the complement's first three instead
     wrong = {p: {int(e) for e in o["experts"][1:4]} for p, o in orders.items()}
@@ -99,7 +98,7 @@ def _fused_folder(model, folder):
 @pytest.mark.parametrize("form", ["numbered", "fused"])
 @pytest.mark.parametrize("model_type", MOE_TYPES)
 def test_on_disk_sort_and_cut_equal_the_masked_router_in_both_storage_forms(tmp_path, model_type, form):
-    model = _model(model_type, seed=2)
+    model = random_dense_model(model_type, seed=2)
     src = tmp_path / "src"
     if form == "fused":
         _fused_folder(model, src)
@@ -108,14 +107,14 @@ def test_on_disk_sort_and_cut_equal_the_masked_router_in_both_storage_forms(tmp_
         model.save_pretrained(src, max_shard_size="20KB")
         assert any(".experts.3.down_proj.weight" in n for n in raw_tensors(src))
     orders = _orders(model, seed=5)
-    ids = _ids(seed=2)
+    ids = token_ids(seed=2)
     ck.sort_checkpoint(
         src,
         {"layers": {p: orders_to_payload(o) for p, o in orders.items()}},
         tmp_path / "sorted",
         progress=False,
     )
-    _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
+    assert_same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
     ck.slice_checkpoint(tmp_path / "sorted", tmp_path / "cut", target={"num_experts": 2}, progress=False)
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
     assert config["num_experts"] == 2 and config["num_experts_per_tok"] == 2
@@ -134,11 +133,11 @@ def test_on_disk_sort_and_cut_equal_the_masked_router_in_both_storage_forms(tmp_
     kept = {p: {int(e) for e in o["experts"][:2]} for p, o in orders.items()}
     with _masked(model, kept):
         reference = logits(model, ids)
-    _same(logits(cut, ids), reference)
+    assert_same(logits(cut, ids), reference)
 
 
 def test_per_layer_expert_counts_load_and_decode_with_a_cache(tmp_path):
-    model = _model("qwen3_5_moe", seed=4)
+    model = random_dense_model("qwen3_5_moe", seed=4)
     src = tmp_path / "src"
     model.save_pretrained(src)
     plan = {
@@ -151,16 +150,16 @@ def test_per_layer_expert_counts_load_and_decode_with_a_cache(tmp_path):
     assert {v.get("num_experts") for v in config["per_layer_config"].values()} - {None}
     cut = load_pretrained(tmp_path / "cut")
     assert [b.shape.num_experts for b in _experts(cut)] == [2, 3, 4, 2]
-    ids = _ids(seed=3, seq=10)
+    ids = token_ids(seed=3, seq=10)
     full = logits(cut, ids)
-    _same(cached_decode_logits(cut, ids, 4), full[:, -5:])
+    assert_same(cached_decode_logits(cut, ids, 4), full[:, -5:])
     kept = {b.prefix: set(range(2 + i % 3)) for i, b in enumerate(_experts(model))}
     with _masked(model, kept):
-        _same(full, logits(model, ids))
+        assert_same(full, logits(model, ids))
 
 
 def test_experts_per_token_is_never_above_the_experts_kept(tmp_path):
-    model = _model("qwen3_5_moe")
+    model = random_dense_model("qwen3_5_moe")
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         slice_model(model, None, blocks={"num_experts": 1})
     model.save_pretrained(tmp_path / "src")
@@ -172,7 +171,7 @@ def test_experts_per_token_is_never_above_the_experts_kept(tmp_path):
 
 
 def test_expert_candidates_are_counts_down_to_the_experts_per_token():
-    model = _model("qwen3_5_moe")
+    model = random_dense_model("qwen3_5_moe")
     block = _experts(model)[0]
     counts = [c.target.num_experts for c in block_candidates(block, step=1)]
     assert counts == [4, 3, 2]
@@ -192,10 +191,10 @@ def test_expert_candidates_are_counts_down_to_the_experts_per_token():
 
 
 def test_fp8_experts_move_with_their_scales(tmp_path):
+    from helpers import FP8_BLOCK, quantize
     from safetensors.torch import load_file, save_file
-    from test_fp8 import BLOCK, quantize
 
-    model = _model("qwen3_5_moe", seed=6)
+    model = random_dense_model("qwen3_5_moe", seed=6)
     src = tmp_path / "src"
     model.save_pretrained(src)
     state = load_file(src / "model.safetensors")
@@ -207,7 +206,7 @@ def test_fp8_experts_move_with_their_scales(tmp_path):
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
     }
     (src / "config.json").write_text(json.dumps(config))
     orders = _orders(model, seed=8)
@@ -240,12 +239,12 @@ def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
     """Fused 3-D FP8 experts (``experts.gate_up_proj`` [E, 2I, H] float8_e4m3fn with ``gate_up_proj_scale_inv``
     [E, 2I/B, H/B], transformers' names), written by hand: a sort then ``--num-experts`` keeps exactly the kept
     experts' weights and scales, in the order of the experts kept. Reference: the source tensors indexed here."""
+    from helpers import FP8_BLOCK, quantize
     from safetensors.torch import load_file, save_file
-    from test_fp8 import BLOCK, quantize
 
     from gdnprune.cli import main
 
-    model = _model("qwen3_5_moe", seed=7)
+    model = random_dense_model("qwen3_5_moe", seed=7)
     src = tmp_path / "src"
     _fused_folder(model, src)
     state = load_file(src / "model.safetensors")
@@ -262,7 +261,7 @@ def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
     }
     (src / "config.json").write_text(json.dumps(config))
     orders = _orders(model, seed=9)

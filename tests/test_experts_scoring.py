@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_dense_axes import _ids, _model, _same
+from helpers import assert_same, random_dense_model, token_ids
 from tiny_models import logits
 
 from gdnprune import checkpoint as ck
@@ -60,8 +60,8 @@ def _brute_force(model, batches):
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_next"])
 def test_reap_and_frequency_equal_a_token_by_token_computation(model_type):
-    model = _model(model_type, seed=3)
-    batches = [_ids(seed=i, seq=9) for i in range(2)]
+    model = random_dense_model(model_type, seed=3)
+    batches = [token_ids(seed=i, seq=9) for i in range(2)]
     reference = _brute_force(model, batches)
     for method, measure in (("projection", "reap"), ("activation", "frequency")):
         scores = score_model(model, batches, method=method, blocks=True, progress=False)
@@ -81,8 +81,8 @@ def test_reap_and_frequency_equal_a_token_by_token_computation(model_type):
 
 
 def test_reap_ranks_a_busy_expert_with_a_tiny_output_last_and_frequency_does_not():
-    model = _model("qwen3_5_moe", seed=5)
-    batches = [_ids(seed=i, seq=12) for i in range(2)]
+    model = random_dense_model("qwen3_5_moe", seed=5)
+    batches = [token_ids(seed=i, seq=12) for i in range(2)]
     scores = score_model(model, batches, method="activation", blocks=True, progress=False)
     prefix = "model.layers.0.mlp"
     busiest = scores["layers"][prefix]["expert_order_most_important_first"][0]
@@ -97,9 +97,9 @@ def test_reap_ranks_a_busy_expert_with_a_tiny_output_last_and_frequency_does_not
 
 
 def test_score_writes_expert_orders_that_sort_applies(tmp_path):
-    model = _model("qwen3_5_moe", seed=7)
+    model = random_dense_model("qwen3_5_moe", seed=7)
     model.save_pretrained(tmp_path / "src")
-    scores = score_model(model, [_ids(seed=1, seq=16)], blocks=True, progress=False)
+    scores = score_model(model, [token_ids(seed=1, seq=16)], blocks=True, progress=False)
     save_scores(scores, tmp_path / "scores.json")
     read = read_scores(tmp_path / "scores.json")
     assert any(p.get("kind") == "experts" for p in read["layers"].values())
@@ -107,13 +107,13 @@ def test_score_writes_expert_orders_that_sort_applies(tmp_path):
         tmp_path / "src", tmp_path / "scores.json", tmp_path / "sorted", progress=False
     )
     assert {p for p, e in manifest["blocks"].items() if e["kind"] == "experts"}
-    ids = _ids(seed=2)
-    _same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
+    ids = token_ids(seed=2)
+    assert_same(logits(load_pretrained(tmp_path / "sorted"), ids), logits(model, ids))
 
 
 def test_block_influence_is_one_minus_the_cosine_of_each_layer_input_and_output():
-    model = _model("qwen3_5", seed=2)
-    batches = [_ids(seed=i, seq=8) for i in range(2)]
+    model = random_dense_model("qwen3_5", seed=2)
+    batches = [token_ids(seed=i, seq=8) for i in range(2)]
     influence = block_influence(model, batches)
     assert sorted(influence) == [0, 1, 2, 3]
     sums = torch.zeros(3, dtype=torch.float64)

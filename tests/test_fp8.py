@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import transformers
+from helpers import FP8_BLOCK, NOT_CONVERTED, dequantize, quantize
 from safetensors.torch import load_file, save_file
 from tiny_models import build_model
 
@@ -29,22 +30,7 @@ from gdnprune.layouts import find_gdn_modules
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8)
-BLOCK = 4
 FP8 = {"qwen3_5": ("in_proj_qkv", "in_proj_z", "out_proj"), "qwen3_next": ("in_proj_qkvz", "out_proj")}
-NOT_CONVERTED = ["lm_head", "self_attn", "mlp", "in_proj_a", "in_proj_b", "embed_tokens"]
-
-
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block FP8: scale = amax / 448 of each BLOCK x BLOCK block, weight / scale in float8_e4m3fn."""
-    rows, cols = weight.shape
-    blocks = weight.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
-    return q, scale.float()
-
-
-def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return weight.float() * scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
 
 
 def make_fp8(folder, model_type: str, seed: int = 0):
@@ -60,7 +46,7 @@ def make_fp8(folder, model_type: str, seed: int = 0):
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
         "modules_to_not_convert": NOT_CONVERTED,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -183,12 +169,12 @@ def test_fp8_without_its_config_or_scales_is_refused(tmp_path, capsys):
 def test_score_reads_an_fp8_checkpoint_and_its_scores_sort_it(tmp_path):
     """On a CPU transformers dequantises FP8 checkpoints as it loads them: scoring works and its prefixes and
     shapes are the checkpoint's, so the scores sort the FP8 checkpoint itself."""
-    from test_checkpoint import _tokenizer_files
+    from helpers import tokenizer_files
 
     from gdnprune.scoring import score_checkpoint
 
     src = make_fp8(tmp_path / "m", "qwen3_5", seed=4)
-    _tokenizer_files(src)
+    tokenizer_files(src)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 200))
     scores = score_checkpoint(src, text, num_samples=2, seq_len=72, progress=False)

@@ -24,16 +24,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import BYTES_TARGET, build_source, scores_for
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_byte_identity import TARGET, build_source, scores_for
 
 from gdnprune.checkpoint import output as output_mod
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.scores import check_scores, read_scores, resolve_orders
 
-TARGET_ARGS = [a for k, v in TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+TARGET_ARGS = [a for k, v in BYTES_TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 @pytest.fixture

@@ -97,6 +97,8 @@ def _run(cmd, env, cwd, timeout=300):
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
+@pytest.mark.network
 def test_plain_install_runs_demo_and_distill(tmp_path):
     pytest.importorskip("pip")
     view = tmp_path / "view"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_checkpoint import SHAPE, leftovers, make_source
+from helpers import SOURCE_SHAPE, leftovers, make_source
 from tiny_models import cached_decode_logits, cut_model
 
 from gdnprune import load_pretrained
@@ -26,7 +26,7 @@ from gdnprune.plans import PlanError, constraint_violations, kernel_warnings, re
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
 FAMILIES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
-# SHAPE is Hk 2, Hv 4, dk 8, dv 6; the tiny models have GDN layers 0 and 2
+# SOURCE_SHAPE is Hk 2, Hv 4, dk 8, dv 6; the tiny models have GDN layers 0 and 2
 SMALL = GDNShape(num_key_heads=1, num_value_heads=2, key_head_dim=5, value_head_dim=4)
 WIDE = GDNShape(num_key_heads=2, num_value_heads=2, key_head_dim=8, value_head_dim=3)
 
@@ -60,8 +60,8 @@ def ids(n=2, length=80, seed=0):
 
 def test_plan_fields_default_and_aliases():
     shapes = {
-        "model.language_model.layers.0.linear_attn": SHAPE,
-        "model.language_model.layers.2.linear_attn": SHAPE,
+        "model.language_model.layers.0.linear_attn": SOURCE_SHAPE,
+        "model.language_model.layers.2.linear_attn": SOURCE_SHAPE,
     }
     plan = {
         "format": "gdnprune-plan",
@@ -70,12 +70,12 @@ def test_plan_fields_default_and_aliases():
         "layers": {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2}},
     }
     targets = resolve_plan(plan, shapes)
-    assert targets["model.language_model.layers.0.linear_attn"] == SHAPE.replace(
+    assert targets["model.language_model.layers.0.linear_attn"] == SOURCE_SHAPE.replace(
         num_key_heads=1, num_value_heads=2
     )
-    assert targets["model.language_model.layers.2.linear_attn"] == SHAPE.replace(value_head_dim=4)
+    assert targets["model.language_model.layers.2.linear_attn"] == SOURCE_SHAPE.replace(value_head_dim=4)
     no_default = dict(plan, default=None)
-    assert resolve_plan(no_default, shapes)["model.language_model.layers.2.linear_attn"] == SHAPE
+    assert resolve_plan(no_default, shapes)["model.language_model.layers.2.linear_attn"] == SOURCE_SHAPE
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ def test_plan_fields_default_and_aliases():
     ],
 )
 def test_bad_plans_are_refused_with_what_was_expected(plan, message):
-    shapes = {"model.layers.0.linear_attn": SHAPE, "model.layers.2.linear_attn": SHAPE}
+    shapes = {"model.layers.0.linear_attn": SOURCE_SHAPE, "model.layers.2.linear_attn": SOURCE_SHAPE}
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_plan(plan, shapes)
 
@@ -302,7 +302,7 @@ def test_slice_model_cuts_in_memory_and_saves_a_loadable_folder(model_type, tmp_
     from gdnprune.loading import slice_model
     from gdnprune.scoring import score_model, scores_to_permutations
 
-    model = build_model(model_type, SHAPE, seed=2)
+    model = build_model(model_type, SOURCE_SHAPE, seed=2)
     x = ids()
     permutations = scores_to_permutations(score_model(model, [x], progress=False))
     first, second = [p for p, _ in _gdn(model)]
@@ -316,4 +316,4 @@ def test_slice_model_cuts_in_memory_and_saves_a_loadable_folder(model_type, tmp_
     with torch.no_grad():
         assert torch.equal(again(input_ids=x).logits, reference(input_ids=x).logits)
     uniform = slice_model(model, {"num_key_heads": 1, "num_value_heads": 2})
-    assert GDNShape.from_config(uniform.config) == SHAPE.replace(num_key_heads=1, num_value_heads=2)
+    assert GDNShape.from_config(uniform.config) == SOURCE_SHAPE.replace(num_key_heads=1, num_value_heads=2)

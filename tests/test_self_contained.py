@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dense_axes import _model, _same
+from helpers import assert_same, random_dense_model
 from tiny_models import logits
 
 from gdnprune import checkpoint as ck
@@ -147,10 +147,11 @@ def _report(process: subprocess.Popen) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_heterogeneous_outputs_load_without_gdnprune(tmp_path):
     folders, models = {}, {}
     for i, model_type in enumerate(FAMILIES):
-        model = _model(model_type, seed=i)
+        model = random_dense_model(model_type, seed=i)
         model.save_pretrained(tmp_path / "src" / model_type)
         plan = _plan(model)
         out = tmp_path / "out" / model_type
@@ -224,8 +225,8 @@ def test_heterogeneous_outputs_load_without_gdnprune(tmp_path):
         assert entry["base"].startswith("transformers.models.")
         assert entry["loading_info"] == {}
         full, cached = results[name]["full"], results[name]["cached"]
-        _same(full, references[name])
-        _same(cached, full[:, -STEPS - 1 :])
+        assert_same(full, references[name])
+        assert_same(cached, full[:, -STEPS - 1 :])
         if name in SAVE:  # save_pretrained wrote the modeling file and auto_map again
             assert torch.equal(results[name]["reloaded"], full)
             assert (
@@ -244,7 +245,7 @@ def test_families_and_foreign_modeling_code_are_refused_before_writing(tmp_path)
         "AutoModelForCausalLM": "modeling_gdnprune.Qwen3_5ForConditionalGeneration",
         "AutoModelForImageTextToText": "modeling_gdnprune.Qwen3_5ForConditionalGeneration",
     }
-    model = _model("qwen3_5")
+    model = random_dense_model("qwen3_5")
     model.save_pretrained(tmp_path / "src")
     config = json.loads((tmp_path / "src" / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_other.OtherForCausalLM"}

@@ -1,7 +1,22 @@
 """gdnprune: score, sort, plan, slice and distill the GatedDeltaNet layers of Qwen hybrid language models."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .loading import load_pretrained  # noqa: E402  (stdlib-only at import: `import gdnprune` stays light)
-
 __all__ = ["__version__", "load_pretrained"]
+
+if TYPE_CHECKING:
+    from .loading import load_pretrained
+
+
+def __getattr__(name: str) -> Any:
+    """``gdnprune.load_pretrained`` on first use, so that ``import gdnprune`` (and every torch-free command:
+    inspect, sort, slice) imports neither torch nor transformers."""
+    if name == "load_pretrained":
+        from .loading import load_pretrained  # lazy: `import gdnprune` stays torch-free
+
+        return load_pretrained
+    raise AttributeError(f"module 'gdnprune' has no attribute {name!r}")

@@ -25,26 +25,19 @@ query heads inside their group, preserves the function; so does any channel orde
 
 from __future__ import annotations
 
+import copy
+import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import Field, dataclass, field, fields
+from fractions import Fraction
+from typing import Any, cast
 
 import numpy as np
 
-from .geometry import (
-    as_int as _as_int,
-)
-from .geometry import (
-    as_order,
-    per_layer_overrides,
-)
-from .geometry import (
-    config_value as _get,
-)
-from .geometry import (
-    global_config_value as _get_global,
-)
+from .geometry import as_int, as_order, layer_index_of
+from .layouts import get_layout, scaled_weight
+from .model_config import MTP_PREFIX, global_config_value, per_layer_overrides, text_config
 
 __all__ = [
     "MLPShape",
@@ -79,9 +72,12 @@ def _heads(index: np.ndarray, width: int) -> np.ndarray:
 class _Shape:
     """What every sub-block geometry offers (fields are positive ints, checked in ``__post_init__``)."""
 
+    def _fields(self) -> tuple[Field, ...]:
+        return fields(cast(Any, self))  # every subclass is a dataclass
+
     def _check(self) -> None:
-        for f in fields(self):
-            value = _as_int(getattr(self, f.name))
+        for f in self._fields():
+            value = as_int(getattr(self, f.name))
             if value is None or value <= 0:
                 raise ValueError(
                     f"{type(self).__name__}.{f.name} must be a positive integer, got "
@@ -90,7 +86,7 @@ class _Shape:
             object.__setattr__(self, f.name, value)
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in self._fields()}
 
     def replace(self, **changes: int):
         return type(self)(**{**self.as_dict(), **changes})
@@ -216,9 +212,7 @@ class ExpertShape(_Shape):
             )
         return problems
 
-    def indices(
-        self, orders: Mapping[str, np.ndarray] | None, target: ExpertShape
-    ) -> dict[str, np.ndarray]:
+    def indices(self, orders: Mapping[str, np.ndarray] | None, target: ExpertShape) -> dict[str, np.ndarray]:
         experts = np.arange(self.num_experts) if orders is None else orders["experts"]
         return {"e": np.asarray(experts[: target.num_experts], dtype=np.int64)}
 
@@ -260,12 +254,19 @@ class BlockKind:
 
     def shape_from_config(self, config: Any, layer_index: int) -> Any:
         """This kind's geometry of decoder layer ``layer_index`` (global keys, then ``per_layer_config``)."""
-        holder = _text_holder(config)
-        values = {field: _get_global(holder, key) for key, field in self.config_keys.items()}
-        for key, value in per_layer_overrides(config, self.config_keys).get(layer_index, {}).items():
+        holder = text_config(config, "hidden_size")
+        values = {field: global_config_value(holder, key) for key, field in self.config_keys.items()}
+        for key, value in (
+            per_layer_overrides(config, self.config_keys, key="linear_num_key_heads")
+            .get(layer_index, {})
+            .items()
+        ):
             values[self.config_keys[key]] = value
         if self.geometry is AttentionShape and values.get("head_dim") is None:
-            hidden, heads = _get_global(holder, "hidden_size"), _get_global(holder, "num_attention_heads")
+            hidden, heads = (
+                global_config_value(holder, "hidden_size"),
+                global_config_value(holder, "num_attention_heads"),
+            )
             if hidden is not None and heads:
                 values["head_dim"] = hidden // heads  # transformers' default when the config has no head_dim
         missing = [key for key, field in self.config_keys.items() if values.get(field) is None]
@@ -331,15 +332,6 @@ BLOCK_FIELDS = (
     "num_experts",
 )
 
-#: tensors under these prefixes are never sub-blocks (copied unchanged)
-_PASSTHROUGH = ("mtp.",)
-
-
-def _text_holder(config: Any) -> Any:
-    if _get_global(config, "hidden_size") is None and _get(config, "text_config") is not None:
-        return _get(config, "text_config")
-    return config
-
 
 def block_kinds_of(prefix: str) -> list[BlockKind]:
     """Every kind whose module path ``prefix`` matches (``layers.N.mlp``: a dense MLP or routed experts)."""
@@ -352,7 +344,7 @@ def block_kind_of(prefix: str, keys: Iterable[str] = ()) -> BlockKind | None:
     geometry fields, e.g. a plan entry's or a payload shape's) is chosen, else the first."""
     matches, keys = block_kinds_of(prefix), set(keys)
     named = [k for k in matches if keys & (set(k.config_keys) | {f.name for f in fields(k.geometry)})]
-    return (named or matches or [None])[0]
+    return (named or matches)[0] if named or matches else None
 
 
 @dataclass
@@ -375,35 +367,30 @@ class Block:
         """Elements of the block's tensors after a cut to ``target`` (default: as it is), from the tensors'
         shapes and the layout table: the coupled axis of each tensor takes its length for ``target``. The
         cost a plan candidate has (FP8 scales count as elements too)."""
-        from .layouts import get_layout
 
         layout, target = get_layout(self.layout), self.shape if target is None else target
-        total = sum(_numel(dims) for dims in self.fixed.values())
+        total = sum(math.prod(dims) for dims in self.fixed.values())
         if self.numbered:
             kept = target.segment_size(layout.numbered_segment)
-            total += sum(_numel(d) for s, d in self.numbered.items() if int(s.split(".")[1]) < kept)
+            total += sum(math.prod(d) for s, d in self.numbered.items() if int(s.split(".")[1]) < kept)
         for suffix, dims in self.tensors.items():
             rule = layout.rule(suffix)
             if rule is None:  # an FP8 scale: one entry per block of its weight's rows or columns
-                from .layouts import scaled_weight
-
-                weight = layout.rule(scaled_weight(suffix))
+                scaled = scaled_weight(suffix)
+                weight = layout.rule(scaled) if scaled is not None else None
+                if weight is None:
+                    raise ValueError(
+                        f"{self.prefix}.{suffix} is neither coupled nor the scale of a coupled weight"
+                    )
                 full, cut = weight.length(self.shape), weight.length(target)
                 axis = weight.axis
-                dims = list(dims)
-                dims[axis] = -(-dims[axis] * cut // full)
+                sizes = list(dims)
+                sizes[axis] = -(-sizes[axis] * cut // full)
             else:
-                dims = list(dims)
-                dims[rule.axis] = rule.length(target)
-            total += _numel(dims)
+                sizes = list(dims)
+                sizes[rule.axis] = rule.length(target)
+            total += math.prod(sizes)
         return total
-
-
-def _numel(dims) -> int:
-    n = 1
-    for d in dims:
-        n *= int(d)
-    return n
 
 
 def kv_cache_elements(shape: AttentionShape) -> int:
@@ -424,12 +411,11 @@ def find_blocks(
         ValueError: a block whose tensors fit none of its kind's layouts (the message lists them, the
             expected and the found shapes) or has tensors no layout knows (e.g. Qwen4-exp's indexer).
     """
-    from .geometry import layer_index_of
 
     wanted = [KINDS[k] for k in (KINDS if kinds is None else kinds)]
     prefixes: dict[str, BlockKind] = {}
     for name in shapes:
-        if name.startswith(_PASSTHROUGH):
+        if name.startswith(MTP_PREFIX):
             continue
         for kind in wanted:
             for marker in kind.markers:
@@ -452,7 +438,6 @@ def find_blocks(
 
 
 def _fit_layout(prefix: str, kind: BlockKind, shape: Any, members: Mapping[str, tuple[int, ...]]) -> Block:
-    from .layouts import get_layout, scaled_weight
 
     reports = []
     for name in kind.layouts:
@@ -488,7 +473,9 @@ def _numbered_members(
     must exist for every ``N`` below the segment's size, with one shape for all ``N``."""
     if not layout.numbered:
         return {}, []
-    count, found, problems = shape.segment_size(layout.numbered_segment), {}, []
+    count = shape.segment_size(layout.numbered_segment)
+    found: dict[str, dict[int, Any]] = {}
+    problems: list[str] = []
     for suffix, dims in members.items():
         m = _NUMBER.match(suffix)
         if m and m.group(1) == layout.numbered:
@@ -514,7 +501,6 @@ def numbered_name_map(block: Block, indices: Mapping[str, np.ndarray]) -> dict[s
     """The gather over tensor NAMES of a numbered layout: full source name -> full output name (``None``:
     dropped). Output ``{numbered}.i.<suffix>`` is source ``{numbered}.idx[i].<suffix>`` (``idx``: the canonical
     index of the layout's numbered segment); a sort renumbers, a cut also drops. Empty for other layouts."""
-    from .layouts import get_layout
 
     layout = get_layout(block.layout)
     if not block.numbered:
@@ -522,9 +508,12 @@ def numbered_name_map(block: Block, indices: Mapping[str, np.ndarray]) -> dict[s
     new_number = {
         int(old): new for new, old in enumerate(np.asarray(indices[layout.numbered_segment]).tolist())
     }
-    out = {}
+    out: dict[str, str | None] = {}
     for suffix in block.numbered:
-        _, number, rest = _NUMBER.match(suffix).groups()
+        m = _NUMBER.match(suffix)
+        if m is None:  # find_blocks files only numbered names here
+            continue
+        _, number, rest = m.groups()
         new = new_number.get(int(number))
         out[f"{block.prefix}.{suffix}"] = (
             None if new is None else f"{block.prefix}.{layout.numbered}.{new}.{rest}"
@@ -606,11 +595,9 @@ def apply_block_targets_to_config(config: Mapping, kind: str, targets: Mapping[i
     keys); attention always writes ``head_dim`` so that the head dim no longer follows ``hidden_size //
     num_attention_heads``.
     """
-    import copy
-
     block_kind = KINDS[kind]
-    config = copy.deepcopy(dict(config))
-    holder = config if "text_config" not in config or "hidden_size" in config else config["text_config"]
+    out: dict = copy.deepcopy(dict(config))
+    holder = text_config(out, "hidden_size")
     overrides = {int(k): dict(v) for k, v in (holder.get("per_layer_config") or {}).items()}
     for key in block_kind.config_keys:
         values = {i: block_kind.config_updates(t)[key] for i, t in sorted(targets.items())}
@@ -631,7 +618,7 @@ def apply_block_targets_to_config(config: Mapping, kind: str, targets: Mapping[i
         holder["per_layer_config"] = {str(i).zfill(width): overrides[i] for i in sorted(overrides)}
     else:
         holder.pop("per_layer_config", None)
-    return config
+    return out
 
 
 @dataclass(frozen=True)
@@ -659,8 +646,6 @@ def block_candidates(
     Raises:
         ValueError: no candidate meets the constraints.
     """
-    import math
-    from fractions import Fraction
 
     shape, out = block.shape, []
     if isinstance(shape, AttentionShape):
@@ -693,8 +678,8 @@ def block_candidates(
         for size in sorted(sizes, reverse=True):
             if (multiple_of and size % multiple_of) or (tp and size % tp):
                 continue
-            target = MLPShape(size)
-            out.append(BlockCandidate(target, block.parameters(target), 0))
+            mlp = MLPShape(size)
+            out.append(BlockCandidate(mlp, block.parameters(mlp), 0))
     if not out:
         raise ValueError(
             f"{block.prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "

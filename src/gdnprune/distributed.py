@@ -31,7 +31,6 @@ windows or candidates the same way.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import socket
@@ -41,21 +40,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-#: OSErrors that the user causes (a path that does not exist, is of the wrong kind or may not be written);
-#: any other OSError (a full disk, an I/O error, ...) is the environment's. The CLI has the same set.
-USER_ERRNOS = frozenset(
-    {
-        errno.ENOENT,
-        errno.ENOTDIR,
-        errno.EISDIR,
-        errno.EEXIST,
-        errno.EACCES,
-        errno.EPERM,
-        errno.ENAMETOOLONG,
-        errno.ELOOP,
-    }
-)
+from .fileio import USER_ERRNOS
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -193,7 +180,6 @@ def init_process_group(*, timeout: timedelta | float | None = None, backend: str
         RankFailedError: the processes did not all join within ``timeout``.
     """
     global _timeout_in_use, _groups_created
-    import torch.distributed as dist
 
     info = launch_info()
     if info is None or (dist.is_available() and dist.is_initialized()):
@@ -249,29 +235,24 @@ def process_group(*, timeout: timedelta | float | None = None, backend: str | No
         yield is_distributed()
     finally:
         if owned:
-            import torch.distributed as dist
-
             _timeout_in_use = None
             dist.destroy_process_group()
 
 
 def is_distributed(group: Any = None) -> bool:
     """Whether a process group with more than one process is initialised."""
-    import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def rank(group: Any = None) -> int:
     """This process's rank in the initialised group (0 without one)."""
-    import torch.distributed as dist
 
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size(group: Any = None) -> int:
     """The number of processes in the initialised group (1 without one)."""
-    import torch.distributed as dist
 
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
@@ -301,7 +282,6 @@ def shard_indices(n: int, rank: int, world: int) -> range:
 def _collective_device(group: Any) -> torch.device:
     """Where the buffers of a collective live: host memory when the group has a CPU backend (gloo), else
     the current CUDA device (an NCCL-only group, e.g. one that accelerate created)."""
-    import torch.distributed as dist
 
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
@@ -344,7 +324,6 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], *, group: Any = None) -> lis
     Every rank must pass tensors of the same dtypes and shapes, in the same order. Float64 sums over
     ranks differ from a single process's running sum only by summation order.
     """
-    import torch.distributed as dist
 
     tensors = list(tensors)
     if not tensors or not is_distributed(group):
@@ -353,9 +332,11 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], *, group: Any = None) -> lis
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, members in by_dtype.items():
+    for members in by_dtype.values():
         flat = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in members])
-        _run_collective(lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group), "a sum", group)
+        _run_collective(
+            lambda flat=flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group), "a sum", group
+        )
         offset = 0
         for i in members:
             t = tensors[i]
@@ -372,7 +353,6 @@ def exchange(value: Any = None, error: BaseException | None = None, *, group: An
     others :class:`RankFailedError` naming the lowest failing rank and its message. Exceptions that went
     through an exchange are marked, so :func:`fail_together` does not exchange them again.
     """
-    import torch.distributed as dist
 
     if not is_distributed(group):
         if error is not None:
@@ -452,16 +432,16 @@ def local_gpus(info: LaunchInfo | None = None, *, group: Any = None) -> list[int
 
 
 def gpu_block(local_rank: int, local_world_size: int, count: int) -> list[int]:
-    """GPUs ``[l*G//L, (l+1)*G//L)`` of the ``G = count`` visible ones for local rank ``l`` of ``L``.
+    """GPUs ``[r*G//L, (r+1)*G//L)`` of the ``G = count`` visible ones for local rank ``r`` of ``L``.
 
     Raises:
         ValueError: the block is empty (fewer GPUs than processes on the machine).
     """
-    L, l = int(local_world_size), int(local_rank)
-    block = list(range(l * count // L, (l + 1) * count // L))
+    L, r = int(local_world_size), int(local_rank)
+    block = list(range(r * count // L, (r + 1) * count // L))
     if not block:
         raise ValueError(
-            f"local rank {l} of {L} gets no GPU: only {count} GPU(s) visible on this machine; "
+            f"local rank {r} of {L} gets no GPU: only {count} GPU(s) visible on this machine; "
             "start fewer processes per machine or give each rank its own CUDA_VISIBLE_DEVICES"
         )
     return block

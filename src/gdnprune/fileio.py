@@ -1,4 +1,5 @@
-"""Small file helpers shared by the modules that write files: the umask, and atomic JSON files.
+"""Small file helpers shared by the modules that read and write files: the umask, JSON files read with one
+error for every way they can be broken, and atomic files (JSON or bytes).
 
 A JSON file that gdnprune writes (scores, plans, logs) appears whole or not at all: it is written to a
 temporary file next to it and renamed into place, with the permissions that ``open(path, "w")`` would
@@ -7,14 +8,41 @@ give it under the process umask.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-__all__ = ["umask", "write_json_atomic", "file_sha256", "check_output_file"]
+__all__ = [
+    "USER_ERRNOS",
+    "umask",
+    "read_json",
+    "write_json_atomic",
+    "write_bytes_atomic",
+    "file_sha256",
+    "check_output_file",
+]
+
+
+#: OSErrors that the user causes (a path that does not exist, is of the wrong kind or may not be written);
+#: any other OSError (a full disk, an I/O error, ...) is the environment's.
+#: The CLI exits 2 for these, 1 for the others; a rank that fails under torchrun is classified the same way.
+USER_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+    }
+)
 
 
 def umask() -> int:
@@ -31,25 +59,47 @@ def umask() -> int:
     return mask
 
 
-def write_json_atomic(path: str | os.PathLike, value: Any, *, indent: int | None = 1) -> Path:
-    """Write ``value`` as JSON (final newline) through a temporary file renamed to ``path``; returns ``path``.
+def read_json(path: str | os.PathLike, error: type[Exception] = ValueError, where: str | None = None) -> Any:
+    """A JSON file's contents; ``error("{where}: ...")`` when it cannot be read, is not UTF-8 or not JSON, or
+    is nested too deeply for the parser (``where`` defaults to the path)."""
+    where = os.fspath(path) if where is None else where
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise error(f"{where}: cannot read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise error(f"{where}: not valid JSON (nested too deeply)") from None
 
-    Missing parent folders are created.
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], object]) -> Path:
+    """Write ``data`` (bytes, or a function that writes to the open binary file) through a temporary file
+    next to ``path``, renamed into place: the file appears whole or not at all, with the permissions that
+    ``open(path, "w")`` would give it under the umask. Missing parent folders are created; returns ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=indent)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return path
+
+
+def write_json_atomic(path: str | os.PathLike, value: Any, *, indent: int | None = 1) -> Path:
+    """Write ``value`` as JSON (final newline) atomically (:func:`write_bytes_atomic`); returns ``path``."""
+    return write_bytes_atomic(path, (json.dumps(value, indent=indent) + "\n").encode("utf-8"))
 
 
 def file_sha256(path: str | os.PathLike) -> str | None:

@@ -113,7 +113,7 @@ class GDNPermutation:
             torch.equal(getattr(self, f.name).cpu(), getattr(other, f.name).cpu()) for f in fields(self)
         )
 
-    __hash__ = None  # mutable tensors inside
+    __hash__ = None  # type: ignore[assignment]  # mutable tensors inside
 
     @property
     def shape_signature(self) -> tuple[int, int, int, int]:
@@ -136,7 +136,7 @@ class GDNPermutation:
     @classmethod
     def identity(cls, shape: GDNShape) -> GDNPermutation:
         """The permutation that changes nothing."""
-        return cls(**geometry.identity_orders(shape))
+        return cls(**_torch(geometry.identity_orders(shape)))
 
     @classmethod
     def random(cls, shape: GDNShape, *, generator: torch.Generator | None = None) -> GDNPermutation:
@@ -165,7 +165,7 @@ class GDNPermutation:
         Raises:
             ValueError: a wrong shape or an order that is not a permutation, naming the key.
         """
-        return cls(**geometry.orders_from_payload(payload, shape))
+        return cls(**_torch(geometry.orders_from_payload(payload, shape)))
 
     def to_score_payload(self) -> dict[str, list]:
         """The four ``*_order_most_important_first`` keys as JSON-ready lists."""
@@ -294,11 +294,10 @@ def _gather_layer(
     if not names:
         raise ValueError(f"{prefix or '<root>'}: no tensors under this prefix")
     full = geometry.check_indices(indices, shape, target)
+    rules = {name: rule for name in names if (rule := chosen.rule(name)) is not None}  # all: none unknown
     for name, key in names.items():
-        _check_tensor(prefix, chosen.rule(name), state_dict[key], shape)
-    updated = {
-        key: _gather(chosen.rule(name), state_dict[key], shape, target, full) for name, key in names.items()
-    }
+        _check_tensor(prefix, rules[name], state_dict[key], shape)
+    updated = {key: _gather(rules[name], state_dict[key], shape, target, full) for name, key in names.items()}
     state_dict.update(updated)
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from .model_config import config_value, global_config_value, per_layer_overrides, text_config
+
 INDEX_KEYS = ("qidx", "hidx", "vidx", "cidx")
 
 _PAYLOAD_KEYS = {
@@ -51,34 +53,13 @@ _FIELD_OF = {key: name for name, key in _CONFIG_KEYS.items()}
 _GDN_CONFIG_KEYS = frozenset(_FIELD_OF)
 
 
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    """``config[key]`` for dicts, ``config.key`` for config objects."""
-    if isinstance(config, Mapping):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
-def _get_global(config: Any, key: str, default: Any = None) -> Any:
-    """Like :func:`_get`, but a heterogeneous transformers config gives its global value instead of raising."""
-    raw = getattr(config, "_getattr_without_heterogeneous_validation", None)
-    if raw is not None and not isinstance(config, Mapping):
-        return raw(key, default)
-    return _get(config, key, default)
-
-
 def _holder(config: Any) -> Any:
     """The part of a config that holds the GDN geometry: the config, or its ``text_config``."""
-    if _get_global(config, "linear_num_key_heads") is None and _get(config, "text_config") is not None:
-        return _get(config, "text_config")
-    return config
+    return text_config(config, "linear_num_key_heads")
 
 
 #: the config keys of the GDN geometry (``linear_*``)
 GDN_CONFIG_KEYS = _GDN_CONFIG_KEYS
-#: ``config[key]`` / ``config.key`` (dicts and config objects), and the same giving a heterogeneous
-#: config's global value instead of raising; used by the sub-block geometries of :mod:`gdnprune.blocks`
-config_value = _get
-global_config_value = _get_global
 
 
 def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
@@ -90,34 +71,7 @@ def per_layer_gdn_overrides(config: Any) -> dict[int, dict[str, int]]:
     Raises:
         ValueError: a ``per_layer_config`` that is not ``{layer index: {attribute: value}}``.
     """
-    return per_layer_overrides(config, _GDN_CONFIG_KEYS)
-
-
-def per_layer_overrides(config: Any, keys) -> dict[int, dict[str, Any]]:
-    """``{layer_index: {key: value}}`` for the config ``keys`` a heterogeneous config sets per layer
-    (see :func:`per_layer_gdn_overrides`; the sub-blocks of :mod:`gdnprune.blocks` read theirs with it)."""
-    holder = _holder(config)
-    if isinstance(holder, Mapping):
-        raw = holder.get("per_layer_config")
-    else:
-        spec = getattr(holder, "__dict__", {}).get("_heterogeneity_spec")
-        raw = None if spec is None else spec.per_layer_overrides
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"per_layer_config must map layer indices to objects, found {type(raw).__name__}")
-    out = {}
-    for key, overrides in raw.items():
-        try:
-            index = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"per_layer_config key {key!r} is not a layer index") from None
-        if not isinstance(overrides, Mapping):
-            raise ValueError(f"per_layer_config[{key!r}] must be an object, found {type(overrides).__name__}")
-        chosen = {k: v for k, v in overrides.items() if k in keys}
-        if chosen:
-            out[index] = chosen
-    return out
+    return per_layer_overrides(config, _GDN_CONFIG_KEYS, key="linear_num_key_heads")
 
 
 def layer_index_of(prefix: str) -> int:
@@ -141,10 +95,10 @@ def apply_targets_to_config(config: Mapping, targets: Mapping[int, GDNShape]) ->
     distinct = list(dict.fromkeys(targets[i] for i in sorted(targets)))
     counts = {shape: sum(1 for t in targets.values() if t == shape) for shape in distinct}
     common = max(distinct, key=lambda shape: counts[shape])  # max keeps the first of equal counts
-    config = common.apply_to_config(dict(config))
+    out: dict = common.apply_to_config(dict(config))
     if len(distinct) == 1:
-        return config
-    holder = _holder(config)
+        return out
+    holder = _holder(out)
     overrides = {int(k): dict(v) for k, v in holder.get("per_layer_config", {}).items()}
     for index, target in targets.items():
         differ = {
@@ -156,10 +110,10 @@ def apply_targets_to_config(config: Mapping, targets: Mapping[int, GDNShape]) ->
             overrides.setdefault(index, {}).update(differ)
     width = len(str(max(overrides)))
     holder["per_layer_config"] = {str(i).zfill(width): overrides[i] for i in sorted(overrides)}
-    return config
+    return out
 
 
-def _as_int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
     """``value`` as a Python int when it is an integer: an int, a numpy integer, or a 0-d integer array or
     torch tensor (torch is not imported here); None for bools, floats (even 2.0) and anything else."""
     if isinstance(value, bool):
@@ -175,10 +129,6 @@ def _as_int(value: Any) -> int | None:
     if is_floating or is_complex or str(dtype) == "torch.bool":  # a torch dtype
         return None
     return int(value.item())
-
-
-#: an integer (int, numpy integer, 0-d integer array or tensor) as a Python int, else None
-as_int = _as_int
 
 
 @dataclass(frozen=True)
@@ -205,7 +155,7 @@ class GDNShape:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = _as_int(getattr(self, f.name))
+            value = as_int(getattr(self, f.name))
             if value is None or value <= 0:
                 raise ValueError(
                     f"GDNShape.{f.name} must be a positive integer, got {getattr(self, f.name)!r}"
@@ -282,14 +232,14 @@ class GDNShape:
         layers) needs ``layer_index``: the geometry of that decoder layer.
         """
         source = _holder(config)
-        values = {name: _get_global(source, key) for name, key in _CONFIG_KEYS.items()}
+        values = {name: global_config_value(source, key) for name, key in _CONFIG_KEYS.items()}
         overrides = per_layer_gdn_overrides(config)
         if overrides and layer_index is None:
             raise ValueError(
                 f"config has a heterogeneous GDN geometry (per_layer_config sets linear_* for layers "
                 f"{sorted(overrides)}); give the layer_index of the layer"
             )
-        for key, value in overrides.get(layer_index, {}).items():
+        for key, value in (overrides.get(layer_index, {}) if layer_index is not None else {}).items():
             values[_FIELD_OF[key]] = value
         missing = [_CONFIG_KEYS[name] for name, value in values.items() if value is None]
         if missing:
@@ -313,9 +263,9 @@ class GDNShape:
             "state_dim": ("state_dim", "ssm_state_size", "d_state"),
             "head_dim": ("head_dim",),
         }
-        values = {}
+        values: dict[str, Any] = {}
         for field, candidates in names.items():
-            values[field] = next((v for c in candidates if (v := _get(config, c)) is not None), None)
+            values[field] = next((v for c in candidates if (v := config_value(config, c)) is not None), None)
             if values[field] is None:
                 raise ValueError(f"Mamba-style config has no {field!r} (looked for {list(candidates)})")
         return cls(values["num_groups"], values["num_heads"], values["state_dim"], values["head_dim"])

@@ -23,6 +23,25 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
+import transformers
+from accelerate.utils import get_max_memory
+
+from .block_surgery import find_model_blocks, slice_block_state_dict
+from .blocks import (
+    BLOCK_FIELDS,
+    KINDS,
+    apply_block_targets_to_config,
+    block_kinds_of,
+    resolve_block_target,
+)
+from .distributed import launch_info
+from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
+from .geometry import GDN_CONFIG_KEYS, GDNShape, apply_targets_to_config, layer_index_of
+from .layouts import find_gdn_modules
+from .model_config import per_layer_overrides, text_config
+from .targets import resolve_target
+
 __all__ = ["load_pretrained", "load_causal_lm", "empty_causal_lm", "slice_model", "per_layer_gdn_modules"]
 
 _LOCK = threading.RLock()
@@ -66,7 +85,7 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
                 # MoE heads read num_experts globally (router aux loss): the most common count, as config.json's
                 # global key holds it; the aux loss of per-layer expert counts is not defined (leave
                 # output_router_logits off)
-                text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+                text = text_config(config)
                 before = {
                     id(c): c.__dict__.get("allow_global_per_layer_attribute_access") for c in (config, text)
                 }
@@ -81,7 +100,7 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
                         else:
                             c.__dict__["allow_global_per_layer_attribute_access"] = before[id(c)]
 
-            cls.__init__ = head_init
+            setattr(cls, "__init__", head_init)  # noqa: B010  (mypy: assigning __init__ is unsound)
         originals.update(globals_)
         for cls, original in originals.items():
             if cls in globals_:
@@ -93,17 +112,17 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
                     config = config.per_layer_config[layer_idx]
                 _original(self, config, layer_idx, *args, **kwargs)
 
-            cls.__init__ = init
+            setattr(cls, "__init__", init)  # noqa: B010
         try:
             yield
         finally:
             for cls, original in originals.items():
-                cls.__init__ = original
+                setattr(cls, "__init__", original)  # noqa: B010
 
 
-def _resolve_class(config: Any, model_class: Any) -> type:
-    import transformers
-
+def _resolve_class(config: Any, model_class: Any) -> tuple[Any, type]:
+    """The class to call ``from_pretrained`` on, and the concrete model class it builds (the same class
+    unless ``model_class`` is an Auto class)."""
     if model_class is None:
         names = getattr(config, "architectures", None) or []
         found = [getattr(transformers, name, None) for name in names]
@@ -119,11 +138,8 @@ def _resolve_class(config: Any, model_class: Any) -> type:
 
 def _heterogeneous(config: Any) -> bool:
     """Whether ``config`` sets a GDN, attention or MLP geometry per layer."""
-    from .blocks import KINDS
-    from .geometry import GDN_CONFIG_KEYS, per_layer_overrides
-
     keys = set(GDN_CONFIG_KEYS).union(*(kind.config_keys for kind in KINDS.values()))
-    return bool(per_layer_overrides(config, keys))
+    return bool(per_layer_overrides(config, keys, key="linear_num_key_heads"))
 
 
 def load_pretrained(
@@ -143,11 +159,9 @@ def load_pretrained(
         What ``model_class.from_pretrained`` returns: a normal transformers model whose GDN modules have
         their own geometry (``module.num_v_heads`` etc.), and whose config keeps ``per_layer_config``.
     """
-    import transformers
-
     config = from_pretrained_kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
     loader, concrete = _resolve_class(config, model_class)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if not _heterogeneous(text) and not _heterogeneous(config):
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
     with per_layer_gdn_modules(concrete):
@@ -169,16 +183,11 @@ def load_causal_lm(
     (default: the local rank's GPU when CUDA is available, else cpu). ``gpus``: with a ``device_map``, the
     only GPUs it may use (this rank's block, :func:`gdnprune.distributed.local_gpus`).
     """
-    import torch
-    import transformers
-
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
         if gpus is not None:
-            from accelerate.utils import get_max_memory
-
             available = get_max_memory()
             kwargs["max_memory"] = {k: v for k, v in available.items() if not isinstance(k, int) or k in gpus}
     try:
@@ -197,11 +206,8 @@ def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
     """The causal LM that :func:`load_causal_lm` would load, built on the ``meta`` device from the folder's
     config alone: every module with its shapes and per-layer GDN geometry, no weight read or allocated.
     For what needs the structure only (the plan's proxy sensitivity)."""
-    import torch
-    import transformers
-
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     try:
         loader, concrete = _resolve_class(config, transformers.AutoModelForCausalLM)
     except ValueError as first:
@@ -217,10 +223,6 @@ def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
 
 def _default_device() -> str:
     """cuda (the local rank's GPU under a launcher) when CUDA is available, else cpu."""
-    import torch
-
-    from .distributed import launch_info
-
     if not torch.cuda.is_available():
         return "cpu"
     info = launch_info()
@@ -247,19 +249,6 @@ def slice_model(
     when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained`` writes a folder
     that :func:`load_pretrained` reads back.
     """
-    from .block_surgery import find_model_blocks, slice_block_state_dict
-    from .blocks import (
-        BLOCK_FIELDS,
-        KINDS,
-        apply_block_targets_to_config,
-        block_kinds_of,
-        resolve_block_target,
-    )
-    from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
-    from .geometry import GDNShape, apply_targets_to_config, layer_index_of
-    from .layouts import find_gdn_modules
-    from .targets import resolve_target
-
     modules = find_gdn_modules(model)
     per_layer = (
         isinstance(targets, dict)

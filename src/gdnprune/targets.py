@@ -50,7 +50,7 @@ def keyword_target(paths: int):
 
 def resolve_target(shape, target):
     """The target GDNShape (``shape`` when None), validated against ``shape``."""
-    from .geometry import GDNShape
+    from .geometry import GDNShape  # lazy: numpy-free at import (the CLI imports this before numpy)
 
     if target is None:
         return shape

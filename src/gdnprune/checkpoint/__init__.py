@@ -15,6 +15,8 @@ The rooms: :mod:`.folder` reads a folder (headers only), :mod:`.engine` streams 
 models. Only :mod:`.verify` imports torch (inside its functions).
 """
 
+import warnings
+
 from ..safetensors_io import CheckpointError
 from ..scores import ScoresError, matching_prefixes, read_scores
 from ..targets import TargetError
@@ -76,8 +78,6 @@ def __getattr__(name: str):
     # ``gdnprune.checkpoint.load_scores`` was ``read_scores`` under another name, while
     # ``gdnprune.scoring.load_scores`` (= ``gdnprune.scores.load_scores``) also checks the file: one name each now
     if name == "load_scores":
-        import warnings
-
         warnings.warn(
             "gdnprune.checkpoint.load_scores is deprecated: it is gdnprune.scores.read_scores (the orders "
             "that sort accepts); gdnprune.scores.load_scores reads and checks a whole scores file",

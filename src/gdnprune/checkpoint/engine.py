@@ -28,13 +28,18 @@ load.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from .. import geometry
+from ..layouts import scale_name, segment_size
 from ..safetensors_io import (
     BLOCK,
     DTYPE_BITS,
@@ -45,6 +50,7 @@ from ..safetensors_io import (
     write_all,
     write_vectors,
 )
+from .codecs import from_float, to_float
 from .folder import Checkpoint, CheckpointError, GDNLayer
 
 __all__ = [
@@ -73,7 +79,6 @@ class LayerPlan:
     )  # FP8 weight suffixes written dequantised in BF16 (their scales dropped)
 
     def scale_of(self, weight: str) -> str:
-        from ..layouts import scale_name
 
         return scale_name(weight)
 
@@ -85,7 +90,6 @@ class LayerPlan:
 
 def plan_layer(layer: GDNLayer, target, orders) -> LayerPlan:
     """The :class:`LayerPlan` of ``layer`` cut to ``target`` (a checked GDNShape) after ``orders`` (or None)."""
-    from .. import geometry
 
     if orders is None:
         indices = geometry.prefix_indices(layer.shape, target)
@@ -139,22 +143,25 @@ class ShardPlan:
         self,
         gdn_shapes: Mapping[str, tuple[int, ...]],
         dtypes: Mapping[str, str] | None = None,
-        dropped: set[str] = frozenset(),
+        dropped: Collection[str] = frozenset(),
         names: Mapping[str, str | None] | None = None,
     ) -> None:
         """Place every tensor (GDN tensor ``name`` gets shape ``gdn_shapes[name]`` and dtype ``dtypes[name]``
         when given; tensors in ``dropped`` are left out; ``names`` renames source tensors in the output, a
         gather over names: per-expert tensors renumbered, layers renumbered after a removal) and build the
         header."""
-        entries, runs, position = [], [], 0
+        entries: list[tuple[str, str, tuple[int, ...], int, int]] = []
+        runs: list[list[int]] = []
+        position = 0
         dtypes, names = dtypes or {}, names or {}
         for t in self.src.tensors.values():  # ordered by offset
-            if t.name in dropped or (t.name in names and names[t.name] is None):
+            new_name = names.get(t.name, t.name)
+            if t.name in dropped or new_name is None:
                 continue
             dtype = dtypes.get(t.name, t.dtype)
             if t.name in gdn_shapes:
                 shape = tuple(gdn_shapes[t.name])
-                nbytes = _numel(shape) * DTYPE_BITS[dtype] // 8  # GDN dtypes are whole bytes
+                nbytes = math.prod(shape) * DTYPE_BITS[dtype] // 8  # GDN dtypes are whole bytes
                 self.gdn_entries[t.name] = (dtype, shape, position, position + nbytes)
             else:
                 shape, nbytes = t.shape, t.nbytes
@@ -162,7 +169,7 @@ class ShardPlan:
                     runs[-1][2] += nbytes
                 elif nbytes:
                     runs.append([t.start, position, nbytes])
-            entries.append((names.get(t.name, t.name), dtype, shape, position, position + nbytes))
+            entries.append((new_name, dtype, shape, position, position + nbytes))
             position += nbytes
         header = encode_header(entries, self.src.metadata)
         data_start = _aligned_start(len(header), runs)
@@ -394,8 +401,6 @@ class _SourceFiles:
     def buffer(self, which: int, nbytes: int) -> memoryview:
         """``nbytes`` of reusable buffer ``which`` (0: source bytes, 1: gathered bytes), valid until the next call."""
         if len(self.buffers[which]) < nbytes:
-            import numpy as np
-
             self.buffers[which] = b""  # release the old one first
             self.buffers[which] = np.empty(nbytes, dtype=np.uint8)  # not zeroed (bytearray would)
         return memoryview(self.buffers[which])[:nbytes]
@@ -433,7 +438,6 @@ def _byte_view(info: TensorInfo, data, axis: int):
     Axis 0: ``[rows, row bytes]`` of uint8; other axes: the tensor's shape with an unsigned integer of the
     dtype's width (GDN tensors are F16/BF16/F32/F64, checked by :func:`find_gdn_layers`).
     """
-    import numpy as np
 
     if axis == 0:
         return np.frombuffer(data, dtype=np.uint8).reshape(info.shape[0], -1)
@@ -443,7 +447,6 @@ def _byte_view(info: TensorInfo, data, axis: int):
 
 def _runs(index, unit: int):
     """Runs of consecutive entries of ``index``: their starts (in units of ``unit`` bytes) and lengths in bytes."""
-    import numpy as np
 
     starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)
     return index[starts] * unit, np.diff(starts, append=index.size) * unit
@@ -453,9 +456,6 @@ def _take_blocks(array, index, axis: int, out):
     """``numpy.take(array, index, axis)`` into ``out``, moving whole blocks where ``index`` allows it: when
     every run of consecutive indices has a length and a start that are multiples of ``b``, the gather is
     one of blocks of ``b`` elements (a head of ``dv`` columns of ``out_proj``, say), ``b`` times fewer moves."""
-    import math
-
-    import numpy as np
 
     begin, lengths = _runs(index, 1)
     b = math.gcd(array.shape[axis], *begin.tolist(), *lengths.tolist()) or 1
@@ -476,9 +476,6 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
     A column gather (``out_proj``) and a split fused tensor are gathered with ``numpy.take`` (whole blocks
     where the index allows) and written with ``pwrite``.
     """
-    import numpy as np
-
-    from ..layouts import segment_size
 
     layer = plan.layer
     rule = layer.rule(suffix)
@@ -510,7 +507,7 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
         ((_, data),) = files.read([info.name])
         out_shape = shape[: rule.axis] + (index.size,) + shape[rule.axis + 1 :]
         source = _byte_view(info, data, rule.axis)
-        gathered = np.frombuffer(files.buffer(1, _numel(out_shape) * source.itemsize), dtype=source.dtype)
+        gathered = np.frombuffer(files.buffer(1, math.prod(out_shape) * source.itemsize), dtype=source.dtype)
         out = {suffix: _take_blocks(source, index, rule.axis, gathered.reshape(out_shape))}
     else:  # a fused tensor stored split (OLMo-hybrid's q/k/v conv): gather the concatenation, split again
         infos = files.read([layer.name(p) for p in pieces])
@@ -523,10 +520,10 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
         dst, offset, shape = destination(plan, p)
         if array.shape[rule.axis] != shape[rule.axis]:
             raise RuntimeError(f"internal error: {layer.name(p)} gathered to {array.shape}, planned {shape}")
-        data = np.ascontiguousarray(array)
+        contiguous = np.ascontiguousarray(array)
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
         try:
-            written += write_all(fd, data.reshape(-1).view(np.uint8), offset)
+            written += write_all(fd, contiguous.reshape(-1).view(np.uint8), offset)
         finally:
             os.close(fd)
     return written
@@ -534,7 +531,6 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
 
 def _fp8_table(dtype: str):
     """The float32 value of every byte of an FP8 format (e4m3fn: no infinities, NaN at 0x7F/0xFF; e5m2)."""
-    import numpy as np
 
     bits = np.arange(256, dtype=np.uint32)
     sign = np.where(bits & 0x80, -1.0, 1.0)
@@ -557,9 +553,6 @@ def _fp8_table(dtype: str):
 
 def _write_dequantized(plan: LayerPlan, suffix: str, rule, index, files: _SourceFiles, destination) -> int:
     """An FP8 weight gathered and written in BF16: each byte decoded, times its block's scale."""
-    import numpy as np
-
-    from .codecs import from_float, to_float
 
     layer = plan.layer
     (info, data), (scale_info, scale_data) = files.read(
@@ -594,7 +587,6 @@ def _fused_of(layer: GDNLayer, suffix: str) -> str | None:
 
 def _out_shape(layer: GDNLayer, suffix: str, target) -> tuple[int, ...]:
     """Shape of on-disk tensor ``suffix`` of ``layer`` after the gather to geometry ``target``."""
-    from ..layouts import segment_size
 
     fused = _fused_of(layer, suffix)
     if fused is None:
@@ -606,13 +598,6 @@ def _out_shape(layer: GDNLayer, suffix: str, target) -> tuple[int, ...]:
     shape = list(layer.tensors[suffix].shape)
     shape[rule.axis] = length
     return tuple(shape)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def check_unchanged(ckpt: Checkpoint) -> None:

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import bisect
 import collections
-import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..blocks import KINDS, find_blocks
+from ..fileio import read_json
+from ..geometry import GDNShape, layer_index_of, per_layer_gdn_overrides
+from ..layouts import LAYOUTS, detect_layout, get_layout, scale_name, scale_rule, scaled_weight
+from ..model_config import MTP_PREFIX
+from ..plans import state_elements
 from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
+from ..scores import matching_prefixes
 
 __all__ = [
     "INDEX_NAME",
@@ -35,7 +41,6 @@ __all__ = [
     "find_gdn_layers",
     "find_block_layers",
     "inspect_checkpoint",
-    "read_json",
     "map_to_checkpoint",
 ]
 
@@ -44,7 +49,7 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "gdnprune.json"
 #: tensors under these prefixes are never treated as GDN layers (copied unchanged)
-PASSTHROUGH_PREFIXES = ("mtp.",)
+PASSTHROUGH_PREFIXES = (MTP_PREFIX,)
 #: dtypes a GDN tensor may have (the gathers are byte gathers of whole elements)
 GDN_DTYPES = ("F64", "F32", "F16", "BF16")
 #: dtypes of block-quantised GDN weights (FP8, with a ``weight_scale_inv`` beside them) and of their scales
@@ -60,17 +65,6 @@ _DISK_SPLITS = {
         "conv1d.bias": ("q_conv1d.bias", "k_conv1d.bias", "v_conv1d.bias"),
     },
 }
-
-
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file's contents; ``CheckpointError`` naming ``what`` when it cannot be read or parsed."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
 
 
 @dataclass
@@ -129,7 +123,7 @@ def read_manifest(model_dir: str | os.PathLike) -> dict | None:
     path = Path(model_dir) / MANIFEST_NAME
     if not path.is_file():
         return None
-    manifest = read_json(path, "the gdnprune manifest")
+    manifest = read_json(path, CheckpointError)
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(manifest).__name__}")
     return manifest
@@ -147,12 +141,12 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
-    config = read_json(path / CONFIG_NAME, "config.json") if (path / CONFIG_NAME).is_file() else None
+    config = read_json(path / CONFIG_NAME, CheckpointError) if (path / CONFIG_NAME).is_file() else None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: no config.json (a JSON object) in the model folder")
     index = None
     if (path / INDEX_NAME).is_file():
-        index = read_json(path / INDEX_NAME, "the safetensors index")
+        index = read_json(path / INDEX_NAME, CheckpointError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -191,7 +185,6 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
 
 
 def _all_markers() -> frozenset[str]:
-    from ..layouts import LAYOUTS
 
     return frozenset().union(*(layout.markers for layout in LAYOUTS.values()))
 
@@ -206,7 +199,8 @@ def _group_gdn_tensors(
     """
     names = list(names)
     depths = sorted({m.count(".") + 1 for m in markers})
-    prefixes, skipped = set(), set()
+    prefixes: set[str] = set()
+    skipped: set[str] = set()
     for name in names:
         parts = name.split(".")
         for c in depths:
@@ -246,7 +240,7 @@ class GDNLayer:
     layout: str
     shape: Any
     tensors: dict[str, TensorInfo]
-    splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     scales: dict[str, Any] = field(default_factory=dict)
     kind: str = (
         "gdn"  # or a sub-block kind of gdnprune.blocks ("attention", "mlp", "shared_expert", "experts")
@@ -255,19 +249,18 @@ class GDNLayer:
 
     def rule(self, suffix: str):
         """The rule of tensor ``suffix``: the layout's, or the block rule of an FP8 scale tensor."""
-        from ..layouts import get_layout
 
         return self.scales.get(suffix) or get_layout(self.layout).rule(suffix)
 
     @property
     def quantized(self) -> dict[str, str]:
         """``{weight suffix: "F8_E4M3, scales 128x128"}`` for the block-quantised weights of the layer."""
-        from ..layouts import scaled_weight
 
         return {
-            scaled_weight(s): f"{self.tensors[scaled_weight(s)].dtype}, "
+            weight: f"{self.tensors[weight].dtype}, "
             f"scales of {self.scales[s].block} along axis {self.scales[s].axis}"
             for s in self.scales
+            if (weight := scaled_weight(s)) is not None
         }
 
     @property
@@ -290,7 +283,6 @@ class GDNLayer:
 
 def _config_shape(config: Mapping, where: Path, prefix: str | None = None):
     """The geometry ``config.json`` gives the GDN layer ``prefix`` (per-layer configs included)."""
-    from ..geometry import GDNShape, layer_index_of, per_layer_gdn_overrides
 
     try:
         index = None
@@ -311,7 +303,6 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
             that mixes layouts, lacks a tensor, has a tensor its layout does not know (e.g. quantisation
             scales), a tensor of the wrong shape for the config's geometry, or an unsupported dtype.
     """
-    from ..layouts import LAYOUTS, detect_layout, get_layout
 
     members, skipped = _group_gdn_tensors(checkpoint.names, _all_markers())
     inside = {n for names in members.values() for n in names}
@@ -340,6 +331,8 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
             layout = detect_layout(tensors)
         except ValueError as exc:
             raise CheckpointError(f"{prefix}: {exc}") from None
+        if layout is None:  # cannot happen: the layer was found by a layout's marker tensor
+            raise CheckpointError(f"{prefix}: its tensors match no GDN layout")
         layers.append(_check_layer(prefix, get_layout(layout), shape, tensors, _block_size(checkpoint)))
     return layers, skipped
 
@@ -354,8 +347,6 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
         CheckpointError: a block whose tensors fit none of its kind's layouts (e.g. an indexed attention),
             or a tensor of the wrong shape or dtype.
     """
-    from ..blocks import find_blocks
-    from ..layouts import get_layout
 
     try:
         blocks = find_blocks(
@@ -376,9 +367,9 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
 
 def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
     """The sub-blocks of every kind for :func:`inspect_checkpoint`, and their parameters per kind."""
-    from ..blocks import KINDS
 
-    out, by_kind = [], {}
+    out: list[dict[str, Any]] = []
+    by_kind: dict[str, int] = {}
     for kind in KINDS:
         try:
             layers = find_block_layers(ckpt, (kind,))
@@ -426,7 +417,6 @@ def _check_layer(
     prefix: str, layout, shape, tensors: dict[str, TensorInfo], block_size: tuple[int, int] | None = None
 ) -> GDNLayer:
     """Validate one layer's tensors (names, presence, shapes, dtypes) without reading data."""
-    from ..layouts import scale_rule, scaled_weight
 
     splits = {
         fused: pieces
@@ -513,7 +503,6 @@ def _check_scales(
 ) -> None:
     """FP8 weights come with their scales, of the shape the block grid gives: ``ceil(rows/B) x ceil(cols/B)``
     (``E x ...`` for a fused 3-D expert tensor: one grid per expert)."""
-    from ..layouts import scale_name, scaled_weight
 
     for suffix, info in tensors.items():
         if info.dtype in FP8_DTYPES and scale_name(suffix) not in scales:
@@ -521,12 +510,17 @@ def _check_scales(
                 f"{prefix}: {info.name!r} is {info.dtype} but has no {scale_name(suffix)} beside "
                 f"it (or config.json has no FP8 quantization_config)"
             )
-    for suffix, rule in scales.items():
-        info, weight = tensors[suffix], tensors.get(scaled_weight(suffix))
+    for suffix in scales:
+        scaled = scaled_weight(suffix)
+        info, weight = tensors[suffix], None if scaled is None else tensors.get(scaled)
         if weight is None or weight.dtype not in FP8_DTYPES:
             raise CheckpointError(
                 f"{prefix}: {info.name!r} scales a weight that is not FP8 "
                 f"({None if weight is None else weight.dtype})"
+            )
+        if block_size is None:
+            raise CheckpointError(
+                f"{prefix}: {info.name!r} is a block scale but config.json has no FP8 weight_block_size"
             )
         expected = tuple(weight.shape[:-2]) + tuple(-(-d // b) for d, b in zip(weight.shape[-2:], block_size))
         if info.shape != expected or info.dtype not in SCALE_DTYPES:
@@ -557,7 +551,6 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     Raises:
         CheckpointError: as :func:`open_checkpoint` and :func:`find_gdn_layers`.
     """
-    from ..plans import state_elements
 
     ckpt = open_checkpoint(model_dir)
     layers, skipped = find_gdn_layers(ckpt)
@@ -615,7 +608,6 @@ def map_to_checkpoint(
     prefixes of the folder's tensors (they differ when a vision-language checkpoint is loaded as a text
     model). Unchanged when the folder has no safetensors. ``modules``: map to any module of the folder's
     tensors instead (the attention / MLP sub-blocks)."""
-    from ..scores import matching_prefixes
 
     if not prefixes:
         return {}

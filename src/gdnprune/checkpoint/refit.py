@@ -18,9 +18,10 @@ import numpy as np
 
 from .. import compensate
 from ..fileio import file_sha256
-from ..geometry import order_indices, orders_from_payload
+from ..geometry import GDNShape, order_indices, orders_from_payload
 from ..layouts import get_layout
 from ..safetensors_io import write_all
+from ..scores import matching_prefixes
 from .codecs import from_float, to_float
 from .folder import CONFIG_NAME, MANIFEST_NAME, Checkpoint, CheckpointError
 
@@ -52,8 +53,6 @@ def statistics_order(ckpt: Checkpoint, stats_path: str | os.PathLike) -> dict[st
         and described.get("manifest_sha256") is None
         and source.get("config_sha256") == described.get("config_sha256")
     ):
-        from ..geometry import GDNShape
-
         order = {}
         for prefix, layer in (manifest.get("layers") or {}).items():
             shape = GDNShape(**layer["shape"])
@@ -103,7 +102,6 @@ def refit_out_proj(
     Raises:
         ValueError: a cut layer without statistics, or statistics of another width.
     """
-    from ..scores import matching_prefixes
 
     fitted = any("columns" in entry for entry in stats.values())
     done = []
@@ -127,7 +125,10 @@ def refit_out_proj(
                 f"{info.name} is {info.dtype}: least-squares compensation refits it in floating point "
                 f"and is not supported for FP8 weights"
             )
-        kept = rules.rule(suffix).gather_index(layer.shape, target, plan.indices)
+        rule = rules.rule(suffix)
+        if rule is None:  # cannot happen: the suffix is the layout's output projection
+            raise ValueError(f"{prefix}: the {rules.name} layout has no {suffix}")
+        kept = rule.gather_index(layer.shape, target, plan.indices)
         if fitted:  # columns refitted in memory, in the output's order (compensate.sequential_refit)
             columns = np.asarray(stats[keys[0]]["columns"], dtype=np.float64)
             if columns.shape != (info.shape[0], len(kept)):

@@ -48,7 +48,7 @@ class SelfContainedError(ValueError):
 
 def modeling_source() -> bytes:
     """The modeling file written into self-contained folders (gdnprune's package data)."""
-    return resources.files("gdnprune").joinpath("data", MODELING_NAME).read_bytes()
+    return (resources.files("gdnprune") / "data" / MODELING_NAME).read_bytes()
 
 
 def auto_map(config: Mapping[str, Any]) -> dict[str, str]:

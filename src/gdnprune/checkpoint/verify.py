@@ -10,7 +10,8 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from .folder import CONFIG_NAME, CheckpointError, read_json
+from ..fileio import read_json
+from .folder import CONFIG_NAME, CheckpointError
 
 __all__ = ["verify_checkpoints"]
 
@@ -26,7 +27,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequences: int, seed: int):
-    import torch
+    import torch  # lazy: checkpoint/ stays torch-free (inspect, sort, slice)
 
     if data is None:
         g = torch.Generator().manual_seed(seed)
@@ -38,7 +39,7 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
     ids, source = None, None
     if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         try:
-            import transformers
+            import transformers  # lazy: checkpoint/ stays torch-free
 
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
             text = raw.decode("utf-8", errors="replace")
@@ -59,10 +60,10 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
 
 
 def _load_causal_lm(path: Path):
-    import torch
-    import transformers
+    import torch  # lazy: checkpoint/ stays torch-free (inspect, sort, slice)
+    import transformers  # lazy: checkpoint/ stays torch-free
 
-    from ..loading import load_pretrained
+    from ..loading import load_pretrained  # lazy: checkpoint/ stays torch-free
 
     try:
         model, info = load_pretrained(
@@ -106,7 +107,7 @@ def verify_checkpoints(
     Raises:
         CheckpointError: a folder does not load cleanly with transformers, or the vocabularies differ.
     """
-    import torch
+    import torch  # lazy: checkpoint/ stays torch-free (inspect, sort, slice)
 
     if num_sequences is not None:
         warnings.warn(
@@ -118,13 +119,13 @@ def verify_checkpoints(
     for path in (a, b):
         if not (path / CONFIG_NAME).is_file():
             raise CheckpointError(f"{path}: no config.json (not a model folder)")
-        configs.append(read_json(path / CONFIG_NAME, "config.json"))
+        configs.append(read_json(path / CONFIG_NAME, CheckpointError))
     vocab_a, vocab_b = _vocab_size(configs[0]), _vocab_size(configs[1])
     if not vocab_a or vocab_a != vocab_b:
         raise CheckpointError(f"vocabulary sizes differ or are unknown: {a}: {vocab_a}, {b}: {vocab_b}")
     ids, source = _verify_tokens(a, data, vocab_a, seq_len, num_samples, seed)
 
-    import transformers
+    import transformers  # lazy: checkpoint/ stays torch-free
 
     bars = transformers.utils.logging.is_progress_bar_enabled()
     if not progress:

@@ -1,0 +1,429 @@
+"""Helpers shared by the test modules: tiny checkpoint folders, randomised tiny models and the independent
+references the tests compare against. A test module imports from here (or from ``tiny_models`` and
+``reference``), never from another test module.
+
+Sections: checkpoint folders written by ``save_pretrained`` (``make_source``); models whose attention and
+MLP weights are random (``random_dense_model``, built once per process and copied); byte-exact folders from
+numpy's PCG64 stream (``build_source``); FP8 block quantisation; layers skipped in the forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tiny_models import build_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from gdnprune import checkpoint as ck
+from gdnprune import compensate, demo_data
+from gdnprune.block_surgery import find_model_blocks, random_orders
+from gdnprune.geometry import GDNShape
+from gdnprune.layouts import find_gdn_modules, get_layout
+from gdnprune.scoring import score_model, scores_to_permutations
+
+# ---- checkpoint folders as save_pretrained writes them ----------------------------------------------------
+
+#: the GDN geometry of the folders of :func:`make_source`
+SOURCE_SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
+MODEL_TYPES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
+EXTRA_FILES = {
+    "chat_template.jinja": "{{ messages }}",
+    "preprocessor_config.json": '{"size": 4}',
+    "README.md": "# tiny\n",
+    "assets/notes.txt": "nested file\n",
+}
+
+
+def tokenizer_files(folder: Path) -> None:
+    words = ["[UNK]", "the", "model", "sorts", "heads", "and", "slices", "them", "a", "of", "to"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
+
+
+def add_mtp(folder: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Add tensors (e.g. ``mtp.*``) to the last shard and to the index, as real Qwen checkpoints have them."""
+    index_path = folder / ck.INDEX_NAME
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        shard = sorted(set(index["weight_map"].values()))[-1]
+    else:
+        index, shard = None, ck.SINGLE_NAME
+    tensors = load_file(folder / shard)
+    tensors.update(extra)
+    save_file(tensors, folder / shard, metadata={"format": "pt"})
+    if index is not None:
+        index["weight_map"].update({k: shard for k in extra})
+        index["metadata"]["total_size"] += sum(t.nbytes for t in extra.values())
+        index_path.write_text(json.dumps(index, indent=2))
+
+
+def mtp_tensors(dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "mtp.fc.weight": torch.randn(64, 128, generator=g).to(dtype),
+        "mtp.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).to(dtype),
+        "mtp.norm.weight": torch.randn(64, generator=g).to(dtype),
+    }
+
+
+def make_source(
+    folder: Path, model_type: str, *, dtype=torch.float32, sharded: bool = True, seed: int = 0, config=None
+) -> Path:
+    """A model folder of ``model_type`` as save_pretrained writes it, plus mtp tensors and other files."""
+    model = build_model(model_type, SOURCE_SHAPE, seed=seed, config=config).to(dtype)
+    model.save_pretrained(folder, max_shard_size="20KB" if sharded else "1GB")
+    add_mtp(folder, mtp_tensors(dtype))
+    tokenizer_files(folder)
+    for name, text in EXTRA_FILES.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+def raw_tensors(folder: Path) -> dict[str, tuple[str, tuple, bytes]]:
+    """name -> (dtype, shape, raw bytes) read straight from the files."""
+    ckpt = ck.open_checkpoint(folder)
+    out = {}
+    for shard in ckpt.shards:
+        data = Path(shard.path).read_bytes()
+        for t in shard.tensors.values():
+            out[t.name] = (t.dtype, t.shape, data[t.start : t.end])
+    return out
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if "gdnprune-" in p.name]
+
+
+# ---- tiny models with random attention and MLP weights --------------------------------------------------
+
+#: the GDN geometry of :func:`random_dense_model`
+DENSE_SHAPE = GDNShape(2, 4, 8, 8)
+DENSE = ("attention", "mlp", "shared_expert")  # routed experts: tests/test_experts.py
+DENSE_TARGET = {
+    "intermediate_size": 40,
+    "shared_expert_intermediate_size": 12,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+def token_ids(seed=0, batch=2, seq=12):
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same(actual, expected):
+    """Equal up to float32 summation order: within 1e-4 of the logits' scale (a wrong head or channel moves
+    them by more than 1e-2 of it, see the negative controls)."""
+    assert actual.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert (actual - expected).abs().max().item() <= 1e-4 * scale, (
+        (actual - expected).abs().max().item(),
+        scale,
+    )
+
+
+def random_dense_model(model_type, seed=0):
+    """A tiny model whose attention and MLP parameters (norm weights included) are random: a fresh init has
+    ones in the norms, which would hide a norm weight left in the wrong place. Built once per process for
+    each ``(model_type, seed)``; every call returns a copy of its own."""
+    return copy.deepcopy(_built_dense_model(model_type, seed))
+
+
+#: how many models :func:`random_dense_model` has built (a test of the test suite's cost counts them)
+BUILDS = {"dense": 0}
+
+
+@functools.cache
+def _built_dense_model(model_type, seed):
+    BUILDS["dense"] += 1
+    model = build_model(model_type, DENSE_SHAPE, seed=seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".self_attn." in name or ".mlp." in name:
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(
+                    1.0 + 0.5 * noise
+                    if "norm" in name
+                    else noise * (p.shape[-1] ** -0.5 if p.dim() > 1 else 1)
+                )
+    return model
+
+
+def random_block_orders(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {b.prefix: random_orders(b, generator=g) for b in find_model_blocks(model)}
+
+
+def kept_by_orders(block, orders, target):
+    """Which channels / query heads a sorted cut keeps, from the definition of the orders."""
+    if block.kind == "attention":
+        r = block.shape.num_attention_heads // block.shape.num_key_value_heads
+        r_new = target["num_attention_heads"] // target["num_key_value_heads"]
+        groups = orders["kv_groups"][: target["num_key_value_heads"]]
+        return {int(g) * r + int(orders["query_heads"][g][j]) for g in groups for j in range(r_new)}
+    size = target["intermediate_size" if block.kind == "mlp" else "shared_expert_intermediate_size"]
+    return {int(c) for c in orders["channels"][:size]}
+
+
+def zeroed_model(model, kept: dict):
+    """The full model with the output columns (down_proj / o_proj) of everything not kept set to zero."""
+    ref = copy.deepcopy(model)
+    state = ref.state_dict()
+    for prefix, (kind, keep) in kept.items():
+        if kind == "attention":
+            weight = state[prefix + ".o_proj.weight"]
+            hd = ref.config.get_text_config(decoder=True).head_dim
+            for h in range(weight.shape[1] // hd):
+                if h not in keep:
+                    weight[:, h * hd : (h + 1) * hd] = 0
+        else:
+            weight = state[prefix + ".down_proj.weight"]
+            for c in range(weight.shape[1]):
+                if c not in keep:
+                    weight[:, c] = 0
+    return ref
+
+
+def per_layer_fields(model) -> dict[str, dict[str, int]]:
+    """Every sub-block of ``model`` cut to a size of its own, by its layer index (attention layers are 1 and 3)."""
+    fields = {}
+    for b in find_model_blocks(model):
+        i = int(b.prefix.split("layers.")[1].split(".")[0])  # the layer index
+        j = (i // 2) % 2
+        fields[b.prefix] = {
+            "attention": {"num_attention_heads": 2 * (j + 1), "num_key_value_heads": j + 1},
+            "mlp": {"intermediate_size": 16 + 8 * i},
+            "shared_expert": {"shared_expert_intermediate_size": 8 + 4 * i},
+            "experts": {"num_experts": 2 + i % 3},
+        }[b.kind]
+    return fields
+
+
+# ---- byte-exact source folders (numpy's PCG64 stream, hand-written safetensors headers) ---------------------
+
+BYTES_SHAPE = GDNShape(num_key_heads=2, num_value_heads=6, key_head_dim=6, value_head_dim=4)
+BYTES_TARGET = {"num_key_heads": 1, "num_value_heads": 2, "key_head_dim": 5, "value_head_dim": 3}
+BYTES_HIDDEN, BYTES_KERNEL = 16, 4
+BYTES_DTYPES = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}
+# (layout, on-disk dtype, weight prefix of the text model, config builder)
+BYTES_CASES = {
+    "qwen3_5_vl": ("qwen3_5", "BF16", "model.language_model."),
+    "qwen3_next": ("qwen3_next", "F16", "model."),
+    "olmo_hybrid": ("olmo_hybrid", "F32", "model."),
+}
+BYTES_OLMO_SPLIT = {"conv1d.weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")}
+
+
+def _config(name: str) -> dict:
+    gdn = {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 6,
+        "linear_key_head_dim": 6,
+        "linear_value_head_dim": 4,
+        "linear_conv_kernel_dim": BYTES_KERNEL,
+    }
+    text = {
+        "hidden_size": BYTES_HIDDEN,
+        "num_hidden_layers": 3,
+        "vocab_size": 32,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        **gdn,
+    }
+    if name == "qwen3_5_vl":
+        return {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": {"model_type": "qwen3_5_text", **text},
+            "vision_config": {"depth": 1},
+        }
+    return {"model_type": name, **text}
+
+
+def _gdn_tensors(layout: str, prefix: str) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for rule in get_layout(layout).rules:
+        if not rule.required:
+            continue
+        n = rule.length(BYTES_SHAPE)
+        dims = {
+            1: (n,),
+            2: (n, BYTES_HIDDEN) if rule.axis == 0 else (BYTES_HIDDEN, n),
+            3: (n, 1, BYTES_KERNEL),
+        }[rule.ndim]
+        if layout == "olmo_hybrid" and rule.name in BYTES_OLMO_SPLIT:  # transformers writes equal thirds
+            for piece in BYTES_OLMO_SPLIT[rule.name]:
+                shapes[f"{prefix}.{piece}"] = (n // 3, 1, BYTES_KERNEL)
+        else:
+            shapes[f"{prefix}.{rule.name}"] = dims
+    return shapes
+
+
+def _write_shard(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> None:
+    header, blobs, offset = {}, [], 0
+    for name, array in tensors.items():
+        data = array.tobytes()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        blobs.append(data)
+        offset += len(data)
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def build_source(folder: Path, name: str) -> Path:
+    """A three-shard folder: two GDN layers (the second straddles shards 2 and 3), attention, mlp, mtp."""
+    layout, dtype, base = BYTES_CASES[name]
+    rng = np.random.Generator(np.random.PCG64(sum(map(ord, name))))
+    shapes = {f"{base}embed_tokens.weight": (32, BYTES_HIDDEN)}
+    shapes.update(_gdn_tensors(layout, f"{base}layers.0.linear_attn"))
+    shapes[f"{base}layers.1.self_attn.q_proj.weight"] = (BYTES_HIDDEN, BYTES_HIDDEN)
+    shapes.update(_gdn_tensors(layout, f"{base}layers.2.linear_attn"))
+    shapes.update(
+        {
+            f"{base}norm.weight": (BYTES_HIDDEN,),
+            "lm_head.weight": (32, BYTES_HIDDEN),
+            "mtp.fc.weight": (BYTES_HIDDEN, 2 * BYTES_HIDDEN),
+        }
+    )
+    names = list(shapes)
+    cut1, cut2 = names.index(f"{base}layers.1.self_attn.q_proj.weight"), len(names) - 6
+    shards = [names[:cut1], names[cut1:cut2], names[cut2:]]
+    folder.mkdir(parents=True)
+    weight_map = {}
+    for i, members in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        arrays = {}
+        for n in members:
+            if dtype == "BF16":
+                arrays[n] = (
+                    rng.integers(0x3C00, 0x4100, size=shapes[n], dtype=np.uint16)
+                    ^ rng.integers(0, 2, size=shapes[n], dtype=np.uint16) << 15
+                )
+            else:
+                arrays[n] = rng.standard_normal(shapes[n]).astype(BYTES_DTYPES[dtype])
+        _write_shard(folder / file, arrays, dtype)
+        weight_map.update({n: file for n in members})
+    total = sum((folder / f).stat().st_size for f in set(weight_map.values()))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    (folder / "config.json").write_text(json.dumps(_config(name), indent=2))
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    return folder
+
+
+def scores_for(folder: Path, name: str) -> dict:
+    _, _, base = BYTES_CASES[name]
+    rng = np.random.Generator(np.random.PCG64(7))
+    layers = {}
+    for i in (0, 2):
+        layers[f"{base}layers.{i}.linear_attn"] = {
+            "key_group_order_most_important_first": rng.permutation(2).tolist(),
+            "value_lane_order_most_important_first": [rng.permutation(3).tolist() for _ in range(2)],
+            "key_dim_order_most_important_first": [rng.permutation(6).tolist() for _ in range(2)],
+            "value_dim_order_most_important_first": rng.permutation(4).tolist(),
+        }
+    return {"format": "gdnprune-scores", "version": 1, "method": "fixed", "layers": layers}
+
+
+# ---- FP8 block quantisation as Qwen's FP8 releases store it ------------------------------------------------
+
+FP8_BLOCK = 4
+#: the modules Qwen's FP8 releases leave unquantised (``modules_to_not_convert``)
+NOT_CONVERTED = ["lm_head", "self_attn", "mlp", "in_proj_a", "in_proj_b", "embed_tokens"]
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block FP8: scale = amax / 448 of each FP8_BLOCK x FP8_BLOCK block, weight / scale in float8_e4m3fn."""
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return weight.float() * scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+
+
+# ---- layers skipped in the forward (the reference of layer removal) ------------------------------------------
+
+
+class _Skip(torch.nn.Module):
+    """A decoder layer that does nothing: the residual stream passes through."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer_type = getattr(layer, "layer_type", None)
+        self.attention_type = getattr(layer, "attention_type", None)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def skipped_model(model, removed):
+    """A copy of ``model`` whose decoder layers ``removed`` pass the residual stream through."""
+    ref = copy.deepcopy(model)
+    inner = ref.model
+    layers = inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+    for i in removed:
+        layers[i] = _Skip(layers[i])
+    return ref
+
+
+# ---- least-squares compensation on the bundled trained model -------------------------------------------------
+
+
+@functools.cache
+def trained_demo_case():
+    """The bundled model, 8 calibration windows, its orders and statistics, and its held-out loss function;
+    computed once per process and shared: read them, never change them."""
+    model, _ = demo_data.load_demo_model()
+    calib = demo_data.byte_windows(demo_data.train_text(), 256, 8)
+    heldout = demo_data.byte_windows(demo_data.validation_text(), 256, 8)
+    permutations = scores_to_permutations(score_model(model, [calib], progress=False))
+    stats = compensate.collect_statistics(model, [calib])
+
+    def loss(m):
+        with torch.no_grad():
+            logits = m(input_ids=heldout).logits[:, :-1]
+        return float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), heldout[:, 1:].reshape(-1)
+            )
+        )
+
+    return model, calib, permutations, stats, loss
+
+
+def refit_by_hand(model, plain, target, permutations, stats, ridge=compensate.DEFAULT_RIDGE):
+    """The compensated model by hand: out_proj columns from compensated_columns (torch API for the rest)."""
+    refit = copy.deepcopy(plain)
+    small_modules = dict(find_gdn_modules(refit))
+    for prefix, module in find_gdn_modules(model):
+        shape = GDNShape.from_module(module)
+        kept = permutations[prefix].indices(shape, target=target)["vidx"].numpy()
+        out = getattr(module, "out_proj", None) or module.o_proj
+        columns = compensate.compensated_columns(
+            out.weight.detach().double().numpy(), stats[prefix]["out_moment"], kept, ridge=ridge
+        )
+        small_out = getattr(small_modules[prefix], "out_proj", None) or small_modules[prefix].o_proj
+        with torch.no_grad():
+            small_out.weight.copy_(torch.from_numpy(columns))
+    return refit
