@@ -47,8 +47,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser: with every subcommand, or only ``command`` when it is one."""
     parser = argparse.ArgumentParser(
         prog="gdnprune",
-        description="Make the GatedDeltaNet (linear attention) layers of Qwen hybrid models narrower: score, sort, "
-        "plan, slice (or prune: all in one) and distill.",
+        description="Structured pruning of Qwen hybrid language models: cut GatedDeltaNet (linear attention) "
+        "heads and channels, attention heads, MLP and shared-expert channels, routed experts and whole layers "
+        "under a budget, then recover by distillation. Pipeline: score, sort, plan, slice (or prune: all in "
+        "one), distill.",
         epilog="Run `gdnprune COMMAND --help` for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"gdnprune {__version__}")
