@@ -14,11 +14,13 @@ import bisect
 import collections
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..depth import attention_layers, num_layers_of, removal_name_map
 from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
 
 __all__ = [
@@ -407,6 +409,37 @@ def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
     return out, by_kind
 
 
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # the decoder layer of a tensor, as depth numbers it
+
+
+def _inspect_decoder_layers(ckpt: Checkpoint) -> list[dict]:
+    """Every decoder layer a plan may remove, with all of its parameters (what a removal takes off the
+    budget): ``index``, ``type`` (``layer_types``), ``parameters``, ``removable`` (a plan keeps one
+    full-attention layer, so a model with a single one may not lose it). [] without ``num_hidden_layers``."""
+    try:
+        num_layers = num_layers_of(ckpt.config)
+    except (KeyError, TypeError, ValueError):
+        return []
+    dropped = removal_name_map(ckpt.names, num_layers, range(num_layers))  # every decoder layer's tensors
+    sizes: collections.Counter = collections.Counter()
+    for name, new in dropped.items():
+        if new is None:
+            index = int(_LAYER_NUMBER.search(name).group(1))
+            sizes[index] += ckpt.tensor(name).numel
+    holder = ckpt.config.get("text_config") if "num_hidden_layers" not in ckpt.config else ckpt.config
+    types = (holder or {}).get("layer_types") or []
+    attention = attention_layers(ckpt.config)
+    return [
+        {
+            "index": i,
+            "type": types[i] if i < len(types) else None,
+            "parameters": sizes[i],
+            "removable": not (attention == [i]),
+        }
+        for i in range(num_layers)
+    ]
+
+
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
     """The ``weight_block_size`` of an FP8 checkpoint's ``quantization_config`` (None when it is not one)."""
     config = checkpoint.config
@@ -550,8 +583,9 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     fields, ``parameters``, ``state_elements`` (recurrent state per sequence), ``shards``),
     ``gdn_parameters``, ``sub_blocks`` (the attention / MLP / shared-expert blocks: prefix, kind, layout,
     geometry, parameters; a kind whose modules fit no layout gives ``{"kind", "unsupported": reason}``),
-    ``parameters_by_kind`` (``gdn``, each sub-block kind, ``other``: embeddings, norms, routed experts,
-    vision tower, ``mtp.*``), ``other_parameters`` (everything but GDN), ``total_parameters``, ``total_bytes``, ``passthrough`` and
+    ``decoder_layers`` (every decoder layer: ``index``, ``type``, all its ``parameters``, ``removable``),
+    ``parameters_by_kind`` (``gdn``, each sub-block kind, ``other``: embeddings, norms, vision tower,
+    ``mtp.*``, what no kind fits), ``other_parameters`` (everything but GDN), ``total_parameters``, ``total_bytes``, ``passthrough`` and
     ``manifest`` (operation and sorted flag of a gdnprune output, else None).
 
     Raises:
@@ -594,6 +628,7 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
         ],
         "gdn_parameters": gdn,
         "sub_blocks": sub_blocks,
+        "decoder_layers": _inspect_decoder_layers(ckpt),
         "parameters_by_kind": {"gdn": gdn, **by_kind, "other": total - gdn - sum(by_kind.values())},
         "other_parameters": total - gdn,
         "total_parameters": total,
