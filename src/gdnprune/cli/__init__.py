@@ -23,6 +23,7 @@ import argparse
 import difflib
 import errno
 import importlib
+import os
 import re
 import signal
 import sys
@@ -172,6 +173,11 @@ class _StderrWarnings:
         return self._ctx.__exit__(*exc)
 
 
+def _first_rank() -> bool:
+    """True but in the ranks after the first of a ``torchrun`` / ``accelerate launch`` run."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gdnprune`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -186,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             (subparser or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except KeyboardInterrupt:  # Ctrl-C while starting: no traceback
-        print("gdnprune: interrupted", file=sys.stderr)
+        if _first_rank():
+            print("gdnprune: interrupted", file=sys.stderr)
         return 130
     if getattr(args, "func", None) is None:
         parser.print_help()
@@ -211,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 0
-        print(
-            f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
-            file=sys.stderr,
-        )
+        if _first_rank():  # Ctrl-C reaches every rank of a launch: one line for the run, not one per rank
+            print(
+                f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
+                file=sys.stderr,
+            )
         return 128 + signum
     except (ValueError, OSError) as exc:  # one line: exit 2 for the user's mistake, 1 for the environment's
         return report_error(args.command, exc)
