@@ -393,3 +393,58 @@ def test_ctrl_c_under_torchrun_says_one_line_and_leaves_nothing(tmp_path):
     assert ours == ["gdnprune score: interrupted by SIGINT; stopped without leaving a partial output"], err
     assert proc.returncode != 0
     assert sorted(os.listdir(tmp_path)) == ["calib.txt", "stderr.txt"]  # no scores file, no temporary file
+
+
+# ---- the sensitivity plot ---------------------------------------------------------------------------------
+
+
+def _report() -> dict:
+    """A plan report by hand: two GDN layers with equal sensitivities (their lines coincide), two MLPs whose
+    KLs span four decades, a removal panel."""
+
+    def block(kls, chosen, kind=None):
+        cands = [{"params": 1000 - 200 * i, "sensitivity": kl, "windows": 8} for i, kl in enumerate(kls)]
+        return {"candidates": cands, "chosen": chosen, **({"kind": kind} if kind else {})}
+
+    same = [0.0, 0.01, 0.05, 0.2]
+    return {
+        "sensitivity": "measured",
+        "layers": {
+            "model.layers.0.linear_attn": block(same, 1),
+            "model.layers.1.linear_attn": block(same, 2),
+        },
+        "blocks": {
+            "model.layers.0.mlp": block([0.0, 1e-5, 1e-3, 0.1], 2, "mlp"),
+            "model.layers.1.mlp": block([0.0, 2e-5, 3e-3, 0.2], 1, "mlp"),
+        },
+        "removal": {
+            "model.layers.0": {"layer": 0, "sensitivity": 0.4, "removed": False},
+            "model.layers.1": {"layer": 1, "sensitivity": 0.02, "removed": True},
+        },
+    }
+
+
+def test_the_sensitivity_plot_labels_its_scales_and_tells_lines_apart(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    from gdnprune.plan.plot import plot_sensitivity, sensitivity_figure
+
+    backend = matplotlib.get_backend()
+    assert plot_sensitivity(_report(), tmp_path / "plan.png") is True
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.get_backend() == backend  # no global side effect
+    figure = sensitivity_figure(_report())
+    assert isinstance(figure, Figure)
+    panels = [ax for ax in figure.axes if ax.get_visible()]
+    assert [ax.get_title().split(":")[0] for ax in panels] == ["GDN layers", "MLP", "layer removal"]
+    for ax in panels:
+        assert "scale" in ax.get_ylabel() and ax.get_xlabel(), ax.get_title()
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert len(labels) >= 3, (ax.get_title(), labels)  # a scale you can read, not one tick besides 0
+    gdn, mlp = panels[0], panels[1]
+    styles = [str(line.get_linestyle()) for line in gdn.get_lines()]
+    assert len(styles) == 2 and len(set(styles)) == 2  # the coinciding lines are drawn differently
+    assert mlp.get_yscale() == "symlog" and "log scale" in mlp.get_ylabel()  # four decades: log
+    assert gdn.get_yscale() == "linear" and "linear scale" in gdn.get_ylabel()
