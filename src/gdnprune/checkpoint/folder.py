@@ -11,16 +11,13 @@ wrong shape or dtype is a :class:`CheckpointError`).
 from __future__ import annotations
 
 import bisect
-import collections
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..depth import attention_layers, num_layers_of, removal_name_map
 from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
 
 __all__ = [
@@ -36,7 +33,6 @@ __all__ = [
     "read_manifest",
     "find_gdn_layers",
     "find_block_layers",
-    "inspect_checkpoint",
     "read_json",
     "map_to_checkpoint",
 ]
@@ -376,70 +372,6 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
     return layers
 
 
-def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
-    """The sub-blocks of every kind for :func:`inspect_checkpoint`, and their parameters per kind."""
-    from ..blocks import KINDS
-
-    out, by_kind = [], {}
-    for kind in KINDS:
-        try:
-            layers = find_block_layers(ckpt, (kind,))
-        except CheckpointError as exc:
-            out.append({"kind": kind, "unsupported": str(exc)})
-            continue
-        for layer in layers:
-            fixed = [
-                n
-                for n in ckpt.names
-                if n.startswith(layer.prefix + ".")
-                and n[len(layer.prefix) + 1 :] not in layer.tensors
-                and not n[len(layer.prefix) + 1 :].startswith(KINDS[kind].excludes)
-            ]
-            parameters = layer.parameters + sum(ckpt.tensor(n).numel for n in fixed)
-            out.append(
-                {
-                    "prefix": layer.prefix,
-                    "kind": kind,
-                    "layout": layer.layout,
-                    **layer.shape.as_dict(),
-                    "parameters": parameters,
-                }
-            )
-            by_kind[kind] = by_kind.get(kind, 0) + parameters
-    return out, by_kind
-
-
-_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # the decoder layer of a tensor, as depth numbers it
-
-
-def _inspect_decoder_layers(ckpt: Checkpoint) -> list[dict]:
-    """Every decoder layer a plan may remove, with all of its parameters (what a removal takes off the
-    budget): ``index``, ``type`` (``layer_types``), ``parameters``, ``removable`` (a plan keeps one
-    full-attention layer, so a model with a single one may not lose it). [] without ``num_hidden_layers``."""
-    try:
-        num_layers = num_layers_of(ckpt.config)
-    except (KeyError, TypeError, ValueError):
-        return []
-    dropped = removal_name_map(ckpt.names, num_layers, range(num_layers))  # every decoder layer's tensors
-    sizes: collections.Counter = collections.Counter()
-    for name, new in dropped.items():
-        if new is None:
-            index = int(_LAYER_NUMBER.search(name).group(1))
-            sizes[index] += ckpt.tensor(name).numel
-    holder = ckpt.config.get("text_config") if "num_hidden_layers" not in ckpt.config else ckpt.config
-    types = (holder or {}).get("layer_types") or []
-    attention = attention_layers(ckpt.config)
-    return [
-        {
-            "index": i,
-            "type": types[i] if i < len(types) else None,
-            "parameters": sizes[i],
-            "removable": not (attention == [i]),
-        }
-        for i in range(num_layers)
-    ]
-
-
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
     """The ``weight_block_size`` of an FP8 checkpoint's ``quantization_config`` (None when it is not one)."""
     config = checkpoint.config
@@ -572,75 +504,6 @@ def _check_scales(
 
 # --------------------------------------------------------------------------------------------------------
 # inspect
-
-
-def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
-    """Describe a checkpoint folder: every GDN layer and the parameter totals (reads headers only).
-
-    Returns a JSON-ready dict with ``model_dir``, ``model_type``, ``format`` (``sharded`` or
-    ``single-file``), ``shards``, ``dtypes`` (tensor count per dtype), ``gdn_shape`` (None when the layers
-    differ: ``heterogeneous``), ``layers`` (one dict per GDN layer: ``prefix``, ``layout``, the four geometry
-    fields, ``parameters``, ``state_elements`` (recurrent state per sequence), ``shards``),
-    ``gdn_parameters``, ``sub_blocks`` (the attention / MLP / shared-expert blocks: prefix, kind, layout,
-    geometry, parameters; a kind whose modules fit no layout gives ``{"kind", "unsupported": reason}``),
-    ``decoder_layers`` (every decoder layer: ``index``, ``type``, all its ``parameters``, ``removable``),
-    ``parameters_by_kind`` (``gdn``, each sub-block kind, ``other``: embeddings, norms, vision tower,
-    ``mtp.*``, what no kind fits), ``other_parameters`` (everything but GDN), ``total_parameters``, ``total_bytes``, ``passthrough`` and
-    ``manifest`` (operation and sorted flag of a gdnprune output, else None).
-
-    Raises:
-        CheckpointError: as :func:`open_checkpoint` and :func:`find_gdn_layers`.
-    """
-    from ..plans import state_elements
-
-    ckpt = open_checkpoint(model_dir)
-    layers, skipped = find_gdn_layers(ckpt)
-    total = sum(ckpt.tensor(n).numel for n in ckpt.names)
-    gdn = sum(layer.parameters for layer in layers)
-    dtypes = collections.Counter(ckpt.tensor(n).dtype for n in ckpt.names)
-    config = ckpt.config
-    sub_blocks, by_kind = _inspect_sub_blocks(ckpt)
-    return {
-        "model_dir": str(ckpt.path),
-        "model_type": config.get("model_type"),
-        "architectures": config.get("architectures"),
-        "format": "sharded" if ckpt.index is not None else "single-file",
-        "shards": len(ckpt.shards),
-        "dtypes": dict(sorted(dtypes.items())),
-        "gdn_shape": layers[0].shape.as_dict() if len({layer.shape for layer in layers}) == 1 else None,
-        "heterogeneous": len({layer.shape for layer in layers}) > 1,
-        "layers": [
-            {
-                "prefix": layer.prefix,
-                "layout": layer.layout,
-                **layer.shape.as_dict(),
-                "parameters": layer.parameters,
-                "state_elements": state_elements(layer.shape, layer.conv_kernel),
-                "quantized": layer.quantized,
-                "shards": sorted(
-                    {
-                        os.path.basename(ckpt.shards[ckpt.shard_of(t.name)].path)
-                        for t in layer.tensors.values()
-                    }
-                ),
-            }
-            for layer in layers
-        ],
-        "gdn_parameters": gdn,
-        "sub_blocks": sub_blocks,
-        "decoder_layers": _inspect_decoder_layers(ckpt),
-        "parameters_by_kind": {"gdn": gdn, **by_kind, "other": total - gdn - sum(by_kind.values())},
-        "other_parameters": total - gdn,
-        "total_parameters": total,
-        "total_bytes": ckpt.total_bytes,
-        "passthrough": skipped,
-        "manifest": None
-        if ckpt.manifest is None
-        else {
-            "operation": ckpt.manifest.get("operation"),
-            "sorted": ckpt.is_sorted,
-        },
-    }
 
 
 def map_to_checkpoint(
