@@ -128,6 +128,16 @@ def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured:
                 edgecolor="black",
                 zorder=5,
             )
+            ax.annotate(  # the layer beside its star, each at its own offset: coinciding stars stay legible
+                layer,
+                (chosen["params"], chosen["sensitivity"]),
+                xytext=(-8 - 8 * i, 6),
+                textcoords="offset points",
+                ha="right",
+                fontsize=8,
+                color=color,
+                fontweight="bold",
+            )
     values = [c["sensitivity"] for g in groups.values() for c in g["candidates"]]
     scale = _sensitivity_scale(ax, values)
     what = "KL divergence per token, this block alone cut" if measured else "output energy removed"
@@ -180,7 +190,9 @@ def sensitivity_figure(report: Mapping) -> Any:
     count = len(kinds) + bool(removal) + bool(refinement)
     columns = 1 if count == 1 else 2
     rows = -(-count // columns)
-    fig = Figure(figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120)  # no pyplot: no global state
+    fig = Figure(
+        figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120, layout="constrained"
+    )  # no pyplot
     axes = fig.subplots(rows, columns, squeeze=False)
     flat = [ax for row in axes for ax in row]
     measured = report.get("sensitivity") in ("measured", "halving")
@@ -238,5 +250,4 @@ def sensitivity_figure(report: Mapping) -> Any:
         + ("; hollow: estimated on fewer windows)" if estimated else ")"),
         fontsize=11,
     )
-    fig.tight_layout()
     return fig
