@@ -114,7 +114,7 @@ def format_inspect(info: dict) -> str:
     )
     other = by_kind.get("other", 0)
     lines.append(
-        f"parameters by kind: {shares}; not cut (embeddings, norms, ...): {other:,} "
+        f"parameters by kind (% of all parameters): {shares}; not cut (embeddings, norms, ...): {other:,} "
         f"({100 * other / max(total, 1):.1f}%); total: {total:,}"
     )
     quantized = {layer["prefix"]: layer["quantized"] for layer in info["layers"] if layer.get("quantized")}
