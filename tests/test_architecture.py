@@ -209,7 +209,9 @@ def private_violations(graph: dict[str, list[Import]], root: Path = PACKAGE) -> 
             if imp.name is not None and private(imp.name):
                 problems.append(f"{name}:{imp.line} imports {imp.name} from {imp.target}")
             owner, _, leaf = imp.target.rpartition(".")
-            if private(leaf) and not name.startswith(owner + "."):
+            if private(leaf) and not (
+                name == owner or name.startswith(owner + ".")
+            ):  # the package itself too
                 problems.append(f"{name}:{imp.line} imports the private module {imp.target}")
         source = paths[name].read_text()
         bound = _module_aliases(name, source, set(graph), paths[name].name == "__init__.py")

@@ -753,7 +753,7 @@ def test_nonexistent_model_dir(tmp_path, capsys):
 
 
 SCORE_ERRORS = {
-    "not a file": (None, "cannot read"),
+    "not a file": (None, "--scores: expected a scores file, found no such path"),
     "not json": ("{oops", "not valid JSON"),
     "no layers": ({"method": "x"}, "'layers'"),
     "not a GDN layer": ({"layers": {"model.layers.1.linear_attn": {}}}, "not a GDN layer"),

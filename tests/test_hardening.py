@@ -1,5 +1,5 @@
 """What gdnprune guarantees when things go wrong around it: signals, aliases, permissions, stale folders,
-inputs that change while read, junk inputs. The README's "Safety" section lists these guarantees.
+inputs that change while read, junk inputs. docs/commands.md ("Safety") lists these guarantees.
 
 Signals are sent to real child processes (``python -c`` running the CLI on a numpy-built checkpoint, so no
 torch import: each child takes well under a second); a patched function prints a marker and waits, so

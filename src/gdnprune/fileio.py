@@ -25,6 +25,7 @@ __all__ = [
     "write_bytes_atomic",
     "file_sha256",
     "check_output_file",
+    "unwritable",
 ]
 
 
@@ -122,3 +123,27 @@ def check_output_file(path: str | os.PathLike, overwrite: bool) -> None:
         raise ValueError(
             f"output file {os.fspath(path)} already exists (pass `overwrite=True` to replace it)"
         )
+    reason = unwritable(path)
+    if reason is not None:
+        raise ValueError(f"cannot write the output {os.fspath(path)}: {reason}")
+
+
+def unwritable(out: Path | str) -> str | None:
+    """Why an output at ``out`` (a folder or a file) cannot be created, or None when it can.
+
+    The output is built next to ``out``, so what counts is the nearest existing folder above it: it must be
+    a folder, on a file system mounted read-write, that this process may write (``os.access``, which also
+    answers for root). Said in the user's terms, about ``out``'s own path, never a temporary folder."""
+    parent = Path(os.path.abspath(out)).parent
+    above = next(p for p in (parent, *parent.parents) if os.path.exists(p))  # "/" always exists
+    if not above.is_dir():
+        return f"{above} is a file, not a folder"
+    try:
+        read_only = bool(os.statvfs(above).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return f"{above} is on a read-only file system"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"{above} may not be written (permission denied)"
+    return None

@@ -2,7 +2,8 @@
 
 The public API (the ``gdnprune`` subcommands are thin layers over it):
 
-* :func:`inspect_checkpoint` — every GDN layer (prefix, layout, geometry, parameters) and the totals;
+* :func:`inspect_checkpoint` — every block a plan can cut (GDN layers, attention, MLP, experts, decoder
+  layers: prefix, layout, geometry, parameters) and the totals;
 * :func:`transform_checkpoint` — the one streaming engine: permute (sort) and/or cut (slice) every GDN
   layer of a checkpoint folder into a new folder;
 * :func:`sort_checkpoint` / :func:`slice_checkpoint` — the two operations of the command line;
@@ -10,7 +11,7 @@ The public API (the ``gdnprune`` subcommands are thin layers over it):
 * :func:`read_manifest`, :func:`find_gdn_layers`, :func:`open_checkpoint`, :func:`read_scores` (the orders
   ``sort`` accepts; :func:`gdnprune.scores.load_scores` reads and checks a whole file of ``gdnprune score``).
 
-The rooms: :mod:`.folder` reads a folder (headers only), :mod:`.engine` streams tensors,
+The rooms: :mod:`.folder` reads a folder (headers only), :mod:`.inspection` describes it, :mod:`.engine` streams tensors,
 :mod:`.output` owns the output folder, :mod:`.transform` drives a transform, :mod:`.verify` runs
 models. Only :mod:`.verify` imports torch (inside its functions).
 """
@@ -29,10 +30,10 @@ from .folder import (
     Checkpoint,
     GDNLayer,
     find_gdn_layers,
-    inspect_checkpoint,
     open_checkpoint,
     read_manifest,
 )
+from .inspection import inspect_checkpoint
 from .output import OutputError
 from .transform import (
     KernelShapeWarning,

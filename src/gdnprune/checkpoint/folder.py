@@ -11,19 +11,17 @@ wrong shape or dtype is a :class:`CheckpointError`).
 from __future__ import annotations
 
 import bisect
-import collections
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..blocks import KINDS, find_blocks
+from ..blocks import find_blocks
 from ..fileio import read_json
 from ..geometry import GDNShape, layer_index_of, per_layer_gdn_overrides
 from ..layouts import LAYOUTS, detect_layout, get_layout, scale_name, scale_rule, scaled_weight
 from ..model_config import MTP_PREFIX
-from ..plans import state_elements
 from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
 from ..scores import matching_prefixes
 
@@ -40,7 +38,6 @@ __all__ = [
     "read_manifest",
     "find_gdn_layers",
     "find_block_layers",
-    "inspect_checkpoint",
     "map_to_checkpoint",
 ]
 
@@ -365,39 +362,6 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
     return layers
 
 
-def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
-    """The sub-blocks of every kind for :func:`inspect_checkpoint`, and their parameters per kind."""
-
-    out: list[dict[str, Any]] = []
-    by_kind: dict[str, int] = {}
-    for kind in KINDS:
-        try:
-            layers = find_block_layers(ckpt, (kind,))
-        except CheckpointError as exc:
-            out.append({"kind": kind, "unsupported": str(exc)})
-            continue
-        for layer in layers:
-            fixed = [
-                n
-                for n in ckpt.names
-                if n.startswith(layer.prefix + ".")
-                and n[len(layer.prefix) + 1 :] not in layer.tensors
-                and not n[len(layer.prefix) + 1 :].startswith(KINDS[kind].excludes)
-            ]
-            parameters = layer.parameters + sum(ckpt.tensor(n).numel for n in fixed)
-            out.append(
-                {
-                    "prefix": layer.prefix,
-                    "kind": kind,
-                    "layout": layer.layout,
-                    **layer.shape.as_dict(),
-                    "parameters": parameters,
-                }
-            )
-            by_kind[kind] = by_kind.get(kind, 0) + parameters
-    return out, by_kind
-
-
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
     """The ``weight_block_size`` of an FP8 checkpoint's ``quantization_config`` (None when it is not one)."""
     config = checkpoint.config
@@ -533,72 +497,6 @@ def _check_scales(
 
 # --------------------------------------------------------------------------------------------------------
 # inspect
-
-
-def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
-    """Describe a checkpoint folder: every GDN layer and the parameter totals (reads headers only).
-
-    Returns a JSON-ready dict with ``model_dir``, ``model_type``, ``format`` (``sharded`` or
-    ``single-file``), ``shards``, ``dtypes`` (tensor count per dtype), ``gdn_shape`` (None when the layers
-    differ: ``heterogeneous``), ``layers`` (one dict per GDN layer: ``prefix``, ``layout``, the four geometry
-    fields, ``parameters``, ``state_elements`` (recurrent state per sequence), ``shards``),
-    ``gdn_parameters``, ``sub_blocks`` (the attention / MLP / shared-expert blocks: prefix, kind, layout,
-    geometry, parameters; a kind whose modules fit no layout gives ``{"kind", "unsupported": reason}``),
-    ``parameters_by_kind`` (``gdn``, each sub-block kind, ``other``: embeddings, norms, routed experts,
-    vision tower, ``mtp.*``), ``other_parameters`` (everything but GDN), ``total_parameters``, ``total_bytes``, ``passthrough`` and
-    ``manifest`` (operation and sorted flag of a gdnprune output, else None).
-
-    Raises:
-        CheckpointError: as :func:`open_checkpoint` and :func:`find_gdn_layers`.
-    """
-
-    ckpt = open_checkpoint(model_dir)
-    layers, skipped = find_gdn_layers(ckpt)
-    total = sum(ckpt.tensor(n).numel for n in ckpt.names)
-    gdn = sum(layer.parameters for layer in layers)
-    dtypes = collections.Counter(ckpt.tensor(n).dtype for n in ckpt.names)
-    config = ckpt.config
-    sub_blocks, by_kind = _inspect_sub_blocks(ckpt)
-    return {
-        "model_dir": str(ckpt.path),
-        "model_type": config.get("model_type"),
-        "architectures": config.get("architectures"),
-        "format": "sharded" if ckpt.index is not None else "single-file",
-        "shards": len(ckpt.shards),
-        "dtypes": dict(sorted(dtypes.items())),
-        "gdn_shape": layers[0].shape.as_dict() if len({layer.shape for layer in layers}) == 1 else None,
-        "heterogeneous": len({layer.shape for layer in layers}) > 1,
-        "layers": [
-            {
-                "prefix": layer.prefix,
-                "layout": layer.layout,
-                **layer.shape.as_dict(),
-                "parameters": layer.parameters,
-                "state_elements": state_elements(layer.shape, layer.conv_kernel),
-                "quantized": layer.quantized,
-                "shards": sorted(
-                    {
-                        os.path.basename(ckpt.shards[ckpt.shard_of(t.name)].path)
-                        for t in layer.tensors.values()
-                    }
-                ),
-            }
-            for layer in layers
-        ],
-        "gdn_parameters": gdn,
-        "sub_blocks": sub_blocks,
-        "parameters_by_kind": {"gdn": gdn, **by_kind, "other": total - gdn - sum(by_kind.values())},
-        "other_parameters": total - gdn,
-        "total_parameters": total,
-        "total_bytes": ckpt.total_bytes,
-        "passthrough": skipped,
-        "manifest": None
-        if ckpt.manifest is None
-        else {
-            "operation": ckpt.manifest.get("operation"),
-            "sorted": ckpt.is_sorted,
-        },
-    }
 
 
 def map_to_checkpoint(

@@ -20,6 +20,7 @@ Guarantees, and how they are kept:
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..fileio import file_sha256, umask
+from ..fileio import file_sha256, umask, unwritable
 from ..interrupts import deferred_signals
 from .folder import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 
@@ -249,6 +250,9 @@ class Staging:
 
     def __enter__(self) -> Path:
         self.out = Path(self.out)
+        reason = unwritable(self.out)
+        if reason is not None:
+            raise OutputError(f"cannot write the output {self.out}: {reason}")
         try:
             with deferred_signals():  # a signal held here is delivered on leaving, and cleaned up below
                 missing = [p for p in Path(os.path.abspath(self.out)).parents if not os.path.exists(p)]
@@ -258,6 +262,11 @@ class Staging:
                 self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.gdnprune-", dir=self.out.parent))
                 _make_folder(self.tmp)
                 write_json(self.tmp / OWNER_NAME, _owner())
+        except OSError as exc:
+            self._remove()
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # e.g. remounted read-only meanwhile
+                raise OutputError(f"cannot write the output {self.out}: {exc.strerror}") from None
+            raise
         except BaseException:
             self._remove()
             raise

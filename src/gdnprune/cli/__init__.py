@@ -20,8 +20,10 @@ shows them as the command's flags (```batch_size``` -> ``--batch-size``, ```over
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import importlib
+import os
 import re
 import signal
 import sys
@@ -43,12 +45,48 @@ COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser without abbreviated flags (``--dat`` for ``--data`` would silently change meaning
+    the day a longer flag is added); subcommands get the same class."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def long_flags(self, *, shown: bool = False) -> list[str]:
+        """Every ``--flag`` (with ``shown``, only those ``--help`` shows: no deprecated spellings)."""
+        return [
+            o
+            for a in self._actions
+            if not (shown and a.help == argparse.SUPPRESS)
+            for o in a.option_strings
+            if o.startswith("--")
+        ]
+
+
+def check_flags(parser: Parser, argv: list[str]) -> None:
+    """Stop with ``parser``'s usage and the closest flag when ``argv`` holds a ``--flag`` it does not know
+    (before argparse, which would show the top-level usage, or complain first about a required flag that
+    the typo was meant to be)."""
+    known = set(parser.long_flags())
+    for token in argv:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if name.startswith("--") and name not in known:
+            close = difflib.get_close_matches(name, parser.long_flags(shown=True), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else f"; see `{parser.prog} --help`"
+            parser.error(f"unrecognized argument {name}{hint}")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser: with every subcommand, or only ``command`` when it is one."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gdnprune",
-        description="Make the GatedDeltaNet (linear attention) layers of Qwen hybrid models narrower: score, sort, "
-        "plan, slice (or prune: all in one) and distill.",
+        description="Structured pruning of Qwen hybrid language models: cut GatedDeltaNet (linear attention) "
+        "heads and channels, attention heads, MLP and shared-expert channels, routed experts and whole layers "
+        "under a budget, then recover by distillation. Pipeline: score, sort, plan, slice (or prune: all in "
+        "one), distill.",
         epilog="Run `gdnprune COMMAND --help` for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"gdnprune {__version__}")
@@ -135,25 +173,39 @@ class _StderrWarnings:
         return self._ctx.__exit__(*exc)
 
 
+def _first_rank() -> bool:
+    """True but in the ranks after the first of a ``torchrun`` / ``accelerate launch`` run."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gdnprune`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(command)
+        subparser = parser._subparsers._group_actions[0].choices.get(command) if command in COMMANDS else None
+        if subparser is not None:  # a misspelled flag: this command's usage and the closest flag
+            check_flags(subparser, argv[argv.index(command) + 1 :])
         with _StderrWarnings(command if command in COMMANDS else ""):  # deprecated options say so
-            args = parser.parse_args(argv)
+            args, extra = parser.parse_known_args(argv)
+        if extra:
+            (subparser or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except KeyboardInterrupt:  # Ctrl-C while starting: no traceback
-        print("gdnprune: interrupted", file=sys.stderr)
+        if _first_rank():
+            print("gdnprune: interrupted", file=sys.stderr)
         return 130
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    subparser = parser._subparsers._group_actions[0].choices[args.command]
     _FLAGS.clear()
-    _FLAGS.update(_flags_of(parser._subparsers._group_actions[0].choices[args.command]))
+    _FLAGS.update(_flags_of(subparser))
     from ..interrupts import handle_signals
+    from ._runtime import check_paths
 
     try:
+        check_paths(args, subparser)  # every path the command reads or writes, before any model loads
         with handle_signals(), _StderrWarnings(args.command):
             return int(args.func(args) or 0)
     except KeyboardInterrupt as exc:
@@ -166,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 0
-        print(
-            f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
-            file=sys.stderr,
-        )
+        if _first_rank():  # Ctrl-C reaches every rank of a launch: one line for the run, not one per rank
+            print(
+                f"gdnprune {args.command}: interrupted by {name}; stopped without leaving a partial output",
+                file=sys.stderr,
+            )
         return 128 + signum
     except (ValueError, OSError) as exc:  # one line: exit 2 for the user's mistake, 1 for the environment's
         return report_error(args.command, exc)

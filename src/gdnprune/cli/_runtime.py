@@ -1,24 +1,144 @@
-"""What commands share about threads: ``--threads``, transformers' kernel-fallback warnings, and no BLAS
-threads for the commands that do no linear algebra.
+"""What commands share at run time: the paths checked before anything runs, ``--threads``, transformers'
+kernel-fallback warnings, and no BLAS threads for the commands that do no linear algebra.
+
+:func:`check_paths` runs before every command (from :func:`gdnprune.cli.main`): each model folder, input
+file and output a command names (:data:`COMMAND_PATHS`) is checked before any model loads, so a typo costs
+a second, not a model load; a local path that does not exist is never handed to transformers, which
+would ask the Hugging Face Hub for it. The message names the flag (or positional), what was expected and
+what was found.
 
 transformers logs, once per kernel, that the GDN layers fall back to its reference PyTorch
 implementation when flash-linear-attention and causal-conv1d are missing (always on a CPU). That is
-expected here; :func:`model_runtime` replaces those lines with one note of ours that says what to do
-about it, and drops it under ``--quiet``.
+expected here; :func:`model_runtime` drops those lines and, where a GPU is present, shows one note of ours
+on its own line that says what to do about it (none on a CPU, where nothing can be done; none under
+``--quiet``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from tqdm import tqdm
+
+from ..fileio import unwritable
 from ._options import positive_int
 
 _FALLBACK = "falling back to its reference PyTorch implementation"
 _LOGGER = "transformers.integrations.hub_kernels"
+
+
+class PathError(ValueError):
+    """A path on the command line that the command cannot use (exit 2, one line naming the flag)."""
+
+
+@dataclass(frozen=True)
+class CommandPaths:
+    """The paths a command takes, by argparse ``dest``: model folders and files it reads (dest -> what the
+    file is, for the message), outputs it writes (a folder or a file)."""
+
+    models: tuple[str, ...] = ()
+    files: tuple[tuple[str, str], ...] = ()
+    outputs: tuple[str, ...] = ()
+
+
+#: command -> its paths, checked by :func:`check_paths` before the command runs (``--data`` is the
+#: corpus reader's to check)
+COMMAND_PATHS = {
+    "inspect": CommandPaths(models=("model_dir",)),
+    "sort": CommandPaths(models=("model_dir",), files=(("scores", "a scores file"),), outputs=("output",)),
+    "slice": CommandPaths(
+        models=("model_dir",),
+        files=(("plan", "a plan file"), ("compensation_stats", "a statistics file from `gdnprune score`")),
+        outputs=("output",),
+    ),
+    "verify": CommandPaths(models=("model_a", "model_b")),
+    "score": CommandPaths(
+        models=("model_dir",),
+        files=(("merge", "a partial file from `gdnprune score --partial`"),),
+        outputs=("output", "partial", "compensation_stats"),
+    ),
+    "plan": CommandPaths(models=("model_dir",), files=(("scores", "a scores file"),), outputs=("output",)),
+    "prune": CommandPaths(
+        models=("model_dir",),
+        files=(("plan", "a plan file"), ("scores", "a scores file")),
+        outputs=("output",),
+    ),
+    "distill": CommandPaths(models=("student", "teacher"), outputs=("output",)),
+    "demo": CommandPaths(outputs=("output",)),
+}
+
+
+def _display_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> how the user wrote it: the long flag, or the positional's metavar."""
+    names: dict[str, str] = {}
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        shown = longs[0] if longs else (action.option_strings or [action.metavar or action.dest.upper()])[0]
+        names.setdefault(action.dest, str(shown))
+    return names
+
+
+def _values(args: argparse.Namespace, dest: str) -> list[str]:
+    value = getattr(args, dest, None)
+    if value is None or isinstance(value, bool):
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+
+
+def _found(path: str, missing: str = "path") -> str:
+    """What is at ``path``, in words, for a message that says what was expected instead."""
+    if not os.path.lexists(path):
+        return f"no such {missing} {path!r}"
+    if os.path.isdir(path):
+        return f"a folder {path!r}"
+    return f"a file {path!r}" if os.path.exists(path) else f"a broken symlink {path!r}"
+
+
+def _hub_hint(path: str) -> str:
+    parts = path.split("/")
+    if len(parts) == 2 and all(parts) and not os.path.lexists(parts[0]):  # reads like ORG/NAME on the Hub
+        return (
+            f" (gdnprune reads local folders: download it first, e.g. `hf download {path} --local-dir DIR`)"
+        )
+    return ""
+
+
+def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Raise :class:`PathError` for the first path of ``args`` that the command cannot use: a model folder
+    that is missing or holds no ``config.json``, an input file that is missing, a folder or unreadable,
+    an output whose folder cannot be written. Cheap (a few ``stat`` calls) and before any model loads."""
+    paths = COMMAND_PATHS.get(getattr(args, "command", None) or "")
+    if paths is None:
+        return
+    names = _display_names(parser)
+    for dest in paths.models:
+        for path in _values(args, dest):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                what = (
+                    _found(path, "directory")
+                    if not os.path.isdir(path)
+                    else f"a folder {path!r} without config.json"
+                )
+                raise PathError(
+                    f"{names[dest]}: expected a model folder (with config.json), found {what}{_hub_hint(path)}"
+                )
+    for dest, noun in paths.files:
+        for path in _values(args, dest):
+            if not os.path.isfile(path):
+                raise PathError(f"{names[dest]}: expected {noun}, found {_found(path)}")
+            if not os.access(path, os.R_OK):
+                raise PathError(f"{names[dest]}: expected {noun} that can be read, found {path!r} unreadable")
+    for dest in () if getattr(args, "dry_run", False) else paths.outputs:
+        for path in _values(args, dest):
+            reason = unwritable(path)
+            if reason is not None:
+                raise PathError(f"{names[dest]}: cannot write {path!r}: {reason}")
 
 
 def add_runtime_arguments(p) -> None:
@@ -49,20 +169,31 @@ def default_threads(hidden_size: int, tokens: int) -> int:
     return max(1, min(free, cores, int(hidden_size) ** 2 * int(tokens) // (1 << 26)))
 
 
+def _gpu_present() -> bool:
+    """Whether torch (already imported by the model that logged) sees a CUDA device."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
 class _FallbackNote(logging.Filter):
-    def __init__(self, command: str, quiet: bool):
+    """Drops transformers' kernel-fallback lines; where a GPU is present (the fast kernels can be installed
+    and used there), shows one note of ours instead, once, on its own line (``tqdm.write`` clears a progress
+    bar first). On a CPU the reference kernels are the only ones: nothing to act on, no note."""
+
+    def __init__(self, command: str, quiet: bool, gpu: bool | None = None):
         super().__init__()
-        self.command, self.quiet, self.shown = command, quiet, False
+        self.command, self.quiet, self.shown, self.gpu = command, quiet, False, gpu
 
     def filter(self, record: logging.LogRecord) -> bool:
         if _FALLBACK not in record.getMessage():
             return True
-        if not self.quiet and not self.shown and os.environ.get("RANK", "0") == "0":  # one note per launch
-            self.shown = True
-            print(
+        if self.gpu is None:
+            self.gpu = _gpu_present()
+        if self.gpu and not self.quiet and not self.shown and os.environ.get("RANK", "0") == "0":
+            self.shown = True  # one note per launch
+            tqdm.write(
                 f"gdnprune {self.command}: note: the GDN layers run transformers' reference PyTorch kernels "
-                f"(correct, but slow); on a GPU, `pip install flash-linear-attention causal-conv1d` gives the "
-                f"fast ones",
+                f"(correct, but slow); `pip install flash-linear-attention causal-conv1d` gives the fast ones",
                 file=sys.stderr,
             )
         return False

@@ -1,4 +1,4 @@
-"""``gdnprune inspect MODEL_DIR``: the GDN layers of a checkpoint folder, as a table or JSON."""
+"""``gdnprune inspect MODEL_DIR``: every block of a checkpoint folder that a plan can cut, as tables or JSON."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import json
 from ._runtime import without_blas_threads
 
 NAME = "inspect"
-HELP = "list the GDN layers of a checkpoint folder"
+HELP = "list what can be cut in a checkpoint folder: GDN layers, attention, MLPs, experts, layers"
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,
         help=HELP,
-        description="A table of every GDN layer (prefix, layout, geometry, parameters) "
-        "and the parameter totals. Reads the safetensors headers only.",
+        description="A table per kind of block a plan can cut (GDN layers, attention, MLP, shared expert, "
+        "routed experts, whole decoder layers) with its geometry and parameters, and the parameters per kind. "
+        "Reads config.json and the safetensors headers only.",
     )
     p.add_argument(
         "model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (safetensors, sharded or not)"
@@ -33,22 +34,58 @@ def run(args) -> int:
     return 0
 
 
-def format_inspect(info: dict) -> str:
-    """The table that ``gdnprune inspect`` prints for :func:`gdnprune.checkpoint.inspect_checkpoint`'s dict."""
-    rows = [("prefix", "layout", "Hk", "Hv", "dk", "dv", "parameters")]
-    for layer in info["layers"]:
-        rows.append(
-            (
-                layer["prefix"],
-                layer["layout"],
-                str(layer["num_key_heads"]),
-                str(layer["num_value_heads"]),
-                str(layer["key_head_dim"]),
-                str(layer["value_head_dim"]),
-                f"{layer['parameters']:,}",
-            )
-        )
+#: column headers of the geometry fields (the config keys)
+_HEADERS = {
+    "num_key_heads": "Hk",
+    "num_value_heads": "Hv",
+    "key_head_dim": "dk",
+    "value_head_dim": "dv",
+    "num_attention_heads": "heads",
+    "num_key_value_heads": "kv heads",
+    "head_dim": "head dim",
+    "intermediate_size": "channels",
+    "num_experts": "experts",
+    "num_experts_per_tok": "per token",
+}
+#: each kind's title: what it is and what a plan cuts in it
+_TITLES = {
+    "gdn": "GDN layers (Hk key heads, Hv value heads, dk key dim, dv value dim)",
+    "attention": "attention (query heads, key-value heads; the head dim stays)",
+    "mlp": "MLP (intermediate channels)",
+    "shared_expert": "shared experts (intermediate channels)",
+    "experts": "routed experts (experts per layer; per token stays)",
+}
+
+
+def _table(rows: list[tuple[str, ...]], left: int) -> list[str]:
+    """Aligned rows, two spaces in front: the first ``left`` columns left-aligned, numbers right-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
+
+
+def _kind_table(kind: str, blocks: list[dict]) -> list[str]:
+    fields = [k for k in blocks[0] if k in _HEADERS]
+    rows = [("prefix", "layout", *(_HEADERS[f] for f in fields), "parameters")]
+    rows += [(b["prefix"], b["layout"], *(str(b[f]) for f in fields), f"{b['parameters']:,}") for b in blocks]
+    return [_TITLES.get(kind, kind), *_table(rows, 2)]
+
+
+def _layers_table(layers: list[dict]) -> list[str]:
+    rows = [("layer", "type", "parameters", "removable")]
+    rows += [
+        (str(d["index"]), str(d["type"] or "-"), f"{d['parameters']:,}", "yes" if d["removable"] else "no")
+        for d in layers
+    ]
+    title = "decoder layers (a plan may remove a whole layer; it keeps one full-attention layer)"
+    return [title, *[line.rstrip() for line in _table(rows, 2)]]
+
+
+def format_inspect(info: dict) -> str:
+    """The tables that ``gdnprune inspect`` prints for :func:`gdnprune.checkpoint.inspect_checkpoint`'s dict:
+    one per kind of block a plan can cut, the decoder layers, and the parameters per kind."""
     lines = [
         f"{info['model_dir']}: {info['model_type']}, {info['format']}, {info['shards']} shard(s), "
         f"dtypes {info['dtypes']}",
@@ -57,15 +94,28 @@ def format_inspect(info: dict) -> str:
         lines.append(
             f"gdnprune output of '{info['manifest']['operation']}', sorted: {info['manifest']['sorted']}"
         )
-    for r in rows:
-        lines.append(
-            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-        )
+    gdn = [{**layer, "layout": layer["layout"]} for layer in info["layers"]]
+    lines += _kind_table("gdn", gdn)
+    blocks = [b for b in info.get("sub_blocks", []) if "unsupported" not in b]
+    for kind in dict.fromkeys(b["kind"] for b in blocks):
+        lines += _kind_table(kind, [b for b in blocks if b["kind"] == kind])
+    for b in info.get("sub_blocks", []):
+        if "unsupported" in b:
+            lines.append(f"{b['kind']}: cannot be cut in this checkpoint ({b['unsupported']})")
+    if info.get("decoder_layers"):
+        lines += _layers_table(info["decoder_layers"])
     total = info["total_parameters"]
+    by_kind = info.get("parameters_by_kind") or {
+        "gdn": info["gdn_parameters"],
+        "other": info["other_parameters"],
+    }
+    shares = ", ".join(
+        f"{kind} {n:,} ({100 * n / max(total, 1):.1f}%)" for kind, n in by_kind.items() if kind != "other"
+    )
+    other = by_kind.get("other", 0)
     lines.append(
-        f"{len(info['layers'])} GDN layers: {info['gdn_parameters']:,} parameters "
-        f"({100 * info['gdn_parameters'] / max(total, 1):.1f}% of all parameters); other: {info['other_parameters']:,}; "
-        f"total: {total:,}"
+        f"parameters by kind (% of all parameters): {shares}; not cut (embeddings, norms, ...): {other:,} "
+        f"({100 * other / max(total, 1):.1f}%); total: {total:,}"
     )
     quantized = {layer["prefix"]: layer["quantized"] for layer in info["layers"] if layer.get("quantized")}
     if quantized:

@@ -1,12 +1,14 @@
-"""The plan search: each GDN layer's own width, chosen by measured sensitivity under a budget.
+"""The plan search: every layer's own width, or its removal, chosen by measured sensitivity under budgets.
 
-For every layer, a grid of nested-prefix candidates (:mod:`.candidates`: key heads, lanes, head dims;
-kept parameters and recurrent state of each); their sensitivity (:mod:`.sensitivity`: the KL divergence
-from the unpruned model when that layer alone is cut, measured with real forwards that share the
-teacher pass and start from the layer's cached input — or a proxy from the scores); the exact
-multiple-choice knapsack under the parameter and state budgets (:mod:`.solve`, scipy's MILP); the
-plan and a report (:mod:`.api`), and a plot (:mod:`.plot`). The plan file format is
-:mod:`gdnprune.plans`. This package imports torch (the candidates and the solver do not).
+A plan cuts every kind of block the model has: GDN layers (key heads, lanes, head dims), attention heads,
+MLP and shared-expert channels, routed-expert counts, and whole decoder layers. For every block, a grid of
+nested-prefix candidates (:mod:`.candidates` for GDN layers, :mod:`.subblocks` and :mod:`.depth` for the
+rest; kept parameters, recurrent state and KV cache of each); their sensitivity (:mod:`.sensitivity`: the
+KL divergence from the unpruned model when that block alone is cut or that layer alone skipped, measured
+with real forwards that share the teacher pass and start from the layer's cached input — or a proxy from
+the scores); the exact multiple-choice knapsack under the budgets (:mod:`.solve`, scipy's MILP); the plan
+and a report (:mod:`.api`), and a plot (:mod:`.plot`). The plan file format is :mod:`gdnprune.plans`.
+This package imports torch (the candidates and the solver do not).
 """
 
 from .api import (

@@ -3,10 +3,16 @@ points marked."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["lower_envelope", "plot_sensitivity"]
+__all__ = ["lower_envelope", "plot_sensitivity", "sensitivity_figure"]
+
+#: how each block's line and points look, by its position in the panel: lines that lie on top of each
+#: other (layers with the same sensitivities) stay distinguishable by their dashes and markers
+_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 3)), "P")]
 
 
 def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -22,12 +28,41 @@ def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float
 
 #: panel titles and x labels of the kinds of block, in the order the panels appear
 _KINDS = {
-    "gdn": ("GDN layers", "kept GDN parameters of the layer"),
-    "attention": ("attention", "kept parameters of the attention"),
-    "mlp": ("MLP", "kept parameters of the MLP"),
-    "shared_expert": ("shared expert", "kept parameters of the shared expert"),
-    "experts": ("routed experts", "kept parameters of the routed experts"),
+    "gdn": ("GDN layers", "parameters kept in the GDN layer"),
+    "attention": ("attention", "parameters kept in the attention"),
+    "mlp": ("MLP", "parameters kept in the MLP"),
+    "shared_expert": ("shared expert", "parameters kept in the shared expert"),
+    "experts": ("routed experts", "parameters kept in the routed experts"),
 }
+
+
+def _nice_ticks(low: float, high: float) -> list[float]:
+    """1-2-5 steps of every decade from ``low`` to ``high`` (both > 0), at most about 8 of them."""
+    ticks: list[float] = []
+    for exponent in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1):
+        ticks += [m * 10.0**exponent for m in (1, 2, 5) if low <= m * 10.0**exponent <= high * 1.0001]
+    while len(ticks) > 8:
+        ticks = ticks[::2]
+    return ticks
+
+
+def _sensitivity_scale(ax, values: list[float]) -> str:
+    """Scale the y axis for these sensitivities, with labelled ticks across the whole range; returns the
+    scale's name for the axis label. Zero (the uncut block) stays on the axis: a linear scale when the
+    values span less than two decades, else a symmetric log scale (linear below its smallest value)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    positive = sorted(v for v in values if v > 0)
+    if not positive or positive[-1] / positive[0] < 100:
+        ax.set_ylim(bottom=0)
+        return "linear scale"
+    low, high = positive[0], positive[-1]
+    ax.set_yscale("symlog", linthresh=low, linscale=0.3)
+    ticks = [0.0, *_nice_ticks(low, high)]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: "0" if v == 0 else f"{v:.3g}"))
+    return f"log scale, linear below {low:.2g}"
 
 
 def _short(prefix: str) -> str:
@@ -41,27 +76,36 @@ def _short(prefix: str) -> str:
 
 def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured: bool) -> bool:
     """One kind's blocks: every candidate, the lower envelope, the chosen one; True when some are estimated."""
+    from matplotlib.ticker import FuncFormatter
+
     estimated = False
     for i, (prefix, group) in enumerate(groups.items()):
         layer = _short(prefix).rpartition(".")[2]
         color = f"C{(int(layer) if layer.isdigit() else i) % 10}"  # a layer has one color in every panel
+        dashes, marker = _STYLES[i % len(_STYLES)]
         cands = group["candidates"]
         full_windows = max((c.get("windows", 0) for c in cands), default=0)
         exact = [c for c in cands if c.get("windows", full_windows) == full_windows]
         rough = [c for c in cands if c.get("windows", full_windows) != full_windows]
         ax.scatter(
-            [c["params"] for c in exact], [c["sensitivity"] for c in exact], s=8, alpha=0.45, color=color
+            [c["params"] for c in exact],
+            [c["sensitivity"] for c in exact],
+            s=14,
+            alpha=0.5,
+            color=color,
+            marker=marker,
         )
         if rough:
             estimated = True
             ax.scatter(
                 [c["params"] for c in rough],
                 [c["sensitivity"] for c in rough],
-                s=8,
-                alpha=0.35,
+                s=14,
+                alpha=0.45,
                 facecolors="none",
                 edgecolors=color,
-                linewidths=0.6,
+                linewidths=0.7,
+                marker=marker,
             )
         envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in cands])
         ax.step(
@@ -69,7 +113,8 @@ def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured:
             [p[1] for p in envelope],
             where="post",
             color=color,
-            lw=1.2,
+            linestyle=dashes,
+            lw=1.4,
             label=_short(prefix),
         )
         if group.get("chosen") is not None:  # None: the block's decoder layer is removed
@@ -77,25 +122,47 @@ def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured:
             ax.scatter(
                 [chosen["params"]],
                 [chosen["sensitivity"]],
-                s=70,
+                s=90,
                 marker="*",
                 color=color,
                 edgecolor="black",
                 zorder=5,
             )
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("KL divergence per token (cut alone)" if measured else "output energy removed")
-    positive = [c["sensitivity"] for g in groups.values() for c in g["candidates"] if c["sensitivity"] > 0]
-    ax.set_yscale("symlog", linthresh=max(min(positive, default=1e-4), 1e-9))
+            ax.annotate(  # the layer beside its star, each at its own offset: coinciding stars stay legible
+                layer,
+                (chosen["params"], chosen["sensitivity"]),
+                xytext=(-8 - 8 * i, 6),
+                textcoords="offset points",
+                ha="right",
+                fontsize=8,
+                color=color,
+                fontweight="bold",
+            )
+    values = [c["sensitivity"] for g in groups.values() for c in g["candidates"]]
+    scale = _sensitivity_scale(ax, values)
+    what = "KL divergence per token, this block alone cut" if measured else "output energy removed"
+    ax.set_ylabel(f"{what}\n({scale})", fontsize=9)
+    ax.set_xlabel(f"{xlabel} (right: cut deeper)", fontsize=9)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.invert_xaxis()
-    ax.set_title(title)
+    ax.set_title(f"{title}: one line per block, its lowest sensitivity at each size", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2 if len(groups) > 4 else 1)
+    ax.legend(fontsize=7, ncol=2 if len(groups) > 4 else 1, title="block", title_fontsize=7)
     return estimated
 
 
 def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
-    """Write a PNG of a plan report (:func:`gdnprune.plan.plan_model`); False when matplotlib is missing.
+    """Write :func:`sensitivity_figure` of a plan report as a PNG; False when matplotlib is missing."""
+    fig = sensitivity_figure(report)
+    if fig is None:
+        return False
+    fig.savefig(path)
+    return True
+
+
+def sensitivity_figure(report: Mapping) -> Any:
+    """The figure of a plan report (:func:`gdnprune.plan.plan_model`), a ``matplotlib.figure.Figure`` drawn
+    without pyplot (no global state); None when matplotlib is missing.
 
     One panel per kind of block (GDN layers, then attention, MLP, shared experts of a whole-model plan), per
     block: every candidate as a point — filled when measured on every calibration window, hollow when
@@ -105,13 +172,10 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     the removed ones in red; with a joint refinement, one more its fitness (the whole cut model's KL) per
     generation.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # lazy: matplotlib is an optional extra ([plot])
+        from matplotlib.figure import Figure
     except ImportError:
-        return False
+        return None
     kinds: dict[str, dict[str, Mapping]] = {}
     if report.get("layers"):
         kinds["gdn"] = dict(report["layers"])
@@ -126,9 +190,10 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     count = len(kinds) + bool(removal) + bool(refinement)
     columns = 1 if count == 1 else 2
     rows = -(-count // columns)
-    fig, axes = plt.subplots(
-        rows, columns, figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120, squeeze=False
-    )
+    fig = Figure(
+        figsize=(7.5 if columns == 1 else 13, 4.8 * rows), dpi=120, layout="constrained"
+    )  # no pyplot
+    axes = fig.subplots(rows, columns, squeeze=False)
     flat = [ax for row in axes for ax in row]
     measured = report.get("sensitivity") in ("measured", "halving")
     estimated = False
@@ -143,10 +208,11 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
             [e["sensitivity"] for e in entries],
             color=["C3" if e["removed"] else "C7" for e in entries],
         )
-        ax.set_xlabel("decoder layer (red: removed)")
-        ax.set_ylabel("KL divergence per token (layer alone skipped)" if measured else "sensitivity")
-        ax.set_yscale("log")
-        ax.set_title("layer removal")
+        ax.set_xlabel("decoder layer (red: removed by the plan, grey: kept)", fontsize=9)
+        scale = _sensitivity_scale(ax, [e["sensitivity"] for e in entries])
+        what = "KL divergence per token, this layer alone skipped" if measured else "sensitivity"
+        ax.set_ylabel(f"{what}\n({scale})", fontsize=9)
+        ax.set_title("layer removal: the cost of skipping each layer", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
     if refinement:
         ax = flat[len(kinds) + bool(removal)]
@@ -170,19 +236,18 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
             label="best offspring",
         )
         ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("generation")
-        ax.set_ylabel("KL of the whole cut model (calibration)")
-        ax.set_title("joint refinement")
+        ax.set_xlabel("generation", fontsize=9)
+        ax.set_ylabel(
+            "KL divergence per token of the whole cut model\n(calibration windows, linear scale)", fontsize=9
+        )
+        ax.set_title("joint refinement: the plan's KL as it improves", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in flat[count:]:
         ax.set_visible(False)
     fig.suptitle(
-        "per-block sensitivity (star: chosen"
+        "How much each block's cuts cost, and what the plan chose (points: candidate widths; star: chosen"
         + ("; hollow: estimated on fewer windows)" if estimated else ")"),
         fontsize=11,
     )
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return fig

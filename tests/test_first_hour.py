@@ -1,0 +1,450 @@
+"""A new user's first hour, driven from the outside as they met it: the words on the door say what the tool
+cuts, every path is checked before a model loads (and never sent to the Hub), a read-only output is the
+user's mistake named in their words, a misspelled or abbreviated flag gets the command's usage and the
+closest flag."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gdnprune.cli import COMMANDS, build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINED = ROOT / "tests" / "data" / "trained"
+MOE = TRAINED / "qwen3_5_moe"
+#: a legal cut of the trained MoE model's GDN layers (4 key heads, 8 value heads)
+CUT = ["--num-key-heads", "2", "--num-value-heads", "4"]
+
+
+def _gdnprune(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m gdnprune ARGS`` in a fresh process, offline, as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "gdnprune", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ---- the words on the door --------------------------------------------------------------------------------
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_the_first_lines_say_every_kind_of_block_is_cut():
+    opening = _readme().split("\n## ", 1)[0].lower()
+    for kind in (
+        "gatedeltanet",
+        "attention heads",
+        "mlp",
+        "expert",
+        "whole decoder layers",
+        "--budget-params",
+    ):
+        assert kind in opening.replace("gateddeltanet", "gatedeltanet"), kind
+    description = (
+        re.search(r'(?m)^description = "(.*)"$', (ROOT / "pyproject.toml").read_text()).group(1).lower()
+    )
+    helptext = " ".join(build_parser().format_help().lower().split())
+    for text in (description, helptext):
+        assert all(word in text for word in ("attention heads", "mlp", "experts", "layers")), text
+
+
+def test_readme_keeps_the_quick_start_and_shows_every_command():
+    text = _readme()
+    assert "make demo" in text and "make test" in text and "pip install ." in text
+    sections = re.findall(r"(?m)^## (.+)$", text)
+    assert sections[:3] == ["Install", "Quick start", "The pipeline, one command at a time"], sections
+    pipeline = text.split("## The pipeline, one command at a time", 1)[1].split("\n## ", 1)[0]
+    examples = set(re.findall(r"(?m)^gdnprune (\w+) ", pipeline))
+    assert set(COMMANDS) - {"demo"} <= examples, set(COMMANDS) - examples
+    assert len(text.splitlines()) < 200  # a page, not a manual: the reference lives in docs/
+
+
+def test_user_documentation_has_no_issue_numbers_and_no_dead_links():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        assert not re.search(r"\bissues? \d+", text, re.IGNORECASE), page
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+# ---- fail fast --------------------------------------------------------------------------------------------
+
+#: command line -> the flag (or positional) the one-line error must name, and what it must say was found;
+#: every case has a real model (the trained tiny MoE) everywhere but in the path under test
+FAIL_FAST = {
+    "distill student": (
+        ["distill", "cut", "--teacher", "{moe}", "--data", "t.txt", "-o", "o", "--steps", "1"],
+        "STUDENT",
+        "no such directory 'cut'",
+    ),
+    "distill teacher": (
+        ["distill", "{moe}", "--teacher", "Qwen/Qwen3.5-4B", "--data", "t.txt", "-o", "o", "--steps", "1"],
+        "--teacher",
+        "no such directory 'Qwen/Qwen3.5-4B'",
+    ),
+    "verify": (["verify", "{moe}", "nope", "--data", "t.txt"], "MODEL_B", "no such directory 'nope'"),
+    "score": (["score", "nope", "--data", "t.txt", "-o", "s.json"], "MODEL_DIR", "no such directory"),
+    "score merge": (["score", "--merge", "part0.safetensors", "-o", "s.json"], "--merge", "no such path"),
+    "plan scores": (
+        [
+            "plan",
+            "{moe}",
+            "--scores",
+            "nope.json",
+            "--data",
+            "t.txt",
+            "--budget-params",
+            "0.5",
+            "-o",
+            "p.json",
+        ],
+        "--scores",
+        "no such path 'nope.json'",
+    ),
+    "prune plan": (
+        ["prune", "{moe}", "--data", "t.txt", "--plan", "folder", "-o", "out"],
+        "--plan",
+        "a folder 'folder'",
+    ),
+    "prune model": (
+        ["prune", "t.txt", "--data", "t.txt", "--budget-params", "0.5", "-o", "out"],
+        "MODEL_DIR",
+        "a file 't.txt'",
+    ),
+    "sort scores": (["sort", "{moe}", "--scores", "nope.json", "-o", "out"], "--scores", "no such path"),
+    "slice plan": (["slice", "{moe}", "--plan", "nope.json", "-o", "out"], "--plan", "no such path"),
+    "slice folder without config": (
+        ["slice", "folder", "-o", "out", *CUT],
+        "MODEL_DIR",
+        "without config.json",
+    ),
+    "output under a file": (["slice", "{moe}", "-o", "t.txt/out", *CUT], "--output", "t.txt is a file"),
+}
+
+_RUN_ALL = """
+import contextlib, io, json, sys
+from gdnprune.cli import main
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    out[name] = [code, err.getvalue()]
+out["torch loaded"] = "torch" in sys.modules
+out["transformers loaded"] = "transformers" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def test_every_path_is_checked_before_any_model_loads(tmp_path):
+    """Each mistake answers with exit 2 and one line naming the flag, what was expected and what was found,
+    in a process that never imported torch or transformers (so no model loaded and nothing asked the Hub)."""
+    (tmp_path / "t.txt").write_text("hello world\n")
+    (tmp_path / "folder").mkdir()
+    cases = {name: [a.replace("{moe}", str(MOE)) for a in argv] for name, (argv, _, _) in FAIL_FAST.items()}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_ALL, json.dumps(cases)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert results.pop("torch loaded") is False and results.pop("transformers loaded") is False
+    for name, (code, err) in results.items():
+        _, flag, found = FAIL_FAST[name]
+        command = cases[name][0]
+        assert code == 2, (name, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"gdnprune {command}: error: {flag}: "), (name, err)
+        assert "expected" in lines[0] or "cannot write" in lines[0], (name, err)
+        assert found in lines[0], (name, err)
+    assert sorted(os.listdir(tmp_path)) == ["folder", "t.txt"]  # nothing written
+
+
+def test_a_hub_name_gets_a_hint_to_download_it(tmp_path):
+    result = _gdnprune("inspect", "Qwen/Qwen3.5-4B", cwd=tmp_path)
+    assert result.returncode == 2 and "hf download Qwen/Qwen3.5-4B" in result.stderr, result.stderr
+
+
+# ---- an output on a read-only mount -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A read-only tmpfs (root only): writes fail with EROFS, whoever the process is."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a read-only tmpfs (chmod does not stop root)")
+    mnt = tmp_path / "ro_mount"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_an_output_on_a_read_only_mount_is_named_and_exits_2(read_only_mount, tmp_path, capsys):
+    out = read_only_mount / "out"
+    with pytest.raises(OSError) as really:  # the mount does reject writes
+        (read_only_mount / "probe").write_text("x")
+    assert really.value.errno == 30
+    for argv in (["slice", str(MOE), "-o", str(out), "-q", *CUT], ["demo", "-o", str(out / "deeper")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--output" in err and "read-only file system" in err, err
+        assert repr(str(out if argv[0] == "slice" else out / "deeper")) in err and ".gdnprune-" not in err, (
+            err
+        )
+
+
+def test_the_library_names_the_output_not_its_temporary_folder(read_only_mount):
+    from gdnprune.checkpoint import slice_checkpoint
+    from gdnprune.checkpoint.output import OutputError
+
+    out = read_only_mount / "sliced"
+    with pytest.raises(
+        OutputError, match=rf"cannot write the output {re.escape(str(out))}: .* read-only file"
+    ):
+        slice_checkpoint(MOE, out, target={"num_key_heads": 2, "num_value_heads": 4})
+
+
+# ---- misspelled and abbreviated flags ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("--budjet-params", "--budget-params"), ("--dat", "--data"), ("--budget-param", "--budget-params")],
+)
+def test_a_flag_typo_shows_the_commands_usage_and_the_closest_flag(typo, meant, tmp_path):
+    argv = ["prune", str(MOE), "--data", "t.txt", "--budget-params", "0.5", "-o", "out"]
+    argv[argv.index(meant)] = typo
+    result = _gdnprune(*argv, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: gdnprune prune "), result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"gdnprune prune: error: unrecognized argument {typo}; did you mean {meant}?"
+    )
+
+
+def test_no_parser_accepts_abbreviations():
+    parser = build_parser()
+    subparsers = parser._subparsers._group_actions[0].choices
+    assert set(subparsers) == set(COMMANDS)
+    assert parser.allow_abbrev is False and all(p.allow_abbrev is False for p in subparsers.values())
+
+
+# ---- inspect: every kind of block a plan can cut -----------------------------------------------------------
+
+
+def _stored_sizes(folder: Path) -> dict[str, int]:
+    """Tensor name -> element count, read from the safetensors header by hand (no gdnprune code)."""
+    raw = (folder / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    return {name: math.prod(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}
+
+
+def test_inspect_shows_every_kind_of_block_of_a_moe_model(tmp_path):
+    result = _gdnprune("inspect", str(MOE), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    sizes = _stored_sizes(MOE)
+
+    def under(prefix: str, but: tuple[str, ...] = ()) -> int:
+        return sum(
+            n
+            for k, n in sizes.items()
+            if k.startswith(prefix + ".") and not k[len(prefix) + 1 :].startswith(but)
+        )
+
+    expected = {  # prefix -> parameters, as the plan counts a block: every tensor of its module
+        "model.layers.0.linear_attn": under("model.layers.0.linear_attn"),
+        "model.layers.2.self_attn": under("model.layers.2.self_attn"),
+        "model.layers.1.mlp.shared_expert": under("model.layers.1.mlp.shared_expert"),
+        "model.layers.1.mlp": under("model.layers.1.mlp", ("shared_expert.", "shared_expert_gate.")),
+    }
+    for prefix, count in expected.items():
+        assert re.search(rf"(?m)^  {re.escape(prefix)}  .* {count:,}$", text), (prefix, count, text)
+    for title in ("GDN layers", "attention", "shared experts", "routed experts", "decoder layers"):
+        assert re.search(rf"(?m)^{title}", text), title
+    for layer in range(3):  # a removal takes every tensor of the decoder layer
+        count = under(f"model.layers.{layer}")
+        assert re.search(rf"(?m)^  {layer}  .* {count:,}  ", text), (layer, count)
+    total = sum(sizes.values())
+    assert f"total: {total:,}" in text and "other: " not in text
+    kept = total - sum(under(f"model.layers.{i}") for i in range(3))  # embeddings and the final norm ...
+    others = re.search(r"not cut \(embeddings, norms, \.\.\.\): ([\d,]+)", text)
+    assert others and int(others.group(1).replace(",", "")) >= kept
+
+
+# ---- the kernel note --------------------------------------------------------------------------------------
+
+
+def test_no_kernel_note_on_a_cpu(tmp_path):
+    """On a CPU the fast GDN kernels cannot run: transformers' fallback lines are dropped and no note asks
+    the user to install them."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the note is due here")
+    (tmp_path / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    result = _gdnprune("verify", str(MOE), str(MOE), "--data", "t.txt", "--num-samples", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "flash-linear-attention" not in result.stderr and "falling back" not in result.stderr, (
+        result.stderr
+    )
+
+
+def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):
+    """With a GPU (given here: this machine may have none), the note replaces transformers' lines once, and a
+    progress bar on the same stream does not swallow it: it gets a line of its own."""
+    import logging
+    import sys
+
+    from tqdm import tqdm
+
+    from gdnprune.cli._runtime import _FALLBACK, _LOGGER, _FallbackNote
+
+    note = _FallbackNote("score", quiet=False, gpu=True)
+    logger = logging.getLogger(_LOGGER)
+    logger.addFilter(note)
+    try:
+        with tqdm(total=10, file=sys.stderr, desc="scoring", ascii=True) as bar:
+            bar.update(3)
+            for kernel in ("chunk_gated_delta_rule", "causal_conv1d"):
+                logger.warning(f"{kernel} is missing, {_FALLBACK}")
+            bar.update(7)
+    finally:
+        logger.removeFilter(note)
+    lines = re.split(r"[\r\n]", capsys.readouterr().err)
+    notes = [line for line in lines if "note:" in line]
+    assert len(notes) == 1 and notes[0].startswith("gdnprune score: note: the GDN layers run"), lines
+    assert "pip install flash-linear-attention" in notes[0] and not any(_FALLBACK in line for line in lines)
+
+
+# ---- Ctrl-C under torchrun --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ctrl_c_under_torchrun_says_one_line_and_leaves_nothing(tmp_path):
+    """Ctrl-C signals the launch's whole process group: torchrun forwards SIGINT to its ranks, each stops and
+    removes what it started, and one line (rank 0's) says so. torchrun itself then ends with its own
+    ``SignalException`` traceback and exit 1, which gdnprune cannot change: the README says so."""
+    import signal
+    import time
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    data = tmp_path / "calib.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 40_000)  # 1.8 MB: far more than needed
+    err_path = tmp_path / "stderr.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    argv = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "gdnprune"]
+    argv += ["score", str(MOE), "--data", data.name, "-o", "scores.json", "--num-samples", "2048"]
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while "%|" not in err_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)  # until rank 0's progress bar shows the windows being scored
+            assert proc.poll() is None, err_path.read_text()
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    err = err_path.read_text()
+    ours = [line for line in re.split(r"[\r\n]", err) if line.startswith("gdnprune")]
+    assert ours == ["gdnprune score: interrupted by SIGINT; stopped without leaving a partial output"], err
+    assert proc.returncode != 0
+    assert sorted(os.listdir(tmp_path)) == ["calib.txt", "stderr.txt"]  # no scores file, no temporary file
+
+
+# ---- the sensitivity plot ---------------------------------------------------------------------------------
+
+
+def _report() -> dict:
+    """A plan report by hand: two GDN layers with equal sensitivities (their lines coincide), two MLPs whose
+    KLs span four decades, a removal panel."""
+
+    def block(kls, chosen, kind=None):
+        cands = [{"params": 1000 - 200 * i, "sensitivity": kl, "windows": 8} for i, kl in enumerate(kls)]
+        return {"candidates": cands, "chosen": chosen, **({"kind": kind} if kind else {})}
+
+    same = [0.0, 0.01, 0.05, 0.2]
+    return {
+        "sensitivity": "measured",
+        "layers": {
+            "model.layers.0.linear_attn": block(same, 1),
+            "model.layers.1.linear_attn": block(same, 2),
+        },
+        "blocks": {
+            "model.layers.0.mlp": block([0.0, 1e-5, 1e-3, 0.1], 2, "mlp"),
+            "model.layers.1.mlp": block([0.0, 2e-5, 3e-3, 0.2], 1, "mlp"),
+        },
+        "removal": {
+            "model.layers.0": {"layer": 0, "sensitivity": 0.4, "removed": False},
+            "model.layers.1": {"layer": 1, "sensitivity": 0.02, "removed": True},
+        },
+    }
+
+
+def test_the_sensitivity_plot_labels_its_scales_and_tells_lines_apart(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    from gdnprune.plan.plot import plot_sensitivity, sensitivity_figure
+
+    backend = matplotlib.get_backend()
+    assert plot_sensitivity(_report(), tmp_path / "plan.png") is True
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.get_backend() == backend  # no global side effect
+    figure = sensitivity_figure(_report())
+    assert isinstance(figure, Figure)
+    panels = [ax for ax in figure.axes if ax.get_visible()]
+    assert [ax.get_title().split(":")[0] for ax in panels] == ["GDN layers", "MLP", "layer removal"]
+    for ax in panels:
+        assert "scale" in ax.get_ylabel() and ax.get_xlabel(), ax.get_title()
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert len(labels) >= 3, (ax.get_title(), labels)  # a scale you can read, not one tick besides 0
+    gdn, mlp = panels[0], panels[1]
+    styles = [str(line.get_linestyle()) for line in gdn.get_lines()]
+    assert len(styles) == 2 and len(set(styles)) == 2  # the coinciding lines are drawn differently
+    assert mlp.get_yscale() == "symlog" and "log scale" in mlp.get_ylabel()  # four decades: log
+    assert gdn.get_yscale() == "linear" and "linear scale" in gdn.get_ylabel()
