@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     subparser = parser._subparsers._group_actions[0].choices[args.command]
     _FLAGS.clear()
     _FLAGS.update(_flags_of(subparser))
+    # lazy: the library is imported once a command runs, so `gdnprune --help` stays fast
     from ..interrupts import handle_signals
-    from ._runtime import check_paths
+    from ._runtime import check_paths  # lazy: as above
 
     try:
         check_paths(args, subparser)  # every path the command reads or writes, before any model loads

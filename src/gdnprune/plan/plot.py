@@ -50,7 +50,7 @@ def _sensitivity_scale(ax, values: list[float]) -> str:
     """Scale the y axis for these sensitivities, with labelled ticks across the whole range; returns the
     scale's name for the axis label. Zero (the uncut block) stays on the axis: a linear scale when the
     values span less than two decades, else a symmetric log scale (linear below its smallest value)."""
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # lazy: optional extra ([plot])
 
     positive = sorted(v for v in values if v > 0)
     if not positive or positive[-1] / positive[0] < 100:
@@ -76,7 +76,7 @@ def _short(prefix: str) -> str:
 
 def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured: bool) -> bool:
     """One kind's blocks: every candidate, the lower envelope, the chosen one; True when some are estimated."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # lazy: optional extra ([plot])
 
     estimated = False
     for i, (prefix, group) in enumerate(groups.items()):
