@@ -21,7 +21,7 @@ from ..blocks import find_blocks
 from ..fileio import read_json
 from ..geometry import GDNShape, layer_index_of, per_layer_gdn_overrides
 from ..layouts import LAYOUTS, detect_layout, get_layout, scale_name, scale_rule, scaled_weight
-from ..model_config import MTP_PREFIX
+from ..model_config import MTP_PREFIX, config_value, text_config
 from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
 from ..scores import matching_prefixes
 
@@ -365,7 +365,7 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
     """The ``weight_block_size`` of an FP8 checkpoint's ``quantization_config`` (None when it is not one)."""
     config = checkpoint.config
-    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    quant = config_value(text_config(config, "quantization_config"), "quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != "fp8":
         return None
     block = quant.get("weight_block_size")

@@ -11,16 +11,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..fileio import read_json
+from ..model_config import config_value, text_config
 from .folder import CONFIG_NAME, CheckpointError
 
 __all__ = ["verify_checkpoints"]
 
 
 def _vocab_size(config: Mapping) -> int | None:
-    value = config.get("vocab_size")
-    if value is None and isinstance(config.get("text_config"), Mapping):
-        value = config["text_config"].get("vocab_size")
-    return value
+    return config_value(text_config(config, "vocab_size"), "vocab_size")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
