@@ -128,7 +128,7 @@ def check_output_file(path: str | os.PathLike, overwrite: bool) -> None:
         raise ValueError(f"cannot write the output {os.fspath(path)}: {reason}")
 
 
-def unwritable(out: Path | str) -> str | None:
+def unwritable(out: str | os.PathLike) -> str | None:
     """Why an output at ``out`` (a folder or a file) cannot be created, or None when it can.
 
     The output is built next to ``out``, so what counts is the nearest existing folder above it: it must be

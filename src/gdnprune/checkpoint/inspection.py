@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+from typing import Any
 
 from ..blocks import KINDS
 from ..depth import attention_layers, num_layers_of, removal_name_map
@@ -18,7 +19,8 @@ __all__ = ["inspect_checkpoint"]
 
 def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
     """The sub-blocks of every kind for :func:`inspect_checkpoint`, and their parameters per kind."""
-    out, by_kind = [], {}
+    out: list[dict[str, Any]] = []
+    by_kind: dict[str, int] = {}
     for kind in KINDS:
         try:
             layers = find_block_layers(ckpt, (kind,))
@@ -59,7 +61,9 @@ def _inspect_decoder_layers(ckpt: Checkpoint) -> list[dict]:
         return []
     sizes: collections.Counter = collections.Counter()
     for name, new in removal_name_map(ckpt.names, num_layers, range(num_layers)).items():
-        sizes[int(_LAYER_NUMBER.search(name).group(1))] += ckpt.tensor(name).numel if new is None else 0
+        match = _LAYER_NUMBER.search(name)
+        assert match is not None  # removal_name_map names only layer tensors
+        sizes[int(match.group(1))] += ckpt.tensor(name).numel if new is None else 0
     text = ckpt.config if "num_hidden_layers" in ckpt.config else ckpt.config.get("text_config") or {}
     types = dict(enumerate(text.get("layer_types") or []))
     keep = attention_layers(ckpt.config)

@@ -79,8 +79,9 @@ def _display_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     names: dict[str, str] = {}
     for action in parser._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
-        shown = longs[0] if longs else (action.option_strings or [action.metavar or action.dest.upper()])[0]
-        names.setdefault(action.dest, str(shown))
+        fallback = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+        shown = longs[0] if longs else (action.option_strings or [fallback])[0]
+        names.setdefault(action.dest, shown)
     return names
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from ._runtime import without_blas_threads
 
@@ -57,7 +58,7 @@ _TITLES = {
 }
 
 
-def _table(rows: list[tuple[str, ...]], left: int) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], left: int) -> list[str]:
     """Aligned rows, two spaces in front: the first ``left`` columns left-aligned, numbers right-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
