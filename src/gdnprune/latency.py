@@ -28,9 +28,7 @@ Results are :class:`Timing` dataclasses (seconds; bytes). Nothing here prints.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -115,7 +113,8 @@ class Timing:
     ``seconds``: the median of ``repeats`` (seconds per timed call: one prefill forward, or one decode step
     of every sequence); ``device``: where it ran; ``peak_memory_bytes``: on a GPU
     ``torch.cuda.max_memory_allocated`` during the warm-up and timed calls (weights included), on a CPU the
-    peak resident set of the process (sampled), None where not measurable; ``memory_growth_bytes``: that
+    peak resident set of the process over them (Linux ``VmHWM``, reset before the first call), None where not
+    measurable; ``memory_growth_bytes``: that
     peak less the value before the first call.
     """
 
@@ -153,13 +152,28 @@ class Timing:
         }
 
 
-def _resident_bytes() -> int | None:
-    """The resident set size of this process (Linux ``/proc/self/statm``), None elsewhere."""
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; None off Linux."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return None
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak resident set (``VmHWM``) to its current size (Linux >= 4.0: ``5`` into
+    ``/proc/self/clear_refs``); False where that is not possible. No thread samples memory while a timing
+    runs: a sampler would take the interpreter lock from the forwards it times."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -175,29 +189,12 @@ def _memory_watch(device: torch.device) -> Iterator[dict[str, int | None]]:
         peak = torch.cuda.max_memory_allocated(device)
         found.update(peak=int(peak), growth=int(peak - before))
         return
-    start = _resident_bytes()
-    if start is None:
-        yield found
-        return
-    highest = [start]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.005):
-            now = _resident_bytes()
-            if now is not None and now > highest[0]:
-                highest[0] = now
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield found
-    finally:
-        done.set()
-        sampler.join()
-        end = _resident_bytes() or 0
-        peak = max(highest[0], end)
-        found.update(peak=peak, growth=peak - start)
+    start = _status_bytes("VmRSS")
+    measurable = start is not None and _reset_peak_rss()
+    yield found
+    peak = _status_bytes("VmHWM") if measurable else None
+    if peak is not None and start is not None:
+        found.update(peak=peak, growth=max(0, peak - start))
 
 
 def _synchronize(device: torch.device) -> None:
