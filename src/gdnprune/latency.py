@@ -28,6 +28,7 @@ Results are :class:`Timing` dataclasses (seconds; bytes). Nothing here prints.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +39,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from .forwards import Passthrough, decoder_blocks, hidden_argument, input_device, with_hidden
+from .loading import load_causal_lm
 
 __all__ = [
     "PHASES",
@@ -48,6 +50,9 @@ __all__ = [
     "LatencyHarness",
     "model_latency",
     "block_latencies",
+    "BenchResult",
+    "bench_models",
+    "bench_figure",
 ]
 
 #: the phases a workload can name
@@ -69,11 +74,11 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
-            raise WorkloadError(f"workload phase: expected one of {', '.join(PHASES)}, got {self.phase!r}")
+            raise WorkloadError(f"phase: expected one of {', '.join(PHASES)}, got {self.phase!r}")
         for name in ("batch", "context"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise WorkloadError(f"workload {name}: expected an integer >= 1, got {value!r}")
+                raise WorkloadError(f"{name}: expected an integer >= 1, got {value!r}")
 
     @property
     def tokens(self) -> int:
@@ -89,7 +94,7 @@ def parse_workload(text: str) -> Workload:
     parts = str(text).strip().split(":")
     if len(parts) != 3:
         raise WorkloadError(
-            f"workload: expected PHASE:BATCH:CONTEXT (e.g. prefill:1:2048 or decode:8:4096), got {text!r}"
+            f"`workload`: expected PHASE:BATCH:CONTEXT (e.g. prefill:1:2048 or decode:8:4096), got {text!r}"
         )
     phase, batch, context = parts
     numbers = []
@@ -98,12 +103,12 @@ def parse_workload(text: str) -> Workload:
             numbers.append(int(value))
         except ValueError:
             raise WorkloadError(
-                f"workload {text!r}: {name} must be an integer >= 1 (PHASE:BATCH:CONTEXT), got {value!r}"
+                f"`workload` {text!r}: {name} must be an integer >= 1 (PHASE:BATCH:CONTEXT), got {value!r}"
             ) from None
     try:
         return Workload(phase.strip().lower(), numbers[0], numbers[1])
     except WorkloadError as exc:
-        raise WorkloadError(f"workload {text!r}: {str(exc).removeprefix('workload ')}") from None
+        raise WorkloadError(f"`workload` {text!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -186,8 +191,8 @@ def _memory_watch(device: torch.device) -> Iterator[dict[str, int | None]]:
         torch.cuda.reset_peak_memory_stats(device)
         yield found
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        found.update(peak=int(peak), growth=int(peak - before))
+        top = torch.cuda.max_memory_allocated(device)
+        found.update(peak=int(top), growth=int(top - before))
         return
     start = _status_bytes("VmRSS")
     measurable = start is not None and _reset_peak_rss()
@@ -502,3 +507,98 @@ def block_latencies(
     """:meth:`LatencyHarness.block_latencies` in one call."""
     harness = LatencyHarness(model, workload, repeats=repeats, warmup=warmup, seed=seed)
     return harness.block_latencies(candidates)
+
+
+# -- gdnprune bench --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One model at one workload: ``model`` (the folder as given), ``parameters`` (every parameter of the
+    causal LM), ``timing`` (:meth:`LatencyHarness.model_latency`) and ``speedup`` (the first model's
+    median over this one's, at the same workload: 1.0 for the first model)."""
+
+    model: str
+    parameters: int
+    timing: Timing
+    speedup: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values: ``model``, ``parameters``, ``speedup`` and :meth:`Timing.to_dict`'s keys."""
+        return {
+            "model": self.model,
+            "parameters": self.parameters,
+            "speedup": self.speedup,
+            **self.timing.to_dict(),
+        }
+
+
+def bench_models(
+    models: Sequence[str | os.PathLike],
+    workloads: Sequence[Workload],
+    *,
+    device: str | None = None,
+    dtype: str = "float32",
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[BenchResult]:
+    """The whole-model latency of every model folder at every workload, one model loaded at a time
+    (:func:`gdnprune.loading.load_causal_lm`: per-layer geometries too; ``device`` default: cuda when
+    available), in the order ``models`` x ``workloads``; ``progress(1)`` after each timing."""
+    timings: list[tuple[str, int, Timing]] = []
+    for path in models:
+        model = load_causal_lm(path, dtype=dtype, device=device)
+        parameters = sum(p.numel() for p in model.parameters())
+        for workload in workloads:
+            timing = LatencyHarness(
+                model, workload, repeats=repeats, warmup=warmup, seed=seed
+            ).model_latency()
+            timings.append((str(path), parameters, timing))
+            if progress is not None:
+                progress(1)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    first = {str(t.workload): t.seconds for _, _, t in timings[: len(workloads)]}
+    return [BenchResult(m, n, t, first[str(t.workload)] / t.seconds) for m, n, t in timings]
+
+
+def bench_figure(results: Sequence[BenchResult], names: Sequence[str] | None = None) -> Any:
+    """A ``matplotlib.figure.Figure`` (never pyplot): one panel per workload, one bar per model, tokens per
+    second, each bar labelled with its speed-up over the first model. ``names``: the models' labels (default:
+    their folder names)."""
+    from matplotlib.figure import Figure  # lazy: the optional plot extra
+
+    workloads = list(dict.fromkeys(str(r.timing.workload) for r in results))
+    models = list(dict.fromkeys(r.model for r in results))
+    labels = (
+        list(names) if names is not None else [os.path.basename(os.path.normpath(m)) or m for m in models]
+    )
+    fig = Figure(figsize=(max(4.0, 2.2 + 1.1 * len(models)) * len(workloads), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(workloads), squeeze=False)[0]
+    colors = [f"C{i % 10}" for i in range(len(models))]
+    for ax, workload in zip(axes, workloads):
+        rows = {r.model: r for r in results if str(r.timing.workload) == workload}
+        values = [rows[m].timing.tokens_per_second if m in rows else 0.0 for m in models]
+        bars = ax.bar(range(len(models)), values, color=colors)
+        for bar, m in zip(bars, models):
+            if m in rows:
+                ax.annotate(
+                    f"{rows[m].speedup:.2f}x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        ax.set_xticks(range(len(models)), labels, rotation=20, ha="right", fontsize=8)
+        ax.set_title(workload)
+        phase = workload.split(":")[0]
+        ax.set_ylabel("tokens/s" + (" (generated)" if phase == "decode" else " (prompt)"))
+        ax.margins(y=0.15)
+    device = results[0].timing.device if results else ""
+    fig.suptitle(
+        f"throughput per model and workload ({device}; labels: speed-up over the first model)", fontsize=9
+    )
+    return fig
