@@ -13,7 +13,8 @@ dominates (default: hidden 1024, 8 layers ``GGGA GGGA``, GDN 8 key heads / 16 va
 * ``blocks``: fixed + the sum of the sub-modules' latencies (GDN / attention, MLP): what a plan over
   sub-blocks sums; it leaves out each layer's two RMSNorms and residual adds;
 
-and the ratios ``layers / whole`` and ``blocks / whole`` (1.0 = additive).
+and the ratios ``layers / whole`` and ``blocks / whole`` (1.0 = additive), from the medians and from the
+fastest repeat of each timing (a busy machine only adds time, so the fastest repeats drift less).
 
 Usage::
 
@@ -65,27 +66,29 @@ def sub_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def measure(model, workload, repeats: int, warmup: int) -> dict:
+    """Medians (and, less sensitive to a busy machine, the fastest repeats) of the whole model, the fixed part,
+    the decoder layers and their sub-blocks."""
     harness = LatencyHarness(model, workload, repeats=repeats, warmup=warmup)
     layers = list(model.model.layers)
     subs = [m for layer in layers for m in sub_modules(layer)]
     harness.prepare(layers + subs)
-    whole_before = harness.model_latency().seconds
-    fixed = harness.fixed_latency().seconds
-    layer_times = [t.seconds for t in harness.block_latencies([(layer, None) for layer in layers])]
-    sub_times = [t.seconds for t in harness.block_latencies([(m, None) for m in subs])]
-    whole_after = harness.model_latency().seconds
-    whole = statistics.mean([whole_before, whole_after])
-    return {
-        "workload": str(workload),
-        "whole_before": whole_before,
-        "whole_after": whole_after,
-        "whole": whole,
-        "fixed": fixed,
-        "layers": fixed + sum(layer_times),
-        "blocks": fixed + sum(sub_times),
-        "layer_times": layer_times,
-        "sub_times": sub_times,
-    }
+    before = harness.model_latency()
+    fixed = harness.fixed_latency()
+    layer_times = harness.block_latencies([(layer, None) for layer in layers])
+    sub_times = harness.block_latencies([(m, None) for m in subs])
+    after = harness.model_latency()
+    result = {"workload": str(workload), "layer_ms": [1000 * t.seconds for t in layer_times]}
+    for name, pick in (("median", lambda t: t.seconds), ("fastest", lambda t: min(t.repeats))):
+        whole = statistics.mean([pick(before), pick(after)])
+        result[name] = {
+            "whole_before": pick(before),
+            "whole_after": pick(after),
+            "whole": whole,
+            "fixed": pick(fixed),
+            "layers": pick(fixed) + sum(pick(t) for t in layer_times),
+            "blocks": pick(fixed) + sum(pick(t) for t in sub_times),
+        }
+    return result
 
 
 def main() -> int:
@@ -114,21 +117,24 @@ def main() -> int:
         f"repeats {args.repeats}, warm-up {args.warmup_calls}"
     )
     print(
-        "| workload | whole ms (before / after) | fixed ms | fixed + layers ms | layers / whole | "
+        "| workload | statistic | whole ms (before / after) | fixed ms | fixed + layers ms | layers / whole | "
         "fixed + sub-blocks ms | sub-blocks / whole |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for text in (args.prefill, args.decode):
         r = measure(model, parse_workload(text), args.repeats, args.warmup_calls)
-        ms = {k: 1000 * v for k, v in r.items() if isinstance(v, float)}
+        for name in ("median", "fastest"):
+            ms = {k: 1000 * v for k, v in r[name].items()}
+            print(
+                f"| {r['workload']} | {name} | {ms['whole']:.1f} ({ms['whole_before']:.1f} / "
+                f"{ms['whole_after']:.1f}) | {ms['fixed']:.2f} | {ms['layers']:.1f} | "
+                f"{ms['layers'] / ms['whole']:.3f} | {ms['blocks']:.1f} | {ms['blocks'] / ms['whole']:.3f} |",
+                flush=True,
+            )
         print(
-            f"| {r['workload']} | {ms['whole']:.1f} ({ms['whole_before']:.1f} / {ms['whole_after']:.1f}) | "
-            f"{ms['fixed']:.2f} | {ms['layers']:.1f} | {r['layers'] / r['whole']:.3f} | {ms['blocks']:.1f} | "
-            f"{r['blocks'] / r['whole']:.3f} |",
+            f"|   median per layer ms: {', '.join(f'{t:.1f}' for t in r['layer_ms'])} | | | | | | | |",
             flush=True,
         )
-        per_layer = ", ".join(f"{1000 * t:.1f}" for t in r["layer_times"])
-        print(f"|   per layer ms: {per_layer} | | | | | | |", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s")
     return 0
 
