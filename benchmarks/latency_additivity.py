@@ -6,15 +6,15 @@ MILP, so the sum must track the whole model's measured latency. On a random Qwen
 dominates (default: hidden 1024, 8 layers ``GGGA GGGA``, GDN 8 key heads / 16 value heads of 128, attention
 8 heads / 2 KV heads of 128, MLP 3072, vocabulary 32000) this prints, at a prefill and a decode workload:
 
-* ``whole``: :meth:`LatencyHarness.model_latency`, measured before and after the blocks (a shared machine
-  drifts; the mean of the two medians is the reference);
+* ``whole``: :meth:`LatencyHarness.model_latency`;
 * ``fixed``: :meth:`LatencyHarness.fixed_latency` (embeddings, rotary tables, masks, final norm, lm_head);
 * ``layers``: fixed + the sum of the decoder layers' :meth:`~LatencyHarness.block_latency`;
 * ``blocks``: fixed + the sum of the sub-modules' latencies (GDN / attention, MLP): what a plan over
   sub-blocks sums; it leaves out each layer's two RMSNorms and residual adds;
 
-and the ratios ``layers / whole`` and ``blocks / whole`` (1.0 = additive), from the medians and from the
-fastest repeat of each timing (a busy machine only adds time, so the fastest repeats drift less).
+and the ratios ``layers / whole`` and ``blocks / whole`` (1.0 = additive). Everything is timed in
+interleaved rounds (each timing once per round), so the slow phases of a shared machine hit all of it alike;
+a ratio is taken per round, and the median over the rounds is printed with its range.
 
 Usage::
 
@@ -65,30 +65,35 @@ def sub_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [mixer, layer.mlp]
 
 
-def measure(model, workload, repeats: int, warmup: int) -> dict:
-    """Medians (and, less sensitive to a busy machine, the fastest repeats) of the whole model, the fixed part,
-    the decoder layers and their sub-blocks."""
-    harness = LatencyHarness(model, workload, repeats=repeats, warmup=warmup)
+def measure(model, workload, rounds: int, warmup: int) -> dict:
+    """Interleaved rounds: in each, the whole model, the fixed part, every decoder layer and every sub-block
+    are timed once (a harness with one repeat each), so a shared machine's slow phases hit all of them alike;
+    the ratios are taken per round, then their median (and range) over the rounds."""
+    harness = LatencyHarness(model, workload, repeats=1, warmup=0)
     layers = list(model.model.layers)
     subs = [m for layer in layers for m in sub_modules(layer)]
     harness.prepare(layers + subs)
-    before = harness.model_latency()
-    fixed = harness.fixed_latency()
-    layer_times = harness.block_latencies([(layer, None) for layer in layers])
-    sub_times = harness.block_latencies([(m, None) for m in subs])
-    after = harness.model_latency()
-    result = {"workload": str(workload), "layer_ms": [1000 * t.seconds for t in layer_times]}
-    for name, pick in (("median", lambda t: t.seconds), ("fastest", lambda t: min(t.repeats))):
-        whole = statistics.mean([pick(before), pick(after)])
-        result[name] = {
-            "whole_before": pick(before),
-            "whole_after": pick(after),
-            "whole": whole,
-            "fixed": pick(fixed),
-            "layers": pick(fixed) + sum(pick(t) for t in layer_times),
-            "blocks": pick(fixed) + sum(pick(t) for t in sub_times),
-        }
-    return result
+    series: dict[str, list] = {"whole": [], "fixed": [], "layers": [], "blocks": [], "per_layer": []}
+    for r in range(warmup + rounds):
+        whole = harness.model_latency().seconds
+        fixed = harness.fixed_latency().seconds
+        per_layer = [t.seconds for t in harness.block_latencies([(layer, None) for layer in layers])]
+        per_sub = [t.seconds for t in harness.block_latencies([(m, None) for m in subs])]
+        if r < warmup:
+            continue
+        series["whole"].append(whole)
+        series["fixed"].append(fixed)
+        series["layers"].append(fixed + sum(per_layer))
+        series["blocks"].append(fixed + sum(per_sub))
+        series["per_layer"].append(per_layer)
+    ratios = {k: [a / w for a, w in zip(series[k], series["whole"])] for k in ("layers", "blocks")}
+    return {
+        "workload": str(workload),
+        **{k: statistics.median(series[k]) for k in ("whole", "fixed", "layers", "blocks")},
+        "ratio": {k: statistics.median(v) for k, v in ratios.items()},
+        "range": {k: (min(v), max(v)) for k, v in ratios.items()},
+        "layer_ms": [1000 * statistics.median(col) for col in zip(*series["per_layer"])],
+    }
 
 
 def main() -> int:
@@ -99,8 +104,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prefill", default="prefill:1:256")
     p.add_argument("--decode", default="decode:4:256")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup-calls", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (default 5)")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds before them (default 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=None)
@@ -114,27 +119,24 @@ def main() -> int:
     print(
         f"random Qwen3.5: hidden {args.hidden}, {args.layers} layers, MLP {args.intermediate}, vocab {args.vocab}, "
         f"{n / 1e6:.1f}M parameters, {args.dtype} on {args.device}, {torch.get_num_threads()} threads, "
-        f"repeats {args.repeats}, warm-up {args.warmup_calls}"
+        f"{args.rounds} rounds after {args.warmup_rounds} warm-up round(s)"
     )
     print(
-        "| workload | statistic | whole ms (before / after) | fixed ms | fixed + layers ms | layers / whole | "
-        "fixed + sub-blocks ms | sub-blocks / whole |"
+        "| workload | whole ms | fixed ms | fixed + layers ms | layers / whole (range) | fixed + sub-blocks ms | "
+        "sub-blocks / whole (range) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for text in (args.prefill, args.decode):
-        r = measure(model, parse_workload(text), args.repeats, args.warmup_calls)
-        for name in ("median", "fastest"):
-            ms = {k: 1000 * v for k, v in r[name].items()}
-            print(
-                f"| {r['workload']} | {name} | {ms['whole']:.1f} ({ms['whole_before']:.1f} / "
-                f"{ms['whole_after']:.1f}) | {ms['fixed']:.2f} | {ms['layers']:.1f} | "
-                f"{ms['layers'] / ms['whole']:.3f} | {ms['blocks']:.1f} | {ms['blocks'] / ms['whole']:.3f} |",
-                flush=True,
-            )
+        r = measure(model, parse_workload(text), args.rounds, args.warmup_rounds)
+        lo_l, hi_l = r["range"]["layers"]
+        lo_b, hi_b = r["range"]["blocks"]
         print(
-            f"|   median per layer ms: {', '.join(f'{t:.1f}' for t in r['layer_ms'])} | | | | | | | |",
+            f"| {r['workload']} | {1000 * r['whole']:.1f} | {1000 * r['fixed']:.2f} | {1000 * r['layers']:.1f} | "
+            f"{r['ratio']['layers']:.3f} ({lo_l:.3f}-{hi_l:.3f}) | {1000 * r['blocks']:.1f} | "
+            f"{r['ratio']['blocks']:.3f} ({lo_b:.3f}-{hi_b:.3f}) |",
             flush=True,
         )
+        print(f"|   per layer ms: {', '.join(f'{t:.1f}' for t in r['layer_ms'])} | | | | | | |", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s")
     return 0
 
