@@ -114,10 +114,14 @@ def _names(models: list[str]) -> dict[str, str]:
 def _write(out: Path, results, names: dict[str, str], header: dict, overwrite: bool) -> bool:
     """results.json, results.md and the plot, in a temporary folder renamed into place; False when the plot
     could not be drawn (matplotlib missing)."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ..checkpoint.output import Staging, write_json
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..latency import bench_figure
 
     try:
+        # lazy: commands import the library when they run, so --help stays fast
         import matplotlib  # noqa: F401  (lazy: the optional plot extra)
 
         plotted = True
@@ -135,10 +139,16 @@ def _write(out: Path, results, names: dict[str, str], header: dict, overwrite: b
 
 
 def run(args) -> int:
+    # lazy: commands import the library when they run, so --help stays fast
     import importlib.util
+
+    # lazy: commands import the library when they run, so --help stays fast
     import platform
 
+    # lazy: commands import the library when they run, so --help stays fast
     from ..checkpoint.output import check_output_folder
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..latency import bench_models, parse_workload
 
     workloads = list(dict.fromkeys(parse_workload(w) for w in args.workload))  # malformed: exit 2 here
@@ -150,8 +160,13 @@ def run(args) -> int:
     if args.output is not None:
         check_output_folder(Path(args.output), args.overwrite, frozenset({RESULTS}))
 
+    # lazy: commands import the library when they run, so --help stays fast
     import torch
+
+    # lazy: commands import the library when they run, so --help stays fast
     import transformers
+
+    # lazy: commands import the library when they run, so --help stays fast
     from tqdm.auto import tqdm
 
     names = _names(list(args.models))
