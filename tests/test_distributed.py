@@ -288,14 +288,18 @@ def test_a_merge_refuses_incomplete_overlapping_and_mismatched_sets(model_dir, t
 
 
 def test_score_says_which_options_go_together(model_dir, text_file, tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"  # partial files that exist: the options are what is wrong
+    a.write_text("{}")
+    b.write_text("{}")
+    a, b = str(a), str(b)
     cases = [
         (
             _common(model_dir, "--data", str(text_file), "--shard", "0/2", "--output", "x.json"),
             "give --partial FILE",
         ),
         (_common(model_dir, "--data", str(text_file), "--partial", "p", "--output", "x.json"), "not both"),
-        (_common(model_dir, "--merge", "a", "b", "--output", "x.json"), "remove MODEL_DIR"),
-        (_common(None, "--merge", "a"), "--merge needs --output"),
+        (_common(model_dir, "--merge", a, b, "--output", "x.json"), "remove MODEL_DIR"),
+        (_common(None, "--merge", a), "--merge needs --output"),
         (_common(None, "--data", str(text_file), "--output", "x.json"), "expected MODEL_DIR"),
         (_common(model_dir, "--output", "x.json"), "expected --data FILE"),
         (_common(model_dir, "--data", str(text_file)), "expected --output"),
