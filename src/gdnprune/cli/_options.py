@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..targets import TARGET_FIELDS, TargetError
 
@@ -392,12 +393,22 @@ def data_from_args(args, *, eval_data: bool = False):
         raise MixtureError(f"--data-weights: {exc}") from None
 
 
-def checked_data(args, *, eval_data: bool = False):
+def checked_data(args, *, eval_data: bool = False, tokenizer_dir=None):
     """:func:`data_from_args`, checked cheaply (:func:`gdnprune.corpus.check_data`: files, UTF-8, schema,
-    first rows) before any model is loaded; None when not given."""
+    first rows; conversations against the chat template of ``tokenizer_dir``'s tokenizer when it has one)
+    before any model is loaded; None when not given."""
     from ..corpus import check_data  # lazy: `gdnprune --help` imports no datasets
 
     spec = data_from_args(args, eval_data=eval_data)
-    if spec is not None:
-        check_data(spec)
+    if spec is None:
+        return None
+    tokenizer = None
+    if tokenizer_dir is not None and os.path.isdir(tokenizer_dir):
+        from transformers import AutoTokenizer  # lazy: only commands that read text load a tokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        except (OSError, ValueError):
+            tokenizer = None  # the command itself says what is wrong with the folder
+    check_data(spec, tokenizer=tokenizer)
     return spec

@@ -398,7 +398,7 @@ def _plan(args) -> int:
             raise ValueError(
                 "the measured sensitivity needs calibration text: give --data FILE (or --sensitivity proxy)"
             )
-        data = checked_data(args)
+        data = checked_data(args, tokenizer_dir=args.model_dir)
         if not any_budget(args):
             raise ValueError(
                 "give a budget: --budget-params, --budget-active-params, --budget-memory, "

@@ -92,7 +92,7 @@ def run(args) -> int:
 
         args.threads = plan_threads(args.model_dir, args.seq_len)
     with model_runtime(args):  # a PlanScoresWarning shows as one warning line, like every warning
-        data = checked_data(args)
+        data = checked_data(args, tokenizer_dir=args.model_dir)
         manifest = prune_checkpoint(
             args.model_dir,
             data,

@@ -167,7 +167,7 @@ def _score(args, mode: str) -> int:
             check_output_file(target, args.overwrite)
             if mode == "scores" and args.compensation_stats:
                 check_output_file(args.compensation_stats, args.overwrite)
-        data = checked_data(args)
+        data = checked_data(args, tokenizer_dir=args.model_dir)
     options = dict(progress=not args.quiet, blocks=args.sub_blocks, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():

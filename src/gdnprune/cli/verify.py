@@ -51,7 +51,7 @@ def run(args) -> int:
     from ..checkpoint import verify_checkpoints
 
     with model_runtime(args):
-        data = checked_data(args)
+        data = checked_data(args, tokenizer_dir=args.model_a)
         r = verify_checkpoints(
             args.model_a,
             args.model_b,

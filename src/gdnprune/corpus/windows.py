@@ -53,9 +53,9 @@ __all__ = [
 
 FORMAT = 1
 TOKENS, META = "tokens.u32", "meta.json"
-# documents are tokenised in batches of 64 KiB characters first, doubling up to 1 MiB (the tokenizer runs
+# documents are tokenised in batches of 64 KiB characters first, doubling up to 512 KiB (the tokenizer runs
 # a batch in parallel; a few windows cost a small read)
-FIRST_BATCH_CHARS, BATCH_CHARS = 1 << 16, 1 << 20
+FIRST_BATCH_CHARS, BATCH_CHARS = 1 << 16, 1 << 19
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,16 @@ def encode_pieces(
     pieces: Iterator[Piece], tokenizer: Any, *, limit: int | None = None
 ) -> Iterator[np.ndarray]:
     """The token stream of ``pieces`` as ``uint32`` arrays, one per batch (64 KiB of
-    characters first, doubling up to 1 MiB) (EOS before every document but the first); stops once ``limit`` tokens are out."""
+    characters first, doubling up to 512 KiB) (EOS before every document but the first); stops once ``limit`` tokens are out."""
     eos = getattr(tokenizer, "eos_token_id", None)
     started, count = False, 0
     for batch in _batches(pieces):
-        ids = tokenizer([p.text for p in batch], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(
+            [p.text for p in batch],
+            add_special_tokens=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )["input_ids"]
         parts = []
         for piece, piece_ids in zip(batch, ids):
             if started and piece.new_document and eos is not None:
@@ -250,6 +255,8 @@ def _open_stream(
             meta = _read_meta(folder)  # another process may have built it while this one waited
             reused = meta is not None and meta.get("fingerprint") == fingerprint
             if not reused:
+                for stale in cache.glob(f".{folder.name}.tmp-*"):  # a killed build's; the lock is ours
+                    shutil.rmtree(stale, ignore_errors=True)
                 meta = _build(folder, files, fingerprint, text_field, tokenizer, bar)
     assert meta is not None
     return TokenStream(folder / TOKENS, meta["num_tokens"], meta["num_documents"], fingerprint, reused)
