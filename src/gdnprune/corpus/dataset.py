@@ -62,8 +62,7 @@ def open_windows(
     may call it: one tokenises while the others wait, then each reads only the windows it asks for."""
     spec = data_spec(data)
     streams = tokenize_corpus(spec, tokenizer, files=files, cache_dir=cache_dir, progress=progress)
-    weights = [s.weight for s in spec.sources] if spec.is_mixture else None
-    return WindowDataset(CorpusWindows(streams, seq_len, weights))
+    return WindowDataset(CorpusWindows(streams, seq_len, spec.weights))
 
 
 def _stream_windows(
@@ -97,7 +96,7 @@ def first_windows(
         flat = [f for fs in per_source for f in fs]
         out = _stream_windows(flat, spec.text_field, tokenizer, seq_len, num_windows)
         return torch.from_numpy(out.astype(np.int64))
-    weights = [s.weight for s in spec.sources]
+    weights = spec.weights or []
     if num_windows is None:
         needed: list[int | None] = [None] * len(per_source)
     else:

@@ -355,7 +355,7 @@ class CorpusWindows:
         if not -self._length <= i < self._length:
             raise IndexError(f"window {i} out of range for {self._length} windows")
         i %= self._length
-        if self._source is None:
+        if self._source is None or self._index is None:
             return 0, i
         return int(self._source[i]), int(self._index[i])
 
