@@ -213,6 +213,10 @@ def test_the_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, tokeniz
     before = corpus.tokenizer_fingerprint(tokenizer)
     tokenizer(["some text"] * 2, truncation=True, max_length=4, padding=True)
     assert corpus.tokenizer_fingerprint(tokenizer) == before
+    # and the truncation an earlier call left on the fast tokenizer's backend never cuts a document
+    assert first_windows(data, tokenizer, seq_len=32).tolist() == _by_hand(
+        _docs("changed", 20) + _docs("two", 3), tokenizer, 32
+    )
 
 
 def _rule(counts: list[int], weights: list[float]) -> list[tuple[int, int]]:
