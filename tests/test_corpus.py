@@ -348,6 +348,7 @@ def test_bad_inputs_raise_errors_that_name_the_file(tmp_path, tokenizer):
         (["--data", "{tmp}/good.jsonl", "{tmp}/good.jsonl", "--data-weights", "1", "x"], "--data-weights"),
         (["--data", "{tmp}/good.jsonl", "--data-weights", "1", "2"], "--data-weights: expected one weight"),
         (["--data", "{tmp}/empty"], "every file is empty"),
+        (["--data", "{tmp}/chat.jsonl"], "chat.jsonl:1: a conversation (messages) but the tokenizer has no"),
     ],
 )
 def test_the_cli_says_bad_data_in_one_line_before_any_model_loads(tmp_path, capsys, args, message):
@@ -356,6 +357,7 @@ def test_the_cli_says_bad_data_in_one_line_before_any_model_loads(tmp_path, caps
     _write_jsonl(tmp_path / "good.jsonl", _docs("good", 3))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.jsonl").write_bytes(b"")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     # a model folder whose weights cannot load: the data must be refused before anything tries
     model = tmp_path / "model"
     model.mkdir()
@@ -427,3 +429,12 @@ def test_two_gloo_processes_build_once_and_see_the_windows_of_one(tmp_path, toke
     assert [w for r in ranks for w in r["windows"]] == single.tensor().tolist()
     assert [i for r in ranks for i in r["indices"]] == list(range(len(single)))
     assert len([p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_tokenising_shows_a_bar_over_the_input_bytes(tmp_path, tokenizer, capsys):
+    _write_jsonl(tmp_path / "d.jsonl", _docs("bar", 50))
+    open_windows(tmp_path / "d.jsonl", tokenizer, seq_len=16, cache_dir=tmp_path / "c", progress=True)
+    err = capsys.readouterr().err
+    assert "tokenising" in err and "B/s" in err
+    open_windows(tmp_path / "d.jsonl", tokenizer, seq_len=16, cache_dir=tmp_path / "c2", progress=False)
+    assert "tokenising" not in capsys.readouterr().err
