@@ -237,7 +237,15 @@ def _rule(counts: list[int], weights: list[float]) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize(
     "counts, weights",
-    [([10, 10], [1, 1]), ([100, 40], [0.3, 0.7]), ([50, 50, 50], [1, 2, 5]), ([3, 1000], [0.5, 0.5])],
+    [
+        ([10, 10], [1, 1]),
+        ([100, 40], [0.3, 0.7]),
+        ([50, 50, 50], [1, 2, 5]),
+        ([3, 1000], [0.5, 0.5]),
+        ([10, 4], [1, 3]),  # x1 and y's missing window y4 tie at position 6: x1 is in (source order)
+        ([1, 10], [1, 3]),  # x's missing window x1 and y4 tie at 6: y4 is out
+        ([0, 5], [1, 1]),
+    ],
 )
 def test_mixture_order_is_the_documented_rule(counts, weights):
     source, index = corpus.mixture_order(counts, weights)

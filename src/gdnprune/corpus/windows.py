@@ -14,10 +14,10 @@ builds while the others wait on a lock file (``fcntl.flock``), so processes of o
 or not, tokenise once. ``cache_dir`` default: :func:`default_cache_dir`.
 
 **The mixture rule.** With weights ``w_i`` (normalised to sum 1), window ``j`` (from 0) of source ``i`` has
-the position ``(j + 1/2) / w_i``; the mixture is every window in order of position (ties: the sources in
-the order given), up to the first source that runs out: window ``(i, j)`` is in when its position is
-smaller than ``(n_k + 1/2) / w_k`` for every source ``k`` with ``n_k`` windows. So every prefix of the
-mixture holds each source within about one window of its share, and no window repeats.
+the position ``(j + 1/2) / w_i`` (float64); the mixture lists the windows in order of position (ties: the
+source given first) and ends just before the first position where a source has no window left (source
+``k`` with ``n_k`` windows at ``(n_k + 1/2) / w_k``). So every prefix of the mixture holds each source
+within about one window of its share, and no window repeats.
 """
 
 from __future__ import annotations
@@ -320,22 +320,20 @@ def tokenize_corpus(
 
 
 def mixture_order(counts: Sequence[int], weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """The windows of a mixture by the module's rule: ``(source, index)`` arrays, in mixture order."""
+    """The windows of a mixture by the module's rule: ``(source, index)`` arrays, in mixture order.
+
+    Every source also gets its first missing window (index ``n_i``); all are sorted by position, ties by
+    source, and the mixture is everything before the first missing one."""
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()
-    n = np.asarray(counts, dtype=np.int64)
-    limit = np.min((n + 0.5) / w)
-    sources, indices, keys = [], [], []
-    for i, (count, weight) in enumerate(zip(n, w)):
-        j = np.arange(count, dtype=np.int64)
-        key = (j + 0.5) / weight
-        keep = key < limit
-        sources.append(np.full(int(keep.sum()), i, dtype=np.int64))
-        indices.append(j[keep])
-        keys.append(key[keep])
-    source, index, key = np.concatenate(sources), np.concatenate(indices), np.concatenate(keys)
-    order = np.lexsort((source, key))
-    return source[order], index[order]
+    sources = [np.full(int(n) + 1, i, dtype=np.int64) for i, n in enumerate(counts)]
+    indices = [np.arange(int(n) + 1, dtype=np.int64) for n in counts]
+    source, index = np.concatenate(sources), np.concatenate(indices)
+    order = np.lexsort((source, (index + 0.5) / w[source]))
+    source, index = source[order], index[order]
+    missing = index == np.asarray(counts, dtype=np.int64)[source]
+    stop = int(np.argmax(missing))  # there is always one: every source has its missing window
+    return source[:stop], index[:stop]
 
 
 class CorpusWindows:
