@@ -290,6 +290,19 @@ def test_text_field_names_the_column(tmp_path):
     assert _read(corpus.data_spec(path, text_field="content")) == ["alpha", "beta"]
     with pytest.raises(corpus.MissingFieldError, match=r"content.parquet: expected a 'text' column"):
         corpus.check_data(path)
+    arrow = tmp_path / "content.arrow"
+    table = pa.table({"content": ["gamma"]})
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(corpus.MissingFieldError, match=r"content.arrow: expected a 'text' column"):
+        corpus.check_data(arrow)
+    saved = tmp_path / "saved_dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": ["delta", "eps"]})}).save_to_disk(
+        saved
+    )
+    assert _read(corpus.data_spec(saved, text_field="content")) == ["delta", "eps"]
+    with pytest.raises(corpus.MissingFieldError, match=r"saved_dict: expected a 'text' column"):
+        corpus.check_data(saved)
 
 
 def test_bad_inputs_raise_errors_that_name_the_file(tmp_path, tokenizer):

@@ -292,7 +292,7 @@ def source_files(source: Source | str) -> list[DataFile]:
     return files
 
 
-def _stream(file: DataFile, text_field: str):
+def _stream(file: DataFile):
     """The rows of one file as an iterable of dicts, read by ``datasets`` (streaming where it can)."""
     if file.kind == "saved":
         loaded = datasets.load_from_disk(str(file.path))
@@ -323,7 +323,7 @@ def _columns(file: DataFile) -> list[str] | None:
 
         return list(pq.read_schema(file.path).names)
     if file.kind in ("arrow", "saved"):
-        features = _stream(file, "text").features
+        features = _stream(file).features
         return None if features is None else list(features)
     return None
 
@@ -358,7 +358,7 @@ def _rows(file: DataFile, text_field: str, tokenizer: Any) -> Iterator[Piece]:
     """The documents of a row file (JSON, parquet, Arrow, saved), read errors named after the file."""
     number = 0
     try:
-        for number, row in enumerate(_stream(file, text_field), start=1):
+        for number, row in enumerate(_stream(file), start=1):
             text = _document(row, file, number, text_field, tokenizer)
             if text:
                 yield Piece(text, True, file.path, number)
@@ -377,7 +377,7 @@ def _text_pieces(file: DataFile) -> Iterator[Piece]:
     lines: list[str] = []
     size, first, number, limit = 0, True, 0, FIRST_PIECE_CHARS
     try:
-        for number, row in enumerate(_stream(file, "text"), start=1):
+        for number, row in enumerate(_stream(file), start=1):
             line = row["text"]
             if first and not lines and line.startswith("\ufeff"):
                 line = line[1:]
