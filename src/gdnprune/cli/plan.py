@@ -15,6 +15,7 @@ from ._options import (
     add_distributed_arguments,
     add_output_arguments,
     blocks_from_args,
+    checked_data,
     non_negative_int,
     positive_int,
 )
@@ -404,6 +405,7 @@ def _plan(args) -> int:
             raise ValueError(
                 "the measured sensitivity needs calibration text: give --data FILE (or --sensitivity proxy)"
             )
+        data = checked_data(args, tokenizer_dir=args.model_dir)
         if not any_budget(args):
             raise ValueError(
                 "give a budget: --budget-params, --budget-active-params, --budget-memory, "
@@ -418,7 +420,7 @@ def _plan(args) -> int:
         with fail_together():
             plan, report = plan_checkpoint(
                 args.model_dir,
-                args.data,
+                data,
                 args.scores,
                 num_samples=args.num_samples,
                 seq_len=args.seq_len,

@@ -19,6 +19,7 @@ from ._options import (
     add_lane_search_arguments,
     add_output_arguments,
     blocks_from_args,
+    checked_data,
     deprecated,
     scoring_options,
     shard_spec,
@@ -179,6 +180,7 @@ def _score(args, mode: str) -> int:
             check_output_file(target, args.overwrite)
             if mode == "scores" and args.compensation_stats:
                 check_output_file(args.compensation_stats, args.overwrite)
+        data = checked_data(args, tokenizer_dir=args.model_dir)
     blocks = None if args.blocks == BLOCKS else blocks_from_args(args)  # None: every kind, no note per kind
     options = dict(progress=not args.quiet, blocks=blocks, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
@@ -189,7 +191,7 @@ def _score(args, mode: str) -> int:
 
             hf_logging.disable_progress_bar()
         if mode == "partial":
-            run = measure_checkpoint(args.model_dir, args.data, shard=args.shard or (0, 1), **options)
+            run = measure_checkpoint(args.model_dir, data, shard=args.shard or (0, 1), **options)
             with fail_together():
                 path = save_partial(run, args.partial, overwrite=args.overwrite) if main else None
             index, count = run.shard["index"], run.shard["count"]
@@ -204,7 +206,7 @@ def _score(args, mode: str) -> int:
         else:
             scores = score_checkpoint(
                 args.model_dir,
-                args.data,
+                data,
                 lane_search=args.lane_search,
                 lane_search_samples=args.lane_search_samples,
                 compensate=args.compensation_stats is not None,
