@@ -20,15 +20,19 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils.constants import FSDP_MODEL_NAME
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import Trainer, TrainerCallback
 
 from ..interrupts import SIGNALS
 from .fsdp import is_sharded, layer_classes
 from .loss import IGNORE_INDEX, distillation_loss, lm_head_weights, position_terms
+from .output import check_checkpoint_keys, load_model_weights
 
 __all__ = [
     "DistillationTrainer",
@@ -233,18 +237,21 @@ class DistillationTrainer(Trainer):
         self._eval_parts = []
         return output
 
-    def _issue_warnings_after_load(self, load_result):
-        # a checkpoint of a model with tied embeddings has no lm_head.weight (save_pretrained drops the tied
-        # copy); loading ties it again, so its absence is expected, not worth a warning
-        model = self.accelerator.unwrap_model(self.model)
-        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-        if out is not None and inp is not None and out.weight is inp.weight:
-            tied = {name for name, p in model.named_parameters(remove_duplicate=False) if p is out.weight}
-            if not tied <= set(load_result.missing_keys):  # one of the names was loaded: all of them were
-                load_result = type(load_result)(
-                    [k for k in load_result.missing_keys if k not in tied], load_result.unexpected_keys
-                )
-        return super()._issue_warnings_after_load(load_result)
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Strict: a tensor missing from the checkpoint, or one the model lacks, is an error (transformers only
+        warns). A whole model reads the checkpoint's safetensors in either form (the model's own, or
+        ``save_pretrained``'s, e.g. one tensor per expert; :func:`load_model_weights`); a sharded one has its
+        DCP checkpoint's names checked, then loads it as accelerate does."""
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if not self.is_fsdp_enabled:
+            load_model_weights(target, resume_from_checkpoint)
+            return
+        folders = sorted(Path(resume_from_checkpoint).glob(f"{FSDP_MODEL_NAME}*"))
+        if folders and folders[0].is_dir():
+            metadata = FileSystemReader(str(folders[0])).read_metadata().state_dict_metadata
+            names = {k.removeprefix("model.") for k in metadata if k.startswith("model.")}
+            check_checkpoint_keys(target, names, str(folders[0]))
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._tokens:
