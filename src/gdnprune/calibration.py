@@ -1,4 +1,4 @@
-"""Calibration data: read text or JSONL, tokenise, pack into fixed-length windows.
+"""Calibration data: token windows for the commands that read the first windows of a corpus.
 
 * :func:`iter_documents` streams a UTF-8 text file (one document, in pieces that end at a line break) or
   a JSONL file (one JSON object per line with a ``"text"`` field; blank lines are skipped);
@@ -6,8 +6,9 @@
 * :func:`pack_windows` tokenises documents (no special tokens added), joins them with the tokenizer's EOS
   id (when it has one) and cuts the token stream into non-overlapping windows of ``seq_len`` tokens;
   ``num_samples`` evenly spaced windows are kept, in stream order.
-* :func:`calibration_windows` is what ``gdnprune score`` uses: it reads and tokenises only as much of the
-  file as ``num_samples`` windows need, and keeps the first ``num_samples`` windows.
+* :func:`calibration_windows` is what ``score``, ``plan`` and ``prune`` use: every ``--data`` form (files,
+  folders, globs, mixtures; :mod:`gdnprune.corpus`), read and tokenised only as far as ``num_samples``
+  windows need; the first ``num_samples`` windows are kept.
 * :func:`iter_batches` yields the windows in batches.
 """
 
@@ -21,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .corpus import DataError, data_spec
+from .corpus.dataset import first_windows
 
 __all__ = ["iter_documents", "read_texts", "pack_windows", "iter_batches", "calibration_windows"]
 
@@ -183,17 +187,30 @@ def pack_windows(
 
 
 def calibration_windows(
-    path: str | Path, tokenizer: Any, *, seq_len: int, num_samples: int | None = None, warn: bool = True
+    path: Any,
+    tokenizer: Any,
+    *,
+    seq_len: int,
+    num_samples: int | None = None,
+    warn: bool = True,
+    text_field: str | None = None,
 ) -> torch.Tensor:
-    """The first ``num_samples`` windows of ``seq_len`` tokens of a data file, a ``LongTensor [N, seq_len]``.
+    """The first ``num_samples`` windows of ``seq_len`` tokens of a corpus, a ``LongTensor [N, seq_len]``.
 
-    The file is read and tokenised as a stream (:func:`iter_documents`) and only until the windows are
-    full, so a large file costs no more than what is used. Documents are joined as in :func:`pack_windows`.
-    ``num_samples=None`` uses the whole file.
+    ``path`` is anything :func:`gdnprune.corpus.data_spec` takes: a file, folder or glob, a list of them,
+    or a :class:`~gdnprune.corpus.DataSpec` (a mixture, a text field); every ``--data`` form of the CLI.
+    The files are read and tokenised as a stream and only until the windows are full (no cache), so a
+    large corpus costs no more than what is used; they are the first windows of
+    :func:`gdnprune.corpus.open_windows` on the same corpus. ``num_samples=None`` uses the whole corpus.
+
+    Raises:
+        gdnprune.corpus.DataError: a file cannot be read, or the corpus is shorter than one window.
     """
     _check_sizes(seq_len, num_samples)
-    needed = None if num_samples is None else num_samples * seq_len
-    windows = _windows(_token_stream(iter_documents(path), tokenizer, needed), seq_len, num_samples)
+    spec = data_spec(path, text_field=text_field)
+    windows = first_windows(spec, tokenizer, seq_len=seq_len, num_windows=num_samples)
+    if windows.shape[0] == 0:
+        raise DataError(f"{spec}: the calibration text gives fewer than one window of {seq_len} tokens")
     _warn_if_short(windows.shape[0], seq_len, num_samples, warn)
     return windows
 

@@ -9,6 +9,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from .folder import CONFIG_NAME, CheckpointError, read_json
 
@@ -26,33 +27,48 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequences: int, seed: int):
+    import numpy as np
     import torch
+
+    from ..corpus import data_spec, iter_pieces, source_files
+    from ..corpus.windows import encode_pieces
 
     if data is None:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab, (num_sequences, seq_len), generator=g), f"random ids (seed {seed})"
-    try:
-        raw = Path(data).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"`data={data}`: cannot read ({exc.strerror or exc})") from None
-    ids, source = None, None
+    spec = data_spec(data)
+    files = [f for s in spec.sources for f in source_files(s)]
+    tokenizer = None
     if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         try:
             import transformers
 
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-            text = raw.decode("utf-8", errors="replace")
-            ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-            source = f"{data} tokenised with the tokenizer of {model_dir}"
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure falls back to bytes
             warnings.warn(
                 f"tokenizer of {model_dir} unusable ({exc}); using bytes", UserWarning, stacklevel=3
             )
-    if ids is None:
-        ids, source = list(raw), f"{data} as bytes mod {vocab}"
-    ids = torch.tensor(ids[: seq_len * num_sequences], dtype=torch.long) % vocab
+    needed = seq_len * num_sequences
+    if tokenizer is not None:
+        pieces = iter_pieces(files, text_field=spec.text_field, tokenizer=tokenizer)
+        chunks = list(encode_pieces(pieces, tokenizer, limit=needed))
+        ids = np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, dtype=np.int64)
+        source = f"{spec} tokenised with the tokenizer of {model_dir}"
+    else:
+        if len(files) != 1 or files[0].kind != "text":
+            raise ValueError(
+                f"`data={spec}`: without a tokenizer in {model_dir}, expected one text file (read as "
+                f"bytes), found {len(files)} file(s)"
+            )
+        try:
+            with open(files[0].path, "rb") as f:
+                ids = np.frombuffer(f.read(needed), dtype=np.uint8).astype(np.int64)
+        except OSError as exc:
+            raise ValueError(f"`data={spec}`: cannot read ({exc.strerror or exc})") from None
+        source = f"{spec} as bytes mod {vocab}"
+    ids = torch.from_numpy(ids[:needed]) % vocab
     if ids.numel() < 2:
-        raise ValueError(f"`data={data}`: gives {ids.numel()} tokens, need at least 2")
+        raise ValueError(f"`data={spec}`: gives {ids.numel()} tokens, need at least 2")
     n = max(1, ids.numel() // seq_len)
     length = min(seq_len, ids.numel())
     return ids[: n * length].reshape(n, length), source
@@ -83,7 +99,7 @@ def verify_checkpoints(
     model_a: str | os.PathLike,
     model_b: str | os.PathLike,
     *,
-    data: str | os.PathLike | None = None,
+    data: Any = None,
     tolerance: float = 1e-4,
     seq_len: int = 128,
     num_samples: int = 4,
@@ -93,8 +109,8 @@ def verify_checkpoints(
 ) -> dict:
     """Run the same tokens through two checkpoints (transformers, fp32, CPU) and compare their logits.
 
-    Tokens: ``data`` (a text file) tokenised with ``model_a``'s tokenizer when its folder has one, else
-    its bytes mod the vocabulary; without ``data``, seeded random ids. At most ``num_samples``
+    Tokens: ``data`` (any corpus :func:`gdnprune.corpus.data_spec` takes: files, folders, globs) tokenised
+    with ``model_a``'s tokenizer when its folder has one, else (one text file) its bytes mod the vocabulary; without ``data``, seeded random ids. At most ``num_samples``
     windows of ``seq_len`` tokens (default 128, longer than the 64-token chunks of the GDN kernel).
     The models are loaded one after the other. A sliced model may be compared with its source (same
     vocabulary, different widths). ``num_sequences`` is the deprecated name of ``num_samples``.

@@ -220,12 +220,7 @@ def add_calibration_arguments(
     per command: scoring sums statistics over many windows (128), the measured sensitivity of ``plan`` runs
     a forward per candidate width and layer, so it uses fewer (16).
     """
-    p.add_argument(
-        "--data",
-        required=data_required,
-        metavar="FILE",
-        help='calibration text: a UTF-8 text file, or JSONL with a "text" field per line',
-    )
+    add_data_arguments(p, required=data_required)
     if method:
         p.add_argument(
             "--method",
@@ -239,7 +234,7 @@ def add_calibration_arguments(
         type=positive_int,
         default=num_samples,
         metavar="N",
-        help=f"calibration windows for {purpose} (default {num_samples}); the first ones of the file",
+        help=f"calibration windows for {purpose} (default {num_samples}); the first ones of the corpus",
     )
     add_forward_arguments(p)
     if method:
@@ -317,3 +312,92 @@ def summary(manifest: dict, out: str) -> str:
         f"wrote {out}: {len(layers)} GDN layers {what}, sorted: {manifest['sorted']}{also} "
         f"({manifest['elapsed_seconds']:.1f} s)"
     )
+
+
+DATA_FORMS = (
+    "files, folders and globs: .txt, .jsonl, .jsonl.gz/.zst, .parquet, .arrow, save_to_disk folders "
+    "(docs/data.md)"
+)
+
+
+def add_data_arguments(
+    p, *, required: bool = True, what: str = "calibration text", eval_data: bool = False, cache: bool = False
+) -> None:
+    """``--data SOURCE...``, ``--data-weights W...`` and ``--text-field NAME`` (with ``eval_data``:
+    ``--eval-data SOURCE...``; with ``cache``: ``--data-cache DIR``), the same on every command that reads a
+    corpus. A mixture is ``--data A B --data-weights 0.3 0.7``: weights in their own option, so no file
+    name can be mistaken for a weight."""
+    p.add_argument(
+        "--data",
+        nargs="+",
+        action="extend",
+        required=required,
+        metavar="SOURCE",
+        help=f"{what}: one or more {DATA_FORMS}; several are read in order as one corpus",
+    )
+    p.add_argument(
+        "--data-weights",
+        dest="data_weights",
+        nargs="+",
+        metavar="W",
+        default=None,
+        help="make the --data sources a mixture: one weight > 0 per source, in the same order (they "
+        "need not sum to 1); windows are interleaved by weight until the first source runs out",
+    )
+    p.add_argument(
+        "--text-field",
+        dest="text_field",
+        default="text",
+        metavar="NAME",
+        help="the column that holds a row's text (default text); rows without it but with a messages "
+        "list are rendered with the tokenizer's chat template",
+    )
+    if eval_data:
+        p.add_argument(
+            "--eval-data",
+            dest="eval_data",
+            nargs="+",
+            action="extend",
+            metavar="SOURCE",
+            default=None,
+            help=f"held-out text for the eval loss: {DATA_FORMS}",
+        )
+    if cache:
+        p.add_argument(
+            "--data-cache",
+            dest="data_cache",
+            metavar="DIR",
+            default=None,
+            help="where the tokenised windows are kept and reused (default: data-cache inside the output "
+            "folder)",
+        )
+
+
+def data_from_args(args, *, eval_data: bool = False):
+    """The corpus of ``--data`` (or ``--eval-data``) as a :class:`gdnprune.corpus.DataSpec`; None when not
+    given. Raises :class:`gdnprune.corpus.MixtureError` for weights that do not fit (naming the flags)."""
+    from ..corpus import MixtureError, data_spec  # lazy: `gdnprune --help` imports no datasets
+
+    sources = getattr(args, "eval_data" if eval_data else "data", None)
+    if sources is None:
+        return None
+    weights = None if eval_data else getattr(args, "data_weights", None)
+    if weights is not None and len(weights) != len(sources):
+        raise MixtureError(
+            f"--data-weights: expected one weight per --data source ({len(sources)}), found {len(weights)}"
+        )
+    try:
+        return data_spec(sources, weights=weights, text_field=getattr(args, "text_field", None))
+    except MixtureError as exc:
+        raise MixtureError(f"--data-weights: {exc}") from None
+
+
+def checked_data(args, *, eval_data: bool = False):
+    """:func:`data_from_args`, checked cheaply (:func:`gdnprune.corpus.check_data`: files, UTF-8, schema,
+    first rows) before any model is loaded; None when not given."""
+    from ..corpus import check_data  # lazy: `gdnprune --help` imports no datasets
+
+    spec = data_from_args(args, eval_data=eval_data)
+    if spec is not None:
+        check_data(spec)
+    return spec

@@ -11,6 +11,7 @@ from ._options import (
     add_constraint_arguments,
     add_distributed_arguments,
     add_output_arguments,
+    checked_data,
     non_negative_int,
     positive_int,
 )
@@ -397,6 +398,7 @@ def _plan(args) -> int:
             raise ValueError(
                 "the measured sensitivity needs calibration text: give --data FILE (or --sensitivity proxy)"
             )
+        data = checked_data(args)
         if not any_budget(args):
             raise ValueError(
                 "give a budget: --budget-params, --budget-active-params, --budget-memory, "
@@ -411,7 +413,7 @@ def _plan(args) -> int:
         with fail_together():
             plan, report = plan_checkpoint(
                 args.model_dir,
-                args.data,
+                data,
                 args.scores,
                 num_samples=args.num_samples,
                 seq_len=args.seq_len,

@@ -8,6 +8,7 @@ from ._options import (
     add_refine_arguments,
     add_self_contained_argument,
     add_target_arguments,
+    checked_data,
     positive_int,
     scoring_options,
     target_from_args,
@@ -91,9 +92,10 @@ def run(args) -> int:
 
         args.threads = plan_threads(args.model_dir, args.seq_len)
     with model_runtime(args):  # a PlanScoresWarning shows as one warning line, like every warning
+        data = checked_data(args)
         manifest = prune_checkpoint(
             args.model_dir,
-            args.data,
+            data,
             args.output,
             target=target,
             plan=args.plan,

@@ -15,6 +15,7 @@ from ._options import (
     add_distributed_arguments,
     add_output_arguments,
     add_refine_arguments,
+    checked_data,
     deprecated,
     scoring_options,
     shard_spec,
@@ -166,6 +167,7 @@ def _score(args, mode: str) -> int:
             check_output_file(target, args.overwrite)
             if mode == "scores" and args.compensation_stats:
                 check_output_file(args.compensation_stats, args.overwrite)
+        data = checked_data(args)
     options = dict(progress=not args.quiet, blocks=args.sub_blocks, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
@@ -175,7 +177,7 @@ def _score(args, mode: str) -> int:
 
             hf_logging.disable_progress_bar()
         if mode == "partial":
-            run = measure_checkpoint(args.model_dir, args.data, shard=args.shard or (0, 1), **options)
+            run = measure_checkpoint(args.model_dir, data, shard=args.shard or (0, 1), **options)
             with fail_together():
                 path = save_partial(run, args.partial, overwrite=args.overwrite) if main else None
             index, count = run.shard["index"], run.shard["count"]
@@ -190,7 +192,7 @@ def _score(args, mode: str) -> int:
         else:
             scores = score_checkpoint(
                 args.model_dir,
-                args.data,
+                data,
                 refine=args.refine,
                 refine_samples=args.refine_samples,
                 compensation=args.compensation_stats is not None,

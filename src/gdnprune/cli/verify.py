@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ._options import add_deprecated_alias, add_quiet_argument, non_negative_float, positive_int
+from ._options import (
+    add_data_arguments,
+    add_deprecated_alias,
+    add_quiet_argument,
+    checked_data,
+    non_negative_float,
+    positive_int,
+)
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "verify"
@@ -19,9 +26,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("model_a", metavar="MODEL_A", help="a model folder (its tokenizer tokenises --data)")
     p.add_argument("model_b", metavar="MODEL_B", help="the model folder to compare with (same vocabulary)")
-    p.add_argument(
-        "--data", metavar="FILE", help="text to run: a UTF-8 text file (default: seeded random token ids)"
-    )
+    add_data_arguments(p, required=False, what="text to run (default: seeded random token ids)")
     p.add_argument(
         "--tolerance",
         type=non_negative_float,
@@ -46,10 +51,11 @@ def run(args) -> int:
     from ..checkpoint import verify_checkpoints
 
     with model_runtime(args):
+        data = checked_data(args)
         r = verify_checkpoints(
             args.model_a,
             args.model_b,
-            data=args.data,
+            data=data,
             tolerance=args.tolerance,
             seq_len=args.seq_len,
             num_samples=args.num_samples,

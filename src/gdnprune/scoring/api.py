@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -407,6 +406,7 @@ def measure_checkpoint(
 
     from ..calibration import calibration_windows, iter_batches
     from ..checkpoint.folder import map_to_checkpoint
+    from ..corpus import data_spec, data_stat
     from ..fileio import file_sha256
     from ..loading import load_causal_lm
 
@@ -439,17 +439,17 @@ def measure_checkpoint(
         share = shard_indices(windows.shape[0], index, count)
         mine = shard_indices(len(share), rank(), world_size())
         start = share.start + mine.start
-        stat = os.stat(data)
+        size, mtime = data_stat(data)
         info = dict(
             model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
             data={
-                "path": str(data),
-                "size": stat.st_size,
-                "mtime": stat.st_mtime,
+                "path": str(data_spec(data)),
+                "size": size,
+                "mtime": mtime,
                 "windows_sha256": _windows_sha256(windows),
             },
             calibration={
-                "data": str(data),
+                "data": str(data_spec(data)),
                 "num_samples": int(windows.shape[0]),
                 "seq_len": int(seq_len),
                 "seq_len_source": source,
