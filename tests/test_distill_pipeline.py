@@ -21,8 +21,17 @@ from transformers import TrainerCallback
 from gdnprune import load_pretrained
 from gdnprune.cli import main
 from gdnprune.demo_data import train_text
-from gdnprune.distill import distill_checkpoint
+from gdnprune.distill import DistillConfig, distill_checkpoint
 from gdnprune.distill.output import CheckpointKeysError, load_model_weights
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _data_cache(tmp_path_factory):
+    """The tokenised corpora of these tests go to a temporary folder, not the user's datasets cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GDNPRUNE_DATA_CACHE", str(tmp_path_factory.mktemp("data_cache")))
+        yield
+
 
 TRAINED = Path(__file__).parent / "data" / "trained"
 FAMILIES = sorted(p.name for p in TRAINED.iterdir() if (p / "config.json").is_file())
@@ -95,11 +104,16 @@ class _StopAt(TrainerCallback):
             signal.raise_signal(signal.SIGINT)
 
 
-def _run(student: Path, teacher: Path, data: Path, out: Path, **extra):
-    return distill_checkpoint(
-        student, teacher, data, out, seq_len=32, num_samples=8, steps=4, batch_size=2, lr=3e-3,
-        lm_weight=0.3, save_every=10, log_every=1, progress=False, **extra,
-    )  # fmt: skip
+def _run(student: Path, teacher: Path, data: Path, out: Path, callbacks=(), **extra):
+    options = dict(steps=4, batch_size=2, lr=3e-3, lm_weight=0.3, save_every=10, log_every=1, progress=False)
+    config = DistillConfig(output_dir=out, **{**options, **extra})
+    return distill_checkpoint(student, teacher, data, config, seq_len=32, num_samples=8, callbacks=callbacks)
+
+
+def _logged(folder: Path) -> list[float]:
+    return [
+        h["loss"] for h in json.loads((folder / "distill_log.json").read_text())["history"] if "loss" in h
+    ]
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -157,7 +171,7 @@ _WORKER = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from transformers import TrainerCallback
-    from gdnprune.distill import distill_checkpoint
+    from gdnprune.distill import DistillConfig, distill_checkpoint
 
     class Term(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -166,11 +180,12 @@ _WORKER = textwrap.dedent("""
 
     student, teacher, data, root, mode = sys.argv[1:6]
     for engine in ("ddp", "fsdp"):
-        def run(out, **extra):
-            return distill_checkpoint(student, teacher, data, os.path.join(root, engine, out), seq_len=32,
-                                      num_samples=8, steps=4, batch_size=4, lr=3e-3, lm_weight=0.3,
-                                      save_every=10, log_every=1, progress=False, fsdp=engine == "fsdp",
-                                      **extra)
+        def run(out, callbacks=(), **extra):
+            config = DistillConfig(output_dir=os.path.join(root, engine, out), steps=4, batch_size=4, lr=3e-3,
+                                   lm_weight=0.3, save_every=10, log_every=1, progress=False,
+                                   fsdp=engine == "fsdp", **extra)
+            return distill_checkpoint(student, teacher, data, config, seq_len=32, num_samples=8,
+                                      callbacks=callbacks)
         if mode == "first":
             run("straight")
             assert run("run", callbacks=[Term()])["interrupted"]

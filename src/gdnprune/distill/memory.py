@@ -28,7 +28,8 @@ _CHUNK_LOGITS, _CHUNK_BUFFERS = 1 << 25, 4
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per process (the first, which holds the largest shards)."""
+    """Bytes per process (the first, which holds the largest shards). ``host_loading``: the host memory a
+    process holds while loading (the whole student and teacher, read before they are moved or sharded)."""
 
     processes: int
     student_sharded: bool
@@ -42,6 +43,13 @@ class MemoryEstimate:
     loss_buffers: int
     ddp_buckets: int = 0
     cpu_offloaded: int = 0
+    host_loading: int = 0
+
+    @property
+    def host_training(self) -> int:
+        """Host (CPU) memory a process holds while training on the CPU: everything counted; with
+        ``cpu_offload``: what is offloaded. (On an accelerator the rest lives in device memory.)"""
+        return self.cpu_offloaded
 
     @property
     def total(self) -> int:
@@ -176,6 +184,9 @@ def estimate_memory(
     chunk = min(_CHUNK_LOGITS, max(1, tokens) * vocab)
     loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
     offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
+    # every process reads the whole student and teacher into host memory before moving or sharding them
+    whole = sum(math.prod(s) for s in shapes) * size
+    loading = whole + (sum(math.prod(s) for s in _parameters(teacher)) * t_size if kd else 0)
     return MemoryEstimate(
         processes=processes,
         student_sharded=fsdp and processes > 1,
@@ -189,6 +200,7 @@ def estimate_memory(
         loss_buffers=loss,
         ddp_buckets=params if processes > 1 and not fsdp else 0,
         cpu_offloaded=offloaded,
+        host_loading=loading,
     )
 
 

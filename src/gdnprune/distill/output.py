@@ -90,12 +90,14 @@ def save_model_folder(
     main: bool = True,
     extra: Mapping[str, torch.Tensor] | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Write ``model`` (whole, or FSDP2-sharded over the process group) into ``out`` as ``save_pretrained``
     would: config, generation config, ``model*.safetensors`` (with an index when more than one file).
 
     Every process must call it (the gathers are collectives); only ``main`` writes. ``extra`` tensors are
-    added as given. Returns the weight files written (by ``main``; [] elsewhere).
+    added as given. ``dtype``: the floating-point tensors are written in it (and the config says so); None:
+    as held. Returns the weight files written (by ``main``; [] elsewhere).
     """
     out = Path(out)
     seen, entries, tensors = set(), [], {}
@@ -104,7 +106,8 @@ def save_model_folder(
             continue
         seen.add(id(value))
         tensors[name] = value
-        entries.append((name, value.numel() * value.element_size()))
+        size = value.element_size() if dtype is None or not value.is_floating_point() else dtype.itemsize
+        entries.append((name, value.numel() * size))
     extra = dict(extra or {})
     entries += [(name, t.numel() * t.element_size()) for name, t in extra.items()]
     shards = _plan(entries, max_shard_bytes)
@@ -125,7 +128,9 @@ def save_model_folder(
                 continue
             full = _gathered(tensors[name].detach())
             if main:
-                part[name] = full.to("cpu").contiguous()
+                full = full.to("cpu")
+                cast = dtype is not None and full.is_floating_point()
+                part[name] = (full.to(dtype) if cast else full).contiguous()
             del full
         if not main:
             continue
@@ -146,7 +151,13 @@ def save_model_folder(
         # as save_pretrained does; FSDP2 subclasses the model's class as FSDP<class>
         name = type(model).__name__
         config.architectures = [name.removeprefix("FSDP") if is_sharded(model) else name]
-        config.save_pretrained(out)
+        held = config.dtype
+        if dtype is not None:
+            config.dtype = dtype
+        try:
+            config.save_pretrained(out)
+        finally:
+            config.dtype = held
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(model, "can_generate", lambda: False)():
         generation.save_pretrained(out)

@@ -143,6 +143,8 @@ class DistillationTrainer(Trainer):
         )
         self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides by the accumulation steps
         self._eval_parts: list[torch.Tensor] = []
+        self._micro_losses: list[torch.Tensor] = []
+        self.step_losses: list[torch.Tensor] = []  # this process's loss of every step it ran
         self.reset_clock()
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -199,7 +201,9 @@ class DistillationTrainer(Trainer):
             self._tokens += ids.numel()
 
             def terms(hidden, t_hidden, head, t_head):
-                return distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
+                loss = distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
+                self._micro_losses.append(loss.detach())
+                return loss
         else:
             terms = lambda *a: self._evaluation_loss(*a, labels)  # noqa: E731
         loss = self._loss_in_forwards(model, ids, terms)
@@ -253,6 +257,20 @@ class DistillationTrainer(Trainer):
             check_checkpoint_keys(target, names, str(folders[0]))
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
+    def end_step(self) -> None:
+        """Close a step's loss: the mean over its micro-batches (the Trainer's logged loss averages these)."""
+        if self._micro_losses:
+            self.step_losses.append(torch.stack(self._micro_losses).float().mean())
+        self._micro_losses = []
+
+    def gathered_step_losses(self) -> list[float]:
+        """The loss of every step run here, averaged over the processes (a collective: every process calls
+        it), as the Trainer averages its logged loss."""
+        if not self.step_losses:
+            return []
+        local = torch.stack(self.step_losses).to(self.args.device)
+        return self.accelerator.reduce(local, reduction="mean").tolist()
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._tokens:
             seconds = time.perf_counter() - self._clock
@@ -273,6 +291,7 @@ class RunCallback(TrainerCallback):
         self.trainer, self.log, self.saving, self.interrupted = trainer, on_log, saving, False
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.end_step()
         if self.trainer.accelerator.check_trigger():
             self.interrupted = control.should_training_stop = True
             control.should_save = self.saving
