@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import signal
 import subprocess
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_distill import pair, windows
+from transformers import TrainerCallback
 
 from gdnprune.cli import main
 from gdnprune.demo_data import train_text
@@ -158,3 +160,29 @@ def test_a_full_disk_says_the_folder_and_the_bytes_and_leaves_no_model(text, tmp
                 full.flush()
         assert caught.value.errno == errno.ENOSPC and str(tmp_path) in str(caught.value)
     shutil.rmtree(mount, ignore_errors=True)
+
+
+class _CtrlCAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_a_checkpoint_records_its_data_position_and_resume_refuses_other_data(tmp_path):
+    config = DistillConfig(
+        output_dir=tmp_path / "run", steps=5, batch_size=4, lr=3e-3, save_every=10, progress=False
+    )
+    teacher, student = pair()
+    stopped = distill(student, teacher, windows(12), config, callbacks=[_CtrlCAt(4)])
+    assert stopped["interrupted"] and stopped["steps"] == 4
+    position = json.loads((tmp_path / "run" / "checkpoint-4" / "data_position.json").read_text())
+    # 12 windows, 4 per step: 3 steps per epoch, so step 4 is the first step of the second epoch
+    assert position["steps"] == 4 and position["windows"] == 12 and position["windows_per_step"] == 4
+    assert (position["epoch"], position["windows_read_in_epoch"]) == (1, 4)
+    assert position["data"] == stopped["config"]["train_sha256"]
+    (tmp_path / "run" / "distill_log.json").unlink()  # the checkpoint alone says which data it was trained on
+    with pytest.raises(ValueError, match="resume: expected the training data of .*checkpoint-4"):
+        distill(*reversed(pair()), windows(12, seed=3), config.replace(resume=True))

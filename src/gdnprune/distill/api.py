@@ -291,7 +291,9 @@ def _train(trainer, config: DistillConfig, record: dict, out: Path | None, check
             payload = {"format": "gdnprune-distill-log", "version": 1, "status": status, "config": record}
             write_json_atomic(out / LOG_NAME, {**payload, "history": trainer.state.log_history})
 
-    run = RunCallback(trainer, lambda logs: write_log("running"), out is not None)
+    data = {"data": record["train_sha256"], "windows": record["train_windows"]}
+    data["windows_per_step"] = config.batch_size
+    run = RunCallback(trainer, lambda logs: write_log("running"), out is not None, data)
     trainer.add_callback(run)
     dtype = config.output_dtype
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype

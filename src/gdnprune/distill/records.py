@@ -34,10 +34,13 @@ __all__ = [
     "DiskFullError",
     "DiskFullGuard",
     "STAGING",
+    "DATA_POSITION_NAME",
 ]
 
 LOG_NAME = "distill_log.json"
 PLOT_NAME = "distill_loss.png"
+#: the file of a checkpoint that records where in the data the run is
+DATA_POSITION_NAME = "data_position.json"
 #: the folder inside the output that the final model is written into before its files move into place
 STAGING = ".final.gdnprune-staging"
 
@@ -113,6 +116,13 @@ def check_output_folder(
             raise ValueError(
                 "resume: expected the options of the interrupted run; found changes (before, now): "
                 + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in changed.items())
+            )
+        position = checkpoint / DATA_POSITION_NAME
+        saved = json.loads(position.read_text()).get("data") if position.is_file() else None
+        if config is not None and saved is not None and saved != config["train_sha256"]:
+            raise ValueError(
+                f"resume: expected the training data of {checkpoint} (windows fingerprint {saved[:12]}), "
+                f"found other data ({config['train_sha256'][:12]}); give the same data, seq_len and num_samples"
             )
         return checkpoint
     if out.exists() and any(out.iterdir()):

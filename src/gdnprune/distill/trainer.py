@@ -29,10 +29,12 @@ from accelerate.utils.constants import FSDP_MODEL_NAME
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import Trainer, TrainerCallback
 
+from ..fileio import write_json_atomic
 from ..interrupts import SIGNALS
 from .fsdp import is_sharded, layer_classes
 from .loss import IGNORE_INDEX, distillation_loss, lm_head_weights, position_terms
 from .output import check_checkpoint_keys, load_model_weights
+from .records import DATA_POSITION_NAME
 
 __all__ = [
     "DistillationTrainer",
@@ -285,10 +287,19 @@ class DistillationTrainer(Trainer):
 
 class RunCallback(TrainerCallback):
     """A stop signal -> save and stop at the end of the step (agreed by all processes); ``on_log(logs)`` on
-    every log; checkpoint files get the umask's permissions."""
+    every log; checkpoint files get the umask's permissions; every checkpoint records its data position
+    (:data:`DATA_POSITION_NAME`: the data's fingerprint ``data``, the windows per step, the steps done, the
+    epoch and the windows of it already read; the Trainer resumes there through its seeded sampler)."""
 
-    def __init__(self, trainer: DistillationTrainer, on_log: Callable[[dict], None], saving: bool):
+    def __init__(
+        self,
+        trainer: DistillationTrainer,
+        on_log: Callable[[dict], None],
+        saving: bool,
+        data: dict[str, Any] | None = None,
+    ):
         self.trainer, self.log, self.saving, self.interrupted = trainer, on_log, saving, False
+        self.data = dict(data or {})
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.end_step()
@@ -312,6 +323,17 @@ class RunCallback(TrainerCallback):
             mode = 0o666 & ~umask()
             for path in args.output_dir and _checkpoints(args.output_dir, state.global_step):
                 os.chmod(path, mode)
+        if self.trainer.is_world_process_zero() and args.output_dir and self.data:
+            per_step, windows = self.data["windows_per_step"], self.data["windows"]
+            steps_per_epoch = max(1, windows // per_step)  # the last partial batch is dropped
+            position = {
+                **self.data,
+                "steps": state.global_step,
+                "epoch": state.global_step // steps_per_epoch,
+                "windows_read_in_epoch": (state.global_step % steps_per_epoch) * per_step,
+            }
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            write_json_atomic(os.path.join(folder, DATA_POSITION_NAME), position)
         self.trainer.reset_clock()
 
 
