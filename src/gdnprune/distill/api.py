@@ -118,7 +118,8 @@ def distill(
         config, student, teacher, windows, eval_windows, tokenizer, teacher_tokenizer
     )
     temporary = tempfile.TemporaryDirectory() if config.output_dir is None else None
-    saving, out = temporary is None, Path(temporary.name if temporary else config.output_dir)
+    saving = temporary is None
+    out = Path(temporary.name if temporary is not None else str(config.output_dir))
     try:
         checkpoint = check_output_folder(out, config.resume, config.overwrite, record) if saving else None
         if config.overwrite and saving and checkpoint is None and out.exists() and _rank() == 0:
@@ -174,7 +175,7 @@ def _as_windows(data: Any, name: str) -> _Windows:
         key = json.dumps([streams, data.seq_len, [r.start, r.stop, r.step]])
         return _Windows(data, len(data), data.seq_len, hashlib.sha256(key.encode()).hexdigest())
     windows = as_windows(data, name)
-    sha = hashlib.sha256(windows.contiguous().numpy()).hexdigest()
+    sha = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
     return _Windows(TokenWindows(windows), windows.shape[0], windows.shape[1], sha)
 
 
@@ -315,7 +316,11 @@ def _train(trainer, config: DistillConfig, record: dict, out: Path | None, check
     losses = loss_summary(per_step, first, config.log_every)
     drawn, history = [(first + i, v) for i, v in enumerate(per_step)], trainer.state.log_history
     plot = out is not None and main
-    plot = plot and plot_history(history, out / PLOT_NAME, config.kd_weight, config.lm_weight, drawn)
+    plot = (
+        plot
+        and out is not None
+        and plot_history(history, out / PLOT_NAME, config.kd_weight, config.lm_weight, drawn)
+    )
     evals = [h for h in history if "eval_loss" in h]
     return {
         "output_dir": None if out is None else str(out),
@@ -331,7 +336,7 @@ def _train(trainer, config: DistillConfig, record: dict, out: Path | None, check
         "eval": {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else None,
         "history": history,
         "log": str(out / LOG_NAME) if out is not None and main else None,
-        "plot": str(out / PLOT_NAME) if plot else None,
+        "plot": str(out / PLOT_NAME) if plot and out is not None else None,
         "trainer": trainer,
     }
 

@@ -148,7 +148,7 @@ def check_run(config: DistillConfig, windows: int, seq_len: int, world: int) -> 
             f"expected batch_size, micro_batch_size, log_every and keep_checkpoints >= 1, found "
             f"{c.batch_size}, {c.micro_batch_size}, {c.log_every} and {c.keep_checkpoints}"
         )
-    steps = math.ceil(c.tokens / (c.batch_size * seq_len)) if c.tokens is not None else c.steps
+    steps = math.ceil(c.tokens / (c.batch_size * seq_len)) if c.tokens is not None else int(c.steps or 0)
     if steps < 1:
         raise ValueError(f"expected at least one step, found steps={steps} (tokens={c.tokens})")
     if windows < c.batch_size:

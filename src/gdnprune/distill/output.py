@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -183,7 +184,9 @@ def _key_error(where: str, missing: set[str], unexpected: set[str]) -> Checkpoin
 def _unique_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``({name: tensor}, {alias: name})``: the model's state, tied tensors once under their first name, and the
     other names of each tied tensor."""
-    unique, aliases, first = {}, {}, {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if id(value) in first:
             aliases[name] = first[id(value)]
@@ -233,7 +236,10 @@ def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
 
 
 def _to_model_form(
-    model: torch.nn.Module, unique: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str
+    model: Any,  # a transformers PreTrainedModel: its weight conversions
+    unique: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    where: str,
 ) -> dict[str, torch.Tensor]:
     """``state`` in ``save_pretrained``'s form as the model's tensors: each model tensor is filled with its
     elements' positions in one flat vector, converted as ``save_pretrained`` converts, so every saved

@@ -178,6 +178,7 @@ def plot_history(
     try:
         import matplotlib  # lazy: optional extra  # noqa: F401 (absent: ImportError here)
         from matplotlib.figure import Figure  # lazy: optional extra
+        from matplotlib.ticker import MaxNLocator  # lazy: optional extra
     except ImportError:
         warnings.warn(
             "matplotlib is not installed, so no loss plot was drawn; install it with "
@@ -196,7 +197,7 @@ def plot_history(
     }
     fig = Figure(figsize=(7, 4.5), dpi=120)
     ax = fig.subplots()
-    styles = (
+    styles: tuple[dict[str, Any], ...] = (
         {"lw": 0.8, "alpha": 0.6},
         {"marker": "o", "ls": "none"},
         {"marker": "s"},
@@ -208,7 +209,7 @@ def plot_history(
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("distillation: train loss (training windows), eval losses (held-out windows)", fontsize=10)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -303,13 +304,13 @@ class DiskFullGuard:
     def __enter__(self):
         return self
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind, exc, tb) -> None:
         if exc is None or self.out is None or not isinstance(exc, (OSError, RuntimeError, SafetensorError)):
-            return False
+            return
         free = shutil.disk_usage(self.out).free if self.out.exists() else 0
         said = getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
         if not said and free >= self.needed:
-            return False
+            return
         if self.out.exists() and int(os.environ.get("RANK", "0")) == 0:
             broken = [c for c in self.out.glob("checkpoint-*") if not (c / "trainer_state.json").is_file()]
             for folder in [*broken, *self.out.glob(STAGING)]:
