@@ -52,7 +52,7 @@ WORKER = textwrap.dedent("""
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sys.path.insert(0, {bench!r})
     from distill_scale import build_pair
-    from gdnprune.distill import distill, estimate_memory
+    from gdnprune.distill import DistillConfig, distill, estimate_memory
 
     def high_water_mark():
         with open("/proc/self/status") as f:
@@ -85,10 +85,10 @@ WORKER = textwrap.dedent("""
                                kd=not lm_only, gradient_checkpointing=bool(checkpointing))
     data = torch.randint(0, teacher.config.vocab_size, (4 * batch, seq_len), generator=torch.Generator().manual_seed(0))
     clock = Clock()
-    result = distill(student, teacher, data, steps=steps, batch_size=batch, lr=1e-4, log_every=1, progress=False,
-                     fsdp=fsdp, teacher_sharding=sharding if fsdp else None, callbacks=[clock],
-                     gradient_checkpointing=bool(checkpointing),
-                     kd_weight=0.0 if lm_only else 1.0, lm_weight=1.0 if lm_only else 0.0)
+    config = DistillConfig(steps=steps, batch_size=batch, lr=1e-4, log_every=1, progress=False, fsdp=fsdp,
+                           teacher_sharding=sharding if fsdp else None, gradient_checkpointing=bool(checkpointing),
+                           kd_weight=0.0 if lm_only else 1.0, lm_weight=1.0 if lm_only else 0.0)
+    result = distill(student, teacher, data, config, callbacks=[clock])
     logs = [h for h in result["history"] if "loss" in h]
     report = {{"rank": int(os.environ["RANK"]), "peak": high_water_mark(), "setup_peak": clock.setup,
               "baseline": baseline, "losses": [h["loss"] for h in logs], "step_seconds": clock.steps,

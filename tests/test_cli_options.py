@@ -55,11 +55,7 @@ PER_COMMAND = {
     "blocks",  # what the kinds of block are for: ordered (score) or shrunk (plan, prune)
 }  # dtype: of the forward passes' weights, or (distill) of the trained parameters
 #: (vocabulary differences that are known and accepted: none)
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
-    # until distill reads its corpus through gdnprune.corpus (issue 28, h28a): its --data is one FILE
-    ("distill", "kind"),
-    ("distill", "metavar:data"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 #: old spellings: none may be a visible option of any command
 RETIRED = {
     "--compensation",

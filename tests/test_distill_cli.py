@@ -20,6 +20,15 @@ from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _data_cache(tmp_path_factory):
+    """The tokenised corpora of these tests go to a temporary folder, not the user's datasets cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GDNPRUNE_DATA_CACHE", str(tmp_path_factory.mktemp("data_cache")))
+        yield
+
+
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
 PLAN = {
@@ -86,6 +95,7 @@ def test_distill_a_heterogeneous_student_from_the_command_line(folders, tmp_path
                 "1",
                 "--save-every",
                 "2",
+                "--keep-checkpoints",
                 "--threads",
                 "1",
             ]
@@ -308,6 +318,7 @@ def test_accelerate_launch_with_the_shipped_fsdp2_config_writes_a_plain_checkpoi
         "1",
         "--save-every",
         "1",
+        "--keep-checkpoints",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -6,8 +6,9 @@ import logging
 import os
 import signal
 import sys
+import time
 
-from ._options import add_quiet_argument, positive_int
+from ._options import add_data_arguments, add_quiet_argument, checked_data, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "distill"
@@ -17,6 +18,7 @@ _DTYPES = ("float32", "bfloat16")  # as every command's --dtype
 # words of the library's messages (its Python arguments) -> this command's flags
 _FLAGS = (
     ("resume: ", "--resume: "),
+    ("train_data: ", "--data: "),
     ("resume=True", "--resume"),
     ("overwrite=True", "--overwrite"),
     ("fsdp=True", "--fsdp"),
@@ -35,6 +37,7 @@ _FLAGS = (
 )
 
 
+# long by nature: one argparse definition per flag, in the groups --help shows
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,
@@ -53,7 +56,15 @@ def add_parser(subparsers) -> None:
         "student", metavar="STUDENT", help="the model folder to train (e.g. gdnprune prune's output)"
     )
     p.add_argument("--teacher", required=True, metavar="TEACHER", help="the unpruned model folder")
-    p.add_argument("--data", required=True, metavar="FILE", help='training text (UTF-8 or JSONL with "text")')
+    add_data_arguments(p, required=True, what="training text", eval_data=True)
+    p.add_argument(
+        "--data-cache",
+        dest="data_cache",
+        metavar="DIR",
+        default=None,
+        help="where the tokenised windows are kept and reused by later runs and --resume (default: "
+        "$GDNPRUNE_DATA_CACHE, else gdnprune-windows in the datasets cache)",
+    )
     p.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is an earlier output")
     g = p.add_argument_group("length of the run (one of)")
@@ -125,6 +136,12 @@ def add_parser(subparsers) -> None:
         help="dtype of the student's parameters and optimizer state (default float32)",
     )
     n.add_argument(
+        "--output-dtype",
+        choices=(*_DTYPES, "float16"),
+        default=None,
+        help="dtype of the written model (default: the dtype the student folder stores)",
+    )
+    n.add_argument(
         "--teacher-dtype",
         choices=(*_DTYPES, "float16"),
         default=None,
@@ -156,7 +173,6 @@ def add_parser(subparsers) -> None:
         help="with --dry-run: the number of processes to estimate for (default: the launcher's, else 1)",
     )
     e = p.add_argument_group("evaluation and checkpoints")
-    e.add_argument("--eval-data", metavar="FILE", help="held-out text for the eval loss")
     e.add_argument(
         "--eval-samples", type=positive_int, default=None, metavar="N", help="held-out windows (default: all)"
     )
@@ -164,7 +180,16 @@ def add_parser(subparsers) -> None:
     e.add_argument(
         "--save-every", type=positive_int, default=None, help="steps between checkpoints (default: 1/10)"
     )
-    e.add_argument("--keep-checkpoints", type=positive_int, default=1, help="checkpoints kept (default 1)")
+    e.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        nargs="?",
+        const=1,
+        default=None,
+        metavar="N",
+        help="keep the checkpoints when the run finishes (the last N, default 1); without it a finished "
+        "run removes them (an interrupted one keeps its last, for --resume)",
+    )
     e.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines (default 10)")
     e.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT_DIR")
     add_runtime_arguments(p)
@@ -247,26 +272,39 @@ def _print_estimate(est, world: int, micro: int, seq_len: int) -> None:
     for label, size in est.rows():
         print(f"  {label:<40} {_gb(size):>12}")
     print(f"  {'total':<40} {_gb(est.total):>12}")
+    import torch  # lazy: `gdnprune --help` imports no torch
+
+    if torch.cuda.is_available():
+        training = f"{_gb(est.host_training)} offloaded while training" if est.host_training else "little"
+        where = f"{training} while training (the rest above is GPU memory)"
+    else:
+        where = f"{_gb(est.total)} while training (the table above: a CPU run holds it all in host memory)"
+    print(
+        f"  host memory per process: {_gb(est.host_loading)} while loading (the whole student and teacher, "
+        f"read before they are moved or sharded), {where}"
+    )
 
 
 def run(args) -> int:
-    from ..distill import OutputFolderError, check_options, check_output_folder, distill_checkpoint
+    from ..distill import OutputFolderError, check_options, check_output_folder
 
     world = args.processes if args.dry_run and args.processes else int(os.environ.get("WORLD_SIZE", "1"))
     # `accelerate launch` with an FSDP config says so in the environment
     args.fsdp = args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    device_map = args.teacher_device_map
     try:
+        data = eval_data = None
         if not args.dry_run:
             check_output_folder(args.output, args.resume, args.overwrite)
         sharding = check_options(
             world_size=world,
             fsdp=args.fsdp,
             teacher_sharding=args.teacher_sharding,
-            teacher_device_map=device_map,
+            teacher_device_map=args.teacher_device_map,
             mixed_precision=args.mixed_precision,
             cpu_offload=args.cpu_offload,
         )
+        if not args.dry_run:  # every input is checked before any model loads
+            data, eval_data = checked_data(args), checked_data(args, eval_data=True)
     except OutputFolderError as exc:
         return _output_error(exc)
     except ValueError as exc:
@@ -275,7 +313,15 @@ def run(args) -> int:
     _estimate(args, world, sharding, table=not args.quiet or args.dry_run)
     if args.dry_run:
         return 0
-    options = dict(
+    return _train(args, data, eval_data)
+
+
+def _config(args):
+    """The :class:`DistillConfig` of the command's flags."""
+    from ..distill import DistillConfig
+
+    return DistillConfig(
+        output_dir=args.output,
         steps=args.steps,
         tokens=args.tokens,
         lr=args.lr,
@@ -290,7 +336,8 @@ def run(args) -> int:
         lm_weight=args.lm_weight,
         eval_every=args.eval_every,
         save_every=args.save_every,
-        keep_checkpoints=args.keep_checkpoints,
+        keep_checkpoints=args.keep_checkpoints or 1,
+        remove_checkpoints=args.keep_checkpoints is None,
         log_every=args.log_every,
         resume=args.resume,
         overwrite=args.overwrite,
@@ -299,11 +346,16 @@ def run(args) -> int:
         mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing,
         cpu_offload=args.cpu_offload,
+        output_dtype=args.output_dtype,
         progress=False,
-        callbacks=[] if args.quiet else [_console_callback()],
     )
+
+
+def _train(args, data, eval_data) -> int:
     import torch
     import transformers
+
+    from ..distill import OutputFolderError, distill_checkpoint
 
     dtype, teacher_dtype = (
         None if d is None else getattr(torch, d) for d in (args.dtype, args.teacher_dtype)
@@ -317,16 +369,19 @@ def run(args) -> int:
             result = distill_checkpoint(
                 args.student,
                 args.teacher,
-                args.data,
+                data,
                 args.output,
+                config=_config(args),
                 seq_len=args.seq_len,
                 num_samples=args.num_samples,
-                eval_data=args.eval_data,
+                eval_data=eval_data,
                 eval_samples=args.eval_samples,
+                data_cache=args.data_cache,
                 dtype=dtype,
                 teacher_dtype=teacher_dtype,
-                teacher_device_map=device_map,
-                **options,
+                teacher_device_map=args.teacher_device_map,
+                callbacks=[] if args.quiet else [_console_callback()],
+                data_progress=not args.quiet,
             )
     except OutputFolderError as exc:
         return _output_error(exc)
@@ -380,17 +435,32 @@ def _report(args, result) -> int:
             file=sys.stderr,
         )
         return 128 + int(getattr(signal, name, signal.SIGINT))
-    last = result.get("train_loss")
+    losses = result.get("losses") or {}
+    last, mean, window = losses.get("last"), losses.get("window_mean"), losses.get("window")
+    loss = ""
+    if isinstance(last, float):
+        loss = f", train loss {last:.4f} at the last step"
+        if isinstance(mean, float) and window and window[0] < window[1]:
+            loss += f" (mean {mean:.4f} over steps {window[0]}-{window[1]})"
     print(
-        f"gdnprune distill: {result['steps']} steps, {result['tokens']:,} tokens"
-        + (f", last train loss {last:.4f}" if isinstance(last, float) else "")
-        + f" in {result['seconds']:.0f} s -> {args.output}"
+        f"gdnprune distill: {result['steps']} steps, {result['tokens']:,} tokens{loss} in "
+        f"{result['seconds']:.0f} s -> {args.output}"
     )
     evals = result.get("eval") or {}
     if isinstance(evals.get("lm_loss"), float):
         print(
             f"gdnprune distill: eval LM loss (nats/token): student {evals['lm_loss']:.4f}, teacher "
             f"{evals['teacher_lm_loss']:.4f}; KD (KL to the teacher) {evals['kd_loss']:.4f}"
+        )
+    removed = result.get("checkpoints_removed") or []
+    if removed:
+        print(
+            f"gdnprune distill: removed the checkpoints of the finished run ({', '.join(os.path.basename(p) for p in removed)}); "
+            f"--keep-checkpoints keeps them"
+        )
+    elif result.get("checkpoint"):
+        print(
+            f"gdnprune distill: kept the checkpoints (--keep-checkpoints), the last is {result['checkpoint']}"
         )
     return 0
 
@@ -403,7 +473,11 @@ def _console_callback():
     class Console(TrainerCallback):
         bar = None
 
-        def on_train_begin(self, args, state, control, **kwargs):
+        def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+            dataset = getattr(train_dataloader, "dataset", None)
+            seq_len = len(dataset[0]["input_ids"]) if dataset is not None and len(dataset) else 0
+            per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+            self.tokens_per_step, self.start = per_step * seq_len, (time.perf_counter(), state.global_step)
             if state.is_world_process_zero:
                 self.bar = tqdm(
                     total=state.max_steps,
@@ -415,6 +489,9 @@ def _console_callback():
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
+                seconds = max(time.perf_counter() - self.start[0], 1e-9)
+                rate = (state.global_step - self.start[1]) * self.tokens_per_step / seconds
+                self.bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
                 self.bar.update(state.global_step - self.bar.n)
 
         def on_log(self, args, state, control, logs=None, **kwargs):

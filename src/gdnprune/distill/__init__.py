@@ -24,32 +24,27 @@ This package owns
 * :func:`estimate_memory` / :func:`estimate_checkpoint_memory`: the peak memory per process of a run, from
   meta-device models.
 
-Rooms: :mod:`.loss` (the loss), :mod:`.trainer` (the Trainer subclass, the redirects, stop signals),
-:mod:`.fsdp` (what can be sharded, the sharded teacher), :mod:`.memory` (the estimate), :mod:`.output`
-(the output folder's weights), :mod:`.api` (the functions, the options, the output folder). The package
+Rooms: :mod:`.loss` (the loss), :mod:`.fsdp` (what can be sharded, the sharded teacher), :mod:`.memory`
+(the estimate), :mod:`.output` (the output folder's weights, written and read back), :mod:`.options`
+(:class:`DistillConfig` and its checks), :mod:`.records` (the output folder's checks, log, plot and
+record), :mod:`.trainer` (the Trainer subclass, the redirects, stop signals), :mod:`.api` (the functions). The package
 imports torch and transformers; the CLI imports it lazily. It never prints (progress output is the
 Trainer's bar, off with ``progress=False``); user errors raise ``ValueError``. The loss needs
 ``logits == lm_head(final hidden state)``, true of every supported family (no logit scaling or
 soft-capping). Tested on CPU with gloo: 1 process, 2-process DDP and 2-process FSDP2.
 """
 
-from .api import (
-    ACCELERATE_FSDP2_CONFIG,
-    CARRIED_PREFIXES,
-    LOG_NAME,
-    MIXED_PRECISION,
-    PLOT_NAME,
-    OutputFolderError,
-    check_options,
-    check_output_folder,
-    check_same_vocabulary,
-    default_seq_len,
-    distill,
-    distill_checkpoint,
-    plot_history,
-)
+from .api import CARRIED_PREFIXES, default_seq_len, distill, distill_checkpoint
 from .loss import DistillationLoss, distillation_loss, kd_loss
 from .memory import MemoryEstimate, estimate_checkpoint_memory, estimate_memory
+from .options import (
+    ACCELERATE_FSDP2_CONFIG,
+    MIXED_PRECISION,
+    DistillConfig,
+    check_options,
+    check_same_vocabulary,
+)
+from .records import LOG_NAME, PLOT_NAME, DiskFullError, OutputFolderError, check_output_folder, plot_history
 from .trainer import DistillationTrainer, final_hidden, forward_redirect
 
 __all__ = [
@@ -60,6 +55,8 @@ __all__ = [
     "check_same_vocabulary",
     "distill",
     "distill_checkpoint",
+    "DistillConfig",
+    "DiskFullError",
     "plot_history",
     "check_options",
     "check_output_folder",

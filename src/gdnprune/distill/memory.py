@@ -20,7 +20,7 @@ import torch
 
 from .fsdp import layer_classes
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_checkpoint_memory", "meta_model"]
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_checkpoint_memory", "meta_model", "layer_configs"]
 
 # logits per chunk of the loss (loss._LOGITS_PER_CHUNK) and float32 buffers of that size alive at once
 _CHUNK_LOGITS, _CHUNK_BUFFERS = 1 << 25, 4
@@ -28,7 +28,8 @@ _CHUNK_LOGITS, _CHUNK_BUFFERS = 1 << 25, 4
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per process (the first, which holds the largest shards)."""
+    """Bytes per process (the first, which holds the largest shards). ``host_loading``: the host memory a
+    process holds while loading (the whole student and teacher, read before they are moved or sharded)."""
 
     processes: int
     student_sharded: bool
@@ -42,6 +43,13 @@ class MemoryEstimate:
     loss_buffers: int
     ddp_buckets: int = 0
     cpu_offloaded: int = 0
+    host_loading: int = 0
+
+    @property
+    def host_training(self) -> int:
+        """Host (CPU) memory a process holds while training on the CPU: everything counted; with
+        ``cpu_offload``: what is offloaded. (On an accelerator the rest lives in device memory.)"""
+        return self.cpu_offloaded
 
     @property
     def total(self) -> int:
@@ -100,20 +108,36 @@ def _units(model: torch.nn.Module) -> list[int]:
     return sizes + [total - sum(sizes)]
 
 
+def layer_configs(config) -> list:
+    """The config of every decoder layer: ``per_layer_config[i]`` of a heterogeneous config (a gdnprune plan's
+    output), else the text config itself for each layer. Read per-layer attributes (widths, expert counts)
+    only through these; a heterogeneous config raises when they are read globally."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = text.num_hidden_layers
+    if getattr(text, "is_heterogeneous", False):
+        return [text.per_layer_config[i] for i in range(layers)]
+    return [text] * layers
+
+
+def _inner_width(layer) -> int:
+    """The MLP width of one decoder layer's activations: the active experts' and the shared expert's, or the
+    dense MLP's."""
+    if getattr(layer, "num_experts_per_tok", None) and getattr(layer, "moe_intermediate_size", None):
+        return layer.num_experts_per_tok * layer.moe_intermediate_size + (
+            getattr(layer, "shared_expert_intermediate_size", 0) or 0
+        )
+    return getattr(layer, "intermediate_size", None) or 4 * layer.hidden_size
+
+
 def _activations_per_token(config, itemsize: int, checkpointing: bool) -> int:
     """Bytes kept for the backward per token, over all decoder layers (rule of thumb: about 16 hidden-size and
     2 intermediate-size vectors per layer, Korthikanti et al. 2022 without the attention matrix; with
-    checkpointing one hidden vector per layer plus one layer's worth)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, layers = text.hidden_size, text.num_hidden_layers
-    if getattr(text, "num_experts_per_tok", None) and getattr(text, "moe_intermediate_size", None):
-        inner = text.num_experts_per_tok * text.moe_intermediate_size + (
-            getattr(text, "shared_expert_intermediate_size", 0) or 0
-        )
-    else:
-        inner = getattr(text, "intermediate_size", 4 * hidden)
-    per_layer = (16 * hidden + 2 * inner) * itemsize
-    return (layers * hidden * itemsize + per_layer) if checkpointing else layers * per_layer
+    checkpointing one hidden vector per layer plus the largest layer's worth). Each layer is read from its
+    own config (:func:`layer_configs`)."""
+    layers = layer_configs(config)
+    hidden = layers[0].hidden_size
+    per_layer = [(16 * hidden + 2 * _inner_width(layer)) * itemsize for layer in layers]
+    return (len(layers) * hidden * itemsize + max(per_layer)) if checkpointing else sum(per_layer)
 
 
 def estimate_memory(
@@ -160,6 +184,9 @@ def estimate_memory(
     chunk = min(_CHUNK_LOGITS, max(1, tokens) * vocab)
     loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
     offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
+    # every process reads the whole student and teacher into host memory before moving or sharding them
+    whole = sum(math.prod(s) for s in shapes) * size
+    loading = whole + (sum(math.prod(s) for s in _parameters(teacher)) * t_size if kd else 0)
     return MemoryEstimate(
         processes=processes,
         student_sharded=fsdp and processes > 1,
@@ -173,6 +200,7 @@ def estimate_memory(
         loss_buffers=loss,
         ddp_buckets=params if processes > 1 and not fsdp else 0,
         cpu_offloaded=offloaded,
+        host_loading=loading,
     )
 
 

@@ -20,15 +20,21 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils.constants import FSDP_MODEL_NAME
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import Trainer, TrainerCallback
 
+from ..fileio import write_json_atomic
 from ..interrupts import SIGNALS
 from .fsdp import is_sharded, layer_classes
 from .loss import IGNORE_INDEX, distillation_loss, lm_head_weights, position_terms
+from .output import check_checkpoint_keys, load_model_weights
+from .records import DATA_POSITION_NAME
 
 __all__ = [
     "DistillationTrainer",
@@ -139,6 +145,8 @@ class DistillationTrainer(Trainer):
         )
         self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides by the accumulation steps
         self._eval_parts: list[torch.Tensor] = []
+        self._micro_losses: list[torch.Tensor] = []
+        self.step_losses: list[torch.Tensor] = []  # this process's loss of every step it ran
         self.reset_clock()
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -195,7 +203,9 @@ class DistillationTrainer(Trainer):
             self._tokens += ids.numel()
 
             def terms(hidden, t_hidden, head, t_head):
-                return distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
+                loss = distillation_loss(hidden, t_hidden, head, t_head, labels, **self.loss_options).loss
+                self._micro_losses.append(loss.detach())
+                return loss
         else:
             terms = lambda *a: self._evaluation_loss(*a, labels)  # noqa: E731
         loss = self._loss_in_forwards(model, ids, terms)
@@ -233,18 +243,35 @@ class DistillationTrainer(Trainer):
         self._eval_parts = []
         return output
 
-    def _issue_warnings_after_load(self, load_result):
-        # a checkpoint of a model with tied embeddings has no lm_head.weight (save_pretrained drops the tied
-        # copy); loading ties it again, so its absence is expected, not worth a warning
-        model = self.accelerator.unwrap_model(self.model)
-        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-        if out is not None and inp is not None and out.weight is inp.weight:
-            tied = {name for name, p in model.named_parameters(remove_duplicate=False) if p is out.weight}
-            if not tied <= set(load_result.missing_keys):  # one of the names was loaded: all of them were
-                load_result = type(load_result)(
-                    [k for k in load_result.missing_keys if k not in tied], load_result.unexpected_keys
-                )
-        return super()._issue_warnings_after_load(load_result)
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Strict: a tensor missing from the checkpoint, or one the model lacks, is an error (transformers only
+        warns). A whole model reads the checkpoint's safetensors in either form (the model's own, or
+        ``save_pretrained``'s, e.g. one tensor per expert; :func:`load_model_weights`); a sharded one has its
+        DCP checkpoint's names checked, then loads it as accelerate does."""
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if not self.is_fsdp_enabled:
+            load_model_weights(target, resume_from_checkpoint)
+            return
+        folders = sorted(Path(resume_from_checkpoint).glob(f"{FSDP_MODEL_NAME}*"))
+        if folders and folders[0].is_dir():
+            metadata = FileSystemReader(str(folders[0])).read_metadata().state_dict_metadata
+            names = {k.removeprefix("model.") for k in metadata if k.startswith("model.")}
+            check_checkpoint_keys(target, names, str(folders[0]))
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def end_step(self) -> None:
+        """Close a step's loss: the mean over its micro-batches (the Trainer's logged loss averages these)."""
+        if self._micro_losses:
+            self.step_losses.append(torch.stack(self._micro_losses).float().mean())
+        self._micro_losses = []
+
+    def gathered_step_losses(self) -> list[float]:
+        """The loss of every step run here, averaged over the processes (a collective: every process calls
+        it), as the Trainer averages its logged loss."""
+        if not self.step_losses:
+            return []
+        local = torch.stack(self.step_losses).to(self.args.device)
+        return self.accelerator.reduce(local, reduction="mean").tolist()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._tokens:
@@ -260,12 +287,22 @@ class DistillationTrainer(Trainer):
 
 class RunCallback(TrainerCallback):
     """A stop signal -> save and stop at the end of the step (agreed by all processes); ``on_log(logs)`` on
-    every log; checkpoint files get the umask's permissions."""
+    every log; checkpoint files get the umask's permissions; every checkpoint records its data position
+    (:data:`DATA_POSITION_NAME`: the data's fingerprint ``data``, the windows per step, the steps done, the
+    epoch and the windows of it already read; the Trainer resumes there through its seeded sampler)."""
 
-    def __init__(self, trainer: DistillationTrainer, on_log: Callable[[dict], None], saving: bool):
+    def __init__(
+        self,
+        trainer: DistillationTrainer,
+        on_log: Callable[[dict], None],
+        saving: bool,
+        data: dict[str, Any] | None = None,
+    ):
         self.trainer, self.log, self.saving, self.interrupted = trainer, on_log, saving, False
+        self.data = dict(data or {})
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.end_step()
         if self.trainer.accelerator.check_trigger():
             self.interrupted = control.should_training_stop = True
             control.should_save = self.saving
@@ -286,6 +323,17 @@ class RunCallback(TrainerCallback):
             mode = 0o666 & ~umask()
             for path in args.output_dir and _checkpoints(args.output_dir, state.global_step):
                 os.chmod(path, mode)
+        if self.trainer.is_world_process_zero() and args.output_dir and self.data:
+            per_step, windows = self.data["windows_per_step"], self.data["windows"]
+            steps_per_epoch = max(1, windows // per_step)  # the last partial batch is dropped
+            position = {
+                **self.data,
+                "steps": state.global_step,
+                "epoch": state.global_step // steps_per_epoch,
+                "windows_read_in_epoch": (state.global_step % steps_per_epoch) * per_step,
+            }
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            write_json_atomic(os.path.join(folder, DATA_POSITION_NAME), position)
         self.trainer.reset_clock()
 
 
