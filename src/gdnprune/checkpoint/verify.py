@@ -29,11 +29,8 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
     import numpy as np  # lazy: as torch below, only verify reads token ids
     import torch  # lazy: checkpoint/ stays torch-free (inspect, sort, slice)
 
-    from ..corpus import (
-        data_spec,
-        iter_pieces,
-        source_files,
-    )  # lazy: datasets is heavy; only verify reads text
+    # lazy: datasets is heavy; only verify reads text
+    from ..corpus import data_spec, iter_pieces, source_files
     from ..corpus.windows import encode_pieces  # lazy: as above
 
     if data is None:

@@ -209,6 +209,7 @@ def _gb(n: int) -> str:
 
 def _device_memory() -> tuple[int, str] | None:
     """Bytes this process may use, and where: the GPU's, or the machine's RAM shared by the local processes."""
+    # lazy: commands import the library when they run, so --help stays fast
     import torch
 
     if torch.cuda.is_available():
@@ -222,7 +223,10 @@ def _device_memory() -> tuple[int, str] | None:
 
 def _estimate(args, world: int, teacher_sharding: str, *, table: bool) -> None:
     """Print the expected memory per process (``table``), and a warning when it exceeds the device's."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distill import default_seq_len, estimate_checkpoint_memory
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distill.memory import meta_model
 
     seq_len = args.seq_len or default_seq_len(meta_model(args.student).config)
@@ -286,6 +290,7 @@ def _print_estimate(est, world: int, micro: int, seq_len: int) -> None:
 
 
 def run(args) -> int:
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distill import OutputFolderError, check_options, check_output_folder
 
     world = args.processes if args.dry_run and args.processes else int(os.environ.get("WORLD_SIZE", "1"))
@@ -318,6 +323,7 @@ def run(args) -> int:
 
 def _config(args):
     """The :class:`DistillConfig` of the command's flags."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distill import DistillConfig
 
     return DistillConfig(
@@ -352,9 +358,13 @@ def _config(args):
 
 
 def _train(args, data, eval_data) -> int:
+    # lazy: commands import the library when they run, so --help stays fast
     import torch
+
+    # lazy: commands import the library when they run, so --help stays fast
     import transformers
 
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distill import OutputFolderError, distill_checkpoint
 
     dtype, teacher_dtype = (
@@ -467,7 +477,10 @@ def _report(args, result) -> int:
 
 def _console_callback():
     """One progress bar (steps) and one readable line per log, written above the bar, on the first process."""
+    # lazy: commands import the library when they run, so --help stays fast
     from tqdm.auto import tqdm
+
+    # lazy: commands import the library when they run, so --help stays fast
     from transformers import TrainerCallback
 
     class Console(TrainerCallback):

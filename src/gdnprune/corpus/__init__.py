@@ -40,7 +40,8 @@ _TORCH_NAMES = ("WindowDataset", "first_windows", "open_windows")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:  # lazy: reading and checking a corpus never imports torch
+    if name in _TORCH_NAMES:
+        # lazy: reading and checking a corpus never imports torch
         from . import dataset
 
         return getattr(dataset, name)
