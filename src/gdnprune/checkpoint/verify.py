@@ -66,12 +66,12 @@ def _verify_tokens(model_dir: Path, data, vocab: int, seq_len: int, num_sequence
         except OSError as exc:
             raise ValueError(f"`data={spec}`: cannot read ({exc.strerror or exc})") from None
         source = f"{spec} as bytes mod {vocab}"
-    ids = torch.from_numpy(ids[:needed]) % vocab
-    if ids.numel() < 2:
-        raise ValueError(f"`data={spec}`: gives {ids.numel()} tokens, need at least 2")
-    n = max(1, ids.numel() // seq_len)
-    length = min(seq_len, ids.numel())
-    return ids[: n * length].reshape(n, length), source
+    tokens = torch.from_numpy(ids[:needed]) % vocab
+    if tokens.numel() < 2:
+        raise ValueError(f"`data={spec}`: gives {tokens.numel()} tokens, need at least 2")
+    n = max(1, tokens.numel() // seq_len)
+    length = min(seq_len, tokens.numel())
+    return tokens[: n * length].reshape(n, length), source
 
 
 def _load_causal_lm(path: Path):
