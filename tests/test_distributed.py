@@ -1,9 +1,9 @@
 """Scoring on many processes: torchrun with 2 gloo ranks, shares and their merge, and the helpers behind them.
 
-The multi-process test is one real ``torch.distributed.run`` launch (the code path of ``torchrun``) whose
-two workers run ``gdnprune score`` through the CLI four times: projection, activation, a rank that fails
-with a user error, and a rank that is stuck while the other one times out. Everything else runs in
-process.
+The multi-process tests share one real ``torch.distributed.run`` launch (the code path of ``torchrun``, a
+module fixture) whose two workers run ``gdnprune score`` through the CLI four times and ``gdnprune plan``
+once: projection, the plan's sensitivity, activation, a rank that fails with a user error, and a rank that
+is stuck while the other one times out; each claim is its own test. Everything else runs in process.
 """
 
 from __future__ import annotations
@@ -356,11 +356,14 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, text_file, single, tmp_path):
-    worker = tmp_path / "worker.py"
+@pytest.fixture(scope="module")
+def torchrun(model_dir, text_file, tmp_path_factory):
+    """The one 2-process launch of this module: its folder, holding what each rank reported (``rank0.json``,
+    ``rank1.json``) and what rank 0 wrote; the tests below each assert on one part of it."""
+    out = tmp_path_factory.mktemp("torchrun")
+    worker = out / "worker.py"
     worker.write_text(WORKER, encoding="utf-8")
-    os.mkfifo(tmp_path / "stuck.fifo")
+    os.mkfifo(out / "stuck.fifo")
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
@@ -376,7 +379,7 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
             str(worker),
             str(model_dir),
             str(text_file),
-            str(tmp_path),
+            str(out),
             str(SAMPLES),
             str(SEQ),
         ],
@@ -386,17 +389,33 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return out
+
+
+def _ranks(folder) -> list[dict]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_two_processes_under_torchrun_equal_one(torchrun, single):
+    ranks = _ranks(torchrun)
     # the results equal one process's; only rank 0 wrote them
     for method in ("projection", "activation"):
         assert ranks[0][method]["code"] == ranks[1][method]["code"] == 0 and ranks[1][method]["err"] == ""
-        scores = load_scores(tmp_path / f"{method}.json")
+        scores = load_scores(torchrun / f"{method}.json")
         assert scores["world_size"] == 2 and single[method]["world_size"] == 1
         assert_same_scores(scores, single[method])
+
+
+@pytest.mark.slow
+def test_the_plan_on_two_ranks_equals_one_process_on_the_same_windows(
+    torchrun, model_dir, text_file, tmp_path
+):
+    ranks = _ranks(torchrun)
     # the plan: one file, written by rank 0, the same as one process measures on the same windows
     assert ranks[0]["plan"]["code"] == ranks[1]["plan"]["code"] == 0, ranks[0]["plan"]["err"]
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
+    plan = json.loads((torchrun / "plan.json").read_text())
+    report = json.loads((torchrun / "plan.sensitivity.json").read_text())
     alone = tmp_path / "alone.json"
     assert (
         main(
@@ -404,7 +423,7 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
                 "plan",
                 str(model_dir),
                 "--scores",
-                str(tmp_path / "projection.json"),
+                str(torchrun / "projection.json"),
                 "--data",
                 str(text_file),
                 "--output",
@@ -431,6 +450,11 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
         assert [c["sensitivity"] for c in layer["candidates"]] == pytest.approx(
             [c["sensitivity"] for c in single_report["layers"][prefix]["candidates"]], rel=1e-6, abs=1e-9
         )
+
+
+@pytest.mark.slow
+def test_a_user_error_on_one_rank_stops_both_with_its_message(torchrun):
+    ranks = _ranks(torchrun)
     # a user error on rank 1 stops both ranks with its message, exit 2; nothing is written
     assert ranks[1]["failure"]["code"] == 2
     assert (
@@ -439,13 +463,18 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
     assert ranks[0]["failure"]["code"] == 2
     assert "error: rank 0 of 2: rank 1 failed:" in ranks[0]["failure"]["err"]
     assert "missing.txt" in ranks[0]["failure"]["err"]
-    assert not (tmp_path / "failure.json").exists()
+    assert not (torchrun / "failure.json").exists()
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_makes_the_other_give_up_after_the_timeout(torchrun):
+    ranks = _ranks(torchrun)
     # a stuck rank: the other one gives up after --dist-timeout instead of waiting forever
     assert ranks[0]["stuck"]["code"] == 1
     assert "rank 0 of 2: gave up waiting for the other ranks" in ranks[0]["stuck"]["err"]
     assert "did not answer within 3 s" in ranks[0]["stuck"]["err"]
     assert ranks[1]["stuck"]["code"] != 0
-    assert not (tmp_path / "stuck.json").exists()
+    assert not (torchrun / "stuck.json").exists()
 
 
 def test_gpu_blocks_split_a_machine_by_local_rank():
