@@ -349,50 +349,20 @@ def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):
 # ---- Ctrl-C under torchrun --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ctrl_c_under_torchrun_says_one_line_and_leaves_nothing(tmp_path):
+def test_ctrl_c_under_torchrun_says_one_line_and_leaves_nothing(launch):
     """Ctrl-C signals the launch's whole process group: torchrun forwards SIGINT to its ranks, each stops and
     removes what it started, and one line (rank 0's) says so. torchrun itself then ends with its own
-    ``SignalException`` traceback and exit 1, which gdnprune cannot change: the README says so."""
-    import signal
-    import time
+    ``SignalException`` traceback and exit 1, which gdnprune cannot change: the README says so.
 
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to this Python")
-    data = tmp_path / "calib.txt"
-    data.write_text("The quick brown fox jumps over the lazy dog. " * 40_000)  # 1.8 MB: far more than needed
-    err_path = tmp_path / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    argv = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "gdnprune"]
-    argv += ["score", str(MOE), "--data", data.name, "-o", "scores.json", "--num-samples", "2048"]
-    with open(err_path, "w") as err_file:
-        proc = subprocess.Popen(
-            argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 240
-            while "%|" not in err_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.5)  # until rank 0's progress bar shows the windows being scored
-            assert proc.poll() is None, err_path.read_text()
-            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    err = err_path.read_text()
+    The launch is the suite's one 2-process launch (tests/launches.py): its last command, a ``score`` of the
+    trained MoE model with a progress bar, runs until the Ctrl-C, which comes once the bar shows windows being
+    scored; the launch's earlier commands wrote their messages elsewhere."""
+    err = launch.stderr
+    assert launch.running_at_ctrl_c, err
     ours = [line for line in re.split(r"[\r\n]", err) if line.startswith("gdnprune")]
     assert ours == ["gdnprune score: interrupted by SIGINT; stopped without leaving a partial output"], err
-    assert proc.returncode != 0
-    assert sorted(os.listdir(tmp_path)) == ["calib.txt", "stderr.txt"]  # no scores file, no temporary file
+    assert launch.returncode != 0
+    assert sorted(os.listdir(launch.interrupted)) == ["calib.txt"]  # no scores file, no temporary file
 
 
 # ---- the sensitivity plot ---------------------------------------------------------------------------------
