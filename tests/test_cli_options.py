@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -362,55 +361,6 @@ def test_inspect_says_what_the_percentage_is_of(tmp_path, capsys):
     assert main(["inspect", str(src)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "of all parameters" in last, last
-
-
-#: one child process runs ``score`` without then with ``-q``; stderr stays the pipe a user's shell gives it
-_LOUD_THEN_QUIET = """
-import json, sys
-from gdnprune.cli import main
-argv = json.loads(sys.argv[1])
-codes = [main(argv)]
-sys.stderr.write("\\n" + SPLIT + "\\n")
-sys.stderr.flush()
-codes.append(main([*argv, "-q"]))
-print(json.dumps(codes))
-"""
-SPLIT = "----- now with -q -----"
-
-
-def test_quiet_hides_the_weight_loading_bar(tmp_path):
-    """In a child process, as a user runs it (stderr a pipe): transformers draws its bar there. One child runs
-    the command twice (one interpreter start and one import of torch, not two)."""
-    from gdnprune.demo_data import demo_model_path
-
-    (tmp_path / "text.txt").write_text("a few words of calibration text")
-    argv = [
-        "score",
-        str(demo_model_path()),
-        "--data",
-        str(tmp_path / "text.txt"),
-        "-o",
-        str(tmp_path / "s.json"),
-        "--overwrite",
-        "--num-samples",
-        "1",
-        "--seq-len",
-        "8",
-        "--threads",
-        "1",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    script = f"SPLIT = {SPLIT!r}\n" + _LOUD_THEN_QUIET
-    done = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(argv)], capture_output=True, text=True, env=env
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.count(SPLIT) == 1, done.stderr
-    loud, quiet = done.stderr.split(SPLIT)
-    codes = json.loads(done.stdout.strip().splitlines()[-1])
-    assert codes[0] == 0 and "Loading weights" in loud, loud  # the bar exists without -q
-    assert codes[1] == 0 and "Loading weights" not in quiet, quiet
 
 
 def test_demo_refuses_an_existing_folder_and_replaces_only_an_earlier_output(tmp_path, capsys):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gdnprune.cli import COMMANDS, build_parser, main
+from gdnprune.demo_data import demo_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINED = ROOT / "tests" / "data" / "trained"
@@ -304,19 +305,71 @@ def test_inspect_shows_every_kind_of_block_of_a_moe_model(tmp_path):
 # ---- the kernel note --------------------------------------------------------------------------------------
 
 
-def test_no_kernel_note_on_a_cpu(tmp_path):
+#: one child process, as a user runs the commands (stderr a pipe), for the tests below: ``verify`` first (a
+#: fresh process: transformers' kernel-fallback lines come at its first model), then ``score`` of the bundled
+#: model without and with ``-q``; a line between the commands splits their stderr
+_COMMANDS_IN_ONE_CHILD = """
+import json, sys
+from gdnprune.cli import main
+codes = []
+for argv in json.loads(sys.argv[1]):
+    codes.append(main(argv))
+    sys.stderr.write("\\n" + SPLIT + "\\n")
+    sys.stderr.flush()
+print(json.dumps(codes))
+"""
+SPLIT = "----- next command -----"
+
+
+@pytest.fixture(scope="module")
+def one_child(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Command name -> (exit code, stderr) of ``verify``, ``score`` and ``score -q`` run in one child."""
+    folder = tmp_path_factory.mktemp("one_child")
+    (folder / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    (folder / "text.txt").write_text("a few words of calibration text")
+    score = ["score", str(demo_model_path()), "--data", "text.txt", "-o", "s.json", "--overwrite"]
+    score += ["--num-samples", "1", "--seq-len", "8", "--threads", "1"]
+    commands = {
+        "verify": ["verify", str(MOE), str(MOE), "--data", "t.txt", "--num-samples", "1"],
+        "score": score,
+        "score -q": [*score, "-q"],
+    }
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    env.update(PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    script = f"SPLIT = {SPLIT!r}\n" + _COMMANDS_IN_ONE_CHILD
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(list(commands.values()))],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    errs = done.stderr.split(SPLIT)
+    assert len(errs) == len(commands) + 1, done.stderr
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (code, err) for name, code, err in zip(commands, codes, errs)}
+
+
+def test_no_kernel_note_on_a_cpu(one_child):
     """On a CPU the fast GDN kernels cannot run: transformers' fallback lines are dropped and no note asks
     the user to install them."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the note is due here")
-    (tmp_path / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    result = _gdnprune("verify", str(MOE), str(MOE), "--data", "t.txt", "--num-samples", "1", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "flash-linear-attention" not in result.stderr and "falling back" not in result.stderr, (
-        result.stderr
-    )
+    code, err = one_child["verify"]
+    assert code == 0, err
+    assert "flash-linear-attention" not in err and "falling back" not in err, err
+
+
+def test_quiet_hides_the_weight_loading_bar(one_child):
+    """transformers draws its bar on stderr (a pipe here, as a user runs the command) unless -q is given."""
+    code, loud = one_child["score"]
+    assert code == 0 and "Loading weights" in loud, loud  # the bar exists without -q
+    code, quiet = one_child["score -q"]
+    assert code == 0 and "Loading weights" not in quiet, quiet
 
 
 def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):
