@@ -1,8 +1,33 @@
 import os
 import sys
+from pathlib import Path
 
+import pytest
 import torch
+from launches import Launch, build_model, run_launch, write_text
 
 sys.path.insert(0, os.path.dirname(__file__))
 # one thread: the test models are tiny, and on a shared machine extra threads spin and slow everything down
 torch.set_num_threads(1)
+
+#: the trained MoE model that the launch's last, interrupted score reads
+MOE = Path(__file__).resolve().parent / "data" / "trained" / "qwen3_5_moe"
+
+
+# the suite's one 2-process launch (tests/launches.py) and its inputs, shared by test_distributed and
+# test_first_hour
+
+
+@pytest.fixture(scope="session")
+def launch_model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("launch_model"))
+
+
+@pytest.fixture(scope="session")
+def launch_text(tmp_path_factory):
+    return write_text(tmp_path_factory.mktemp("launch_data") / "calib.txt")
+
+
+@pytest.fixture(scope="session")
+def launch(launch_model, launch_text, tmp_path_factory) -> Launch:
+    return run_launch(launch_model, launch_text, MOE, tmp_path_factory.mktemp("launch"))

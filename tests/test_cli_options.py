@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -362,37 +361,6 @@ def test_inspect_says_what_the_percentage_is_of(tmp_path, capsys):
     assert main(["inspect", str(src)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "of all parameters" in last, last
-
-
-def test_quiet_hides_the_weight_loading_bar(tmp_path):
-    """In a child process, as a user runs it (stderr a pipe): transformers draws its bar there."""
-    from gdnprune.demo_data import demo_model_path
-
-    (tmp_path / "text.txt").write_text("a few words of calibration text")
-    argv = [
-        sys.executable,
-        "-m",
-        "gdnprune",
-        "score",
-        str(demo_model_path()),
-        "--data",
-        str(tmp_path / "text.txt"),
-        "-o",
-        str(tmp_path / "s.json"),
-        "--overwrite",
-        "--num-samples",
-        "1",
-        "--seq-len",
-        "8",
-        "--threads",
-        "1",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    loud = subprocess.run(argv, capture_output=True, text=True, env=env)
-    assert loud.returncode == 0 and "Loading weights" in loud.stderr, loud.stderr  # the bar exists without -q
-    quiet = subprocess.run([*argv, "-q"], capture_output=True, text=True, env=env)
-    assert quiet.returncode == 0 and "Loading weights" not in quiet.stderr, quiet.stderr
 
 
 def test_demo_refuses_an_existing_folder_and_replaces_only_an_earlier_output(tmp_path, capsys):

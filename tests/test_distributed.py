@@ -1,27 +1,23 @@
 """Scoring on many processes: torchrun with 2 gloo ranks, shares and their merge, and the helpers behind them.
 
-The multi-process test is one real ``torch.distributed.run`` launch (the code path of ``torchrun``) whose
-two workers run ``gdnprune score`` through the CLI four times: projection, activation, a rank that fails
-with a user error, and a rank that is stuck while the other one times out. Everything else runs in
-process.
+The multi-process tests share one real ``torch.distributed.run`` launch (the code path of ``torchrun``; the
+suite's one launch, a session fixture of ``conftest.py`` shared with test_first_hour: ``tests/launches.py``)
+whose two workers run ``gdnprune score`` through the CLI four times and ``gdnprune plan``
+once: projection, the plan's sensitivity, activation, a rank that fails with a user error, and a rank that
+is stuck while the other one times out; each claim is its own test. Everything else runs in process.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-import transformers
-from tiny_models import TEXT, gdn_kwargs, randomize_gdn
+from launches import SAMPLES, SEQ
 
 from gdnprune.cli import main
-from gdnprune.demo_data import build_byte_tokenizer, train_text
+from gdnprune.demo_data import train_text
 from gdnprune.distributed import (
     RankFailedError,
     all_reduce_sum,
@@ -31,30 +27,17 @@ from gdnprune.distributed import (
     local_gpus,
     shard_indices,
 )
-from gdnprune.gated_delta_net import GDNShape
 from gdnprune.scoring import load_partial, load_scores, merge_partials
 
-SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
-SEQ, SAMPLES = 72, 5  # 5 windows: uneven shares, and the loss tokens depend on the global window index
+
+@pytest.fixture(scope="module")
+def model_dir(launch_model):
+    return launch_model  # the shared launch's model (tests/launches.py)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE))
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
-    randomize_gdn(model)
-    path = tmp_path_factory.mktemp("model")
-    model.save_pretrained(path)
-    build_byte_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "calib.txt"
-    path.write_text(train_text()[:3000], encoding="utf-8")
-    return path
+def text_file(launch_text):
+    return launch_text
 
 
 def _common(model_dir, *extra):
@@ -315,92 +298,40 @@ def test_score_says_which_options_go_together(model_dir, text_file, tmp_path, ca
 
 # ---- two real processes -----------------------------------------------------------------------------------------
 
-WORKER = textwrap.dedent(
-    """
-    import contextlib, io, json, os, sys, threading, time
-    from gdnprune.cli import main
 
-    model, data, out, samples, seq = sys.argv[1:6]
-    rank = int(os.environ["RANK"])
-    common = ["score", model, "--num-samples", samples, "--seq-len", seq, "--batch-size", "2", "--quiet",
-              "--threads", "1"]
-    results = {}
+@pytest.fixture(scope="module")
+def torchrun(launch):
+    """The suite's one 2-process launch (tests/launches.py, shared with test_first_hour): its folder, holding
+    what each rank reported (``rank0.json``, ``rank1.json``) and what rank 0 wrote."""
+    ranks = [launch.folder / f"rank{r}.json" for r in (0, 1)]
+    assert all(p.exists() for p in ranks), launch.stderr[-3000:]
+    return launch.folder
 
-    def call(name, *argv):
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = main(common + list(argv))
-        results[name] = {"code": code, "err": err.getvalue()}
 
-    call("projection", "--data", data, "--output", out + "/projection.json")
-    # the plan's measured sensitivity on the same two ranks: each measures its share of the windows
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(["plan", model, "--scores", out + "/projection.json", "--data", data, "--output",
-                     out + "/plan.json", "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
-                     "--seq-len", seq, "--batch-size", "1", "--quiet", "--threads", "1"])
-    results["plan"] = {"code": code, "err": err.getvalue()}
-    call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
-    call("failure", "--data", data if rank == 0 else out + "/missing.txt", "--output", out + "/failure.json")
-    # rank 1 is stuck opening a FIFO nobody writes to, until rank 0 has given up waiting for it
-    fifo = out + "/stuck.fifo"
-
-    def release():
-        while not os.path.exists(out + "/rank0.json"):
-            time.sleep(0.05)
-        open(fifo, "w").close()
-
-    if rank == 1:
-        threading.Thread(target=release, daemon=True).start()
-    call("stuck", "--data", data if rank == 0 else fifo, "--output", out + "/stuck.json", "--dist-timeout", "3")
-    with open(out + "/.rank%d.json" % rank, "w") as f:
-        json.dump(results, f)
-    os.rename(out + "/.rank%d.json" % rank, out + "/rank%d.json" % rank)
-"""
-)
+def _ranks(folder) -> list[dict]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.slow
-def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, text_file, single, tmp_path):
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER, encoding="utf-8")
-    os.mkfifo(tmp_path / "stuck.fifo")
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(worker),
-            str(model_dir),
-            str(text_file),
-            str(tmp_path),
-            str(SAMPLES),
-            str(SEQ),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_two_processes_under_torchrun_equal_one(torchrun, single):
+    ranks = _ranks(torchrun)
     # the results equal one process's; only rank 0 wrote them
     for method in ("projection", "activation"):
         assert ranks[0][method]["code"] == ranks[1][method]["code"] == 0 and ranks[1][method]["err"] == ""
-        scores = load_scores(tmp_path / f"{method}.json")
+        scores = load_scores(torchrun / f"{method}.json")
         assert scores["world_size"] == 2 and single[method]["world_size"] == 1
         assert_same_scores(scores, single[method])
+
+
+@pytest.mark.slow
+def test_the_plan_on_two_ranks_equals_one_process_on_the_same_windows(
+    torchrun, model_dir, text_file, tmp_path
+):
+    ranks = _ranks(torchrun)
     # the plan: one file, written by rank 0, the same as one process measures on the same windows
     assert ranks[0]["plan"]["code"] == ranks[1]["plan"]["code"] == 0, ranks[0]["plan"]["err"]
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
+    plan = json.loads((torchrun / "plan.json").read_text())
+    report = json.loads((torchrun / "plan.sensitivity.json").read_text())
     alone = tmp_path / "alone.json"
     assert (
         main(
@@ -408,7 +339,7 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
                 "plan",
                 str(model_dir),
                 "--scores",
-                str(tmp_path / "projection.json"),
+                str(torchrun / "projection.json"),
                 "--data",
                 str(text_file),
                 "--output",
@@ -435,6 +366,11 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
         assert [c["sensitivity"] for c in layer["candidates"]] == pytest.approx(
             [c["sensitivity"] for c in single_report["layers"][prefix]["candidates"]], rel=1e-6, abs=1e-9
         )
+
+
+@pytest.mark.slow
+def test_a_user_error_on_one_rank_stops_both_with_its_message(torchrun):
+    ranks = _ranks(torchrun)
     # a user error on rank 1 stops both ranks with its message, exit 2; nothing is written
     assert ranks[1]["failure"]["code"] == 2
     assert (
@@ -443,13 +379,18 @@ def test_two_processes_under_torchrun_equal_one_and_fail_together(model_dir, tex
     assert ranks[0]["failure"]["code"] == 2
     assert "error: rank 0 of 2: rank 1 failed:" in ranks[0]["failure"]["err"]
     assert "missing.txt" in ranks[0]["failure"]["err"]
-    assert not (tmp_path / "failure.json").exists()
+    assert not (torchrun / "failure.json").exists()
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_makes_the_other_give_up_after_the_timeout(torchrun):
+    ranks = _ranks(torchrun)
     # a stuck rank: the other one gives up after --dist-timeout instead of waiting forever
     assert ranks[0]["stuck"]["code"] == 1
     assert "rank 0 of 2: gave up waiting for the other ranks" in ranks[0]["stuck"]["err"]
     assert "did not answer within 3 s" in ranks[0]["stuck"]["err"]
     assert ranks[1]["stuck"]["code"] != 0
-    assert not (tmp_path / "stuck.json").exists()
+    assert not (torchrun / "stuck.json").exists()
 
 
 def test_gpu_blocks_split_a_machine_by_local_rank():

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gdnprune.cli import COMMANDS, build_parser, main
+from gdnprune.demo_data import demo_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINED = ROOT / "tests" / "data" / "trained"
@@ -304,19 +305,71 @@ def test_inspect_shows_every_kind_of_block_of_a_moe_model(tmp_path):
 # ---- the kernel note --------------------------------------------------------------------------------------
 
 
-def test_no_kernel_note_on_a_cpu(tmp_path):
+#: one child process, as a user runs the commands (stderr a pipe), for the tests below: ``verify`` first (a
+#: fresh process: transformers' kernel-fallback lines come at its first model), then ``score`` of the bundled
+#: model without and with ``-q``; a line between the commands splits their stderr
+_COMMANDS_IN_ONE_CHILD = """
+import json, sys
+from gdnprune.cli import main
+codes = []
+for argv in json.loads(sys.argv[1]):
+    codes.append(main(argv))
+    sys.stderr.write("\\n" + SPLIT + "\\n")
+    sys.stderr.flush()
+print(json.dumps(codes))
+"""
+SPLIT = "----- next command -----"
+
+
+@pytest.fixture(scope="module")
+def one_child(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Command name -> (exit code, stderr) of ``verify``, ``score`` and ``score -q`` run in one child."""
+    folder = tmp_path_factory.mktemp("one_child")
+    (folder / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    (folder / "text.txt").write_text("a few words of calibration text")
+    score = ["score", str(demo_model_path()), "--data", "text.txt", "-o", "s.json", "--overwrite"]
+    score += ["--num-samples", "1", "--seq-len", "8", "--threads", "1"]
+    commands = {
+        "verify": ["verify", str(MOE), str(MOE), "--data", "t.txt", "--num-samples", "1"],
+        "score": score,
+        "score -q": [*score, "-q"],
+    }
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    env.update(PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    script = f"SPLIT = {SPLIT!r}\n" + _COMMANDS_IN_ONE_CHILD
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(list(commands.values()))],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    errs = done.stderr.split(SPLIT)
+    assert len(errs) == len(commands) + 1, done.stderr
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (code, err) for name, code, err in zip(commands, codes, errs)}
+
+
+def test_no_kernel_note_on_a_cpu(one_child):
     """On a CPU the fast GDN kernels cannot run: transformers' fallback lines are dropped and no note asks
     the user to install them."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the note is due here")
-    (tmp_path / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    result = _gdnprune("verify", str(MOE), str(MOE), "--data", "t.txt", "--num-samples", "1", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "flash-linear-attention" not in result.stderr and "falling back" not in result.stderr, (
-        result.stderr
-    )
+    code, err = one_child["verify"]
+    assert code == 0, err
+    assert "flash-linear-attention" not in err and "falling back" not in err, err
+
+
+def test_quiet_hides_the_weight_loading_bar(one_child):
+    """transformers draws its bar on stderr (a pipe here, as a user runs the command) unless -q is given."""
+    code, loud = one_child["score"]
+    assert code == 0 and "Loading weights" in loud, loud  # the bar exists without -q
+    code, quiet = one_child["score -q"]
+    assert code == 0 and "Loading weights" not in quiet, quiet
 
 
 def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):
@@ -349,50 +402,20 @@ def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):
 # ---- Ctrl-C under torchrun --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ctrl_c_under_torchrun_says_one_line_and_leaves_nothing(tmp_path):
+def test_ctrl_c_under_torchrun_says_one_line_and_leaves_nothing(launch):
     """Ctrl-C signals the launch's whole process group: torchrun forwards SIGINT to its ranks, each stops and
     removes what it started, and one line (rank 0's) says so. torchrun itself then ends with its own
-    ``SignalException`` traceback and exit 1, which gdnprune cannot change: the README says so."""
-    import signal
-    import time
+    ``SignalException`` traceback and exit 1, which gdnprune cannot change: the README says so.
 
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to this Python")
-    data = tmp_path / "calib.txt"
-    data.write_text("The quick brown fox jumps over the lazy dog. " * 40_000)  # 1.8 MB: far more than needed
-    err_path = tmp_path / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    argv = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "gdnprune"]
-    argv += ["score", str(MOE), "--data", data.name, "-o", "scores.json", "--num-samples", "2048"]
-    with open(err_path, "w") as err_file:
-        proc = subprocess.Popen(
-            argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 240
-            while "%|" not in err_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.5)  # until rank 0's progress bar shows the windows being scored
-            assert proc.poll() is None, err_path.read_text()
-            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    err = err_path.read_text()
+    The launch is the suite's one 2-process launch (tests/launches.py): its last command, a ``score`` of the
+    trained MoE model with a progress bar, runs until the Ctrl-C, which comes once the bar shows windows being
+    scored; the launch's earlier commands wrote their messages elsewhere."""
+    err = launch.stderr
+    assert launch.running_at_ctrl_c, err
     ours = [line for line in re.split(r"[\r\n]", err) if line.startswith("gdnprune")]
     assert ours == ["gdnprune score: interrupted by SIGINT; stopped without leaving a partial output"], err
-    assert proc.returncode != 0
-    assert sorted(os.listdir(tmp_path)) == ["calib.txt", "stderr.txt"]  # no scores file, no temporary file
+    assert launch.returncode != 0
+    assert sorted(os.listdir(launch.interrupted)) == ["calib.txt"]  # no scores file, no temporary file
 
 
 # ---- the sensitivity plot ---------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ What the fresh-install test proves, and what it does not:
 
 * It builds a fresh virtual environment and installs this source tree into it with pip, *without extras*,
   through the package's own metadata (``pyproject.toml``), and then runs the installed ``gdnprune`` console
-  script: a short ``demo`` (which distills too) and a 2-step ``distill``. Nothing of the test session's
-  ``PYTHONPATH`` or editable install reaches it.
+  script: a short ``demo`` (which distills too) and, side by side with it, a 2-step ``distill`` of a trained
+  test model cut by ``slice``. Nothing of the test session's ``PYTHONPATH`` or editable install reaches it.
 * So that torch is never downloaded, the new environment sees the packages of the environment running the
   tests through one ``.pth`` line pointing at a folder of links to them, *minus* ``accelerate``,
   ``matplotlib`` and ``gdnprune`` itself. The test first checks that ``accelerate`` (needed by the
@@ -35,6 +35,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the distillation's teacher, and its student once cut (a trained test model: its tokenizer comes along)
+TRAINED = ROOT / "tests" / "data" / "trained" / "qwen3_next"
 #: what the fresh environment must not see from the running one: the package, and what pip must install
 HIDDEN = re.compile(r"^(gdnprune|_?_?editable__|accelerate|matplotlib|mpl_toolkits|pylab\.py)", re.IGNORECASE)
 
@@ -95,6 +97,18 @@ def _view_of_running_environment(view: Path) -> list[str]:
 
 def _run(cmd, env, cwd, timeout=300):
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _start(cmd, env, cwd) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
@@ -167,7 +181,27 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
     assert found["matplotlib"] == "None", found  # no extra came along
 
     gdnprune = str(venv / "bin" / "gdnprune")
-    demo = _run(
+    # the distillation's student: a trained test model cut by a torch-free `slice`, so that `distill` needs
+    # nothing of the demo's and both commands run side by side (the second core is idle otherwise)
+    student = _run(
+        [
+            gdnprune,
+            "slice",
+            str(TRAINED),
+            "-o",
+            "student",
+            "--num-key-heads",
+            "2",
+            "--num-value-heads",
+            "4",
+            "-q",
+        ],
+        env,
+        tmp_path,
+    )
+    assert student.returncode == 0, student.stdout + student.stderr
+    (tmp_path / "train.txt").write_text("A plain install must run the main job. " * 200)
+    demo = _start(
         [
             gdnprune,
             "demo",
@@ -188,18 +222,13 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
         env,
         tmp_path,
     )
-    assert demo.returncode == 0, demo.stdout + demo.stderr
-    assert "recovery: validation loss" in demo.stdout
-    _one_line_about_matplotlib(demo)
-
-    (tmp_path / "train.txt").write_text("A plain install must run the main job. " * 200)
-    distill = _run(
+    distill = _start(
         [
             gdnprune,
             "distill",
-            str(tmp_path / "demo" / "sliced"),
+            "student",
             "--teacher",
-            str(tmp_path / "demo" / "sorted"),
+            str(TRAINED),
             "--data",
             "train.txt",
             "--steps",
@@ -215,6 +244,12 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
         env,
         tmp_path,
     )
+    demo, distill = _finish(demo), _finish(distill)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "recovery: validation loss" in demo.stdout
+    assert (tmp_path / "demo" / "sliced" / "config.json").is_file()
+    _one_line_about_matplotlib(demo)
+
     assert distill.returncode == 0, distill.stdout + distill.stderr
     assert "2 steps" in distill.stdout and (tmp_path / "rec" / "model.safetensors").is_file()
     _one_line_about_matplotlib(distill)

@@ -1,0 +1,160 @@
+"""The suite's one 2-process launch, shared by ``test_distributed`` and ``test_first_hour`` (a session fixture
+in ``conftest.py``): starting torchrun and two ranks that import torch costs more than what they then run.
+
+One real ``torch.distributed.run`` launch (the code path of ``torchrun``) in its own session, whose two
+workers run the CLI in turn:
+
+* ``score`` (projection), ``plan`` (measured sensitivity), ``score`` (activation), a ``score`` whose data
+  is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
+  call's exit code and stderr go to ``rank<R>.json`` (test_distributed);
+* last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
+  its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
+  it (test_first_hour).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tiny_models import TEXT, gdn_kwargs, randomize_gdn
+
+from gdnprune.demo_data import build_byte_tokenizer, train_text
+from gdnprune.gated_delta_net import GDNShape
+
+SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
+SEQ, SAMPLES = 72, 5  # 5 windows: uneven shares, and the loss tokens depend on the global window index
+
+WORKER = textwrap.dedent(
+    """
+    import contextlib, io, json, os, sys, threading, time
+    from gdnprune.cli import main
+
+    model, data, out, samples, seq, moe, interrupted = sys.argv[1:8]
+    rank = int(os.environ["RANK"])
+    common = ["score", model, "--num-samples", samples, "--seq-len", seq, "--batch-size", "2", "--quiet",
+              "--threads", "1"]
+    results = {}
+
+    def call(name, *argv):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(common + list(argv))
+        results[name] = {"code": code, "err": err.getvalue()}
+
+    call("projection", "--data", data, "--output", out + "/projection.json")
+    # the plan's measured sensitivity on the same two ranks: each measures its share of the windows
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["plan", model, "--scores", out + "/projection.json", "--data", data, "--output",
+                     out + "/plan.json", "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples", "4",
+                     "--seq-len", seq, "--batch-size", "1", "--quiet", "--threads", "1"])
+    results["plan"] = {"code": code, "err": err.getvalue()}
+    call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
+    call("failure", "--data", data if rank == 0 else out + "/missing.txt", "--output", out + "/failure.json")
+    # rank 1 is stuck opening a FIFO nobody writes to, until rank 0 has given up waiting for it
+    fifo = out + "/stuck.fifo"
+
+    def release():
+        while not os.path.exists(out + "/rank0.json"):
+            time.sleep(0.05)
+        open(fifo, "w").close()
+
+    if rank == 1:
+        threading.Thread(target=release, daemon=True).start()
+    call("stuck", "--data", data if rank == 0 else fifo, "--output", out + "/stuck.json", "--dist-timeout", "3")
+    with open(out + "/.rank%d.json" % rank, "w") as f:
+        json.dump(results, f)
+    os.rename(out + "/.rank%d.json" % rank, out + "/rank%d.json" % rank)
+    # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
+    os.chdir(interrupted)
+    sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))
+"""
+)
+
+
+def build_model(path: Path) -> Path:
+    """The launch's model: a random Qwen3.5 text model with a byte tokenizer, saved into ``path``."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(**{**TEXT, "vocab_size": 257}, **gdn_kwargs(SHAPE))
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    randomize_gdn(model)
+    model.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def write_text(path: Path) -> Path:
+    """The launch's calibration text."""
+    path.write_text(train_text()[:3000], encoding="utf-8")
+    return path
+
+
+@dataclass
+class Launch:
+    """What the launch left: ``folder`` holds ``rank0.json``, ``rank1.json`` and what rank 0 wrote;
+    ``interrupted`` is the folder of the score that Ctrl-C stopped; ``stderr`` and ``returncode`` are the
+    launcher's."""
+
+    folder: Path
+    interrupted: Path
+    stderr: str
+    returncode: int
+    #: the launch still ran when the Ctrl-C came (it did not end by itself before)
+    running_at_ctrl_c: bool
+
+
+def run_launch(model_dir: Path, text_file: Path, moe: Path, folder: Path) -> Launch:
+    """Run the launch in ``folder``; Ctrl-C once both ranks wrote their results and the last score's progress
+    bar shows windows being scored."""
+    worker = folder / "worker.py"
+    worker.write_text(WORKER, encoding="utf-8")
+    os.mkfifo(folder / "stuck.fifo")
+    interrupted = folder / "interrupted"
+    interrupted.mkdir()
+    (interrupted / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40_000)  # 1.8 MB
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), HF_HUB_OFFLINE="1")
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+    ]
+    argv += [str(model_dir), str(text_file), str(folder), str(SAMPLES), str(SEQ), str(moe), str(interrupted)]
+    err_path = folder / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline and not _scoring(folder, err_path):
+                time.sleep(0.5)  # until rank 0's progress bar shows the windows being scored
+            running = proc.poll() is None
+            if running:
+                os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+                proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return Launch(folder, interrupted, err_path.read_text(), proc.returncode, running)
+
+
+def _scoring(folder: Path, err_path: Path) -> bool:
+    ranks_done = all((folder / f"rank{r}.json").exists() for r in (0, 1))
+    return ranks_done and "%|" in err_path.read_text()
