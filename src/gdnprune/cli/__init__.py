@@ -39,6 +39,7 @@ COMMANDS = {
     "plan": "gdnprune.cli.plan",
     "prune": "gdnprune.cli.prune",
     "distill": "gdnprune.cli.distill",
+    "eval": "gdnprune.cli.eval",
     "demo": "gdnprune.cli.demo",
 }
 
