@@ -30,6 +30,8 @@ __all__ = [
     "EvalReport",
     "RESULTS_NAME",
     "evaluate_models",
+    "evaluate_model",
+    "task_manager",
     "check_task_folder",
     "require_lm_eval",
     "model_parameters",
@@ -142,9 +144,10 @@ def _check_inputs(models: Sequence[Path], options: EvalOptions) -> None:
             )
 
 
-def _task_manager(options: EvalOptions, folder: Path) -> Any:
-    """lm-eval's TaskManager over our folder and the user's; lm-eval's own tasks only when a name needs
-    them (indexing them takes a while). An unknown name raises :class:`EvalError` with the closest ones."""
+def task_manager(options: EvalOptions, folder: str | os.PathLike) -> Any:
+    """lm-eval's TaskManager over the run's task ``folder`` and the user's; lm-eval's own tasks only when a
+    name needs them (indexing them takes a while). An unknown name raises :class:`EvalError` with the
+    closest known ones."""
     from lm_eval.tasks import TaskManager  # lazy: optional extra
 
     paths = [str(folder), *(str(p) for p in options.include_path)]
@@ -181,9 +184,7 @@ def _names(models: Sequence[Path]) -> list[str]:
 
 
 def _evaluate_one(path: Path, name: str, options: EvalOptions, manager: Any) -> ModelResult:
-    import lm_eval  # lazy: optional extra
     import transformers
-    from lm_eval.models.huggingface import HFLM
 
     from ..loading import load_causal_lm
 
@@ -192,21 +193,37 @@ def _evaluate_one(path: Path, name: str, options: EvalOptions, manager: Any) -> 
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the folder is the problem
         raise EvalError(f"model {path}: does not load ({' '.join(str(exc).split())})") from None
+    return evaluate_model(model, tokenizer, options, manager, name=name, path=str(path))
+
+
+def evaluate_model(
+    model: Any, tokenizer: Any, options: EvalOptions, manager: Any, *, name: str, path: str = ""
+) -> ModelResult:
+    """One loaded causal LM on ``options.tasks`` (``manager``: :func:`task_manager`), through lm-eval's
+    ``HFLM`` given the model object."""
+    import lm_eval  # lazy: optional extra
+    from lm_eval.models.huggingface import HFLM
+
     parameters, active = model_parameters(model)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
-    out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(options.tasks),
-        task_manager=manager,
-        num_fewshot=options.num_fewshot,
-        limit=options.limit,
-        log_samples=False,
-        random_seed=options.seed,
-        numpy_random_seed=options.seed,
-        torch_random_seed=options.seed,
-        fewshot_random_seed=options.seed,
-    )
-    return ModelResult(str(path), name, parameters, active, dict(out["results"]))
+    # scoring needs no cache, and transformers' Qwen3.5 cache fails on a model without attention layers
+    cached, model.config.use_cache = getattr(model.config, "use_cache", None), False
+    try:
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(options.tasks),
+            task_manager=manager,
+            num_fewshot=options.num_fewshot,
+            limit=options.limit,
+            log_samples=False,
+            random_seed=options.seed,
+            numpy_random_seed=options.seed,
+            torch_random_seed=options.seed,
+            fewshot_random_seed=options.seed,
+        )
+    finally:
+        model.config.use_cache = cached
+    return ModelResult(path, name, parameters, active, dict(out["results"]))
 
 
 def evaluate_models(
@@ -236,7 +253,7 @@ def evaluate_models(
         folder = write_task_folder(
             tmp / "tasks", context_lengths=options.context_lengths, seed=options.seed, data=options.data
         )
-        manager = _task_manager(options, folder.path)
+        manager = task_manager(options, folder.path)
         report = EvalReport(out)
         for path, name in zip(paths, _names(paths), strict=True):
             report.rows.append(_evaluate_one(path, name, options, manager))
