@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -56,13 +57,12 @@ TRAIN_PROBE_SEED = 1000  # scripts/train_demo_model.py's: the probes the model w
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=MODEL)
-    p.add_argument("--lengths", default="256,1024", help="probe lengths (default 256,1024)")
+    p.add_argument("--lengths", default="256,512", help="probe lengths (default 256,512)")
     p.add_argument("--limit", type=int, default=48, help="documents per task (default 48)")
     p.add_argument("--windows", type=int, default=32, help="validation windows of nats_per_byte (default 32)")
     p.add_argument("--steps", type=int, default=300, help="distillation steps (default 300)")
-    p.add_argument(
-        "--recover", default="value_dim,state", help="variants to distil (default value_dim,state)"
-    )
+    p.add_argument("--recover", default="state", help="variants to distil, comma-separated (default state)")
+    p.add_argument("--distill-batch", type=int, default=8, help="windows per distillation step (default 8)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args()
@@ -121,6 +121,7 @@ def state_of(model) -> int:
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
     start = time.perf_counter()
     lengths = [int(x) for x in args.lengths.split(",")]
     teacher = load_pretrained(args.model, dtype=torch.float32).eval()
@@ -158,7 +159,15 @@ def main() -> int:
             student = copy.deepcopy(cut_models[name]).train()
             t0 = time.perf_counter()
             distill(
-                student, teacher, data, None, steps=args.steps, batch_size=8, lr=1e-3, seed=0, progress=False
+                student,
+                teacher,
+                data,
+                None,
+                steps=args.steps,
+                batch_size=args.distill_batch,
+                lr=1e-3,
+                seed=0,
+                progress=False,
             )
             seconds[name] = time.perf_counter() - t0
             rows.append(
