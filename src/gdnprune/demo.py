@@ -431,6 +431,7 @@ class _Evaluation:
 
         from .demo_data import build_byte_tokenizer, validation_text
         from .evaluation.api import EvalOptions, MissingExtraError, require_lm_eval, task_manager
+        from .evaluation.probes import MIN_LENGTH
         from .evaluation.tasks import write_task_folder
 
         if limit == 0:
@@ -443,10 +444,11 @@ class _Evaluation:
         folder = tempfile.TemporaryDirectory(prefix="gdnprune-demo-tasks-")
         text = Path(folder.name) / "validation.txt"
         text.write_text(validation_text(), encoding="utf-8")
+        lengths = [seq_len] if seq_len >= MIN_LENGTH else []  # shorter windows: nats_per_byte alone
         tasks = write_task_folder(
-            Path(folder.name) / "tasks", context_lengths=[seq_len], seed=seed, data=text
+            Path(folder.name) / "tasks", context_lengths=lengths, seed=seed, data=text, window=seq_len
         )
-        options = EvalOptions(tasks=list(tasks.tasks), limit=limit, seed=seed, context_lengths=[seq_len])
+        options = EvalOptions(tasks=list(tasks.tasks), limit=limit, seed=seed, context_lengths=lengths)
         run = cls(folder, options, task_manager(options, tasks.path), log)
         run.tokenizer = build_byte_tokenizer()
         return run
