@@ -493,10 +493,8 @@ class _Written:
             (tmp / "whole_model_plan.sensitivity.json").write_text(json.dumps(whole["report"], indent=1))
             results["whole_model_plan"]["file"] = str(out_dir / "whole_model_plan.json")
             drawn = plot_sensitivity(whole["report"], tmp / "whole_model_plan.sensitivity.png")
-            sensitivity = (
-                f"sensitivity plot: {out_dir / 'whole_model_plan.sensitivity.png'}" if drawn else NO_PLOT
-            )
-            log(f"whole-model plan: {out_dir / 'whole_model_plan.json'} ({sensitivity})")
+            plot = f" (sensitivity plot: {out_dir / 'whole_model_plan.sensitivity.png'})" if drawn else ""
+            log(f"whole-model plan: {out_dir / 'whole_model_plan.json'}{plot}")
         if _plot(rows, orderings, tmp / "loss_vs_params.png", f"{title}: nested GDN slices"):
             results["plot"] = str(out_dir / "loss_vs_params.png")
             log(f"plot: {results['plot']}")
