@@ -145,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "passkey, half MQAR, each a whole window of --seq-len characters; default 0: text only)",
     )
     r.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="start from this trained model folder (same geometry) instead of random weights",
+    )
+    r.add_argument(
         "--max-positions",
         type=int,
         default=None,
@@ -310,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--router-aux-loss needs an MoE family, got {args.family}")
         config.router_aux_loss_coef = args.router_aux_loss
     model = getattr(transformers, MODEL_CLASS[args.family])(config)
+    if args.init is not None:  # continue from a trained model of the same geometry (its weights, this config)
+        start = getattr(transformers, MODEL_CLASS[args.family]).from_pretrained(
+            args.init, dtype=torch.float32
+        )
+        model.load_state_dict(start.state_dict())
     n_params = sum(p.numel() for p in model.parameters())
     layer_types = config.get_text_config(decoder=True).layer_types
     print(f"{type(model).__name__}: {n_params} parameters, layer_types={layer_types}", flush=True)
@@ -405,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
         },
         "recall_mix": args.recall_mix,
+        "init": None if args.init is None else str(args.init),
         "num_parameters": n_params,
         "saved_dtype": args.save_dtype,
         "corpus": {
