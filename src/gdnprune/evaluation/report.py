@@ -112,7 +112,7 @@ def plot_report(rows: Sequence[ModelResult], path: str | Path) -> bool:
         errors = [rows[i].results[task].get(f"{metric}_stderr,{filt}") for i in xs]
         if all(_is_number(e) for e in errors) and xs:
             ax.errorbar(xs, [values[i] for i in xs], yerr=errors, fmt="none", ecolor="black", capsize=3)
-        ax.set_xticks(range(len(rows)), [row.name for row in rows], rotation=20, ha="right")
+        ax.set_xticks(range(len(rows)), [row.name for row in rows], rotation=35, ha="right")
         ax.set_title(task)
         ax.set_ylabel(metric + (" (lower is better)" if "per_byte" in metric else ""))
     if recall:
@@ -123,6 +123,9 @@ def plot_report(rows: Sequence[ModelResult], path: str | Path) -> bool:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, styles.get(kind, "x:"), color=color, label=f"{row.name}: {kind}")
         ax.set_xscale("log", base=2)
+        lengths = sorted({n for c in curves for points in c.values() for n, _ in points})
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
         ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel("context length (characters)")
         ax.set_ylabel("recall (exact-match accuracy)")
