@@ -112,7 +112,8 @@ def _model_config(path: Path) -> dict[str, Any]:
 
 
 def _max_positions(config: dict[str, Any]) -> int | None:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
     value = text.get("max_position_embeddings", config.get("max_position_embeddings"))
     return int(value) if isinstance(value, int) else None
 

@@ -120,8 +120,13 @@ def plot_report(rows: Sequence[ModelResult], path: str | Path) -> bool:
         styles = {"passkey": "o-", "mqar": "s--"}
         for row, row_curves, color in zip(rows, curves, colors, strict=True):
             for kind, points in row_curves.items():
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, styles.get(kind, "x:"), color=color, label=f"{row.name}: {kind}")
+                ax.plot(
+                    [n for n, _ in points],
+                    [a for _, a in points],
+                    styles.get(kind, "x:"),
+                    color=color,
+                    label=f"{row.name}: {kind}",
+                )
         ax.set_xscale("log", base=2)
         lengths = sorted({n for c in curves for points in c.values() for n, _ in points})
         ax.set_xticks(lengths, [str(n) for n in lengths])
