@@ -4,7 +4,9 @@ distillation.
 
 The model: ``tests/data/trained/recall``, a byte-level Qwen3.5 with four GatedDeltaNet layers and no
 attention layer (so every bit of recall lives in the GDN state), trained on the demo text plus the recall
-probes (``scripts/train_demo_model.py --recall-mix 0.5``). The cuts keep the importance order (one
+probes (``scripts/train_demo_model.py --recall-mix 0.5``). The model bundled today does NOT recall yet
+(exact match 0 unpruned; see ``tests/data/trained/README.md``): its recall columns say nothing until a
+longer-trained model replaces it, its nats/byte columns do. The cuts keep the importance order (one
 ``score_model`` pass on training text) and halve one axis in every layer:
 
 * key heads (``Hk``), value heads (lanes per group), key dim (``dk``), value dim (``dv``);
