@@ -46,6 +46,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "src"))  # use the checkout even when gdnprune is not installed
 
 from gdnprune import demo_data  # noqa: E402
+from gdnprune.evaluation import probes  # noqa: E402
+
+#: seeds of the training probes are offset from the evaluation's (default seed 0): no probe in both
+TRAIN_PROBE_SEED = 1000
 
 DEFAULT_OUT = REPO_ROOT / "src" / "gdnprune" / "data" / "demo_model"
 #: --family -> the transformers class trained (the bundled demo model is qwen3_5)
@@ -131,6 +135,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="intermediate size of each routed expert and the shared expert (default hidden size)",
+    )
+    r = p.add_argument_group("recall mix (the recall model: tests/data/trained/recall)")
+    r.add_argument(
+        "--recall-mix",
+        type=float,
+        default=0.0,
+        help="share of the training windows that are recall probes (gdnprune.evaluation.probes: half "
+        "passkey, half MQAR, each a whole window of --seq-len characters; default 0: text only)",
+    )
+    r.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="start from this trained model folder (same geometry) instead of random weights",
+    )
+    r.add_argument(
+        "--max-positions",
+        type=int,
+        default=None,
+        help="max_position_embeddings of the config (default --seq-len, the training window)",
     )
     return p.parse_args(argv)
 
@@ -235,6 +259,27 @@ def sample_batch(
     return ids[starts + torch.arange(seq_len)]
 
 
+def mix_recall(
+    batch: torch.Tensor, share: float, seed: int, step: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Replace a ``share`` of the rows of ``batch`` by recall probes of the same length (bytes = tokens).
+
+    Row ``i`` at ``step`` becomes probe number ``step * B + i``: passkey or MQAR alternately, generated with
+    seed ``TRAIN_PROBE_SEED + seed``, so training never sees an evaluation probe (seed 0).
+    """
+    if share <= 0:
+        return batch
+    rows, seq_len = batch.shape
+    chosen = torch.rand(rows, generator=generator) < share
+    out = batch.clone()
+    for i in torch.nonzero(chosen).flatten().tolist():
+        index = step * rows + i
+        kind = "passkey" if index % 2 == 0 else "mqar"
+        text = probes.probe(kind, TRAIN_PROBE_SEED + seed, seq_len, index).text
+        out[i] = demo_data.text_to_ids(text)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
@@ -253,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     config = model_config(
         len(tokenizer),
         tokenizer.eos_token_id,
-        args.seq_len,
+        args.max_positions or args.seq_len,
         layer_types=args.layer_types,
         hidden_size=args.hidden_size,
         key_heads=args.key_heads,
@@ -271,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--router-aux-loss needs an MoE family, got {args.family}")
         config.router_aux_loss_coef = args.router_aux_loss
     model = getattr(transformers, MODEL_CLASS[args.family])(config)
+    if args.init is not None:  # continue from a trained model of the same geometry (its weights, this config)
+        start = getattr(transformers, MODEL_CLASS[args.family]).from_pretrained(
+            args.init, dtype=torch.float32
+        )
+        model.load_state_dict(start.state_dict())
     n_params = sum(p.numel() for p in model.parameters())
     layer_types = config.get_text_config(decoder=True).layer_types
     print(f"{type(model).__name__}: {n_params} parameters, layer_types={layer_types}", flush=True)
@@ -299,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sample_batch(train_ids, args.batch_size, args.seq_len, generator)
+        batch = mix_recall(batch, args.recall_mix, args.seed, step, generator)
         loss = model(
             input_ids=batch,
             labels=batch,
@@ -364,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             "grad_clip": args.grad_clip,
             "threads": args.threads,
         },
+        "recall_mix": args.recall_mix,
+        "init": None if args.init is None else str(args.init),
         "num_parameters": n_params,
         "saved_dtype": args.save_dtype,
         "corpus": {

@@ -172,7 +172,7 @@ def code_map_order(text: str, root: str = "gdnprune") -> list[str]:
                     package = f"{root}.{entry[:-1]}"
                 else:
                     order.append(f"{root}.{entry}")
-        elif package and (bullet := re.match(r"- `(\w+)`", line)):
+        elif package and (bullet := re.match(r"- `([\w.]+)`", line)):
             order.append(f"{package}.{bullet.group(1)}")
     raise AssertionError("the code map must end with the command line entry **`cli/`**")
 

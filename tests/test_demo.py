@@ -105,6 +105,34 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         and cut_params == whole["params_kept"] == plan["totals"]["model_params_kept"]
     )
     assert whole["params"] == full_params and whole["loss"] > whole["unpruned_loss"]
+    # the closing eval table: teacher, middle slice, recovered, on the built-in tasks at --seq-len
+    evals = results["eval"]
+    assert [row["name"] for row in evals][::2] == ["teacher", "recovered"] and evals[1]["name"].startswith(
+        "slice"
+    )
+    for row in evals:
+        assert set(row["results"]) == {"nats_per_byte", "passkey_128", "mqar_128"}
+    nats = [row["results"]["nats_per_byte"]["nats_per_byte,none"] for row in evals]
+    assert nats[0] < nats[2] < nats[1]  # the slice loses, recovery wins some back (as in the loss table)
+    assert "eval table" in printed and (out / "eval.md").read_text().splitlines()[2].startswith("| teacher |")
+
+
+def test_without_matplotlib_the_demo_still_names_the_plan_file_it_wrote(tmp_path, monkeypatch):
+    import sys
+
+    from gdnprune import demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    lines = []
+    results = {"whole_model_plan": {}}
+    whole = {"plan": {"layers": {}}, "report": {"layers": {}}}
+    written = demo._Written(tmp_path, tmp_path / "out", 0.0, lines.append)
+    written.write(results, {}, [], [], title="t", whole=whole, evals=None)
+    plan_line = next(line for line in lines if "whole_model_plan.json" in line)
+    assert str(tmp_path / "out" / "whole_model_plan.json") in plan_line
+    assert [line for line in lines if "matplotlib" in line.replace(str(tmp_path), "")] == [demo.NO_PLOT]
+    assert (tmp_path / "whole_model_plan.json").is_file()
 
 
 def _tensors(folder):
@@ -229,6 +257,7 @@ def test_the_importance_order_beats_identity_and_random_orders_at_the_middle_sli
         budget_params=None,
         write_checkpoints=False,
         progress=False,
+        eval_limit=0,
     )
     assert len(middle) == 3 and [GDNShape(**row["target"]) for row in results["rows"]] == middle
     assert results["sort_max_abs_logit_diff"] < 1e-4

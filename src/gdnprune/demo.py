@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # torch and transformers load inside the commands, so `gdnpru
 
     from .gated_delta_net import GDNPermutation, GDNShape
 
+#: documents per built-in task in the demo's eval table (keeps the demo fast)
+EVAL_LIMIT = 16
+
 # Nested targets, as (key groups, lanes per group, key dim, value dim) fractions of the full geometry.
 DEMO_FRACTIONS = [
     (1.0, 1.0, 1.0, 1.0),
@@ -92,13 +95,11 @@ NO_PLOT = "no plot: matplotlib is not installed (pip install 'gdnprune[plot]', o
 def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> bool:
     """Validation loss against kept GDN parameters, one curve per ordering; False when matplotlib is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # lazy: optional extra
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig = Figure(figsize=(7, 4.5), dpi=120)
+    ax = fig.subplots()
     styles = {"importance": "o-", "activation": "s--", "identity": "^:", "random": "x-."}
     for name in orderings:
         xs = [row["gdn_params"] for row in rows]
@@ -115,7 +116,6 @@ def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> boo
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return True
 
 
@@ -137,6 +137,7 @@ def run_demo(
     threads: int | None = 1,
     overwrite: bool = False,
     log=None,
+    eval_limit: int | None = EVAL_LIMIT,
     **deprecated: int,
 ) -> dict[str, Any]:
     """Score, sort and slice the bundled demo model; return (and write to ``output``) the results.
@@ -154,6 +155,11 @@ def run_demo(
     intra-op threads (default 1: the model is tiny, and on a busy machine extra threads spin and can make
     a forward pass tens of times slower); None leaves torch's setting alone.
 
+    ``eval``: the teacher, the middle slice and (with ``recover_steps``) the recovered slice on gdnprune's
+    built-in lm-eval tasks (:mod:`gdnprune.evaluation`: nats_per_byte on the validation text, passkey and MQAR
+    at ``seq_len``), ``eval_limit`` documents per task (None: all; 0 skips it; skipped too when lm-eval is
+    not installed).
+
     ``num_samples`` calibration windows score the model; the losses are measured on ``eval_samples``
     held-out windows (``calibration_windows`` and ``validation_windows`` are their deprecated names).
 
@@ -161,154 +167,32 @@ def run_demo(
     when complete; an existing ``output`` is refused, and replaced with ``overwrite`` only when it is an
     earlier demo output (``results.json``) or empty.
     """
-    import torch
-
-    from .demo_data import (
-        byte_windows,
-        demo_model_path,
-        load_demo_model,
-        train_text,
-        validation_loss,
-        validation_text,
-    )
-    from .gated_delta_net import GDNPermutation, GDNShape
-    from .layouts import find_gdn_modules
-    from .scoring import score_model
-
-    renamed = {"calibration_windows": "num_samples", "validation_windows": "eval_samples"}
-    for old in sorted(set(deprecated) & set(renamed)):
-        warnings.warn(f"run_demo: {old} is deprecated, use {renamed[old]}", FutureWarning, stacklevel=2)
-    num_samples = deprecated.pop("calibration_windows", num_samples)
-    eval_samples = deprecated.pop("validation_windows", eval_samples)
-    if deprecated:
-        raise TypeError(f"run_demo() got unexpected keyword arguments {sorted(deprecated)}")
+    num_samples, eval_samples = _renamed(deprecated, num_samples, eval_samples)
     start = time.perf_counter()
     log = log or (lambda message: None)
     if threads is not None:
+        import torch
+
         torch.set_num_threads(threads)
     out_dir = None if output is None else Path(output)
     if out_dir is not None:
         from .checkpoint.output import check_output_folder
 
         check_output_folder(out_dir, overwrite, DEMO_MARKERS)
-    if model_dir is None:
-        model_dir, title = demo_model_path(), "bundled Qwen3.5 demo model"
-        model, _ = load_demo_model()
-    else:
-        from .loading import load_pretrained
-
-        model_dir = Path(model_dir)
-        model = load_pretrained(model_dir, dtype=torch.float32).eval()
-        title = f"{model_dir.name} ({model.config.model_type})"
-    layers = find_gdn_modules(model)
-    shape = GDNShape.from_module(layers[0][1])
-    val = lambda m: validation_loss(m, num_windows=eval_samples, seq_len=seq_len)  # noqa: E731
-    log(f"{title}: {model_dir}  ({len(layers)} GDN layers, {shape})")
-
-    # 1. score
-    calibration = byte_windows(train_text(), seq_len, num_samples)
-    scores = score_model(
-        model, list(calibration.split(batch_size)), method=method, progress=progress, seed=seed
-    )
-    permutations = {p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in layers}
-    log(f"scored {calibration.numel()} calibration tokens with method={method!r}")
-
-    # 2. sort, and check the sorted model computes the same function
-    sorted_model = _sliced_model(model, permutations, shape, shape)
-    probe = byte_windows(validation_text(), seq_len, 8)
-    with torch.no_grad():
-        diff = (sorted_model(input_ids=probe).logits - model(input_ids=probe).logits).abs().max().item()
-    log(f"sorted model vs original: max |logit difference| = {diff:.2e}")
-    if diff > 1e-4:
-        raise RuntimeError(f"sorted model is not equivalent to the original (max |diff| {diff:.2e} > 1e-4)")
-
-    # 3. slice to nested targets for each ordering
-    targets = nested_targets(shape)
-    orderings = {"importance": permutations, "identity": None}
-    random_perms = [_random_permutations(model, shape, seed + 1 + i) for i in range(num_random)]
-    rows = []
-    for target in targets:
-        row: dict[str, Any] = {"target": target.as_dict(), "loss": {}}
-        for name, perms in orderings.items():
-            small = _sliced_model(model, perms, shape, target)
-            row["loss"][name] = val(small)
-            row["gdn_params"] = gdn_parameter_count(small)
-        rand = [val(_sliced_model(model, p, shape, target)) for p in random_perms]
-        row["loss"]["random"] = sum(rand) / len(rand) if rand else float("nan")
-        row["random_std"] = float(torch.tensor(rand).std()) if len(rand) > 1 else None
-        rows.append(row)
-    full_params = rows[0]["gdn_params"]
-
-    header = f"{'Hk':>3} {'Hv':>3} {'dk':>3} {'dv':>3} {'GDN params':>11} {'kept':>6} | " + " ".join(
-        f"{n:>10}" for n in [*orderings, "random"]
-    )
-    log("validation loss (nats/byte) of nested slices:")
-    log(header)
-    log("-" * len(header))
-    for row in rows:
-        t = row["target"]
-        cells = " ".join(f"{row['loss'][n]:>10.4f}" for n in [*orderings, "random"])
-        log(
-            f"{t['num_key_heads']:>3} {t['num_value_heads']:>3} {t['key_head_dim']:>3} {t['value_head_dim']:>3} "
-            f"{row['gdn_params']:>11,} {row['gdn_params'] / full_params:>6.1%} | {cells}"
-        )
-
-    if recover_steps:
-        middle = targets[len(targets) // 2]
-        student = _sliced_model(model, permutations, shape, middle)
-        log(f"recovery: distilling the slice {middle} from the unpruned model for {recover_steps} steps ...")
-        recovery = recover_demo_slice(
-            student, model, steps=recover_steps, seq_len=seq_len, validation_windows=eval_samples, seed=seed
-        )
-        recovery["target"] = middle.as_dict()
-        log(
-            f"recovery: validation loss {recovery['loss_before']:.4f} -> {recovery['loss_after']:.4f} nats/byte "
-            f"(unpruned {recovery['teacher_loss']:.4f}; {recovery['recovered']:.0%} of the loss increase won back "
-            f"in {recovery['steps']} steps, {recovery['seconds']:.0f} s)"
-        )
-    else:
-        recovery = None
-
-    whole = None
-    if budget_params:
-        from .plan import BudgetError
-
-        full_row = next((row for row in rows if row["target"] == shape.as_dict()), None)
-        try:
-            whole = whole_model_plan(
-                model,
-                calibration[:PLAN_SAMPLES],
-                budget_params,
-                seq_len=seq_len,
-                eval_samples=eval_samples,
-                batch_size=batch_size,
-                seed=seed,
-                progress=progress,
-                unpruned_loss=None if full_row is None else full_row["loss"]["importance"],
-            )
-        except BudgetError as exc:  # e.g. an MoE model whose routed experts alone hold more than the budget
-            log(f"whole-model plan at {budget_params:g} of all parameters: skipped, {exc}")
-    if whole is not None:
-        totals = whole["plan"]["totals"]
-        log(
-            f"whole-model plan at {budget_params:g} of all parameters (GDN, attention heads, MLP channels; "
-            f"{whole['plan_windows']} calibration windows, {whole['seconds']:.0f} s): "
-            f"{whole['params_kept']:,} of {whole['params']:,} parameters kept ({whole['params_kept'] / whole['params']:.1%}); "
-            f"validation loss {whole['loss']:.4f} nats/byte (unpruned {whole['unpruned_loss']:.4f})"
-        )
-        log(
-            "  split: "
-            + ", ".join(
-                f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f} "
-                f"({v['params_kept'] / max(v['params'], 1):.0%})"
-                for kind, v in totals["split"].items()
-            )
-            + "  (other: embeddings and norms)"
-        )
-
+    model, model_dir, title = _load(model_dir)
+    run = _DemoRun(model, Path(model_dir), seq_len, eval_samples, batch_size, seed, progress, log)
+    log(f"{title}: {model_dir}  ({len(run.layers)} GDN layers, {run.shape})")
+    scores, permutations, calibration, diff = run.score_and_sort(num_samples, method)
+    targets = nested_targets(run.shape)
+    orderings = ["importance", "identity", "random"]
+    rows = run.nested_rows(permutations, targets, num_random)
+    _log_rows(rows, orderings, log)
+    middle = targets[len(targets) // 2]
+    recovery, evals = run.recover_and_evaluate(permutations, middle, recover_steps, eval_limit)
+    whole = run.whole_plan(calibration, budget_params, rows) if budget_params else None
     results = {
         "model": str(model_dir),
-        "shape": shape.as_dict(),
+        "shape": run.shape.as_dict(),
         "method": method,
         "calibration_tokens": int(calibration.numel()),
         "validation_windows": eval_samples,
@@ -318,6 +202,7 @@ def run_demo(
         "rows": rows,
         "recovery": recovery,
         "whole_model_plan": None if whole is None else {k: v for k, v in whole.items() if k != "report"},
+        "eval": None if evals is None else [row.to_json() for row in evals],
     }
     if out_dir is None:
         results["seconds"] = time.perf_counter() - start
@@ -326,21 +211,11 @@ def run_demo(
 
         staging = Staging(out_dir, overwrite, markers=DEMO_MARKERS)
         with staging as tmp:
-            _write_outputs(
-                results,
-                scores,
-                rows,
-                [*orderings, "random"],
-                targets,
-                tmp,
-                out_dir,
-                write_checkpoints,
-                start,
-                log,
-                model_dir=model_dir,
-                title=title,
-                whole=whole,
-            )
+            written = _Written(tmp, out_dir, start, log)
+            written.write(results, scores, rows, orderings, title=title, whole=whole, evals=evals)
+            if write_checkpoints:
+                results["checkpoints"] = _write_checkpoints(model_dir, scores, targets, tmp, out_dir, log)
+            written.finish(results)
             staging.commit()
     log(f"done in {results['seconds']:.1f} s")
     return results
@@ -350,45 +225,292 @@ def run_demo(
 DEMO_MARKERS = frozenset({"results.json"})
 
 
-def _write_outputs(
-    results,
-    scores,
-    rows,
-    orderings,
-    targets,
-    tmp: Path,
-    out_dir: Path,
-    write_checkpoints: bool,
-    start: float,
-    log,
-    *,
-    model_dir: Path,
-    title: str,
-    whole: dict | None = None,
-) -> None:
-    """Write the scores, plot, checkpoints and results.json into ``tmp``, naming their places in ``out_dir``."""
-    (tmp / "scores.json").write_text(json.dumps(scores, indent=1))
-    if whole is not None:
-        from .plan import plot_sensitivity
+def _renamed(deprecated: dict[str, int], num_samples: int, eval_samples: int) -> tuple[int, int]:
+    """``num_samples`` and ``eval_samples`` from their deprecated names, with a warning."""
+    renamed = {"calibration_windows": "num_samples", "validation_windows": "eval_samples"}
+    for old in sorted(set(deprecated) & set(renamed)):
+        warnings.warn(f"run_demo: {old} is deprecated, use {renamed[old]}", FutureWarning, stacklevel=3)
+    num_samples = deprecated.pop("calibration_windows", num_samples)
+    eval_samples = deprecated.pop("validation_windows", eval_samples)
+    if deprecated:
+        raise TypeError(f"run_demo() got unexpected keyword arguments {sorted(deprecated)}")
+    return num_samples, eval_samples
 
-        (tmp / "whole_model_plan.json").write_text(json.dumps(whole["plan"], indent=1))
-        (tmp / "whole_model_plan.sensitivity.json").write_text(json.dumps(whole["report"], indent=1))
-        results["whole_model_plan"]["file"] = str(out_dir / "whole_model_plan.json")
-        if plot_sensitivity(whole["report"], tmp / "whole_model_plan.sensitivity.png"):
-            log(
-                f"whole-model plan: {out_dir / 'whole_model_plan.json'} (sensitivity plot: "
-                f"{out_dir / 'whole_model_plan.sensitivity.png'})"
+
+def _load(model_dir: str | Path | None) -> tuple[Any, Path, str]:
+    """The model (float32, eval mode), its folder and its title: the bundled model when ``model_dir`` is None."""
+    import torch
+
+    from .demo_data import demo_model_path, load_demo_model
+
+    if model_dir is None:
+        model, _ = load_demo_model()
+        return model, demo_model_path(), "bundled Qwen3.5 demo model"
+    from .loading import load_pretrained
+
+    model = load_pretrained(Path(model_dir), dtype=torch.float32).eval()
+    return model, Path(model_dir), f"{Path(model_dir).name} ({model.config.model_type})"
+
+
+def _log_rows(rows: list[dict], orderings: list[str], log) -> None:
+    """The table of nested slices: geometry, kept GDN parameters, the loss of each ordering."""
+    full_params = rows[0]["gdn_params"]
+    header = f"{'Hk':>3} {'Hv':>3} {'dk':>3} {'dv':>3} {'GDN params':>11} {'kept':>6} | " + " ".join(
+        f"{n:>10}" for n in orderings
+    )
+    log("validation loss (nats/byte) of nested slices:")
+    log(header)
+    log("-" * len(header))
+    for row in rows:
+        t = row["target"]
+        cells = " ".join(f"{row['loss'][n]:>10.4f}" for n in orderings)
+        log(
+            f"{t['num_key_heads']:>3} {t['num_value_heads']:>3} {t['key_head_dim']:>3} {t['value_head_dim']:>3} "
+            f"{row['gdn_params']:>11,} {row['gdn_params'] / full_params:>6.1%} | {cells}"
+        )
+
+
+class _DemoRun:
+    """The steps of :func:`run_demo` on one loaded model: what they share (model, geometry, settings)."""
+
+    def __init__(self, model, model_dir: Path, seq_len, eval_samples, batch_size, seed, progress, log):
+        from .gated_delta_net import GDNShape
+        from .layouts import find_gdn_modules
+
+        self.model, self.model_dir, self.seq_len = model, model_dir, seq_len
+        self.eval_samples, self.batch_size, self.seed = eval_samples, batch_size, seed
+        self.progress, self.log = progress, log
+        self.layers = find_gdn_modules(model)
+        self.shape = GDNShape.from_module(self.layers[0][1])
+
+    def val(self, model) -> float:
+        from .demo_data import validation_loss
+
+        return validation_loss(model, num_windows=self.eval_samples, seq_len=self.seq_len)
+
+    def score_and_sort(self, num_samples: int, method: str):
+        """Score on the training text; sort, and check that the sorted model computes the same function."""
+        import torch
+
+        from .demo_data import byte_windows, train_text, validation_text
+        from .gated_delta_net import GDNPermutation
+        from .scoring import score_model
+
+        calibration = byte_windows(train_text(), self.seq_len, num_samples)
+        batches = list(calibration.split(self.batch_size))
+        scores = score_model(self.model, batches, method=method, progress=self.progress, seed=self.seed)
+        permutations = {
+            p: GDNPermutation.from_score_payload(scores["layers"][p], self.shape) for p, _ in self.layers
+        }
+        self.log(f"scored {calibration.numel()} calibration tokens with method={method!r}")
+        sorted_model = _sliced_model(self.model, permutations, self.shape, self.shape)
+        probe = byte_windows(validation_text(), self.seq_len, 8)
+        with torch.no_grad():
+            diff = (
+                (sorted_model(input_ids=probe).logits - self.model(input_ids=probe).logits).abs().max().item()
             )
-    if _plot(rows, orderings, tmp / "loss_vs_params.png", f"{title}: nested GDN slices"):
-        results["plot"] = str(out_dir / "loss_vs_params.png")
-        log(f"plot: {results['plot']}")
-    else:
-        log(NO_PLOT)
-    if write_checkpoints:
-        results["checkpoints"] = _write_checkpoints(model_dir, scores, targets, tmp, out_dir, log)
-    results["seconds"] = time.perf_counter() - start
-    (tmp / "results.json").write_text(json.dumps(results, indent=1))
-    log(f"results: {out_dir / 'results.json'}")
+        self.log(f"sorted model vs original: max |logit difference| = {diff:.2e}")
+        if diff > 1e-4:
+            raise RuntimeError(
+                f"sorted model is not equivalent to the original (max |diff| {diff:.2e} > 1e-4)"
+            )
+        return scores, permutations, calibration, diff
+
+    def nested_rows(self, permutations, targets: list[GDNShape], num_random: int) -> list[dict]:
+        """Per target: kept GDN parameters and the loss of the importance, identity and random orders."""
+        import torch
+
+        orderings = {"importance": permutations, "identity": None}
+        random_perms = [
+            _random_permutations(self.model, self.shape, self.seed + 1 + i) for i in range(num_random)
+        ]
+        rows = []
+        for target in targets:
+            row: dict[str, Any] = {"target": target.as_dict(), "loss": {}}
+            for name, perms in orderings.items():
+                small = _sliced_model(self.model, perms, self.shape, target)
+                row["loss"][name] = self.val(small)
+                row["gdn_params"] = gdn_parameter_count(small)
+            rand = [self.val(_sliced_model(self.model, p, self.shape, target)) for p in random_perms]
+            row["loss"]["random"] = sum(rand) / len(rand) if rand else float("nan")
+            row["random_std"] = float(torch.tensor(rand).std()) if len(rand) > 1 else None
+            rows.append(row)
+        return rows
+
+    def recover_and_evaluate(self, permutations, middle: GDNShape, steps: int, eval_limit: int | None):
+        """Distil the middle slice (``steps``; 0 skips it); the eval table of teacher, slice and recovered."""
+        student = _sliced_model(self.model, permutations, self.shape, middle)
+        length = min(
+            self.seq_len, getattr(self.model.config, "max_position_embeddings", None) or self.seq_len
+        )
+        evaluate = _Evaluation.start(length, self.seed, eval_limit, self.log)
+        evaluate(self.model, "teacher")
+        evaluate(
+            student,
+            f"slice {middle.num_key_heads}/{middle.num_value_heads}/{middle.key_head_dim}/{middle.value_head_dim}",
+        )
+        recovery = None
+        if steps:
+            self.log(f"recovery: distilling the slice {middle} from the unpruned model for {steps} steps ...")
+            recovery = recover_demo_slice(
+                student,
+                self.model,
+                steps=steps,
+                seq_len=self.seq_len,
+                validation_windows=self.eval_samples,
+                seed=self.seed,
+            )
+            recovery["target"] = middle.as_dict()
+            self.log(
+                f"recovery: validation loss {recovery['loss_before']:.4f} -> {recovery['loss_after']:.4f} nats/byte "
+                f"(unpruned {recovery['teacher_loss']:.4f}; {recovery['recovered']:.0%} of the loss increase won "
+                f"back in {recovery['steps']} steps, {recovery['seconds']:.0f} s)"
+            )
+            evaluate(student, "recovered")
+        return recovery, evaluate.finish()
+
+    def whole_plan(self, calibration, budget_params: float, rows: list[dict]) -> dict | None:
+        """The whole-model plan at ``budget_params`` (None when no plan meets it), logged."""
+        from .plan import BudgetError
+
+        full_row = next((row for row in rows if row["target"] == self.shape.as_dict()), None)
+        try:
+            whole = whole_model_plan(
+                self.model,
+                calibration[:PLAN_SAMPLES],
+                budget_params,
+                seq_len=self.seq_len,
+                eval_samples=self.eval_samples,
+                batch_size=self.batch_size,
+                seed=self.seed,
+                progress=self.progress,
+                unpruned_loss=None if full_row is None else full_row["loss"]["importance"],
+            )
+        except BudgetError as exc:  # e.g. an MoE model whose routed experts alone hold more than the budget
+            self.log(f"whole-model plan at {budget_params:g} of all parameters: skipped, {exc}")
+            return None
+        _log_whole(whole, budget_params, self.log)
+        return whole
+
+
+def _log_whole(whole: dict, budget_params: float, log) -> None:
+    totals = whole["plan"]["totals"]
+    log(
+        f"whole-model plan at {budget_params:g} of all parameters (GDN, attention heads, MLP channels; "
+        f"{whole['plan_windows']} calibration windows, {whole['seconds']:.0f} s): "
+        f"{whole['params_kept']:,} of {whole['params']:,} parameters kept ({whole['params_kept'] / whole['params']:.1%}); "
+        f"validation loss {whole['loss']:.4f} nats/byte (unpruned {whole['unpruned_loss']:.4f})"
+    )
+    log(
+        "  split: "
+        + ", ".join(
+            f"{kind} {v['params_kept']:,.0f} of {v['params']:,.0f} "
+            f"({v['params_kept'] / max(v['params'], 1):.0%})"
+            for kind, v in totals["split"].items()
+        )
+        + "  (other: embeddings and norms)"
+    )
+
+
+#: what the demo says when lm-eval is missing
+NO_EVAL = "no eval table: lm-eval is not installed (pip install 'gdnprune[eval]')"
+
+
+class _Evaluation:
+    """The demo's eval table: models evaluated as they come (a slice before and after its recovery) on the
+    built-in tasks, in a temporary task folder (the validation text for ``nats_per_byte``)."""
+
+    def __init__(self, folder, options, manager, log):
+        self.folder, self.options, self.manager, self.log = folder, options, manager, log
+        self.rows: list = []
+
+    @classmethod
+    def start(cls, seq_len: int, seed: int, limit: int | None, log):
+        """Probes and text windows of ``seq_len`` characters (at most the model's positions)."""
+        import tempfile
+
+        from .demo_data import build_byte_tokenizer, validation_text
+        from .evaluation.api import EvalOptions, MissingExtraError, require_lm_eval, task_manager
+        from .evaluation.probes import MIN_LENGTH
+        from .evaluation.tasks import write_task_folder
+
+        if limit == 0:
+            return _NoEvaluation()
+        try:
+            require_lm_eval()
+        except MissingExtraError:
+            log(NO_EVAL)
+            return _NoEvaluation()
+        folder = tempfile.TemporaryDirectory(prefix="gdnprune-demo-tasks-")
+        text = Path(folder.name) / "validation.txt"
+        text.write_text(validation_text(), encoding="utf-8")
+        lengths = [seq_len] if seq_len >= MIN_LENGTH else []  # shorter windows: nats_per_byte alone
+        tasks = write_task_folder(
+            Path(folder.name) / "tasks", context_lengths=lengths, seed=seed, data=text, window=seq_len
+        )
+        options = EvalOptions(tasks=list(tasks.tasks), limit=limit, seed=seed, context_lengths=lengths)
+        run = cls(folder, options, task_manager(options, tasks.path), log)
+        run.tokenizer = build_byte_tokenizer()
+        return run
+
+    def __call__(self, model, name: str) -> None:
+        from .evaluation.api import evaluate_model
+
+        self.rows.append(evaluate_model(model, self.tokenizer, self.options, self.manager, name=name))
+
+    def finish(self):
+        from .evaluation.report import markdown_table
+
+        self.folder.cleanup()
+        self.log(f"eval table (gdnprune's built-in lm-eval tasks, {self.options.limit} documents each):")
+        for line in markdown_table(self.rows).splitlines():
+            self.log(line)
+        return self.rows
+
+
+class _NoEvaluation:
+    def __call__(self, model, name: str) -> None:
+        pass
+
+    def finish(self) -> None:
+        return None
+
+
+class _Written:
+    """The demo's files in the staging folder ``tmp``, logged with their places in ``out_dir``."""
+
+    def __init__(self, tmp: Path, out_dir: Path, start: float, log):
+        self.tmp, self.out_dir, self.start, self.log = tmp, out_dir, start, log
+
+    def write(self, results, scores, rows, orderings, *, title: str, whole: dict | None, evals) -> None:
+        """Scores, the whole-model plan, the loss plot and the eval table."""
+        tmp, out_dir, log = self.tmp, self.out_dir, self.log
+        (tmp / "scores.json").write_text(json.dumps(scores, indent=1))
+        if whole is not None:
+            from .plan import plot_sensitivity
+
+            (tmp / "whole_model_plan.json").write_text(json.dumps(whole["plan"], indent=1))
+            (tmp / "whole_model_plan.sensitivity.json").write_text(json.dumps(whole["report"], indent=1))
+            results["whole_model_plan"]["file"] = str(out_dir / "whole_model_plan.json")
+            drawn = plot_sensitivity(whole["report"], tmp / "whole_model_plan.sensitivity.png")
+            plot = f" (sensitivity plot: {out_dir / 'whole_model_plan.sensitivity.png'})" if drawn else ""
+            log(f"whole-model plan: {out_dir / 'whole_model_plan.json'}{plot}")
+        if _plot(rows, orderings, tmp / "loss_vs_params.png", f"{title}: nested GDN slices"):
+            results["plot"] = str(out_dir / "loss_vs_params.png")
+            log(f"plot: {results['plot']}")
+        else:
+            log(NO_PLOT)
+        if evals:
+            from .evaluation.report import markdown_table, plot_report
+
+            (tmp / "eval.md").write_text(markdown_table(evals))
+            drawn = plot_report(evals, tmp / "eval.png")
+            log(f"eval table: {out_dir / 'eval.md'}" + (f" (plot: {out_dir / 'eval.png'})" if drawn else ""))
+
+    def finish(self, results) -> None:
+        results["seconds"] = time.perf_counter() - self.start
+        (self.tmp / "results.json").write_text(json.dumps(results, indent=1))
+        self.log(f"results: {self.out_dir / 'results.json'}")
 
 
 def _write_checkpoints(

@@ -19,8 +19,9 @@ def add_parser(subparsers) -> None:
         "function preserving), slice to nested targets, and report validation loss for the importance order, "
         "the identity order and random orders, then distill the middle slice from the unpruned model for a "
         "few steps (--recover-steps), and plan the whole model (GDN layers, attention heads, MLP channels) at "
-        "half of all its parameters, printing the split over sub-blocks. Writes a table, results.json, "
-        "PNG plots, checkpoints and the whole-model plan.",
+        "half of all its parameters, printing the split over sub-blocks; it ends with an eval table of the "
+        "teacher, the middle slice and the recovered slice on the built-in lm-eval tasks. Writes a table, "
+        "results.json, PNG plots, checkpoints, the whole-model plan and eval.md.",
     )
     add_output_arguments(p, metavar="OUT_DIR", help="folder to create (default: demo_output)", required=False)
     p.set_defaults(output="demo_output")
@@ -70,6 +71,15 @@ def add_parser(subparsers) -> None:
         help="distillation steps that recover the middle slice (default 40; 0 skips it)",
     )
     p.add_argument(
+        "--eval-limit",
+        type=non_negative_int,
+        default=16,
+        metavar="N",
+        help="documents per task of the closing eval table (teacher, middle slice, recovered on gdnprune's "
+        "built-in lm-eval tasks: nats_per_byte, passkey, mqar at --seq-len; default 16; 0 skips it; needs "
+        "pip install 'gdnprune[eval]')",
+    )
+    p.add_argument(
         "--no-plan", action="store_true", help="do not plan the whole model at half of its parameters"
     )
     p.add_argument(
@@ -104,5 +114,6 @@ def run(args) -> int:
             threads=args.threads,
             overwrite=args.overwrite,
             log=print,
+            eval_limit=args.eval_limit,
         )
     return 0

@@ -1,0 +1,266 @@
+"""``evaluate_models``: several model folders on the same lm-eval tasks, side by side.
+
+lm-evaluation-harness is the engine (the optional extra ``gdnprune[eval]``): task names are lm-eval's,
+resolved by its ``TaskManager`` over gdnprune's built-in tasks (written for this run by
+:func:`gdnprune.evaluation.tasks.write_task_folder`) and the user's folders of YAML tasks; each model is
+loaded by :func:`gdnprune.loading.load_causal_lm` (per-layer geometries included) and handed to lm-eval's
+``HFLM`` as a model object; ``simple_evaluate`` runs the tasks. Every input is checked before any model
+loads. The output folder (``results.json``, ``results.md``, ``results.png``, ``tasks/``) is built in a
+temporary folder and moved into place at the end.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.output import Staging, check_output_folder
+from .report import ModelResult, markdown_table, plot_report
+from .tasks import DEFAULT_CONTEXT_LENGTHS, PROBE_KINDS, write_task_folder
+
+__all__ = [
+    "EvalError",
+    "MissingExtraError",
+    "EvalOptions",
+    "EvalReport",
+    "RESULTS_NAME",
+    "evaluate_models",
+    "evaluate_model",
+    "task_manager",
+    "check_task_folder",
+    "require_lm_eval",
+    "model_parameters",
+]
+
+RESULTS_NAME = "results.json"
+OUTPUT_MARKERS = frozenset({RESULTS_NAME})
+#: tasks gdnprune writes for a run, and the tags over them
+BUILTIN_NAMES = ("nats_per_byte", *PROBE_KINDS)
+
+
+class EvalError(ValueError):
+    """An input of ``evaluate_models`` is wrong (a task, a model folder, a length, a task folder)."""
+
+
+class MissingExtraError(ImportError):
+    """lm-eval is not installed."""
+
+
+@dataclass
+class EvalOptions:
+    """What ``evaluate_models`` runs: the tasks and lm-eval's settings (the CLI fills it from its flags)."""
+
+    tasks: Sequence[str]
+    include_path: Sequence[str | os.PathLike] = ()
+    data: str | os.PathLike | None = None
+    context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS
+    limit: int | float | None = None
+    num_fewshot: int | None = None
+    batch_size: int = 8
+    device: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass
+class EvalReport:
+    """The finished output: its folder, the rows (one per model) and whether the plot was drawn."""
+
+    out_dir: Path
+    rows: list[ModelResult] = field(default_factory=list)
+    plotted: bool = False
+
+    @property
+    def table(self) -> str:
+        return markdown_table(self.rows)
+
+
+def require_lm_eval() -> None:
+    """Raise :class:`MissingExtraError` naming the extra when lm-eval cannot be imported."""
+    try:
+        import lm_eval  # noqa: F401  # lazy: optional extra
+    except ImportError:
+        raise MissingExtraError("lm-eval is not installed: pip install 'gdnprune[eval]'") from None
+
+
+def check_task_folder(path: str | os.PathLike) -> Path:
+    """``path`` must be a folder holding at least one YAML task (searched recursively, as lm-eval does)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise EvalError(f"`include_path`: expected a folder of YAML tasks, got {folder} (not a folder)")
+    if not any(folder.rglob("*.yaml")) and not any(folder.rglob("*.yml")):
+        raise EvalError(f"`include_path`: expected a folder of YAML tasks, found no .yaml file in {folder}")
+    return folder
+
+
+def _model_config(path: Path) -> dict[str, Any]:
+    config = path / "config.json"
+    if not config.is_file():
+        raise EvalError(f"model {path}: expected a model folder with a config.json, found none")
+    try:
+        value = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise EvalError(f"model {path}: config.json cannot be read ({exc})") from None
+    if not isinstance(value, dict):
+        raise EvalError(f"model {path}: config.json is not a JSON object")
+    return value
+
+
+def _max_positions(config: dict[str, Any]) -> int | None:
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
+    value = text.get("max_position_embeddings", config.get("max_position_embeddings"))
+    return int(value) if isinstance(value, int) else None
+
+
+def _uses_probes(tasks: Sequence[str]) -> bool:
+    return any(t in PROBE_KINDS or t.split("_")[0] in PROBE_KINDS for t in tasks)
+
+
+def _check_inputs(models: Sequence[Path], options: EvalOptions) -> None:
+    if not models:
+        raise EvalError("`models`: expected at least one model folder, got none")
+    if not options.tasks:
+        raise EvalError("`tasks`: expected at least one task name, got none")
+    if any(n < 1 for n in options.context_lengths):
+        raise EvalError(f"`context_lengths`: expected positive lengths, got {list(options.context_lengths)}")
+    for path in options.include_path:
+        check_task_folder(path)
+    if "nats_per_byte" in options.tasks:
+        if options.data is None:
+            raise EvalError("`data`: the task nats_per_byte needs a text file, none given")
+        if not Path(options.data).is_file():
+            raise EvalError(f"`data`: expected a UTF-8 text file, got {options.data} (not a file)")
+    longest = max(options.context_lengths) if _uses_probes(options.tasks) else None
+    for path in models:
+        limit = _max_positions(_model_config(path))
+        if longest is not None and limit is not None and longest > limit:
+            raise EvalError(
+                f"`context_lengths`: {longest} is beyond the max_position_embeddings of {path} ({limit})"
+            )
+
+
+def task_manager(options: EvalOptions, folder: str | os.PathLike) -> Any:
+    """lm-eval's TaskManager over the run's task ``folder`` and the user's; lm-eval's own tasks only when a
+    name needs them (indexing them takes a while). An unknown name raises :class:`EvalError` with the
+    closest known ones."""
+    from lm_eval.tasks import TaskManager  # lazy: optional extra
+
+    paths = [str(folder), *(str(p) for p in options.include_path)]
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if set(options.tasks) <= set(manager.all_tasks):
+        return manager
+    manager = TaskManager(include_path=paths)
+    known = set(manager.all_tasks)
+    for name in options.tasks:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known | set(BUILTIN_NAMES)), n=3, cutoff=0.6)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise EvalError(f"`tasks`: unknown task {name!r}{hint}")
+    return manager
+
+
+def model_parameters(model: Any) -> tuple[int, int]:
+    """(parameters, active parameters per token): routed experts count ``num_experts_per_tok`` of their
+    experts' weights (every router row counts), as the plan's active-parameter budget counts them."""
+    from ..block_surgery import find_model_blocks
+
+    total = sum(p.numel() for p in model.parameters())
+    active = float(total)
+    for block in find_model_blocks(model, ("experts",)):
+        experts = model.get_submodule(f"{block.prefix}.experts")
+        size = sum(p.numel() for p in experts.parameters())
+        active -= size * (1 - block.shape.num_experts_per_tok / block.shape.num_experts)
+    return total, int(round(active))
+
+
+def _names(models: Sequence[Path]) -> list[str]:
+    names = [p.name or str(p) for p in models]
+    return [str(p) if names.count(n) > 1 else n for p, n in zip(models, names, strict=True)]
+
+
+def _evaluate_one(path: Path, name: str, options: EvalOptions, manager: Any) -> ModelResult:
+    import transformers
+
+    from ..loading import load_causal_lm
+
+    try:
+        model = load_causal_lm(path, dtype=options.dtype, device=options.device)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the folder is the problem
+        raise EvalError(f"model {path}: does not load ({' '.join(str(exc).split())})") from None
+    return evaluate_model(model, tokenizer, options, manager, name=name, path=str(path))
+
+
+def evaluate_model(
+    model: Any, tokenizer: Any, options: EvalOptions, manager: Any, *, name: str, path: str = ""
+) -> ModelResult:
+    """One loaded causal LM on ``options.tasks`` (``manager``: :func:`task_manager`), through lm-eval's
+    ``HFLM`` given the model object."""
+    import lm_eval  # lazy: optional extra
+    from lm_eval.models.huggingface import HFLM
+
+    parameters, active = model_parameters(model)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
+    # scoring needs no cache, and transformers' Qwen3.5 cache fails on a model without attention layers
+    cached, model.config.use_cache = getattr(model.config, "use_cache", None), False
+    try:
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(options.tasks),
+            task_manager=manager,
+            num_fewshot=options.num_fewshot,
+            limit=options.limit,
+            log_samples=False,
+            random_seed=options.seed,
+            numpy_random_seed=options.seed,
+            torch_random_seed=options.seed,
+            fewshot_random_seed=options.seed,
+        )
+    finally:
+        model.config.use_cache = cached
+    return ModelResult(path, name, parameters, active, dict(out["results"]))
+
+
+def evaluate_models(
+    models: Sequence[str | os.PathLike],
+    options: EvalOptions,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+) -> EvalReport:
+    """Evaluate every model folder on ``options.tasks`` and write ``out_dir``: ``results.json`` (per model:
+    path, name, parameter counts, lm-eval's ``results`` unchanged), ``results.md`` (the table),
+    ``results.png`` (the plot, when matplotlib is installed) and ``tasks/`` (the built-in tasks of this run,
+    a folder ``lm_eval --include_path`` reads).
+
+    Raises:
+        MissingExtraError: lm-eval is not installed.
+        EvalError: a wrong input, found before any model loads (a model folder that does not load: when
+            it is loaded).
+    """
+    require_lm_eval()
+    paths = [Path(m) for m in models]
+    out = Path(out_dir)
+    _check_inputs(paths, options)
+    check_output_folder(out, overwrite, OUTPUT_MARKERS)
+    staging = Staging(out, overwrite, markers=OUTPUT_MARKERS)
+    with staging as tmp:
+        folder = write_task_folder(
+            tmp / "tasks", context_lengths=options.context_lengths, seed=options.seed, data=options.data
+        )
+        manager = task_manager(options, folder.path)
+        report = EvalReport(out)
+        for path, name in zip(paths, _names(paths), strict=True):
+            report.rows.append(_evaluate_one(path, name, options, manager))
+        results = {"tasks": list(options.tasks), "models": [row.to_json() for row in report.rows]}
+        (tmp / RESULTS_NAME).write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+        (tmp / "results.md").write_text(report.table, encoding="utf-8")
+        report.plotted = plot_report(report.rows, tmp / "results.png")
+        staging.commit()
+    return report

@@ -1,0 +1,213 @@
+"""The built-in tasks: recall probes (deterministic, exact answer spans, an oracle scores 100% and a guesser
+chance) and nats per byte (equal to a plain loop over windows with the model's own forward)."""
+
+from __future__ import annotations
+
+import filecmp
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdnprune import demo_data
+from gdnprune.evaluation import probes
+from gdnprune.evaluation.tasks import shipped_task_folder, text_windows, write_task_folder
+
+lm_eval = pytest.importorskip("lm_eval")
+from lm_eval.api.model import LM  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("kind", ["passkey", "mqar"])
+@pytest.mark.parametrize("length", [128, 256, 1000, 4096])
+def test_probes_are_deterministic_exact_in_length_and_answers_are_spans_of_the_text(kind, length):
+    a, b = probes.probe(kind, 3, length, 7), probes.probe(kind, 3, length, 7)
+    assert a == b
+    assert probes.probe(kind, 4, length, 7) != a and probes.probe(kind, 3, length, 8) != a
+    assert len(a.text) == length and a.text.isascii()
+    expected = 1 if kind == "passkey" else probes.MQAR_QUERIES
+    assert len(a.queries) == expected
+    for q in a.queries:
+        assert a.text[len(q.context) : len(q.context) + len(q.answer)] == q.answer
+    if kind == "passkey":  # the answer is the needle's number, and the text ends with it
+        key = re.search(r"The pass key is (\d+)\.", a.text).group(1)
+        assert a.queries[0].answer == " " + key and a.text.endswith(key)
+    else:  # each answer is the value written with its key in the first line
+        pairs = dict(p.split(":") for p in a.text.split("\n", 1)[0].split())
+        assert len(pairs) == probes.mqar_pairs(length)
+        for q in a.queries:
+            assert pairs[q.context[-3:-1]] == q.answer
+
+
+def test_answer_positions_in_the_token_stream_are_exact():
+    """With the byte tokenizer, lm-eval's encoding puts the answer's tokens at the character offsets."""
+    _, tokenizer = demo_data.load_demo_model()
+    lm = HFLM(pretrained=demo_data.load_demo_model()[0], tokenizer=tokenizer, batch_size=1)
+    for kind in ("passkey", "mqar"):
+        probe = probes.probe(kind, 0, 256, 0)
+        for q in probe.queries:
+            context_ids, answer_ids = lm._encode_pair(q.context, q.answer)
+            whole = list((q.context + q.answer).encode())
+            assert context_ids + answer_ids == whole
+            assert answer_ids == list(q.answer.encode())
+            assert len(context_ids) == len(q.context)
+
+
+class _Oracle(LM):
+    """Reads the answer from the context (a perfect copier); or guesses digits (``guess=True``)."""
+
+    def __init__(self, guess: bool = False):
+        super().__init__()
+        self.guess, self.rng = guess, random.Random(0)
+
+    def _answer(self, context: str, continuation: str) -> str:
+        if self.guess:
+            return "".join(
+                self.rng.choice("0123456789 ") if c == " " else self.rng.choice("0123456789")
+                for c in continuation
+            )
+        passkey = re.search(r"The pass key is (\d+)\.", context)
+        if passkey:
+            return " " + passkey.group(1)
+        pairs = dict(p.split(":") for p in context.split("\n", 1)[0].split())
+        return pairs[context[-3:-1]]
+
+    def loglikelihood(self, requests):
+        out = []
+        for request in requests:
+            context, continuation = request.args
+            out.append((0.0, self._answer(context, continuation) == continuation))
+        return out
+
+    def loglikelihood_rolling(self, requests):
+        raise NotImplementedError
+
+    def generate_until(self, requests):
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def probe_tasks(tmp_path_factory):
+    folder = write_task_folder(tmp_path_factory.mktemp("tasks"), context_lengths=[256, 1024])
+    return TaskManager(include_path=str(folder.path), include_defaults=False)
+
+
+def _accuracy(lm: LM, manager, tasks: list[str]) -> dict[str, float]:
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=False)
+    return {t: out["results"][t]["acc,none"] for t in tasks}
+
+
+def test_a_perfect_copier_gets_every_probe_right(probe_tasks):
+    assert _accuracy(_Oracle(), probe_tasks, ["passkey_256", "passkey_1024", "mqar_256", "mqar_1024"]) == {
+        "passkey_256": 1.0,
+        "passkey_1024": 1.0,
+        "mqar_256": 1.0,
+        "mqar_1024": 1.0,
+    }
+
+
+def test_a_guesser_scores_chance(probe_tasks):
+    """Chance: 10^-5 for a passkey (answer: a space and 5 digits), 1/100 for an MQAR value (2 digits)."""
+    acc = _accuracy(_Oracle(guess=True), probe_tasks, ["passkey_1024", "mqar_1024"])
+    assert acc["passkey_1024"] == 0.0
+    n = 12 * probes.MQAR_QUERIES  # documents of mqar_1024
+    # binomial(n, 1/100): P(more than 6 hits) < 1e-4
+    assert acc["mqar_1024"] * n <= 6
+
+
+def _plain_nats_per_byte(model, text: str, window: int) -> float:
+    """A plain loop: 256-byte windows of ASCII text; every byte after the window's leading whitespace and
+    first character is predicted by one forward of the window."""
+    data = text.encode()
+    nats, count = 0.0, 0
+    for start in range(0, len(data) - window + 1, window):
+        ids = list(data[start : start + window])
+        first = next(i for i, b in enumerate(ids) if chr(b) not in " \t\n\r\x0b\x0c")
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+        for i in range(first + 1, len(ids)):
+            nats -= float(logp[i - 1, ids[i]])
+            count += 1
+    return nats / count
+
+
+def test_nats_per_byte_equals_a_plain_loop_over_windows(tmp_path):
+    text = "".join(c for c in demo_data.validation_text()[: 256 * 7] if c.isascii())[: 256 * 6]
+    text = text[:256] + "\n   " + text[260:]  # a window that starts with whitespace
+    data = tmp_path / "text.txt"
+    data.write_text(text, encoding="utf-8")
+    folder = write_task_folder(tmp_path / "tasks", context_lengths=[256], data=data)
+    manager = TaskManager(include_path=str(folder.path), include_defaults=False)
+    model, tokenizer = demo_data.load_demo_model()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["nats_per_byte"], task_manager=manager, log_samples=False)
+    ours = out["results"]["nats_per_byte"]["nats_per_byte,none"]
+    assert math.isclose(ours, _plain_nats_per_byte(model, text, 256), rel_tol=1e-5)
+    # with windows that start with a visible character it is the demo's validation loss
+    plain = "".join(text[i : i + 256] for i in range(0, len(text), 256) if not text[i].isspace())
+    assert math.isclose(
+        _plain_nats_per_byte(model, plain, 256),
+        demo_data.validation_loss(model, text=plain, num_windows=None),
+        rel_tol=1e-5,
+    )
+
+
+def test_text_windows_never_split_a_character_and_cover_the_text_in_order():
+    text = "ab é€ 😀 x" * 40
+    windows = text_windows(text, 16)
+    joined = "".join(c + a for c, a in windows)
+    assert text.startswith(joined) and len(text.encode()) - len(joined.encode()) < 16
+    assert all(0 < len((c + a).encode()) <= 16 for c, a in windows)
+    assert all(not c[-1].isspace() and c.strip() == c[-1] for c, _ in windows)
+
+
+def test_the_shipped_task_folder_is_what_the_script_writes(tmp_path):
+    folder = write_task_folder(tmp_path / "tasks")
+    shipped = shipped_task_folder()
+    names = sorted(p.name for p in folder.path.iterdir())
+    assert names == sorted(p.name for p in shipped.iterdir() if p.name != "__pycache__")
+    assert all(filecmp.cmp(folder.path / n, shipped / n, shallow=False) for n in names)
+
+
+def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
+    """`lm_eval run --include_path <gdnprune's task folder>`: lm-eval's own command line and model loader,
+    in another process, on the tag `passkey` (all three lengths would exceed the demo model's 256 positions:
+    lm-eval truncates the left of a context, so only the 256 task is run)."""
+    model_args = f"pretrained={demo_data.demo_model_path()},dtype=float32"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            "--model",
+            "hf",
+            "--model_args",
+            model_args,
+            "--device",
+            "cpu",
+            "--include_path",
+            str(shipped_task_folder()),
+            "--tasks",
+            "passkey_256,mqar_256",
+            "--limit",
+            "2",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "passkey_256" in out.stdout and "mqar_256" in out.stdout
