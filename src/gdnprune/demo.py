@@ -14,10 +14,35 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .checkpoint import slice_checkpoint, sort_checkpoint
+from .checkpoint.output import Staging, check_output_folder
+from .demo_data import (
+    build_byte_tokenizer,
+    byte_windows,
+    demo_model_path,
+    load_demo_model,
+    train_text,
+    validation_loss,
+    validation_text,
+)
+from .distill import distill
+from .evaluation.api import EvalOptions, MissingExtraError, evaluate_model, require_lm_eval, task_manager
+from .evaluation.probes import MIN_LENGTH
+from .evaluation.report import markdown_table, plot_report
+from .evaluation.tasks import write_task_folder
+from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
+from .layouts import find_gdn_modules
+from .loading import load_pretrained, slice_model
+from .plan import BudgetError, plan_model, plot_sensitivity
+from .scoring import score_model
 
 if TYPE_CHECKING:  # torch and transformers load inside the commands, so `gdnprune --help` stays fast
     import torch
@@ -42,7 +67,6 @@ DEMO_FRACTIONS = [
 
 def nested_targets(shape: GDNShape, fractions=DEMO_FRACTIONS) -> list[GDNShape]:
     """A chain of targets, each nested in the previous one (sizes rounded up, at least 1, never growing)."""
-    from .gated_delta_net import GDNShape
 
     out: list[GDNShape] = []
     for fk, fr, fdk, fdv in fractions:
@@ -59,15 +83,12 @@ def nested_targets(shape: GDNShape, fractions=DEMO_FRACTIONS) -> list[GDNShape]:
 
 def gdn_parameter_count(model: torch.nn.Module) -> int:
     """Parameters held by the GDN layers of ``model``."""
-    from .layouts import find_gdn_modules
 
     return sum(p.numel() for _, m in find_gdn_modules(model) for p in m.parameters())
 
 
 def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: GDNShape, target: GDNShape):
     """A new model holding the nested prefix ``target`` of ``model`` (after ``permutations``, if given)."""
-    from .gated_delta_net import slice_gated_delta_net_state_dict
-    from .layouts import find_gdn_modules
 
     state = dict(model.state_dict())
     for prefix, _ in find_gdn_modules(model):
@@ -79,10 +100,6 @@ def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: 
 
 
 def _random_permutations(model, shape: GDNShape, seed: int) -> dict[str, GDNPermutation]:
-    import torch
-
-    from .gated_delta_net import GDNPermutation
-    from .layouts import find_gdn_modules
 
     g = torch.Generator().manual_seed(seed)
     return {prefix: GDNPermutation.random(shape, generator=g) for prefix, _ in find_gdn_modules(model)}
@@ -171,13 +188,9 @@ def run_demo(
     start = time.perf_counter()
     log = log or (lambda message: None)
     if threads is not None:
-        import torch
-
         torch.set_num_threads(threads)
     out_dir = None if output is None else Path(output)
     if out_dir is not None:
-        from .checkpoint.output import check_output_folder
-
         check_output_folder(out_dir, overwrite, DEMO_MARKERS)
     model, model_dir, title = _load(model_dir)
     run = _DemoRun(model, Path(model_dir), seq_len, eval_samples, batch_size, seed, progress, log)
@@ -207,8 +220,6 @@ def run_demo(
     if out_dir is None:
         results["seconds"] = time.perf_counter() - start
     else:
-        from .checkpoint.output import Staging
-
         staging = Staging(out_dir, overwrite, markers=DEMO_MARKERS)
         with staging as tmp:
             written = _Written(tmp, out_dir, start, log)
@@ -239,14 +250,10 @@ def _renamed(deprecated: dict[str, int], num_samples: int, eval_samples: int) ->
 
 def _load(model_dir: str | Path | None) -> tuple[Any, Path, str]:
     """The model (float32, eval mode), its folder and its title: the bundled model when ``model_dir`` is None."""
-    import torch
-
-    from .demo_data import demo_model_path, load_demo_model
 
     if model_dir is None:
         model, _ = load_demo_model()
         return model, demo_model_path(), "bundled Qwen3.5 demo model"
-    from .loading import load_pretrained
 
     model = load_pretrained(Path(model_dir), dtype=torch.float32).eval()
     return model, Path(model_dir), f"{Path(model_dir).name} ({model.config.model_type})"
@@ -274,8 +281,6 @@ class _DemoRun:
     """The steps of :func:`run_demo` on one loaded model: what they share (model, geometry, settings)."""
 
     def __init__(self, model, model_dir: Path, seq_len, eval_samples, batch_size, seed, progress, log):
-        from .gated_delta_net import GDNShape
-        from .layouts import find_gdn_modules
 
         self.model, self.model_dir, self.seq_len = model, model_dir, seq_len
         self.eval_samples, self.batch_size, self.seed = eval_samples, batch_size, seed
@@ -284,17 +289,11 @@ class _DemoRun:
         self.shape = GDNShape.from_module(self.layers[0][1])
 
     def val(self, model) -> float:
-        from .demo_data import validation_loss
 
         return validation_loss(model, num_windows=self.eval_samples, seq_len=self.seq_len)
 
     def score_and_sort(self, num_samples: int, method: str):
         """Score on the training text; sort, and check that the sorted model computes the same function."""
-        import torch
-
-        from .demo_data import byte_windows, train_text, validation_text
-        from .gated_delta_net import GDNPermutation
-        from .scoring import score_model
 
         calibration = byte_windows(train_text(), self.seq_len, num_samples)
         batches = list(calibration.split(self.batch_size))
@@ -318,7 +317,6 @@ class _DemoRun:
 
     def nested_rows(self, permutations, targets: list[GDNShape], num_random: int) -> list[dict]:
         """Per target: kept GDN parameters and the loss of the importance, identity and random orders."""
-        import torch
 
         orderings = {"importance": permutations, "identity": None}
         random_perms = [
@@ -371,7 +369,6 @@ class _DemoRun:
 
     def whole_plan(self, calibration, budget_params: float, rows: list[dict]) -> dict | None:
         """The whole-model plan at ``budget_params`` (None when no plan meets it), logged."""
-        from .plan import BudgetError
 
         full_row = next((row for row in rows if row["target"] == self.shape.as_dict()), None)
         try:
@@ -427,12 +424,6 @@ class _Evaluation:
     @classmethod
     def start(cls, seq_len: int, seed: int, limit: int | None, log):
         """Probes and text windows of ``seq_len`` characters (at most the model's positions)."""
-        import tempfile
-
-        from .demo_data import build_byte_tokenizer, validation_text
-        from .evaluation.api import EvalOptions, MissingExtraError, require_lm_eval, task_manager
-        from .evaluation.probes import MIN_LENGTH
-        from .evaluation.tasks import write_task_folder
 
         if limit == 0:
             return _NoEvaluation()
@@ -454,12 +445,10 @@ class _Evaluation:
         return run
 
     def __call__(self, model, name: str) -> None:
-        from .evaluation.api import evaluate_model
 
         self.rows.append(evaluate_model(model, self.tokenizer, self.options, self.manager, name=name))
 
     def finish(self):
-        from .evaluation.report import markdown_table
 
         self.folder.cleanup()
         self.log(f"eval table (gdnprune's built-in lm-eval tasks, {self.options.limit} documents each):")
@@ -487,8 +476,6 @@ class _Written:
         tmp, out_dir, log = self.tmp, self.out_dir, self.log
         (tmp / "scores.json").write_text(json.dumps(scores, indent=1))
         if whole is not None:
-            from .plan import plot_sensitivity
-
             (tmp / "whole_model_plan.json").write_text(json.dumps(whole["plan"], indent=1))
             (tmp / "whole_model_plan.sensitivity.json").write_text(json.dumps(whole["report"], indent=1))
             results["whole_model_plan"]["file"] = str(out_dir / "whole_model_plan.json")
@@ -501,8 +488,6 @@ class _Written:
         else:
             log(NO_PLOT)
         if evals:
-            from .evaluation.report import markdown_table, plot_report
-
             (tmp / "eval.md").write_text(markdown_table(evals))
             drawn = plot_report(evals, tmp / "eval.png")
             log(f"eval table: {out_dir / 'eval.md'}" + (f" (plot: {out_dir / 'eval.png'})" if drawn else ""))
@@ -517,7 +502,6 @@ def _write_checkpoints(
     model_dir: Path, scores: dict, targets: list[GDNShape], tmp: Path, out_dir: Path, log
 ) -> dict:
     """Sort the model's checkpoint and slice the sorted one to the middle target, with the streaming API."""
-    from .checkpoint import slice_checkpoint, sort_checkpoint
 
     sort_checkpoint(model_dir, scores, tmp / "sorted", overwrite=True, progress=False)
     middle = targets[len(targets) // 2]
@@ -552,11 +536,6 @@ def whole_model_plan(
     (``unpruned_loss``, ``loss``, nats/byte on ``eval_samples`` windows; ``unpruned_loss`` given: not measured
     again), ``plan_windows`` and ``seconds``.
     """
-    from .demo_data import validation_loss
-    from .gated_delta_net import GDNPermutation, GDNShape
-    from .loading import slice_model
-    from .plan import plan_model
-    from .scoring import score_model
 
     start = time.perf_counter()
     batches = list(windows.split(batch_size))
@@ -614,8 +593,6 @@ def recover_demo_slice(
     ``validation_windows`` windows of the validation text), ``recovered`` (share of the slice's loss
     increase won back), ``steps`` and ``seconds``. The default 40 steps take about 30 s on one CPU thread.
     """
-    from .demo_data import byte_windows, train_text, validation_loss
-    from .distill import distill
 
     start = time.perf_counter()
     val = lambda m: validation_loss(m, seq_len=seq_len, num_windows=validation_windows)  # noqa: E731

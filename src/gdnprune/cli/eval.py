@@ -95,6 +95,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    # lazy: commands import the library when they run, so --help stays fast
     from ..evaluation.api import EvalOptions, MissingExtraError, evaluate_models
 
     options = EvalOptions(

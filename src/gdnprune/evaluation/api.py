@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import transformers
+
+from ..block_surgery import find_model_blocks
 from ..checkpoint.output import Staging, check_output_folder
+from ..loading import load_causal_lm
 from .report import ModelResult, markdown_table, plot_report
 from .tasks import DEFAULT_CONTEXT_LENGTHS, PROBE_KINDS, write_task_folder
 
@@ -168,7 +172,6 @@ def task_manager(options: EvalOptions, folder: str | os.PathLike) -> Any:
 def model_parameters(model: Any) -> tuple[int, int]:
     """(parameters, active parameters per token): routed experts count ``num_experts_per_tok`` of their
     experts' weights (every router row counts), as the plan's active-parameter budget counts them."""
-    from ..block_surgery import find_model_blocks
 
     total = sum(p.numel() for p in model.parameters())
     active = float(total)
@@ -185,9 +188,6 @@ def _names(models: Sequence[Path]) -> list[str]:
 
 
 def _evaluate_one(path: Path, name: str, options: EvalOptions, manager: Any) -> ModelResult:
-    import transformers
-
-    from ..loading import load_causal_lm
 
     try:
         model = load_causal_lm(path, dtype=options.dtype, device=options.device)
@@ -203,7 +203,7 @@ def evaluate_model(
     """One loaded causal LM on ``options.tasks`` (``manager``: :func:`task_manager`), through lm-eval's
     ``HFLM`` given the model object."""
     import lm_eval  # lazy: optional extra
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.huggingface import HFLM  # lazy: optional extra
 
     parameters, active = model_parameters(model)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
