@@ -100,7 +100,6 @@ def _sliced_model(model, permutations: dict[str, GDNPermutation] | None, shape: 
 
 
 def _random_permutations(model, shape: GDNShape, seed: int) -> dict[str, GDNPermutation]:
-
     g = torch.Generator().manual_seed(seed)
     return {prefix: GDNPermutation.random(shape, generator=g) for prefix, _ in find_gdn_modules(model)}
 
@@ -281,7 +280,6 @@ class _DemoRun:
     """The steps of :func:`run_demo` on one loaded model: what they share (model, geometry, settings)."""
 
     def __init__(self, model, model_dir: Path, seq_len, eval_samples, batch_size, seed, progress, log):
-
         self.model, self.model_dir, self.seq_len = model, model_dir, seq_len
         self.eval_samples, self.batch_size, self.seed = eval_samples, batch_size, seed
         self.progress, self.log = progress, log
@@ -289,7 +287,6 @@ class _DemoRun:
         self.shape = GDNShape.from_module(self.layers[0][1])
 
     def val(self, model) -> float:
-
         return validation_loss(model, num_windows=self.eval_samples, seq_len=self.seq_len)
 
     def score_and_sort(self, num_samples: int, method: str):
@@ -420,6 +417,7 @@ class _Evaluation:
     def __init__(self, folder, options, manager, log):
         self.folder, self.options, self.manager, self.log = folder, options, manager, log
         self.rows: list = []
+        self.tokenizer: Any = None
 
     @classmethod
     def start(cls, seq_len: int, seed: int, limit: int | None, log):
@@ -445,11 +443,9 @@ class _Evaluation:
         return run
 
     def __call__(self, model, name: str) -> None:
-
         self.rows.append(evaluate_model(model, self.tokenizer, self.options, self.manager, name=name))
 
     def finish(self):
-
         self.folder.cleanup()
         self.log(f"eval table (gdnprune's built-in lm-eval tasks, {self.options.limit} documents each):")
         for line in markdown_table(self.rows).splitlines():

@@ -188,7 +188,6 @@ def _names(models: Sequence[Path]) -> list[str]:
 
 
 def _evaluate_one(path: Path, name: str, options: EvalOptions, manager: Any) -> ModelResult:
-
     try:
         model = load_causal_lm(path, dtype=options.dtype, device=options.device)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
