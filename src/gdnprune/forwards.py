@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import distributed
+
 __all__ = [
     "unpack_batch",
     "unpack_batches",
@@ -279,8 +281,6 @@ class Forwards:
     def __init__(
         self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24, shard: bool = True
     ):
-        from . import distributed
-
         self.model = model.eval()
         self.decoder, self.head = _decoder_and_head(model)
         self.device = input_device(model)
@@ -305,8 +305,6 @@ class Forwards:
         """``values`` summed over the ranks (as they are with one process)."""
         if not self.several:
             return list(values)
-        from . import distributed
-
         total = torch.tensor(values, dtype=torch.float64)
         distributed.all_reduce_sum([total])
         return total.tolist()
@@ -317,8 +315,6 @@ class Forwards:
         if not self.several:
             yield
             return
-        from . import distributed
-
         with distributed.fail_together():
             yield
 

@@ -29,6 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
+from .forwards import Forwards, output_projection
+from .geometry import GDNShape
+from .layouts import find_gdn_modules
+from .scores import gdn_entries, match_layers
 
 __all__ = ["search_lane_orders", "refine_lane_orders"]
 
@@ -58,13 +64,6 @@ def search_lane_orders(
         per token when the lane was removed in the last sweep, ``measures.value_lane = "measured_kl"``)
         and a report (evaluations, forwards, seconds, the orders of every sweep).
     """
-    from tqdm.auto import tqdm
-
-    from .forwards import Forwards, output_projection
-    from .geometry import GDNShape
-    from .layouts import find_gdn_modules
-    from .scores import gdn_entries, match_layers
-
     if sweeps < 1:
         raise ValueError(f"sweeps must be >= 1, got {sweeps}")
     start = time.perf_counter()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import math
 import os
 import shutil
 import socket
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..fileio import file_sha256, umask, unwritable
+from ..fileio import file_sha256, umask, unwritable, write_json_atomic
 from ..interrupts import deferred_signals
 from .folder import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 
@@ -43,7 +44,6 @@ __all__ = [
     "clear_stale",
     "check_paths",
     "Staging",
-    "write_json",
     "write_index",
     "plan_other_files",
     "copy_other_files",
@@ -261,7 +261,7 @@ class Staging:
                     self.created.append(parent)
                 self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.gdnprune-", dir=self.out.parent))
                 _make_folder(self.tmp)
-                write_json(self.tmp / OWNER_NAME, _owner())
+                write_json_atomic(self.tmp / OWNER_NAME, _owner(), indent=2)
         except OSError as exc:
             self._remove()
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # e.g. remounted read-only meanwhile
@@ -311,7 +311,7 @@ class Staging:
                 else:
                     _check_replaceable(out, self.markers)
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-old-", dir=out.parent))
-                write_json(old / OWNER_NAME, _owner())
+                write_json_atomic(old / OWNER_NAME, _owner(), indent=2)
                 os.rename(out, old / "previous")
                 try:
                     os.rename(tmp, out)
@@ -329,13 +329,6 @@ class Staging:
 
 # --------------------------------------------------------------------------------------------------------
 # files of the output folder
-
-
-def write_json(path: Path, value: Any, indent: int = 2) -> None:
-    """``value`` as indented JSON with a final newline."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=indent)
-        f.write("\n")
 
 
 def write_index(
@@ -363,8 +356,8 @@ def write_index(
         metadata = index["metadata"] = {}
     metadata["total_size"] = sum(e[4] - e[3] for e in entries)
     if "total_parameters" in metadata:
-        metadata["total_parameters"] = sum(_numel(e[2]) for e in entries)
-    write_json(tmp / INDEX_NAME, index)
+        metadata["total_parameters"] = sum(math.prod(e[2]) for e in entries)
+    write_json_atomic(tmp / INDEX_NAME, index, indent=2)
 
 
 def plan_other_files(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
@@ -461,11 +454,4 @@ def build_manifest(
 
 
 def write_manifest(tmp: Path, manifest: dict) -> None:
-    write_json(tmp / MANIFEST_NAME, manifest, indent=1)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    write_json_atomic(tmp / MANIFEST_NAME, manifest, indent=1)

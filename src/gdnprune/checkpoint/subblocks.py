@@ -30,6 +30,7 @@ from ..blocks import (
 )
 from ..geometry import layer_index_of
 from ..layouts import TileGridError, scaled_weight
+from ..model_config import MTP_PREFIX
 from ..plans import plan_block_kinds, read_plan, resolve_block_plan
 from ..scores import ScoresError, match_layers
 from ..targets import TargetError
@@ -156,7 +157,7 @@ def plan_sub_blocks(
         {
             n.rsplit(".", 2)[0]
             for n in ckpt.names
-            if n.startswith("mtp.") and any(KINDS[k].matches(n.rsplit(".", 2)[0]) for k in cut_kinds)
+            if n.startswith(MTP_PREFIX) and any(KINDS[k].matches(n.rsplit(".", 2)[0]) for k in cut_kinds)
         }
     )
     return out

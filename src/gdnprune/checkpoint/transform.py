@@ -9,6 +9,7 @@ A failure or an interrupt removes the temporary folder. Nothing here imports tor
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import sys
@@ -19,12 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from .. import compensate, depth
 from ..deprecation import renamed_keywords
-from ..fileio import file_sha256
-from ..geometry import apply_targets_to_config, layer_index_of
+from ..fileio import file_sha256, write_json_atomic
+from ..geometry import apply_targets_to_config, layer_index_of, orders_to_payload
+from ..model_config import text_config
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
-from ..scores import read_scores, resolve_orders
+from ..scores import prefix_alias, read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from . import output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
@@ -290,8 +294,6 @@ def _transform(
             f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
         )
 
-    from tqdm import tqdm
-
     staging = output.Staging(out, overwrite, src=src)
     with staging as tmp:
         shards = plan_shards(ckpt, gdn_names, tmp)
@@ -411,8 +413,6 @@ def _finish_folder(
     removed=(),
 ) -> dict:
     """Index, config, other files and manifest of the output folder."""
-    from ..geometry import orders_to_payload
-
     gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
 
     output.write_index(
@@ -434,7 +434,7 @@ def _finish_folder(
             config = depth.remove_layers_from_config(config, removed)
         if dequantized:
             config = _not_converted(config, dequantized)
-        output.write_json(tmp / CONFIG_NAME, config)
+        write_json_atomic(tmp / CONFIG_NAME, config, indent=2)
     else:
         output.copy_other_files(ckpt.path, tmp, [CONFIG_NAME])
     if dequantized:
@@ -479,12 +479,8 @@ def _finish_folder(
 
 def _not_converted(config: Mapping, modules: list[str]) -> dict:
     """``config`` with ``modules`` (and their text-model spellings) added to the FP8 ``modules_to_not_convert``."""
-    import copy
-
-    from ..scores import prefix_alias
-
     config = copy.deepcopy(dict(config))
-    holder = config if "quantization_config" in config else config.get("text_config", config)
+    holder = text_config(config, "quantization_config")
     quant = holder.setdefault("quantization_config", {})
     names = list(quant.get("modules_to_not_convert") or [])
     for module in modules:

@@ -142,10 +142,10 @@ def _mode(args) -> str:
 
 
 def _merge(args) -> int:
-    from ..distributed import launch_info
-    from ..fileio import check_output_file
-    from ..scores import save_scores
-    from ..scoring import merge_partials
+    from ..distributed import launch_info  # lazy: fast --help
+    from ..fileio import check_output_file  # lazy: fast --help
+    from ..scores import save_scores  # lazy: fast --help
+    from ..scoring import merge_partials  # lazy: fast --help
 
     info = launch_info()
     if info is not None:
@@ -167,10 +167,10 @@ def _merge(args) -> int:
 
 
 def _score(args, mode: str) -> int:
-    from ..distributed import fail_together, is_main_process
-    from ..fileio import check_output_file
-    from ..scores import save_scores
-    from ..scoring import measure_checkpoint, save_partial, score_checkpoint
+    from ..distributed import fail_together, is_main_process  # lazy: fast --help
+    from ..fileio import check_output_file  # lazy: fast --help
+    from ..scores import save_scores  # lazy: fast --help
+    from ..scoring import measure_checkpoint, save_partial, score_checkpoint  # lazy: fast --help
 
     main = is_main_process()
     target = args.partial if mode == "partial" else args.output
@@ -185,7 +185,7 @@ def _score(args, mode: str) -> int:
     with model_runtime(runtime), warnings.catch_warnings():
         if not main:  # the ranks see the same data and model: rank 0 speaks for them
             warnings.simplefilter("ignore")
-            from transformers.utils import logging as hf_logging
+            from transformers.utils import logging as hf_logging  # lazy: fast --help
 
             hf_logging.disable_progress_bar()
         if mode == "partial":
@@ -214,7 +214,7 @@ def _score(args, mode: str) -> int:
             with fail_together():
                 path = save_scores(scores, args.output, overwrite=args.overwrite) if main else None
                 if stats is not None and main:
-                    from ..compensate import model_identity, save_statistics
+                    from ..compensate import model_identity, save_statistics  # lazy: fast --help
 
                     stats_path = args.compensation_stats
                     save_statistics(stats, stats_path, model=model_identity(args.model_dir))
@@ -234,8 +234,8 @@ def _score(args, mode: str) -> int:
 
 
 def run(args) -> int:
-    from ..distributed import RankFailedError, process_group, rank, world_size
-    from . import report_error
+    from ..distributed import RankFailedError, process_group, rank, world_size  # lazy: fast --help
+    from . import report_error  # lazy: cli/__init__ imports this module
 
     if args.compensation:
         deprecated("--compensation", "--compensation-stats STATS.safetensors")

@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint import verify_checkpoints
+    from ..checkpoint import verify_checkpoints  # lazy: fast --help
 
     with model_runtime(args):
         r = verify_checkpoints(

@@ -18,8 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
+from .. import model_config
+from ..block_surgery import find_model_blocks
 from ..blocks import KINDS
+from ..calibration import calibration_windows, iter_batches
+from ..checkpoint.folder import map_to_checkpoint
+from ..compensate import collect_statistics
 from ..deprecation import renamed_keywords
 from ..distributed import (
     all_reduce_sum,
@@ -31,8 +38,13 @@ from ..distributed import (
     shard_indices,
     world_size,
 )
+from ..fileio import file_sha256
 from ..forwards import input_device, unpack_batch
 from ..layouts import find_gdn_modules
+from ..loading import load_causal_lm
+from ..refine import search_lane_orders
+from .blocks import BlockScorer
+from .experts import ExpertScorer
 from .hooks import LayerScorer
 from .loss_head import LossGradients, default_loss_token_stride, loss_positions, output_head
 from .payload import LayerStatistics, ScoringStatistics, scores_from_statistics
@@ -141,8 +153,6 @@ def measure_statistics(
     turned into a scores dict by :func:`gdnprune.scoring.payload.scores_from_statistics`. With no batches
     (an empty share), every statistic is zero.
     """
-    from tqdm.auto import tqdm
-
     _check_options(
         method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure, loss_token_stride
     )
@@ -152,10 +162,6 @@ def measure_statistics(
     block_scorers = []
     kinds = scored_kinds(blocks)
     if kinds != ():
-        from ..block_surgery import find_model_blocks
-        from .blocks import BlockScorer
-        from .experts import ExpertScorer
-
         block_method = method if method != "random" else "activation"  # random: no statistics are used
         block_scorers = [
             (ExpertScorer if b.kind == "experts" else BlockScorer)(
@@ -257,8 +263,6 @@ def measure_statistics(
 def _supported_kinds(model: torch.nn.Module, asked: tuple[str, ...] | None) -> list[str]:
     """The sub-block kinds of ``asked`` (None: every kind) that fit a layout in ``model`` (an indexed
     attention, say, is left to GDN scoring; a warning says so when the kind was asked for by name)."""
-    from ..block_surgery import find_model_blocks
-
     kinds = []
     for kind in KINDS if asked is None else asked:
         try:
@@ -376,18 +380,9 @@ DEFAULT_MAX_SEQ_LEN = 512
 def default_seq_len(
     config: Mapping, tokenizer: Any = None, cap: int = DEFAULT_MAX_SEQ_LEN
 ) -> tuple[int, str]:
-    """The calibration window a model supports: the least of ``cap``, the (text) config's
-    ``max_position_embeddings`` and the tokenizer's ``model_max_length`` when set; and why, in words."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
-    limits = [(cap, f"capped at {cap}")]
-    positions = text.get("max_position_embeddings")
-    if isinstance(positions, int) and positions > 1:
-        limits.append((positions, f"max_position_embeddings {positions}"))
-    length = getattr(tokenizer, "model_max_length", None)
-    if isinstance(length, int) and 1 < length < 1_000_000:
-        limits.append((length, f"tokenizer model_max_length {length}"))
-    value = min(v for v, _ in limits)
-    return value, next(why for v, why in limits if v == value)
+    """The calibration window a model supports: :func:`gdnprune.model_config.default_seq_len` capped at
+    ``cap`` (default 512); and why, in words."""
+    return model_config.default_seq_len(config, tokenizer, cap=cap)
 
 
 @dataclass
@@ -445,13 +440,6 @@ def measure_checkpoint(
     ``model``: the folder's model already loaded (:func:`gdnprune.loading.load_causal_lm`); then ``device``,
     ``device_map`` are not used and ``dtype`` is only recorded.
     """
-    from transformers import AutoTokenizer
-
-    from ..calibration import calibration_windows, iter_batches
-    from ..checkpoint.folder import map_to_checkpoint
-    from ..fileio import file_sha256
-    from ..loading import load_causal_lm
-
     model_dir = Path(model_dir)
     with fail_together():
         if not (model_dir / "config.json").is_file():
@@ -610,9 +598,6 @@ def score_checkpoint(
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     if lane_search:
-        from ..calibration import iter_batches
-        from ..refine import search_lane_orders
-
         with fail_together():
             windows = run.windows[: max(1, int(lane_search_samples))]
             scores, _ = search_lane_orders(
@@ -622,10 +607,6 @@ def score_checkpoint(
                 progress=progress and is_main_process(),
             )
     if compensate:
-        from ..calibration import iter_batches
-        from ..checkpoint.folder import map_to_checkpoint
-        from ..compensate import collect_statistics
-
         with fail_together():
             mine = shard_indices(run.windows.shape[0], rank(), world_size())
             stats = collect_statistics(

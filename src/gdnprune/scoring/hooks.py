@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import align_module_device
+from transformers.activations import ACT2FN
 
 from ..forwards import OUTPUT_PROJECTIONS, output_projection
 from ..geometry import GDNShape
@@ -26,12 +28,6 @@ def materialized_weight(module: torch.nn.Module, name: str = "weight") -> torch.
     tensor = getattr(module, name)
     if tensor is None or tensor.device.type != "meta":
         return tensor
-    try:
-        from accelerate.utils import align_module_device
-    except ImportError:  # pragma: no cover - accelerate is what puts weights on meta
-        raise ValueError(
-            f"{type(module).__name__}.{name} is on the meta device and accelerate is missing"
-        ) from None
     with align_module_device(module):
         return getattr(module, name).detach().clone()
 
@@ -131,8 +127,6 @@ class LayerScorer:
 
     def _on_qk(self, qk: torch.Tensor) -> None:
         """q/k projection output [B, T, 2*Hk*dk] (canonical [q | k]) -> post-conv q, k statistics."""
-        from transformers.activations import ACT2FN
-
         s = self.shape
         kd = s.key_dim
         B, T = qk.shape[0], qk.shape[1]

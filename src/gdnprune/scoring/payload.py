@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
+from ..block_surgery import random_orders
+from ..blocks import orders_to_payload
+from ..gated_delta_net import GDNPermutation
 from ..geometry import GDNShape
+from ..scores import SCORES_FORMAT, SCORES_VERSION
+from .experts import expert_payload
 from .orders import descending, greedy_lane_orders, greedy_removal_order
 
 __all__ = [
@@ -211,8 +216,6 @@ def layer_payload(
 
 def random_payload(shape: GDNShape, generator: torch.Generator) -> dict[str, Any]:
     """The payload of the ``random`` method: seeded random orders, raw scores = rank (larger = earlier)."""
-    from ..gated_delta_net import GDNPermutation
-
     perm = GDNPermutation.random(shape, generator=generator)
     payload: dict[str, Any] = perm.to_score_payload()
     for key, order in zip(
@@ -262,8 +265,6 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
 
     ``world_size`` is recorded beside ``num_tokens``: how many processes computed the sums.
     """
-    from ..scores import SCORES_FORMAT, SCORES_VERSION
-
     method = statistics.method
     result: dict[str, Any] = {
         "format": SCORES_FORMAT,
@@ -278,9 +279,6 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
     if statistics.measures is not None:
         result["measures"] = dict(statistics.measures)
     if method == "random":
-        from ..block_surgery import random_orders
-        from ..blocks import orders_to_payload
-
         generator = torch.Generator().manual_seed(int(statistics.seed))
         for prefix, layer in statistics.layers.items():
             result["layers"][prefix] = random_payload(layer.shape, generator)
@@ -313,8 +311,6 @@ def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> di
     """The score payload of a sub-block (a :class:`gdnprune.blocks.Block`) from its (summed) statistics
     (:class:`gdnprune.scoring.blocks.BlockScorer`): orders, raw scores, geometry."""
     if block.kind == "experts":  # routed experts: REAP or frequency (gdnprune.scoring.experts)
-        from .experts import expert_payload
-
         return expert_payload(block, stats, method)
     n = max(int(stats["num_tokens"]), 1)
     activation = stats["abs_sum"] / n
@@ -324,8 +320,6 @@ def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> di
         "shape": block.shape.as_dict(),
         "method": method,
     }
-    from ..blocks import orders_to_payload
-
     if block.kind == "attention":
         nkv, r = block.shape.num_key_value_heads, block.shape.heads_per_group
         if method == "projection":
