@@ -107,7 +107,7 @@ def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = F
 
     stats: dict[str, dict] = {}
     handles = []
-    current = {"mask": None}
+    current: dict[str, Any] = {"mask": None}
 
     def hook(prefix):
         def record(module, args):

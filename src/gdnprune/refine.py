@@ -108,7 +108,7 @@ def search_lane_orders(
                 with forwards.from_layer(index[prefix]) as measure:
                     for _ in range(r):
                         for g in range(Hk):
-                            best = None
+                            best: tuple[float, int] | None = None
                             for j in (j for j in range(r) if j not in removed[g]):
                                 masks[prefix][g * r + j] = 0.0
                                 kl, _ = measure()
@@ -116,6 +116,7 @@ def search_lane_orders(
                                 bar.update(1)
                                 if best is None or kl < best[0]:
                                     best = (kl, j)
+                            assert best is not None  # r >= 1: a lane is always left to try
                             removed[g].append(best[1])
                             kl_at[g, best[1]] = best[0]
                             masks[prefix][g * r + best[1]] = 0.0

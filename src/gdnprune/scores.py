@@ -135,6 +135,7 @@ def _check_block_payload(prefix: str, payload: Mapping, source: str) -> None:
     """A sub-block's payload: its ``shape`` (the geometry's fields) and orders that fit it."""
     shape = payload.get("shape")
     kind = block_kind_of(prefix, shape if isinstance(shape, Mapping) else ())
+    assert kind is not None  # called for the prefixes of sub-blocks only
     try:
         if not isinstance(shape, Mapping):
             raise ValueError(

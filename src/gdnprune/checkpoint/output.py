@@ -29,6 +29,7 @@ import socket
 import tempfile
 import warnings
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ def clear_stale(out: Path) -> None:
 
 def _clean_stale(out: Path) -> list[str]:
     """Deal with the temporary folders of earlier runs next to ``out``; returns what was done, one line each."""
-    notes = []
+    notes: list[str] = []
     try:
         entries = sorted(os.scandir(out.parent), key=lambda e: e.name)
     except OSError:
@@ -295,6 +296,7 @@ class Staging:
         carries ``output_complete = str(out)``.
         """
         out, tmp = self.out, self.tmp
+        assert tmp is not None  # set on entering the with block
         try:
             with deferred_signals():
                 os.unlink(tmp / OWNER_NAME)
@@ -335,7 +337,7 @@ def write_index(
     ckpt: Checkpoint,
     tmp: Path,
     entries: list[tuple],
-    dropped: set[str] = frozenset(),
+    dropped: AbstractSet[str] = frozenset(),
     names: Mapping[str, str | None] | None = None,
 ) -> None:
     """The output's safetensors index: the source index with the sizes of the output tensors ``entries``
@@ -422,7 +424,7 @@ def build_manifest(
     operation: str,
     *,
     sorted_out: bool,
-    source_shape: dict,
+    source_shape: dict | None,
     target: dict | None,
     layers: dict,
     unsorted_layers: list | None,

@@ -114,7 +114,8 @@ def plan_sub_blocks(
         kinds |= plan_block_kinds(plan)
     if not kinds:
         return SubBlockPlan()
-    layers = {layer.prefix: layer for layer in find_block_layers(ckpt, sorted(kinds))}
+    # the sub-blocks as the engine sees them (GDNLayer records), used as blocks.Block (kind, prefix, shape)
+    layers: dict[str, Any] = {layer.prefix: layer for layer in find_block_layers(ckpt, sorted(kinds))}
     asked = set(target) | (
         set(read_plan(plan).get("default") or {}) & set(BLOCK_FIELDS) if plan is not None else set()
     )

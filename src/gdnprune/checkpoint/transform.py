@@ -479,8 +479,8 @@ def _finish_folder(
 
 def _not_converted(config: Mapping, modules: list[str]) -> dict:
     """``config`` with ``modules`` (and their text-model spellings) added to the FP8 ``modules_to_not_convert``."""
-    config = copy.deepcopy(dict(config))
-    holder = text_config(config, "quantization_config")
+    out = copy.deepcopy(dict(config))
+    holder = text_config(out, "quantization_config")
     quant = holder.setdefault("quantization_config", {})
     names = list(quant.get("modules_to_not_convert") or [])
     for module in modules:
@@ -488,7 +488,7 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
             if spelling not in names:
                 names.append(spelling)
     quant["modules_to_not_convert"] = names
-    return config
+    return out
 
 
 def sort_checkpoint(
@@ -508,7 +508,7 @@ def sort_checkpoint(
     are those of :func:`transform_checkpoint`. Returns the manifest.
     """
     data = read_scores(scores)
-    info = {"metadata": {k: v for k, v in data.items() if k != "layers"}}
+    info: dict[str, Any] = {"metadata": {k: v for k, v in data.items() if k != "layers"}}
     if not isinstance(scores, Mapping):
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
     extra = {"scores": info, **dict(manifest_extra or {})}

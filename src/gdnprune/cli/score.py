@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from pathlib import Path
 
 from ._options import (
     BLOCKS,
@@ -180,6 +181,7 @@ def _score(args, mode: str) -> int:
             if mode == "scores" and args.compensation_stats:
                 check_output_file(args.compensation_stats, args.overwrite)
     blocks = None if args.blocks == BLOCKS else blocks_from_args(args)  # None: every kind, no note per kind
+    path: Path | str | None = None  # what was written (in words, with a statistics file)
     options = dict(progress=not args.quiet, blocks=blocks, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():

@@ -177,12 +177,12 @@ def measure_statistics(
         return ScoringStatistics(
             method, int(seed), None, layers, {s.block.prefix: (s.block, {}) for s in block_scorers}
         )
-    head = None
+    head: tuple[Any, Any] | None = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
-        head = output_head(model)
-        if isinstance(head, str):
+        found = output_head(model)
+        if isinstance(found, str):
             warnings.warn(
-                f"gdnprune score: {head}, so the loss-aware Gram cannot be computed; ordering with the energy "
+                f"gdnprune score: {found}, so the loss-aware Gram cannot be computed; ordering with the energy "
                 "Gram (lanes, key groups) and head_rms (value channels) instead",
                 RuntimeWarning,
                 stacklevel=3,
@@ -190,8 +190,9 @@ def measure_statistics(
             lane_measure = "energy_gram" if lane_measure == "loss_gram" else lane_measure
             key_group_measure = "energy_gram" if key_group_measure == "loss_gram" else key_group_measure
             value_dim_measure = "head_rms" if value_dim_measure == "loss_gram" else value_dim_measure
-            head = None
-    measures = None
+        else:
+            head = found
+    measures: dict[str, Any] | None = None
     if method == "projection":
         measures = {
             "key_group": key_group_measure,
@@ -209,7 +210,7 @@ def measure_statistics(
     ]
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
-    extra = {"use_cache": False}
+    extra: dict[str, Any] = {"use_cache": False}
     try:
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             extra["logits_to_keep"] = 1  # no need for the full vocabulary projection
@@ -223,8 +224,8 @@ def measure_statistics(
     was_training = model.training
     model.eval()
     try:
-        for scorer in [*scorers, *block_scorers]:
-            handles.extend(scorer.attach())
+        for attached in [*scorers, *block_scorers]:
+            handles.extend(attached.attach())
         if head is not None:
             handles.append(
                 head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0]))
@@ -233,7 +234,9 @@ def measure_statistics(
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
                 ids, mask = unpack_batch(batch)
                 select = (
-                    None if head is None else loss_positions(ids, mask, windows_seen, int(loss_token_stride))
+                    None
+                    if head is None
+                    else loss_positions(ids, mask, windows_seen, int(loss_token_stride or 0))
                 )
                 windows_seen += ids.shape[0]
                 for scorer in scorers:
@@ -247,6 +250,7 @@ def measure_statistics(
                 final.clear()
                 model(input_ids=ids.to(device), **kwargs)
                 if gradients is not None:
+                    assert select is not None  # a loss head selects tokens
                     gradients.add(final.pop("hidden", None), ids, select)
             if gradients is not None:
                 gradients.flush()
@@ -352,7 +356,7 @@ def score_model(
     Raises:
         ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
     """
-    options = dict(
+    options: dict[str, Any] = dict(
         method=method,
         seed=seed,
         total=total,
@@ -472,7 +476,7 @@ def measure_checkpoint(
         mine = shard_indices(len(share), rank(), world_size())
         start = share.start + mine.start
         stat = os.stat(data)
-        info = dict(
+        info: dict[str, Any] = dict(
             model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
             data={
                 "path": str(data),

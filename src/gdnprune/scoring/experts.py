@@ -58,7 +58,7 @@ class ExpertScorer:
         return [self.experts.register_forward_hook(self._on_forward)]
 
     @torch.no_grad()
-    def _on_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _on_forward(self, module: Any, args: tuple, output: Any) -> None:
         hidden, index, weights = args[:3]
         if self.token_mask is not None:  # padding tokens are left out (the module sees tokens flattened)
             keep = self.token_mask.to(hidden.device).reshape(-1)
@@ -129,7 +129,7 @@ def block_influence(model: torch.nn.Module, batches: Iterable[Any]) -> dict[int,
         for batch in batches:
             ids, mask = unpack_batch(batch)
             state["mask"] = None if mask is None else mask.bool()
-            kwargs = {"use_cache": False}
+            kwargs: dict[str, Any] = {"use_cache": False}
             if mask is not None:
                 kwargs["attention_mask"] = mask.to(device).long()
             model(input_ids=ids.to(device), **kwargs)

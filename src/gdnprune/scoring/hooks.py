@@ -38,7 +38,7 @@ class LayerScorer:
     def __init__(
         self,
         prefix: str,
-        module: torch.nn.Module,
+        module: Any,
         method: str,
         key_dim_measure: str,
         value_dim_measure: str,
@@ -60,7 +60,7 @@ class LayerScorer:
         if not any(name in children for name in OUTPUT_PROJECTIONS) or "conv1d" not in children:
             raise ValueError(f"{prefix}: GDN module {type(module).__name__} has no out_proj/o_proj or conv1d")
         self.out_proj = output_projection(module)
-        self.conv = children["conv1d"]
+        self.conv: Any = children["conv1d"]
         self.stats: dict[str, torch.Tensor] = {}
         self.num_tokens = 0
         self.num_windows = 0

@@ -217,7 +217,7 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
     return meta, statistics
 
 
-def _get(meta: dict, key: str) -> Any:
+def _get(meta: Any, key: str) -> Any:
     for part in key.split("/"):
         meta = meta.get(part) if isinstance(meta, dict) else None
     return meta
