@@ -19,6 +19,7 @@ NAME = "slice"
 HELP = "cut every GDN layer to a nested prefix"
 
 
+# Over 80 lines: argparse definitions in a row, one per option.
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,

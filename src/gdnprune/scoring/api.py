@@ -159,16 +159,7 @@ def measure_statistics(
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
-    block_scorers = []
-    kinds = scored_kinds(blocks)
-    if kinds != ():
-        block_method = method if method != "random" else "activation"  # random: no statistics are used
-        block_scorers = [
-            (ExpertScorer if b.kind == "experts" else BlockScorer)(
-                b, model.get_submodule(b.prefix), block_method
-            )
-            for b in find_model_blocks(model, _supported_kinds(model, kinds))
-        ]
+    block_scorers = _block_scorers(model, blocks, method)
     if method == "random":
         layers = {}
         for prefix, module in modules:
@@ -180,13 +171,8 @@ def measure_statistics(
     head: tuple[Any, Any] | None = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
         found = output_head(model)
-        if isinstance(found, str):
-            warnings.warn(
-                f"gdnprune score: {found}, so the loss-aware Gram cannot be computed; ordering with the energy "
-                "Gram (lanes, key groups) and head_rms (value channels) instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if isinstance(found, str):  # without a head: the energy Gram and head_rms instead
+            _warn_no_head(found)
             lane_measure = "energy_gram" if lane_measure == "loss_gram" else lane_measure
             key_group_measure = "energy_gram" if key_group_measure == "loss_gram" else key_group_measure
             value_dim_measure = "head_rms" if value_dim_measure == "loss_gram" else value_dim_measure
@@ -210,6 +196,49 @@ def measure_statistics(
     ]
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
+    stride = None if head is None else int(loss_token_stride or 0)
+    _forward_all(model, batches, scorers, block_scorers, head, stride, int(window_offset), total, progress)
+    layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
+    return ScoringStatistics(
+        method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats) for s in block_scorers}
+    )
+
+
+def _block_scorers(model: torch.nn.Module, blocks: Sequence[str] | bool | None, method: str) -> list[Any]:
+    """The scorers of the sub-blocks ``blocks`` names (:func:`scored_kinds`) that ``model`` has."""
+    kinds = scored_kinds(blocks)
+    if kinds == ():
+        return []
+    block_method = method if method != "random" else "activation"  # random: no statistics are used
+    return [
+        (ExpertScorer if b.kind == "experts" else BlockScorer)(b, model.get_submodule(b.prefix), block_method)
+        for b in find_model_blocks(model, _supported_kinds(model, kinds))
+    ]
+
+
+def _warn_no_head(why: str) -> None:
+    warnings.warn(
+        f"gdnprune score: {why}, so the loss-aware Gram cannot be computed; ordering with the energy "
+        "Gram (lanes, key groups) and head_rms (value channels) instead",
+        RuntimeWarning,
+        stacklevel=4,  # the frame stacklevel=3 names from measure_statistics
+    )
+
+
+def _forward_all(
+    model: Any,
+    batches: Iterable[Any],
+    scorers: list[LayerScorer],
+    block_scorers: list[Any],
+    head: Any,
+    stride: int | None,
+    window_offset: int,
+    total: int | None,
+    progress: bool,
+) -> None:
+    """The forward passes of :func:`measure_statistics` over ``batches``, the scorers' hooks attached (and
+    with a loss ``head``, the gradients of every ``stride``-th token handed to them); the model's training
+    mode is restored."""
     extra: dict[str, Any] = {"use_cache": False}
     try:
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
@@ -220,7 +249,7 @@ def measure_statistics(
     handles = []
     final: dict[str, torch.Tensor] = {}
     gradients = None if head is None else LossGradients(head, scorers)
-    windows_seen = int(window_offset)
+    windows_seen = window_offset
     was_training = model.training
     model.eval()
     try:
@@ -233,11 +262,7 @@ def measure_statistics(
         with torch.no_grad():
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
                 ids, mask = unpack_batch(batch)
-                select = (
-                    None
-                    if head is None
-                    else loss_positions(ids, mask, windows_seen, int(loss_token_stride or 0))
-                )
+                select = None if stride is None else loss_positions(ids, mask, windows_seen, stride)
                 windows_seen += ids.shape[0]
                 for scorer in scorers:
                     scorer.token_mask = mask
@@ -258,10 +283,6 @@ def measure_statistics(
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
-    return ScoringStatistics(
-        method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats) for s in block_scorers}
-    )
 
 
 def _supported_kinds(model: torch.nn.Module, asked: tuple[str, ...] | None) -> list[str]:
@@ -274,7 +295,9 @@ def _supported_kinds(model: torch.nn.Module, asked: tuple[str, ...] | None) -> l
         except ValueError as exc:
             if asked is not None:
                 warnings.warn(
-                    f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4
+                    f"gdnprune score: {exc}; its {kind} sub-blocks are not scored",
+                    UserWarning,
+                    stacklevel=5,  # measure_statistics' caller's caller, through _block_scorers
                 )
             continue
         kinds.append(kind)
