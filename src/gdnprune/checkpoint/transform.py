@@ -194,6 +194,8 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
     return plans, missing
 
 
+# Over 80 lines: the steps in the order a failure must be found (every input check before the folder is
+# made, then the writing); each step is a helper below.
 def _transform(
     src: Path,
     out: Path,
@@ -420,7 +422,9 @@ def _check_free_space(ckpt: Checkpoint, out: Path, rewritten: set[str]) -> None:
         )
 
 
-def _refit(ckpt: Checkpoint, plans: dict, shards: list, stats: Any, order: Any, ridge: float | None) -> dict:
+def _refit(
+    ckpt: Checkpoint, plans: dict, shards: list, stats: Any, order: Any, ridge: float | None
+) -> list[str]:
     """Refit the cut GDN layers' out_proj in the written shards (:func:`refit.refit_out_proj`)."""
     destinations = {
         name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
@@ -431,7 +435,7 @@ def _refit(ckpt: Checkpoint, plans: dict, shards: list, stats: Any, order: Any, 
     return refit.refit_out_proj(ckpt, plans, destinations, stats, order, ridge=ridge)
 
 
-def _compensation_info(stats_path: Any, ridge: float | None, refitted: dict) -> dict:
+def _compensation_info(stats_path: Any, ridge: float | None, refitted: list[str]) -> dict:
     """The manifest's ``compensation`` entry."""
     fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
     return {

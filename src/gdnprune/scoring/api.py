@@ -8,7 +8,6 @@ measures are described in ``docs/scoring.md``.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import warnings
@@ -18,11 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from .. import model_config
-from ..block_surgery import find_model_blocks
 from ..blocks import KINDS
 from ..calibration import calibration_windows, iter_batches
 from ..checkpoint.folder import map_to_checkpoint
@@ -39,14 +36,12 @@ from ..distributed import (
     world_size,
 )
 from ..fileio import file_sha256
-from ..forwards import input_device, unpack_batch
 from ..layouts import find_gdn_modules
 from ..loading import load_causal_lm
 from ..refine import search_lane_orders
-from .blocks import BlockScorer
-from .experts import ExpertScorer
 from .hooks import LayerScorer
-from .loss_head import LossGradients, default_loss_token_stride, loss_positions, output_head
+from .loss_head import default_loss_token_stride, output_head
+from .passes import make_block_scorers, run_batches
 from .payload import LayerStatistics, ScoringStatistics, scores_from_statistics
 
 __all__ = [
@@ -159,7 +154,7 @@ def measure_statistics(
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
-    block_scorers = _block_scorers(model, blocks, method)
+    block_scorers = make_block_scorers(model, scored_kinds(blocks), method)
     if method == "random":
         layers = {}
         for prefix, module in modules:
@@ -197,23 +192,11 @@ def measure_statistics(
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
     stride = None if head is None else int(loss_token_stride or 0)
-    _forward_all(model, batches, scorers, block_scorers, head, stride, int(window_offset), total, progress)
+    run_batches(model, batches, scorers, block_scorers, head, stride, int(window_offset), total, progress)
     layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
     return ScoringStatistics(
         method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats) for s in block_scorers}
     )
-
-
-def _block_scorers(model: torch.nn.Module, blocks: Sequence[str] | bool | None, method: str) -> list[Any]:
-    """The scorers of the sub-blocks ``blocks`` names (:func:`scored_kinds`) that ``model`` has."""
-    kinds = scored_kinds(blocks)
-    if kinds == ():
-        return []
-    block_method = method if method != "random" else "activation"  # random: no statistics are used
-    return [
-        (ExpertScorer if b.kind == "experts" else BlockScorer)(b, model.get_submodule(b.prefix), block_method)
-        for b in find_model_blocks(model, _supported_kinds(model, kinds))
-    ]
 
 
 def _warn_no_head(why: str) -> None:
@@ -225,91 +208,13 @@ def _warn_no_head(why: str) -> None:
     )
 
 
-def _forward_all(
-    model: Any,
-    batches: Iterable[Any],
-    scorers: list[LayerScorer],
-    block_scorers: list[Any],
-    head: Any,
-    stride: int | None,
-    window_offset: int,
-    total: int | None,
-    progress: bool,
-) -> None:
-    """The forward passes of :func:`measure_statistics` over ``batches``, the scorers' hooks attached (and
-    with a loss ``head``, the gradients of every ``stride``-th token handed to them); the model's training
-    mode is restored."""
-    extra: dict[str, Any] = {"use_cache": False}
-    try:
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            extra["logits_to_keep"] = 1  # no need for the full vocabulary projection
-    except (TypeError, ValueError):  # pragma: no cover
-        pass
-    device = input_device(model)
-    handles = []
-    final: dict[str, torch.Tensor] = {}
-    gradients = None if head is None else LossGradients(head, scorers)
-    windows_seen = window_offset
-    was_training = model.training
-    model.eval()
-    try:
-        for attached in [*scorers, *block_scorers]:
-            handles.extend(attached.attach())
-        if head is not None:
-            handles.append(
-                head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0]))
-            )
-        with torch.no_grad():
-            for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
-                ids, mask = unpack_batch(batch)
-                select = None if stride is None else loss_positions(ids, mask, windows_seen, stride)
-                windows_seen += ids.shape[0]
-                for scorer in scorers:
-                    scorer.token_mask = mask
-                    scorer.loss_select = select
-                for block_scorer in block_scorers:
-                    block_scorer.token_mask = mask
-                kwargs = dict(extra)
-                if mask is not None:
-                    kwargs["attention_mask"] = mask.to(device).long()
-                final.clear()
-                model(input_ids=ids.to(device), **kwargs)
-                if gradients is not None:
-                    assert select is not None  # a loss head selects tokens
-                    gradients.add(final.pop("hidden", None), ids, select)
-            if gradients is not None:
-                gradients.flush()
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
-
-
-def _supported_kinds(model: torch.nn.Module, asked: tuple[str, ...] | None) -> list[str]:
-    """The sub-block kinds of ``asked`` (None: every kind) that fit a layout in ``model`` (an indexed
-    attention, say, is left to GDN scoring; a warning says so when the kind was asked for by name)."""
-    kinds = []
-    for kind in KINDS if asked is None else asked:
-        try:
-            find_model_blocks(model, (kind,))
-        except ValueError as exc:
-            if asked is not None:
-                warnings.warn(
-                    f"gdnprune score: {exc}; its {kind} sub-blocks are not scored",
-                    UserWarning,
-                    stacklevel=5,  # measure_statistics' caller's caller, through _block_scorers
-                )
-            continue
-        kinds.append(kind)
-    return kinds
-
-
 def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> ScoringStatistics:
     """Sum the statistics over the ranks of the process group, in place (a no-op with one process)."""
     all_reduce_sum(statistics.tensors(), group=group)
     return statistics
 
 
+# Over 80 lines with its documented keyword arguments (the public API); the code is under 65.
 def score_model(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -480,47 +385,15 @@ def measure_checkpoint(
             raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {tuple(shard)}")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        limit, why = default_seq_len(config, tokenizer)
-        if seq_len is None:
-            seq_len, source = limit, f"default: {why}"
-        else:
-            source = "given"
-            if seq_len > limit and "cap" not in why and is_main_process():
-                warnings.warn(
-                    f"`seq_len={seq_len}` is longer than the model supports ({why}); the scores "
-                    f"describe the model on windows it never saw in training",
-                    UserWarning,
-                    stacklevel=3,
-                )
+        seq_len, source = _window_length(config, tokenizer, seq_len)
         windows = calibration_windows(
             data, tokenizer, seq_len=seq_len, num_samples=num_samples, warn=is_main_process()
         )
         share = shard_indices(windows.shape[0], index, count)
         mine = shard_indices(len(share), rank(), world_size())
         start = share.start + mine.start
-        stat = os.stat(data)
-        info: dict[str, Any] = dict(
-            model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
-            data={
-                "path": str(data),
-                "size": stat.st_size,
-                "mtime": stat.st_mtime,
-                "windows_sha256": _windows_sha256(windows),
-            },
-            calibration={
-                "data": str(data),
-                "num_samples": int(windows.shape[0]),
-                "seq_len": int(seq_len),
-                "seq_len_source": source,
-                "batch_size": int(batch_size),
-                "dtype": dtype,
-            },
-            shard={
-                "index": index,
-                "count": count,
-                "windows": [share.start, share.stop],
-                "total_windows": int(windows.shape[0]),
-            },
+        info = _run_info(
+            model_dir, data, windows, (seq_len, source, batch_size, dtype), (index, count, share)
         )
     with fail_together():
         if model is None:
@@ -551,6 +424,54 @@ def measure_checkpoint(
     return run
 
 
+def _window_length(config: Mapping, tokenizer: Any, seq_len: int | None) -> tuple[int, str]:
+    """The calibration window length and where it comes from (the model's limit by default); a warning
+    when a given length is longer than the model supports."""
+    limit, why = default_seq_len(config, tokenizer)
+    if seq_len is None:
+        return limit, f"default: {why}"
+    if seq_len > limit and "cap" not in why and is_main_process():
+        warnings.warn(
+            f"`seq_len={seq_len}` is longer than the model supports ({why}); the scores "
+            f"describe the model on windows it never saw in training",
+            UserWarning,
+            stacklevel=4,  # the frame stacklevel=3 names from measure_checkpoint
+        )
+    return seq_len, "given"
+
+
+def _run_info(
+    model_dir: Path, data: str | Path, windows: torch.Tensor, calibration: tuple, shard: tuple
+) -> dict[str, Any]:
+    """The records of a :class:`CheckpointStatistics`: model, data, calibration and shard."""
+    seq_len, source, batch_size, dtype = calibration
+    index, count, share = shard
+    stat = os.stat(data)
+    return dict(
+        model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
+        data={
+            "path": str(data),
+            "size": stat.st_size,
+            "mtime": stat.st_mtime,
+            "windows_sha256": _windows_sha256(windows),
+        },
+        calibration={
+            "data": str(data),
+            "num_samples": int(windows.shape[0]),
+            "seq_len": int(seq_len),
+            "seq_len_source": source,
+            "batch_size": int(batch_size),
+            "dtype": dtype,
+        },
+        shard={
+            "index": index,
+            "count": count,
+            "windows": [share.start, share.stop],
+            "total_windows": int(windows.shape[0]),
+        },
+    )
+
+
 def _lane_search_from_refine(refine: str | None) -> bool:
     """The old ``refine=`` value as ``lane_search``: ``"lanes"`` -> True, None -> False."""
     if refine not in (None, "lanes"):
@@ -558,6 +479,7 @@ def _lane_search_from_refine(refine: str | None) -> bool:
     return refine == "lanes"
 
 
+# Over 80 lines with its documented keyword arguments (the public API); the code is under 65.
 @renamed_keywords(
     refine=("lane_search", _lane_search_from_refine),
     refine_samples="lane_search_samples",
