@@ -33,6 +33,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save
+from tqdm.auto import tqdm
+
+from .fileio import file_sha256, write_bytes_atomic
+from .geometry import GDNShape
+from .layouts import find_gdn_modules
 
 __all__ = [
     "STATS_FORMAT",
@@ -93,15 +100,14 @@ def reconstruction_error(
 def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = False) -> dict[str, dict]:
     """``{prefix: {"out_moment": C (float64 numpy), "tokens": n}}`` for every GDN layer of ``model``, from
     forward passes over calibration ``batches`` (hooks on the ``out_proj`` / ``o_proj`` input)."""
-    import torch
-    from tqdm.auto import tqdm
+    import torch  # lazy: torch; checkpoint/ (torch-free) imports this module
 
+    # lazy: torch; checkpoint/ (torch-free) imports this module
     from .forwards import input_device, model_inputs, output_projection, unpack_batch
-    from .layouts import find_gdn_modules
 
     stats: dict[str, dict] = {}
     handles = []
-    current = {"mask": None}
+    current: dict[str, Any] = {"mask": None}
 
     def hook(prefix):
         def record(module, args):
@@ -138,7 +144,7 @@ def collect_statistics(model: Any, batches: Iterable[Any], *, progress: bool = F
 
 def _tokens(x: Any, mask: Any, device: Any) -> Any:
     """``x`` [B, T, C] as float64 [tokens, C] on ``device``, the padding positions of ``mask`` dropped."""
-    import torch
+    import torch  # lazy: torch; checkpoint/ (torch-free) imports this module
 
     x = x.detach().reshape(-1, x.shape[-1])
     if mask is not None:
@@ -184,12 +190,9 @@ def sequential_refit(
     Returns ``{prefix: {"columns": W' (float64 numpy [H, K]), "error_plain": ..., "error_refit": ...,
     "tokens": n}}`` for every refitted layer (the summed squared errors of ``W_K`` and ``W'``).
     """
-    import torch
-    from tqdm.auto import tqdm
+    import torch  # lazy: torch; checkpoint/ (torch-free) imports this module
 
-    from .forwards import layer_of, output_projection, record_input, run_model, run_with_hooks, unpack_batches
-    from .geometry import GDNShape
-    from .layouts import find_gdn_modules
+    from .forwards import unpack_batches  # lazy: torch; checkpoint/ (torch-free) imports this module
 
     if reference not in REFERENCES:
         raise ValueError(f"unknown reference {reference!r}; expected one of {REFERENCES}")
@@ -208,61 +211,71 @@ def sequential_refit(
         with torch.no_grad():
             todo = full_layers[changed.index(True) :]
             for prefix, full in tqdm(todo, disable=not progress, desc="sequential refit", unit="layer"):
-                cut = cut_layers[prefix]
-                weight = output_projection(full).weight.detach().to(torch.float64)
-                plain = output_projection(cut).weight.detach().to(torch.float64)
-                cross = torch.zeros_like(plain)
-                auto = torch.zeros(plain.shape[1], plain.shape[1], dtype=torch.float64, device=plain.device)
-                energy, tokens = 0.0, 0
-
-                def full_on_cut_inputs(module, args, kwargs, seen):
-                    inner: dict = {}
-                    run_with_hooks(
-                        full, args, kwargs, [(output_projection(full), record_input(inner, "o", stop=True))]
-                    )
-                    seen["o_full"] = inner["o"]
-
-                for ids, mask in data:
-                    seen: dict = {}
-                    hooks = [(output_projection(cut), record_input(seen, "o", stop=True))]
-                    if reference == "cut":
-                        hooks.insert(0, (cut, lambda m, a, k, seen=seen: full_on_cut_inputs(m, a, k, seen)))
-                    else:
-                        teacher = [(output_projection(full), record_input(seen, "o_full", stop=True))]
-                        if reference == "stream":
-                            teacher.insert(0, (layer_of(model, full), record_input(seen, "x_full")))
-                            hooks.insert(0, (layer_of(small, cut), record_input(seen, "x_cut")))
-                        run_model(model, ids, mask, teacher)
-                    run_model(small, ids, mask, hooks)
-                    o = _tokens(seen["o"], mask, plain.device)
-                    y = _tokens(seen["o_full"], mask, weight.device) @ weight.T
-                    y = y.to(plain.device)
-                    if reference == "stream":
-                        y += _tokens(seen["x_full"], mask, plain.device) - _tokens(
-                            seen["x_cut"], mask, plain.device
-                        )
-                    cross += y.T @ o
-                    auto += o.T @ o
-                    energy += float((y * y).sum())
-                    tokens += int(o.shape[0])
-                lam = ridge * max(float(torch.diagonal(auto).mean()), 1e-30)
-                eye = torch.eye(auto.shape[0], dtype=torch.float64, device=auto.device)
-                refit = torch.linalg.solve(auto + lam * eye, (cross + lam * plain).T).T
-
-                def error(w):
-                    return energy - 2 * float((w * cross).sum()) + float(((w @ auto) * w).sum())
-
-                output_projection(cut).weight.copy_(refit.to(output_projection(cut).weight.dtype))
-                result[prefix] = {
-                    "columns": refit.cpu().numpy(),
-                    "error_plain": error(plain),
-                    "error_refit": error(refit),
-                    "tokens": tokens,
-                }
+                models = (model, small)
+                result[prefix] = _refit_layer(models, full, cut_layers[prefix], data, reference, ridge)
     finally:
         model.train(states[0])
         small.train(states[1])
     return result
+
+
+def _refit_layer(
+    models: tuple[Any, Any], full: Any, cut: Any, data: list, reference: str, ridge: float
+) -> dict[str, Any]:
+    """One step of :func:`sequential_refit`: the moments of ``cut``'s ``out_proj`` input against the
+    reference on every batch, the ridge solve, the refitted weight copied into ``cut``; its result entry."""
+    import torch  # lazy: torch; checkpoint/ (torch-free) imports this module
+
+    # lazy: torch; checkpoint/ (torch-free) imports this module
+    from .forwards import layer_of, output_projection, record_input, run_model, run_with_hooks
+
+    model, small = models
+    weight = output_projection(full).weight.detach().to(torch.float64)
+    plain = output_projection(cut).weight.detach().to(torch.float64)
+    cross = torch.zeros_like(plain)
+    auto = torch.zeros(plain.shape[1], plain.shape[1], dtype=torch.float64, device=plain.device)
+    energy, tokens = 0.0, 0
+
+    def full_on_cut_inputs(module, args, kwargs, seen):
+        inner: dict = {}
+        run_with_hooks(full, args, kwargs, [(output_projection(full), record_input(inner, "o", stop=True))])
+        seen["o_full"] = inner["o"]
+
+    for ids, mask in data:
+        seen: dict = {}
+        hooks = [(output_projection(cut), record_input(seen, "o", stop=True))]
+        if reference == "cut":
+            hooks.insert(0, (cut, lambda m, a, k, seen=seen: full_on_cut_inputs(m, a, k, seen)))
+        else:
+            teacher = [(output_projection(full), record_input(seen, "o_full", stop=True))]
+            if reference == "stream":
+                teacher.insert(0, (layer_of(model, full), record_input(seen, "x_full")))
+                hooks.insert(0, (layer_of(small, cut), record_input(seen, "x_cut")))
+            run_model(model, ids, mask, teacher)
+        run_model(small, ids, mask, hooks)
+        o = _tokens(seen["o"], mask, plain.device)
+        y = _tokens(seen["o_full"], mask, weight.device) @ weight.T
+        y = y.to(plain.device)
+        if reference == "stream":
+            y += _tokens(seen["x_full"], mask, plain.device) - _tokens(seen["x_cut"], mask, plain.device)
+        cross += y.T @ o
+        auto += o.T @ o
+        energy += float((y * y).sum())
+        tokens += int(o.shape[0])
+    lam = ridge * max(float(torch.diagonal(auto).mean()), 1e-30)
+    eye = torch.eye(auto.shape[0], dtype=torch.float64, device=auto.device)
+    refit = torch.linalg.solve(auto + lam * eye, (cross + lam * plain).T).T
+
+    def error(w):
+        return energy - 2 * float((w * cross).sum()) + float(((w @ auto) * w).sum())
+
+    output_projection(cut).weight.copy_(refit.to(output_projection(cut).weight.dtype))
+    return {
+        "columns": refit.cpu().numpy(),
+        "error_plain": error(plain),
+        "error_refit": error(refit),
+        "tokens": tokens,
+    }
 
 
 def save_statistics(
@@ -270,34 +283,16 @@ def save_statistics(
 ) -> None:
     """Write :func:`collect_statistics`' result as safetensors (float64), atomically. ``model`` describes the
     model the statistics come from (see :func:`model_identity`)."""
-    import tempfile
-
-    from safetensors.numpy import save_file
-
-    from .fileio import umask
-
     tensors = {}
     for prefix, entry in stats.items():
         tensors[f"{prefix}.out_moment"] = np.ascontiguousarray(entry["out_moment"], dtype=np.float64)
         tensors[f"{prefix}.tokens"] = np.asarray([entry["tokens"]], dtype=np.int64)
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".compensation.", suffix=".tmp", dir=os.path.dirname(path) or ".")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": STATS_FORMAT, "model": json.dumps(model)})
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_bytes_atomic(path, save(tensors, metadata={"format": STATS_FORMAT, "model": json.dumps(model)}))
 
 
 def model_identity(model_dir: str | os.PathLike) -> dict:
     """What identifies the weights of a model folder for its statistics: its config's hash and its gdnprune
     manifest's hash (a sorted output has the same config as its source, not the same manifest)."""
-    from .fileio import file_sha256
-
     return {
         "path": os.fspath(model_dir),
         "config_sha256": file_sha256(os.path.join(model_dir, "config.json")),
@@ -307,16 +302,12 @@ def model_identity(model_dir: str | os.PathLike) -> dict:
 
 def statistics_model(path: str | os.PathLike) -> dict | None:
     """The ``model`` description a statistics file records (None when it records none)."""
-    from safetensors import safe_open
-
     with safe_open(os.fspath(path), framework="numpy") as f:
         return json.loads((f.metadata() or {}).get("model", "null"))
 
 
 def load_statistics(path: str | os.PathLike) -> dict[str, dict]:
     """Read a statistics file; ``ValueError`` for anything that is not one."""
-    from safetensors import safe_open
-
     try:
         with safe_open(os.fspath(path), framework="numpy") as f:
             metadata = f.metadata() or {}

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import distributed
+
 __all__ = [
     "unpack_batch",
     "unpack_batches",
@@ -86,7 +88,7 @@ def unpack_batches(batches: Iterable[Any]) -> list[tuple[torch.Tensor, torch.Ten
     return [unpack_batch(batch) for batch in batches]
 
 
-def input_device(model: torch.nn.Module) -> torch.device:
+def input_device(model: Any) -> torch.device:
     """The device the input ids go to: the input embedding's, or its accelerate execution device when a
     device map offloaded the embedding's weights (to ``meta``, with the weights on CPU or disk); a model
     without an input embedding takes its first parameter's device."""
@@ -110,7 +112,7 @@ def model_inputs(ids: torch.Tensor, mask: torch.Tensor | None, device: torch.dev
     return kwargs
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
     """The decoder's layers (``model.get_decoder().layers``), in order."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is None or not hasattr(decoder, "layers"):
@@ -120,7 +122,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return decoder.layers
 
 
-def layer_index(layers: Sequence[torch.nn.Module], module: torch.nn.Module) -> int:
+def layer_index(layers: Iterable[torch.nn.Module], module: torch.nn.Module) -> int:
     """The index of the decoder layer among ``layers`` that holds ``module`` (or is it)."""
     for i, layer in enumerate(layers):
         if any(sub is module for sub in layer.modules()):
@@ -148,7 +150,7 @@ def parent_and_name(root: torch.nn.Module, module: torch.nn.Module) -> tuple[tor
     raise ValueError(f"the {type(module).__name__} module is not inside its {type(root).__name__}")
 
 
-def output_projection(module: torch.nn.Module) -> torch.nn.Module:
+def output_projection(module: torch.nn.Module) -> Any:
     """The linear of ``module`` that writes its output into the residual stream (its input is the
     sub-block's per-head output): the first of :data:`OUTPUT_PROJECTIONS` it has."""
     for name in OUTPUT_PROJECTIONS:
@@ -217,7 +219,7 @@ class Passthrough(torch.nn.Module):
         return hidden_argument(args, kwargs)
 
 
-def _decoder_and_head(model: torch.nn.Module):
+def _decoder_and_head(model: Any) -> tuple[Any, Any]:
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
     if decoder is None or head is None or not hasattr(decoder, "layers"):
@@ -229,7 +231,7 @@ def _decoder_and_head(model: torch.nn.Module):
 
 
 def _divergence(
-    head: torch.nn.Module,
+    head: Any,
     student: torch.Tensor,
     teacher: torch.Tensor,
     ids: torch.Tensor,
@@ -279,8 +281,6 @@ class Forwards:
     def __init__(
         self, model: torch.nn.Module, batches: Iterable[Any], *, max_logits: int = 1 << 24, shard: bool = True
     ):
-        from . import distributed
-
         self.model = model.eval()
         self.decoder, self.head = _decoder_and_head(model)
         self.device = input_device(model)
@@ -305,8 +305,6 @@ class Forwards:
         """``values`` summed over the ranks (as they are with one process)."""
         if not self.several:
             return list(values)
-        from . import distributed
-
         total = torch.tensor(values, dtype=torch.float64)
         distributed.all_reduce_sum([total])
         return total.tolist()
@@ -317,8 +315,6 @@ class Forwards:
         if not self.several:
             yield
             return
-        from . import distributed
-
         with distributed.fail_together():
             yield
 
@@ -370,7 +366,8 @@ class Forwards:
             finally:
                 for handle in handles:
                     handle.remove()
-        ce, n, self._tokens = self._total(ce, n, sum(int(f.shape[0] * f.shape[1]) for f in self.finals))
+        ce, n, tokens = self._total(ce, n, sum(int(f.shape[0] * f.shape[1]) for f in self.finals))
+        self._tokens = int(tokens)
         self.base_loss = ce / max(n, 1)
 
     @contextlib.contextmanager
@@ -391,7 +388,7 @@ class Forwards:
         @torch.no_grad()
         def measure(batches: Sequence[int] | None = None) -> tuple[float, float]:
             kl = ce = 0.0
-            n_kl = n_ce = 0
+            n_kl = n_ce = 0.0
             with self._together():
                 for k in range(len(self.data)) if batches is None else batches:
                     ids, mask = self.data[k]

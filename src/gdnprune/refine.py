@@ -29,10 +29,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
+from .forwards import Forwards, output_projection
+from .geometry import GDNShape
+from .layouts import find_gdn_modules
+from .scores import gdn_entries, match_layers
 
 __all__ = ["search_lane_orders", "refine_lane_orders"]
 
 
+# Over 80 lines with its documented arguments; the code is under 60.
 def search_lane_orders(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -58,13 +65,6 @@ def search_lane_orders(
         per token when the lane was removed in the last sweep, ``measures.value_lane = "measured_kl"``)
         and a report (evaluations, forwards, seconds, the orders of every sweep).
     """
-    from tqdm.auto import tqdm
-
-    from .forwards import Forwards, output_projection
-    from .geometry import GDNShape
-    from .layouts import find_gdn_modules
-    from .scores import gdn_entries, match_layers
-
     if sweeps < 1:
         raise ValueError(f"sweeps must be >= 1, got {sweeps}")
     start = time.perf_counter()
@@ -75,18 +75,7 @@ def search_lane_orders(
     index = {prefix: forwards.decoder_index(module) for prefix, module in modules}
     forwards.teacher(index.values())
 
-    masks, handles = {}, []
-    for prefix, module in modules:
-        shape = GDNShape.from_module(module)
-        masks[prefix] = torch.ones(shape.num_value_heads, dtype=torch.float32)
-        out = output_projection(module)
-        dv = shape.value_head_dim
-
-        def hook(mod, args, mask=masks[prefix], dv=dv):
-            return (args[0] * mask.repeat_interleave(dv).to(args[0].device, args[0].dtype),)
-
-        handles.append(out.register_forward_pre_hook(hook))
-
+    masks, handles = _lane_masks(modules)
     shapes = {prefix: GDNShape.from_module(module) for prefix, module in modules}
     total = sweeps * sum(
         s.num_key_heads * s.value_heads_per_group * (s.value_heads_per_group + 1) // 2
@@ -104,22 +93,8 @@ def search_lane_orders(
                 masks[prefix].fill_(1.0)
                 if sweep > 0 or any(p in orders for p in masks if p != prefix):
                     forwards.layer_inputs(index[prefix])  # with the other layers cut as they are now
-                removed: list[list[int]] = [[] for _ in range(Hk)]
-                kl_at = np.zeros((Hk, r))
                 with forwards.from_layer(index[prefix]) as measure:
-                    for _ in range(r):
-                        for g in range(Hk):
-                            best = None
-                            for j in (j for j in range(r) if j not in removed[g]):
-                                masks[prefix][g * r + j] = 0.0
-                                kl, _ = measure()
-                                masks[prefix][g * r + j] = 1.0
-                                bar.update(1)
-                                if best is None or kl < best[0]:
-                                    best = (kl, j)
-                            removed[g].append(best[1])
-                            kl_at[g, best[1]] = best[0]
-                            masks[prefix][g * r + best[1]] = 0.0
+                    removed, kl_at = _greedy_removal(measure, masks[prefix], Hk, r, bar)
                 orders[prefix] = np.asarray([lanes[::-1] for lanes in removed], dtype=np.int64)
                 removal_kl[prefix] = kl_at
                 # this layer now stays cut while the others are refined
@@ -134,14 +109,7 @@ def search_lane_orders(
         for handle in handles:
             handle.remove()
 
-    refined = dict(scores)
-    refined["layers"] = dict(scores["layers"])
-    key_of = {p: k for k in gdn for p in match_layers({k: None}, [p for p, _ in modules])}
-    for prefix, _ in modules:
-        payload = dict(payloads[prefix])
-        payload["value_lane_order_most_important_first"] = orders[prefix].tolist()
-        payload["value_lane_scores"] = removal_kl[prefix].tolist()
-        refined["layers"][key_of[prefix]] = payload
+    refined = _with_lane_orders(scores, gdn, [p for p, _ in modules], payloads, orders, removal_kl)
     refined["measures"] = {**dict(scores.get("measures") or {}), "value_lane": "measured_kl"}
     report = {
         "sweeps": sweeps,
@@ -154,6 +122,67 @@ def search_lane_orders(
     }
     refined["lane_refinement"] = {k: v for k, v in report.items() if k != "history"}
     return refined, report
+
+
+def _lane_masks(modules: list[tuple[str, Any]]) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """A mask of ones over the value heads of every GDN layer, multiplied into its out_proj input by a hook;
+    returns the masks and the hook handles."""
+    masks, handles = {}, []
+    for prefix, module in modules:
+        shape = GDNShape.from_module(module)
+        masks[prefix] = torch.ones(shape.num_value_heads, dtype=torch.float32)
+        out = output_projection(module)
+        dv = shape.value_head_dim
+
+        def hook(mod, args, mask=masks[prefix], dv=dv):
+            return (args[0] * mask.repeat_interleave(dv).to(args[0].device, args[0].dtype),)
+
+        handles.append(out.register_forward_pre_hook(hook))
+    return masks, handles
+
+
+def _greedy_removal(measure: Any, mask: torch.Tensor, Hk: int, r: int, bar: Any) -> tuple[list, np.ndarray]:
+    """Remove the lanes of each key group one at a time, each time the one whose removal (on top of those
+    removed so far) the ``measure`` finds costs the least KL; returns the removal order of each group and
+    the KL at each lane's removal. ``mask`` (the layer's value heads) ends with every lane removed."""
+    removed: list[list[int]] = [[] for _ in range(Hk)]
+    kl_at = np.zeros((Hk, r))
+    for _ in range(r):
+        for g in range(Hk):
+            best: tuple[float, int] | None = None
+            for j in (j for j in range(r) if j not in removed[g]):
+                mask[g * r + j] = 0.0
+                kl, _ = measure()
+                mask[g * r + j] = 1.0
+                bar.update(1)
+                if best is None or kl < best[0]:
+                    best = (kl, j)
+            assert best is not None  # r >= 1: a lane is always left to try
+            removed[g].append(best[1])
+            kl_at[g, best[1]] = best[0]
+            mask[g * r + best[1]] = 0.0
+    return removed, kl_at
+
+
+def _with_lane_orders(
+    scores: Mapping[str, Any],
+    gdn: Mapping[str, Any],
+    prefixes: list[str],
+    payloads: Mapping[str, Any],
+    orders: Mapping[str, np.ndarray],
+    removal_kl: Mapping[str, np.ndarray],
+) -> dict:
+    """``scores`` with the searched lane orders (and their removal KL as lane scores) of the layers
+    ``prefixes``."""
+    refined = dict(scores)
+    refined["layers"] = dict(scores["layers"])
+    key_of = {p: k for k in gdn for p in match_layers({k: None}, prefixes)}
+    for prefix in prefixes:
+        payload = dict(payloads[prefix])
+        payload["value_lane_order_most_important_first"] = orders[prefix].tolist()
+        payload["value_lane_scores"] = removal_kl[prefix].tolist()
+        refined["layers"][key_of[prefix]] = payload
+    return refined
 
 
 def refine_lane_orders(*args: Any, **kwargs: Any) -> tuple[dict, dict]:

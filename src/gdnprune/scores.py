@@ -20,16 +20,14 @@ rule serves plan files. This module does not import torch.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from . import blocks, geometry
 from .blocks import block_kind_of
-from .fileio import check_output_file, write_json_atomic
+from .fileio import check_output_file, read_json, write_json_atomic
 from .geometry import ORDER_KEYS
 
 __all__ = [
@@ -77,15 +75,7 @@ def read_scores(scores: str | os.PathLike | Mapping) -> dict:
         raise ScoresError(f"scores must be a file path or a mapping, found {type(scores).__name__}")
     if not isinstance(scores, Mapping):
         where = f"scores file {os.fspath(scores)}"
-        try:
-            with open(scores, encoding="utf-8") as f:
-                scores = json.load(f)
-        except OSError as exc:
-            raise ScoresError(f"{where}: cannot read ({exc.strerror or exc})") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ScoresError(f"{where}: not valid JSON ({exc})") from None
-        except RecursionError:
-            raise ScoresError(f"{where}: not valid JSON (nested too deeply)") from None
+        scores = read_json(scores, ScoresError, where)
     if not isinstance(scores, Mapping):
         raise ScoresError(f"{where}: expected a JSON object, found {type(scores).__name__}")
     layers = scores.get("layers")
@@ -145,6 +135,7 @@ def _check_block_payload(prefix: str, payload: Mapping, source: str) -> None:
     """A sub-block's payload: its ``shape`` (the geometry's fields) and orders that fit it."""
     shape = payload.get("shape")
     kind = block_kind_of(prefix, shape if isinstance(shape, Mapping) else ())
+    assert kind is not None  # called for the prefixes of sub-blocks only
     try:
         if not isinstance(shape, Mapping):
             raise ValueError(
@@ -235,15 +226,13 @@ def resolve_orders(
     """
     if permutations is None:
         return {}, []
-    # a GDNPermutation can only exist if its (torch) module was imported: no need to import it here
-    core = sys.modules.get("gdnprune.gated_delta_net")
     out: dict[str, dict] = {}
     for prefix, value in match_layers(permutations, shapes).items():
         shape = shapes[prefix]
         try:
-            if core is not None and isinstance(value, core.GDNPermutation):
+            if hasattr(value, "to_score_payload"):  # a GDNPermutation (its torch module is not imported here)
                 value.indices(shape)  # checks the orders' sizes against the layer
-                out[prefix] = value._numpy()
+                out[prefix] = geometry.orders_from_payload(value.to_score_payload(), shape)
             elif isinstance(value, Mapping):
                 out[prefix] = geometry.orders_from_payload(value, shape)
             else:
@@ -259,9 +248,9 @@ def resolve_orders(
 def scores_to_permutations(scores: Mapping[str, Any]) -> dict:
     """``{prefix: GDNPermutation}`` of the GDN layers of a scores-file dict (geometry read from each payload's
     ``shape``; the sub-blocks' orders are :mod:`gdnprune.blocks`' and left out)."""
-    from .gated_delta_net import GDNPermutation, GDNShape
+    from .gated_delta_net import GDNPermutation  # lazy: torch; scores.py is torch-free
 
     out = {}
     for prefix, payload in gdn_entries(check_scores(scores)["layers"]).items():
-        out[prefix] = GDNPermutation.from_score_payload(payload, GDNShape(**payload["shape"]))
+        out[prefix] = GDNPermutation.from_score_payload(payload, geometry.GDNShape(**payload["shape"]))
     return out

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..blocks import KINDS
 from ..depth import attention_layers, num_layers_of, removal_name_map
+from ..model_config import text_config
 from ..plans import state_elements
 from .folder import Checkpoint, CheckpointError, find_block_layers, find_gdn_layers, open_checkpoint
 
@@ -64,7 +65,7 @@ def _inspect_decoder_layers(ckpt: Checkpoint) -> list[dict]:
         match = _LAYER_NUMBER.search(name)
         assert match is not None  # removal_name_map names only layer tensors
         sizes[int(match.group(1))] += ckpt.tensor(name).numel if new is None else 0
-    text = ckpt.config if "num_hidden_layers" in ckpt.config else ckpt.config.get("text_config") or {}
+    text = text_config(ckpt.config)
     types = dict(enumerate(text.get("layer_types") or []))
     keep = attention_layers(ckpt.config)
     return [

@@ -22,18 +22,20 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import math
 import os
 import shutil
 import socket
 import tempfile
 import warnings
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..fileio import file_sha256, umask, unwritable
+from ..fileio import file_sha256, umask, unwritable, write_json_atomic
 from ..interrupts import deferred_signals
 from .folder import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 
@@ -43,7 +45,6 @@ __all__ = [
     "clear_stale",
     "check_paths",
     "Staging",
-    "write_json",
     "write_index",
     "plan_other_files",
     "copy_other_files",
@@ -189,7 +190,7 @@ def clear_stale(out: Path) -> None:
 
 def _clean_stale(out: Path) -> list[str]:
     """Deal with the temporary folders of earlier runs next to ``out``; returns what was done, one line each."""
-    notes = []
+    notes: list[str] = []
     try:
         entries = sorted(os.scandir(out.parent), key=lambda e: e.name)
     except OSError:
@@ -261,7 +262,7 @@ class Staging:
                     self.created.append(parent)
                 self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.gdnprune-", dir=self.out.parent))
                 _make_folder(self.tmp)
-                write_json(self.tmp / OWNER_NAME, _owner())
+                write_json_atomic(self.tmp / OWNER_NAME, _owner(), indent=2)
         except OSError as exc:
             self._remove()
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # e.g. remounted read-only meanwhile
@@ -295,6 +296,7 @@ class Staging:
         carries ``output_complete = str(out)``.
         """
         out, tmp = self.out, self.tmp
+        assert tmp is not None  # set on entering the with block
         try:
             with deferred_signals():
                 os.unlink(tmp / OWNER_NAME)
@@ -311,7 +313,7 @@ class Staging:
                 else:
                     _check_replaceable(out, self.markers)
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gdnprune-old-", dir=out.parent))
-                write_json(old / OWNER_NAME, _owner())
+                write_json_atomic(old / OWNER_NAME, _owner(), indent=2)
                 os.rename(out, old / "previous")
                 try:
                     os.rename(tmp, out)
@@ -331,18 +333,11 @@ class Staging:
 # files of the output folder
 
 
-def write_json(path: Path, value: Any, indent: int = 2) -> None:
-    """``value`` as indented JSON with a final newline."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=indent)
-        f.write("\n")
-
-
 def write_index(
     ckpt: Checkpoint,
     tmp: Path,
     entries: list[tuple],
-    dropped: set[str] = frozenset(),
+    dropped: AbstractSet[str] = frozenset(),
     names: Mapping[str, str | None] | None = None,
 ) -> None:
     """The output's safetensors index: the source index with the sizes of the output tensors ``entries``
@@ -363,8 +358,8 @@ def write_index(
         metadata = index["metadata"] = {}
     metadata["total_size"] = sum(e[4] - e[3] for e in entries)
     if "total_parameters" in metadata:
-        metadata["total_parameters"] = sum(_numel(e[2]) for e in entries)
-    write_json(tmp / INDEX_NAME, index)
+        metadata["total_parameters"] = sum(math.prod(e[2]) for e in entries)
+    write_json_atomic(tmp / INDEX_NAME, index, indent=2)
 
 
 def plan_other_files(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
@@ -429,7 +424,7 @@ def build_manifest(
     operation: str,
     *,
     sorted_out: bool,
-    source_shape: dict,
+    source_shape: dict | None,
     target: dict | None,
     layers: dict,
     unsorted_layers: list | None,
@@ -461,11 +456,4 @@ def build_manifest(
 
 
 def write_manifest(tmp: Path, manifest: dict) -> None:
-    write_json(tmp / MANIFEST_NAME, manifest, indent=1)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    write_json_atomic(tmp / MANIFEST_NAME, manifest, indent=1)

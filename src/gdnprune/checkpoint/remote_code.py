@@ -22,8 +22,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..fileio import write_json_atomic
 from .folder import CONFIG_NAME
-from .output import write_json
 
 __all__ = ["MODELING_NAME", "SelfContainedError", "auto_map", "modeling_source", "make_self_contained"]
 
@@ -94,5 +94,5 @@ def make_self_contained(folder: str | Path) -> dict[str, str]:
     existing = config.get("auto_map") or {}
     if any(existing.get(k) != v for k, v in entries.items()):
         config["auto_map"] = {**existing, **entries}
-        write_json(folder / CONFIG_NAME, config)
+        write_json_atomic(folder / CONFIG_NAME, config, indent=2)
     return entries

@@ -30,6 +30,7 @@ from ..blocks import (
 )
 from ..geometry import layer_index_of
 from ..layouts import TileGridError, scaled_weight
+from ..model_config import MTP_PREFIX
 from ..plans import plan_block_kinds, read_plan, resolve_block_plan
 from ..scores import ScoresError, match_layers
 from ..targets import TargetError
@@ -113,7 +114,8 @@ def plan_sub_blocks(
         kinds |= plan_block_kinds(plan)
     if not kinds:
         return SubBlockPlan()
-    layers = {layer.prefix: layer for layer in find_block_layers(ckpt, sorted(kinds))}
+    # the sub-blocks as the engine sees them (GDNLayer records), used as blocks.Block (kind, prefix, shape)
+    layers: dict[str, Any] = {layer.prefix: layer for layer in find_block_layers(ckpt, sorted(kinds))}
     asked = set(target) | (
         set(read_plan(plan).get("default") or {}) & set(BLOCK_FIELDS) if plan is not None else set()
     )
@@ -156,7 +158,7 @@ def plan_sub_blocks(
         {
             n.rsplit(".", 2)[0]
             for n in ckpt.names
-            if n.startswith("mtp.") and any(KINDS[k].matches(n.rsplit(".", 2)[0]) for k in cut_kinds)
+            if n.startswith(MTP_PREFIX) and any(KINDS[k].matches(n.rsplit(".", 2)[0]) for k in cut_kinds)
         }
     )
     return out

@@ -9,22 +9,27 @@ A failure or an interrupt removes the temporary folder. Nothing here imports tor
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import shutil
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from .. import compensate, depth
 from ..deprecation import renamed_keywords
-from ..fileio import file_sha256
-from ..geometry import apply_targets_to_config, layer_index_of
+from ..fileio import file_sha256, write_json_atomic
+from ..geometry import apply_targets_to_config, layer_index_of, orders_to_payload
+from ..model_config import text_config
 from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
-from ..scores import read_scores, resolve_orders
+from ..scores import prefix_alias, read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from . import output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
@@ -69,6 +74,7 @@ def _warn(category: type[Warning], message: str) -> None:
     warnings.warn(message, category, stacklevel=3)
 
 
+# Over 80 lines for its documented keyword arguments (the public API); the code is 22 lines.
 @renamed_keywords(compensation="compensation_stats")
 def transform_checkpoint(
     model_dir: str | os.PathLike,
@@ -188,6 +194,8 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
     return plans, missing
 
 
+# Over 80 lines: the steps in the order a failure must be found (every input check before the folder is
+# made, then the writing); each step is a helper below.
 def _transform(
     src: Path,
     out: Path,
@@ -220,20 +228,136 @@ def _transform(
     plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
     blocks = subblocks.plan_sub_blocks(ckpt, block_orders, block_target, plan, dequantize=constraints[2])
     if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered
-        plans = {p: lp for p, lp in plans.items() if layer_index_of(p) not in removed}
-        blocks.plans = {p: lp for p, lp in blocks.plans.items() if layer_index_of(p) not in removed}
-        blocks.targets = {
-            k: {i: t for i, t in v.items() if i not in removed} for k, v in blocks.targets.items()
-        }
-        blocks.names = depth.compose_names(
-            blocks.names, depth.removal_name_map(ckpt.names, depth.num_layers_of(ckpt.config), removed)
-        )
+        plans = _drop_removed(ckpt, plans, blocks, removed)
         manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
     gdn_names = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
     cut = target is not None or plan is not None or blocks.cut
-    if cut and permutations is None and not block_orders and not ckpt.is_sorted:
+    unsorted_cut = cut and permutations is None and not block_orders
+    _warn_inputs(src, ckpt, unsorted_cut, missing, skipped, blocks, left_out)
+    if self_contained:
+        remote_code.auto_map(ckpt.config)  # a family it cannot load is refused before any folder is made
+    stats_path, ridge = refit_options
+    stats, order = _compensation_inputs(ckpt, layers, stats_path, cut)
+    _check_free_space(ckpt, out, gdn_names if cut else set())
+
+    staging = output.Staging(out, overwrite, src=src)
+    with staging as tmp:
+        shards = plan_shards(ckpt, gdn_names, tmp)
+        work = GDNWork(ckpt, shards, {**plans, **blocks.plans}, names=blocks.names)
+        with _streaming(work, shards, operation, progress) as on_chunk:
+            if stats_path is not None:
+                refitted = _refit(ckpt, plans, shards, stats, order, ridge)
+                manifest_extra = {
+                    "compensation": _compensation_info(stats_path, ridge, refitted),
+                    **dict(manifest_extra or {}),
+                }
+            for shard in shards:
+                on_chunk(write_header(shard))
+            if blocks.plans:
+                manifest_extra = {"blocks": blocks.manifest(), **dict(manifest_extra or {})}
+            manifest = _finish_folder(
+                ckpt,
+                tmp,
+                work,
+                operation,
+                permutations,
+                cut,
+                plan,
+                missing,
+                skipped,
+                other_files,
+                manifest_extra,
+                blocks,
+                removed,
+            )
+            if self_contained:
+                remote_code.make_self_contained(tmp)
+            check_unchanged(ckpt)
+        staging.commit()
+    manifest["elapsed_seconds"] = round(time.time() - start_time, 3)
+    return manifest
+
+
+@contextlib.contextmanager
+def _streaming(
+    work: GDNWork, shards: list, operation: str, progress: bool
+) -> Iterator[Callable[[int], None]]:
+    """Write the shards' tensors: the unchanged ones copied here while a worker thread gathers the GDN ones
+    (this thread helps once its copies are done), under one progress bar. Yields ``on_chunk(n)`` (raises
+    a worker error, advances the bar) for the writes that follow; on any error the worker is stopped
+    before the exception goes on, so that nothing writes into the folder any more."""
+
+    def worker_main() -> None:
+        try:
+            work.run()
+        except BaseException as exc:  # handed to the main thread
+            work.error = work.error or exc
+
+    worker = threading.Thread(target=worker_main, name="gdnprune-gdn", daemon=True)
+    bar = tqdm(
+        total=sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"gdnprune {operation}",
+        disable=not progress,
+        file=sys.stderr,
+        leave=False,
+    )
+    state = {"gdn_bytes": 0}
+
+    def on_chunk(n: int) -> None:
+        """After every written chunk: worker errors, progress."""
+        if work.error is not None:
+            raise work.error
+        done = work.bytes_done
+        bar.update(n + done - state["gdn_bytes"])
+        state["gdn_bytes"] = done
+
+    try:
+        worker.start()
+        for shard in shards:  # meanwhile the worker gathers GDN tensors, from the last shard
+            copy_unchanged(shard, on_chunk)
+        work.run(after_job=lambda: on_chunk(0))  # help with the GDN tensors that are left
+        while worker.is_alive():
+            worker.join(timeout=0.05)
+            on_chunk(0)
+        on_chunk(0)
+        yield on_chunk
+    except BaseException:
+        work.stop.set()
+        worker.join(timeout=30)  # it checks `stop` between tensors; then nothing writes into tmp
+        raise
+    finally:
+        bar.close()
+        work.stop.set()
+
+
+def _drop_removed(ckpt: Checkpoint, plans: dict, blocks: subblocks.SubBlockPlan, removed: list[int]) -> dict:
+    """The GDN plans without the removed layers; ``blocks`` loses them too (in place), and its name map
+    renumbers the later layers."""
+    blocks.plans = {p: lp for p, lp in blocks.plans.items() if layer_index_of(p) not in removed}
+    blocks.targets = {k: {i: t for i, t in v.items() if i not in removed} for k, v in blocks.targets.items()}
+    blocks.names = depth.compose_names(
+        blocks.names, depth.removal_name_map(ckpt.names, depth.num_layers_of(ckpt.config), removed)
+    )
+    return {p: lp for p, lp in plans.items() if layer_index_of(p) not in removed}
+
+
+def _warn_inputs(
+    src: Path,
+    ckpt: Checkpoint,
+    unsorted_cut: bool,
+    missing: list[str],
+    skipped: Any,
+    blocks: subblocks.SubBlockPlan,
+    left_out: Any,
+) -> None:
+    """The warnings about the inputs (an unsorted cut, layers without scores, pass-through tensors, weight
+    files that are not copied), before any folder is made."""
+    if unsorted_cut and not ckpt.is_sorted:
         _warn(
             UnsortedInputWarning,
             f"{src} has no {MANIFEST_NAME} manifest saying it was sorted: slicing keeps the first heads and "
@@ -259,29 +383,36 @@ def _transform(
             f"other weight files {left_out} of {src} are not copied (they are not part of the "
             f"safetensors checkpoint that is transformed)",
         )
-    if self_contained:
-        remote_code.auto_map(ckpt.config)  # a family it cannot load is refused before any folder is made
-    stats_path, ridge = refit_options
-    if stats_path is not None:
-        if not cut:
-            raise TargetError(
-                "compensation needs a cut (a target or a plan): sorting alone changes no output"
-            )
-        fp8 = [
-            layer.prefix
-            for layer in layers
-            if any(s.endswith("weight_scale_inv") and "out_proj" in s or "o_proj" in s for s in layer.scales)
-        ]
-        if fp8:
-            raise TargetError(
-                f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
-                f"({fp8[:3]}); slice a BF16 copy to compensate"
-            )
-        if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
-            stats, order = stats_path, None
-        else:
-            stats, order = compensate.load_statistics(stats_path), refit.statistics_order(ckpt, stats_path)
-    at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if not cut or n not in gdn_names)
+
+
+def _compensation_inputs(ckpt: Checkpoint, layers: list, stats_path: Any, cut: bool) -> tuple[Any, Any]:
+    """The statistics (and their channel order) an out_proj refit reads; ``(None, None)`` without one.
+
+    Raises:
+        TargetError: compensation without a cut, or of an FP8 out_proj.
+    """
+    if stats_path is None:
+        return None, None
+    if not cut:
+        raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
+    fp8 = [
+        layer.prefix
+        for layer in layers
+        if any(s.endswith("weight_scale_inv") and "out_proj" in s or "o_proj" in s for s in layer.scales)
+    ]
+    if fp8:
+        raise TargetError(
+            f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
+            f"({fp8[:3]}); slice a BF16 copy to compensate"
+        )
+    if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
+        return stats_path, None
+    return compensate.load_statistics(stats_path), refit.statistics_order(ckpt, stats_path)
+
+
+def _check_free_space(ckpt: Checkpoint, out: Path, rewritten: set[str]) -> None:
+    """Refuse early when the disk of ``out`` cannot hold at least the tensors that are copied unchanged."""
+    at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if n not in rewritten)
     existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < at_least:
@@ -290,109 +421,33 @@ def _transform(
             f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
         )
 
-    from tqdm import tqdm
 
-    staging = output.Staging(out, overwrite, src=src)
-    with staging as tmp:
-        shards = plan_shards(ckpt, gdn_names, tmp)
-        work = GDNWork(ckpt, shards, {**plans, **blocks.plans}, names=blocks.names)
+def _refit(
+    ckpt: Checkpoint, plans: dict, shards: list, stats: Any, order: Any, ridge: float | None
+) -> list[str]:
+    """Refit the cut GDN layers' out_proj in the written shards (:func:`refit.refit_out_proj`)."""
+    destinations = {
+        name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
+        for shard in shards
+        for name in shard.gdn
+    }
+    ridge = compensate.DEFAULT_RIDGE if ridge is None else ridge
+    return refit.refit_out_proj(ckpt, plans, destinations, stats, order, ridge=ridge)
 
-        def worker_main() -> None:
-            try:
-                work.run()
-            except BaseException as exc:  # handed to the main thread
-                work.error = work.error or exc
 
-        worker = threading.Thread(target=worker_main, name="gdnprune-gdn", daemon=True)
-        bar = tqdm(
-            total=sum(s.data_start + s.unchanged_bytes for s in shards) + work.total_bytes,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=f"gdnprune {operation}",
-            disable=not progress,
-            file=sys.stderr,
-            leave=False,
-        )
-        state = {"gdn_bytes": 0}
-
-        def on_chunk(n: int) -> None:
-            """After every written chunk: worker errors, progress."""
-            if work.error is not None:
-                raise work.error
-            done = work.bytes_done
-            bar.update(n + done - state["gdn_bytes"])
-            state["gdn_bytes"] = done
-
-        try:
-            worker.start()
-            for shard in shards:  # meanwhile the worker gathers GDN tensors, from the last shard
-                copy_unchanged(shard, on_chunk)
-            work.run(after_job=lambda: on_chunk(0))  # help with the GDN tensors that are left
-            while worker.is_alive():
-                worker.join(timeout=0.05)
-                on_chunk(0)
-            on_chunk(0)
-            if stats_path is not None:
-                destinations = {
-                    name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
-                    for shard in shards
-                    for name in shard.gdn
-                }
-                refitted = refit.refit_out_proj(
-                    ckpt,
-                    plans,
-                    destinations,
-                    stats,
-                    order,
-                    ridge=compensate.DEFAULT_RIDGE if ridge is None else ridge,
-                )
-                fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
-                manifest_extra = {
-                    "compensation": {
-                        "method": "sequential" if fitted else "statistics",
-                        "statistics": "collected in this run"
-                        if isinstance(stats_path, Mapping)
-                        else refit.stats_info(stats_path),
-                        "ridge": compensate.DEFAULT_RIDGE if ridge is None else ridge,
-                        "layers": refitted,
-                        "nested": False,
-                        "note": "out_proj refitted by least squares per target: not nested across targets",
-                    },
-                    **dict(manifest_extra or {}),
-                }
-            for shard in shards:
-                on_chunk(write_header(shard))
-            if blocks.plans:
-                manifest_extra = {"blocks": blocks.manifest(), **dict(manifest_extra or {})}
-            manifest = _finish_folder(
-                ckpt,
-                tmp,
-                work,
-                operation,
-                permutations,
-                cut,
-                plan,
-                missing,
-                skipped,
-                other_files,
-                manifest_extra,
-                blocks,
-                removed,
-            )
-            if self_contained:
-                remote_code.make_self_contained(tmp)
-            check_unchanged(ckpt)
-        except BaseException:
-            work.stop.set()
-            worker.join(timeout=30)  # it checks `stop` between tensors; then nothing writes into tmp
-            raise
-        finally:
-            bar.close()
-            work.stop.set()
-        staging.commit()
-    manifest["elapsed_seconds"] = round(time.time() - start_time, 3)
-    return manifest
+def _compensation_info(stats_path: Any, ridge: float | None, refitted: list[str]) -> dict:
+    """The manifest's ``compensation`` entry."""
+    fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
+    return {
+        "method": "sequential" if fitted else "statistics",
+        "statistics": "collected in this run"
+        if isinstance(stats_path, Mapping)
+        else refit.stats_info(stats_path),
+        "ridge": compensate.DEFAULT_RIDGE if ridge is None else ridge,
+        "layers": refitted,
+        "nested": False,
+        "note": "out_proj refitted by least squares per target: not nested across targets",
+    }
 
 
 def _finish_folder(
@@ -411,8 +466,6 @@ def _finish_folder(
     removed=(),
 ) -> dict:
     """Index, config, other files and manifest of the output folder."""
-    from ..geometry import orders_to_payload
-
     gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
 
     output.write_index(
@@ -434,7 +487,7 @@ def _finish_folder(
             config = depth.remove_layers_from_config(config, removed)
         if dequantized:
             config = _not_converted(config, dequantized)
-        output.write_json(tmp / CONFIG_NAME, config)
+        write_json_atomic(tmp / CONFIG_NAME, config, indent=2)
     else:
         output.copy_other_files(ckpt.path, tmp, [CONFIG_NAME])
     if dequantized:
@@ -479,12 +532,8 @@ def _finish_folder(
 
 def _not_converted(config: Mapping, modules: list[str]) -> dict:
     """``config`` with ``modules`` (and their text-model spellings) added to the FP8 ``modules_to_not_convert``."""
-    import copy
-
-    from ..scores import prefix_alias
-
-    config = copy.deepcopy(dict(config))
-    holder = config if "quantization_config" in config else config.get("text_config", config)
+    out = copy.deepcopy(dict(config))
+    holder = text_config(out, "quantization_config")
     quant = holder.setdefault("quantization_config", {})
     names = list(quant.get("modules_to_not_convert") or [])
     for module in modules:
@@ -492,7 +541,7 @@ def _not_converted(config: Mapping, modules: list[str]) -> dict:
             if spelling not in names:
                 names.append(spelling)
     quant["modules_to_not_convert"] = names
-    return config
+    return out
 
 
 def sort_checkpoint(
@@ -512,7 +561,7 @@ def sort_checkpoint(
     are those of :func:`transform_checkpoint`. Returns the manifest.
     """
     data = read_scores(scores)
-    info = {"metadata": {k: v for k, v in data.items() if k != "layers"}}
+    info: dict[str, Any] = {"metadata": {k: v for k, v in data.items() if k != "layers"}}
     if not isinstance(scores, Mapping):
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
     extra = {"scores": info, **dict(manifest_extra or {})}

@@ -206,7 +206,7 @@ def model_runtime(args) -> Iterator[None]:
     note and no progress bars of transformers (loading the weights)."""
     threads = getattr(args, "threads", None)
     if threads is not None:
-        import torch
+        import torch  # lazy: torch-free commands share this module
 
         torch.set_num_threads(threads)
     quiet = bool(getattr(args, "quiet", False))
@@ -215,7 +215,7 @@ def model_runtime(args) -> Iterator[None]:
     logger.addFilter(note)
     bars = None
     if quiet:  # transformers' own bars ("Loading weights", ...) too
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: torch-free commands share this module
 
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()

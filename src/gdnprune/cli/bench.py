@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..fileio import write_json_atomic
 from ._options import add_output_arguments, non_negative_int, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
@@ -115,7 +116,7 @@ def _write(out: Path, results, names: dict[str, str], header: dict, overwrite: b
     """results.json, results.md and the plot, in a temporary folder renamed into place; False when the plot
     could not be drawn (matplotlib missing)."""
     # lazy: commands import the library when they run, so --help stays fast
-    from ..checkpoint.output import Staging, write_json
+    from ..checkpoint.output import Staging
 
     # lazy: commands import the library when they run, so --help stays fast
     from ..latency import bench_figure
@@ -129,7 +130,7 @@ def _write(out: Path, results, names: dict[str, str], header: dict, overwrite: b
         plotted = False
     staging = Staging(out, overwrite, markers=frozenset({RESULTS}))
     with staging as tmp:
-        write_json(tmp / RESULTS, {**header, "results": [r.to_dict() for r in results]})
+        write_json_atomic(tmp / RESULTS, {**header, "results": [r.to_dict() for r in results]}, indent=2)
         (tmp / TABLE).write_text(table(results, names) + "\n", encoding="utf-8")
         if plotted:
             fig = bench_figure(results, [names[m] for m in dict.fromkeys(r.model for r in results)])

@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     without_blas_threads()
-    from ..checkpoint import inspect_checkpoint
+    from ..checkpoint import inspect_checkpoint  # lazy: fast --help
 
     info = inspect_checkpoint(args.model_dir)
     print(json.dumps(info, indent=2) if args.json else format_inspect(info))

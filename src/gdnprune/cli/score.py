@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from pathlib import Path
 
 from ._options import (
     BLOCKS,
@@ -143,10 +144,10 @@ def _mode(args) -> str:
 
 
 def _merge(args) -> int:
-    from ..distributed import launch_info
-    from ..fileio import check_output_file
-    from ..scores import save_scores
-    from ..scoring import merge_partials
+    from ..distributed import launch_info  # lazy: fast --help
+    from ..fileio import check_output_file  # lazy: fast --help
+    from ..scores import save_scores  # lazy: fast --help
+    from ..scoring import merge_partials  # lazy: fast --help
 
     info = launch_info()
     if info is not None:
@@ -168,10 +169,10 @@ def _merge(args) -> int:
 
 
 def _score(args, mode: str) -> int:
-    from ..distributed import fail_together, is_main_process
-    from ..fileio import check_output_file
-    from ..scores import save_scores
-    from ..scoring import measure_checkpoint, save_partial, score_checkpoint
+    from ..distributed import fail_together, is_main_process  # lazy: fast --help
+    from ..fileio import check_output_file  # lazy: fast --help
+    from ..scores import save_scores  # lazy: fast --help
+    from ..scoring import measure_checkpoint, save_partial, score_checkpoint  # lazy: fast --help
 
     main = is_main_process()
     target = args.partial if mode == "partial" else args.output
@@ -182,12 +183,13 @@ def _score(args, mode: str) -> int:
                 check_output_file(args.compensation_stats, args.overwrite)
         data = checked_data(args, tokenizer_dir=args.model_dir)
     blocks = None if args.blocks == BLOCKS else blocks_from_args(args)  # None: every kind, no note per kind
+    path: Path | str | None = None  # what was written (in words, with a statistics file)
     options = dict(progress=not args.quiet, blocks=blocks, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
         if not main:  # the ranks see the same data and model: rank 0 speaks for them
             warnings.simplefilter("ignore")
-            from transformers.utils import logging as hf_logging
+            from transformers.utils import logging as hf_logging  # lazy: fast --help
 
             hf_logging.disable_progress_bar()
         if mode == "partial":
@@ -216,7 +218,7 @@ def _score(args, mode: str) -> int:
             with fail_together():
                 path = save_scores(scores, args.output, overwrite=args.overwrite) if main else None
                 if stats is not None and main:
-                    from ..compensate import model_identity, save_statistics
+                    from ..compensate import model_identity, save_statistics  # lazy: fast --help
 
                     stats_path = args.compensation_stats
                     save_statistics(stats, stats_path, model=model_identity(args.model_dir))
@@ -236,8 +238,8 @@ def _score(args, mode: str) -> int:
 
 
 def run(args) -> int:
-    from ..distributed import RankFailedError, process_group, rank, world_size
-    from . import report_error
+    from ..distributed import RankFailedError, process_group, rank, world_size  # lazy: fast --help
+    from . import report_error  # lazy: cli/__init__ imports this module
 
     if args.compensation:
         deprecated("--compensation", "--compensation-stats STATS.safetensors")

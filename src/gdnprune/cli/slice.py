@@ -19,6 +19,7 @@ NAME = "slice"
 HELP = "cut every GDN layer to a nested prefix"
 
 
+# Over 80 lines: argparse definitions in a row, one per option.
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,
@@ -120,10 +121,10 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     if not args.compensation_stats:  # the refit multiplies matrices (torch, which may use OpenBLAS)
         without_blas_threads()
-    from ..blocks import BLOCK_FIELDS
-    from ..checkpoint import slice_checkpoint
-    from ..depth import parse_layer_list
-    from ..targets import TargetError
+    from ..blocks import BLOCK_FIELDS  # lazy: fast --help
+    from ..checkpoint import slice_checkpoint  # lazy: fast --help
+    from ..depth import parse_layer_list  # lazy: fast --help
+    from ..targets import TargetError  # lazy: fast --help
 
     sub_blocks = {f: getattr(args, f) for f in BLOCK_FIELDS if getattr(args, f) is not None}
     if sub_blocks and args.plan is not None:

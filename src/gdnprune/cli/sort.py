@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     without_blas_threads()
-    from ..checkpoint import sort_checkpoint
+    from ..checkpoint import sort_checkpoint  # lazy: fast --help
 
     manifest = sort_checkpoint(
         args.model_dir,

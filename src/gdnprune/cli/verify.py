@@ -48,7 +48,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint import verify_checkpoints
+    from ..checkpoint import verify_checkpoints  # lazy: fast --help
 
     with model_runtime(args):
         data = checked_data(args, tokenizer_dir=args.model_a)

@@ -8,7 +8,6 @@ measures are described in ``docs/scoring.md``.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,8 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
+from .. import model_config
 from ..blocks import KINDS
+from ..calibration import calibration_windows, iter_batches
+from ..checkpoint.folder import map_to_checkpoint
+from ..compensate import collect_statistics
+from ..corpus import data_spec, data_stat
 from ..deprecation import renamed_keywords
 from ..distributed import (
     all_reduce_sum,
@@ -30,10 +35,13 @@ from ..distributed import (
     shard_indices,
     world_size,
 )
-from ..forwards import input_device, unpack_batch
+from ..fileio import file_sha256
 from ..layouts import find_gdn_modules
+from ..loading import load_causal_lm
+from ..refine import search_lane_orders
 from .hooks import LayerScorer
-from .loss_head import LossGradients, default_loss_token_stride, loss_positions, output_head
+from .loss_head import default_loss_token_stride, output_head
+from .passes import make_block_scorers, run_batches
 from .payload import LayerStatistics, ScoringStatistics, scores_from_statistics
 
 __all__ = [
@@ -140,28 +148,13 @@ def measure_statistics(
     turned into a scores dict by :func:`gdnprune.scoring.payload.scores_from_statistics`. With no batches
     (an empty share), every statistic is zero.
     """
-    from tqdm.auto import tqdm
-
     _check_options(
         method, key_dim_measure, value_dim_measure, lane_measure, key_group_measure, loss_token_stride
     )
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
-    block_scorers = []
-    kinds = scored_kinds(blocks)
-    if kinds != ():
-        from ..block_surgery import find_model_blocks
-        from .blocks import BlockScorer
-        from .experts import ExpertScorer
-
-        block_method = method if method != "random" else "activation"  # random: no statistics are used
-        block_scorers = [
-            (ExpertScorer if b.kind == "experts" else BlockScorer)(
-                b, model.get_submodule(b.prefix), block_method
-            )
-            for b in find_model_blocks(model, _supported_kinds(model, kinds))
-        ]
+    block_scorers = make_block_scorers(model, scored_kinds(blocks), method)
     if method == "random":
         layers = {}
         for prefix, module in modules:
@@ -170,21 +163,17 @@ def measure_statistics(
         return ScoringStatistics(
             method, int(seed), None, layers, {s.block.prefix: (s.block, {}) for s in block_scorers}
         )
-    head = None
+    head: tuple[Any, Any] | None = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
-        head = output_head(model)
-        if isinstance(head, str):
-            warnings.warn(
-                f"gdnprune score: {head}, so the loss-aware Gram cannot be computed; ordering with the energy "
-                "Gram (lanes, key groups) and head_rms (value channels) instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        found = output_head(model)
+        if isinstance(found, str):  # without a head: the energy Gram and head_rms instead
+            _warn_no_head(found)
             lane_measure = "energy_gram" if lane_measure == "loss_gram" else lane_measure
             key_group_measure = "energy_gram" if key_group_measure == "loss_gram" else key_group_measure
             value_dim_measure = "head_rms" if value_dim_measure == "loss_gram" else value_dim_measure
-            head = None
-    measures = None
+        else:
+            head = found
+    measures: dict[str, Any] | None = None
     if method == "projection":
         measures = {
             "key_group": key_group_measure,
@@ -202,74 +191,21 @@ def measure_statistics(
     ]
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
-    extra = {"use_cache": False}
-    try:
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            extra["logits_to_keep"] = 1  # no need for the full vocabulary projection
-    except (TypeError, ValueError):  # pragma: no cover
-        pass
-    device = input_device(model)
-    handles = []
-    final: dict[str, torch.Tensor] = {}
-    gradients = None if head is None else LossGradients(head, scorers)
-    windows_seen = int(window_offset)
-    was_training = model.training
-    model.eval()
-    try:
-        for scorer in [*scorers, *block_scorers]:
-            handles.extend(scorer.attach())
-        if head is not None:
-            handles.append(
-                head[0].register_forward_pre_hook(lambda module, args: final.__setitem__("hidden", args[0]))
-            )
-        with torch.no_grad():
-            for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
-                ids, mask = unpack_batch(batch)
-                select = (
-                    None if head is None else loss_positions(ids, mask, windows_seen, int(loss_token_stride))
-                )
-                windows_seen += ids.shape[0]
-                for scorer in scorers:
-                    scorer.token_mask = mask
-                    scorer.loss_select = select
-                for block_scorer in block_scorers:
-                    block_scorer.token_mask = mask
-                kwargs = dict(extra)
-                if mask is not None:
-                    kwargs["attention_mask"] = mask.to(device).long()
-                final.clear()
-                model(input_ids=ids.to(device), **kwargs)
-                if gradients is not None:
-                    gradients.add(final.pop("hidden", None), ids, select)
-            if gradients is not None:
-                gradients.flush()
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
+    stride = None if head is None else int(loss_token_stride or 0)
+    run_batches(model, batches, scorers, block_scorers, head, stride, int(window_offset), total, progress)
     layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
     return ScoringStatistics(
         method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats) for s in block_scorers}
     )
 
 
-def _supported_kinds(model: torch.nn.Module, asked: tuple[str, ...] | None) -> list[str]:
-    """The sub-block kinds of ``asked`` (None: every kind) that fit a layout in ``model`` (an indexed
-    attention, say, is left to GDN scoring; a warning says so when the kind was asked for by name)."""
-    from ..block_surgery import find_model_blocks
-
-    kinds = []
-    for kind in KINDS if asked is None else asked:
-        try:
-            find_model_blocks(model, (kind,))
-        except ValueError as exc:
-            if asked is not None:
-                warnings.warn(
-                    f"gdnprune score: {exc}; its {kind} sub-blocks are not scored", UserWarning, stacklevel=4
-                )
-            continue
-        kinds.append(kind)
-    return kinds
+def _warn_no_head(why: str) -> None:
+    warnings.warn(
+        f"gdnprune score: {why}, so the loss-aware Gram cannot be computed; ordering with the energy "
+        "Gram (lanes, key groups) and head_rms (value channels) instead",
+        RuntimeWarning,
+        stacklevel=4,  # the frame stacklevel=3 names from measure_statistics
+    )
 
 
 def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> ScoringStatistics:
@@ -278,6 +214,7 @@ def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> Sc
     return statistics
 
 
+# Over 80 lines with its documented keyword arguments (the public API); the code is under 65.
 def score_model(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -347,7 +284,7 @@ def score_model(
     Raises:
         ValueError: unknown method or measure, a model without GDN layers, or no calibration tokens.
     """
-    options = dict(
+    options: dict[str, Any] = dict(
         method=method,
         seed=seed,
         total=total,
@@ -375,18 +312,9 @@ DEFAULT_MAX_SEQ_LEN = 512
 def default_seq_len(
     config: Mapping, tokenizer: Any = None, cap: int = DEFAULT_MAX_SEQ_LEN
 ) -> tuple[int, str]:
-    """The calibration window a model supports: the least of ``cap``, the (text) config's
-    ``max_position_embeddings`` and the tokenizer's ``model_max_length`` when set; and why, in words."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
-    limits = [(cap, f"capped at {cap}")]
-    positions = text.get("max_position_embeddings")
-    if isinstance(positions, int) and positions > 1:
-        limits.append((positions, f"max_position_embeddings {positions}"))
-    length = getattr(tokenizer, "model_max_length", None)
-    if isinstance(length, int) and 1 < length < 1_000_000:
-        limits.append((length, f"tokenizer model_max_length {length}"))
-    value = min(v for v, _ in limits)
-    return value, next(why for v, why in limits if v == value)
+    """The calibration window a model supports: :func:`gdnprune.model_config.default_seq_len` capped at
+    ``cap`` (default 512); and why, in words."""
+    return model_config.default_seq_len(config, tokenizer, cap=cap)
 
 
 @dataclass
@@ -444,14 +372,6 @@ def measure_checkpoint(
     ``model``: the folder's model already loaded (:func:`gdnprune.loading.load_causal_lm`); then ``device``,
     ``device_map`` are not used and ``dtype`` is only recorded.
     """
-    from transformers import AutoTokenizer
-
-    from ..calibration import calibration_windows, iter_batches
-    from ..checkpoint.folder import map_to_checkpoint
-    from ..corpus import data_spec, data_stat
-    from ..fileio import file_sha256
-    from ..loading import load_causal_lm
-
     model_dir = Path(model_dir)
     with fail_together():
         if not (model_dir / "config.json").is_file():
@@ -465,47 +385,15 @@ def measure_checkpoint(
             raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {tuple(shard)}")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        limit, why = default_seq_len(config, tokenizer)
-        if seq_len is None:
-            seq_len, source = limit, f"default: {why}"
-        else:
-            source = "given"
-            if seq_len > limit and "cap" not in why and is_main_process():
-                warnings.warn(
-                    f"`seq_len={seq_len}` is longer than the model supports ({why}); the scores "
-                    f"describe the model on windows it never saw in training",
-                    UserWarning,
-                    stacklevel=3,
-                )
+        seq_len, source = _window_length(config, tokenizer, seq_len)
         windows = calibration_windows(
             data, tokenizer, seq_len=seq_len, num_samples=num_samples, warn=is_main_process()
         )
         share = shard_indices(windows.shape[0], index, count)
         mine = shard_indices(len(share), rank(), world_size())
         start = share.start + mine.start
-        size, mtime = data_stat(data)
-        info = dict(
-            model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
-            data={
-                "path": str(data_spec(data)),
-                "size": size,
-                "mtime": mtime,
-                "windows_sha256": _windows_sha256(windows),
-            },
-            calibration={
-                "data": str(data_spec(data)),
-                "num_samples": int(windows.shape[0]),
-                "seq_len": int(seq_len),
-                "seq_len_source": source,
-                "batch_size": int(batch_size),
-                "dtype": dtype,
-            },
-            shard={
-                "index": index,
-                "count": count,
-                "windows": [share.start, share.stop],
-                "total_windows": int(windows.shape[0]),
-            },
+        info = _run_info(
+            model_dir, data, windows, (seq_len, source, batch_size, dtype), (index, count, share)
         )
     with fail_together():
         if model is None:
@@ -536,6 +424,54 @@ def measure_checkpoint(
     return run
 
 
+def _window_length(config: Mapping, tokenizer: Any, seq_len: int | None) -> tuple[int, str]:
+    """The calibration window length and where it comes from (the model's limit by default); a warning
+    when a given length is longer than the model supports."""
+    limit, why = default_seq_len(config, tokenizer)
+    if seq_len is None:
+        return limit, f"default: {why}"
+    if seq_len > limit and "cap" not in why and is_main_process():
+        warnings.warn(
+            f"`seq_len={seq_len}` is longer than the model supports ({why}); the scores "
+            f"describe the model on windows it never saw in training",
+            UserWarning,
+            stacklevel=4,  # the frame stacklevel=3 names from measure_checkpoint
+        )
+    return seq_len, "given"
+
+
+def _run_info(
+    model_dir: Path, data: str | Path, windows: torch.Tensor, calibration: tuple, shard: tuple
+) -> dict[str, Any]:
+    """The records of a :class:`CheckpointStatistics`: model, data, calibration and shard."""
+    seq_len, source, batch_size, dtype = calibration
+    index, count, share = shard
+    size, mtime = data_stat(data)
+    return dict(
+        model={"path": str(model_dir), "config_sha256": file_sha256(model_dir / "config.json")},
+        data={
+            "path": str(data_spec(data)),
+            "size": size,
+            "mtime": mtime,
+            "windows_sha256": _windows_sha256(windows),
+        },
+        calibration={
+            "data": str(data_spec(data)),
+            "num_samples": int(windows.shape[0]),
+            "seq_len": int(seq_len),
+            "seq_len_source": source,
+            "batch_size": int(batch_size),
+            "dtype": dtype,
+        },
+        shard={
+            "index": index,
+            "count": count,
+            "windows": [share.start, share.stop],
+            "total_windows": int(windows.shape[0]),
+        },
+    )
+
+
 def _lane_search_from_refine(refine: str | None) -> bool:
     """The old ``refine=`` value as ``lane_search``: ``"lanes"`` -> True, None -> False."""
     if refine not in (None, "lanes"):
@@ -543,6 +479,7 @@ def _lane_search_from_refine(refine: str | None) -> bool:
     return refine == "lanes"
 
 
+# Over 80 lines with its documented keyword arguments (the public API); the code is under 65.
 @renamed_keywords(
     refine=("lane_search", _lane_search_from_refine),
     refine_samples="lane_search_samples",
@@ -610,9 +547,6 @@ def score_checkpoint(
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
     if lane_search:
-        from ..calibration import iter_batches
-        from ..refine import search_lane_orders
-
         with fail_together():
             windows = run.windows[: max(1, int(lane_search_samples))]
             scores, _ = search_lane_orders(
@@ -622,10 +556,6 @@ def score_checkpoint(
                 progress=progress and is_main_process(),
             )
     if compensate:
-        from ..calibration import iter_batches
-        from ..checkpoint.folder import map_to_checkpoint
-        from ..compensate import collect_statistics
-
         with fail_together():
             mine = shard_indices(run.windows.shape[0], rank(), world_size())
             stats = collect_statistics(

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from ..blocks import orders_to_payload
+from ..forwards import decoder_layers, hidden_argument, input_device, unpack_batch
+
 __all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES"]
 
 #: the expert measure of each scoring method: ``projection`` (the default) -> REAP, ``activation`` -> frequency
@@ -55,7 +58,7 @@ class ExpertScorer:
         return [self.experts.register_forward_hook(self._on_forward)]
 
     @torch.no_grad()
-    def _on_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _on_forward(self, module: Any, args: tuple, output: Any) -> None:
         hidden, index, weights = args[:3]
         if self.token_mask is not None:  # padding tokens are left out (the module sees tokens flattened)
             keep = self.token_mask.to(hidden.device).reshape(-1)
@@ -77,8 +80,6 @@ class ExpertScorer:
 def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
     """The score payload of one MoE layer's experts: the order of the method's measure (REAP for
     ``projection``, frequency for ``activation``; ties keep the lower expert first) and both raw scores."""
-    from ..blocks import orders_to_payload
-
     count, weighted = stats["count"].to(torch.float64), stats["weighted_norm"].to(torch.float64)
     tokens = max(int(stats["num_tokens"]), 1)
     reap = torch.where(count > 0, weighted / count.clamp_min(1), torch.zeros_like(weighted))
@@ -104,8 +105,6 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
 def block_influence(model: torch.nn.Module, batches: Iterable[Any]) -> dict[int, float]:
     """``{layer index: mean over tokens of 1 - cos(input, output)}`` of every decoder layer (block influence),
     from one pass over ``batches`` (token ids, or ``(ids, mask)``; masked tokens are left out)."""
-    from ..forwards import decoder_layers, hidden_argument, input_device, unpack_batch
-
     layers = list(decoder_layers(model))
     sums, counts = [0.0] * len(layers), [0] * len(layers)
     state: dict[str, Any] = {}
@@ -130,7 +129,7 @@ def block_influence(model: torch.nn.Module, batches: Iterable[Any]) -> dict[int,
         for batch in batches:
             ids, mask = unpack_batch(batch)
             state["mask"] = None if mask is None else mask.bool()
-            kwargs = {"use_cache": False}
+            kwargs: dict[str, Any] = {"use_cache": False}
             if mask is not None:
                 kwargs["attention_mask"] = mask.to(device).long()
             model(input_ids=ids.to(device), **kwargs)

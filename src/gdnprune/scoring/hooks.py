@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import align_module_device
+from transformers.activations import ACT2FN
 
 from ..forwards import OUTPUT_PROJECTIONS, output_projection
 from ..geometry import GDNShape
@@ -26,12 +28,6 @@ def materialized_weight(module: torch.nn.Module, name: str = "weight") -> torch.
     tensor = getattr(module, name)
     if tensor is None or tensor.device.type != "meta":
         return tensor
-    try:
-        from accelerate.utils import align_module_device
-    except ImportError:  # pragma: no cover - accelerate is what puts weights on meta
-        raise ValueError(
-            f"{type(module).__name__}.{name} is on the meta device and accelerate is missing"
-        ) from None
     with align_module_device(module):
         return getattr(module, name).detach().clone()
 
@@ -42,7 +38,7 @@ class LayerScorer:
     def __init__(
         self,
         prefix: str,
-        module: torch.nn.Module,
+        module: Any,
         method: str,
         key_dim_measure: str,
         value_dim_measure: str,
@@ -64,7 +60,7 @@ class LayerScorer:
         if not any(name in children for name in OUTPUT_PROJECTIONS) or "conv1d" not in children:
             raise ValueError(f"{prefix}: GDN module {type(module).__name__} has no out_proj/o_proj or conv1d")
         self.out_proj = output_projection(module)
-        self.conv = children["conv1d"]
+        self.conv: Any = children["conv1d"]
         self.stats: dict[str, torch.Tensor] = {}
         self.num_tokens = 0
         self.num_windows = 0
@@ -131,8 +127,6 @@ class LayerScorer:
 
     def _on_qk(self, qk: torch.Tensor) -> None:
         """q/k projection output [B, T, 2*Hk*dk] (canonical [q | k]) -> post-conv q, k statistics."""
-        from transformers.activations import ACT2FN
-
         s = self.shape
         kd = s.key_dim
         B, T = qk.shape[0], qk.shape[1]

@@ -8,6 +8,8 @@ their input only. See ``docs/scoring.md``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -31,7 +33,7 @@ LOSS_COST_SHARE = 1 / 8
 MAX_DEFAULT_LOSS_TOKEN_STRIDE = 64
 
 
-def default_loss_token_stride(model: torch.nn.Module, head: torch.nn.Module) -> int:
+def default_loss_token_stride(model: Any, head: Any) -> int:
     """The default ``loss_token_stride``: 8, or the smallest larger power of two whose cost fits the budget.
 
     Each measured token costs two ``lm_head``-sized products (the logits and the input gradient),
@@ -68,7 +70,7 @@ def module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | str:
+def output_head(model: Any) -> tuple[Any, Any] | str:
     """``(final norm, lm_head)`` of a causal LM, or a string saying why they were not found.
 
     The final norm is the decoder's ``norm`` (``model.model.norm``; ``model.model.language_model.norm``
@@ -151,9 +153,7 @@ class LossGradients:
     much as about 30 tokens' products. Call :meth:`flush` after the last batch.
     """
 
-    def __init__(
-        self, head: tuple[torch.nn.Module, torch.nn.Module], scorers, max_logits: int = 1 << 25
-    ) -> None:
+    def __init__(self, head: tuple[Any, Any], scorers, max_logits: int = 1 << 25) -> None:
         self.norm, self.head = head
         self.scorers = scorers
         self.max_logits = max_logits

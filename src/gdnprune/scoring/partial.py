@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
+from .. import __version__
 from ..blocks import KINDS, Block
 from ..distributed import shard_indices
-from ..fileio import umask
+from ..fileio import check_output_file, write_bytes_atomic
 from ..geometry import GDNShape
 from .api import CheckpointStatistics
 from .payload import COUNTS, LayerStatistics, ScoringStatistics, scores_from_statistics, statistic_shapes
@@ -76,8 +78,6 @@ class PartialError(ValueError):
 
 
 def _metadata(run: CheckpointStatistics) -> dict[str, Any]:
-    from .. import __version__
-
     st = run.statistics
     calibration = {k: v for k, v in run.calibration.items() if k != "data"}
     return {
@@ -136,10 +136,6 @@ def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrit
     Written through a temporary file renamed into place (the file appears whole or not at all), with
     the permissions a new file gets under the umask. An existing file is an error unless ``overwrite``.
     """
-    from safetensors.torch import save
-
-    from ..fileio import check_output_file
-
     check_output_file(path, overwrite)
     path = Path(path)
     tensors = {
@@ -155,18 +151,7 @@ def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrit
         }
     )
     blob = save(tensors, metadata={_META_KEY: json.dumps(_metadata(run), sort_keys=True)})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_bytes_atomic(path, blob)
 
 
 def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatistics]:
@@ -176,8 +161,6 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
         PartialError: not a readable safetensors file, not a gdnprune partial, an unsupported version, or a
             statistic that is missing or has the wrong shape or dtype.
     """
-    from safetensors import safe_open
-
     where = f"partial {os.fspath(path)}"
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
@@ -234,7 +217,7 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
     return meta, statistics
 
 
-def _get(meta: dict, key: str) -> Any:
+def _get(meta: Any, key: str) -> Any:
     for part in key.split("/"):
         meta = meta.get(part) if isinstance(meta, dict) else None
     return meta

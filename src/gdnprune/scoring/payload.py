@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
+from ..block_surgery import random_orders
+from ..blocks import orders_to_payload
+from ..gated_delta_net import GDNPermutation
 from ..geometry import GDNShape
+from ..scores import SCORES_FORMAT, SCORES_VERSION
+from .experts import expert_payload
 from .orders import descending, greedy_lane_orders, greedy_removal_order
 
 __all__ = [
@@ -122,83 +127,10 @@ def layer_payload(
     num_tokens, num_windows, loss_tokens = (int(st[k]) for k in COUNTS)
     if num_tokens == 0:
         raise ValueError(f"{prefix}: no calibration tokens reached this GDN layer")
-    Hk, Hv, r = shape.num_key_heads, shape.num_value_heads, shape.value_heads_per_group
-    dk, dv = shape.key_head_dim, shape.value_head_dim
     if method == "activation":
-        out = (st["out_abs_mean_sq"] / num_windows).sqrt().reshape(Hv, dv)
-        qk = (st["qk_abs_mean_sq"] / num_windows).sqrt().reshape(2, Hk, dk)
-        lane_scores = out.sum(1).reshape(Hk, r)
-        scores = {
-            "key_group_scores": lane_scores.sum(1),
-            "value_lane_scores": lane_scores,
-            "key_dim_scores": qk.sum(0),
-            "value_dim_scores": out.sum(0),
-        }
-        orders = {
-            "key_group_order_most_important_first": descending(scores["key_group_scores"]),
-            "value_lane_order_most_important_first": descending(scores["value_lane_scores"]),
-            "key_dim_order_most_important_first": descending(scores["key_dim_scores"]),
-            "value_dim_order_most_important_first": descending(scores["value_dim_scores"]),
-        }
+        scores, orders = _activation_orders(st, shape, num_windows)
     else:
-        N = num_tokens
-        head_gram = st["head_gram"]
-        lane_gram, group_gram = head_gram, head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
-        lane_scale = group_scale = N
-        if needs_loss_gradient(method, measures):
-            if loss_tokens == 0:
-                raise ValueError(
-                    f"{prefix}: no token with a next-token target reached this GDN layer (the "
-                    "loss-aware Gram needs windows of at least 2 tokens)"
-                )
-            loss_gram = st["loss_head_gram"]
-            if measures["value_lane"] == "loss_gram":
-                lane_gram, lane_scale = loss_gram, loss_tokens
-            if measures["key_group"] == "loss_gram":
-                group_gram, group_scale = loss_gram.reshape(Hk, r, Hk, r).sum((1, 3)), loss_tokens
-        key_dim = measures["key_dim"]
-        if key_dim == "qk_gram":
-            qk = st["qk_moments"]  # [2, Hk, dk, dk]
-            q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
-            k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
-        else:
-            q_energy, k_energy = st["qk_sq"] / N  # E[q^_d^2], E[k^_d^2]: [Hk, dk] each
-        key_measure = {
-            "qk_rms": lambda: q_energy.sqrt() + k_energy.sqrt(),
-            "qk_gram": lambda: q_energy * k_energy,
-            "qk_energy": lambda: q_energy * k_energy,
-            "q_energy": lambda: q_energy,
-            "k_energy": lambda: k_energy,
-        }[key_dim]()
-        value_dim = measures["value_dim"]
-        if value_dim == "head_rms":
-            # sum over heads of the RMS of each head's projected channel: sqrt(|W[:, (h, e)]|^2 E[o_(h, e)^2])
-            value_measure = (st["value_col_energy"] / N).sqrt().sum(0)
-        elif value_dim == "energy":
-            value_measure = st["value_dim_energy"] / N
-        elif value_dim == "gram":
-            value_measure = st["value_dim_gram"].diagonal() / N
-        else:
-            value_measure = st["loss_dim_gram"].diagonal() / loss_tokens
-        scores = {
-            "key_group_scores": group_gram.diagonal() / group_scale,
-            "value_lane_scores": (lane_gram.diagonal() / lane_scale).reshape(Hk, r),
-            "key_dim_scores": key_measure,
-            "value_dim_scores": value_measure,
-        }
-        key_dims = greedy_removal_order(qk[0] * qk[1]) if key_dim == "qk_gram" else descending(key_measure)
-        if value_dim == "gram":
-            value_dims = greedy_removal_order(st["value_dim_gram"])
-        elif value_dim == "loss_gram":
-            value_dims = greedy_removal_order(st["loss_dim_gram"])
-        else:
-            value_dims = descending(value_measure)
-        orders = {
-            "key_group_order_most_important_first": greedy_removal_order(group_gram),
-            "value_lane_order_most_important_first": greedy_lane_orders(lane_gram, Hk),
-            "key_dim_order_most_important_first": key_dims,
-            "value_dim_order_most_important_first": value_dims,
-        }
+        scores, orders = _projection_orders(st, shape, method, measures, prefix)
     payload: dict[str, Any] = {k: v.cpu().tolist() for k, v in orders.items()}
     payload.update({k: v.double().cpu().tolist() for k, v in scores.items()})
     payload["shape"] = shape.as_dict()
@@ -209,10 +141,111 @@ def layer_payload(
     return payload
 
 
+def _activation_orders(
+    st: Mapping[str, torch.Tensor], shape: GDNShape, num_windows: int
+) -> tuple[dict, dict]:
+    """The raw scores and orders of the ``activation`` method: RMS magnitudes, in descending order."""
+    Hk, Hv, r = shape.num_key_heads, shape.num_value_heads, shape.value_heads_per_group
+    dk, dv = shape.key_head_dim, shape.value_head_dim
+    out = (st["out_abs_mean_sq"] / num_windows).sqrt().reshape(Hv, dv)
+    qk = (st["qk_abs_mean_sq"] / num_windows).sqrt().reshape(2, Hk, dk)
+    lane_scores = out.sum(1).reshape(Hk, r)
+    scores = {
+        "key_group_scores": lane_scores.sum(1),
+        "value_lane_scores": lane_scores,
+        "key_dim_scores": qk.sum(0),
+        "value_dim_scores": out.sum(0),
+    }
+    orders = {
+        "key_group_order_most_important_first": descending(scores["key_group_scores"]),
+        "value_lane_order_most_important_first": descending(scores["value_lane_scores"]),
+        "key_dim_order_most_important_first": descending(scores["key_dim_scores"]),
+        "value_dim_order_most_important_first": descending(scores["value_dim_scores"]),
+    }
+    return scores, orders
+
+
+def _projection_orders(
+    st: Mapping[str, torch.Tensor], shape: GDNShape, method: str, measures: Mapping[str, Any], prefix: str
+) -> tuple[dict, dict]:
+    """The raw scores and orders of the ``projection`` method: the Gram diagonals of lanes and key groups
+    (energy or loss-aware) with their greedy removal orders, the key and value channel measures."""
+    N, _, loss_tokens = (int(st[k]) for k in COUNTS)
+    Hk, r = shape.num_key_heads, shape.value_heads_per_group
+    head_gram = st["head_gram"]
+    lane_gram, group_gram = head_gram, head_gram.reshape(Hk, r, Hk, r).sum((1, 3))
+    lane_scale = group_scale = N
+    if needs_loss_gradient(method, measures):
+        if loss_tokens == 0:
+            raise ValueError(
+                f"{prefix}: no token with a next-token target reached this GDN layer (the "
+                "loss-aware Gram needs windows of at least 2 tokens)"
+            )
+        loss_gram = st["loss_head_gram"]
+        if measures["value_lane"] == "loss_gram":
+            lane_gram, lane_scale = loss_gram, loss_tokens
+        if measures["key_group"] == "loss_gram":
+            group_gram, group_scale = loss_gram.reshape(Hk, r, Hk, r).sum((1, 3)), loss_tokens
+    key_measure, key_dims = _key_dim_scores(st, measures["key_dim"], N)
+    value_measure, value_dims = _value_dim_scores(st, measures["value_dim"], N, loss_tokens)
+    scores = {
+        "key_group_scores": group_gram.diagonal() / group_scale,
+        "value_lane_scores": (lane_gram.diagonal() / lane_scale).reshape(Hk, r),
+        "key_dim_scores": key_measure,
+        "value_dim_scores": value_measure,
+    }
+    orders = {
+        "key_group_order_most_important_first": greedy_removal_order(group_gram),
+        "value_lane_order_most_important_first": greedy_lane_orders(lane_gram, Hk),
+        "key_dim_order_most_important_first": key_dims,
+        "value_dim_order_most_important_first": value_dims,
+    }
+    return scores, orders
+
+
+def _key_dim_scores(
+    st: Mapping[str, torch.Tensor], key_dim: str, N: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q/k channels' raw scores [Hk, dk] under the ``key_dim`` measure, and their order."""
+    if key_dim == "qk_gram":
+        qk = st["qk_moments"]  # [2, Hk, dk, dk]
+        q_energy = qk[0].diagonal(dim1=-2, dim2=-1) / N
+        k_energy = qk[1].diagonal(dim1=-2, dim2=-1) / N
+    else:
+        q_energy, k_energy = st["qk_sq"] / N  # E[q^_d^2], E[k^_d^2]: [Hk, dk] each
+    key_measure = {
+        "qk_rms": lambda: q_energy.sqrt() + k_energy.sqrt(),
+        "qk_gram": lambda: q_energy * k_energy,
+        "qk_energy": lambda: q_energy * k_energy,
+        "q_energy": lambda: q_energy,
+        "k_energy": lambda: k_energy,
+    }[key_dim]()
+    key_dims = greedy_removal_order(qk[0] * qk[1]) if key_dim == "qk_gram" else descending(key_measure)
+    return key_measure, key_dims
+
+
+def _value_dim_scores(
+    st: Mapping[str, torch.Tensor], value_dim: str, N: int, loss_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The value channels' raw scores [dv] under the ``value_dim`` measure, and their order."""
+    if value_dim == "head_rms":
+        # sum over heads of the RMS of each head's projected channel: sqrt(|W[:, (h, e)]|^2 E[o_(h, e)^2])
+        value_measure = (st["value_col_energy"] / N).sqrt().sum(0)
+    elif value_dim == "energy":
+        value_measure = st["value_dim_energy"] / N
+    elif value_dim == "gram":
+        value_measure = st["value_dim_gram"].diagonal() / N
+    else:
+        value_measure = st["loss_dim_gram"].diagonal() / loss_tokens
+    if value_dim == "gram":
+        return value_measure, greedy_removal_order(st["value_dim_gram"])
+    if value_dim == "loss_gram":
+        return value_measure, greedy_removal_order(st["loss_dim_gram"])
+    return value_measure, descending(value_measure)
+
+
 def random_payload(shape: GDNShape, generator: torch.Generator) -> dict[str, Any]:
     """The payload of the ``random`` method: seeded random orders, raw scores = rank (larger = earlier)."""
-    from ..gated_delta_net import GDNPermutation
-
     perm = GDNPermutation.random(shape, generator=generator)
     payload: dict[str, Any] = perm.to_score_payload()
     for key, order in zip(
@@ -262,8 +295,6 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
 
     ``world_size`` is recorded beside ``num_tokens``: how many processes computed the sums.
     """
-    from ..scores import SCORES_FORMAT, SCORES_VERSION
-
     method = statistics.method
     result: dict[str, Any] = {
         "format": SCORES_FORMAT,
@@ -278,9 +309,6 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
     if statistics.measures is not None:
         result["measures"] = dict(statistics.measures)
     if method == "random":
-        from ..block_surgery import random_orders
-        from ..blocks import orders_to_payload
-
         generator = torch.Generator().manual_seed(int(statistics.seed))
         for prefix, layer in statistics.layers.items():
             result["layers"][prefix] = random_payload(layer.shape, generator)
@@ -313,8 +341,6 @@ def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> di
     """The score payload of a sub-block (a :class:`gdnprune.blocks.Block`) from its (summed) statistics
     (:class:`gdnprune.scoring.blocks.BlockScorer`): orders, raw scores, geometry."""
     if block.kind == "experts":  # routed experts: REAP or frequency (gdnprune.scoring.experts)
-        from .experts import expert_payload
-
         return expert_payload(block, stats, method)
     n = max(int(stats["num_tokens"]), 1)
     activation = stats["abs_sum"] / n
@@ -324,8 +350,6 @@ def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> di
         "shape": block.shape.as_dict(),
         "method": method,
     }
-    from ..blocks import orders_to_payload
-
     if block.kind == "attention":
         nkv, r = block.shape.num_key_value_heads, block.shape.heads_per_group
         if method == "projection":
