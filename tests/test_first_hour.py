@@ -402,6 +402,7 @@ def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):
 # ---- Ctrl-C under torchrun --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_torchrun_says_one_line_and_leaves_nothing(launch):
     """Ctrl-C signals the launch's whole process group: torchrun forwards SIGINT to its ranks, each stops and
     removes what it started, and one line (rank 0's) says so. torchrun itself then ends with its own
