@@ -25,7 +25,7 @@ ARCHITECTURE = PACKAGE.parent.parent / "ARCHITECTURE.md"
 MAX_LINES = 650
 # Modules the line-length-110 formatter pushed over the limit; each is being split (issue 27) and its
 # entry goes when it is. A cap, not a pass: they may not grow.
-OVERSIZE = {"gdnprune.plan.api": 950, "gdnprune.distill.api": 706, "gdnprune.blocks": 703}
+OVERSIZE = {"gdnprune.distill.api": 706, "gdnprune.blocks": 703}
 #: modules the layer rule does not constrain: the package root (imported before any of its modules anyway),
 #: ``python -m gdnprune`` and the command line, which may import every library module
 FREE = ("gdnprune", "gdnprune.__main__", "gdnprune.cli")

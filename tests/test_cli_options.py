@@ -51,7 +51,9 @@ PER_COMMAND = {
     "compensation_stats",
     "eval_samples",
     "dtype",
-}  # dtype: of the forward passes' weights, or (distill) of the trained parameters
+    "workload",
+}  # dtype: of the forward passes' weights, or (distill) of the trained parameters; workload: several (bench)
+# or the one of --budget-latency (plan, prune)
 #: (vocabulary differences that are known and accepted: none)
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 #: old spellings: none may be a visible option of any command

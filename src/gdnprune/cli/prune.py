@@ -13,7 +13,7 @@ from ._options import (
     target_from_args,
 )
 from ._runtime import add_runtime_arguments, model_runtime
-from .plan import add_search_arguments, any_budget, model_summary, search_options
+from .plan import add_search_arguments, any_budget, check_latency_options, model_summary, search_options
 
 NAME = "prune"
 HELP = "score + (plan) + sort + slice a checkpoint in one command"
@@ -72,6 +72,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..distributed import launch_info
+    from ..plan import PlanOptions
     from ..prune import prune_checkpoint
 
     info = launch_info()
@@ -80,12 +81,15 @@ def run(args) -> int:
             f"prune runs in one process (found a launch of {info.world_size}); under torchrun, run "
             f"`gdnprune score` (and `gdnprune plan`) there, then `sort` and `slice` in one process"
         )
+    check_latency_options(args)
     budget = any_budget(args)
     target = target_from_args(args, required=not budget and args.plan is None)
-    search = search_options(args) if budget else None
-    if search is not None:
+    search = None
+    if budget:
+        options = search_options(args)
         for key in ("tp", "multiple_of"):
-            search.pop(key)
+            options.pop(key)
+        search = PlanOptions(**options)
     if args.threads is None:
         from .plan import plan_threads
 
@@ -106,6 +110,7 @@ def run(args) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet,
             self_contained=args.self_contained,
+            servable=args.servable,
             refine=args.refine,
             refine_samples=args.refine_samples,
             **scoring_options(args),

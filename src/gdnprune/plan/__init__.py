@@ -12,14 +12,16 @@ plan and a report (:mod:`.api`), and a plot (:mod:`.plot`). The plan file format
 from .api import (
     SENSITIVITIES,
     STATE_BYTES,
+    PlanOptions,
     budget_limit,
     check_budgets,
-    plan_checkpoint,
     plan_model,
     uniform_plans,
 )
 from .candidates import AXES, Candidate, layer_candidates, parse_dim_step
+from .from_folder import plan_checkpoint
 from .plot import plot_sensitivity
+from .snap import snap_servable
 from .solve import BudgetError, choose, choose_uniform, uniform_choices
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "STATE_BYTES",
     "BudgetError",
     "Candidate",
+    "PlanOptions",
     "budget_limit",
     "check_budgets",
     "choose",
@@ -37,6 +40,7 @@ __all__ = [
     "plan_checkpoint",
     "plan_model",
     "plot_sensitivity",
+    "snap_servable",
     "uniform_choices",
     "uniform_plans",
 ]
