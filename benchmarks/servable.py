@@ -2,17 +2,18 @@
 """Servable plans and latency budgets (issue 30): what the latency model predicts, and what servability costs.
 
 Part A, latency (a random Qwen3.5 where compute dominates: hidden 1024, 8 layers ``GGGA`` x 2, GDN 8 key
-heads x 2 lanes of 128, attention 8/2 heads of 128, MLP 3072, vocab 1024, float32). Every candidate block
-(GDN key heads and lanes in halves, MLP widths in quarters, attention heads, whole decoder layers) is timed
-once per workload with ``gdnprune.latency`` (warm-up 1, median of 3) on this machine; the sensitivities are
-measured once on 2 random windows (the model is random: the plans are only vehicles for the latency). For
+heads x 2 lanes of 128, attention 8/2 heads of 128, MLP 2048, vocab 1024, float32). Every candidate block
+(GDN key-head counts, MLP widths in halves, attention head geometries, whole decoder layers) is timed
+once per workload (prefill:1:128, decode:1:128) with ``gdnprune.latency`` (warm-up 1, median of 3) on this
+machine; the model is random, so each candidate's sensitivity is the share of its group's parameters it
+removes (the plans are only vehicles for the latency). For
 three latency budgets the exact MILP chooses a plan (depth allowed); the table gives the additive prediction
 (fixed part + the chosen blocks + the kept layers' rests) beside the measured latency of the whole cut model
 (the chosen modules swapped in, removed layers taken out), and their ratio.
 
 Part B, quality at equal parameters (the bundled demo model, byte-level: loss in nats/byte). Scores on 32
-training windows of 256 bytes, sensitivities measured on 16 of them (``--sensitivity measured --dim-step
-1/4``), for each budget (fraction of all parameters) three plans: **heterogeneous** (the default search,
+training windows of 256 bytes, sensitivities measured on ``--sensitivity-windows`` (16) of them
+(``--sensitivity measured --dim-step 1/4`` by default), for each budget (fraction of all parameters) three plans: **heterogeneous** (the default search,
 depth allowed), **servable** (``--servable``: one geometry per kind plus removed layers) and **best uniform**
 (``--uniform``: one geometry per kind, every layer kept); each written by ``prune_checkpoint --plan`` (sorted,
 sliced) and loaded back, its loss on 32 held-out windows (paired differences against the heterogeneous plan,
@@ -49,13 +50,14 @@ from gdnprune.loading import load_pretrained  # noqa: E402
 from gdnprune.plan import plan_model  # noqa: E402
 from gdnprune.plan.latency_costs import add_latency_budget, cut_model_latency, measure_latency_costs  # noqa: E402
 from gdnprune.plan.problem import Grid, build_problem, check_feasible, given_budgets  # noqa: E402
+from gdnprune.plan.report import Sensitivities  # noqa: E402
 from gdnprune.plan.solve import BudgetError  # noqa: E402
-from gdnprune.plan.stages import choose_plan, measure  # noqa: E402
+from gdnprune.plan.stages import choose_plan  # noqa: E402
 from gdnprune.prune import prune_checkpoint  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 
 LATENCY_BUDGETS = (0.8, 0.6, 0.4)
-WORKLOADS = ("prefill:1:256", "decode:1:256")
+WORKLOADS = ("prefill:1:128", "decode:1:128")
 QUALITY_BUDGETS = (0.75, 0.6)
 SEQ = 256
 
@@ -65,7 +67,7 @@ def random_model() -> torch.nn.Module:
     config = Qwen3_5TextConfig(
         vocab_size=1024,
         hidden_size=1024,
-        intermediate_size=3072,
+        intermediate_size=2048,
         num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=2,
@@ -92,13 +94,17 @@ def part_latency(args) -> list[dict]:
         None,
         context=None,
         blocks=("gdn", "attention", "mlp", "depth"),
-        grid=Grid(Fraction(1, 2), ("key_heads", "lanes")),
+        grid=Grid(Fraction(1, 2), ("key_heads",)),
         orders_applied=True,
         uniform=False,
         latency=True,
     )
-    windows = [torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    sens = measure(model, windows, problem, "measured", progress=False)
+    # the model is random, so a measured KL would rank nothing: each candidate's "sensitivity" is the share of
+    # its group's parameters it removes (the plans are only vehicles for the latency)
+    full = [max(g) for g in problem.whole_costs["params"][: len(problem.groups)]]
+    values = [[1.0 - c / f for c in g] for g, f in zip(problem.whole_costs["params"], full)]
+    removal = {r.index: 1.0 for r in problem.rests}
+    sens = Sensitivities(values=values, seconds=0.0, removal={i: (v, 0.0) for i, v in removal.items()})
     rows = []
     for text in args.workloads:
         workload = parse_workload(text)
@@ -151,7 +157,7 @@ def part_quality(args) -> list[dict]:
     calibration = demo_data.byte_windows(demo_data.train_text("pydoc"), SEQ, 32)
     validation = demo_data.byte_windows(demo_data.validation_text("pydoc"), SEQ, args.validation_windows)
     data = score_model(model, list(calibration.split(8)), progress=False, blocks=True)
-    batches = list(calibration[:16].split(4))
+    batches = list(calibration[: args.sensitivity_windows].split(4))
     base = window_losses(model, validation)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,7 +169,9 @@ def part_quality(args) -> list[dict]:
         text.write_text(demo_data.train_text("pydoc")[:20000])
         scores.write_text(json.dumps(data))
         for budget in args.quality_budgets:
-            common = dict(budget_params=budget, sensitivity="measured", dim_step="1/4", progress=False)
+            common = dict(
+                budget_params=budget, sensitivity="measured", dim_step=args.dim_step, progress=False
+            )
             kinds = {
                 "heterogeneous": dict(),
                 "servable": dict(servable=True),
@@ -206,6 +214,8 @@ def main() -> int:
     parser.add_argument("--latency-budgets", nargs="+", type=float, default=list(LATENCY_BUDGETS))
     parser.add_argument("--quality-budgets", nargs="+", type=float, default=list(QUALITY_BUDGETS))
     parser.add_argument("--validation-windows", type=int, default=32)
+    parser.add_argument("--sensitivity-windows", type=int, default=16)
+    parser.add_argument("--dim-step", default="1/4")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -159,7 +159,11 @@ def prune_checkpoint(
             model=model,
             **search.keywords(),
         )
-        extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
+        extra["plan_report"] = {
+            "seconds": report["seconds"],
+            "sensitivity": report["sensitivity"],
+            **{k: report[k] for k in ("servable", "latency") if k in report},
+        }
     if sequential:
         targets = (
             resolve_plan(plan, shapes)

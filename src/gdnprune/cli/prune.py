@@ -13,7 +13,15 @@ from ._options import (
     target_from_args,
 )
 from ._runtime import add_runtime_arguments, model_runtime
-from .plan import add_search_arguments, any_budget, check_latency_options, model_summary, search_options
+from .plan import (
+    add_search_arguments,
+    any_budget,
+    check_latency_options,
+    latency_summary,
+    model_summary,
+    search_options,
+    servable_summary,
+)
 
 NAME = "prune"
 HELP = "score + (plan) + sort + slice a checkpoint in one command"
@@ -137,5 +145,9 @@ def run(args) -> int:
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:
+            print(f"  {line}")
+        for line in servable_summary(manifest.get("plan_report", {})) + latency_summary(
+            manifest.get("plan_report", {})
+        ):
             print(f"  {line}")
     return 0

@@ -225,7 +225,7 @@ def halving_sensitivity(
         bar = tqdm(  # one bar per rung, its total known before it starts
             total=sum(upto - int(seen[li][c]) for li in range(len(layers)) for c in todo[li]),
             disable=not progress,
-            desc=f"sensitivity, rung {rung + 1} of {len(schedule)} ({upto} windows)",
+            desc=f"sensitivity, rung {rung + 1} of {len(schedule)} ({upto} window{'s' if upto > 1 else ''})",
             unit="fwd",
         )
         try:
