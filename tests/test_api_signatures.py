@@ -28,7 +28,6 @@ PUBLIC = {
 #: functions that still take **kwargs: each names where they go in its docstring
 KNOWN_VAR_KEYWORD = {
     "gdnprune.plan.plan_checkpoint",  # plan_model's options; being restructured (issue 19, part 1)
-    "gdnprune.prune.prune_checkpoint",  # score_checkpoint's options; being restructured (issue 19, part 1)
     "gdnprune.distill.distill_checkpoint",  # distill's own options (steps, lr, fsdp, ...), listed in its docstring
     "gdnprune.demo.run_demo",  # only the deprecated calibration_windows / validation_windows
 }

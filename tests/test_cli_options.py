@@ -52,7 +52,9 @@ PER_COMMAND = {
     "eval_samples",
     "dtype",
     "blocks",  # what the kinds of block are for: ordered (score) or shrunk (plan, prune)
-}  # dtype: of the forward passes' weights, or (distill) of the trained parameters
+    "workload",
+}  # dtype: of the forward passes' weights, or (distill) of the trained parameters; workload: several (bench)
+# or the one of --budget-latency (plan, prune)
 #: (vocabulary differences that are known and accepted: none)
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 #: old spellings: none may be a visible option of any command

@@ -15,22 +15,19 @@ from test_dense_axes import _ids, _model
 from gdnprune.blocks import AttentionShape
 from gdnprune.geometry import GDNShape
 from gdnprune.plan import BudgetError, choose_uniform, plan_model, uniform_choices, uniform_plans
-from gdnprune.plan.api import _problem
 from gdnprune.plan.candidates import parse_dim_step
+from gdnprune.plan.problem import Grid, build_problem
 
 
 def _tables(model, *, dim_step="1/2", axes=("key_heads", "lanes", "key_dim", "value_dim"), budget=1.0):
     given = dict(params=budget, gdn_params=None, active_params=None, memory=None, state=None)
-    problem = _problem(
+    problem = build_problem(
         model,
         given,
         None,
         context=None,
         blocks=("gdn", "attention", "mlp", "shared_expert"),
-        step=parse_dim_step(dim_step),
-        axes=axes,
-        tp=None,
-        multiple_of=None,
+        grid=Grid(parse_dim_step(dim_step), axes),
         orders_applied=True,
         uniform=True,
     )
@@ -70,7 +67,7 @@ def _larger(a, b):
 def test_uniform_choice_and_list_equal_brute_force_on_a_real_models_cost_tables(model_type):
     model = _model(model_type, seed=3)
     problem = _tables(model)
-    keys, kinds, costs = problem["keys"], problem["kinds"], problem["costs"]["params"]
+    keys, kinds, costs = problem.keys, problem.kinds, problem.costs["params"]
     assert set(kinds) == {"gdn", "attention", "mlp" if model_type == "qwen3_5" else "shared_expert"}
     combos = list(_combinations(keys, kinds))
     assert len(combos) > 50

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, block_kinds_of, resolve_block_target
@@ -46,6 +46,7 @@ __all__ = [
     "removed_layers",
     "resolve_plan",
     "save_plan",
+    "servable_problems",
     "constraint_violations",
     "kernel_warnings",
     "state_elements",
@@ -220,6 +221,25 @@ def resolve_plan(plan: str | os.PathLike | Mapping, shapes: Mapping[str, GDNShap
     if problems:
         raise PlanError(f"{len(problems)} layer(s) of the plan do not fit: " + "; ".join(problems))
     return targets
+
+
+def servable_problems(
+    gdn: Mapping[int, Any], blocks: Mapping[str, Mapping[int, Any]], removed: Iterable[int] = ()
+) -> list[str]:
+    """Why a cut is not servable from a standard config: per kind of block (``gdn``: decoder layer -> GDN
+    target; ``blocks``: kind -> decoder layer -> target), the kept layers that differ in geometry. [] when
+    every kind has one geometry over the kept layers (engines that read only the standard config load it)."""
+    gone = set(removed)
+    problems = []
+    for kind, targets in (("gdn", gdn), *blocks.items()):
+        kept = {i: t for i, t in sorted(targets.items()) if i not in gone}
+        seen: dict[Any, int] = {}
+        for i, t in kept.items():
+            seen.setdefault(t, i)
+        if len(seen) > 1:
+            (a, i), (b, j) = list(seen.items())[:2]
+            problems.append(f"{kind} layers differ ({a} at layer {i}, {b} at layer {j})")
+    return problems
 
 
 def save_plan(plan: Mapping[str, Any], path: str | os.PathLike) -> os.PathLike:

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .targets import keyword_target
+from transformers import AutoTokenizer
+
+from .calibration import calibration_windows, iter_batches
+from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
+from .checkpoint.folder import map_to_checkpoint
+from .checkpoint.output import check_paths, clear_stale
+from .checkpoint.remote_code import auto_map
+from .checkpoint.subblocks import plan_sub_blocks, split_target
+from .compensate import sequential_refit
+from .deprecation import renamed_keywords
+from .distributed import fail_together, local_gpus
+from .fileio import file_sha256
+from .geometry import layer_index_of
+from .layouts import find_gdn_modules
+from .loading import empty_causal_lm, load_causal_lm, slice_model
+from .plan import PlanOptions, check_budgets, plan_checkpoint
+from .plans import PlanError, read_plan, resolve_plan, servable_problems
+from .scores import load_scores
+from .scoring import score_checkpoint
+from .targets import TargetError, keyword_target, resolve_target
 
 __all__ = ["prune_checkpoint"]
 
 
+# long: every scoring, planning and runtime option is passed by name (no options bag); the checks are in
+# _check_cut, the work in score_checkpoint, plan_checkpoint and transform_checkpoint
+@renamed_keywords(
+    refine=("lane_search", lambda refine: refine == "lanes"), refine_samples="lane_search_samples"
+)
 @keyword_target(paths=3)
 def prune_checkpoint(
     model_dir: str | Path,
@@ -20,7 +45,7 @@ def prune_checkpoint(
     target: Any = None,
     plan: str | Path | Mapping | None = None,
     scores: str | Path | None = None,
-    search: Mapping[str, Any] | None = None,
+    search: PlanOptions | None = None,
     plan_samples: int = 16,
     tp: int | None = None,
     multiple_of: int | None = None,
@@ -28,42 +53,46 @@ def prune_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     self_contained: bool = False,
-    **scoring: Any,
+    servable: bool = False,
+    method: str = "projection",
+    num_samples: int | None = 128,
+    seq_len: int | None = None,
+    batch_size: int = 4,
+    device: str | None = None,
+    dtype: str = "float32",
+    device_map: str | None = None,
+    seed: int = 0,
+    lane_search: bool = False,
+    lane_search_samples: int = 16,
 ) -> dict[str, Any]:
     """Score ``model_dir`` on ``data``, then sort and cut every GDN layer in one streaming pass.
 
     The cut is one of: ``target`` (a ``GDNShape`` or some of its fields, for every layer; the sub-block
     fields ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` also score, sort and cut the MLPs and attention layers), ``plan`` (a plan
-    file or dict, :mod:`gdnprune.plans`), or ``search`` — the options of :func:`gdnprune.plan.plan_model`
-    (``budget_params`` of the whole model, ``budget_gdn_params``, ``budget_state``, ``sensitivity``, ...): the
-    plan is then searched on the fresh scores with ``plan_samples`` calibration windows. ``scoring`` takes the
-    options of :func:`gdnprune.scoring.score_checkpoint` (``lane_search=True`` included). ``compensate``
-    (``True`` or ``"statistics"``) collects the least-squares statistics in the scoring pass and refits every
-    cut layer's ``out_proj`` (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is
-    known, cuts the model in memory and refits ``out_proj`` layer by layer on the cut model's own hidden
-    states (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no
-    ``device_map``). ``self_contained``: the output also loads with transformers alone
-    (:mod:`gdnprune.checkpoint.remote_code`). ``scores``: a scores file of ``model_dir`` to sort by instead of
-    scoring again (a plan that records the sha256 of the scores it was searched on must have been searched on
-    these; a plan that records one while the model is scored afresh gets a :class:`PlanScoresWarning`). The
-    output path, the target or plan and the constraints are checked before the (long) scoring starts. The
-    model is loaded once (when anything needs it); scoring, the plan search and the sequential refit share
-    it. Returns the manifest (with the searched plan under ``"plan"``).
+    file or dict, :mod:`gdnprune.plans`), or ``search`` — a :class:`~gdnprune.plan.PlanOptions` (the budgets
+    and search options of :func:`gdnprune.plan.plan_model`): the plan is then searched on the fresh scores
+    with ``plan_samples`` calibration windows. ``method``, ``num_samples``, ``seq_len``, ``batch_size``,
+    ``device``, ``dtype``, ``device_map``, ``seed``, ``lane_search`` and ``lane_search_samples`` are
+    :func:`gdnprune.scoring.score_checkpoint`'s. ``compensate`` (``True`` or ``"statistics"``) collects the
+    least-squares statistics in the scoring pass and refits every cut layer's ``out_proj``
+    (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is known, cuts the model in
+    memory and refits ``out_proj`` layer by layer on the cut model's own hidden states
+    (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no ``device_map``).
+    ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
+    ``servable``: the output must load from a standard config (one geometry per kind of block): a ``plan`` that
+    needs ``per_layer_config`` is refused before any model loads (a ``search`` takes its own ``servable``).
+    ``scores``: a scores file of ``model_dir`` to sort by instead of scoring again (a plan that records the
+    sha256 of the scores it was searched on must have been searched on these; a plan that records one while
+    the model is scored afresh gets a :class:`PlanScoresWarning`). The output path, the target or plan and the
+    constraints are checked before the (long) scoring starts. The model is loaded once (when anything needs
+    it); scoring, the plan search and the sequential refit share it. Returns the manifest (with the searched
+    plan under ``"plan"``).
     """
-    from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
-    from .checkpoint.output import check_paths, clear_stale
-    from .checkpoint.subblocks import plan_sub_blocks, split_target
-    from .distributed import fail_together, local_gpus
-    from .loading import load_causal_lm
-    from .plans import read_plan, resolve_plan
-    from .scoring import score_checkpoint
-    from .targets import TargetError, resolve_target
-
     if compensate not in (False, True, "statistics", "sequential"):
         raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
     sequential = compensate == "sequential"
-    if sequential and scoring.get("device_map") is not None:
+    if sequential and device_map is not None:
         raise ValueError(
             "sequential compensation cuts the model in memory: it needs the model on one device "
             "(no device map)"
@@ -76,36 +105,11 @@ def prune_checkpoint(
         )
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
-    ckpt = open_checkpoint(model_dir)
-    layers, _ = find_gdn_layers(ckpt)
-    if self_contained:
-        from .checkpoint.remote_code import auto_map
-
-        auto_map(ckpt.config)  # a family the modeling file cannot load is refused before the scoring
-    shapes = {layer.prefix: layer.shape for layer in layers}
-    gdn_target, block_target = split_target(target)
-    if target is not None:
-        for shape in shapes.values():
-            resolve_target(shape, gdn_target)  # raises TargetError (a ValueError) for an illegal target
-    if plan is not None:
-        checked = read_plan(plan)
-        resolve_plan(checked, shapes)
-        _check_plan_scores(checked, scores)
-    # the sub-blocks a target or plan cuts (checked now, scored beside the GDN layers)
-    whole = search is not None and any(
-        search.get(f"budget_{name}") is not None for name in ("params", "active_params", "memory")
+    sub_blocks, shapes = _check_cut(
+        model_dir, target, plan, scores, search, sequential, self_contained, servable
     )
-    sub_blocks = whole or bool(plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans)
-    if sub_blocks and sequential:
-        raise TargetError(
-            "sequential compensation refits GDN layers on a model whose attention and MLPs are "
-            'whole; it does not support attention / MLP cuts yet (use compensate="statistics")'
-        )
     if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
-        from .loading import empty_causal_lm
-        from .plan import check_budgets
-
-        check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search)
+        check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search.keywords())
     if scores is not None and compensate and not sequential:
         raise ValueError(
             'compensate="statistics" collects its statistics while scoring; with `scores` give '
@@ -114,63 +118,67 @@ def prune_checkpoint(
     model = None
     if scores is None or search is not None or sequential:
         with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
-            gpus = local_gpus() if scoring.get("device_map") is not None else None
-            model = load_causal_lm(
-                model_dir,
-                dtype=scoring.get("dtype", "float32"),
-                device=scoring.get("device"),
-                device_map=scoring.get("device_map"),
-                gpus=gpus,
-            )
+            gpus = local_gpus() if device_map is not None else None
+            model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
     if scores is not None:
-        from .fileio import file_sha256
-        from .scores import load_scores
-
-        path = scores
-        scores = load_scores(path)
-        scores["sha256"] = file_sha256(path)
+        scores_source: str | Path | dict = scores
+        scored = load_scores(scores)
+        scored["sha256"] = file_sha256(scores)
     else:
-        scores = score_checkpoint(
+        scored = score_checkpoint(
             model_dir,
             data,
+            method=method,
+            num_samples=num_samples,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            device=device,
+            dtype=dtype,
+            device_map=device_map,
+            seed=seed,
+            lane_search=lane_search,
+            lane_search_samples=lane_search_samples,
             progress=progress,
             compensate=bool(compensate) and not sequential,
+            blocks=None if sub_blocks else ("gdn",),
             model=model,
-            **{"blocks": None if sub_blocks else ("gdn",), **scoring},
         )
-        path = scores
-    stats = scores.pop("compensation_statistics", None)
-    extra = {"scores": {k: v for k, v in scores.items() if k != "layers"}}
+        scores_source = scored
+    stats = scored.pop("compensation_statistics", None)
+    extra: dict[str, Any] = {"scores": {k: v for k, v in scored.items() if k != "layers"}}
     if search is not None:
-        from .plan import plan_checkpoint
-
-        options = {
-            k: scoring[k] for k in ("seq_len", "batch_size", "device", "dtype", "device_map") if k in scoring
-        }
         plan, report = plan_checkpoint(
             model_dir,
             data,
-            path,
+            scores_source,
             num_samples=plan_samples,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            device=device,
+            dtype=dtype,
+            device_map=device_map,
             tp=tp,
             multiple_of=multiple_of,
             progress=progress,
             model=model,
-            **options,
-            **search,
+            **search.keywords(),
         )
-        extra["plan_report"] = {"seconds": report["seconds"], "sensitivity": report["sensitivity"]}
+        extra["plan_report"] = {
+            "seconds": report["seconds"],
+            "sensitivity": report["sensitivity"],
+            **{k: report[k] for k in ("servable", "latency") if k in report},
+        }
     if sequential:
         targets = (
             resolve_plan(plan, shapes)
             if plan is not None
-            else {prefix: resolve_target(shape, gdn_target) for prefix, shape in shapes.items()}
+            else {prefix: resolve_target(shape, split_target(target)[0]) for prefix, shape in shapes.items()}
         )
-        stats = _sequential_columns(model, model_dir, data, scores, targets, progress)
+        stats = _sequential_columns(model, model_dir, data, scored, targets, progress)
     return transform_checkpoint(
         model_dir,
         output_dir,
-        permutations=scores["layers"],
+        permutations=scored["layers"],
         target=target,
         plan=plan,
         tp=tp,
@@ -184,16 +192,59 @@ def prune_checkpoint(
     )
 
 
+def _check_cut(
+    model_dir: str | Path,
+    target: Any,
+    plan: str | Path | Mapping | None,
+    scores: str | Path | None,
+    search: PlanOptions | None,
+    sequential: bool,
+    self_contained: bool,
+    servable: bool = False,
+) -> tuple[bool, dict[str, Any]]:
+    """Check the target or plan against the checkpoint before any model loads; returns whether sub-blocks
+    are cut (and so scored) and the GDN layers' shapes by checkpoint prefix."""
+    ckpt = open_checkpoint(model_dir)
+    layers, _ = find_gdn_layers(ckpt)
+    if self_contained:
+        auto_map(ckpt.config)  # a family the modeling file cannot load is refused before the scoring
+    shapes = {layer.prefix: layer.shape for layer in layers}
+    gdn_target, block_target = split_target(target)
+    if target is not None:
+        for shape in shapes.values():
+            resolve_target(shape, gdn_target)  # raises TargetError (a ValueError) for an illegal target
+    if plan is not None:
+        checked = read_plan(plan)
+        gdn = resolve_plan(checked, shapes)
+        _check_plan_scores(checked, scores)
+        if servable:
+            blocks = plan_sub_blocks(ckpt, {}, {}, plan, dequantize=True).targets
+            problems = servable_problems(
+                {layer_index_of(p): t for p, t in gdn.items()}, blocks, checked.get("removed_layers", [])
+            )
+            if problems:
+                raise PlanError(
+                    f"`servable`: the plan needs per_layer_config: {'; '.join(problems)}; search a servable "
+                    f"plan (a budget with `servable`) or snap this one (gdnprune plan --snap-servable)"
+                )
+    # the sub-blocks a target or plan cuts (checked now, scored beside the GDN layers)
+    sub_blocks = (search is not None and search.whole()) or bool(
+        plan_sub_blocks(ckpt, {}, block_target, plan, dequantize=True).plans
+    )
+    if sub_blocks and sequential:
+        raise TargetError(
+            "sequential compensation refits GDN layers on a model whose attention and MLPs are "
+            'whole; it does not support attention / MLP cuts yet (use compensate="statistics")'
+        )
+    return sub_blocks, shapes
+
+
 class PlanScoresWarning(UserWarning):
     """A plan searched on some scores is applied with orders from a fresh scoring."""
 
 
 def _check_plan_scores(plan: Mapping, scores: str | Path | None) -> None:
     """Refuse a plan searched on other scores than ``scores``; warn when the model is to be scored afresh."""
-    import warnings
-
-    from .fileio import file_sha256
-
     recorded = (plan.get("scores") or {}).get("sha256")
     if not recorded:
         return
@@ -222,14 +273,6 @@ def _sequential_columns(
 ) -> dict[str, dict]:
     """``{checkpoint prefix: {"columns": ...}}``: ``out_proj`` refitted in memory for ``targets`` (checkpoint
     prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.compensate.sequential_refit`)."""
-    from transformers import AutoTokenizer
-
-    from .calibration import calibration_windows, iter_batches
-    from .checkpoint.folder import map_to_checkpoint
-    from .compensate import sequential_refit
-    from .layouts import find_gdn_modules
-    from .loading import slice_model
-
     calibration = scores["calibration"]
     windows = calibration_windows(
         data,

@@ -20,6 +20,7 @@ from ._options import (
     positive_int,
 )
 from ._runtime import add_runtime_arguments, model_runtime
+from .bench import WORKLOAD_HELP, WORKLOAD_METAVAR
 
 NAME = "plan"
 HELP = (
@@ -42,6 +43,7 @@ def _budget(text: str) -> float:
     return value
 
 
+# long: one argparse declaration per option
 def add_search_arguments(p) -> None:
     """The budget and search options, shared with ``gdnprune prune``."""
     p.add_argument(
@@ -115,6 +117,7 @@ def add_search_arguments(p) -> None:
         action="store_true",
         help="one geometry per kind of block: all GDN layers one, all MLPs one, all attention layers one (for engines that need uniform layers)",
     )
+    add_servable_arguments(p)
     p.add_argument(
         "--evolve-generations",
         type=non_negative_int,
@@ -147,6 +150,31 @@ def add_search_arguments(p) -> None:
     add_constraint_arguments(p)
 
 
+def add_servable_arguments(p) -> None:
+    """``--servable`` (shared with ``gdnprune prune``)."""
+    p.add_argument(
+        "--servable",
+        action="store_true",
+        help="only plans that stock engines (vLLM, SGLang, llama.cpp, ...) load from a standard config: one "
+        "geometry per kind of block plus whole decoder layers removed (with depth in --blocks; one "
+        "full-attention layer kept); the exact best such plan. With --plan (prune): refuse a plan that "
+        "needs per_layer_config",
+    )
+    p.add_argument(
+        "--budget-latency",
+        type=_budget,
+        metavar="X",
+        help="latency to keep, a fraction of the unpruned model's at --workload (e.g. 0.5): every candidate "
+        "block is timed on this machine (warm-up, median of repeats) and the times are summed in the MILP",
+    )
+    p.add_argument(
+        "--workload",
+        action="append",
+        metavar=WORKLOAD_METAVAR,
+        help=WORKLOAD_HELP + " (one: the workload of --budget-latency)",
+    )
+
+
 def search_options(args) -> dict:
     """The keyword arguments of :func:`gdnprune.plan.plan_model` given on the command line."""
     return dict(
@@ -163,17 +191,43 @@ def search_options(args) -> dict:
         tp=args.tp,
         multiple_of=args.multiple_of,
         uniform=args.uniform,
+        servable=args.servable,
+        budget_latency=args.budget_latency,
+        workload=args.workload[0] if args.workload else None,
         refine_generations=args.evolve_generations,  # plan_model's keywords keep their names for now
         refine_offspring=args.evolve_offspring,
         refine_seed=args.evolve_seed,
     )
 
 
+def check_latency_options(args) -> None:
+    """--budget-latency and --workload go together; a malformed workload is refused (ValueError: exit 2)."""
+    from ..latency import parse_workload
+
+    if args.budget_latency is None and args.workload is None:
+        return
+    if args.workload is None:
+        raise ValueError("--budget-latency is a latency at a workload: give --workload PHASE:BATCH:CONTEXT")
+    if args.budget_latency is None:
+        raise ValueError("--workload is the workload of --budget-latency: give --budget-latency X too")
+    if len(args.workload) > 1:
+        raise ValueError(f"--workload: --budget-latency takes one workload, found {len(args.workload)}")
+    if args.budget_latency > 1:
+        raise ValueError(
+            f"--budget-latency: expected a fraction of the unpruned model's latency in (0, 1], found "
+            f"{args.budget_latency:g}"
+        )
+    try:
+        parse_workload(args.workload[0])
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("`workload`", "--workload", 1)) from None
+
+
 def any_budget(args) -> bool:
     """Whether the command line gives a budget."""
     return any(
         getattr(args, f"budget_{name}") is not None
-        for name in ("params", "active_params", "memory", "gdn_params", "state")
+        for name in ("params", "active_params", "memory", "gdn_params", "state", "latency")
     )
 
 
@@ -207,6 +261,13 @@ def add_parser(subparsers) -> None:
         purpose="the measured sensitivity (needs --data)",
     )
     add_search_arguments(p)
+    p.add_argument(
+        "--snap-servable",
+        metavar="PLAN.json",
+        help="the best servable plan near this heterogeneous plan (from gdnprune plan): under its budgets, on "
+        "its grid; the report gives the cost of servability, predicted and measured on the calibration "
+        "windows (needs --data; the budgets come from PLAN.json)",
+    )
     add_distributed_arguments(p)
     add_runtime_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -278,6 +339,7 @@ def format_plan(plan: dict, report: dict) -> str:
             else ""
         )
     )
+    lines += servable_summary(report) + latency_summary(report)
     refined = report.get("refinement")
     if refined:
         accepted = sum(h["accepted"] for h in refined["history"])
@@ -287,6 +349,33 @@ def format_plan(plan: dict, report: dict) -> str:
             f"window forwards in {refined['seconds']:.1f} s)"
         )
     return "\n".join(lines)
+
+
+def latency_summary(report: dict) -> list[str]:
+    """The latency line of a plan with --budget-latency: predicted beside measured, and the speed-up."""
+    t = report.get("latency")
+    if not t:
+        return []
+    return [
+        f"latency at {t['workload']}: unpruned {t['unpruned_seconds'] * 1e3:.3g} ms; predicted "
+        f"{t['predicted_seconds'] * 1e3:.3g} ms ({t['predicted_fraction']:.1%}), measured "
+        f"{t['measured_seconds'] * 1e3:.3g} ms ({t['measured_fraction']:.1%}): speed-up "
+        f"{t['measured_speedup']:.2f}x measured, {t['predicted_speedup']:.2f}x predicted"
+    ]
+
+
+def servable_summary(report: dict) -> list[str]:
+    """The lines of a servable plan: what loads it, and the cost of servability of a snapped plan."""
+    lines = [f"servable: {report['servable']}"] if report.get("servable") else []
+    cost = report.get("servability")
+    if cost:
+        p, m = cost["predicted"], cost["measured_kl"]
+        lines.append(
+            f"cost of servability: predicted summed KL {p['heterogeneous']:.4g} -> {p['servable']:.4g} "
+            f"({p['cost']:+.4g}); measured KL of the whole cut model on {cost['windows']} calibration windows "
+            f"{m['heterogeneous']:.4g} -> {m['servable']:.4g} ({m['cost']:+.4g})"
+        )
+    return lines
 
 
 def model_summary(plan: dict, report: dict | None = None) -> list[str]:
@@ -389,6 +478,17 @@ def run(args) -> int:
         return report_error(NAME, exc, who)
 
 
+def _check_snap(args) -> None:
+    """--snap-servable's plan file is read (exit 2 when it is no plan) and its budgets are not overridden."""
+    from ..plans import read_plan
+
+    if any_budget(args):
+        raise ValueError("--snap-servable takes the budgets of PLAN.json: give no --budget-* with it")
+    if args.sensitivity == "proxy" or args.data is None:
+        raise ValueError("--snap-servable measures both plans: give --data FILE (and no --sensitivity proxy)")
+    read_plan(args.snap_servable)
+
+
 def _plan(args) -> int:
     import argparse
     import warnings
@@ -406,10 +506,13 @@ def _plan(args) -> int:
                 "the measured sensitivity needs calibration text: give --data FILE (or --sensitivity proxy)"
             )
         data = checked_data(args, tokenizer_dir=args.model_dir)
-        if not any_budget(args):
+        check_latency_options(args)
+        if args.snap_servable is not None:
+            _check_snap(args)
+        elif not any_budget(args):
             raise ValueError(
                 "give a budget: --budget-params, --budget-active-params, --budget-memory, "
-                "--budget-gdn-params and/or --budget-state"
+                "--budget-gdn-params, --budget-state and/or --budget-latency"
             )
     if args.threads is None:
         args.threads = plan_threads(args.model_dir, args.seq_len)
@@ -429,6 +532,7 @@ def _plan(args) -> int:
                 dtype=args.dtype,
                 device_map=args.device_map,
                 progress=main and not args.quiet,
+                snap=args.snap_servable,
                 **search_options(args),
             )
         with fail_together():

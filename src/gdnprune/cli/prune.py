@@ -14,7 +14,15 @@ from ._options import (
     target_from_args,
 )
 from ._runtime import add_runtime_arguments, model_runtime
-from .plan import add_search_arguments, any_budget, model_summary, search_options
+from .plan import (
+    add_search_arguments,
+    any_budget,
+    check_latency_options,
+    latency_summary,
+    model_summary,
+    search_options,
+    servable_summary,
+)
 
 NAME = "prune"
 HELP = "score + (plan) + sort + slice a checkpoint in one command"
@@ -73,6 +81,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..distributed import launch_info
+    from ..plan import PlanOptions
     from ..prune import prune_checkpoint
 
     info = launch_info()
@@ -81,12 +90,15 @@ def run(args) -> int:
             f"prune runs in one process (found a launch of {info.world_size}); under torchrun, run "
             f"`gdnprune score` (and `gdnprune plan`) there, then `sort` and `slice` in one process"
         )
+    check_latency_options(args)
     budget = any_budget(args)
     target = target_from_args(args, required=not budget and args.plan is None)
-    search = search_options(args) if budget else None
-    if search is not None:
+    search = None
+    if budget:
+        options = search_options(args)
         for key in ("tp", "multiple_of"):
-            search.pop(key)
+            options.pop(key)
+        search = PlanOptions(**options)
     if args.threads is None:
         from .plan import plan_threads
 
@@ -108,6 +120,7 @@ def run(args) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet,
             self_contained=args.self_contained,
+            servable=args.servable,
             lane_search=args.lane_search,
             lane_search_samples=args.lane_search_samples,
             **scoring_options(args),
@@ -134,5 +147,9 @@ def run(args) -> int:
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:
+            print(f"  {line}")
+        for line in servable_summary(manifest.get("plan_report", {})) + latency_summary(
+            manifest.get("plan_report", {})
+        ):
             print(f"  {line}")
     return 0

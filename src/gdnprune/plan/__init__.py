@@ -14,14 +14,16 @@ This package imports torch (the candidates and the solver do not).
 from .api import (
     SENSITIVITIES,
     STATE_BYTES,
+    PlanOptions,
     budget_limit,
     check_budgets,
-    plan_checkpoint,
     plan_model,
     uniform_plans,
 )
 from .candidates import AXES, Candidate, layer_candidates, parse_dim_step
+from .from_folder import plan_checkpoint
 from .plot import plot_sensitivity
+from .snap import snap_servable
 from .solve import BudgetError, choose, choose_uniform, uniform_choices
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "STATE_BYTES",
     "BudgetError",
     "Candidate",
+    "PlanOptions",
     "budget_limit",
     "check_budgets",
     "choose",
@@ -39,6 +42,7 @@ __all__ = [
     "plan_checkpoint",
     "plan_model",
     "plot_sensitivity",
+    "snap_servable",
     "uniform_choices",
     "uniform_plans",
 ]

@@ -148,6 +148,7 @@ def gather_over_ranks(values: dict) -> dict:
 
 
 @torch.no_grad()
+# long: a 40-line docstring; the rung loop stays in one place (one candidate's measurement: _measure_layer)
 def halving_sensitivity(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -218,55 +219,36 @@ def halving_sensitivity(
     alive = [np.ones(len(layer.candidates), dtype=bool) for layer in layers]
     seen = [np.zeros(len(layer.candidates), dtype=int) for layer in layers]
     states: dict[int, dict] = {}
-    bar = tqdm(total=0, disable=not progress, desc="sensitivity", unit="fwd")
     done = 0
-    try:
-        for upto in schedule:
+    for rung, upto in enumerate(schedule):
+        todo = [[int(c) for c in np.flatnonzero(alive[li] & ~full[li])] for li in range(len(layers))]
+        bar = tqdm(  # one bar per rung, its total known before it starts
+            total=sum(upto - int(seen[li][c]) for li in range(len(layers)) for c in todo[li]),
+            disable=not progress,
+            desc=f"sensitivity, rung {rung + 1} of {len(schedule)} ({upto} window{'s' if upto > 1 else ''})",
+            unit="fwd",
+        )
+        try:
             for li, (layer, i) in enumerate(zip(layers, index)):
-                todo = [int(c) for c in np.flatnonzero(alive[li] & ~full[li])]
-                bar.total += sum(upto - int(seen[li][c]) for c in todo)
-                bar.refresh()
                 if li not in states:
                     states[li] = sorted_state(layer)
-                state = states[li]
-                device = next(iter(state.values())).device
-                parent, attr = parent_and_name(forwards.decoder.layers[i], layer.module)
-                mine = {}
-                with forwards.from_layer(i) as measure:
-                    try:
-                        for c in (todo[k] for k in rank_share(len(todo))):
-                            setattr(
-                                parent,
-                                attr,
-                                candidate_module(layer, state, layer.candidates[c], text_config, device),
-                            )
-                            mine[c] = [measure([w]) for w in range(int(seen[li][c]), upto)]
-                            bar.update(upto - int(seen[li][c]))
-                    finally:
-                        setattr(parent, attr, layer.module)
-                for c, values in sorted(gather_over_ranks(mine).items()):
-                    done += upto - int(seen[li][c])
-                    kl[li][c, seen[li][c] : upto] = [v[0] for v in values]
-                    ce[li][c, seen[li][c] : upto] = [v[1] for v in values]
-                    seen[li][c] = upto
+                done += _measure_layer(
+                    forwards, layer, i, states[li], todo[li], seen[li], upto, kl[li], ce[li], text_config, bar
+                )
                 if upto == total:
                     del states[li]
-            if upto == total:
-                break
-            for li in range(len(layers)):
-                alive[li] &= ~dominated(kl[li][:, :upto], tables[li], alive[li], z=z)
-            estimate = [kl[li][:, :upto].mean(1) for li in range(len(layers))]
-            picks = (
-                choose(estimate, alive)
-                if choose is not None
-                else choose_among(estimate, costs, budgets, alive)
-            )
-            for li in range(len(layers)):
-                alive[li] = near(
-                    sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta))
-                )
-    finally:
-        bar.close()
+        finally:
+            bar.close()
+        if upto == total:
+            break
+        for li in range(len(layers)):
+            alive[li] &= ~dominated(kl[li][:, :upto], tables[li], alive[li], z=z)
+        estimate = [kl[li][:, :upto].mean(1) for li in range(len(layers))]
+        picks = (
+            choose(estimate, alive) if choose is not None else choose_among(estimate, costs, budgets, alive)
+        )
+        for li in range(len(layers)):
+            alive[li] = near(sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta)))
     result: dict[str, Any] = {
         "kl": {},
         "loss": {},
@@ -290,3 +272,40 @@ def halving_sensitivity(
         result["survivors"][layer.prefix] = [bool(a) for a in alive[li]]
     result["seconds"] = time.perf_counter() - start_time
     return result
+
+
+def _measure_layer(
+    forwards: Any,
+    layer: Any,
+    index: int,
+    state: dict,
+    todo: list[int],
+    seen: np.ndarray,
+    upto: int,
+    kl: np.ndarray,
+    ce: np.ndarray,
+    text_config: Any,
+    bar: Any,
+) -> int:
+    """Measure ``layer``'s candidates ``todo`` on windows ``seen[c]`` to ``upto`` (spread over the ranks),
+    writing their KL and loss in place; returns the partial forwards done."""
+    device = next(iter(state.values())).device
+    parent, attr = parent_and_name(forwards.decoder.layers[index], layer.module)
+    mine = {}
+    with forwards.from_layer(index) as measure:
+        try:
+            for c in (todo[k] for k in rank_share(len(todo))):
+                setattr(
+                    parent, attr, candidate_module(layer, state, layer.candidates[c], text_config, device)
+                )
+                mine[c] = [measure([w]) for w in range(int(seen[c]), upto)]
+                bar.update(upto - int(seen[c]))
+        finally:
+            setattr(parent, attr, layer.module)
+    done = 0
+    for c, values in sorted(gather_over_ranks(mine).items()):
+        done += upto - int(seen[c])
+        kl[c, seen[c] : upto] = [v[0] for v in values]
+        ce[c, seen[c] : upto] = [v[1] for v in values]
+        seen[c] = upto
+    return done

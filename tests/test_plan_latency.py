@@ -1,0 +1,157 @@
+"""The latency budget (issue 30): candidate latencies measured with the harness are positive; the budget is met
+in the MILP's own arithmetic (against brute force over a small real table); the plan reports the predicted
+latency beside the measured one; bad latency options are refused with exit 2 and one line, before any
+calibration forward. Additivity is a benchmark (benchmarks/servable.py), not a timed test."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from test_checkpoint import make_source
+from transformers import AutoModelForCausalLM
+
+from gdnprune.cli import main
+from gdnprune.latency import parse_workload
+from gdnprune.plan import plan_model
+from gdnprune.plan.candidates import parse_dim_step
+from gdnprune.plan.latency_costs import add_latency_budget, measure_latency_costs
+from gdnprune.plan.problem import Grid, build_problem, given_budgets
+from gdnprune.plan.solve import BudgetError, choose
+from gdnprune.scoring import score_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
+WORKLOAD = parse_workload("prefill:1:16")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    src = make_source(tmp_path_factory.mktemp("latency") / "model", "qwen3_5", seed=2)
+    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), src
+
+
+def _problem(model, blocks=("gdn",)):
+    return build_problem(
+        model,
+        given_budgets({}),
+        None,
+        context=None,
+        blocks=blocks,
+        grid=Grid(parse_dim_step("1/2"), ("key_heads", "lanes")),
+        orders_applied=True,
+        uniform=False,
+        latency=True,
+    )
+
+
+def test_candidate_latencies_are_positive_and_the_budget_is_met_as_brute_force_finds(model):
+    model, _ = model
+    problem = _problem(model)
+    costs = measure_latency_costs(model, problem, WORKLOAD, repeats=2, warmup=1, progress=False)
+    assert costs.whole > 0 and costs.fixed >= 0
+    assert all(t > 0 for group in costs.groups for t in group)
+    assert [len(g) for g in costs.groups] == [len(g.candidates) for g in problem.groups]
+    with pytest.raises(BudgetError, match="least reachable"):
+        add_latency_budget(_problem(model), costs, 1e-6)
+    add_latency_budget(problem, costs, 0.9)
+    limit = problem.limits["latency"]
+    assert limit == pytest.approx(0.9 * costs.whole)
+    assert problem.budgets["latency"] == pytest.approx(limit - costs.fixed)
+    rng = np.random.default_rng(0)
+    sens = [list(rng.uniform(0, 1, len(g))) for g in costs.groups]
+    for g, group in enumerate(problem.groups):  # the full candidate costs nothing
+        sens[g][next(c for c, t in enumerate(group.candidates) if t == group.shape)] = 0.0
+    best = None
+    for picks in itertools.product(*(range(len(g)) for g in costs.groups)):
+        spent = costs.fixed + sum(costs.groups[g][p] for g, p in enumerate(picks))
+        value = sum(sens[g][p] for g, p in enumerate(picks))
+        if spent <= limit and (best is None or value < best[0]):
+            best = (value, picks)
+    if best is None:
+        with pytest.raises(BudgetError):
+            choose(sens, problem.costs, problem.budgets)
+        return
+    picks = choose(sens, problem.costs, problem.budgets)
+    assert sum(sens[g][p] for g, p in enumerate(picks)) == pytest.approx(best[0])
+    assert costs.predicted(picks, []) <= limit + 1e-12
+
+
+def test_a_latency_plan_reports_predicted_beside_measured(model):
+    model, _ = model
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    scores = score_model(model, [ids], progress=False, blocks=True)
+    plan, report = plan_model(
+        model,
+        [ids],
+        scores,
+        budget_latency=0.95,
+        workload="prefill:1:16",
+        sensitivity="measured",
+        dim_step="1/2",
+        axes=("key_heads", "lanes"),
+        blocks=("gdn", "mlp", "depth"),
+        progress=False,
+    )
+    t = report["latency"]
+    assert t["workload"] == "prefill:1:16" and t["unpruned_seconds"] > 0 and t["measured_seconds"] > 0
+    assert t["predicted_seconds"] <= 0.95 * t["unpruned_seconds"] + 1e-12
+    assert t["predicted_fraction"] == pytest.approx(t["predicted_seconds"] / t["unpruned_seconds"])
+    assert t["measured_speedup"] == pytest.approx(t["unpruned_seconds"] / t["measured_seconds"])
+    assert plan["budgets"]["latency"]["given"] == 0.95
+    assert plan["predicted"]["latency"]["predicted_seconds"] == t["predicted_seconds"]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--budget-latency", "0.5", "--workload", "prefill:1"], "--workload"),
+        (["--budget-latency", "0.5", "--workload", "train:1:16"], "--workload"),
+        (["--budget-latency", "0.5"], "--workload"),
+        (["--budget-params", "0.5", "--workload", "prefill:1:16"], "--budget-latency"),
+        (["--budget-latency", "2", "--workload", "prefill:1:16"], "(0, 1]"),
+    ],
+)
+def test_bad_latency_options_exit_2_with_one_line_before_loading(model, tmp_path, capsys, extra, words):
+    _, src = model
+    text = tmp_path / "calib.txt"
+    text.write_text("some calibration text " * 50)
+    scores = tmp_path / "missing-scores.json"  # never read: the options are refused first
+    capsys.readouterr()
+    args = ["plan", str(src), "--scores", str(scores), "--data", str(text), "-o", str(tmp_path / "p.json")]
+    assert main([*args, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
+
+
+def test_a_latency_budget_no_plan_reaches_exits_2_before_the_calibration_forwards(model, tmp_path, capsys):
+    _, src = model
+    text = tmp_path / "calib.txt"
+    text.write_text("some calibration text " * 200)
+    scores = tmp_path / "scores.json"
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--data",
+                str(text),
+                "-o",
+                str(scores),
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "16",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    args = ["plan", str(src), "--scores", str(scores), "--data", str(text), "-o", str(tmp_path / "p.json")]
+    extra = ["--budget-latency", "0.0001", "--workload", "prefill:1:16", "--blocks", "gdn", "--quiet"]
+    assert main([*args, *extra, "--num-samples", "2", "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "least reachable" in err[0]
+    assert not (tmp_path / "p.json").exists()
