@@ -30,6 +30,7 @@ HELP = (
 
 
 def _budget(text: str) -> float:
+    # lazy: commands import the library when they run, so --help stays fast
     import argparse
 
     try:
@@ -202,6 +203,7 @@ def search_options(args) -> dict:
 
 def check_latency_options(args) -> None:
     """--budget-latency and --workload go together; a malformed workload is refused (ValueError: exit 2)."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ..latency import parse_workload
 
     if args.budget_latency is None and args.workload is None:
@@ -429,8 +431,13 @@ def model_summary(plan: dict, report: dict | None = None) -> list[str]:
 
 def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool) -> list[str]:
     """PLAN.json, its report and its plot; returns the notes for the user."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ..fileio import check_output_file, write_json_atomic
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..plan import plot_sensitivity
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..plans import save_plan
 
     report_json, report_png = report_paths(output)
@@ -449,6 +456,7 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
 def plan_threads(model_dir: str | Path, seq_len: int | None) -> int:
     """The default torch threads of a plan search: from the model's width and the tokens of one forward
     (one calibration window) and the free cores (:func:`._runtime.default_threads`)."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ._runtime import default_threads
 
     try:
@@ -461,7 +469,10 @@ def plan_threads(model_dir: str | Path, seq_len: int | None) -> int:
 
 def run(args) -> int:
     """Under torchrun / accelerate launch every rank measures its share of the windows; rank 0 writes."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distributed import RankFailedError, process_group, rank, world_size
+
+    # lazy: commands import the library when they run, so --help stays fast
     from . import report_error
 
     who = ""
@@ -480,6 +491,7 @@ def run(args) -> int:
 
 def _check_snap(args) -> None:
     """--snap-servable's plan file is read (exit 2 when it is no plan) and its budgets are not overridden."""
+    # lazy: commands import the library when they run, so --help stays fast
     from ..plans import read_plan
 
     if any_budget(args):
@@ -490,11 +502,19 @@ def _check_snap(args) -> None:
 
 
 def _plan(args) -> int:
+    # lazy: commands import the library when they run, so --help stays fast
     import argparse
+
+    # lazy: commands import the library when they run, so --help stays fast
     import warnings
 
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distributed import fail_together, is_main_process
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..fileio import check_output_file
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..plan import plan_checkpoint
 
     main = is_main_process()

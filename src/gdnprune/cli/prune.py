@@ -80,8 +80,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    # lazy: commands import the library when they run, so --help stays fast
     from ..distributed import launch_info
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..plan import PlanOptions
+
+    # lazy: commands import the library when they run, so --help stays fast
     from ..prune import prune_checkpoint
 
     info = launch_info()
@@ -100,6 +105,7 @@ def run(args) -> int:
             options.pop(key)
         search = PlanOptions(**options)
     if args.threads is None:
+        # lazy: commands import the library when they run, so --help stays fast
         from .plan import plan_threads
 
         args.threads = plan_threads(args.model_dir, args.seq_len)

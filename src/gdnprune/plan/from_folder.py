@@ -90,7 +90,7 @@ def plan_checkpoint(
         plan["calibration"] = {
             "data": str(data),
             "num_samples": sum(int(b.shape[0]) for b in batches),
-            "seq_len": int(seq_len),
+            "seq_len": int(seq_len or 0),
             "batch_size": batch_size,
         }
     return plan, report

@@ -55,7 +55,7 @@ BUDGET_NAMES = ("params", "gdn_params", "active_params", "memory", "state")
 WHOLE = ("params", "active_params", "memory")
 
 
-def budget_limit(value: float | None, total: int, what: str) -> float | None:
+def budget_limit(value: float | None, total: float, what: str) -> float | None:
     """A budget as an absolute amount: ``value`` <= 1 is a fraction of ``total``, larger values are absolute."""
     if value is None:
         return None
@@ -363,7 +363,9 @@ def _add_costs(problem: PlanProblem, model: Any) -> None:
     }
     for name, total in (("gdn_params", p.gdn_totals["params"]), ("state", p.gdn_totals["state"])):
         if given[name] is not None:
-            p.limits[name] = p.budgets[name] = budget_limit(given[name], total, name)
+            limit = budget_limit(given[name], total, name)
+            assert limit is not None  # the budget is given
+            p.limits[name] = p.budgets[name] = limit
             p.costs[name] = gdn_costs[name]
     gdn_pairs = [(layer.module, cands) for layer, cands in zip(p.layers, p.table)]
     if p.whole:
@@ -371,6 +373,7 @@ def _add_costs(problem: PlanProblem, model: Any) -> None:
             model, gdn_pairs, p.blocks, context=p.context, state_bytes=STATE_BYTES
         )
     if p.depth:  # every decoder layer may go: the part of it no candidate changes is a group of its own
+        assert p.whole_costs is not None and p.fixed is not None  # depth is planned with a whole-model budget
         layer_of, prefixes, rest_costs, p.layer_costs = decoder_layer_rests(
             model, gdn_pairs, p.blocks, context=p.context, state_bytes=STATE_BYTES
         )
@@ -383,10 +386,13 @@ def _add_costs(problem: PlanProblem, model: Any) -> None:
             p.costs[name] = p.costs[name] + [[0.0]] * len(p.rests)
     if not p.whole:
         return
+    assert p.totals is not None and p.whole_costs is not None and p.fixed is not None  # set above
     for name in WHOLE:
         if given[name] is None:
             continue
-        p.limits[name] = budget_limit(given[name], p.totals[name], name)
+        limit = budget_limit(given[name], p.totals[name], name)
+        assert limit is not None  # the budget is given
+        p.limits[name] = limit
         p.budgets[name], p.costs[name] = p.limits[name] - p.fixed[name], p.whole_costs[name]
         least = p.fixed[name] + (0.0 if p.depth else sum(min(g) for g in p.whole_costs[name]))
         if least > p.limits[name]:

@@ -245,8 +245,8 @@ def _removal_report(
             layer=r.index,
             removed=r.index in choice.removed,
             costs={name: costs[name][r.index] for name in costs},
-            sensitivity=sens.removal[r.index][0] if measured else None,
-            loss=sens.removal[r.index][1] if measured else None,
+            sensitivity=sens.removal[r.index][0] if measured and sens.removal is not None else None,
+            loss=sens.removal[r.index][1] if measured and sens.removal is not None else None,
             block_influence=(influence or {}).get(r.index) if measured else None,
         )
     return out

@@ -95,8 +95,9 @@ def _snap_options(source: Mapping[str, Any], sensitivity: str) -> tuple[PlanOpti
     unknown = sorted(set(budgets) - set(BUDGET_NAMES))
     if unknown:
         raise ValueError(f"the plan's budgets {unknown} are unknown; expected some of {list(BUDGET_NAMES)}")
+    given: dict[str, Any] = {f"budget_{name}": value for name, value in budgets.items()}
     options = PlanOptions(
-        **{f"budget_{name}": value for name, value in budgets.items()},
+        **given,
         context=grid.get("context"),
         blocks=tuple(grid.get("blocks") or BLOCK_NAMES),
         sensitivity=sensitivity,

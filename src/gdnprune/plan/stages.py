@@ -162,7 +162,11 @@ def make_report(
     choice: Choice,
 ) -> PlanReport:
     """The report stage: every candidate, every removal (with each layer's block influence)."""
-    influence = block_influence(model, batches) if problem.rests and sens.removal is not None else None
+    influence = (
+        block_influence(model, batches)
+        if problem.rests and sens.removal is not None and batches is not None
+        else None
+    )
     return build_report(problem, sensitivity, sens, choice, influence)
 
 
