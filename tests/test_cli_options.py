@@ -315,9 +315,11 @@ def test_exit_code_tells_the_users_mistake_from_the_environments_failure():
     assert exit_code(OSError(errno.EIO, "Input/output error")) == 1
     assert exit_code(FileNotFoundError(errno.ENOENT, "No such file or directory")) == 2
     assert exit_code(ValueError("bad target")) == 2
-    from gdnprune import cli, distributed
+    assert exit_code(PermissionError(errno.EACCES, "Permission denied")) == 2
+    from gdnprune import cli, distributed, fileio
 
-    assert cli._USER_ERRNOS == distributed.USER_ERRNOS  # a rank's failure is classified the same way
+    # one table: the CLI and a failing rank classify an OSError the same way
+    assert cli.USER_ERRNOS is distributed.USER_ERRNOS is fileio.USER_ERRNOS
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import errno
 import importlib
 import os
 import re
@@ -30,6 +29,7 @@ import sys
 import warnings
 
 from .. import __version__
+from ..fileio import USER_ERRNOS
 
 #: subcommand -> its module, in the order of ``--help``
 COMMANDS = {
@@ -101,21 +101,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 #: the flags of the command that runs: dest -> (its long flag, whether it takes no value)
 _FLAGS: dict[str, tuple[str, bool]] = {}
 _KEYWORD = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
-#: OSErrors that a user causes (a path that does not exist, is of the wrong kind, or may not be written):
-#: exit 2; any other OSError (a full disk, an I/O error, a read-only file system, ...) is the environment's: 1
-#: (= gdnprune.distributed.USER_ERRNOS, written out here because importing that module imports torch)
-_USER_ERRNOS = frozenset(
-    {
-        errno.ENOENT,
-        errno.ENOTDIR,
-        errno.EISDIR,
-        errno.EEXIST,
-        errno.EACCES,
-        errno.EPERM,
-        errno.ENAMETOOLONG,
-        errno.ELOOP,
-    }
-)
 
 
 def _flags_of(parser: argparse.ArgumentParser) -> dict[str, tuple[str, bool]]:
@@ -142,7 +127,7 @@ def cli_message(text: str) -> str:
 
 def exit_code(exc: BaseException) -> int:
     """1 for an environment failure (an OSError that is not about the user's paths), else 2."""
-    if isinstance(exc, OSError) and exc.errno not in _USER_ERRNOS:
+    if isinstance(exc, OSError) and exc.errno not in USER_ERRNOS:
         return 1
     return 2
 
