@@ -112,6 +112,7 @@ def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> boo
     """Validation loss against kept GDN parameters, one curve per ordering; False when matplotlib is missing."""
     try:
         from matplotlib.figure import Figure  # lazy: optional extra
+        from matplotlib.ticker import FuncFormatter  # lazy: optional extra
     except ImportError:
         return False
     fig = Figure(figsize=(7, 4.5), dpi=120)
@@ -120,11 +121,14 @@ def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> boo
     for name in orderings:
         xs = [row["gdn_params"] for row in rows]
         ys = [row["loss"][name] for row in rows]
-        ax.plot(xs, ys, styles.get(name, "o-"), label=name)
+        (line,) = ax.plot(xs, ys, styles.get(name, "o-"), label=name)
         if name == "random" and rows[0].get("random_std") is not None:
             std = [row["random_std"] for row in rows]
-            ax.fill_between(xs, [y - s for y, s in zip(ys, std)], [y + s for y, s in zip(ys, std)], alpha=0.2)
-    ax.set_xlabel("kept GDN parameters")
+            low, high = [y - s for y, s in zip(ys, std)], [y + s for y, s in zip(ys, std)]
+            band = "random: \u00b1 1 std over the random orders"
+            ax.fill_between(xs, low, high, alpha=0.2, color=line.get_color(), label=band)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    ax.set_xlabel("kept GDN parameters (right: cut deeper)")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title(title)
     ax.invert_xaxis()
