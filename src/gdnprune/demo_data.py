@@ -99,6 +99,7 @@ def corpus_text(corpus: str = "pydoc") -> str:
       IDLE left out, joined by a blank line and cut at :data:`DOCSTRINGS_CHARS` characters.
     """
     if corpus == "pydoc":
+        # lazy: the corpus and tokenizer loaders need transformers only when called
         from pydoc_data.topics import topics
 
         return _TOPIC_SEPARATOR.join(topics[key] for key in sorted(topics))
@@ -108,7 +109,10 @@ def corpus_text(corpus: str = "pydoc") -> str:
 
 
 def _stdlib_docstrings() -> str:
+    # lazy: the corpus and tokenizer loaders need transformers only when called
     import ast
+
+    # lazy: the corpus and tokenizer loaders need transformers only when called
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -318,7 +322,10 @@ def build_byte_tokenizer():
     the only exception to "ids == UTF-8 bytes" is the literal string ``<|endoftext|>``, which
     encodes to the special id 256 (and decodes back to the same text).
     """
+    # lazy: the corpus and tokenizer loaders need transformers only when called
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # lazy: the corpus and tokenizer loaders need transformers only when called
     from transformers import PreTrainedTokenizerFast
 
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
@@ -356,6 +363,7 @@ def demo_model_path() -> Path:
 
 def load_demo_model(dtype: torch.dtype = torch.float32):
     """Load the bundled demo model and its tokenizer; return ``(model, tokenizer)``, model in eval mode."""
+    # lazy: the corpus and tokenizer loaders need transformers only when called
     from transformers import AutoTokenizer, Qwen3_5ForCausalLM
 
     path = demo_model_path()

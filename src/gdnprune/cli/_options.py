@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 from ..targets import TARGET_FIELDS, TargetError
 
@@ -68,7 +69,6 @@ def add_output_arguments(
 
 def deprecated(old: str, new: str) -> None:
     """Say (as a warning line) that ``old`` is a deprecated spelling of ``new``; the option still works."""
-    import warnings
 
     warnings.warn(f"{old} is deprecated and will be removed; use {new}", UserWarning, stacklevel=2)
 

@@ -96,6 +96,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    # lazy: commands import the library when they run, so --help stays fast
     from ..demo import run_demo
 
     with model_runtime(args):

@@ -24,7 +24,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
 
+from ..forwards import Forwards, hidden_argument
 from .solve import MILP_OPTIONS, BudgetError, exact_objective
 
 __all__ = ["LayerRest", "choose_with_removal", "removal_sensitivity", "skipped_output"]
@@ -44,7 +46,6 @@ class LayerRest:
 
 def skipped_output(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """A forward hook (``with_kwargs=True``) that makes a decoder layer hand on its input: the layer skipped."""
-    from ..forwards import hidden_argument
 
     hidden = hidden_argument(args, kwargs)
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
@@ -75,7 +76,6 @@ def choose_with_removal(
     Raises:
         BudgetError: no choice meets the budgets; ValueError: inconsistent inputs.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
 
     if len(layer_of) != len(sensitivity):
         raise ValueError(f"layer_of names {len(layer_of)} groups, sensitivity has {len(sensitivity)}")
@@ -155,7 +155,6 @@ def removal_sensitivity(
     """``{layer: (KL per token, loss per token)}`` of the model with that decoder layer alone skipped (its
     output replaced by its input), against the unchanged model, from one teacher pass and the cached layer
     inputs (each measurement runs only the layers from the skipped one on)."""
-    from ..forwards import Forwards
 
     forwards = Forwards(model, batches)
     indices = list(range(len(forwards.decoder.layers))) if layers is None else sorted(set(layers))

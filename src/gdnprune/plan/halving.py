@@ -33,9 +33,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from .. import distributed
 from ..forwards import Forwards, parent_and_name, unpack_batch
 from .sensitivity import LayerToPlan, candidate_module, sorted_state
+from .solve import choose_among
 
 __all__ = [
     "dominated",
@@ -130,7 +133,6 @@ def dominated(
 
 def rank_share(n: int) -> range:
     """The items (of ``n``: candidates, plans) this rank measures: all of them without a process group."""
-    from .. import distributed
 
     if not distributed.is_distributed():
         return range(n)
@@ -139,7 +141,6 @@ def rank_share(n: int) -> range:
 
 def gather_over_ranks(values: dict) -> dict:
     """Every rank's ``{item: result}`` merged (the same dict on every rank)."""
-    from .. import distributed
 
     merged = {}
     for part in distributed.exchange(values):
@@ -188,9 +189,6 @@ def halving_sensitivity(
         measured on]}, "survivors": {prefix: [bool per candidate]}, "rungs", "base_loss", "tokens",
         "forwards", "seconds"}``; a survivor's KL and loss are those of every window.
     """
-    from tqdm.auto import tqdm
-
-    from .solve import choose_among
 
     start_time = time.perf_counter()
     windows = windows_of(batches)

@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..forwards import Forwards
 from .depth import skipped_output
-from .evolve import REMOVED
+from .evolve import REMOVED, evolve
 from .halving import gather_over_ranks, rank_share, token_counts, windows_of
 from .sensitivity import LayerToPlan, candidate_module, sorted_state
 
@@ -124,9 +125,6 @@ def refine_plan(
     Returns :func:`~gdnprune.plan.evolve.evolve`'s result with ``generations``, ``offspring``, ``seed``,
     ``windows`` (calibration windows of the fitness) and ``seconds``.
     """
-    from tqdm.auto import tqdm
-
-    from .evolve import evolve
 
     start = time.perf_counter()
     fitness = JointKL(model, batches, layers, max_logits=max_logits)

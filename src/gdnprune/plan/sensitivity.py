@@ -27,9 +27,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..forwards import Forwards, parent_and_name
+from ..gated_delta_net import (
+    GDNPermutation,
+    permute_gated_delta_net_state_dict,
+    slice_gated_delta_net_state_dict,
+)
 from ..geometry import GDNShape, orders_from_payload
+from ..scoring.hooks import materialized_weight
 
 __all__ = ["LayerToPlan", "candidate_module", "measured_sensitivity", "proxy_sensitivity", "sorted_state"]
 
@@ -53,8 +60,6 @@ def sorted_state(layer: LayerToPlan) -> dict[str, torch.Tensor]:
     A sub-block to plan (:class:`gdnprune.plan.subblocks.BlockToPlan`) sorts its own."""
     if not isinstance(layer, LayerToPlan):
         return layer.sorted_state()
-    from ..gated_delta_net import GDNPermutation, permute_gated_delta_net_state_dict
-    from ..scoring.hooks import materialized_weight
 
     state = {}
     for name, _ in layer.module.named_parameters():
@@ -79,7 +84,6 @@ def candidate_module(
     sub-block to plan builds its own: :meth:`gdnprune.plan.subblocks.BlockToPlan.build`)."""
     if not isinstance(layer, LayerToPlan):
         return layer.build(state, target, device)
-    from ..gated_delta_net import slice_gated_delta_net_state_dict
 
     index = layer.module.layer_idx
     config = (
@@ -128,7 +132,6 @@ def measured_sensitivity(
     Raises:
         ValueError: a model whose logits are not ``lm_head`` of the decoder's last hidden state.
     """
-    from tqdm.auto import tqdm
 
     start_time = time.perf_counter()
     forwards = Forwards(model, batches, max_logits=max_logits)

@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from ..geometry import GDNShape
 
 __all__ = [
     "BudgetError",
@@ -74,7 +77,6 @@ def choose(
     Raises:
         BudgetError: no choice meets the budgets (the message gives the least each budget can reach).
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
 
     _check(sensitivity, costs)
     sizes = [len(layer) for layer in sensitivity]
@@ -212,7 +214,6 @@ def choose_uniform(
 
 def _sizes(shape: object) -> tuple | None:
     """The nested sizes of a geometry (a smaller geometry is a nested prefix when no size is larger), or None."""
-    from ..geometry import GDNShape
 
     if isinstance(shape, GDNShape):
         return (shape.num_key_heads, shape.value_heads_per_group, shape.key_head_dim, shape.value_head_dim)

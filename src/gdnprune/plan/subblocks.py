@@ -29,6 +29,15 @@ from typing import Any
 
 import torch
 
+from ..block_surgery import find_model_blocks, permute_block_state_dict, slice_block_state_dict
+from ..blocks import AttentionShape, ExpertShape, MLPShape, block_candidates, kv_cache_elements
+from ..forwards import block_index, decoder_blocks
+from ..geometry import GDNShape
+from ..layouts import find_gdn_modules
+from ..plans import state_elements
+from ..scores import match_layers
+from ..scoring.hooks import materialized_weight
+
 __all__ = [
     "BLOCK_NAMES",
     "BlockToPlan",
@@ -57,8 +66,6 @@ class BlockToPlan:
 
     def sorted_state(self) -> dict[str, torch.Tensor]:
         """The block's tensors (materialised if offloaded), keyed as in the model, sorted by its orders."""
-        from ..block_surgery import permute_block_state_dict
-        from ..scoring.hooks import materialized_weight
 
         state = {}
         for name, _ in self.module.named_parameters():
@@ -72,7 +79,6 @@ class BlockToPlan:
 
     def build(self, state: Mapping[str, torch.Tensor], target: Any, device: torch.device) -> torch.nn.Module:
         """The sub-block cut to ``target``: a copy of the module holding the sorted tensors cut to it."""
-        from ..block_surgery import slice_block_state_dict
 
         cut = dict(state)
         slice_block_state_dict(cut, self.block, target)
@@ -82,7 +88,6 @@ class BlockToPlan:
             owner, _, leaf = name.rpartition(".")
             holder = module.get_submodule(owner) if owner else module
             setattr(holder, leaf, torch.nn.Parameter(cut[head + name].to(device), requires_grad=False))
-        from ..blocks import ExpertShape
 
         # the router and the experts module of an MoE block read their expert count in the forward
         holders = list(module.modules()) if isinstance(target, ExpertShape) else [module]
@@ -103,7 +108,6 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _geometry_attributes(target: Any) -> dict[str, int]:
-    from ..blocks import AttentionShape, ExpertShape, MLPShape
 
     if isinstance(target, ExpertShape):
         return {"num_experts": target.num_experts}
@@ -136,9 +140,6 @@ def plannable_blocks(
     Raises:
         ValueError: a sub-block the scores have no orders for (score with the sub-blocks first).
     """
-    from ..block_surgery import find_model_blocks
-    from ..blocks import block_candidates
-    from ..scores import match_layers
 
     found = find_model_blocks(model, kinds) if kinds else []
     if score_layers is not None:
@@ -172,7 +173,6 @@ def plannable_blocks(
 
 def _active_share(model: torch.nn.Module) -> dict[str, float]:
     """Routed-expert tensors' prefixes -> the share of them a token uses (``k / E``)."""
-    from ..block_surgery import find_model_blocks
 
     experts = find_model_blocks(model, ("experts",))  # a layout no table knows: an error, not a full count
     return {f"{b.prefix}.experts": b.shape.num_experts_per_tok / b.shape.num_experts for b in experts}
@@ -182,7 +182,6 @@ def active_parameters(block: Any, target: Any = None) -> float:
     """Parameters a token uses of ``block`` cut to ``target`` (default: as it is). Routed experts: every
     router row (each token scores every kept expert) and ``num_experts_per_tok`` experts' weights, however
     many are kept; any other sub-block: all of them."""
-    from ..blocks import ExpertShape
 
     target = block.shape if target is None else target
     total = block.parameters(target)
@@ -203,9 +202,6 @@ def _group_costs(
 ) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
     """Per group (GDN layers, then ``blocks``): its cost on every whole-model budget at every candidate, and
     at its full geometry (which need not be a candidate under serving constraints)."""
-    from ..blocks import kv_cache_elements
-    from ..geometry import GDNShape
-    from ..plans import state_elements
 
     costs: dict[str, list[list[float]]] = {"params": [], "active_params": [], "memory": []}
     full: dict[str, list[float]] = {"params": [], "active_params": [], "memory": []}
@@ -267,11 +263,6 @@ def _model_totals(
 ) -> dict[str, float]:
     """Every parameter, the active parameters and (with ``context``) the memory per sequence of ``model``, or of
     its decoder layer at module path ``under`` alone."""
-    from ..block_surgery import find_model_blocks
-    from ..blocks import kv_cache_elements
-    from ..geometry import GDNShape
-    from ..layouts import find_gdn_modules
-    from ..plans import state_elements
 
     head = None if under is None else under + "."
     share = _active_share(model)
@@ -312,7 +303,6 @@ def decoder_layer_rests(
     ``(layer_of, prefixes, rests, wholes)`` — the decoder layer of every group (GDN layers, then ``blocks``),
     every decoder layer's module path, ``rests[name][layer]`` on every whole-model budget and
     ``wholes[name][layer]``, what the whole layer costs. Removing a layer removes its groups and its rest."""
-    from ..forwards import block_index, decoder_blocks
 
     layers = decoder_blocks(model)
     names = {id(m): n for n, m in model.named_modules()}
