@@ -161,8 +161,12 @@ class DistillationTrainer(Trainer):
             self.is_fsdp_enabled = True
         plugin = getattr(state, "fsdp_plugin", None)
         if plugin is not None and not plugin.transformer_cls_names_to_wrap:
-            # _no_split_modules may name classes the model lacks (a text model lists its vision blocks)
-            plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in layer_classes(self.model))
+            # _no_split_modules may name classes the model lacks (a text model lists its vision blocks); a
+            # student loaded into its shards has FSDP2's layer classes (accelerate looks them up by name)
+            classes = tuple(layer_classes(self.model))
+            plugin.transformer_cls_names_to_wrap = sorted(
+                {type(m).__name__ for m in self.model.modules() if isinstance(m, classes)}
+            )
         if plugin is not None and self.accelerator.mixed_precision in ("bf16", "fp16"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
