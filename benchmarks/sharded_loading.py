@@ -128,7 +128,7 @@ def measure(args) -> dict:
         root = Path(tmp)
         sizes = build_folders(root, args.teacher_layers, args.hidden)
         script = root / "worker.py"
-        script.write_text(WORKER)
+        script.write_text(WORKER.format())
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
@@ -192,7 +192,7 @@ def report(results: dict, args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--teacher-layers", type=int, nargs="+", default=[8, 32], help="teacher sizes (layers)"
+        "--teacher-layers", type=int, nargs="+", default=[4, 28], help="teacher sizes (layers)"
     )
     parser.add_argument("--hidden", type=int, default=1024, help="the teacher's hidden size")
     parser.add_argument("--modes", nargs="+", default=["whole", "sharded"], choices=["whole", "sharded"])

@@ -110,7 +110,7 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
                 cls.__init__ = original
 
 
-def _resolve_class(config: Any, model_class: Any) -> type:
+def _resolve_class(config: Any, model_class: Any) -> tuple[Any, Any]:
     import transformers
 
     if model_class is None:
@@ -252,8 +252,8 @@ def _disk_index(path: str | os.PathLike) -> dict[str, str]:
     return index
 
 
-def _unique_state(model: Any) -> dict[str, Any]:
-    """``{name: tensor}``: the model's persistent state, a tied tensor under each of its names."""
+def _state(model: Any) -> dict[str, Any]:
+    """``{name: tensor}``: the model's persistent state, a tied tensor under each of its names (the same object)."""
     return dict(model.state_dict(keep_vars=True))
 
 
@@ -265,7 +265,7 @@ def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, str]
     if getattr(model.config, "quantization_config", None) is not None:
         return None  # quantized weights (FP8 and scales): only from_pretrained dequantizes them
     disk = set(_disk_index(path))
-    state = _unique_state(model)
+    state = _state(model)
     groups: dict[int, list[str]] = {}
     for name, value in state.items():
         groups.setdefault(id(value), []).append(name)
@@ -325,7 +325,7 @@ def load_sharded(
     done: set[int] = set()
     with torch.no_grad(), contextlib.ExitStack() as stack:
         files = {f: stack.enter_context(safe_open(f, "pt")) for f in set(index.values())}
-        for name, value in _unique_state(model).items():
+        for name, value in _state(model).items():
             if id(value) in done:
                 continue
             done.add(id(value))

@@ -111,7 +111,7 @@ def shard_student(
     check_shardable(student, "student")
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
     mesh = init_device_mesh(_device().type, (torch.distributed.get_world_size(),))
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         if low
