@@ -304,13 +304,12 @@ def load_sharded(
     The model is built on the ``meta`` device (:func:`empty_pretrained`), ``shard(model)`` shards it in
     place (e.g. ``torch.distributed.fsdp.fully_shard`` per decoder layer and the root: parameters become
     DTensors sharded on dim 0), its storage is allocated on ``device`` (each process only its shards),
-    and each process reads from the safetensors files only the rows it owns (``safe_open().get_slice``),
+    and each process reads from the safetensors files only the rows it owns (``os.pread`` of their bytes),
     cast to ``dtype`` as ``from_pretrained`` casts. Non-persistent buffers (rotary frequencies) are
     recomputed as transformers initialises them. The folder must store every tensor under the model's
     own name (:func:`sharded_loading_names`), else ``ValueError``. Returns the model, in eval mode.
     """
     import torch
-    from safetensors import safe_open
 
     model = empty_pretrained(path, model_class=model_class, dtype=dtype)
     names = sharded_loading_names(path, model)
@@ -324,17 +323,66 @@ def load_sharded(
     index = _disk_index(path)
     done: set[int] = set()
     with torch.no_grad(), contextlib.ExitStack() as stack:
-        files = {f: stack.enter_context(safe_open(f, "pt")) for f in set(index.values())}
+        files = {f: stack.enter_context(_RowReader(f)) for f in set(index.values())}
         for name, value in _state(model).items():
             if id(value) in done:
                 continue
             done.add(id(value))
             local, first = _rows(value)
-            stored = files[index[names[name]]].get_slice(names[name])
-            rows = stored[first : first + local.shape[0]] if local.dim() else stored[:]
+            rows = files[index[names[name]]].rows(names[name], first, local.shape[0] if local.dim() else None)
             local.copy_(rows.to(local.dtype).reshape(local.shape))
         _init_non_persistent_buffers(model)
     return model.eval()
+
+
+class _RowReader:
+    """Rows of the tensors of one safetensors file, read with ``os.pread``: safetensors' own reader maps the
+    file, and the pages a process touches then count in its resident memory until it closes the file; a
+    read copies only the bytes asked for. The format: an 8-byte little-endian header length, a JSON header
+    (``dtype``, ``shape``, ``data_offsets`` of each tensor), the row-major data."""
+
+    _DTYPES = {
+        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    }  # fmt: skip
+
+    def __init__(self, file: str) -> None:
+        import json
+        import struct
+
+        self._fd = os.open(file, os.O_RDONLY)
+        (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        self._header = json.loads(os.pread(self._fd, size, 8))
+        self._start = 8 + size
+
+    def __enter__(self) -> _RowReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def rows(self, name: str, first: int, count: int | None) -> Any:
+        """Rows ``first .. first + count`` of tensor ``name`` (all of it when ``count`` is None)."""
+        import math
+
+        import torch
+
+        entry = self._header[name]
+        dtype, shape = getattr(torch, self._DTYPES[entry["dtype"]]), list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if count is not None and shape:
+            row = (end - begin) // max(1, shape[0])
+            begin, end, shape = begin + first * row, begin + (first + count) * row, [count, *shape[1:]]
+        data = bytearray()
+        while len(data) < end - begin:  # a read returns at most ~2 GB
+            chunk = os.pread(self._fd, end - begin - len(data), self._start + begin + len(data))
+            if not chunk:
+                raise OSError(f"{name}: the file ends before its data ({end - begin} bytes expected)")
+            data += chunk
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 def _init_non_persistent_buffers(model: Any) -> None:
