@@ -4,7 +4,8 @@
 2 processes on the CPU (gloo, ``torch.distributed.run``) run :func:`gdnprune.distill.distill_checkpoint` under
 FSDP2 with the teacher sharded, from folders saved to a temporary directory: a small random Qwen3.5 student
 (fixed) and a random Qwen3.5 teacher of each size in ``--teacher-layers`` (hidden 1024, the layer count
-sets the size: ~120M to ~400M parameters by default), float32, a few steps on a short text. Each run loads
+sets the size: 110M and 378M parameters by default), stored in bf16 (``--stored-dtype``) and trained in
+float32, a few steps on a short text. Each run loads
 either ``whole`` (every process builds the whole student and teacher, then shards them: the old path,
 ``sharded_loading=False``) or ``sharded`` (each process reads only its own rows from the files).
 
@@ -101,7 +102,7 @@ def _tokenizer(folder: Path) -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
 
 
-def build_folders(root: Path, teacher_layers: list[int], hidden: int) -> dict[str, int]:
+def build_folders(root: Path, teacher_layers: list[int], hidden: int, stored: str) -> dict[str, int]:
     """The student folder, one teacher folder per size, the text; ``{teacher folder: parameters}``."""
     import torch
     import transformers
@@ -114,7 +115,7 @@ def build_folders(root: Path, teacher_layers: list[int], hidden: int) -> dict[st
     for layers in teacher_layers:
         folder = root / f"teacher{layers}"
         teacher = transformers.Qwen3_5ForCausalLM(_config(layers, hidden))
-        teacher.save_pretrained(folder, max_shard_size="200MB")
+        teacher.to(getattr(torch, stored)).save_pretrained(folder, max_shard_size="200MB")
         _tokenizer(folder)
         sizes[str(folder)] = sum(p.numel() for p in teacher.parameters())
         del teacher
@@ -126,7 +127,7 @@ def measure(args) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         root = Path(tmp)
-        sizes = build_folders(root, args.teacher_layers, args.hidden)
+        sizes = build_folders(root, args.teacher_layers, args.hidden, args.stored_dtype)
         script = root / "worker.py"
         script.write_text(WORKER.format())
         env = {
@@ -159,7 +160,8 @@ def measure(args) -> dict:
 
 def report(results: dict, args) -> None:
     print(
-        f"2 processes (gloo, CPU), FSDP2, student and teacher float32, {args.steps} steps of 2 x 32 tokens. "
+        f"2 processes (gloo, CPU), FSDP2, student and teacher float32 (teacher files {args.stored_dtype}), "
+        f"{args.steps} steps of 2 x 32 tokens. "
         f"Peak = VmHWM of each process: while loading (to the Trainer's start), while training (reset there).\n"
     )
     print("| loading | teacher parameters | teacher bytes | rank | peak loading (GB) | peak training (GB) |")
@@ -197,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="the teacher's hidden size")
     parser.add_argument("--modes", nargs="+", default=["whole", "sharded"], choices=["whole", "sharded"])
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--stored-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the teacher files' dtype (loaded in float32; float32 files are memory-mapped by a whole load)",
+    )
     parser.add_argument("--tmp", default=None, help="where the model folders go (default: the system's temp)")
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     args = parser.parse_args(argv)
