@@ -14,9 +14,15 @@ start) and while training (reset at the Trainer's start), and, between the small
 how much the peak grows per byte added to the teacher: a whole copy per process gives about 1.0; the
 target for sharded loading is at most 0.6.
 
+On the CPU, glibc keeps the heap pages of the teacher's all-gathered units after FSDP2 frees them, so the
+training peak grows by ~1.2x the added teacher bytes in both modes unless large allocations go to ``mmap``
+(returned on free): run with ``MALLOC_MMAP_THRESHOLD_=65536`` to measure what is live (both modes' training
+peak then grows by ~0.5x).
+
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py                        # ~5 minutes on 2 cores
+    OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py                        # ~3 minutes on 2 cores
+    MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py   # freed memory returned
     OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py --teacher-layers 4 12 --steps 1   # quicker
 """
 
