@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import math
 import os
+import struct
 import sys
 import threading
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from accelerate.utils import get_max_memory
+from safetensors import safe_open
 
 from .block_surgery import find_model_blocks, slice_block_state_dict
 from .blocks import (
@@ -42,7 +47,16 @@ from .layouts import find_gdn_modules
 from .model_config import per_layer_overrides, text_config
 from .targets import resolve_target
 
-__all__ = ["load_pretrained", "load_causal_lm", "empty_causal_lm", "slice_model", "per_layer_gdn_modules"]
+__all__ = [
+    "load_pretrained",
+    "load_sharded",
+    "empty_pretrained",
+    "sharded_loading_names",
+    "load_causal_lm",
+    "empty_causal_lm",
+    "slice_model",
+    "per_layer_gdn_modules",
+]
 
 _LOCK = threading.RLock()
 
@@ -219,6 +233,174 @@ def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
     with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
         model = loader.from_config(config) if loader is not concrete else concrete(config)
     return model.eval()
+
+
+def empty_pretrained(path: str | os.PathLike, *, model_class: Any = None, dtype: Any = None) -> Any:
+    """The model :func:`load_pretrained` would load (same class choice), built on the ``meta`` device from
+    the folder's config alone, in ``dtype`` (default: float32), weights tied as the config says."""
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    loader, concrete = _resolve_class(config, model_class)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    per_layer = _heterogeneous(text) or _heterogeneous(config)
+    with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
+        model = loader.from_config(config) if loader is not concrete else concrete(config)
+    return model.to(dtype or torch.float32).eval()
+
+
+def _disk_index(path: str | os.PathLike) -> dict[str, str]:
+    """``{tensor name: safetensors file}`` of a model folder (headers only)."""
+
+    index: dict[str, str] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            index.update(dict.fromkeys(f.keys(), str(file)))
+    return index
+
+
+def _state(model: Any) -> dict[str, Any]:
+    """``{name: tensor}``: the model's persistent state, a tied tensor under each of its names (the same object)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, str] | None:
+    """``{model tensor name: name on disk}`` when every tensor of ``model`` (built as
+    :func:`empty_pretrained` builds it) is stored under its own name in ``path`` (tied tensors under one
+    of their names), else None: the folder stores another form (per-expert MoE tensors, a renamed
+    prefix, quantized weights), which only a whole load converts."""
+    if getattr(model.config, "quantization_config", None) is not None:
+        return None  # quantized weights (FP8 and scales): only from_pretrained dequantizes them
+    disk = set(_disk_index(path))
+    state = _state(model)
+    groups: dict[int, list[str]] = {}
+    for name, value in state.items():
+        groups.setdefault(id(value), []).append(name)
+    names: dict[str, str] = {}
+    for group in groups.values():
+        found = next((n for n in group if n in disk), None)
+        if found is None:
+            return None
+        names.update(dict.fromkeys(group, found))
+    return names
+
+
+def _rows(value: Any) -> tuple[Any, int]:
+    """``(local tensor, first global row)`` of a parameter: a DTensor sharded on dim 0 (FSDP2's placement:
+    ``torch.chunk`` of the rows over the mesh), or a plain tensor (all rows, from 0)."""
+    if not hasattr(value, "to_local"):
+        return value, 0
+    local = value.to_local()
+    if local.dim() == 0:
+        return local, 0
+    world, rank = value.device_mesh.size(), value.device_mesh.get_local_rank()
+    chunk = -(-value.shape[0] // world)
+    return local, min(rank * chunk, value.shape[0])
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    shard: Any,
+    *,
+    model_class: Any = None,
+    dtype: Any = None,
+    device: Any = "cpu",
+) -> Any:
+    """Load a model folder straight into shards: no process ever holds the whole model.
+
+    The model is built on the ``meta`` device (:func:`empty_pretrained`), ``shard(model)`` shards it in
+    place (e.g. ``torch.distributed.fsdp.fully_shard`` per decoder layer and the root: parameters become
+    DTensors sharded on dim 0), its storage is allocated on ``device`` (each process only its shards),
+    and each process reads from the safetensors files only the rows it owns (``os.pread`` of their bytes),
+    cast to ``dtype`` as ``from_pretrained`` casts. Non-persistent buffers (rotary frequencies) are
+    recomputed as transformers initialises them. The folder must store every tensor under the model's
+    own name (:func:`sharded_loading_names`), else ``ValueError``. Returns the model, in eval mode.
+    """
+
+    model = empty_pretrained(path, model_class=model_class, dtype=dtype)
+    names = sharded_loading_names(path, model)
+    if names is None:
+        raise ValueError(
+            f"{path}: sharded loading needs every tensor stored under the model's own name; this folder "
+            f"stores another form (e.g. one tensor per expert): load it whole"
+        )
+    shard(model)
+    model.to_empty(device=device)
+    index = _disk_index(path)
+    done: set[int] = set()
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        files = {f: stack.enter_context(_RowReader(f)) for f in set(index.values())}
+        for name, value in _state(model).items():
+            if id(value) in done:
+                continue
+            done.add(id(value))
+            local, first = _rows(value)
+            rows = files[index[names[name]]].rows(names[name], first, local.shape[0] if local.dim() else None)
+            local.copy_(rows.to(local.dtype).reshape(local.shape))
+        _init_non_persistent_buffers(model)
+    return model.eval()
+
+
+class _RowReader:
+    """Rows of the tensors of one safetensors file, read with ``os.pread``: safetensors' own reader maps the
+    file, and the pages a process touches then count in its resident memory until it closes the file; a
+    read copies only the bytes asked for. The format: an 8-byte little-endian header length, a JSON header
+    (``dtype``, ``shape``, ``data_offsets`` of each tensor), the row-major data."""
+
+    _DTYPES = {
+        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    }  # fmt: skip
+
+    def __init__(self, file: str) -> None:
+
+        self._fd = os.open(file, os.O_RDONLY)
+        (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        self._header = json.loads(os.pread(self._fd, size, 8))
+        self._start = 8 + size
+
+    def __enter__(self) -> _RowReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def rows(self, name: str, first: int, count: int | None) -> Any:
+        """Rows ``first .. first + count`` of tensor ``name`` (all of it when ``count`` is None)."""
+
+        entry = self._header[name]
+        dtype, shape = getattr(torch, self._DTYPES[entry["dtype"]]), list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if count is not None and shape:
+            row = (end - begin) // max(1, shape[0])
+            begin, end, shape = begin + first * row, begin + (first + count) * row, [count, *shape[1:]]
+        data = bytearray()
+        while len(data) < end - begin:  # a read returns at most ~2 GB
+            chunk = os.pread(self._fd, end - begin - len(data), self._start + begin + len(data))
+            if not chunk:
+                raise OSError(f"{name}: the file ends before its data ({end - begin} bytes expected)")
+            data += chunk
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def _init_non_persistent_buffers(model: Any) -> None:
+    """Recompute the non-persistent buffers (left empty by ``to_empty``) as transformers' ``_init_weights``
+    does: the rotary embeddings' frequencies. Any other kind raises ``ValueError``."""
+    for name, module in model.named_modules():
+        buffers = [
+            b
+            for b in getattr(module, "_non_persistent_buffers_set", ())
+            if module._buffers.get(b) is not None
+        ]
+        if not buffers:
+            continue
+        if "RotaryEmbedding" not in type(module).__name__:
+            raise ValueError(
+                f"{name}: cannot recompute its non-persistent buffers {buffers} after sharded loading"
+            )
+        model._init_weights(module)
 
 
 def _default_device() -> str:

@@ -283,10 +283,12 @@ def _print_estimate(est, world: int, micro: int, seq_len: int) -> None:
         where = f"{training} while training (the rest above is GPU memory)"
     else:
         where = f"{_gb(est.total)} while training (the table above: a CPU run holds it all in host memory)"
-    print(
-        f"  host memory per process: {_gb(est.host_loading)} while loading (the whole student and teacher, "
-        f"read before they are moved or sharded), {where}"
+    how = (
+        "its shards, read from the files"
+        if est.sharded_loading
+        else "the whole student and teacher, read before they are moved or sharded"
     )
+    print(f"  host memory per process: {_gb(est.host_loading)} while loading ({how}), {where}")
 
 
 def run(args) -> int:

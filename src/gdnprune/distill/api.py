@@ -34,7 +34,7 @@ from ..corpus import check_data, data_spec
 from ..corpus.dataset import WindowDataset, first_windows, open_windows
 from ..fileio import write_json_atomic
 from ..loading import load_pretrained
-from .fsdp import check_shardable, is_sharded, shard_teacher
+from .fsdp import check_shardable, is_sharded, load_sharded_models, shard_teacher
 from .memory import meta_model
 from .options import DistillConfig, check_options, check_run, check_same_vocabulary, fsdp_asked
 from .output import read_tensors, save_model_folder
@@ -465,6 +465,7 @@ def distill_checkpoint(
     teacher_device_map: Any = None,
     callbacks: Sequence[TrainerCallback] = (),
     data_progress: bool | None = None,
+    sharded_loading: bool = True,
     **legacy: Any,
 ) -> dict[str, Any]:
     """:func:`distill` on Hugging Face folders: the student in ``student_dir`` from the teacher in ``teacher_dir``,
@@ -479,7 +480,13 @@ def distill_checkpoint(
     with fewer windows than a step takes is refused before any model loads, with the numbers; one that
     the run goes over more than once is said with a warning. The student loads in ``dtype`` (the
     optimizer's master weights), the teacher in ``teacher_dtype`` (default: the same), spread by
-    ``teacher_device_map`` if given. Teacher and student must share their tokenizer. The output folder is
+    ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
+    on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
+    (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. A folder that
+    stores another form than the model holds (per-expert MoE tensors, FP8 weights, a vision-language
+    prefix), a student with gradient checkpointing, or a low-precision student under mixed precision,
+    loads whole on every process and is sharded after (a warning says which). Teacher and student must
+    share their tokenizer. The output folder is
     checked before any model is loaded.
 
     The output is a normal HF folder: the trained weights (in the dtype the student folder stores, unless
@@ -536,8 +543,21 @@ def distill_checkpoint(
         check_shardable(meta_model(student_dir), "student")
         if sharding == "shard":
             check_shardable(meta_model(teacher_dir), "teacher")
-    student = _load_model(student_dir, dtype)
-    teacher = _load_model(teacher_dir, dtype if teacher_dtype is None else teacher_dtype, teacher_device_map)
+    teacher_dtype = dtype if teacher_dtype is None else teacher_dtype
+    if fsdp_asked(config.fsdp) and sharded_loading:
+        from accelerate import PartialState  # lazy: only under FSDP2
+
+        PartialState()  # the process group the shards live on (the Trainer's arguments find it made)
+        student, teacher = load_sharded_models(
+            student_dir, teacher_dir, dtype, teacher_dtype, config=config, teacher_sharded=sharding == "shard"
+        )
+        student = student if student is not None else _load_model(student_dir, dtype)
+        teacher = (
+            teacher if teacher is not None else _load_model(teacher_dir, teacher_dtype, teacher_device_map)
+        )
+    else:
+        student = _load_model(student_dir, dtype)
+        teacher = _load_model(teacher_dir, teacher_dtype, teacher_device_map)
     carried = (
         {k: v for p in CARRIED_PREFIXES for k, v in read_tensors(student_dir, p).items()} if main else {}
     )

@@ -10,12 +10,29 @@ any work, why a model cannot be sharded.
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+from typing import Any
+
 import torch
+from accelerate.utils.fsdp_utils import _find_final_norm
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from ..loading import empty_pretrained, load_sharded, sharded_loading_names
 
 __all__ = [
     "layer_classes",
     "check_shardable",
     "shard_teacher",
+    "shard_student",
+    "load_sharded_models",
     "is_sharded",
     "local_bytes",
     "optimizer_bytes",
@@ -23,9 +40,11 @@ __all__ = [
 
 
 def layer_classes(model: torch.nn.Module) -> set[type]:
-    """The decoder-layer classes of ``model`` (its ``_no_split_modules`` that occur in it)."""
+    """The decoder-layer classes of ``model`` (its ``_no_split_modules`` that occur in it; once sharded, the
+    class FSDP2 derived a layer's class from)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return {type(m) for m in model.modules() if type(m).__name__ in names}
+    found = (next((c for c in type(m).__mro__ if c.__name__ in names), None) for m in model.modules())
+    return {c for c in found if c is not None}
 
 
 def check_shardable(model: torch.nn.Module, name: str) -> None:
@@ -52,7 +71,6 @@ def check_shardable(model: torch.nn.Module, name: str) -> None:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` has been applied to ``model``."""
-    from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
 
@@ -64,14 +82,10 @@ def shard_teacher(teacher: torch.nn.Module, *, device: torch.device | str | None
     norm, ``lm_head``, the rest), each resharded after its forward. ``device``: where the shards live
     (default: the current accelerator, else the CPU). Returns ``teacher``.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     check_shardable(teacher, "teacher")
     teacher.eval().requires_grad_(False)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = _device() if device is None else torch.device(device)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     classes = tuple(layer_classes(teacher))
     for module in [m for m in teacher.modules() if isinstance(m, classes)]:
@@ -81,6 +95,53 @@ def shard_teacher(teacher: torch.nn.Module, *, device: torch.device | str | None
         fully_shard(embed, mesh=mesh, reshard_after_forward=True)
     fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
     return teacher
+
+
+def shard_student(
+    student: torch.nn.Module,
+    *,
+    mixed_precision: str = "no",
+    cpu_offload: bool = False,
+) -> torch.nn.Module:
+    """Shard ``student`` in place over the default process group as accelerate 1.15's FSDP2 preparation
+    shards it (``fsdp2_prepare_model``), so the Trainer takes it as prepared: every decoder layer and the
+    input embedding (when not tied) resharded after forward, the final norm with ``lm_head`` (and a tied
+    embedding) in one unit kept gathered, the rest in the root; parameters in bf16/fp16 for the compute
+    under ``mixed_precision``, gradients reduced in float32; shards on the CPU with ``cpu_offload``. For a
+    student built on the ``meta`` device (:func:`gdnprune.loading.load_sharded`). Returns ``student``.
+    """
+
+    check_shardable(student, "student")
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    mesh = init_device_mesh(_device().type, (torch.distributed.get_world_size(),))
+    kwargs: dict[str, Any] = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        if low
+        else MixedPrecisionPolicy(),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
+    classes = tuple(layer_classes(student))
+    for module in [m for m in student.modules() if isinstance(m, classes)]:
+        fully_shard(module, reshard_after_forward=True, **kwargs)
+    embed, head = student.get_input_embeddings(), student.get_output_embeddings()
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None and not tied:
+        fully_shard(embed, reshard_after_forward=True, **kwargs)
+    tail = [m for m in (_find_final_norm(student), embed if tied else None, head) if m is not None]
+    if tail:
+        fully_shard(tail, reshard_after_forward=False, **kwargs)
+    fully_shard(student, **kwargs)
+    return student
+
+
+def _device() -> torch.device:
+    """The current accelerator, else the CPU: where FSDP2 keeps the shards."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def local_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -102,3 +163,53 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
                 local = value.to_local() if hasattr(value, "to_local") else value
                 total += local.numel() * local.element_size()
     return total
+
+
+def load_sharded_models(
+    student_dir: Path,
+    teacher_dir: Path,
+    dtype: Any,
+    teacher_dtype: Any,
+    *,
+    config: Any,  # a DistillConfig: mixed_precision, cpu_offload, gradient_checkpointing
+    teacher_sharded: bool,
+) -> tuple[Any, Any]:
+    """``(student, teacher)`` under FSDP2, each built on ``meta``, sharded and filled with this process's rows
+    straight from its files (:func:`gdnprune.loading.load_sharded`); None for a model that must load whole
+    (a warning says why): a folder storing another form than the model holds (per-expert MoE tensors, FP8
+    weights, a vision-language prefix), a student under gradient checkpointing (accelerate wraps its layers
+    before sharding) or a low-precision student under mixed precision (accelerate upcasts it first), and
+    the teacher when it is not to be sharded. The default process group must exist."""
+    dtype, teacher_dtype = _torch_dtype(dtype), _torch_dtype(teacher_dtype)
+    student = None
+    low = dtype in (torch.bfloat16, torch.float16) and config.mixed_precision != "no"
+    if config.gradient_checkpointing or low:
+        why = "gradient checkpointing" if config.gradient_checkpointing else "a low-precision student"
+        warnings.warn(f"student: loaded whole on every process, then sharded ({why})", stacklevel=3)
+    else:
+        device = torch.device("cpu") if config.cpu_offload else _device()
+        options = dict(mixed_precision=config.mixed_precision, cpu_offload=config.cpu_offload)
+        student = _sharded(student_dir, dtype, lambda m: shard_student(m, **options), device, "student")
+    teacher = None
+    if teacher_sharded:
+        teacher = _sharded(teacher_dir, teacher_dtype, shard_teacher, _device(), "teacher")
+    return student, teacher
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _sharded(path: Path, dtype: torch.dtype, shard: Any, device: torch.device, name: str) -> Any:
+    """``path`` loaded straight into its shards, or None (with a warning) when its folder stores another form."""
+    try:
+        if sharded_loading_names(path, empty_pretrained(path, dtype=dtype)) is not None:
+            return load_sharded(path, shard, dtype=dtype, device=device)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{path}: transformers cannot load it: {' '.join(str(exc).split())[:500]}") from None
+    warnings.warn(
+        f"{name}: loaded whole on every process, then sharded ({path} stores its tensors in another form "
+        f"than the model holds them)",
+        stacklevel=4,
+    )
+    return None

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from ..loading import per_layer_gdn_modules
 from .fsdp import layer_classes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "estimate_checkpoint_memory", "meta_model", "layer_configs"]
@@ -28,8 +31,9 @@ _CHUNK_LOGITS, _CHUNK_BUFFERS = 1 << 25, 4
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per process (the first, which holds the largest shards). ``host_loading``: the host memory a
-    process holds while loading (the whole student and teacher, read before they are moved or sharded)."""
+    """Bytes per process (the first, which holds the largest shards). ``host_loading``: the memory a process
+    holds while loading: its shards when it reads them straight from the files (``sharded_loading``, under
+    FSDP2), else the whole student and teacher, read before they are moved or sharded."""
 
     processes: int
     student_sharded: bool
@@ -44,6 +48,7 @@ class MemoryEstimate:
     ddp_buckets: int = 0
     cpu_offloaded: int = 0
     host_loading: int = 0
+    sharded_loading: bool = False
 
     @property
     def host_training(self) -> int:
@@ -184,9 +189,16 @@ def estimate_memory(
     chunk = min(_CHUNK_LOGITS, max(1, tokens) * vocab)
     loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
     offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
-    # every process reads the whole student and teacher into host memory before moving or sharding them
-    whole = sum(math.prod(s) for s in shapes) * size
-    loading = whole + (sum(math.prod(s) for s in _parameters(teacher)) * t_size if kd else 0)
+    # under FSDP2 each process reads only its shards from the files (distill_checkpoint's sharded loading;
+    # the student loads whole under gradient checkpointing, or in low precision under mixed precision);
+    # otherwise every process reads the whole student and teacher before moving or sharding them
+    sharded = fsdp and processes > 1
+    low = size < 4 and mixed_precision in ("bf16", "fp16")
+    student_whole = not sharded or gradient_checkpointing or low
+    loading = sum(math.prod(s) for s in shapes) * size if student_whole else params
+    if kd:
+        whole_teacher = sum(math.prod(s) for s in _parameters(teacher)) * t_size
+        loading += t_params if sharded and teacher_sharded else whole_teacher
     return MemoryEstimate(
         processes=processes,
         student_sharded=fsdp and processes > 1,
@@ -201,16 +213,13 @@ def estimate_memory(
         ddp_buckets=params if processes > 1 and not fsdp else 0,
         cpu_offloaded=offloaded,
         host_loading=loading,
+        sharded_loading=sharded and not student_whole,
     )
 
 
 def meta_model(path: str | Path) -> torch.nn.Module:
     """The model of a Hugging Face folder built from its ``config.json`` on the meta device (no weights read;
     per-layer GDN geometries as :func:`gdnprune.load_pretrained` builds them)."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from ..loading import per_layer_gdn_modules
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)

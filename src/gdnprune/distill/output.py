@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
 from ..fileio import umask
@@ -71,8 +72,6 @@ def _gathered(value: torch.Tensor) -> torch.Tensor:
         return value
     local = value.to_local()
     if local.device.type == "cpu" and torch.cuda.is_available():
-        from torch.distributed.tensor import DTensor
-
         value = DTensor.from_local(
             local.cuda(),
             value.device_mesh,

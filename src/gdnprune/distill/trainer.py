@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.constants import FSDP_MODEL_NAME
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Trainer, TrainerCallback
 
-from ..fileio import write_json_atomic
+from ..fileio import umask, write_json_atomic
 from ..interrupts import SIGNALS
 from .fsdp import is_sharded, layer_classes
 from .loss import IGNORE_INDEX, distillation_loss, lm_head_weights, position_terms
@@ -154,18 +156,19 @@ class DistillationTrainer(Trainer):
         state = self.accelerator.state
         if fsdp_requested(self.args) and getattr(state, "fsdp_plugin", None) is None:
             # accelerate turns FSDP on for accelerator devices only; on CPUs (gloo) it is the same engine
-            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
             plugin = FullyShardedDataParallelPlugin(**(self.args.fsdp_plugin_args or {"fsdp_version": 2}))
             state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
             self.is_fsdp_enabled = True
         plugin = getattr(state, "fsdp_plugin", None)
         if plugin is not None and not plugin.transformer_cls_names_to_wrap:
-            # _no_split_modules may name classes the model lacks (a text model lists its vision blocks)
-            plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in layer_classes(self.model))
+            # _no_split_modules may name classes the model lacks (a text model lists its vision blocks); a
+            # student loaded into its shards has FSDP2's layer classes (accelerate looks them up by name)
+            classes = tuple(layer_classes(self.model))
+            plugin.transformer_cls_names_to_wrap = sorted(
+                {type(m).__name__ for m in self.model.modules() if isinstance(m, classes)}
+            )
         if plugin is not None and self.accelerator.mixed_precision in ("bf16", "fp16"):
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
             low = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float16
             plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
@@ -315,7 +318,6 @@ class RunCallback(TrainerCallback):
         self.trainer.reset_clock()
 
     def on_save(self, args, state, control, **kwargs):
-        from ..fileio import umask
 
         if (
             self.trainer.is_local_process_zero()

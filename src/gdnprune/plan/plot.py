@@ -173,7 +173,7 @@ def sensitivity_figure(report: Mapping) -> Any:
     generation.
     """
     try:  # lazy: matplotlib is an optional extra ([plot])
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # lazy: optional extra ([plot])
     except ImportError:
         return None
     kinds: dict[str, dict[str, Mapping]] = {}

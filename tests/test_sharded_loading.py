@@ -1,0 +1,123 @@
+"""Loading into FSDP2 shards straight from the safetensors files (gloo, 2 processes, one shared run): the
+gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student and a
+teacher stored in several shards (in bfloat16, loaded in float32); each process holds about half; a short
+distillation under FSDP2 that loads this way gives the loss curve of the whole-load path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_checkpoint import make_source
+
+from gdnprune import load_pretrained
+from gdnprune.checkpoint import slice_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
+
+PLAN = {
+    "format": "gdnprune-plan",
+    "version": 1,
+    "layers": {
+        "model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
+        "model.layers.2.linear_attn": {"value_head_dim": 4},
+    },
+}
+FOLDERS = {"uniform": "student", "hetero": "student", "sharded_teacher": "teacher"}
+
+_WORKER = textwrap.dedent("""
+    import os, sys, warnings
+    import torch
+    torch.set_num_threads(1)
+    from accelerate import PartialState
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from gdnprune.distill import DistillConfig, distill_checkpoint
+    from gdnprune.distill.fsdp import local_bytes, shard_student, shard_teacher
+    from gdnprune.loading import load_sharded
+
+    root, rank = sys.argv[1], int(os.environ["RANK"])
+    PartialState()
+    report = {{}}
+    for name, role in {folders!r}.items():
+        model = load_sharded(os.path.join(root, name), shard_student if role == "student" else shard_teacher,
+                             dtype=torch.float32)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        report[name] = {{"state": full, "buffers": {{k: v.clone() for k, v in model.named_buffers()}},
+                        "held": local_bytes(model),
+                        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}}
+    config = DistillConfig(steps=3, batch_size=4, lr=3e-3, lm_weight=0.3, log_every=1, fsdp=True, progress=False)
+    for mode in ("sharded", "whole"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = distill_checkpoint(os.path.join(root, "hetero"), os.path.join(root, "teacher"),
+                                        os.path.join(root, "train.txt"), os.path.join(root, mode), config=config,
+                                        seq_len=40, sharded_loading=mode == "sharded")
+        report[mode] = {{"losses": [h["loss"] for h in result["history"] if "loss" in h],
+                        "warnings": [str(w.message) for w in caught if "loaded whole" in str(w.message)]}}
+    if rank == 0:
+        torch.save(report, os.path.join(root, "report.pt"))
+""")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The folders, then the one two-process run over them; the first process's report."""
+    root = tmp_path_factory.mktemp("sharded_loading")
+    teacher = make_source(root / "teacher", "qwen3_5", seed=31)
+    slice_checkpoint(teacher, root / "hetero", plan=PLAN, progress=False, self_contained=True)
+    slice_checkpoint(teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False)
+    whole = load_pretrained(teacher, dtype=torch.bfloat16)
+    whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
+    (root / "train.txt").write_text(" ".join(["the model sorts heads and slices them"] * 200))
+    script = root / "worker.py"
+    script.write_text(_WORKER.format(folders=FOLDERS))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "GDNPRUNE_DATA_CACHE": str(root / "cache"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+    ]
+    done = subprocess.run([*cmd, str(root)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return root, torch.load(root / "report.pt")
+
+
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_the_gathered_shards_equal_a_whole_load_tensor_for_tensor(run, name):
+    root, report = run
+    if name == "sharded_teacher":
+        assert len(list((root / name).glob("*.safetensors"))) > 3  # several files, stored in bfloat16
+    reference = load_pretrained(root / name, dtype=torch.float32)
+    want, got = reference.state_dict(), report[name]["state"]
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    buffers = dict(reference.named_buffers())  # the rotary frequencies, recomputed
+    assert set(report[name]["buffers"]) == set(buffers)
+    for key, value in buffers.items():
+        assert torch.equal(report[name]["buffers"][key], value), key
+    tied = reference.get_output_embeddings().weight is reference.get_input_embeddings().weight
+    assert report[name]["tied"] == tied
+    held, whole = report[name]["held"]
+    assert held <= 0.6 * whole, (held, whole)  # each process holds its half only
+
+
+def test_distillation_loading_into_shards_gives_the_loss_curve_of_whole_loading(run):
+    _, report = run
+    sharded, whole = report["sharded"], report["whole"]
+    assert sharded["warnings"] == [] and whole["warnings"] == []  # both models took the sharded path
+    assert len(sharded["losses"]) == 3 and sharded["losses"][-1] < sharded["losses"][0]
+    assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-6)
