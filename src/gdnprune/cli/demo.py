@@ -11,6 +11,7 @@ NAME = "demo"
 HELP = "score -> sort -> slice -> distill the bundled demo model and compare orderings"
 
 
+# long: one argparse definition per flag, in the order --help shows them
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,

@@ -160,6 +160,7 @@ def plot_sensitivity(report: Mapping, path: str | Path) -> bool:
     return True
 
 
+# long: its documented signature and docstring; the body is 79 lines, one step after another
 def sensitivity_figure(report: Mapping) -> Any:
     """The figure of a plan report (:func:`gdnprune.plan.plan_model`), a ``matplotlib.figure.Figure`` drawn
     without pyplot (no global state); None when matplotlib is missing.
