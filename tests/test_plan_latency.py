@@ -117,7 +117,8 @@ def test_bad_latency_options_exit_2_with_one_line_before_loading(model, tmp_path
     _, src = model
     text = tmp_path / "calib.txt"
     text.write_text("some calibration text " * 50)
-    scores = tmp_path / "missing-scores.json"  # never read: the options are refused first
+    scores = tmp_path / "scores.json"  # exists (paths are checked first) but is never read: the options
+    scores.write_text("not a scores file")  # are refused before any file is parsed or any model loads
     capsys.readouterr()
     args = ["plan", str(src), "--scores", str(scores), "--data", str(text), "-o", str(tmp_path / "p.json")]
     assert main([*args, *extra]) == 2

@@ -38,6 +38,7 @@ from .evaluation.api import EvalOptions, MissingExtraError, evaluate_model, requ
 from .evaluation.probes import MIN_LENGTH
 from .evaluation.report import markdown_table, plot_report
 from .evaluation.tasks import write_task_folder
+from .figures import new_figure
 from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
 from .layouts import find_gdn_modules
 from .loading import load_pretrained, slice_model
@@ -110,12 +111,11 @@ NO_PLOT = "no plot: matplotlib is not installed (pip install 'gdnprune[plot]', o
 
 def _plot(rows: list[dict], orderings: list[str], path: Path, title: str) -> bool:
     """Validation loss against kept GDN parameters, one curve per ordering; False when matplotlib is missing."""
-    try:
-        from matplotlib.figure import Figure  # lazy: optional extra
-        from matplotlib.ticker import FuncFormatter  # lazy: optional extra
-    except ImportError:
+    fig = new_figure(figsize=(7, 4.5), dpi=120)
+    if fig is None:
         return False
-    fig = Figure(figsize=(7, 4.5), dpi=120)
+    from matplotlib.ticker import FuncFormatter  # lazy: optional extra (matplotlib is there: fig is drawn)
+
     ax = fig.subplots()
     styles = {"importance": "o-", "activation": "s--", "identity": "^:", "random": "x-."}
     for name in orderings:

@@ -21,7 +21,9 @@ def new_figure(**kwargs: Any) -> Figure | None:
     """A new figure (``Figure(**kwargs)``, e.g. ``figsize``, ``dpi``) to draw on with ``fig.subplots()`` and
     save with ``fig.savefig(path)``; None when matplotlib is not installed."""
     try:
-        from matplotlib.figure import Figure  # lazy: optional extra (gdnprune[plot])
+        import matplotlib  # lazy: optional extra (gdnprune[plot]); the package itself, whose submodules may be cached
+        from matplotlib.figure import Figure  # lazy: as above
     except ImportError:
         return None
+    del matplotlib
     return Figure(**kwargs)

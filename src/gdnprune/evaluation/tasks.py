@@ -21,6 +21,8 @@ Tasks (one per context length ``L``; the tag names all lengths of a kind):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -169,9 +171,14 @@ def probe_docs(kind: str, length: int, seed: int, count: int) -> list[dict[str, 
 
 
 def _dataset(docs: list[dict[str, Any]]) -> Any:
+    """The documents as a ``datasets`` split. Its fingerprint is the documents' hash: ``datasets`` would
+    otherwise hash the table with dill, which fails on some installs (pyarrow's ``MonthDayNano``)."""
     import datasets  # lazy: lm-eval's dependency, needed only when lm-eval loads a task
+    import pyarrow  # lazy: as datasets
 
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
+    digest = hashlib.sha256(json.dumps(docs, sort_keys=True).encode()).hexdigest()[:32]
+    table = datasets.table.InMemoryTable(pyarrow.Table.from_pylist(docs))
+    return datasets.DatasetDict({"test": datasets.Dataset(table, fingerprint=digest)})
 
 
 def load_probe_docs(*, kind: str, length: int, seed: int, count: int, **_: Any) -> Any:
