@@ -352,7 +352,7 @@ def demo_model_path() -> Path:
     Found through ``importlib.resources``, so it works from a source checkout and from an installed
     package. Raises ``FileNotFoundError`` if the folder or its ``config.json`` is missing.
     """
-    path = Path(str(resources.files("gdnprune").joinpath("data", "demo_model")))
+    path = Path(str(resources.files("gdnprune").joinpath("data").joinpath("demo_model")))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"bundled demo model not found: expected {path / 'config.json'} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 __all__ = [
     "DepthError",
@@ -29,13 +30,16 @@ __all__ = [
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 _PASSTHROUGH = ("mtp.",)
+_M = TypeVar("_M", bound=Mapping)
 
 
 class DepthError(ValueError):
     """A set of layers to remove that does not fit the model (out of range, or all of them)."""
 
 
-def _holder(config: Mapping) -> Mapping:
+def _holder(config: _M) -> _M:
+    """The part of ``config`` that holds the decoder's settings (``text_config`` of a multimodal one); a
+    dict for a dict."""
     if "text_config" in config and "num_hidden_layers" not in config:
         return config["text_config"]
     return config
@@ -112,10 +116,10 @@ def removal_name_map(names: Iterable[str], num_layers: int, removed: Iterable[in
 
 def remove_layers_from_config(config: Mapping, removed: Iterable[int]) -> dict:
     """A copy of the dict ``config`` without the decoder layers ``removed`` (numbers as in ``config``)."""
-    config = copy.deepcopy(dict(config))
-    holder = _holder(config)
+    out = copy.deepcopy(dict(config))
+    holder = _holder(out)
     num_layers = int(holder["num_hidden_layers"])
-    removed = check_removed(removed, num_layers, attention_layers(config))
+    removed = check_removed(removed, num_layers, attention_layers(out))
     numbers = layer_numbers(num_layers, removed)
     holder["num_hidden_layers"] = len(numbers)
     if isinstance(holder.get("layer_types"), list):
@@ -136,7 +140,7 @@ def remove_layers_from_config(config: Mapping, removed: Iterable[int]) -> dict:
         holder["mlp_only_layers"] = sorted(numbers[i] for i in dense if i in numbers)
     elif isinstance(holder.get("mlp_only_layers"), list):
         holder["mlp_only_layers"] = sorted(numbers[i] for i in holder["mlp_only_layers"] if i in numbers)
-    return config
+    return out
 
 
 def num_layers_of(config: Mapping) -> int:

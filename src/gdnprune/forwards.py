@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +259,13 @@ def _divergence(
     return kl, ce, int(valid.sum()), int((targets != -100).sum())
 
 
+class Measure(Protocol):
+    """What :meth:`Forwards.from_layer` yields: ``measure()`` (every batch) or ``measure(indices)`` (those
+    batches) -> ``(KL per token, loss per token)``."""
+
+    def __call__(self, batches: Sequence[int] | None = None) -> tuple[float, float]: ...
+
+
 class Forwards:
     """Forward passes that share one teacher pass: the machinery behind every measured sensitivity.
 
@@ -371,7 +378,7 @@ class Forwards:
         self.base_loss = ce / max(n, 1)
 
     @contextlib.contextmanager
-    def from_layer(self, index: int) -> Iterator[Callable[[], tuple[float, float]]]:
+    def from_layer(self, index: int) -> Iterator[Measure]:
         """Within the ``with`` statement, a call ``measure()`` runs every batch (``measure(indices)``: those batches) from
         decoder layer ``index``'s kept input and returns ``(KL per token, loss per token)`` against the teacher."""
         current = {"k": 0}

@@ -165,14 +165,25 @@ def _first_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, Parser]:
+    """Every command's parser by name (argparse keeps them in its private ``_subparsers`` group; they are
+    of the top-level parser's class, :class:`Parser`)."""
+    group = parser._subparsers
+    assert group is not None  # build_parser adds the commands
+    choices = group._group_actions[0].choices
+    assert isinstance(choices, dict)  # a subparsers action's choices: its parsers by name
+    return choices
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gdnprune`` command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(command)
-        subparser = parser._subparsers._group_actions[0].choices.get(command) if command in COMMANDS else None
-        if subparser is not None:  # a misspelled flag: this command's usage and the closest flag
+        subparser = _subparsers(parser).get(command) if command is not None and command in COMMANDS else None
+        # a misspelled flag: this command's usage and the closest flag
+        if subparser is not None and command is not None:
             check_flags(subparser, argv[argv.index(command) + 1 :])
         with _StderrWarnings(command if command in COMMANDS else ""):  # deprecated options say so
             args, extra = parser.parse_known_args(argv)
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    subparser = parser._subparsers._group_actions[0].choices[args.command]
+    subparser = _subparsers(parser)[args.command]
     _FLAGS.clear()
     _FLAGS.update(_flags_of(subparser))
     # lazy: the library is imported once a command runs, so `gdnprune --help` stays fast
@@ -199,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         name = signal.Signals(signum).name
-        if getattr(exc, "output_complete", None):
+        output_complete = getattr(exc, "output_complete", None)
+        if output_complete:
             print(
                 f"gdnprune {args.command}: {name} arrived while the finished output was moved into place; "
-                f"the move was completed first: {exc.output_complete} is the new output",
+                f"the move was completed first: {output_complete} is the new output",
                 file=sys.stderr,
             )
             return 0

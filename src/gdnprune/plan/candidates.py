@@ -32,7 +32,7 @@ class Candidate:
     state: int
 
 
-def parse_dim_step(text: str | float | int) -> Fraction | int:
+def parse_dim_step(text: str | float | Fraction) -> Fraction | int:
     """``"1/8"`` or ``0.125`` -> a fraction of the full dim; ``"16"`` or ``16`` -> a channel count."""
     try:
         value = Fraction(str(text)) if not isinstance(text, (int, Fraction)) else text

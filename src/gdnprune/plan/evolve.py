@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -54,9 +55,12 @@ def _sizes(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str,
     """Each candidate's share of the budgets (summed over the budgets): the order a mutation steps along."""
     layers = len(next(iter(costs.values())))
     return [
-        sum(
-            np.asarray(costs[name][layer], dtype=np.float64) / max(float(limit), 1e-300)
-            for name, limit in budgets.items()
+        cast(  # an array with any budget (sum's start, 0, only without one)
+            np.ndarray,
+            sum(
+                np.asarray(costs[name][layer], dtype=np.float64) / max(float(limit), 1e-300)
+                for name, limit in budgets.items()
+            ),
         )
         for layer in range(layers)
     ]
@@ -194,13 +198,15 @@ def evolve(
         raise ValueError(
             f"the refinement needs generations >= 0 and offspring >= 1, got {generations}, {offspring}"
         )
-    weights = np.asarray(weights, dtype=np.float64)
-    total = len(weights)
+    window_weights = np.asarray(weights, dtype=np.float64)
+    total = len(window_weights)
     rng = np.random.default_rng(seed)
     evaluations = 0
 
     def mean(values, n):
-        return float((np.asarray(values[:n]) * weights[:n]).sum() / max(weights[:n].sum(), 1e-300))
+        return float(
+            (np.asarray(values[:n]) * window_weights[:n]).sum() / max(window_weights[:n].sum(), 1e-300)
+        )
 
     parent = [int(p) for p in seed_picks]
     per_window = {tuple(parent): np.asarray(fitness([parent], 0, total)[0], dtype=np.float64)}
@@ -247,6 +253,7 @@ def evolve(
                 best_child, best_child_kl = pool[0], mean(per_window[tuple(pool[0])], total)
         accepted = best_child is not None and best_child_kl < best_kl
         if accepted:
+            assert best_child is not None  # accepted only with a best offspring
             parent, best_kl = best_child, best_child_kl
         record = {
             "generation": generation + 1,

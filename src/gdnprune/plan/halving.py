@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -195,16 +195,20 @@ def halving_sensitivity(
     windows = windows_of(batches)
     total = len(windows)
     forwards = Forwards(model, windows, max_logits=max_logits, shard=False)
-    text_config = model.config.get_text_config(decoder=True)
+    config: Any = model.config  # a transformers config (nn.Module's stubs type attributes as Tensor | Module)
+    text_config = config.get_text_config(decoder=True)
     index = [forwards.decoder_index(layer.module) for layer in layers]
     forwards.teacher(index)
     counts = np.array([token_counts(w) for w in windows], dtype=np.float64)  # [windows, (kl, ce)]
     schedule = rungs(total, first, grow)
     names = list(budgets)
     sizes = [
-        sum(
-            np.asarray(costs[name][li], dtype=np.float64) / max(float(budgets[name]), 1e-300)
-            for name in names
+        cast(  # an array with any budget (sum's start, 0, only without one)
+            np.ndarray,
+            sum(
+                np.asarray(costs[name][li], dtype=np.float64) / max(float(budgets[name]), 1e-300)
+                for name in names
+            ),
         )
         for li in range(len(layers))
     ]

@@ -49,7 +49,9 @@ class JointKL:
         self.forwards = Forwards(model, self.windows, max_logits=max_logits, shard=False)
         self.index = [self.forwards.decoder_index(layer.module) for layer in self.layers]
         self.forwards.teacher(self.index)
-        self.text_config = model.config.get_text_config(decoder=True)
+        # a transformers config (nn.Module's stubs type attributes as Tensor | Module)
+        config: Any = model.config
+        self.text_config = config.get_text_config(decoder=True)
         self.weights = [token_counts(w)[0] for w in self.windows]
         self.paths = []  # each group's module path inside its decoder layer ("" for the layer itself)
         for layer, i in zip(self.layers, self.index):

@@ -135,10 +135,16 @@ def measured_sensitivity(
 
     start_time = time.perf_counter()
     forwards = Forwards(model, batches, max_logits=max_logits)
-    text_config = model.config.get_text_config(decoder=True)
+    config: Any = model.config  # a transformers config (nn.Module's stubs type attributes as Tensor | Module)
+    text_config = config.get_text_config(decoder=True)
     index = [forwards.decoder_index(layer.module) for layer in layers]
     forwards.teacher(index)
-    result = {"kl": {}, "loss": {}, "base_loss": forwards.base_loss, "tokens": forwards.tokens}
+    result: dict[str, Any] = {
+        "kl": {},
+        "loss": {},
+        "base_loss": forwards.base_loss,
+        "tokens": forwards.tokens,
+    }
     bar = tqdm(
         total=sum(len(layer.candidates) for layer in layers),
         disable=not progress,

@@ -109,7 +109,7 @@ def choose_among(
     sensitivity: Sequence[Sequence[float]],
     costs: Mapping[str, Sequence[Sequence[float]]],
     budgets: Mapping[str, float],
-    allowed: Sequence[Sequence[bool]] | None = None,
+    allowed: Sequence[Sequence[bool] | np.ndarray] | None = None,
 ) -> list[int]:
     """:func:`choose` over the candidates ``allowed[l][c]`` only (all when None); indices into the full lists."""
     if allowed is None:
@@ -286,7 +286,7 @@ def uniform_choices(
                 ]
                 if larger:
                     grows = np.take(feasible, larger, axis=axis).any(axis=axis)
-                    index = [slice(None)] * len(sizes)
+                    index: list[slice | int] = [slice(None)] * len(sizes)
                     index[axis] = j
                     keep[tuple(index)] &= ~grows
     return [_spread(table, choice, len(keys)) for choice in zip(*(a.tolist() for a in np.nonzero(keep)))]

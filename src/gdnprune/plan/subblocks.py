@@ -191,6 +191,12 @@ def active_parameters(block: Any, target: Any = None) -> float:
     return float(router + (total - router) * target.num_experts_per_tok / target.num_experts)
 
 
+def _gdn_state(module: Any) -> int:
+    """Recurrent state of one sequence in the GDN layer ``module``, in elements (``Any``: its
+    ``conv_kernel_size`` is an attribute of the model's own class)."""
+    return state_elements(GDNShape.from_module(module), int(module.conv_kernel_size))
+
+
 def _group_costs(
     model: torch.nn.Module,
     gdn: Sequence[tuple[torch.nn.Module, Sequence[Any]]],
@@ -212,9 +218,7 @@ def _group_costs(
         size = float(sum(p.numel() for p in module.parameters()))
         full["params"].append(size)
         full["active_params"].append(size)
-        full["memory"].append(
-            float(state_elements(GDNShape.from_module(module), int(module.conv_kernel_size)) * state_bytes)
-        )
+        full["memory"].append(float(_gdn_state(module) * state_bytes))
     for b in blocks:
         costs["params"].append([float(b.block.parameters(t)) for t in b.candidates])
         costs["active_params"].append([active_parameters(b.block, t) for t in b.candidates])
@@ -277,11 +281,7 @@ def _model_totals(
     if context is not None:
         kv_bytes = next(model.parameters()).element_size()
         inside = (lambda prefix: True) if head is None else (lambda prefix: prefix.startswith(head))
-        memory = sum(
-            state_elements(GDNShape.from_module(m), int(m.conv_kernel_size)) * state_bytes
-            for prefix, m in find_gdn_modules(model)
-            if inside(prefix)
-        )
+        memory = sum(_gdn_state(m) * state_bytes for prefix, m in find_gdn_modules(model) if inside(prefix))
         memory += sum(
             kv_cache_elements(b.shape) * context * kv_bytes
             for b in find_model_blocks(model, ("attention",))
