@@ -55,9 +55,13 @@ def test_candidate_latencies_are_positive_and_the_budget_is_met_as_brute_force_f
     assert [len(g) for g in costs.groups] == [len(g.candidates) for g in problem.groups]
     with pytest.raises(BudgetError, match="least reachable"):
         add_latency_budget(_problem(model), costs, 1e-6)
-    add_latency_budget(problem, costs, 0.9)
+    # a budget between the fastest plan and the unpruned model, from the measured costs (not a fixed
+    # fraction: the share of the fixed part on a tiny model depends on the machine's load)
+    least = (costs.fixed + sum(min(g) for g in costs.groups)) / costs.whole
+    fraction = min(0.999, (least + 1.0) / 2)
+    add_latency_budget(problem, costs, fraction)
     limit = problem.limits["latency"]
-    assert limit == pytest.approx(0.9 * costs.whole)
+    assert limit == pytest.approx(fraction * costs.whole)
     assert problem.budgets["latency"] == pytest.approx(limit - costs.fixed)
     rng = np.random.default_rng(0)
     sens = [list(rng.uniform(0, 1, len(g))) for g in costs.groups]
