@@ -118,21 +118,29 @@ def plot_report(rows: Sequence[ModelResult], path: str | Path) -> bool:
     if recall:
         ax = axes[-1]
         styles = {"passkey": "o-", "mqar": "s--"}
-        for row, row_curves, color in zip(rows, curves, colors, strict=True):
-            for kind, points in row_curves.items():
-                ax.plot(
-                    [n for n, _ in points],
-                    [a for _, a in points],
-                    styles.get(kind, "x:"),
-                    color=color,
-                    label=f"{row.name}: {kind}",
-                )
+        lines = [
+            (row, kind, points, color)
+            for row, c, color in zip(rows, curves, colors, strict=True)
+            for kind, points in c.items()
+        ]
+        for k, (row, kind, points, color) in enumerate(lines):
+            # equal curves (every model at 0, say) would hide one another: each line is dodged sideways a
+            # little and drawn with a smaller marker than the one before
+            dodge = 2 ** (0.04 * (k - (len(lines) - 1) / 2))
+            ax.plot(
+                [n * dodge for n, _ in points],
+                [a for _, a in points],
+                styles.get(kind, "x:"),
+                color=color,
+                markersize=max(3.0, 9.0 - 1.5 * k),
+                label=f"{row.name}: {kind}",
+            )
         ax.set_xscale("log", base=2)
         lengths = sorted({n for c in curves for points in c.values() for n, _ in points})
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.minorticks_off()
         ax.set_ylim(-0.03, 1.03)
-        ax.set_xlabel("context length (characters)")
+        ax.set_xlabel("context length (characters; equal points set apart)")
         ax.set_ylabel("recall (exact-match accuracy)")
         ax.set_title("recall against context length")
         ax.legend(fontsize=7)
