@@ -540,7 +540,9 @@ def whole_model_plan(
 
     start = time.perf_counter()
     batches = list(windows.split(batch_size))
-    scores = score_model(model, batches, progress=progress, seed=seed, blocks=True)
+    scores = score_model(
+        model, batches, progress=progress, seed=seed, blocks=None
+    )  # every kind the model has
     plan, report = plan_model(
         model,
         batches,

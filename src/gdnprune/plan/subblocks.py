@@ -155,8 +155,8 @@ def plannable_blocks(
         if not orders_applied and block.prefix not in payload_of:
             raise ValueError(
                 f"the scores have no orders for the {block.kind} sub-block {block.prefix}; score this "
-                f"model with its sub-blocks (gdnprune score --sub-blocks, score_checkpoint(..., "
-                f"blocks=True)) or leave {block.kind} out of `blocks`"
+                f"model with its sub-blocks (gdnprune score with the default --blocks, score_checkpoint(..., "
+                f"blocks=None)) or leave {block.kind} out of `blocks`"
             )
         cands = [c.target for c in block_candidates(block, step=step, tp=tp, multiple_of=multiple_of)]
         out.append(
