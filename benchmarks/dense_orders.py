@@ -33,10 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.block_surgery import find_model_blocks, random_orders  # noqa: E402
-from gdnprune.blocks import orders_to_payload  # noqa: E402
 from gdnprune.loading import slice_model  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
+from gdnprune.subblock_geometry import orders_to_payload  # noqa: E402
+from gdnprune.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
 
 
 def _loss(model, args, blocks, orders) -> float:

@@ -57,12 +57,12 @@ import torch.nn.functional as F  # noqa: E402
 from plans import joint_kl, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.block_surgery import find_model_blocks, random_orders  # noqa: E402
-from gdnprune.blocks import orders_from_payload  # noqa: E402
 from gdnprune.distill import distill  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan.solve import choose  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
+from gdnprune.subblock_geometry import orders_from_payload  # noqa: E402
+from gdnprune.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
 
 SEQ_LEN, SEED, WARMUP = 256, 0, 0.03
 FRACTIONS = (0.5, 0.25)

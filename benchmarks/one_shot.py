@@ -5,7 +5,7 @@ For every model, every axis at 50 % and 25 % kept (where representable) and one 
 validation loss increase of
 
 * ``default``: the ``projection`` scores; ``refined``: the same with measured lane orders
-  (:func:`gdnprune.refine.refine_lane_orders`); ``compensated``: the default cut with ``out_proj`` refitted
+  (:func:`gdnprune.lane_search.refine_lane_orders`); ``compensated``: the default cut with ``out_proj`` refitted
   by least squares (:mod:`gdnprune.compensate`); ``refined+comp.``; ``sequential``: the default cut with
   ``out_proj`` refitted layer by layer on the cut model's own hidden states against the full model's
   residual stream (:func:`gdnprune.compensate.sequential_refit`; ``--references`` adds columns for its
@@ -42,8 +42,8 @@ from quality import Evaluator, per_layer_key_groups, per_layer_lanes, targets  #
 
 from gdnprune import compensate, demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
+from gdnprune.lane_search import refine_lane_orders  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
-from gdnprune.refine import refine_lane_orders  # noqa: E402
 from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
 
 NAMES = ("default", "refined", "compensated", "refined+comp.", "sequential", "activation")

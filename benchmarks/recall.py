@@ -49,7 +49,7 @@ from gdnprune.gated_delta_net import GDNPermutation, GDNShape  # noqa: E402
 from gdnprune.layouts import find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan import plan_model  # noqa: E402
-from gdnprune.plans import state_elements  # noqa: E402
+from gdnprune.plan_file import state_elements  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 
 MODEL = REPO / "tests" / "data" / "trained" / "recall"

@@ -56,7 +56,6 @@ import torch  # noqa: E402
 from plans import spearman, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.blocks import AttentionShape  # noqa: E402
 from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
 from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
@@ -66,6 +65,7 @@ from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity  # noqa:
 from gdnprune.plan.subblocks import plannable_blocks, whole_model_costs  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 from gdnprune.scoring.experts import block_influence  # noqa: E402
+from gdnprune.subblock_geometry import AttentionShape  # noqa: E402
 
 BUDGETS = (0.75, 0.5, 0.35)
 DEPTH_BUDGETS = (0.75, 0.5)

@@ -24,10 +24,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from gdnprune import checkpoint as ck
 from gdnprune import compensate, demo_data
-from gdnprune.block_surgery import find_model_blocks, random_orders
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules, get_layout
 from gdnprune.scoring import score_model, scores_to_permutations
+from gdnprune.subblock_surgery import find_model_blocks, random_orders
 
 # ---- checkpoint folders as save_pretrained writes them ----------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 import warnings
 
 import pytest
@@ -70,7 +71,8 @@ def test_a_positional_target_still_works_with_a_warning(tmp_path):
 
 def test_one_name_for_reading_scores(tmp_path):
     import gdnprune.checkpoint as ck
-    from gdnprune import scores, scoring
+    from gdnprune import scores_file as scores
+    from gdnprune import scoring
 
     assert scoring.load_scores is scores.load_scores and ck.read_scores is scores.read_scores
     assert "load_scores" not in ck.__all__
@@ -88,3 +90,24 @@ def test_sort_checkpoint_shows_its_keywords(tmp_path):
         sort_checkpoint(src, path, tmp_path / "out", no_such_option=True)
     manifest = sort_checkpoint(src, path, tmp_path / "out", progress=False, manifest_extra={"note": 1})
     assert manifest["note"] == 1 and manifest["sorted"] is True
+
+
+OLD_MODULE_NAMES = {  # written out here, not read from gdnprune.deprecation: the table under test
+    "gdnprune.blocks": "gdnprune.subblock_geometry",
+    "gdnprune.block_surgery": "gdnprune.subblock_surgery",
+    "gdnprune.scoring.blocks": "gdnprune.scoring.subblocks",
+    "gdnprune.scores": "gdnprune.scores_file",
+    "gdnprune.plans": "gdnprune.plan_file",
+    "gdnprune.depth": "gdnprune.layer_removal",
+    "gdnprune.refine": "gdnprune.lane_search",
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_MODULE_NAMES))
+def test_a_renamed_module_still_imports_with_a_warning(old):
+    """The twin-sounding modules were renamed (issue 27); the old names import the new module for a release."""
+    sys.modules.pop(old, None)
+    with pytest.warns(FutureWarning, match=OLD_MODULE_NAMES[old]):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(OLD_MODULE_NAMES[old])
+    sys.modules.pop(old, None)

@@ -25,7 +25,7 @@ ARCHITECTURE = PACKAGE.parent.parent / "ARCHITECTURE.md"
 MAX_LINES = 650
 # Modules the line-length-110 formatter pushed over the limit; each is being split (issue 27) and its
 # entry goes when it is. A cap, not a pass: they may not grow.
-OVERSIZE = {"gdnprune.blocks": 703}
+OVERSIZE = {"gdnprune.subblock_geometry": 703}
 #: Imports inside functions without a ``# lazy: reason`` comment, per module, in modules other engineers were
 #: editing when the rule came (issue 27): a cap, not a pass; each entry goes when its module is done.
 PENDING_LAZY: dict[str, int] = {}

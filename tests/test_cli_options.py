@@ -181,7 +181,7 @@ def test_the_word_checker_sees_one_word_for_two_concepts():
 
 
 def test_score_and_plan_take_the_same_blocks_with_the_same_default():
-    from gdnprune.blocks import KINDS
+    from gdnprune.subblock_geometry import KINDS
 
     score, plan = ({a.dest: a for a in _visible(COMMANDS[c])}["blocks"] for c in ("score", "plan"))
     assert score.default == plan.default and score.metavar == plan.metavar == "LIST"

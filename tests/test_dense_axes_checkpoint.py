@@ -30,12 +30,12 @@ from helpers import (
 from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
-from gdnprune.block_surgery import find_model_blocks
-from gdnprune.blocks import KINDS, orders_to_payload
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.loading import load_pretrained, slice_model
-from gdnprune.plans import PlanError
+from gdnprune.plan_file import PlanError
+from gdnprune.subblock_geometry import KINDS, orders_to_payload
+from gdnprune.subblock_surgery import find_model_blocks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning"),

@@ -15,9 +15,9 @@ import torch
 from test_dense_axes import _ids, _kept, _same, _zeroed
 
 from gdnprune import load_pretrained
-from gdnprune.block_surgery import find_model_blocks, random_orders
-from gdnprune.blocks import AttentionShape, MLPShape
 from gdnprune.plan.subblocks import BlockToPlan
+from gdnprune.subblock_geometry import AttentionShape, MLPShape
+from gdnprune.subblock_surgery import find_model_blocks, random_orders
 
 TRAINED = Path(__file__).parent / "data" / "trained"
 TARGETS = {

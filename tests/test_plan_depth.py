@@ -389,11 +389,11 @@ def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_t
     """Routed experts are planned at ``layers.N.mlp``, the shared expert inside it: a whole plan cutting both
     must cut both (the shared-expert candidate goes into the cut MoE block). Reference: ``slice_model``
     (a model built from the cut config, tested against router masking in test_experts.py)."""
-    from gdnprune.block_surgery import find_model_blocks, random_orders
-    from gdnprune.blocks import ExpertShape, MLPShape
     from gdnprune.loading import slice_model
     from gdnprune.plan.joint import JointKL, plan_kl
     from gdnprune.plan.subblocks import BlockToPlan
+    from gdnprune.subblock_geometry import ExpertShape, MLPShape
+    from gdnprune.subblock_surgery import find_model_blocks, random_orders
 
     model = _model("qwen3_5_moe", seed=6)
     g = torch.Generator().manual_seed(4)

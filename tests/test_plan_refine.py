@@ -16,7 +16,7 @@ from gdnprune.plan.evolve import evolve, feasible, mutate
 from gdnprune.plan.halving import dominated, halving_sensitivity, near, rungs
 from gdnprune.plan.joint import JointKL, refine_plan
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity
-from gdnprune.plans import constraint_violations
+from gdnprune.plan_file import constraint_violations
 from gdnprune.scoring import score_model, scores_to_permutations
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")

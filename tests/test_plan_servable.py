@@ -17,14 +17,14 @@ from tiny_models import cut_model
 from transformers import AutoModelForCausalLM
 
 from gdnprune import load_pretrained
-from gdnprune.blocks import block_kind_of
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.plan import plan_model
 from gdnprune.plan.servable import SERVABLE_NOTE, choose_servable
 from gdnprune.plan.solve import BudgetError
-from gdnprune.plans import servable_problems
+from gdnprune.plan_file import servable_problems
 from gdnprune.scoring import score_model, scores_to_permutations
+from gdnprune.subblock_geometry import block_kind_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 

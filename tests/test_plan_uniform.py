@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from test_dense_axes import _ids, _model
 
-from gdnprune.blocks import AttentionShape
 from gdnprune.geometry import GDNShape
 from gdnprune.plan import BudgetError, choose_uniform, plan_model, uniform_choices, uniform_plans
 from gdnprune.plan.candidates import parse_dim_step
 from gdnprune.plan.problem import Grid, build_problem
+from gdnprune.subblock_geometry import AttentionShape
 
 
 def _tables(model, *, dim_step="1/2", axes=("key_heads", "lanes", "key_dim", "value_dim"), budget=1.0):

@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_dense_axes import DENSE, _ids, _kept, _model, _orders, _zeroed
 
-from gdnprune.block_surgery import find_model_blocks
-from gdnprune.blocks import AttentionShape, MLPShape
 from gdnprune.plan.halving import halving_sensitivity
 from gdnprune.plan.sensitivity import measured_sensitivity
 from gdnprune.plan.subblocks import BlockToPlan
+from gdnprune.subblock_geometry import AttentionShape, MLPShape
+from gdnprune.subblock_surgery import find_model_blocks
 
 
 def _kl(teacher, student):
@@ -185,7 +185,7 @@ def test_a_whole_model_plan_meets_every_budget_on_the_loaded_sliced_model(folder
 
     from gdnprune import load_pretrained
     from gdnprune.cli import main
-    from gdnprune.plans import read_plan
+    from gdnprune.plan_file import read_plan
 
     src, text, scores = folder
     out = tmp_path / "plan.json"

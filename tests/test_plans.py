@@ -21,7 +21,7 @@ from gdnprune.checkpoint import (
 )
 from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
-from gdnprune.plans import PlanError, constraint_violations, kernel_warnings, resolve_plan
+from gdnprune.plan_file import PlanError, constraint_violations, kernel_warnings, resolve_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 

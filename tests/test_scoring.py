@@ -10,11 +10,10 @@ import torch.nn.functional as F
 import transformers
 from tiny_models import build_model, clone_state_dict, logits, make_config
 
-from gdnprune.blocks import KINDS
 from gdnprune.checkpoint import slice_checkpoint, transform_checkpoint
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict
 from gdnprune.layouts import find_gdn_modules
-from gdnprune.scores import gdn_entries
+from gdnprune.scores_file import gdn_entries
 from gdnprune.scoring import (
     greedy_lane_orders,
     greedy_removal_order,
@@ -22,6 +21,7 @@ from gdnprune.scoring import (
     score_model,
     scores_to_permutations,
 )
+from gdnprune.subblock_geometry import KINDS
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 KERNEL_MODULE = {

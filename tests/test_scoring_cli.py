@@ -15,7 +15,7 @@ from gdnprune.cli import main
 from gdnprune.demo_data import build_byte_tokenizer, train_text
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.layouts import find_gdn_modules
-from gdnprune.scores import gdn_entries
+from gdnprune.scores_file import gdn_entries
 from gdnprune.scoring import load_scores, score_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)

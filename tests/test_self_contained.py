@@ -26,10 +26,10 @@ from helpers import assert_same, random_dense_model
 from tiny_models import logits
 
 from gdnprune import checkpoint as ck
-from gdnprune.block_surgery import find_model_blocks
 from gdnprune.checkpoint.remote_code import MODELING_NAME, SelfContainedError, auto_map, modeling_source
 from gdnprune.cli import main
 from gdnprune.loading import load_pretrained
+from gdnprune.subblock_surgery import find_model_blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 

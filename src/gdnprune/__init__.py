@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .deprecation import install_module_aliases
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "load_pretrained"]
+
+install_module_aliases()
 
 if TYPE_CHECKING:
     from .loading import load_pretrained

@@ -1,17 +1,34 @@
-"""Old spellings of the Python API kept working for one release: a renamed keyword warns and is passed on.
+"""Old spellings of the Python API kept working for one release: a renamed keyword warns and is passed on,
+a renamed module imports as its new name with a warning.
 
 The command line has its own deprecated aliases (``cli/_options.add_deprecated_alias``). Imports nothing of
-gdnprune.
+gdnprune (a renamed module is imported only when its old name is).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, TypeVar
 
-__all__ = ["renamed_keywords"]
+__all__ = ["RENAMED_MODULES", "install_module_aliases", "renamed_keywords"]
+
+#: old module name -> new one (issue 27: names that read as twins of a package, or meant two things)
+RENAMED_MODULES = {
+    "gdnprune.blocks": "gdnprune.subblock_geometry",
+    "gdnprune.block_surgery": "gdnprune.subblock_surgery",
+    "gdnprune.scoring.blocks": "gdnprune.scoring.subblocks",
+    "gdnprune.scores": "gdnprune.scores_file",
+    "gdnprune.plans": "gdnprune.plan_file",
+    "gdnprune.depth": "gdnprune.layer_removal",
+    "gdnprune.refine": "gdnprune.lane_search",
+}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,3 +61,33 @@ def renamed_keywords(**renames: str | tuple[str, Callable[[Any], Any]]) -> Calla
         return call  # type: ignore[return-value]
 
     return wrap
+
+
+class _RenamedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import gdnprune.plans`` gives :mod:`gdnprune.plan_file` itself (one module object under both names),
+    with a ``FutureWarning``."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in RENAMED_MODULES:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = RENAMED_MODULES[spec.name]
+        warnings.warn(
+            f"module `{spec.name}` is deprecated and will be removed; use `{new}`",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The new module is already executed."""
+
+
+def install_module_aliases() -> None:
+    """Let the old module names import (once per interpreter; ``gdnprune/__init__`` calls it)."""
+    if not any(isinstance(finder, _RenamedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_RenamedModuleFinder())

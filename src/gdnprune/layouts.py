@@ -42,7 +42,7 @@ _SEGMENT_INDEX = {"q": "qidx", "k": "qidx", "v": "vidx", "h": "hidx", "d": "didx
 
 def segment_size(kind: str, shape) -> int:
     """Full length of one segment of kind ``kind`` for a layer of geometry ``shape`` (a sub-block geometry of
-    :mod:`gdnprune.blocks` knows the sizes of its own kinds)."""
+    :mod:`gdnprune.subblock_geometry` knows the sizes of its own kinds)."""
     if kind not in _SEGMENT_INDEX:
         return shape.segment_size(kind)
     Hk, Hv, dk, dv = shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim
@@ -294,7 +294,7 @@ OLMO_HYBRID = Layout(
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID)}
 
 # --------------------------------------------------------------------------------------------------------
-# Sub-block layouts (kinds and geometries in gdnprune.blocks): the same rules, other segment kinds —
+# Sub-block layouts (kinds and geometries in gdnprune.subblock_geometry): the same rules, other segment kinds —
 # ``i`` MLP channel, ``kv`` key-value head channel, ``qo`` query head channel, ``qg`` gated q_proj row,
 # ``e`` routed expert.
 

@@ -32,19 +32,19 @@ import transformers
 from accelerate.utils import get_max_memory
 from safetensors import safe_open
 
-from .block_surgery import find_model_blocks, slice_block_state_dict
-from .blocks import (
+from .distributed import launch_info
+from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
+from .geometry import GDN_CONFIG_KEYS, GDNShape, apply_targets_to_config, layer_index_of
+from .layouts import find_gdn_modules
+from .model_config import per_layer_overrides, text_config
+from .subblock_geometry import (
     BLOCK_FIELDS,
     KINDS,
     apply_block_targets_to_config,
     block_kinds_of,
     resolve_block_target,
 )
-from .distributed import launch_info
-from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
-from .geometry import GDN_CONFIG_KEYS, GDNShape, apply_targets_to_config, layer_index_of
-from .layouts import find_gdn_modules
-from .model_config import per_layer_overrides, text_config
+from .subblock_surgery import find_model_blocks, slice_block_state_dict
 from .targets import resolve_target
 
 __all__ = [
@@ -425,7 +425,7 @@ def slice_model(
         blocks: sub-block target fields (``intermediate_size``, ``shared_expert_intermediate_size``,
             ``num_attention_heads``, ``num_key_value_heads``) for every sub-block that has them, or
             ``{sub-block prefix: fields}`` (e.g. ``"model.layers.3.self_attn"``); None: no cut.
-        block_orders: ``{sub-block prefix: orders or score payload}`` (:mod:`gdnprune.block_surgery`).
+        block_orders: ``{sub-block prefix: orders or score payload}`` (:mod:`gdnprune.subblock_surgery`).
 
     The new model's config records the per-layer geometry as a sliced checkpoint does (the plain keys
     when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained`` writes a folder

@@ -23,8 +23,8 @@ from .geometry import layer_index_of
 from .layouts import find_gdn_modules
 from .loading import empty_causal_lm, load_causal_lm, slice_model
 from .plan import PlanOptions, check_budgets, plan_checkpoint
-from .plans import PlanError, read_plan, resolve_plan, servable_problems
-from .scores import load_scores
+from .plan_file import PlanError, read_plan, resolve_plan, servable_problems
+from .scores_file import load_scores
 from .scoring import score_checkpoint
 from .targets import TargetError, keyword_target, resolve_target
 
@@ -70,7 +70,7 @@ def prune_checkpoint(
     The cut is one of: ``target`` (a ``GDNShape`` or some of its fields, for every layer; the sub-block
     fields ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` also score, sort and cut the MLPs and attention layers), ``plan`` (a plan
-    file or dict, :mod:`gdnprune.plans`), or ``search`` — a :class:`~gdnprune.plan.PlanOptions` (the budgets
+    file or dict, :mod:`gdnprune.plan_file`), or ``search`` — a :class:`~gdnprune.plan.PlanOptions` (the budgets
     and search options of :func:`gdnprune.plan.plan_model`): the plan is then searched on the fresh scores
     with ``plan_samples`` calibration windows. ``method``, ``num_samples``, ``seq_len``, ``batch_size``,
     ``device``, ``dtype``, ``device_map``, ``seed``, ``lane_search`` and ``lane_search_samples`` are

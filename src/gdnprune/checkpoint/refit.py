@@ -21,7 +21,7 @@ from ..fileio import file_sha256
 from ..geometry import GDNShape, order_indices, orders_from_payload
 from ..layouts import get_layout
 from ..safetensors_io import write_all
-from ..scores import matching_prefixes
+from ..scores_file import matching_prefixes
 from .codecs import from_float, to_float
 from .folder import CONFIG_NAME, MANIFEST_NAME, Checkpoint, CheckpointError
 

@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..blocks import (
+from ..geometry import layer_index_of
+from ..layouts import TileGridError, scaled_weight
+from ..model_config import MTP_PREFIX
+from ..plan_file import plan_block_kinds, read_plan, resolve_block_plan
+from ..scores_file import ScoresError, match_layers
+from ..subblock_geometry import (
     BLOCK_FIELDS,
     KINDS,
     apply_block_targets_to_config,
@@ -28,11 +33,6 @@ from ..blocks import (
     orders_to_payload,
     resolve_block_target,
 )
-from ..geometry import layer_index_of
-from ..layouts import TileGridError, scaled_weight
-from ..model_config import MTP_PREFIX
-from ..plans import plan_block_kinds, read_plan, resolve_block_plan
-from ..scores import ScoresError, match_layers
 from ..targets import TargetError
 from .engine import LayerPlan
 from .folder import Checkpoint, find_block_layers

@@ -23,13 +23,20 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .. import compensate, depth
+from .. import compensate, layer_removal
 from ..deprecation import renamed_keywords
 from ..fileio import file_sha256, write_json_atomic
 from ..geometry import apply_targets_to_config, layer_index_of, orders_to_payload
 from ..model_config import text_config
-from ..plans import PlanError, constraint_violations, kernel_warnings, read_plan, removed_layers, resolve_plan
-from ..scores import prefix_alias, read_scores, resolve_orders
+from ..plan_file import (
+    PlanError,
+    constraint_violations,
+    kernel_warnings,
+    read_plan,
+    removed_layers,
+    resolve_plan,
+)
+from ..scores_file import prefix_alias, read_scores, resolve_orders
 from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from . import output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
@@ -104,14 +111,14 @@ def transform_checkpoint(
             payload (``*_order_most_important_first`` lists). A layer without an entry keeps its order
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
             Entries keyed by an attention / MLP sub-block's prefix (``model.layers.3.self_attn``,
-            ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.blocks`); a sub-block
+            ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.subblock_geometry`); a sub-block
             without an entry keeps its order. None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
             fields (missing or None fields keep each layer's size). The mapping may also hold the
             sub-block fields ``intermediate_size``, ``shared_expert_intermediate_size``,
             ``num_attention_heads`` and ``num_key_value_heads``: every sub-block that has the field is cut
             to it (:mod:`gdnprune.checkpoint.subblocks`). None: no slicing.
-        plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.plans`).
+        plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.plan_file`).
             Layers that end up with different geometries are recorded in ``config.json`` with
             transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
         tp, multiple_of: serving constraints on the cut layers (key and value heads divisible by ``tp``,
@@ -134,7 +141,7 @@ def transform_checkpoint(
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
         manifest_extra: extra top-level entries for the manifest.
-        remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.depth`): their
+        remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.layer_removal`): their
             tensors are dropped, later layers' tensors renumbered (bytes unchanged), ``config.json`` gets
             ``num_hidden_layers``, ``layer_types`` and ``per_layer_config`` rewritten; ``mtp.*`` is kept.
 
@@ -221,7 +228,9 @@ def _transform(
     )
     removed = list(remove_layers or []) + (sorted(removed_layers(plan)) if plan is not None else [])
     removed = (
-        depth.check_removed(removed, depth.num_layers_of(ckpt.config), depth.attention_layers(ckpt.config))
+        layer_removal.check_removed(
+            removed, layer_removal.num_layers_of(ckpt.config), layer_removal.attention_layers(ckpt.config)
+        )
         if removed
         else []
     )
@@ -340,8 +349,9 @@ def _drop_removed(ckpt: Checkpoint, plans: dict, blocks: subblocks.SubBlockPlan,
     renumbers the later layers."""
     blocks.plans = {p: lp for p, lp in blocks.plans.items() if layer_index_of(p) not in removed}
     blocks.targets = {k: {i: t for i, t in v.items() if i not in removed} for k, v in blocks.targets.items()}
-    blocks.names = depth.compose_names(
-        blocks.names, depth.removal_name_map(ckpt.names, depth.num_layers_of(ckpt.config), removed)
+    blocks.names = layer_removal.compose_names(
+        blocks.names,
+        layer_removal.removal_name_map(ckpt.names, layer_removal.num_layers_of(ckpt.config), removed),
     )
     return {p: lp for p, lp in plans.items() if layer_index_of(p) not in removed}
 
@@ -484,7 +494,7 @@ def _finish_folder(
             )
             config = blocks.apply_to_config(config)
         if removed:
-            config = depth.remove_layers_from_config(config, removed)
+            config = layer_removal.remove_layers_from_config(config, removed)
         if dequantized:
             config = _not_converted(config, dequantized)
         write_json_atomic(tmp / CONFIG_NAME, config, indent=2)
@@ -557,7 +567,7 @@ def sort_checkpoint(
 ) -> dict:
     """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
 
-    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores.read_scores`). The keyword arguments
+    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores_file.read_scores`). The keyword arguments
     are those of :func:`transform_checkpoint`. Returns the manifest.
     """
     data = read_scores(scores)
@@ -604,8 +614,8 @@ def slice_checkpoint(
     size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers, ``num_experts`` keeps that
     many routed experts per MoE layer. ``remove_layers`` removes decoder layers (numbers as in the input,
-    :mod:`gdnprune.depth`), alone or with a target or plan. ``plan`` gives every
-    layer its own target instead (a plan file or dict, :mod:`gdnprune.plans`; version 2 for sub-blocks).
+    :mod:`gdnprune.layer_removal`), alone or with a target or plan. ``plan`` gives every
+    layer its own target instead (a plan file or dict, :mod:`gdnprune.plan_file`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """

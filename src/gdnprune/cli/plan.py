@@ -438,7 +438,7 @@ def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool)
     from ..plan import plot_sensitivity
 
     # lazy: commands import the library when they run, so --help stays fast
-    from ..plans import save_plan
+    from ..plan_file import save_plan
 
     report_json, report_png = report_paths(output)
     for path in (output, report_json):
@@ -492,7 +492,7 @@ def run(args) -> int:
 def _check_snap(args) -> None:
     """--snap-servable's plan file is read (exit 2 when it is no plan) and its budgets are not overridden."""
     # lazy: commands import the library when they run, so --help stays fast
-    from ..plans import read_plan
+    from ..plan_file import read_plan
 
     if any_budget(args):
         raise ValueError("--snap-servable takes the budgets of PLAN.json: give no --budget-* with it")

@@ -146,7 +146,7 @@ def _mode(args) -> str:
 def _merge(args) -> int:
     from ..distributed import launch_info  # lazy: fast --help
     from ..fileio import check_output_file  # lazy: fast --help
-    from ..scores import save_scores  # lazy: fast --help
+    from ..scores_file import save_scores  # lazy: fast --help
     from ..scoring import merge_partials  # lazy: fast --help
 
     info = launch_info()
@@ -171,7 +171,7 @@ def _merge(args) -> int:
 def _score(args, mode: str) -> int:
     from ..distributed import fail_together, is_main_process  # lazy: fast --help
     from ..fileio import check_output_file  # lazy: fast --help
-    from ..scores import save_scores  # lazy: fast --help
+    from ..scores_file import save_scores  # lazy: fast --help
     from ..scoring import measure_checkpoint, save_partial, score_checkpoint  # lazy: fast --help
 
     main = is_main_process()

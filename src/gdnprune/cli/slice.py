@@ -121,9 +121,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     if not args.compensation_stats:  # the refit multiplies matrices (torch, which may use OpenBLAS)
         without_blas_threads()
-    from ..blocks import BLOCK_FIELDS  # lazy: fast --help
     from ..checkpoint import slice_checkpoint  # lazy: fast --help
-    from ..depth import parse_layer_list  # lazy: fast --help
+    from ..layer_removal import parse_layer_list  # lazy: fast --help
+    from ..subblock_geometry import BLOCK_FIELDS  # lazy: fast --help
     from ..targets import TargetError  # lazy: fast --help
 
     sub_blocks = {f: getattr(args, f) for f in BLOCK_FIELDS if getattr(args, f) is not None}

@@ -21,9 +21,9 @@ from typing import Any
 
 import transformers
 
-from ..block_surgery import find_model_blocks
 from ..checkpoint.output import Staging, check_output_folder
 from ..loading import load_causal_lm
+from ..subblock_surgery import find_model_blocks
 from .report import ModelResult, markdown_table, plot_report
 from .tasks import DEFAULT_CONTEXT_LENGTHS, PROBE_KINDS, write_task_folder
 

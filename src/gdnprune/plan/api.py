@@ -1,7 +1,7 @@
 """``plan_model``: the best per-layer widths (and removed layers) under a budget, in four stages.
 
 Build the problem (:mod:`.problem`: candidates per group, their costs, the budgets), measure the candidates'
-sensitivity and choose exactly (:mod:`.stages`), and report: the plan file (:mod:`gdnprune.plans`) and a
+sensitivity and choose exactly (:mod:`.stages`), and report: the plan file (:mod:`gdnprune.plan_file`) and a
 report of every candidate (:mod:`.report`).
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 from ..fileio import file_sha256
 from ..latency import Workload, parse_workload
-from ..plans import PLAN_FORMAT, PLAN_VERSION
-from ..scores import read_scores
+from ..plan_file import PLAN_FORMAT, PLAN_VERSION
+from ..scores_file import read_scores
 from .candidates import AXES, parse_dim_step
 from .latency_costs import LatencyCosts, add_latency_budget, cut_model_latency, measure_latency_costs
 from .problem import (
@@ -181,7 +181,7 @@ def plan_model(
         progress: progress bars over the measured candidates and the refinement's generations.
 
     Returns:
-        The plan (a :mod:`gdnprune.plans` dict with the budgets, the predicted summed sensitivity and the
+        The plan (a :mod:`gdnprune.plan_file` dict with the budgets, the predicted summed sensitivity and the
         totals) and the report (every candidate of every layer: target, parameters, state, sensitivity,
         loss, and the chosen one).
 

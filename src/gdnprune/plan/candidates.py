@@ -15,7 +15,7 @@ from fractions import Fraction
 
 from ..geometry import GDNShape
 from ..layouts import get_layout
-from ..plans import constraint_violations, state_elements
+from ..plan_file import constraint_violations, state_elements
 
 __all__ = ["AXES", "Candidate", "parse_dim_step", "dim_values", "layer_candidates", "parameters_of"]
 

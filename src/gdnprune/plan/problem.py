@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..blocks import BLOCK_FIELDS, KINDS, block_kind_of
-from ..depth import attention_layers
 from ..forwards import decoder_blocks
 from ..geometry import GDNShape, orders_from_payload
+from ..layer_removal import attention_layers
 from ..layouts import LAYOUTS, detect_layout, find_gdn_modules
-from ..scores import match_layers
+from ..scores_file import match_layers
+from ..subblock_geometry import BLOCK_FIELDS, KINDS, block_kind_of
 from .candidates import layer_candidates
 from .depth import LayerRest, choose_with_removal
 from .sensitivity import LayerToPlan
@@ -219,7 +219,7 @@ class PlanProblem:
 
 
 def block_entry(block: Any, target: Any) -> dict[str, int]:
-    """A sub-block's plan-file entry: its target fields (:data:`gdnprune.blocks.BLOCK_FIELDS`)."""
+    """A sub-block's plan-file entry: its target fields (:data:`gdnprune.subblock_geometry.BLOCK_FIELDS`)."""
     return {k: v for k, v in KINDS[block.block.kind].config_updates(target).items() if k in BLOCK_FIELDS}
 
 

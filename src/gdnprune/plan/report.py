@@ -3,7 +3,7 @@
 :class:`Sensitivities` is the measure stage's result (per width group and candidate: KL, loss, windows,
 survivors; per decoder layer: the removal's KL), :class:`Choice` the choose stage's (a candidate per group,
 None where its decoder layer is removed; the refinement's record). :func:`plan_document` writes the plan file
-(:mod:`gdnprune.plans`) and :class:`PlanReport` (of :class:`GroupReport` and :class:`CandidateReport`) the
+(:mod:`gdnprune.plan_file`) and :class:`PlanReport` (of :class:`GroupReport` and :class:`CandidateReport`) the
 report, both as plain JSON-ready dicts.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..plans import PLAN_FORMAT, PLAN_VERSION, kernel_warnings
+from ..plan_file import PLAN_FORMAT, PLAN_VERSION, kernel_warnings
 from .problem import STATE_BYTES, PlanProblem, block_entry
 
 __all__ = [
@@ -260,7 +260,7 @@ def plan_document(
     choice: Choice,
     scores: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The plan file (:mod:`gdnprune.plans`, version 2): the chosen targets, budgets, predicted sensitivity,
+    """The plan file (:mod:`gdnprune.plan_file`, version 2): the chosen targets, budgets, predicted sensitivity,
     totals, the grid and the scores it was searched on (``scores``: ``{"sha256", "method"}``)."""
     picks = choice.picks
     entries = problem.entries(picks)

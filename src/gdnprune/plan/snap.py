@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..geometry import layer_index_of
-from ..plans import read_plan
+from ..plan_file import read_plan
 from ..targets import TARGET_FIELDS, resolve_target
 from .api import PlanOptions, search
 from .candidates import AXES

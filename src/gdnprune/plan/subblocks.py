@@ -8,7 +8,7 @@ and the successive-halving sensitivities run over GDN layers and sub-blocks alik
 (decoder layer, module builder) pair, measured with the cut module in place of the full one.
 
 A cut sub-block is the module itself with its tensors sorted by the scores' orders and cut to the
-candidate (:func:`gdnprune.block_surgery.slice_block_state_dict`, the gather a sliced checkpoint gets),
+candidate (:func:`gdnprune.subblock_surgery.slice_block_state_dict`, the gather a sliced checkpoint gets),
 and the few attributes its forward reads from the geometry (``num_key_value_groups``; the expert count of
 the router and of the experts module) updated.
 
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from ..block_surgery import find_model_blocks, permute_block_state_dict, slice_block_state_dict
-from ..blocks import AttentionShape, ExpertShape, MLPShape, block_candidates, kv_cache_elements
 from ..forwards import block_index, decoder_blocks
 from ..geometry import GDNShape
 from ..layouts import find_gdn_modules
-from ..plans import state_elements
-from ..scores import match_layers
+from ..plan_file import state_elements
+from ..scores_file import match_layers
 from ..scoring.hooks import materialized_weight
+from ..subblock_geometry import AttentionShape, ExpertShape, MLPShape, block_candidates, kv_cache_elements
+from ..subblock_surgery import find_model_blocks, permute_block_state_dict, slice_block_state_dict
 
 __all__ = [
     "BLOCK_NAMES",
@@ -50,12 +50,12 @@ __all__ = [
 #: names of ``blocks`` (``--blocks``): the GDN layers, the sub-block kinds the search may shrink, and ``depth``
 #: (whole decoder layers removed, :mod:`.depth`)
 BLOCK_NAMES = ("gdn", "attention", "mlp", "shared_expert", "experts", "depth")
-#: the names of :data:`BLOCK_NAMES` that are sub-block kinds (:data:`gdnprune.blocks.KINDS`)
+#: the names of :data:`BLOCK_NAMES` that are sub-block kinds (:data:`gdnprune.subblock_geometry.KINDS`)
 SUB_BLOCK_NAMES = ("attention", "mlp", "shared_expert", "experts")
 
 
 class BlockToPlan:
-    """One sub-block of a loaded model to plan: its :class:`~gdnprune.blocks.Block`, module, orders, candidates."""
+    """One sub-block of a loaded model to plan: its :class:`~gdnprune.subblock_geometry.Block`, module, orders, candidates."""
 
     def __init__(
         self, block: Any, module: torch.nn.Module, orders: Mapping[str, Any] | None, candidates: Sequence[Any]
@@ -134,7 +134,7 @@ def plannable_blocks(
     multiple_of: int | None,
     orders_applied: bool,
 ) -> list[BlockToPlan]:
-    """The sub-blocks of ``kinds`` of ``model`` with their candidates (:func:`gdnprune.blocks.block_candidates`)
+    """The sub-blocks of ``kinds`` of ``model`` with their candidates (:func:`gdnprune.subblock_geometry.block_candidates`)
     and the scores' orders (``score_layers``: a scores file's ``layers``; ``key`` of each: its prefix there).
 
     Raises:

@@ -1,7 +1,7 @@
 """Importance scoring of GatedDeltaNet layers: calibration forwards with hooks -> importance orders.
 
 :func:`score_model` runs calibration batches through a loaded transformers model and returns a scores
-file dict (:mod:`gdnprune.scores`); :func:`score_checkpoint` does the same for a model folder and a text
+file dict (:mod:`gdnprune.scores_file`); :func:`score_checkpoint` does the same for a model folder and a text
 file. The methods (``projection``, ``activation``, ``random``) and their measures are derived in
 ``docs/scoring.md``.
 
@@ -13,7 +13,7 @@ scores its share of the windows and the statistics are summed, see :mod:`gdnprun
 imports torch.
 """
 
-from ..scores import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
+from ..scores_file import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
 from .api import (
     DEFAULT_MAX_SEQ_LEN,
     METHODS,

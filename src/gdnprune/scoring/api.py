@@ -1,7 +1,7 @@
 """The scoring API: :func:`score_model` on a loaded model, :func:`score_checkpoint` on a model folder.
 
 Calibration batches run through a real transformers model with :class:`~gdnprune.scoring.hooks.LayerScorer`
-hooks on every GDN layer; the result is a scores-file dict (:mod:`gdnprune.scores`). The methods and
+hooks on every GDN layer; the result is a scores-file dict (:mod:`gdnprune.scores_file`). The methods and
 measures are described in ``docs/scoring.md``.
 """
 
@@ -19,7 +19,6 @@ import torch
 from transformers import AutoTokenizer
 
 from .. import model_config
-from ..blocks import KINDS
 from ..calibration import calibration_windows, iter_batches
 from ..checkpoint.folder import map_to_checkpoint
 from ..compensate import collect_statistics
@@ -36,9 +35,10 @@ from ..distributed import (
     world_size,
 )
 from ..fileio import file_sha256
+from ..lane_search import search_lane_orders
 from ..layouts import find_gdn_modules
 from ..loading import load_causal_lm
-from ..refine import search_lane_orders
+from ..subblock_geometry import KINDS
 from .hooks import LayerScorer
 from .loss_head import default_loss_token_stride, output_head
 from .passes import make_block_scorers, run_batches
@@ -267,7 +267,7 @@ def score_model(
         blocks: the kinds of block to order (:data:`SCORED_BLOCKS`: ``gdn``, ``attention``, ``mlp``,
             ``shared_expert``, ``experts``; ``gdn`` always; ``depth`` orders nothing); None: every kind the
             model has (what ``gdnprune score`` does by default); default: the GDN layers alone. The sub-blocks are scored in the same forward passes
-            (:mod:`gdnprune.scoring.blocks`, :mod:`gdnprune.scoring.experts`); their payloads join ``layers``
+            (:mod:`gdnprune.scoring.subblocks`, :mod:`gdnprune.scoring.experts`); their payloads join ``layers``
             under the sub-blocks' prefixes (``random``: random orders). Kinds whose modules fit no layout
             (Qwen4-exp's indexed attention) are left out (with a warning when named).
         distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
@@ -518,7 +518,7 @@ def score_checkpoint(
     here the default is the GDN layers alone, see :func:`score_model`).
 
     ``lane_search=True`` then decides the lane orders by measured KL on the first ``lane_search_samples``
-    windows (:func:`gdnprune.refine.search_lane_orders`). ``compensate=True`` also collects the least-squares
+    windows (:func:`gdnprune.lane_search.search_lane_orders`). ``compensate=True`` also collects the least-squares
     compensation statistics (:mod:`gdnprune.compensate`) on every window, returned under the key
     ``"compensation_statistics"`` (numpy arrays: pop it before writing the scores as JSON; the CLI writes it
     beside the scores file). ``model``: the folder's model already loaded (see :func:`measure_checkpoint`).

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..blocks import orders_to_payload
 from ..forwards import decoder_layers, hidden_argument, input_device, unpack_batch
+from ..subblock_geometry import orders_to_payload
 
 __all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES"]
 

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..block_surgery import find_model_blocks
-from ..blocks import KINDS
 from ..forwards import input_device, unpack_batch
-from .blocks import BlockScorer
+from ..subblock_geometry import KINDS
+from ..subblock_surgery import find_model_blocks
 from .experts import ExpertScorer
 from .hooks import LayerScorer
 from .loss_head import LossGradients, loss_positions
+from .subblocks import BlockScorer
 
 __all__ = ["make_block_scorers", "supported_kinds", "run_batches"]
 

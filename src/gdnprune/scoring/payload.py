@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from ..block_surgery import random_orders
-from ..blocks import orders_to_payload
 from ..gated_delta_net import GDNPermutation
 from ..geometry import GDNShape
-from ..scores import SCORES_FORMAT, SCORES_VERSION
+from ..scores_file import SCORES_FORMAT, SCORES_VERSION
+from ..subblock_geometry import orders_to_payload
+from ..subblock_surgery import random_orders
 from .experts import expert_payload
 from .orders import descending, greedy_lane_orders, greedy_removal_order
 
@@ -280,7 +280,7 @@ class ScoringStatistics:
     seed: int
     measures: dict[str, Any] | None
     layers: dict[str, LayerStatistics]
-    #: attention / MLP sub-blocks (:mod:`gdnprune.scoring.blocks`): prefix -> (its Block, its statistics)
+    #: attention / MLP sub-blocks (:mod:`gdnprune.scoring.subblocks`): prefix -> (its Block, its statistics)
     blocks: dict[str, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -291,7 +291,7 @@ class ScoringStatistics:
 
 
 def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1) -> dict[str, Any]:
-    """The scores-file dict (:mod:`gdnprune.scores`) from (summed) statistics: payloads, orders, counts.
+    """The scores-file dict (:mod:`gdnprune.scores_file`) from (summed) statistics: payloads, orders, counts.
 
     ``world_size`` is recorded beside ``num_tokens``: how many processes computed the sums.
     """
@@ -338,8 +338,8 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
 
 
 def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
-    """The score payload of a sub-block (a :class:`gdnprune.blocks.Block`) from its (summed) statistics
-    (:class:`gdnprune.scoring.blocks.BlockScorer`): orders, raw scores, geometry."""
+    """The score payload of a sub-block (a :class:`gdnprune.subblock_geometry.Block`) from its (summed) statistics
+    (:class:`gdnprune.scoring.subblocks.BlockScorer`): orders, raw scores, geometry."""
     if block.kind == "experts":  # routed experts: REAP or frequency (gdnprune.scoring.experts)
         return expert_payload(block, stats, method)
     n = max(int(stats["num_tokens"]), 1)

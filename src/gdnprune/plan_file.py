@@ -12,7 +12,7 @@ A layer may give only some of the four fields; the others keep the layer's size.
 named gets ``default`` (or keeps its shape).
 
 Version 2 (what gdnprune writes now; version 1 files are still read) also cuts the dense sub-blocks
-(:mod:`gdnprune.blocks`): an entry keyed by a sub-block prefix gives that block's fields —
+(:mod:`gdnprune.subblock_geometry`): an entry keyed by a sub-block prefix gives that block's fields —
 ``"model.layers.3.self_attn": {"num_attention_heads": 8, "num_key_value_heads": 2}``,
 ``"model.layers.3.mlp": {"intermediate_size": 2048}``, ``"model.layers.3.mlp.shared_expert":
 {"shared_expert_intermediate_size": 256}`` — and ``default`` may hold these fields too (each applies to
@@ -29,10 +29,10 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .blocks import BLOCK_FIELDS, KINDS, block_kind_of, block_kinds_of, resolve_block_target
 from .fileio import write_json_atomic
 from .geometry import GDNShape, layer_index_of
-from .scores import match_layers
+from .scores_file import match_layers
+from .subblock_geometry import BLOCK_FIELDS, KINDS, block_kind_of, block_kinds_of, resolve_block_target
 from .targets import TARGET_FIELDS, TargetError, resolve_target
 
 __all__ = [
@@ -122,7 +122,9 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
     for prefix, entry in layers.items():
         if not isinstance(prefix, str):
             raise PlanError(f"{where}: layer keys must be GDN layer prefixes, found {prefix!r}")
-        if isinstance(entry, Mapping) and "removed" in entry:  # a decoder layer to drop (gdnprune.depth)
+        if (
+            isinstance(entry, Mapping) and "removed" in entry
+        ):  # a decoder layer to drop (gdnprune.layer_removal)
             if version == 1 or set(entry) != {"removed"} or not isinstance(entry["removed"], bool):
                 raise PlanError(
                     f'{where}: layers[{prefix!r}]: a removal is {{"removed": true}} alone, in a '
@@ -172,7 +174,7 @@ def plan_block_kinds(plan: str | os.PathLike | Mapping) -> set[str]:
 
 
 def resolve_block_plan(plan: str | os.PathLike | Mapping, blocks) -> dict[str, Any]:
-    """The target geometry of every sub-block of ``blocks`` (:class:`gdnprune.blocks.Block` list) under
+    """The target geometry of every sub-block of ``blocks`` (:class:`gdnprune.subblock_geometry.Block` list) under
     ``plan``: its entry, else the fields of ``default`` its kind has, else its own geometry.
 
     Raises:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ..blocks import AttentionShape, Block
 from ..forwards import output_projection
+from ..subblock_geometry import AttentionShape, Block
 from .hooks import materialized_weight
 from .payload import block_payload
 

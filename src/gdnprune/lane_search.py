@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from .forwards import Forwards, output_projection
 from .geometry import GDNShape
 from .layouts import find_gdn_modules
-from .scores import gdn_entries, match_layers
+from .scores_file import gdn_entries, match_layers
 
 __all__ = ["search_lane_orders", "refine_lane_orders"]
 

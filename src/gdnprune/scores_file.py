@@ -25,10 +25,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import blocks, geometry
-from .blocks import block_kind_of
+from . import geometry, subblock_geometry
 from .fileio import check_output_file, read_json, write_json_atomic
 from .geometry import ORDER_KEYS
+from .subblock_geometry import block_kind_of
 
 __all__ = [
     "SCORES_FORMAT",
@@ -113,7 +113,7 @@ def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
     for prefix, payload in layers.items():
         if not isinstance(payload, Mapping):
             raise ScoresError(f"{source}: layer {prefix!r} is not an object")
-        if block_kind_of(prefix) is not None:  # an attention or MLP sub-block (gdnprune.blocks)
+        if block_kind_of(prefix) is not None:  # an attention or MLP sub-block (gdnprune.subblock_geometry)
             _check_block_payload(prefix, payload, source)
             continue
         missing = [k for k in (*ORDER_KEYS, "shape") if k not in payload]
@@ -143,10 +143,10 @@ def _check_block_payload(prefix: str, payload: Mapping, source: str) -> None:
                 f"{type(shape).__name__}"
             )
         block_shape = kind.geometry(**shape)
-        blocks.orders_from_payload(payload, block_shape)
+        subblock_geometry.orders_from_payload(payload, block_shape)
     except (TypeError, ValueError) as exc:
         raise ScoresError(f"{source}: sub-block {prefix!r}: {exc}") from None
-    missing = [key for key in blocks.order_keys(block_shape) if key not in payload]
+    missing = [key for key in subblock_geometry.order_keys(block_shape) if key not in payload]
     if missing:
         raise ScoresError(f"{source}: sub-block {prefix!r} lacks the orders {missing}")
 
@@ -208,7 +208,7 @@ def match_layers(entries: Mapping[str, Any], prefixes: Iterable[str], what: str 
 
 def gdn_entries(layers: Mapping[str, Any]) -> dict[str, Any]:
     """The GDN layers' entries of a scores (or plan) file's ``layers``: every key that names no sub-block
-    (:func:`gdnprune.blocks.block_kind_of`)."""
+    (:func:`gdnprune.subblock_geometry.block_kind_of`)."""
     return {k: v for k, v in layers.items() if not isinstance(k, str) or block_kind_of(k) is None}
 
 
@@ -247,8 +247,8 @@ def resolve_orders(
 
 def scores_to_permutations(scores: Mapping[str, Any]) -> dict:
     """``{prefix: GDNPermutation}`` of the GDN layers of a scores-file dict (geometry read from each payload's
-    ``shape``; the sub-blocks' orders are :mod:`gdnprune.blocks`' and left out)."""
-    from .gated_delta_net import GDNPermutation  # lazy: torch; scores.py is torch-free
+    ``shape``; the sub-blocks' orders are :mod:`gdnprune.subblock_geometry`' and left out)."""
+    from .gated_delta_net import GDNPermutation  # lazy: torch; scores_file.py is torch-free
 
     out = {}
     for prefix, payload in gdn_entries(check_scores(scores)["layers"]).items():

@@ -3,7 +3,7 @@
 Routed experts move whole (router rows with them): fused 3-D expert tensors are gathered along their
 first axis, per-expert tensors (``experts.N.*``) are renumbered by name.
 
-The geometry, the kinds and the index formulas are in :mod:`gdnprune.blocks` (numpy); which tensor takes
+The geometry, the kinds and the index formulas are in :mod:`gdnprune.subblock_geometry` (numpy); which tensor takes
 which index along which axis is in the layout tables of :mod:`gdnprune.layouts`. This module applies
 them: one ``index_select`` per coupled tensor, as :mod:`gdnprune.gated_delta_net` does for GDN layers.
 
@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .blocks import (
+from .layouts import get_layout
+from .subblock_geometry import (
     Block,
     block_indices,
     find_blocks,
@@ -30,7 +31,6 @@ from .blocks import (
     orders_to_payload,
     resolve_block_target,
 )
-from .layouts import get_layout
 
 __all__ = [
     "find_model_blocks",
@@ -51,7 +51,7 @@ def gather_block_tensor(
     block: Block, suffix: str, tensor: torch.Tensor, target: Any, indices: Mapping[str, np.ndarray]
 ) -> torch.Tensor:
     """Tensor ``suffix`` of ``block`` gathered from the block's geometry to ``target`` (``indices``: from
-    :func:`gdnprune.blocks.block_indices`). Raises ``ValueError`` for a tensor of the wrong shape."""
+    :func:`gdnprune.subblock_geometry.block_indices`). Raises ``ValueError`` for a tensor of the wrong shape."""
     rule = get_layout(block.layout).rule(suffix)
     if rule is None:
         raise ValueError(f"{block.prefix}: tensor {suffix!r} is not part of the {block.layout} layout")
