@@ -369,9 +369,8 @@ def _train(args, data, eval_data) -> int:
     # lazy: commands import the library when they run, so --help stays fast
     from ..distill import OutputFolderError, distill_checkpoint
 
-    dtype, teacher_dtype = (
-        None if d is None else getattr(torch, d) for d in (args.dtype, args.teacher_dtype)
-    )
+    dtype = getattr(torch, args.dtype)  # --dtype has a default; --teacher-dtype defaults to it
+    teacher_dtype = None if args.teacher_dtype is None else getattr(torch, args.teacher_dtype)
     transformers.utils.logging.disable_progress_bar()  # one bar: ours (no loading or shard-writing bars)
     # checkpoints a second apart make transformers doubt file times; it then orders them by step, as it should
     quiet_mtime = _DropMessage("mtime may not be reliable")

@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, TrainerCallback, TrainingArguments, default_data_collator
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PreTrainedModel,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -72,8 +79,8 @@ def _as_config(config: Any, legacy: dict[str, Any]) -> DistillConfig:
 
 # long: its documented signature and docstring; the body is 44 lines, one step after another
 def distill(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
+    student: PreTrainedModel,
+    teacher: PreTrainedModel,
     train_data: torch.Tensor | Sequence[torch.Tensor] | WindowDataset,
     config: DistillConfig | str | Path | None = None,
     *,

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from transformers import PreTrainedModel
 
 from ..loading import empty_pretrained, load_sharded, sharded_loading_names
 
@@ -75,7 +76,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_teacher(teacher: torch.nn.Module, *, device: torch.device | str | None = None) -> torch.nn.Module:
+def shard_teacher(teacher: PreTrainedModel, *, device: torch.device | str | None = None) -> PreTrainedModel:
     """Shard the frozen ``teacher`` in place over the default process group, for forward passes only.
 
     Units: every decoder layer, the input embedding (when not tied to ``lm_head``) and the root (final
@@ -98,11 +99,11 @@ def shard_teacher(teacher: torch.nn.Module, *, device: torch.device | str | None
 
 
 def shard_student(
-    student: torch.nn.Module,
+    student: PreTrainedModel,
     *,
     mixed_precision: str = "no",
     cpu_offload: bool = False,
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """Shard ``student`` in place over the default process group as accelerate 1.15's FSDP2 preparation
     shards it (``fsdp2_prepare_model``), so the Trainer takes it as prepared: every decoder layer and the
     input embedding (when not tied) resharded after forward, the final norm with ``lm_head`` (and a tied

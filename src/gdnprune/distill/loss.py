@@ -9,7 +9,7 @@ tokens x vocabulary (152K-248K for Qwen).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,8 @@ class DistillationLoss(NamedTuple):
 
 def lm_head_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``(weight, bias)`` of an ``lm_head`` module (bias None when it has none)."""
-    return module.weight, getattr(module, "bias", None)
+    # cast: nn.Module types its attributes Tensor | Module; an lm_head's weight is a parameter
+    return cast(torch.Tensor, module.weight), getattr(module, "bias", None)
 
 
 def position_terms(
@@ -83,13 +84,16 @@ def position_terms(
     (weight, bias), n, vocab = head, hidden.shape[0], head[0].shape[0]
     valid = labels != IGNORE_INDEX
     kd, lm, t_lm = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
-    grads = None
+    if grad_scale is not None and grad_scale[0] and teacher_hidden is None:
+        raise ValueError(f"position_terms: a KD gradient scale ({grad_scale[0]}) needs a teacher")
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    a, b = (0.0, 0.0) if grad_scale is None else grad_scale
     if grad_scale is not None:
-        grads = [
+        grads = (
             torch.zeros_like(hidden),
             torch.zeros_like(weight, dtype=torch.float32),
             None if bias is None else torch.zeros_like(bias, dtype=torch.float32),
-        ]
+        )
     step = chunk_size or max(1, _LOGITS_PER_CHUNK // vocab)
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
@@ -112,16 +116,18 @@ def position_terms(
                     t_lm[rows] = -log_p1.gather(-1, y[:, None]).squeeze(-1) * ok
             if grads is None:
                 continue
-            a, b = grad_scale
+            g_hidden, g_weight, g_bias = grads
             g = b * log_q1.exp()  # dLM/dz = softmax(z) - onehot(y)
             g[torch.arange(len(y), device=g.device), y] -= b
-            if a:  # dKD/dz = T * (softmax(z/T) - softmax(z_teacher/T))
+            if (
+                a and p is not None
+            ):  # dKD/dz (p is None only without a teacher, where a is 0) = T * (softmax(z/T) - softmax(z_teacher/T))
                 g += (a * temperature) * (log_q.exp() - p)
             g *= ok[:, None]
-            grads[0][rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            grads[1] += (g.t().to(h.dtype) @ h).float()
-            if bias is not None:
-                grads[2] += g.sum(0)
+            g_hidden[rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            g_weight += (g.t().to(h.dtype) @ h).float()
+            if g_bias is not None:
+                g_bias += g.sum(0)
     return kd, lm, t_lm, grads
 
 

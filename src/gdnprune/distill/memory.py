@@ -146,8 +146,8 @@ def _activations_per_token(config, itemsize: int, checkpointing: bool) -> int:
 
 
 def estimate_memory(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
+    student: transformers.PreTrainedModel,
+    teacher: transformers.PreTrainedModel,
     *,
     processes: int = 1,
     fsdp: bool = False,
@@ -217,7 +217,7 @@ def estimate_memory(
     )
 
 
-def meta_model(path: str | Path) -> torch.nn.Module:
+def meta_model(path: str | Path) -> transformers.PreTrainedModel:
     """The model of a Hugging Face folder built from its ``config.json`` on the meta device (no weights read;
     per-layer GDN geometries as :func:`gdnprune.load_pretrained` builds them)."""
 
@@ -225,6 +225,8 @@ def meta_model(path: str | Path) -> torch.nn.Module:
         config = transformers.AutoConfig.from_pretrained(path)
         named = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
         cls = named if isinstance(named, type) else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            raise TypeError(f"{cls} is not a transformers model class")
         with torch.device("meta"), per_layer_gdn_modules(cls):
             return cls._from_config(config)
     except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:

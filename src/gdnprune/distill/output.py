@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
 from ..fileio import umask
@@ -55,7 +56,8 @@ def read_tensors(folder: str | Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def _plan(entries: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    shards, size = [[]], 0
+    shards: list[list[str]] = [[]]
+    size = 0
     for name, nbytes in entries:
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
@@ -68,7 +70,7 @@ def _plan(entries: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
 def _gathered(value: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor shard (a collective), or the tensor itself. Shards offloaded to the CPU
     are gathered through the accelerator when there is one (NCCL gathers device memory only)."""
-    if not hasattr(value, "full_tensor"):
+    if not isinstance(value, DTensor):
         return value
     local = value.to_local()
     if local.device.type == "cpu" and torch.cuda.is_available():
@@ -84,7 +86,7 @@ def _gathered(value: torch.Tensor) -> torch.Tensor:
 
 
 def save_model_folder(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     out: str | Path,
     *,
     main: bool = True,

@@ -29,7 +29,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.constants import FSDP_MODEL_NAME
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from ..fileio import umask, write_json_atomic
 from ..interrupts import SIGNALS
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 
-def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     """The input of ``lm_head`` for every position: the base model's ``last_hidden_state`` (after the final
     norm), so no other layer's hidden states are kept and no logits are computed."""
     base = getattr(model, model.base_model_prefix)
@@ -64,11 +64,10 @@ def forward_redirect(
     ``fn``: FSDP2 gathers the parameters of ``module``'s unit before and frees them after (and hooks the
     backward), exactly as for the module's own forward. The ``forward`` of before is restored at once.
     """
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
+    previous = module.__dict__.get("forward")  # a forward set on the instance, to put back
 
     def restore():
-        if had:
+        if previous is not None:
             module.forward = previous
         else:
             module.__dict__.pop("forward", None)
@@ -130,7 +129,7 @@ class DistillationTrainer(Trainer):
     def __init__(
         self,
         *args,
-        teacher: torch.nn.Module,
+        teacher: PreTrainedModel,
         temperature: float = 1.0,
         kd_weight: float = 1.0,
         lm_weight: float = 0.0,
@@ -142,7 +141,7 @@ class DistillationTrainer(Trainer):
         self.teacher.requires_grad_(False)
         if getattr(teacher, "hf_device_map", None) is None and not is_sharded(teacher):
             self.teacher.to(self.args.device)
-        self.loss_options = dict(
+        self.loss_options: dict[str, Any] = dict(
             temperature=temperature, kd_weight=kd_weight, lm_weight=lm_weight, chunk_size=chunk_size
         )
         self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides by the accumulation steps
@@ -161,7 +160,7 @@ class DistillationTrainer(Trainer):
             state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
             self.is_fsdp_enabled = True
         plugin = getattr(state, "fsdp_plugin", None)
-        if plugin is not None and not plugin.transformer_cls_names_to_wrap:
+        if plugin is not None and self.model is not None and not plugin.transformer_cls_names_to_wrap:
             # _no_split_modules may name classes the model lacks (a text model lists its vision blocks); a
             # student loaded into its shards has FSDP2's layer classes (accelerate looks them up by name)
             classes = tuple(layer_classes(self.model))
@@ -210,7 +209,10 @@ class DistillationTrainer(Trainer):
                 self._micro_losses.append(loss.detach())
                 return loss
         else:
-            terms = lambda *a: self._evaluation_loss(*a, labels)  # noqa: E731
+
+            def terms(hidden, t_hidden, head, t_head):
+                return self._evaluation_loss(hidden, t_hidden, head, t_head, labels)
+
         loss = self._loss_in_forwards(model, ids, terms)
         return (loss, {}) if return_outputs else loss
 
@@ -239,7 +241,7 @@ class DistillationTrainer(Trainer):
         self._eval_parts = []
         output = super().evaluation_loop(*args, **kwargs)
         prefix = kwargs.get("metric_key_prefix", "eval")
-        if self._eval_parts:
+        if self._eval_parts and output.metrics is not None:
             means = torch.cat(self._eval_parts).double().mean(0).tolist()
             for name, value in zip(("kd_loss", "lm_loss", "teacher_lm_loss"), means):
                 output.metrics[f"{prefix}_{name}"] = value
