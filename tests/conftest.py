@@ -1,10 +1,14 @@
+import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_source
 from launches import Launch, build_model, run_launch, write_text
+
+from gdnprune.cli import main
 
 sys.path.insert(0, os.path.dirname(__file__))
 # one thread: the test models are tiny, and on a shared machine extra threads spin and slow everything down
@@ -31,3 +35,36 @@ def launch_text(tmp_path_factory):
 @pytest.fixture(scope="session")
 def launch(launch_model, launch_text, tmp_path_factory) -> Launch:
     return run_launch(launch_model, launch_text, MOE, tmp_path_factory.mktemp("launch"))
+
+
+# the plan tests' model folder with its scores (test_plan_search, test_plan_refine)
+
+
+@pytest.fixture(scope="module")
+def scored_folder(tmp_path_factory):
+    """A qwen3_5 model folder, its calibration text and the scores file `score` writes from them (one per
+    test module that asks)."""
+    root = tmp_path_factory.mktemp("plan_cli")
+    src = make_source(root / "model", "qwen3_5", seed=6)
+    text = root / "calib.txt"
+    text.write_text(" ".join(["the model sorts heads and slices them"] * 400))
+    assert (
+        main(
+            [
+                "score",
+                str(src),
+                "--data",
+                str(text),
+                "--output",
+                str(root / "scores.json"),
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "72",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert json.loads((root / "scores.json").read_text())["layers"]
+    return src, text, root / "scores.json"

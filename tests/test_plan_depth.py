@@ -21,7 +21,7 @@ def _brute(sensitivity, costs, budgets, layer_of, removal, keep_one_of=()):
     best = (np.inf, None)
     layers = sorted(removal)
     for removed in itertools.product([False, True], repeat=len(layers)):
-        gone = {l for l, r in zip(layers, removed) if r}
+        gone = {layer for layer, r in zip(layers, removed) if r}
         if gone == set(layer_of) or (keep_one_of and set(keep_one_of) <= gone):
             continue
         options = [[None] if layer_of[g] in gone else range(len(s)) for g, s in enumerate(sensitivity)]
@@ -32,7 +32,7 @@ def _brute(sensitivity, costs, budgets, layer_of, removal, keep_one_of=()):
             ):
                 continue
             value = sum(sensitivity[g][c] for g, c in enumerate(pick) if c is not None) + sum(
-                removal[l] for l in gone
+                removal[layer] for layer in gone
             )
             if value < best[0] - 1e-12:
                 best = (value, (list(pick), sorted(gone)))
@@ -44,7 +44,7 @@ def test_widths_and_removals_chosen_together_equal_brute_force(seed):
     rng = np.random.default_rng(seed)
     layer_of = [0, 0, 1, 1, 2, 2]  # two sub-blocks per decoder layer (say a mixer and an MLP / experts)
     sensitivity, params, memory = [], [], []
-    for g in range(6):
+    for _ in range(6):
         k = int(rng.integers(2, 4))
         sensitivity.append([0.0] + sorted(rng.uniform(0, 1, k - 1).tolist()))  # the full width costs nothing
         p = sorted(rng.integers(1, 20, k).tolist(), reverse=True)
@@ -60,7 +60,7 @@ def test_widths_and_removals_chosen_together_equal_brute_force(seed):
         return
     choice, removed = choose_with_removal(sensitivity, costs, budgets, layer_of=layer_of, removal=removal)
     got = sum(sensitivity[g][c] for g, c in enumerate(choice) if c is not None) + sum(
-        removal[l] for l in removed
+        removal[layer] for layer in removed
     )
     assert abs(got - value) < 1e-9
     assert all((c is None) == (layer_of[g] in removed) for g, c in enumerate(choice))
@@ -471,7 +471,7 @@ def test_one_full_attention_layer_always_stays_in_the_milp_and_in_every_mutation
     layer_of = [0, 1, 2, 3]
     sensitivity = [[0.0] + sorted(rng.uniform(0, 1, 2).tolist()) for _ in layer_of]
     params = [sorted(rng.integers(5, 20, 3).tolist(), reverse=True) for _ in layer_of]
-    removal = {l: float(rng.uniform(0.01, 0.3)) for l in layer_of}
+    removal = {layer: float(rng.uniform(0.01, 0.3)) for layer in layer_of}
     removal[1], removal[3] = 0.001, 0.002  # the attention layers are the cheapest to remove
     budgets = {"params": 0.3 * sum(p[0] for p in params)}
     value, best = _brute(sensitivity, {"params": params}, budgets, layer_of, removal, keep_one_of=[1, 3])
@@ -491,7 +491,7 @@ def test_one_full_attention_layer_always_stays_in_the_milp_and_in_every_mutation
     )
     assert not {1, 3} <= set(removed)
     got = sum(sensitivity[g][c] for g, c in enumerate(choice) if c is not None) + sum(
-        removal[l] for l in removed
+        removal[layer] for layer in removed
     )
     assert abs(got - value) < 1e-9
     free, _ = choose_with_removal(

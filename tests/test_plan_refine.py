@@ -263,9 +263,6 @@ def test_refining_a_real_plan_never_makes_it_worse_and_repeats_for_a_seed(case):
 # ---- the command line, the report and the plot -----------------------------------------------------------
 
 
-from test_plan_search import folder  # noqa: E402,F401  (the module's scored model folder)
-
-
 def test_the_lower_envelope_falls_from_the_smallest_candidate_to_the_full_layer():
     from gdnprune.plan.plot import lower_envelope
 
@@ -299,11 +296,11 @@ def test_budgets_are_checked_before_any_forward(case):
         plan_model(model, batches(), scores, budget_gdn_params=0.001, dim_step="1/2", progress=False)
 
 
-def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path, capsys, monkeypatch):
+def test_prune_says_no_plan_meets_the_budgets_before_it_scores(scored_folder, tmp_path, capsys, monkeypatch):
     import gdnprune.scoring
     from gdnprune.cli import main
 
-    src, text, _ = folder
+    src, text, _ = scored_folder
 
     def never(*args, **kwargs):
         raise AssertionError("scored before the budgets were checked")
@@ -329,12 +326,12 @@ def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path,
     assert not (tmp_path / "p").exists()
 
 
-def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, capsys):
+def test_plan_command_refines_and_reports_what_was_measured(scored_folder, tmp_path, capsys):
     import json
 
     from gdnprune.cli import main
 
-    src, text, scores = folder
+    src, text, scores = scored_folder
     out = tmp_path / "plan.json"
     assert (
         main(
@@ -397,13 +394,13 @@ def test_plan_command_refines_and_reports_what_was_measured(folder, tmp_path, ca
     assert "expected an integer >= 0" in capsys.readouterr().err
 
 
-def test_prune_with_a_plan_uses_its_scores_or_says_why_not(folder, tmp_path, capsys):
+def test_prune_with_a_plan_uses_its_scores_or_says_why_not(scored_folder, tmp_path, capsys):
     import json
     import shutil
 
     from gdnprune.cli import main
 
-    src, text, scores = folder
+    src, text, scores = scored_folder
     plan = tmp_path / "plan.json"
     assert (
         main(
@@ -509,7 +506,7 @@ sys.exit(code)
 """
 
 
-def test_two_processes_under_torchrun_find_the_plan_one_process_finds(folder, tmp_path):
+def test_two_processes_under_torchrun_find_the_plan_one_process_finds(scored_folder, tmp_path):
     """The halving's candidates and the refinement's offspring are spread over 2 gloo ranks; the plan, every
     sensitivity and every generation's fitness equal one process's."""
     import json
@@ -519,7 +516,7 @@ def test_two_processes_under_torchrun_find_the_plan_one_process_finds(folder, tm
 
     from gdnprune.cli import main
 
-    src, text, scores = folder
+    src, text, scores = scored_folder
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER, encoding="utf-8")
     env = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_checkpoint import SHAPE, make_source
+from test_checkpoint import SHAPE
 from tiny_models import build_model, cut_model
 
 from gdnprune import load_pretrained
@@ -35,15 +35,15 @@ def _ratio_greedy(sensitivity, costs, budget):
     """Start from every layer's first (largest) candidate and keep taking the cut with the least sensitivity
     added per unit of cost saved, until the budget is met: the heuristic the MILP replaces."""
     picks = [0] * len(sensitivity)
-    while sum(costs[l][p] for l, p in enumerate(picks)) > budget:
+    while sum(costs[g][p] for g, p in enumerate(picks)) > budget:
         moves = [
-            ((sensitivity[l][c] - sensitivity[l][picks[l]]) / (costs[l][picks[l]] - costs[l][c]), l, c)
-            for l in range(len(picks))
-            for c in range(len(costs[l]))
-            if costs[l][c] < costs[l][picks[l]]
+            ((sensitivity[g][c] - sensitivity[g][picks[g]]) / (costs[g][picks[g]] - costs[g][c]), g, c)
+            for g in range(len(picks))
+            for c in range(len(costs[g]))
+            if costs[g][c] < costs[g][picks[g]]
         ]
-        _, l, c = min(moves)
-        picks[l] = c
+        _, g, c = min(moves)
+        picks[g] = c
     return picks
 
 
@@ -73,10 +73,10 @@ def test_the_milp_equals_brute_force(layers, params_budget, state_budget):
     best = None
     for picks in itertools.product(*[range(len(layer)) for layer in layers]):
         if (
-            sum(params[l][p] for l, p in enumerate(picks)) <= params_budget
-            and sum(state[l][p] for l, p in enumerate(picks)) <= state_budget
+            sum(params[g][p] for g, p in enumerate(picks)) <= params_budget
+            and sum(state[g][p] for g, p in enumerate(picks)) <= state_budget
         ):
-            value = sum(sensitivity[l][p] for l, p in enumerate(picks))
+            value = sum(sensitivity[g][p] for g, p in enumerate(picks))
             best = value if best is None else min(best, value)
     budgets = {"params": params_budget, "state": state_budget}
     if best is None:
@@ -84,9 +84,9 @@ def test_the_milp_equals_brute_force(layers, params_budget, state_budget):
             choose(sensitivity, {"params": params, "state": state}, budgets)
         return
     picks = choose(sensitivity, {"params": params, "state": state}, budgets)
-    assert sum(sensitivity[l][p] for l, p in enumerate(picks)) == pytest.approx(best)
-    assert sum(params[l][p] for l, p in enumerate(picks)) <= params_budget
-    assert sum(state[l][p] for l, p in enumerate(picks)) <= state_budget
+    assert sum(sensitivity[g][p] for g, p in enumerate(picks)) == pytest.approx(best)
+    assert sum(params[g][p] for g, p in enumerate(picks)) <= params_budget
+    assert sum(state[g][p] for g, p in enumerate(picks)) <= state_budget
 
 
 def test_uniform_choice_takes_the_best_shared_geometry():
@@ -222,34 +222,6 @@ def test_the_proxy_grows_as_candidates_shrink():
 # ---- the plan and the command line ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plan_cli")
-    src = make_source(root / "model", "qwen3_5", seed=6)
-    text = root / "calib.txt"
-    text.write_text(" ".join(["the model sorts heads and slices them"] * 400))
-    assert (
-        main(
-            [
-                "score",
-                str(src),
-                "--data",
-                str(text),
-                "--output",
-                str(root / "scores.json"),
-                "--num-samples",
-                "4",
-                "--seq-len",
-                "72",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
-    assert json.loads((root / "scores.json").read_text())["layers"]
-    return src, text, root / "scores.json"
-
-
 def _gdn_params(model) -> int:
     return sum(p.numel() for _, m in find_gdn_modules(model) for p in m.parameters())
 
@@ -264,8 +236,8 @@ def _gdn_state(model) -> int:
     )
 
 
-def test_plan_command_writes_the_plan_its_report_and_plot(folder, tmp_path, capsys):
-    src, text, scores = folder
+def test_plan_command_writes_the_plan_its_report_and_plot(scored_folder, tmp_path, capsys):
+    src, text, scores = scored_folder
     out = tmp_path / "plan.json"
     assert (
         main(
@@ -360,8 +332,8 @@ def test_plan_command_writes_the_plan_its_report_and_plot(folder, tmp_path, caps
     assert "give a budget" in capsys.readouterr().err
 
 
-def test_uniform_and_state_budgets(folder, tmp_path, capsys):
-    src, _, scores = folder
+def test_uniform_and_state_budgets(scored_folder, tmp_path, capsys):
+    src, _, scores = scored_folder
     out = tmp_path / "uniform.json"
     assert (
         main(
@@ -401,8 +373,8 @@ def test_uniform_and_state_budgets(folder, tmp_path, capsys):
     )
 
 
-def test_prune_with_a_budget_scores_plans_sorts_and_slices(folder, tmp_path, capsys):
-    src, text, _ = folder
+def test_prune_with_a_budget_scores_plans_sorts_and_slices(scored_folder, tmp_path, capsys):
+    src, text, _ = scored_folder
     out = tmp_path / "pruned"
     assert (
         main(

@@ -74,7 +74,7 @@ def test_uniform_choice_and_list_equal_brute_force_on_a_real_models_cost_tables(
     full = sum(c[0] for c in costs)
     rng = np.random.default_rng(0)
     checked_optimum = 0
-    for trial in range(12):
+    for _ in range(12):
         # sensitivity grows as a candidate shrinks (like a real KL), with noise so that kinds trade off
         sensitivity = [
             [
@@ -108,7 +108,7 @@ def test_uniform_choice_and_list_equal_brute_force_on_a_real_models_cost_tables(
         for picks, geometry in feasible:
             grows = False
             for kind, shape in geometry.items():
-                for other_picks, other in feasible:
+                for _, other in feasible:
                     if all(other[k] == geometry[k] for k in geometry if k != kind) and _larger(
                         shape, other[kind]
                     ):

@@ -102,7 +102,7 @@ def choose_with_removal(
         constraints.append(
             LinearConstraint(np.concatenate([np.zeros(n), np.ones(m)])[None, :], 0, len(set(layer_of)) - 1)
         )
-    keep = [layers.index(l) for l in keep_one_of if l in removal]
+    keep = [layers.index(layer) for layer in keep_one_of if layer in removal]
     if keep and len(keep) == len(set(keep_one_of)):  # every one of them could go: one stays
         row = np.zeros(n + m)
         row[[n + k for k in keep]] = 1
@@ -115,7 +115,7 @@ def choose_with_removal(
     c = np.concatenate(
         [
             np.concatenate([np.asarray(g, dtype=np.float64) for g in sensitivity]),
-            np.asarray([removal[l] for l in layers], dtype=np.float64),
+            np.asarray([removal[layer] for layer in layers], dtype=np.float64),
         ]
     )
     upper = np.ones(n + m)
@@ -132,7 +132,7 @@ def choose_with_removal(
     )
     if result.status == 2 or result.x is None:
         least = {
-            name: float(sum(min(g) for g, l in zip(costs[name], layer_of) if l not in removal))
+            name: float(sum(min(g) for g, layer in zip(costs[name], layer_of) if layer not in removal))
             for name in budgets
         }
         raise BudgetError(
@@ -142,7 +142,7 @@ def choose_with_removal(
     if result.status != 0:
         raise RuntimeError(f"the MILP solver stopped without an optimum: {result.message}")
     x = np.round(result.x).astype(int)
-    removed = [l for k, l in enumerate(layers) if x[n + k]]
+    removed = [layer for k, layer in enumerate(layers) if x[n + k]]
     choice: list[int | None] = []
     for g, (start, size) in enumerate(zip(starts, sizes)):
         picked = np.flatnonzero(x[start : start + size])

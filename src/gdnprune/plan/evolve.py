@@ -130,7 +130,7 @@ def _depth_move(picks, costs, budgets, sizes, rng, layer_of, removable, keep_one
     """Remove a kept layer of ``removable`` (what it frees goes to another group) or bring a removed one back
     (its groups at their smallest candidates, another group shrinking when a budget needs it)."""
     layer = int(removable[int(rng.integers(len(removable)))])
-    mine = [g for g, l in enumerate(layer_of) if l == layer]
+    mine = [g for g, owner in enumerate(layer_of) if owner == layer]
     new = list(picks)
     others = [int(b) for b in rng.permutation(len(picks)) if layer_of[b] != layer and picks[b] != REMOVED]
     if picks[mine[0]] != REMOVED:

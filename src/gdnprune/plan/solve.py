@@ -118,8 +118,8 @@ def choose_among(
     if any(not k for k in keep):
         raise ValueError("every layer needs at least one allowed candidate")
     picks = choose(
-        [[sensitivity[l][c] for c in k] for l, k in enumerate(keep)],
-        {name: [[table[l][c] for c in k] for l, k in enumerate(keep)] for name, table in costs.items()},
+        [[sensitivity[g][c] for c in k] for g, k in enumerate(keep)],
+        {name: [[table[g][c] for c in k] for g, k in enumerate(keep)] for name, table in costs.items()},
         budgets,
     )
     return [k[p] for k, p in zip(keep, picks)]
