@@ -3,7 +3,7 @@
 
 On the bundled demo model (or ``--model``: a byte-level model folder such as the deeper model of
 ``scripts/train_demo_model.py``), the sub-blocks are scored on training text with
-``score_model(..., blocks=True)`` by both methods, then cut in memory (:func:`gdnprune.slice_model`):
+``score_model(...)`` (every kind by default) by both methods, then cut in memory (:func:`gdnprune.slice_model`):
 
 * every MLP to 1/2, 1/4 and 1/8 of its channels;
 * every full-attention layer to one key-value group (all its query heads), to one query head per group,
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = find_model_blocks(model)
     orders = {}
     for method in ("projection", "activation"):
-        scores = score_model(model, batches, method=method, progress=False, blocks=True)
+        scores = score_model(model, batches, method=method, progress=False)
         orders[method] = {b.prefix: scores["layers"][b.prefix] for b in blocks}
     orders["identity"] = None
     orders["reversed projection"] = {k: _reversed(v) for k, v in orders["projection"].items()}

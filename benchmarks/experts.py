@@ -9,7 +9,7 @@ experts of 64 channels, 2 per token, and a shared expert) is trained by::
         --experts-per-token 2 --expert-size 64 --steps 400 --batch-size 8 --log-every 20 \\
         --out benchmarks/_work/models/moe16
 
-One scoring pass on training windows (``score_model(..., blocks=True)``, the default method) gives, per MoE
+One scoring pass on training windows (``score_model(...)``, every kind of sub-block by default, the default method) gives, per MoE
 layer, both expert measures of :mod:`gdnprune.scoring.experts`: the REAP order (the default: mean over the
 tokens routed to an expert of gate weight x the norm of its output) and the router's frequency (how often the
 router picks the expert; the order of ``method="activation"``, ties to the lower expert). ``--random-orders``
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
 
     # one scoring pass: the REAP order (the default) and the frequency measure of every MoE layer
     t0 = time.perf_counter()
-    scores = score_model(model, list(calibration.split(8)), progress=False, blocks=True)
+    scores = score_model(model, list(calibration.split(8)), progress=False)
     score_seconds = time.perf_counter() - t0
     payloads = {p: scores["layers"][p] for p in prefixes}
     orders = {

@@ -33,7 +33,7 @@ from quality import Evaluator  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation  # noqa: E402
-from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
+from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     batches = [calib[i : i + 4] for i in range(0, calib.shape[0], 4)]
     rows = []
     for stride in (int(s) for s in args.strides.split(",")):
-        scores = score_model(model, batches, progress=False, loss_token_stride=stride)
+        scores = score_model(model, batches, progress=False, loss_token_stride=stride, blocks=GDN_ONLY)
         tokens = next(iter(scores["layers"].values()))["loss_tokens"]
         loss = ev.loss(scores_to_permutations(scores), target) - ev.base
         rows.append((f"loss-aware Gram, stride {stride}", tokens, loss))
-    energy = score_model(model, batches, progress=False, lane_measure="energy_gram")
+    energy = score_model(model, batches, progress=False, lane_measure="energy_gram", blocks=GDN_ONLY)
     rows.append(("energy Gram", 0, ev.loss(scores_to_permutations(energy), target) - ev.base))
     gen = torch.Generator().manual_seed(0)
     randoms = [

@@ -44,7 +44,7 @@ from gdnprune import compensate, demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
 from gdnprune.lane_search import refine_lane_orders  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
-from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
+from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 NAMES = ("default", "refined", "compensated", "refined+comp.", "sequential", "activation")
 
@@ -98,7 +98,7 @@ def run_model(name: str, args) -> dict:
     calib = demo_data.byte_windows(demo_data.train_text(corpus), 256, args.calib_samples)
     batches = list(calib.split(4))
     t = time.perf_counter()
-    scores = score_model(model, batches, progress=False)
+    scores = score_model(model, batches, progress=False, blocks=GDN_ONLY)
     cost = {"score": time.perf_counter() - t}
     t = time.perf_counter()
     refined, report = refine_lane_orders(model, batches[: args.refine_batches], scores, progress=False)
@@ -110,7 +110,7 @@ def run_model(name: str, args) -> dict:
         "default": scores_to_permutations(scores),
         "refined": scores_to_permutations(refined),
         "activation": scores_to_permutations(
-            score_model(model, batches, method="activation", progress=False)
+            score_model(model, batches, method="activation", progress=False, blocks=GDN_ONLY)
         ),
     }
     gen = torch.Generator().manual_seed(args.seed)

@@ -62,7 +62,7 @@ from gdnprune.plan.halving import halving_sensitivity  # noqa: E402
 from gdnprune.plan.joint import refine_plan  # noqa: E402
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity  # noqa: E402
 from gdnprune.plan.solve import choose_among  # noqa: E402
-from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
+from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
 
@@ -113,7 +113,7 @@ def spearman(a, b) -> float:
 def run_model(name: str, model, corpus: str, args) -> dict:
     t0 = time.perf_counter()
     calibration = demo_data.byte_windows(demo_data.train_text(corpus), 256, args.calibration_windows)
-    scores = score_model(model, list(calibration.split(8)), progress=False)
+    scores = score_model(model, list(calibration.split(8)), progress=False, blocks=GDN_ONLY)
     permutations = scores_to_permutations(scores)
     score_seconds = time.perf_counter() - t0
     sens_windows = list(calibration[: args.sensitivity_windows].split(4))

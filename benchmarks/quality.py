@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
 from gdnprune.layouts import find_gdn_modules  # noqa: E402
-from gdnprune.scoring import score_model, scores_to_permutations  # noqa: E402
+from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 AXES = ("key_groups", "value_lanes", "key_dim", "value_dim")
 AXIS_FIELD = {"key_groups": "num_key_heads", "key_dim": "key_head_dim", "value_dim": "value_head_dim"}
@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     orders: dict[str, dict] = {}
     methods = dict(METHODS) if args.no_variants else {**METHODS, **VARIANTS}
     for name, kwargs in methods.items():
-        orders[name] = scores_to_permutations(score_model(model, batches, progress=False, **kwargs))
+        orders[name] = scores_to_permutations(
+            score_model(model, batches, progress=False, blocks=GDN_ONLY, **kwargs)
+        )
     orders["identity"] = identity_perms(ev)
     orders["reversed projection"] = reversed_perms(orders["projection"])
     gen = torch.Generator().manual_seed(args.seed)

@@ -50,7 +50,7 @@ from gdnprune.layouts import find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan import plan_model  # noqa: E402
 from gdnprune.plan_file import state_elements  # noqa: E402
-from gdnprune.scoring import score_model  # noqa: E402
+from gdnprune.scoring import GDN_ONLY, score_model  # noqa: E402
 
 MODEL = REPO / "tests" / "data" / "trained" / "recall"
 TRAIN_PROBE_SEED = 1000  # scripts/train_demo_model.py's: the probes the model was trained on
@@ -98,7 +98,9 @@ def variants(model, shape: GDNShape, scores: dict, calibration: list[torch.Tenso
         ),
     }
     out = {name: {p: t for p in prefixes} for name, t in cuts.items()}
-    plan, _ = plan_model(model, calibration, scores, budget_state=0.5, dim_step="1/4", progress=False)
+    plan, _ = plan_model(
+        model, calibration, scores, budget_state=0.5, dim_step="1/4", blocks=["gdn"], progress=False
+    )
     out["state"] = dict(plan["layers"])
     return out
 
@@ -130,7 +132,7 @@ def main() -> int:
     tokenizer = demo_data.build_byte_tokenizer()
     shape = GDNShape.from_module(find_gdn_modules(teacher)[0][1])
     calibration = list(demo_data.byte_windows(demo_data.train_text(), 256, 32).split(8))
-    scores = score_model(teacher, calibration, progress=False, seed=0)
+    scores = score_model(teacher, calibration, progress=False, seed=0, blocks=GDN_ONLY)
     permutations = {
         p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in find_gdn_modules(teacher)
     }

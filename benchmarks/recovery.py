@@ -49,7 +49,7 @@ from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta
 from gdnprune.layouts import find_gdn_modules  # noqa: E402
 from gdnprune.loading import slice_model  # noqa: E402
 from gdnprune.plan import plan_model  # noqa: E402
-from gdnprune.scoring import score_model  # noqa: E402
+from gdnprune.scoring import GDN_ONLY, score_model  # noqa: E402
 
 SLICES = {"50": GDNShape(2, 4, 32, 32), "25": GDNShape(1, 2, 32, 32)}
 LOSSES = {"kd": (1.0, 0.0), "lm": (0.0, 1.0), "mix": (0.5, 0.5)}
@@ -110,6 +110,7 @@ def plan_student(teacher, shape: GDNShape, target: GDNShape, scores: dict, calib
             scores,
             budget_gdn_params=budget,
             dim_step="1/4",
+            blocks=["gdn"],
             progress=False,
         )
         results.mkdir(parents=True, exist_ok=True)
@@ -123,7 +124,7 @@ def run_one(name: str, steps: int, long_steps: int, results: Path) -> dict:
     layers = find_gdn_modules(teacher)
     shape = GDNShape.from_module(layers[0][1])
     calibration = demo_data.byte_windows(demo_data.train_text(), SEQ_LEN, 64)
-    scores = score_model(teacher, list(calibration.split(8)), progress=False, seed=SEED)
+    scores = score_model(teacher, list(calibration.split(8)), progress=False, seed=SEED, blocks=GDN_ONLY)
     orders = {p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in layers}
     if kind == "plan":
         student, plan = plan_student(teacher, shape, SLICES[slice_name], scores, calibration, results)

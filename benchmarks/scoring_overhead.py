@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from gdnprune.scoring import score_model  # noqa: E402
+from gdnprune.scoring import GDN_ONLY, score_model  # noqa: E402
 
 
 def bundled_model():
@@ -91,10 +91,14 @@ def measure(model, batches, repeats: int) -> dict[str, float]:
     modes = {
         "plain": lambda: run_plain(model, batches),
         "full": lambda: run_plain(model, batches, full_logits=True),
-        "activation": lambda: score_model(model, batches, method="activation", progress=False),
-        "projection": lambda: score_model(model, batches, method="projection", progress=False),
+        "activation": lambda: score_model(
+            model, batches, method="activation", progress=False, blocks=GDN_ONLY
+        ),
+        "projection": lambda: score_model(
+            model, batches, method="projection", progress=False, blocks=GDN_ONLY
+        ),
         "stride8": lambda: score_model(
-            model, batches, method="projection", progress=False, loss_token_stride=8
+            model, batches, method="projection", progress=False, loss_token_stride=8, blocks=GDN_ONLY
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in modes}
@@ -150,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
 
             windows = byte_windows(train_text(), t, n * b)
             batches = [windows[i * b : (i + 1) * b] for i in range(n)]
-        stride = score_model(model, batches[:1], progress=False)["measures"]["loss_token_stride"]
+        stride = score_model(model, batches[:1], progress=False, blocks=GDN_ONLY)["measures"][
+            "loss_token_stride"
+        ]
         secs = measure(model, batches, args.repeats)
         tokens = n * b * t
         ratio_a, ratio_p = secs["activation"] / secs["plain"], secs["projection"] / secs["plain"]

@@ -42,7 +42,7 @@ WORKER = textwrap.dedent("""
     import torch
     from gdnprune import distributed
     from gdnprune.calibration import calibration_windows, iter_batches
-    from gdnprune.scoring import score_model
+    from gdnprune.scoring import GDN_ONLY, score_model
 
     model_dir, data, out, threads, windows_n, seq_len, batch = sys.argv[1:8]
     torch.set_num_threads(int(threads))
@@ -53,10 +53,10 @@ WORKER = textwrap.dedent("""
         windows = calibration_windows(data, tokenizer, seq_len=int(seq_len), num_samples=int(windows_n))
         mine = distributed.shard_indices(windows.shape[0], distributed.rank(), distributed.world_size())
         batches = list(iter_batches(windows[mine.start:mine.stop], int(batch)))
-        score_model(model, batches[:1], progress=False, window_offset=mine.start)  # warm-up (not timed)
+        score_model(model, batches[:1], progress=False, window_offset=mine.start, blocks=GDN_ONLY)  # warm-up (not timed)
         distributed.exchange()  # start together
         start = time.perf_counter()
-        scores = score_model(model, batches, progress=False, window_offset=mine.start)
+        scores = score_model(model, batches, progress=False, window_offset=mine.start, blocks=GDN_ONLY)
         seconds = time.perf_counter() - start
         seconds = max(distributed.exchange(seconds))  # the slowest rank sets the pace
         if distributed.is_main_process():

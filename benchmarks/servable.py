@@ -156,7 +156,7 @@ def part_quality(args) -> list[dict]:
     model, _ = demo_data.load_demo_model()
     calibration = demo_data.byte_windows(demo_data.train_text("pydoc"), SEQ, 32)
     validation = demo_data.byte_windows(demo_data.validation_text("pydoc"), SEQ, args.validation_windows)
-    data = score_model(model, list(calibration.split(8)), progress=False, blocks=True)
+    data = score_model(model, list(calibration.split(8)), progress=False)
     batches = list(calibration[: args.sensitivity_windows].split(4))
     base = window_losses(model, validation)
     rows = []

@@ -3,7 +3,7 @@
 cuts of the same size, before and after distillation.
 
 For each model (the bundled demo model; ``--deep``: the deeper benchmark model) it scores every sub-block
-(``score_model(..., blocks=True)``: GDN layers, attention heads, MLP channels) on 64 training windows of 256
+(``score_model(...)``, every kind by default: GDN layers, attention heads, MLP channels) on 64 training windows of 256
 bytes, measures the sensitivity of every candidate of every group once (the KL from the unpruned model with
 that group alone cut, on 16 of those windows; GDN grid ``--dim-step 1/4``, MLP widths in quarters, every
 attention head geometry) and, with ``--depth``, the sensitivity of removing each decoder layer. Then for
@@ -103,7 +103,7 @@ class Problem:
         self.name, self.model, self.corpus = name, model, corpus
         t0 = time.perf_counter()
         calibration = demo_data.byte_windows(demo_data.train_text(corpus), SEQ, 64)
-        self.scores = score_model(model, list(calibration.split(8)), progress=False, blocks=True)
+        self.scores = score_model(model, list(calibration.split(8)), progress=False)
         self.score_seconds = time.perf_counter() - t0
         self.sens = list(calibration[:16].split(4))
         self.validation = demo_data.byte_windows(

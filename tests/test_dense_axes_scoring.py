@@ -178,6 +178,31 @@ def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(meth
     )
 
 
+def test_score_model_orders_every_kind_the_model_has_by_default():
+    """Without ``blocks`` (as ``gdnprune score`` and ``plan_model``), the attention heads and MLP channels get
+    orders beside the GDN layers: the same scores as naming every kind; ``GDN_ONLY`` leaves them out."""
+    from gdnprune.scoring import GDN_ONLY, score_model
+
+    model = random_dense_model("qwen3_5")
+    batches = [token_ids(seed=13)]
+    # the reference: the model's own module names
+    names = [n for n, _ in model.named_modules()]
+    gdn = {n for n in names if n.endswith(".linear_attn")}
+    kinds = {n: "attention" for n in names if n.endswith(".self_attn")}
+    kinds.update({n: "mlp" for n in names if n.endswith(".mlp")})
+    assert gdn and "attention" in kinds.values() and "mlp" in kinds.values()
+
+    default = score_model(model, batches, method="activation", progress=False)
+    assert set(default["layers"]) == gdn | set(kinds)
+    assert {p: default["layers"][p]["kind"] for p in kinds} == kinds
+    named = score_model(
+        model, batches, method="activation", progress=False, blocks=["gdn", "attention", "mlp"]
+    )
+    assert default["layers"] == named["layers"]
+    alone = score_model(model, batches, method="activation", progress=False, blocks=GDN_ONLY)
+    assert set(alone["layers"]) == gdn
+
+
 def test_score_model_warns_about_sub_blocks_it_cannot_score():
     from gdnprune.scoring import score_model
 

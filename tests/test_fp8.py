@@ -171,13 +171,13 @@ def test_score_reads_an_fp8_checkpoint_and_its_scores_sort_it(tmp_path):
     shapes are the checkpoint's, so the scores sort the FP8 checkpoint itself."""
     from helpers import tokenizer_files
 
-    from gdnprune.scoring import score_checkpoint
+    from gdnprune.scoring import GDN_ONLY, score_checkpoint
 
     src = make_fp8(tmp_path / "m", "qwen3_5", seed=4)
     tokenizer_files(src)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 200))
-    scores = score_checkpoint(src, text, num_samples=2, seq_len=72, progress=False)
+    scores = score_checkpoint(src, text, num_samples=2, seq_len=72, progress=False, blocks=GDN_ONLY)
     assert all(payload["shape"] == SHAPE.as_dict() for payload in scores["layers"].values())
     # here a head is two 4-channel blocks, and channel orders that mix them cannot be applied exactly (with
     # Qwen's 128-dim heads a head is one 128-row block, and every channel order stays inside it)

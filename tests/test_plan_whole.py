@@ -539,7 +539,7 @@ def test_an_active_parameter_budget_on_a_moe_model_counts_the_routed_experts_at_
 
 def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_runs_on_sub_blocks():
     from gdnprune.plan import check_budgets, plan_model
-    from gdnprune.scoring import score_model
+    from gdnprune.scoring import GDN_ONLY, score_model
 
     model = _model("qwen3_5", seed=1)
     for options, words in (
@@ -551,7 +551,8 @@ def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_r
             check_budgets(model, **options)
     ids = _ids(seed=2, batch=4, seq=16)
     with pytest.raises(ValueError, match="sub-blocks"):  # scores without the sub-blocks' orders
-        plan_model(model, [ids], score_model(model, [ids], progress=False), budget_params=0.8, progress=False)
+        gdn_only = score_model(model, [ids], progress=False, blocks=GDN_ONLY)
+        plan_model(model, [ids], gdn_only, budget_params=0.8, progress=False)
     scores = score_model(model, [ids], progress=False, blocks=True)
     plan, report = plan_model(
         model,

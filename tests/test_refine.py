@@ -12,7 +12,7 @@ from tiny_models import build_model
 from gdnprune.geometry import GDNShape, orders_from_payload
 from gdnprune.lane_search import search_lane_orders
 from gdnprune.layouts import find_gdn_modules
-from gdnprune.scoring import score_model
+from gdnprune.scoring import GDN_ONLY, score_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=6, key_head_dim=8, value_head_dim=4)
 
@@ -34,7 +34,7 @@ def _kl_without_head(model, x, prefix, head) -> float:
 def test_searched_lane_orders_are_measured_exactly_and_batch_invariant(model_type):
     model = build_model(model_type, SHAPE, seed=21)
     x = torch.randint(0, 128, (2, 72), generator=torch.Generator().manual_seed(5))
-    scores = score_model(model, [x], progress=False)
+    scores = score_model(model, [x], progress=False, blocks=GDN_ONLY)
     before = {p: m.state_dict() for p, m in find_gdn_modules(model)}
     refined, report = search_lane_orders(model, [x], scores, sweeps=1, progress=False)
     again, _ = search_lane_orders(model, [x[:1], x[1:]], scores, sweeps=1, progress=False)
@@ -145,7 +145,7 @@ def test_the_old_name_of_the_lane_search_still_works_and_says_so():
 
     model = build_model("qwen3_5", SHAPE, seed=21)
     x = torch.randint(0, 128, (1, 72), generator=torch.Generator().manual_seed(5))
-    scores = score_model(model, [x], progress=False)
+    scores = score_model(model, [x], progress=False, blocks=GDN_ONLY)
     with pytest.warns(FutureWarning, match="search_lane_orders"):
         old, _ = refine_lane_orders(model, [x], scores, sweeps=1, progress=False)
     new, _ = search_lane_orders(model, [x], scores, sweeps=1, progress=False)

@@ -15,6 +15,7 @@ from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_del
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.scores_file import gdn_entries
 from gdnprune.scoring import (
+    GDN_ONLY,
     greedy_lane_orders,
     greedy_removal_order,
     score_checkpoint,
@@ -38,8 +39,9 @@ def ids() -> torch.Tensor:
 
 
 def _score(model, ids, method="projection", batch_size=2, **kwargs):
+    """The scores of the GDN layers alone, unless ``blocks`` says otherwise."""
     batches = [ids[i : i + batch_size] for i in range(0, ids.shape[0], batch_size)]
-    return score_model(model, batches, method=method, progress=False, **kwargs)
+    return score_model(model, batches, method=method, progress=False, **{"blocks": GDN_ONLY, **kwargs})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -425,7 +427,9 @@ def test_attention_mask_excludes_padding(ids):
     padded = torch.cat([ids[:2, :64], torch.zeros(2, 8, dtype=torch.long)], dim=1)
     mask = torch.ones_like(padded)
     mask[:, 64:] = 0
-    masked = score_model(model, [{"input_ids": padded, "attention_mask": mask}], progress=False)
+    masked = score_model(
+        model, [{"input_ids": padded, "attention_mask": mask}], progress=False, blocks=GDN_ONLY
+    )
     assert masked["num_tokens"] == full["num_tokens"] == 128
     for prefix, a in full["layers"].items():
         torch.testing.assert_close(
@@ -438,9 +442,9 @@ def test_attention_mask_excludes_padding(ids):
 
 def test_random_method_is_seeded_and_needs_no_forward():
     model = build_model("qwen3_5", SHAPE)
-    a = score_model(model, [], method="random", seed=3, progress=False)
-    b = score_model(model, [], method="random", seed=3, progress=False)
-    c = score_model(model, [], method="random", seed=4, progress=False)
+    a = score_model(model, [], method="random", seed=3, progress=False, blocks=GDN_ONLY)
+    b = score_model(model, [], method="random", seed=3, progress=False, blocks=GDN_ONLY)
+    c = score_model(model, [], method="random", seed=4, progress=False, blocks=GDN_ONLY)
     assert a == b and a["layers"] != c["layers"]
     for payload in a["layers"].values():
         perm = GDNPermutation.from_score_payload(payload, SHAPE)
@@ -487,6 +491,7 @@ def test_statistics_of_shares_add_up_to_the_whole(method, extra, ids):
     from gdnprune.scoring import measure_statistics, scores_from_statistics
 
     model = build_model("qwen3_5", SHAPE)
+    extra = {"blocks": GDN_ONLY, **extra}  # the GDN layers' statistics
     whole = measure_statistics(model, [ids[:2], ids[2:]], method=method, progress=False, **extra)
     first = measure_statistics(model, [ids[:1]], method=method, progress=False, **extra)
     rest = measure_statistics(
@@ -579,7 +584,9 @@ def test_blocks_names_the_kinds_to_order_and_none_is_every_kind(ids):
     gdn = list(gdn_entries(every["layers"]))
     kinds = {v["kind"] for k, v in every["layers"].items() if k not in gdn}
     assert kinds == {"attention", "shared_expert", "experts"}  # every kind this MoE model has
-    assert list(_score(model, ids[:2], method="activation")["layers"]) == gdn  # the library default: GDN
+    default = score_model(model, [ids[:2]], method="activation", progress=False)
+    assert default["layers"] == every["layers"]  # the library default: every kind, as `gdnprune score`
+    assert list(_score(model, ids[:2], method="activation", blocks=GDN_ONLY)["layers"]) == gdn
     named = _score(model, ids[:2], method="activation", blocks=["gdn", "experts", "depth"])
     assert {v.get("kind") for v in named["layers"].values()} == {None, "experts"}
     for key in gdn:

@@ -16,7 +16,7 @@ from gdnprune.demo_data import build_byte_tokenizer, train_text
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.scores_file import gdn_entries
-from gdnprune.scoring import load_scores, score_model
+from gdnprune.scoring import GDN_ONLY, load_scores, score_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 SEQ, SAMPLES = 72, 4
@@ -154,8 +154,8 @@ def test_layers_split_over_devices_with_offload(head_device, model_dir, text_fil
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     windows = pack_windows(read_texts(text_file), build_byte_tokenizer(), seq_len=SEQ, num_samples=SAMPLES)
     batches = [windows[:2], windows[2:]]
-    a = score_model(dispatched, batches, progress=False)
-    b = score_model(plain, batches, progress=False)
+    a = score_model(dispatched, batches, progress=False, blocks=GDN_ONLY)
+    b = score_model(plain, batches, progress=False, blocks=GDN_ONLY)
     assert a["measures"]["value_lane"] == "loss_gram"
     for prefix, pa in a["layers"].items():
         assert pa["loss_tokens"] > 0

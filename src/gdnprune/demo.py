@@ -43,7 +43,7 @@ from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_sta
 from .layouts import find_gdn_modules
 from .loading import load_pretrained, slice_model
 from .plan import BudgetError, plan_model, plot_sensitivity
-from .scoring import score_model
+from .scoring import GDN_ONLY, score_model
 
 if TYPE_CHECKING:  # torch and transformers load inside the commands, so `gdnprune --help` stays fast
     import torch
@@ -299,7 +299,9 @@ class _DemoRun:
 
         calibration = byte_windows(train_text(), self.seq_len, num_samples)
         batches = list(calibration.split(self.batch_size))
-        scores = score_model(self.model, batches, method=method, progress=self.progress, seed=self.seed)
+        scores = score_model(
+            self.model, batches, method=method, progress=self.progress, seed=self.seed, blocks=GDN_ONLY
+        )
         permutations = {
             p: GDNPermutation.from_score_payload(scores["layers"][p], self.shape) for p, _ in self.layers
         }
@@ -540,9 +542,7 @@ def whole_model_plan(
 
     start = time.perf_counter()
     batches = list(windows.split(batch_size))
-    scores = score_model(
-        model, batches, progress=progress, seed=seed, blocks=None
-    )  # every kind the model has
+    scores = score_model(model, batches, progress=progress, seed=seed)  # every kind the model has
     plan, report = plan_model(
         model,
         batches,

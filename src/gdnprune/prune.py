@@ -25,7 +25,7 @@ from .loading import empty_causal_lm, load_causal_lm, slice_model
 from .plan import PlanOptions, check_budgets, plan_checkpoint
 from .plan_file import PlanError, read_plan, resolve_plan, servable_problems
 from .scores_file import load_scores
-from .scoring import score_checkpoint
+from .scoring import GDN_ONLY, score_checkpoint
 from .targets import TargetError, keyword_target, resolve_target
 
 __all__ = ["prune_checkpoint"]
@@ -140,7 +140,7 @@ def prune_checkpoint(
             lane_search_samples=lane_search_samples,
             progress=progress,
             compensate=bool(compensate) and not sequential,
-            blocks=None if sub_blocks else ("gdn",),
+            blocks=None if sub_blocks else GDN_ONLY,
             model=model,
         )
         scores_source = scored

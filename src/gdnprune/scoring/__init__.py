@@ -1,4 +1,5 @@
-"""Importance scoring of GatedDeltaNet layers: calibration forwards with hooks -> importance orders.
+"""Importance scoring: calibration forwards with hooks -> importance orders of the GatedDeltaNet layers and
+of the other sub-blocks (attention heads, MLP and shared-expert channels, routed experts).
 
 :func:`score_model` runs calibration batches through a loaded transformers model and returns a scores
 file dict (:mod:`gdnprune.scores_file`); :func:`score_checkpoint` does the same for a model folder and a text
@@ -16,7 +17,9 @@ imports torch.
 from ..scores_file import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
 from .api import (
     DEFAULT_MAX_SEQ_LEN,
+    GDN_ONLY,
     METHODS,
+    SCORED_BLOCKS,
     CheckpointStatistics,
     default_seq_len,
     measure_checkpoint,
@@ -31,6 +34,8 @@ from .payload import ScoringStatistics, scores_from_statistics
 
 __all__ = [
     "METHODS",
+    "SCORED_BLOCKS",
+    "GDN_ONLY",
     "SCORES_FORMAT",
     "SCORES_VERSION",
     "score_model",

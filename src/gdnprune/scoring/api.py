@@ -65,7 +65,7 @@ METHODS = ("projection", "activation", "random")
 #: what ``blocks`` may name: the kinds of block of a plan (``depth`` has nothing to order and is accepted so
 #: that ``score`` and ``plan`` take the same list); the GDN layers are always scored
 SCORED_BLOCKS = ("gdn", *KINDS, "depth")
-#: the library's default ``blocks``: the GDN layers alone (``gdnprune score`` passes every kind; ``None`` too)
+#: ``blocks`` for the GDN layers alone (the default, None, orders every kind the model has)
 GDN_ONLY = ("gdn",)
 
 _KEY_DIM_MEASURES = ("qk_rms", "qk_gram", "qk_energy", "q_energy", "k_energy")
@@ -139,7 +139,7 @@ def measure_statistics(
     key_group_measure: str = "energy_gram",
     loss_token_stride: int | None = None,
     window_offset: int = 0,
-    blocks: Sequence[str] | bool | None = GDN_ONLY,
+    blocks: Sequence[str] | bool | None = None,
 ) -> ScoringStatistics:
     """The forward passes of :func:`score_model` in this process alone: the sums, before any order.
 
@@ -230,9 +230,10 @@ def score_model(
     loss_token_stride: int | None = None,
     window_offset: int = 0,
     distributed: bool | None = None,
-    blocks: Sequence[str] | bool | None = GDN_ONLY,
+    blocks: Sequence[str] | bool | None = None,
 ) -> dict[str, Any]:
-    """Score every GDN layer of ``model`` on calibration ``batches``; returns the scores-file dict.
+    """Score every GDN layer of ``model`` (and, by default, its other sub-blocks) on calibration ``batches``;
+    returns the scores-file dict.
 
     Args:
         model: a transformers model with GDN layers (Qwen3.5 text/VL, Qwen3.5-MoE, Qwen3-Next,
@@ -265,8 +266,9 @@ def score_model(
         window_offset: the running index of the first window of ``batches`` among all calibration windows,
             when ``batches`` is one share of them (the loss tokens are chosen by the global index).
         blocks: the kinds of block to order (:data:`SCORED_BLOCKS`: ``gdn``, ``attention``, ``mlp``,
-            ``shared_expert``, ``experts``; ``gdn`` always; ``depth`` orders nothing); None: every kind the
-            model has (what ``gdnprune score`` does by default); default: the GDN layers alone. The sub-blocks are scored in the same forward passes
+            ``shared_expert``, ``experts``; ``gdn`` always; ``depth`` orders nothing); None (default): every
+            kind the model has, as ``gdnprune score`` and ``plan_model`` default to; :data:`GDN_ONLY`: the
+            GDN layers alone. The sub-blocks are scored in the same forward passes
             (:mod:`gdnprune.scoring.subblocks`, :mod:`gdnprune.scoring.experts`); their payloads join ``layers``
             under the sub-blocks' prefixes (``random``: random orders). Kinds whose modules fit no layout
             (Qwen4-exp's indexed attention) are left out (with a warning when named).
@@ -359,7 +361,7 @@ def measure_checkpoint(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
     keep_model: bool = False,
-    blocks: Sequence[str] | bool | None = GDN_ONLY,
+    blocks: Sequence[str] | bool | None = None,
     model: Any = None,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
@@ -501,7 +503,7 @@ def score_checkpoint(
     lane_search: bool = False,
     lane_search_samples: int = 16,
     compensate: bool = False,
-    blocks: Sequence[str] | bool | None = GDN_ONLY,
+    blocks: Sequence[str] | bool | None = None,
     model: Any = None,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
@@ -514,8 +516,8 @@ def score_checkpoint(
     ``seq_len=None`` takes what the model supports, at most 512 (:func:`default_seq_len`); the value
     used, and where it came from, are recorded under ``calibration``.
 
-    ``blocks``: the kinds of block to order, None for every kind the model has (``gdnprune score``'s default;
-    here the default is the GDN layers alone, see :func:`score_model`).
+    ``blocks``: the kinds of block to order; None (default, as ``gdnprune score``): every kind the model has
+    (see :func:`score_model`).
 
     ``lane_search=True`` then decides the lane orders by measured KL on the first ``lane_search_samples``
     windows (:func:`gdnprune.lane_search.search_lane_orders`). ``compensate=True`` also collects the least-squares
