@@ -59,7 +59,7 @@ from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan import STATE_BYTES, BudgetError, choose, choose_uniform, layer_candidates  # noqa: E402
 from gdnprune.plan.halving import halving_sensitivity  # noqa: E402
-from gdnprune.plan.joint import refine_plan  # noqa: E402
+from gdnprune.plan.joint import evolve_plan  # noqa: E402
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity  # noqa: E402
 from gdnprune.plan.solve import choose_among  # noqa: E402
 from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
@@ -228,7 +228,7 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             [halved["survivors"][layer.prefix] for layer in layers],
         )
         cheap = evaluate(cheap_picks)
-        refined_result = refine_plan(
+        refined_result = evolve_plan(
             model,
             sens_windows,
             layers,

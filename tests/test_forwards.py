@@ -16,8 +16,11 @@ from gdnprune.forwards import (
     block_index,
     block_of,
     decoder_blocks,
+    decoder_layers,
     hidden_argument,
     input_device,
+    layer_index,
+    layer_of,
     output_projection,
     parent_and_name,
     record_input,
@@ -59,14 +62,18 @@ def test_unpack_batch_takes_tensors_and_mappings_and_refuses_anything_else():
 @pytest.mark.parametrize("model_type", ["qwen3_5", "olmo_hybrid", "qwen3_next"])
 def test_blocks_output_projections_and_parents_are_found_in_real_models(model_type):
     model = build_model(model_type, SHAPE)
-    blocks = decoder_blocks(model)
+    layers = decoder_layers(model)
     gdn = find_gdn_modules(model)
     assert gdn
     for prefix, module in gdn:
         index = int(re.search(r"layers\.(\d+)\.", prefix).group(1))  # the structure, from the names
-        assert block_index(blocks, module) == index
-        assert block_of(model, module) is model.get_submodule(prefix.rsplit(".", 1)[0])
-        parent, name = parent_and_name(blocks[index], module)
+        assert layer_index(layers, module) == index
+        assert layer_of(model, module) is model.get_submodule(prefix.rsplit(".", 1)[0])
+        with pytest.warns(FutureWarning, match="block_index is deprecated.*use layer_index"):  # old names
+            assert block_index(layers, module) == index
+        with pytest.warns(FutureWarning, match="block_of is deprecated.*use layer_of"):
+            assert block_of(model, module) is model.get_submodule(prefix.rsplit(".", 1)[0])
+        parent, name = parent_and_name(layers[index], module)
         assert getattr(parent, name) is module
         expected = "o_proj" if model_type == "olmo_hybrid" else "out_proj"
         assert output_projection(module) is getattr(module, expected)
@@ -95,7 +102,9 @@ def test_a_stopped_run_sees_the_input_of_a_block_as_transformers_reports_it(mode
     ids, mask = unpack_batch(_batches()[2])
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True).hidden_states
-    blocks = decoder_blocks(model)
+    with pytest.warns(FutureWarning, match="decoder_blocks is deprecated.*use decoder_layers"):  # old name
+        assert list(decoder_blocks(model)) == list(decoder_layers(model))
+    blocks = decoder_layers(model)
     later = []
     for k in range(len(blocks)):
         seen = {}

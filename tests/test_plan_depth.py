@@ -437,8 +437,8 @@ def test_a_refined_plan_with_removal_and_expert_counts_meets_its_budgets_and_is_
         budget_active_params=0.7,
         dim_step="1/2",
         sensitivity="measured",
-        refine_generations=4,
-        refine_offspring=4,
+        evolve_generations=4,
+        evolve_offspring=4,
         progress=False,
     )
     refined = report["refinement"]

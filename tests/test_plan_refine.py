@@ -11,10 +11,10 @@ from tiny_models import build_model, cut_model
 
 from gdnprune.geometry import GDNShape, orders_from_payload
 from gdnprune.layouts import find_gdn_modules
-from gdnprune.plan import choose, layer_candidates
+from gdnprune.plan import choose, layer_candidates, plan_model
 from gdnprune.plan.evolve import evolve, feasible, mutate
 from gdnprune.plan.halving import dominated, halving_sensitivity, near, rungs
-from gdnprune.plan.joint import JointKL, refine_plan
+from gdnprune.plan.joint import JointKL, evolve_plan, refine_plan
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity
 from gdnprune.plan_file import constraint_violations
 from gdnprune.scoring import score_model, scores_to_permutations
@@ -244,17 +244,38 @@ def test_the_joint_kl_is_the_kl_of_the_whole_cut_model(case):
     assert values[1] == [0.0] * 4
 
 
+def test_plan_models_old_refine_keywords_warn_and_reach_the_evolutionary_search(case):
+    """``refine_generations``, ``refine_offspring``, ``refine_seed`` are the old names of the ``evolve_*``
+    keywords: they warn and are passed on (no batches: the search refuses to start, naming itself)."""
+    model, x, scores, *_ = case
+    for old, value in (("refine_generations", 1), ("refine_offspring", 3), ("refine_seed", 2)):
+        new = old.replace("refine", "evolve")
+        given = {old: value} if old == "refine_generations" else {old: value, "evolve_generations": 1}
+        with pytest.warns(FutureWarning, match=f"`{old}` is deprecated.*use `{new}`"):
+            with pytest.raises(ValueError, match="evolutionary search .* needs calibration batches"):
+                plan_model(
+                    model, None, scores, budget_gdn_params=0.5, blocks=["gdn"], progress=False, **given
+                )
+        with pytest.raises(TypeError, match=f"`{old}` and `{new}`"):
+            plan_model(model, None, scores, budget_gdn_params=0.5, progress=False, **{old: value, new: value})
+    with pytest.raises(ValueError, match="evolutionary search"):  # the new names reach it as well
+        plan_model(
+            model, [x], scores, budget_gdn_params=0.5, uniform=True, evolve_generations=1, progress=False
+        )
+
+
 def test_refining_a_real_plan_never_makes_it_worse_and_repeats_for_a_seed(case):
     model, x, _, layers, table, costs = case
     budgets = {"params": 0.4 * sum(c[0] for c in costs["params"])}
     full = measured_sensitivity(model, [x], layers, progress=False)
     picks = choose([full["kl"][layer.prefix] for layer in layers], costs, budgets)
-    result = refine_plan(
+    result = evolve_plan(
         model, [x], layers, costs, budgets, picks, generations=3, offspring=4, seed=1, progress=False
     )
-    again = refine_plan(
-        model, [x], layers, costs, budgets, picks, generations=3, offspring=4, seed=1, progress=False
-    )
+    with pytest.warns(FutureWarning, match="refine_plan is deprecated.*use evolve_plan"):  # the old name
+        again = refine_plan(
+            model, [x], layers, costs, budgets, picks, generations=3, offspring=4, seed=1, progress=False
+        )
     assert result["picks"] == again["picks"] and result["history"] == again["history"]
     assert result["kl"] <= result["seed_kl"] and feasible(result["picks"], costs, budgets)
     assert len(result["history"]) == 3 and result["windows"] == 4
@@ -362,7 +383,7 @@ def test_plan_command_refines_and_reports_what_was_measured(scored_folder, tmp_p
         == 0
     )
     stdout = capsys.readouterr().out
-    assert "joint refinement: KL of the whole cut model" in stdout
+    assert "evolutionary search: KL of the whole cut model" in stdout
     plan = json.loads(out.read_text())
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
     assert plan["sensitivity"] == report["sensitivity"] == "halving" and report["rungs"] == [1, 4]

@@ -561,8 +561,8 @@ def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_r
         budget_params=0.75,
         blocks=["attention", "mlp"],
         sensitivity="measured",
-        refine_generations=2,
-        refine_offspring=3,
+        evolve_generations=2,
+        evolve_offspring=3,
         progress=False,
     )
     refined = report["refinement"]

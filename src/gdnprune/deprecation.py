@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
-__all__ = ["RENAMED_MODULES", "install_module_aliases", "renamed_keywords"]
+__all__ = ["RENAMED_MODULES", "install_module_aliases", "renamed_function", "renamed_keywords"]
 
 #: old module name -> new one (issue 27: names that read as twins of a package, or meant two things)
 RENAMED_MODULES = {
@@ -61,6 +61,20 @@ def renamed_keywords(**renames: str | tuple[str, Callable[[Any], Any]]) -> Calla
         return call  # type: ignore[return-value]
 
     return wrap
+
+
+def renamed_function(old: str, new: F) -> F:
+    """``new`` under its old name ``old``: each call warns (``FutureWarning``) and calls ``new``."""
+
+    @functools.wraps(new)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(
+            f"{old} is deprecated and will be removed; use {new.__name__}", FutureWarning, stacklevel=2
+        )
+        return new(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = old
+    return call  # type: ignore[return-value]
 
 
 class _RenamedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

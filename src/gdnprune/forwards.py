@@ -19,7 +19,7 @@ transformers model and look inside it; this module is what they share:
 
 Nothing here knows GDN geometry: a "module" is any sub-module of a decoder layer. ("Layer" here is always a
 decoder layer, ``model.layers.N``; the old names ``decoder_blocks``, ``block_index``, ``block_of`` remain as
-aliases for one release.)
+aliases for one release, with a ``FutureWarning``.)
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .deprecation import renamed_function
 
 __all__ = [
     "unpack_batch",
@@ -136,8 +137,10 @@ def layer_of(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module
     return layers[layer_index(layers, module)]
 
 
-# the old names (a decoder layer was called a "block" here), kept for one release
-decoder_blocks, block_index, block_of = decoder_layers, layer_index, layer_of
+# the old names (a decoder layer was called a "block" here), kept for one release with a warning
+decoder_blocks = renamed_function("decoder_blocks", decoder_layers)
+block_index = renamed_function("block_index", layer_index)
+block_of = renamed_function("block_of", layer_of)
 
 
 def parent_and_name(root: torch.nn.Module, module: torch.nn.Module) -> tuple[torch.nn.Module, str]:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .forwards import Passthrough, decoder_blocks, hidden_argument, input_device, with_hidden
+from .forwards import Passthrough, decoder_layers, hidden_argument, input_device, with_hidden
 from .loading import load_causal_lm
 
 __all__ = [
@@ -318,7 +318,7 @@ class LatencyHarness:
         self.workload = workload
         self.repeats, self.warmup = repeats, warmup
         self.device = input_device(model)
-        self.blocks = decoder_blocks(model)
+        self.blocks = decoder_layers(model)
         self.calls = 0
         generator = torch.Generator().manual_seed(seed)
         embedding: Any = model.get_input_embeddings()  # type: ignore[operator]

@@ -195,9 +195,9 @@ def search_options(args) -> dict:
         servable=args.servable,
         budget_latency=args.budget_latency,
         workload=args.workload[0] if args.workload else None,
-        refine_generations=args.evolve_generations,  # plan_model's keywords keep their names for now
-        refine_offspring=args.evolve_offspring,
-        refine_seed=args.evolve_seed,
+        evolve_generations=args.evolve_generations,
+        evolve_offspring=args.evolve_offspring,
+        evolve_seed=args.evolve_seed,
     )
 
 
@@ -346,7 +346,7 @@ def format_plan(plan: dict, report: dict) -> str:
     if refined:
         accepted = sum(h["accepted"] for h in refined["history"])
         lines.append(
-            f"joint refinement: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
+            f"evolutionary search: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
             f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
             f"window forwards in {refined['seconds']:.1f} s)"
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..deprecation import renamed_keywords
 from ..fileio import file_sha256
 from ..latency import Workload, parse_workload
 from ..plan_file import PLAN_FORMAT, PLAN_VERSION
@@ -31,7 +32,7 @@ from .problem import (
 from .report import Choice, PlanReport, Sensitivities, plan_document
 from .servable import SERVABLE_NOTE
 from .solve import BudgetError, uniform_choices
-from .stages import check_sensitivity, choose_plan, make_report, make_servable, measure, refine
+from .stages import check_sensitivity, choose_plan, evolve_choice, make_report, make_servable, measure
 from .subblocks import BLOCK_NAMES
 
 __all__ = [
@@ -69,9 +70,9 @@ class PlanOptions:
     servable: bool = False
     budget_latency: float | None = None
     workload: str | None = None
-    refine_generations: int = 0
-    refine_offspring: int = 8
-    refine_seed: int = 0
+    evolve_generations: int = 0
+    evolve_offspring: int = 8
+    evolve_seed: int = 0
 
     def keywords(self) -> dict[str, Any]:
         """The options as :func:`plan_model`'s keyword arguments."""
@@ -102,6 +103,9 @@ class PlanOptions:
 
 
 # long: the docstring documents every option; the body gathers them into PlanOptions for search()
+@renamed_keywords(
+    refine_generations="evolve_generations", refine_offspring="evolve_offspring", refine_seed="evolve_seed"
+)
 def plan_model(
     model: Any,
     batches: Iterable[Any] | None,
@@ -124,9 +128,9 @@ def plan_model(
     uniform: bool = False,
     servable: bool = False,
     orders_applied: bool = False,
-    refine_generations: int = 0,
-    refine_offspring: int = 8,
-    refine_seed: int = 0,
+    evolve_generations: int = 0,
+    evolve_offspring: int = 8,
+    evolve_seed: int = 0,
     progress: bool = True,
 ) -> tuple[dict, dict]:
     """Choose every GDN layer's target, and every sub-block's, under the budgets; returns ``(plan, report)``.
@@ -174,11 +178,13 @@ def plan_model(
             the exact best such plan (:func:`~gdnprune.plan.servable.choose_servable`). The plan file gives
             the geometries as its ``default``, so a removed layer's blocks do not make the config heterogeneous.
         orders_applied: the model is already sorted by these scores (e.g. a ``gdnprune sort`` output).
-        refine_generations: generations of the joint refinement (:mod:`.evolve`, fitness the KL of the whole
-            cut model on the calibration batches) that starts from the exact choice; its mutations also remove
-            decoder layers and bring them back when ``depth`` is planned; 0: none.
-        refine_offspring, refine_seed: plans tried per generation, and the refinement's random seed.
-        progress: progress bars over the measured candidates and the refinement's generations.
+        evolve_generations: generations of the evolutionary search over whole plans (:mod:`.evolve`, fitness
+            the KL of the whole cut model on the calibration batches) that starts from the exact choice; its
+            mutations also remove decoder layers and bring them back when ``depth`` is planned; 0: none.
+            (``refine_generations``, ``refine_offspring``, ``refine_seed``: the old names, with a
+            ``FutureWarning``.)
+        evolve_offspring, evolve_seed: plans tried per generation, and the search's random seed.
+        progress: progress bars over the measured candidates and the search's generations.
 
     Returns:
         The plan (a :mod:`gdnprune.plan_file` dict with the budgets, the predicted summed sensitivity and the
@@ -204,9 +210,9 @@ def plan_model(
         axes=axes,
         uniform=uniform,
         servable=servable,
-        refine_generations=refine_generations,
-        refine_offspring=refine_offspring,
-        refine_seed=refine_seed,
+        evolve_generations=evolve_generations,
+        evolve_offspring=evolve_offspring,
+        evolve_seed=evolve_seed,
     )
     done = search(
         model,
@@ -262,10 +268,10 @@ def search(
         latency=workload is not None,
     )
     check_sensitivity(problem, o.sensitivity)
-    if o.refine_generations and (o.uniform or o.servable or o.sensitivity == "proxy" or batches is None):
+    if o.evolve_generations and (o.uniform or o.servable or o.sensitivity == "proxy" or batches is None):
         raise ValueError(
-            "the joint refinement needs calibration batches and a heterogeneous plan (not --uniform or "
-            "--servable)"
+            "the evolutionary search (evolve_generations) needs calibration batches, measured sensitivities "
+            "and a heterogeneous plan (not --uniform or --servable)"
         )
     latency = None
     if workload is not None:  # timed before any calibration forward: an unreachable budget is said first
@@ -276,16 +282,16 @@ def search(
     batches = None if batches is None else list(batches)
     sens = measure(model, batches, problem, o.sensitivity, progress=progress, servable=o.servable)
     choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
-    if o.refine_generations:
+    if o.evolve_generations:
         assert batches is not None
-        choice = refine(
+        choice = evolve_choice(
             model,
             batches,
             problem,
             choice,
-            generations=o.refine_generations,
-            offspring=o.refine_offspring,
-            seed=o.refine_seed,
+            generations=o.evolve_generations,
+            offspring=o.evolve_offspring,
+            seed=o.evolve_seed,
             progress=progress,
         )
     plan = plan_document(

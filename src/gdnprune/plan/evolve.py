@@ -1,4 +1,4 @@
-"""The joint refinement's search: a (1 + lambda) evolution over whole plans, past the additive assumption.
+"""The evolutionary search over whole plans: a (1 + lambda) evolution, past the additive assumption.
 
 The exact choice (:mod:`.solve`) minimises the *sum* of per-layer sensitivities, each measured with one
 layer cut alone; the damage of a whole plan is not that sum (it grows faster, and not monotonically).
@@ -11,7 +11,7 @@ seed on that measure, and the search is deterministic for a seed.
 A plan is one candidate index per layer. The search knows nothing about what a candidate is: it sees each
 layer's list of candidates only through their costs on every budget (``costs[name][layer][candidate]``),
 so any per-layer candidate list (GDN widths today; MLP, attention, expert or depth candidates later) plugs
-in unchanged, with the fitness (:func:`gdnprune.plan.joint.refine_plan`) building the cut model. A
+in unchanged, with the fitness (:func:`gdnprune.plan.joint.evolve_plan`) building the cut model. A
 mutation moves width between layers: one layer steps to a nearby larger or smaller candidate (ordered by
 their share of the budgets), another layer gives back or takes up what that needs, and every budget holds
 after every mutation. The serving constraints (``--tp``, ``--multiple-of``) hold because only listed
@@ -193,10 +193,10 @@ def evolve(
         "best_offspring_kl", "accepted"], "evaluations"}`` (window forwards of whole plans).
     """
     if not feasible(seed_picks, costs, budgets):
-        raise ValueError("the refinement's seed plan does not meet the budgets")
+        raise ValueError("the evolutionary search's seed plan does not meet the budgets")
     if generations < 0 or offspring < 1:
         raise ValueError(
-            f"the refinement needs generations >= 0 and offspring >= 1, got {generations}, {offspring}"
+            f"the evolutionary search needs generations >= 0 and offspring >= 1, got {generations}, {offspring}"
         )
     window_weights = np.asarray(weights, dtype=np.float64)
     total = len(window_weights)

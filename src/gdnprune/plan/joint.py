@@ -1,4 +1,4 @@
-"""The joint refinement's fitness: the KL of the whole cut model, per calibration window.
+"""The evolutionary search's fitness: the KL of the whole cut model, per calibration window.
 
 :class:`JointKL` measures a whole plan (every layer at its candidate): the teacher pass keeps every planned
 layer's input once; a plan is then run from the input of its first cut layer (the layers before it are
@@ -7,7 +7,8 @@ loads, built as the sensitivity builds it), and compared with the teacher window
 pick is :data:`~gdnprune.plan.evolve.REMOVED` has its decoder layer skipped (its output is its input). Cut
 modules are swapped outermost first, each into the layer as it is by then (a cut MoE block is a copy that holds
 its shared expert, which a shared-expert candidate then replaces inside the copy).
-:func:`refine_plan` runs the search (:func:`gdnprune.plan.evolve.evolve`) with it.
+:func:`evolve_plan` runs the search (:func:`gdnprune.plan.evolve.evolve`) with it (``refine_plan``: its old
+name, with a ``FutureWarning``).
 
 Under ``torchrun`` every rank holds every window and measures its share of the plans of a generation; the
 values are exchanged, so every rank takes the same decisions as one process.
@@ -23,13 +24,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..deprecation import renamed_function
 from ..forwards import Forwards
 from .depth import skipped_output
 from .evolve import REMOVED, evolve
 from .halving import gather_over_ranks, rank_share, token_counts, windows_of
 from .sensitivity import LayerToPlan, candidate_module, sorted_state
 
-__all__ = ["JointKL", "refine_plan"]
+__all__ = ["JointKL", "evolve_plan", "refine_plan"]
 
 
 class JointKL:
@@ -102,7 +104,7 @@ class JointKL:
         return [merged[i] for i in range(len(plans))]
 
 
-def refine_plan(
+def evolve_plan(
     model: torch.nn.Module,
     batches: Iterable[Any],
     layers: Sequence[LayerToPlan],
@@ -119,7 +121,7 @@ def refine_plan(
     removable: Sequence[int] = (),
     keep_one_of: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """The joint refinement of the plan ``picks`` (:func:`~gdnprune.plan.evolve.evolve` with :class:`JointKL`).
+    """The evolutionary search from the plan ``picks`` (:func:`~gdnprune.plan.evolve.evolve` with :class:`JointKL`).
 
     ``layer_of``, ``removable``, ``keep_one_of``: as :func:`~gdnprune.plan.evolve.evolve` (``picks`` may mark removed layers'
     groups :data:`~gdnprune.plan.evolve.REMOVED`); mutations then move between removal and width.
@@ -130,7 +132,7 @@ def refine_plan(
 
     start = time.perf_counter()
     fitness = JointKL(model, batches, layers, max_logits=max_logits)
-    bar = tqdm(total=generations, disable=not progress, desc="refinement", unit="gen")
+    bar = tqdm(total=generations, disable=not progress, desc="evolution", unit="gen")
 
     def step(record: dict) -> None:
         bar.set_postfix(kl=f"{record['kl']:.4g}")
@@ -169,3 +171,7 @@ def plan_kl(fitness: JointKL, picks: Sequence[int]) -> float:
     values = np.asarray(fitness.kl(picks, 0, len(fitness.windows)))
     weights = np.asarray(fitness.weights, dtype=np.float64)
     return float((values * weights).sum() / weights.sum())
+
+
+#: the old name of :func:`evolve_plan` ("refine" also named the lane search), kept for one release with a warning
+refine_plan = renamed_function("refine_plan", evolve_plan)

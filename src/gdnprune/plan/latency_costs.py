@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..forwards import decoder_blocks
+from ..forwards import decoder_layers
 from ..latency import LatencyHarness, Workload
 from .problem import PlanProblem, budget_limit
 from .sensitivity import candidate_module, sorted_state
@@ -166,7 +166,7 @@ def cut_model_latency(
     """The measured latency (seconds) of the whole cut model at ``workload``: every group's chosen cut module
     swapped in, every removed decoder layer taken out of the forward; the model is left as it was."""
     text_config = model.config.get_text_config(decoder=True)
-    blocks = decoder_blocks(model)
+    layers = decoder_layers(model)
     path = {id(m): n for n, m in model.named_modules()}
     cuts = [(g, p) for g, p in zip(problem.groups, picks) if p is not None and g.candidates[p] != g.shape]
     cuts.sort(key=lambda gp: path[id(gp[0].module)].count("."))  # outer modules first
@@ -180,10 +180,10 @@ def cut_model_latency(
             swapped.append((parent, attr, getattr(parent, attr)))
             setattr(parent, attr, candidate_module(group, state, group.candidates[pick], text_config, device))
         for i in removed:
-            owner, _, attr = path[id(blocks[i])].rpartition(".")
+            owner, _, attr = path[id(layers[i])].rpartition(".")
             parent = model.get_submodule(owner)
             swapped.append((parent, attr, getattr(parent, attr)))
-            setattr(parent, attr, _Skipped(blocks[i]))
+            setattr(parent, attr, _Skipped(layers[i]))
         return LatencyHarness(model, workload, repeats=repeats, warmup=warmup).model_latency().seconds
     finally:
         for parent, attr, original in reversed(swapped):

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..forwards import decoder_blocks
+from ..forwards import decoder_layers
 from ..geometry import GDNShape, orders_from_payload
 from ..layer_removal import attention_layers
 from ..layouts import LAYOUTS, detect_layout, find_gdn_modules
@@ -377,7 +377,7 @@ def _add_costs(problem: PlanProblem, model: Any) -> None:
         layer_of, prefixes, rest_costs, p.layer_costs = decoder_layer_rests(
             model, gdn_pairs, p.blocks, context=p.context, state_bytes=STATE_BYTES
         )
-        p.rests = [LayerRest(pre, m, i) for i, (pre, m) in enumerate(zip(prefixes, decoder_blocks(model)))]
+        p.rests = [LayerRest(pre, m, i) for i, (pre, m) in enumerate(zip(prefixes, decoder_layers(model)))]
         p.layer_of = layer_of + list(range(len(p.rests)))
         for name in p.whole_costs:
             p.whole_costs[name] = p.whole_costs[name] + [[v] for v in rest_costs[name]]

@@ -2,7 +2,8 @@
 
 :func:`measure`: every candidate's sensitivity (measured in full, by successive halving, or the proxy) and
 every decoder layer's removal; :func:`choose_plan`: the exact choice (heterogeneous, with removal, uniform or
-servable); :func:`refine`: the joint refinement from it; :func:`make_report`: the report of it all.
+servable); :func:`evolve_choice`: the evolutionary search over whole plans from it; :func:`make_report`: the
+report of it all.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from ..scoring.experts import block_influence
 from .depth import choose_with_removal, removal_sensitivity
 from .evolve import REMOVED
 from .halving import halving_sensitivity
-from .joint import refine_plan
+from .joint import evolve_plan
 from .problem import PlanProblem
 from .report import Choice, MeasureStats, PlanReport, Sensitivities, build_report
 from .sensitivity import measured_sensitivity, proxy_sensitivity
 from .servable import SERVABLE_NOTE, choose_servable
 from .solve import choose_among, choose_uniform
 
-__all__ = ["check_sensitivity", "choose_plan", "make_report", "make_servable", "measure", "refine"]
+__all__ = ["check_sensitivity", "choose_plan", "evolve_choice", "make_report", "make_servable", "measure"]
 
 
 def check_sensitivity(problem: PlanProblem, sensitivity: str) -> None:
@@ -122,7 +123,7 @@ def _removed(problem: PlanProblem, picks: Sequence[int | None]) -> list[int]:
     return sorted({problem.layer_of[g] for g, p in enumerate(picks) if p is None})
 
 
-def refine(
+def evolve_choice(
     model: Any,
     batches: list,
     problem: PlanProblem,
@@ -133,8 +134,8 @@ def refine(
     seed: int,
     progress: bool,
 ) -> Choice:
-    """The joint refinement (:func:`~gdnprune.plan.joint.refine_plan`) from ``choice``."""
-    refinement = refine_plan(
+    """The evolutionary search over whole plans (:func:`~gdnprune.plan.joint.evolve_plan`) from ``choice``."""
+    refinement = evolve_plan(
         model,
         batches,
         problem.groups + problem.rests,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..forwards import block_index, decoder_blocks
+from ..forwards import decoder_layers, layer_index
 from ..geometry import GDNShape
 from ..layouts import find_gdn_modules
 from ..plan_file import state_elements
@@ -304,10 +304,10 @@ def decoder_layer_rests(
     every decoder layer's module path, ``rests[name][layer]`` on every whole-model budget and
     ``wholes[name][layer]``, what the whole layer costs. Removing a layer removes its groups and its rest."""
 
-    layers = decoder_blocks(model)
+    layers = decoder_layers(model)
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(layer)] for layer in layers]
-    layer_of = [block_index(layers, m) for m, _ in gdn] + [block_index(layers, b.module) for b in blocks]
+    layer_of = [layer_index(layers, m) for m, _ in gdn] + [layer_index(layers, b.module) for b in blocks]
     _, full = _group_costs(
         model,
         gdn,
