@@ -65,7 +65,7 @@ from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity  # noqa:
 from gdnprune.plan.subblocks import plannable_blocks, whole_model_costs  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 from gdnprune.scoring.experts import block_influence  # noqa: E402
-from gdnprune.subblock_geometry import AttentionShape  # noqa: E402
+from gdnprune.subblock_shapes import AttentionShape  # noqa: E402
 
 BUDGETS = (0.75, 0.5, 0.35)
 DEPTH_BUDGETS = (0.75, 0.5)

@@ -23,9 +23,8 @@ import gdnprune
 PACKAGE = Path(gdnprune.__file__).parent
 ARCHITECTURE = PACKAGE.parent.parent / "ARCHITECTURE.md"
 MAX_LINES = 650
-# Modules the line-length-110 formatter pushed over the limit; each is being split (issue 27) and its
-# entry goes when it is. A cap, not a pass: they may not grow.
-OVERSIZE = {"gdnprune.subblock_geometry": 703}
+# Modules allowed over the limit, each with its cap (none today: a module that outgrows it is split along a seam).
+OVERSIZE: dict[str, int] = {}
 #: Imports inside functions without a ``# lazy: reason`` comment, per module, in modules other engineers were
 #: editing when the rule came (issue 27): a cap, not a pass; each entry goes when its module is done.
 PENDING_LAZY: dict[str, int] = {}

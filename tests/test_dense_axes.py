@@ -39,7 +39,8 @@ from helpers import zeroed_model as _zeroed  # noqa: F401
 from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, make_config
 
 from gdnprune.loading import load_pretrained, slice_model
-from gdnprune.subblock_geometry import KINDS, AttentionShape, MLPShape, find_blocks
+from gdnprune.subblock_geometry import KINDS, find_blocks
+from gdnprune.subblock_shapes import AttentionShape, MLPShape
 from gdnprune.subblock_surgery import find_model_blocks, permute_block_state_dict, random_orders
 
 FAMILIES = [

@@ -16,7 +16,7 @@ from test_dense_axes import _ids, _kept, _same, _zeroed
 
 from gdnprune import load_pretrained
 from gdnprune.plan.subblocks import BlockToPlan
-from gdnprune.subblock_geometry import AttentionShape, MLPShape
+from gdnprune.subblock_shapes import AttentionShape, MLPShape
 from gdnprune.subblock_surgery import find_model_blocks, random_orders
 
 TRAINED = Path(__file__).parent / "data" / "trained"

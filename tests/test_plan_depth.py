@@ -392,7 +392,7 @@ def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_t
     from gdnprune.loading import slice_model
     from gdnprune.plan.joint import JointKL, plan_kl
     from gdnprune.plan.subblocks import BlockToPlan
-    from gdnprune.subblock_geometry import ExpertShape, MLPShape
+    from gdnprune.subblock_shapes import ExpertShape, MLPShape
     from gdnprune.subblock_surgery import find_model_blocks, random_orders
 
     model = _model("qwen3_5_moe", seed=6)

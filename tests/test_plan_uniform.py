@@ -16,7 +16,7 @@ from gdnprune.geometry import GDNShape
 from gdnprune.plan import BudgetError, choose_uniform, plan_model, uniform_choices, uniform_plans
 from gdnprune.plan.candidates import parse_dim_step
 from gdnprune.plan.problem import Grid, build_problem
-from gdnprune.subblock_geometry import AttentionShape
+from gdnprune.subblock_shapes import AttentionShape
 
 
 def _tables(model, *, dim_step="1/2", axes=("key_heads", "lanes", "key_dim", "value_dim"), budget=1.0):

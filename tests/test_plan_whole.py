@@ -12,7 +12,7 @@ from test_dense_axes import DENSE, _ids, _kept, _model, _orders, _zeroed
 from gdnprune.plan.halving import halving_sensitivity
 from gdnprune.plan.sensitivity import measured_sensitivity
 from gdnprune.plan.subblocks import BlockToPlan
-from gdnprune.subblock_geometry import AttentionShape, MLPShape
+from gdnprune.subblock_shapes import AttentionShape, MLPShape
 from gdnprune.subblock_surgery import find_model_blocks
 
 

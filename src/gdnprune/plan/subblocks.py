@@ -35,7 +35,8 @@ from ..layouts import find_gdn_modules
 from ..plan_file import state_elements
 from ..scores_file import match_layers
 from ..scoring.hooks import materialized_weight
-from ..subblock_geometry import AttentionShape, ExpertShape, MLPShape, block_candidates, kv_cache_elements
+from ..subblock_geometry import block_candidates, kv_cache_elements
+from ..subblock_shapes import AttentionShape, ExpertShape, MLPShape
 from ..subblock_surgery import find_model_blocks, permute_block_state_dict, slice_block_state_dict
 
 __all__ = [

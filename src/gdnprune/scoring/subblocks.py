@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from ..forwards import output_projection
-from ..subblock_geometry import AttentionShape, Block
+from ..subblock_geometry import Block
+from ..subblock_shapes import AttentionShape
 from .hooks import materialized_weight
 from .payload import block_payload
 
