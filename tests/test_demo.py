@@ -1,19 +1,29 @@
 """The demo pipeline end to end on the bundled model, on a reduced budget."""
 
+import contextlib
+import io
 import json
+import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from tiny_models import MODEL_CLASS
 
+from gdnprune import demo, load_pretrained
+from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint
 from gdnprune.cli import main
-from gdnprune.demo import nested_targets
+from gdnprune.demo_data import demo_model_path, train_text
 from gdnprune.gated_delta_net import GDNShape
+from gdnprune.scoring import GDN_ONLY, score_checkpoint
 
 
 def test_nested_targets_shrink_every_axis_and_are_nested():
     shape = GDNShape(4, 8, 32, 32)
-    targets = nested_targets(shape)
+    targets = demo.nested_targets(shape)
     assert targets[0] == shape
     for big, small in zip(targets, targets[1:]):
         assert small != big
@@ -26,77 +36,108 @@ def test_nested_targets_shrink_every_axis_and_are_nested():
     )
 
 
-def test_demo_runs_end_to_end(tmp_path, capsys):
-    out = tmp_path / "demo"
-    code = main(
-        [
-            "demo",
-            "--output",
-            str(out),
-            "--num-samples",
-            "8",
-            "--num-random",
-            "2",
-            "--eval-samples",
-            "4",
-            "--seq-len",
-            "128",
-            "--recover-steps",
-            "3",
-            "--quiet",
-        ]
-    )
-    assert code == 0
-    results = json.loads((out / "results.json").read_text())
-    recovery = results["recovery"]  # a few distillation steps win some of the slice's loss back
+@dataclass
+class DemoRun:
+    """The one demo run of this module: its exit code, output folder, ``results.json`` and printed text."""
+
+    code: int
+    out: Path
+    printed: str
+
+    @property
+    def results(self) -> dict:
+        return json.loads((self.out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> DemoRun:
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(
+            [
+                "demo",
+                "--output",
+                str(out),
+                "--num-samples",
+                "8",
+                "--num-random",
+                "2",
+                "--eval-samples",
+                "4",
+                "--seq-len",
+                "128",
+                "--recover-steps",
+                "3",
+                "--quiet",
+            ]
+        )
+    return DemoRun(code, out, printed.getvalue())
+
+
+def test_the_demo_exits_0_and_prints_the_loss_of_every_order(demo_run):
+    assert demo_run.code == 0
+    assert all(name in demo_run.printed for name in ("importance", "identity", "random"))
+
+
+def test_a_few_distillation_steps_win_some_of_the_slices_loss_back(demo_run):
+    recovery = demo_run.results["recovery"]
     assert recovery["steps"] == 3 and recovery["loss_after"] < recovery["loss_before"]
-    assert results["sort_max_abs_logit_diff"] < 1e-4
-    rows = results["rows"]
+
+
+def test_the_sorted_model_computes_the_same_logits(demo_run):
+    assert demo_run.results["sort_max_abs_logit_diff"] < 1e-4
+
+
+def test_unpruned_every_order_is_the_same_model(demo_run):
+    rows = demo_run.results["rows"]
     assert len(rows) >= 6
     full = rows[0]["loss"]
-    # unpruned: every ordering is the same model
     assert (
         abs(full["importance"] - full["identity"]) < 1e-6 and abs(full["importance"] - full["random"]) < 1e-6
     )
-    # kept parameters shrink along the chain and cutting costs loss
+
+
+def test_kept_parameters_shrink_along_the_chain_and_cutting_costs_loss(demo_run):
+    rows = demo_run.results["rows"]
     assert [r["gdn_params"] for r in rows] == sorted((r["gdn_params"] for r in rows), reverse=True)
-    assert rows[-1]["loss"]["importance"] > full["importance"] + 0.5
+    assert rows[-1]["loss"]["importance"] > rows[0]["loss"]["importance"] + 0.5
+
+
+def test_the_demo_writes_its_plot_and_the_sorted_and_sliced_checkpoints(demo_run):
+    out = demo_run.out
     assert (out / "loss_vs_params.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ("sorted", "sliced"):
         assert (out / name / "config.json").is_file() and (out / name / "gdnprune.json").is_file()
-    printed = capsys.readouterr().out
-    assert "importance" in printed and "identity" in printed and "random" in printed
-    # the whole-model plan: half of ALL the parameters, split over GDN, attention and MLP
-    whole = results["whole_model_plan"]
+
+
+def test_the_whole_model_plan_splits_half_the_parameters_over_gdn_attention_and_mlp(demo_run):
+    printed, out = demo_run.printed, demo_run.out
     assert "whole-model plan at 0.5 of all parameters" in printed and "split: gdn" in printed
     assert "attention" in printed.split("split: gdn")[1] and "mlp" in printed.split("split: gdn")[1]
     plan = json.loads((out / "whole_model_plan.json").read_text())
     assert (out / "whole_model_plan.sensitivity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {k.rsplit(".", 1)[1] for k in plan["layers"]} == {"linear_attn", "self_attn", "mlp"}
-    # the budget, counted on the bundled checkpoint sliced to the plan (parameter counts do not depend on orders)
-    import warnings
 
-    import torch
 
-    from gdnprune import load_pretrained
-    from gdnprune.demo_data import demo_model_path
-
+def test_the_whole_model_plan_meets_its_budget_on_the_checkpoint_sliced_to_it(demo_run, tmp_path):
+    """Counted on the bundled checkpoint sliced to the plan (parameter counts do not depend on orders)."""
+    whole = demo_run.results["whole_model_plan"]
+    plan = json.loads((demo_run.out / "whole_model_plan.json").read_text())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert (
-            main(
-                [
-                    "slice",
-                    str(demo_model_path()),
-                    "--plan",
-                    str(out / "whole_model_plan.json"),
-                    "-o",
-                    str(tmp_path / "whole"),
-                    "-q",
-                ]
-            )
-            == 0
+        code = main(
+            [
+                "slice",
+                str(demo_model_path()),
+                "--plan",
+                str(demo_run.out / "whole_model_plan.json"),
+                "-o",
+                str(tmp_path / "whole"),
+                "-q",
+            ]
         )
+    assert code == 0
     full = load_pretrained(demo_model_path(), dtype=torch.float32)
     cut = load_pretrained(tmp_path / "whole", dtype=torch.float32)
     full_params, cut_params = (sum(p.numel() for p in m.parameters()) for m in (full, cut))
@@ -105,23 +146,22 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         and cut_params == whole["params_kept"] == plan["totals"]["model_params_kept"]
     )
     assert whole["params"] == full_params and whole["loss"] > whole["unpruned_loss"]
-    # the closing eval table: teacher, middle slice, recovered, on the built-in tasks at --seq-len
-    evals = results["eval"]
-    assert [row["name"] for row in evals][::2] == ["teacher", "recovered"] and evals[1]["name"].startswith(
-        "slice"
-    )
+
+
+def test_the_closing_eval_table_shows_the_slice_losing_and_recovery_winning_some_back(demo_run):
+    """Teacher, middle slice, recovered, on the built-in tasks at --seq-len (as in the loss table)."""
+    evals = demo_run.results["eval"]
+    assert [row["name"] for row in evals][::2] == ["teacher", "recovered"]
+    assert evals[1]["name"].startswith("slice")
     for row in evals:
         assert set(row["results"]) == {"nats_per_byte", "passkey_128", "mqar_128"}
     nats = [row["results"]["nats_per_byte"]["nats_per_byte,none"] for row in evals]
-    assert nats[0] < nats[2] < nats[1]  # the slice loses, recovery wins some back (as in the loss table)
-    assert "eval table" in printed and (out / "eval.md").read_text().splitlines()[2].startswith("| teacher |")
+    assert nats[0] < nats[2] < nats[1]
+    assert "eval table" in demo_run.printed
+    assert (demo_run.out / "eval.md").read_text().splitlines()[2].startswith("| teacher |")
 
 
 def test_without_matplotlib_the_demo_still_names_the_plan_file_it_wrote(tmp_path, monkeypatch):
-    import sys
-
-    from gdnprune import demo
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     lines = []
@@ -136,8 +176,6 @@ def test_without_matplotlib_the_demo_still_names_the_plan_file_it_wrote(tmp_path
 
 
 def _tensors(folder):
-    from safetensors.torch import load_file
-
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         out.update(load_file(f))
@@ -145,11 +183,6 @@ def _tensors(folder):
 
 
 def test_prune_equals_score_then_sort_then_slice(tmp_path):
-    import torch
-
-    from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint
-    from gdnprune.demo_data import demo_model_path, train_text
-    from gdnprune.scoring import GDN_ONLY, score_checkpoint
 
     data = tmp_path / "calib.txt"
     data.write_text(train_text()[:20000], encoding="utf-8")
@@ -201,8 +234,6 @@ def test_prune_equals_score_then_sort_then_slice(tmp_path):
 
 
 def test_prune_rejects_illegal_target_before_scoring(tmp_path, capsys):
-    from gdnprune.demo_data import demo_model_path
-
     data = tmp_path / "calib.txt"
     data.write_text("x" * 5000, encoding="utf-8")
     out = tmp_path / "pruned"
@@ -235,8 +266,6 @@ def test_the_importance_order_beats_identity_and_random_orders_at_the_middle_sli
     less validation loss than cutting in the stored order (identity) and than the mean of random orders.
     qwen3_5 is the bundled demo model; the other families are small models trained the same way (an
     untrained model's importance order means nothing)."""
-    from gdnprune import demo
-
     model_dir = None if family == "qwen3_5" else TRAINED / family
     if model_dir is not None:  # the folder holds a trained model of that family
         assert json.loads((model_dir / "config.json").read_text())["architectures"] == [MODEL_CLASS[family]]
