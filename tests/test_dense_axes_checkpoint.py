@@ -330,7 +330,7 @@ def test_fp8_attention_heads_move_with_their_scale_blocks_and_split_blocks_are_r
     swap = [4, 1, 2, 3, 0] + list(range(5, 96))  # channels 0 and 4 sit in different 4-channel blocks
     channels = {"layers": {"model.layers.0.mlp": {"channel_order_most_important_first": swap}}}
     with pytest.raises(
-        ck.TargetError, match=r"model.layers.0.mlp is FP8 with 4-wide scale blocks.*dequantize=True"
+        ck.TargetError, match=r"model.layers.0.mlp is FP8 with 4-wide scale tiles.*dequantize=True"
     ):
         ck.sort_checkpoint(src, channels, tmp_path / "bad", progress=False)
     ck.sort_checkpoint(src, channels, tmp_path / "bf16", progress=False, dequantize=True)

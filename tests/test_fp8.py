@@ -141,7 +141,7 @@ def test_cuts_and_orders_that_break_the_scale_blocks_are_refused(source, tmp_pat
     out = tmp_path / "out"
     assert main(["slice", str(src), "-o", str(out), "--key-head-dim", "6"]) == 2  # 6 of 8: splits a block
     err = capsys.readouterr().err
-    assert "FP8" in err and "4-wide scale blocks" in err and not out.exists()
+    assert "FP8" in err and "4-wide scale tiles" in err and not out.exists()
     (tmp_path / "scores.json").write_text(json.dumps(_scores(src, model_type, block_respecting=False)))
     assert main(["sort", str(src), "--scores", str(tmp_path / "scores.json"), "-o", str(out)]) == 2
     assert "cannot be sorted exactly" in capsys.readouterr().err and not out.exists()

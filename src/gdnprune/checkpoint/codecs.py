@@ -1,6 +1,6 @@
 """Tensor bytes as numbers and back, without torch: the float dtypes of safetensors as float64 numpy arrays.
 
-The streaming engine reads FP8 block scales and writes dequantised BF16 with them; the out_proj refit
+The streaming engine reads FP8 scale tiles and writes dequantised BF16 with them; the out_proj refit
 (:mod:`gdnprune.checkpoint.refit`) reads a weight's bytes and writes the refitted columns back in its dtype.
 """
 

@@ -190,7 +190,7 @@ def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
                         else f"cut to {layer_plan.target}"
                     )
                     raise TargetError(
-                        f"{prefix} is FP8 with {rule.tile}-wide scale blocks and cannot be {what} "
+                        f"{prefix} is FP8 with {rule.tile}-wide scale tiles and cannot be {what} "
                         f"exactly: {exc}. {_WHOLE[layer_plan.layer.kind].format(b=rule.tile)}, or "
                         f"pass `dequantize=True` to write such weights in BF16"
                     ) from None

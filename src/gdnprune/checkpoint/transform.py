@@ -132,7 +132,7 @@ def transform_checkpoint(
             ``out_proj`` columns refitted in memory for this very cut
             (:func:`gdnprune.compensate.sequential_refit`), written as they are. Compensated outputs are not
             nested across targets; the manifest says so.
-        dequantize: FP8 weights whose scale blocks the sort or cut would split are written dequantised in
+        dequantize: FP8 weights whose scale tiles the sort or cut would split are written dequantised in
             BF16 (their scales dropped, their modules added to ``modules_to_not_convert``) instead of refused.
         self_contained: also write the modeling file and ``auto_map`` with which the output loads with
             ``AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True)`` without gdnprune

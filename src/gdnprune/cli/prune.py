@@ -32,11 +32,12 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,
         help=HELP,
-        description="Score the GDN layers of MODEL_DIR on calibration text, then sort every layer by importance "
-        "and cut it in one streaming pass: to one target (--num-key-heads ...; axes not given keep "
-        "their size), to a plan (--plan), or to the plan searched under a budget (--budget-params: of the "
-        "whole model, attention and MLP widths included; --budget-gdn-params / --budget-state: of the GDN "
-        "layers alone; as `gdnprune plan` does).",
+        description="Score MODEL_DIR on calibration text (its GDN layers, and the other blocks its target, plan or "
+        "budget cuts), then sort every block by importance and cut it in one streaming pass: to one "
+        "target (--num-key-heads ...; axes not given keep their size), to a plan (--plan), or to the plan"
+        " searched under a budget (--budget-params: of the whole model, attention and MLP widths "
+        "included; --budget-gdn-params / --budget-state: of the GDN layers alone; as `gdnprune plan` "
+        "does).",
     )
     p.add_argument(
         "model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config, weights, tokenizer)"

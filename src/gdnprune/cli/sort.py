@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--dequantize",
         action="store_true",
-        help="FP8 checkpoints: write the weights whose scale blocks the %s would split in BF16 (added "
+        help="FP8 checkpoints: write the weights whose scale tiles the %s would split in BF16 (added "
         "to modules_to_not_convert) instead of refusing" % ("order" if NAME == "sort" else "cut"),
     )
     p.set_defaults(func=run)

@@ -34,7 +34,7 @@ __all__ = ["LayerRest", "choose_with_removal", "removal_sensitivity", "skipped_o
 
 class LayerRest:
     """The part of a decoder layer no candidate changes, as a candidate group: one candidate (the layer as it
-    is), never cut; it goes only with the whole layer. Offers what the refinement reads from a group
+    is), never cut; it goes only with the whole layer. Offers what the evolutionary search reads from a group
     (``prefix``, ``module`` — the decoder layer —, ``shape``, ``candidates``)."""
 
     shape = "whole"

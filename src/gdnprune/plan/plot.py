@@ -170,7 +170,7 @@ def sensitivity_figure(report: Mapping) -> Any:
     successive halving left it with an estimate from fewer windows —, the lower envelope of all of them (the
     least sensitivity reachable with at most that many kept parameters) as a line, and the chosen candidate as a
     star. With removal candidates (``depth``), one more panel shows each decoder layer's removal sensitivity,
-    the removed ones in red; with a joint refinement, one more its fitness (the whole cut model's KL) per
+    the removed ones in red; with the evolutionary search, one more its fitness (the whole cut model's KL) per
     generation.
     """
     try:  # lazy: matplotlib is an optional extra ([plot])
@@ -241,7 +241,7 @@ def sensitivity_figure(report: Mapping) -> Any:
         ax.set_ylabel(
             "KL divergence per token of the whole cut model\n(calibration windows, linear scale)", fontsize=9
         )
-        ax.set_title("joint refinement: the plan's KL as it improves", fontsize=10)
+        ax.set_title("evolutionary search: the plan's KL as it improves", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in flat[count:]:

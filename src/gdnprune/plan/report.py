@@ -2,7 +2,8 @@
 
 :class:`Sensitivities` is the measure stage's result (per width group and candidate: KL, loss, windows,
 survivors; per decoder layer: the removal's KL), :class:`Choice` the choose stage's (a candidate per group,
-None where its decoder layer is removed; the refinement's record). :func:`plan_document` writes the plan file
+None where its decoder layer is removed; the evolutionary search's record, kept under the file key
+``refinement``). :func:`plan_document` writes the plan file
 (:mod:`gdnprune.plan_file`) and :class:`PlanReport` (of :class:`GroupReport` and :class:`CandidateReport`) the
 report, both as plain JSON-ready dicts.
 """
