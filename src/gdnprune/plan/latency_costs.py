@@ -7,7 +7,8 @@ latency is then modelled as additive: a fixed part (embeddings, final norm, LM h
 covers) plus each kept group's candidate (plus each kept layer's rest: its norms, residuals and unplanned
 sub-blocks). :func:`add_latency_budget` makes that a budget of the problem (``latency``: a fraction of the
 unpruned model's latency), and :func:`cut_model_latency` measures the cut model as a whole, to set the
-prediction beside the measurement.
+prediction beside the measurement. :func:`check_latency_floor` refuses a budget below the embeddings and LM
+head before any candidate is timed (and, in ``prune``, before scoring): two whole forwards' timings.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from .problem import PlanProblem, budget_limit
 from .sensitivity import candidate_module, sorted_state
 from .solve import BudgetError
 
-__all__ = ["LatencyCosts", "add_latency_budget", "cut_model_latency", "measure_latency_costs"]
+__all__ = [
+    "LatencyCosts",
+    "add_latency_budget",
+    "check_latency_floor",
+    "cut_model_latency",
+    "measure_latency_costs",
+]
 
 
 @dataclass
@@ -112,6 +119,26 @@ def _group_latencies(
         out.append(harness.block_latency(group.module, cut).seconds)
         update(1)
     return out
+
+
+def check_latency_floor(
+    model: Any, workload: Workload, fraction: float, *, repeats: int = 5, warmup: int = 2
+) -> None:
+    """Refuse, before any candidate is timed or any calibration forward runs, a latency budget below what
+    every plan keeps: the forward with every decoder layer passed through (embeddings, rotary tables, final
+    norm, LM head), timed beside the unpruned model. A lower bound only (every plan also keeps a layer or
+    more), so a budget above it may still be refused by :func:`add_latency_budget` once the candidates are
+    timed. Raises :class:`BudgetError`."""
+    harness = LatencyHarness(model, workload, repeats=repeats, warmup=warmup)
+    whole = harness.model_latency().seconds
+    fixed = harness.fixed_latency().seconds
+    limit = budget_limit(fraction, whole, "latency")
+    assert limit is not None
+    if fixed > limit:
+        raise BudgetError(
+            f"`budget_latency` {fraction}: no plan is that fast at {workload}: the embeddings and LM head alone, "
+            f"which every plan keeps, take {fixed / whole:.1%} of the unpruned model's {whole * 1e3:.3g} ms"
+        )
 
 
 def add_latency_budget(problem: PlanProblem, costs: LatencyCosts, fraction: float) -> None:
