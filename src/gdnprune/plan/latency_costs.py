@@ -13,7 +13,8 @@ head before any candidate is timed (and, in ``prune``, before scoring): two whol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "LatencyCosts",
     "add_latency_budget",
     "check_latency_floor",
+    "cut_in_place",
     "cut_model_latency",
     "measure_latency_costs",
 ]
@@ -179,19 +181,12 @@ class _Skipped(torch.nn.Module):
         return hidden_states
 
 
-@torch.no_grad()
-def cut_model_latency(
-    model: Any,
-    problem: PlanProblem,
-    picks: Sequence[int | None],
-    removed: Sequence[int],
-    workload: Workload,
-    *,
-    repeats: int = 5,
-    warmup: int = 2,
-) -> float:
-    """The measured latency (seconds) of the whole cut model at ``workload``: every group's chosen cut module
-    swapped in, every removed decoder layer taken out of the forward; the model is left as it was."""
+@contextlib.contextmanager
+def cut_in_place(
+    model: Any, problem: PlanProblem, picks: Sequence[int | None], removed: Sequence[int]
+) -> Iterator[Any]:
+    """``model`` as the cut model while the block runs: every group's chosen cut module swapped in (outer
+    modules first), every removed decoder layer taken out of the forward; put back as it was on the way out."""
     text_config = model.config.get_text_config(decoder=True)
     blocks = decoder_blocks(model)
     path = {id(m): n for n, m in model.named_modules()}
@@ -211,7 +206,24 @@ def cut_model_latency(
             parent = model.get_submodule(owner)
             swapped.append((parent, attr, getattr(parent, attr)))
             setattr(parent, attr, _Skipped(blocks[i]))
-        return LatencyHarness(model, workload, repeats=repeats, warmup=warmup).model_latency().seconds
+        yield model
     finally:
         for parent, attr, original in reversed(swapped):
             setattr(parent, attr, original)
+
+
+@torch.no_grad()
+def cut_model_latency(
+    model: Any,
+    problem: PlanProblem,
+    picks: Sequence[int | None],
+    removed: Sequence[int],
+    workload: Workload,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> float:
+    """The measured latency (seconds) of the whole cut model at ``workload`` (:func:`cut_in_place`); the
+    model is left as it was."""
+    with cut_in_place(model, problem, picks, removed):
+        return LatencyHarness(model, workload, repeats=repeats, warmup=warmup).model_latency().seconds
