@@ -12,8 +12,9 @@ in memory (``latency_costs.cut_in_place``: the modules a sliced checkpoint loads
 * at equal parameters (``--budget-params``) and at equal latency (``--budget-latency``): the heterogeneous
   plan (depth allowed), the servable plan (one geometry per kind plus removed layers) and the best uniform cut
   (one geometry per kind, every layer kept);
-* ``--budget-latency 0.5`` against the ``--budget-params`` plan whose predicted latency is nearest the
-  latency plan's (params fractions scanned in steps of 0.01), both heterogeneous.
+* ``--budget-latency 0.5`` against the ``--budget-params`` plan whose measured latency is nearest the
+  latency plan's (params fractions 0.2-0.95 in steps of 0.05, each distinct plan timed beside it), both
+  heterogeneous.
 
 Each plan's latency is measured as a whole cut model, all plans interleaved over ``--rounds`` rounds (medians).
 
@@ -129,7 +130,7 @@ def part_quality(args) -> list[dict]:
     workload = parse_workload(args.workload)
     base = problem_of(model, scores, args, {}, uniform=False, latency=True)
     sens = measure(model, batches, base, "measured", progress=False, servable=True)
-    costs = measure_latency_costs(model, base, workload, repeats=3, warmup=1, progress=False)
+    costs = measure_latency_costs(model, base, workload, repeats=5, warmup=2, progress=False)
     print(f"measured in {time.perf_counter() - start:.0f} s", flush=True)
     unpruned = window_losses(model, validation)
     cases = []
@@ -146,22 +147,36 @@ def part_quality(args) -> list[dict]:
             print(json.dumps({"case": what, "mode": mode, "error": str(exc)}), flush=True)
             continue
         chosen.append((what, mode, budgets, problem, choice))
-    # the --budget-params plan whose predicted latency is nearest the latency-0.5 plan's
+    # the --budget-params plan whose measured latency is nearest the latency-0.5 plan's: every distinct params
+    # plan on a grid of fractions timed beside it (2 interleaved rounds), the nearest kept
     target = next(c for c in chosen if c[0] == "latency 0.5")
-    aim = costs.predicted(target[4].picks, target[4].removed)
-    best = None
-    for p in np.arange(0.2, 1.0, 0.01):
+    scanned: dict[tuple, tuple] = {}
+    for p in np.arange(0.2, 1.0, 0.05):
         try:
             problem, choice = _plan(
                 model, scores, args, sens, costs, {"budget_params": float(p)}, "heterogeneous"
             )
         except BudgetError:
             continue
-        gap = abs(costs.predicted(choice.picks, choice.removed) - aim)
-        if best is None or gap < best[0]:
-            best = (gap, float(round(p, 2)), problem, choice)
-    assert best is not None
-    chosen.append(("params at equal latency", "heterogeneous", {"budget_params": best[1]}, best[2], best[3]))
+        scanned.setdefault(
+            (tuple(choice.picks), tuple(choice.removed)), (round(float(p), 2), problem, choice)
+        )
+    options = list(scanned.values())
+    times = interleaved(
+        model,
+        base,
+        [(target[4].picks, target[4].removed)] + [(c.picks, c.removed) for _, _, c in options],
+        workload,
+        2,
+    )
+    k = int(np.argmin([abs(t - times[0]) for t in times[1:]]))
+    p, problem, choice = options[k]
+    print(
+        json.dumps(
+            {"scan": [(o[0], t * 1e3) for o, t in zip(options, times[1:])], "target_ms": times[0] * 1e3}
+        )
+    )
+    chosen.append(("params at equal latency", "heterogeneous", {"budget_params": p}, problem, choice))
     measured = interleaved(
         model,
         base,
@@ -218,8 +233,8 @@ def part_latency(args) -> list[dict]:
             costs = measure_latency_costs(model, problem, workload, repeats=3, warmup=1, progress=False)
             choices = []
             for budget in args.latency_budgets:
-                add_latency_budget(problem, costs, budget)
                 try:
+                    add_latency_budget(problem, costs, budget)
                     choices.append((budget, choose_plan(problem, sens, uniform=False)))
                 except BudgetError as exc:
                     rows.append(dict(model=name, workload=text, budget=budget, error=str(exc)))
