@@ -125,7 +125,7 @@ def part_quality(args) -> list[dict]:
     calibration = demo_data.byte_windows(demo_data.train_text("pydoc"), SEQ, 16)
     validation = demo_data.byte_windows(demo_data.validation_text("pydoc"), SEQ, args.validation_windows)
     start = time.perf_counter()
-    scores = score_model(model, list(calibration.split(8)), progress=False)
+    scores = score_model(model, list(calibration.split(8)), progress=False, blocks=None)
     batches = list(calibration[: args.sensitivity_windows].split(4))
     workload = parse_workload(args.workload)
     base = problem_of(model, scores, args, {}, uniform=False, latency=True)
