@@ -32,6 +32,7 @@ __all__ = [
     "exact_objective",
     "nested_in",
     "quiet_milp",
+    "silenced_stdout",
     "uniform_choices",
 ]
 
@@ -80,9 +81,10 @@ def silenced_stdout() -> Iterator[None]:
         yield
         return
     try:
-        sys.stdout.flush()  # what Python printed before goes out first
+        sys.stdout.flush()  # what Python and C printed before goes out first
     except (OSError, ValueError, AttributeError):
         pass
+    _flush_c_stdio()
     null = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(null, 1)
