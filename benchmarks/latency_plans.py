@@ -24,7 +24,7 @@ chooses a plan (depth allowed; the sensitivity is the share of parameters a cand
 only vehicles for the latency), and the unpruned and the 3 cut models are timed interleaved over
 ``--rounds`` rounds (medians).
 
-    .venv/bin/python benchmarks/latency_plans.py --threads 1       # both parts (about 10-20 min, 2 busy cores)
+    .venv/bin/python benchmarks/latency_plans.py --threads 1    # both parts (5 min on 2 cores at load 15)
 """
 
 from __future__ import annotations
