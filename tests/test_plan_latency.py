@@ -5,7 +5,9 @@ calibration forward. Additivity is a benchmark (benchmarks/servable.py), not a t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -155,8 +157,46 @@ def test_a_latency_budget_no_plan_reaches_exits_2_before_the_calibration_forward
     )
     capsys.readouterr()
     args = ["plan", str(src), "--scores", str(scores), "--data", str(text), "-o", str(tmp_path / "p.json")]
-    extra = ["--budget-latency", "0.0001", "--workload", "prefill:1:16", "--blocks", "gdn", "--quiet"]
-    assert main([*args, *extra, "--num-samples", "2", "--seq-len", "16"]) == 2
+    extra = ["--budget-latency", "0.0001", "--workload", "prefill:1:24", "--blocks", "gdn", "--quiet"]
+    with _layer_calls() as shapes:
+        assert main([*args, *extra, "--num-samples", "2", "--seq-len", "16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "least reachable" in err[0]
+    assert len(err) == 1 and "--budget-latency 0.0001" in err[0] and "embeddings and LM head" in err[0]
+    assert shapes and set(shapes) == {(1, 24)}  # the unpruned model's timed calls, no candidate, no window
     assert not (tmp_path / "p.json").exists()
+
+
+@contextlib.contextmanager
+def _layer_calls() -> Iterator[list[tuple[int, ...]]]:
+    """The (batch, tokens) of every decoder-layer call while the block runs (a global forward hook,
+    removed after): a timing call at ``prefill:1:24`` is (1, 24), a calibration window of 16 tokens is not."""
+    shapes: list[tuple[int, ...]] = []
+
+    def hook(module, args, kwargs, output):
+        if type(module).__name__.endswith("DecoderLayer"):
+            hidden = output[0] if isinstance(output, tuple) else output
+            shapes.append(tuple(hidden.shape[:2]))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+    try:
+        yield shapes
+    finally:
+        handle.remove()
+
+
+def test_prune_refuses_a_latency_budget_below_the_fixed_part_before_scoring(model, tmp_path, capsys):
+    """Every decoder-layer call of the refused run is a timing call of the unpruned model at the workload
+    (1 x 24 tokens): no scoring forward (calibration windows of 16 tokens), no candidate timed."""
+    _, src = model
+    text = tmp_path / "calib.txt"
+    text.write_text("some calibration text " * 200)
+    out = tmp_path / "out"
+    args = ["prune", str(src), "--data", str(text), "-o", str(out), "--num-samples", "4", "--seq-len", "16"]
+    extra = ["--budget-latency", "0.0001", "--workload", "prefill:1:24", "--servable", "--quiet"]
+    capsys.readouterr()
+    with _layer_calls() as shapes:
+        assert main([*args, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--budget-latency 0.0001" in err[0] and "embeddings and LM head" in err[0]
+    assert shapes and set(shapes) == {(1, 24)}
+    assert not out.exists()

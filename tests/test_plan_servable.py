@@ -6,8 +6,10 @@ need ``per_layer_config`` refused; a servable search on a real model gives one g
 from __future__ import annotations
 
 import copy
+import ctypes
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.plan import plan_model
 from gdnprune.plan.servable import SERVABLE_NOTE, choose_servable
-from gdnprune.plan.solve import BudgetError
+from gdnprune.plan.solve import BudgetError, choose, silenced_stdout
 from gdnprune.plan_file import servable_problems
 from gdnprune.scoring import score_model, scores_to_permutations
 from gdnprune.subblock_geometry import block_kind_of
@@ -141,6 +143,42 @@ def test_without_removal_the_servable_choice_is_the_uniform_one():
     )
     assert gone == [] and None not in picks
     assert sum(sens[g][p] for g, p in enumerate(picks)) == pytest.approx(best[0])
+
+
+def test_the_solver_leaves_the_standard_output_clean(capfd):
+    """HiGHS prints some lines with C's printf whatever its options: the solves send descriptor 1 to the null
+    device, flush C's buffers before restoring it (nothing comes out later), and restore it on errors too."""
+    libc = ctypes.CDLL(None)
+    stdout = ctypes.c_void_p.in_dll(libc, "stdout")
+    capfd.readouterr()
+    libc.fflush(None)
+    buffer = ctypes.create_string_buffer(1 << 16)  # _IOFBF: as C's stdout is on a pipe or file (not under -u)
+    libc.setvbuf(stdout, buffer, 0, len(buffer))
+    try:
+        with silenced_stdout():
+            libc.printf(b"from C, buffered\n")  # not flushed: the silencer must flush it into the null device
+            os.write(1, b"from the descriptor\n")
+        os.write(1, b"after\n")
+        libc.fflush(None)
+    finally:  # unbuffered (_IONBF) from here on: no buffer of ours is left behind
+        libc.fflush(None)
+        libc.setvbuf(stdout, None, 2, 0)
+    assert capfd.readouterr().out == "after\n"
+    with pytest.raises(RuntimeError), silenced_stdout():
+        raise RuntimeError("inside")
+    os.write(1, b"restored\n")
+    assert capfd.readouterr().out == "restored\n"
+    rng = np.random.default_rng(3)  # real solves, servable (with removal) and plain, print nothing either
+    layer_of, kinds = [0, 0, 1, 1, 2, 2, 3], ["gdn", "mlp", "attention", "mlp", "gdn", "mlp", "attention"]
+    keys, sens, costs = _table(rng, kinds, layer_of)
+    budgets = {"params": 0.6 * sum(max(g) for g in costs["params"])}
+    removal = {i: 1.0 for i in range(4)}
+    choose_servable(
+        keys, sens, costs, budgets, kinds=kinds, layer_of=layer_of, removal=removal, keep_one_of=[1, 3]
+    )
+    choose(sens, {"params": costs["params"]}, budgets)
+    libc.fflush(None)
+    assert capfd.readouterr().out == ""
 
 
 def test_servable_problems_name_the_kinds_that_differ():

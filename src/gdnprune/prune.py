@@ -23,6 +23,7 @@ from .geometry import layer_index_of
 from .layouts import find_gdn_modules
 from .loading import empty_causal_lm, load_causal_lm, slice_model
 from .plan import PlanOptions, check_budgets, plan_checkpoint
+from .plan.latency_costs import check_latency_floor
 from .plan_file import PlanError, read_plan, resolve_plan, servable_problems
 from .scores_file import load_scores
 from .scoring import GDN_ONLY, score_checkpoint
@@ -120,6 +121,10 @@ def prune_checkpoint(
         with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
             gpus = local_gpus() if device_map is not None else None
             model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
+    workload = None if search is None else search.parsed_workload()
+    if workload is not None:  # a latency budget below the embeddings and LM head: said before scoring
+        assert model is not None and search is not None and search.budget_latency is not None
+        check_latency_floor(model, workload, search.budget_latency)
     if scores is not None:
         scores_source: str | Path | dict = scores
         scored = load_scores(scores)

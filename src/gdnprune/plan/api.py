@@ -18,7 +18,13 @@ from ..latency import Workload, parse_workload
 from ..plan_file import PLAN_FORMAT, PLAN_VERSION
 from ..scores_file import read_scores
 from .candidates import AXES, parse_dim_step
-from .latency_costs import LatencyCosts, add_latency_budget, cut_model_latency, measure_latency_costs
+from .latency_costs import (
+    LatencyCosts,
+    add_latency_budget,
+    check_latency_floor,
+    cut_model_latency,
+    measure_latency_costs,
+)
 from .problem import (
     STATE_BYTES,
     WHOLE,
@@ -276,6 +282,7 @@ def search(
     latency = None
     if workload is not None:  # timed before any calibration forward: an unreachable budget is said first
         assert o.budget_latency is not None
+        check_latency_floor(model, workload, o.budget_latency)  # the embeddings and LM head alone: cheap
         latency = measure_latency_costs(model, problem, workload, progress=progress)
         add_latency_budget(problem, latency, o.budget_latency)
         check_feasible(problem, o.uniform or o.servable)

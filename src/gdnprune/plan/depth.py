@@ -24,10 +24,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint
 
 from ..forwards import Forwards, hidden_argument
-from .solve import MILP_OPTIONS, BudgetError, exact_objective
+from .solve import MILP_OPTIONS, BudgetError, exact_objective, quiet_milp
 
 __all__ = ["LayerRest", "choose_with_removal", "removal_sensitivity", "skipped_output"]
 
@@ -123,7 +123,7 @@ def choose_with_removal(
         if len(allowed) != len(sizes) or any(len(a) != size for a, size in zip(allowed, sizes)):
             raise ValueError("`allowed` must have one flag per candidate of every group")
         upper[:n] = np.concatenate([np.asarray(a, dtype=np.float64) for a in allowed])
-    result = milp(
+    result = quiet_milp(
         exact_objective(c),
         constraints=constraints,
         integrality=np.ones(n + m),

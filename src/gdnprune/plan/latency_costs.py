@@ -7,12 +7,14 @@ latency is then modelled as additive: a fixed part (embeddings, final norm, LM h
 covers) plus each kept group's candidate (plus each kept layer's rest: its norms, residuals and unplanned
 sub-blocks). :func:`add_latency_budget` makes that a budget of the problem (``latency``: a fraction of the
 unpruned model's latency), and :func:`cut_model_latency` measures the cut model as a whole, to set the
-prediction beside the measurement.
+prediction beside the measurement. :func:`check_latency_floor` refuses a budget below the embeddings and LM
+head before any candidate is timed (and, in ``prune``, before scoring): two whole forwards' timings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,14 @@ from .problem import PlanProblem, budget_limit
 from .sensitivity import candidate_module, sorted_state
 from .solve import BudgetError
 
-__all__ = ["LatencyCosts", "add_latency_budget", "cut_model_latency", "measure_latency_costs"]
+__all__ = [
+    "LatencyCosts",
+    "add_latency_budget",
+    "check_latency_floor",
+    "cut_in_place",
+    "cut_model_latency",
+    "measure_latency_costs",
+]
 
 
 @dataclass
@@ -114,6 +123,26 @@ def _group_latencies(
     return out
 
 
+def check_latency_floor(
+    model: Any, workload: Workload, fraction: float, *, repeats: int = 5, warmup: int = 2
+) -> None:
+    """Refuse, before any candidate is timed or any calibration forward runs, a latency budget below what
+    every plan keeps: the forward with every decoder layer passed through (embeddings, rotary tables, final
+    norm, LM head), timed beside the unpruned model. A lower bound only (every plan also keeps a layer or
+    more), so a budget above it may still be refused by :func:`add_latency_budget` once the candidates are
+    timed. Raises :class:`BudgetError`."""
+    harness = LatencyHarness(model, workload, repeats=repeats, warmup=warmup)
+    whole = harness.model_latency().seconds
+    fixed = harness.fixed_latency().seconds
+    limit = budget_limit(fraction, whole, "latency")
+    assert limit is not None
+    if fixed > limit:
+        raise BudgetError(
+            f"`budget_latency` {fraction}: no plan is that fast at {workload}: the embeddings and LM head alone, "
+            f"which every plan keeps, take {fixed / whole:.1%} of the unpruned model's {whole * 1e3:.3g} ms"
+        )
+
+
 def add_latency_budget(problem: PlanProblem, costs: LatencyCosts, fraction: float) -> None:
     """The ``latency`` budget: at most ``fraction`` (<= 1; larger: seconds) of the unpruned model's latency,
     its fixed part taken off the limit. Raises :class:`BudgetError` when even the least the plan can reach
@@ -152,19 +181,12 @@ class _Skipped(torch.nn.Module):
         return hidden_states
 
 
-@torch.no_grad()
-def cut_model_latency(
-    model: Any,
-    problem: PlanProblem,
-    picks: Sequence[int | None],
-    removed: Sequence[int],
-    workload: Workload,
-    *,
-    repeats: int = 5,
-    warmup: int = 2,
-) -> float:
-    """The measured latency (seconds) of the whole cut model at ``workload``: every group's chosen cut module
-    swapped in, every removed decoder layer taken out of the forward; the model is left as it was."""
+@contextlib.contextmanager
+def cut_in_place(
+    model: Any, problem: PlanProblem, picks: Sequence[int | None], removed: Sequence[int]
+) -> Iterator[Any]:
+    """``model`` as the cut model while the block runs: every group's chosen cut module swapped in (outer
+    modules first), every removed decoder layer taken out of the forward; put back as it was on the way out."""
     text_config = model.config.get_text_config(decoder=True)
     layers = decoder_layers(model)
     path = {id(m): n for n, m in model.named_modules()}
@@ -184,7 +206,24 @@ def cut_model_latency(
             parent = model.get_submodule(owner)
             swapped.append((parent, attr, getattr(parent, attr)))
             setattr(parent, attr, _Skipped(layers[i]))
-        return LatencyHarness(model, workload, repeats=repeats, warmup=warmup).model_latency().seconds
+        yield model
     finally:
         for parent, attr, original in reversed(swapped):
             setattr(parent, attr, original)
+
+
+@torch.no_grad()
+def cut_model_latency(
+    model: Any,
+    problem: PlanProblem,
+    picks: Sequence[int | None],
+    removed: Sequence[int],
+    workload: Workload,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> float:
+    """The measured latency (seconds) of the whole cut model at ``workload`` (:func:`cut_in_place`); the
+    model is left as it was."""
+    with cut_in_place(model, problem, picks, removed):
+        return LatencyHarness(model, workload, repeats=repeats, warmup=warmup).model_latency().seconds

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint
 
-from .solve import MILP_OPTIONS, BudgetError, exact_objective
+from .solve import MILP_OPTIONS, BudgetError, exact_objective, quiet_milp
 
 __all__ = ["SERVABLE_NOTE", "choose_servable"]
 
@@ -116,7 +116,7 @@ def choose_servable(
     c[n : n + m] = [removal[i] for i in layers]
     upper = np.ones(width)
     upper[:n] = upper_x
-    result = milp(
+    result = quiet_milp(
         exact_objective(c),
         constraints=rows,
         integrality=np.ones(width),

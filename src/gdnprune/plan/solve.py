@@ -10,7 +10,12 @@ the kind's blocks cost at it; :func:`uniform_choices` lists every such combinati
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import ctypes
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -26,6 +31,8 @@ __all__ = [
     "choose_uniform",
     "exact_objective",
     "nested_in",
+    "quiet_milp",
+    "silenced_stdout",
     "uniform_choices",
 ]
 
@@ -53,6 +60,49 @@ def _minimum(costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[st
 #: HiGHS stops within a gap of the optimum (relative 1e-4, absolute 1e-6 by default): far too loose for KLs
 #: of 1e-5 per token; with the objective scaled (:func:`exact_objective`) and this, the choice is exact
 MILP_OPTIONS = {"mip_rel_gap": 1e-12}
+
+
+def _flush_c_stdio() -> None:
+    """Flush C's stdio buffers (``fflush(NULL)``), where the C library can be reached (not on Windows)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
+@contextlib.contextmanager
+def silenced_stdout() -> Iterator[None]:
+    """The process's standard output (file descriptor 1) sent to the null device, and restored on the way
+    out whatever happens, after C's buffers are flushed (so nothing printed inside comes out later). Where
+    descriptor 1 cannot be duplicated (closed), nothing is redirected."""
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    try:
+        sys.stdout.flush()  # what Python and C printed before goes out first
+    except (OSError, ValueError, AttributeError):
+        pass
+    _flush_c_stdio()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
+def quiet_milp(*args: Any, **kwargs: Any) -> Any:
+    """scipy's :func:`~scipy.optimize.milp` (same arguments, same result) with nothing on the standard output:
+    HiGHS's MIP solver prints some lines with C's ``printf`` whatever its options say (e.g.
+    ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();``), so descriptor 1 goes to
+    the null device while it runs (:func:`silenced_stdout`)."""
+    with silenced_stdout():
+        return milp(*args, **kwargs)
 
 
 def exact_objective(c: np.ndarray) -> np.ndarray:
@@ -90,7 +140,7 @@ def choose(
         row = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in costs[name]])
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
     c = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in sensitivity])
-    result = milp(
+    result = quiet_milp(
         exact_objective(c),
         constraints=constraints,
         integrality=np.ones(n),
