@@ -1,18 +1,24 @@
 """Loading into FSDP2 shards straight from the safetensors files (gloo, 2 processes, one shared run): the
-gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student and a
-teacher stored in several shards (in bfloat16, loaded in float32); each process holds about half; a short
-distillation under FSDP2 that loads this way gives the loss curve of the whole-load path."""
+gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student, a
+teacher stored in several shards (in bfloat16, loaded in float32), an FP8 block-scaled teacher (dequantized
+as transformers dequantizes it) and an MoE model stored one tensor per expert (the trained tiny
+Qwen3.5-MoE); each process holds about half; a short distillation under FSDP2 that loads this way gives the
+loss curve of the whole-load path."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from safetensors import safe_open
 from test_checkpoint import make_source
+from test_fp8 import make_fp8
 
 from gdnprune import load_pretrained
 from gdnprune.checkpoint import slice_checkpoint
@@ -27,7 +33,14 @@ PLAN = {
         "model.layers.2.linear_attn": {"value_head_dim": 4},
     },
 }
-FOLDERS = {"uniform": "student", "hetero": "student", "sharded_teacher": "teacher"}
+FOLDERS = {
+    "uniform": "student",
+    "hetero": "student",
+    "sharded_teacher": "teacher",
+    "fp8_teacher": "teacher",
+    "moe": "student",
+}
+TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
 
 _WORKER = textwrap.dedent("""
     import os, sys, warnings
@@ -72,6 +85,8 @@ def run(tmp_path_factory):
     slice_checkpoint(teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False)
     whole = load_pretrained(teacher, dtype=torch.bfloat16)
     whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
+    make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
+    shutil.copytree(os.path.join(TRAINED, "qwen3_5_moe"), root / "moe")
     (root / "train.txt").write_text(" ".join(["the model sorts heads and slices them"] * 200))
     script = root / "worker.py"
     script.write_text(_WORKER.format(folders=FOLDERS))
@@ -100,6 +115,14 @@ def test_the_gathered_shards_equal_a_whole_load_tensor_for_tensor(run, name):
     root, report = run
     if name == "sharded_teacher":
         assert len(list((root / name).glob("*.safetensors"))) > 3  # several files, stored in bfloat16
+    if name == "moe":  # stored one tensor per expert; the model holds them stacked
+        with safe_open(str(root / name / "model.safetensors"), "pt") as f:
+            assert "model.layers.0.mlp.experts.1.up_proj.weight" in set(f.keys())
+    if name == "fp8_teacher":
+        assert (
+            json.loads((root / name / "config.json").read_text())["quantization_config"]["quant_method"]
+            == "fp8"
+        )
     reference = load_pretrained(root / name, dtype=torch.float32)
     want, got = reference.state_dict(), report[name]["state"]
     assert set(got) == set(want)

@@ -484,9 +484,10 @@ def distill_checkpoint(
     optimizer's master weights), the teacher in ``teacher_dtype`` (default: the same), spread by
     ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
     on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
-    (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. A folder that
-    stores another form than the model holds (per-expert MoE tensors, FP8 weights, a vision-language
-    prefix), a student with gradient checkpointing, or a low-precision student under mixed precision,
+    (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
+    weights are dequantized as read, and MoE experts stored one tensor per expert are stacked as read. A
+    folder that stores another form than the model holds (a vision-language prefix, another
+    quantization), a student with gradient checkpointing, or a low-precision student under mixed precision,
     loads whole on every process and is sharded after (a warning says which). Teacher and student must
     share their tokenizer. The output folder is
     checked before any model is loaded.
