@@ -146,16 +146,16 @@ def _chunk_terms(h, y, ok, head, t_h, teacher_head, temperature, grad_scale, tea
     if grad_scale is None:
         return None
     a, b = grad_scale
-    # dKD/dz = a*T*(softmax(z/T) - p), dLM/dz = b*(softmax(z) - onehot(y)); at T = 1 both softmaxes are one
-    g = log_q.exp_().mul_(a * temperature + (b if z is None else 0.0))
-    if z is not None and b:
-        g.add_(z.softmax(-1), alpha=b)
-    if p is not None and a:
-        g.sub_(p, alpha=a * temperature)
+    # dL/dz = b*(softmax(z) - onehot(y)) + a*T*(softmax(z/T) - p), each buffer reused in place, in the order
+    # of the plain formula (so the result is the same to the bit)
+    q = log_q.exp_()
+    d = p.sub_(q).mul_(-a * temperature) if p is not None and a else None  # a*T*(q - p)
+    g = None
     if b:
+        g = (q if z is None else F.log_softmax(z, -1).exp_()).mul_(b)  # at T = 1 both softmaxes are q
         g[torch.arange(len(y), device=g.device), y] -= b
-    g[~ok] = 0
-    return g
+    g = d if g is None else g if d is None else g.add_(d)
+    return g.mul_(ok.to(g.dtype)[:, None])
 
 
 class _ChunkedDistillation(torch.autograd.Function):
