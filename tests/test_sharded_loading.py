@@ -1,9 +1,10 @@
 """Loading into FSDP2 shards straight from the safetensors files (gloo, 2 processes, one shared run): the
-gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student, a
-teacher stored in several shards (in bfloat16, loaded in float32), an FP8 block-scaled teacher (dequantized
-as transformers dequantizes it) and an MoE model stored one tensor per expert (the trained tiny
-Qwen3.5-MoE); each process holds about half; a short distillation under FSDP2 that loads this way gives the
-loss curve of the whole-load path."""
+gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student (also
+with its layers wrapped for activation checkpointing), a teacher stored in several shards (in bfloat16,
+loaded in float32), an FP8 block-scaled teacher (dequantized as transformers dequantizes it), an MoE model
+stored one tensor per expert (the trained tiny Qwen3.5-MoE) and a vision-language model (the trained tiny
+Qwen3.5-VL); each process holds about half; a short distillation under FSDP2 that loads this way gives the
+loss curve of the whole-load path, with and without gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ FOLDERS = {  # name: (folder, how it is sharded)
     "sharded_teacher": ("sharded_teacher", "teacher"),
     "fp8_teacher": ("fp8_teacher", "teacher"),
     "moe": ("moe", "student"),
+    "vl": ("vl", "student"),  # a whole vision-language model, stored under its own names
 }
 TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
 
@@ -91,6 +93,7 @@ def run(tmp_path_factory):
     whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
     make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
     shutil.copytree(os.path.join(TRAINED, "qwen3_5_moe"), root / "moe")
+    shutil.copytree(os.path.join(TRAINED, "qwen3_5_vl"), root / "vl")
     (root / "train.txt").write_text(" ".join(["the model sorts heads and slices them"] * 200))
     script = root / "worker.py"
     script.write_text(_WORKER.format(folders=FOLDERS))
