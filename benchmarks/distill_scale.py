@@ -13,7 +13,9 @@ GDN layer), trained by :func:`gdnprune.distill.distill` for a few steps on rando
 
 Each run reports the peak resident memory of each process (``ru_maxrss``), the memory before the models
 were built (the interpreter, torch, transformers), the estimate of :func:`gdnprune.distill.estimate_memory`
-for that engine, the training throughput (tokens/s over the steps after the first) and the loss curve.
+for that engine, the training throughput (tokens/s over the steps after the first), the CPU time of a step
+(all threads of the slower process: on a shared machine the load inflates wall time far more than CPU
+time, so KD / LM step ratios are given in both) and the loss curve.
 
 Part 2, computed: the estimate per GPU for real model configurations on 8 processes (8 x 80 GB), for DDP
 and for FSDP2 with the teacher sharded: float32 master parameters and AdamW state, bf16 mixed precision,
@@ -60,8 +62,8 @@ WORKER = textwrap.dedent("""
 
     class Clock(TrainerCallback):
         # the peak of the training phase: the high-water mark is reset once the Trainer has wrapped the model
-        setup = start = None
-        steps = []
+        setup = start = cpu = None
+        steps, cpu_steps = [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.setup = high_water_mark()
@@ -69,10 +71,11 @@ WORKER = textwrap.dedent("""
                 f.write("5")
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.steps.append(time.perf_counter() - self.start)
+            self.cpu_steps.append(time.process_time() - self.cpu)  # all threads of the process (gloo's too)
 
     mode, out = sys.argv[1], sys.argv[2]
     steps, batch, seq_len, layers, checkpointing, hidden = map(int, sys.argv[4:10])
@@ -92,6 +95,7 @@ WORKER = textwrap.dedent("""
     logs = [h for h in result["history"] if "loss" in h]
     report = {{"rank": int(os.environ["RANK"]), "peak": high_water_mark(), "setup_peak": clock.setup,
               "baseline": baseline, "losses": [h["loss"] for h in logs], "step_seconds": clock.steps,
+              "step_cpu_seconds": clock.cpu_steps,
               "estimate": {{"total": estimate.total, **dict(estimate.rows())}},
               "student_parameters": sum(p.numel() for p in student.parameters()),
               "teacher_parameters": sum(p.numel() for p in teacher.parameters())}}
@@ -201,18 +205,22 @@ def report_measured(results: dict, args) -> None:
     )
     print(
         "| engine | training peak per process (rank 0 / 1) | estimate | setup peak | s/step (median) | "
-        "tokens/s (2 processes) |"
+        "CPU s/step (median) | tokens/s (2 processes) |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
-    step = {}
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    step, cpu = {}, {}
     for mode, res in results.items():
         r0, r1 = res["ranks"]
         step[mode] = _median([max(a, b) for a, b in zip(r0["step_seconds"][1:], r1["step_seconds"][1:])])
+        cpu[mode] = _median(
+            [max(a, b) for a, b in zip(r0["step_cpu_seconds"][1:], r1["step_cpu_seconds"][1:])]
+        )
         tps = args.batch_size * args.seq_len / step[mode]
         print(
             f"| {LABELS[mode]} | {r0['peak'] / GB:.2f} / {r1['peak'] / GB:.2f} GB | "
             f"{r0['estimate']['total'] / GB + r0['baseline'] / GB:.2f} GB | "
-            f"{max(r0['setup_peak'], r1['setup_peak']) / GB:.2f} GB | {step[mode]:.1f} | {tps:,.0f} |"
+            f"{max(r0['setup_peak'], r1['setup_peak']) / GB:.2f} GB | {step[mode]:.1f} | {cpu[mode]:.1f} | "
+            f"{tps:,.0f} |"
         )
     print(
         f"\n(estimate = estimate_memory + the {first['baseline'] / GB:.2f} GB the interpreter, torch and "
@@ -242,7 +250,10 @@ def report_measured(results: dict, args) -> None:
             )
     for kd, lm in (("ddp", "ddp+lm"), ("fsdp+teacher", "fsdp+teacher+lm")):
         if kd in step and lm in step:
-            print(f"- KD step / LM step, {LABELS[kd]}: {step[kd] / step[lm]:.2f}x (target <= 1.5x)")
+            print(
+                f"- KD step / LM step, {LABELS[kd]}: {cpu[kd] / cpu[lm]:.2f}x in CPU time (target <= 1.5x), "
+                f"{step[kd] / step[lm]:.2f}x in wall time (the machine's load moves this one)"
+            )
     print("\nEstimate components (rank 0, GB):")
     for mode, res in results.items():
         est = res["ranks"][0]["estimate"]
@@ -370,13 +381,18 @@ def report_table(args) -> None:
         f"parameters and AdamW state with bf16 mixed precision unless said, bf16 teacher, gradient "
         f"checkpointing, micro-batch 1 x 4096 tokens. FSDP2 shards the teacher too unless said.\n"
     )
-    print("| teacher | student | params (teacher / student) | " + " | ".join(engines) + " |")
-    print("|---|---|---:|" + "---:|" * len(engines))
+    hosts = ("DDP", "FSDP2", "FSDP2 + CPU offload (GPU part)")  # the host-memory column's engines
+    print(
+        "| teacher | student | params (teacher / student) | "
+        + " | ".join(engines)
+        + " | host memory per process (DDP / FSDP2 / FSDP2 + CPU offload) |"
+    )
+    print("|---|---|---:|" + "---:|" * (len(engines) + 1))
     for name in CONFIGS:
         for student_heads in ("half", "full"):
             teacher, student = meta_models(name, student_heads)
-            cells = []
-            for options in engines.values():
+            cells, host = [], {}
+            for label, options in engines.items():
                 options = {
                     "processes": gpus,
                     "dtype": torch.float32,
@@ -387,8 +403,12 @@ def report_table(args) -> None:
                     "gradient_checkpointing": True,
                     **options,
                 }
-                total = estimate_memory(student, teacher, **options).total
+                estimate = estimate_memory(student, teacher, **options)
+                total = estimate.total
                 cells.append(f"{total / GB:,.0f} GB {'fits' if total <= budget else 'no'}")
+                # the --dry-run's host line: what a process reads while loading, or holds offloaded after
+                host[label] = max(estimate.host_loading, estimate.host_training)
+            cells.append(" / ".join(f"{host[label] / GB:,.0f}" for label in hosts) + " GB")
             sizes = [sum(p.numel() for p in m.parameters()) / 1e9 for m in (teacher, student)]
             label = "GDN half-slice" if student_heads == "half" else "same size"
             print(f"| {name} | {label} | {sizes[0]:.1f}B / {sizes[1]:.1f}B | " + " | ".join(cells) + " |")

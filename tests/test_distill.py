@@ -72,9 +72,12 @@ def test_kd_loss_is_the_temperature_scaled_forward_kl(temperature):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 5, None])
-def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_size):
+@pytest.mark.parametrize(
+    "temperature, kd_w, lm_w", [(2.0, 0.7, 0.4), (1.0, 1.0, 0.0), (1.0, 0.3, 0.6), (1.5, 0.0, 1.0)]
+)
+def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_size, temperature, kd_w, lm_w):
     g = torch.Generator().manual_seed(1)
-    n, hidden, vocab, temperature, kd_w, lm_w = 23, 8, 13, 2.0, 0.7, 0.4
+    n, hidden, vocab = 23, 8, 13
     head, t_head = torch.nn.Linear(hidden, vocab, bias=bias), torch.nn.Linear(6, vocab, bias=bias)
     h, ht = torch.randn(n, hidden, generator=g, requires_grad=True), torch.randn(n, 6, generator=g)
     labels = torch.randint(0, vocab, (n,), generator=g)
@@ -91,7 +94,7 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_siz
         lm_weight=lm_w,
         chunk_size=chunk_size,
     )
-    loss.loss.backward()
+    (0.5 * loss.loss).backward()  # a scaled loss, as the Trainer's under gradient accumulation
     got = [h.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if bias else [])
     h.grad = None
     head.zero_grad()
@@ -100,7 +103,7 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_formulas(bias, chunk_siz
     z, zt = head(h), t_head(ht).detach()
     kd = kd_loss(z[keep], zt[keep], temperature=temperature)
     lm = F.cross_entropy(z, labels, ignore_index=-100)
-    (kd_w * kd + lm_w * lm).backward()
+    (0.5 * (kd_w * kd + lm_w * lm)).backward()
     want = [h.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
     assert loss.kd.item() == pytest.approx(kd.item(), rel=1e-5)
     assert loss.lm.item() == pytest.approx(lm.item(), rel=1e-5)

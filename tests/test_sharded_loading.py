@@ -1,18 +1,25 @@
 """Loading into FSDP2 shards straight from the safetensors files (gloo, 2 processes, one shared run): the
-gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student and a
-teacher stored in several shards (in bfloat16, loaded in float32); each process holds about half; a short
-distillation under FSDP2 that loads this way gives the loss curve of the whole-load path."""
+gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student (also
+with its layers wrapped for activation checkpointing), a teacher stored in several shards (in bfloat16,
+loaded in float32), an FP8 block-scaled teacher (dequantized as transformers dequantizes it), an MoE model
+stored one tensor per expert (the trained tiny Qwen3.5-MoE) and a vision-language model (the trained tiny
+Qwen3.5-VL); each process holds about half; a short distillation under FSDP2 that loads this way gives the
+loss curve of the whole-load path, with and without gradient checkpointing."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from safetensors import safe_open
 from test_checkpoint import make_source
+from test_fp8 import make_fp8
 
 from gdnprune import load_pretrained
 from gdnprune.checkpoint import slice_checkpoint
@@ -27,35 +34,47 @@ PLAN = {
         "model.layers.2.linear_attn": {"value_head_dim": 4},
     },
 }
-FOLDERS = {"uniform": "student", "hetero": "student", "sharded_teacher": "teacher"}
+FOLDERS = {  # name: (folder, how it is sharded)
+    "uniform": ("uniform", "student"),
+    "hetero": ("hetero", "student"),
+    "hetero_gc": ("hetero", "student_gc"),  # layers wrapped for activation checkpointing, then sharded
+    "sharded_teacher": ("sharded_teacher", "teacher"),
+    "fp8_teacher": ("fp8_teacher", "teacher"),
+    "moe": ("moe", "student"),
+    "vl": ("vl", "student"),  # a whole vision-language model, stored under its own names
+}
+TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
 
 _WORKER = textwrap.dedent("""
-    import os, sys, warnings
+    import functools, os, sys, warnings
     import torch
     torch.set_num_threads(1)
     from accelerate import PartialState
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from gdnprune.distill import DistillConfig, distill_checkpoint
-    from gdnprune.distill.fsdp import local_bytes, shard_student, shard_teacher
+    from gdnprune.distill.fsdp import has_checkpointed_layers, local_bytes, shard_student, shard_teacher
     from gdnprune.loading import load_sharded
 
     root, rank = sys.argv[1], int(os.environ["RANK"])
     PartialState()
     report = {{}}
-    for name, role in {folders!r}.items():
-        model = load_sharded(os.path.join(root, name), shard_student if role == "student" else shard_teacher,
-                             dtype=torch.float32)
+    shards = {{"student": shard_student, "teacher": shard_teacher,
+              "student_gc": functools.partial(shard_student, gradient_checkpointing=True)}}
+    for name, (folder, role) in {folders!r}.items():
+        model = load_sharded(os.path.join(root, folder), shards[role], dtype=torch.float32)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         report[name] = {{"state": full, "buffers": {{k: v.clone() for k, v in model.named_buffers()}},
                         "held": local_bytes(model),
-                        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}}
+                        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+                        "wrapped": has_checkpointed_layers(model)}}
     config = DistillConfig(steps=3, batch_size=4, lr=3e-3, lm_weight=0.3, log_every=1, fsdp=True, progress=False)
-    for mode in ("sharded", "whole"):
+    for mode in ("sharded", "whole", "sharded_gc", "whole_gc"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = distill_checkpoint(os.path.join(root, "hetero"), os.path.join(root, "teacher"),
-                                        os.path.join(root, "train.txt"), os.path.join(root, mode), config=config,
-                                        seq_len=40, sharded_loading=mode == "sharded")
+                                        os.path.join(root, "train.txt"), os.path.join(root, mode),
+                                        config=config.replace(gradient_checkpointing=mode.endswith("gc")),
+                                        seq_len=40, sharded_loading=mode.startswith("sharded"))
         report[mode] = {{"losses": [h["loss"] for h in result["history"] if "loss" in h],
                         "warnings": [str(w.message) for w in caught if "loaded whole" in str(w.message)]}}
     if rank == 0:
@@ -72,6 +91,9 @@ def run(tmp_path_factory):
     slice_checkpoint(teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False)
     whole = load_pretrained(teacher, dtype=torch.bfloat16)
     whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
+    make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
+    shutil.copytree(os.path.join(TRAINED, "qwen3_5_moe"), root / "moe")
+    shutil.copytree(os.path.join(TRAINED, "qwen3_5_vl"), root / "vl")
     (root / "train.txt").write_text(" ".join(["the model sorts heads and slices them"] * 200))
     script = root / "worker.py"
     script.write_text(_WORKER.format(folders=FOLDERS))
@@ -98,9 +120,19 @@ def run(tmp_path_factory):
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_the_gathered_shards_equal_a_whole_load_tensor_for_tensor(run, name):
     root, report = run
+    folder, role = FOLDERS[name]
+    assert report[name]["wrapped"] == (role == "student_gc")
     if name == "sharded_teacher":
         assert len(list((root / name).glob("*.safetensors"))) > 3  # several files, stored in bfloat16
-    reference = load_pretrained(root / name, dtype=torch.float32)
+    if name == "moe":  # stored one tensor per expert; the model holds them stacked
+        with safe_open(str(root / name / "model.safetensors"), "pt") as f:
+            assert "model.layers.0.mlp.experts.1.up_proj.weight" in set(f.keys())
+    if name == "fp8_teacher":
+        assert (
+            json.loads((root / name / "config.json").read_text())["quantization_config"]["quant_method"]
+            == "fp8"
+        )
+    reference = load_pretrained(root / folder, dtype=torch.float32)
     want, got = reference.state_dict(), report[name]["state"]
     assert set(got) == set(want)
     for key, value in want.items():
@@ -121,3 +153,8 @@ def test_distillation_loading_into_shards_gives_the_loss_curve_of_whole_loading(
     assert sharded["warnings"] == [] and whole["warnings"] == []  # both models took the sharded path
     assert len(sharded["losses"]) == 3 and sharded["losses"][-1] < sharded["losses"][0]
     assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-6)
+    # under gradient checkpointing too (the layers wrapped before sharding, not by accelerate after)
+    sharded_gc, whole_gc = report["sharded_gc"], report["whole_gc"]
+    assert sharded_gc["warnings"] == [] and whole_gc["warnings"] == []
+    assert sharded_gc["losses"] == pytest.approx(whole_gc["losses"], rel=1e-6)
+    assert sharded_gc["losses"] == pytest.approx(sharded["losses"], rel=1e-5)  # checkpointing changes no loss

@@ -24,6 +24,7 @@ import struct
 import sys
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ __all__ = [
     "load_sharded",
     "empty_pretrained",
     "sharded_loading_names",
+    "StoredTensor",
     "load_causal_lm",
     "empty_causal_lm",
     "slice_model",
@@ -263,24 +265,60 @@ def _state(model: Any) -> dict[str, Any]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, str] | None:
-    """``{model tensor name: name on disk}`` when every tensor of ``model`` (built as
-    :func:`empty_pretrained` builds it) is stored under its own name in ``path`` (tied tensors under one
-    of their names), else None: the folder stores another form (per-expert MoE tensors, a renamed
-    prefix, quantized weights), which only a whole load converts."""
-    if getattr(model.config, "quantization_config", None) is not None:
-        return None  # quantized weights (FP8 and scales): only from_pretrained dequantizes them
-    disk = set(_disk_index(path))
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a model tensor lies in a folder: under ``name`` (FP8 weights with their block scales
+    ``NAME_scale_inv`` beside them are dequantized as read), or, for the stacked experts of an MoE layer
+    stored one tensor per expert, ``experts[e]``: the names whose tensors, concatenated along dim 0, are
+    expert ``e``'s row of the model's tensor (``gate_up_proj`` from ``gate_proj`` and ``up_proj``)."""
+
+    name: str | None = None
+    experts: tuple[tuple[str, ...], ...] = ()
+
+
+# the stacked expert tensors of transformers' MoE layers, and the per-expert tensors each concatenates
+_STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _per_expert(name: str, experts: int, disk: Mapping[str, str]) -> StoredTensor | None:
+    prefix, _, last = name.rpartition(".")
+    if last not in _STACKED_EXPERTS or not prefix.endswith(".experts"):
+        return None
+    parts = tuple(tuple(f"{prefix}.{e}.{p}.weight" for p in _STACKED_EXPERTS[last]) for e in range(experts))
+    return StoredTensor(experts=parts) if all(n in disk for names in parts for n in names) else None
+
+
+def _fp8(config: Any) -> bool:
+    quant = getattr(config, "quantization_config", None)
+    quant = quant if quant is None or isinstance(quant, dict) else quant.to_dict()
+    return quant is not None and quant.get("quant_method") == "fp8"
+
+
+def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, StoredTensor] | None:
+    """``{model tensor name: where it is stored}`` (:class:`StoredTensor`) when every tensor of ``model``
+    (built as :func:`empty_pretrained` builds it) is found in ``path``: under its own name (tied tensors
+    under one of their names; FP8 block-scaled weights with their scales), or, for an MoE layer's stacked
+    experts, one tensor per expert. Else None: the folder stores another form (a renamed prefix, another
+    quantization), which only a whole load converts."""
+    if getattr(model.config, "quantization_config", None) is not None and not _fp8(model.config):
+        return None  # quantized weights other than FP8 blocks: only from_pretrained converts them
+    disk = _disk_index(path)
     state = _state(model)
     groups: dict[int, list[str]] = {}
     for name, value in state.items():
         groups.setdefault(id(value), []).append(name)
-    names: dict[str, str] = {}
+    names: dict[str, StoredTensor] = {}
     for group in groups.values():
         found = next((n for n in group if n in disk), None)
-        if found is None:
+        value = state[group[0]]
+        stored = (
+            StoredTensor(found)
+            if found
+            else _per_expert(group[0], value.shape[0] if value.dim() else 0, disk)
+        )
+        if stored is None:
             return None
-        names.update(dict.fromkeys(group, found))
+        names.update(dict.fromkeys(group, stored))
     return names
 
 
@@ -313,7 +351,9 @@ def load_sharded(
     and each process reads from the safetensors files only the rows it owns (``os.pread`` of their bytes),
     cast to ``dtype`` as ``from_pretrained`` casts. Non-persistent buffers (rotary frequencies) are
     recomputed as transformers initialises them. The folder must store every tensor under the model's
-    own name (:func:`sharded_loading_names`), else ``ValueError``. Returns the model, in eval mode.
+    own name, FP8 weights with their block scales (dequantized into ``dtype`` as ``from_pretrained``
+    dequantizes them where FP8 cannot run) or an MoE layer's experts one tensor per expert
+    (:func:`sharded_loading_names`), else ``ValueError``. Returns the model, in eval mode.
     """
 
     model = empty_pretrained(path, model_class=model_class, dtype=dtype)
@@ -328,16 +368,58 @@ def load_sharded(
     index = _disk_index(path)
     done: set[int] = set()
     with torch.no_grad(), contextlib.ExitStack() as stack:
-        files = {f: stack.enter_context(_RowReader(f)) for f in set(index.values())}
+        files = _Folder(index, {f: stack.enter_context(_RowReader(f)) for f in set(index.values())})
         for name, value in _state(model).items():
             if id(value) in done:
                 continue
             done.add(id(value))
             local, first = _rows(value)
-            rows = files[index[names[name]]].rows(names[name], first, local.shape[0] if local.dim() else None)
+            rows = files.rows(names[name], first, local.shape[0] if local.dim() else None, local.dtype)
             local.copy_(rows.to(local.dtype).reshape(local.shape))
         _init_non_persistent_buffers(model)
+    if _fp8(model.config):  # dequantized, as from_pretrained dequantizes FP8 weights where it cannot run them
+        model.config.quantization_config = None
     return model.eval()
+
+
+class _Folder:
+    """The rows of a model tensor from a folder's files: as stored, dequantized from FP8 blocks, or stacked
+    from one tensor per expert."""
+
+    def __init__(self, index: dict[str, str], readers: dict[str, _RowReader]) -> None:
+        self._index, self._readers = index, readers
+
+    def rows(self, stored: StoredTensor, first: int, count: int | None, dtype: torch.dtype) -> Any:
+        if not stored.experts:
+            return self._tensor(str(stored.name), first, count, dtype)
+        chosen = stored.experts[first : None if count is None else first + count]
+        parts = [torch.cat([self._tensor(n, 0, None, dtype) for n in names]) for names in chosen]
+        return torch.stack(parts) if parts else torch.empty(0, dtype=dtype)
+
+    def _tensor(self, name: str, first: int, count: int | None, dtype: torch.dtype) -> Any:
+        reader = self._readers[self._index[name]]
+        data = reader.rows(name, first, count)
+        scale = name.removesuffix("weight") + "weight_scale_inv"  # FP8 block scales (only beside a weight)
+        if scale not in self._index:
+            if data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise ValueError(f"{name}: FP8 weights without their block scales ({scale}) beside them")
+            return data
+        # transformers' FP8 dequantization, on these rows only: each block of rows x columns times its
+        # scale, in float32, then cast to the parameter's dtype (its Fp8Dequantize)
+        rows, cols = reader.shape(name)
+        scale_rows, scale_cols = reader.shape(scale)
+        if rows % scale_rows or cols % scale_cols or not data.is_floating_point():
+            raise ValueError(
+                f"{name}: expected FP8 weights in whole blocks of its scales, found {rows} x {cols}"
+            )
+        block, width = rows // scale_rows, cols // scale_cols
+        first = first if count is not None else 0
+        count = count if count is not None else rows
+        top = first // block
+        scales = self._readers[self._index[scale]].rows(scale, top, -(-(first + count) // block) - top)
+        scales = scales.float() if scales.dtype != torch.uint8 else (scales.float() - 127.0).exp2()
+        grid = scales.repeat_interleave(block, 0)[first - top * block :][:count].repeat_interleave(width, 1)
+        return (data.float() * grid).to(dtype)
 
 
 class _RowReader:
@@ -364,6 +446,9 @@ class _RowReader:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self._fd)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._header[name]["shape"])
 
     def rows(self, name: str, first: int, count: int | None) -> Any:
         """Rows ``first .. first + count`` of tensor ``name`` (all of it when ``count`` is None)."""

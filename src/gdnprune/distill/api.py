@@ -41,7 +41,7 @@ from ..corpus import check_data, data_spec
 from ..corpus.dataset import WindowDataset, first_windows, open_windows
 from ..fileio import write_json_atomic
 from ..loading import load_pretrained
-from .fsdp import check_shardable, is_sharded, load_sharded_models, shard_teacher
+from .fsdp import check_shardable, has_checkpointed_layers, is_sharded, load_sharded_models, shard_teacher
 from .memory import meta_model
 from .options import DistillConfig, check_options, check_run, check_same_vocabulary, fsdp_asked
 from .output import read_tensors, save_model_folder
@@ -132,7 +132,8 @@ def distill(
         checkpoint = check_output_folder(out, config.resume, config.overwrite, record) if saving else None
         if config.overwrite and saving and checkpoint is None and out.exists() and _rank() == 0:
             shutil.rmtree(out)
-        args = _training_arguments(config, out, steps, micro, saving, eval_windows is not None, checkpoint)
+        args = _training_arguments(config, out, steps, micro, saving, eval_windows is not None, checkpoint,
+                                   checkpoint_wrapped=has_checkpointed_layers(student))  # fmt: skip
         if record["teacher_sharding"] == "shard" and not is_sharded(teacher):
             shard_teacher(teacher)  # after TrainingArguments: the process group exists
         trainer = DistillationTrainer(
@@ -240,8 +241,11 @@ def _checked_run(config, student, teacher, windows, eval_windows, tokenizer, tea
 
 
 def _training_arguments(config: DistillConfig, out: Path, steps: int, micro: int, saving: bool,
-                        evaluating: bool, checkpoint: Path | None) -> TrainingArguments:  # fmt: skip
-    """The Trainer's arguments of the run: the engine (DDP or FSDP2), the schedule, logging and saving."""
+                        evaluating: bool, checkpoint: Path | None, *,
+                        checkpoint_wrapped: bool = False) -> TrainingArguments:  # fmt: skip
+    """The Trainer's arguments of the run: the engine (DDP or FSDP2), the schedule, logging and saving.
+    ``checkpoint_wrapped``: the student's layers are already wrapped for activation checkpointing (sharded
+    loading wraps them before sharding), so accelerate does not wrap them again."""
     c, world = config, int(os.environ.get("WORLD_SIZE", "1"))
     every = max(1, steps // 10)
     engine: dict[str, Any] = {}
@@ -253,7 +257,7 @@ def _training_arguments(config: DistillConfig, out: Path, steps: int, micro: int
                 "reshard_after_forward": True,
                 "state_dict_type": "SHARDED_STATE_DICT",
                 "cpu_offload": c.cpu_offload,
-                "activation_checkpointing": c.gradient_checkpointing,
+                "activation_checkpointing": c.gradient_checkpointing and not checkpoint_wrapped,
             },
         )
     elif c.gradient_checkpointing:
@@ -491,9 +495,11 @@ def distill_checkpoint(
     optimizer's master weights), the teacher in ``teacher_dtype`` (default: the same), spread by
     ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
     on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
-    (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. A folder that
-    stores another form than the model holds (per-expert MoE tensors, FP8 weights, a vision-language
-    prefix), a student with gradient checkpointing, or a low-precision student under mixed precision,
+    (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
+    weights are dequantized as read, MoE experts stored one tensor per expert are stacked as read, and a
+    student under gradient checkpointing has its layers wrapped before it is sharded. A folder that stores
+    another form than the model holds (a vision-language prefix, another quantization), or a low-precision
+    student under mixed precision,
     loads whole on every process and is sharded after (a warning says which). Teacher and student must
     share their tokenizer. The output folder is
     checked before any model is loaded.

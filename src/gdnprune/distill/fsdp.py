@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from accelerate.utils.fsdp_utils import _find_final_norm
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -35,6 +36,7 @@ __all__ = [
     "shard_student",
     "load_sharded_models",
     "is_sharded",
+    "has_checkpointed_layers",
     "local_bytes",
     "optimizer_bytes",
 ]
@@ -103,16 +105,22 @@ def shard_student(
     *,
     mixed_precision: str = "no",
     cpu_offload: bool = False,
+    gradient_checkpointing: bool = False,
 ) -> PreTrainedModel:
     """Shard ``student`` in place over the default process group as accelerate 1.15's FSDP2 preparation
     shards it (``fsdp2_prepare_model``), so the Trainer takes it as prepared: every decoder layer and the
     input embedding (when not tied) resharded after forward, the final norm with ``lm_head`` (and a tied
     embedding) in one unit kept gathered, the rest in the root; parameters in bf16/fp16 for the compute
-    under ``mixed_precision``, gradients reduced in float32; shards on the CPU with ``cpu_offload``. For a
-    student built on the ``meta`` device (:func:`gdnprune.loading.load_sharded`). Returns ``student``.
+    under ``mixed_precision``, gradients reduced in float32; shards on the CPU with ``cpu_offload``; with
+    ``gradient_checkpointing`` every decoder layer first wrapped for activation checkpointing, as
+    accelerate's ``fsdp2_apply_ac`` wraps it before sharding (the Trainer is then not asked to wrap it
+    again). For a student built on the ``meta`` device (:func:`gdnprune.loading.load_sharded`). Returns
+    ``student``.
     """
 
     check_shardable(student, "student")
+    if gradient_checkpointing:
+        _checkpoint_layers(student)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
     mesh = init_device_mesh(_device().type, (torch.distributed.get_world_size(),))
     kwargs: dict[str, Any] = dict(
@@ -134,6 +142,20 @@ def shard_student(
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(student, **kwargs)
     return student
+
+
+def _checkpoint_layers(model: torch.nn.Module) -> None:
+    """Each decoder layer of ``model`` replaced by a ``checkpoint_wrapper`` around it, as accelerate's
+    ``fsdp2_apply_ac`` replaces it (no RNG state kept: the layers draw no random numbers in training)."""
+    classes = tuple(layer_classes(model))
+    names = [n for n, m in model.named_modules() if isinstance(m, classes)]
+    for name in names:
+        model.set_submodule(name, checkpoint_wrapper(model.get_submodule(name), preserve_rng_state=False))
+
+
+def has_checkpointed_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s layers are already wrapped for activation checkpointing (:func:`shard_student`)."""
+    return any(isinstance(m, CheckpointWrapper) for m in model.modules())
 
 
 def _device() -> torch.device:
@@ -177,19 +199,24 @@ def load_sharded_models(
 ) -> tuple[Any, Any]:
     """``(student, teacher)`` under FSDP2, each built on ``meta``, sharded and filled with this process's rows
     straight from its files (:func:`gdnprune.loading.load_sharded`); None for a model that must load whole
-    (a warning says why): a folder storing another form than the model holds (per-expert MoE tensors, FP8
-    weights, a vision-language prefix), a student under gradient checkpointing (accelerate wraps its layers
-    before sharding) or a low-precision student under mixed precision (accelerate upcasts it first), and
-    the teacher when it is not to be sharded. The default process group must exist."""
+    (a warning says why): a folder storing another form than the model holds (a vision-language prefix,
+    a quantization other than FP8 blocks; FP8 weights and per-expert MoE tensors are read into shards), a
+    low-precision student under mixed precision (accelerate upcasts it first), and the teacher when it is
+    not to be sharded. A student under gradient checkpointing has its layers wrapped before sharding. The default process group must exist."""
     dtype, teacher_dtype = _torch_dtype(dtype), _torch_dtype(teacher_dtype)
     student = None
     low = dtype in (torch.bfloat16, torch.float16) and config.mixed_precision != "no"
-    if config.gradient_checkpointing or low:
-        why = "gradient checkpointing" if config.gradient_checkpointing else "a low-precision student"
-        warnings.warn(f"student: loaded whole on every process, then sharded ({why})", stacklevel=3)
+    if low:
+        warnings.warn(
+            "student: loaded whole on every process, then sharded (a low-precision student)", stacklevel=3
+        )
     else:
         device = torch.device("cpu") if config.cpu_offload else _device()
-        options = dict(mixed_precision=config.mixed_precision, cpu_offload=config.cpu_offload)
+        options = dict(
+            mixed_precision=config.mixed_precision,
+            cpu_offload=config.cpu_offload,
+            gradient_checkpointing=config.gradient_checkpointing,
+        )
         student = _sharded(student_dir, dtype, lambda m: shard_student(m, **options), device, "student")
     teacher = None
     if teacher_sharded:

@@ -81,54 +81,87 @@ def position_terms(
     ``dL/dz = a*T*(softmax(z/T) - softmax(z_teacher/T)) + b*(softmax(z) - onehot(label))``. Without a
     teacher (``teacher_hidden`` None) the KD terms are 0 and ``a`` must be 0.
     """
-    (weight, bias), n, vocab = head, hidden.shape[0], head[0].shape[0]
+    (weight, bias), n = head, hidden.shape[0]
     valid = labels != IGNORE_INDEX
     kd, lm, t_lm = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
     if grad_scale is not None and grad_scale[0] and teacher_hidden is None:
         raise ValueError(f"position_terms: a KD gradient scale ({grad_scale[0]}) needs a teacher")
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
-    a, b = (0.0, 0.0) if grad_scale is None else grad_scale
     if grad_scale is not None:
         grads = (
             torch.zeros_like(hidden),
             torch.zeros_like(weight, dtype=torch.float32),
             None if bias is None else torch.zeros_like(bias, dtype=torch.float32),
         )
-    step = chunk_size or max(1, _LOGITS_PER_CHUNK // vocab)
+    step = chunk_size or max(1, _LOGITS_PER_CHUNK // weight.shape[0])
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        h, y, ok = hidden[rows].detach().to(weight.dtype), labels[rows].clamp(min=0), valid[rows].float()
+        h, y, ok = hidden[rows].detach().to(weight.dtype), labels[rows].clamp(min=0), valid[rows]
+        t_h = None if teacher_hidden is None else teacher_hidden[rows]
         with torch.no_grad():
-            z = F.linear(h, weight, bias).float()
-            log_q = F.log_softmax(z / temperature, -1)
-            log_q1 = log_q if temperature == 1 else F.log_softmax(z, -1)
-            lm[rows] = -log_q1.gather(-1, y[:, None]).squeeze(-1) * ok
-            p = None
-            if teacher_hidden is not None:
-                t_weight, t_bias = teacher_head
-                zt = F.linear(teacher_hidden[rows].to(t_weight.device, t_weight.dtype), t_weight, t_bias)
-                zt = zt.to(z.device, torch.float32)
-                log_p = F.log_softmax(zt / temperature, -1)
-                p = log_p.exp()
-                kd[rows] = temperature**2 * (p * (log_p - log_q)).sum(-1) * ok
-                if teacher_lm:
-                    log_p1 = log_p if temperature == 1 else F.log_softmax(zt, -1)
-                    t_lm[rows] = -log_p1.gather(-1, y[:, None]).squeeze(-1) * ok
-            if grads is None:
+            g = _chunk_terms(h, y, ok, head, t_h, teacher_head, temperature, grad_scale, teacher_lm,
+                             (kd[rows], lm[rows], t_lm[rows]))  # fmt: skip
+            if grads is None or g is None:
                 continue
             g_hidden, g_weight, g_bias = grads
-            g = b * log_q1.exp()  # dLM/dz = softmax(z) - onehot(y)
-            g[torch.arange(len(y), device=g.device), y] -= b
-            if (
-                a and p is not None
-            ):  # dKD/dz (p is None only without a teacher, where a is 0) = T * (softmax(z/T) - softmax(z_teacher/T))
-                g += (a * temperature) * (log_q.exp() - p)
-            g *= ok[:, None]
             g_hidden[rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            g_weight += (g.t().to(h.dtype) @ h).float()
+            if h.dtype == torch.float32:  # accumulated in place: no second vocabulary x hidden buffer
+                g_weight.addmm_(g.t(), h)
+            else:
+                g_weight += (g.t().to(h.dtype) @ h).float()
             if g_bias is not None:
                 g_bias += g.sum(0)
     return kd, lm, t_lm, grads
+
+
+def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.log_softmax(z if temperature == 1 else z / temperature, -1)
+
+
+def _chunk_terms(h, y, ok, head, t_h, teacher_head, temperature, grad_scale, teacher_lm, out):
+    """One chunk of :func:`position_terms`: its terms written into ``out = (kd, lm, t_lm)`` (views of rows),
+    and the gradient of the logits (None without ``grad_scale``). Every buffer of chunk x vocabulary is
+    reused in place where it can be: at most three (four at a temperature other than 1) are alive at once,
+    and each elementwise pass over the logits is made once (this is most of a KD step's cost beyond the
+    teacher's forward)."""
+    kd, lm, t_lm = out
+    z = F.linear(h, *head).float()
+    log_q = _log_softmax(z, temperature)
+    z_lm: torch.Tensor | None = None if temperature == 1 else z  # at T = 1 log_q is the LM's log-softmax too
+    del z
+    log_q1 = log_q if z_lm is None else F.log_softmax(z_lm, -1)
+    lm.copy_(-log_q1.gather(-1, y[:, None]).squeeze(-1) * ok)
+    del log_q1
+    p = None
+    if t_h is not None:
+        t_weight, t_bias = teacher_head
+        zt = F.linear(t_h.to(t_weight.device, t_weight.dtype), t_weight, t_bias).to(
+            log_q.device, torch.float32
+        )
+        log_p = _log_softmax(zt, temperature)
+        if teacher_lm:
+            log_p1 = log_p if temperature == 1 else F.log_softmax(zt, -1)
+            t_lm.copy_(-log_p1.gather(-1, y[:, None]).squeeze(-1) * ok)
+            del log_p1
+        del zt
+        p = log_p.exp()
+        kd.copy_(temperature**2 * log_p.sub_(log_q).mul_(p).sum(-1) * ok)  # log_p is not needed after
+        del log_p
+    if grad_scale is None:
+        return None
+    a, b = grad_scale
+    # dL/dz = b*(softmax(z) - onehot(y)) + a*T*(softmax(z/T) - p), each buffer reused in place, in the order
+    # of the plain formula (so the result is the same to the bit)
+    q = log_q.exp_()
+    d = p.sub_(q).mul_(-a * temperature) if p is not None and a else None  # a*T*(q - p)
+    g: torch.Tensor | None = None
+    if b:
+        g = (q if z_lm is None else F.log_softmax(z_lm, -1).exp_()).mul_(b)  # at T = 1 both softmaxes are q
+        g[torch.arange(len(y), device=g.device), y] -= b
+    g = d if g is None else g if d is None else g.add_(d)
+    if g is None:  # both weights 0
+        return None
+    return g.mul_(ok.to(g.dtype)[:, None])
 
 
 class _ChunkedDistillation(torch.autograd.Function):
@@ -147,7 +180,7 @@ class _ChunkedDistillation(torch.autograd.Function):
             chunk_size,
             grad_scale=(kd_weight / count, lm_weight / count),
         )
-        ctx.save_for_backward(*grads)
+        ctx.grads = grads  # intermediate buffers of the loss, not inputs or outputs: kept on ctx, used once
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         kd_mean, lm_mean = kd.sum() / count, lm.sum() / count
         ctx.mark_non_differentiable(kd_mean, lm_mean)
@@ -155,9 +188,12 @@ class _ChunkedDistillation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_kd, _grad_lm):
-        g_hidden, g_weight, g_bias = ctx.saved_tensors
-        g_bias = None if g_bias is None else (g_bias * grad_loss).to(ctx.dtypes[1])
-        return g_hidden * grad_loss, (g_weight * grad_loss).to(ctx.dtypes[0]), g_bias, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError("the distillation loss's backward ran twice (its gradients are used up)")
+        (g_hidden, g_weight, g_bias), ctx.grads = ctx.grads, None
+        # scaled in place: the buffers are this loss's own, and no second head-sized gradient is made
+        g_bias = None if g_bias is None else g_bias.mul_(grad_loss).to(ctx.dtypes[1])
+        return g_hidden.mul_(grad_loss), g_weight.mul_(grad_loss).to(ctx.dtypes[0]), g_bias, *(None,) * 4
 
 
 def distillation_loss(
