@@ -4,9 +4,10 @@ lm-evaluation-harness is the engine (the optional extra ``gdnprune[eval]``): tas
 resolved by its ``TaskManager`` over gdnprune's built-in tasks (written for this run by
 :func:`gdnprune.evaluation.tasks.write_task_folder`) and the user's folders of YAML tasks; each model is
 loaded by :func:`gdnprune.loading.load_causal_lm` (per-layer geometries included) and handed to lm-eval's
-``HFLM`` as a model object; ``simple_evaluate`` runs the tasks. Every input is checked before any model
-loads. The output folder (``results.json``, ``results.md``, ``results.png``, ``tasks/``) is built in a
-temporary folder and moved into place at the end.
+``HFLM`` as a model object, and lm-eval scores the tasks (:mod:`.harness`: ``simple_evaluate``'s numbers
+without its chatter; data parallel under ``torchrun`` / ``accelerate launch``). Every input is checked
+before any model loads. The output folder (``results.json``, ``results.md``, ``results.png``, ``tasks/``)
+is built in a temporary folder and moved into place at the end (by rank 0 alone).
 """
 
 from __future__ import annotations
