@@ -50,6 +50,8 @@ from gdnprune.evaluation import probes  # noqa: E402
 
 #: seeds of the training probes are offset from the evaluation's (default seed 0): no probe in both
 TRAIN_PROBE_SEED = 1000
+#: seed of the held-out probes of --recall-check-every (neither the evaluation's nor a training seed)
+CHECK_PROBE_SEED = 500
 
 DEFAULT_OUT = REPO_ROOT / "src" / "gdnprune" / "data" / "demo_model"
 #: --family -> the transformers class trained (the bundled demo model is qwen3_5)
@@ -149,6 +151,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="start from this trained model folder (same geometry) instead of random weights",
+    )
+    r.add_argument(
+        "--answer-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of the answer characters of a probe (what recall must copy) against 1 for every "
+        "other token (default 1: the plain mean)",
+    )
+    r.add_argument(
+        "--curriculum",
+        default="",
+        metavar="LEN:STEPS,...",
+        help="shorter windows first: e.g. 128:300 trains the first 300 steps on windows (and probes) of 128 "
+        "characters, then --seq-len (default: --seq-len throughout)",
+    )
+    r.add_argument(
+        "--recall-check-every",
+        type=int,
+        default=0,
+        help="steps between exact-match checks on held-out probes at --seq-len (default 0: never)",
+    )
+    r.add_argument(
+        "--recall-check-probes", type=int, default=16, help="probes of each kind per check (default 16)"
+    )
+    r.add_argument(
+        "--recall-target",
+        type=float,
+        default=None,
+        help="stop at the first check where the exact match of both kinds reaches this (e.g. 0.9)",
     )
     r.add_argument(
         "--max-positions",
@@ -261,22 +292,88 @@ def sample_batch(
 
 def mix_recall(
     batch: torch.Tensor, share: float, seed: int, step: int, generator: torch.Generator
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace a ``share`` of the rows of ``batch`` by recall probes of the same length (bytes = tokens).
 
     Row ``i`` at ``step`` becomes probe number ``step * B + i``: passkey or MQAR alternately, generated with
-    seed ``TRAIN_PROBE_SEED + seed``, so training never sees an evaluation probe (seed 0).
+    seed ``TRAIN_PROBE_SEED + seed``, so training never sees an evaluation probe (seed 0). Returns the batch
+    and a mask of the answer characters of every query (the tokens recall must copy).
     """
+    answers = torch.zeros(batch.shape, dtype=torch.bool)
     if share <= 0:
-        return batch
+        return batch, answers
     rows, seq_len = batch.shape
     chosen = torch.rand(rows, generator=generator) < share
     out = batch.clone()
     for i in torch.nonzero(chosen).flatten().tolist():
         index = step * rows + i
         kind = "passkey" if index % 2 == 0 else "mqar"
-        text = probes.probe(kind, TRAIN_PROBE_SEED + seed, seq_len, index).text
-        out[i] = demo_data.text_to_ids(text)
+        probe = probes.probe(kind, TRAIN_PROBE_SEED + seed, seq_len, index)
+        out[i] = demo_data.text_to_ids(probe.text)
+        for query in probe.queries:
+            answers[i, len(query.context) : len(query.context) + len(query.answer)] = True
+    return out, answers
+
+
+def weighted_loss(
+    logits: torch.Tensor, batch: torch.Tensor, answers: torch.Tensor, weight: float
+) -> torch.Tensor:
+    """Next-token cross entropy, the targets in ``answers`` weighted ``weight`` and the others 1."""
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="none"
+    )
+    weights = 1.0 + (weight - 1.0) * answers[:, 1:].flatten().float()
+    return (losses * weights).sum() / weights.sum()
+
+
+def parse_curriculum(text: str, seq_len: int) -> list[tuple[int, int]]:
+    """``128:300,192:200`` -> [(128, 300), (192, 200)]: window lengths of the first steps (then ``seq_len``)."""
+    phases = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        length, _, steps = part.partition(":")
+        try:
+            phases.append((int(length), int(steps)))
+        except ValueError:
+            raise SystemExit(
+                f"--curriculum must be LEN:STEPS pairs separated by commas, got {text!r}"
+            ) from None
+    if any(not 2 <= n <= seq_len or k < 1 for n, k in phases):
+        raise SystemExit(f"--curriculum lengths must lie in [2, --seq-len] and steps be >= 1, got {text!r}")
+    return phases
+
+
+def seq_len_at(step: int, phases: list[tuple[int, int]], seq_len: int) -> int:
+    """The window length at ``step`` under the curriculum ``phases``."""
+    for length, steps in phases:
+        if step < steps:
+            return length
+        step -= steps
+    return seq_len
+
+
+@torch.no_grad()
+def recall_exact_match(model: torch.nn.Module, length: int, count: int) -> dict[str, float]:
+    """Greedy exact match of every query of ``count`` held-out probes of each kind (seed
+    ``CHECK_PROBE_SEED``), as the eval's passkey and mqar tasks score it: every answer token is the argmax."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    for kind in ("passkey", "mqar"):
+        batch = [probes.probe(kind, CHECK_PROBE_SEED, length, i) for i in range(count)]
+        ids = torch.stack([demo_data.text_to_ids(p.text) for p in batch])
+        greedy = model(input_ids=ids, use_cache=False).logits.argmax(-1)
+        hits = [
+            bool(
+                (
+                    greedy[row, len(q.context) - 1 : len(q.context) + len(q.answer) - 1]
+                    == ids[row, len(q.context) : len(q.context) + len(q.answer)]
+                ).all()
+            )
+            for row, p in enumerate(batch)
+            for q in p.queries
+        ]
+        out[kind] = sum(hits) / len(hits)
+    model.train(was_training)
     return out
 
 
@@ -285,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         raise SystemExit("--steps, --batch-size must be >= 1 and --seq-len >= 2")
     torch.set_num_threads(args.threads)
+    phases = parse_curriculum(args.curriculum, args.seq_len)
+    if args.recall_mix > 0 and min([args.seq_len, *(n for n, _ in phases)]) < probes.MIN_LENGTH:
+        raise SystemExit(f"--recall-mix needs windows of at least {probes.MIN_LENGTH} characters")
+    if args.answer_weight != 1.0 and args.router_aux_loss:
+        raise SystemExit("--answer-weight and --router-aux-loss cannot be combined")
 
     import transformers
 
@@ -341,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
 
     history: list[dict] = []
+    checks: list[dict] = []
     recent: list[float] = []
     t_start = time.perf_counter()
     model.train()
@@ -348,14 +451,19 @@ def main(argv: list[str] | None = None) -> int:
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = sample_batch(train_ids, args.batch_size, args.seq_len, generator)
-        batch = mix_recall(batch, args.recall_mix, args.seed, step, generator)
-        loss = model(
-            input_ids=batch,
-            labels=batch,
-            use_cache=False,
-            **({"output_router_logits": True} if args.router_aux_loss else {}),
-        ).loss
+        seq_len = seq_len_at(step, phases, args.seq_len)
+        batch = sample_batch(train_ids, args.batch_size, seq_len, generator)
+        batch, answers = mix_recall(batch, args.recall_mix, args.seed, step, generator)
+        if args.answer_weight != 1.0:
+            logits = model(input_ids=batch, use_cache=False).logits
+            loss = weighted_loss(logits, batch, answers, args.answer_weight)
+        else:
+            loss = model(
+                input_ids=batch,
+                labels=batch,
+                use_cache=False,
+                **({"output_router_logits": True} if args.router_aux_loss else {}),
+            ).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -369,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"lr {lr:.2e}  gnorm {float(grad_norm):.2f}  {elapsed:6.1f}s",
                 flush=True,
             )
+        if args.recall_check_every > 0 and done % args.recall_check_every == 0:
+            recall = recall_exact_match(model, args.seq_len, args.recall_check_probes)
+            checks.append({"step": done, **recall})
+            print(f"step {done:5d}  exact match at {args.seq_len}: {json.dumps(recall)}", flush=True)
+            if args.recall_target is not None and min(recall.values()) >= args.recall_target:
+                print(f"step {done:5d}  recall target {args.recall_target} reached: stopping", flush=True)
+                break
         if args.eval_every > 0 and (done % args.eval_every == 0) and done != args.steps:
             val = demo_data.validation_loss(model, text=val_text)
             history.append(
@@ -385,9 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     val = demo_data.validation_loss(model, text=val_text)
     val_full = demo_data.validation_loss(model, num_windows=None, text=val_text)
     train_eval = demo_data.validation_loss(model, text=train_eval_text)
-    history.append(
-        {"step": args.steps, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)}
-    )
+    history.append({"step": done, "validation_loss": val, "train_loss_avg20": sum(recent) / len(recent)})
+    final_recall = None
+    if args.recall_check_every > 0:  # on the model as written
+        final_recall = recall_exact_match(model, args.seq_len, args.recall_check_probes)
+        print(f"final: exact match at {args.seq_len}: {json.dumps(final_recall)}", flush=True)
     print(
         f"final: validation {val:.4f} (all windows {val_full:.4f}), train {train_eval:.4f} nats/byte, "
         f"train time {train_seconds:.1f}s",
@@ -416,6 +533,12 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
         },
         "recall_mix": args.recall_mix,
+        "answer_weight": args.answer_weight,
+        "curriculum": phases,
+        "steps_done": done,
+        "recall_checks": checks,
+        "recall_exact_match": final_recall,
+        "recall_check_seed": CHECK_PROBE_SEED,
         "init": None if args.init is None else str(args.init),
         "num_parameters": n_params,
         "saved_dtype": args.save_dtype,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,14 +40,16 @@ CHOICES = [
 ]
 
 
-def _mc_folder(root: Path) -> Path:
-    folder = root / "mc_tasks"
+def _mc_folder(root: Path, name: str = "python_mc", wrong: tuple[int, ...] = ()) -> Path:
+    """A folder with the multiple-choice task ``name`` over :data:`CHOICES`, the nonsense choice labelled
+    right in the rows ``wrong``."""
+    folder = root / f"{name}_tasks"
     folder.mkdir()
-    rows = [{"query": q, "choices": c, "label": 0} for q, c in CHOICES]
-    data = folder / "python_mc.jsonl"
+    rows = [{"query": q, "choices": c, "label": int(i in wrong)} for i, (q, c) in enumerate(CHOICES)]
+    data = folder / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    (folder / "python_mc.yaml").write_text(
-        "task: python_mc\n"
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\n"
         "dataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {str(data)!r}\n"
         "test_split: test\n"
@@ -238,3 +242,117 @@ def test_an_unknown_task_names_the_closest_known_ones(inputs, capsys):
         "unknown task 'paskey'",
         "passkey",
     )
+
+
+# ---- what the user sees: the table, not lm-eval's chatter --------------------------------------------------
+
+
+#: hook of a multiple-choice task that appends (rank, query) of each document it scores to $EVAL_RECORD
+RECORD_HOOK = """import json, os
+
+
+def process_results(doc, results):
+    with open(os.environ["EVAL_RECORD"], "a") as f:
+        f.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "query": doc["query"]}) + "\\n")
+    best = max(range(len(results)), key=lambda i: results[i][0])
+    return {"acc": float(best == doc["label"])}
+"""
+RECORD_YAML = """process_results: !function record.process_results
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def _cli(
+    *argv: str, cwd: Path, launcher: tuple[str, ...] = (), record: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``gdnprune`` in a process of its own (optionally under ``launcher``), from ``cwd``, one thread;
+    ``record``: the file of :data:`RECORD_HOOK`."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), HF_HUB_OFFLINE="1")
+    env.update(HF_DATASETS_OFFLINE="1", EVAL_RECORD=str(record or cwd / "record.log"))
+    command = [sys.executable, "-m", *launcher, *(["-m"] if launcher else []), "gdnprune", *argv]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_quiet_eval_prints_the_table_and_nothing_else(inputs, tmp_path):
+    # outside a git repository lm-eval's run record would print git's "fatal: not a git repository"
+    git = subprocess.run(["git", "describe", "--always"], cwd=tmp_path, capture_output=True, text=True)
+    assert git.returncode != 0 and "not a git repository" in git.stderr
+    out = tmp_path / "out"
+    args = ["eval", str(DEMO), "--tasks", "passkey,nats_per_byte", "--context-lengths", "128"]
+    done = _cli(
+        *args,
+        "--data",
+        str(inputs["text"]),
+        "--limit",
+        "2",
+        "--threads",
+        "1",
+        "-o",
+        str(out),
+        "-q",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout == (out / "results.md").read_text()
+    assert done.stdout.splitlines()[0].startswith("| model | parameters |")
+
+
+def test_eval_shows_only_its_table_and_the_request_bars(inputs, capsys):
+    out = inputs["root"] / "bars"
+    args = ["eval", str(DEMO), "--tasks", "passkey,nats_per_byte", "--context-lengths", "128", "-o", str(out)]
+    assert main([*args, "--data", str(inputs["text"]), "--limit", "2", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == (out / "results.md").read_text() + (
+        f"wrote {out}: results.json, results.md, results.png, tasks/\n"
+    )
+    # lm-eval builds each task's requests under a bar without a name, and logs notes per task: neither shows
+    shown = [part.strip() for part in captured.err.replace("\r", "\n").splitlines() if part.strip()]
+    bars = ("Loading weights", "Tokenizing inputs", "Running loglikelihood requests")
+    assert any(s.startswith("Running loglikelihood requests") for s in shown)
+    assert [s for s in shown if not s.startswith(bars)] == []
+
+
+# ---- several processes, as lm-eval under accelerate launch -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_processes_under_torchrun_give_the_results_of_one(inputs, tmp_path):
+    # 5 documents per task: rank 0 takes 3, rank 1 takes 2 (lm-eval pads rank 1's share); in mixed_mc the
+    # odd rows count the nonsense choice as right, so its accuracy and standard error would differ if a
+    # rank's documents were lost or scored twice; its hook records which rank scored each document
+    mixed = _mc_folder(tmp_path, "mixed_mc", wrong=(1, 3, 5, 7))
+    (mixed / "record.py").write_text(RECORD_HOOK, encoding="utf-8")
+    yaml = (mixed / "mixed_mc.yaml").read_text()
+    yaml = yaml.replace("metric_list:\n  - metric: acc\n  - metric: acc_norm\n", "")
+    (mixed / "mixed_mc.yaml").write_text(yaml + RECORD_YAML, encoding="utf-8")
+    args = ["eval", str(DEMO), "--tasks", "mixed_mc,passkey,mqar,nats_per_byte", "--context-lengths", "128"]
+    args += ["--include-path", str(mixed), "--data", str(inputs["text"]), "--limit", "5"]
+    args += ["--batch-size", "2", "--threads", "1", "-q"]
+    launcher = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    two = _cli(*args, "-o", str(tmp_path / "two"), cwd=tmp_path, launcher=launcher, record=tmp_path / "2.log")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = _cli(*args, "-o", str(tmp_path / "one"), cwd=tmp_path, record=tmp_path / "1.log")
+    assert one.returncode == 0, one.stderr[-3000:]
+    # each rank scored its own share, and the two together every document once
+    scored = [json.loads(line) for line in (tmp_path / "2.log").read_text().splitlines()]
+    alone = [json.loads(line) for line in (tmp_path / "1.log").read_text().splitlines()]
+    assert sorted(r["rank"] for r in scored) == [0, 0, 0, 1, 1]
+    assert sorted(r["query"] for r in scored) == sorted(r["query"] for r in alone)
+    assert sorted(r["query"] for r in alone) == sorted(q for q, _ in CHOICES[:5])
+    # rank 0 alone printed the table
+    assert two.stdout == one.stdout == (tmp_path / "two" / "results.md").read_text()
+    ours = json.loads((tmp_path / "two" / "results.json").read_text())["models"][0]["results"]
+    single = json.loads((tmp_path / "one" / "results.json").read_text())["models"][0]["results"]
+    assert set(ours) == set(single) == {"mixed_mc", "passkey_128", "mqar_128", "nats_per_byte"}
+    assert 0 < single["mixed_mc"]["acc,none"] < 1  # a standard error that depends on the count
+    for task in ("mixed_mc", "passkey_128", "mqar_128"):
+        assert _metrics(ours[task]) == _metrics(single[task])
+    nats = ours["nats_per_byte"]["nats_per_byte,none"]
+    assert nats == pytest.approx(single["nats_per_byte"]["nats_per_byte,none"], rel=1e-6)

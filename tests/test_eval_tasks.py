@@ -4,6 +4,7 @@ chance) and nats per byte (equal to a plain loop over windows with the model's o
 from __future__ import annotations
 
 import filecmp
+import importlib.util
 import math
 import os
 import random
@@ -211,3 +212,58 @@ def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "passkey_256" in out.stdout and "mqar_256" in out.stdout
+
+
+# ---- the recall training mix of scripts/train_demo_model.py --------------------------------------------------
+
+
+def _training_script():
+    spec = importlib.util.spec_from_file_location(
+        "train_demo_model", REPO / "scripts" / "train_demo_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_training_mix_marks_exactly_the_answer_characters_of_its_probes():
+    script = _training_script()
+    generator = torch.Generator().manual_seed(0)
+    text = demo_data.text_to_ids(demo_data.train_text())
+    batch = script.sample_batch(text, 6, 160, generator)
+    mixed, answers = script.mix_recall(batch, 1.0, 0, 3, generator)  # every row a probe
+    for row in range(6):
+        index = 3 * 6 + row
+        kind = "passkey" if index % 2 == 0 else "mqar"
+        probe = probes.probe(kind, script.TRAIN_PROBE_SEED, 160, index)
+        chars = bytes(mixed[row].tolist()).decode("ascii")
+        assert chars == probe.text
+        marked = "".join(c for c, m in zip(chars, answers[row].tolist(), strict=True) if m)
+        # passkey: " 12345" at the very end; mqar: two digits after each asked "key:"
+        if kind == "passkey":
+            assert answers[row, -6:].all() and int(answers[row].sum()) == 6 and marked[0] == " "
+        else:
+            asked = re.findall(r"(?<=[a-z]{2}:)\d\d", chars[chars.rindex("\n") :])
+            assert marked == "".join(asked) and len(asked) == probes.MQAR_QUERIES
+        assert marked == "".join(q.answer for q in probe.queries)
+    plain, none = script.mix_recall(batch, 0.0, 0, 3, generator)
+    assert torch.equal(plain, batch) and not none.any()
+
+
+def test_the_weighted_loss_is_the_plain_mean_at_weight_1_and_a_weighted_mean_otherwise():
+    script = _training_script()
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, 11)
+    batch = torch.randint(0, 11, (2, 7))
+    answers = torch.rand(2, 7) < 0.4
+    plain = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), batch[:, 1:].reshape(-1))
+    assert script.weighted_loss(logits, batch, answers, 1.0).item() == pytest.approx(plain.item(), rel=1e-6)
+    total = weights = 0.0
+    for r in range(2):
+        for t in range(6):  # position t predicts token t + 1
+            nll = -torch.log_softmax(logits[r, t], -1)[batch[r, t + 1]].item()
+            w = 5.0 if answers[r, t + 1] else 1.0
+            total, weights = total + w * nll, weights + w
+    assert script.weighted_loss(logits, batch, answers, 5.0).item() == pytest.approx(
+        total / weights, rel=1e-5
+    )

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import logging
+import argparse
 import sys
 
-from ._options import add_output_arguments, non_negative_int, positive_int
+from ._options import add_distributed_arguments, add_output_arguments, non_negative_int, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "eval"
@@ -41,7 +41,9 @@ def add_parser(subparsers) -> None:
         "--include-path) or gdnprune's built-in ones, which need no download: nats_per_byte (on --data), "
         "passkey and mqar (recall probes at --context-lengths; one task per length, passkey_256, ...). "
         "Models whose layers differ (per_layer_config) are loaded by gdnprune. Writes OUT_DIR/results.json, "
-        "results.md, results.png and tasks/ (the built-in tasks of the run, for lm_eval --include_path).",
+        "results.md, results.png and tasks/ (the built-in tasks of the run, for lm_eval --include_path). "
+        "Under torchrun or accelerate launch each process scores its share of every task's documents, as "
+        "lm_eval does under accelerate launch; rank 0 prints and writes.",
     )
     p.add_argument(
         "models", nargs="+", metavar="MODEL", help="model folders (e.g. teacher, pruned, recovered)"
@@ -91,10 +93,34 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the recall probes and of lm-eval (default 0)")
     add_runtime_arguments(p)
+    add_distributed_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    """Under torchrun / accelerate launch every rank scores its share of the documents; rank 0 prints and
+    writes."""
+    # lazy: commands import the library when they run, so --help stays fast
+    from ..distributed import RankFailedError, process_group, rank, world_size
+
+    # lazy: commands import the library when they run, so --help stays fast
+    from . import report_error
+
+    who = ""  # "rank R of N: " in front of the messages of a multi-process run
+    try:
+        with process_group(timeout=args.dist_timeout) as several:
+            who = f"rank {rank()} of {world_size()}: " if several else ""
+            return _eval(args, main=rank() == 0)
+    except RankFailedError as exc:  # another rank failed (its message), or the ranks lost touch
+        report_error(NAME, exc, who)
+        return 2 if exc.user_error else 1
+    except (ValueError, OSError) as exc:
+        if not who:
+            raise
+        return report_error(NAME, exc, who)
+
+
+def _eval(args, main: bool) -> int:
     # lazy: commands import the library when they run, so --help stays fast
     from ..evaluation.api import EvalOptions, MissingExtraError, evaluate_models
 
@@ -110,14 +136,18 @@ def run(args) -> int:
         dtype=args.dtype,
         seed=args.seed,
     )
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval's notes per task are not the user's
+    runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})  # rank 0 speaks
     try:
-        with model_runtime(args):
-            report = evaluate_models(args.models, options, args.output, overwrite=args.overwrite)
+        with model_runtime(runtime):
+            report = evaluate_models(
+                args.models, options, args.output, overwrite=args.overwrite, progress=not runtime.quiet
+            )
     except MissingExtraError as exc:
         print(f"gdnprune eval: error: {exc}", file=sys.stderr)
         return 1
-    print(report.table, end="")
-    extra = ", results.png" if report.plotted else " (no plot: matplotlib is not installed)"
-    print(f"wrote {report.out_dir}: results.json, results.md{extra}, tasks/")
+    if main:
+        print(report.table, end="")
+        if not args.quiet:
+            extra = ", results.png" if report.plotted else " (no plot: matplotlib is not installed)"
+            print(f"wrote {report.out_dir}: results.json, results.md{extra}, tasks/")
     return 0

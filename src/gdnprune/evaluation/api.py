@@ -4,9 +4,10 @@ lm-evaluation-harness is the engine (the optional extra ``gdnprune[eval]``): tas
 resolved by its ``TaskManager`` over gdnprune's built-in tasks (written for this run by
 :func:`gdnprune.evaluation.tasks.write_task_folder`) and the user's folders of YAML tasks; each model is
 loaded by :func:`gdnprune.loading.load_causal_lm` (per-layer geometries included) and handed to lm-eval's
-``HFLM`` as a model object; ``simple_evaluate`` runs the tasks. Every input is checked before any model
-loads. The output folder (``results.json``, ``results.md``, ``results.png``, ``tasks/``) is built in a
-temporary folder and moved into place at the end.
+``HFLM`` as a model object, and lm-eval scores the tasks (:mod:`.harness`: ``simple_evaluate``'s numbers
+without its chatter; data parallel under ``torchrun`` / ``accelerate launch``). Every input is checked
+before any model loads. The output folder (``results.json``, ``results.md``, ``results.png``, ``tasks/``)
+is built in a temporary folder and moved into place at the end (by rank 0 alone).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Any
 import transformers
 
 from ..checkpoint.output import Staging, check_output_folder
+from ..distributed import exchange, is_main_process
 from ..loading import load_causal_lm
 from ..subblock_surgery import find_model_blocks
 from .report import ModelResult, markdown_table, plot_report
@@ -187,43 +190,48 @@ def _names(models: Sequence[Path]) -> list[str]:
     return [str(p) if names.count(n) > 1 else n for p, n in zip(models, names, strict=True)]
 
 
-def _evaluate_one(path: Path, name: str, options: EvalOptions, manager: Any) -> ModelResult:
+def _evaluate_one(path: Path, name: str, options: EvalOptions, manager: Any, progress: bool) -> ModelResult:
     try:
         model = load_causal_lm(path, dtype=options.dtype, device=options.device)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the folder is the problem
         raise EvalError(f"model {path}: does not load ({' '.join(str(exc).split())})") from None
-    return evaluate_model(model, tokenizer, options, manager, name=name, path=str(path))
+    return evaluate_model(model, tokenizer, options, manager, name=name, path=str(path), progress=progress)
 
 
 def evaluate_model(
-    model: Any, tokenizer: Any, options: EvalOptions, manager: Any, *, name: str, path: str = ""
+    model: Any,
+    tokenizer: Any,
+    options: EvalOptions,
+    manager: Any,
+    *,
+    name: str,
+    path: str = "",
+    progress: bool = False,
 ) -> ModelResult:
     """One loaded causal LM on ``options.tasks`` (``manager``: :func:`task_manager`), through lm-eval's
-    ``HFLM`` given the model object."""
-    import lm_eval  # lazy: optional extra
-    from lm_eval.models.huggingface import HFLM  # lazy: optional extra
+    ``HFLM`` given the model object (:mod:`.harness`: lm-eval's notes, bars and git call kept off the
+    terminal; its request bars shown with ``progress``). In a process group of several processes every rank
+    scores its share of the documents and every rank returns the gathered result."""
+    from . import harness  # lazy: optional extra
 
     parameters, active = model_parameters(model)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
+    lm = harness.HarnessLM(model, tokenizer, batch_size=options.batch_size, progress=progress)
     # scoring needs no cache, and transformers' Qwen3.5 cache fails on a model without attention layers
     cached, model.config.use_cache = getattr(model.config, "use_cache", None), False
     try:
-        out = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(options.tasks),
-            task_manager=manager,
-            num_fewshot=options.num_fewshot,
+        results = harness.run_tasks(
+            lm,
+            options.tasks,
+            manager,
             limit=options.limit,
-            log_samples=False,
-            random_seed=options.seed,
-            numpy_random_seed=options.seed,
-            torch_random_seed=options.seed,
-            fewshot_random_seed=options.seed,
+            num_fewshot=options.num_fewshot,
+            seed=options.seed,
         )
     finally:
         model.config.use_cache = cached
-    return ModelResult(path, name, parameters, active, dict(out["results"]))
+    results = exchange(results)[0]  # rank 0 has the results (lm-eval gives the other ranks None)
+    return ModelResult(path, name, parameters, active, dict(results or {}))
 
 
 def evaluate_models(
@@ -232,11 +240,16 @@ def evaluate_models(
     out_dir: str | os.PathLike,
     *,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> EvalReport:
     """Evaluate every model folder on ``options.tasks`` and write ``out_dir``: ``results.json`` (per model:
     path, name, parameter counts, lm-eval's ``results`` unchanged), ``results.md`` (the table),
     ``results.png`` (the plot, when matplotlib is installed) and ``tasks/`` (the built-in tasks of this run,
-    a folder ``lm_eval --include_path`` reads).
+    a folder ``lm_eval --include_path`` reads). ``progress``: lm-eval's request bars, on rank 0.
+
+    Under ``torchrun`` / ``accelerate launch`` (a process group of several processes, initialised by the
+    caller: :func:`gdnprune.distributed.process_group`) every rank loads each model and scores its share of
+    the documents; rank 0 gathers the results and alone writes ``out_dir``. Every rank returns the report.
 
     Raises:
         MissingExtraError: lm-eval is not installed.
@@ -247,19 +260,25 @@ def evaluate_models(
     paths = [Path(m) for m in models]
     out = Path(out_dir)
     _check_inputs(paths, options)
-    check_output_folder(out, overwrite, OUTPUT_MARKERS)
-    staging = Staging(out, overwrite, markers=OUTPUT_MARKERS)
-    with staging as tmp:
+    main = is_main_process()
+    if main:
+        check_output_folder(out, overwrite, OUTPUT_MARKERS)
+    staging = Staging(out, overwrite, markers=OUTPUT_MARKERS) if main else None
+    with staging if staging is not None else tempfile.TemporaryDirectory() as where:
+        tmp = Path(where)  # rank 0: the output being built; other ranks: their own copy of the tasks
         folder = write_task_folder(
             tmp / "tasks", context_lengths=options.context_lengths, seed=options.seed, data=options.data
         )
         manager = task_manager(options, folder.path)
         report = EvalReport(out)
         for path, name in zip(paths, _names(paths), strict=True):
-            report.rows.append(_evaluate_one(path, name, options, manager))
-        results = {"tasks": list(options.tasks), "models": [row.to_json() for row in report.rows]}
-        (tmp / RESULTS_NAME).write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
-        (tmp / "results.md").write_text(report.table, encoding="utf-8")
-        report.plotted = plot_report(report.rows, tmp / "results.png")
-        staging.commit()
+            report.rows.append(_evaluate_one(path, name, options, manager, progress and main))
+        if staging is not None:
+            results = {"tasks": list(options.tasks), "models": [row.to_json() for row in report.rows]}
+            (tmp / RESULTS_NAME).write_text(
+                json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8"
+            )
+            (tmp / "results.md").write_text(report.table, encoding="utf-8")
+            report.plotted = plot_report(report.rows, tmp / "results.png")
+            staging.commit()
     return report
