@@ -18,14 +18,19 @@ from xdist.scheduler import LoadFileScheduling
 #: the files that read the ``launch`` fixture (conftest.py checks that no other file does)
 LAUNCH_FILES = ("test_distributed.py", "test_first_hour.py")
 
-#: the units that take longest (CPU seconds of a whole run with ``--durations=0``), slowest first; a unit
-#: not listed keeps its collection order after these
+#: the units that take longest, slowest first (the sum of their tests' times in a whole `make test` run with
+#: `--junitxml`); a unit not listed keeps its collection order after these
 SLOWEST_FIRST = (
     "test_distill_pipeline.py",
     "test_distill_fsdp.py",
-    "test_distill_cli.py",
-    "launch",
+    "test_install.py",
+    "test_eval_tasks.py",
     "test_distill.py",
+    "launch",
+    "test_plan_refine.py",
+    "test_demo.py",
+    "test_distill_cli.py",
+    "test_eval.py",
 )
 
 
