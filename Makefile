@@ -23,8 +23,12 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m mypy
 
+# pytest-xdist: TEST_WORKERS processes share the suite, a test file each at a time, slowest files first
+# (tests/xdist_units.py); `make test TEST_WORKERS=0` runs it in one process
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache .hypothesis .mypy_cache .ruff_cache

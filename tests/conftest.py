@@ -12,10 +12,38 @@ from gdnprune.cli import main
 
 sys.path.insert(0, os.path.dirname(__file__))
 # one thread: the test models are tiny, and on a shared machine extra threads spin and slow everything down
+# (also in each pytest-xdist worker: every worker imports this file)
 torch.set_num_threads(1)
 
 #: the trained MoE model that the launch's last, interrupted score reads
 MOE = Path(__file__).resolve().parent / "data" / "trained" / "qwen3_5_moe"
+
+
+# pytest-xdist (`make test` runs `-n 2 --dist loadfile`): test files are the units of work, the launch's
+# files one unit, the slowest first (tests/xdist_units.py)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist_units import FileUnits  # lazy: imports xdist, there only when it runs
+
+    return FileUnits(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker: the slowest units first (a stable sort: each file keeps its order)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a plain run keeps pytest's order
+    from xdist_units import LAUNCH_FILES, rank  # lazy: imports xdist, there only when it runs
+
+    readers = {item.path.name for item in items if "launch" in getattr(item, "fixturenames", ())}
+    if not readers <= set(LAUNCH_FILES):
+        raise pytest.UsageError(
+            f"add {sorted(readers - set(LAUNCH_FILES))} to tests/xdist_units.py's LAUNCH_FILES"
+        )
+    items.sort(key=lambda item: rank(item.path))
 
 
 # the suite's one 2-process launch (tests/launches.py) and its inputs, shared by test_distributed and
