@@ -30,7 +30,7 @@ from gdnprune.plan.api import search
 from gdnprune.plan.depth import choose_with_removal, pool_with_removal
 from gdnprune.plan.evolve import feasible
 from gdnprune.plan.rank import candidate_plans
-from gdnprune.plan.report import Sensitivities
+from gdnprune.plan.report import Choice, Sensitivities
 from gdnprune.plan.solve import BudgetError, choose_pool
 from gdnprune.plan.stages import check_depth, choose_plan, choose_plans
 from gdnprune.scoring import score_model
@@ -322,3 +322,40 @@ def test_two_processes_rank_as_one_process_does(launch, launch_model, launch_tex
         json.loads((launch.folder / "ranked.json").read_text())["layers"]
         == json.loads(out.read_text())["layers"]
     )
+
+
+def test_the_evolutionary_search_hands_its_best_distinct_plans_to_the_ranking(setting):
+    from gdnprune.plan.evolve import evolve
+
+    # a fitness in plain Python: per window, a made-up loss of the plan (larger candidates: less)
+    def fitness(plans, lo, hi):
+        return [
+            [sum((c + 1) * (w + 1) * 0.01 * (g + 1) for g, c in enumerate(p)) for w in range(lo, hi)]
+            for p in plans
+        ]
+
+    costs = {"params": [[10, 7, 5, 2] for _ in range(3)]}
+    result = evolve(costs, {"params": 22}, [0, 3, 3], fitness, [1.0] * 4, generations=6, offspring=4, seed=1)
+    population = result["population"]
+    mean = [float(np.mean(fitness([p], 0, 4)[0])) for p in population]
+    assert population[0] == result["picks"] and mean == sorted(mean) and len(population) > 2
+    assert len({tuple(p) for p in population}) == len(population)
+    assert all(feasible(p, costs, {"params": 22}) for p in population)
+    # the ranking takes them as its candidates, best first, removed layers (-1) as None
+    model, batches, scores = setting
+    done = search(
+        model,
+        batches,
+        scores,
+        PlanOptions(budget_params=0.6, blocks=["gdn", "attention", "mlp", "depth"], sensitivity="measured"),
+        progress=False,
+    )
+    n = len(done.problem.groups) + len(done.problem.rests)
+    first = done.choice.picks
+    other = choose_plans(done.problem, done.sens, 2)[1].picks
+    refined = Choice(
+        picks=first, refinement={"population": [[-1 if p is None else p for p in q] for q in (first, other)]}
+    )
+    candidates = candidate_plans(done.problem, done.sens, refined, 3)
+    assert [name for name, _, _ in candidates][:2] == ["evolved 1", "evolved 2"]
+    assert candidates[0][1] is refined and candidates[1][1].picks == other and len(other) == n
