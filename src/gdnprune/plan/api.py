@@ -254,6 +254,7 @@ class Search:
     report: PlanReport
 
 
+# long: the stages one after another (build, measure, choose, check depth, refine, rank, report), each one call
 def search(
     model: Any,
     batches: Iterable[Any] | None,

@@ -60,7 +60,7 @@ def skipped_output(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-# long: its documented signature and docstring; the body is 71 lines, one step after another
+# long: its documented signature and docstring; the body is 72 lines, one step after another
 def choose_with_removal(
     sensitivity: Sequence[Sequence[float]],
     costs: Mapping[str, Sequence[Sequence[float]]],
@@ -166,7 +166,11 @@ def choose_with_removal(
 
 
 def _removal_cut(
-    picks: Sequence[int | None], starts: Sequence[int], n: int, layers: Sequence[int], layer_of: Sequence[int]
+    picks: Sequence[int | None],
+    starts: Sequence[int] | np.ndarray,
+    n: int,
+    layers: Sequence[int],
+    layer_of: Sequence[int],
 ) -> LinearConstraint:
     """The no-good constraint of one choice of :func:`choose_with_removal` (as
     :func:`gdnprune.plan.solve.no_good_cut`): its width binaries and the binaries of the layers it removes,

@@ -115,7 +115,7 @@ def choose(
 
 
 def no_good_cut(
-    picks: Sequence[int | None], starts: Sequence[int], n: int, extra: int = 0
+    picks: Sequence[int | None], starts: Sequence[int] | np.ndarray, n: int, extra: int = 0
 ) -> LinearConstraint:
     """The constraint that cuts one choice off a multiple-choice MILP whose group ``g``'s binaries start at
     ``starts[g]`` (``n`` of them, then ``extra`` more variables): at most ``len(picks) - 1`` of the choice's
