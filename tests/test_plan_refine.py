@@ -318,7 +318,7 @@ def test_budgets_are_checked_before_any_forward(case):
 
 
 def test_prune_says_no_plan_meets_the_budgets_before_it_scores(scored_folder, tmp_path, capsys, monkeypatch):
-    import gdnprune.scoring
+    import gdnprune.prune
     from gdnprune.cli import main
 
     src, text, _ = scored_folder
@@ -326,7 +326,8 @@ def test_prune_says_no_plan_meets_the_budgets_before_it_scores(scored_folder, tm
     def never(*args, **kwargs):
         raise AssertionError("scored before the budgets were checked")
 
-    monkeypatch.setattr(gdnprune.scoring, "score_checkpoint", never)
+    # where prune looks it up (patching gdnprune.scoring would bind `never` into a first import of prune)
+    monkeypatch.setattr(gdnprune.prune, "score_checkpoint", never)
     assert (
         main(
             [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ def prune_checkpoint(
     seed: int = 0,
     lane_search: bool = False,
     lane_search_samples: int = 16,
+    on_rank_cost: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
     """Score ``model_dir`` on ``data``, then sort and cut every GDN layer in one streaming pass.
 
@@ -87,8 +88,9 @@ def prune_checkpoint(
     sha256 of the scores it was searched on must have been searched on these; a plan that records one while
     the model is scored afresh gets a :class:`PlanScoresWarning`). The output path, the target or plan and the
     constraints are checked before the (long) scoring starts. The model is loaded once (when anything needs
-    it); scoring, the plan search and the sequential refit share it. Returns the manifest (with the searched
-    plan under ``"plan"``).
+    it); scoring, the plan search and the sequential refit share it. ``on_rank_cost``: the cost of a search's
+    ``rank_by_distill``, before it runs (:func:`gdnprune.plan.plan_model`). Returns the manifest (with the
+    searched plan under ``"plan"``).
     """
     if compensate not in (False, True, "statistics", "sequential"):
         raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
@@ -166,12 +168,13 @@ def prune_checkpoint(
             multiple_of=multiple_of,
             progress=progress,
             model=model,
+            on_rank_cost=on_rank_cost,
             **search.keywords(),
         )
         extra["plan_report"] = {
             "seconds": report["seconds"],
             "sensitivity": report["sensitivity"],
-            **{k: report[k] for k in ("servable", "latency") if k in report},
+            **{k: report[k] for k in ("servable", "latency", "ranking", "depth_check") if k in report},
         }
     if sequential:
         targets = (

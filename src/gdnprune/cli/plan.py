@@ -19,6 +19,7 @@ from ._options import (
     non_negative_int,
     positive_int,
 )
+from ._ranking import add_rank_arguments, check_rank_flags, rank_cost_printer, ranking_summary
 from ._runtime import add_runtime_arguments, model_runtime
 from .bench import WORKLOAD_HELP, WORKLOAD_METAVAR
 
@@ -142,6 +143,7 @@ def add_search_arguments(p) -> None:
         metavar="N",
         help="the evolutionary search's random seed (default 0; the search is deterministic for a seed)",
     )
+    add_rank_arguments(p)
     for name, kind in (
         ("generations", non_negative_int),
         ("offspring", positive_int),
@@ -198,6 +200,9 @@ def search_options(args) -> dict:
         evolve_generations=args.evolve_generations,
         evolve_offspring=args.evolve_offspring,
         evolve_seed=args.evolve_seed,
+        rank_by_distill=args.rank_by_distill,
+        rank_steps=args.rank_steps,
+        rank_lr=args.rank_lr,
     )
 
 
@@ -341,7 +346,7 @@ def format_plan(plan: dict, report: dict) -> str:
             else ""
         )
     )
-    lines += servable_summary(report) + latency_summary(report)
+    lines += servable_summary(report) + latency_summary(report) + ranking_summary(report)
     refined = report.get("refinement")
     if refined:
         accepted = sum(h["accepted"] for h in refined["history"])
@@ -527,6 +532,7 @@ def _plan(args) -> int:
             )
         data = checked_data(args, tokenizer_dir=args.model_dir)
         check_latency_options(args)
+        check_rank_flags(args)
         if args.snap_servable is not None:
             _check_snap(args)
         elif not any_budget(args):
@@ -553,6 +559,7 @@ def _plan(args) -> int:
                 device_map=args.device_map,
                 progress=main and not args.quiet,
                 snap=args.snap_servable,
+                on_rank_cost=rank_cost_printer(NAME, not main or args.quiet),
                 **search_options(args),
             )
         with fail_together():

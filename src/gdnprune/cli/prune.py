@@ -13,6 +13,7 @@ from ._options import (
     scoring_options,
     target_from_args,
 )
+from ._ranking import check_rank_flags, rank_cost_printer, ranking_summary
 from ._runtime import add_runtime_arguments, model_runtime
 from .plan import (
     add_search_arguments,
@@ -97,6 +98,7 @@ def run(args) -> int:
             f"`gdnprune score` (and `gdnprune plan`) there, then `sort` and `slice` in one process"
         )
     check_latency_options(args)
+    check_rank_flags(args)
     budget = any_budget(args)
     target = target_from_args(args, required=not budget and args.plan is None)
     search = None
@@ -130,6 +132,7 @@ def run(args) -> int:
             servable=args.servable,
             lane_search=args.lane_search,
             lane_search_samples=args.lane_search_samples,
+            on_rank_cost=rank_cost_printer(NAME, args.quiet),
             **scoring_options(args),
         )
     uniform = manifest.get("target")
@@ -155,8 +158,7 @@ def run(args) -> int:
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:
             print(f"  {line}")
-        for line in servable_summary(manifest.get("plan_report", {})) + latency_summary(
-            manifest.get("plan_report", {})
-        ):
+        report = manifest.get("plan_report", {})
+        for line in servable_summary(report) + latency_summary(report) + ranking_summary(report):
             print(f"  {line}")
     return 0

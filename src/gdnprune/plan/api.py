@@ -7,7 +7,7 @@ report of every candidate (:mod:`.report`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -35,10 +35,19 @@ from .problem import (
     check_feasible,
     given_budgets,
 )
+from .rank import RANK_LR, RANK_STEPS, RankCost, check_rank_options, rank_plans
 from .report import Choice, PlanReport, Sensitivities, plan_document
 from .servable import SERVABLE_NOTE
 from .solve import BudgetError, uniform_choices
-from .stages import check_sensitivity, choose_plan, evolve_choice, make_report, make_servable, measure
+from .stages import (
+    check_depth,
+    check_sensitivity,
+    choose_plan,
+    evolve_choice,
+    make_report,
+    make_servable,
+    measure,
+)
 from .subblocks import BLOCK_NAMES
 
 __all__ = [
@@ -79,6 +88,9 @@ class PlanOptions:
     evolve_generations: int = 0
     evolve_offspring: int = 8
     evolve_seed: int = 0
+    rank_by_distill: int = 0
+    rank_steps: int = RANK_STEPS
+    rank_lr: float = RANK_LR
 
     def keywords(self) -> dict[str, Any]:
         """The options as :func:`plan_model`'s keyword arguments."""
@@ -137,7 +149,11 @@ def plan_model(
     evolve_generations: int = 0,
     evolve_offspring: int = 8,
     evolve_seed: int = 0,
+    rank_by_distill: int = 0,
+    rank_steps: int = RANK_STEPS,
+    rank_lr: float = RANK_LR,
     progress: bool = True,
+    on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> tuple[dict, dict]:
     """Choose every GDN layer's target, and every sub-block's, under the budgets; returns ``(plan, report)``.
 
@@ -190,7 +206,17 @@ def plan_model(
             (``refine_generations``, ``refine_offspring``, ``refine_seed``: the old names, with a
             ``FutureWarning``.)
         evolve_offspring, evolve_seed: plans tried per generation, and the search's random seed.
+        rank_by_distill: rank after a short recovery (:mod:`.rank`): the MILP's ``rank_by_distill`` best
+            distinct plans (with the evolutionary search: its best plans), and the best uniform cut, are each distilled
+            ``rank_steps`` steps (AdamW at ``rank_lr``) from the model on three quarters of the calibration
+            windows; the least KL on the last quarter wins. 0: the exact choice as it is. The report's
+            ``ranking`` lists every candidate with its one-shot and recovered KL.
         progress: progress bars over the measured candidates and the search's generations.
+        on_rank_cost: called with the ranking's cost (:class:`~gdnprune.plan.rank.RankCost`) before it
+            starts, and with the estimate in seconds after its first step.
+
+    When the chosen plan removes a decoder layer, the KL of its whole cut model on the calibration windows is
+    measured against the best widths-only plan's, and the better is kept (the report's ``depth_check``).
 
     Returns:
         The plan (a :mod:`gdnprune.plan_file` dict with the budgets, the predicted summed sensitivity and the
@@ -219,6 +245,9 @@ def plan_model(
         evolve_generations=evolve_generations,
         evolve_offspring=evolve_offspring,
         evolve_seed=evolve_seed,
+        rank_by_distill=rank_by_distill,
+        rank_steps=rank_steps,
+        rank_lr=rank_lr,
     )
     done = search(
         model,
@@ -229,6 +258,7 @@ def plan_model(
         multiple_of=multiple_of,
         orders_applied=orders_applied,
         progress=progress,
+        on_rank_cost=on_rank_cost,
     )
     return done.plan, done.report.as_dict()
 
@@ -244,6 +274,7 @@ class Search:
     report: PlanReport
 
 
+# long: the stages one after another (build, measure, choose, check depth, evolve, rank, report), each one call
 def search(
     model: Any,
     batches: Iterable[Any] | None,
@@ -254,6 +285,7 @@ def search(
     multiple_of: int | None = None,
     orders_applied: bool = False,
     progress: bool = True,
+    on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> Search:
     """:func:`plan_model`'s four stages (build, measure, choose, report) with its options as one object."""
     o = options
@@ -279,6 +311,13 @@ def search(
             "the evolutionary search (evolve_generations) needs calibration batches, measured sensitivities "
             "and a heterogeneous plan (not --uniform or --servable)"
         )
+    check_rank_options(
+        o.rank_by_distill,
+        o.rank_steps,
+        o.rank_lr,
+        heterogeneous=not (o.uniform or o.servable),
+        measured=batches is not None and o.sensitivity != "proxy",
+    )
     latency = None
     if workload is not None:  # timed before any calibration forward: an unreachable budget is said first
         assert o.budget_latency is not None
@@ -289,6 +328,8 @@ def search(
     batches = None if batches is None else list(batches)
     sens = measure(model, batches, problem, o.sensitivity, progress=progress, servable=o.servable)
     choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
+    if choice.removed and batches is not None and not (o.uniform or o.servable):
+        choice = check_depth(model, batches, problem, choice, sens)
     if o.evolve_generations:
         assert batches is not None
         choice = evolve_choice(
@@ -301,6 +342,21 @@ def search(
             seed=o.evolve_seed,
             progress=progress,
         )
+    ranking, depth_check = None, choice.depth_check
+    if o.rank_by_distill:
+        assert batches is not None
+        ranking = rank_plans(
+            model,
+            batches,
+            problem,
+            sens,
+            choice,
+            count=o.rank_by_distill,
+            steps=o.rank_steps,
+            lr=o.rank_lr,
+            on_cost=on_rank_cost,
+        )
+        choice = ranking.best.choice
     plan = plan_document(
         problem,
         o.sensitivity,
@@ -310,6 +366,12 @@ def search(
         {"sha256": _scores_hash(scores), "method": data.get("method")},
     )
     report = make_report(model, batches, problem, o.sensitivity, sens, choice)
+    report.depth_check = depth_check  # the check of the exact choice, whichever plan the ranking kept
+    if ranking is not None:
+        report.extra["ranking"] = ranking.as_dict()
+        plan["ranked"] = {
+            k: report.extra["ranking"][k] for k in ("winner", "steps", "train_windows", "heldout_windows")
+        }
     if o.servable:
         make_servable(plan, problem, choice)
         report.extra["servable"] = SERVABLE_NOTE

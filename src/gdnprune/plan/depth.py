@@ -20,7 +20,8 @@ candidate, sensitivity 0; removing the layer takes it off every budget with the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,15 @@ from scipy.optimize import Bounds, LinearConstraint
 from ..forwards import Forwards, hidden_argument
 from .solve import MILP_OPTIONS, BudgetError, exact_objective, quiet_milp
 
-__all__ = ["LayerRest", "choose_with_removal", "removal_sensitivity", "skipped_output"]
+__all__ = [
+    "DepthCheck",
+    "LayerRest",
+    "choose_with_removal",
+    "keep_better",
+    "pool_with_removal",
+    "removal_sensitivity",
+    "skipped_output",
+]
 
 
 class LayerRest:
@@ -51,7 +60,7 @@ def skipped_output(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-# long: its documented signature and docstring; the body is 71 lines, one step after another
+# long: its documented signature and docstring; the body is 72 lines, one step after another
 def choose_with_removal(
     sensitivity: Sequence[Sequence[float]],
     costs: Mapping[str, Sequence[Sequence[float]]],
@@ -61,6 +70,7 @@ def choose_with_removal(
     removal: Mapping[int, float],
     allowed: Sequence[Sequence[bool]] | None = None,
     keep_one_of: Sequence[int] = (),
+    exclude: Sequence[Sequence[int | None]] = (),
 ) -> tuple[list[int | None], list[int]]:
     """The candidate of every group, or None where its decoder layer is removed, that minimises the summed
     sensitivity within ``budgets``; and the removed layers. At least one of the groups' layers stays.
@@ -73,6 +83,9 @@ def choose_with_removal(
             :func:`gdnprune.plan.solve.choose_among`, e.g. successive halving's survivors); removal always may.
         keep_one_of: decoder layers of which at least one stays (a hybrid model's full-attention layers:
             transformers' cache counts the sequence length on one).
+        exclude: choices (as returned: None where the layer is removed) that may not be returned, each cut
+            off by one no-good constraint (:func:`gdnprune.plan.solve.no_good_cut`, the removals' binaries
+            included): the next best choice, for a solution pool (:func:`pool_with_removal`).
 
     Raises:
         BudgetError: no choice meets the budgets; ValueError: inconsistent inputs.
@@ -112,6 +125,8 @@ def choose_with_removal(
             [np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)]
         )
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
+    for picks in exclude:
+        constraints.append(_removal_cut(picks, starts, n, layers, layer_of))
     c = np.concatenate(
         [
             np.concatenate([np.asarray(g, dtype=np.float64) for g in sensitivity]),
@@ -148,6 +163,92 @@ def choose_with_removal(
         picked = np.flatnonzero(x[start : start + size])
         choice.append(None if layer_of[g] in removed else int(picked[0]))
     return choice, removed
+
+
+def _removal_cut(
+    picks: Sequence[int | None],
+    starts: Sequence[int] | np.ndarray,
+    n: int,
+    layers: Sequence[int],
+    layer_of: Sequence[int],
+) -> LinearConstraint:
+    """The no-good constraint of one choice of :func:`choose_with_removal` (as
+    :func:`gdnprune.plan.solve.no_good_cut`): its width binaries and the binaries of the layers it removes,
+    at most all of them but one set."""
+    row = np.zeros(n + len(layers))
+    row[[start + p for start, p in zip(starts, picks) if p is not None]] = 1
+    row[
+        [n + layers.index(layer) for layer in sorted({layer_of[g] for g, p in enumerate(picks) if p is None})]
+    ] = 1
+    return LinearConstraint(row[None, :], -np.inf, float(row.sum()) - 1)
+
+
+def pool_with_removal(
+    sensitivity: Sequence[Sequence[float]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    count: int,
+    **options: Any,
+) -> list[list[int | None]]:
+    """The ``count`` best distinct choices of :func:`choose_with_removal` (``options``: its keywords), best
+    first; fewer when fewer meet the budgets."""
+    pool: list[list[int | None]] = []
+    while len(pool) < count:
+        try:
+            pool.append(choose_with_removal(sensitivity, costs, budgets, exclude=pool, **options)[0])
+        except BudgetError:
+            if not pool:
+                raise
+            break
+    return pool
+
+
+@dataclass(frozen=True)
+class DepthCheck:
+    """Depth that never loses to widths: the measured loss (KL of the whole cut model on the calibration
+    windows) of the plan that removes ``removed`` and of the best widths-only plan (None: no widths-only plan
+    meets the budgets), and which was ``kept`` (``"depth"`` or ``"widths"``)."""
+
+    removed: list[int]
+    depth_kl: float
+    widths_kl: float | None
+    kept: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "removed_layers": self.removed,
+            "depth_kl": self.depth_kl,
+            "widths_only_kl": self.widths_kl,
+            "kept": self.kept,
+        }
+
+
+def keep_better(
+    with_depth: Sequence[int | None],
+    removed: Sequence[int],
+    sensitivity: Sequence[Sequence[float]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    measure: Callable[[Sequence[int | None]], float],
+    *,
+    layer_of: Sequence[int],
+    allowed: Sequence[Sequence[bool]] | None = None,
+) -> tuple[list[int | None], DepthCheck]:
+    """The better of the choice ``with_depth`` (which removes the layers ``removed``) and the best widths-only
+    choice (:func:`choose_with_removal` with no layer removable), by ``measure`` (a choice -> its loss, e.g.
+    the KL of the whole cut model on the calibration windows; the summed sensitivities that chose both are
+    additive estimates, which removal breaks most). Equal losses keep the widths-only choice."""
+    depth_kl = float(measure(with_depth))
+    try:
+        widths, _ = choose_with_removal(
+            sensitivity, costs, budgets, layer_of=layer_of, removal={}, allowed=allowed
+        )
+    except BudgetError:
+        return list(with_depth), DepthCheck(list(removed), depth_kl, None, "depth")
+    widths_kl = float(measure(widths))
+    if widths_kl <= depth_kl:
+        return widths, DepthCheck(list(removed), depth_kl, widths_kl, "widths")
+    return list(with_depth), DepthCheck(list(removed), depth_kl, widths_kl, "depth")
 
 
 def removal_sensitivity(

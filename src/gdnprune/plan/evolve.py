@@ -155,7 +155,7 @@ def stages(windows: int, offspring: int) -> list[tuple[int, int]]:
     return [(windows, 1)]
 
 
-# long: its documented signature and docstring; the body is 77 lines, one step after another
+# long: its documented signature and docstring; the body is 79 lines, one step after another
 def evolve(
     costs: Mapping[str, Sequence[Sequence[float]]],
     budgets: Mapping[str, float],
@@ -189,8 +189,9 @@ def evolve(
             layers of which one always stays (a hybrid model's full-attention layers).
 
     Returns:
-        ``{"picks", "kl", "seed_kl", "history": [per generation: "kl" (the current plan's, all windows),
-        "best_offspring_kl", "accepted"], "evaluations"}`` (window forwards of whole plans).
+        ``{"picks", "population", "kl", "seed_kl", "history": [per generation: "kl" (the current plan's, all
+        windows), "best_offspring_kl", "accepted"], "evaluations"}`` (window forwards of whole plans;
+        ``population``: every distinct plan measured on every window, best first).
     """
     if not feasible(seed_picks, costs, budgets):
         raise ValueError("the evolutionary search's seed plan does not meet the budgets")
@@ -265,8 +266,12 @@ def evolve(
         history.append(record)
         if on_generation is not None:
             on_generation(record)
+    measured = [
+        (mean(v, total), i, list(p)) for i, (p, v) in enumerate(per_window.items()) if len(v) == total
+    ]
     return {
         "picks": parent,
+        "population": [p for _, _, p in sorted(measured)],
         "kl": best_kl,
         "seed_kl": seed_kl,
         "history": history,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..plan_file import PLAN_FORMAT, PLAN_VERSION, kernel_warnings
+from .depth import DepthCheck
 from .problem import STATE_BYTES, PlanProblem, block_entry
 
 __all__ = [
@@ -71,6 +72,7 @@ class Choice:
     picks: list[int | None]
     removed: list[int] = field(default_factory=list)
     refinement: dict[str, Any] | None = None
+    depth_check: DepthCheck | None = None  # depth against the best widths-only plan, when it removed a layer
 
     def width_picks(self, problem: PlanProblem) -> list[int | None]:
         """The picks of the width groups (GDN layers, then sub-blocks)."""
@@ -145,6 +147,7 @@ class PlanReport:
     refinement: dict[str, Any] | None = None
     blocks: dict[str, GroupReport] | None = None
     removal: dict[str, RemovalReport] | None = None
+    depth_check: DepthCheck | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # sections added by later stages (servable, latency)
 
     def as_dict(self) -> dict[str, Any]:
@@ -152,12 +155,14 @@ class PlanReport:
         if self.stats is not None:
             out.update(self.stats.as_dict())
         if self.refinement is not None:
-            out["refinement"] = {k: v for k, v in self.refinement.items() if k != "picks"}
+            out["refinement"] = {k: v for k, v in self.refinement.items() if k not in ("picks", "population")}
         out["layers"] = {k: v.as_dict() for k, v in self.layers.items()}
         if self.blocks is not None:
             out["blocks"] = {k: v.as_dict() for k, v in self.blocks.items()}
         if self.removal is not None:
             out["removal"] = {k: v.as_dict() for k, v in self.removal.items()}
+        if self.depth_check is not None:
+            out["depth_check"] = self.depth_check.as_dict()
         out.update(self.extra)
         return out
 
@@ -230,6 +235,7 @@ def build_report(
         layers=layers,
         blocks=blocks or None,
         removal=_removal_report(problem, sens, choice, influence) if problem.rests else None,
+        depth_check=choice.depth_check,
     )
 
 

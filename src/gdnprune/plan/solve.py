@@ -28,9 +28,11 @@ __all__ = [
     "MILP_OPTIONS",
     "choose",
     "choose_among",
+    "choose_pool",
     "choose_uniform",
     "exact_objective",
     "nested_in",
+    "no_good_cut",
     "quiet_milp",
     "silenced_stdout",
     "uniform_choices",
@@ -116,6 +118,8 @@ def choose(
     sensitivity: Sequence[Sequence[float]],
     costs: Mapping[str, Sequence[Sequence[float]]],
     budgets: Mapping[str, float],
+    *,
+    exclude: Sequence[Sequence[int]] = (),
 ) -> list[int]:
     """The candidate index of every layer that minimises the summed sensitivity within ``budgets``.
 
@@ -123,6 +127,9 @@ def choose(
         sensitivity: per layer, one value per candidate (e.g. the KL divergence when that layer alone is cut).
         costs: per budget name, per layer, one cost per candidate (e.g. kept parameters).
         budgets: budget name -> the most the chosen candidates may cost in all (names as in ``costs``).
+        exclude: choices (a candidate index per layer) that may not be returned: each is cut off by one
+            no-good constraint (at most ``layers - 1`` of its binaries set), so the k-th call with the k - 1
+            choices before excluded gives the k-th best choice (:func:`choose_pool`).
 
     Raises:
         BudgetError: no choice meets the budgets (the message gives the least each budget can reach).
@@ -139,6 +146,8 @@ def choose(
     for name, budget in budgets.items():
         row = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in costs[name]])
         constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
+    for picks in exclude:
+        constraints.append(no_good_cut(picks, starts, n))
     c = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in sensitivity])
     result = quiet_milp(
         exact_objective(c),
@@ -155,24 +164,67 @@ def choose(
     return [int(np.flatnonzero(x[start : start + size])[0]) for start, size in zip(starts, sizes)]
 
 
+def no_good_cut(
+    picks: Sequence[int | None], starts: Sequence[int] | np.ndarray, n: int, extra: int = 0
+) -> LinearConstraint:
+    """The constraint that cuts one choice off a multiple-choice MILP whose group ``g``'s binaries start at
+    ``starts[g]`` (``n`` of them, then ``extra`` more variables): at most ``len(picks) - 1`` of the choice's
+    binaries set. ``picks[g]`` None: the group has no binary set in the choice (its layer removed; the
+    caller adds the removal's own binary, see :func:`gdnprune.plan.depth.choose_with_removal`)."""
+    row = np.zeros(n + extra)
+    chosen = [start + p for start, p in zip(starts, picks) if p is not None]
+    row[chosen] = 1
+    return LinearConstraint(row[None, :], -np.inf, len(chosen) - 1)
+
+
 def choose_among(
     sensitivity: Sequence[Sequence[float]],
     costs: Mapping[str, Sequence[Sequence[float]]],
     budgets: Mapping[str, float],
     allowed: Sequence[Sequence[bool] | np.ndarray] | None = None,
+    *,
+    exclude: Sequence[Sequence[int]] = (),
 ) -> list[int]:
-    """:func:`choose` over the candidates ``allowed[l][c]`` only (all when None); indices into the full lists."""
+    """:func:`choose` over the candidates ``allowed[l][c]`` only (all when None); indices into the full lists.
+    ``exclude``: choices not to return (as :func:`choose`; indices into the full lists)."""
     if allowed is None:
-        return choose(sensitivity, costs, budgets)
+        return choose(sensitivity, costs, budgets, exclude=exclude)
     keep = [[c for c, ok in enumerate(layer) if ok] for layer in allowed]
     if any(not k for k in keep):
         raise ValueError("every layer needs at least one allowed candidate")
+    position = [{c: i for i, c in enumerate(k)} for k in keep]
+    reachable = [picks for picks in exclude if all(p in at for p, at in zip(picks, position))]
     picks = choose(
         [[sensitivity[g][c] for c in k] for g, k in enumerate(keep)],
         {name: [[table[g][c] for c in k] for g, k in enumerate(keep)] for name, table in costs.items()},
         budgets,
+        exclude=[[at[p] for p, at in zip(picks, position)] for picks in reachable],
     )
     return [k[p] for k, p in zip(keep, picks)]
+
+
+def choose_pool(
+    sensitivity: Sequence[Sequence[float]],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    count: int,
+    allowed: Sequence[Sequence[bool] | np.ndarray] | None = None,
+) -> list[list[int]]:
+    """The ``count`` best distinct choices, best first (fewer when fewer meet the budgets): a solution pool
+    made by solving again with every choice found so far excluded (:func:`choose_among`'s ``exclude``).
+
+    Raises:
+        BudgetError: no choice meets the budgets.
+    """
+    pool: list[list[int]] = []
+    while len(pool) < count:
+        try:
+            pool.append(choose_among(sensitivity, costs, budgets, allowed, exclude=pool))
+        except BudgetError:
+            if not pool:
+                raise
+            break
+    return pool
 
 
 def _uniform_table(

@@ -13,17 +13,27 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..scoring.experts import block_influence
-from .depth import choose_with_removal, removal_sensitivity
+from .depth import choose_with_removal, keep_better, pool_with_removal, removal_sensitivity
 from .evolve import REMOVED
 from .halving import halving_sensitivity
-from .joint import evolve_plan
+from .joint import JointKL, evolve_plan, plan_kl
 from .problem import PlanProblem
 from .report import Choice, MeasureStats, PlanReport, Sensitivities, build_report
 from .sensitivity import measured_sensitivity, proxy_sensitivity
 from .servable import SERVABLE_NOTE, choose_servable
-from .solve import choose_among, choose_uniform
+from .solve import choose_among, choose_pool, choose_uniform
 
-__all__ = ["check_sensitivity", "choose_plan", "evolve_choice", "make_report", "make_servable", "measure"]
+__all__ = [
+    "check_depth",
+    "check_sensitivity",
+    "choose_plan",
+    "choose_plans",
+    "evolve_choice",
+    "make_report",
+    "make_servable",
+    "measure",
+    "uniform_choice",
+]
 
 
 def check_sensitivity(problem: PlanProblem, sensitivity: str) -> None:
@@ -113,6 +123,68 @@ def choose_plan(
     else:
         picks = list(choose_among(sens.values, problem.costs, problem.budgets, sens.survivors))
     return Choice(picks=picks, removed=_removed(problem, picks))
+
+
+def choose_plans(problem: PlanProblem, sens: Sensitivities, count: int) -> list[Choice]:
+    """The ``count`` best distinct heterogeneous choices (with removal where depth is planned), best first: the
+    exact choice, then each next one with those before it excluded (a solution pool; fewer when fewer meet
+    the budgets). The first is :func:`choose_plan`'s."""
+    if problem.rests:
+        assert sens.removal is not None and problem.layer_of is not None
+        rests = [[0.0]] * len(problem.rests)
+        pool = pool_with_removal(
+            sens.values + rests,
+            problem.costs,
+            problem.budgets,
+            count,
+            layer_of=problem.layer_of,
+            removal={i: v[0] for i, v in sens.removal.items()},
+            allowed=None if sens.survivors is None else sens.survivors + [[True]] * len(rests),
+            keep_one_of=problem.keep_one_of,
+        )
+    else:
+        pool = [
+            list(p) for p in choose_pool(sens.values, problem.costs, problem.budgets, count, sens.survivors)
+        ]
+    return [Choice(picks=picks, removed=_removed(problem, picks)) for picks in pool]
+
+
+def uniform_choice(problem: PlanProblem, sens: Sensitivities) -> Choice:
+    """The best uniform cut under the same budgets (one geometry per kind of block, every decoder layer kept;
+    :func:`~gdnprune.plan.solve.choose_uniform` on the summed sensitivities)."""
+    rests = len(problem.rests)
+    picks = choose_uniform(
+        problem.keys + [["whole"]] * rests,
+        sens.values + [[0.0]] * rests,
+        problem.costs,
+        problem.budgets,
+        kinds=problem.kinds + ["rest"] * rests,
+    )
+    return Choice(picks=list(picks))
+
+
+def check_depth(
+    model: Any, batches: list, problem: PlanProblem, choice: Choice, sens: Sensitivities
+) -> Choice:
+    """Depth that never loses to widths: when ``choice`` removes a decoder layer, the KL of its whole cut model
+    on the calibration windows against the best widths-only plan's (solved again with no layer removable);
+    the better is returned, with the check in ``choice.depth_check`` (:class:`~gdnprune.plan.depth.DepthCheck`)."""
+    if not choice.removed:
+        return choice
+    assert problem.layer_of is not None
+    fitness = JointKL(model, batches, problem.groups + problem.rests)
+    rests = len(problem.rests)
+    picks, check = keep_better(
+        choice.picks,
+        choice.removed,
+        sens.values + [[0.0]] * rests,
+        problem.costs,
+        problem.budgets,
+        lambda p: plan_kl(fitness, [REMOVED if c is None else c for c in p]),
+        layer_of=problem.layer_of,
+        allowed=None if sens.survivors is None else sens.survivors + [[True]] * rests,
+    )
+    return Choice(picks=picks, removed=_removed(problem, picks), depth_check=check)
 
 
 def _removed(problem: PlanProblem, picks: Sequence[int | None]) -> list[int]:
