@@ -193,28 +193,29 @@ def main(argv=None) -> int:
         flush=True,
     )
 
-    # one scoring pass: the REAP order (the default) and the frequency measure of every MoE layer
+    # one scoring pass: every expert measure of every MoE layer (the default order is the removal measure's)
     t0 = time.perf_counter()
     scores = score_model(model, list(calibration.split(8)), progress=False, blocks=True)
     score_seconds = time.perf_counter() - t0
     payloads = {p: scores["layers"][p] for p in prefixes}
+    default = payloads[prefixes[0]]["expert_measure"]
+
+    def by(measure) -> dict:
+        return {p: {"experts": torch.argsort(-measure(payloads[p]), stable=True).numpy()} for p in prefixes}
+
     orders = {
-        "reap": {b.prefix: orders_from_payload(payloads[b.prefix], b.shape) for b in blocks},
-        "frequency": {
-            p: {"experts": torch.argsort(-torch.tensor(payloads[p]["expert_frequency"]), stable=True).numpy()}
-            for p in prefixes
-        },
+        name: by(lambda q, name=name: torch.tensor(q[f"expert_{name}"]))
+        for name in ("removal", "reap", "frequency")
     }
+    if any(
+        not np.array_equal(
+            orders[default][p]["experts"], orders_from_payload(payloads[p], b.shape)["experts"]
+        )
+        for p, b in zip(prefixes, blocks)
+    ):
+        raise SystemExit("the scores file's expert order is not its measure's")
     if args.sum_order:
-        orders["sum"] = {
-            p: {
-                "experts": torch.argsort(
-                    -torch.tensor(payloads[p]["expert_reap"]) * torch.tensor(payloads[p]["expert_frequency"]),
-                    stable=True,
-                ).numpy()
-            }
-            for p in prefixes
-        }
+        orders["sum"] = by(lambda q: torch.tensor(q["expert_reap"]) * torch.tensor(q["expert_frequency"]))
     g = torch.Generator().manual_seed(SEED)
     randoms = [{b.prefix: random_orders(b, generator=g) for b in blocks} for _ in range(args.random_orders)]
     orders.update({f"random{i}": r for i, r in enumerate(randoms)})
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         teacher_logp = [model(input_ids=x).logits.float().log_softmax(-1) for x in sens_windows]
     counts = list(range(top_k, n_experts + 1))
-    planned = ["reap", "frequency"] + ["sum"] * args.sum_order
+    planned = ["removal", "reap", "frequency"] + ["sum"] * args.sum_order
     planned += [f"random{i}" for i in range(min(args.plan_random_orders, args.random_orders))]
     sensitivity, sens_seconds = {}, {}
     for name in planned:
@@ -330,7 +331,8 @@ def main(argv=None) -> int:
                     "base_loss": float(base.mean()),
                     "reap_frequency_top_half_overlap": agreement,
                     "expert_scores": {
-                        p: {k: payloads[p][k] for k in ("expert_reap", "expert_frequency")} for p in prefixes
+                        p: {k: payloads[p][k] for k in ("expert_removal", "expert_reap", "expert_frequency")}
+                        for p in prefixes
                     },
                     "orders": {
                         name: {p: np.asarray(o[p]["experts"]).tolist() for p in prefixes}
@@ -367,7 +369,7 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
     rand = [f"random{i}" for i in range(n_random)]
     random_mean = np.mean([uniform[r] for r in rand], axis=0)  # per window, over the random orders
     row = {"cut": f"{key}%", "experts_kept": keep, "base": float(base.mean())}
-    for name in [n for n in ("reap", "frequency", "sum") if n in uniform]:
+    for name in [n for n in ("removal", "reap", "frequency", "sum") if n in uniform]:
         row[f"uniform_{name}"] = float(uniform[name].mean())
         row[f"uniform_{name}_beats_random"] = sum(
             uniform[r].mean() > uniform[name].mean() for r in rand
@@ -382,6 +384,9 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
         row[f"plan_{name}_counts"] = [plans[f"{key}-{name}"][p] for p in prefixes]
         row[f"plan_{name}_minus_uniform"] = paired(plan_losses[name], uniform[name])
     row["plan_reap_minus_frequency"] = paired(plan_losses["reap"], plan_losses["frequency"])
+    for other in ("reap", "frequency"):
+        row[f"uniform_removal_minus_{other}"] = paired(uniform["removal"], uniform[other])
+        row[f"plan_removal_minus_{other}"] = paired(plan_losses["removal"], plan_losses[other])
     if "sum" in uniform:
         row["uniform_sum_minus_frequency"] = paired(uniform["sum"], uniform["frequency"])
         row["plan_sum_minus_frequency"] = paired(plan_losses["sum"], plan_losses["frequency"])
@@ -427,6 +432,13 @@ def _format_one_shot(row: dict) -> str:
         f"            REAP plan - REAP uniform {_se(row['plan_reap_minus_uniform'])}; frequency plan - "
         f"frequency uniform {_se(row['plan_frequency_minus_uniform'])}; REAP plan - frequency plan "
         f"{_se(row['plan_reap_minus_frequency'])}"
+    )
+    lines.append(
+        f"  removal order (the default): uniform {row['uniform_removal'] - b:+.4f} (beats "
+        f"{row['uniform_removal_beats_random']:.0%} of random), - REAP {_se(row['uniform_removal_minus_reap'])}, "
+        f"- frequency {_se(row['uniform_removal_minus_frequency'])}; per-layer {row['plan_removal'] - b:+.4f} "
+        f"{row['plan_removal_counts']}, - REAP plan {_se(row['plan_removal_minus_reap'])}, - frequency plan "
+        f"{_se(row['plan_removal_minus_frequency'])}"
     )
     if "uniform_sum" in row:
         lines.append(
