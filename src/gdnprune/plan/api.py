@@ -16,6 +16,7 @@ from ..fileio import file_sha256
 from ..latency import Workload, parse_workload
 from ..plan_file import PLAN_FORMAT, PLAN_VERSION
 from ..scores_file import read_scores
+from .bld import DEFAULT_STEPS as BLD_STEPS
 from .candidates import AXES, parse_dim_step
 from .latency_costs import LatencyCosts, add_latency_budget, cut_model_latency, measure_latency_costs
 from .problem import (
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 #: how sensitivity is obtained, the default first
-SENSITIVITIES = ("halving", "measured", "proxy")
+SENSITIVITIES = ("halving", "measured", "bld", "proxy")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class PlanOptions:
     refine_generations: int = 0
     refine_offspring: int = 8
     refine_seed: int = 0
+    bld_steps: int = BLD_STEPS
 
     def keywords(self) -> dict[str, Any]:
         """The options as :func:`plan_model`'s keyword arguments."""
@@ -127,6 +129,7 @@ def plan_model(
     refine_generations: int = 0,
     refine_offspring: int = 8,
     refine_seed: int = 0,
+    bld_steps: int = BLD_STEPS,
     progress: bool = True,
 ) -> tuple[dict, dict]:
     """Choose every GDN layer's target, and every sub-block's, under the budgets; returns ``(plan, report)``.
@@ -160,8 +163,10 @@ def plan_model(
             whole decoder layers removed).
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: the candidates that can be chosen
             on every window, the others on a few, :mod:`.halving`), ``"measured"`` (every candidate on every
-            window: the exact reference; removals are measured on every window either way) or ``"proxy"``
-            (output energy removed, from the scores; GDN layers only).
+            window: the exact reference; removals are measured on every window either way), ``"bld"`` (every
+            candidate trained ``bld_steps`` steps to reproduce its unpruned block's output, then measured as
+            ``"measured"``: the choice sums recovered losses, :mod:`.bld`) or ``"proxy"`` (output energy
+            removed, from the scores; GDN layers only).
         dim_step: head-dim grid step: a fraction of the dim (``"1/8"``) or a channel count.
         axes: the axes the search may cut (:data:`~gdnprune.plan.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
@@ -178,6 +183,7 @@ def plan_model(
             cut model on the calibration batches) that starts from the exact choice; its mutations also remove
             decoder layers and bring them back when ``depth`` is planned; 0: none.
         refine_offspring, refine_seed: plans tried per generation, and the refinement's random seed.
+        bld_steps: the blockwise local distillation steps of every candidate with ``sensitivity="bld"``.
         progress: progress bars over the measured candidates and the refinement's generations.
 
     Returns:
@@ -207,6 +213,7 @@ def plan_model(
         refine_generations=refine_generations,
         refine_offspring=refine_offspring,
         refine_seed=refine_seed,
+        bld_steps=bld_steps,
     )
     done = search(
         model,
@@ -274,7 +281,9 @@ def search(
         add_latency_budget(problem, latency, o.budget_latency)
         check_feasible(problem, o.uniform or o.servable)
     batches = None if batches is None else list(batches)
-    sens = measure(model, batches, problem, o.sensitivity, progress=progress, servable=o.servable)
+    sens = measure(
+        model, batches, problem, o.sensitivity, progress=progress, servable=o.servable, bld_steps=o.bld_steps
+    )
     choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
     if o.refine_generations:
         assert batches is not None
