@@ -1,13 +1,21 @@
 """Importance of routed experts and of whole decoder layers (issue 23), from the calibration forwards.
 
-Experts (:class:`ExpertScorer`, a hook on the experts module, which receives every token's chosen experts
-and their gate weights): for expert ``e`` and the tokens ``t`` routed to it, ``g_e(t)`` the gate weight and
-``y_e(t)`` the expert's output, the statistics are ``count_e`` (how often the router picks ``e``: the
-frequency baseline) and ``sum_t g_e(t) ||y_e(t)||``. The default order (REAP, Cerebras 2025: router-weighted
-expert activation pruning) ranks by the mean over routed tokens, ``sum_t g_e(t) ||y_e(t)|| / count_e``; an
-expert never routed scores 0. The hook recomputes each expert's output for its tokens (the module does not
-expose it), which doubles the expert compute of a scoring pass. Orders and scores go into the scores file
-under the MoE layer's prefix (``layers.N.mlp``), which ``sort`` applies (:func:`expert_payload`).
+Experts (:class:`ExpertScorer`, a hook on the router, which gives every token's logits, and one on the
+experts module, which receives every token's chosen experts and their gate weights): for expert ``e`` and
+the tokens ``t`` routed to it, ``g_e(t)`` the gate weight and ``y_e(t)`` the expert's output, the
+statistics are ``count_e`` (how often the router picks ``e``: the frequency baseline), ``sum_t g_e(t)
+||y_e(t)||`` (REAP, Cerebras 2025: router-weighted expert activation pruning, ranks by its mean over routed
+tokens, ``/ count_e``) and the **removal error** ``sum_t ||o'_e(t) - o(t)||^2``: ``o(t)`` the routed output
+``sum_j g_j(t) y_j(t)`` and ``o'_e(t)`` what it becomes with ``e`` removed alone — the router then picks its
+next choice ``r(t)`` (the (k+1)-th) and, as the cut router does, takes the softmax over the kept experts
+(renormalised over the chosen ones when the router renormalises, detected from the weights summing to 1).
+The removal error measures the layer's output change directly: it counts how often an expert is used, how
+much it writes and how well the next choice stands in for it. The default order (``projection``) ranks by
+it (per token); ``activation`` by frequency; an expert never routed scores 0. All are sums over tokens
+(batches, processes and partial files add up). The hook recomputes each chosen expert's output and the
+next choice's (the module does not expose them): about 1 + (k+1)/k times the expert compute of a plain
+pass. Orders and scores go into the scores file under the MoE layer's prefix (``layers.N.mlp``), which
+``sort`` applies (:func:`expert_payload`). Which order wins on trained MoEs: BENCHMARKS.md, "MoE experts".
 
 Layers (:func:`block_influence`, ShortGPT's block influence): ``1 - cos(x, f(x))`` between a decoder layer's
 input and output hidden states, averaged over tokens; a layer that barely turns the residual stream is
@@ -26,7 +34,8 @@ from ..subblock_geometry import orders_to_payload
 
 __all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES"]
 
-#: the expert measure of each scoring method: ``projection`` (the default) -> REAP, ``activation`` -> frequency
+#: the expert measure of each scoring method: ``projection`` (the default) -> the removal error, ``activation``
+#: -> frequency (REAP is in every payload, ``expert_reap``)
 EXPERT_MEASURES = {"projection": "removal", "activation": "frequency"}
 
 
@@ -35,7 +44,8 @@ class ExpertScorer:
     ``mlp.experts`` module: fused ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], ``act_fn``).
 
     Statistics (sums over tokens, so that batches and processes add up): ``num_tokens``, ``count`` [E],
-    ``weighted_norm`` [E] (sum of gate weight x output norm over the tokens routed to each expert).
+    ``weighted_norm`` [E] (sum of gate weight x output norm over the tokens routed to each expert),
+    ``removal_error`` [E] (sum of the squared change of the routed output were each expert removed alone).
     """
 
     def __init__(self, block: Any, module: torch.nn.Module, method: str = "projection") -> None:
