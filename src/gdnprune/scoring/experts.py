@@ -11,7 +11,9 @@ next choice ``r(t)`` (the (k+1)-th) and, as the cut router does, takes the softm
 (renormalised over the chosen ones when the router renormalises, detected from the weights summing to 1).
 The removal error measures the layer's output change directly: it counts how often an expert is used, how
 much it writes and how well the next choice stands in for it. The default order (``projection``) ranks by
-it (per token); ``activation`` by frequency; an expert never routed scores 0. All are sums over tokens
+the removal error (per token) times the frequency: the removal error sees one expert removed alone, and a
+deep cut also removes its stand-ins, where the experts most tokens land on matter more (chosen on two
+trained MoEs, BENCHMARKS.md); ``activation`` ranks by frequency; an expert never routed scores 0. All are sums over tokens
 (batches, processes and partial files add up). The hook recomputes each chosen expert's output and the
 next choice's (the module does not expose them): about 1 + (k+1)/k times the expert compute of a plain
 pass. Orders and scores go into the scores file under the MoE layer's prefix (``layers.N.mlp``), which
@@ -34,9 +36,9 @@ from ..subblock_geometry import orders_to_payload
 
 __all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES"]
 
-#: the expert measure of each scoring method: ``projection`` (the default) -> the removal error, ``activation``
-#: -> frequency (REAP is in every payload, ``expert_reap``)
-EXPERT_MEASURES = {"projection": "removal", "activation": "frequency"}
+#: the expert measure of each scoring method: ``projection`` (the default) -> the removal error x frequency,
+#: ``activation`` -> frequency (REAP and the removal error alone are in every payload)
+EXPERT_MEASURES = {"projection": "removal_frequency", "activation": "frequency"}
 
 
 class ExpertScorer:
@@ -150,8 +152,9 @@ def _expert_output(experts: Any, e: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
-    """The score payload of one MoE layer's experts: the order of the method's measure (removal for
-    ``projection``, frequency for ``activation``; ties keep the lower expert first) and every raw score."""
+    """The score payload of one MoE layer's experts: the order of the method's measure (removal error x
+    frequency for ``projection``, frequency for ``activation``; ties keep the lower expert first) and every
+    raw score (``expert_reap``, ``expert_frequency``, ``expert_removal``, ``expert_removal_frequency``)."""
     count, weighted = stats["count"].to(torch.float64), stats["weighted_norm"].to(torch.float64)
     tokens = max(int(stats["num_tokens"]), 1)
     scores = {
@@ -160,6 +163,7 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
     }
     if "removal_error" in stats:  # absent from the scores of older versions' partial files
         scores["removal"] = stats["removal_error"].to(torch.float64) / tokens
+        scores["removal_frequency"] = scores["removal"] * scores["frequency"]
     measure = EXPERT_MEASURES.get(method, "reap")
     if measure not in scores:
         measure = "reap"
