@@ -15,12 +15,13 @@ sub-block cut to one) is:
    the unpruned model per token, every other layer intact, every calibration window), so the exact choice
    sums recovered losses instead of one-shot ones.
 
-A candidate equal to the full geometry is trained and measured too (it starts at zero error, so it stays
-there: its KL is ~0, a check of the whole path). Under ``torchrun`` every rank holds every batch and takes
+A candidate equal to the full geometry goes the same way (its block error is ~0, so the one-shot module is
+kept and its KL is ~0: a check of the whole path). Under ``torchrun`` every rank holds every batch and takes
 its share of each group's candidates; the results are gathered, so every rank returns the same table.
 The cost: per group, one forward up to the block per batch (its inputs) and, per candidate, ``steps``
-forward + backward passes of the block alone and ``1 + 1`` block evaluations (error before and after) on
-every batch, then the measurement's forward from the block on (what the measured sensitivity costs).
+forward and backward passes of the block alone and two block evaluations on every batch (the error before
+and after), then the measurement's forwards from the block on (what the measured sensitivity costs). On
+the bundled model that is about 5x the measured sensitivity at 20 steps (BENCHMARKS.md, "BLD sensitivity").
 """
 
 from __future__ import annotations
