@@ -65,7 +65,10 @@ class ExpertScorer:
             "weighted_norm": torch.zeros(n, dtype=torch.float64),
             "removal_error": torch.zeros(n, dtype=torch.float64),
         }
-        self.router = module.gate
+        router = getattr(module, "gate", None)
+        if not isinstance(router, torch.nn.Module):
+            raise ValueError(f"{block.prefix}: expected the MoE module's router as .gate, found none")
+        self.router: torch.nn.Module = router
         self.router_logits: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None
 
