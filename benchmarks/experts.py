@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Which expert order wins (issue 23): REAP against frequency and random, uniform and per-layer counts,
+"""Which expert order wins (issues 23, 31): the default (removal error x frequency), the removal error, REAP,
+frequency and random, uniform and per-layer counts,
 before and after distillation, on a small Qwen3.5-MoE model trained on the demo corpus.
 
 The model (default ``benchmarks/_work/models/moe16``: 4 decoder layers ``GGGA``, each with 16 routed
@@ -10,7 +11,8 @@ experts of 64 channels, 2 per token, and a shared expert) is trained by::
         --out benchmarks/_work/models/moe16
 
 One scoring pass on training windows (``score_model(...)``, every kind of sub-block by default, the default method) gives, per MoE
-layer, both expert measures of :mod:`gdnprune.scoring.experts`: the REAP order (the default: mean over the
+layer, every expert measure of :mod:`gdnprune.scoring.experts`: the default order (the removal error x the
+frequency), the removal error alone, the REAP order (mean over the
 tokens routed to an expert of gate weight x the norm of its output) and the router's frequency (how often the
 router picks the expert; the order of ``method="activation"``, ties to the lower expert). ``--random-orders``
 seeded random orders are the chance baseline. Cuts, in memory (:func:`gdnprune.slice_model`):
@@ -193,28 +195,29 @@ def main(argv=None) -> int:
         flush=True,
     )
 
-    # one scoring pass: the REAP order (the default) and the frequency measure of every MoE layer
+    # one scoring pass: every expert measure of every MoE layer (the default order: removal error x frequency)
     t0 = time.perf_counter()
     scores = score_model(model, list(calibration.split(8)), progress=False)
     score_seconds = time.perf_counter() - t0
     payloads = {p: scores["layers"][p] for p in prefixes}
+    default = payloads[prefixes[0]]["expert_measure"]
+
+    def by(measure) -> dict:
+        return {p: {"experts": torch.argsort(-measure(payloads[p]), stable=True).numpy()} for p in prefixes}
+
     orders = {
-        "reap": {b.prefix: orders_from_payload(payloads[b.prefix], b.shape) for b in blocks},
-        "frequency": {
-            p: {"experts": torch.argsort(-torch.tensor(payloads[p]["expert_frequency"]), stable=True).numpy()}
-            for p in prefixes
-        },
+        name: by(lambda q, name=name: torch.tensor(q[f"expert_{name}"]))
+        for name in ("removal_frequency", "removal", "reap", "frequency")
     }
+    if any(
+        not np.array_equal(
+            orders[default][p]["experts"], orders_from_payload(payloads[p], b.shape)["experts"]
+        )
+        for p, b in zip(prefixes, blocks)
+    ):
+        raise SystemExit("the scores file's expert order is not its measure's")
     if args.sum_order:
-        orders["sum"] = {
-            p: {
-                "experts": torch.argsort(
-                    -torch.tensor(payloads[p]["expert_reap"]) * torch.tensor(payloads[p]["expert_frequency"]),
-                    stable=True,
-                ).numpy()
-            }
-            for p in prefixes
-        }
+        orders["sum"] = by(lambda q: torch.tensor(q["expert_reap"]) * torch.tensor(q["expert_frequency"]))
     g = torch.Generator().manual_seed(SEED)
     randoms = [{b.prefix: random_orders(b, generator=g) for b in blocks} for _ in range(args.random_orders)]
     orders.update({f"random{i}": r for i, r in enumerate(randoms)})
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         teacher_logp = [model(input_ids=x).logits.float().log_softmax(-1) for x in sens_windows]
     counts = list(range(top_k, n_experts + 1))
-    planned = ["reap", "frequency"] + ["sum"] * args.sum_order
+    planned = ["removal_frequency", "removal", "reap", "frequency"] + ["sum"] * args.sum_order
     planned += [f"random{i}" for i in range(min(args.plan_random_orders, args.random_orders))]
     sensitivity, sens_seconds = {}, {}
     for name in planned:
@@ -330,7 +333,16 @@ def main(argv=None) -> int:
                     "base_loss": float(base.mean()),
                     "reap_frequency_top_half_overlap": agreement,
                     "expert_scores": {
-                        p: {k: payloads[p][k] for k in ("expert_reap", "expert_frequency")} for p in prefixes
+                        p: {
+                            k: payloads[p][k]
+                            for k in (
+                                "expert_removal_frequency",
+                                "expert_removal",
+                                "expert_reap",
+                                "expert_frequency",
+                            )
+                        }
+                        for p in prefixes
                     },
                     "orders": {
                         name: {p: np.asarray(o[p]["experts"]).tolist() for p in prefixes}
@@ -367,7 +379,7 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
     rand = [f"random{i}" for i in range(n_random)]
     random_mean = np.mean([uniform[r] for r in rand], axis=0)  # per window, over the random orders
     row = {"cut": f"{key}%", "experts_kept": keep, "base": float(base.mean())}
-    for name in [n for n in ("reap", "frequency", "sum") if n in uniform]:
+    for name in [n for n in ("removal_frequency", "removal", "reap", "frequency", "sum") if n in uniform]:
         row[f"uniform_{name}"] = float(uniform[name].mean())
         row[f"uniform_{name}_beats_random"] = sum(
             uniform[r].mean() > uniform[name].mean() for r in rand
@@ -382,6 +394,10 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
         row[f"plan_{name}_counts"] = [plans[f"{key}-{name}"][p] for p in prefixes]
         row[f"plan_{name}_minus_uniform"] = paired(plan_losses[name], uniform[name])
     row["plan_reap_minus_frequency"] = paired(plan_losses["reap"], plan_losses["frequency"])
+    for name in ("removal_frequency", "removal"):
+        for other in ("reap", "frequency"):
+            row[f"uniform_{name}_minus_{other}"] = paired(uniform[name], uniform[other])
+            row[f"plan_{name}_minus_{other}"] = paired(plan_losses[name], plan_losses[other])
     if "sum" in uniform:
         row["uniform_sum_minus_frequency"] = paired(uniform["sum"], uniform["frequency"])
         row["plan_sum_minus_frequency"] = paired(plan_losses["sum"], plan_losses["frequency"])
@@ -428,6 +444,14 @@ def _format_one_shot(row: dict) -> str:
         f"frequency uniform {_se(row['plan_frequency_minus_uniform'])}; REAP plan - frequency plan "
         f"{_se(row['plan_reap_minus_frequency'])}"
     )
+    for name, label in (("removal_frequency", "removal x frequency (the default)"), ("removal", "removal")):
+        lines.append(
+            f"  {label}: uniform {row[f'uniform_{name}'] - b:+.4f} (beats "
+            f"{row[f'uniform_{name}_beats_random']:.0%} of random), - REAP "
+            f"{_se(row[f'uniform_{name}_minus_reap'])}, - frequency {_se(row[f'uniform_{name}_minus_frequency'])}; "
+            f"per-layer {row[f'plan_{name}'] - b:+.4f} {row[f'plan_{name}_counts']}, - REAP plan "
+            f"{_se(row[f'plan_{name}_minus_reap'])}, - frequency plan {_se(row[f'plan_{name}_minus_frequency'])}"
+        )
     if "uniform_sum" in row:
         lines.append(
             f"  sum order (REAP x frequency): uniform {row['uniform_sum'] - b:+.4f} (beats "

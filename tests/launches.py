@@ -4,7 +4,7 @@ in ``conftest.py``): starting torchrun and two ranks that import torch costs mor
 One real ``torch.distributed.run`` launch (the code path of ``torchrun``) in its own session, whose two
 workers run the CLI in turn:
 
-* ``score`` (projection), ``plan`` (measured sensitivity), ``plan --rank-by-distill`` (test_plan_rank),
+* ``score`` (projection), ``plan`` (measured sensitivity), ``plan --rank-by-distill`` (test_plan_rank), ``plan --sensitivity bld`` (test_plan_bld),
   ``score`` (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed);
@@ -67,6 +67,14 @@ WORKER = textwrap.dedent(
                      "--seq-len", seq, "--batch-size", "1", "--rank-by-distill", "2", "--rank-steps", "2",
                      "--threads", "1"])
     results["ranked"] = {"code": code, "err": err.getvalue()}
+    # the same plan with the BLD sensitivity: each rank trains and measures its share of the candidates
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["plan", model, "--scores", out + "/projection.json", "--data", data, "--output",
+                     out + "/plan_bld.json", "--budget-gdn-params", "0.5", "--dim-step", "1/2", "--num-samples",
+                     "4", "--seq-len", seq, "--batch-size", "1", "--quiet", "--threads", "1", "--sensitivity",
+                     "bld", "--bld-steps", "3"])
+    results["plan_bld"] = {"code": code, "err": err.getvalue()}
     call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
     call("failure", "--data", data if rank == 0 else out + "/missing.txt", "--output", out + "/failure.json")
     # rank 1 is stuck opening a FIFO nobody writes to, until rank 0 has given up waiting for it

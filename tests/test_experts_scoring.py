@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedIn
 
 
 def _brute_force(model, batches):
-    """Per MoE prefix: (count [E], sum of gate weight x ||expert output|| [E], tokens), token by token."""
+    """Per MoE prefix: (count [E], sum of gate weight x ||expert output|| [E], tokens, removal error [E]),
+    token by token; the removal error of expert e sums, over the tokens routed to it, the squared change of
+    the routed output when the router picks among every expert but e (its softmax and top-k recomputed)."""
     inputs: dict[str, list] = {}
     blocks = find_model_blocks(model, ("experts",))
     handles = [
@@ -41,31 +43,49 @@ def _brute_force(model, batches):
     for b in blocks:
         moe = model.get_submodule(b.prefix)
         W, k, E = moe.gate.weight.double(), moe.gate.top_k, b.shape.num_experts
+        norm = getattr(moe.gate, "norm_topk_prob", True)
         gu, down = moe.experts.gate_up_proj.double(), moe.experts.down_proj.double()
         count, total = torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64)
+        removal = torch.zeros(E, dtype=torch.float64)
         tokens = 0
         for x in torch.cat(inputs[b.prefix]).double():
             tokens += 1
-            probs = torch.softmax(W @ x, dim=-1)
-            top, chosen = torch.topk(probs, k)
-            top = top / top.sum()
-            for g, e in zip(top.tolist(), chosen.tolist()):
-                inter = gu.shape[1] // 2
-                y = down[e] @ (F.silu(gu[e][:inter] @ x) * (gu[e][inter:] @ x))
+            experts, top, ys, full = _routed(W, k, gu, down, x, list(range(E)), norm)
+            for g, e, y in zip(top, experts, ys):
                 count[e] += 1
                 total[e] += g * y.norm()
-        out[b.prefix] = (count, total, tokens)
+                removal[e] += (
+                    (_routed(W, k, gu, down, x, [j for j in range(E) if j != e], norm)[3] - full).pow(2).sum()
+                )
+        out[b.prefix] = (count, total, tokens, removal)
     return out
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_next"])
-def test_reap_and_frequency_equal_a_token_by_token_computation(model_type):
-    model = random_dense_model(model_type, seed=3)
+def _routed(W, k, gu, down, x, allowed, normalize=True):
+    """The router's choice among ``allowed`` experts (softmax, top-k, renormalised if ``normalize``) and the
+    routed output."""
+    top, chosen = torch.topk(torch.softmax(W[allowed] @ x, dim=-1), k)
+    top = top / top.sum() if normalize else top
+    experts = [allowed[c] for c in chosen.tolist()]
+    inter = gu.shape[1] // 2
+    ys = [down[e] @ (F.silu(gu[e][:inter] @ x) * (gu[e][inter:] @ x)) for e in experts]
+    return experts, top.tolist(), ys, sum(g * y for g, y in zip(top.tolist(), ys))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_next", "qwen3_next-unnormalized"])
+def test_reap_frequency_and_removal_equal_a_token_by_token_computation(model_type):
+    model = random_dense_model(model_type.split("-")[0], seed=3)
+    if model_type.endswith(
+        "-unnormalized"
+    ):  # a router that keeps the softmax weights of its top-k as they are
+        for module in model.modules():
+            if hasattr(module, "norm_topk_prob"):
+                module.norm_topk_prob = False
     batches = [token_ids(seed=i, seq=9) for i in range(2)]
     reference = _brute_force(model, batches)
-    for method, measure in (("projection", "reap"), ("activation", "frequency")):
+    for method, measure in (("projection", "removal_frequency"), ("activation", "frequency")):
         scores = score_model(model, batches, method=method, blocks=True, progress=False)
-        for prefix, (count, total, tokens) in reference.items():
+        for prefix, (count, total, tokens, removal) in reference.items():
             payload = scores["layers"][prefix]
             assert payload["kind"] == "experts" and payload["expert_measure"] == measure
             reap = torch.where(count > 0, total / count.clamp_min(1), torch.zeros_like(total))
@@ -75,12 +95,18 @@ def test_reap_and_frequency_equal_a_token_by_token_computation(model_type):
             torch.testing.assert_close(
                 torch.tensor(payload["expert_frequency"], dtype=torch.float64), count / tokens
             )
-            wanted = reap if measure == "reap" else count
+            torch.testing.assert_close(
+                torch.tensor(payload["expert_removal"], dtype=torch.float64),
+                removal / tokens,
+                rtol=1e-4,
+                atol=1e-10,
+            )
+            wanted = removal * count if measure == "removal_frequency" else count
             order = payload["expert_order_most_important_first"]
             assert all(wanted[a] >= wanted[b] - 1e-9 for a, b in zip(order, order[1:]))
 
 
-def test_reap_ranks_a_busy_expert_with_a_tiny_output_last_and_frequency_does_not():
+def test_reap_and_removal_rank_a_busy_expert_with_a_tiny_output_last_and_frequency_does_not():
     model = random_dense_model("qwen3_5_moe", seed=5)
     batches = [token_ids(seed=i, seq=12) for i in range(2)]
     scores = score_model(model, batches, method="activation", blocks=True, progress=False)
@@ -92,7 +118,8 @@ def test_reap_ranks_a_busy_expert_with_a_tiny_output_last_and_frequency_does_not
     frequency = score_model(model, batches, method="activation", blocks=True, progress=False)["layers"][
         prefix
     ]
-    assert reap["expert_order_most_important_first"][-1] == busiest
+    assert int(torch.tensor(reap["expert_reap"]).argmin()) == busiest
+    assert int(torch.tensor(reap["expert_removal"]).argmin()) == busiest  # removing it changes little
     assert frequency["expert_order_most_important_first"][0] == busiest
 
 

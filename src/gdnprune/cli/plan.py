@@ -24,6 +24,11 @@ from ._runtime import add_runtime_arguments, model_runtime
 from .bench import WORKLOAD_HELP, WORKLOAD_METAVAR
 
 NAME = "plan"
+#: --sensitivity's choices and --bld-steps' default (gdnprune.plan.api.SENSITIVITIES and
+#: gdnprune.plan.bld.DEFAULT_STEPS: written out here so that --help does not import the library; a test
+#: checks they agree)
+SENSITIVITIES = ("halving", "measured", "bld", "proxy")
+BLD_STEPS = 20
 HELP = (
     "choose every layer's widths (GDN, attention heads, MLP channels, routed experts) and which layers to remove "
     "under parameter, memory or state budgets (measured sensitivity + exact MILP)"
@@ -95,12 +100,21 @@ def add_search_arguments(p) -> None:
     )
     p.add_argument(
         "--sensitivity",
-        choices=("halving", "measured", "proxy"),
+        choices=SENSITIVITIES,
         default="halving",
         help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
         "windows, by successive halving (every candidate on a few windows, those that can be "
         "chosen on all of them); measured: every candidate on every window (the exact reference, "
-        "several times slower); proxy: output energy removed, from the scores (no forward pass)",
+        "several times slower); bld: every candidate first trained --bld-steps steps to reproduce its "
+        "unpruned block's output (blockwise local distillation), then measured: the plan sums recovered "
+        "losses (slower still); proxy: output energy removed, from the scores (no forward pass)",
+    )
+    p.add_argument(
+        "--bld-steps",
+        type=positive_int,
+        default=BLD_STEPS,
+        metavar="N",
+        help=f"AdamW steps of every candidate with --sensitivity bld (default {BLD_STEPS})",
     )
     p.add_argument(
         "--dim-step",
@@ -189,6 +203,7 @@ def search_options(args) -> dict:
         context=args.context,
         blocks=blocks_from_args(args),
         sensitivity=args.sensitivity,
+        bld_steps=args.bld_steps,
         dim_step=args.dim_step,
         axes=[a.strip() for a in args.axes.split(",") if a.strip()],
         tp=args.tp,
@@ -290,7 +305,7 @@ def report_paths(output: str | Path) -> tuple[Path, Path]:
 
 def format_plan(plan: dict, report: dict) -> str:
     """The per-layer table ``gdnprune plan`` prints."""
-    measured = report["sensitivity"] in ("measured", "halving")
+    measured = report["sensitivity"] in ("measured", "halving", "bld")
     rows = [
         (
             "layer",
@@ -346,6 +361,7 @@ def format_plan(plan: dict, report: dict) -> str:
             else ""
         )
     )
+    lines += cost_summary(report)
     lines += servable_summary(report) + latency_summary(report) + ranking_summary(report)
     refined = report.get("refinement")
     if refined:
@@ -356,6 +372,27 @@ def format_plan(plan: dict, report: dict) -> str:
             f"window forwards in {refined['seconds']:.1f} s)"
         )
     return "\n".join(lines)
+
+
+def cost_summary(report: dict) -> list[str]:
+    """The cost line of a measured sensitivity: its time as a multiple of one forward over the calibration
+    windows (the teacher pass; a scoring pass over as many windows costs about as much), and BLD's recovery."""
+    teacher = report.get("teacher_seconds")
+    if not teacher:
+        return []
+    line = (
+        f"cost: {report['seconds']:.1f} s = {report['seconds'] / teacher:.1f}x one forward over the "
+        f"calibration windows ({teacher:.2f} s)"
+    )
+    bld = report.get("bld")
+    if bld:
+        before = [e for errors in bld["error_one_shot"].values() for e in errors]
+        after = [e for errors in bld["error"].values() for e in errors]
+        line += (
+            f"; BLD {bld['steps']} steps per candidate (lr {bld['lr']:g}): mean block output error "
+            f"{sum(before) / max(len(before), 1):.4g} one-shot -> {sum(after) / max(len(after), 1):.4g}"
+        )
+    return [line]
 
 
 def latency_summary(report: dict) -> list[str]:

@@ -17,6 +17,7 @@ from ..fileio import file_sha256
 from ..latency import Workload, parse_workload
 from ..plan_file import PLAN_FORMAT, PLAN_VERSION
 from ..scores_file import read_scores
+from .bld import DEFAULT_STEPS as BLD_STEPS
 from .candidates import AXES, parse_dim_step
 from .latency_costs import (
     LatencyCosts,
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 #: how sensitivity is obtained, the default first
-SENSITIVITIES = ("halving", "measured", "proxy")
+SENSITIVITIES = ("halving", "measured", "bld", "proxy")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class PlanOptions:
     rank_by_distill: int = 0
     rank_steps: int = RANK_STEPS
     rank_lr: float = RANK_LR
+    bld_steps: int = BLD_STEPS
 
     def keywords(self) -> dict[str, Any]:
         """The options as :func:`plan_model`'s keyword arguments."""
@@ -152,6 +154,7 @@ def plan_model(
     rank_by_distill: int = 0,
     rank_steps: int = RANK_STEPS,
     rank_lr: float = RANK_LR,
+    bld_steps: int = BLD_STEPS,
     progress: bool = True,
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> tuple[dict, dict]:
@@ -186,8 +189,10 @@ def plan_model(
             whole decoder layers removed).
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: the candidates that can be chosen
             on every window, the others on a few, :mod:`.halving`), ``"measured"`` (every candidate on every
-            window: the exact reference; removals are measured on every window either way) or ``"proxy"``
-            (output energy removed, from the scores; GDN layers only).
+            window: the exact reference; removals are measured on every window either way), ``"bld"`` (every
+            candidate trained ``bld_steps`` steps to reproduce its unpruned block's output, then measured as
+            ``"measured"``: the choice sums recovered losses, :mod:`.bld`) or ``"proxy"`` (output energy
+            removed, from the scores; GDN layers only).
         dim_step: head-dim grid step: a fraction of the dim (``"1/8"``) or a channel count.
         axes: the axes the search may cut (:data:`~gdnprune.plan.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
@@ -211,6 +216,7 @@ def plan_model(
             ``rank_steps`` steps (AdamW at ``rank_lr``) from the model on three quarters of the calibration
             windows; the least KL on the last quarter wins. 0: the exact choice as it is. The report's
             ``ranking`` lists every candidate with its one-shot and recovered KL.
+        bld_steps: the blockwise local distillation steps of every candidate with ``sensitivity="bld"``.
         progress: progress bars over the measured candidates and the search's generations.
         on_rank_cost: called with the ranking's cost (:class:`~gdnprune.plan.rank.RankCost`) before it
             starts, and with the estimate in seconds after its first step.
@@ -248,6 +254,7 @@ def plan_model(
         rank_by_distill=rank_by_distill,
         rank_steps=rank_steps,
         rank_lr=rank_lr,
+        bld_steps=bld_steps,
     )
     done = search(
         model,
@@ -326,7 +333,9 @@ def search(
         add_latency_budget(problem, latency, o.budget_latency)
         check_feasible(problem, o.uniform or o.servable)
     batches = None if batches is None else list(batches)
-    sens = measure(model, batches, problem, o.sensitivity, progress=progress, servable=o.servable)
+    sens = measure(
+        model, batches, problem, o.sensitivity, progress=progress, servable=o.servable, bld_steps=o.bld_steps
+    )
     choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
     if choice.removed and batches is not None and not (o.uniform or o.servable):
         choice = check_depth(model, batches, problem, choice, sens)

@@ -188,7 +188,7 @@ def halving_sensitivity(
     Returns:
         ``{"kl", "loss": {prefix: [per candidate]}, "windows": {prefix: [windows each candidate was
         measured on]}, "survivors": {prefix: [bool per candidate]}, "rungs", "base_loss", "tokens",
-        "forwards", "seconds"}``; a survivor's KL and loss are those of every window.
+        "forwards", "teacher_seconds", "seconds"}``; a survivor's KL and loss are those of every window.
     """
 
     start_time = time.perf_counter()
@@ -198,7 +198,9 @@ def halving_sensitivity(
     config: Any = model.config  # a transformers config (nn.Module's stubs type attributes as Tensor | Module)
     text_config = config.get_text_config(decoder=True)
     index = [forwards.decoder_index(layer.module) for layer in layers]
+    teacher_start = time.perf_counter()
     forwards.teacher(index)
+    teacher_seconds = time.perf_counter() - teacher_start
     counts = np.array([token_counts(w) for w in windows], dtype=np.float64)  # [windows, (kl, ce)]
     schedule = rungs(total, first, grow)
     names = list(budgets)
@@ -261,6 +263,7 @@ def halving_sensitivity(
         "base_loss": forwards.base_loss,
         "tokens": forwards.tokens,
         "forwards": done,
+        "teacher_seconds": teacher_seconds,
     }
     w_kl, w_ce = counts[:, 0], counts[:, 1]
     for li, layer in enumerate(layers):

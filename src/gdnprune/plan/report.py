@@ -38,11 +38,19 @@ class MeasureStats:
     tokens: int
     forwards: int
     rungs: list[int] | None = None
+    #: the teacher pass (one forward over the calibration batches): the unit of the cost line
+    teacher_seconds: float | None = None
+    #: blockwise local distillation: steps, lr and every candidate's block error before and after
+    bld: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"base_loss": self.base_loss, "tokens": self.tokens, "forwards": self.forwards}
         if self.rungs is not None:
             out["rungs"] = self.rungs
+        if self.teacher_seconds is not None:
+            out["teacher_seconds"] = self.teacher_seconds
+        if self.bld is not None:
+            out["bld"] = self.bld
         return out
 
 

@@ -126,7 +126,7 @@ def measured_sensitivity(
 
     Returns:
         ``{"kl": {prefix: [per candidate]}, "loss": {prefix: [...]}, "base_loss", "tokens", "seconds",
-        "forwards"}``; a candidate equal to the layer's full geometry is the sorted (same-function) layer:
+        "forwards", "teacher_seconds"}`` (the last: the teacher pass, one forward over the batches); a candidate equal to the layer's full geometry is the sorted (same-function) layer:
         KL 0 and the base loss, not measured.
 
     Raises:
@@ -138,12 +138,15 @@ def measured_sensitivity(
     config: Any = model.config  # a transformers config (nn.Module's stubs type attributes as Tensor | Module)
     text_config = config.get_text_config(decoder=True)
     index = [forwards.decoder_index(layer.module) for layer in layers]
+    teacher_start = time.perf_counter()
     forwards.teacher(index)
+    teacher_seconds = time.perf_counter() - teacher_start
     result: dict[str, Any] = {
         "kl": {},
         "loss": {},
         "base_loss": forwards.base_loss,
         "tokens": forwards.tokens,
+        "teacher_seconds": teacher_seconds,
     }
     bar = tqdm(
         total=sum(len(layer.candidates) for layer in layers),

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..scoring.experts import block_influence
+from .bld import DEFAULT_STEPS as BLD_STEPS
+from .bld import bld_sensitivity
 from .depth import choose_with_removal, keep_better, pool_with_removal, removal_sensitivity
 from .evolve import REMOVED
 from .halving import halving_sensitivity
@@ -42,12 +44,12 @@ def check_sensitivity(problem: PlanProblem, sensitivity: str) -> None:
         raise ValueError(
             "the proxy sensitivity cannot rank removing a decoder layer against cutting widths (block "
             "influence, 1 - cos between a layer's input and output, is no KL): measure (sensitivity "
-            '"halving" or "measured") or leave "depth" out of `blocks`'
+            '"halving", "measured" or "bld") or leave "depth" out of `blocks`'
         )
     if problem.blocks and sensitivity == "proxy":
         raise ValueError(
             "the proxy sensitivity covers GDN layers only; measure the sub-blocks (sensitivity "
-            '"halving" or "measured") or let only GDN layers shrink (`blocks` ["gdn"])'
+            '"halving", "measured" or "bld") or let only GDN layers shrink (`blocks` ["gdn"])'
         )
 
 
@@ -59,6 +61,7 @@ def measure(
     *,
     progress: bool,
     servable: bool = False,
+    bld_steps: int = BLD_STEPS,
 ) -> Sensitivities:
     """The measure stage: every candidate's sensitivity (and every removal's, with depth); successive
     halving's rungs choose as the plan will (``servable``: one geometry per kind)."""
@@ -76,7 +79,9 @@ def measure(
         raise ValueError("measured sensitivity needs calibration batches")
     start = time.perf_counter()
     removal = removal_sensitivity(model, batches) if problem.rests else None  # each on every window
-    if sensitivity == "measured" or not groups:
+    if sensitivity == "bld":
+        measured = bld_sensitivity(model, batches, groups, steps=bld_steps, progress=progress)
+    elif sensitivity == "measured" or not groups:
         measured = measured_sensitivity(model, batches, groups, progress=progress)
     else:
         chooser = _rung_chooser(problem, removal, servable)
@@ -101,6 +106,8 @@ def measure(
             tokens=measured["tokens"],
             forwards=measured["forwards"],
             rungs=measured["rungs"] if halving and groups else None,
+            teacher_seconds=measured.get("teacher_seconds"),
+            bld=measured.get("bld"),
         ),
         seconds=time.perf_counter() - start,
     )

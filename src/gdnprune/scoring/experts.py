@@ -1,13 +1,23 @@
 """Importance of routed experts and of whole decoder layers (issue 23), from the calibration forwards.
 
-Experts (:class:`ExpertScorer`, a hook on the experts module, which receives every token's chosen experts
-and their gate weights): for expert ``e`` and the tokens ``t`` routed to it, ``g_e(t)`` the gate weight and
-``y_e(t)`` the expert's output, the statistics are ``count_e`` (how often the router picks ``e``: the
-frequency baseline) and ``sum_t g_e(t) ||y_e(t)||``. The default order (REAP, Cerebras 2025: router-weighted
-expert activation pruning) ranks by the mean over routed tokens, ``sum_t g_e(t) ||y_e(t)|| / count_e``; an
-expert never routed scores 0. The hook recomputes each expert's output for its tokens (the module does not
-expose it), which doubles the expert compute of a scoring pass. Orders and scores go into the scores file
-under the MoE layer's prefix (``layers.N.mlp``), which ``sort`` applies (:func:`expert_payload`).
+Experts (:class:`ExpertScorer`, a hook on the router, which gives every token's logits, and one on the
+experts module, which receives every token's chosen experts and their gate weights): for expert ``e`` and
+the tokens ``t`` routed to it, ``g_e(t)`` the gate weight and ``y_e(t)`` the expert's output, the
+statistics are ``count_e`` (how often the router picks ``e``: the frequency baseline), ``sum_t g_e(t)
+||y_e(t)||`` (REAP, Cerebras 2025: router-weighted expert activation pruning, ranks by its mean over routed
+tokens, ``/ count_e``) and the **removal error** ``sum_t ||o'_e(t) - o(t)||^2``: ``o(t)`` the routed output
+``sum_j g_j(t) y_j(t)`` and ``o'_e(t)`` what it becomes with ``e`` removed alone — the router then picks its
+next choice ``r(t)`` (the (k+1)-th) and, as the cut router does, takes the softmax over the kept experts
+(renormalised over the chosen ones when the router renormalises, detected from the weights summing to 1).
+The removal error measures the layer's output change directly: it counts how often an expert is used, how
+much it writes and how well the next choice stands in for it. The default order (``projection``) ranks by
+the removal error (per token) times the frequency: the removal error sees one expert removed alone, and a
+deep cut also removes its stand-ins, where the experts most tokens land on matter more (chosen on two
+trained MoEs, BENCHMARKS.md); ``activation`` ranks by frequency; an expert never routed scores 0. All are sums over tokens
+(batches, processes and partial files add up). The hook recomputes each chosen expert's output and the
+next choice's (the module does not expose them): about 1 + (k+1)/k times the expert compute of a plain
+pass. Orders and scores go into the scores file under the MoE layer's prefix (``layers.N.mlp``), which
+``sort`` applies (:func:`expert_payload`). Which order wins on trained MoEs: BENCHMARKS.md, "MoE experts".
 
 Layers (:func:`block_influence`, ShortGPT's block influence): ``1 - cos(x, f(x))`` between a decoder layer's
 input and output hidden states, averaged over tokens; a layer that barely turns the residual stream is
@@ -26,8 +36,9 @@ from ..subblock_geometry import orders_to_payload
 
 __all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES"]
 
-#: the expert measure of each scoring method: ``projection`` (the default) -> REAP, ``activation`` -> frequency
-EXPERT_MEASURES = {"projection": "reap", "activation": "frequency"}
+#: the expert measure of each scoring method: ``projection`` (the default) -> the removal error x frequency,
+#: ``activation`` -> frequency (REAP and the removal error alone are in every payload)
+EXPERT_MEASURES = {"projection": "removal_frequency", "activation": "frequency"}
 
 
 class ExpertScorer:
@@ -35,7 +46,8 @@ class ExpertScorer:
     ``mlp.experts`` module: fused ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], ``act_fn``).
 
     Statistics (sums over tokens, so that batches and processes add up): ``num_tokens``, ``count`` [E],
-    ``weighted_norm`` [E] (sum of gate weight x output norm over the tokens routed to each expert).
+    ``weighted_norm`` [E] (sum of gate weight x output norm over the tokens routed to each expert),
+    ``removal_error`` [E] (sum of the squared change of the routed output were each expert removed alone).
     """
 
     def __init__(self, block: Any, module: torch.nn.Module, method: str = "projection") -> None:
@@ -51,42 +63,114 @@ class ExpertScorer:
             "num_tokens": torch.zeros((), dtype=torch.int64),
             "count": torch.zeros(n, dtype=torch.float64),
             "weighted_norm": torch.zeros(n, dtype=torch.float64),
+            "removal_error": torch.zeros(n, dtype=torch.float64),
         }
+        router = getattr(module, "gate", None)
+        if not isinstance(router, torch.nn.Module):
+            raise ValueError(f"{block.prefix}: expected the MoE module's router as .gate, found none")
+        self.router: torch.nn.Module = router
+        self.router_logits: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None
 
     def attach(self) -> list[Any]:
-        return [self.experts.register_forward_hook(self._on_forward)]
+        return [
+            self.router.register_forward_hook(self._on_route),
+            self.experts.register_forward_hook(self._on_forward),
+        ]
+
+    def _on_route(self, module: Any, args: tuple, output: Any) -> None:
+        """Keep the router's logits (its first output) for the experts call that follows."""
+        self.router_logits = output[0] if isinstance(output, tuple) else None
 
     @torch.no_grad()
     def _on_forward(self, module: Any, args: tuple, output: Any) -> None:
         hidden, index, weights = args[:3]
+        logits, self.router_logits = self.router_logits, None
+        if logits is not None and logits.shape[0] != hidden.shape[0]:
+            logits = None
         if self.token_mask is not None:  # padding tokens are left out (the module sees tokens flattened)
             keep = self.token_mask.to(hidden.device).reshape(-1)
             if keep.numel() == hidden.shape[0]:
                 hidden, index, weights = hidden[keep], index[keep], weights[keep]
+                logits = None if logits is None else logits[keep.to(logits.device)]
         self.stats["num_tokens"] += hidden.shape[0]
+        n = self.stats["count"].numel()
+        chosen = torch.zeros(*index.shape, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         for e in torch.unique(index).tolist():
-            if not 0 <= e < self.stats["count"].numel():
+            if not 0 <= e < n:
                 continue
             token, slot = torch.where(index == e)
-            x = hidden[token]
-            gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
-            y = torch.nn.functional.linear(module.act_fn(gate) * up, module.down_proj[e])
+            y = _expert_output(module, e, hidden[token])
+            chosen[token, slot] = y.float()
             g = weights[token, slot].to(torch.float64)
             self.stats["count"][e] += token.numel()
             self.stats["weighted_norm"][e] += (g * y.to(torch.float64).norm(dim=-1)).sum().cpu()
+        if logits is None:
+            raise ValueError(
+                f"{self.block.prefix}: the router's logits did not reach the experts (expected the router "
+                f"{type(self.router).__name__} to return (logits, weights, index) before the experts run)"
+            )
+        if n > index.shape[1] and hidden.shape[0]:
+            self._add_removal_error(module, logits, index, weights, chosen, hidden)
+
+    def _add_removal_error(
+        self,
+        module: Any,
+        logits: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        chosen: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> None:
+        """Add, per expert, the squared change of the experts' output over its tokens were it removed alone:
+        the router then picks its next choice ``r`` (the (k+1)-th), with the weights the cut router gives
+        (the softmax over the kept experts, renormalised over the chosen if the router renormalises)."""
+        n, k = self.stats["count"].numel(), index.shape[1]
+        probs = torch.softmax(logits.to(hidden.device).float(), dim=-1)
+        q = probs.gather(1, index)  # [T, k]
+        nxt = torch.topk(probs, k + 1, dim=-1)
+        q_next, e_next = nxt.values[:, k], nxt.indices[:, k]
+        y_next = torch.zeros_like(chosen[:, 0])
+        for e in torch.unique(e_next).tolist():
+            token = torch.where(e_next == e)[0]
+            y_next[token] = _expert_output(module, e, hidden[token]).float()
+        w = weights.float()
+        old = (w[..., None] * chosen).sum(1)  # [T, H]
+        normalized = bool(torch.allclose(w.sum(-1), torch.ones_like(w[:, 0]), atol=1e-3))
+        total = (q[..., None] * chosen).sum(1)  # sum_j q_j y_j
+        # removing slot s: (total - q_s y_s + q_r y_r) / (Z - q_s + q_r) renormalised, else / (1 - q_s)
+        z = q.sum(-1, keepdim=True) - q + q_next[:, None] if normalized else 1 - q
+        new = (total[:, None] - q[..., None] * chosen + (q_next[:, None, None] * y_next[:, None])) / z[
+            ..., None
+        ].clamp_min(1e-30)
+        err = (new - old[:, None]).to(torch.float64).pow(2).sum(-1)  # [T, k]
+        valid = (index >= 0) & (index < n)
+        self.stats["removal_error"].index_add_(0, index[valid].cpu(), err[valid].cpu())
+
+
+def _expert_output(experts: Any, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Routed expert ``e``'s SwiGLU output for tokens ``x`` (fused ``gate_up_proj`` / ``down_proj``)."""
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
 
 
 def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
-    """The score payload of one MoE layer's experts: the order of the method's measure (REAP for
-    ``projection``, frequency for ``activation``; ties keep the lower expert first) and both raw scores."""
+    """The score payload of one MoE layer's experts: the order of the method's measure (removal error x
+    frequency for ``projection``, frequency for ``activation``; ties keep the lower expert first) and every
+    raw score (``expert_reap``, ``expert_frequency``, ``expert_removal``, ``expert_removal_frequency``)."""
     count, weighted = stats["count"].to(torch.float64), stats["weighted_norm"].to(torch.float64)
     tokens = max(int(stats["num_tokens"]), 1)
-    reap = torch.where(count > 0, weighted / count.clamp_min(1), torch.zeros_like(weighted))
-    frequency = count / tokens
+    scores = {
+        "reap": torch.where(count > 0, weighted / count.clamp_min(1), torch.zeros_like(weighted)),
+        "frequency": count / tokens,
+    }
+    if "removal_error" in stats:  # absent from the scores of older versions' partial files
+        scores["removal"] = stats["removal_error"].to(torch.float64) / tokens
+        scores["removal_frequency"] = scores["removal"] * scores["frequency"]
     measure = EXPERT_MEASURES.get(method, "reap")
-    score = reap if measure == "reap" else frequency
-    order = torch.argsort(-score, stable=True)
+    if measure not in scores:
+        measure = "reap"
+    order = torch.argsort(-scores[measure], stable=True)
     return {
         "kind": block.kind,
         "layout": block.layout,
@@ -94,9 +178,8 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
         "method": method,
         "expert_measure": measure,
         **orders_to_payload({"experts": order.numpy()}),
-        "expert_scores": score.tolist(),
-        "expert_reap": reap.tolist(),
-        "expert_frequency": frequency.tolist(),
+        "expert_scores": scores[measure].tolist(),
+        **{f"expert_{name}": value.tolist() for name, value in scores.items()},
         "num_tokens": int(stats["num_tokens"]),
     }
 
