@@ -300,7 +300,7 @@ def test_budgets_are_checked_before_any_forward(case):
 
 
 def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path, capsys, monkeypatch):
-    import gdnprune.scoring
+    import gdnprune.prune
     from gdnprune.cli import main
 
     src, text, _ = folder
@@ -308,7 +308,9 @@ def test_prune_says_no_plan_meets_the_budgets_before_it_scores(folder, tmp_path,
     def never(*args, **kwargs):
         raise AssertionError("scored before the budgets were checked")
 
-    monkeypatch.setattr(gdnprune.scoring, "score_checkpoint", never)
+    # patched where prune looks it up (patching gdnprune.scoring's leaked into every later prune whenever this
+    # test was the first to import gdnprune.prune, as in a pytest-xdist worker)
+    monkeypatch.setattr(gdnprune.prune, "score_checkpoint", never)
     assert (
         main(
             [
