@@ -16,7 +16,7 @@ import pytest
 from xdist.scheduler import LoadFileScheduling
 
 #: the files that read the ``launch`` fixture (conftest.py checks that no other file does)
-LAUNCH_FILES = ("test_distributed.py", "test_first_hour.py")
+LAUNCH_FILES = ("test_distributed.py", "test_first_hour.py", "test_plan_bld.py", "test_plan_rank.py")
 
 #: the units that take longest, slowest first (the sum of their tests' times in a whole `make test` run with
 #: `--junitxml`); a unit not listed keeps its collection order after these
