@@ -441,7 +441,7 @@ def test_a_refined_plan_with_removal_and_expert_counts_meets_its_budgets_and_is_
         evolve_offspring=4,
         progress=False,
     )
-    refined = report["refinement"]
+    refined = report["evolution"]
     assert refined["kl"] <= refined["seed_kl"]
     totals = plan["totals"]
     assert totals["model_params_kept"] <= 0.55 * totals["model_params"] + 1e-6

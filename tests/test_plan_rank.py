@@ -354,7 +354,7 @@ def test_the_evolutionary_search_hands_its_best_distinct_plans_to_the_ranking(se
     first = done.choice.picks
     other = choose_plans(done.problem, done.sens, 2)[1].picks
     refined = Choice(
-        picks=first, refinement={"population": [[-1 if p is None else p for p in q] for q in (first, other)]}
+        picks=first, evolution={"population": [[-1 if p is None else p for p in q] for q in (first, other)]}
     )
     candidates = candidate_plans(done.problem, done.sens, refined, 3)
     assert [name for name, _, _ in candidates][:2] == ["evolved 1", "evolved 2"]

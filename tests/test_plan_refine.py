@@ -388,8 +388,8 @@ def test_plan_command_refines_and_reports_what_was_measured(scored_folder, tmp_p
     plan = json.loads(out.read_text())
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
     assert plan["sensitivity"] == report["sensitivity"] == "halving" and report["rungs"] == [1, 4]
-    assert plan["refined"]["kl"] <= plan["refined"]["seed_kl"] and plan["refined"]["generations"] == 2
-    assert [h["generation"] for h in report["refinement"]["history"]] == [1, 2]
+    assert plan["evolved"]["kl"] <= plan["evolved"]["seed_kl"] and plan["evolved"]["generations"] == 2
+    assert [h["generation"] for h in report["evolution"]["history"]] == [1, 2]
     for layer in report["layers"].values():
         windows = [c["windows"] for c in layer["candidates"]]
         assert set(windows) <= {1, 4} and 4 in windows
@@ -596,9 +596,9 @@ def test_two_processes_under_torchrun_find_the_plan_one_process_finds(scored_fol
         == 0
     )
     two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
-    assert two["layers"] == one["layers"] and two["refined"] == one["refined"]
+    assert two["layers"] == one["layers"] and two["evolved"] == one["evolved"]
     two, one = (json.loads((tmp_path / f"{n}.sensitivity.json").read_text()) for n in ("two", "one"))
-    assert two["refinement"]["history"] == one["refinement"]["history"]
+    assert two["evolution"]["history"] == one["evolution"]["history"]
     assert two["forwards"] == one["forwards"] and two["rungs"] == one["rungs"]
     for prefix, layer in one["layers"].items():
         assert [(c["sensitivity"], c["windows"]) for c in two["layers"][prefix]["candidates"]] == [

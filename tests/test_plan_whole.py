@@ -565,7 +565,7 @@ def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_r
         evolve_offspring=3,
         progress=False,
     )
-    refined = report["refinement"]
+    refined = report["evolution"]
     assert (
         refined["kl"] <= refined["seed_kl"]
         and plan["totals"]["model_params_kept"] <= 0.75 * plan["totals"]["model_params"]

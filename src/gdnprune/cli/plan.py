@@ -363,13 +363,13 @@ def format_plan(plan: dict, report: dict) -> str:
     )
     lines += cost_summary(report)
     lines += servable_summary(report) + latency_summary(report) + ranking_summary(report)
-    refined = report.get("refinement")
-    if refined:
-        accepted = sum(h["accepted"] for h in refined["history"])
+    evolved = report.get("evolution")
+    if evolved:
+        accepted = sum(h["accepted"] for h in evolved["history"])
         lines.append(
-            f"evolutionary search: KL of the whole cut model {refined['seed_kl']:.4g} -> {refined['kl']:.4g} "
-            f"({refined['generations']} generations, {accepted} improvements, {refined['evaluations']:,} "
-            f"window forwards in {refined['seconds']:.1f} s)"
+            f"evolutionary search: KL of the whole cut model {evolved['seed_kl']:.4g} -> {evolved['kl']:.4g} "
+            f"({evolved['generations']} generations, {accepted} improvements, {evolved['evaluations']:,} "
+            f"window forwards in {evolved['seconds']:.1f} s)"
         )
     return "\n".join(lines)
 

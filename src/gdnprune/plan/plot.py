@@ -186,9 +186,9 @@ def sensitivity_figure(report: Mapping) -> Any:
         k: kinds[k]
         for k in sorted(kinds, key=lambda k: list(_KINDS).index(k) if k in _KINDS else len(_KINDS))
     }
-    refinement = report.get("refinement")
+    evolution = report.get("evolution")
     removal = {k: v for k, v in (report.get("removal") or {}).items() if "sensitivity" in v}
-    count = len(kinds) + bool(removal) + bool(refinement)
+    count = len(kinds) + bool(removal) + bool(evolution)
     columns = 1 if count == 1 else 2
     rows = -(-count // columns)
     fig = Figure(
@@ -215,12 +215,12 @@ def sensitivity_figure(report: Mapping) -> Any:
         ax.set_ylabel(f"{what}\n({scale})", fontsize=9)
         ax.set_title("layer removal: the cost of skipping each layer", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-    if refinement:
+    if evolution:
         ax = flat[len(kinds) + bool(removal)]
-        history = refinement["history"]
+        history = evolution["history"]
         ax.plot(
             range(len(history) + 1),
-            [refinement["seed_kl"], *[h["kl"] for h in history]],
+            [evolution["seed_kl"], *[h["kl"] for h in history]],
             marker="o",
             ms=3,
             label="current plan (all windows)",

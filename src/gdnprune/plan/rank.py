@@ -375,7 +375,7 @@ def candidate_plans(
     else the MILP's solution pool (``milp N``) — then the best uniform cut (``uniform``) unless it is one of
     them or no uniform cut meets the budgets."""
     n = len(problem.groups)
-    population = (choice.refinement or {}).get("population")
+    population = (choice.evolution or {}).get("population")
     if population:
         name = "evolved"
         pool = [

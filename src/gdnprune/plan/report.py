@@ -3,7 +3,7 @@
 :class:`Sensitivities` is the measure stage's result (per width group and candidate: KL, loss, windows,
 survivors; per decoder layer: the removal's KL), :class:`Choice` the choose stage's (a candidate per group,
 None where its decoder layer is removed; the evolutionary search's record, kept under the file key
-``refinement``). :func:`plan_document` writes the plan file
+``evolution``). :func:`plan_document` writes the plan file
 (:mod:`gdnprune.plan_file`) and :class:`PlanReport` (of :class:`GroupReport` and :class:`CandidateReport`) the
 report, both as plain JSON-ready dicts.
 """
@@ -79,7 +79,7 @@ class Choice:
 
     picks: list[int | None]
     removed: list[int] = field(default_factory=list)
-    refinement: dict[str, Any] | None = None
+    evolution: dict[str, Any] | None = None
     depth_check: DepthCheck | None = None  # depth against the best widths-only plan, when it removed a layer
 
     def width_picks(self, problem: PlanProblem) -> list[int | None]:
@@ -152,7 +152,7 @@ class PlanReport:
     seconds: float
     layers: dict[str, GroupReport]
     stats: MeasureStats | None = None
-    refinement: dict[str, Any] | None = None
+    evolution: dict[str, Any] | None = None
     blocks: dict[str, GroupReport] | None = None
     removal: dict[str, RemovalReport] | None = None
     depth_check: DepthCheck | None = None
@@ -162,8 +162,8 @@ class PlanReport:
         out: dict[str, Any] = {"sensitivity": self.sensitivity, "seconds": round(self.seconds, 3)}
         if self.stats is not None:
             out.update(self.stats.as_dict())
-        if self.refinement is not None:
-            out["refinement"] = {k: v for k, v in self.refinement.items() if k not in ("picks", "population")}
+        if self.evolution is not None:
+            out["evolution"] = {k: v for k, v in self.evolution.items() if k not in ("picks", "population")}
         out["layers"] = {k: v.as_dict() for k, v in self.layers.items()}
         if self.blocks is not None:
             out["blocks"] = {k: v.as_dict() for k, v in self.blocks.items()}
@@ -239,7 +239,7 @@ def build_report(
         sensitivity=sensitivity,
         seconds=sens.seconds,
         stats=sens.stats,
-        refinement=choice.refinement,
+        evolution=choice.evolution,
         layers=layers,
         blocks=blocks or None,
         removal=_removal_report(problem, sens, choice, influence) if problem.rests else None,
@@ -289,9 +289,9 @@ def plan_document(
         "uniform": bool(uniform),
         "budgets": problem.budget_record(),
     }
-    if choice.refinement:
-        plan["refined"] = {
-            k: choice.refinement[k] for k in ("generations", "offspring", "seed", "seed_kl", "kl", "windows")
+    if choice.evolution:
+        plan["evolved"] = {
+            k: choice.evolution[k] for k in ("generations", "offspring", "seed", "seed_kl", "kl", "windows")
         }
     plan["predicted"] = _predicted(problem, sens, choice)
     plan["totals"] = problem.totals_record(picks)

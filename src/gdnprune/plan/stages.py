@@ -214,7 +214,7 @@ def evolve_choice(
     progress: bool,
 ) -> Choice:
     """The evolutionary search over whole plans (:func:`~gdnprune.plan.joint.evolve_plan`) from ``choice``."""
-    refinement = evolve_plan(
+    evolution = evolve_plan(
         model,
         batches,
         problem.groups + problem.rests,
@@ -229,8 +229,8 @@ def evolve_choice(
         removable=[r.index for r in problem.rests],
         keep_one_of=problem.keep_one_of,
     )
-    picks = [None if p == REMOVED else p for p in refinement["picks"]]
-    return Choice(picks=picks, removed=_removed(problem, picks), refinement=refinement)
+    picks = [None if p == REMOVED else p for p in evolution["picks"]]
+    return Choice(picks=picks, removed=_removed(problem, picks), evolution=evolution)
 
 
 def make_report(
