@@ -53,7 +53,9 @@ _WORKER = textwrap.dedent("""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from gdnprune.distill import DistillConfig, distill_checkpoint
     from gdnprune.distill.fsdp import has_checkpointed_layers, local_bytes, shard_student, shard_teacher
+    import gdnprune.loading
     from gdnprune.loading import load_sharded
+    gdnprune.loading.PER_EXPERT_SHARDED_LOADING = True  # the reading itself (distill keeps it off for now)
 
     root, rank = sys.argv[1], int(os.environ["RANK"])
     PartialState()

@@ -280,6 +280,12 @@ class StoredTensor:
 _STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
+#: MoE experts stored one tensor per expert, read straight into shards: off until an FSDP2 resume of such a
+#: student equals the uninterrupted run again (tests/test_distill_pipeline.py; with it on, the resumed
+#: student's embeddings differed); such folders load whole on every process, as before
+PER_EXPERT_SHARDED_LOADING = False
+
+
 def _per_expert(name: str, experts: int, disk: Mapping[str, str]) -> StoredTensor | None:
     prefix, _, last = name.rpartition(".")
     if last not in _STACKED_EXPERTS or not prefix.endswith(".experts"):
@@ -315,6 +321,8 @@ def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, Stor
             StoredTensor(found)
             if found
             else _per_expert(group[0], value.shape[0] if value.dim() else 0, disk)
+            if PER_EXPERT_SHARDED_LOADING
+            else None
         )
         if stored is None:
             return None

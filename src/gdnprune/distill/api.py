@@ -496,9 +496,10 @@ def distill_checkpoint(
     ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
     on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
     (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
-    weights are dequantized as read, MoE experts stored one tensor per expert are stacked as read, and a
+    weights are dequantized as read, and a
     student under gradient checkpointing has its layers wrapped before it is sharded. A folder that stores
-    another form than the model holds (a vision-language prefix, another quantization), or a low-precision
+    another form than the model holds (MoE experts one tensor per expert, a vision-language prefix, another
+    quantization), or a low-precision
     student under mixed precision,
     loads whole on every process and is sharded after (a warning says which). Teacher and student must
     share their tokenizer. The output folder is

@@ -200,7 +200,8 @@ def load_sharded_models(
     """``(student, teacher)`` under FSDP2, each built on ``meta``, sharded and filled with this process's rows
     straight from its files (:func:`gdnprune.loading.load_sharded`); None for a model that must load whole
     (a warning says why): a folder storing another form than the model holds (a vision-language prefix,
-    a quantization other than FP8 blocks; FP8 weights and per-expert MoE tensors are read into shards), a
+    MoE experts one tensor per expert, a quantization other than FP8 blocks; FP8 weights are read into
+    shards), a
     low-precision student under mixed precision (accelerate upcasts it first), and the teacher when it is
     not to be sharded. A student under gradient checkpointing has its layers wrapped before sharding. The default process group must exist."""
     dtype, teacher_dtype = _torch_dtype(dtype), _torch_dtype(teacher_dtype)
