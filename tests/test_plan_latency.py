@@ -19,7 +19,7 @@ from gdnprune.cli import main
 from gdnprune.latency import parse_workload
 from gdnprune.plan import plan_model
 from gdnprune.plan.candidates import parse_dim_step
-from gdnprune.plan.latency_costs import add_latency_budget, measure_latency_costs
+from gdnprune.plan.latency_costs import add_latency_budget, fit_latency, measure_latency_costs
 from gdnprune.plan.problem import Grid, build_problem, given_budgets
 from gdnprune.plan.solve import BudgetError, choose
 from gdnprune.scoring import score_model
@@ -107,6 +107,46 @@ def test_a_latency_plan_reports_predicted_beside_measured(model):
     assert t["measured_speedup"] == pytest.approx(t["unpruned_seconds"] / t["measured_seconds"])
     assert plan["budgets"]["latency"]["given"] == 0.95
     assert plan["predicted"]["latency"]["predicted_seconds"] == t["predicted_seconds"]
+    assert t["fitting"][0]["planned_seconds"] == pytest.approx(0.95 * t["unpruned_seconds"])
+
+
+def test_a_choice_measured_over_the_limit_is_chosen_again_against_a_lower_planned_latency(model):
+    """fit_latency: each round's choice meets the latency it planned against (the MILP's arithmetic), and
+    after a measurement over the limit the planned latency is min(planned, predicted) * limit / measured. A
+    tolerance of -0.9 (the cut model must measure under a tenth of the limit) makes every round go on, so the
+    rounds do not depend on the machine's timings."""
+    model, _ = model
+    problem = _problem(model)
+    costs = measure_latency_costs(model, problem, WORKLOAD, repeats=2, warmup=1, progress=False)
+    least = (costs.fixed + sum(min(g) for g in costs.groups)) / costs.whole
+    add_latency_budget(problem, costs, min(0.999, (least + 1.0) / 2))
+    limit = problem.limits["latency"]
+    rng = np.random.default_rng(1)
+    sens = [list(rng.uniform(0, 1, len(g))) for g in costs.groups]
+    chosen: list[list[int]] = []
+
+    class Picked:  # what fit_latency reads of a choice
+        def __init__(self, picks):
+            self.picks, self.removed = picks, []
+
+    def choose_now():
+        chosen.append(list(choose(sens, problem.costs, problem.budgets)))
+        return Picked(chosen[-1])
+
+    choice, history = fit_latency(model, problem, costs, WORKLOAD, choose_now, rounds=3, tolerance=-0.9)
+    assert 1 <= len(history) <= 4 and choice.picks == chosen[len(history) - 1]
+    assert history[0]["planned_seconds"] == pytest.approx(limit)
+    for k, record in enumerate(history):
+        picks = chosen[k]
+        spent = costs.fixed + sum(costs.groups[g][p] for g, p in enumerate(picks))
+        assert record["predicted_seconds"] == pytest.approx(spent)
+        assert spent <= record["planned_seconds"] + 1e-12
+        assert record["measured_seconds"] > 0.1 * limit  # why it went on
+        if k + 1 < len(history):
+            expected = min(record["planned_seconds"], spent) * limit / record["measured_seconds"]
+            assert history[k + 1]["planned_seconds"] == pytest.approx(expected)
+    # it stopped after 3 more choices, or when no plan met a lower planned latency (one more try refused)
+    assert len(history) == 4 or len(chosen) == len(history)
 
 
 @pytest.mark.parametrize(

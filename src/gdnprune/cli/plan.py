@@ -400,12 +400,20 @@ def latency_summary(report: dict) -> list[str]:
     t = report.get("latency")
     if not t:
         return []
-    return [
+    lines = [
         f"latency at {t['workload']}: unpruned {t['unpruned_seconds'] * 1e3:.3g} ms; predicted "
         f"{t['predicted_seconds'] * 1e3:.3g} ms ({t['predicted_fraction']:.1%}), measured "
         f"{t['measured_seconds'] * 1e3:.3g} ms ({t['measured_fraction']:.1%}): speed-up "
         f"{t['measured_speedup']:.2f}x measured, {t['predicted_speedup']:.2f}x predicted"
     ]
+    fitting = t.get("fitting") or []
+    if len(fitting) > 1:
+        steps = ", ".join(f"{r['measured_seconds'] / t['unpruned_seconds']:.1%}" for r in fitting)
+        lines.append(
+            f"the first choice measured over the budget: chosen again against a lower planned latency "
+            f"{len(fitting) - 1} time(s) (measured {steps})"
+        )
+    return lines
 
 
 def servable_summary(report: dict) -> list[str]:

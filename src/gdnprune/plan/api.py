@@ -24,6 +24,7 @@ from .latency_costs import (
     add_latency_budget,
     check_latency_floor,
     cut_model_latency,
+    fit_latency,
     measure_latency_costs,
 )
 from .problem import (
@@ -336,7 +337,17 @@ def search(
     sens = measure(
         model, batches, problem, o.sensitivity, progress=progress, servable=o.servable, bld_steps=o.bld_steps
     )
-    choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
+    fitted: list[dict[str, float]] = []
+    if latency is not None and workload is not None:  # the additive prediction checked on the whole cut model
+        choice, fitted = fit_latency(
+            model,
+            problem,
+            latency,
+            workload,
+            lambda: choose_plan(problem, sens, uniform=o.uniform, servable=o.servable),
+        )
+    else:
+        choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
     if choice.removed and batches is not None and not (o.uniform or o.servable):
         choice = check_depth(model, batches, problem, choice, sens)
     if o.evolve_generations:
@@ -387,6 +398,7 @@ def search(
     if latency is not None and workload is not None:
         measured = cut_model_latency(model, problem, choice.picks, choice.removed, workload)
         record = latency_record(latency, choice, measured)
+        record["fitting"] = fitted
         plan["predicted"]["latency"] = {
             k: record[k] for k in ("workload", "predicted_seconds", "predicted_fraction")
         }

@@ -33,8 +33,13 @@ __all__ = [
     "check_latency_floor",
     "cut_in_place",
     "cut_model_latency",
+    "fit_latency",
     "measure_latency_costs",
 ]
+
+#: how many times :func:`fit_latency` may choose again, and how far over the limit a measurement may be
+LATENCY_ROUNDS = 3
+LATENCY_TOLERANCE = 0.02
 
 
 @dataclass
@@ -227,3 +232,41 @@ def cut_model_latency(
     model is left as it was."""
     with cut_in_place(model, problem, picks, removed):
         return LatencyHarness(model, workload, repeats=repeats, warmup=warmup).model_latency().seconds
+
+
+def fit_latency(
+    model: Any,
+    problem: PlanProblem,
+    costs: LatencyCosts,
+    workload: Workload,
+    choose: Callable[[], Any],
+    *,
+    rounds: int = LATENCY_ROUNDS,
+    tolerance: float = LATENCY_TOLERANCE,
+) -> tuple[Any, list[dict[str, float]]]:
+    """The choice of ``choose()`` under the latency budget, measured whole, and made again while it measures
+    over the limit. The additive costs miss what a cut model does as a whole (fewer, smaller kernels; the
+    machine's load when each block was timed), so when the cut model measures ``m`` over the limit ``L`` with a
+    prediction of ``p``, the latency the MILP plans against is scaled by ``L / m`` (from ``min(planned, p)``)
+    and the choice made again, at most ``rounds`` times; a choice no plan can meet ends the fitting. The
+    problem keeps the last planned latency (later stages plan against it too). Returns the choice and one
+    record per measurement (``planned_seconds``, ``predicted_seconds``, ``measured_seconds``)."""
+    limit = problem.limits["latency"]
+    choice = choose()
+    history: list[dict[str, float]] = []
+    for round_ in range(rounds + 1):
+        planned = problem.budgets["latency"] + costs.fixed
+        predicted = costs.predicted(choice.picks, choice.removed)
+        measured = cut_model_latency(model, problem, choice.picks, choice.removed, workload)
+        history.append(
+            {"planned_seconds": planned, "predicted_seconds": predicted, "measured_seconds": measured}
+        )
+        if measured <= limit * (1 + tolerance) or round_ == rounds:
+            break
+        problem.budgets["latency"] = min(planned, predicted) * limit / measured - costs.fixed
+        try:
+            choice = choose()
+        except BudgetError:
+            problem.budgets["latency"] = planned - costs.fixed
+            break
+    return choice, history
