@@ -343,20 +343,26 @@ def test_sigterm_stops_like_ctrl_c():
 
 def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
     teacher, student = pair()
-    handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        distill(
-            student,
-            teacher,
-            windows(8),
-            tmp_path / "run",
-            steps=5,
-            batch_size=4,
-            save_every=10,
-            callbacks=[_CtrlCTwice()],
-            progress=False,
-        )
-    assert signal.getsignal(signal.SIGINT) is handler
+    # Ctrl-C as in a terminal: a runner started in the background with SIGINT ignored (a non-interactive
+    # shell's `&`) would otherwise make the library, rightly, keep ignoring it
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        handler = signal.getsignal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            distill(
+                student,
+                teacher,
+                windows(8),
+                tmp_path / "run",
+                steps=5,
+                batch_size=4,
+                save_every=10,
+                callbacks=[_CtrlCTwice()],
+                progress=False,
+            )
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
     assert not list(tmp_path.glob("run/checkpoint-*"))
 
 
