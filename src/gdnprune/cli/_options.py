@@ -244,6 +244,17 @@ def add_calibration_arguments(
         p.add_argument("--seed", type=int, default=0, help="seed of --method random (default 0)")
 
 
+def add_device_arguments(p) -> None:
+    """``--device``, ``--dtype``: where the model runs and in which dtype (every command that runs one)."""
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights dtype for the forward passes (default float32)",
+    )
+
+
 def add_forward_arguments(p) -> None:
     """``--seq-len``, ``--batch-size``, ``--device``, ``--dtype``, ``--device-map``: how the model runs."""
     p.add_argument(
@@ -257,13 +268,7 @@ def add_forward_arguments(p) -> None:
     p.add_argument(
         "--batch-size", type=positive_int, default=4, metavar="N", help="windows per forward pass (default 4)"
     )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="weights dtype for the forward passes (default float32)",
-    )
+    add_device_arguments(p)
     p.add_argument(
         "--device-map",
         choices=("auto", "balanced", "balanced_low_0", "sequential"),

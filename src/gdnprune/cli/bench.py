@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ..fileio import write_json_atomic
-from ._options import add_output_arguments, non_negative_int, positive_int
+from ._options import add_device_arguments, add_output_arguments, non_negative_int, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "bench"
@@ -71,13 +71,7 @@ def add_parser(subparsers) -> None:
     add_output_arguments(
         p, required=False, help=f"folder to create with {RESULTS}, {TABLE} and {PLOT} (default: print only)"
     )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="weights dtype for the forward passes (default float32)",
-    )
+    add_device_arguments(p)
     add_timing_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     add_runtime_arguments(p)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._options import add_distributed_arguments, add_output_arguments, non_negative_int, positive_int
+from ._options import (
+    add_device_arguments,
+    add_distributed_arguments,
+    add_output_arguments,
+    non_negative_int,
+    positive_int,
+)
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "eval"
@@ -84,13 +90,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--batch-size", type=positive_int, default=8, metavar="N", help="requests per forward (default 8)"
     )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="weights dtype for the forward passes (default float32)",
-    )
+    add_device_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the recall probes and of lm-eval (default 0)")
     add_runtime_arguments(p)
     add_distributed_arguments(p)
