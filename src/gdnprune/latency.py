@@ -599,6 +599,6 @@ def bench_figure(results: Sequence[BenchResult], names: Sequence[str] | None = N
         ax.margins(y=0.15)
     device = results[0].timing.device if results else ""
     fig.suptitle(
-        f"throughput per model and workload ({device}; labels: speed-up over the first model)", fontsize=9
+        f"throughput per model and workload ({device})\nbar labels: speed-up over the first model", fontsize=9
     )
     return fig
