@@ -9,13 +9,19 @@ numpy's PCG64 stream (``build_source``); FP8 block quantisation; layers skipped 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
+import os
+import shutil
 import struct
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -102,6 +108,27 @@ def raw_tensors(folder: Path) -> dict[str, tuple[str, tuple, bytes]]:
 
 def leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if "gdnprune-" in p.name]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str, why: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``path`` (made here) with the mount ``options`` (``"ro,size=8m"``), unmounted after.
+
+    Mounting needs root; elsewhere the test is skipped, saying ``why`` it needs the mount. For a fixture:
+    ``with tmpfs(tmp_path / "m", "size=64k", "...") as mnt: yield mnt``.
+    """
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip(f"needs root to mount {why}")
+    path.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 # ---- tiny models with random attention and MLP weights --------------------------------------------------

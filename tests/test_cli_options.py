@@ -10,12 +10,11 @@ import fnmatch
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from test_byte_identity import TARGET, build_source, scores_for
+from helpers import BYTES_TARGET as TARGET
+from helpers import build_source, scores_for, tmpfs
 
 from gdnprune.cli import exit_code, main
 
@@ -324,20 +323,11 @@ def test_exit_code_tells_the_users_mistake_from_the_environments_failure():
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    """A 64 KiB tmpfs (root only: mounting is the only reliable way to fill a disk as root)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs (a full disk cannot be simulated otherwise as root)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    """A 64 KiB tmpfs (mounting is the only reliable way to fill a disk as root)."""
+    with tmpfs(
+        tmp_path / "tiny", "size=64k", "a small tmpfs (a full disk cannot be simulated otherwise)"
+    ) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_exits_1_and_leaves_nothing(tmp_path, tiny_tmpfs, capsys):

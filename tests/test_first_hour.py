@@ -9,12 +9,12 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import tmpfs
 
 from gdnprune.cli import COMMANDS, build_parser, main
 from gdnprune.demo_data import demo_model_path
@@ -193,20 +193,9 @@ def test_a_hub_name_gets_a_hint_to_download_it(tmp_path):
 
 @pytest.fixture
 def read_only_mount(tmp_path):
-    """A read-only tmpfs (root only): writes fail with EROFS, whoever the process is."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a read-only tmpfs (chmod does not stop root)")
-    mnt = tmp_path / "ro_mount"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    """A read-only tmpfs: writes fail with EROFS, whoever the process is."""
+    with tmpfs(tmp_path / "ro_mount", "ro,size=8m", "a read-only tmpfs (chmod does not stop root)") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_an_output_on_a_read_only_mount_is_named_and_exits_2(read_only_mount, tmp_path, capsys):
