@@ -111,3 +111,27 @@ def test_a_renamed_module_still_imports_with_a_warning(old):
         module = importlib.import_module(old)
     assert module is importlib.import_module(OLD_MODULE_NAMES[old])
     sys.modules.pop(old, None)
+
+
+def test_prune_takes_the_scoring_options_as_one_object_and_the_old_keywords_still_work(tmp_path):
+    """``prune_checkpoint(scoring=ScoringOptions(...))``: the fields are ``score_checkpoint``'s keywords with
+    their defaults, not repeated in ``prune_checkpoint``'s signature; the old keywords fold into the object
+    with a warning."""
+    import dataclasses
+
+    from gdnprune.prune import prune_checkpoint
+    from gdnprune.scoring import ScoringOptions, score_checkpoint
+
+    fields = dataclasses.fields(ScoringOptions)
+    scoring = inspect.signature(score_checkpoint).parameters
+    assert all(scoring[f.name].default == f.default for f in fields)
+    assert {f.name for f in fields}.isdisjoint(inspect.signature(prune_checkpoint).parameters)
+    assert ScoringOptions(seed=3).keywords() == {**ScoringOptions().keywords(), "seed": 3}
+    paths = (tmp_path / "nothing", tmp_path / "text.txt", tmp_path / "out")
+    # the old keyword reaches the object: its check of the method is what refuses it
+    with pytest.warns(FutureWarning, match=r"scoring=ScoringOptions\(method=\.\.\.\)"):
+        with pytest.raises(ValueError, match="unknown scoring method 'bogus'"):
+            prune_checkpoint(*paths, target=BYTES_TARGET, method="bogus")
+    with pytest.raises(TypeError, match="give them all in `scoring`"):
+        prune_checkpoint(*paths, target=BYTES_TARGET, scoring=ScoringOptions(), seed=1)
+    assert not paths[2].exists()

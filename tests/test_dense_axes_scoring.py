@@ -275,6 +275,7 @@ def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_
 
     from gdnprune.loading import load_pretrained
     from gdnprune.prune import prune_checkpoint
+    from gdnprune.scoring import ScoringOptions
     from gdnprune.targets import TargetError
 
     model = random_dense_model("qwen3_5")
@@ -288,7 +289,7 @@ def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
     }
-    options = dict(num_samples=4, seq_len=16, batch_size=2, device="cpu")
+    options = dict(scoring=ScoringOptions(num_samples=4, seq_len=16, batch_size=2, device="cpu"))
     manifest = prune_checkpoint(
         tmp_path / "src", tmp_path / "data.txt", tmp_path / "out", target=target, progress=False, **options
     )

@@ -7,6 +7,7 @@ gdnprune (a renamed module is imported only when its old name is).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.abc
@@ -17,7 +18,13 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
-__all__ = ["RENAMED_MODULES", "install_module_aliases", "renamed_function", "renamed_keywords"]
+__all__ = [
+    "RENAMED_MODULES",
+    "folded_keywords",
+    "install_module_aliases",
+    "renamed_function",
+    "renamed_keywords",
+]
 
 #: old module name -> new one (issue 27: names that read as twins of a package, or meant two things)
 RENAMED_MODULES = {
@@ -56,6 +63,36 @@ def renamed_keywords(**renames: str | tuple[str, Callable[[Any], Any]]) -> Calla
                 )
                 value = kwargs.pop(old)
                 kwargs[new] = value if convert is None else convert(value)
+            return func(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def folded_keywords(name: str, options: type) -> Callable[[F], F]:
+    """Decorator: the function's keywords that became the fields of the dataclass ``options``, now given as one
+    object under the keyword ``name``. A call with any of the old keywords warns (``FutureWarning``) and goes
+    on with ``name=options(**those)``; with ``name`` too, a ``TypeError``."""
+    fields = [field.name for field in dataclasses.fields(options)]
+
+    def wrap(func: F) -> F:
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            old = {key: kwargs.pop(key) for key in fields if key in kwargs}
+            if old:
+                if kwargs.get(name) is not None:
+                    raise TypeError(
+                        f"{func.__name__}() got `{name}` and {sorted(old)}: give them all in `{name}`"
+                    )
+                warnings.warn(
+                    f"{func.__name__}: {', '.join(f'`{k}`' for k in old)} {'is' if len(old) == 1 else 'are'} "
+                    f"deprecated and will be removed; use "
+                    f"`{name}={options.__name__}({', '.join(f'{k}=...' for k in old)})`",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                kwargs[name] = options(**old)
             return func(*args, **kwargs)
 
         return call  # type: ignore[return-value]

@@ -16,7 +16,7 @@ from .checkpoint.output import check_paths, clear_stale
 from .checkpoint.remote_code import auto_map
 from .checkpoint.subblocks import plan_sub_blocks, split_target
 from .compensate import sequential_refit
-from .deprecation import renamed_keywords
+from .deprecation import folded_keywords, renamed_keywords
 from .distributed import fail_together, local_gpus
 from .fileio import file_sha256
 from .geometry import layer_index_of
@@ -26,17 +26,19 @@ from .plan import PlanOptions, check_budgets, plan_checkpoint
 from .plan.latency_costs import check_latency_floor
 from .plan_file import PlanError, read_plan, resolve_plan, servable_problems
 from .scores_file import load_scores
-from .scoring import GDN_ONLY, score_checkpoint
+from .scoring import GDN_ONLY, ScoringOptions, score_checkpoint
 from .targets import TargetError, keyword_target, resolve_target
 
 __all__ = ["prune_checkpoint"]
 
 
-# long: every scoring, planning and runtime option is passed by name (no options bag); the checks are in
-# _check_cut, the work in score_checkpoint, plan_checkpoint and transform_checkpoint
+# long: every planning and runtime option is passed by name (the scoring options as one ScoringOptions, the
+# search's as one PlanOptions); the checks are in _check_cut, the work in score_checkpoint, plan_checkpoint and
+# transform_checkpoint
 @renamed_keywords(
     refine=("lane_search", lambda refine: refine == "lanes"), refine_samples="lane_search_samples"
 )
+@folded_keywords("scoring", ScoringOptions)
 @keyword_target(paths=3)
 def prune_checkpoint(
     model_dir: str | Path,
@@ -47,6 +49,7 @@ def prune_checkpoint(
     plan: str | Path | Mapping | None = None,
     scores: str | Path | None = None,
     search: PlanOptions | None = None,
+    scoring: ScoringOptions | None = None,
     plan_samples: int = 16,
     tp: int | None = None,
     multiple_of: int | None = None,
@@ -55,16 +58,6 @@ def prune_checkpoint(
     progress: bool = True,
     self_contained: bool = False,
     servable: bool = False,
-    method: str = "projection",
-    num_samples: int | None = 128,
-    seq_len: int | None = None,
-    batch_size: int = 4,
-    device: str | None = None,
-    dtype: str = "float32",
-    device_map: str | None = None,
-    seed: int = 0,
-    lane_search: bool = False,
-    lane_search_samples: int = 16,
     on_rank_cost: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
     """Score ``model_dir`` on ``data``, then sort and cut every GDN layer in one streaming pass.
@@ -74,9 +67,11 @@ def prune_checkpoint(
     ``num_key_value_heads`` also score, sort and cut the MLPs and attention layers), ``plan`` (a plan
     file or dict, :mod:`gdnprune.plan_file`), or ``search`` — a :class:`~gdnprune.plan.PlanOptions` (the budgets
     and search options of :func:`gdnprune.plan.plan_model`): the plan is then searched on the fresh scores
-    with ``plan_samples`` calibration windows. ``method``, ``num_samples``, ``seq_len``, ``batch_size``,
-    ``device``, ``dtype``, ``device_map``, ``seed``, ``lane_search`` and ``lane_search_samples`` are
-    :func:`gdnprune.scoring.score_checkpoint`'s. ``compensate`` (``True`` or ``"statistics"``) collects the
+    with ``plan_samples`` calibration windows. ``scoring``: how the model is scored, a
+    :class:`~gdnprune.scoring.ScoringOptions` (:func:`gdnprune.scoring.score_checkpoint`'s options; default:
+    its defaults); its ``seq_len``, ``batch_size``, ``device``, ``dtype`` and ``device_map`` serve the plan
+    search and the sequential refit too (the old keywords ``method=``, ``num_samples=``, ... still work, with
+    a ``FutureWarning``). ``compensate`` (``True`` or ``"statistics"``) collects the
     least-squares statistics in the scoring pass and refits every cut layer's ``out_proj``
     (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is known, cuts the model in
     memory and refits ``out_proj`` layer by layer on the cut model's own hidden states
@@ -94,8 +89,9 @@ def prune_checkpoint(
     """
     if compensate not in (False, True, "statistics", "sequential"):
         raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
+    o = scoring or ScoringOptions()
     sequential = compensate == "sequential"
-    if sequential and device_map is not None:
+    if sequential and o.device_map is not None:
         raise ValueError(
             "sequential compensation cuts the model in memory: it needs the model on one device "
             "(no device map)"
@@ -121,8 +117,10 @@ def prune_checkpoint(
     model = None
     if scores is None or search is not None or sequential:
         with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
-            gpus = local_gpus() if device_map is not None else None
-            model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
+            gpus = local_gpus() if o.device_map is not None else None
+            model = load_causal_lm(
+                model_dir, dtype=o.dtype, device=o.device, device_map=o.device_map, gpus=gpus
+            )
     workload = None if search is None else search.parsed_workload()
     if workload is not None:  # a latency budget below the embeddings and LM head: said before scoring
         assert model is not None and search is not None and search.budget_latency is not None
@@ -135,16 +133,7 @@ def prune_checkpoint(
         scored = score_checkpoint(
             model_dir,
             data,
-            method=method,
-            num_samples=num_samples,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            device=device,
-            dtype=dtype,
-            device_map=device_map,
-            seed=seed,
-            lane_search=lane_search,
-            lane_search_samples=lane_search_samples,
+            **o.keywords(),
             progress=progress,
             compensate=bool(compensate) and not sequential,
             blocks=None if sub_blocks else GDN_ONLY,
@@ -159,11 +148,11 @@ def prune_checkpoint(
             data,
             scores_source,
             num_samples=plan_samples,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            device=device,
-            dtype=dtype,
-            device_map=device_map,
+            seq_len=o.seq_len,
+            batch_size=o.batch_size,
+            device=o.device,
+            dtype=o.dtype,
+            device_map=o.device_map,
             tp=tp,
             multiple_of=multiple_of,
             progress=progress,

@@ -91,6 +91,9 @@ def run(args) -> int:
     # lazy: commands import the library when they run, so --help stays fast
     from ..prune import prune_checkpoint
 
+    # lazy: commands import the library when they run, so --help stays fast
+    from ..scoring import ScoringOptions
+
     info = launch_info()
     if info is not None and info.world_size > 1:
         raise ValueError(
@@ -130,10 +133,12 @@ def run(args) -> int:
             progress=not args.quiet,
             self_contained=args.self_contained,
             servable=args.servable,
-            lane_search=args.lane_search,
-            lane_search_samples=args.lane_search_samples,
+            scoring=ScoringOptions(
+                lane_search=args.lane_search,
+                lane_search_samples=args.lane_search_samples,
+                **scoring_options(args),
+            ),
             on_rank_cost=rank_cost_printer(NAME, args.quiet),
-            **scoring_options(args),
         )
     uniform = manifest.get("target")
     what = f"sliced to {uniform}" if uniform else "sliced layer by layer"

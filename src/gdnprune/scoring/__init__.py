@@ -21,6 +21,7 @@ from .api import (
     METHODS,
     SCORED_BLOCKS,
     CheckpointStatistics,
+    ScoringOptions,
     default_seq_len,
     measure_checkpoint,
     measure_statistics,
@@ -34,6 +35,7 @@ from .payload import ScoringStatistics, scores_from_statistics
 
 __all__ = [
     "METHODS",
+    "ScoringOptions",
     "SCORED_BLOCKS",
     "GDN_ONLY",
     "SCORES_FORMAT",

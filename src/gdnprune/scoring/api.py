@@ -11,7 +11,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ __all__ = [
     "CheckpointStatistics",
     "measure_checkpoint",
     "score_checkpoint",
+    "ScoringOptions",
     "default_seq_len",
     "SCORED_BLOCKS",
     "GDN_ONLY",
@@ -472,6 +473,32 @@ def _run_info(
             "total_windows": int(windows.shape[0]),
         },
     )
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How a model folder is scored: :func:`score_checkpoint`'s options as one object (what
+    :func:`gdnprune.prune.prune_checkpoint` takes as ``scoring``). The fields are :func:`score_checkpoint`'s
+    keywords of the same names, with the same defaults; :meth:`keywords` gives them back as keywords."""
+
+    method: str = "projection"
+    num_samples: int | None = 128
+    seq_len: int | None = None
+    batch_size: int = 4
+    device: str | None = None
+    dtype: str = "float32"
+    device_map: str | None = None
+    seed: int = 0
+    lane_search: bool = False
+    lane_search_samples: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown scoring method {self.method!r}; expected one of {list(METHODS)}")
+
+    def keywords(self) -> dict[str, Any]:
+        """The options as keyword arguments of :func:`score_checkpoint`."""
+        return asdict(self)
 
 
 def _lane_search_from_refine(refine: str | None) -> bool:
