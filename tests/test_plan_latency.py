@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from gdnprune.cli import main
 from gdnprune.latency import parse_workload
-from gdnprune.plan import plan_model
+from gdnprune.plan import api as plan_api
+from gdnprune.plan import latency_costs, plan_model
 from gdnprune.plan.candidates import parse_dim_step
 from gdnprune.plan.latency_costs import add_latency_budget, fit_latency, measure_latency_costs
 from gdnprune.plan.problem import Grid, build_problem, given_budgets
@@ -84,8 +85,18 @@ def test_candidate_latencies_are_positive_and_the_budget_is_met_as_brute_force_f
     assert costs.predicted(picks, []) <= limit + 1e-12
 
 
-def test_a_latency_plan_reports_predicted_beside_measured(model):
+def test_a_latency_plan_reports_predicted_beside_measured(model, monkeypatch):
     model, _ = model
+    # every whole-model measurement (the real one), in order: the fitting's, then the report's if it measures
+    measured: list[float] = []
+
+    def counted(*args, **kwargs):
+        measured.append(real(*args, **kwargs))
+        return measured[-1]
+
+    real = latency_costs.cut_model_latency
+    monkeypatch.setattr(latency_costs, "cut_model_latency", counted)
+    monkeypatch.setattr(plan_api, "cut_model_latency", counted)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     scores = score_model(model, [ids], progress=False, blocks=True)
     plan, report = plan_model(
@@ -108,6 +119,13 @@ def test_a_latency_plan_reports_predicted_beside_measured(model):
     assert plan["budgets"]["latency"]["given"] == 0.95
     assert plan["predicted"]["latency"]["predicted_seconds"] == t["predicted_seconds"]
     assert t["fitting"][0]["planned_seconds"] == pytest.approx(0.95 * t["unpruned_seconds"])
+    # the cut model is timed once per fitting round; the report reuses the last round's time unless the depth
+    # check replaced the fitted choice (then that one is timed too)
+    changed = report.get("depth_check", {}).get("kept") == "widths"
+    assert measured == [r["measured_seconds"] for r in t["fitting"]] + (
+        [t["measured_seconds"]] if changed else []
+    )
+    assert changed or t["measured_seconds"] == t["fitting"][-1]["measured_seconds"]
 
 
 def test_a_choice_measured_over_the_limit_is_chosen_again_against_a_lower_planned_latency(model):

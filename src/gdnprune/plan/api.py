@@ -338,6 +338,7 @@ def search(
         model, batches, problem, o.sensitivity, progress=progress, servable=o.servable, bld_steps=o.bld_steps
     )
     fitted: list[dict[str, float]] = []
+    fitted_choice: Choice | None = None  # the choice the fitting measured last
     if latency is not None and workload is not None:  # the additive prediction checked on the whole cut model
         choice, fitted = fit_latency(
             model,
@@ -346,6 +347,7 @@ def search(
             workload,
             lambda: choose_plan(problem, sens, uniform=o.uniform, servable=o.servable),
         )
+        fitted_choice = choice
     else:
         choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
     if choice.removed and batches is not None and not (o.uniform or o.servable):
@@ -396,7 +398,7 @@ def search(
         make_servable(plan, problem, choice)
         report.extra["servable"] = SERVABLE_NOTE
     if latency is not None and workload is not None:
-        measured = cut_model_latency(model, problem, choice.picks, choice.removed, workload)
+        measured = _final_latency(model, problem, choice, workload, fitted_choice, fitted)
         record = latency_record(latency, choice, measured)
         record["fitting"] = fitted
         plan["predicted"]["latency"] = {
@@ -404,6 +406,22 @@ def search(
         }
         report.extra["latency"] = record
     return Search(problem, sens, choice, plan, report)
+
+
+def _final_latency(
+    model: Any,
+    problem: PlanProblem,
+    choice: Choice,
+    workload: Workload,
+    fitted_choice: Choice | None,
+    fitted: list[dict[str, float]],
+) -> float:
+    """The measured latency of the final choice: the fitting's last measurement when the later stages (depth
+    check, evolution, ranking) kept the choice it measured, else a measurement of the new one."""
+    if fitted and fitted_choice is not None:
+        if (choice.picks, choice.removed) == (fitted_choice.picks, fitted_choice.removed):
+            return fitted[-1]["measured_seconds"]
+    return cut_model_latency(model, problem, choice.picks, choice.removed, workload)
 
 
 def latency_record(latency: LatencyCosts, choice: Choice, measured: float) -> dict[str, Any]:
