@@ -279,28 +279,45 @@ def _cli(
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_quiet_eval_prints_the_table_and_nothing_else(inputs, tmp_path):
+# one `gdnprune eval -q` in a process of its own, outside a git repository: the quiet output's test reads it, and
+# it is the one-process reference of the two-process run (5 documents per task; in mixed_mc the odd rows count
+# the nonsense choice as right, and its hook records which rank scored each document)
+EVAL_TASKS = "mixed_mc,passkey,mqar,nats_per_byte"
+
+
+def _eval_args(inputs: dict[str, Path], mixed: Path) -> list[str]:
+    args = ["eval", str(DEMO), "--tasks", EVAL_TASKS, "--context-lengths", "128"]
+    args += ["--include-path", str(mixed), "--data", str(inputs["text"]), "--limit", "5"]
+    return args + ["--batch-size", "2", "--threads", "1", "-q"]
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mixed")
+    folder = _mc_folder(root, "mixed_mc", wrong=(1, 3, 5, 7))
+    (folder / "record.py").write_text(RECORD_HOOK, encoding="utf-8")
+    yaml = (folder / "mixed_mc.yaml").read_text()
+    yaml = yaml.replace("metric_list:\n  - metric: acc\n  - metric: acc_norm\n", "")
+    (folder / "mixed_mc.yaml").write_text(yaml + RECORD_YAML, encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_process(inputs, mixed, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The run, and the folder it ran in (``one``: its output, ``1.log``: its record)."""
+    cwd = tmp_path_factory.mktemp("one_process")
+    done = _cli(*_eval_args(inputs, mixed), "-o", str(cwd / "one"), cwd=cwd, record=cwd / "1.log")
+    return done, cwd
+
+
+def test_quiet_eval_prints_the_table_and_nothing_else(one_process):
+    done, cwd = one_process
     # outside a git repository lm-eval's run record would print git's "fatal: not a git repository"
-    git = subprocess.run(["git", "describe", "--always"], cwd=tmp_path, capture_output=True, text=True)
+    git = subprocess.run(["git", "describe", "--always"], cwd=cwd, capture_output=True, text=True)
     assert git.returncode != 0 and "not a git repository" in git.stderr
-    out = tmp_path / "out"
-    args = ["eval", str(DEMO), "--tasks", "passkey,nats_per_byte", "--context-lengths", "128"]
-    done = _cli(
-        *args,
-        "--data",
-        str(inputs["text"]),
-        "--limit",
-        "2",
-        "--threads",
-        "1",
-        "-o",
-        str(out),
-        "-q",
-        cwd=tmp_path,
-    )
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
-    assert done.stdout == (out / "results.md").read_text()
+    assert done.stdout == (cwd / "one" / "results.md").read_text()
     assert done.stdout.splitlines()[0].startswith("| model | parameters |")
 
 
@@ -323,33 +340,25 @@ def test_eval_shows_only_its_table_and_the_request_bars(inputs, capsys):
 
 
 @pytest.mark.slow
-def test_two_processes_under_torchrun_give_the_results_of_one(inputs, tmp_path):
-    # 5 documents per task: rank 0 takes 3, rank 1 takes 2 (lm-eval pads rank 1's share); in mixed_mc the
-    # odd rows count the nonsense choice as right, so its accuracy and standard error would differ if a
-    # rank's documents were lost or scored twice; its hook records which rank scored each document
-    mixed = _mc_folder(tmp_path, "mixed_mc", wrong=(1, 3, 5, 7))
-    (mixed / "record.py").write_text(RECORD_HOOK, encoding="utf-8")
-    yaml = (mixed / "mixed_mc.yaml").read_text()
-    yaml = yaml.replace("metric_list:\n  - metric: acc\n  - metric: acc_norm\n", "")
-    (mixed / "mixed_mc.yaml").write_text(yaml + RECORD_YAML, encoding="utf-8")
-    args = ["eval", str(DEMO), "--tasks", "mixed_mc,passkey,mqar,nats_per_byte", "--context-lengths", "128"]
-    args += ["--include-path", str(mixed), "--data", str(inputs["text"]), "--limit", "5"]
-    args += ["--batch-size", "2", "--threads", "1", "-q"]
+def test_two_processes_under_torchrun_give_the_results_of_one(inputs, mixed, one_process, tmp_path):
+    # rank 0 takes 3 documents per task, rank 1 takes 2 (lm-eval pads rank 1's share): mixed_mc's accuracy and
+    # standard error would differ from one process's if a rank's documents were lost or scored twice
     launcher = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    args = _eval_args(inputs, mixed)
     two = _cli(*args, "-o", str(tmp_path / "two"), cwd=tmp_path, launcher=launcher, record=tmp_path / "2.log")
     assert two.returncode == 0, two.stderr[-3000:]
-    one = _cli(*args, "-o", str(tmp_path / "one"), cwd=tmp_path, record=tmp_path / "1.log")
+    one, one_dir = one_process
     assert one.returncode == 0, one.stderr[-3000:]
     # each rank scored its own share, and the two together every document once
     scored = [json.loads(line) for line in (tmp_path / "2.log").read_text().splitlines()]
-    alone = [json.loads(line) for line in (tmp_path / "1.log").read_text().splitlines()]
+    alone = [json.loads(line) for line in (one_dir / "1.log").read_text().splitlines()]
     assert sorted(r["rank"] for r in scored) == [0, 0, 0, 1, 1]
     assert sorted(r["query"] for r in scored) == sorted(r["query"] for r in alone)
     assert sorted(r["query"] for r in alone) == sorted(q for q, _ in CHOICES[:5])
     # rank 0 alone printed the table
     assert two.stdout == one.stdout == (tmp_path / "two" / "results.md").read_text()
     ours = json.loads((tmp_path / "two" / "results.json").read_text())["models"][0]["results"]
-    single = json.loads((tmp_path / "one" / "results.json").read_text())["models"][0]["results"]
+    single = json.loads((one_dir / "one" / "results.json").read_text())["models"][0]["results"]
     assert set(ours) == set(single) == {"mixed_mc", "passkey_128", "mqar_128", "nats_per_byte"}
     assert 0 < single["mixed_mc"]["acc,none"] < 1  # a standard error that depends on the count
     for task in ("mixed_mc", "passkey_128", "mqar_128"):
