@@ -128,15 +128,18 @@ def ranked(setting):
     return plan, report, costs
 
 
-def test_a_pool_of_one_is_the_plain_plan(setting):
+@pytest.fixture(scope="module")
+def searched(setting):
+    """One measured search with depth at 60 % of the parameters (read, never changed, by two tests)."""
     model, batches, scores = setting
-    done = search(
-        model,
-        batches,
-        scores,
-        PlanOptions(budget_params=0.6, blocks=["gdn", "attention", "mlp", "depth"], sensitivity="measured"),
-        progress=False,
+    options = PlanOptions(
+        budget_params=0.6, blocks=["gdn", "attention", "mlp", "depth"], sensitivity="measured"
     )
+    return search(model, batches, scores, options, progress=False)
+
+
+def test_a_pool_of_one_is_the_plain_plan(searched):
+    done = searched
     plain = choose_plan(done.problem, done.sens, uniform=False)
     pool = choose_plans(done.problem, done.sens, 4)
     assert pool[0].picks == plain.picks and len({tuple(c.picks) for c in pool}) == 4
@@ -214,6 +217,7 @@ def test_the_winner_is_the_least_recovered_kl_and_distilling_it_again_gives_its_
 
 def test_depth_that_loses_on_the_whole_cut_model_gives_way_to_widths_only(setting):
     model, batches, scores = setting
+    # a budget of its own: at 60 % (the fixture `searched`) removing the last layer is really better
     options = PlanOptions(
         budget_params=0.75, blocks=["gdn", "attention", "mlp", "depth"], sensitivity="measured"
     )
@@ -324,7 +328,7 @@ def test_two_processes_rank_as_one_process_does(launch, launch_model, launch_tex
     )
 
 
-def test_the_evolutionary_search_hands_its_best_distinct_plans_to_the_ranking(setting):
+def test_the_evolutionary_search_hands_its_best_distinct_plans_to_the_ranking(searched):
     from gdnprune.plan.evolve import evolve
 
     # a fitness in plain Python: per window, a made-up loss of the plan (larger candidates: less)
@@ -342,14 +346,7 @@ def test_the_evolutionary_search_hands_its_best_distinct_plans_to_the_ranking(se
     assert len({tuple(p) for p in population}) == len(population)
     assert all(feasible(p, costs, {"params": 22}) for p in population)
     # the ranking takes them as its candidates, best first, removed layers (-1) as None
-    model, batches, scores = setting
-    done = search(
-        model,
-        batches,
-        scores,
-        PlanOptions(budget_params=0.6, blocks=["gdn", "attention", "mlp", "depth"], sensitivity="measured"),
-        progress=False,
-    )
+    done = searched
     n = len(done.problem.groups) + len(done.problem.rests)
     first = done.choice.picks
     other = choose_plans(done.problem, done.sens, 2)[1].picks
