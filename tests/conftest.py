@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import make_source
-from launches import Launch, build_model, run_launch, write_text
+from launches import Launch, shared_folder, shared_inputs, shared_launch
 
 from gdnprune.cli import main
 
@@ -19,8 +19,8 @@ torch.set_num_threads(1)
 MOE = Path(__file__).resolve().parent / "data" / "trained" / "qwen3_5_moe"
 
 
-# pytest-xdist (`make test` runs `-n 2 --dist loadfile`): test files are the units of work, the launch's
-# files one unit, the slowest first (tests/xdist_units.py)
+# pytest-xdist (`make test` runs `-n 2 --dist loadfile`): test files are the units of work, the slowest first
+# (tests/xdist_units.py)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -36,33 +36,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """On an xdist worker: the slowest units first (a stable sort: each file keeps its order)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a plain run keeps pytest's order
-    from xdist_units import LAUNCH_FILES, rank  # lazy: imports xdist, there only when it runs
+    from xdist_units import rank  # lazy: imports xdist, there only when it runs
 
-    readers = {item.path.name for item in items if "launch" in getattr(item, "fixturenames", ())}
-    if not readers <= set(LAUNCH_FILES):
-        raise pytest.UsageError(
-            f"add {sorted(readers - set(LAUNCH_FILES))} to tests/xdist_units.py's LAUNCH_FILES"
-        )
     items.sort(key=lambda item: rank(item.path))
 
 
-# the suite's one 2-process launch (tests/launches.py) and its inputs, shared by test_distributed and
-# test_first_hour
+# the suite's one 2-process launch (tests/launches.py) and its inputs: once per session, whichever workers
+# read it (the first one asking runs it, the others wait for its record)
 
 
 @pytest.fixture(scope="session")
-def launch_model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("launch_model"))
+def launch_model(tmp_path_factory) -> Path:
+    return shared_inputs(shared_folder(tmp_path_factory))[0]
 
 
 @pytest.fixture(scope="session")
-def launch_text(tmp_path_factory):
-    return write_text(tmp_path_factory.mktemp("launch_data") / "calib.txt")
+def launch_text(tmp_path_factory) -> Path:
+    return shared_inputs(shared_folder(tmp_path_factory))[1]
 
 
 @pytest.fixture(scope="session")
-def launch(launch_model, launch_text, tmp_path_factory) -> Launch:
-    return run_launch(launch_model, launch_text, MOE, tmp_path_factory.mktemp("launch"))
+def launch(tmp_path_factory) -> Launch:
+    return shared_launch(shared_folder(tmp_path_factory), MOE)
 
 
 # the plan tests' model folder with its scores (test_plan_search, test_plan_refine)

@@ -1,11 +1,16 @@
-"""The suite's one 2-process launch, shared by ``test_distributed`` and ``test_first_hour`` (a session fixture
-in ``conftest.py``): starting torchrun and two ranks that import torch costs more than what they then run.
+"""The suite's one 2-process launch, shared by every test that reads it (``launch`` in ``conftest.py``):
+starting torchrun and two ranks that import torch costs more than what they then run.
+
+It runs once per test session, whatever the pytest-xdist workers: the first worker that asks runs it, under a
+file lock in a folder every worker sees (:func:`shared_launch`); the others wait for it and read its record.
+So the files that read it need not run on one worker.
 
 One real ``torch.distributed.run`` launch (the code path of ``torchrun``) in its own session, whose two
 workers run the CLI in turn:
 
-* ``score`` (projection), ``plan`` (measured sensitivity), ``plan --rank-by-distill`` (test_plan_rank), ``plan --sensitivity bld`` (test_plan_bld),
-  ``score`` (activation), a ``score`` whose data
+* ``score`` (projection), ``plan`` (measured sensitivity), ``plan --rank-by-distill`` (test_plan_rank),
+  ``plan --sensitivity bld`` (test_plan_bld), ``plan --refine-generations`` (test_plan_refine), ``score``
+  (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
@@ -15,12 +20,18 @@ workers run the CLI in turn:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +45,15 @@ from gdnprune.gated_delta_net import GDNShape
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 SEQ, SAMPLES = 72, 5  # 5 windows: uneven shares, and the loss tokens depend on the global window index
 
+#: the options of the refined plan (test_plan_refine runs them in one process)
+REFINED = ["--budget-gdn-params", "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40"]
+REFINED += ["--refine-generations", "2", "--refine-offspring", "3", "--quiet", "--threads", "1"]
+
 WORKER = textwrap.dedent(
     """
     import contextlib, io, json, os, sys, threading, time
     from gdnprune.cli import main
+    from launches import REFINED
 
     model, data, out, samples, seq, moe, interrupted = sys.argv[1:8]
     rank = int(os.environ["RANK"])
@@ -75,6 +91,12 @@ WORKER = textwrap.dedent(
                      "4", "--seq-len", seq, "--batch-size", "1", "--quiet", "--threads", "1", "--sensitivity",
                      "bld", "--bld-steps", "3"])
     results["plan_bld"] = {"code": code, "err": err.getvalue()}
+    # the plan's successive halving and evolutionary refinement, spread over the ranks (test_plan_refine)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["plan", model, "--scores", out + "/projection.json", "--data", data, "--output",
+                     out + "/refined.json", *REFINED])
+    results["refined"] = {"code": code, "err": err.getvalue()}
     call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
     call("failure", "--data", data if rank == 0 else out + "/missing.txt", "--output", out + "/failure.json")
     # rank 1 is stuck opening a FIFO nobody writes to, until rank 0 has given up waiting for it
@@ -170,6 +192,51 @@ def run_launch(model_dir: Path, text_file: Path, moe: Path, folder: Path) -> Lau
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return Launch(folder, interrupted, err_path.read_text(), proc.returncode, running)
+
+
+def shared_folder(tmp_path_factory) -> Path:
+    """A folder of this test session that every pytest-xdist worker sees (under xdist, the parent of the
+    workers' own base folders; in a plain run, its base folder)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[Path]:
+    """``folder / "launch"``, made, with this process alone in it (an exclusive lock: the other workers wait)."""
+    with open(folder / "launch.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            (folder / "launch").mkdir(exist_ok=True)
+            yield folder / "launch"
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def shared_inputs(folder: Path) -> tuple[Path, Path]:
+    """The launch's model and calibration text in the shared ``folder``, written by the first worker asking."""
+    with _locked(folder) as root:
+        model, text = root / "model", root / "calib.txt"
+        if not (model / "config.json").exists():
+            build_model(model)
+            write_text(text)
+        return model, text
+
+
+def shared_launch(folder: Path, moe: Path) -> Launch:
+    """The launch of the shared ``folder``: run by the first worker asking (:func:`run_launch`), its record
+    (``launch.json``) read by the others."""
+    model, text = shared_inputs(folder)
+    with _locked(folder) as root:
+        record = root / "launch.json"
+        if not record.exists():
+            shutil.rmtree(root / "run", ignore_errors=True)  # what a failed run left
+            (root / "run").mkdir()
+            done = run_launch(model, text, moe, root / "run")
+            fields = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(done).items()}
+            record.write_text(json.dumps(fields), encoding="utf-8")
+        fields = json.loads(record.read_text(encoding="utf-8"))
+    return Launch(**{**fields, "folder": Path(fields["folder"]), "interrupted": Path(fields["interrupted"])})
 
 
 def _scoring(folder: Path, err_path: Path) -> bool:

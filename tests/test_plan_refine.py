@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 import torch
+from launches import REFINED
 from tiny_models import build_model, cut_model
 
+from gdnprune.cli import main
 from gdnprune.geometry import GDNShape, orders_from_payload
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.plan import choose, layer_candidates, plan_model
@@ -319,7 +322,6 @@ def test_budgets_are_checked_before_any_forward(case):
 
 def test_prune_says_no_plan_meets_the_budgets_before_it_scores(scored_folder, tmp_path, capsys, monkeypatch):
     import gdnprune.prune
-    from gdnprune.cli import main
 
     src, text, _ = scored_folder
 
@@ -349,10 +351,6 @@ def test_prune_says_no_plan_meets_the_budgets_before_it_scores(scored_folder, tm
 
 
 def test_plan_command_refines_and_reports_what_was_measured(scored_folder, tmp_path, capsys):
-    import json
-
-    from gdnprune.cli import main
-
     src, text, scores = scored_folder
     out = tmp_path / "plan.json"
     assert (
@@ -417,10 +415,7 @@ def test_plan_command_refines_and_reports_what_was_measured(scored_folder, tmp_p
 
 
 def test_prune_with_a_plan_uses_its_scores_or_says_why_not(scored_folder, tmp_path, capsys):
-    import json
     import shutil
-
-    from gdnprune.cli import main
 
     src, text, scores = scored_folder
     plan = tmp_path / "plan.json"
@@ -517,87 +512,23 @@ def test_prune_with_a_plan_uses_its_scores_or_says_why_not(scored_folder, tmp_pa
     assert "gdnprune prune: warning: the plan was searched on the scores" in capsys.readouterr().err
 
 
-WORKER = """
-import json, sys
-from gdnprune.cli import main
-model, scores, text, out = sys.argv[1:5]
-code = main(["plan", model, "--scores", scores, "--data", text, "--output", out + "/two.json", "--budget-gdn-params",
-             "0.4", "--dim-step", "1/2", "--num-samples", "4", "--seq-len", "40", "--refine-generations", "2",
-             "--refine-offspring", "3", "--quiet", "--threads", "1"])
-sys.exit(code)
-"""
-
-
-def test_two_processes_under_torchrun_find_the_plan_one_process_finds(scored_folder, tmp_path):
-    """The halving's candidates and the refinement's offspring are spread over 2 gloo ranks; the plan, every
-    sensitivity and every generation's fitness equal one process's."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from gdnprune.cli import main
-
-    src, text, scores = scored_folder
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER, encoding="utf-8")
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(worker),
-            str(src),
-            str(scores),
-            str(text),
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (
-        main(
-            [
-                "plan",
-                str(src),
-                "--scores",
-                str(scores),
-                "--data",
-                str(text),
-                "--output",
-                str(tmp_path / "one.json"),
-                "--budget-gdn-params",
-                "0.4",
-                "--dim-step",
-                "1/2",
-                "--num-samples",
-                "4",
-                "--seq-len",
-                "40",
-                "--refine-generations",
-                "2",
-                "--refine-offspring",
-                "3",
-                "--quiet",
-                "--threads",
-                "1",
-            ]
-        )
-        == 0
-    )
-    two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
+def test_two_processes_under_torchrun_find_the_plan_one_process_finds(
+    launch, launch_model, launch_text, tmp_path
+):
+    """The halving's candidates and the refinement's offspring are spread over 2 gloo ranks (the suite's shared
+    launch, tests/launches.py); the plan, every sensitivity and every generation's fitness equal one
+    process's."""
+    ranks = [json.loads((launch.folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["refined"]["code"] == ranks[1]["refined"]["code"] == 0, ranks[0]["refined"]["err"][-3000:]
+    scores = launch.folder / "projection.json"
+    argv = ["plan", str(launch_model), "--scores", str(scores), "--data", str(launch_text)]
+    assert main([*argv, "--output", str(tmp_path / "one.json"), *REFINED]) == 0
+    two, one = (json.loads(p.read_text()) for p in (launch.folder / "refined.json", tmp_path / "one.json"))
     assert two["layers"] == one["layers"] and two["evolved"] == one["evolved"]
-    two, one = (json.loads((tmp_path / f"{n}.sensitivity.json").read_text()) for n in ("two", "one"))
+    two, one = (
+        json.loads(p.read_text())
+        for p in (launch.folder / "refined.sensitivity.json", tmp_path / "one.sensitivity.json")
+    )
     assert two["evolution"]["history"] == one["evolution"]["history"]
     assert two["forwards"] == one["forwards"] and two["rungs"] == one["rungs"]
     for prefix, layer in one["layers"].items():
