@@ -5,10 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_source
+from helpers import scored_source
 from launches import Launch, shared_folder, shared_inputs, shared_launch
-
-from gdnprune.cli import main
 
 sys.path.insert(0, os.path.dirname(__file__))
 # one thread: the test models are tiny, and on a shared machine extra threads spin and slow everything down
@@ -46,13 +44,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def launch_model(tmp_path_factory) -> Path:
-    return shared_inputs(shared_folder(tmp_path_factory))[0]
+def launch_inputs(tmp_path_factory) -> Path:
+    """The folder of the launch's inputs (tests/launches.py's shared_inputs)."""
+    return shared_inputs(shared_folder(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")
-def launch_text(tmp_path_factory) -> Path:
-    return shared_inputs(shared_folder(tmp_path_factory))[1]
+def launch_model(launch_inputs) -> Path:
+    return launch_inputs / "model"
+
+
+@pytest.fixture(scope="session")
+def launch_text(launch_inputs) -> Path:
+    return launch_inputs / "calib.txt"
 
 
 @pytest.fixture(scope="session")
@@ -66,28 +70,7 @@ def launch(tmp_path_factory) -> Launch:
 @pytest.fixture(scope="module")
 def scored_folder(tmp_path_factory):
     """A qwen3_5 model folder, its calibration text and the scores file `score` writes from them (one per
-    test module that asks)."""
-    root = tmp_path_factory.mktemp("plan_cli")
-    src = make_source(root / "model", "qwen3_5", seed=6)
-    text = root / "calib.txt"
-    text.write_text(" ".join(["the model sorts heads and slices them"] * 400))
-    assert (
-        main(
-            [
-                "score",
-                str(src),
-                "--data",
-                str(text),
-                "--output",
-                str(root / "scores.json"),
-                "--num-samples",
-                "4",
-                "--seq-len",
-                "72",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
-    assert json.loads((root / "scores.json").read_text())["layers"]
-    return src, text, root / "scores.json"
+    test module that asks; tests/helpers.py's scored_source)."""
+    src, text, scores = scored_source(tmp_path_factory.mktemp("plan_cli"))
+    assert json.loads(scores.read_text())["layers"]
+    return src, text, scores

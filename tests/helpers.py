@@ -30,6 +30,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from gdnprune import checkpoint as ck
 from gdnprune import compensate, demo_data
+from gdnprune.cli import main
 from gdnprune.geometry import GDNShape
 from gdnprune.layouts import find_gdn_modules, get_layout
 from gdnprune.scoring import score_model, scores_to_permutations
@@ -93,6 +94,26 @@ def make_source(
         (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text(text)
     return folder
+
+
+def scored_source(
+    root: Path,
+    model_type: str = "qwen3_5",
+    *,
+    seed: int = 6,
+    text: str = "the model sorts heads and slices them",
+    repeats: int = 400,
+    num_samples: int = 4,
+    seq_len: int = 72,
+) -> tuple[Path, Path, Path]:
+    """A model folder (:func:`make_source`) in ``root``, its calibration text (``text`` ``repeats`` times) and
+    the scores file ``gdnprune score`` writes from them (every kind of block); returns the three paths."""
+    src = make_source(root / model_type, model_type, seed=seed)
+    calib, scores = root / "calib.txt", root / f"{model_type}.scores.json"
+    calib.write_text(" ".join([text] * repeats))
+    argv = ["score", str(src), "--data", str(calib), "--output", str(scores)]
+    assert main([*argv, "--num-samples", str(num_samples), "--seq-len", str(seq_len), "--quiet"]) == 0
+    return src, calib, scores
 
 
 def raw_tensors(folder: Path) -> dict[str, tuple[str, tuple, bytes]]:
@@ -454,3 +475,73 @@ def refit_by_hand(model, plain, target, permutations, stats, ridge=compensate.DE
         with torch.no_grad():
             small_out.weight.copy_(torch.from_numpy(columns))
     return refit
+
+
+# ---- lm-eval tasks of the demo model (test_eval; the shared launch's eval) ----------------------------------------
+
+#: a multiple-choice task the model can do better than chance on: which continuation is Python's
+CHOICES = [
+    ("def f(x):\n    return", [" x", " }"]),
+    ("import os\nimport", [" sys", " ((("]),
+    ("for i in range(10):\n   ", [" print(i)", " ]]]"]),
+    ("class A:\n    def", [" __init__", " 123"]),
+    ("The return value is", [" None", " zq"]),
+    ("if x is", [" None", " ???"]),
+    ("while True:\n    ", ["break", "}{"]),
+    ("try:\n    pass\nexcept", [" ValueError", " 9"]),
+]
+
+
+def mc_folder(root: Path, name: str = "python_mc", wrong: tuple[int, ...] = ()) -> Path:
+    """A folder with the multiple-choice task ``name`` over :data:`CHOICES`, the nonsense choice labelled
+    right in the rows ``wrong``."""
+    folder = root / f"{name}_tasks"
+    folder.mkdir()
+    rows = [{"query": q, "choices": c, "label": int(i in wrong)} for i, (q, c) in enumerate(CHOICES)]
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {str(data)!r}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{query}}"\n'
+        "doc_to_choice: choices\n"
+        "doc_to_target: label\n"
+        'target_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+        "metadata:\n  version: 1.0\n",
+        encoding="utf-8",
+    )
+    return folder
+
+
+#: hook of a multiple-choice task that appends (rank, query) of each document it scores to $EVAL_RECORD
+RECORD_HOOK = """import json, os
+
+
+def process_results(doc, results):
+    with open(os.environ["EVAL_RECORD"], "a") as f:
+        f.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "query": doc["query"]}) + "\\n")
+    best = max(range(len(results)), key=lambda i: results[i][0])
+    return {"acc": float(best == doc["label"])}
+"""
+RECORD_YAML = """process_results: !function record.process_results
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def mixed_mc_folder(root: Path) -> Path:
+    """The task ``mixed_mc``: :data:`CHOICES` with the nonsense choice right in the odd rows (so its accuracy and
+    standard error depend on every document counted once), whose hook records which rank scored each document
+    in ``$EVAL_RECORD`` (:data:`RECORD_HOOK`)."""
+    folder = mc_folder(root, "mixed_mc", wrong=(1, 3, 5, 7))
+    (folder / "record.py").write_text(RECORD_HOOK, encoding="utf-8")
+    yaml = (folder / "mixed_mc.yaml").read_text()
+    yaml = yaml.replace("metric_list:\n  - metric: acc\n  - metric: acc_norm\n", "")
+    (folder / "mixed_mc.yaml").write_text(yaml + RECORD_YAML, encoding="utf-8")
+    return folder

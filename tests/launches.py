@@ -9,8 +9,8 @@ One real ``torch.distributed.run`` launch (the code path of ``torchrun``) in its
 workers run the CLI in turn:
 
 * ``score`` (projection), ``plan`` (measured sensitivity), ``plan --rank-by-distill`` (test_plan_rank),
-  ``plan --sensitivity bld`` (test_plan_bld), ``plan --refine-generations`` (test_plan_refine), ``score``
-  (activation), a ``score`` whose data
+  ``plan --sensitivity bld`` (test_plan_bld), ``plan --refine-generations`` (test_plan_refine), ``eval``
+  (test_eval), ``score`` (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
@@ -37,9 +37,10 @@ from pathlib import Path
 
 import torch
 import transformers
+from helpers import mixed_mc_folder
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
-from gdnprune.demo_data import build_byte_tokenizer, train_text
+from gdnprune.demo_data import build_byte_tokenizer, demo_model_path, train_text, validation_text
 from gdnprune.gated_delta_net import GDNShape
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
@@ -53,7 +54,7 @@ WORKER = textwrap.dedent(
     """
     import contextlib, io, json, os, sys, threading, time
     from gdnprune.cli import main
-    from launches import REFINED
+    from launches import REFINED, eval_argv
 
     model, data, out, samples, seq, moe, interrupted = sys.argv[1:8]
     rank = int(os.environ["RANK"])
@@ -99,6 +100,13 @@ WORKER = textwrap.dedent(
     results["refined"] = {"code": code, "err": err.getvalue()}
     call("activation", "--data", data, "--method", "activation", "--output", out + "/activation.json")
     call("failure", "--data", data if rank == 0 else out + "/missing.txt", "--output", out + "/failure.json")
+    # lm-eval on the ranks: each scores its share of the documents, rank 0 prints the table (test_eval; after the
+    # calls whose messages test_distributed reads, but for the stuck one, which must come last)
+    os.environ["EVAL_RECORD"] = out + "/eval.log"  # the mixed_mc task's hook: which rank scored each document
+    err, printed = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(printed):
+        code = main([*eval_argv(os.path.dirname(model)), "-o", out + "/eval"])
+    results["eval"] = {"code": code, "err": err.getvalue(), "out": printed.getvalue()}
     # rank 1 is stuck opening a FIFO nobody writes to, until rank 0 has given up waiting for it
     fifo = out + "/stuck.fifo"
 
@@ -164,6 +172,7 @@ def run_launch(model_dir: Path, text_file: Path, moe: Path, folder: Path) -> Lau
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), HF_HUB_OFFLINE="1")
+    env.update(HF_DATASETS_OFFLINE="1")
     argv = [
         sys.executable,
         "-m",
@@ -213,20 +222,44 @@ def _locked(folder: Path) -> Iterator[Path]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def shared_inputs(folder: Path) -> tuple[Path, Path]:
-    """The launch's model and calibration text in the shared ``folder``, written by the first worker asking."""
+def shared_inputs(folder: Path) -> Path:
+    """The launch's inputs in the shared ``folder``, written by the first worker asking: its model (``model``),
+    calibration text (``calib.txt``), and the eval's text (``val.txt``) and task folder
+    (:func:`helpers.mixed_mc_folder`). Returns the folder holding them."""
     with _locked(folder) as root:
-        model, text = root / "model", root / "calib.txt"
-        if not (model / "config.json").exists():
-            build_model(model)
-            write_text(text)
-        return model, text
+        if not (root / "model" / "config.json").exists():
+            write_text(root / "calib.txt")
+            (root / "val.txt").write_text(validation_text()[: 256 * 5], encoding="utf-8")
+            shutil.rmtree(root / "mixed_mc_tasks", ignore_errors=True)
+            mixed_mc_folder(root)
+            build_model(root / "model")
+        return root
+
+
+def eval_argv(inputs: str | Path) -> list[str]:
+    """``gdnprune eval -q`` of the demo model on four tasks (5 documents each), ``mixed_mc`` from the shared
+    ``inputs`` (:func:`shared_inputs`), without its output (``-o``)."""
+    inputs = Path(inputs)
+    argv = ["eval", str(demo_model_path()), "--tasks", "mixed_mc,passkey,mqar,nats_per_byte"]
+    argv += ["--context-lengths", "128", "--include-path", str(inputs / "mixed_mc_tasks")]
+    return argv + [
+        "--data",
+        str(inputs / "val.txt"),
+        "--limit",
+        "5",
+        "--batch-size",
+        "2",
+        "--threads",
+        "1",
+        "-q",
+    ]
 
 
 def shared_launch(folder: Path, moe: Path) -> Launch:
     """The launch of the shared ``folder``: run by the first worker asking (:func:`run_launch`), its record
     (``launch.json``) read by the others."""
-    model, text = shared_inputs(folder)
+    inputs = shared_inputs(folder)
+    model, text = inputs / "model", inputs / "calib.txt"
     with _locked(folder) as root:
         record = root / "launch.json"
         if not record.exists():

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import CHOICES, mc_folder
+from launches import eval_argv
 
 from gdnprune import demo_data
 from gdnprune.cli import main
@@ -27,42 +29,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LIMIT = 6
 DEMO = demo_data.demo_model_path()
-#: a multiple-choice task the model can do better than chance on: which continuation is Python's
-CHOICES = [
-    ("def f(x):\n    return", [" x", " }"]),
-    ("import os\nimport", [" sys", " ((("]),
-    ("for i in range(10):\n   ", [" print(i)", " ]]]"]),
-    ("class A:\n    def", [" __init__", " 123"]),
-    ("The return value is", [" None", " zq"]),
-    ("if x is", [" None", " ???"]),
-    ("while True:\n    ", ["break", "}{"]),
-    ("try:\n    pass\nexcept", [" ValueError", " 9"]),
-]
-
-
-def _mc_folder(root: Path, name: str = "python_mc", wrong: tuple[int, ...] = ()) -> Path:
-    """A folder with the multiple-choice task ``name`` over :data:`CHOICES`, the nonsense choice labelled
-    right in the rows ``wrong``."""
-    folder = root / f"{name}_tasks"
-    folder.mkdir()
-    rows = [{"query": q, "choices": c, "label": int(i in wrong)} for i, (q, c) in enumerate(CHOICES)]
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    (folder / f"{name}.yaml").write_text(
-        f"task: {name}\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {str(data)!r}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        'doc_to_text: "{{query}}"\n'
-        "doc_to_choice: choices\n"
-        "doc_to_target: label\n"
-        'target_delimiter: ""\n'
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
-        "metadata:\n  version: 1.0\n",
-        encoding="utf-8",
-    )
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +53,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     for out, extra in ((het, []), (contained, ["--self-contained"])):
         code = main(["slice", str(DEMO), "--plan", str(plan), "-o", str(out), "--quiet", *extra])
         assert code == 0
-    return {"root": root, "text": text, "mc": _mc_folder(root), "het": het, "contained": contained}
+    return {"root": root, "text": text, "mc": mc_folder(root), "het": het, "contained": contained}
 
 
 def _direct(path: Path, tasks: list[str], folders: list[Path], **model_args) -> dict:
@@ -247,66 +213,28 @@ def test_an_unknown_task_names_the_closest_known_ones(inputs, capsys):
 # ---- what the user sees: the table, not lm-eval's chatter --------------------------------------------------
 
 
-#: hook of a multiple-choice task that appends (rank, query) of each document it scores to $EVAL_RECORD
-RECORD_HOOK = """import json, os
-
-
-def process_results(doc, results):
-    with open(os.environ["EVAL_RECORD"], "a") as f:
-        f.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "query": doc["query"]}) + "\\n")
-    best = max(range(len(results)), key=lambda i: results[i][0])
-    return {"acc": float(best == doc["label"])}
-"""
-RECORD_YAML = """process_results: !function record.process_results
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
-
-
-def _cli(
-    *argv: str, cwd: Path, launcher: tuple[str, ...] = (), record: Path | None = None
-) -> subprocess.CompletedProcess:
-    """``gdnprune`` in a process of its own (optionally under ``launcher``), from ``cwd``, one thread;
-    ``record``: the file of :data:`RECORD_HOOK`."""
+def _cli(*argv: str, cwd: Path, record: Path) -> subprocess.CompletedProcess:
+    """``gdnprune`` in a process of its own, from ``cwd``, one thread; ``record``: the file of
+    ``helpers.RECORD_HOOK``."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), HF_HUB_OFFLINE="1")
-    env.update(HF_DATASETS_OFFLINE="1", EVAL_RECORD=str(record or cwd / "record.log"))
-    command = [sys.executable, "-m", *launcher, *(["-m"] if launcher else []), "gdnprune", *argv]
+    env.update(HF_DATASETS_OFFLINE="1", EVAL_RECORD=str(record))
+    command = [sys.executable, "-m", "gdnprune", *argv]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-# one `gdnprune eval -q` in a process of its own, outside a git repository: the quiet output's test reads it, and
-# it is the one-process reference of the two-process run (5 documents per task; in mixed_mc the odd rows count
-# the nonsense choice as right, and its hook records which rank scored each document)
-EVAL_TASKS = "mixed_mc,passkey,mqar,nats_per_byte"
-
-
-def _eval_args(inputs: dict[str, Path], mixed: Path) -> list[str]:
-    args = ["eval", str(DEMO), "--tasks", EVAL_TASKS, "--context-lengths", "128"]
-    args += ["--include-path", str(mixed), "--data", str(inputs["text"]), "--limit", "5"]
-    return args + ["--batch-size", "2", "--threads", "1", "-q"]
+# one `gdnprune eval -q` in a process of its own, outside a git repository, with the arguments of the shared
+# launch's eval on two ranks (tests/launches.py): the quiet output's test reads it, and it is the one-process
+# reference of the two-process run
 
 
 @pytest.fixture(scope="module")
-def mixed(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("mixed")
-    folder = _mc_folder(root, "mixed_mc", wrong=(1, 3, 5, 7))
-    (folder / "record.py").write_text(RECORD_HOOK, encoding="utf-8")
-    yaml = (folder / "mixed_mc.yaml").read_text()
-    yaml = yaml.replace("metric_list:\n  - metric: acc\n  - metric: acc_norm\n", "")
-    (folder / "mixed_mc.yaml").write_text(yaml + RECORD_YAML, encoding="utf-8")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def one_process(inputs, mixed, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def one_process(launch_inputs, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """The run, and the folder it ran in (``one``: its output, ``1.log``: its record)."""
     cwd = tmp_path_factory.mktemp("one_process")
-    done = _cli(*_eval_args(inputs, mixed), "-o", str(cwd / "one"), cwd=cwd, record=cwd / "1.log")
+    done = _cli(*eval_argv(launch_inputs), "-o", str(cwd / "one"), cwd=cwd, record=cwd / "1.log")
     return done, cwd
 
 
@@ -340,24 +268,26 @@ def test_eval_shows_only_its_table_and_the_request_bars(inputs, capsys):
 
 
 @pytest.mark.slow
-def test_two_processes_under_torchrun_give_the_results_of_one(inputs, mixed, one_process, tmp_path):
-    # rank 0 takes 3 documents per task, rank 1 takes 2 (lm-eval pads rank 1's share): mixed_mc's accuracy and
-    # standard error would differ from one process's if a rank's documents were lost or scored twice
-    launcher = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2")
-    args = _eval_args(inputs, mixed)
-    two = _cli(*args, "-o", str(tmp_path / "two"), cwd=tmp_path, launcher=launcher, record=tmp_path / "2.log")
-    assert two.returncode == 0, two.stderr[-3000:]
+def test_two_processes_under_torchrun_give_the_results_of_one(launch, one_process):
+    """The shared launch's eval (tests/launches.py) on two ranks: rank 0 takes 3 documents per task, rank 1
+    takes 2 (lm-eval pads rank 1's share); mixed_mc's accuracy and standard error would differ from one
+    process's if a rank's documents were lost or scored twice."""
+    ranks = [json.loads((launch.folder / f"rank{r}.json").read_text())["eval"] for r in (0, 1)]
+    assert ranks[0]["code"] == ranks[1]["code"] == 0, ranks[0]["err"][-3000:] + ranks[1]["err"][-3000:]
     one, one_dir = one_process
     assert one.returncode == 0, one.stderr[-3000:]
     # each rank scored its own share, and the two together every document once
-    scored = [json.loads(line) for line in (tmp_path / "2.log").read_text().splitlines()]
+    scored = [json.loads(line) for line in (launch.folder / "eval.log").read_text().splitlines()]
     alone = [json.loads(line) for line in (one_dir / "1.log").read_text().splitlines()]
     assert sorted(r["rank"] for r in scored) == [0, 0, 0, 1, 1]
     assert sorted(r["query"] for r in scored) == sorted(r["query"] for r in alone)
     assert sorted(r["query"] for r in alone) == sorted(q for q, _ in CHOICES[:5])
     # rank 0 alone printed the table
-    assert two.stdout == one.stdout == (tmp_path / "two" / "results.md").read_text()
-    ours = json.loads((tmp_path / "two" / "results.json").read_text())["models"][0]["results"]
+    assert (
+        ranks[1]["out"] == ""
+        and ranks[0]["out"] == one.stdout == (launch.folder / "eval" / "results.md").read_text()
+    )
+    ours = json.loads((launch.folder / "eval" / "results.json").read_text())["models"][0]["results"]
     single = json.loads((one_dir / "one" / "results.json").read_text())["models"][0]["results"]
     assert set(ours) == set(single) == {"mixed_mc", "passkey_128", "mqar_128", "nats_per_byte"}
     assert 0 < single["mixed_mc"]["acc,none"] < 1  # a standard error that depends on the count

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import make_source
+from helpers import scored_source
 from safetensors import SafetensorError
 
 import gdnprune.loading
@@ -20,29 +20,7 @@ from gdnprune.plan import plan_checkpoint, plan_model
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loads")
-    src = make_source(root / "model", "qwen3_5", seed=7)
-    text = root / "calib.txt"
-    text.write_text(" ".join(["the model sorts heads and slices them"] * 400))
-    assert (
-        main(
-            [
-                "score",
-                str(src),
-                "--data",
-                str(text),
-                "--output",
-                str(root / "scores.json"),
-                "--num-samples",
-                "4",
-                "--seq-len",
-                "72",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
-    return src, text, root / "scores.json"
+    return scored_source(tmp_path_factory.mktemp("loads"), seed=7)
 
 
 def test_prune_with_a_searched_plan_and_sequential_refit_loads_the_model_once(folder, tmp_path, monkeypatch):

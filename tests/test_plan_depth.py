@@ -9,6 +9,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from helpers import scored_source
 from test_dense_axes import _ids, _model
 from test_depth import _skipped
 
@@ -170,33 +171,8 @@ def test_mutations_with_removal_keep_every_budget_and_remove_whole_layers():
 
 
 def _source(root, model_type, seed):
-    from test_checkpoint import make_source
-
-    from gdnprune.cli import main
-
-    src = make_source(root / model_type, model_type, seed=seed)
-    text = root / "calib.txt"
-    text.write_text(" ".join(["layers go and experts stay or go under the budget"] * 300))
-    assert (
-        main(
-            [
-                "score",
-                str(src),
-                "--data",
-                str(text),
-                "--output",
-                str(root / f"{model_type}.json"),
-                "--num-samples",
-                "2",
-                "--seq-len",
-                "32",
-                "--sub-blocks",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
-    return src, text, root / f"{model_type}.json"
+    text = "layers go and experts stay or go under the budget"
+    return scored_source(root, model_type, seed=seed, text=text, repeats=300, num_samples=2, seq_len=32)
 
 
 def test_a_plan_of_expert_counts_counts_the_loaded_sliced_models_parameters_and_active_parameters(

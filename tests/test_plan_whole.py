@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import scored_source
 from test_dense_axes import DENSE, _ids, _kept, _model, _orders, _zeroed
 
 from gdnprune.plan.halving import halving_sensitivity
@@ -128,34 +129,8 @@ def test_the_milp_with_whole_model_budgets_equals_brute_force(seed):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from test_checkpoint import make_source
-
-    from gdnprune.cli import main
-
-    root = tmp_path_factory.mktemp("plan_whole")
-    src = make_source(root / "model", "qwen3_5", seed=6)
-    text = root / "calib.txt"
-    text.write_text(" ".join(["the model sorts heads and channels and slices them"] * 400))
-    assert (
-        main(
-            [
-                "score",
-                str(src),
-                "--data",
-                str(text),
-                "--output",
-                str(root / "scores.json"),
-                "--num-samples",
-                "4",
-                "--seq-len",
-                "40",
-                "--sub-blocks",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
-    return src, text, root / "scores.json"
+    text = "the model sorts heads and channels and slices them"
+    return scored_source(tmp_path_factory.mktemp("plan_whole"), seed=6, text=text, seq_len=40)
 
 
 def _count(model, context):
@@ -461,32 +436,12 @@ def test_an_active_parameter_budget_on_a_moe_model_counts_the_routed_experts_at_
     shrink to meet it."""
     import json
 
-    from test_checkpoint import make_source
-
     from gdnprune import load_pretrained
     from gdnprune.cli import main
 
-    src = make_source(tmp_path / "moe", "qwen3_5_moe", seed=2)
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(["experts route tokens and the plan counts them"] * 300))
-    assert (
-        main(
-            [
-                "score",
-                str(src),
-                "--data",
-                str(text),
-                "--output",
-                str(tmp_path / "s.json"),
-                "--num-samples",
-                "2",
-                "--seq-len",
-                "32",
-                "--sub-blocks",
-                "--quiet",
-            ]
-        )
-        == 0
+    text = "experts route tokens and the plan counts them"
+    src, text, scores = scored_source(
+        tmp_path, "qwen3_5_moe", seed=2, text=text, repeats=300, num_samples=2, seq_len=32
     )
     out = tmp_path / "plan.json"
     assert (
@@ -495,7 +450,7 @@ def test_an_active_parameter_budget_on_a_moe_model_counts_the_routed_experts_at_
                 "plan",
                 str(src),
                 "--scores",
-                str(tmp_path / "s.json"),
+                str(scores),
                 "--data",
                 str(text),
                 "--output",
