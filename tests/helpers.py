@@ -545,3 +545,18 @@ def mixed_mc_folder(root: Path) -> Path:
     yaml = yaml.replace("metric_list:\n  - metric: acc\n  - metric: acc_norm\n", "")
     (folder / "mixed_mc.yaml").write_text(yaml + RECORD_YAML, encoding="utf-8")
     return folder
+
+
+# ---- corpus files (test_corpus; the shared launch's corpus) -------------------------------------------------------
+
+
+def corpus_docs(tag: str, n: int) -> list[str]:
+    """``n`` documents tagged ``tag``, of different lengths, with non-ASCII text and a second line."""
+    return [f"{tag} document {i}: " + "words é ü " * (i % 5 + 1) + "\nsecond line" for i in range(n)]
+
+
+def write_jsonl(path: Path, docs: list[str], opener=open) -> None:
+    """``docs`` as JSON lines ``{"text", "id"}`` (``opener``: ``gzip.open`` for a compressed file)."""
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"text": d, "id": i}) + "\n")

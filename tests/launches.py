@@ -8,7 +8,8 @@ So the files that read it need not run on one worker.
 One real ``torch.distributed.run`` launch (the code path of ``torchrun``) in its own session, whose two
 workers run the CLI in turn:
 
-* ``score`` (projection), ``plan`` (measured sensitivity), ``plan --rank-by-distill`` (test_plan_rank),
+* ``open_windows`` of 3 shards with one cache folder (test_corpus), ``score`` (projection), ``plan`` (measured
+  sensitivity), ``plan --rank-by-distill`` (test_plan_rank),
   ``plan --sensitivity bld`` (test_plan_bld), ``plan --refine-generations`` (test_plan_refine), ``eval``
   (test_eval), ``score`` (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from helpers import mixed_mc_folder
+from helpers import corpus_docs, mixed_mc_folder, write_jsonl
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
 from gdnprune.demo_data import build_byte_tokenizer, demo_model_path, train_text, validation_text
@@ -53,7 +54,11 @@ REFINED += ["--refine-generations", "2", "--refine-offspring", "3", "--quiet", "
 WORKER = textwrap.dedent(
     """
     import contextlib, io, json, os, sys, threading, time
+    from transformers import AutoTokenizer
     from gdnprune.cli import main
+    from gdnprune.corpus.dataset import open_windows
+    from gdnprune.demo_data import demo_model_path
+    from gdnprune.distributed import process_group
     from launches import REFINED, eval_argv
 
     model, data, out, samples, seq, moe, interrupted = sys.argv[1:8]
@@ -68,6 +73,13 @@ WORKER = textwrap.dedent(
             code = main(common + list(argv))
         results[name] = {"code": code, "err": err.getvalue()}
 
+    # the corpus on the ranks: one tokenises the shards, the other waits and reuses its cache (test_corpus)
+    with process_group():
+        ds = open_windows(os.path.dirname(model) + "/shards", AutoTokenizer.from_pretrained(demo_model_path()),
+                          seq_len=20, cache_dir=out + "/corpus_cache")
+        mine = ds.shard(rank, int(os.environ["WORLD_SIZE"]))
+        results["corpus"] = dict(reused=ds.windows.streams[0].reused, indices=list(mine.indices),
+                                 windows=mine.tensor().tolist())
     call("projection", "--data", data, "--output", out + "/projection.json")
     # the plan's measured sensitivity on the same two ranks: each measures its share of the windows
     err = io.StringIO()
@@ -224,14 +236,18 @@ def _locked(folder: Path) -> Iterator[Path]:
 
 def shared_inputs(folder: Path) -> Path:
     """The launch's inputs in the shared ``folder``, written by the first worker asking: its model (``model``),
-    calibration text (``calib.txt``), and the eval's text (``val.txt``) and task folder
-    (:func:`helpers.mixed_mc_folder`). Returns the folder holding them."""
+    calibration text (``calib.txt``), the eval's text (``val.txt``) and task folder
+    (:func:`helpers.mixed_mc_folder`), and 3 JSONL shards (``shards``). Returns the folder holding them."""
     with _locked(folder) as root:
         if not (root / "model" / "config.json").exists():
             write_text(root / "calib.txt")
             (root / "val.txt").write_text(validation_text()[: 256 * 5], encoding="utf-8")
             shutil.rmtree(root / "mixed_mc_tasks", ignore_errors=True)
             mixed_mc_folder(root)
+            shutil.rmtree(root / "shards", ignore_errors=True)
+            (root / "shards").mkdir()
+            for i in range(3):
+                write_jsonl(root / "shards" / f"{i}.jsonl", corpus_docs(f"shard{i}", 40))
             build_model(root / "model")
         return root
 

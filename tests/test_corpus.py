@@ -6,8 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
-import sys
 import warnings
 from fractions import Fraction
 from pathlib import Path
@@ -18,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import zstandard
+from helpers import corpus_docs, write_jsonl
 from transformers import AutoTokenizer
 
 from gdnprune import corpus
@@ -34,16 +33,6 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(DEMO)
 
 
-def _docs(tag: str, n: int) -> list[str]:
-    return [f"{tag} document {i}: " + "words é ü " * (i % 5 + 1) + "\nsecond line" for i in range(n)]
-
-
-def _write_jsonl(path: Path, docs: list[str], opener=open) -> None:
-    with opener(path, "wt", encoding="utf-8") as f:
-        for i, d in enumerate(docs):
-            f.write(json.dumps({"text": d, "id": i}) + "\n")
-
-
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
     """One folder with every format; each file's documents are known independently (``expected.json``)."""
@@ -51,25 +40,25 @@ def corpus_dir(tmp_path_factory) -> Path:
     expected: dict[str, list[str]] = {}
     (root / "a.txt").write_text("plain text file\nwith two lines\n", encoding="utf-8")
     expected["a.txt"] = ["plain text file\nwith two lines\n"]
-    docs = _docs("jsonl", 7)
-    _write_jsonl(root / "b.jsonl", docs)
+    docs = corpus_docs("jsonl", 7)
+    write_jsonl(root / "b.jsonl", docs)
     expected["b.jsonl"] = docs
-    docs = _docs("gz", 5)
-    _write_jsonl(root / "c.jsonl.gz", docs, opener=gzip.open)
+    docs = corpus_docs("gz", 5)
+    write_jsonl(root / "c.jsonl.gz", docs, opener=gzip.open)
     expected["c.jsonl.gz"] = docs
-    docs = _docs("zst", 6)
+    docs = corpus_docs("zst", 6)
     raw = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
     (root / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
     expected["d.jsonl.zst"] = docs
-    docs = _docs("parquet", 9)
+    docs = corpus_docs("parquet", 9)
     pq.write_table(pa.table({"text": docs, "n": list(range(9))}), root / "e.parquet", row_group_size=4)
     expected["e.parquet"] = docs
-    docs = _docs("arrow", 4)
+    docs = corpus_docs("arrow", 4)
     table = pa.table({"text": docs})
     with pa.OSFile(str(root / "f.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     expected["f.arrow"] = docs
-    docs = _docs("saved", 3)
+    docs = corpus_docs("saved", 3)
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(root / "g_saved"))
     expected["g_saved"] = docs
     (root / ".expected.json").write_text(json.dumps(expected))
@@ -178,7 +167,7 @@ def test_shards_and_selections_are_windows_by_index(corpus_dir, tokenizer, tmp_p
 def test_the_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, tokenizer, monkeypatch):
     data = tmp_path / "data"
     data.mkdir()
-    _write_jsonl(data / "one.jsonl", _docs("one", 20))
+    write_jsonl(data / "one.jsonl", corpus_docs("one", 20))
     cache = tmp_path / "cache"
     first = open_windows(data, tokenizer, seq_len=32, cache_dir=cache)
     stream = first.windows.streams[0]
@@ -193,14 +182,14 @@ def test_the_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, tokeniz
     # a new seq_len: the tokens do not depend on it, so they are reused, and the windows are right
     longer = open_windows(data, tokenizer, seq_len=50, cache_dir=cache)
     assert longer.windows.streams[0].reused and not calls
-    assert longer.tensor().tolist() == _by_hand(_docs("one", 20), tokenizer, 50)
+    assert longer.tensor().tolist() == _by_hand(corpus_docs("one", 20), tokenizer, 50)
     # a changed file (another size and mtime): rebuilt, and the windows follow the new text
-    _write_jsonl(data / "one.jsonl", _docs("changed", 20))
+    write_jsonl(data / "one.jsonl", corpus_docs("changed", 20))
     changed = open_windows(data, tokenizer, seq_len=32, cache_dir=cache)
     assert not changed.windows.streams[0].reused and len(calls) == 1
-    assert changed.tensor().tolist() == _by_hand(_docs("changed", 20), tokenizer, 32)
+    assert changed.tensor().tolist() == _by_hand(corpus_docs("changed", 20), tokenizer, 32)
     # a new file in the folder: rebuilt
-    _write_jsonl(data / "two.jsonl", _docs("two", 3))
+    write_jsonl(data / "two.jsonl", corpus_docs("two", 3))
     assert not open_windows(data, tokenizer, seq_len=32, cache_dir=cache).windows.streams[0].reused
     assert len(calls) == 2
     # another tokenizer (one more special token, so other ids): rebuilt
@@ -215,7 +204,7 @@ def test_the_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, tokeniz
     assert corpus.tokenizer_fingerprint(tokenizer) == before
     # and the truncation an earlier call left on the fast tokenizer's backend never cuts a document
     assert first_windows(data, tokenizer, seq_len=32).tolist() == _by_hand(
-        _docs("changed", 20) + _docs("two", 3), tokenizer, 32
+        corpus_docs("changed", 20) + corpus_docs("two", 3), tokenizer, 32
     )
 
 
@@ -256,11 +245,14 @@ def test_a_mixture_interleaves_the_sources_windows_by_weight(tmp_path, tokenizer
     code, web = tmp_path / "code", tmp_path / "web"
     code.mkdir()
     web.mkdir()
-    _write_jsonl(code / "part.jsonl", _docs("code", 30))
+    write_jsonl(code / "part.jsonl", corpus_docs("code", 30))
     (web / "w.txt").write_text("the web " * 400, encoding="utf-8")
     spec = corpus.data_spec([code, web], weights=["0.3", "0.7"])
     ds = open_windows(spec, tokenizer, seq_len=24, cache_dir=tmp_path / "cache")
-    per_source = [_by_hand(_docs("code", 30), tokenizer, 24), _by_hand(["the web " * 400], tokenizer, 24)]
+    per_source = [
+        _by_hand(corpus_docs("code", 30), tokenizer, 24),
+        _by_hand(["the web " * 400], tokenizer, 24),
+    ]
     order = _rule([len(p) for p in per_source], [0.3, 0.7])
     assert ds.tensor().tolist() == [per_source[i][j] for i, j in order]
     counts = [sum(1 for i, _ in order if i == s) for s in (0, 1)]
@@ -307,14 +299,14 @@ def test_text_field_names_the_column(tmp_path):
 
 def test_bad_inputs_raise_errors_that_name_the_file(tmp_path, tokenizer):
     good = tmp_path / "good.jsonl"
-    _write_jsonl(good, _docs("good", 3))
+    write_jsonl(good, corpus_docs("good", 3))
     with pytest.raises(corpus.NoMatchError, match=r"nothing\*\.jsonl: the glob matches no data file"):
         corpus.check_data(str(tmp_path / "nothing*.jsonl"))
     with pytest.raises(corpus.NoMatchError, match="missing.txt: no such file or folder"):
         corpus.check_data(tmp_path / "missing.txt")
     shards = tmp_path / "shards"
     shards.mkdir()
-    _write_jsonl(shards / "0.jsonl", _docs("s", 4))
+    write_jsonl(shards / "0.jsonl", corpus_docs("s", 4))
     (shards / "1.jsonl").write_bytes(b"")
     with pytest.warns(corpus.EmptyShardWarning, match=r"1.jsonl: empty, skipped"):
         files = corpus.check_data(shards)
@@ -375,7 +367,7 @@ def test_bad_inputs_raise_errors_that_name_the_file(tmp_path, tokenizer):
 def test_the_cli_says_bad_data_in_one_line_before_any_model_loads(tmp_path, capsys, args, message):
     (tmp_path / "latin.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "no_text.parquet")
-    _write_jsonl(tmp_path / "good.jsonl", _docs("good", 3))
+    write_jsonl(tmp_path / "good.jsonl", corpus_docs("good", 3))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.jsonl").write_bytes(b"")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
@@ -404,56 +396,20 @@ def test_a_name_that_is_not_on_disk_is_never_sent_to_a_hub(tmp_path, monkeypatch
     assert not asked and os.environ.get("HF_DATASETS_OFFLINE") in ("1", "true", "True", "ON")
 
 
-_WORKER = """
-import json, sys
-import torch.distributed as dist
-from transformers import AutoTokenizer
-from gdnprune.corpus.dataset import open_windows
-
-data, cache, out = sys.argv[1:4]
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-ds = open_windows(data, AutoTokenizer.from_pretrained({demo!r}), seq_len=20, cache_dir=cache)
-mine = ds.shard(rank, world)
-report = dict(rank=rank, reused=ds.windows.streams[0].reused, indices=list(mine.indices),
-              windows=mine.tensor().tolist())
-gathered = [None] * world
-dist.all_gather_object(gathered, report)
-if rank == 0:
-    with open(out, "w") as f:
-        json.dump(gathered, f)
-dist.destroy_process_group()
-"""
-
-
-def test_two_gloo_processes_build_once_and_see_the_windows_of_one(tmp_path, tokenizer):
-    data = tmp_path / "shards"
-    data.mkdir()
-    for i in range(3):
-        _write_jsonl(data / f"{i}.jsonl", _docs(f"shard{i}", 40))
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER.format(demo=str(DEMO)))
-    out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run(
-        [*cmd, str(script), str(data), str(tmp_path / "cache"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = json.loads(out.read_text())
+def test_two_gloo_processes_build_once_and_see_the_windows_of_one(launch, launch_inputs, tmp_path, tokenizer):
+    """The shared launch's two ranks (tests/launches.py) open the same 3 shards with one cache folder: one
+    tokenises, the other waits and reuses its cache; their shares are the windows of one process."""
+    ranks = [json.loads((launch.folder / f"rank{r}.json").read_text())["corpus"] for r in (0, 1)]
     assert sorted(r["reused"] for r in ranks) == [False, True]  # one tokenised, the other waited and reused
-    single = open_windows(data, tokenizer, seq_len=20, cache_dir=tmp_path / "single")
+    single = open_windows(launch_inputs / "shards", tokenizer, seq_len=20, cache_dir=tmp_path / "single")
     assert [w for r in ranks for w in r["windows"]] == single.tensor().tolist()
     assert [i for r in ranks for i in r["indices"]] == list(range(len(single)))
-    assert len([p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]) == 1
+    cache = launch.folder / "corpus_cache"
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1
 
 
 def test_tokenising_shows_a_bar_over_the_input_bytes(tmp_path, tokenizer, capsys):
-    _write_jsonl(tmp_path / "d.jsonl", _docs("bar", 50))
+    write_jsonl(tmp_path / "d.jsonl", corpus_docs("bar", 50))
     open_windows(tmp_path / "d.jsonl", tokenizer, seq_len=16, cache_dir=tmp_path / "c", progress=True)
     err = capsys.readouterr().err
     assert "tokenising" in err and "B/s" in err
