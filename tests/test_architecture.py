@@ -8,6 +8,7 @@ tested on a small synthetic violation below: a rule that cannot fail checks noth
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -54,6 +55,12 @@ def modules(root: Path = PACKAGE) -> dict[str, Path]:
     return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
 
 
+@functools.cache
+def _tree(source: str) -> ast.Module:
+    """The syntax tree of ``source``, parsed once per test session (the checkers only read it)."""
+    return ast.parse(source)
+
+
 def _base(package: str, node: ast.ImportFrom) -> str:
     """The absolute module of ``from ... import``, relative imports resolved against ``package``."""
     if not node.level:
@@ -68,7 +75,7 @@ def imports_of(name: str, source: str, known: set[str], *, is_package: bool = Fa
     ``pkg.mod`` when that is a module, else of ``pkg`` (``name`` then names what is taken from it)."""
     package = name if is_package else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(source)):
         if isinstance(node, ast.Import):
             found += [Import(a.name, None, node.lineno) for a in node.names if a.name in known]
         elif isinstance(node, ast.ImportFrom):
@@ -104,7 +111,7 @@ def unmarked_lazy_imports(source: str) -> list[int]:
                     found.append(child.lineno)
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
-    visit(ast.parse(source), False)
+    visit(_tree(source), False)
     return found
 
 
@@ -175,7 +182,7 @@ def private_violations(graph: dict[str, list[Import]], root: Path = PACKAGE) -> 
                 problems.append(f"{name}:{imp.line} imports the private module {imp.target}")
         source = paths[name].read_text()
         bound = _module_aliases(name, source, set(graph), paths[name].name == "__init__.py")
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(_tree(source)):
             if (
                 isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name)
@@ -192,7 +199,7 @@ def _module_aliases(name: str, source: str, known: set[str], is_package: bool) -
     ``import gdnprune.compensate as c``)."""
     package = name if is_package else name.rpartition(".")[0]
     out = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(source)):
         if isinstance(node, ast.ImportFrom):
             base = _base(package, node)
             out.update(
@@ -261,7 +268,7 @@ def test_the_library_never_imports_the_cli_or_argparse_and_never_prints():
         if is_free(name):
             continue
         assert not any(i.target.startswith("gdnprune.cli") for i in graph[name]), name
-        tree = ast.parse(path.read_text())
+        tree = _tree(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
