@@ -13,7 +13,8 @@ workers run the CLI in turn:
   ``plan --sensitivity bld`` (test_plan_bld), ``plan --refine-generations`` (test_plan_refine), ``eval``
   (test_eval), ``score`` (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
-  call's exit code and stderr go to ``rank<R>.json`` (test_distributed);
+  call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
+  (test_distill);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
   it (test_first_hour).
@@ -133,6 +134,11 @@ WORKER = textwrap.dedent(
     with open(out + "/.rank%d.json" % rank, "w") as f:
         json.dump(results, f)
     os.rename(out + "/.rank%d.json" % rank, out + "/rank%d.json" % rank)
+    # distillation with DDP on the ranks (test_distill): after the calls that set their own timeouts, since
+    # the Trainer's process group stays; rank 0 saves the run
+    from test_distill import ddp_run
+    with contextlib.redirect_stderr(io.StringIO()):
+        ddp_run(out + "/distill_two.pt")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
     os.chdir(interrupted)
     sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))

@@ -1,13 +1,10 @@
 """Recovery training (gdnprune.distill): the loss against direct formulas, chunking, training, resume after
 Ctrl-C, 2-process DDP against 1 process, the vocabulary checks and HF folders of other families."""
 
-import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import time
 import warnings
 
@@ -366,50 +363,34 @@ def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
     assert not list(tmp_path.glob("run/checkpoint-*"))
 
 
-_DDP_WORKER = textwrap.dedent("""
-    import json, os, sys
-    import torch
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from test_distill import pair, windows
-    from gdnprune.distill import distill
+def ddp_run(out: str | os.PathLike) -> None:
+    """3 steps of distillation of :func:`pair` on 16 windows, evaluated on 4; rank 0 saves the losses, the
+    evaluation, the weights and the config to ``out``. Under torchrun (the shared launch, tests/launches.py)
+    the two ranks train one model with DDP; here, one process."""
+    teacher, student = pair()
+    result = distill(
+        student,
+        teacher,
+        windows(16),
+        steps=3,
+        batch_size=4,
+        lr=3e-3,
+        lm_weight=0.3,
+        eval_data=windows(4, seed=5),
+        eval_every=3,
+        log_every=1,
+        progress=False,
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        losses = [h["loss"] for h in result["history"] if "loss" in h]
+        record = {"losses": losses, "eval": result["eval"], "weights": student.state_dict()}
+        torch.save({**record, "config": result["config"]}, out)
 
-    def run(out):
-        teacher, student = pair()
-        result = distill(student, teacher, windows(16), steps=3, batch_size=4, lr=3e-3, lm_weight=0.3,
-                         eval_data=windows(4, seed=5), eval_every=3, log_every=1, progress=False)
-        if int(os.environ.get("RANK", "0")) == 0:
-            losses = [h["loss"] for h in result["history"] if "loss" in h]
-            torch.save({{"losses": losses, "eval": result["eval"], "weights": student.state_dict(),
-                        "config": result["config"]}}, out)
 
-    if __name__ == "__main__":
-        run(sys.argv[1])
-""")
-
-
-def test_two_processes_give_the_loss_curve_of_one(tmp_path):
-    script = tmp_path / "ddp_worker.py"
-    script.write_text(_DDP_WORKER.format(tests=os.path.dirname(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-        str(tmp_path / "two.pt"),
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-    spec = importlib.util.spec_from_file_location("ddp_worker", script)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    worker.run(tmp_path / "one.pt")
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+def test_two_processes_give_the_loss_curve_of_one(launch, tmp_path):
+    assert (launch.folder / "distill_two.pt").exists(), launch.stderr[-3000:]
+    ddp_run(tmp_path / "one.pt")
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(launch.folder / "distill_two.pt")
     assert (two["config"]["processes"], two["config"]["micro_batch_size"]) == (2, 2)
     assert (one["config"]["processes"], one["config"]["micro_batch_size"]) == (1, 4)
     assert len(one["losses"]) == 3 and one["losses"][-1] < one["losses"][0]
