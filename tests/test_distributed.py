@@ -1,7 +1,8 @@
 """Scoring on many processes: torchrun with 2 gloo ranks, shares and their merge, and the helpers behind them.
 
 The multi-process tests share one real ``torch.distributed.run`` launch (the code path of ``torchrun``; the
-suite's one launch, a session fixture of ``conftest.py`` shared with test_first_hour: ``tests/launches.py``)
+suite's one launch, a session fixture of ``conftest.py`` shared with the other tests that read it:
+``tests/launches.py``)
 whose two workers run ``gdnprune score`` through the CLI four times and ``gdnprune plan``
 once: projection, the plan's sensitivity, activation, a rank that fails with a user error, and a rank that
 is stuck while the other one times out; each claim is its own test. Everything else runs in process.
@@ -301,7 +302,7 @@ def test_score_says_which_options_go_together(model_dir, text_file, tmp_path, ca
 
 @pytest.fixture(scope="module")
 def torchrun(launch):
-    """The suite's one 2-process launch (tests/launches.py, shared with test_first_hour): its folder, holding
+    """The suite's one 2-process launch (tests/launches.py, shared with other tests): its folder, holding
     what each rank reported (``rank0.json``, ``rank1.json``) and what rank 0 wrote."""
     ranks = [launch.folder / f"rank{r}.json" for r in (0, 1)]
     assert all(p.exists() for p in ranks), launch.stderr[-3000:]
