@@ -23,6 +23,7 @@ from gdnprune.cli import main
 from gdnprune.demo_data import train_text
 from gdnprune.distill import DistillConfig, distill_checkpoint
 from gdnprune.distill.output import CheckpointKeysError, load_model_weights
+from gdnprune.distill.trainer import freeze_outside_text
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -166,6 +167,19 @@ def test_checkpoint_weights_load_in_either_form_and_any_other_key_is_an_error(pr
         CheckpointKeysError, match=r"1 missing \(.*experts\.1\.down_proj.*1 unexpected \(extra"
     ):
         load_model_weights(model, broken)
+
+
+def test_a_vision_language_student_trains_its_text_part_only():
+    """The vision tower, which text windows never reach, is frozen: the optimizer then holds state for every
+    parameter it steps, as an FSDP2 resume needs (a VL student's resume failed on the vision tower's missing
+    AdamW state); a text model keeps every parameter trainable."""
+    vl = load_pretrained(TRAINED / "qwen3_5_vl", dtype=torch.float32)
+    freeze_outside_text(vl)
+    frozen = {n for n, p in vl.named_parameters() if not p.requires_grad}
+    assert frozen and frozen == {n for n, _ in vl.named_parameters() if n.startswith("model.visual.")}
+    moe = load_pretrained(TRAINED / MOE, dtype=torch.float32)
+    freeze_outside_text(moe)
+    assert all(p.requires_grad for p in moe.parameters())
 
 
 _WORKER = textwrap.dedent("""

@@ -45,6 +45,7 @@ __all__ = [
     "as_windows",
     "final_hidden",
     "forward_redirect",
+    "freeze_outside_text",
     "signals_stop",
 ]
 
@@ -81,6 +82,23 @@ def forward_redirect(
         return (via or module)(*args, **kwargs)
     finally:
         restore()
+
+
+def freeze_outside_text(model: torch.nn.Module) -> None:
+    """Freeze the parameters of ``model`` that text windows never reach (a vision-language student's vision
+    tower: outside its decoder and its input and output embeddings). They get no gradient, so the optimizer
+    keeps no state for them, and a checkpoint then lacks the state an FSDP2 resume expects for every
+    parameter the optimizer holds; frozen, the optimizer does not hold them (AdamW left them unchanged
+    already: it skips parameters without a gradient)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
+    if decoder is None:
+        return
+    reached = [decoder, model.get_input_embeddings(), model.get_output_embeddings()]  # type: ignore[operator]
+    kept = {id(p) for m in reached if m is not None for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) not in kept:
+            p.requires_grad_(False)
 
 
 def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
@@ -137,6 +155,8 @@ class DistillationTrainer(Trainer):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if self.model is not None:
+            freeze_outside_text(self.model)
         self.teacher = teacher.eval()
         self.teacher.requires_grad_(False)
         if getattr(teacher, "hf_device_map", None) is None and not is_sharded(teacher):
