@@ -24,6 +24,7 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py                        # ~3 minutes on 2 cores
     MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py   # freed memory returned
     OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py --teacher-layers 4 12 --steps 1   # quicker
+    OMP_NUM_THREADS=1 python benchmarks/sharded_loading.py --moe --teacher-layers 4 12 --hidden 512 --steps 1
 """
 
 from __future__ import annotations
@@ -76,9 +77,18 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _config(layers: int, hidden: int):
+def _config(layers: int, hidden: int, moe: bool = False):
     import transformers
 
+    if moe:  # 8 experts of hidden / 2, 2 per token, a shared expert: stored one tensor per expert
+        return transformers.Qwen3_5MoeTextConfig(
+            **{k: v for k, v in _config(layers, hidden).to_dict().items() if k.startswith(_SHARED)},
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden // 2,
+            tie_word_embeddings=False,
+        )
     return transformers.Qwen3_5TextConfig(
         vocab_size=32000,
         hidden_size=hidden,
@@ -97,9 +107,21 @@ def _config(layers: int, hidden: int):
     )
 
 
-def _tokenizer(folder: Path) -> None:
-    """A word-level tokenizer of the benchmark's text (teacher and student share it)."""
+# the config keys an MoE teacher takes from the dense one
+_SHARED = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "linear_")  # fmt: skip
+
+
+def _tokenizer(folder: Path, moe: bool = False) -> None:
+    """A word-level tokenizer of the benchmark's text (teacher and student share it); for MoE models, whose
+    model type makes transformers load its Qwen tokenizer class, gdnprune's byte tokenizer."""
     import transformers
+
+    if moe:
+        from gdnprune.demo_data import build_byte_tokenizer
+
+        build_byte_tokenizer().save_pretrained(folder)
+        return
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["[UNK]", "the", "teacher", "is", "sharded", "and", "loaded", "by", "rows"]
@@ -108,21 +130,26 @@ def _tokenizer(folder: Path) -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
 
 
-def build_folders(root: Path, teacher_layers: list[int], hidden: int, stored: str) -> dict[str, int]:
-    """The student folder, one teacher folder per size, the text; ``{teacher folder: parameters}``."""
+def build_folders(
+    root: Path, teacher_layers: list[int], hidden: int, stored: str, moe: bool = False
+) -> dict[str, int]:
+    """The student folder, one teacher folder per size (both MoE with ``moe``), the text;
+    ``{teacher folder: parameters}``."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    student = transformers.Qwen3_5ForCausalLM(_config(4, 256))
+    family = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    student = family(_config(4, 256, moe))  # of the teacher's family: transformers picks its tokenizer class
     student.save_pretrained(root / "student")
-    _tokenizer(root / "student")
+    _tokenizer(root / "student", moe)
     sizes = {}
     for layers in teacher_layers:
         folder = root / f"teacher{layers}"
-        teacher = transformers.Qwen3_5ForCausalLM(_config(layers, hidden))
+        config = _config(layers, hidden, moe)
+        teacher = family(config)
         teacher.to(getattr(torch, stored)).save_pretrained(folder, max_shard_size="200MB")
-        _tokenizer(folder)
+        _tokenizer(folder, moe)
         sizes[str(folder)] = sum(p.numel() for p in teacher.parameters())
         del teacher
     (root / "train.txt").write_text(" ".join(["the teacher is sharded and loaded by rows"] * 400))
@@ -133,7 +160,7 @@ def measure(args) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         root = Path(tmp)
-        sizes = build_folders(root, args.teacher_layers, args.hidden, args.stored_dtype)
+        sizes = build_folders(root, args.teacher_layers, args.hidden, args.stored_dtype, args.moe)
         script = root / "worker.py"
         script.write_text(WORKER.format())
         env = {
@@ -166,7 +193,8 @@ def measure(args) -> dict:
 
 def report(results: dict, args) -> None:
     print(
-        f"2 processes (gloo, CPU), FSDP2, student and teacher float32 (teacher files {args.stored_dtype}), "
+        f"2 processes (gloo, CPU), FSDP2, student and {'MoE ' if args.moe else ''}teacher float32 "
+        f"(teacher files {args.stored_dtype}), "
         f"{args.steps} steps of 2 x 32 tokens. "
         f"Peak = VmHWM of each process: while loading (to the Trainer's start), while training (reset there).\n"
     )
@@ -210,6 +238,12 @@ def main(argv: list[str] | None = None) -> None:
         default="bfloat16",
         choices=["bfloat16", "float32"],
         help="the teacher files' dtype (loaded in float32; float32 files are memory-mapped by a whole load)",
+    )
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="an MoE teacher and student (Qwen3.5-MoE, 8 experts), stored one tensor per expert as save_pretrained "
+        "writes them",
     )
     parser.add_argument("--tmp", default=None, help="where the model folders go (default: the system's temp)")
     parser.add_argument("--json", type=Path, help="also write the measurements here")

@@ -1,6 +1,6 @@
 """`prune --budget-params` then `distill`, as a user runs them, on every trained tiny family (uniform and
 per-layer students, dense and MoE), and resume after an interruption equals the uninterrupted run (one
-process on every family; DDP and FSDP2 on the MoE student)."""
+process on every family; DDP and FSDP2 on the MoE student, loaded straight into its shards under FSDP2)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from gdnprune.cli import main
 from gdnprune.demo_data import train_text
 from gdnprune.distill import DistillConfig, distill_checkpoint
 from gdnprune.distill.output import CheckpointKeysError, load_model_weights
+from gdnprune.distill.trainer import freeze_outside_text
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -168,8 +169,21 @@ def test_checkpoint_weights_load_in_either_form_and_any_other_key_is_an_error(pr
         load_model_weights(model, broken)
 
 
+def test_a_vision_language_student_trains_its_text_part_only():
+    """The vision tower, which text windows never reach, is frozen: the optimizer then holds state for every
+    parameter it steps, as an FSDP2 resume needs (a VL student's resume failed on the vision tower's missing
+    AdamW state); a text model keeps every parameter trainable."""
+    vl = load_pretrained(TRAINED / "qwen3_5_vl", dtype=torch.float32)
+    freeze_outside_text(vl)
+    frozen = {n for n, p in vl.named_parameters() if not p.requires_grad}
+    assert frozen and frozen == {n for n, _ in vl.named_parameters() if n.startswith("model.visual.")}
+    moe = load_pretrained(TRAINED / MOE, dtype=torch.float32)
+    freeze_outside_text(moe)
+    assert all(p.requires_grad for p in moe.parameters())
+
+
 _WORKER = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, warnings
     import torch
     torch.set_num_threads(1)
     from transformers import TrainerCallback
@@ -180,14 +194,27 @@ _WORKER = textwrap.dedent("""
             if state.global_step == 2 and int(os.environ["RANK"]) == 1:
                 os.kill(os.getpid(), signal.SIGTERM)  # one rank gets it: both save and stop
 
+    class OncePerParameter(TrainerCallback):
+        # the prepared optimizer holds every trainable parameter once (rank 1's shards of the [1, H]
+        # shared_expert_gate are empty: accelerate's re-pointing by address once collapsed them into one)
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            held = [id(p) for g in optimizer.param_groups for p in g["params"]]
+            trainable = {id(p) for p in model.parameters() if p.requires_grad}
+            assert len(held) == len(set(held)) and set(held) == trainable, (len(held), len(set(held)))
+
     student, teacher, data, root, mode = sys.argv[1:6]
     for engine in ("ddp", "fsdp"):
         def run(out, callbacks=(), **extra):
             config = DistillConfig(output_dir=os.path.join(root, engine, out), steps=4, batch_size=4, lr=3e-3,
                                    lm_weight=0.3, save_every=10, log_every=1, progress=False,
                                    fsdp=engine == "fsdp", **extra)
-            return distill_checkpoint(student, teacher, data, config, seq_len=32, num_samples=8,
-                                      callbacks=callbacks)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = distill_checkpoint(student, teacher, data, config, seq_len=32, num_samples=8,
+                                            callbacks=[*callbacks, OncePerParameter()])
+            # under FSDP2 both MoE models (experts stored one tensor per expert) load straight into shards
+            assert not [w for w in caught if "loaded whole" in str(w.message)], engine
+            return result
         if mode == "first":
             run("straight")
             assert run("run", callbacks=[Term()])["interrupted"]

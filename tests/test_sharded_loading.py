@@ -2,9 +2,12 @@
 gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student (also
 with its layers wrapped for activation checkpointing), a teacher stored in several shards (in bfloat16,
 loaded in float32), an FP8 block-scaled teacher (dequantized as transformers dequantizes it), an MoE model
-stored one tensor per expert (the trained tiny Qwen3.5-MoE) and a vision-language model (the trained tiny
-Qwen3.5-VL); each process holds about half; a short distillation under FSDP2 that loads this way gives the
-loss curve of the whole-load path, with and without gradient checkpointing."""
+stored one tensor per expert (the trained tiny Qwen3.5-MoE), a vision-language model (the trained tiny
+Qwen3.5-VL), a text model reading that folder's ``model.language_model.`` tensors, and a bf16 student under
+bf16 mixed precision (float32 master weights, as accelerate upcasts it); each process holds about half; a
+short distillation under FSDP2 that loads this way gives the loss curve of the whole-load path, with and
+without gradient checkpointing. Before any shard, a quantization other than FP8 blocks is refused and a
+tensor stored in no form sharded loading reads makes its model load whole, said in one warning line."""
 
 from __future__ import annotations
 
@@ -18,11 +21,15 @@ import textwrap
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from test_checkpoint import make_source
 from test_fp8 import make_fp8
+from transformers import AutoConfig
 
 from gdnprune import load_pretrained
 from gdnprune.checkpoint import slice_checkpoint
+from gdnprune.distill import DistillConfig
+from gdnprune.distill.fsdp import load_sharded_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -42,6 +49,11 @@ FOLDERS = {  # name: (folder, how it is sharded)
     "fp8_teacher": ("fp8_teacher", "teacher"),
     "moe": ("moe", "student"),
     "vl": ("vl", "student"),  # a whole vision-language model, stored under its own names
+    # a text model whose folder stores a vision-language model's tensors (model.language_model.*, visual.*)
+    "vl_text": ("vl_text", "student"),
+    # a bf16 student under bf16 mixed precision (distill's loader): float32 master weights, as accelerate
+    # upcasts the whole-loaded student, from a float32 folder (so the rounding to bf16 shows)
+    "bf16_mixed": ("uniform", "student_bf16_mixed"),
 }
 TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
 
@@ -52,23 +64,27 @@ _WORKER = textwrap.dedent("""
     from accelerate import PartialState
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from gdnprune.distill import DistillConfig, distill_checkpoint
-    from gdnprune.distill.fsdp import has_checkpointed_layers, local_bytes, shard_student, shard_teacher
-    import gdnprune.loading
+    from gdnprune.distill.fsdp import has_checkpointed_layers, load_sharded_models, local_bytes, shard_student, shard_teacher
     from gdnprune.loading import load_sharded
-    gdnprune.loading.PER_EXPERT_SHARDED_LOADING = True  # the reading itself (distill keeps it off for now)
 
     root, rank = sys.argv[1], int(os.environ["RANK"])
     PartialState()
     report = {{}}
     shards = {{"student": shard_student, "teacher": shard_teacher,
               "student_gc": functools.partial(shard_student, gradient_checkpointing=True)}}
+    mixed = DistillConfig(mixed_precision="bf16", fsdp=True)
     for name, (folder, role) in {folders!r}.items():
-        model = load_sharded(os.path.join(root, folder), shards[role], dtype=torch.float32)
+        path = os.path.join(root, folder)
+        if role == "student_bf16_mixed":
+            model, _ = load_sharded_models(path, path, "bfloat16", "bfloat16", config=mixed, teacher_sharded=False)
+        else:
+            model = load_sharded(path, shards[role], dtype=torch.float32)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         report[name] = {{"state": full, "buffers": {{k: v.clone() for k, v in model.named_buffers()}},
                         "held": local_bytes(model),
                         "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-                        "wrapped": has_checkpointed_layers(model)}}
+                        "wrapped": has_checkpointed_layers(model),
+                        "dtypes": sorted({{str(p.dtype) for p in model.parameters()}})}}
     config = DistillConfig(steps=3, batch_size=4, lr=3e-3, lm_weight=0.3, log_every=1, fsdp=True, progress=False)
     for mode in ("sharded", "whole", "sharded_gc", "whole_gc"):
         with warnings.catch_warnings(record=True) as caught:
@@ -96,6 +112,10 @@ def run(tmp_path_factory):
     make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
     shutil.copytree(os.path.join(TRAINED, "qwen3_5_moe"), root / "moe")
     shutil.copytree(os.path.join(TRAINED, "qwen3_5_vl"), root / "vl")
+    text = AutoConfig.from_pretrained(root / "vl").get_text_config()
+    text.architectures = ["Qwen3_5ForCausalLM"]
+    text.save_pretrained(root / "vl_text")
+    shutil.copy(root / "vl" / "model.safetensors", root / "vl_text" / "model.safetensors")
     (root / "train.txt").write_text(" ".join(["the model sorts heads and slices them"] * 200))
     script = root / "worker.py"
     script.write_text(_WORKER.format(folders=FOLDERS))
@@ -134,7 +154,14 @@ def test_the_gathered_shards_equal_a_whole_load_tensor_for_tensor(run, name):
             json.loads((root / name / "config.json").read_text())["quantization_config"]["quant_method"]
             == "fp8"
         )
-    reference = load_pretrained(root / folder, dtype=torch.float32)
+    if name == "vl_text":  # the text model's tensors are stored under the vision-language prefix
+        with safe_open(str(root / name / "model.safetensors"), "pt") as f:
+            assert "model.language_model.embed_tokens.weight" in set(f.keys())
+    if role == "student_bf16_mixed":  # what accelerate makes of a bf16 student: float32 master weights
+        reference = load_pretrained(root / folder, dtype=torch.bfloat16).float()
+    else:
+        reference = load_pretrained(root / folder, dtype=torch.float32)
+    assert report[name]["dtypes"] == ["torch.float32"]
     want, got = reference.state_dict(), report[name]["state"]
     assert set(got) == set(want)
     for key, value in want.items():
@@ -160,3 +187,32 @@ def test_distillation_loading_into_shards_gives_the_loss_curve_of_whole_loading(
     assert sharded_gc["warnings"] == [] and whole_gc["warnings"] == []
     assert sharded_gc["losses"] == pytest.approx(whole_gc["losses"], rel=1e-6)
     assert sharded_gc["losses"] == pytest.approx(sharded["losses"], rel=1e-5)  # checkpointing changes no loss
+
+
+def test_a_quantization_other_than_fp8_blocks_is_refused_and_another_form_loads_whole_with_one_line(tmp_path):
+    """Before any shard: a GPTQ folder is refused (one line naming what is read), and a folder storing a tensor
+    under a name sharded loading does not read loads whole, said in one warning line naming the tensor."""
+    config = DistillConfig(fsdp=True)
+    quantized = tmp_path / "gptq"
+    shutil.copytree(os.path.join(TRAINED, "recall"), quantized)
+    values = json.loads((quantized / "config.json").read_text())
+    values["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (quantized / "config.json").write_text(json.dumps(values))
+    with pytest.raises(
+        ValueError, match=r"^student: .*FP8 block-scaled.*found quant_method 'gptq'"
+    ) as caught:
+        load_sharded_models(quantized, quantized, "float32", "float32", config=config, teacher_sharded=False)
+    assert "\n" not in str(caught.value)
+    renamed = tmp_path / "renamed"
+    shutil.copytree(os.path.join(TRAINED, "recall"), renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, renamed / "model.safetensors")
+    with pytest.warns(
+        UserWarning, match=r"^student: loaded whole on every process.*model\.norm\.weight"
+    ) as said:
+        student, teacher = load_sharded_models(
+            renamed, renamed, "float32", "float32", config=config, teacher_sharded=False
+        )
+    assert student is None and teacher is None
+    assert ["\n" in str(w.message) for w in said if "loaded whole" in str(w.message)] == [False]

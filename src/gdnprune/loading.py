@@ -32,6 +32,8 @@ import torch
 import transformers
 from accelerate.utils import get_max_memory
 from safetensors import safe_open
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, apply_renamings
 
 from .distributed import launch_info
 from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
@@ -53,6 +55,7 @@ __all__ = [
     "load_sharded",
     "empty_pretrained",
     "sharded_loading_names",
+    "ShardedLoadingError",
     "StoredTensor",
     "load_causal_lm",
     "empty_causal_lm",
@@ -239,15 +242,17 @@ def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
 
 def empty_pretrained(path: str | os.PathLike, *, model_class: Any = None, dtype: Any = None) -> Any:
     """The model :func:`load_pretrained` would load (same class choice), built on the ``meta`` device from
-    the folder's config alone, in ``dtype`` (default: float32), weights tied as the config says."""
+    the folder's config alone, in ``dtype`` (default: float32), weights tied as the config says. Built as
+    ``from_pretrained`` builds it: parameters created in ``dtype``, buffers that transformers computes in
+    float32 (the rotary frequencies) kept in float32, ``config.dtype`` set to ``dtype``."""
 
     config = transformers.AutoConfig.from_pretrained(path)
-    loader, concrete = _resolve_class(config, model_class)
+    _, concrete = _resolve_class(config, model_class)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     per_layer = _heterogeneous(text) or _heterogeneous(config)
     with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
-        model = loader.from_config(config) if loader is not concrete else concrete(config)
-    return model.to(dtype or torch.float32).eval()
+        model = concrete._from_config(config, dtype=dtype or torch.float32)  # type: ignore[attr-defined]
+    return model.eval()
 
 
 def _disk_index(path: str | os.PathLike) -> dict[str, str]:
@@ -280,53 +285,77 @@ class StoredTensor:
 _STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-#: MoE experts stored one tensor per expert, read straight into shards: off until an FSDP2 resume of such a
-#: student equals the uninterrupted run again (tests/test_distill_pipeline.py; with it on, the resumed
-#: student's embeddings differed); such folders load whole on every process, as before
-PER_EXPERT_SHARDED_LOADING = False
-
-
-def _per_expert(name: str, experts: int, disk: Mapping[str, str]) -> StoredTensor | None:
+def _per_expert(name: str, experts: int, stored: Mapping[str, str]) -> StoredTensor | None:
     prefix, _, last = name.rpartition(".")
     if last not in _STACKED_EXPERTS or not prefix.endswith(".experts"):
         return None
     parts = tuple(tuple(f"{prefix}.{e}.{p}.weight" for p in _STACKED_EXPERTS[last]) for e in range(experts))
-    return StoredTensor(experts=parts) if all(n in disk for names in parts for n in names) else None
+    if not all(n in stored for names in parts for n in names):
+        return None
+    return StoredTensor(experts=tuple(tuple(stored[n] for n in names) for names in parts))
+
+
+def _quant_method(config: Any) -> str | None:
+    quant = getattr(config, "quantization_config", None)
+    quant = quant if quant is None or isinstance(quant, dict) else quant.to_dict()
+    return None if quant is None else str(quant.get("quant_method"))
 
 
 def _fp8(config: Any) -> bool:
-    quant = getattr(config, "quantization_config", None)
-    quant = quant if quant is None or isinstance(quant, dict) else quant.to_dict()
-    return quant is not None and quant.get("quant_method") == "fp8"
+    return _quant_method(config) == "fp8"
 
 
-def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, StoredTensor] | None:
-    """``{model tensor name: where it is stored}`` (:class:`StoredTensor`) when every tensor of ``model``
-    (built as :func:`empty_pretrained` builds it) is found in ``path``: under its own name (tied tensors
-    under one of their names; FP8 block-scaled weights with their scales), or, for an MoE layer's stacked
-    experts, one tensor per expert. Else None: the folder stores another form (a renamed prefix, another
-    quantization), which only a whole load converts."""
-    if getattr(model.config, "quantization_config", None) is not None and not _fp8(model.config):
-        return None  # quantized weights other than FP8 blocks: only from_pretrained converts them
-    disk = _disk_index(path)
+class ShardedLoadingError(ValueError):
+    """A folder that sharded loading cannot read: it stores a tensor of the model in a form only a whole
+    ``from_pretrained`` converts. The message names the first such tensor."""
+
+
+def _model_names(model: Any, disk: Mapping[str, str]) -> dict[str, str]:
+    """``{name in the model's form: name stored}`` for every tensor of ``disk``: each stored name renamed as
+    ``from_pretrained`` renames it for ``model`` (transformers' ``WeightRenaming`` and ``PrefixChange``
+    entries of its conversion mapping, e.g. a text model reading a vision-language folder's
+    ``model.language_model.`` tensors as ``model.``); a name stored as the model names it stays itself."""
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    names = {apply_renamings(stored, renamings): stored for stored in disk} if renamings else {}
+    names.update({stored: stored for stored in disk})
+    return names
+
+
+def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, StoredTensor]:
+    """``{model tensor name: where it is stored}`` (:class:`StoredTensor`) for every tensor of ``model`` (built
+    as :func:`empty_pretrained` builds it): under its own name or the name ``from_pretrained`` renames to it
+    (a vision-language prefix; tied tensors under one of their names; FP8 block-scaled weights with their
+    scales), or, for an MoE layer's stacked experts, one tensor per expert.
+
+    Raises :class:`ShardedLoadingError` naming the first tensor stored in no such form, and ``ValueError``
+    for a quantization other than FP8 blocks (only ``from_pretrained`` with its quantizer reads those).
+    """
+    method = _quant_method(model.config)
+    if method is not None and method != "fp8":
+        raise ValueError(
+            f"{path}: expected plain or FP8 block-scaled weights (quant_method 'fp8') to load into shards, "
+            f"found quant_method {method!r}; dequantize the checkpoint first"
+        )
+    stored = _model_names(model, _disk_index(path))
     state = _state(model)
     groups: dict[int, list[str]] = {}
     for name, value in state.items():
         groups.setdefault(id(value), []).append(name)
     names: dict[str, StoredTensor] = {}
     for group in groups.values():
-        found = next((n for n in group if n in disk), None)
+        found = next((n for n in group if n in stored), None)
         value = state[group[0]]
-        stored = (
-            StoredTensor(found)
+        where = (
+            StoredTensor(stored[found])
             if found
-            else _per_expert(group[0], value.shape[0] if value.dim() else 0, disk)
-            if PER_EXPERT_SHARDED_LOADING
-            else None
+            else _per_expert(group[0], value.shape[0] if value.dim() else 0, stored)
         )
-        if stored is None:
-            return None
-        names.update(dict.fromkeys(group, stored))
+        if where is None:
+            raise ShardedLoadingError(
+                f"{path}: {group[0]} is stored in no form sharded loading reads (its own name, a "
+                f"vision-language prefix, FP8 blocks, one tensor per expert)"
+            )
+        names.update(dict.fromkeys(group, where))
     return names
 
 
@@ -350,6 +379,7 @@ def load_sharded(
     model_class: Any = None,
     dtype: Any = None,
     device: Any = "cpu",
+    upcast_from: Any = None,
 ) -> Any:
     """Load a model folder straight into shards: no process ever holds the whole model.
 
@@ -360,17 +390,15 @@ def load_sharded(
     cast to ``dtype`` as ``from_pretrained`` casts. Non-persistent buffers (rotary frequencies) are
     recomputed as transformers initialises them. The folder must store every tensor under the model's
     own name, FP8 weights with their block scales (dequantized into ``dtype`` as ``from_pretrained``
-    dequantizes them where FP8 cannot run) or an MoE layer's experts one tensor per expert
-    (:func:`sharded_loading_names`), else ``ValueError``. Returns the model, in eval mode.
+    dequantizes them where FP8 cannot run) or an MoE layer's experts one tensor per expert, under the
+    model's names or those ``from_pretrained`` renames to them (:func:`sharded_loading_names`), else
+    :class:`ShardedLoadingError`. ``upcast_from``: the floating-point weights as a model loaded in this
+    dtype and then cast to ``dtype`` holds them (a bf16 student's float32 master weights under mixed
+    precision, as accelerate upcasts it). Returns the model, in eval mode.
     """
 
     model = empty_pretrained(path, model_class=model_class, dtype=dtype)
     names = sharded_loading_names(path, model)
-    if names is None:
-        raise ValueError(
-            f"{path}: sharded loading needs every tensor stored under the model's own name; this folder "
-            f"stores another form (e.g. one tensor per expert): load it whole"
-        )
     shard(model)
     model.to_empty(device=device)
     index = _disk_index(path)
@@ -382,8 +410,9 @@ def load_sharded(
                 continue
             done.add(id(value))
             local, first = _rows(value)
-            rows = files.rows(names[name], first, local.shape[0] if local.dim() else None, local.dtype)
-            local.copy_(rows.to(local.dtype).reshape(local.shape))
+            read = local.dtype if upcast_from is None or not local.is_floating_point() else upcast_from
+            rows = files.rows(names[name], first, local.shape[0] if local.dim() else None, read)
+            local.copy_(rows.to(read).to(local.dtype).reshape(local.shape))
         _init_non_persistent_buffers(model)
     if _fp8(model.config):  # dequantized, as from_pretrained dequantizes FP8 weights where it cannot run them
         model.config.quantization_config = None

@@ -496,13 +496,12 @@ def distill_checkpoint(
     ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
     on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
     (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
-    weights are dequantized as read, and a
-    student under gradient checkpointing has its layers wrapped before it is sharded. A folder that stores
-    another form than the model holds (MoE experts one tensor per expert, a vision-language prefix, another
-    quantization), or a low-precision
-    student under mixed precision,
-    loads whole on every process and is sharded after (a warning says which). Teacher and student must
-    share their tokenizer. The output folder is
+    weights are dequantized as read, MoE experts stored one tensor per expert are stacked as read, a text
+    model reads a vision-language folder's prefixed tensors, a bf16/fp16 student under mixed precision gets
+    float32 master weights (as accelerate upcasts it), and a student under gradient checkpointing has its
+    layers wrapped before it is sharded. A quantization other than FP8 blocks is refused; a folder that
+    stores a tensor in another form loads whole on every process and is sharded after (a warning line
+    names the tensor). Teacher and student must share their tokenizer. The output folder is
     checked before any model is loaded.
 
     The output is a normal HF folder: the trained weights (in the dtype the student folder stores, unless

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import (
 )
 from transformers import PreTrainedModel
 
-from ..loading import empty_pretrained, load_sharded, sharded_loading_names
+from ..loading import ShardedLoadingError, empty_pretrained, load_sharded, sharded_loading_names
 
 __all__ = [
     "layer_classes",
@@ -198,27 +198,29 @@ def load_sharded_models(
     teacher_sharded: bool,
 ) -> tuple[Any, Any]:
     """``(student, teacher)`` under FSDP2, each built on ``meta``, sharded and filled with this process's rows
-    straight from its files (:func:`gdnprune.loading.load_sharded`); None for a model that must load whole
-    (a warning says why): a folder storing another form than the model holds (a vision-language prefix,
-    MoE experts one tensor per expert, a quantization other than FP8 blocks; FP8 weights are read into
-    shards), a
-    low-precision student under mixed precision (accelerate upcasts it first), and the teacher when it is
-    not to be sharded. A student under gradient checkpointing has its layers wrapped before sharding. The default process group must exist."""
+    straight from its files (:func:`gdnprune.loading.load_sharded`: tensors under the model's names or a
+    vision-language prefix, FP8 blocks dequantized, MoE experts one tensor per expert stacked); None for
+    the teacher when it is not to be sharded, and for a model whose folder stores another form (a warning
+    line says which tensor; it loads whole on every process). A bf16/fp16 student under mixed precision
+    gets float32 master weights, as accelerate upcasts it. A student under gradient checkpointing has its
+    layers wrapped before sharding. A quantization other than FP8 blocks is refused (``ValueError``). The
+    default process group must exist."""
     dtype, teacher_dtype = _torch_dtype(dtype), _torch_dtype(teacher_dtype)
-    student = None
     low = dtype in (torch.bfloat16, torch.float16) and config.mixed_precision != "no"
-    if low:
-        warnings.warn(
-            "student: loaded whole on every process, then sharded (a low-precision student)", stacklevel=3
-        )
-    else:
-        device = torch.device("cpu") if config.cpu_offload else _device()
-        options = dict(
-            mixed_precision=config.mixed_precision,
-            cpu_offload=config.cpu_offload,
-            gradient_checkpointing=config.gradient_checkpointing,
-        )
-        student = _sharded(student_dir, dtype, lambda m: shard_student(m, **options), device, "student")
+    device = torch.device("cpu") if config.cpu_offload else _device()
+    options = dict(
+        mixed_precision=config.mixed_precision,
+        cpu_offload=config.cpu_offload,
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
+    student = _sharded(
+        student_dir,
+        torch.float32 if low else dtype,
+        lambda m: shard_student(m, **options),
+        device,
+        "student",
+        upcast_from=dtype if low else None,
+    )
     teacher = None
     if teacher_sharded:
         teacher = _sharded(teacher_dir, teacher_dtype, shard_teacher, _device(), "teacher")
@@ -229,16 +231,23 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _sharded(path: Path, dtype: torch.dtype, shard: Any, device: torch.device, name: str) -> Any:
-    """``path`` loaded straight into its shards, or None (with a warning) when its folder stores another form."""
+def _sharded(
+    path: Path, dtype: torch.dtype, shard: Any, device: torch.device, name: str, upcast_from: Any = None
+) -> Any:
+    """``path`` loaded straight into its shards, or None (with a one-line warning) when its folder stores a
+    tensor in another form than sharded loading reads; a quantization it cannot read is refused."""
     try:
-        if sharded_loading_names(path, empty_pretrained(path, dtype=dtype)) is not None:
-            return load_sharded(path, shard, dtype=dtype, device=device)
+        model = empty_pretrained(path, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as exc:
         raise ValueError(f"{path}: transformers cannot load it: {' '.join(str(exc).split())[:500]}") from None
-    warnings.warn(
-        f"{name}: loaded whole on every process, then sharded ({path} stores its tensors in another form "
-        f"than the model holds them)",
-        stacklevel=4,
-    )
-    return None
+    try:
+        sharded_loading_names(path, model)
+    except ShardedLoadingError as exc:
+        warnings.warn(f"{name}: loaded whole on every process, then sharded ({exc})", stacklevel=4)
+        return None
+    except ValueError as exc:  # a quantization only from_pretrained's quantizer reads
+        raise ValueError(f"{name}: {exc}") from None
+    try:
+        return load_sharded(path, shard, dtype=dtype, device=device, upcast_from=upcast_from)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{path}: transformers cannot load it: {' '.join(str(exc).split())[:500]}") from None

@@ -190,12 +190,11 @@ def estimate_memory(
     loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
     offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
     # under FSDP2 each process reads only its shards from the files (distill_checkpoint's sharded loading;
-    # the student loads whole in low precision under mixed precision);
+    # a bf16/fp16 student under mixed precision into float32 master weights, as accelerate upcasts it);
     # otherwise every process reads the whole student and teacher before moving or sharding them
     sharded = fsdp and processes > 1
     low = size < 4 and mixed_precision in ("bf16", "fp16")
-    student_whole = not sharded or low
-    loading = sum(math.prod(s) for s in shapes) * size if student_whole else params
+    loading = (local * 4 if low else params) if sharded else sum(math.prod(s) for s in shapes) * size
     if kd:
         whole_teacher = sum(math.prod(s) for s in _parameters(teacher)) * t_size
         loading += t_params if sharded and teacher_sharded else whole_teacher
@@ -213,7 +212,7 @@ def estimate_memory(
         ddp_buckets=params if processes > 1 and not fsdp else 0,
         cpu_offloaded=offloaded,
         host_loading=loading,
-        sharded_loading=sharded and not student_whole,
+        sharded_loading=sharded,
     )
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "as_windows",
     "final_hidden",
     "forward_redirect",
+    "freeze_outside_text",
     "signals_stop",
 ]
 
@@ -81,6 +82,23 @@ def forward_redirect(
         return (via or module)(*args, **kwargs)
     finally:
         restore()
+
+
+def freeze_outside_text(model: torch.nn.Module) -> None:
+    """Freeze the parameters of ``model`` that text windows never reach (a vision-language student's vision
+    tower: outside its decoder and its input and output embeddings). They get no gradient, so the optimizer
+    keeps no state for them, and a checkpoint then lacks the state an FSDP2 resume expects for every
+    parameter the optimizer holds; frozen, the optimizer does not hold them (AdamW left them unchanged
+    already: it skips parameters without a gradient)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
+    if decoder is None:
+        return
+    reached = [decoder, model.get_input_embeddings(), model.get_output_embeddings()]  # type: ignore[operator]
+    kept = {id(p) for m in reached if m is not None for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) not in kept:
+            p.requires_grad_(False)
 
 
 def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
@@ -137,6 +155,8 @@ class DistillationTrainer(Trainer):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if self.model is not None:
+            freeze_outside_text(self.model)
         self.teacher = teacher.eval()
         self.teacher.requires_grad_(False)
         if getattr(teacher, "hf_device_map", None) is None and not is_sharded(teacher):
@@ -247,6 +267,32 @@ class DistillationTrainer(Trainer):
                 output.metrics[f"{prefix}_{name}"] = value
         self._eval_parts = []
         return output
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer; for a student sharded before the Trainer (sharded loading), the parameters
+        of its groups are kept to be put back after accelerate's FSDP2 preparation (:meth:`create_scheduler`).
+        That preparation re-points an optimizer's parameters by the address of their local shards, and every
+        empty shard (a tensor with fewer rows than processes, e.g. an MoE layer's ``shared_expert_gate``) has
+        address 0: such parameters collapse into one, whose AdamW step count then advances once per collapsed
+        parameter and is saved in the checkpoint, so a resumed run differs from the uninterrupted one."""
+        optimizer = super().create_optimizer(model)
+        target = model if model is not None else self.model
+        sharded = isinstance(target, torch.nn.Module) and is_sharded(target)
+        self._presharded_groups = [list(g["params"]) for g in optimizer.param_groups] if sharded else None
+        return optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's schedule, created once the optimizer is prepared: first the parameters of a pre-sharded
+        student's optimizer groups are put back as they were (:meth:`create_optimizer`), when the prepared
+        model still holds them all (accelerate leaves a model it finds sharded as it is)."""
+        groups = getattr(self, "_presharded_groups", None)
+        if groups is not None and self.optimizer is not None and self.model is not None:
+            held = {id(p) for p in self.model.parameters()}
+            if all(id(p) in held for params in groups for p in params):
+                for group, params in zip(self.optimizer.param_groups, groups, strict=True):
+                    group["params"] = params
+            self._presharded_groups = None
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Strict: a tensor missing from the checkpoint, or one the model lacks, is an error (transformers only
