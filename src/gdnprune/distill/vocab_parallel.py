@@ -32,6 +32,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["VocabShard", "vocab_shard", "local_rows", "embedding", "vocab_parallel_terms"]
 
+# torch 2.13 renamed these two collectives (the old names warn); pyproject allows torch >= 2.4
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -92,14 +96,14 @@ def _gather(x: torch.Tensor, rows: int, group: Any, fill: float = 0) -> torch.Te
     padded = x.new_full((rows, *x.shape[1:]), fill)
     padded[: x.shape[0]] = x
     out = x.new_empty((dist.get_world_size(group) * rows, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    _all_gather(out, padded.contiguous(), group=group)
     return out
 
 
 def _scatter_sum(x: torch.Tensor, n: int, group: Any) -> torch.Tensor:
     """The sum over processes of ``x`` ``[world * rows, ...]``, each process keeping its ``n`` of its rows."""
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter(out, x.contiguous(), group=group)
     return out[:n]
 
 
@@ -107,7 +111,7 @@ def _sizes(values: list[int], device: torch.device, group: Any) -> torch.Tensor:
     """``values`` of every process: ``[world, len(values)]`` int64."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     out = mine.new_empty((dist.get_world_size(group), len(values)))
-    dist.all_gather_into_tensor(out.view(-1), mine, group=group)
+    _all_gather(out.view(-1), mine, group=group)
     return out
 
 
@@ -175,7 +179,7 @@ def _gather_positions(hidden, teacher_hidden, labels, valid, group) -> _Gathered
 def _logsumexp_over(local: torch.Tensor, group: Any) -> torch.Tensor:
     """The log-sum-exp over all processes of each process's ``local`` log-sum-exps ``[k, n]``."""
     every = local.new_empty((dist.get_world_size(group), *local.shape))
-    dist.all_gather_into_tensor(every.view(-1), local.contiguous().view(-1), group=group)
+    _all_gather(every.view(-1), local.contiguous().view(-1), group=group)
     return every.logsumexp(0)
 
 
