@@ -200,8 +200,10 @@ def estimate_memory(
     # states gathered, student and teacher, and the gradient of all of them before it is scattered back)
     rows = math.ceil(vocab / processes) if vocab_parallel else vocab
     positions = tokens * (processes if vocab_parallel else 1)
-    chunk = min(_CHUNK_LOGITS, max(1, positions) * rows)
-    states = (4 if vocab_parallel else 2) * positions * text.hidden_size * 4
+    chunk = min(max(1, _CHUNK_LOGITS // vocab), max(1, positions)) * rows  # positions per chunk x rows
+    states = 2 * tokens * text.hidden_size * 4
+    if vocab_parallel:  # all positions' hidden states (student, teacher) and float32 hidden gradient
+        states = positions * text.hidden_size * (compute + t_size + 4) + tokens * text.hidden_size * 4
     loss = _CHUNK_BUFFERS * chunk * 4 + rows * hidden * 4 + states
     offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
     # under FSDP2 each process reads only its shards from the files (distill_checkpoint's sharded loading;

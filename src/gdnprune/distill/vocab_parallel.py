@@ -225,7 +225,9 @@ def vocab_parallel_terms(
         kd_w, lm_w = weights
         a = kd_w / g.counts * g.valid if kd_w and teacher_hidden is not None else None
         b = lm_w / g.counts * g.valid if lm_w else None
-    step = positions_per_chunk or max(1, (1 << 25) // shard.chunk)
+    # as many positions per chunk as the whole-head loss takes (2**25 logits of the whole vocabulary): each
+    # chunk reads the local rows once, so the head is read as often per logit, and a chunk is 1/world its size
+    step = positions_per_chunk or max(1, (1 << 25) // shard.vocab)
     for begin in range(0, total, step):
         rows = slice(begin, min(total, begin + step))
         h, y, ok = g.hidden[rows].to(weight.dtype), g.labels[rows] - shard.start, g.valid[rows]
@@ -247,16 +249,8 @@ def vocab_parallel_terms(
                 continue
             scales = (None if a is None else a[rows], None if b is None else b[rows])
             g_z = _logit_gradient(parts, z, lse[1, rows], temperature, *scales, mine, y)
-            if g_z is None:
-                continue
-            g_hidden, g_weight, g_bias = grads
-            g_hidden[rows] = (g_z.to(weight.dtype) @ weight).float()
-            if h.dtype == torch.float32:
-                g_weight.addmm_(g_z.t(), h)
-            else:
-                g_weight += (g_z.t().to(h.dtype) @ h).float()
-            if g_bias is not None:
-                g_bias += g_z.sum(0)
+            if g_z is not None:
+                _add_gradients(grads, rows, g_z, h, weight)
     sums = torch.stack([kd, lm_target, t_target])
     dist.all_reduce(sums, group=group)
     own = slice(shard.rank * g.rows, shard.rank * g.rows + n)
@@ -269,6 +263,18 @@ def vocab_parallel_terms(
     g_hidden, g_weight, g_bias = grads
     g_hidden = _scatter_sum(g_hidden, n, group).to(hidden.dtype)
     return *out, (g_hidden, g_weight.div_(shard.world), None if g_bias is None else g_bias.div_(shard.world))
+
+
+def _add_gradients(grads, rows: slice, g_z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:
+    """One chunk's logit gradient ``g_z`` added into ``grads = (hidden, weight rows, bias rows)``."""
+    g_hidden, g_weight, g_bias = grads
+    g_hidden[rows] = (g_z.to(weight.dtype) @ weight).float()
+    if h.dtype == torch.float32:  # accumulated in place: no second rows x hidden buffer
+        g_weight.addmm_(g_z.t(), h)
+    else:
+        g_weight += (g_z.t().to(h.dtype) @ h).float()
+    if g_bias is not None:
+        g_bias += g_z.sum(0)
 
 
 def _chunk(z, z_t, temperature, teacher_lm, lse, kd, group):
