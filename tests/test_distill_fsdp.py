@@ -9,22 +9,33 @@ import textwrap
 
 import pytest
 import torch
-from test_distill import HALF, pair, windows
+from test_distill import HALF, SHAPE, pair, sliced, windows
+from tiny_models import build_model, make_config
 
 from gdnprune import load_pretrained
 from gdnprune.distill import distill
 from gdnprune.loading import slice_model
 
-CASES = {  # name -> (heterogeneous student, lm_weight)
-    "uniform_kd": (False, 0.0),
-    "uniform_mix": (False, 0.4),
-    "heterogeneous_kd": (True, 0.0),
-    "heterogeneous_mix": (True, 0.4),
+CASES = {  # name -> (heterogeneous student, lm_weight, tied embeddings)
+    "uniform_kd": (False, 0.0, False),
+    "uniform_mix": (False, 0.4, False),
+    "heterogeneous_kd": (True, 0.0, False),
+    "heterogeneous_mix": (True, 0.4, False),
+    "tied_mix": (False, 0.4, True),
 }
 
 
-def make_pair(heterogeneous):
-    """A teacher and its student: the nested half of every GDN layer, or different cuts per layer."""
+def make_pair(heterogeneous, tied=False):
+    """A teacher and its student: the nested half of every GDN layer, or different cuts per layer; with
+    ``tied``, embeddings tied to ``lm_head`` (one tensor, sharded by vocabulary and read by both the lookup
+    and the loss)."""
+    if tied:
+        config = make_config("qwen3_5", SHAPE)
+        config.tie_word_embeddings = True
+        teacher = build_model("qwen3_5", SHAPE, config=config)
+        student = sliced(teacher)
+        assert student.lm_head.weight is student.model.embed_tokens.weight
+        return teacher, student
     teacher, student = pair()
     if heterogeneous:
         student = slice_model(
@@ -38,8 +49,8 @@ def make_pair(heterogeneous):
 
 
 def run_case(name, out, **options):
-    heterogeneous, lm_weight = CASES[name]
-    teacher, student = make_pair(heterogeneous)
+    heterogeneous, lm_weight, tied = CASES[name]
+    teacher, student = make_pair(heterogeneous, tied)
     result = distill(
         student,
         teacher,
@@ -75,7 +86,7 @@ _WORKER = textwrap.dedent("""
     for name in CASES:
         teacher, student, result = run_case(name, os.path.join(root, name), fsdp=True)
         trainer = result["trainer"]
-        fresh_teacher, fresh_student = make_pair(CASES[name][0])
+        fresh_teacher, fresh_student = make_pair(CASES[name][0], CASES[name][2])
         estimate = estimate_memory(fresh_student, fresh_teacher, processes=2, fsdp=True, teacher_sharded=True)
         report[name] = {{
             "losses": [h["loss"] for h in result["history"] if "loss" in h], "eval": result["eval"],
@@ -114,7 +125,7 @@ def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sha
     script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
     _torchrun(script, tmp_path / "two")
     ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in (0, 1)]
-    for name, (heterogeneous, _) in CASES.items():
+    for name, (heterogeneous, _, tied) in CASES.items():
         teacher, student, one = run_case(name, tmp_path / "one" / name)
         two = ranks[0][name]
         assert (two["config"]["processes"], two["config"]["fsdp"], two["config"]["teacher_sharding"]) == (
@@ -124,19 +135,28 @@ def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sha
         ), name
         losses = [h["loss"] for h in one["history"] if "loss" in h]
         assert len(losses) == 3 and losses[-1] < losses[0], name
-        assert two["losses"] == pytest.approx(losses, rel=1e-4), name
+        # the head and embedding are sharded by vocabulary: the loss combines softmax statistics over the
+        # processes, which rounds differently from one log-softmax (the first loss, before any update, within
+        # 2e-6 here); AdamW's first steps (about +-lr per element whatever the gradient's size) amplify that:
+        # KD-only runs, whose KD is small, drift to 1e-4 by the third step (2.3e-4 in evaluation)
+        assert two["losses"][0] == pytest.approx(losses[0], rel=1e-5), name
+        assert two["losses"] == pytest.approx(losses, rel=1e-3), name
         if name == "uniform_mix":
-            assert ranks[0]["checkpointed"] == pytest.approx(losses, rel=1e-4)
-        assert two["eval"]["loss"] == pytest.approx(one["eval"]["loss"], rel=1e-4), name
-        assert two["eval"]["lm_loss"] == pytest.approx(one["eval"]["lm_loss"], rel=1e-4), name
+            assert ranks[0]["checkpointed"] == pytest.approx(losses, rel=1e-3)
+        assert two["eval"]["loss"] == pytest.approx(one["eval"]["loss"], rel=1e-3), name
+        assert two["eval"]["lm_loss"] == pytest.approx(one["eval"]["lm_loss"], rel=1e-3), name
 
         # the output folder: the trained parameters, gathered; loadable as a normal checkpoint
         out = tmp_path / "two" / name
         loaded = load_pretrained(out, dtype=torch.float32)
         got, want = loaded.state_dict(), student.state_dict()
+        start = make_pair(heterogeneous, tied)[1].state_dict()
         assert set(got) == set(want), name
         for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+            # each tensor's update within 5% of the one-process update (the rounding above: at most 1.4%, the
+            # embedding of uniform_kd; a wrong gradient or gather is off by about the update's size)
+            moved, error = (value - start[key]).norm(), (got[key] - value).norm()
+            assert error <= 5e-2 * moved + 1e-6, (name, key, float(error), float(moved))
         if not heterogeneous:
             plain = type(student).from_pretrained(out)
             assert plain.config.linear_num_value_heads == HALF.num_value_heads

@@ -11,7 +11,8 @@ This package owns
 * :class:`DistillationTrainer`, a transformers ``Trainer`` whose ``compute_loss`` is that loss against
   a frozen teacher, computed inside the forward passes of the teacher, the student and the student's
   ``lm_head`` (:func:`forward_redirect`), so that FSDP2 gathers each sharded weight the loss reads and
-  frees it after; only the final hidden states are kept (:func:`final_hidden`). The training loop,
+  frees it after, except the embedding and ``lm_head``, read as each process's rows of the vocabulary
+  (:mod:`.vocab_parallel`); only the final hidden states are kept (:func:`final_hidden`). The training loop,
   optimizer, schedule, checkpoints, resume (same data order, optimizer and RNG state), DDP and FSDP2 of
   the student under ``torchrun`` / ``accelerate launch`` are the Trainer's and accelerate's; the teacher
   is replicated, spread by a ``device_map``, or sharded for forward passes (:mod:`.fsdp`);
@@ -24,7 +25,8 @@ This package owns
 * :func:`estimate_memory` / :func:`estimate_checkpoint_memory`: the peak memory per process of a run, from
   meta-device models.
 
-Rooms: :mod:`.loss` (the loss), :mod:`.fsdp` (what can be sharded, the sharded teacher), :mod:`.memory`
+Rooms: :mod:`.vocab_parallel` (the embedding lookup and the loss terms on this process's rows of a
+vocabulary sharded by FSDP2, never gathered), :mod:`.loss` (the loss), :mod:`.fsdp` (what can be sharded, the sharded teacher), :mod:`.memory`
 (the estimate), :mod:`.output` (the output folder's weights, written and read back), :mod:`.options`
 (:class:`DistillConfig` and its checks), :mod:`.records` (the output folder's checks, log, plot and
 record), :mod:`.trainer` (the Trainer subclass, the redirects, stop signals), :mod:`.api` (the functions). The package

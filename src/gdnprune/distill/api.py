@@ -41,7 +41,14 @@ from ..corpus import check_data, data_spec
 from ..corpus.dataset import WindowDataset, first_windows, open_windows
 from ..fileio import write_json_atomic
 from ..loading import load_pretrained
-from .fsdp import check_shardable, has_checkpointed_layers, is_sharded, load_sharded_models, shard_teacher
+from .fsdp import (
+    check_shardable,
+    has_checkpointed_layers,
+    is_sharded,
+    load_sharded_models,
+    shard_student,
+    shard_teacher,
+)
 from .memory import meta_model
 from .options import DistillConfig, check_options, check_run, check_same_vocabulary, fsdp_asked
 from .output import read_tensors, save_model_folder
@@ -132,6 +139,8 @@ def distill(
         checkpoint = check_output_folder(out, config.resume, config.overwrite, record) if saving else None
         if config.overwrite and saving and checkpoint is None and out.exists() and _rank() == 0:
             shutil.rmtree(out)
+        if fsdp_asked(config.fsdp) and not is_sharded(student) and not _upcast_by_accelerate(student, config):
+            _shard_whole_student(student, config)
         args = _training_arguments(config, out, steps, micro, saving, eval_windows is not None, checkpoint,
                                    checkpoint_wrapped=has_checkpointed_layers(student))  # fmt: skip
         if record["teacher_sharding"] == "shard" and not is_sharded(teacher):
@@ -163,6 +172,27 @@ def distill(
     finally:
         if temporary is not None:
             temporary.cleanup()
+
+
+def _upcast_by_accelerate(student: torch.nn.Module, config: DistillConfig) -> bool:
+    """Whether accelerate's FSDP2 preparation must shard ``student``: a low-precision one under mixed
+    precision, which it upcasts to float32 first."""
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for p in student.parameters())
+    return low and config.mixed_precision != "no"
+
+
+def _shard_whole_student(student: torch.nn.Module, config: DistillConfig) -> None:
+    """``student`` sharded in place as sharded loading shards it (:func:`shard_student`: the vocabulary in
+    units the loss never gathers), rather than by accelerate's preparation."""
+    from accelerate import PartialState  # lazy: only under FSDP2
+
+    PartialState()  # the process group the shards live on
+    shard_student(
+        student,
+        mixed_precision=config.mixed_precision,
+        cpu_offload=config.cpu_offload,
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
 
 
 @dataclass(frozen=True)

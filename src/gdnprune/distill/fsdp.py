@@ -34,6 +34,7 @@ __all__ = [
     "check_shardable",
     "shard_teacher",
     "shard_student",
+    "vocab_sharded",
     "load_sharded_models",
     "is_sharded",
     "has_checkpointed_layers",
@@ -81,9 +82,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def shard_teacher(teacher: PreTrainedModel, *, device: torch.device | str | None = None) -> PreTrainedModel:
     """Shard the frozen ``teacher`` in place over the default process group, for forward passes only.
 
-    Units: every decoder layer, the input embedding (when not tied to ``lm_head``) and the root (final
-    norm, ``lm_head``, the rest), each resharded after its forward. ``device``: where the shards live
-    (default: the current accelerator, else the CPU). Returns ``teacher``.
+    Units: every decoder layer, the embedding and ``lm_head`` (one unit when tied, never gathered by the
+    loss: :func:`vocab_sharded`) and the root (final norm, the rest), each resharded after its forward.
+    ``device``: where the shards live (default: the current accelerator, else the CPU). Returns ``teacher``.
     """
 
     check_shardable(teacher, "teacher")
@@ -93,9 +94,7 @@ def shard_teacher(teacher: PreTrainedModel, *, device: torch.device | str | None
     classes = tuple(layer_classes(teacher))
     for module in [m for m in teacher.modules() if isinstance(m, classes)]:
         fully_shard(module, mesh=mesh, reshard_after_forward=True)
-    embed, head = teacher.get_input_embeddings(), teacher.get_output_embeddings()
-    if embed is not None and (head is None or head.weight is not embed.weight):
-        fully_shard(embed, mesh=mesh, reshard_after_forward=True)
+    _shard_vocabulary(teacher, mesh=mesh)
     fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
     return teacher
 
@@ -108,9 +107,11 @@ def shard_student(
     gradient_checkpointing: bool = False,
 ) -> PreTrainedModel:
     """Shard ``student`` in place over the default process group as accelerate 1.15's FSDP2 preparation
-    shards it (``fsdp2_prepare_model``), so the Trainer takes it as prepared: every decoder layer and the
-    input embedding (when not tied) resharded after forward, the final norm with ``lm_head`` (and a tied
-    embedding) in one unit kept gathered, the rest in the root; parameters in bf16/fp16 for the compute
+    shards it (``fsdp2_prepare_model``), so the Trainer takes it as prepared, except for the vocabulary:
+    every decoder layer resharded after forward; the embedding and ``lm_head`` in units of their own (one
+    when tied) that the loss never gathers (:func:`vocab_sharded`); the final norm and the rest in the root
+    (with ``cpu_offload``, accelerate's units: the embedding (when not tied) resharded after forward, the
+    final norm with ``lm_head`` and a tied embedding in one unit kept gathered); parameters in bf16/fp16 for the compute
     under ``mixed_precision``, gradients reduced in float32; shards on the CPU with ``cpu_offload``; with
     ``gradient_checkpointing`` every decoder layer first wrapped for activation checkpointing, as
     accelerate's ``fsdp2_apply_ac`` wraps it before sharding (the Trainer is then not asked to wrap it
@@ -133,6 +134,10 @@ def shard_student(
     classes = tuple(layer_classes(student))
     for module in [m for m in student.modules() if isinstance(m, classes)]:
         fully_shard(module, reshard_after_forward=True, **kwargs)
+    if not cpu_offload:  # the loss reads the local rows where the compute is; offloaded ones are on the CPU
+        _shard_vocabulary(student, **kwargs)
+        fully_shard(student, **kwargs)
+        return student
     embed, head = student.get_input_embeddings(), student.get_output_embeddings()
     tied = embed is not None and head is not None and head.weight is embed.weight
     if embed is not None and not tied:
@@ -142,6 +147,32 @@ def shard_student(
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(student, **kwargs)
     return student
+
+
+_VOCAB_SHARDED = "_gdnprune_vocab_sharded"  # the instance attribute :func:`_shard_vocabulary` sets
+
+
+def _shard_vocabulary(model: torch.nn.Module, **kwargs: Any) -> None:
+    """The input embedding and ``lm_head`` of ``model`` sharded in units of their own (one when tied), so that
+    nothing but a plain forward of those modules gathers them: the loss reads this process's rows of the
+    vocabulary (:mod:`.vocab_parallel`), and says so by :func:`vocab_sharded`. Models without both keep
+    the embedding in the root."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None:
+        return
+    if head.weight is embed.weight:
+        fully_shard([embed, head], reshard_after_forward=True, **kwargs)
+    else:
+        fully_shard(embed, reshard_after_forward=True, **kwargs)
+        fully_shard(head, reshard_after_forward=True, **kwargs)
+    setattr(model, _VOCAB_SHARDED, True)
+
+
+def vocab_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s embedding and ``lm_head`` are sharded by vocabulary in units the loss never gathers
+    (:func:`shard_student` without CPU offload, :func:`shard_teacher`): the embedding is looked up and the
+    loss computed on each process's rows (:mod:`.vocab_parallel`)."""
+    return bool(getattr(model, _VOCAB_SHARDED, False))
 
 
 def _checkpoint_layers(model: torch.nn.Module) -> None:

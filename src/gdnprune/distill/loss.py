@@ -13,6 +13,9 @@ from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .vocab_parallel import VocabShard, local_rows, vocab_parallel_terms, vocab_shard
 
 __all__ = [
     "kd_loss",
@@ -21,6 +24,7 @@ __all__ = [
     "IGNORE_INDEX",
     "lm_head_weights",
     "position_terms",
+    "head_terms",
 ]
 
 IGNORE_INDEX = -100
@@ -169,17 +173,23 @@ class _ChunkedDistillation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher_hidden, labels, teacher_head, options):
-        temperature, kd_weight, lm_weight, chunk_size, count = options
-        kd, lm, _, grads = position_terms(
-            hidden,
-            (weight, bias),
-            teacher_hidden,
-            teacher_head,
-            labels,
-            temperature,
-            chunk_size,
-            grad_scale=(kd_weight / count, lm_weight / count),
-        )
+        temperature, kd_weight, lm_weight, chunk_size, count, shard = options
+        if shard is not None:  # the head's rows of this process: the vocabulary-parallel terms
+            kd, lm, _, grads = vocab_parallel_terms(
+                hidden, (weight, bias), teacher_hidden, teacher_head, labels.clamp(min=0),
+                labels != IGNORE_INDEX, temperature, chunk_size, shard, weights=(kd_weight, lm_weight),
+            )  # fmt: skip
+        else:
+            kd, lm, _, grads = position_terms(
+                hidden,
+                (weight, bias),
+                teacher_hidden,
+                teacher_head,
+                labels,
+                temperature,
+                chunk_size,
+                grad_scale=(kd_weight / count, lm_weight / count),
+            )
         ctx.grads = grads  # intermediate buffers of the loss, not inputs or outputs: kept on ctx, used once
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         kd_mean, lm_mean = kd.sum() / count, lm.sum() / count
@@ -240,13 +250,56 @@ def distillation_loss(
         )
     count = max(1, int((labels != IGNORE_INDEX).sum()))
     weight, bias = lm_head_weights(student_head)
+    shard = vocab_shard(weight)
+    weight, bias, t_head = _rows(weight, bias, t_head, shard)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        options = (temperature, kd_weight, lm_weight, chunk_size, count)
+        options = (temperature, kd_weight, lm_weight, chunk_size, count, shard)
         loss, kd, lm = _ChunkedDistillation.apply(hidden, weight, bias, t_hidden, labels, t_head, options)
     else:
-        kd, lm, _, _ = position_terms(
-            hidden, (weight, bias), t_hidden, t_head, labels, temperature, chunk_size
+        kd, lm, _, _ = _terms(
+            hidden, (weight, bias), t_hidden, t_head, labels, temperature, chunk_size, shard
         )
         kd, lm = kd.sum() / count, lm.sum() / count
         loss = kd_weight * kd + lm_weight * lm
     return DistillationLoss(loss, kd if t_hidden is not None else torch.full_like(kd, math.nan), lm)
+
+
+def _rows(weight, bias, teacher_head, shard: VocabShard | None):
+    """The student head ``(weight, bias)`` and the teacher's as the loss reads them: ``shard``'s rows of both
+    when the student head is sharded by vocabulary, else whole (a sharded teacher head gathered)."""
+    if shard is not None:
+        t_head = None if teacher_head is None else tuple(local_rows(t, shard) for t in teacher_head)
+        return local_rows(weight, shard), local_rows(bias, shard), t_head
+    if teacher_head is not None and isinstance(teacher_head[0], DTensor):  # a student gathered, a teacher not
+        teacher_head = tuple(None if t is None else t.full_tensor() for t in teacher_head)
+    return weight, bias, teacher_head
+
+
+def _terms(hidden, head, t_hidden, t_head, labels, temperature, chunk_size, shard, *, teacher_lm=False):
+    if shard is None:
+        return position_terms(
+            hidden, head, t_hidden, t_head, labels, temperature, chunk_size, teacher_lm=teacher_lm
+        )
+    valid = labels != IGNORE_INDEX
+    return vocab_parallel_terms(hidden, head, t_hidden, t_head, labels.clamp(min=0), valid, temperature,
+                                chunk_size, shard, teacher_lm=teacher_lm)  # fmt: skip
+
+
+def head_terms(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.nn.Module,
+    labels: torch.Tensor,
+    temperature: float,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`position_terms` (KD, LM and teacher LM per position, no gradients) from the ``lm_head`` modules:
+    on the rows this process holds when the student head is sharded by vocabulary (a collective then),
+    else on the whole heads."""
+    weight, bias = lm_head_weights(head)
+    shard = vocab_shard(weight)
+    weight, bias, t_head = _rows(weight, bias, lm_head_weights(teacher_head), shard)
+    kd, lm, t_lm, _ = _terms(hidden, (weight, bias), teacher_hidden, t_head, labels, temperature, chunk_size,
+                             shard, teacher_lm=True)  # fmt: skip
+    return kd, lm, t_lm

@@ -4,10 +4,11 @@ Exact for what is counted in whole tensors: the student's parameters, their grad
 (two moments in the parameters' dtype plus a 4-byte step per tensor), and the teacher's parameters,
 each as the first process holds them (FSDP2 splits every tensor along its first dimension in ``world``
 chunks of ``ceil(rows / world)``; the first process holds the largest). Approximate for what depends on
-kernels: the units FSDP2 gathers whole for a forward, DDP's gradient buckets (a second copy of the
+kernels: the units FSDP2 gathers whole for a forward (not the embedding and head, which it shards by
+vocabulary and never gathers, except with CPU offload), DDP's gradient buckets (a second copy of the
 gradients), the activations kept for the backward (a per-token rule of thumb per decoder layer; the
 reference PyTorch GDN kernels of a CPU keep more), and the loss buffers (one chunk of logits and the
-float32 head gradient).
+float32 head gradient: under FSDP2 of this process's rows of the vocabulary, for all processes' positions).
 """
 
 from __future__ import annotations
@@ -104,13 +105,19 @@ def _parameters(model: torch.nn.Module) -> list[torch.Size]:
     return [p.shape for p in model.parameters()]  # tied weights once
 
 
-def _units(model: torch.nn.Module) -> list[int]:
-    """Elements of each FSDP2 unit: every decoder layer, and what is left at the top (embedding, head, norm)."""
+def _units(model: torch.nn.Module, *, vocab_apart: bool = False) -> list[int]:
+    """Elements of each FSDP2 unit that is gathered whole: every decoder layer, and what is left at the top
+    (embedding, head, norm; without the embedding and head when ``vocab_apart``: sharded by vocabulary in
+    units of their own that are never gathered)."""
     classes = tuple(layer_classes(model))
     layers = [m for m in model.modules() if classes and isinstance(m, classes)]
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     total = sum(p.numel() for p in model.parameters())
-    return sizes + [total - sum(sizes)]
+    vocab = 0
+    if vocab_apart:
+        modules = (model.get_input_embeddings(), model.get_output_embeddings())
+        vocab = sum({id(p): p.numel() for m in modules if m is not None for p in m.parameters()}.values())
+    return sizes + [total - sum(sizes) - vocab]
 
 
 def layer_configs(config) -> list:
@@ -173,21 +180,31 @@ def estimate_memory(
     t_world = processes if teacher_sharded else 1
     t_params = sum(_local_elements(s, t_world) for s in _parameters(teacher)) * t_size if kd else 0
     gathered = 0
+    # under FSDP2 the embedding and head are sharded by vocabulary and never gathered (the loss and the lookup
+    # read each process's rows), except with CPU offload (accelerate's units: kept whole with the norm)
+    vocab_parallel = fsdp and processes > 1 and not cpu_offload
     if fsdp and processes > 1:
-        units = _units(student)
-        # the top unit (embedding, final norm, head) stays whole from forward to backward, plus a layer unit
-        # and its gradient, prefetched one ahead: parameters in the compute dtype
+        units = _units(student, vocab_apart=vocab_parallel)
+        # the top unit (final norm; with CPU offload the embedding and head too) stays whole from forward to
+        # backward, plus a layer unit and its gradient, prefetched one ahead: parameters in the compute dtype
         gathered += (units[-1] + 2 * max(units[:-1] or [0])) * compute + max(units[:-1] or [0]) * size
     if teacher_sharded and processes > 1 and kd:
-        gathered += max(_units(teacher)) * t_size
+        gathered += max(_units(teacher, vocab_apart=True)) * t_size
     tokens = micro_batch_size * seq_len
     config = student.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     activations = tokens * _activations_per_token(config, compute, gradient_checkpointing)
     head = student.get_output_embeddings().weight
     vocab, hidden = head.shape
-    chunk = min(_CHUNK_LOGITS, max(1, tokens) * vocab)
-    loss = _CHUNK_BUFFERS * chunk * 4 + vocab * hidden * 4 + 2 * tokens * text.hidden_size * 4
+    # vocabulary-parallel: this process's rows of the head for the positions of all processes (their hidden
+    # states gathered, student and teacher, and the gradient of all of them before it is scattered back)
+    rows = math.ceil(vocab / processes) if vocab_parallel else vocab
+    positions = tokens * (processes if vocab_parallel else 1)
+    chunk = min(max(1, _CHUNK_LOGITS // vocab), max(1, positions)) * rows  # positions per chunk x rows
+    states = 2 * tokens * text.hidden_size * 4
+    if vocab_parallel:  # all positions' hidden states (student, teacher) and float32 hidden gradient
+        states = positions * text.hidden_size * (compute + t_size + 4) + tokens * text.hidden_size * 4
+    loss = _CHUNK_BUFFERS * chunk * 4 + rows * hidden * 4 + states
     offloaded = (2 * params + optimizer) if cpu_offload else 0  # FSDP2's offload: shards, gradients, AdamW
     # under FSDP2 each process reads only its shards from the files (distill_checkpoint's sharded loading;
     # a bf16/fp16 student under mixed precision into float32 master weights, as accelerate upcasts it);

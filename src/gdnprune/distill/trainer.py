@@ -6,7 +6,9 @@ FSDP2 (student parameters, gradients and optimizer state sharded by accelerate) 
 the Trainer's. This module adds the loss against a frozen teacher, computed where the weights are: the
 teacher's forward, the student's forward and the student's ``lm_head`` forward are each *redirected* to
 the next step of the loss (:func:`forward_redirect`), so FSDP2's hooks gather every sharded weight the
-loss reads (the heads included) and free it afterwards, and DDP sees one forward. Only the final hidden
+loss reads and free it afterwards, and DDP sees one forward; an embedding and ``lm_head`` sharded by
+vocabulary (:func:`gdnprune.distill.fsdp.vocab_sharded`) are never gathered: the lookup and the loss read
+each process's rows (:mod:`.vocab_parallel`). Only the final hidden
 states are kept (the base model's ``last_hidden_state``). It also adds the per-window evaluation terms,
 the throughput in the logs, and signal handlers (Ctrl-C, SIGTERM, SIGHUP) that make every process save
 and stop at the same step.
@@ -33,10 +35,11 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from ..fileio import umask, write_json_atomic
 from ..interrupts import SIGNALS
-from .fsdp import is_sharded, layer_classes
-from .loss import IGNORE_INDEX, distillation_loss, lm_head_weights, position_terms
+from .fsdp import is_sharded, layer_classes, vocab_sharded
+from .loss import IGNORE_INDEX, distillation_loss, head_terms
 from .output import check_checkpoint_keys, load_model_weights
 from .records import DATA_POSITION_NAME
+from .vocab_parallel import embedding
 
 __all__ = [
     "DistillationTrainer",
@@ -52,8 +55,12 @@ __all__ = [
 
 def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     """The input of ``lm_head`` for every position: the base model's ``last_hidden_state`` (after the final
-    norm), so no other layer's hidden states are kept and no logits are computed."""
+    norm), so no other layer's hidden states are kept and no logits are computed. The embedding of a model
+    sharded by vocabulary (:func:`vocab_sharded`) is looked up on each process's rows, not gathered."""
     base = getattr(model, model.base_model_prefix)
+    if vocab_sharded(model):
+        embeds = embedding(input_ids, model.get_input_embeddings().weight)
+        return base(inputs_embeds=embeds, use_cache=False).last_hidden_state
     return base(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
@@ -205,6 +212,8 @@ class DistillationTrainer(Trainer):
         def in_student(t_hidden):
             with self.accelerator.autocast():
                 hidden = final_hidden(student, ids)
+            if vocab_sharded(student):  # the loss reads the head's local rows: nothing to gather
+                return in_head(hidden, t_hidden)
             return forward_redirect(head, in_head, hidden, t_hidden)
 
         def in_teacher():
@@ -239,15 +248,14 @@ class DistillationTrainer(Trainer):
     def _evaluation_loss(self, hidden, t_hidden, head, t_head, labels) -> torch.Tensor:
         """The objective of one eval batch; its per-window KD, LM and teacher LM means are gathered on the side."""
         o = self.loss_options
-        kd, lm, t_lm, _ = position_terms(
+        kd, lm, t_lm = head_terms(
             hidden.flatten(0, 1),
-            lm_head_weights(head),
+            head,
             t_hidden.flatten(0, 1),
-            lm_head_weights(t_head),
+            t_head,
             labels.flatten(),
             o["temperature"],
             o["chunk_size"],
-            teacher_lm=True,
         )
         counts = (labels != IGNORE_INDEX).sum(1)
         sums = torch.stack([x.view(labels.shape).sum(1) for x in (kd, lm, t_lm)], 1)
