@@ -3,7 +3,8 @@ gathered weights equal a whole load tensor for tensor for a uniform student, a h
 with its layers wrapped for activation checkpointing), a teacher stored in several shards (in bfloat16,
 loaded in float32), an FP8 block-scaled teacher (dequantized as transformers dequantizes it), an MoE model
 stored one tensor per expert (the trained tiny Qwen3.5-MoE), a vision-language model (the trained tiny
-Qwen3.5-VL), a text model reading that folder's ``model.language_model.`` tensors, and a bf16 student under
+Qwen3.5-VL), a text model reading that folder's ``model.language_model.`` tensors, the trained tiny
+OLMo-hybrid, and a bf16 student under
 bf16 mixed precision (float32 master weights, as accelerate upcasts it); each process holds about half; a
 short distillation under FSDP2 that loads this way gives the loss curve of the whole-load path, with and
 without gradient checkpointing. Before any shard, a quantization other than FP8 blocks is refused and a
@@ -54,6 +55,7 @@ FOLDERS = {  # name: (folder, how it is sharded)
     # a bf16 student under bf16 mixed precision (distill's loader): float32 master weights, as accelerate
     # upcasts the whole-loaded student, from a float32 folder (so the rounding to bf16 shows)
     "bf16_mixed": ("uniform", "student_bf16_mixed"),
+    "olmo": ("olmo", "student"),  # the trained tiny OLMo-hybrid (stored in bf16, A_log kept in float32)
 }
 TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
 
@@ -112,6 +114,7 @@ def run(tmp_path_factory):
     make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
     shutil.copytree(os.path.join(TRAINED, "qwen3_5_moe"), root / "moe")
     shutil.copytree(os.path.join(TRAINED, "qwen3_5_vl"), root / "vl")
+    shutil.copytree(os.path.join(TRAINED, "olmo_hybrid"), root / "olmo")
     text = AutoConfig.from_pretrained(root / "vl").get_text_config()
     text.architectures = ["Qwen3_5ForCausalLM"]
     text.save_pretrained(root / "vl_text")

@@ -33,7 +33,7 @@ import transformers
 from accelerate.utils import get_max_memory
 from safetensors import safe_open
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightRenaming, apply_renamings
+from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming, apply_renamings
 
 from .distributed import launch_info
 from .gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
@@ -279,6 +279,9 @@ class StoredTensor:
 
     name: str | None = None
     experts: tuple[tuple[str, ...], ...] = ()
+    #: the names whose tensors, concatenated along dim 0, are the model's tensor (a transformers converter that
+    #: only concatenates, e.g. OLMo-hybrid's ``conv1d`` from ``q_conv1d``, ``k_conv1d`` and ``v_conv1d``)
+    parts: tuple[str, ...] = ()
 
 
 # the stacked expert tensors of transformers' MoE layers, and the per-expert tensors each concatenates
@@ -293,6 +296,31 @@ def _per_expert(name: str, experts: int, stored: Mapping[str, str]) -> StoredTen
     if not all(n in stored for names in parts for n in names):
         return None
     return StoredTensor(experts=tuple(tuple(stored[n] for n in names) for names in parts))
+
+
+def _concatenations(model: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """``(model name ending, stored name endings)`` of the transformers converters of ``model`` that only
+    concatenate plain-named stored tensors along dim 0 (``Concatenate(dim=0)``)."""
+    found = []
+    for t in get_model_conversion_mapping(model):
+        if not isinstance(t, WeightConverter) or len(t.target_patterns) != 1:
+            continue
+        ops = t.operations
+        plain = not any("*" in p for p in [*t.source_patterns, *t.target_patterns])
+        if plain and len(ops) == 1 and isinstance(ops[0], Concatenate) and ops[0].dim == 0:
+            found.append((t.target_patterns[0], tuple(t.source_patterns)))
+    return found
+
+
+def _concatenated(
+    name: str, concatenations: list[tuple[str, tuple[str, ...]]], stored: Mapping[str, str]
+) -> StoredTensor | None:
+    for target, sources in concatenations:
+        if name.endswith("." + target):
+            parts = [name.removesuffix(target) + source for source in sources]
+            if all(p in stored for p in parts):
+                return StoredTensor(parts=tuple(stored[p] for p in parts))
+    return None
 
 
 def _quant_method(config: Any) -> str | None:
@@ -325,7 +353,8 @@ def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, Stor
     """``{model tensor name: where it is stored}`` (:class:`StoredTensor`) for every tensor of ``model`` (built
     as :func:`empty_pretrained` builds it): under its own name or the name ``from_pretrained`` renames to it
     (a vision-language prefix; tied tensors under one of their names; FP8 block-scaled weights with their
-    scales), or, for an MoE layer's stacked experts, one tensor per expert.
+    scales), or, for an MoE layer's stacked experts, one tensor per expert, or in parts that transformers
+    concatenates along dim 0 (OLMo-hybrid's ``conv1d`` from ``q_conv1d``, ``k_conv1d``, ``v_conv1d``).
 
     Raises :class:`ShardedLoadingError` naming the first tensor stored in no such form, and ``ValueError``
     for a quantization other than FP8 blocks (only ``from_pretrained`` with its quantizer reads those).
@@ -337,6 +366,7 @@ def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, Stor
             f"found quant_method {method!r}; dequantize the checkpoint first"
         )
     stored = _model_names(model, _disk_index(path))
+    concatenations = _concatenations(model)
     state = _state(model)
     groups: dict[int, list[str]] = {}
     for name, value in state.items():
@@ -349,11 +379,12 @@ def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, Stor
             StoredTensor(stored[found])
             if found
             else _per_expert(group[0], value.shape[0] if value.dim() else 0, stored)
+            or _concatenated(group[0], concatenations, stored)
         )
         if where is None:
             raise ShardedLoadingError(
-                f"{path}: {group[0]} is stored in no form sharded loading reads (its own name, a "
-                f"vision-language prefix, FP8 blocks, one tensor per expert)"
+                f"{path}: {group[0]} is stored in no form sharded loading reads (its own name or one "
+                f"transformers renames to it, FP8 blocks, one tensor per expert, parts concatenated)"
             )
         names.update(dict.fromkeys(group, where))
     return names
@@ -390,8 +421,8 @@ def load_sharded(
     cast to ``dtype`` as ``from_pretrained`` casts. Non-persistent buffers (rotary frequencies) are
     recomputed as transformers initialises them. The folder must store every tensor under the model's
     own name, FP8 weights with their block scales (dequantized into ``dtype`` as ``from_pretrained``
-    dequantizes them where FP8 cannot run) or an MoE layer's experts one tensor per expert, under the
-    model's names or those ``from_pretrained`` renames to them (:func:`sharded_loading_names`), else
+    dequantizes them where FP8 cannot run), an MoE layer's experts one tensor per expert, or parts that
+    ``from_pretrained`` concatenates, under the model's names or those ``from_pretrained`` renames to them (:func:`sharded_loading_names`), else
     :class:`ShardedLoadingError`. ``upcast_from``: the floating-point weights as a model loaded in this
     dtype and then cast to ``dtype`` holds them (a bf16 student's float32 master weights under mixed
     precision, as accelerate upcasts it). Returns the model, in eval mode.
@@ -420,18 +451,34 @@ def load_sharded(
 
 
 class _Folder:
-    """The rows of a model tensor from a folder's files: as stored, dequantized from FP8 blocks, or stacked
-    from one tensor per expert."""
+    """The rows of a model tensor from a folder's files: as stored, dequantized from FP8 blocks, stacked
+    from one tensor per expert, or concatenated from parts."""
 
     def __init__(self, index: dict[str, str], readers: dict[str, _RowReader]) -> None:
         self._index, self._readers = index, readers
 
     def rows(self, stored: StoredTensor, first: int, count: int | None, dtype: torch.dtype) -> Any:
+        if stored.parts:
+            return self._concatenated_rows(stored.parts, first, count, dtype)
         if not stored.experts:
             return self._tensor(str(stored.name), first, count, dtype)
         chosen = stored.experts[first : None if count is None else first + count]
         parts = [torch.cat([self._tensor(n, 0, None, dtype) for n in names]) for names in chosen]
         return torch.stack(parts) if parts else torch.empty(0, dtype=dtype)
+
+    def _concatenated_rows(
+        self, parts: tuple[str, ...], first: int, count: int | None, dtype: torch.dtype
+    ) -> Any:
+        """Rows ``first .. first + count`` of the parts' tensors concatenated along dim 0 (all when None)."""
+        pieces, offset = [], 0
+        for name in parts:
+            rows = self._readers[self._index[name]].shape(name)[0]
+            low = max(first, offset)
+            high = offset + rows if count is None else min(first + count, offset + rows)
+            if high > low:
+                pieces.append(self._tensor(name, low - offset, high - low, dtype))
+            offset += rows
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
 
     def _tensor(self, name: str, first: int, count: int | None, dtype: torch.dtype) -> Any:
         reader = self._readers[self._index[name]]

@@ -48,6 +48,7 @@ from .fsdp import (
     load_sharded_models,
     shard_student,
     shard_teacher,
+    student_dtype,
 )
 from .memory import meta_model
 from .options import DistillConfig, check_options, check_run, check_same_vocabulary, fsdp_asked
@@ -526,7 +527,8 @@ def distill_checkpoint(
     ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
     on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
     (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
-    weights are dequantized as read, MoE experts stored one tensor per expert are stacked as read, a text
+    weights are dequantized as read, MoE experts stored one tensor per expert are stacked as read (and
+    OLMo-hybrid's ``q/k/v_conv1d`` concatenated, as transformers converts them), a text
     model reads a vision-language folder's prefixed tensors, a bf16/fp16 student under mixed precision gets
     float32 master weights (as accelerate upcasts it), and a student under gradient checkpointing has its
     layers wrapped before it is sharded. A quantization other than FP8 blocks is refused; a folder that
@@ -584,11 +586,13 @@ def distill_checkpoint(
         eval_windows = first_windows(
             eval_spec, tokenizer, seq_len=seq_len, num_windows=eval_samples, files=eval_files
         )
-    if fsdp_asked(config.fsdp):  # what FSDP2 cannot wrap is said before any weight is read
-        check_shardable(meta_model(student_dir), "student")
-        if sharding == "shard":
-            check_shardable(meta_model(teacher_dir), "teacher")
     teacher_dtype = dtype if teacher_dtype is None else teacher_dtype
+    if fsdp_asked(
+        config.fsdp
+    ):  # what FSDP2 cannot wrap is said before any weight is read (in the run's dtypes)
+        check_shardable(meta_model(student_dir, student_dtype(dtype, config.mixed_precision)), "student")
+        if sharding == "shard":
+            check_shardable(meta_model(teacher_dir, teacher_dtype), "teacher")
     if fsdp_asked(config.fsdp) and sharded_loading:
         from accelerate import PartialState  # lazy: only under FSDP2
 

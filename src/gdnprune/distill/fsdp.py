@@ -36,6 +36,7 @@ __all__ = [
     "shard_student",
     "vocab_sharded",
     "load_sharded_models",
+    "student_dtype",
     "is_sharded",
     "has_checkpointed_layers",
     "local_bytes",
@@ -230,14 +231,15 @@ def load_sharded_models(
 ) -> tuple[Any, Any]:
     """``(student, teacher)`` under FSDP2, each built on ``meta``, sharded and filled with this process's rows
     straight from its files (:func:`gdnprune.loading.load_sharded`: tensors under the model's names or a
-    vision-language prefix, FP8 blocks dequantized, MoE experts one tensor per expert stacked); None for
+    vision-language prefix, FP8 blocks dequantized, MoE experts one tensor per expert stacked, parts
+    concatenated as transformers concatenates them); None for
     the teacher when it is not to be sharded, and for a model whose folder stores another form (a warning
     line says which tensor; it loads whole on every process). A bf16/fp16 student under mixed precision
     gets float32 master weights, as accelerate upcasts it. A student under gradient checkpointing has its
     layers wrapped before sharding. A quantization other than FP8 blocks is refused (``ValueError``). The
     default process group must exist."""
     dtype, teacher_dtype = _torch_dtype(dtype), _torch_dtype(teacher_dtype)
-    low = dtype in (torch.bfloat16, torch.float16) and config.mixed_precision != "no"
+    master = student_dtype(dtype, config.mixed_precision)
     device = torch.device("cpu") if config.cpu_offload else _device()
     options = dict(
         mixed_precision=config.mixed_precision,
@@ -246,11 +248,11 @@ def load_sharded_models(
     )
     student = _sharded(
         student_dir,
-        torch.float32 if low else dtype,
+        master,
         lambda m: shard_student(m, **options),
         device,
         "student",
-        upcast_from=dtype if low else None,
+        upcast_from=dtype if master != dtype else None,
     )
     teacher = None
     if teacher_sharded:
@@ -258,8 +260,16 @@ def load_sharded_models(
     return student, teacher
 
 
+def student_dtype(dtype: Any, mixed_precision: str) -> torch.dtype:
+    """The dtype of a student's parameters under FSDP2 when it is loaded in ``dtype``: float32 master weights
+    for a bf16/fp16 student under mixed precision (as accelerate upcasts it before sharding), else ``dtype``."""
+    dtype = _torch_dtype(dtype)
+    low = dtype in (torch.bfloat16, torch.float16) and mixed_precision != "no"
+    return torch.float32 if low else dtype
+
+
 def _torch_dtype(dtype: Any) -> torch.dtype:
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
 
 
 def _sharded(

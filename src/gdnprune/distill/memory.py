@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -233,9 +234,10 @@ def estimate_memory(
     )
 
 
-def meta_model(path: str | Path) -> transformers.PreTrainedModel:
+def meta_model(path: str | Path, dtype: Any = None) -> transformers.PreTrainedModel:
     """The model of a Hugging Face folder built from its ``config.json`` on the meta device (no weights read;
-    per-layer GDN geometries as :func:`gdnprune.load_pretrained` builds them)."""
+    per-layer GDN geometries as :func:`gdnprune.load_pretrained` builds them), in ``dtype`` as
+    ``from_pretrained`` builds it (modules the model keeps in float32 stay so; default: the config's)."""
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)
@@ -243,8 +245,9 @@ def meta_model(path: str | Path) -> transformers.PreTrainedModel:
         cls = named if isinstance(named, type) else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
             raise TypeError(f"{cls} is not a transformers model class")
+        dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
         with torch.device("meta"), per_layer_gdn_modules(cls):
-            return cls._from_config(config)
+            return cls._from_config(config, **({} if dtype is None else {"dtype": dtype}))
     except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(
             f"{path}: transformers cannot build a model from its config.json: "
