@@ -256,6 +256,32 @@ class DistillationTrainer(Trainer):
         self._eval_parts = []
         return output
 
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer; for a student sharded before the Trainer (sharded loading), the parameters
+        of its groups are kept to be put back after accelerate's FSDP2 preparation (:meth:`create_scheduler`).
+        That preparation re-points an optimizer's parameters by the address of their local shards, and every
+        empty shard (a tensor with fewer rows than processes, e.g. an MoE layer's ``shared_expert_gate``) has
+        address 0: such parameters collapse into one, whose AdamW step count then advances once per collapsed
+        parameter and is saved in the checkpoint, so a resumed run differs from the uninterrupted one."""
+        optimizer = super().create_optimizer(model)
+        target = model if model is not None else self.model
+        sharded = isinstance(target, torch.nn.Module) and is_sharded(target)
+        self._presharded_groups = [list(g["params"]) for g in optimizer.param_groups] if sharded else None
+        return optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's schedule, created once the optimizer is prepared: first the parameters of a pre-sharded
+        student's optimizer groups are put back as they were (:meth:`create_optimizer`), when the prepared
+        model still holds them all (accelerate leaves a model it finds sharded as it is)."""
+        groups = getattr(self, "_presharded_groups", None)
+        if groups is not None and self.optimizer is not None and self.model is not None:
+            held = {id(p) for p in self.model.parameters()}
+            if all(id(p) in held for params in groups for p in params):
+                for group, params in zip(self.optimizer.param_groups, groups, strict=True):
+                    group["params"] = params
+            self._presharded_groups = None
+        return super().create_scheduler(num_training_steps, optimizer)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Strict: a tensor missing from the checkpoint, or one the model lacks, is an error (transformers only
         warns). A whole model reads the checkpoint's safetensors in either form (the model's own, or
