@@ -6,7 +6,9 @@ some ignored); it computes the loss of its positions with :func:`distillation_lo
 evaluation terms and a vocabulary-parallel embedding lookup. The reference is computed here, in one process,
 on the whole weights with plain torch (log-softmax, cross entropy, :func:`kd_loss`, autograd): the loss and
 hidden gradient of each process's positions, and the head gradient as the mean over processes of each
-process's loss gradient (what FSDP2 and DDP make of every other gradient).
+process's loss gradient (what FSDP2 and DDP make of every other gradient). The same launch shards tiny
+distillation models (untied and tied embeddings) as training shards them and runs one step's loss and
+backward: the gradients FSDP2 leaves on the shards equal one process's on the whole batch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdnprune.distill import kd_loss
+from gdnprune.distill import distillation_loss, kd_loss
 
 VOCAB, HIDDEN, T_HIDDEN, POSITIONS = 13, 8, 6, (7, 5)
 CASES = {  # name -> (temperature, kd_weight, lm_weight, bias, chunk_size, teacher sharded)
@@ -96,6 +98,18 @@ _WORKER = textwrap.dedent("""
             "local_grad_rows": student.weight.grad.to_local().shape[0],
             "terms": (kd, lm, t_lm),
         }}
+    # FSDP2: tiny models sharded as distillation shards them, one loss and backward on each process's windows
+    from test_distill import windows
+    from test_distill_fsdp import make_pair
+    from test_vocab_parallel_loss import step_loss
+    from gdnprune.distill.fsdp import shard_student, shard_teacher, vocab_sharded
+    for tied in (False, True):
+        teacher, student = make_pair(False, tied)
+        shard_student(student)
+        shard_teacher(teacher)
+        assert vocab_sharded(student) and vocab_sharded(teacher)
+        step_loss(student, teacher, windows(4)[2 * rank : 2 * rank + 2], via=student).backward()
+        report[f"fsdp_tied={{tied}}"] = {{n: p.grad.full_tensor() for n, p in student.named_parameters()}}
     x = inputs(rank, False)
     table = torch.nn.Parameter(distribute_tensor(x["weight"], mesh, [Shard(0)]))
     looked_up = embedding(x["ids"], table)
@@ -106,13 +120,40 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+def step_loss(student, teacher, ids, via=None):
+    """A training step's loss as the Trainer computes it: inside the teacher's forward, then the student's
+    (so FSDP2's hooks run around both), KD plus 0.4 LM."""
+    from gdnprune.distill.trainer import final_hidden, forward_redirect, next_token_labels
+
+    def in_student(t_hidden):
+        hidden = final_hidden(student, ids)
+        head, t_head = student.get_output_embeddings(), teacher.get_output_embeddings()
+        return distillation_loss(hidden, t_hidden, head, t_head, next_token_labels(ids), lm_weight=0.4).loss
+
+    def in_teacher():
+        t_hidden = final_hidden(teacher, ids)
+        with torch.enable_grad():
+            return forward_redirect(student, in_student, t_hidden, via=via)
+
+    with torch.no_grad():
+        return forward_redirect(teacher, in_teacher)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vocab_parallel")
     script = folder / "worker.py"
     script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+    ]
     done = subprocess.run([*cmd, str(folder)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -132,7 +173,10 @@ def reference(name: str, rank: int) -> dict[str, torch.Tensor]:
     loss = kd_w * kd + lm_w * lm
     loss.backward()
     per_kd = temperature**2 * F.kl_div(
-        F.log_softmax(z / temperature, -1), F.log_softmax(z_t / temperature, -1), log_target=True, reduction="none"
+        F.log_softmax(z / temperature, -1),
+        F.log_softmax(z_t / temperature, -1),
+        log_target=True,
+        reduction="none",
     ).sum(-1)
     terms = (
         per_kd * valid,
@@ -182,3 +226,22 @@ def test_vocab_parallel_embedding_equals_a_lookup_in_the_whole_table(ranks):
         grads.append(table.grad)
     for got in (r["embedding"] for r in ranks):
         torch.testing.assert_close(got["grad"], (grads[0] + grads[1]) / 2, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp2_gradients_of_a_step_equal_one_process(ranks, tied):
+    """The student sharded by :func:`shard_student` (embedding and head never gathered) and the teacher by
+    :func:`shard_teacher`: the gradients FSDP2 leaves on the shards, gathered, equal one process's on the
+    whole batch, every tensor (the head's and the embedding's rows included: added once, not reduced again
+    by FSDP2, and averaged over the processes like every other gradient)."""
+    from test_distill import windows
+    from test_distill_fsdp import make_pair
+
+    teacher, student = make_pair(False, tied)
+    step_loss(student, teacher, windows(4)).backward()
+    want = {n: p.grad for n, p in student.named_parameters()}
+    for got in (r[f"fsdp_tied={tied}"] for r in ranks):
+        assert set(got) == set(want)
+        for name, grad in want.items():
+            error = (got[name] - grad).abs().max()
+            assert error <= 1e-4 * grad.abs().max() + 1e-9, (name, float(error), float(grad.abs().max()))

@@ -182,7 +182,7 @@ def _upcast_by_accelerate(student: torch.nn.Module, config: DistillConfig) -> bo
     return low and config.mixed_precision != "no"
 
 
-def _shard_whole_student(student: torch.nn.Module, config: DistillConfig) -> None:
+def _shard_whole_student(student: PreTrainedModel, config: DistillConfig) -> None:
     """``student`` sharded in place as sharded loading shards it (:func:`shard_student`: the vocabulary in
     units the loss never gathers), rather than by accelerate's preparation."""
     from accelerate import PartialState  # lazy: only under FSDP2

@@ -153,7 +153,7 @@ def shard_student(
 _VOCAB_SHARDED = "_gdnprune_vocab_sharded"  # the instance attribute :func:`_shard_vocabulary` sets
 
 
-def _shard_vocabulary(model: torch.nn.Module, **kwargs: Any) -> None:
+def _shard_vocabulary(model: PreTrainedModel, **kwargs: Any) -> None:
     """The input embedding and ``lm_head`` of ``model`` sharded in units of their own (one when tied), so that
     nothing but a plain forward of those modules gathers them: the loss reads this process's rows of the
     vocabulary (:mod:`.vocab_parallel`), and says so by :func:`vocab_sharded`. Models without both keep

@@ -106,7 +106,7 @@ def _parameters(model: torch.nn.Module) -> list[torch.Size]:
     return [p.shape for p in model.parameters()]  # tied weights once
 
 
-def _units(model: torch.nn.Module, *, vocab_apart: bool = False) -> list[int]:
+def _units(model: transformers.PreTrainedModel, *, vocab_apart: bool = False) -> list[int]:
     """Elements of each FSDP2 unit that is gathered whole: every decoder layer, and what is left at the top
     (embedding, head, norm; without the embedding and head when ``vocab_apart``: sharded by vocabulary in
     units of their own that are never gathered)."""

@@ -59,7 +59,9 @@ def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tenso
     sharded by vocabulary (:func:`vocab_sharded`) is looked up on each process's rows, not gathered."""
     base = getattr(model, model.base_model_prefix)
     if vocab_sharded(model):
-        embeds = embedding(input_ids, model.get_input_embeddings().weight)
+        weight = model.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)  # an nn.Embedding's parameter (for the type checker)
+        embeds = embedding(input_ids, weight)
         return base(inputs_embeds=embeds, use_cache=False).last_hidden_state
     return base(input_ids=input_ids, use_cache=False).last_hidden_state
 

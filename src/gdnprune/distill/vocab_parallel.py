@@ -143,7 +143,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     a collective: every process of its group calls it (with its own ids, of any count). The gradient of the
     local rows is the processes' mean (see the module docstring)."""
     shard = vocab_shard(weight)
-    if shard is None:
+    if shard is None or not isinstance(weight, DTensor):
         raise ValueError("embedding: expected a weight sharded along its rows (a DTensor)")
     return _Embedding.apply(ids, weight.to_local(), shard)
 
@@ -215,7 +215,7 @@ def vocab_parallel_terms(
         torch.zeros(total, dtype=torch.float32, device=hidden.device) for _ in range(3)
     )
     lse = torch.zeros(4, total, dtype=torch.float32, device=hidden.device)  # student T, 1; teacher T, 1
-    grads = None
+    grads, a, b = None, None, None
     if weights is not None:
         grads = (
             torch.zeros(total, hidden.shape[1], dtype=torch.float32, device=hidden.device),
