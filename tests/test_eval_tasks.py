@@ -257,13 +257,16 @@ def test_the_weighted_loss_is_the_plain_mean_at_weight_1_and_a_weighted_mean_oth
     batch = torch.randint(0, 11, (2, 7))
     answers = torch.rand(2, 7) < 0.4
     plain = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), batch[:, 1:].reshape(-1))
-    assert script.weighted_loss(logits, batch, answers, 1.0).item() == pytest.approx(plain.item(), rel=1e-6)
-    total = weights = 0.0
+    assert script.weighted_loss(logits, batch, answers, 1.0)[0].item() == pytest.approx(plain.item(), rel=1e-6)
+    total = weights = answer_total = 0.0
+    answer_count = 0
     for r in range(2):
         for t in range(6):  # position t predicts token t + 1
             nll = -torch.log_softmax(logits[r, t], -1)[batch[r, t + 1]].item()
             w = 5.0 if answers[r, t + 1] else 1.0
             total, weights = total + w * nll, weights + w
-    assert script.weighted_loss(logits, batch, answers, 5.0).item() == pytest.approx(
-        total / weights, rel=1e-5
-    )
+            if answers[r, t + 1]:
+                answer_total, answer_count = answer_total + nll, answer_count + 1
+    loss, answer_loss = script.weighted_loss(logits, batch, answers, 5.0)
+    assert loss.item() == pytest.approx(total / weights, rel=1e-5)
+    assert answer_count > 0 and answer_loss == pytest.approx(answer_total / answer_count, rel=1e-5)
