@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.distill import distill  # noqa: E402
+from gdnprune.distill import DistillConfig, distill  # noqa: E402
 from gdnprune.evaluation import probes  # noqa: E402
 from gdnprune.evaluation.api import EvalOptions, evaluate_model, task_manager  # noqa: E402
 from gdnprune.evaluation.report import markdown_table, recall_curves  # noqa: E402
@@ -188,17 +188,15 @@ def main() -> int:
         for name in recover:
             student = copy.deepcopy(cut_models[name]).train()
             t0 = time.perf_counter()
-            distill(
-                student,
-                teacher,
-                data,
-                None,
+            config = DistillConfig(
+                output_dir=None,
                 steps=args.steps,
                 batch_size=args.distill_batch,
                 lr=1e-3,
                 seed=0,
                 progress=False,
             )
+            distill(student, teacher, data, config)
             seconds[name] = time.perf_counter() - t0
             rows.append(
                 evaluate_model(
