@@ -6,7 +6,7 @@ The model: ``tests/data/trained/recall``, a byte-level Qwen3.5 with four GatedDe
 attention layer (so every bit of recall lives in the GDN state), trained on the demo text plus the recall
 probes (``scripts/train_demo_model.py --recall-mix 0.75 --induction-init``; see
 ``tests/data/trained/README.md``). The cuts keep the importance order (one ``score_model`` pass on training
-text) and halve one axis in every layer:
+text, or with ``--calibration mix`` on text and training probes) and halve one axis in every layer:
 
 * key heads (``Hk``), value heads (lanes per group), key dim (``dk``), value dim (``dv``);
 * ``uniform``: every axis cut (key heads and both dims to 3/4; lanes cannot be cut by a quarter);
@@ -69,6 +69,13 @@ def parse_args() -> argparse.Namespace:
         "the median recall at the shortest length, passkey and MQAR averaged; default state,worst,middle)",
     )
     p.add_argument("--distill-batch", type=int, default=8, help="windows per distillation step (default 8)")
+    p.add_argument(
+        "--calibration",
+        choices=["text", "mix"],
+        default="text",
+        help="data of the importance scores and the state plan: 32 windows of training text (default), or "
+        "mix: 16 text windows and 16 training probes",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args()
@@ -154,7 +161,10 @@ def main() -> int:
     teacher = load_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = demo_data.build_byte_tokenizer()
     shape = GDNShape.from_module(find_gdn_modules(teacher)[0][1])
-    calibration = list(demo_data.byte_windows(demo_data.train_text(), 256, 32).split(8))
+    if args.calibration == "text":
+        calibration = list(demo_data.byte_windows(demo_data.train_text(), 256, 32).split(8))
+    else:  # 16 text windows and 16 training probes, interleaved (never an evaluation probe)
+        calibration = list(recall_mix(256, 16).split(8))
     scores = score_model(teacher, calibration, progress=False, seed=0, blocks=GDN_ONLY)
     permutations = {
         p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in find_gdn_modules(teacher)
@@ -206,7 +216,9 @@ def main() -> int:
             print(f"{name}: distilled in {seconds[name]:.0f} s", flush=True)
             print(markdown_table(rows), flush=True)  # the rows so far, should a later step be cut short
     full_state = states["unpruned"]
-    print(f"\nrecall model {args.model} ({shape}); {args.limit} documents per task")
+    print(
+        f"\nrecall model {args.model} ({shape}); {args.limit} documents per task; calibration {args.calibration}"
+    )
     print(markdown_table(rows))
     print(
         "state kept (GDN recurrent + conv state per sequence, share of the unpruned model's): "
