@@ -194,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--induction-init",
         action="store_true",
         help="start the first GatedDeltaNet layer as a copy circuit (see init_induction; random weights "
-        "elsewhere); from random weights a GDN model had not found one in 32,000 probes",
+        "elsewhere; ignored with --init); from random weights a GDN model had not found one in 32,000 probes",
     )
     r.add_argument(
         "--induction-hold",
