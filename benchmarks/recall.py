@@ -4,10 +4,9 @@ distillation.
 
 The model: ``tests/data/trained/recall``, a byte-level Qwen3.5 with four GatedDeltaNet layers and no
 attention layer (so every bit of recall lives in the GDN state), trained on the demo text plus the recall
-probes (``scripts/train_demo_model.py --recall-mix 0.5``). The model bundled today does NOT recall yet
-(exact match 0 unpruned; see ``tests/data/trained/README.md``): its recall columns say nothing until a
-longer-trained model replaces it, its nats/byte columns do. The cuts keep the importance order (one
-``score_model`` pass on training text) and halve one axis in every layer:
+probes (``scripts/train_demo_model.py --recall-mix 0.75 --induction-init``; see
+``tests/data/trained/README.md``). The cuts keep the importance order (one ``score_model`` pass on training
+text, or with ``--calibration mix`` on text and training probes) and halve one axis in every layer:
 
 * key heads (``Hk``), value heads (lanes per group), key dim (``dk``), value dim (``dv``);
 * ``uniform``: every axis cut (key heads and both dims to 3/4; lanes cannot be cut by a quarter);
@@ -20,7 +19,7 @@ and recall probes, the probes' training seed, never an evaluation probe) and eva
 
 Usage (the numbers in BENCHMARKS.md; one CPU thread)::
 
-    python benchmarks/recall.py --limit 48 --steps 300
+    python benchmarks/recall.py --lengths 256,512 --limit 32 --windows 16 --steps 300 --distill-batch 4
 """
 
 from __future__ import annotations
@@ -40,10 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.distill import distill  # noqa: E402
+from gdnprune.distill import DistillConfig, distill  # noqa: E402
 from gdnprune.evaluation import probes  # noqa: E402
 from gdnprune.evaluation.api import EvalOptions, evaluate_model, task_manager  # noqa: E402
-from gdnprune.evaluation.report import markdown_table  # noqa: E402
+from gdnprune.evaluation.report import markdown_table, recall_curves  # noqa: E402
 from gdnprune.evaluation.tasks import write_task_folder  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape  # noqa: E402
 from gdnprune.layouts import find_gdn_modules  # noqa: E402
@@ -63,8 +62,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=48, help="documents per task (default 48)")
     p.add_argument("--windows", type=int, default=32, help="validation windows of nats_per_byte (default 32)")
     p.add_argument("--steps", type=int, default=300, help="distillation steps (default 300)")
-    p.add_argument("--recover", default="state", help="variants to distil, comma-separated (default state)")
+    p.add_argument(
+        "--recover",
+        default="state,worst,middle",
+        help="variants to distil, comma-separated: names, or worst / middle (the axis cut with the lowest / "
+        "the median recall at the shortest length, passkey and MQAR averaged; default state,worst,middle)",
+    )
     p.add_argument("--distill-batch", type=int, default=8, help="windows per distillation step (default 8)")
+    p.add_argument(
+        "--calibration",
+        choices=["text", "mix"],
+        default="text",
+        help="data of the importance scores and the state plan: 32 windows of training text (default), or "
+        "mix: 16 text windows and 16 training probes",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args()
@@ -105,6 +116,25 @@ def variants(model, shape: GDNShape, scores: dict, calibration: list[torch.Tenso
     return out
 
 
+def resolve_recover(names: list[str], cut_rows: list, variant_names: list[str]) -> list[str]:
+    """``worst`` / ``middle`` -> the axis cut (not the state plan) with the lowest / the median recall at the
+    shortest probe length (passkey and MQAR averaged); other names unchanged, each kept once, in order."""
+    recall = {}
+    for name, row in zip(variant_names, cut_rows, strict=True):
+        curves = recall_curves(row)
+        recall[name] = sum(points[0][1] for points in curves.values()) / max(1, len(curves))
+    axes = sorted((n for n in variant_names if n != "state"), key=lambda n: (recall[n], n))
+    picked = {"worst": axes[0], "middle": axes[len(axes) // 2]}
+    out: list[str] = []
+    for name in names:
+        chosen = picked.get(name, name)
+        if chosen not in variant_names:
+            raise SystemExit(f"--recover: expected variant names or worst/middle, got {name!r}")
+        if chosen not in out:
+            out.append(chosen)
+    return out
+
+
 def recall_mix(seq_len: int, count: int) -> torch.Tensor:
     """The distillation data: text windows and training probes (passkey, MQAR), interleaved."""
     text = demo_data.byte_windows(demo_data.train_text(), seq_len)
@@ -131,7 +161,10 @@ def main() -> int:
     teacher = load_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = demo_data.build_byte_tokenizer()
     shape = GDNShape.from_module(find_gdn_modules(teacher)[0][1])
-    calibration = list(demo_data.byte_windows(demo_data.train_text(), 256, 32).split(8))
+    if args.calibration == "text":
+        calibration = list(demo_data.byte_windows(demo_data.train_text(), 256, 32).split(8))
+    else:  # 16 text windows and 16 training probes, interleaved (never an evaluation probe)
+        calibration = list(recall_mix(256, 16).split(8))
     scores = score_model(teacher, calibration, progress=False, seed=0, blocks=GDN_ONLY)
     permutations = {
         p: GDNPermutation.from_score_payload(scores["layers"][p], shape) for p, _ in find_gdn_modules(teacher)
@@ -157,22 +190,23 @@ def main() -> int:
             rows.append(evaluate_model(cut, tokenizer, options, manager, name=name))
             states[name] = state_of(cut)
             print(f"{name}: evaluated ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(markdown_table(rows), flush=True)
+        recover = resolve_recover(recover, rows[1:], list(plans))
+        print(f"distilling: {recover}", flush=True)
         data = recall_mix(256, 2000)
         seconds = {}
         for name in recover:
             student = copy.deepcopy(cut_models[name]).train()
             t0 = time.perf_counter()
-            distill(
-                student,
-                teacher,
-                data,
-                None,
+            config = DistillConfig(
+                output_dir=None,
                 steps=args.steps,
                 batch_size=args.distill_batch,
                 lr=1e-3,
                 seed=0,
                 progress=False,
             )
+            distill(student, teacher, data, config)
             seconds[name] = time.perf_counter() - t0
             rows.append(
                 evaluate_model(
@@ -180,8 +214,11 @@ def main() -> int:
                 )
             )
             print(f"{name}: distilled in {seconds[name]:.0f} s", flush=True)
+            print(markdown_table(rows), flush=True)  # the rows so far, should a later step be cut short
     full_state = states["unpruned"]
-    print(f"\nrecall model {args.model} ({shape}); {args.limit} documents per task")
+    print(
+        f"\nrecall model {args.model} ({shape}); {args.limit} documents per task; calibration {args.calibration}"
+    )
     print(markdown_table(rows))
     print(
         "state kept (GDN recurrent + conv state per sequence, share of the unpruned model's): "

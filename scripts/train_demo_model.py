@@ -182,6 +182,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stop at the first check where the exact match of both kinds reaches this (e.g. 0.9)",
     )
     r.add_argument(
+        "--gdn-decay-init",
+        choices=["transformers", "mamba"],
+        default="transformers",
+        help="initial decay of the GatedDeltaNet state: transformers' (A ~ U(0.01, 16), dt_bias 1: the decay "
+        "exp(-A * softplus(dt_bias)) makes most heads forget their state within a character) or mamba "
+        "(Mamba's and the DeltaNet papers': softplus(dt_bias) log-uniform in [0.001, 0.1], A ~ U(1, 16): "
+        "memories of 1 to 1000 characters; learning to copy through the state needs it). Ignored with --init",
+    )
+    r.add_argument(
+        "--induction-init",
+        action="store_true",
+        help="start the first GatedDeltaNet layer as a copy circuit (see init_induction; random weights "
+        "elsewhere; ignored with --init); from random weights a GDN model had not found one in 32,000 probes",
+    )
+    r.add_argument(
+        "--induction-hold",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --induction-init: keep the copy circuit (the first layer's conv, query/key/value and write "
+        "projections, decay, and the digits' embeddings but for weight decay) fixed for the first STEPS steps "
+        "while the rest learns to read it; the first steps' large updates otherwise erase it (default 0)",
+    )
+    r.add_argument(
         "--max-positions",
         type=int,
         default=None,
@@ -317,13 +341,111 @@ def mix_recall(
 
 def weighted_loss(
     logits: torch.Tensor, batch: torch.Tensor, answers: torch.Tensor, weight: float
-) -> torch.Tensor:
-    """Next-token cross entropy, the targets in ``answers`` weighted ``weight`` and the others 1."""
+) -> tuple[torch.Tensor, float]:
+    """Next-token cross entropy, the targets in ``answers`` weighted ``weight`` and the others 1; and the
+    mean loss of the answer targets alone (nan without any): ln 10 = 2.303 while digits are guessed."""
     losses = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="none"
     )
-    weights = 1.0 + (weight - 1.0) * answers[:, 1:].flatten().float()
-    return (losses * weights).sum() / weights.sum()
+    mask = answers[:, 1:].flatten()
+    weights = 1.0 + (weight - 1.0) * mask.float()
+    answer_loss = float(losses[mask].detach().mean()) if mask.any() else float("nan")
+    return (losses * weights).sum() / weights.sum(), answer_loss
+
+
+def init_gdn_decay(model: torch.nn.Module, generator: torch.Generator) -> int:
+    """Mamba's decay init on every GatedDeltaNet layer (modules with ``A_log`` and ``dt_bias``): the step
+    size dt = softplus(dt_bias) log-uniform in [0.001, 0.1] (dt_bias its inverse softplus) and A ~ U(1, 16),
+    so the per-character decay exp(-A dt) keeps a state for 1 to ~1000 characters. Returns the layers set."""
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if not (hasattr(module, "A_log") and hasattr(module, "dt_bias")):
+                continue
+            heads = module.dt_bias.numel()
+            u = torch.rand(heads, generator=generator)
+            dt = torch.exp(u * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+            module.A_log.copy_(torch.empty(heads).uniform_(1.0, 16.0, generator=generator).log())
+            count += 1
+    return count
+
+
+#: --induction-init: per key head, the conv taps (characters back from the current one) its key channels
+#: read, split evenly over the head's channels; its queries read each one character later. Head 0 keys on the
+#: previous character (copy what followed the current one), head 1 on the previous two, head 2 on the two
+#: before those (an MQAR key ``ab`` across its ``:``), head 3 on the previous three.
+INDUCTION_TAPS = ((1,), (2, 1), (3, 2), (3, 2, 1))
+
+
+def init_induction(layer: torch.nn.Module, generator: torch.Generator, write_direction: torch.Tensor) -> None:
+    """Make one GatedDeltaNet layer a copy circuit from the start (the weights stay trainable).
+
+    The depthwise causal conv picks, per channel, one earlier character: a key head reads the characters
+    of :data:`INDUCTION_TAPS`, the query the characters one later, the values the current character; queries
+    and keys share one random projection, so the query at position ``t`` equals the key written where the
+    same characters preceded an earlier position, and the state (the delta rule stores value per key)
+    returns what came after them. Every head keeps its state for hundreds of characters (A = 1, softplus
+    (dt_bias) log-uniform in [0.001, 0.01]). The write strength beta = sigmoid(b . x) reads the layer
+    input's component along ``write_direction`` (a unit vector; see :func:`init_first_gdn_layer`), so the few
+    facts to remember are not overwritten by the many characters around them (a 16-dim key holds a few
+    associations, not a hundred).
+    """
+    key_dim, head_k, conv = (
+        layer.key_dim,
+        layer.head_k_dim,
+        layer.conv1d.weight,
+    )  # conv: (channels, 1, kernel)
+    kernel = conv.shape[-1]
+    heads = key_dim // head_k
+    with torch.no_grad():
+        qk = torch.randn(key_dim, layer.in_proj_qkv.in_features, generator=generator)
+        qk /= math.sqrt(layer.in_proj_qkv.in_features)
+        layer.in_proj_qkv.weight[:key_dim] = qk
+        layer.in_proj_qkv.weight[key_dim : 2 * key_dim] = qk
+        conv.zero_()
+        conv[2 * key_dim :, 0, kernel - 1] = 1.0  # values: the current character
+        for h in range(heads):
+            taps = INDUCTION_TAPS[h % len(INDUCTION_TAPS)]
+            for i in range(head_k):
+                back = min(taps[i * len(taps) // head_k], kernel - 1)
+                conv[key_dim + h * head_k + i, 0, kernel - 1 - back] = 1.0  # key
+                conv[h * head_k + i, 0, kernel - back] = 1.0  # query: one character later
+        value_heads = layer.dt_bias.numel()
+        u = torch.rand(value_heads, generator=generator)
+        dt = torch.exp(u * (math.log(0.01) - math.log(0.001)) + math.log(0.001))
+        layer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        layer.A_log.zero_()
+        layer.in_proj_b.weight.copy_(1.5 * write_direction.expand_as(layer.in_proj_b.weight))
+
+
+#: --induction-init: the characters the copy circuit writes into its state at first (the probes' answers)
+WRITE_CHARACTERS = "0123456789"
+
+
+def init_first_gdn_layer(model: torch.nn.Module, seed: int) -> None:
+    """:func:`init_induction` on the first decoder layer (a GatedDeltaNet layer). The write gate needs
+    a direction of the embedding that tells :data:`WRITE_CHARACTERS` from the rest: every embedding gets
+    +0.1 (those characters) or -0.1 (every other token) times one random unit vector ``u`` (the embeddings'
+    own norm is about 0.16), and beta reads ``u``: about 0.998 on a digit, 0.002 elsewhere at the start."""
+    layer = model.get_decoder().layers[0]
+    if not hasattr(layer, "linear_attn"):
+        raise SystemExit("--induction-init needs a GatedDeltaNet first layer (--layer-types G...)")
+    generator = torch.Generator().manual_seed(seed)
+    embedding = model.get_input_embeddings().weight
+    u = torch.randn(embedding.shape[1], generator=generator)
+    u /= u.norm()
+    sign = -torch.ones(embedding.shape[0])
+    sign[demo_data.text_to_ids(WRITE_CHARACTERS)] = 1.0
+    with torch.no_grad():
+        embedding += 0.1 * sign.unsqueeze(1) * u
+    init_induction(layer.linear_attn, generator, u)
+
+
+def circuit_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights :func:`init_induction` sets in the first layer (what --induction-hold keeps fixed)."""
+    layer = model.get_decoder().layers[0].linear_attn
+    return [layer.conv1d.weight, layer.in_proj_qkv.weight, layer.in_proj_b.weight, layer.A_log, layer.dt_bias]
 
 
 def parse_curriculum(text: str, seq_len: int) -> list[tuple[int, int]]:
@@ -418,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--router-aux-loss needs an MoE family, got {args.family}")
         config.router_aux_loss_coef = args.router_aux_loss
     model = getattr(transformers, MODEL_CLASS[args.family])(config)
+    if args.gdn_decay_init == "mamba" and args.init is None:
+        init_gdn_decay(model, torch.Generator().manual_seed(args.seed))
+    if args.induction_init and args.init is None:
+        init_first_gdn_layer(model, args.seed + 1)
     if args.init is not None:  # continue from a trained model of the same geometry (its weights, this config)
         start = getattr(transformers, MODEL_CLASS[args.family]).from_pretrained(
             args.init, dtype=torch.float32
@@ -432,31 +558,46 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    held = (
+        set(map(id, circuit_parameters(model))) if args.induction_init and args.induction_hold > 0 else set()
+    )
+    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in held]
+    no_decay = [p for p in model.parameters() if p.dim() < 2 and id(p) not in held]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if held:  # its own group: lr 0 while held (AdamW's decay is lr-scaled, so nothing moves)
+        groups.append({"params": circuit_parameters(model), "weight_decay": 0.0, "held": True})
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        groups,
         lr=args.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
     )
     generator = torch.Generator().manual_seed(args.seed)
+    holding = [bool(held)]  # read by the hook below; cleared when the hold ends
+    if held:  # the written characters' embeddings too: text training makes the digits' alike (cosine 0.95)
+        rows = demo_data.text_to_ids(WRITE_CHARACTERS)
+        model.get_input_embeddings().weight.register_hook(
+            lambda grad: grad.index_fill(0, rows, 0.0) if holding[0] else grad
+        )
 
     history: list[dict] = []
     checks: list[dict] = []
     recent: list[float] = []
+    recent_answer: list[float] = []
     t_start = time.perf_counter()
     model.train()
     for step in range(args.steps):
         lr = lr_at(step, args)
+        holding[0] = bool(held) and step < args.induction_hold
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = 0.0 if group.get("held") and holding[0] else lr
         seq_len = seq_len_at(step, phases, args.seq_len)
         batch = sample_batch(train_ids, args.batch_size, seq_len, generator)
         batch, answers = mix_recall(batch, args.recall_mix, args.seed, step, generator)
-        if args.answer_weight != 1.0:
+        answer_loss = float("nan")
+        if args.recall_mix > 0 and not args.router_aux_loss:  # (the two cannot combine: checked above)
             logits = model(input_ids=batch, use_cache=False).logits
-            loss = weighted_loss(logits, batch, answers, args.answer_weight)
+            loss, answer_loss = weighted_loss(logits, batch, answers, args.answer_weight)
         else:
             loss = model(
                 input_ids=batch,
@@ -469,12 +610,15 @@ def main(argv: list[str] | None = None) -> int:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         recent = (recent + [loss.item()])[-20:]
+        if not math.isnan(answer_loss):
+            recent_answer = (recent_answer + [answer_loss])[-20:]
         done = step + 1
         if done % args.log_every == 0 or done == args.steps:
             elapsed = time.perf_counter() - t_start
             print(
                 f"step {done:5d}/{args.steps}  loss {loss.item():.4f}  avg20 {sum(recent) / len(recent):.4f}  "
-                f"lr {lr:.2e}  gnorm {float(grad_norm):.2f}  {elapsed:6.1f}s",
+                f"lr {lr:.2e}  gnorm {float(grad_norm):.2f}  {elapsed:6.1f}s"
+                + (f"  answer avg20 {sum(recent_answer) / len(recent_answer):.3f}" if recent_answer else ""),
                 flush=True,
             )
         if args.recall_check_every > 0 and done % args.recall_check_every == 0:
@@ -535,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         "recall_mix": args.recall_mix,
         "answer_weight": args.answer_weight,
         "curriculum": phases,
+        "gdn_decay_init": None if args.init is not None else args.gdn_decay_init,
+        "induction_init": args.induction_init and args.init is None,
+        "induction_hold": args.induction_hold if args.induction_init and args.init is None else 0,
         "steps_done": done,
         "recall_checks": checks,
         "recall_exact_match": final_recall,

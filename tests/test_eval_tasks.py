@@ -257,13 +257,91 @@ def test_the_weighted_loss_is_the_plain_mean_at_weight_1_and_a_weighted_mean_oth
     batch = torch.randint(0, 11, (2, 7))
     answers = torch.rand(2, 7) < 0.4
     plain = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), batch[:, 1:].reshape(-1))
-    assert script.weighted_loss(logits, batch, answers, 1.0).item() == pytest.approx(plain.item(), rel=1e-6)
-    total = weights = 0.0
+    assert script.weighted_loss(logits, batch, answers, 1.0)[0].item() == pytest.approx(
+        plain.item(), rel=1e-6
+    )
+    total = weights = answer_total = 0.0
+    answer_count = 0
     for r in range(2):
         for t in range(6):  # position t predicts token t + 1
             nll = -torch.log_softmax(logits[r, t], -1)[batch[r, t + 1]].item()
             w = 5.0 if answers[r, t + 1] else 1.0
             total, weights = total + w * nll, weights + w
-    assert script.weighted_loss(logits, batch, answers, 5.0).item() == pytest.approx(
-        total / weights, rel=1e-5
+            if answers[r, t + 1]:
+                answer_total, answer_count = answer_total + nll, answer_count + 1
+    loss, answer_loss = script.weighted_loss(logits, batch, answers, 5.0)
+    assert loss.item() == pytest.approx(total / weights, rel=1e-5)
+    assert answer_count > 0 and answer_loss == pytest.approx(answer_total / answer_count, rel=1e-5)
+
+
+def _induction_model(script):
+    import transformers
+
+    tokenizer = demo_data.build_byte_tokenizer()
+    config = script.model_config(
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        256,
+        layer_types="GG",
+        hidden_size=64,
+        key_head_dim=16,
+        value_head_dim=16,
     )
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config)
+    script.init_first_gdn_layer(model, 1)
+    return model
+
+
+def test_the_induction_init_keys_on_earlier_characters_and_writes_only_digits():
+    script = _training_script()
+    model = _induction_model(script)
+    layer = model.get_decoder().layers[0]
+    attn = layer.linear_attn
+    text = "ab:42 cd:17 The sky is blue. ab:42"
+    with torch.no_grad():
+        x = layer.input_layernorm(model.get_input_embeddings()(demo_data.text_to_ids(text)))
+        # the layer's own projection and causal conv, then silu, as its forward runs them
+        mixed = attn.conv1d(attn.in_proj_qkv(x).T.unsqueeze(0))[0, :, : len(text)].T
+        q, k = mixed[:, : attn.key_dim], mixed[:, attn.key_dim : 2 * attn.key_dim]
+        beta = torch.sigmoid(attn.in_proj_b(x))
+    taps = script.INDUCTION_TAPS
+    for h in range(attn.key_dim // attn.head_k_dim):
+        cols = slice(h * attn.head_k_dim, (h + 1) * attn.head_k_dim)
+        back = max(taps[h])
+        for t in range(back, len(text) - 1):
+            # the query at t reads the characters the key one position later reads (what x[t + 1] followed)
+            assert torch.allclose(q[t, cols], k[t + 1, cols], atol=1e-6)
+        # a key never reads the current character: equal keys wherever the taps' characters are equal
+        for s in range(back, len(text)):
+            for t in range(back, len(text)):
+                same = all(text[s - j] == text[t - j] for j in taps[h])
+                assert torch.allclose(k[s, cols], k[t, cols], atol=1e-6) == same
+    digits = torch.tensor([c.isdigit() for c in text])
+    assert (beta[digits] > 0.9).all() and (beta[~digits] < 0.1).all()
+
+
+def test_the_induction_hold_keeps_the_circuit_and_the_digits_embeddings_fixed(tmp_path):
+    script = _training_script()
+    before = _induction_model(script)
+    out = tmp_path / "model"
+    args = [
+        "--hidden-size", "64", "--layer-types", "GG", "--key-head-dim", "16", "--value-head-dim", "16",
+        "--recall-mix", "0.5", "--seq-len", "128", "--batch-size", "2", "--steps", "3", "--log-every", "3",
+        "--eval-every", "0", "--threads", "1", "--induction-init", "--induction-hold", "3",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert script.main(args) == 0
+    import transformers
+
+    after = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32)
+    held = dict(zip(("conv", "qkv", "b", "A_log", "dt_bias"), script.circuit_parameters(before), strict=True))
+    for name, p in zip(held, script.circuit_parameters(after), strict=True):
+        assert torch.equal(p, held[name]), name
+    digits = demo_data.text_to_ids("0123456789")
+    e0, e1 = before.get_input_embeddings().weight, after.get_input_embeddings().weight
+    # their gradient is held at zero, so only AdamW's decoupled weight decay moves them
+    shrink = math.prod(1 - script.lr_at(step, script.parse_args(args)) * 0.1 for step in range(3))
+    assert shrink < 1 and torch.allclose(e1[digits], e0[digits] * shrink, rtol=1e-6, atol=0)
+    letters = demo_data.text_to_ids("abcdefghij")
+    assert not torch.equal(e0[letters], e1[letters])  # the rest trains
