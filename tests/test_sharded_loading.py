@@ -67,7 +67,7 @@ _WORKER = textwrap.dedent("""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from gdnprune.distill import DistillConfig, distill_checkpoint
     from gdnprune.distill.fsdp import has_checkpointed_layers, load_sharded_models, local_bytes, shard_student, shard_teacher
-    from gdnprune.loading import load_sharded
+    from gdnprune.sharded_loading import load_sharded
 
     root, rank = sys.argv[1], int(os.environ["RANK"])
     PartialState()

@@ -526,7 +526,7 @@ def distill_checkpoint(
     optimizer's master weights), the teacher in ``teacher_dtype`` (default: the same), spread by
     ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
     on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
-    (:func:`gdnprune.loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
+    (:func:`gdnprune.sharded_loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
     weights are dequantized as read, MoE experts stored one tensor per expert are stacked as read (and
     OLMo-hybrid's ``q/k/v_conv1d`` concatenated, as transformers converts them), a text
     model reads a vision-language folder's prefixed tensors, a bf16/fp16 student under mixed precision gets
