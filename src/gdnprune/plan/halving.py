@@ -188,7 +188,7 @@ def optimistic(
 
     The windows' difficulty is shared: a hard first window raises every candidate's KL on it alike, so the
     ratio of a candidate measured in full says how far a partial mean can be off; the lowest one bounds it
-    from below (1 where no candidate is measured in full yet)."""
+    from below (1 where no candidate is measured in full yet); ``slack`` lowers it by that share more."""
     total = len(weights)
     done = [(s >= total) & ~f for s, f in zip(seen, full)]
     ratios: dict[int, float] = {}
@@ -307,6 +307,7 @@ def halving_sensitivity(
     z: float = 2.0,
     verified: bool = True,
     spread: int = 1,
+    slack: float = 0.0,
     choose: Callable[[list, list], Sequence[int | None]] | None = None,
     progress: bool = True,
     max_logits: int = 1 << 24,
@@ -328,7 +329,8 @@ def halving_sensitivity(
         grow: the factor by which the windows grow from rung to rung; eta: 1 / the share kept per rung.
         z: paired standard errors by which a dominator must be better to drop a candidate.
         verified: after the rungs, measure the choice on optimistic estimates until it is measured in full
-            (:func:`verify`, ``spread`` candidates of the front on either side of each chosen one with it).
+            (:func:`verify`, ``spread`` candidates of the front on either side of each chosen one with it;
+            ``slack``: the optimistic estimates scaled down by that share more, safer and costlier).
         choose: ``choose(estimates, alive)`` -> a candidate per layer (None: its decoder layer removed), the
             exact choice of a rung (default :func:`~gdnprune.plan.solve.choose_among` with ``costs`` and
             ``budgets``; the plan with layer removal passes :func:`~gdnprune.plan.depth.choose_with_removal`'s).
@@ -407,6 +409,7 @@ def halving_sensitivity(
             pick,
             *budget_tables(costs, budgets, [len(layer.candidates) for layer in layers]),
             spread=spread,
+            slack=slack,
         )
     result: dict[str, Any] = {
         "kl": {},
