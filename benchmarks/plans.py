@@ -208,7 +208,7 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         measured_uniform = evaluate(choose_uniform(keys, kl, costs, budgets))
         # every uniform geometry within the budget, evaluated on validation
         best_uniform, n_uniform = None, 0
-        for target in keys[0]:
+        for target in [] if args.skip_uniform else keys[0]:
             picks_u = [layer_keys.index(target) for layer_keys in keys]
             if sum(costs[kind][i][p] for i, p in enumerate(picks_u)) > budgets[kind]:
                 continue
@@ -216,49 +216,78 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             result = evaluate(picks_u)
             if best_uniform is None or result["losses"].mean() < best_uniform["losses"].mean():
                 best_uniform = result
+        if best_uniform is None:  # --skip-uniform: the uniform cut --uniform picks stands in
+            best_uniform = measured_uniform
         diff = best_uniform["losses"] - searched["losses"]
-        # issue 22: the cheap sensitivity's plan, and that plan refined
-        t0 = time.perf_counter()
-        halved = halving_sensitivity(model, sens_windows, layers, costs, budgets, progress=False)
-        cheap_seconds = time.perf_counter() - t0
-        cheap_picks = choose_among(
-            [halved["kl"][layer.prefix] for layer in layers],
-            costs,
-            budgets,
-            [halved["survivors"][layer.prefix] for layer in layers],
-        )
-        cheap = evaluate(cheap_picks)
-        refined_result = evolve_plan(
-            model,
-            sens_windows,
-            layers,
-            costs,
-            budgets,
-            cheap_picks,
-            generations=args.refine_generations,
-            offspring=args.refine_offspring,
-            seed=0,
-            progress=False,
-        )
-        refined = evaluate(refined_result["picks"])
 
+        # issue 22: the cheap sensitivity's plan, and that plan refined
         def paired(a, b):  # a - b over the held-out windows: mean and standard error
             d = a["losses"] - b["losses"]
             return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+
+        # issue 31: successive halving as it was (no verification) beside the default (verified), same budget
+        variants = {}
+        for variant, verified in (("unverified", False), ("verified", True)):
+            t0 = time.perf_counter()
+            halved = halving_sensitivity(
+                model, sens_windows, layers, costs, budgets, verified=verified, progress=False
+            )
+            seconds = time.perf_counter() - t0
+            chosen = choose_among(
+                [halved["kl"][layer.prefix] for layer in layers],
+                costs,
+                budgets,
+                [halved["survivors"][layer.prefix] for layer in layers],
+            )
+            plan = evaluate(chosen)
+            variants[variant] = {
+                "picks": chosen,
+                "loss": float(plan["losses"].mean()),
+                "minus_searched": paired(plan, searched),
+                "same_plan": chosen == picks,
+                "measured_kl": float(sum(k[p] for k, p in zip(kl, chosen))),
+                "joint_kl": plan["joint_kl"],
+                "forwards": halved["forwards"],
+                "seconds": seconds,
+                "verify_rounds": halved["verify_rounds"],
+                "targets": plan["targets"],
+            }
+        halved_default = variants["verified"]
+        cheap_picks, cheap = halved_default["picks"], evaluate(halved_default["picks"])
+        row["halving"] = variants
+        if args.refine_generations > 0:
+            refined_result = evolve_plan(
+                model,
+                sens_windows,
+                layers,
+                costs,
+                budgets,
+                cheap_picks,
+                generations=args.refine_generations,
+                offspring=args.refine_offspring,
+                seed=0,
+                progress=False,
+            )
+        else:  # no refinement: the cheap plan stands
+            refined_result = {
+                "picks": cheap_picks,
+                "kl": cheap["joint_kl"],
+                "seed_kl": cheap["joint_kl"],
+                "seconds": 0.0,
+                "evaluations": 0,
+                "history": [],
+            }
+        refined = evaluate(refined_result["picks"])
 
         row.update(
             {
                 "cheap_loss": float(cheap["losses"].mean()),
                 "cheap_minus_searched": paired(cheap, searched),
                 "cheap_same_plan": cheap_picks == picks,
-                "cheap_predicted_kl": float(
-                    sum(k[p] for k, p in zip([halved["kl"][layer.prefix] for layer in layers], cheap_picks))
-                ),
                 "cheap_joint_kl": cheap["joint_kl"],
-                "cheap_forwards": halved["forwards"],
-                "cheap_seconds": cheap_seconds,
+                "cheap_forwards": halved_default["forwards"],
+                "cheap_seconds": halved_default["seconds"],
                 "cheap_targets": cheap["targets"],
-                "cheap_rungs": halved["rungs"],
                 "refined_loss": float(refined["losses"].mean()),
                 "refined_minus_searched": paired(refined, searched),
                 "refined_minus_cheap": paired(refined, cheap),
@@ -299,6 +328,7 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         "base_loss": float(base.mean()),
         "seconds": {"score": score_seconds, "measured_sensitivity": measured_seconds, "proxy": proxy_seconds},
         "forwards": measured["forwards"],
+        "window_forwards": sum(len(layer.candidates) - 1 for layer in layers) * args.sensitivity_windows,
         "tokens": measured["tokens"],
         "proxy_spearman": {"per_layer": rho, "pooled": pooled},
         "rows": rows,
@@ -362,6 +392,35 @@ def print_model(result: dict) -> None:
         )
 
 
+def print_halving(result: dict) -> None:
+    """Issue 31's table: successive halving unverified (as before) and verified (the default) against the
+    exact plan on the full measurement."""
+    score, full = result["seconds"]["score"], result["window_forwards"]
+    measured = result["seconds"]["measured_sensitivity"]
+    print(
+        f"\nsuccessive halving against the exact plan (measured: {full} window forwards, {measured:.0f} s = "
+        f"{measured / score:.1f}x scoring {score:.1f} s)"
+    )
+    header = (
+        f"{'budget':<12} {'exact':>7} | {'variant':<10} {'loss':>7} {'- exact ± se':>17} {'same':>5} "
+        f"{'sumKL-ex':>8} {'fwd':>5} {'of full':>7} {'s':>5} {'xscore':>6} {'rounds':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in result["rows"]:
+        if "error" in row:
+            continue
+        for name, v in row["halving"].items():
+            d = v["minus_searched"]
+            exact_kl = row["predicted_kl"]
+            print(
+                f"{row['budget']:<12} {row['searched_loss']:7.4f} | {name:<10} {v['loss']:7.4f} "
+                f"{d[0]:+8.4f}±{d[1]:.4f} {str(v['same_plan']):>5} {v['measured_kl'] - exact_kl:8.4f} "
+                f"{v['forwards']:5d} {v['forwards'] / full:7.3f} {v['seconds']:5.0f} {v['seconds'] / score:6.1f} "
+                f"{v['verify_rounds']:6d}"
+            )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--deep", type=Path, default=None, help="folder of the deeper model (trained as above)")
@@ -373,6 +432,18 @@ def main() -> int:
     p.add_argument("--refine-generations", type=int, default=30, help="generations of the refinement (30)")
     p.add_argument("--refine-offspring", type=int, default=8, help="offspring per generation (8)")
     p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivity here")
+    p.add_argument(
+        "--models",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="more model folders with a training.json (e.g. tests/data/trained/qwen3_next), run like --deep",
+    )
+    p.add_argument(
+        "--skip-uniform",
+        action="store_true",
+        help="do not evaluate every uniform cut (the one --uniform picks stands in for the best)",
+    )
     p.add_argument(
         "--budgets",
         type=parse_budgets,
@@ -392,11 +463,13 @@ def main() -> int:
         model, _ = demo_data.load_demo_model()
         results.append(run_model("bundled", model, "pydoc", args))
         print_model(results[-1])
-    if args.deep is not None:
-        record = json.loads((args.deep / "training.json").read_text())
-        model = load_pretrained(args.deep, dtype=torch.float32).eval()
-        results.append(run_model(args.deep.name, model, record["corpus"].get("name", "pydoc"), args))
+        print_halving(results[-1])
+    for folder in ([] if args.deep is None else [args.deep]) + args.models:
+        record = json.loads((folder / "training.json").read_text())
+        model = load_pretrained(folder, dtype=torch.float32).eval()
+        results.append(run_model(folder.name, model, record["corpus"].get("name", "pydoc"), args))
         print_model(results[-1])
+        print_halving(results[-1])
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

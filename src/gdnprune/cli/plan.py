@@ -103,8 +103,8 @@ def add_search_arguments(p) -> None:
         choices=SENSITIVITIES,
         default="halving",
         help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
-        "windows, by successive halving (every candidate on a few windows, those that can be "
-        "chosen on all of them); measured: every candidate on every window (the exact reference, "
+        "windows, by successive halving (every candidate on a few windows; the choice measured on all "
+        "of them before it is trusted); measured: every candidate on every window (the exact reference, "
         "several times slower); bld: every candidate first trained --bld-steps steps to reproduce its "
         "unpruned block's output (blockwise local distillation), then measured: the plan sums recovered "
         "losses (slower still); proxy: output energy removed, from the scores (no forward pass)",

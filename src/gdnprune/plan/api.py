@@ -188,8 +188,8 @@ def plan_model(
         blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.subblocks.BLOCK_NAMES`, all of
             them by default: ``gdn``, ``attention``, ``mlp``, ``shared_expert``, ``experts``, and ``depth`` —
             whole decoder layers removed).
-        sensitivity: ``"halving"`` (KL of real cuts, by successive halving: the candidates that can be chosen
-            on every window, the others on a few, :mod:`.halving`), ``"measured"`` (every candidate on every
+        sensitivity: ``"halving"`` (KL of real cuts, by successive halving: every candidate on a few windows,
+            the choice verified on every window, :mod:`.halving`), ``"measured"`` (every candidate on every
             window: the exact reference; removals are measured on every window either way), ``"bld"`` (every
             candidate trained ``bld_steps`` steps to reproduce its unpruned block's output, then measured as
             ``"measured"``: the choice sums recovered losses, :mod:`.bld`) or ``"proxy"`` (output energy

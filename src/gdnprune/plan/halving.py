@@ -16,9 +16,21 @@ forward, from the layer's cached input, as the full measurement runs its batches
   "more windows only for those near the solution";
 * those are measured on ``grow`` times as many windows.
 
-The last rung sees every window, so the survivors' KL and loss are exactly the full measurement's, and
-the exact choice is made over the survivors only (a dropped candidate keeps its estimate from the windows
-it saw; the report says how many). Given every window in its first rung, this *is* the full measurement.
+Then the choice is **verified** (:func:`verify`, the default; issue 31): instead of measuring every
+survivor on every window, the exact choice is made over *every* candidate, on an optimistic estimate of
+those not yet measured on every window (:func:`optimistic`: the mean on the windows it saw, times the lowest
+ratio "mean on every window / mean on the same first windows" of the candidates measured in full); each
+chosen candidate not measured on every window, with its neighbours on its layer's front, moves on to the
+next rung's windows; again, until the choice is measured on every window. No candidate's optimistic
+estimate can then beat it, so the choice is the exact plan's as long as those estimates are below the full
+measurement (true when the windows' difficulty scales every candidate alike, nearly so on a trained model
+and real text). Without verification the last rung measures every survivor on every window, and the
+choice over the survivors can miss a candidate dropped on a few windows.
+
+Either way a survivor (a candidate measured on every window) has exactly the full measurement's KL and
+loss, and the exact choice is made over the survivors only (a dropped candidate keeps its estimate from the
+windows it saw; the report says how many). Given every window in its first rung, this *is* the full
+measurement.
 
 Under ``torchrun`` the candidates of a rung are spread over the ranks (every rank holds every window), so
 every rank gets the same numbers as one process.
@@ -29,7 +41,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,13 +53,19 @@ from .sensitivity import LayerToPlan, candidate_module, sorted_state
 from .solve import choose_among
 
 __all__ = [
+    "budget_tables",
     "dominated",
+    "front",
     "gather_over_ranks",
     "halving_sensitivity",
     "near",
+    "optimistic",
+    "prefix_means",
     "rank_share",
+    "run_rungs",
     "rungs",
     "token_counts",
+    "verify",
     "windows_of",
 ]
 
@@ -148,6 +166,131 @@ def gather_over_ranks(values: dict) -> dict:
     return merged
 
 
+def prefix_means(kl: np.ndarray, seen: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Every candidate's mean KL (``weights``: tokens per window) over the windows it was measured on (its
+    first ``seen[c]``)."""
+    cum = np.cumsum(kl * weights, axis=1)
+    den = np.cumsum(weights)
+    n = np.maximum(seen, 1) - 1
+    return cum[np.arange(len(seen)), n] / np.maximum(den[n], 1e-300)
+
+
+def optimistic(
+    kl: Sequence[np.ndarray],
+    seen: Sequence[np.ndarray],
+    full: Sequence[np.ndarray],
+    weights: np.ndarray,
+    slack: float = 0.0,
+) -> list[np.ndarray]:
+    """Per layer, every candidate's KL: exact when measured on every window; else its mean on the windows
+    it saw times the lowest ratio ``mean on every window / mean on the same first windows`` of the candidates
+    measured on every window (of any layer): an optimistic (lower) estimate of its KL on every window.
+
+    The windows' difficulty is shared: a hard first window raises every candidate's KL on it alike, so the
+    ratio of a candidate measured in full says how far a partial mean can be off; the lowest one bounds it
+    from below (1 where no candidate is measured in full yet); ``slack`` lowers it by that share more."""
+    total = len(weights)
+    done = [(s >= total) & ~f for s, f in zip(seen, full)]
+    ratios: dict[int, float] = {}
+    out = []
+    for k, s, f in zip(kl, seen, full):
+        mean = prefix_means(k, s, weights)
+        low = np.array(mean)
+        for c in np.flatnonzero((s < total) & ~f):
+            n = int(s[c])
+            if n not in ratios:
+                ratios[n] = _lowest_ratio(kl, done, weights, n)
+            low[c] = mean[c] * ratios[n] * (1.0 - slack)
+        low[f] = 0.0
+        out.append(low)
+    return out
+
+
+def _lowest_ratio(kl: Sequence[np.ndarray], done: Sequence[np.ndarray], weights: np.ndarray, n: int) -> float:
+    """The lowest ``mean on every window / mean on the first n`` over the candidates measured in full."""
+    best = 1.0
+    for k, d in zip(kl, done):
+        rows = k[d]
+        head = (rows[:, :n] * weights[:n]).sum(1) / max(weights[:n].sum(), 1e-300)
+        whole = (rows * weights).sum(1) / max(weights.sum(), 1e-300)
+        ok = head > 0
+        if ok.any():
+            best = min(best, float((whole[ok] / head[ok]).min()))
+    return best
+
+
+def front(estimate: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """[candidates] bool: no other candidate costs no more on every budget (``table``: [candidates,
+    budgets]) and has a lower ``estimate``."""
+    cheaper = np.all(table[None, :, :] <= table[:, None, :], axis=2)  # [a, b]: b costs no more than a
+    return ~np.any(cheaper & (estimate[None, :] < estimate[:, None]), axis=1)
+
+
+def verify(
+    measure: Callable[[list[list[tuple[int, int]]]], None],
+    kl: Sequence[np.ndarray],
+    seen: Sequence[np.ndarray],
+    full: Sequence[np.ndarray],
+    weights: np.ndarray,
+    schedule: Sequence[int],
+    pick: Callable[[list, list], Sequence[int | None]],
+    tables: Sequence[np.ndarray],
+    sizes: Sequence[np.ndarray],
+    *,
+    spread: int = 2,
+    slack: float = 0.0,
+) -> int:
+    """Choose on :func:`optimistic` estimates over every candidate; move each chosen candidate not measured on
+    every window, and the ``spread`` candidates on either side of it on its layer's :func:`front` (in the
+    order of ``sizes``), to the next rung's windows (``measure([[(candidate, windows), ...] per layer])``);
+    again, until the choice is measured on every window. Then no candidate's optimistic estimate can improve
+    on it: the choice is the exact one as long as those estimates are below the full measurement. Returns
+    the rounds."""
+    total = len(weights)
+    everyone = [np.ones(len(s), dtype=bool) for s in seen]
+    rounds = 0
+    while True:
+        estimate = optimistic(kl, seen, full, weights, slack)
+        picks = pick(estimate, everyone)
+        todo: list[list[tuple[int, int]]] = []
+        for li, p in enumerate(picks):
+            if p is None or full[li][p] or seen[li][p] >= total:
+                todo.append([])
+                continue
+            on = front(estimate[li], tables[li])
+            on[p] = True
+            order = [int(c) for c in np.argsort(sizes[li], kind="stable") if on[c]]
+            at = order.index(int(p))
+            around = order[max(0, at - spread) : at + spread + 1]
+            todo.append(
+                [
+                    (c, next((n for n in schedule if n > seen[li][c]), total))
+                    for c in around
+                    if not full[li][c] and seen[li][c] < total
+                ]
+            )
+        if not any(todo):
+            return rounds
+        measure(todo)
+        rounds += 1
+
+
+def budget_tables(
+    costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], counts: Sequence[int]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per layer (``counts``: its candidates), ``[candidates, budgets]`` costs on the budgets in play, and
+    every candidate's size: its summed share of the budgets."""
+    names = list(budgets)
+    tables = [
+        np.array([[costs[name][li][c] for name in names] for c in range(n)], dtype=np.float64).reshape(
+            n, len(names)
+        )
+        for li, n in enumerate(counts)
+    ]
+    scale = np.array([1.0 / max(float(budgets[name]), 1e-300) for name in names])
+    return tables, [t @ scale for t in tables]
+
+
 # long: its documented signature and docstring; the body is 81 lines, one step after another
 @torch.no_grad()
 # long: a 40-line docstring; the rung loop stays in one place (one candidate's measurement: _measure_layer)
@@ -162,6 +305,9 @@ def halving_sensitivity(
     grow: int = 4,
     eta: int = 2,
     z: float = 2.0,
+    verified: bool = True,
+    spread: int = 1,
+    slack: float = 0.0,
     choose: Callable[[list, list], Sequence[int | None]] | None = None,
     progress: bool = True,
     max_logits: int = 1 << 24,
@@ -171,7 +317,9 @@ def halving_sensitivity(
     Every rung measures the alive candidates of every layer on more windows; then a candidate is dropped
     when another one dominates it (:func:`dominated`), the exact choice is made over the alive candidates
     on their estimates, and every layer keeps the ``1 / eta`` of its alive candidates nearest to its choice
-    (in the order of their share of the budgets). The last rung sees every window.
+    (in the order of their share of the budgets). The last rung sees every window. ``verified``: then
+    :func:`verify` measures further until the choice over every candidate, on optimistic estimates of those
+    not measured on every window, is measured on every window.
 
     Args:
         model, batches, layers: as :func:`~gdnprune.plan.sensitivity.measured_sensitivity`.
@@ -180,6 +328,9 @@ def halving_sensitivity(
             windows or more measures every candidate on every window (the full measurement).
         grow: the factor by which the windows grow from rung to rung; eta: 1 / the share kept per rung.
         z: paired standard errors by which a dominator must be better to drop a candidate.
+        verified: after the rungs, measure the choice on optimistic estimates until it is measured in full
+            (:func:`verify`, ``spread`` candidates of the front on either side of each chosen one with it;
+            ``slack``: the optimistic estimates scaled down by that share more, safer and costlier).
         choose: ``choose(estimates, alive)`` -> a candidate per layer (None: its decoder layer removed), the
             exact choice of a rung (default :func:`~gdnprune.plan.solve.choose_among` with ``costs`` and
             ``budgets``; the plan with layer removal passes :func:`~gdnprune.plan.depth.choose_with_removal`'s).
@@ -187,8 +338,9 @@ def halving_sensitivity(
 
     Returns:
         ``{"kl", "loss": {prefix: [per candidate]}, "windows": {prefix: [windows each candidate was
-        measured on]}, "survivors": {prefix: [bool per candidate]}, "rungs", "base_loss", "tokens",
-        "forwards", "teacher_seconds", "seconds"}``; a survivor's KL and loss are those of every window.
+        measured on]}, "survivors": {prefix: [bool per candidate: measured on every window]}, "rungs",
+        "verify_rounds", "base_loss", "tokens", "forwards", "teacher_seconds", "seconds"}``; a survivor's KL
+        and loss are those of every window.
     """
 
     start_time = time.perf_counter()
@@ -203,81 +355,117 @@ def halving_sensitivity(
     teacher_seconds = time.perf_counter() - teacher_start
     counts = np.array([token_counts(w) for w in windows], dtype=np.float64)  # [windows, (kl, ce)]
     schedule = rungs(total, first, grow)
-    names = list(budgets)
-    sizes = [
-        cast(  # an array with any budget (sum's start, 0, only without one)
-            np.ndarray,
-            sum(
-                np.asarray(costs[name][li], dtype=np.float64) / max(float(budgets[name]), 1e-300)
-                for name in names
-            ),
-        )
-        for li in range(len(layers))
-    ]
-    tables = [
-        np.array([[costs[name][li][c] for name in names] for c in range(len(layer.candidates))])
-        for li, layer in enumerate(layers)
-    ]
     kl = [np.zeros((len(layer.candidates), total)) for layer in layers]
     ce = [np.full((len(layer.candidates), total), forwards.base_loss) for layer in layers]
     full = [np.array([t == layer.shape for t in layer.candidates]) for layer in layers]  # KL 0, not measured
-    alive = [np.ones(len(layer.candidates), dtype=bool) for layer in layers]
     seen = [np.zeros(len(layer.candidates), dtype=int) for layer in layers]
-    states: dict[int, dict] = {}
     done = 0
-    for rung, upto in enumerate(schedule):
-        todo = [[int(c) for c in np.flatnonzero(alive[li] & ~full[li])] for li in range(len(layers))]
+
+    def measure(todo: list[list[tuple[int, int]]], desc: str) -> None:
+        nonlocal done
         bar = tqdm(  # one bar per rung, its total known before it starts
-            total=sum(upto - int(seen[li][c]) for li in range(len(layers)) for c in todo[li]),
+            total=sum(n - int(seen[li][c]) for li in range(len(layers)) for c, n in todo[li]),
             disable=not progress,
-            desc=f"sensitivity, rung {rung + 1} of {len(schedule)} ({upto} window{'s' if upto > 1 else ''})",
+            desc=desc,
             unit="fwd",
         )
         try:
             for li, (layer, i) in enumerate(zip(layers, index)):
-                if li not in states:
-                    states[li] = sorted_state(layer)
-                done += _measure_layer(
-                    forwards, layer, i, states[li], todo[li], seen[li], upto, kl[li], ce[li], text_config, bar
-                )
-                if upto == total:
-                    del states[li]
+                if todo[li]:
+                    done += _measure_layer(
+                        forwards,
+                        layer,
+                        i,
+                        sorted_state(layer),
+                        todo[li],
+                        seen[li],
+                        kl[li],
+                        ce[li],
+                        text_config,
+                        bar,
+                    )
         finally:
             bar.close()
-        if upto == total:
-            break
-        for li in range(len(layers)):
-            alive[li] &= ~dominated(kl[li][:, :upto], tables[li], alive[li], z=z)
-        estimate = [kl[li][:, :upto].mean(1) for li in range(len(layers))]
-        picks = (
-            choose(estimate, alive) if choose is not None else choose_among(estimate, costs, budgets, alive)
+
+    pick = (
+        choose
+        if choose is not None
+        else lambda estimate, alive: choose_among(estimate, costs, budgets, alive)
+    )
+    verifying = verified and len(schedule) > 1
+    # verified: the last rung is replaced by the verification (which measures in full what the choice needs)
+    run_rungs(
+        measure, kl, seen, full, costs, budgets, schedule[:-1] if verifying else schedule, pick, eta=eta, z=z
+    )
+    rounds = 0
+    if verifying:
+        rounds = verify(
+            lambda todo: measure(todo, "sensitivity, verifying the choice"),
+            kl,
+            seen,
+            full,
+            counts[:, 0],
+            schedule,
+            pick,
+            *budget_tables(costs, budgets, [len(layer.candidates) for layer in layers]),
+            spread=spread,
+            slack=slack,
         )
-        for li in range(len(layers)):
-            alive[li] = near(sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta)))
     result: dict[str, Any] = {
         "kl": {},
         "loss": {},
         "windows": {},
         "survivors": {},
         "rungs": schedule,
+        "verify_rounds": rounds,
         "base_loss": forwards.base_loss,
         "tokens": forwards.tokens,
         "forwards": done,
         "teacher_seconds": teacher_seconds,
     }
-    w_kl, w_ce = counts[:, 0], counts[:, 1]
     for li, layer in enumerate(layers):
         n = np.where(full[li], total, seen[li])
-        result["kl"][layer.prefix] = [
-            float((kl[li][c, :s] * w_kl[:s]).sum() / max(w_kl[:s].sum(), 1)) for c, s in enumerate(n)
-        ]
-        result["loss"][layer.prefix] = [
-            float((ce[li][c, :s] * w_ce[:s]).sum() / max(w_ce[:s].sum(), 1)) for c, s in enumerate(n)
-        ]
+        result["kl"][layer.prefix] = prefix_means(kl[li], n, counts[:, 0]).tolist()
+        result["loss"][layer.prefix] = prefix_means(ce[li], n, counts[:, 1]).tolist()
         result["windows"][layer.prefix] = [int(s) for s in n]
-        result["survivors"][layer.prefix] = [bool(a) for a in alive[li]]
+        result["survivors"][layer.prefix] = [bool(s >= total) for s in n]
     result["seconds"] = time.perf_counter() - start_time
     return result
+
+
+def run_rungs(
+    measure: Callable[[list[list[tuple[int, int]]], str], None],
+    kl: Sequence[np.ndarray],
+    seen: Sequence[np.ndarray],
+    full: Sequence[np.ndarray],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    schedule: Sequence[int],
+    pick: Callable[[list, list], Sequence[int | None]],
+    *,
+    eta: int,
+    z: float,
+) -> list[np.ndarray]:
+    """The rungs of successive halving: measure the alive candidates of every layer on the rung's windows
+    (``measure([[(candidate, windows), ...] per layer], description)``), drop the dominated ones, choose on
+    the estimates, keep the ``1 / eta`` nearest to the choice; returns the alive candidates after the last."""
+    layers = range(len(kl))
+    tables, sizes = budget_tables(costs, budgets, [len(k) for k in kl])
+    alive = [np.ones(len(k), dtype=bool) for k in kl]
+    total = schedule[-1]
+    for rung, upto in enumerate(schedule):
+        todo = [[(int(c), upto) for c in np.flatnonzero(alive[li] & ~full[li])] for li in layers]
+        measure(
+            todo, f"sensitivity, rung {rung + 1} of {len(schedule)} ({upto} window{'s' if upto > 1 else ''})"
+        )
+        if upto == total:
+            break
+        for li in layers:
+            alive[li] &= ~dominated(kl[li][:, :upto], tables[li], alive[li], z=z)
+        picks = pick([kl[li][:, :upto].mean(1) for li in layers], alive)
+        for li in layers:
+            alive[li] = near(sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta)))
+    return alive
 
 
 def _measure_layer(
@@ -285,22 +473,21 @@ def _measure_layer(
     layer: Any,
     index: int,
     state: dict,
-    todo: list[int],
+    todo: list[tuple[int, int]],
     seen: np.ndarray,
-    upto: int,
     kl: np.ndarray,
     ce: np.ndarray,
     text_config: Any,
     bar: Any,
 ) -> int:
-    """Measure ``layer``'s candidates ``todo`` on windows ``seen[c]`` to ``upto`` (spread over the ranks),
-    writing their KL and loss in place; returns the partial forwards done."""
+    """Measure ``layer``'s candidates ``todo`` (``(candidate, upto)``) on windows ``seen[c]`` to ``upto`` (spread
+    over the ranks), writing their KL and loss in place; returns the partial forwards done."""
     device = next(iter(state.values())).device
     parent, attr = parent_and_name(forwards.decoder.layers[index], layer.module)
     mine = {}
     with forwards.from_layer(index) as measure:
         try:
-            for c in (todo[k] for k in rank_share(len(todo))):
+            for c, upto in (todo[k] for k in rank_share(len(todo))):
                 setattr(
                     parent, attr, candidate_module(layer, state, layer.candidates[c], text_config, device)
                 )
@@ -310,8 +497,9 @@ def _measure_layer(
             setattr(parent, attr, layer.module)
     done = 0
     for c, values in sorted(gather_over_ranks(mine).items()):
-        done += upto - int(seen[c])
-        kl[c, seen[c] : upto] = [v[0] for v in values]
-        ce[c, seen[c] : upto] = [v[1] for v in values]
-        seen[c] = upto
+        start = int(seen[c])
+        done += len(values)
+        kl[c, start : start + len(values)] = [v[0] for v in values]
+        ce[c, start : start + len(values)] = [v[1] for v in values]
+        seen[c] = start + len(values)
     return done
