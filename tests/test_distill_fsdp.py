@@ -2,15 +2,19 @@
 student (parameters, optimizer state) and of the teacher, the gathered output folder, the memory estimate
 against the tensors held, and resume from sharded checkpoints after SIGTERM."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from test_distill import HALF, SHAPE, pair, sliced, windows
 from tiny_models import build_model, make_config
+from transformers import TrainerCallback
 
 from gdnprune import load_pretrained
 from gdnprune.distill import distill
@@ -80,6 +84,8 @@ _WORKER = textwrap.dedent("""
     from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
     from test_distill_fsdp import make_pair
 
+    from test_distill_fsdp import resume
+
     root = sys.argv[1]
     rank = int(os.environ["RANK"])
     report = {{}}
@@ -98,6 +104,7 @@ _WORKER = textwrap.dedent("""
     _, _, result = run_case("uniform_mix", os.path.join(root, "checkpointed"), fsdp=True, gradient_checkpointing=True)
     report["checkpointed"] = [h["loss"] for h in result["history"] if "loss" in h]
     torch.save(report, os.path.join(root, f"rank{{rank}}.pt"))
+    resume(os.path.join(os.path.dirname(root), "resume"))
 """)
 
 
@@ -118,13 +125,20 @@ def _torchrun(script, *args):
     return done
 
 
-def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sharded(tmp_path):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """The file's one 2-process launch: the cases (``two``), then the resume (``resume``)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    script = root / "fsdp_worker.py"
+    script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
+    _torchrun(script, root / "two")
+    return root
+
+
+def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sharded(launched, tmp_path):
     from gdnprune.distill.fsdp import optimizer_bytes
 
-    script = tmp_path / "fsdp_worker.py"
-    script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
-    _torchrun(script, tmp_path / "two")
-    ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in (0, 1)]
+    ranks = [torch.load(launched / "two" / f"rank{r}.pt") for r in (0, 1)]
     for name, (heterogeneous, _, tied) in CASES.items():
         teacher, student, one = run_case(name, tmp_path / "one" / name)
         two = ranks[0][name]
@@ -147,7 +161,7 @@ def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sha
         assert two["eval"]["lm_loss"] == pytest.approx(one["eval"]["lm_loss"], rel=1e-3), name
 
         # the output folder: the trained parameters, gathered; loadable as a normal checkpoint
-        out = tmp_path / "two" / name
+        out = launched / "two" / name
         loaded = load_pretrained(out, dtype=torch.float32)
         got, want = loaded.state_dict(), student.state_dict()
         start = make_pair(heterogeneous, tied)[1].state_dict()
@@ -185,53 +199,56 @@ def _umask():
     return mask
 
 
-_RESUME = textwrap.dedent("""
-    import os, signal, sys
-    import torch
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from transformers import TrainerCallback
-    from test_distill import pair, windows
-    from gdnprune.distill import distill
+class _Term(TrainerCallback):
+    """SIGTERM to rank 1 at the end of step 2: both ranks save and stop."""
 
-    class Term(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2 and int(os.environ["RANK"]) == 1:
-                os.kill(os.getpid(), signal.SIGTERM)  # one rank gets it: both save and stop
-
-    def run(out, **extra):
-        teacher, student = pair()
-        result = distill(student, teacher, windows(12), out, steps=5, batch_size=4, lr=3e-3, lm_weight=0.3,
-                         save_every=10, log_every=1, progress=False, fsdp=True, **extra)
-        if not result["interrupted"] and int(os.environ["RANK"]) == 0:
-            losses = [(h["step"], h["loss"]) for h in result["history"] if "loss" in h]
-            torch.save(losses, os.path.join(out, "losses.pt"))
-        return result
-
-    root, mode = sys.argv[1], sys.argv[2]
-    if mode == "first":  # the uninterrupted run, then the one that SIGTERM stops after step 2
-        run(os.path.join(root, "straight"))
-        result = run(os.path.join(root, "run"), callbacks=[Term()])
-        assert result["interrupted"] and result["steps"] == 2, result
-    else:
-        run(os.path.join(root, "run"), resume=True)
-""")
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and int(os.environ["RANK"]) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_resume_from_sharded_checkpoints_after_sigterm_equals_the_uninterrupted_run(tmp_path):
-    script = tmp_path / "resume_worker.py"
-    script.write_text(_RESUME.format(tests=os.path.dirname(__file__)))
-    _torchrun(script, tmp_path, "first")
-    checkpoint = tmp_path / "run" / "checkpoint-2"
-    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and (checkpoint / "optimizer_0").is_dir()
-    assert not (checkpoint / "model.safetensors").exists()  # sharded: each rank wrote its own part
-    assert not (tmp_path / "run" / "model.safetensors").exists()
-    _torchrun(script, tmp_path, "resume")
-    straight, resumed = (torch.load(tmp_path / d / "losses.pt") for d in ("straight", "run"))
+def _resume_run(out: str, **extra) -> dict:
+    teacher, student = pair()
+    result = distill(student, teacher, windows(12), out, steps=5, batch_size=4, lr=3e-3, lm_weight=0.3,
+                     save_every=10, log_every=1, progress=False, fsdp=True, **extra)  # fmt: skip
+    if not result["interrupted"] and int(os.environ["RANK"]) == 0:
+        losses = [(h["step"], h["loss"]) for h in result["history"] if "loss" in h]
+        torch.save(losses, os.path.join(out, "losses.pt"))
+    return result
+
+
+def resume(root: str) -> None:
+    """On the launch's ranks (after the cases): the uninterrupted run, the run SIGTERM stops after step 2,
+    what its checkpoint folder then holds (``stopped.json``, rank 0), and the resume from it. The resume runs
+    in the same launch (a second torchrun costs more than the runs): it starts from the checkpoint folder
+    alone, with a fresh model and trainer, as a new process would."""
+    _resume_run(os.path.join(root, "straight"))
+    result = _resume_run(os.path.join(root, "run"), callbacks=[_Term()])
+    assert result["interrupted"] and result["steps"] == 2, result
+    checkpoint = os.path.join(root, "run", "checkpoint-2")
+    stopped = {
+        "model_shards": os.path.isdir(os.path.join(checkpoint, "pytorch_model_fsdp_0")),
+        "optimizer_shards": os.path.isdir(os.path.join(checkpoint, "optimizer_0")),
+        "checkpoint_safetensors": os.path.exists(os.path.join(checkpoint, "model.safetensors")),
+        "run_safetensors": os.path.exists(os.path.join(root, "run", "model.safetensors")),
+    }
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(root, "stopped.json"), "w") as f:
+            json.dump(stopped, f)
+    _resume_run(os.path.join(root, "run"), resume=True)
+
+
+def test_resume_from_sharded_checkpoints_after_sigterm_equals_the_uninterrupted_run(launched):
+    root = launched / "resume"  # the launch's resume (:func:`resume`)
+    stopped = json.loads((root / "stopped.json").read_text())
+    assert stopped["model_shards"] and stopped["optimizer_shards"]  # the checkpoint after SIGTERM
+    assert not stopped["checkpoint_safetensors"]  # sharded: each rank wrote its own part
+    assert not stopped["run_safetensors"]
+    straight, resumed = (torch.load(root / d / "losses.pt") for d in ("straight", "run"))
     assert [s for s, _ in resumed] == [1, 2, 3, 4, 5] and [s for s, _ in straight] == [1, 2, 3, 4, 5]
     assert [v for _, v in resumed] == pytest.approx([v for _, v in straight], rel=1e-5)
-    a = load_pretrained(tmp_path / "straight", dtype=torch.float32).state_dict()
-    b = load_pretrained(tmp_path / "run", dtype=torch.float32).state_dict()
+    a = load_pretrained(root / "straight", dtype=torch.float32).state_dict()
+    b = load_pretrained(root / "run", dtype=torch.float32).state_dict()
     for key, value in a.items():
         torch.testing.assert_close(b[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
