@@ -14,7 +14,7 @@ workers run the CLI in turn:
   (test_eval), ``score`` (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
-  (test_distill);
+  (test_distill); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
   it (test_first_hour).
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import transformers
 from helpers import corpus_docs, mixed_mc_folder, write_jsonl
+from test_sharded_loading import build_folders
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
 from gdnprune.demo_data import build_byte_tokenizer, demo_model_path, train_text, validation_text
@@ -139,6 +140,10 @@ WORKER = textwrap.dedent(
     from test_distill import ddp_run
     with contextlib.redirect_stderr(io.StringIO()):
         ddp_run(out + "/distill_two.pt")
+    # loading into FSDP2 shards, then distillations under FSDP2 (test_sharded_loading)
+    from test_sharded_loading import load_and_distill
+    with contextlib.redirect_stderr(io.StringIO()):
+        load_and_distill(os.path.dirname(model) + "/sharded_loading")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
     os.chdir(interrupted)
     sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))
@@ -243,7 +248,8 @@ def _locked(folder: Path) -> Iterator[Path]:
 def shared_inputs(folder: Path) -> Path:
     """The launch's inputs in the shared ``folder``, written by the first worker asking: its model (``model``),
     calibration text (``calib.txt``), the eval's text (``val.txt``) and task folder
-    (:func:`helpers.mixed_mc_folder`), and 3 JSONL shards (``shards``). Returns the folder holding them."""
+    (:func:`helpers.mixed_mc_folder`), 3 JSONL shards (``shards``) and the folders test_sharded_loading loads
+    (``sharded_loading``). Returns the folder holding them."""
     with _locked(folder) as root:
         if not (root / "model" / "config.json").exists():
             write_text(root / "calib.txt")
@@ -254,6 +260,8 @@ def shared_inputs(folder: Path) -> Path:
             (root / "shards").mkdir()
             for i in range(3):
                 write_jsonl(root / "shards" / f"{i}.jsonl", corpus_docs(f"shard{i}", 40))
+            shutil.rmtree(root / "sharded_loading", ignore_errors=True)
+            build_folders(root / "sharded_loading")
             build_model(root / "model")
         return root
 
