@@ -15,6 +15,7 @@ workers run the CLI in turn:
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
   (test_distill); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
+  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
   it (test_first_hour).
@@ -144,6 +145,10 @@ WORKER = textwrap.dedent(
     from test_sharded_loading import load_and_distill
     with contextlib.redirect_stderr(io.StringIO()):
         load_and_distill(os.path.dirname(model) + "/sharded_loading")
+    # distillation under FSDP2: the cases, a run stopped by SIGTERM and its resume (test_distill_fsdp)
+    from test_distill_fsdp import two_processes
+    with contextlib.redirect_stderr(io.StringIO()):
+        two_processes(os.path.dirname(model) + "/distill_fsdp")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
     os.chdir(interrupted)
     sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))
@@ -212,7 +217,7 @@ def run_launch(model_dir: Path, text_file: Path, moe: Path, folder: Path) -> Lau
             argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True
         )
         try:
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + 600  # the launch runs many commands: a bound on a hang
             while proc.poll() is None and time.monotonic() < deadline and not _scoring(folder, err_path):
                 time.sleep(0.5)  # until rank 0's progress bar shows the windows being scored
             running = proc.poll() is None

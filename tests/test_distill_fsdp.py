@@ -1,13 +1,10 @@
-"""Distillation on FSDP2 (CPU, gloo, 2 processes): the 1-process loss curve and weights, real sharding of the
+"""Distillation on FSDP2 (CPU, gloo, 2 processes: a part of the suite's shared launch, tests/launches.py): the 1-process loss curve and weights, real sharding of the
 student (parameters, optimizer state) and of the teacher, the gathered output folder, the memory estimate
 against the tensors held, and resume from sharded checkpoints after SIGTERM."""
 
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,8 @@ from tiny_models import build_model, make_config
 from transformers import TrainerCallback
 
 from gdnprune import load_pretrained
-from gdnprune.distill import distill
+from gdnprune.distill import distill, estimate_memory
+from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
 from gdnprune.loading import slice_model
 
 CASES = {  # name -> (heterogeneous student, lm_weight, tied embeddings)
@@ -74,70 +72,47 @@ def run_case(name, out, **options):
     return teacher, student, result
 
 
-_WORKER = textwrap.dedent("""
-    import os, sys
-    import torch
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from test_distill_fsdp import CASES, run_case
-    from gdnprune.distill import estimate_memory
-    from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
-    from test_distill_fsdp import make_pair
-
-    from test_distill_fsdp import resume
-
-    root = sys.argv[1]
+def two_processes(root: str) -> None:
+    """On the 2 ranks of the suite's shared launch (tests/launches.py): every case under FSDP2, each rank's
+    report in ``two/rank<R>.pt``, then the SIGTERM run and its resume in ``resume`` (:func:`resume`)."""
     rank = int(os.environ["RANK"])
-    report = {{}}
+    two = os.path.join(root, "two")
+    report: dict = {}
     for name in CASES:
-        teacher, student, result = run_case(name, os.path.join(root, name), fsdp=True)
+        teacher, student, result = run_case(name, os.path.join(two, name), fsdp=True)
         trainer = result["trainer"]
         fresh_teacher, fresh_student = make_pair(CASES[name][0], CASES[name][2])
         estimate = estimate_memory(fresh_student, fresh_teacher, processes=2, fsdp=True, teacher_sharded=True)
-        report[name] = {{
-            "losses": [h["loss"] for h in result["history"] if "loss" in h], "eval": result["eval"],
-            "config": result["config"], "student": local_bytes(trainer.model), "teacher": local_bytes(teacher),
+        report[name] = {
+            "losses": [h["loss"] for h in result["history"] if "loss" in h],
+            "eval": result["eval"],
+            "config": result["config"],
+            "student": local_bytes(trainer.model),
+            "teacher": local_bytes(teacher),
             "optimizer": optimizer_bytes(trainer.optimizer),
             "estimate": (estimate.student_parameters, estimate.optimizer_state, estimate.teacher_parameters),
-        }}
+        }
     # FSDP2's activation checkpointing (a pass-through option) gives the same run
-    _, _, result = run_case("uniform_mix", os.path.join(root, "checkpointed"), fsdp=True, gradient_checkpointing=True)
+    _, _, result = run_case(
+        "uniform_mix", os.path.join(two, "checkpointed"), fsdp=True, gradient_checkpointing=True
+    )
     report["checkpointed"] = [h["loss"] for h in result["history"] if "loss" in h]
-    torch.save(report, os.path.join(root, f"rank{{rank}}.pt"))
-    resume(os.path.join(os.path.dirname(root), "resume"))
-""")
-
-
-def _torchrun(script, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-        *map(str, args),
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
+    torch.save(report, os.path.join(two, f"rank{rank}.pt"))
+    resume(os.path.join(root, "resume"))
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Path:
-    """The file's one 2-process launch: the cases (``two``), then the resume (``resume``)."""
-    root = tmp_path_factory.mktemp("fsdp")
-    script = root / "fsdp_worker.py"
-    script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
-    _torchrun(script, root / "two")
+def launched(launch, launch_inputs) -> Path:
+    """The folder of this file's part of the suite's shared launch (tests/launches.py, :func:`two_processes`):
+    the cases (``two``), then the resume (``resume``)."""
+    root = launch_inputs / "distill_fsdp"
+    assert (root / "two" / "rank1.pt").exists() and (root / "resume" / "stopped.json").exists(), (
+        launch.stderr[-4000:]
+    )
     return root
 
 
 def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sharded(launched, tmp_path):
-    from gdnprune.distill.fsdp import optimizer_bytes
-
     ranks = [torch.load(launched / "two" / f"rank{r}.pt") for r in (0, 1)]
     for name, (heterogeneous, _, tied) in CASES.items():
         teacher, student, one = run_case(name, tmp_path / "one" / name)
@@ -220,7 +195,7 @@ def _resume_run(out: str, **extra) -> dict:
 def resume(root: str) -> None:
     """On the launch's ranks (after the cases): the uninterrupted run, the run SIGTERM stops after step 2,
     what its checkpoint folder then holds (``stopped.json``, rank 0), and the resume from it. The resume runs
-    in the same launch (a second torchrun costs more than the runs): it starts from the checkpoint folder
+    in the same launch (a second launch costs more than the runs): it starts from the checkpoint folder
     alone, with a fresh model and trainer, as a new process would."""
     _resume_run(os.path.join(root, "straight"))
     result = _resume_run(os.path.join(root, "run"), callbacks=[_Term()])
