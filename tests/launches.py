@@ -14,7 +14,8 @@ workers run the CLI in turn:
   (test_eval), ``score`` (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
-  (test_distill); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
+  (test_distill); an MoE student's distillation, stopped by SIGTERM and resumed, under DDP and FSDP2
+  (test_distill_pipeline); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
   distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 import transformers
 from helpers import corpus_docs, mixed_mc_folder, write_jsonl
+from test_distill_pipeline import build_moe_student
 from test_sharded_loading import build_folders
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
@@ -141,6 +143,11 @@ WORKER = textwrap.dedent(
     from test_distill import ddp_run
     with contextlib.redirect_stderr(io.StringIO()):
         ddp_run(out + "/distill_two.pt")
+    # an MoE student's run, the run SIGTERM stops and its resume, under DDP then FSDP2 (test_distill_pipeline;
+    # before the other FSDP2 runs)
+    from test_distill_pipeline import moe_resume
+    with contextlib.redirect_stderr(io.StringIO()):
+        moe_resume(os.path.dirname(model) + "/pipeline_moe")
     # loading into FSDP2 shards, then distillations under FSDP2 (test_sharded_loading)
     from test_sharded_loading import load_and_distill
     with contextlib.redirect_stderr(io.StringIO()):
@@ -253,8 +260,8 @@ def _locked(folder: Path) -> Iterator[Path]:
 def shared_inputs(folder: Path) -> Path:
     """The launch's inputs in the shared ``folder``, written by the first worker asking: its model (``model``),
     calibration text (``calib.txt``), the eval's text (``val.txt``) and task folder
-    (:func:`helpers.mixed_mc_folder`), 3 JSONL shards (``shards``) and the folders test_sharded_loading loads
-    (``sharded_loading``). Returns the folder holding them."""
+    (:func:`helpers.mixed_mc_folder`), 3 JSONL shards (``shards``), the folders test_sharded_loading loads
+    (``sharded_loading``) and test_distill_pipeline's MoE student (``pipeline_moe``). Returns the folder holding them."""
     with _locked(folder) as root:
         if not (root / "model" / "config.json").exists():
             write_text(root / "calib.txt")
@@ -267,6 +274,8 @@ def shared_inputs(folder: Path) -> Path:
                 write_jsonl(root / "shards" / f"{i}.jsonl", corpus_docs(f"shard{i}", 40))
             shutil.rmtree(root / "sharded_loading", ignore_errors=True)
             build_folders(root / "sharded_loading")
+            shutil.rmtree(root / "pipeline_moe", ignore_errors=True)
+            build_moe_student(root / "pipeline_moe")
             build_model(root / "model")
         return root
 
