@@ -261,9 +261,13 @@ def shared_inputs(folder: Path) -> Path:
     """The launch's inputs in the shared ``folder``, written by the first worker asking: its model (``model``),
     calibration text (``calib.txt``), the eval's text (``val.txt``) and task folder
     (:func:`helpers.mixed_mc_folder`), 3 JSONL shards (``shards``), the folders test_sharded_loading loads
-    (``sharded_loading``) and test_distill_pipeline's MoE student (``pipeline_moe``). Returns the folder holding them."""
+    (``sharded_loading``) and test_distill_pipeline's MoE student (``pipeline_moe``). Returns the folder
+    holding them; once they are all written (``inputs.done``), without waiting for the lock, which the launch
+    holds while it runs."""
+    if (folder / "launch" / "inputs.done").exists():
+        return folder / "launch"
     with _locked(folder) as root:
-        if not (root / "model" / "config.json").exists():
+        if not (root / "inputs.done").exists():
             write_text(root / "calib.txt")
             (root / "val.txt").write_text(validation_text()[: 256 * 5], encoding="utf-8")
             shutil.rmtree(root / "mixed_mc_tasks", ignore_errors=True)
@@ -277,6 +281,7 @@ def shared_inputs(folder: Path) -> Path:
             shutil.rmtree(root / "pipeline_moe", ignore_errors=True)
             build_moe_student(root / "pipeline_moe")
             build_model(root / "model")
+            (root / "inputs.done").touch()
         return root
 
 
