@@ -1,6 +1,7 @@
-"""Distillation on FSDP2 (CPU, gloo, 2 processes: a part of the suite's shared launch, tests/launches.py): the 1-process loss curve and weights, real sharding of the
-student (parameters, optimizer state) and of the teacher, the gathered output folder, the memory estimate
-against the tensors held, and resume from sharded checkpoints after SIGTERM."""
+"""Distillation on FSDP2 (CPU, gloo, 2 processes: a part of the suite's shared launch, tests/launches.py): the
+1-process loss curve and weights, real sharding of the student (parameters, optimizer state) and of the
+teacher, the gathered output folder, the memory estimate against the tensors held, and resume from sharded
+checkpoints after SIGTERM."""
 
 import json
 import os

@@ -49,10 +49,8 @@ def pruned(root, launch_inputs):
     made: dict[tuple[str, bool], Path] = {}
 
     def get(family: str, uniform: bool) -> Path:
-        if (family, uniform) == (
-            MOE,
-            False,
-        ):  # the shared launch's student (tests/launches.py), the same prune
+        # the per-layer MoE student: the shared launch's (tests/launches.py), the same prune
+        if family == MOE and not uniform:
             return launch_inputs / "pipeline_moe" / "student"
         if (family, uniform) not in made:
             out = root / f"{family}_{'uniform' if uniform else 'layers'}"
