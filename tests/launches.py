@@ -14,7 +14,9 @@ workers run the CLI in turn:
   (test_eval), ``score`` (activation), a ``score`` whose data
   is missing on rank 1 (a user error) and a ``score`` where rank 1 is stuck while rank 0 times out; each
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
-  (test_distill);
+  (test_distill); an MoE student's distillation, stopped by SIGTERM and resumed, under DDP and FSDP2
+  (test_distill_pipeline); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
+  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
   it (test_first_hour).
@@ -40,6 +42,8 @@ from pathlib import Path
 import torch
 import transformers
 from helpers import corpus_docs, mixed_mc_folder, write_jsonl
+from test_distill_pipeline import build_moe_student
+from test_sharded_loading import build_folders
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
 from gdnprune.demo_data import build_byte_tokenizer, demo_model_path, train_text, validation_text
@@ -139,6 +143,19 @@ WORKER = textwrap.dedent(
     from test_distill import ddp_run
     with contextlib.redirect_stderr(io.StringIO()):
         ddp_run(out + "/distill_two.pt")
+    # an MoE student's run, the run SIGTERM stops and its resume, under DDP then FSDP2 (test_distill_pipeline;
+    # before the other FSDP2 runs)
+    from test_distill_pipeline import moe_resume
+    with contextlib.redirect_stderr(io.StringIO()):
+        moe_resume(os.path.dirname(model) + "/pipeline_moe")
+    # loading into FSDP2 shards, then distillations under FSDP2 (test_sharded_loading)
+    from test_sharded_loading import load_and_distill
+    with contextlib.redirect_stderr(io.StringIO()):
+        load_and_distill(os.path.dirname(model) + "/sharded_loading")
+    # distillation under FSDP2: the cases, a run stopped by SIGTERM and its resume (test_distill_fsdp)
+    from test_distill_fsdp import two_processes
+    with contextlib.redirect_stderr(io.StringIO()):
+        two_processes(os.path.dirname(model) + "/distill_fsdp")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
     os.chdir(interrupted)
     sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))
@@ -207,7 +224,7 @@ def run_launch(model_dir: Path, text_file: Path, moe: Path, folder: Path) -> Lau
             argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True
         )
         try:
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + 600  # the launch runs many commands: a bound on a hang
             while proc.poll() is None and time.monotonic() < deadline and not _scoring(folder, err_path):
                 time.sleep(0.5)  # until rank 0's progress bar shows the windows being scored
             running = proc.poll() is None
@@ -243,9 +260,14 @@ def _locked(folder: Path) -> Iterator[Path]:
 def shared_inputs(folder: Path) -> Path:
     """The launch's inputs in the shared ``folder``, written by the first worker asking: its model (``model``),
     calibration text (``calib.txt``), the eval's text (``val.txt``) and task folder
-    (:func:`helpers.mixed_mc_folder`), and 3 JSONL shards (``shards``). Returns the folder holding them."""
+    (:func:`helpers.mixed_mc_folder`), 3 JSONL shards (``shards``), the folders test_sharded_loading loads
+    (``sharded_loading``) and test_distill_pipeline's MoE student (``pipeline_moe``). Returns the folder
+    holding them; once they are all written (``inputs.done``), without waiting for the lock, which the launch
+    holds while it runs."""
+    if (folder / "launch" / "inputs.done").exists():
+        return folder / "launch"
     with _locked(folder) as root:
-        if not (root / "model" / "config.json").exists():
+        if not (root / "inputs.done").exists():
             write_text(root / "calib.txt")
             (root / "val.txt").write_text(validation_text()[: 256 * 5], encoding="utf-8")
             shutil.rmtree(root / "mixed_mc_tasks", ignore_errors=True)
@@ -254,7 +276,12 @@ def shared_inputs(folder: Path) -> Path:
             (root / "shards").mkdir()
             for i in range(3):
                 write_jsonl(root / "shards" / f"{i}.jsonl", corpus_docs(f"shard{i}", 40))
+            shutil.rmtree(root / "sharded_loading", ignore_errors=True)
+            build_folders(root / "sharded_loading")
+            shutil.rmtree(root / "pipeline_moe", ignore_errors=True)
+            build_moe_student(root / "pipeline_moe")
             build_model(root / "model")
+            (root / "inputs.done").touch()
         return root
 
 

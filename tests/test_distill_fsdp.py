@@ -1,19 +1,22 @@
-"""Distillation on FSDP2 (CPU, gloo, 2 processes): the 1-process loss curve and weights, real sharding of the
-student (parameters, optimizer state) and of the teacher, the gathered output folder, the memory estimate
-against the tensors held, and resume from sharded checkpoints after SIGTERM."""
+"""Distillation on FSDP2 (CPU, gloo, 2 processes: a part of the suite's shared launch, tests/launches.py): the
+1-process loss curve and weights, real sharding of the student (parameters, optimizer state) and of the
+teacher, the gathered output folder, the memory estimate against the tensors held, and resume from sharded
+checkpoints after SIGTERM."""
 
+import json
 import os
-import subprocess
-import sys
-import textwrap
+import signal
+from pathlib import Path
 
 import pytest
 import torch
 from test_distill import HALF, SHAPE, pair, sliced, windows
 from tiny_models import build_model, make_config
+from transformers import TrainerCallback
 
 from gdnprune import load_pretrained
-from gdnprune.distill import distill
+from gdnprune.distill import distill, estimate_memory
+from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
 from gdnprune.loading import slice_model
 
 CASES = {  # name -> (heterogeneous student, lm_weight, tied embeddings)
@@ -70,61 +73,48 @@ def run_case(name, out, **options):
     return teacher, student, result
 
 
-_WORKER = textwrap.dedent("""
-    import os, sys
-    import torch
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from test_distill_fsdp import CASES, run_case
-    from gdnprune.distill import estimate_memory
-    from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
-    from test_distill_fsdp import make_pair
-
-    root = sys.argv[1]
+def two_processes(root: str) -> None:
+    """On the 2 ranks of the suite's shared launch (tests/launches.py): every case under FSDP2, each rank's
+    report in ``two/rank<R>.pt``, then the SIGTERM run and its resume in ``resume`` (:func:`resume`)."""
     rank = int(os.environ["RANK"])
-    report = {{}}
+    two = os.path.join(root, "two")
+    report: dict = {}
     for name in CASES:
-        teacher, student, result = run_case(name, os.path.join(root, name), fsdp=True)
+        teacher, student, result = run_case(name, os.path.join(two, name), fsdp=True)
         trainer = result["trainer"]
         fresh_teacher, fresh_student = make_pair(CASES[name][0], CASES[name][2])
         estimate = estimate_memory(fresh_student, fresh_teacher, processes=2, fsdp=True, teacher_sharded=True)
-        report[name] = {{
-            "losses": [h["loss"] for h in result["history"] if "loss" in h], "eval": result["eval"],
-            "config": result["config"], "student": local_bytes(trainer.model), "teacher": local_bytes(teacher),
+        report[name] = {
+            "losses": [h["loss"] for h in result["history"] if "loss" in h],
+            "eval": result["eval"],
+            "config": result["config"],
+            "student": local_bytes(trainer.model),
+            "teacher": local_bytes(teacher),
             "optimizer": optimizer_bytes(trainer.optimizer),
             "estimate": (estimate.student_parameters, estimate.optimizer_state, estimate.teacher_parameters),
-        }}
+        }
     # FSDP2's activation checkpointing (a pass-through option) gives the same run
-    _, _, result = run_case("uniform_mix", os.path.join(root, "checkpointed"), fsdp=True, gradient_checkpointing=True)
+    _, _, result = run_case(
+        "uniform_mix", os.path.join(two, "checkpointed"), fsdp=True, gradient_checkpointing=True
+    )
     report["checkpointed"] = [h["loss"] for h in result["history"] if "loss" in h]
-    torch.save(report, os.path.join(root, f"rank{{rank}}.pt"))
-""")
+    torch.save(report, os.path.join(two, f"rank{rank}.pt"))
+    resume(os.path.join(root, "resume"))
 
 
-def _torchrun(script, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-        *map(str, args),
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
+@pytest.fixture(scope="module")
+def launched(launch, launch_inputs) -> Path:
+    """The folder of this file's part of the suite's shared launch (tests/launches.py, :func:`two_processes`):
+    the cases (``two``), then the resume (``resume``)."""
+    root = launch_inputs / "distill_fsdp"
+    assert (root / "two" / "rank1.pt").exists() and (root / "resume" / "stopped.json").exists(), (
+        launch.stderr[-4000:]
+    )
+    return root
 
 
-def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sharded(tmp_path):
-    from gdnprune.distill.fsdp import optimizer_bytes
-
-    script = tmp_path / "fsdp_worker.py"
-    script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
-    _torchrun(script, tmp_path / "two")
-    ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in (0, 1)]
+def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sharded(launched, tmp_path):
+    ranks = [torch.load(launched / "two" / f"rank{r}.pt") for r in (0, 1)]
     for name, (heterogeneous, _, tied) in CASES.items():
         teacher, student, one = run_case(name, tmp_path / "one" / name)
         two = ranks[0][name]
@@ -147,7 +137,7 @@ def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sha
         assert two["eval"]["lm_loss"] == pytest.approx(one["eval"]["lm_loss"], rel=1e-3), name
 
         # the output folder: the trained parameters, gathered; loadable as a normal checkpoint
-        out = tmp_path / "two" / name
+        out = launched / "two" / name
         loaded = load_pretrained(out, dtype=torch.float32)
         got, want = loaded.state_dict(), student.state_dict()
         start = make_pair(heterogeneous, tied)[1].state_dict()
@@ -185,53 +175,56 @@ def _umask():
     return mask
 
 
-_RESUME = textwrap.dedent("""
-    import os, signal, sys
-    import torch
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from transformers import TrainerCallback
-    from test_distill import pair, windows
-    from gdnprune.distill import distill
+class _Term(TrainerCallback):
+    """SIGTERM to rank 1 at the end of step 2: both ranks save and stop."""
 
-    class Term(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2 and int(os.environ["RANK"]) == 1:
-                os.kill(os.getpid(), signal.SIGTERM)  # one rank gets it: both save and stop
-
-    def run(out, **extra):
-        teacher, student = pair()
-        result = distill(student, teacher, windows(12), out, steps=5, batch_size=4, lr=3e-3, lm_weight=0.3,
-                         save_every=10, log_every=1, progress=False, fsdp=True, **extra)
-        if not result["interrupted"] and int(os.environ["RANK"]) == 0:
-            losses = [(h["step"], h["loss"]) for h in result["history"] if "loss" in h]
-            torch.save(losses, os.path.join(out, "losses.pt"))
-        return result
-
-    root, mode = sys.argv[1], sys.argv[2]
-    if mode == "first":  # the uninterrupted run, then the one that SIGTERM stops after step 2
-        run(os.path.join(root, "straight"))
-        result = run(os.path.join(root, "run"), callbacks=[Term()])
-        assert result["interrupted"] and result["steps"] == 2, result
-    else:
-        run(os.path.join(root, "run"), resume=True)
-""")
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and int(os.environ["RANK"]) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_resume_from_sharded_checkpoints_after_sigterm_equals_the_uninterrupted_run(tmp_path):
-    script = tmp_path / "resume_worker.py"
-    script.write_text(_RESUME.format(tests=os.path.dirname(__file__)))
-    _torchrun(script, tmp_path, "first")
-    checkpoint = tmp_path / "run" / "checkpoint-2"
-    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and (checkpoint / "optimizer_0").is_dir()
-    assert not (checkpoint / "model.safetensors").exists()  # sharded: each rank wrote its own part
-    assert not (tmp_path / "run" / "model.safetensors").exists()
-    _torchrun(script, tmp_path, "resume")
-    straight, resumed = (torch.load(tmp_path / d / "losses.pt") for d in ("straight", "run"))
+def _resume_run(out: str, **extra) -> dict:
+    teacher, student = pair()
+    result = distill(student, teacher, windows(12), out, steps=5, batch_size=4, lr=3e-3, lm_weight=0.3,
+                     save_every=10, log_every=1, progress=False, fsdp=True, **extra)  # fmt: skip
+    if not result["interrupted"] and int(os.environ["RANK"]) == 0:
+        losses = [(h["step"], h["loss"]) for h in result["history"] if "loss" in h]
+        torch.save(losses, os.path.join(out, "losses.pt"))
+    return result
+
+
+def resume(root: str) -> None:
+    """On the launch's ranks (after the cases): the uninterrupted run, the run SIGTERM stops after step 2,
+    what its checkpoint folder then holds (``stopped.json``, rank 0), and the resume from it. The resume runs
+    in the same launch (a second launch costs more than the runs): it starts from the checkpoint folder
+    alone, with a fresh model and trainer, as a new process would."""
+    _resume_run(os.path.join(root, "straight"))
+    result = _resume_run(os.path.join(root, "run"), callbacks=[_Term()])
+    assert result["interrupted"] and result["steps"] == 2, result
+    checkpoint = os.path.join(root, "run", "checkpoint-2")
+    stopped = {
+        "model_shards": os.path.isdir(os.path.join(checkpoint, "pytorch_model_fsdp_0")),
+        "optimizer_shards": os.path.isdir(os.path.join(checkpoint, "optimizer_0")),
+        "checkpoint_safetensors": os.path.exists(os.path.join(checkpoint, "model.safetensors")),
+        "run_safetensors": os.path.exists(os.path.join(root, "run", "model.safetensors")),
+    }
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(root, "stopped.json"), "w") as f:
+            json.dump(stopped, f)
+    _resume_run(os.path.join(root, "run"), resume=True)
+
+
+def test_resume_from_sharded_checkpoints_after_sigterm_equals_the_uninterrupted_run(launched):
+    root = launched / "resume"  # the launch's resume (:func:`resume`)
+    stopped = json.loads((root / "stopped.json").read_text())
+    assert stopped["model_shards"] and stopped["optimizer_shards"]  # the checkpoint after SIGTERM
+    assert not stopped["checkpoint_safetensors"]  # sharded: each rank wrote its own part
+    assert not stopped["run_safetensors"]
+    straight, resumed = (torch.load(root / d / "losses.pt") for d in ("straight", "run"))
     assert [s for s, _ in resumed] == [1, 2, 3, 4, 5] and [s for s, _ in straight] == [1, 2, 3, 4, 5]
     assert [v for _, v in resumed] == pytest.approx([v for _, v in straight], rel=1e-5)
-    a = load_pretrained(tmp_path / "straight", dtype=torch.float32).state_dict()
-    b = load_pretrained(tmp_path / "run", dtype=torch.float32).state_dict()
+    a = load_pretrained(root / "straight", dtype=torch.float32).state_dict()
+    b = load_pretrained(root / "run", dtype=torch.float32).state_dict()
     for key, value in a.items():
         torch.testing.assert_close(b[key], value, rtol=1e-5, atol=1e-6, msg=key)
 

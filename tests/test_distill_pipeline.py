@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -47,19 +44,17 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pruned(root):
+def pruned(root, launch_inputs):
     """``pruned(family, uniform)``: the folder `gdnprune prune --budget-params 0.5` writes (built once)."""
     made: dict[tuple[str, bool], Path] = {}
 
     def get(family: str, uniform: bool) -> Path:
+        # the per-layer MoE student: the shared launch's (tests/launches.py), the same prune
+        if family == MOE and not uniform:
+            return launch_inputs / "pipeline_moe" / "student"
         if (family, uniform) not in made:
             out = root / f"{family}_{'uniform' if uniform else 'layers'}"
-            # a coarser head-dim grid (--dim-step 1/4): the plan's search is not what these tests check
-            args = [
-                "prune", str(TRAINED / family), "--data", str(root / "train.txt"), "--budget-params", "0.5",
-                "--num-samples", "4", "--seq-len", "32", "--plan-samples", "2", "--dim-step", "1/4", "-q",
-                "-o", str(out),
-            ]  # fmt: skip
+            args = prune_args(family, root / "train.txt", out)
             assert main(args + (["--uniform"] if uniform else [])) == 0
             made[family, uniform] = out
         return made[family, uniform]
@@ -182,62 +177,78 @@ def test_a_vision_language_student_trains_its_text_part_only():
     assert all(p.requires_grad for p in moe.parameters())
 
 
-_WORKER = textwrap.dedent("""
-    import os, signal, sys, warnings
-    import torch
-    torch.set_num_threads(1)
-    from transformers import TrainerCallback
-    from gdnprune.distill import DistillConfig, distill_checkpoint
+class _Term(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and int(os.environ["RANK"]) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank gets it: both save and stop
 
-    class Term(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2 and int(os.environ["RANK"]) == 1:
-                os.kill(os.getpid(), signal.SIGTERM)  # one rank gets it: both save and stop
 
-    class OncePerParameter(TrainerCallback):
-        # the prepared optimizer holds every trainable parameter once (rank 1's shards of the [1, H]
-        # shared_expert_gate are empty: accelerate's re-pointing by address once collapsed them into one)
-        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            held = [id(p) for g in optimizer.param_groups for p in g["params"]]
-            trainable = {id(p) for p in model.parameters() if p.requires_grad}
-            assert len(held) == len(set(held)) and set(held) == trainable, (len(held), len(set(held)))
+class _OncePerParameter(TrainerCallback):
+    """The prepared optimizer holds every trainable parameter once (rank 1's shards of the [1, H]
+    shared_expert_gate are empty: accelerate's re-pointing by address once collapsed them into one)."""
 
-    student, teacher, data, root, mode = sys.argv[1:6]
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        held = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        assert len(held) == len(set(held)) and set(held) == trainable, (len(held), len(set(held)))
+
+
+def prune_args(family: str, data: Path, out: Path) -> list[str]:
+    """`gdnprune prune --budget-params 0.5` of the trained ``family``; a coarser head-dim grid (--dim-step 1/4):
+    the plan's search is not what these tests check."""
+    return [
+        "prune", str(TRAINED / family), "--data", str(data), "--budget-params", "0.5", "--num-samples", "4",
+        "--seq-len", "32", "--plan-samples", "2", "--dim-step", "1/4", "-q", "-o", str(out),
+    ]  # fmt: skip
+
+
+def build_moe_student(root: Path) -> None:
+    """The per-layer MoE student of :func:`moe_resume` (``student``) and its data (``train.txt``), made in
+    ``root`` (by tests/launches.py's shared_inputs); the tokenised windows cached in ``root / "cache"``."""
+    root.mkdir()
+    (root / "train.txt").write_text(train_text()[:20000])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GDNPRUNE_DATA_CACHE", str(root / "cache"))
+        assert main(prune_args(MOE, root / "train.txt", root / "student")) == 0
+
+
+def _moe_run(root: str, engine: str, out: str, callbacks=(), **extra) -> dict:
+    """A run of :func:`moe_resume` with ``engine`` (ddp or fsdp) into ``root/engine/out``."""
+    config = DistillConfig(
+        output_dir=os.path.join(root, engine, out), steps=4, batch_size=4, lr=3e-3, lm_weight=0.3,
+        save_every=10, log_every=1, progress=False, fsdp=engine == "fsdp", **extra,
+    )  # fmt: skip
+    student, data = os.path.join(root, "student"), os.path.join(root, "train.txt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = distill_checkpoint(
+            student, TRAINED / MOE, data, config, seq_len=32, num_samples=8,
+            callbacks=[*callbacks, _OncePerParameter()],
+        )  # fmt: skip
+    # under FSDP2 both MoE models (experts stored one tensor per expert) load straight into shards
+    assert not [w for w in caught if "loaded whole" in str(w.message)], engine
+    return result
+
+
+def moe_resume(root: str) -> None:
+    """On the 2 ranks of the suite's shared launch (tests/launches.py), for DDP then FSDP2: the uninterrupted
+    run of :func:`build_moe_student`'s student, the run SIGTERM stops after step 2, and its resume (in the same
+    launch: it starts from the checkpoint folder alone, with a fresh model and trainer, as a new process
+    would)."""
+    os.environ["GDNPRUNE_DATA_CACHE"] = os.path.join(root, "cache")  # not the user's datasets cache
     for engine in ("ddp", "fsdp"):
-        def run(out, callbacks=(), **extra):
-            config = DistillConfig(output_dir=os.path.join(root, engine, out), steps=4, batch_size=4, lr=3e-3,
-                                   lm_weight=0.3, save_every=10, log_every=1, progress=False,
-                                   fsdp=engine == "fsdp", **extra)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                result = distill_checkpoint(student, teacher, data, config, seq_len=32, num_samples=8,
-                                            callbacks=[*callbacks, OncePerParameter()])
-            # under FSDP2 both MoE models (experts stored one tensor per expert) load straight into shards
-            assert not [w for w in caught if "loaded whole" in str(w.message)], engine
-            return result
-        if mode == "first":
-            run("straight")
-            assert run("run", callbacks=[Term()])["interrupted"]
-        else:
-            assert run("run", resume=True)["steps"] == 4
-""")
+        _moe_run(root, engine, "straight")
+        assert _moe_run(root, engine, "run", callbacks=[_Term()])["interrupted"]
+        assert _moe_run(root, engine, "run", resume=True)["steps"] == 4
 
 
-def test_resume_of_an_moe_student_under_ddp_and_fsdp2_equals_the_uninterrupted_run(pruned, root, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    student = pruned(MOE, False)
-    for mode in ("first", "resume"):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(script), str(student), str(TRAINED / MOE), str(root / "train.txt"), str(tmp_path), mode]  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+def test_resume_of_an_moe_student_under_ddp_and_fsdp2_equals_the_uninterrupted_run(launch, launch_inputs):
+    """The runs of :func:`moe_resume`, a part of the suite's shared launch."""
+    root = launch_inputs / "pipeline_moe"
+    assert (root / "fsdp" / "run" / "model.safetensors").exists(), launch.stderr[-4000:]
     for engine in ("ddp", "fsdp"):
         a, b = (
-            load_pretrained(tmp_path / engine / d, dtype=torch.float32).state_dict()
-            for d in ("straight", "run")
+            load_pretrained(root / engine / d, dtype=torch.float32).state_dict() for d in ("straight", "run")
         )
         for name, value in a.items():
             torch.testing.assert_close(b[name], value, rtol=1e-5, atol=1e-6, msg=f"{engine} {name}")
-    shutil.rmtree(tmp_path / "ddp")

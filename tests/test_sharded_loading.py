@@ -1,4 +1,5 @@
-"""Loading into FSDP2 shards straight from the safetensors files (gloo, 2 processes, one shared run): the
+"""Loading into FSDP2 shards straight from the safetensors files (gloo, 2 processes: a part of the suite's
+shared launch, tests/launches.py): the
 gathered weights equal a whole load tensor for tensor for a uniform student, a heterogeneous student (also
 with its layers wrapped for activation checkpointing), a teacher stored in several shards (in bfloat16,
 loaded in float32), an FP8 block-scaled teacher (dequantized as transformers dequantizes it), an MoE model
@@ -12,25 +13,34 @@ tensor stored in no form sharded loading reads makes its model load whole, said 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from accelerate import PartialState
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_checkpoint import make_source
 from test_fp8 import make_fp8
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig
 
 from gdnprune import load_pretrained
-from gdnprune.checkpoint import slice_checkpoint
-from gdnprune.distill import DistillConfig
-from gdnprune.distill.fsdp import load_sharded_models
+from gdnprune.checkpoint import UnsortedInputWarning, slice_checkpoint
+from gdnprune.distill import DistillConfig, distill_checkpoint
+from gdnprune.distill.fsdp import (
+    has_checkpointed_layers,
+    load_sharded_models,
+    local_bytes,
+    shard_student,
+    shard_teacher,
+)
+from gdnprune.sharded_loading import load_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -59,56 +69,16 @@ FOLDERS = {  # name: (folder, how it is sharded)
 }
 TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
 
-_WORKER = textwrap.dedent("""
-    import functools, os, sys, warnings
-    import torch
-    torch.set_num_threads(1)
-    from accelerate import PartialState
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from gdnprune.distill import DistillConfig, distill_checkpoint
-    from gdnprune.distill.fsdp import has_checkpointed_layers, load_sharded_models, local_bytes, shard_student, shard_teacher
-    from gdnprune.sharded_loading import load_sharded
 
-    root, rank = sys.argv[1], int(os.environ["RANK"])
-    PartialState()
-    report = {{}}
-    shards = {{"student": shard_student, "teacher": shard_teacher,
-              "student_gc": functools.partial(shard_student, gradient_checkpointing=True)}}
-    mixed = DistillConfig(mixed_precision="bf16", fsdp=True)
-    for name, (folder, role) in {folders!r}.items():
-        path = os.path.join(root, folder)
-        if role == "student_bf16_mixed":
-            model, _ = load_sharded_models(path, path, "bfloat16", "bfloat16", config=mixed, teacher_sharded=False)
-        else:
-            model = load_sharded(path, shards[role], dtype=torch.float32)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        report[name] = {{"state": full, "buffers": {{k: v.clone() for k, v in model.named_buffers()}},
-                        "held": local_bytes(model),
-                        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-                        "wrapped": has_checkpointed_layers(model),
-                        "dtypes": sorted({{str(p.dtype) for p in model.parameters()}})}}
-    config = DistillConfig(steps=3, batch_size=4, lr=3e-3, lm_weight=0.3, log_every=1, fsdp=True, progress=False)
-    for mode in ("sharded", "whole", "sharded_gc", "whole_gc"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = distill_checkpoint(os.path.join(root, "hetero"), os.path.join(root, "teacher"),
-                                        os.path.join(root, "train.txt"), os.path.join(root, mode),
-                                        config=config.replace(gradient_checkpointing=mode.endswith("gc")),
-                                        seq_len=40, sharded_loading=mode.startswith("sharded"))
-        report[mode] = {{"losses": [h["loss"] for h in result["history"] if "loss" in h],
-                        "warnings": [str(w.message) for w in caught if "loaded whole" in str(w.message)]}}
-    if rank == 0:
-        torch.save(report, os.path.join(root, "report.pt"))
-""")
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """The folders, then the one two-process run over them; the first process's report."""
-    root = tmp_path_factory.mktemp("sharded_loading")
+def build_folders(root: Path) -> None:
+    """The folders the launch loads, made in ``root`` (by tests/launches.py's shared_inputs)."""
     teacher = make_source(root / "teacher", "qwen3_5", seed=31)
-    slice_checkpoint(teacher, root / "hetero", plan=PLAN, progress=False, self_contained=True)
-    slice_checkpoint(teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False)
+    with warnings.catch_warnings():  # whichever test asks for the launch first: not its warnings
+        warnings.simplefilter("ignore", UnsortedInputWarning)
+        slice_checkpoint(teacher, root / "hetero", plan=PLAN, progress=False, self_contained=True)
+        slice_checkpoint(
+            teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False
+        )
     whole = load_pretrained(teacher, dtype=torch.bfloat16)
     whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
     make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
@@ -120,25 +90,66 @@ def run(tmp_path_factory):
     text.save_pretrained(root / "vl_text")
     shutil.copy(root / "vl" / "model.safetensors", root / "vl_text" / "model.safetensors")
     (root / "train.txt").write_text(" ".join(["the model sorts heads and slices them"] * 200))
-    script = root / "worker.py"
-    script.write_text(_WORKER.format(folders=FOLDERS))
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-        "GDNPRUNE_DATA_CACHE": str(root / "cache"),
+
+
+def load_and_distill(root: str) -> None:
+    """On the 2 ranks of the suite's shared launch (tests/launches.py): each folder loaded into shards and
+    gathered, then the distillations; rank 0 saves the report (``report.pt``)."""
+    os.environ["GDNPRUNE_DATA_CACHE"] = os.path.join(root, "cache")  # not the user's datasets cache
+    PartialState()
+    report: dict = {}
+    shards = {
+        "student": shard_student,
+        "teacher": shard_teacher,
+        "student_gc": functools.partial(shard_student, gradient_checkpointing=True),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-    ]
-    done = subprocess.run([*cmd, str(root)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    mixed = DistillConfig(mixed_precision="bf16", fsdp=True)
+    for name, (folder, role) in FOLDERS.items():
+        path = os.path.join(root, folder)
+        if role == "student_bf16_mixed":
+            model, _ = load_sharded_models(
+                path, path, "bfloat16", "bfloat16", config=mixed, teacher_sharded=False
+            )
+        else:
+            model = load_sharded(path, shards[role], dtype=torch.float32)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        report[name] = {
+            "state": full,
+            "buffers": {k: v.clone() for k, v in model.named_buffers()},
+            "held": local_bytes(model),
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            "wrapped": has_checkpointed_layers(model),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        }
+    config = DistillConfig(
+        steps=3, batch_size=4, lr=3e-3, lm_weight=0.3, log_every=1, fsdp=True, progress=False
+    )
+    for mode in ("sharded", "whole", "sharded_gc", "whole_gc"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = distill_checkpoint(
+                os.path.join(root, "hetero"),
+                os.path.join(root, "teacher"),
+                os.path.join(root, "train.txt"),
+                os.path.join(root, mode),
+                config=config.replace(gradient_checkpointing=mode.endswith("gc")),
+                seq_len=40,
+                sharded_loading=mode.startswith("sharded"),
+            )
+        report[mode] = {
+            "losses": [h["loss"] for h in result["history"] if "loss" in h],
+            "warnings": [str(w.message) for w in caught if "loaded whole" in str(w.message)],
+        }
+    if int(os.environ["RANK"]) == 0:
+        torch.save(report, os.path.join(root, "report.pt"))
+
+
+@pytest.fixture(scope="module")
+def run(launch, launch_inputs):
+    """The folders and the first process's report of the two-process run over them: a part of the suite's
+    shared launch (tests/launches.py), whose ranks have imported torch and hold a process group already."""
+    root = launch_inputs / "sharded_loading"
+    assert (root / "report.pt").exists(), launch.stderr[-4000:]
     return root, torch.load(root / "report.pt")
 
 
