@@ -29,6 +29,7 @@ from .loading import empty_pretrained
 
 __all__ = ["load_sharded", "sharded_loading_names", "ShardedLoadingError", "StoredTensor"]
 
+
 def _disk_index(path: str | os.PathLike) -> dict[str, str]:
     """``{tensor name: safetensors file}`` of a model folder (headers only)."""
 
