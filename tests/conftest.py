@@ -1,6 +1,7 @@
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,29 @@ def launch_text(launch_inputs) -> Path:
 @pytest.fixture(scope="session")
 def launch(tmp_path_factory) -> Launch:
     return shared_launch(shared_folder(tmp_path_factory), MOE)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launch_in_background(request, tmp_path_factory):
+    """When any collected test reads the launch: start it with the session, in a thread of this worker, so that it
+    runs beside the other tests instead of being waited for by its first reader (whose ``launch`` then finds
+    its record, or waits on its lock for the rest). Joined at the session's end: no launch outlives pytest.
+    A failure here is left to the readers, which run the launch again and report it."""
+    if not any("launch" in item.fixturenames for item in request.session.items):
+        yield
+        return
+    folder = shared_folder(tmp_path_factory)
+
+    def run() -> None:
+        try:
+            shared_launch(folder, MOE)
+        except Exception:  # noqa: BLE001 - the readers' own call reports it
+            pass
+
+    thread = threading.Thread(target=run, name="launch", daemon=True)
+    thread.start()
+    yield
+    thread.join()
 
 
 # the plan tests' model folder with its scores (test_plan_search, test_plan_refine)
