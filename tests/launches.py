@@ -156,6 +156,10 @@ WORKER = textwrap.dedent(
     from test_distill_fsdp import two_processes
     with contextlib.redirect_stderr(io.StringIO()):
         two_processes(os.path.dirname(model) + "/distill_fsdp")
+    # the vocabulary-parallel loss and lookup against the whole formulas (test_vocab_parallel_loss)
+    from test_vocab_parallel_loss import vocab_parallel_run
+    with contextlib.redirect_stderr(io.StringIO()):
+        vocab_parallel_run(os.path.dirname(model) + "/vocab_parallel")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
     os.chdir(interrupted)
     sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))

@@ -1,6 +1,6 @@
 """The vocabulary-parallel loss and embedding (CPU, gloo, 2 processes) against the plain formulas on whole logits.
 
-One ``torch.distributed.run`` launch: each process holds its rows of head weights split by vocabulary (DTensors
+A part of the suite's shared 2-process launch (tests/launches.py): each process holds its rows of head weights split by vocabulary (DTensors
 ``Shard(0)``, 13 rows over 2 processes: 7 and 6, so the shards are uneven) and its own positions (7 and 5,
 some ignored); it computes the loss of its positions with :func:`distillation_loss`, its gradients, the
 evaluation terms and a vocabulary-parallel embedding lookup. The reference is computed here, in one process,
@@ -14,12 +14,10 @@ backward: the gradients FSDP2 leaves on the shards equal one process's on the wh
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from gdnprune.distill import distillation_loss, kd_loss
@@ -57,19 +55,18 @@ def inputs(rank: int, bias: bool) -> dict[str, torch.Tensor]:
     }
 
 
-_WORKER = textwrap.dedent("""
-    import os, sys
-    import torch
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    import torch.distributed as dist
+def vocab_parallel_run(root: str) -> None:
+    """On the 2 ranks of the suite's shared launch (tests/launches.py), its process group already up: every case,
+    the FSDP2-sharded tiny models and the embedding lookup; each rank's report in ``root/rank<R>.pt``."""
+    from test_distill import windows
+    from test_distill_fsdp import make_pair
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from test_vocab_parallel_loss import CASES, inputs
-    from gdnprune.distill.loss import distillation_loss, head_terms
+
+    from gdnprune.distill.fsdp import shard_student, shard_teacher, vocab_sharded
+    from gdnprune.distill.loss import head_terms
     from gdnprune.distill.vocab_parallel import embedding
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
 
@@ -80,7 +77,7 @@ _WORKER = textwrap.dedent("""
         module.bias = None if bias is None else torch.nn.Parameter(split(bias), requires_grad=grad)
         return module
 
-    report = {{}}
+    report = {}
     for name, (temperature, kd_w, lm_w, bias, chunk, teacher_sharded) in CASES.items():
         x = inputs(rank, bias)
         student = head(x["weight"], x["bias"], True, True)
@@ -88,36 +85,34 @@ _WORKER = textwrap.dedent("""
         hidden = x["hidden"].clone().requires_grad_(True)
         t_hidden = x["t_hidden"] if kd_w else None
         out = distillation_loss(hidden, t_hidden, student, teacher if kd_w else None, x["labels"],
-                                temperature=temperature, kd_weight=kd_w, lm_weight=lm_w, chunk_size=chunk)
+                                temperature=temperature, kd_weight=kd_w, lm_weight=lm_w, chunk_size=chunk)  # fmt: skip
         out.loss.backward()
-        kd, lm, t_lm = head_terms(x["hidden"], student, x["t_hidden"], teacher, x["labels"], temperature, chunk)
-        report[name] = {{
+        kd, lm, t_lm = head_terms(
+            x["hidden"], student, x["t_hidden"], teacher, x["labels"], temperature, chunk
+        )
+        report[name] = {
             "loss": out.loss.detach(), "kd": out.kd, "lm": out.lm, "hidden_grad": hidden.grad,
             "weight_grad": student.weight.grad.full_tensor(),
             "bias_grad": None if student.bias is None else student.bias.grad.full_tensor(),
             "local_grad_rows": student.weight.grad.to_local().shape[0],
             "terms": (kd, lm, t_lm),
-        }}
+        }  # fmt: skip
     # FSDP2: tiny models sharded as distillation shards them, one loss and backward on each process's windows
-    from test_distill import windows
-    from test_distill_fsdp import make_pair
-    from test_vocab_parallel_loss import step_loss
-    from gdnprune.distill.fsdp import shard_student, shard_teacher, vocab_sharded
     for tied in (False, True):
         teacher, student = make_pair(False, tied)
         shard_student(student)
         shard_teacher(teacher)
         assert vocab_sharded(student) and vocab_sharded(teacher)
         step_loss(student, teacher, windows(4)[2 * rank : 2 * rank + 2], via=student).backward()
-        report[f"fsdp_tied={{tied}}"] = {{n: p.grad.full_tensor() for n, p in student.named_parameters()}}
+        report[f"fsdp_tied={tied}"] = {n: p.grad.full_tensor() for n, p in student.named_parameters()}
     x = inputs(rank, False)
     table = torch.nn.Parameter(distribute_tensor(x["weight"], mesh, [Shard(0)]))
     looked_up = embedding(x["ids"], table)
     (looked_up * x["out_grad"]).sum().backward()
-    report["embedding"] = {{"out": looked_up.detach(), "grad": table.grad.full_tensor()}}
-    torch.save(report, os.path.join(sys.argv[1], f"rank{{rank}}.pt"))
-    dist.destroy_process_group()
-""")
+    report["embedding"] = {"out": looked_up.detach(), "grad": table.grad.full_tensor()}
+    os.makedirs(root, exist_ok=True)
+    torch.save(report, os.path.join(root, f".rank{rank}.pt"))
+    os.rename(os.path.join(root, f".rank{rank}.pt"), os.path.join(root, f"rank{rank}.pt"))
 
 
 def step_loss(student, teacher, ids, via=None):
@@ -140,23 +135,11 @@ def step_loss(student, teacher, ids, via=None):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vocab_parallel")
-    script = folder / "worker.py"
-    script.write_text(_WORKER.format(tests=os.path.dirname(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-    ]
-    done = subprocess.run([*cmd, str(folder)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+def ranks(launch, launch_inputs):
+    """Each rank's report from this file's part of the suite's shared launch (:func:`vocab_parallel_run`)."""
+    root = launch_inputs / "vocab_parallel"
+    assert (root / "rank1.pt").exists(), launch.stderr[-4000:]
+    return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 def reference(name: str, rank: int) -> dict[str, torch.Tensor]:
