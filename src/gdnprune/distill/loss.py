@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .vocab_parallel import VocabShard, local_rows, vocab_parallel_terms, vocab_shard
+from .vocab_parallel import VocabShard, add_chunk_gradients, local_rows, vocab_parallel_terms, vocab_shard
 
 __all__ = [
     "kd_loss",
@@ -105,16 +105,8 @@ def position_terms(
         with torch.no_grad():
             g = _chunk_terms(h, y, ok, head, t_h, teacher_head, temperature, grad_scale, teacher_lm,
                              (kd[rows], lm[rows], t_lm[rows]))  # fmt: skip
-            if grads is None or g is None:
-                continue
-            g_hidden, g_weight, g_bias = grads
-            g_hidden[rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if h.dtype == torch.float32:  # accumulated in place: no second vocabulary x hidden buffer
-                g_weight.addmm_(g.t(), h)
-            else:
-                g_weight += (g.t().to(h.dtype) @ h).float()
-            if g_bias is not None:
-                g_bias += g.sum(0)
+            if grads is not None and g is not None:
+                add_chunk_gradients(grads, rows, g, h, weight)
     return kd, lm, t_lm, grads
 
 

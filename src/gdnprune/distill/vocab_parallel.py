@@ -30,7 +30,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["VocabShard", "vocab_shard", "local_rows", "embedding", "vocab_parallel_terms"]
+__all__ = [
+    "VocabShard",
+    "vocab_shard",
+    "local_rows",
+    "embedding",
+    "vocab_parallel_terms",
+    "add_chunk_gradients",
+]
 
 # torch 2.13 renamed these two collectives (the old names warn); pyproject allows torch >= 2.4
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -250,7 +257,7 @@ def vocab_parallel_terms(
             scales = (None if a is None else a[rows], None if b is None else b[rows])
             g_z = _logit_gradient(parts, z, lse[1, rows], temperature, *scales, mine, y)
             if g_z is not None:
-                _add_gradients(grads, rows, g_z, h, weight)
+                add_chunk_gradients(grads, rows, g_z, h, weight)
     sums = torch.stack([kd, lm_target, t_target])
     dist.all_reduce(sums, group=group)
     own = slice(shard.rank * g.rows, shard.rank * g.rows + n)
@@ -265,10 +272,11 @@ def vocab_parallel_terms(
     return *out, (g_hidden, g_weight.div_(shard.world), None if g_bias is None else g_bias.div_(shard.world))
 
 
-def _add_gradients(grads, rows: slice, g_z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:
-    """One chunk's logit gradient ``g_z`` added into ``grads = (hidden, weight rows, bias rows)``."""
+def add_chunk_gradients(grads, rows: slice, g_z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:
+    """One chunk's logit gradient ``g_z`` added into ``grads = (hidden, weight rows, bias rows)`` (the whole
+    head's rows in :func:`gdnprune.distill.loss.position_terms`, this process's here)."""
     g_hidden, g_weight, g_bias = grads
-    g_hidden[rows] = (g_z.to(weight.dtype) @ weight).float()
+    g_hidden[rows] = (g_z.to(weight.dtype) @ weight).to(g_hidden.dtype)
     if h.dtype == torch.float32:  # accumulated in place: no second rows x hidden buffer
         g_weight.addmm_(g_z.t(), h)
     else:
