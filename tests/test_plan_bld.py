@@ -20,7 +20,7 @@ from gdnprune.forwards import parent_and_name
 from gdnprune.geometry import GDNShape, orders_from_payload
 from gdnprune.layouts import find_gdn_modules
 from gdnprune.plan.api import SENSITIVITIES as LIBRARY_SENSITIVITIES
-from gdnprune.plan.bld import DEFAULT_STEPS, bld_sensitivity, distill_block
+from gdnprune.plan.bld import DEFAULT_STEPS, bld_sensitivity, block_error, distill_block, evaluation_batches
 from gdnprune.plan.sensitivity import LayerToPlan, candidate_module, measured_sensitivity, sorted_state
 from gdnprune.scoring import score_model
 
@@ -61,7 +61,7 @@ def _block_data(model, batches, module):
             model(input_ids=x, use_cache=False)
     pre.remove()
     post.remove()
-    return [(tuple(a), dict(k), y) for a, k, y in seen]
+    return [(tuple(a), dict(k), y[0] if isinstance(y, tuple) else y) for a, k, y in seen]
 
 
 def _error(module, data) -> float:
@@ -87,6 +87,38 @@ def test_a_bld_trained_candidate_reproduces_its_block_better_than_the_one_shot_c
         assert all(torch.equal(v, weights[k]) for k, v in cut.state_dict().items())
 
 
+@pytest.mark.parametrize("block", ["linear_attn", "self_attn", "mlp"])
+def test_joined_batches_give_every_batch_s_block_output(setup, block):
+    """The block errors run on the calibration batches joined into one: the same outputs as batch by batch."""
+    model = setup[0]
+    x = torch.randint(0, 128, (4, 40), generator=torch.Generator().manual_seed(1))
+    layer = next(m for m in model.model.layers if hasattr(m, block))
+    module = getattr(layer, block)
+    data = _block_data(model, [x[:3], x[3:]], module)  # batches of 3 windows and 1
+    joined = evaluation_batches(data)
+    assert len(joined) == 1 and joined[0][2].shape[0] == 4
+    args, kwargs, _ = joined[0]
+    with torch.no_grad():
+        out = module(*args, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(out, torch.cat([y for _, _, y in data]), rtol=1e-5, atol=1e-6)
+    assert block_error(module, joined, torch.float32) < 1e-10
+    # a token limit keeps the batches apart; batches of another structure do not join
+    assert [e[2].shape[0] for e in evaluation_batches(data, max_tokens=100)] == [3, 1]
+    odd = [data[0], (data[1][0], {**data[1][1], "extra": 1}, data[1][2])]
+    assert len(evaluation_batches(odd)) == 2
+
+
+def test_a_cut_s_block_error_is_the_same_joined_or_batch_by_batch(setup):
+    model, batches, layer = setup
+    data = _block_data(model, batches, layer.module)
+    cut = candidate_module(layer, sorted_state(layer), TARGETS[1], model.config, torch.device("cpu"))
+    assert len(evaluation_batches(data)) == 1
+    assert block_error(cut, evaluation_batches(data), torch.float32) == pytest.approx(
+        _error(cut, data), rel=1e-5
+    )
+
+
 def test_bld_sensitivity_is_the_kl_of_the_model_with_the_recovered_block(setup):
     model, batches, layer = setup
     steps = 6
@@ -98,8 +130,9 @@ def test_bld_sensitivity_is_the_kl_of_the_model_with_the_recovered_block(setup):
     with torch.no_grad():
         teacher = model(input_ids=x).logits.log_softmax(-1)
     kl = result["kl"][layer.prefix]
-    # the full geometry: nothing to recover, the same function
-    assert abs(kl[0]) < 1e-6 and result["bld"]["error"][layer.prefix][0] < 1e-10
+    # the full geometry: the sorted block, the same function (not trained, not measured, as `measured`)
+    assert kl[0] == 0.0 and result["bld"]["error"][layer.prefix][0] == 0.0
+    assert result["loss"][layer.prefix][0] == one_shot["loss"][layer.prefix][0] == result["base_loss"]
     for k, target in enumerate(TARGETS, start=1):
         cut = candidate_module(layer, state, target, model.config, torch.device("cpu"))
         trained, before, after = distill_block(cut, data, steps=steps, lr=1e-3)

@@ -38,7 +38,15 @@ from ..forwards import Forwards, Stop, model_inputs, parent_and_name, run_with_h
 from .halving import gather_over_ranks, rank_share
 from .sensitivity import LayerToPlan, candidate_module, sorted_state
 
-__all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "bld_sensitivity", "block_error", "block_inputs", "distill_block"]
+__all__ = [
+    "DEFAULT_LR",
+    "DEFAULT_STEPS",
+    "bld_sensitivity",
+    "block_error",
+    "block_inputs",
+    "distill_block",
+    "evaluation_batches",
+]
 
 #: default BLD steps per candidate and AdamW learning rate
 DEFAULT_STEPS, DEFAULT_LR = 20, 1e-3
@@ -94,6 +102,82 @@ def _call(module: torch.nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype
     return _output(module(*_map(args, move), **_map(kwargs, move)))
 
 
+def _batch_size(entry: tuple[tuple, dict, torch.Tensor]) -> int:
+    return int(entry[2].shape[0]) if entry[2].dim() else 0
+
+
+class _Apart(Exception):
+    """Cached batches that do not join into one."""
+
+
+def _joined(values: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """One value from the same argument of several batches (``sizes``: their windows): tensors with a first
+    dimension of their batch's size concatenated along it, anything else kept when every batch has it the same."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if all(isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n for v, n in zip(values, sizes)):
+            if any(v.shape[1:] != first.shape[1:] for v in values):
+                raise _Apart
+            return torch.cat(list(values))
+        if all(
+            isinstance(v, torch.Tensor) and v.shape == first.shape and torch.equal(v, first) for v in values
+        ):
+            return first
+        raise _Apart
+    if isinstance(first, tuple | list):
+        if any(not isinstance(v, type(first)) or len(v) != len(first) for v in values):
+            raise _Apart
+        return type(first)(_joined([v[k] for v in values], sizes) for k in range(len(first)))
+    if isinstance(first, dict):
+        if any(not isinstance(v, dict) or v.keys() != first.keys() for v in values):
+            raise _Apart
+        return {key: _joined([v[key] for v in values], sizes) for key in first}
+    if all(v is first or v == first for v in values):
+        return first
+    raise _Apart
+
+
+def _join(entries: Sequence[tuple[tuple, dict, torch.Tensor]]) -> tuple[tuple, dict, torch.Tensor] | None:
+    """Cached ``(args, kwargs, output)`` batches as one batch (:func:`_joined`), None where they do not join."""
+    if len(entries) == 1:
+        return entries[0]
+    sizes = [int(e[2].shape[0]) if e[2].dim() else 0 for e in entries]
+    try:
+        args = _joined([e[0] for e in entries], sizes)
+        kwargs = _joined([e[1] for e in entries], sizes)
+        return args, kwargs, _joined([e[2] for e in entries], sizes)
+    except _Apart:
+        return None
+
+
+def evaluation_batches(
+    data: Sequence[tuple[tuple, dict, torch.Tensor]], max_tokens: int = 1 << 16
+) -> list[tuple[tuple, dict, torch.Tensor]]:
+    """The cached batches joined into as few as possible (consecutive batches, at most ``max_tokens`` tokens
+    each, where they join: :func:`_join`); a block evaluation over them equals one over ``data`` to float
+    rounding, and costs less (one call per joined batch: the GDN forward runs its chunks for all windows at
+    once)."""
+    out: list[tuple[tuple, dict, torch.Tensor]] = []
+    group: list[tuple[tuple, dict, torch.Tensor]] = []
+    tokens = 0
+
+    def flush() -> None:
+        if group:
+            joined = _join(group)
+            out.extend([joined] if joined is not None else group)
+            group.clear()
+
+    for entry in data:
+        n = int(entry[2][..., 0].numel())
+        if group and tokens + n > max_tokens:
+            flush()
+            tokens = 0
+        group.append(entry)
+        tokens += n
+    flush()
+    return out
+
+
 def block_error(
     module: torch.nn.Module, data: Sequence[tuple[tuple, dict, torch.Tensor]], dtype: torch.dtype
 ) -> float:
@@ -114,16 +198,20 @@ def distill_block(
     *,
     steps: int = DEFAULT_STEPS,
     lr: float = DEFAULT_LR,
+    evaluation: Sequence[tuple[tuple, dict, torch.Tensor]] | None = None,
 ) -> tuple[torch.nn.Module, float, float]:
     """A copy of ``module`` trained for ``steps`` AdamW steps (float32, no weight decay) to reproduce the cached
     outputs from the cached inputs (one batch per step, in turn); ``(trained module, error before, error
-    after)`` (:func:`block_error`). The module is returned in its own dtype; ``module`` is not changed."""
+    after)`` (:func:`block_error` over ``evaluation``: the same batches joined, by default
+    :func:`evaluation_batches` of ``data``). The module is returned in its own dtype; ``module`` is not
+    changed."""
     dtype = next(module.parameters()).dtype
+    evaluation = evaluation_batches(data) if evaluation is None else evaluation
     student = copy.deepcopy(module).float().train()
     for p in student.parameters():
         p.data = p.data.detach().clone()
         p.requires_grad_(True)
-    before = block_error(student, data, torch.float32)
+    before = block_error(student, evaluation, torch.float32)
     if steps > 0 and before > 0:
         optimizer = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
         scale = sum(float(y.double().pow(2).sum()) for _, _, y in data) / len(data)
@@ -138,7 +226,7 @@ def distill_block(
     student.eval()
     for p in student.parameters():
         p.requires_grad_(False)
-    after = block_error(student, data, torch.float32) if steps > 0 and before > 0 else before
+    after = block_error(student, evaluation, torch.float32) if steps > 0 and before > 0 else before
     return student.to(dtype), before, after
 
 
@@ -213,13 +301,23 @@ def _layer_candidates(
     state = sorted_state(layer)
     device = next(iter(state.values())).device
     data = block_inputs(forwards, layer.module)
+    joined = evaluation_batches(data)
+    dtype = next(layer.module.parameters()).dtype
+    if len(joined) < len(data) and block_error(layer.module, joined, dtype) > 1e-4:
+        joined = data  # the joined batches do not give the block's own outputs: evaluate batch by batch
     parent, attr = parent_and_name(forwards.decoder.layers[i], layer.module)
     mine: dict[int, tuple[float, float, float, float]] = {}
     with forwards.from_layer(i) as measure:
         try:
             for c in rank_share(len(layer.candidates)):
+                if (
+                    layer.candidates[c] == layer.shape
+                ):  # the sorted block: the same function, nothing to learn
+                    mine[c] = (0.0, forwards.base_loss, 0.0, 0.0)
+                    bar.update(1)
+                    continue
                 cut = candidate_module(layer, state, layer.candidates[c], text_config, device)
-                trained, before, after = distill_block(cut, data, steps=steps, lr=lr)
+                trained, before, after = distill_block(cut, data, steps=steps, lr=lr, evaluation=joined)
                 chosen, error = (trained, after) if after <= before else (cut, before)
                 setattr(parent, attr, chosen)
                 kl, loss = measure()
