@@ -147,6 +147,12 @@ def test_bld_sensitivity_is_the_kl_of_the_model_with_the_recovered_block(setup):
         assert kl[k] == pytest.approx(reference, rel=1e-3, abs=1e-7)
         assert result["bld"]["error"][layer.prefix][k] == pytest.approx(after, rel=1e-4)
         assert after < before  # (a lower block error need not give a lower KL: not asserted)
+    # block errors batch by batch (no joined calls): the same table to float rounding
+    apart = bld_sensitivity(model, batches, [layer], steps=steps, lr=1e-3, progress=False, max_tokens=0)
+    for key in ("kl", "loss"):
+        assert apart[key][layer.prefix] == pytest.approx(result[key][layer.prefix], rel=1e-4, abs=1e-7)
+    for key in ("error_one_shot", "error"):
+        assert apart["bld"][key][layer.prefix] == pytest.approx(result["bld"][key][layer.prefix], rel=1e-4)
     # no step: the measured sensitivity
     none = bld_sensitivity(model, batches, [layer], steps=0, progress=False)
     assert none["kl"][layer.prefix] == pytest.approx(one_shot["kl"][layer.prefix], rel=1e-5, abs=1e-7)

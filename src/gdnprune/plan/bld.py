@@ -240,6 +240,7 @@ def bld_sensitivity(
     lr: float = DEFAULT_LR,
     progress: bool = True,
     max_logits: int = 1 << 24,
+    max_tokens: int = 1 << 16,
 ) -> dict[str, Any]:
     """KL from the unpruned model (per token) of every candidate of every group, cut alone and recovered by
     blockwise local distillation (``steps`` AdamW steps at ``lr`` on the block's own output).
@@ -251,6 +252,8 @@ def bld_sensitivity(
         lr: AdamW learning rate of the BLD steps.
         progress: a tqdm bar over the candidates.
         max_logits: logits computed at a time (chunks of tokens).
+        max_tokens: tokens per block call of the block errors (:func:`evaluation_batches`: the calibration
+            batches joined; 0: batch by batch, the same numbers to float rounding, slower).
 
     Returns:
         ``measured_sensitivity``'s dict (``kl``, ``loss``, ``base_loss``, ``tokens``, ``forwards``,
@@ -280,7 +283,7 @@ def bld_sensitivity(
     )
     try:
         for layer, i in zip(layers, index):
-            mine = _layer_candidates(forwards, layer, i, text_config, steps, lr, bar)
+            mine = _layer_candidates(forwards, layer, i, text_config, (steps, lr, max_tokens), bar)
             table = gather_over_ranks(mine)
             values = [table[c] for c in range(len(layer.candidates))]
             result["kl"][layer.prefix] = [v[0] for v in values]
@@ -295,13 +298,15 @@ def bld_sensitivity(
 
 
 def _layer_candidates(
-    forwards: Forwards, layer: Any, i: int, text_config: Any, steps: int, lr: float, bar: Any
+    forwards: Forwards, layer: Any, i: int, text_config: Any, how: tuple[int, float, int], bar: Any
 ) -> dict[int, tuple[float, float, float, float]]:
-    """This rank's share of one group's candidates: ``{candidate: (KL, loss, error one-shot, error)}``."""
+    """This rank's share of one group's candidates: ``{candidate: (KL, loss, error one-shot, error)}``;
+    ``how``: BLD steps, learning rate and tokens per evaluation call."""
+    steps, lr, max_tokens = how
     state = sorted_state(layer)
     device = next(iter(state.values())).device
     data = block_inputs(forwards, layer.module)
-    joined = evaluation_batches(data)
+    joined = evaluation_batches(data, max_tokens) if max_tokens > 0 else data
     dtype = next(layer.module.parameters()).dtype
     if len(joined) < len(data) and block_error(layer.module, joined, dtype) > 1e-4:
         joined = data  # the joined batches do not give the block's own outputs: evaluate batch by batch

@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""The BLD plan of ``benchmarks/after_recovery.py`` at several budgets from one BLD measurement (issue 31).
+
+``after_recovery.py --also-sensitivity bld`` searches the plan with ``--sensitivity bld`` at each budget; the
+BLD sensitivity of a candidate does not depend on the budget (every candidate of the same grid is trained and
+measured alike), so this script measures it once, at the first budget, through ``after_recovery``'s own
+:class:`Bench` (same model, scores, windows and options), then makes the exact choice at every other budget
+from the same sensitivities and stores each as the search ``after_recovery.py`` would have cached
+(``search_{budget}_bld.pkl`` in its ``--work`` folder; ``seconds``: the one measurement's). Then
+
+    python benchmarks/bld_after_recovery.py --budgets 0.5,0.35,0.75
+    python benchmarks/after_recovery.py --budgets 0.5 --also-sensitivity bld --json after_50.json
+
+distils the BLD plan and compares it with the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+from after_recovery import BLOCKS, Bench  # noqa: E402
+
+from gdnprune import demo_data  # noqa: E402
+from gdnprune.plan import PlanOptions  # noqa: E402
+from gdnprune.plan.candidates import AXES, parse_dim_step  # noqa: E402
+from gdnprune.plan.problem import Grid, build_problem, given_budgets  # noqa: E402
+from gdnprune.plan.stages import choose_plan  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", type=lambda t: [float(v) for v in t.split(",")], default=[0.5, 0.35, 0.75])
+    p.add_argument("--validation-windows", type=int, default=32)
+    p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "after_recovery")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    bench = Bench("bundled", demo_data.load_demo_model()[0], "pydoc", args)
+    first, *rest = args.budgets
+    t0 = time.perf_counter()
+    problem, sens, choice, seconds = bench.searched(first, "bld")
+    print(
+        f"BLD at {first:.0%}: {seconds:.0f} s = {seconds / bench.score_seconds:.1f}x the scoring pass",
+        flush=True,
+    )
+    groups = [(g.prefix, list(g.candidates)) for g in problem.groups]
+    for fraction in rest:
+        path = bench.work / f"search_{fraction}_bld.pkl"
+        options = PlanOptions(budget_params=bench.budget_params(fraction), blocks=BLOCKS, dim_step="1/4")
+        other = build_problem(
+            bench.model,
+            given_budgets(options.keywords()),
+            bench.scores["layers"],
+            context=None,
+            blocks=BLOCKS,
+            grid=Grid(parse_dim_step("1/4"), AXES),
+            orders_applied=False,
+            uniform=False,
+        )
+        if [(g.prefix, list(g.candidates)) for g in other.groups] != groups:
+            raise SystemExit(f"the candidates at {fraction} differ from those at {first}: measure it alone")
+        picks = choose_plan(other, sens, uniform=False).picks
+        path.write_bytes(
+            pickle.dumps({"sens": sens, "picks": picks, "seconds": seconds, "measured_at": first})
+        )
+        print(f"BLD plan at {fraction:.0%} from the same sensitivities: {picks}", flush=True)
+    print(f"{time.perf_counter() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
