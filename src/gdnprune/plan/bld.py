@@ -15,13 +15,17 @@ sub-block cut to one) is:
    the unpruned model per token, every other layer intact, every calibration window), so the exact choice
    sums recovered losses instead of one-shot ones.
 
-A candidate equal to the full geometry goes the same way (its block error is ~0, so the one-shot module is
-kept and its KL is ~0: a check of the whole path). Under ``torchrun`` every rank holds every batch and takes
-its share of each group's candidates; the results are gathered, so every rank returns the same table.
-The cost: per group, one forward up to the block per batch (its inputs) and, per candidate, ``steps``
-forward and backward passes of the block alone and two block evaluations on every batch (the error before
-and after), then the measurement's forwards from the block on (what the measured sensitivity costs). On
-the bundled model that is about 5x the measured sensitivity at 20 steps (BENCHMARKS.md, "BLD sensitivity").
+A candidate equal to the full geometry is the sorted block, the same function: KL 0 and the base loss, not
+trained or measured (as the measured sensitivity does). Under ``torchrun`` every rank holds every batch and
+takes its share of each group's candidates; the results are gathered, so every rank returns the same table.
+The cost: per group, one forward up to the block per batch (its inputs, kept for all its candidates) and, per
+candidate, ``steps`` forward and backward passes of the block alone (one batch each), two block evaluations of
+all the batches (the error before and after; the batches joined into as few calls as ``max_tokens`` allows),
+then the measurement's forwards from the block on (what the measured sensitivity costs). The steps dominate:
+on the bundled model (CPU, transformers' reference GDN kernels) a GDN candidate's training takes 4-5x its
+measurement, the block's forward and backward grow in proportion to the tokens per step (a larger batch per
+step saves nothing), and fewer steps or a higher learning rate leave a higher block error (BENCHMARKS.md,
+"BLD sensitivity (issue 31): its cost").
 """
 
 from __future__ import annotations
