@@ -22,7 +22,7 @@ The cost: per group, one forward up to the block per batch (its inputs, kept for
 candidate, ``steps`` forward and backward passes of the block alone (one batch each), two block evaluations of
 all the batches (the error before and after; the batches joined into as few calls as ``max_tokens`` allows),
 then the measurement's forwards from the block on (what the measured sensitivity costs). The steps dominate:
-on the bundled model (CPU, transformers' reference GDN kernels) a GDN candidate's training takes 4-5x its
+on the bundled model (CPU, transformers' reference GDN kernels) a GDN candidate's training takes 4-8x its
 measurement, the block's forward and backward grow in proportion to the tokens per step (a larger batch per
 step saves nothing), and fewer steps or a higher learning rate leave a higher block error (BENCHMARKS.md,
 "BLD sensitivity (issue 31): its cost").
