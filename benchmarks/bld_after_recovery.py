@@ -11,12 +11,18 @@ from the same sensitivities and stores each as the search ``after_recovery.py`` 
     python benchmarks/bld_after_recovery.py --budgets 0.5,0.35,0.75
     python benchmarks/after_recovery.py --budgets 0.5 --also-sensitivity bld --json after_50.json
 
-distils the BLD plan and compares it with the others.
+distils the BLD plan and compares it with the others; ``--report`` then prints, from the cached results
+alone (no forward), every plan's losses and the BLD plan's paired differences with each of the others
+(``after_recovery.py`` prints them against the one-shot MILP and ranked plans only).
+
+    python benchmarks/bld_after_recovery.py --budgets 0.5,0.35,0.75 --report
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import pickle
 import sys
@@ -29,7 +35,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-from after_recovery import BLOCKS, Bench  # noqa: E402
+from after_recovery import BLOCKS, Bench, paired  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.plan import PlanOptions  # noqa: E402
@@ -44,7 +50,11 @@ def main() -> int:
     p.add_argument("--validation-windows", type=int, default=32)
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "after_recovery")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--steps", type=int, default=300, help="distillation steps of the runs to report (300)")
+    p.add_argument("--report", action="store_true", help="print the cached comparison; measure nothing")
     args = p.parse_args()
+    if args.report:
+        return report(args)
     torch.set_num_threads(1)
     print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
     bench = Bench("bundled", demo_data.load_demo_model()[0], "pydoc", args)
@@ -77,6 +87,41 @@ def main() -> int:
         )
         print(f"BLD plan at {fraction:.0%} from the same sensitivities: {picks}", flush=True)
     print(f"{time.perf_counter() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    """The cached plans and distilled losses of each budget: losses, and the BLD plan minus each other plan."""
+    work = args.work / "bundled"
+
+    def load(key: str):
+        path = work / f"{key}.pkl"
+        return pickle.loads(path.read_bytes()) if path.exists() else None
+
+    for fraction in args.budgets:
+        plans = {
+            "one_shot": (load(f"search_{fraction}_halving") or {}).get("picks"),
+            "ranked": (load(f"ranked_{fraction}_4x50") or {}).get("winner_picks"),
+            "best_uniform": (load(f"uniform_{fraction}_{args.validation_windows}") or {}).get("picks"),
+            "bld": (load(f"search_{fraction}_bld") or {}).get("picks"),
+        }
+        runs = {}
+        for name, picks in plans.items():
+            if picks is not None:
+                digest = hashlib.sha256(json.dumps(picks).encode()).hexdigest()[:12]
+                runs[name] = load(f"distilled_{fraction}_{digest}_{args.steps}_{args.validation_windows}")
+        print(f"{fraction:.0%} of the decoder")
+        for name, run in runs.items():
+            if run is None:
+                print(f"  {name:<13} not distilled yet")
+                continue
+            line = f"  {name:<13} kept {run['decoder_fraction']:6.1%}  {run['before'].mean():.4f} -> "
+            line += f"{run['after'].mean():.4f}  ({run['distill_seconds']:.0f} s)"
+            if name != "bld" and runs.get("bld") is not None:
+                for when in ("before", "after"):
+                    d, se = paired(runs["bld"][when], run[when])
+                    line += f"  bld − this {when}: {d:+.4f} ± {se:.4f} ({d / se if se else 0:+.1f} SE)"
+            print(line)
     return 0
 
 
