@@ -106,10 +106,6 @@ def _call(module: torch.nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype
     return _output(module(*_map(args, move), **_map(kwargs, move)))
 
 
-def _batch_size(entry: tuple[tuple, dict, torch.Tensor]) -> int:
-    return int(entry[2].shape[0]) if entry[2].dim() else 0
-
-
 class _Apart(Exception):
     """Cached batches that do not join into one."""
 
@@ -159,8 +155,8 @@ def evaluation_batches(
 ) -> list[tuple[tuple, dict, torch.Tensor]]:
     """The cached batches joined into as few as possible (consecutive batches, at most ``max_tokens`` tokens
     each, where they join: :func:`_join`); a block evaluation over them equals one over ``data`` to float
-    rounding, and costs less (one call per joined batch: the GDN forward runs its chunks for all windows at
-    once)."""
+    rounding, in fewer calls (a GDN block's forward on 16 windows at once costs ~70 % of four calls on 4; its
+    backward saves nothing, so the training steps keep one batch each)."""
     out: list[tuple[tuple, dict, torch.Tensor]] = []
     group: list[tuple[tuple, dict, torch.Tensor]] = []
     tokens = 0
@@ -319,9 +315,8 @@ def _layer_candidates(
     with forwards.from_layer(i) as measure:
         try:
             for c in rank_share(len(layer.candidates)):
-                if (
-                    layer.candidates[c] == layer.shape
-                ):  # the sorted block: the same function, nothing to learn
+                # the sorted block: the same function, nothing to learn
+                if layer.candidates[c] == layer.shape:
                     mine[c] = (0.0, forwards.base_loss, 0.0, 0.0)
                     bar.update(1)
                     continue
