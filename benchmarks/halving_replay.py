@@ -54,7 +54,23 @@ VARIANTS: dict[str, dict] = {
     "before1": {"before": 1},
     "jump": {"jump": True},
     "wide": {"plain": False},  # no front restriction, no cheapest-candidate feasibility
+    "grow2": {"grow": 2},
+    "grow2b1": {"grow": 2, "before": 1},
+    "grow2b2": {"grow": 2, "before": 2},
+    "grow2c2": {"grow": 2, "confidence": 2.0},
+    "grow2b1c2": {"grow": 2, "before": 1, "confidence": 2.0},
 }
+
+
+def parse_budgets(text: str) -> list[tuple[str, float]]:
+    """``params:0.5,state:0.5`` -> [("params", 0.5), ("state", 0.5)]."""
+    out = []
+    for item in text.split(","):
+        kind, _, value = item.partition(":")
+        if kind not in ("params", "state") or not value:
+            raise argparse.ArgumentTypeError(f"a budget is params:F or state:F, got {item!r}")
+        out.append((kind, float(value)))
+    return out
 
 
 def candidate_costs(model: torch.nn.Module, dim_step: str) -> tuple[dict, list[list[bool]]]:
@@ -109,6 +125,7 @@ def main() -> int:
     p.add_argument("--cache", type=Path, nargs="+", required=True, help="benchmarks/plans.py --cache files")
     p.add_argument("--orders", type=int, default=1, help="window orders (the benchmark's, then permutations)")
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--budgets", type=parse_budgets, default=BUDGETS, help="e.g. params:0.5,state:0.5")
     p.add_argument("--models", nargs="*", default=[], help="only these models of the caches (default all)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -136,7 +153,7 @@ def main() -> int:
                 f"{'budget':<12} {'variant':<12} {'exact':>5} {'dKL mean':>9} {'dKL max':>8} {'fwd':>6} "
                 f"{'fwd max':>7} {'rounds':>6} {'solves':>6} {'MILP s':>6} {'est s':>6}"
             )
-            for kind, fraction in BUDGETS:
+            for kind, fraction in args.budgets:
                 budgets = {kind: fraction * totals[kind]}
                 exact = choose([b.mean(1) for b in base], costs, budgets)
                 exact_kl = sum(b.mean(1)[c] for b, c in zip(base, exact))
