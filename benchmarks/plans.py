@@ -25,7 +25,9 @@ each sensitivity cost. And, per budget (issue 22):
   joint KL of each (calibration windows) beside the searched plan's and the best uniform cut's.
 
 Prints the tables; ``--json`` writes every number; ``--cache FILE`` keeps the measured sensitivity (the
-slowest part) and reuses it when the model, grid and windows are the same.
+slowest part, every candidate on every window, one window per forward, with every window's KL) and reuses
+it when the model, grid and windows are the same; ``--measure-only`` only fills the cache (for
+``benchmarks/halving_replay.py``, which replays successive halving's variants on it).
 
     .venv/bin/python benchmarks/plans.py --threads 1 --json plans.json
     .venv/bin/python benchmarks/plans.py --deep benchmarks/_work/models/deep_docstrings   # + the deeper model
