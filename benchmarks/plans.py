@@ -414,8 +414,8 @@ def print_model(result: dict) -> None:
 
 
 def print_halving(result: dict) -> None:
-    """Issue 31's table: successive halving unverified (as before) and verified (the default) against the
-    exact plan on the full measurement."""
+    """Issue 31's table: successive halving's variants (:data:`HALVING_VARIANTS`: unverified, verified as
+    first merged, the default) against the exact plan on the full measurement."""
     score, full = result["seconds"]["score"], result["window_forwards"]
     measured = result["seconds"]["measured_sensitivity"]
     print(
