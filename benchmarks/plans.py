@@ -25,7 +25,9 @@ each sensitivity cost. And, per budget (issue 22):
   joint KL of each (calibration windows) beside the searched plan's and the best uniform cut's.
 
 Prints the tables; ``--json`` writes every number; ``--cache FILE`` keeps the measured sensitivity (the
-slowest part) and reuses it when the model, grid and windows are the same.
+slowest part, every candidate on every window, one window per forward, with every window's KL) and reuses
+it when the model, grid and windows are the same; ``--measure-only`` only fills the cache (for
+``benchmarks/halving_replay.py``, which replays successive halving's variants on it).
 
     .venv/bin/python benchmarks/plans.py --threads 1 --json plans.json
     .venv/bin/python benchmarks/plans.py --deep benchmarks/_work/models/deep_docstrings   # + the deeper model
@@ -60,11 +62,17 @@ from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan import STATE_BYTES, BudgetError, choose, choose_uniform, layer_candidates  # noqa: E402
 from gdnprune.plan.halving import halving_sensitivity  # noqa: E402
 from gdnprune.plan.joint import evolve_plan  # noqa: E402
-from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity  # noqa: E402
+from gdnprune.plan.sensitivity import LayerToPlan, proxy_sensitivity  # noqa: E402
 from gdnprune.plan.solve import choose_among  # noqa: E402
 from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
+#: issue 31's successive halving variants, side by side: name -> options of ``halving_sensitivity``
+HALVING_VARIANTS: dict[str, dict] = {
+    "unverified": {"verified": False, "eta": 2},
+    "verified": {"eta": 2, "confidence": None},
+    "default": {},
+}
 
 
 def parse_budgets(text: str) -> list[tuple[str, float]]:
@@ -142,6 +150,10 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             )
         )
         table.append(cands)
+    costs = {
+        "params": [[c.params for c in cands] for cands in table],
+        "state": [[c.state * STATE_BYTES for c in cands] for cands in table],
+    }
     key = f"{name}|{args.dim_step}|{args.calibration_windows}|{args.sensitivity_windows}"
     stored = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     if key in stored:
@@ -149,7 +161,17 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         print(f"{name}: the measured sensitivity from {args.cache} (measured in {measured_seconds:.0f} s)")
     else:
         t0 = time.perf_counter()
-        measured = measured_sensitivity(model, sens_windows, layers, progress=not args.quiet)
+        # the full measurement, one window per forward (as halving measures), keeping every window's KL
+        # (benchmarks/halving_replay.py replays halving's variants on it)
+        measured = halving_sensitivity(
+            model,
+            sens_windows,
+            layers,
+            costs,
+            {},
+            first=args.sensitivity_windows,
+            progress=not args.quiet,
+        )
         measured_seconds = time.perf_counter() - t0
         if args.cache:
             stored[key] = {
@@ -159,6 +181,8 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             }
             args.cache.parent.mkdir(parents=True, exist_ok=True)
             args.cache.write_text(json.dumps(stored))
+    if args.measure_only:
+        return {"model": name, "measure_only": True}
     t0 = time.perf_counter()
     proxy = [
         proxy_sensitivity(scores["layers"][layer.prefix], layer.shape, layer.candidates) for layer in layers
@@ -170,10 +194,6 @@ def run_model(name: str, model, corpus: str, args) -> dict:
     with torch.no_grad():
         teacher = [model(input_ids=x).logits.float().log_softmax(-1) for x in sens_windows]
 
-    costs = {
-        "params": [[c.params for c in cands] for cands in table],
-        "state": [[c.state * STATE_BYTES for c in cands] for cands in table],
-    }
     totals = {k: sum(v[0] for v in costs[k]) for k in costs}
     keys = [[c.target for c in cands] for cands in table]
     cache: dict = {}
@@ -225,12 +245,13 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             d = a["losses"] - b["losses"]
             return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
 
-        # issue 31: successive halving as it was (no verification) beside the default (verified), same budget
+        # issue 31: successive halving unverified (as in issue 22), verified as first merged (lowest ratio,
+        # half kept per rung) and the default (lower prediction bound, a quarter kept), same budget
         variants = {}
-        for variant, verified in (("unverified", False), ("verified", True)):
+        for variant, options in HALVING_VARIANTS.items():
             t0 = time.perf_counter()
             halved = halving_sensitivity(
-                model, sens_windows, layers, costs, budgets, verified=verified, progress=False
+                model, sens_windows, layers, costs, budgets, progress=False, **options
             )
             seconds = time.perf_counter() - t0
             chosen = choose_among(
@@ -252,7 +273,7 @@ def run_model(name: str, model, corpus: str, args) -> dict:
                 "verify_rounds": halved["verify_rounds"],
                 "targets": plan["targets"],
             }
-        halved_default = variants["verified"]
+        halved_default = variants["default"]
         cheap_picks, cheap = halved_default["picks"], evaluate(halved_default["picks"])
         row["halving"] = variants
         if args.refine_generations > 0:
@@ -393,8 +414,8 @@ def print_model(result: dict) -> None:
 
 
 def print_halving(result: dict) -> None:
-    """Issue 31's table: successive halving unverified (as before) and verified (the default) against the
-    exact plan on the full measurement."""
+    """Issue 31's table: successive halving's variants (:data:`HALVING_VARIANTS`: unverified, verified as
+    first merged, the default) against the exact plan on the full measurement."""
     score, full = result["seconds"]["score"], result["window_forwards"]
     measured = result["seconds"]["measured_sensitivity"]
     print(
@@ -452,6 +473,11 @@ def main() -> int:
         + ",".join(f"{k}:{v}" for k, v in BUDGETS)
         + "; to spread them over processes)",
     )
+    p.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="only the full measurement (into --cache, for benchmarks/halving_replay.py), no plans",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quiet", action="store_true")
@@ -462,14 +488,16 @@ def main() -> int:
     if not args.skip_bundled:
         model, _ = demo_data.load_demo_model()
         results.append(run_model("bundled", model, "pydoc", args))
-        print_model(results[-1])
-        print_halving(results[-1])
+        if not args.measure_only:
+            print_model(results[-1])
+            print_halving(results[-1])
     for folder in ([] if args.deep is None else [args.deep]) + args.models:
         record = json.loads((folder / "training.json").read_text())
         model = load_pretrained(folder, dtype=torch.float32).eval()
         results.append(run_model(folder.name, model, record["corpus"].get("name", "pydoc"), args))
-        print_model(results[-1])
-        print_halving(results[-1])
+        if not args.measure_only:
+            print_model(results[-1])
+            print_halving(results[-1])
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -19,6 +19,7 @@ from gdnprune.plan.evolve import evolve, feasible, mutate
 from gdnprune.plan.halving import dominated, halving_sensitivity, near, rungs
 from gdnprune.plan.joint import JointKL, evolve_plan, refine_plan
 from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity
+from gdnprune.plan.solve import choose_among
 from gdnprune.plan_file import constraint_violations
 from gdnprune.scoring import score_model, scores_to_permutations
 
@@ -100,20 +101,39 @@ def test_dominance_needs_a_cheaper_candidate_better_beyond_the_noise():
 
 
 def test_halving_with_every_window_in_its_first_rung_is_the_full_measurement(case):
+    """Of every candidate some choice within the budget holds (by brute force over the choices); the others
+    are never measured (windows 0)."""
     model, x, _, layers, table, costs = case
     budgets = {"params": 0.5 * sum(c[0] for c in costs["params"])}
     batches = [x[:2], x[2:]]
     full = measured_sensitivity(model, batches, layers, progress=False)
     halved = halving_sensitivity(model, batches, layers, costs, budgets, first=4, progress=False)
     assert halved["rungs"] == [4]
-    for layer in layers:
-        assert halved["kl"][layer.prefix] == pytest.approx(full["kl"][layer.prefix], rel=1e-5, abs=1e-8)
-        assert halved["loss"][layer.prefix] == pytest.approx(full["loss"][layer.prefix], rel=1e-5)
-        assert set(halved["windows"][layer.prefix]) == {4} and all(halved["survivors"][layer.prefix])
+    held = [set() for _ in layers]
+    for combo in itertools.product(*(range(len(layer.candidates)) for layer in layers)):
+        if sum(costs["params"][li][c] for li, c in enumerate(combo)) <= budgets["params"]:
+            for li, c in enumerate(combo):
+                held[li].add(c)
+    assert 0 < sum(len(h) for h in held) < sum(len(layer.candidates) for layer in layers)
+    for li, layer in enumerate(layers):
+        some = sorted(held[li])
+        kl, loss = halved["kl"][layer.prefix], halved["loss"][layer.prefix]
+        assert [kl[c] for c in some] == pytest.approx(
+            [full["kl"][layer.prefix][c] for c in some], rel=1e-5, abs=1e-8
+        )
+        assert [loss[c] for c in some] == pytest.approx(
+            [full["loss"][layer.prefix][c] for c in some], rel=1e-5
+        )
+        for c, n in enumerate(halved["windows"][layer.prefix]):
+            kept = c in held[li] or layer.candidates[c] == layer.shape  # its own geometry: KL 0, exact
+            assert n == (4 if kept else 0)
+            assert halved["survivors"][layer.prefix][c] == kept
     kl_full = [full["kl"][layer.prefix] for layer in layers]
     kl_half = [halved["kl"][layer.prefix] for layer in layers]
-    assert choose(kl_half, costs, budgets) == choose(kl_full, costs, budgets)
-    assert halved["forwards"] == 4 * sum(len(layer.candidates) - 1 for layer in layers)
+    survivors = [halved["survivors"][layer.prefix] for layer in layers]
+    assert choose_among(kl_half, costs, budgets, survivors) == choose(kl_full, costs, budgets)
+    own = sum(1 for li, layer in enumerate(layers) if layer.candidates.index(layer.shape) in held[li])
+    assert halved["forwards"] == 4 * (sum(len(h) for h in held) - own)  # its own geometry: never measured
 
 
 def test_halving_measures_its_survivors_exactly_and_the_others_on_fewer_windows(case):
@@ -390,7 +410,7 @@ def test_plan_command_refines_and_reports_what_was_measured(scored_folder, tmp_p
     assert [h["generation"] for h in report["evolution"]["history"]] == [1, 2]
     for layer in report["layers"].values():
         windows = [c["windows"] for c in layer["candidates"]]
-        assert set(windows) <= {1, 4} and 4 in windows
+        assert set(windows) <= {0, 1, 4} and 4 in windows  # 0: no choice within the budget holds it
         assert all(c["windows"] == 4 for c in layer["candidates"] if c["survivor"])
     assert (tmp_path / "plan.sensitivity.png").stat().st_size > 1000
     with pytest.raises(SystemExit) as exit_:

@@ -5,8 +5,11 @@ less than another one on every budget and has a higher KL is never chosen (swapp
 keeps every budget and lowers the sum). So the full measurement (:func:`.sensitivity.measured_sensitivity`,
 every candidate on every calibration window) spends most of its forwards on candidates that cannot win.
 
-Here every candidate of every layer is first measured on a few calibration windows (one window per
-forward, from the layer's cached input, as the full measurement runs its batches). Then, rung by rung:
+A candidate that no choice within the budgets can hold (its cost plus the other layers' cheapest is over a
+budget: :func:`feasible`) is never measured. Every other candidate of every layer is first measured on a few
+calibration windows (one window per forward, from the layer's cached input, as the full measurement runs its
+batches; on 2 windows or fewer, on all of them at once: nothing to save, :func:`rungs`). Then, rung by
+rung:
 
 * a candidate is dropped when another one of the same layer *dominates* it — costs no more on any budget
   in play and has a lower KL on the same windows by more than ``z`` paired standard errors (and by more
@@ -18,14 +21,18 @@ forward, from the layer's cached input, as the full measurement runs its batches
 
 Then the choice is **verified** (:func:`verify`, the default; issue 31): instead of measuring every
 survivor on every window, the exact choice is made over *every* candidate, on an optimistic estimate of
-those not yet measured on every window (:func:`optimistic`: the mean on the windows it saw, times the lowest
-ratio "mean on every window / mean on the same first windows" of the candidates measured in full); each
-chosen candidate not measured on every window, with its neighbours on its layer's front, moves on to the
-next rung's windows; again, until the choice is measured on every window. No candidate's optimistic
-estimate can then beat it, so the choice is the exact plan's as long as those estimates are below the full
-measurement (true when the windows' difficulty scales every candidate alike, nearly so on a trained model
-and real text). Without verification the last rung measures every survivor on every window, and the
-choice over the survivors can miss a candidate dropped on a few windows.
+those not yet measured on every window (:func:`optimistic`: the mean on the windows it saw, times a lower
+bound on the ratio "mean on every window / mean on the same first windows", :func:`ratio_bound`, from the
+candidates measured in full: the lowest of their ratios, and at most the lower prediction bound of their
+log-ratios at ``confidence`` standard deviations); each chosen candidate not measured on every window, with
+its neighbours on its layer's front, moves on to the next rung's windows; again, until the choice is
+measured on every window. No candidate's optimistic estimate can then beat it, so the choice is the exact
+plan's as long as those estimates are below the full measurement (true when the windows' difficulty scales
+every candidate alike, nearly so on a trained model and real text; the prediction bound covers the
+candidates whose ratio is lower than any seen so far, which the lowest alone missed on one benchmark case).
+Without verification the last rung measures every survivor on every window, and the choice over the
+survivors can miss a candidate dropped on a few windows. Every choice of the default MILP is made over the
+layers' fronts only (the same choice, a smaller MILP).
 
 Either way a survivor (a candidate measured on every window) has exactly the full measurement's KL and
 loss, and the exact choice is made over the survivors only (a dropped candidate keeps its estimate from the
@@ -55,6 +62,7 @@ from .solve import choose_among
 __all__ = [
     "budget_tables",
     "dominated",
+    "feasible",
     "front",
     "gather_over_ranks",
     "halving_sensitivity",
@@ -62,8 +70,10 @@ __all__ = [
     "optimistic",
     "prefix_means",
     "rank_share",
+    "ratio_bound",
     "run_rungs",
     "rungs",
+    "search",
     "token_counts",
     "verify",
     "windows_of",
@@ -94,13 +104,17 @@ def token_counts(window: Mapping[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def rungs(total: int, first: int | None = None, grow: int = 4) -> list[int]:
-    """The windows seen after each rung: ``first`` (default a sixteenth of ``total``, at least 1), then
-    ``grow`` times as many, ..., ending with ``total``."""
+    """The windows seen after each rung: ``first`` (default a sixteenth of ``total``, at least 1; every window
+    when that is half of them or more: the full measurement costs at most twice the first rung, nothing to
+    save), then ``grow`` times as many, ..., ending with ``total``."""
     if total < 1:
         raise ValueError("successive halving needs at least one calibration window")
     if grow < 2:
         raise ValueError(f"the windows must grow by a factor of at least 2 per rung, got {grow}")
-    n = min(total, max(1, math.ceil(total / 16)) if first is None else max(1, int(first)))
+    if first is None:
+        first = max(1, math.ceil(total / 16))
+        first = total if 2 * first >= total else first
+    n = min(total, max(1, int(first)))
     out = [n]
     while out[-1] < total:
         out.append(min(total, out[-1] * grow))
@@ -181,6 +195,7 @@ def optimistic(
     full: Sequence[np.ndarray],
     weights: np.ndarray,
     slack: float = 0.0,
+    confidence: float | None = None,
 ) -> list[np.ndarray]:
     """Per layer, every candidate's KL: exact when measured on every window; else its mean on the windows
     it saw times the lowest ratio ``mean on every window / mean on the same first windows`` of the candidates
@@ -199,31 +214,47 @@ def optimistic(
         for c in np.flatnonzero((s < total) & ~f):
             n = int(s[c])
             if n not in ratios:
-                ratios[n] = _lowest_ratio(kl, done, weights, n)
+                ratios[n] = ratio_bound(_ratios(kl, done, weights, n), confidence)
             low[c] = mean[c] * ratios[n] * (1.0 - slack)
         low[f] = 0.0
         out.append(low)
     return out
 
 
-def _lowest_ratio(kl: Sequence[np.ndarray], done: Sequence[np.ndarray], weights: np.ndarray, n: int) -> float:
-    """The lowest ``mean on every window / mean on the first n`` over the candidates measured in full."""
-    best = 1.0
+def _ratios(kl: Sequence[np.ndarray], done: Sequence[np.ndarray], weights: np.ndarray, n: int) -> np.ndarray:
+    """``mean on every window / mean on the first n`` of every candidate measured in full (``done``)."""
+    out = []
     for k, d in zip(kl, done):
         rows = k[d]
         head = (rows[:, :n] * weights[:n]).sum(1) / max(weights[:n].sum(), 1e-300)
         whole = (rows * weights).sum(1) / max(weights.sum(), 1e-300)
         ok = head > 0
-        if ok.any():
-            best = min(best, float((whole[ok] / head[ok]).min()))
-    return best
+        out.append(whole[ok] / head[ok])
+    return np.concatenate(out) if out else np.zeros(0)
 
 
-def front(estimate: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """[candidates] bool: no other candidate costs no more on every budget (``table``: [candidates,
-    budgets]) and has a lower ``estimate``."""
+def ratio_bound(ratios: np.ndarray, confidence: float | None = None) -> float:
+    """A lower bound on a new candidate's ratio ``mean on every window / mean on its first windows``, from the
+    ratios of the candidates measured in full: their lowest (``confidence`` None; 1 when there is none);
+    else also at most the lower prediction bound ``exp(m - confidence * s * sqrt(1 + 1/k))`` of the log-ratios
+    (mean ``m``, standard deviation ``s`` over the ``k`` candidates, at least 3 of them): a candidate not yet
+    measured lies below the lowest one seen so far more often the fewer have been seen."""
+    best = min(1.0, float(ratios.min())) if len(ratios) else 1.0
+    if confidence is None or len(ratios) < 3:
+        return best
+    logs = np.log(ratios[ratios > 0])
+    spread = float(logs.std(ddof=1)) * math.sqrt(1.0 + 1.0 / len(logs))
+    return min(best, math.exp(float(logs.mean()) - confidence * spread))
+
+
+def front(estimate: np.ndarray, table: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
+    """[candidates] bool: no other candidate (of ``among``, default all; the others are not on it) costs no
+    more on every budget (``table``: [candidates, budgets]) and has a lower ``estimate``."""
+    if among is not None:
+        estimate = np.where(among, estimate, np.inf)
     cheaper = np.all(table[None, :, :] <= table[:, None, :], axis=2)  # [a, b]: b costs no more than a
-    return ~np.any(cheaper & (estimate[None, :] < estimate[:, None]), axis=1)
+    on = ~np.any(cheaper & (estimate[None, :] < estimate[:, None]), axis=1)
+    return on if among is None else on & among
 
 
 def verify(
@@ -239,32 +270,40 @@ def verify(
     *,
     spread: int = 2,
     slack: float = 0.0,
+    confidence: float | None = None,
+    jump: bool = False,
+    allowed: Sequence[np.ndarray] | None = None,
+    fronts: bool = False,
 ) -> int:
     """Choose on :func:`optimistic` estimates over every candidate; move each chosen candidate not measured on
     every window, and the ``spread`` candidates on either side of it on its layer's :func:`front` (in the
     order of ``sizes``), to the next rung's windows (``measure([[(candidate, windows), ...] per layer])``);
     again, until the choice is measured on every window. Then no candidate's optimistic estimate can improve
-    on it: the choice is the exact one as long as those estimates are below the full measurement. Returns
-    the rounds."""
+    on it: the choice is the exact one as long as those estimates are below the full measurement. ``jump``:
+    straight to every window; ``allowed``: the candidates that may be chosen (default all); ``fronts``: each
+    choice made over the allowed candidates on their layer's front only (the same choice when ``pick`` is
+    the MILP over the budgets of ``tables``, from a smaller MILP); ``slack``,
+    ``confidence``: as :func:`optimistic`. Returns the rounds."""
     total = len(weights)
-    everyone = [np.ones(len(s), dtype=bool) for s in seen]
+    everyone = [np.ones(len(s), dtype=bool) for s in seen] if allowed is None else list(allowed)
     rounds = 0
     while True:
-        estimate = optimistic(kl, seen, full, weights, slack)
-        picks = pick(estimate, everyone)
+        estimate = optimistic(kl, seen, full, weights, slack, confidence)
+        among = [front(v, t, e) for e, v, t in zip(everyone, estimate, tables)] if fronts else everyone
+        picks = pick(estimate, among)
         todo: list[list[tuple[int, int]]] = []
         for li, p in enumerate(picks):
             if p is None or full[li][p] or seen[li][p] >= total:
                 todo.append([])
                 continue
-            on = front(estimate[li], tables[li])
+            on = front(estimate[li], tables[li], everyone[li])
             on[p] = True
             order = [int(c) for c in np.argsort(sizes[li], kind="stable") if on[c]]
             at = order.index(int(p))
             around = order[max(0, at - spread) : at + spread + 1]
             todo.append(
                 [
-                    (c, next((n for n in schedule if n > seen[li][c]), total))
+                    (c, total if jump else next((n for n in schedule if n > seen[li][c]), total))
                     for c in around
                     if not full[li][c] and seen[li][c] < total
                 ]
@@ -291,6 +330,20 @@ def budget_tables(
     return tables, [t @ scale for t in tables]
 
 
+def feasible(
+    tables: Sequence[np.ndarray], budgets: Mapping[str, float], cheapest: bool = True
+) -> list[np.ndarray]:
+    """Per layer, [candidates] bool: the candidates some choice within the budgets can hold (``tables``: as
+    :func:`budget_tables`, on the budgets in that order): on every budget, its cost plus the other layers'
+    cheapest candidates' is within it (``cheapest`` False: the others' costs counted as 0, for a choice that
+    may remove a layer). Exact: no choice holds a candidate this drops, so it is never measured."""
+    limits = np.array([float(v) for v in budgets.values()])
+    least = [t.min(0) if cheapest and len(t) else np.zeros(len(limits)) for t in tables]
+    total = np.sum(least, axis=0) if least else np.zeros(len(limits))
+    slack = 1e-9 * np.maximum(np.abs(limits), 1.0)
+    return [np.all(t + (total - m) <= limits + slack, axis=1) for t, m in zip(tables, least)]
+
+
 # long: its documented signature and docstring; the body is 81 lines, one step after another
 @torch.no_grad()
 # long: a 40-line docstring; the rung loop stays in one place (one candidate's measurement: _measure_layer)
@@ -303,11 +356,14 @@ def halving_sensitivity(
     *,
     first: int | None = None,
     grow: int = 4,
-    eta: int = 2,
+    eta: int = 4,
     z: float = 2.0,
     verified: bool = True,
     spread: int = 1,
     slack: float = 0.0,
+    confidence: float | None = 1.5,
+    jump: bool = False,
+    before: int | None = None,
     choose: Callable[[list, list], Sequence[int | None]] | None = None,
     progress: bool = True,
     max_logits: int = 1 << 24,
@@ -328,9 +384,12 @@ def halving_sensitivity(
             windows or more measures every candidate on every window (the full measurement).
         grow: the factor by which the windows grow from rung to rung; eta: 1 / the share kept per rung.
         z: paired standard errors by which a dominator must be better to drop a candidate.
-        verified: after the rungs, measure the choice on optimistic estimates until it is measured in full
-            (:func:`verify`, ``spread`` candidates of the front on either side of each chosen one with it;
-            ``slack``: the optimistic estimates scaled down by that share more, safer and costlier).
+        verified: after the rungs (``before`` of them, default all but the last), measure the choice on
+            optimistic estimates until it is measured in full (:func:`verify`, ``spread`` candidates of the
+            front on either side of each chosen one with it, to the next rung's windows or, ``jump``, to
+            every window; ``confidence``: the standard deviations of the ratios' prediction bound, None: the
+            lowest ratio only; ``slack``: the optimistic estimates scaled down by that share more; both safer
+            and costlier).
         choose: ``choose(estimates, alive)`` -> a candidate per layer (None: its decoder layer removed), the
             exact choice of a rung (default :func:`~gdnprune.plan.solve.choose_among` with ``costs`` and
             ``budgets``; the plan with layer removal passes :func:`~gdnprune.plan.depth.choose_with_removal`'s).
@@ -338,9 +397,10 @@ def halving_sensitivity(
 
     Returns:
         ``{"kl", "loss": {prefix: [per candidate]}, "windows": {prefix: [windows each candidate was
-        measured on]}, "survivors": {prefix: [bool per candidate: measured on every window]}, "rungs",
-        "verify_rounds", "base_loss", "tokens", "forwards", "teacher_seconds", "seconds"}``; a survivor's KL
-        and loss are those of every window.
+        measured on]}, "kl_windows": {prefix: [per candidate: its KL on each of those windows]}, "survivors":
+        {prefix: [bool per candidate: measured on every window]}, "rungs", "verify_rounds", "base_loss", "tokens", "forwards", "teacher_seconds", "seconds"}``; a survivor's KL
+        and loss are those of every window; a candidate never measured (no choice within the budgets can
+        hold it) has windows 0, KL 0 and the base loss.
     """
 
     start_time = time.perf_counter()
@@ -392,28 +452,30 @@ def halving_sensitivity(
         if choose is not None
         else lambda estimate, alive: choose_among(estimate, costs, budgets, alive)
     )
-    verifying = verified and len(schedule) > 1
-    # verified: the last rung is replaced by the verification (which measures in full what the choice needs)
-    run_rungs(
-        measure, kl, seen, full, costs, budgets, schedule[:-1] if verifying else schedule, pick, eta=eta, z=z
+    rounds = search(
+        measure,
+        kl,
+        seen,
+        full,
+        counts[:, 0],
+        costs,
+        budgets,
+        schedule,
+        pick,
+        eta=eta,
+        z=z,
+        verified=verified,
+        spread=spread,
+        slack=slack,
+        confidence=confidence,
+        jump=jump,
+        before=before,
+        plain=choose is None,
     )
-    rounds = 0
-    if verifying:
-        rounds = verify(
-            lambda todo: measure(todo, "sensitivity, verifying the choice"),
-            kl,
-            seen,
-            full,
-            counts[:, 0],
-            schedule,
-            pick,
-            *budget_tables(costs, budgets, [len(layer.candidates) for layer in layers]),
-            spread=spread,
-            slack=slack,
-        )
     result: dict[str, Any] = {
         "kl": {},
         "loss": {},
+        "kl_windows": {},
         "windows": {},
         "survivors": {},
         "rungs": schedule,
@@ -428,9 +490,79 @@ def halving_sensitivity(
         result["kl"][layer.prefix] = prefix_means(kl[li], n, counts[:, 0]).tolist()
         result["loss"][layer.prefix] = prefix_means(ce[li], n, counts[:, 1]).tolist()
         result["windows"][layer.prefix] = [int(s) for s in n]
+        result["kl_windows"][layer.prefix] = [[float(v) for v in row[: int(m)]] for row, m in zip(kl[li], n)]
         result["survivors"][layer.prefix] = [bool(s >= total) for s in n]
     result["seconds"] = time.perf_counter() - start_time
     return result
+
+
+def search(
+    measure: Callable[[list[list[tuple[int, int]]], str], None],
+    kl: Sequence[np.ndarray],
+    seen: Sequence[np.ndarray],
+    full: Sequence[np.ndarray],
+    weights: np.ndarray,
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    schedule: Sequence[int],
+    pick: Callable[[list, list], Sequence[int | None]],
+    *,
+    eta: int = 4,
+    z: float = 2.0,
+    verified: bool = True,
+    spread: int = 1,
+    slack: float = 0.0,
+    confidence: float | None = 1.5,
+    jump: bool = False,
+    before: int | None = None,
+    plain: bool = True,
+) -> int:
+    """The whole procedure on a ``measure([[(candidate, windows), ...] per layer], description)`` that fills
+    ``kl`` and ``seen`` in place (real forwards in :func:`halving_sensitivity`; a table of per-window KL in a
+    replay, ``benchmarks/halving_replay.py``): the candidates no choice within the budgets can hold dropped
+    (:func:`feasible`; ``plain``: ``pick`` is the MILP over ``budgets`` alone, so the other layers cost at
+    least their cheapest candidate, and every choice is made over the layers' :func:`front` only, the same
+    choice from a smaller MILP; else a layer may be removed), the rungs (:func:`run_rungs`), then, ``verified``, the
+    verification (:func:`verify`) in place of the last rung, after ``before`` rungs (default all but the
+    last). Returns the verification's rounds."""
+    tables, sizes = budget_tables(costs, budgets, [len(k) for k in kl])
+    allowed = feasible(tables, budgets, plain) if budgets else [np.ones(len(k), dtype=bool) for k in kl]
+    allowed = [a | f for a, f in zip(allowed, full)]  # the layer's own geometry stays (nothing to measure)
+    verifying = verified and len(schedule) > 1
+    first = len(schedule) - 1 if before is None else max(1, min(int(before), len(schedule) - 1))
+    run_rungs(
+        measure,
+        kl,
+        seen,
+        full,
+        costs,
+        budgets,
+        schedule[:first] if verifying else schedule,
+        pick,
+        eta=eta,
+        z=z,
+        allowed=allowed,
+        fronts=plain,
+    )
+    if not verifying:
+        return 0
+    return verify(
+        lambda todo: measure(todo, "sensitivity, verifying the choice"),
+        kl,
+        seen,
+        full,
+        weights,
+        schedule,
+        pick,
+        tables,
+        sizes,
+        spread=spread,
+        slack=slack,
+        confidence=confidence,
+        jump=jump,
+        allowed=allowed,
+        fronts=plain,
+    )
 
 
 def run_rungs(
@@ -445,13 +577,15 @@ def run_rungs(
     *,
     eta: int,
     z: float,
+    allowed: Sequence[np.ndarray] | None = None,
+    fronts: bool = False,
 ) -> list[np.ndarray]:
     """The rungs of successive halving: measure the alive candidates of every layer on the rung's windows
     (``measure([[(candidate, windows), ...] per layer], description)``), drop the dominated ones, choose on
     the estimates, keep the ``1 / eta`` nearest to the choice; returns the alive candidates after the last."""
     layers = range(len(kl))
     tables, sizes = budget_tables(costs, budgets, [len(k) for k in kl])
-    alive = [np.ones(len(k), dtype=bool) for k in kl]
+    alive = [np.ones(len(k), dtype=bool) for k in kl] if allowed is None else [a.copy() for a in allowed]
     total = schedule[-1]
     for rung, upto in enumerate(schedule):
         todo = [[(int(c), upto) for c in np.flatnonzero(alive[li] & ~full[li])] for li in layers]
@@ -462,7 +596,9 @@ def run_rungs(
             break
         for li in layers:
             alive[li] &= ~dominated(kl[li][:, :upto], tables[li], alive[li], z=z)
-        picks = pick([kl[li][:, :upto].mean(1) for li in layers], alive)
+        means = [kl[li][:, :upto].mean(1) for li in layers]
+        among = [front(m, t, a) for a, m, t in zip(alive, means, tables)] if fronts else alive
+        picks = pick(means, among)
         for li in layers:
             alive[li] = near(sizes[li], alive[li], picks[li], max(1, math.ceil(int(alive[li].sum()) / eta)))
     return alive
