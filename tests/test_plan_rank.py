@@ -119,6 +119,7 @@ def ranked(setting):
         budget_params=0.7,
         blocks=["gdn", "attention", "mlp"],
         sensitivity="measured",
+        dim_step="1/4",  # a coarser grid than the default 1/8: fewer candidates to measure, still many plans
         rank_by_distill=3,
         rank_steps=STEPS,
         rank_lr=3e-3,
@@ -135,7 +136,10 @@ def searched(setting):
     better), which the depth test needs."""
     model, batches, scores = setting
     options = PlanOptions(
-        budget_params=0.75, blocks=["gdn", "attention", "mlp", "depth"], sensitivity="measured"
+        budget_params=0.75,
+        blocks=["gdn", "attention", "mlp", "depth"],
+        sensitivity="measured",
+        dim_step="1/4",  # a coarser grid than the default 1/8: fewer candidates to measure
     )
     return search(model, batches, scores, options, progress=False)
 
