@@ -4,7 +4,9 @@ references the tests compare against. A test module imports from here (or from `
 
 Sections: checkpoint folders written by ``save_pretrained`` (``make_source``); models whose attention and
 MLP weights are random (``random_dense_model``, built once per process and copied); byte-exact folders from
-numpy's PCG64 stream (``build_source``); FP8 block quantisation; layers skipped in the forward.
+numpy's PCG64 stream (``build_source``); FP8 block quantisation; layers skipped in the forward; the command
+line and environment of a child Python process (``python_command``, ``child_env``: torchrun, accelerate launch,
+lm_eval and gdnprune run as a user runs them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -560,3 +563,27 @@ def write_jsonl(path: Path, docs: list[str], opener=open) -> None:
     with opener(path, "wt", encoding="utf-8") as f:
         for i, d in enumerate(docs):
             f.write(json.dumps({"text": d, "id": i}) + "\n")
+
+
+# ---- child processes: torchrun, accelerate launch, lm_eval, gdnprune as a user runs them ------------------
+
+#: what a launcher sets for its ranks: a child must not see them (it would think itself one of the ranks)
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+def python_command(module: str, *args: str | os.PathLike) -> list[str]:
+    """``python -m module args...`` with the interpreter running the tests (``torch.distributed.run`` is
+    ``torchrun``, ``accelerate.commands.launch`` is ``accelerate launch``)."""
+    return [sys.executable, "-m", module, *(str(a) for a in args)]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child Python process: this one's, but for a launcher's rank variables, with this
+    session's ``sys.path`` as ``PYTHONPATH`` (the tree under test and the test helpers), one torch thread
+    (tiny models: more threads only spin on a shared machine) and the Hugging Face hub offline; ``extra``
+    added last."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.update(extra)
+    return env

@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from helpers import corpus_docs, mixed_mc_folder, write_jsonl
+from helpers import child_env, corpus_docs, mixed_mc_folder, python_command, write_jsonl
 from test_distill_pipeline import build_moe_student
 from test_sharded_loading import build_folders
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
@@ -207,20 +206,8 @@ def run_launch(model_dir: Path, text_file: Path, moe: Path, folder: Path) -> Lau
     interrupted = folder / "interrupted"
     interrupted.mkdir()
     (interrupted / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40_000)  # 1.8 MB
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), HF_HUB_OFFLINE="1")
-    env.update(HF_DATASETS_OFFLINE="1")
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(worker),
-    ]
+    env = child_env()
+    argv = python_command("torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker)
     argv += [str(model_dir), str(text_file), str(folder), str(SAMPLES), str(SEQ), str(moe), str(interrupted)]
     err_path = folder / "stderr.txt"
     with open(err_path, "w") as err_file:

@@ -376,6 +376,8 @@ def test_demo_refuses_an_existing_folder_and_replaces_only_an_earlier_output(tmp
         "0",
         "--no-plan",
         "--no-checkpoints",
+        "--eval-limit",
+        "0",
         "-q",
     ]
     assert main(["demo", "-o", str(other), *small]) == 2

@@ -7,12 +7,11 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import make_source, raw_tensors
+from helpers import child_env, make_source, python_command, raw_tensors
 
 from gdnprune import load_pretrained
 from gdnprune.checkpoint import slice_checkpoint
@@ -290,12 +289,10 @@ def test_accelerate_launch_with_the_shipped_fsdp2_config_writes_a_plain_checkpoi
         .replace("mixed_precision: bf16", "mixed_precision: 'no'")
     )
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
+    cmd = python_command(
         "accelerate.commands.launch",
         "--config_file",
-        str(cpu),
+        cpu,
         "-m",
         "gdnprune",
         "distill",
@@ -319,9 +316,8 @@ def test_accelerate_launch_with_the_shipped_fsdp2_config_writes_a_plain_checkpoi
         "--save-every",
         "1",
         "--keep-checkpoints",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    )
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert (
         "2 processes: student sharded (FSDP2), teacher sharded" in done.stdout

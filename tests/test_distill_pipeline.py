@@ -194,12 +194,12 @@ class _OncePerParameter(TrainerCallback):
 
 
 def prune_args(family: str, data: Path, out: Path) -> list[str]:
-    """`gdnprune prune --budget-params 0.5` of the trained ``family``; a coarser head-dim grid (--dim-step 1/4),
+    """`gdnprune prune --budget-params 0.5` of the trained ``family``; the coarsest head-dim grid (--dim-step 1/2),
     every candidate measured on the 2 plan windows (successive halving has nothing to save on 2): the plan's
     search is not what these tests check."""
     return [
         "prune", str(TRAINED / family), "--data", str(data), "--budget-params", "0.5", "--num-samples", "4",
-        "--seq-len", "32", "--plan-samples", "2", "--dim-step", "1/4", "--sensitivity", "measured", "-q",
+        "--seq-len", "32", "--plan-samples", "2", "--dim-step", "1/2", "--sensitivity", "measured", "-q",
         "-o", str(out),
     ]  # fmt: skip
 

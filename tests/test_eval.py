@@ -11,11 +11,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import CHOICES, mc_folder
+from helpers import CHOICES, child_env, mc_folder, python_command
 from launches import eval_argv
 
 from gdnprune import demo_data
@@ -216,12 +215,8 @@ def test_an_unknown_task_names_the_closest_known_ones(inputs, capsys):
 def _cli(*argv: str, cwd: Path, record: Path) -> subprocess.CompletedProcess:
     """``gdnprune`` in a process of its own, from ``cwd``, one thread; ``record``: the file of
     ``helpers.RECORD_HOOK``."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), HF_HUB_OFFLINE="1")
-    env.update(HF_DATASETS_OFFLINE="1", EVAL_RECORD=str(record))
-    command = [sys.executable, "-m", "gdnprune", *argv]
+    command = python_command("gdnprune", *argv)
+    env = child_env(EVAL_RECORD=str(record))
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 

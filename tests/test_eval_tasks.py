@@ -6,15 +6,14 @@ from __future__ import annotations
 import filecmp
 import importlib.util
 import math
-import os
 import random
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import child_env, python_command
 
 from gdnprune import demo_data
 from gdnprune.evaluation import probes
@@ -185,9 +184,7 @@ def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
     lm-eval truncates the left of a context, so only the 256 task is run)."""
     model_args = f"pretrained={demo_data.demo_model_path()},dtype=float32"
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
+        python_command(
             "lm_eval",
             "run",
             "--model",
@@ -197,18 +194,18 @@ def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
             "--device",
             "cpu",
             "--include_path",
-            str(shipped_task_folder()),
+            shipped_task_folder(),
             "--tasks",
             "passkey_256,mqar_256",
             "--limit",
             "2",
             "--output_path",
-            str(tmp_path / "out"),
-        ],
+            tmp_path / "out",
+        ),
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+        env=child_env(),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "passkey_256" in out.stdout and "mqar_256" in out.stdout

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tmpfs
+from helpers import child_env, python_command, tmpfs
 
 from gdnprune.cli import COMMANDS, build_parser, main
 from gdnprune.demo_data import demo_model_path
@@ -28,11 +28,10 @@ CUT = ["--num-key-heads", "2", "--num-value-heads", "4"]
 
 def _gdnprune(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -m gdnprune ARGS`` in a fresh process, offline, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "gdnprune", *args],
+        python_command("gdnprune", *args),
         cwd=cwd,
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -160,11 +159,10 @@ def test_every_path_is_checked_before_any_model_loads(tmp_path):
     (tmp_path / "t.txt").write_text("hello world\n")
     (tmp_path / "folder").mkdir()
     cases = {name: [a.replace("{moe}", str(MOE)) for a in argv] for name, (argv, _, _) in FAIL_FAST.items()}
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-c", _RUN_ALL, json.dumps(cases)],
         cwd=tmp_path,
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -323,8 +321,7 @@ def one_child(tmp_path_factory) -> dict[str, tuple[int, str]]:
         "score": score,
         "score -q": [*score, "-q"],
     }
-    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    env.update(PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = {k: v for k, v in child_env().items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     script = f"SPLIT = {SPLIT!r}\n" + _COMMANDS_IN_ONE_CHILD
     done = subprocess.run(
         [sys.executable, "-c", script, json.dumps(list(commands.values()))],
