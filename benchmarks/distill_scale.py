@@ -47,13 +47,17 @@ ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
 WORKER = textwrap.dedent("""
-    import json, os, resource, sys, time
+    import ctypes, json, os, resource, sys, time
     import torch
     from transformers import TrainerCallback
     torch.set_num_threads(int(sys.argv[3]))
+    malloc = sys.argv[10]
+    if malloc == "cli":  # what `gdnprune distill` does on a CPU, before it loads any model
+        from gdnprune.distill.host_allocator import return_freed_memory
+        return_freed_memory()
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sys.path.insert(0, {bench!r})
-    from distill_scale import build_pair
+    from distill_scale import build_pair, trim_hooks
     from gdnprune.distill import DistillConfig, distill, estimate_memory
 
     def high_water_mark():
@@ -80,6 +84,8 @@ WORKER = textwrap.dedent("""
     mode, out = sys.argv[1], sys.argv[2]
     steps, batch, seq_len, layers, checkpointing, hidden = map(int, sys.argv[4:10])
     teacher, student = build_pair(layers, hidden)
+    if malloc == "trim":  # glibc's default, and malloc_trim(0) before every decoder layer's forward and backward
+        trim_hooks([teacher, student], ctypes.CDLL(None).malloc_trim)
     fsdp = mode.startswith("fsdp")
     sharding = "shard" if "teacher" in mode else "replicate"
     lm_only = mode.endswith("lm")
@@ -103,6 +109,12 @@ WORKER = textwrap.dedent("""
         json.dump(report, f)
 """)
 
+MALLOC = {
+    "cli": "as `gdnprune distill` sets it on a CPU (return_freed_memory)",
+    "glibc": "glibc's default"
+    + (" with the environment's MALLOC_*" if any(k.startswith("MALLOC_") for k in os.environ) else ""),
+    "trim": "glibc's default, malloc_trim(0) before every decoder layer's forward and backward",
+}
 MODES = ("ddp", "fsdp", "fsdp+teacher", "ddp+lm", "fsdp+teacher+lm")
 LABELS = {
     "ddp": "DDP",
@@ -143,6 +155,22 @@ def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
     return teacher, student
 
 
+def trim_hooks(models, malloc_trim) -> None:
+    """``malloc_trim(0)`` before the forward and the backward of every decoder layer of ``models`` (FSDP2's own
+    pre-forward hook, added later with ``prepend``, gathers the layer first): what the previous layer freed
+    goes back to the system (``--malloc trim``)."""
+    from gdnprune.distill.fsdp import layer_classes
+
+    def trim(*_):
+        malloc_trim(0)
+
+    for model in models:
+        classes = tuple(layer_classes(model))
+        for layer in (m for m in model.modules() if isinstance(m, classes)):
+            layer.register_forward_pre_hook(trim)
+            layer.register_full_backward_pre_hook(trim)
+
+
 def measure(args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,6 +199,7 @@ def measure(args) -> dict:
                 str(args.layers),
                 str(int(args.gradient_checkpointing)),
                 str(args.hidden),
+                args.malloc,
             ]
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -199,7 +228,7 @@ def report_measured(results: dict, args) -> None:
         f"{sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
         f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, "
         f"{'gradient checkpointing, ' if args.gradient_checkpointing else ''}{args.threads} "
-        f"thread(s) per process. Peak = the high-water mark of resident memory while training (reset when the "
+        f"thread(s) per process, host allocator: {MALLOC[args.malloc]}. Peak = the high-water mark of resident memory while training (reset when the "
         f"Trainer has wrapped the model); setup = the high-water mark before (building random models, slicing, "
         f"sharding).\n"
     )
@@ -424,6 +453,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute the decoder layers")
+    p.add_argument(
+        "--malloc",
+        choices=("cli", "glibc", "trim"),
+        default="cli",
+        help="host allocator: cli = what `gdnprune distill` sets on a CPU (glibc's mmap threshold fixed at "
+        "64 KiB, unless a MALLOC_* variable is set; the default); glibc = glibc's default (or the "
+        "environment's MALLOC_*); trim = glibc's default and malloc_trim(0) before every decoder layer's "
+        "forward and backward",
+    )
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
