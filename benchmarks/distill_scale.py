@@ -17,6 +17,11 @@ for that engine, the training throughput (tokens/s over the steps after the firs
 (all threads of the slower process: on a shared machine the load inflates wall time far more than CPU
 time, so KD / LM step ratios are given in both) and the loss curve.
 
+Every process first sets the host allocator as ``gdnprune distill`` does on a CPU
+(:func:`gdnprune.distill.host_allocator.return_freed_memory`: glibc returns the blocks FSDP2 frees);
+``--malloc glibc`` keeps glibc's default (as the runs before issue 28 measured), ``--malloc trim`` keeps it
+and calls ``malloc_trim(0)`` before every decoder layer's forward and backward instead.
+
 Part 2, computed: the estimate per GPU for real model configurations on 8 processes (8 x 80 GB), for DDP
 and for FSDP2 with the teacher sharded: float32 master parameters and AdamW state, bf16 mixed precision,
 a bf16 teacher, gradient checkpointing, one window of 4096 tokens per GPU. The configs are built on the
@@ -27,6 +32,7 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py                  # both parts (a few minutes)
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --gradient-checkpointing
     python benchmarks/distill_scale.py --table-only                       # part 2 only (seconds)
+    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --malloc glibc  # glibc's default
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --hidden 2048 --layers 12 --batch-size 2 --seq-len 128 \\
         --modes fsdp+teacher fsdp ddp                            # 428M teacher: DDP ~9.5 GB per process
 """
@@ -51,11 +57,11 @@ WORKER = textwrap.dedent("""
     import torch
     from transformers import TrainerCallback
     torch.set_num_threads(int(sys.argv[3]))
-    malloc = sys.argv[10]
-    if malloc == "cli":  # what `gdnprune distill` does on a CPU, before it loads any model
-        from gdnprune.distill.host_allocator import return_freed_memory
-        return_freed_memory()
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    malloc = sys.argv[10]  # cli, cli<threshold>, glibc or trim
+    if malloc.startswith("cli"):  # what `gdnprune distill` does on a CPU, before it loads any model
+        from gdnprune.distill.host_allocator import MMAP_THRESHOLD, return_freed_memory
+        return_freed_memory(int(malloc[3:] or MMAP_THRESHOLD))
     sys.path.insert(0, {bench!r})
     from distill_scale import build_pair, trim_hooks
     from gdnprune.distill import DistillConfig, distill, estimate_memory
@@ -67,7 +73,7 @@ WORKER = textwrap.dedent("""
     class Clock(TrainerCallback):
         # the peak of the training phase: the high-water mark is reset once the Trainer has wrapped the model
         setup = start = cpu = None
-        steps, cpu_steps = [], []
+        steps, cpu_steps, faults = [], [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.setup = high_water_mark()
@@ -76,10 +82,12 @@ WORKER = textwrap.dedent("""
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.start, self.cpu = time.perf_counter(), time.process_time()
+            self.minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
         def on_step_end(self, args, state, control, **kwargs):
             self.steps.append(time.perf_counter() - self.start)
             self.cpu_steps.append(time.process_time() - self.cpu)  # all threads of the process (gloo's too)
+            self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.minflt)  # pages mapped
 
     mode, out = sys.argv[1], sys.argv[2]
     steps, batch, seq_len, layers, checkpointing, hidden = map(int, sys.argv[4:10])
@@ -101,7 +109,7 @@ WORKER = textwrap.dedent("""
     logs = [h for h in result["history"] if "loss" in h]
     report = {{"rank": int(os.environ["RANK"]), "peak": high_water_mark(), "setup_peak": clock.setup,
               "baseline": baseline, "losses": [h["loss"] for h in logs], "step_seconds": clock.steps,
-              "step_cpu_seconds": clock.cpu_steps,
+              "step_cpu_seconds": clock.cpu_steps, "step_page_faults": clock.faults,
               "estimate": {{"total": estimate.total, **dict(estimate.rows())}},
               "student_parameters": sum(p.numel() for p in student.parameters()),
               "teacher_parameters": sum(p.numel() for p in teacher.parameters())}}
@@ -199,7 +207,7 @@ def measure(args) -> dict:
                 str(args.layers),
                 str(int(args.gradient_checkpointing)),
                 str(args.hidden),
-                args.malloc,
+                args.malloc + (str(args.mmap_threshold) if args.mmap_threshold else ""),
             ]
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -223,13 +231,15 @@ def _median(xs):
 def report_measured(results: dict, args) -> None:
     first = next(iter(results.values()))["ranks"][0]
     sizes = first["teacher_parameters"] / 1e6, first["student_parameters"] / 1e6
+    threshold = f" (threshold {args.mmap_threshold:,} bytes)" if args.mmap_threshold else ""
     print(
         f"Teacher {sizes[0]:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), student "
         f"{sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
         f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, "
         f"{'gradient checkpointing, ' if args.gradient_checkpointing else ''}{args.threads} "
-        f"thread(s) per process, host allocator: {MALLOC[args.malloc]}. Peak = the high-water mark of resident memory while training (reset when the "
-        f"Trainer has wrapped the model); setup = the high-water mark before (building random models, slicing, "
+        f"thread(s) per process, host allocator: {MALLOC[args.malloc]}{threshold}. Peak = the high-water "
+        f"mark of resident memory while training (reset when the Trainer has wrapped the model); setup = the "
+        f"high-water mark before (building random models, slicing, "
         f"sharding).\n"
     )
     print(
@@ -255,6 +265,13 @@ def report_measured(results: dict, args) -> None:
         f"\n(estimate = estimate_memory + the {first['baseline'] / GB:.2f} GB the interpreter, torch and "
         f"transformers take before any model)"
     )
+    for mode, res in results.items():
+        faults = [r.get("step_page_faults", [])[1:] for r in res["ranks"]]
+        if all(faults):  # pages the process mapped in a step: what returning freed memory costs in CPU time
+            median = _median([max(a, b) for a, b in zip(*faults)])
+            print(
+                f"- {LABELS[mode]}: {median:,} page faults per step (median; {median * 4096 / GB:.1f} GB of pages)"
+            )
     peak = {m: max(r["peak"] for r in res["ranks"]) for m, res in results.items()}
     if "ddp" in results:
         print()
@@ -461,6 +478,13 @@ def main() -> None:
         "64 KiB, unless a MALLOC_* variable is set; the default); glibc = glibc's default (or the "
         "environment's MALLOC_*); trim = glibc's default and malloc_trim(0) before every decoder layer's "
         "forward and backward",
+    )
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --malloc cli: the threshold given to return_freed_memory (default: its own)",
     )
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args()
