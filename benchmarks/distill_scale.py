@@ -17,10 +17,11 @@ for that engine, the training throughput (tokens/s over the steps after the firs
 (all threads of the slower process: on a shared machine the load inflates wall time far more than CPU
 time, so KD / LM step ratios are given in both) and the loss curve.
 
-Every process first sets the host allocator as ``gdnprune distill`` does on a CPU
-(:func:`gdnprune.distill.host_allocator.return_freed_memory`: glibc returns the blocks FSDP2 frees);
-``--malloc glibc`` keeps glibc's default (as the runs before issue 28 measured), ``--malloc trim`` keeps it
-and calls ``malloc_trim(0)`` before every decoder layer's forward and backward instead.
+Every process first sets the host allocator as ``gdnprune distill`` does on a CPU: under FSDP2
+:func:`gdnprune.distill.host_allocator.return_freed_memory` (glibc returns the blocks FSDP2 frees), DDP left
+to glibc's default; ``--malloc mmap`` sets it in every mode, ``--malloc glibc`` in none (as the runs before
+issue 28 measured), ``--malloc trim`` keeps glibc's default and calls ``malloc_trim(0)`` before every decoder
+layer's forward and backward instead.
 
 Part 2, computed: the estimate per GPU for real model configurations on 8 processes (8 x 80 GB), for DDP
 and for FSDP2 with the teacher sharded: float32 master parameters and AdamW state, bf16 mixed precision,
@@ -58,10 +59,11 @@ WORKER = textwrap.dedent("""
     from transformers import TrainerCallback
     torch.set_num_threads(int(sys.argv[3]))
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    malloc = sys.argv[10]  # cli, cli<threshold>, glibc or trim
-    if malloc.startswith("cli"):  # what `gdnprune distill` does on a CPU, before it loads any model
+    malloc, threshold = sys.argv[10].partition(":")[::2]  # cli, mmap, glibc or trim; and a threshold or ""
+    # what `gdnprune distill --fsdp` does on a CPU before it loads any model (mmap: in every mode, DDP too)
+    if malloc == "mmap" or (malloc == "cli" and sys.argv[1].startswith("fsdp")):
         from gdnprune.distill.host_allocator import MMAP_THRESHOLD, return_freed_memory
-        return_freed_memory(int(malloc[3:] or MMAP_THRESHOLD))
+        return_freed_memory(int(threshold or MMAP_THRESHOLD))
     sys.path.insert(0, {bench!r})
     from distill_scale import build_pair, trim_hooks
     from gdnprune.distill import DistillConfig, distill, estimate_memory
@@ -118,7 +120,8 @@ WORKER = textwrap.dedent("""
 """)
 
 MALLOC = {
-    "cli": "as `gdnprune distill` sets it on a CPU (return_freed_memory)",
+    "cli": "as `gdnprune distill` sets it on a CPU (FSDP2: return_freed_memory; DDP: glibc's default)",
+    "mmap": "return_freed_memory in every mode (DDP too)",
     "glibc": "glibc's default"
     + (" with the environment's MALLOC_*" if any(k.startswith("MALLOC_") for k in os.environ) else ""),
     "trim": "glibc's default, malloc_trim(0) before every decoder layer's forward and backward",
@@ -207,7 +210,7 @@ def measure(args) -> dict:
                 str(args.layers),
                 str(int(args.gradient_checkpointing)),
                 str(args.hidden),
-                args.malloc + (str(args.mmap_threshold) if args.mmap_threshold else ""),
+                f"{args.malloc}:{args.mmap_threshold or ''}",
             ]
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -472,19 +475,19 @@ def main() -> None:
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute the decoder layers")
     p.add_argument(
         "--malloc",
-        choices=("cli", "glibc", "trim"),
+        choices=("cli", "mmap", "glibc", "trim"),
         default="cli",
-        help="host allocator: cli = what `gdnprune distill` sets on a CPU (glibc's mmap threshold fixed at "
-        "64 KiB, unless a MALLOC_* variable is set; the default); glibc = glibc's default (or the "
-        "environment's MALLOC_*); trim = glibc's default and malloc_trim(0) before every decoder layer's "
-        "forward and backward",
+        help="host allocator: cli = what `gdnprune distill` sets on a CPU (the default: under FSDP2 glibc's "
+        "mmap threshold fixed at 64 KiB unless a MALLOC_* variable is set, DDP left to glibc's default); "
+        "mmap = that threshold in every mode; glibc = glibc's default (or the environment's MALLOC_*); "
+        "trim = glibc's default and malloc_trim(0) before every decoder layer's forward and backward",
     )
     p.add_argument(
         "--mmap-threshold",
         type=int,
         default=None,
         metavar="BYTES",
-        help="with --malloc cli: the threshold given to return_freed_memory (default: its own)",
+        help="with --malloc cli or mmap: the threshold given to return_freed_memory (default: its own)",
     )
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args()
