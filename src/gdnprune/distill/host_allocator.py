@@ -3,14 +3,14 @@
 FSDP2 gathers every layer unit (and its gradient) whole for a moment and frees it, several times a step.
 glibc's malloc serves such blocks from its heaps once it has freed one of their size (its mmap threshold
 rises to the largest block freed, up to 32 MiB), and keeps the freed memory for reuse: the resident memory
-of a CPU run then grows by what was gathered, as if it were never sharded (BENCHMARKS.md, "Distillation
-at scale": about 0.5 GB at 129M). :func:`return_freed_memory` fixes the threshold (``mallopt``), so that
-blocks of ``threshold`` bytes and more are mapped on allocation and unmapped on free, as
+of a CPU run then grows by what was gathered, as if it were never sharded (BENCHMARKS.md, "Distillation at
+scale": about 0.6 GB per process at 129M). :func:`return_freed_memory` fixes the threshold (``mallopt``),
+so that blocks of ``threshold`` bytes and more are mapped on allocation and unmapped on free, as
 ``MALLOC_MMAP_THRESHOLD_`` in the environment does.
 
 It costs CPU time: the pages of every block of ``threshold`` bytes and more are mapped anew each time it is
-allocated (at 129M, 2 processes: FSDP2's peak 2.93 -> 2.30 GB per process, its CPU time per step about
-+40%; BENCHMARKS.md). The setting holds for the whole process and every later allocation, so the library
+allocated (at 129M, 2 processes: FSDP2's peak 2.93 -> 2.30 GB per process, its CPU time per step
++30 to +80%; BENCHMARKS.md). The setting holds for the whole process and every later allocation, so the library
 never applies it by itself: ``gdnprune distill --fsdp`` calls it when the run trains on the CPU (never on
 CUDA, whose caching allocator owns device memory; not for DDP, which frees no gathered weights). It does
 nothing on a C library other than glibc, or when the environment already chooses a malloc setting
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 __all__ = ["MMAP_THRESHOLD", "return_freed_memory", "user_malloc_setting"]
 
 #: the threshold set: 64 KiB (glibc starts at 128 KiB and raises it to the largest block freed, up to 32 MiB).
-#: 4 MiB returned too little at 129M (BENCHMARKS.md): what glibc keeps is mostly blocks of 64 KiB to 4 MiB
+#: 1 and 4 MiB returned too little at 129M (BENCHMARKS.md): what glibc keeps is mostly blocks of 64 KiB to 4 MiB
 MMAP_THRESHOLD = 1 << 16
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
