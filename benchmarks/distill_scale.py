@@ -17,6 +17,12 @@ for that engine, the training throughput (tokens/s over the steps after the firs
 (all threads of the slower process: on a shared machine the load inflates wall time far more than CPU
 time, so KD / LM step ratios are given in both) and the loss curve.
 
+Every process first sets the host allocator as ``gdnprune distill`` does on a CPU: under FSDP2
+:func:`gdnprune.distill.host_allocator.return_freed_memory` (glibc returns the blocks FSDP2 frees), DDP left
+to glibc's default; ``--malloc mmap`` sets it in every mode, ``--malloc glibc`` in none (as the runs before
+issue 28 measured), ``--malloc trim`` keeps glibc's default and calls ``malloc_trim(0)`` before every decoder
+layer's forward and backward instead.
+
 Part 2, computed: the estimate per GPU for real model configurations on 8 processes (8 x 80 GB), for DDP
 and for FSDP2 with the teacher sharded: float32 master parameters and AdamW state, bf16 mixed precision,
 a bf16 teacher, gradient checkpointing, one window of 4096 tokens per GPU. The configs are built on the
@@ -27,6 +33,7 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py                  # both parts (a few minutes)
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --gradient-checkpointing
     python benchmarks/distill_scale.py --table-only                       # part 2 only (seconds)
+    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --malloc glibc  # glibc's default
     OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --hidden 2048 --layers 12 --batch-size 2 --seq-len 128 \\
         --modes fsdp+teacher fsdp ddp                            # 428M teacher: DDP ~9.5 GB per process
 """
@@ -47,13 +54,18 @@ ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
 WORKER = textwrap.dedent("""
-    import json, os, resource, sys, time
+    import ctypes, json, os, resource, sys, time
     import torch
     from transformers import TrainerCallback
     torch.set_num_threads(int(sys.argv[3]))
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    malloc, threshold = sys.argv[10].partition(":")[::2]  # cli, mmap, glibc or trim; and a threshold or ""
+    # what `gdnprune distill --fsdp` does on a CPU before it loads any model (mmap: in every mode, DDP too)
+    if malloc == "mmap" or (malloc == "cli" and sys.argv[1].startswith("fsdp")):
+        from gdnprune.distill.host_allocator import MMAP_THRESHOLD, return_freed_memory
+        return_freed_memory(int(threshold or MMAP_THRESHOLD))
     sys.path.insert(0, {bench!r})
-    from distill_scale import build_pair
+    from distill_scale import build_pair, trim_hooks
     from gdnprune.distill import DistillConfig, distill, estimate_memory
 
     def high_water_mark():
@@ -63,7 +75,7 @@ WORKER = textwrap.dedent("""
     class Clock(TrainerCallback):
         # the peak of the training phase: the high-water mark is reset once the Trainer has wrapped the model
         setup = start = cpu = None
-        steps, cpu_steps = [], []
+        steps, cpu_steps, faults = [], [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.setup = high_water_mark()
@@ -72,14 +84,18 @@ WORKER = textwrap.dedent("""
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.start, self.cpu = time.perf_counter(), time.process_time()
+            self.minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
         def on_step_end(self, args, state, control, **kwargs):
             self.steps.append(time.perf_counter() - self.start)
             self.cpu_steps.append(time.process_time() - self.cpu)  # all threads of the process (gloo's too)
+            self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.minflt)  # pages mapped
 
     mode, out = sys.argv[1], sys.argv[2]
     steps, batch, seq_len, layers, checkpointing, hidden = map(int, sys.argv[4:10])
     teacher, student = build_pair(layers, hidden)
+    if malloc == "trim":  # glibc's default, and malloc_trim(0) before every decoder layer's forward and backward
+        trim_hooks([teacher, student], ctypes.CDLL(None).malloc_trim)
     fsdp = mode.startswith("fsdp")
     sharding = "shard" if "teacher" in mode else "replicate"
     lm_only = mode.endswith("lm")
@@ -95,7 +111,7 @@ WORKER = textwrap.dedent("""
     logs = [h for h in result["history"] if "loss" in h]
     report = {{"rank": int(os.environ["RANK"]), "peak": high_water_mark(), "setup_peak": clock.setup,
               "baseline": baseline, "losses": [h["loss"] for h in logs], "step_seconds": clock.steps,
-              "step_cpu_seconds": clock.cpu_steps,
+              "step_cpu_seconds": clock.cpu_steps, "step_page_faults": clock.faults,
               "estimate": {{"total": estimate.total, **dict(estimate.rows())}},
               "student_parameters": sum(p.numel() for p in student.parameters()),
               "teacher_parameters": sum(p.numel() for p in teacher.parameters())}}
@@ -103,6 +119,13 @@ WORKER = textwrap.dedent("""
         json.dump(report, f)
 """)
 
+MALLOC = {
+    "cli": "as `gdnprune distill` sets it on a CPU (FSDP2: return_freed_memory; DDP: glibc's default)",
+    "mmap": "return_freed_memory in every mode (DDP too)",
+    "glibc": "glibc's default"
+    + (" with the environment's MALLOC_*" if any(k.startswith("MALLOC_") for k in os.environ) else ""),
+    "trim": "glibc's default, malloc_trim(0) before every decoder layer's forward and backward",
+}
 MODES = ("ddp", "fsdp", "fsdp+teacher", "ddp+lm", "fsdp+teacher+lm")
 LABELS = {
     "ddp": "DDP",
@@ -143,6 +166,22 @@ def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
     return teacher, student
 
 
+def trim_hooks(models, malloc_trim) -> None:
+    """``malloc_trim(0)`` before the forward and the backward of every decoder layer of ``models`` (FSDP2's own
+    pre-forward hook, added later with ``prepend``, gathers the layer first): what the previous layer freed
+    goes back to the system (``--malloc trim``)."""
+    from gdnprune.distill.fsdp import layer_classes
+
+    def trim(*_):
+        malloc_trim(0)
+
+    for model in models:
+        classes = tuple(layer_classes(model))
+        for layer in (m for m in model.modules() if isinstance(m, classes)):
+            layer.register_forward_pre_hook(trim)
+            layer.register_full_backward_pre_hook(trim)
+
+
 def measure(args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,6 +210,7 @@ def measure(args) -> dict:
                 str(args.layers),
                 str(int(args.gradient_checkpointing)),
                 str(args.hidden),
+                f"{args.malloc}:{args.mmap_threshold or ''}",
             ]
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -194,13 +234,15 @@ def _median(xs):
 def report_measured(results: dict, args) -> None:
     first = next(iter(results.values()))["ranks"][0]
     sizes = first["teacher_parameters"] / 1e6, first["student_parameters"] / 1e6
+    threshold = f" (threshold {args.mmap_threshold:,} bytes)" if args.mmap_threshold else ""
     print(
         f"Teacher {sizes[0]:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), student "
         f"{sizes[1]:.1f}M; {args.steps} steps of {args.batch_size} x "
         f"{args.seq_len} tokens (micro-batch {args.batch_size // 2} per process), float32, "
         f"{'gradient checkpointing, ' if args.gradient_checkpointing else ''}{args.threads} "
-        f"thread(s) per process. Peak = the high-water mark of resident memory while training (reset when the "
-        f"Trainer has wrapped the model); setup = the high-water mark before (building random models, slicing, "
+        f"thread(s) per process, host allocator: {MALLOC[args.malloc]}{threshold}. Peak = the high-water "
+        f"mark of resident memory while training (reset when the Trainer has wrapped the model); setup = the "
+        f"high-water mark before (building random models, slicing, "
         f"sharding).\n"
     )
     print(
@@ -226,6 +268,13 @@ def report_measured(results: dict, args) -> None:
         f"\n(estimate = estimate_memory + the {first['baseline'] / GB:.2f} GB the interpreter, torch and "
         f"transformers take before any model)"
     )
+    for mode, res in results.items():
+        faults = [r.get("step_page_faults", [])[1:] for r in res["ranks"]]
+        if all(faults):  # pages the process mapped in a step: what returning freed memory costs in CPU time
+            median = _median([max(a, b) for a, b in zip(*faults)])
+            print(
+                f"- {LABELS[mode]}: {median:,} page faults per step (median; {median * 4096 / GB:.1f} GB of pages)"
+            )
     peak = {m: max(r["peak"] for r in res["ranks"]) for m, res in results.items()}
     if "ddp" in results:
         print()
@@ -424,6 +473,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute the decoder layers")
+    p.add_argument(
+        "--malloc",
+        choices=("cli", "mmap", "glibc", "trim"),
+        default="cli",
+        help="host allocator: cli = what `gdnprune distill` sets on a CPU (the default: under FSDP2 glibc's "
+        "mmap threshold fixed at 64 KiB unless a MALLOC_* variable is set, DDP left to glibc's default); "
+        "mmap = that threshold in every mode; glibc = glibc's default (or the environment's MALLOC_*); "
+        "trim = glibc's default and malloc_trim(0) before every decoder layer's forward and backward",
+    )
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --malloc cli or mmap: the threshold given to return_freed_memory (default: its own)",
+    )
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "src"))

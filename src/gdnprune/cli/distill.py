@@ -50,7 +50,10 @@ def add_parser(subparsers) -> None:
         "the processes. Prints the expected memory per process first (--dry-run: only that). "
         "Checkpoints every --save-every steps; --resume continues an interrupted run; Ctrl-C saves and "
         "stops. Writes the trained model (with the student's mtp.* weights unchanged), gdnprune.json, "
-        "distill_log.json and distill_loss.png into OUT.",
+        "distill_log.json and distill_loss.png into OUT. With --fsdp on a CPU (glibc) the command sets "
+        "glibc's mmap threshold to 64 KiB for its process, so that the layers FSDP2 gathers and frees go "
+        "back to the system (less memory, more CPU time per step); any MALLOC_* environment variable "
+        "(e.g. MALLOC_MMAP_THRESHOLD_) or glibc.malloc tunable you set is kept instead.",
     )
     p.add_argument(
         "student", metavar="STUDENT", help="the model folder to train (e.g. gdnprune prune's output)"
@@ -369,6 +372,11 @@ def _train(args, data, eval_data) -> int:
     # lazy: commands import the library when they run, so --help stays fast
     from ..distill import OutputFolderError, distill_checkpoint
 
+    # lazy: commands import the library when they run, so --help stays fast
+    from ..distill.host_allocator import return_freed_memory
+
+    if args.fsdp and not torch.cuda.is_available():  # a CPU FSDP2 run: its freed gathers go back (--help)
+        return_freed_memory()
     dtype = getattr(torch, args.dtype)  # --dtype has a default; --teacher-dtype defaults to it
     teacher_dtype = None if args.teacher_dtype is None else getattr(torch, args.teacher_dtype)
     transformers.utils.logging.disable_progress_bar()  # one bar: ours (no loading or shard-writing bars)

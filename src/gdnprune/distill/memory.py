@@ -8,7 +8,8 @@ kernels: the units FSDP2 gathers whole for a forward (not the embedding and head
 vocabulary and never gathers, except with CPU offload), DDP's gradient buckets (a second copy of the
 gradients), the activations kept for the backward (a per-token rule of thumb per decoder layer; the
 reference PyTorch GDN kernels of a CPU keep more), and the loss buffers (one chunk of logits and the
-float32 head gradient: under FSDP2 of this process's rows of the vocabulary, for all processes' positions).
+float32 head gradient: under FSDP2 of this process's rows of the vocabulary, a chunk holding at most one
+process's positions, as many as the whole-head loss would).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..loading import per_layer_gdn_modules
 from .fsdp import layer_classes
+from .vocab_parallel import default_positions_per_chunk
 
 __all__ = ["MemoryEstimate", "estimate_memory", "estimate_checkpoint_memory", "meta_model", "layer_configs"]
 
-# logits per chunk of the loss (loss._LOGITS_PER_CHUNK) and float32 buffers of that size alive at once
-_CHUNK_LOGITS, _CHUNK_BUFFERS = 1 << 25, 4
+# float32 buffers of a chunk's logits alive at once in the loss
+_CHUNK_BUFFERS = 4
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,8 @@ def estimate_memory(
     # states gathered, student and teacher, and the gradient of all of them before it is scattered back)
     rows = math.ceil(vocab / processes) if vocab_parallel else vocab
     positions = tokens * (processes if vocab_parallel else 1)
-    chunk = min(max(1, _CHUNK_LOGITS // vocab), max(1, positions)) * rows  # positions per chunk x rows
+    # positions per chunk x rows: at most one process's positions per chunk, whole head or vocabulary-parallel
+    chunk = default_positions_per_chunk(vocab, tokens) * rows
     states = 2 * tokens * text.hidden_size * 4
     if vocab_parallel:  # all positions' hidden states (student, teacher) and float32 hidden gradient
         states = positions * text.hidden_size * (compute + t_size + 4) + tokens * text.hidden_size * 4

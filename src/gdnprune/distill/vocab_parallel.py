@@ -37,6 +37,7 @@ __all__ = [
     "embedding",
     "vocab_parallel_terms",
     "add_chunk_gradients",
+    "default_positions_per_chunk",
 ]
 
 # torch 2.13 renamed these two collectives (the old names warn); pyproject allows torch >= 2.4
@@ -232,9 +233,7 @@ def vocab_parallel_terms(
         kd_w, lm_w = weights
         a = kd_w / g.counts * g.valid if kd_w and teacher_hidden is not None else None
         b = lm_w / g.counts * g.valid if lm_w else None
-    # as many positions per chunk as the whole-head loss takes (2**25 logits of the whole vocabulary): each
-    # chunk reads the local rows once, so the head is read as often per logit, and a chunk is 1/world its size
-    step = positions_per_chunk or max(1, (1 << 25) // shard.vocab)
+    step = positions_per_chunk or default_positions_per_chunk(shard.vocab, g.rows)
     for begin in range(0, total, step):
         rows = slice(begin, min(total, begin + step))
         h, y, ok = g.hidden[rows].to(weight.dtype), g.labels[rows] - shard.start, g.valid[rows]
@@ -270,6 +269,16 @@ def vocab_parallel_terms(
     g_hidden, g_weight, g_bias = grads
     g_hidden = _scatter_sum(g_hidden, n, group).to(hidden.dtype)
     return *out, (g_hidden, g_weight.div_(shard.world), None if g_bias is None else g_bias.div_(shard.world))
+
+
+def default_positions_per_chunk(vocab: int, positions: int) -> int:
+    """Positions per chunk of :func:`vocab_parallel_terms` when not given: as many as one process has (the
+    most of any), and at most as many as the whole-head loss takes (``2**25 // vocab``, its chunk of 2**25
+    logits). A chunk's logits (positions x local rows) are then at most ``1 / world`` of what the whole-head
+    loss holds for one process's positions: the loss buffers shard with the vocabulary, where a chunk of all
+    processes' positions would cost each process as much as the whole head does. Each chunk reads the local
+    rows once: ``world`` chunks read as many bytes of the head as the whole-head loss reads once."""
+    return max(1, min((1 << 25) // vocab, positions))
 
 
 def add_chunk_gradients(grads, rows: slice, g_z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:
