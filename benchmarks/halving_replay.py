@@ -41,24 +41,32 @@ from gdnprune.plan.solve import choose_among  # noqa: E402
 
 BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
 
-#: name -> keyword arguments of :func:`~gdnprune.plan.halving.search` (and ``first`` / ``grow`` of the rungs)
+#: name -> keyword arguments of :func:`~gdnprune.plan.halving.search` (and ``first`` / ``grow`` of the rungs);
+#: ``POOLED``: the ratio bound from every layer's candidates (the default until issue 31's third version)
+POOLED = {"per_layer": False, "confidence": 1.5}
 VARIANTS: dict[str, dict] = {
     "unverified": {"verified": False, "eta": 2},  # issue 22's halving
-    "verified": {"eta": 2, "confidence": None},  # issue 31 as first merged: the lowest ratio, half kept
-    "default": {},  # the lower prediction bound at 1.5 standard deviations, a quarter kept per rung
-    "slack5": {"eta": 2, "confidence": None, "slack": 0.05},
-    "conf2": {"confidence": 2.0},
-    "eta2": {"eta": 2},
-    "spread0": {"spread": 0},
-    "spread2": {"spread": 2},
-    "before1": {"before": 1},
-    "jump": {"jump": True},
-    "wide": {"plain": False},  # no front restriction, no cheapest-candidate feasibility
-    "grow2": {"grow": 2},
-    "grow2b1": {"grow": 2, "before": 1},
-    "grow2b2": {"grow": 2, "before": 2},
-    "grow2c2": {"grow": 2, "confidence": 2.0},
-    "grow2b1c2": {"grow": 2, "before": 1, "confidence": 2.0},
+    "verified": {"eta": 2, "confidence": None, "per_layer": False},  # issue 31 as first merged
+    "pooled": POOLED,  # issue 31's second version: pooled bound at 1.5 standard deviations, a quarter kept
+    "default": {},  # the bound from the candidate's own layer at 2 standard deviations, a quarter kept
+    "slack5": {"eta": 2, "confidence": None, "per_layer": False, "slack": 0.05},
+    "conf2": {**POOLED, "confidence": 2.0},
+    "eta2": {**POOLED, "eta": 2},
+    "spread0": {**POOLED, "spread": 0},
+    "spread2": {**POOLED, "spread": 2},
+    "before1": {**POOLED, "before": 1},
+    "jump": {**POOLED, "jump": True},
+    "wide": {**POOLED, "plain": False},  # no front restriction, no cheapest-candidate feasibility
+    "grow2": {**POOLED, "grow": 2},
+    "grow2b1": {**POOLED, "grow": 2, "before": 1},
+    "grow2b2": {**POOLED, "grow": 2, "before": 2},
+    "grow2c2": {**POOLED, "grow": 2, "confidence": 2.0},
+    "grow2b1c2": {**POOLED, "grow": 2, "before": 1, "confidence": 2.0},
+    "layer15": {"confidence": 1.5},  # the default's per-layer bound at 1.5 / 1.75 standard deviations
+    "layer175": {"confidence": 1.75},
+    "layer2eta8": {"eta": 8},
+    "layer2grow2": {"grow": 2},
+    "layer2grow2c25": {"grow": 2, "confidence": 2.5},
 }
 
 

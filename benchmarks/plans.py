@@ -70,7 +70,8 @@ BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
 #: issue 31's successive halving variants, side by side: name -> options of ``halving_sensitivity``
 HALVING_VARIANTS: dict[str, dict] = {
     "unverified": {"verified": False, "eta": 2},
-    "verified": {"eta": 2, "confidence": None},
+    "verified": {"eta": 2, "confidence": None, "per_layer": False},
+    "pooled": {"per_layer": False, "confidence": 1.5},  # the second version: every layer's ratios pooled
     "default": {},
 }
 
@@ -246,9 +247,11 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
 
         # issue 31: successive halving unverified (as in issue 22), verified as first merged (lowest ratio,
-        # half kept per rung) and the default (lower prediction bound, a quarter kept), same budget
+        # half kept per rung), its second version (pooled prediction bound) and the default (the bound
+        # from the candidate's own layer), a quarter kept per rung, same budget (--halving-variants)
         variants = {}
-        for variant, options in HALVING_VARIANTS.items():
+        for variant in args.halving_variants:
+            options = HALVING_VARIANTS[variant]
             t0 = time.perf_counter()
             halved = halving_sensitivity(
                 model, sens_windows, layers, costs, budgets, progress=False, **options
@@ -415,7 +418,8 @@ def print_model(result: dict) -> None:
 
 def print_halving(result: dict) -> None:
     """Issue 31's table: successive halving's variants (:data:`HALVING_VARIANTS`: unverified, verified as
-    first merged, the default) against the exact plan on the full measurement."""
+    first merged, its pooled second version, the default; those of ``--halving-variants``) against the
+    exact plan on the full measurement."""
     score, full = result["seconds"]["score"], result["window_forwards"]
     measured = result["seconds"]["measured_sensitivity"]
     print(
@@ -478,10 +482,19 @@ def main() -> int:
         action="store_true",
         help="only the full measurement (into --cache, for benchmarks/halving_replay.py), no plans",
     )
+    p.add_argument(
+        "--halving-variants",
+        nargs="+",
+        choices=list(HALVING_VARIANTS),
+        default=list(HALVING_VARIANTS),
+        help="successive halving's variants to run side by side (default all; 'default' is always run)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
+    if "default" not in args.halving_variants:
+        args.halving_variants.append("default")  # the cheap plan of the other tables
     torch.set_num_threads(args.threads)
     print(f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; dim step {args.dim_step}")
     results = []
