@@ -64,6 +64,7 @@ from _common import (  # noqa: E402
 from plans import spearman, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
+from gdnprune.distill import DistillConfig, distill  # noqa: E402
 from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
 from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
@@ -340,14 +341,11 @@ def remove_layers(model, removed) -> torch.nn.Module:
 
 
 def distil(problem: Problem, student, steps: int) -> np.ndarray:
-    from gdnprune.distill import distill
-
     student.train()
     for p in student.parameters():
         p.requires_grad_(True)
-    distill(
-        student, problem.model, problem.train, steps=steps, log_every=max(steps, 1), progress=False, **RECIPE
-    )
+    config = DistillConfig(steps=steps, log_every=max(steps, 1), progress=False, **RECIPE)
+    distill(student, problem.model, problem.train, config)
     student.eval()
     return window_losses(student, problem.validation)
 
@@ -477,7 +475,7 @@ NAMES = [
 def print_model(result: dict) -> None:
     shares = ", ".join(f"{k} {v:.1%}" for k, v in result["shares"].items())
     print(
-        f"\n{result['model']}: {result['params']:,} parameters ({shares}); decoder {result['decoder_params']:,}; "
+        f"\n{result['model']}: {result['params']:,.0f} parameters ({shares}); decoder {result['decoder_params']:,}; "
         f"unpruned validation loss {result['base_loss']:.4f}; sensitivity seconds "
         + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items())
     )
