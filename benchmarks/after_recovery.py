@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import pickle
 import sys
@@ -46,13 +45,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from _common import RECIPE, SEQ, add_model_arguments, benchmark_models, load_average, paired, set_up  # noqa: E402
 from plans import window_losses  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.distill import DistillConfig, distill  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
 from gdnprune.plan import PlanOptions  # noqa: E402
 from gdnprune.plan.api import search  # noqa: E402
 from gdnprune.plan.candidates import AXES, parse_dim_step  # noqa: E402
@@ -62,16 +60,22 @@ from gdnprune.plan.report import Choice  # noqa: E402
 from gdnprune.plan.solve import uniform_choices  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 
-BUDGETS = (0.75, 0.5, 0.35)
-RECIPE = dict(batch_size=4, lr=1e-3, warmup=0.03, seed=0, kd_weight=1.0, lm_weight=0.0)
-SEQ = 256
 BLOCKS = ("gdn", "attention", "mlp")
 
 
-def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """Mean and standard error of ``a - b`` over windows."""
-    d = np.asarray(a) - np.asarray(b)
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+class StepLog(TrainerCallback):
+    """A line every ``every`` steps of a long distillation (the log shows how far a run got)."""
+
+    def __init__(self, label: str, every: int):
+        self.label, self.every, self.start = label, every, time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            seconds = time.perf_counter() - self.start
+            print(
+                f"    {self.label}: step {state.global_step}/{state.max_steps} ({seconds:.0f} s)", flush=True
+            )
+        return control
 
 
 class Bench:
@@ -107,7 +111,11 @@ class Bench:
         if path.exists():
             return pickle.loads(path.read_bytes())
         value = make()
-        path.write_bytes(pickle.dumps(value))
+        part = path.with_name(
+            f"{path.name}.{os.getpid()}.part"
+        )  # processes of other budgets share the folder
+        part.write_bytes(pickle.dumps(value))
+        os.replace(part, path)
         return value
 
     def searched(self, fraction: float, sensitivity: str):
@@ -140,12 +148,22 @@ class Bench:
         """The ranking (cached): K best MILP plans + the best uniform cut, S steps each."""
         args = self.args
 
+        def told(cost) -> None:
+            if cost.estimate_seconds is not None:
+                print(
+                    f"  {self.name} {fraction:.0%} ranking: {cost.candidates} plans x {cost.steps} steps, "
+                    f"estimated {cost.estimate_seconds:.0f} s after the first step",
+                    flush=True,
+                )
+
         def run():
             windows = self.calibration[16:48]
             train, heldout = windows[:24], windows[24:]
             candidates = candidate_plans(problem, sens, choice, args.rank_by_distill)
             recipe = rank_recipe(args.rank_steps, RECIPE["lr"], 4, int(heldout.shape[0]))
-            ranking = rank_by_distill(self.model, problem, candidates, train, heldout, recipe)
+            ranking = rank_by_distill(
+                self.model, problem, candidates, train, heldout, recipe, on_cost=None if args.quiet else told
+            )
             return {"ranking": ranking.as_dict(), "winner_picks": ranking.best.choice.picks}
 
         return self.cached(f"ranked_{fraction}_{args.rank_by_distill}x{args.rank_steps}", run)
@@ -182,7 +200,12 @@ class Bench:
             for p in student.parameters():
                 p.requires_grad_(True)
             config = DistillConfig(steps=self.args.steps, log_every=self.args.steps, progress=False, **RECIPE)
-            distill(student, self.model, self.train, config)
+            log = (
+                []
+                if self.args.quiet
+                else [StepLog(f"{self.name} {fraction:.0%} {name}", max(1, self.args.steps // 6))]
+            )
+            distill(student, self.model, self.train, config, callbacks=log)
             after = window_losses(student.eval(), self.validation)
             return {
                 "before": before,
@@ -202,8 +225,19 @@ class Bench:
 
 def run_budget(bench: Bench, fraction: float, args) -> dict:
     problem, sens, choice, search_seconds = bench.searched(fraction, "halving")
-    ranked = bench.ranked(fraction, problem, sens, choice)
     uniform = bench.best_uniform(fraction, problem)
+    # the comparison the targets rest on comes first (a run stopped during the ranking still has it)
+    early = {
+        "one_shot": bench.recovered(fraction, "one_shot", problem, choice.picks),
+        "best_uniform": bench.recovered(fraction, "best_uniform", problem, uniform["picks"]),
+    }
+    if not args.quiet:
+        d, s = paired(early["best_uniform"]["after"], early["one_shot"]["after"])
+        print(
+            f"  {bench.name} {fraction:.0%} best uniform − one-shot MILP, after: {d:+.4f} ± {s:.4f}",
+            flush=True,
+        )
+    ranked = bench.ranked(fraction, problem, sens, choice)
     plans = {"one_shot": choice.picks, "ranked": ranked["winner_picks"], "best_uniform": uniform["picks"]}
     costs = {
         "one_shot": {"search_seconds": search_seconds},
@@ -258,18 +292,10 @@ def print_row(bench: Bench, row: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--deep", type=Path, default=None, help="folder of the deeper model (benchmarks/plans.py)")
-    p.add_argument("--skip-bundled", action="store_true", help="only the --deep model")
-    p.add_argument(
-        "--budgets",
-        type=lambda t: [float(v) for v in t.split(",")],
-        default=list(BUDGETS),
-        help="0.75,0.5,0.35",
-    )
+    add_model_arguments(p)
     p.add_argument("--rank-by-distill", type=int, default=4, help="MILP plans ranked (default 4, + uniform)")
     p.add_argument("--rank-steps", type=int, default=50, help="distillation steps per ranked plan (50)")
     p.add_argument("--steps", type=int, default=300, help="distillation steps of the final comparison (300)")
-    p.add_argument("--validation-windows", type=int, default=32)
     p.add_argument(
         "--also-sensitivity",
         type=lambda t: [v for v in t.split(",") if v],
@@ -277,31 +303,16 @@ def main() -> int:
         help="other plan sensitivities to compare (e.g. bld where it exists)",
     )
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "after_recovery")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    set_up(args)
     print(
-        f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; ranking {args.rank_by_distill} "
+        f"load average {load_average():.1f}; torch threads {args.threads}; ranking {args.rank_by_distill} "
         f"MILP plans + uniform x {args.rank_steps} steps; final distillation {args.steps} steps, {RECIPE}"
     )
-    models = []
-    if not args.skip_bundled:
-        models.append(("bundled", lambda: demo_data.load_demo_model()[0], "pydoc"))
-    if args.deep is not None:
-        record = json.loads((args.deep / "training.json").read_text())
-        corpus = record["corpus"].get("name", "pydoc")
-        models.append(
-            (args.deep.name, lambda: load_pretrained(args.deep, dtype=torch.float32).eval(), corpus)
-        )
     results = []
-    for name, load, corpus in models:
-        bench = Bench(name, load(), corpus, args)
+    for spec in benchmark_models(args):
+        name = spec.name
+        bench = Bench(name, spec.load(), spec.corpus, args)
         rows = []
         for fraction in args.budgets:
             rows.append(run_budget(bench, fraction, args))
@@ -319,7 +330,7 @@ def main() -> int:
             if args.json:
                 args.json.write_text(json.dumps(results + [results_model], indent=1))
         results.append(results_model)
-    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    print(f"\nload average at the end {load_average():.1f}")
     return 0
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import tempfile
@@ -53,9 +52,19 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _common import (  # noqa: E402
+    RECIPE,
+    SEQ,
+    add_model_arguments,
+    benchmark_models,
+    load_average,
+    paired,
+    set_up,
+)
 from plans import spearman, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
+from gdnprune.distill import DistillConfig, distill  # noqa: E402
 from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
 from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
@@ -67,16 +76,7 @@ from gdnprune.scoring import score_model  # noqa: E402
 from gdnprune.scoring.experts import block_influence  # noqa: E402
 from gdnprune.subblock_shapes import AttentionShape  # noqa: E402
 
-BUDGETS = (0.75, 0.5, 0.35)
 DEPTH_BUDGETS = (0.75, 0.5)
-RECIPE = dict(batch_size=4, lr=1e-3, warmup=0.03, seed=0, kd_weight=1.0, lm_weight=0.0)
-SEQ = 256
-
-
-def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """Mean and standard error of ``a - b`` over windows."""
-    d = a - b
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
 
 
 def contains(big, small) -> bool:
@@ -341,14 +341,11 @@ def remove_layers(model, removed) -> torch.nn.Module:
 
 
 def distil(problem: Problem, student, steps: int) -> np.ndarray:
-    from gdnprune.distill import distill
-
     student.train()
     for p in student.parameters():
         p.requires_grad_(True)
-    distill(
-        student, problem.model, problem.train, steps=steps, log_every=max(steps, 1), progress=False, **RECIPE
-    )
+    config = DistillConfig(steps=steps, log_every=max(steps, 1), progress=False, **RECIPE)
+    distill(student, problem.model, problem.train, config)
     student.eval()
     return window_losses(student, problem.validation)
 
@@ -478,7 +475,7 @@ NAMES = [
 def print_model(result: dict) -> None:
     shares = ", ".join(f"{k} {v:.1%}" for k, v in result["shares"].items())
     print(
-        f"\n{result['model']}: {result['params']:,} parameters ({shares}); decoder {result['decoder_params']:,}; "
+        f"\n{result['model']}: {result['params']:,.0f} parameters ({shares}); decoder {result['decoder_params']:,}; "
         f"unpruned validation loss {result['base_loss']:.4f}; sensitivity seconds "
         + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items())
     )
@@ -514,21 +511,11 @@ def print_model(result: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--deep", type=Path, default=None, help="folder of the deeper model (benchmarks/plans.py says how)"
-    )
-    p.add_argument("--skip-bundled", action="store_true", help="only the --deep model")
+    add_model_arguments(p)
     p.add_argument(
         "--depth", action="store_true", help="also depth-allowed and depth-only plans (75 %% and 50 %%)"
     )
     p.add_argument("--dim-step", default="1/4", help="GDN head-dim grid (default 1/4)")
-    p.add_argument("--validation-windows", type=int, default=32, help="held-out windows of 256 bytes (32)")
-    p.add_argument(
-        "--budgets",
-        type=lambda t: [float(v) for v in t.split(",")],
-        default=list(BUDGETS),
-        help="fractions of the decoder's parameters (default 0.75,0.5,0.35)",
-    )
     p.add_argument(
         "--plans",
         type=lambda t: t.split(","),
@@ -544,38 +531,20 @@ def main() -> int:
     )
     p.add_argument("--steps", type=int, default=300, help="distillation steps per plan (300; 0: none)")
     p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivities here")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
+    set_up(args)
     print(
-        f"load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; distillation {args.steps} steps, "
+        f"load average {load_average():.1f}; torch threads {args.threads}; distillation {args.steps} steps, "
         f"{RECIPE}"
     )
     results = []
-    models = []
-    if not args.skip_bundled:
-        models.append(("bundled", lambda: demo_data.load_demo_model()[0], "pydoc"))
-    if args.deep is not None:
-        record = json.loads((args.deep / "training.json").read_text())
-        models.append(
-            (
-                args.deep.name,
-                lambda: load_pretrained(args.deep, dtype=torch.float32).eval(),
-                record["corpus"].get("name", "pydoc"),
-            )
-        )
-    for name, load, corpus in models:
-        problem = Problem(name, load(), corpus, args)
+    for spec in benchmark_models(args):
+        problem = Problem(spec.name, spec.load(), spec.corpus, args)
         results.append(run_model(problem, args))
         print_model(results[-1])
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
-    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    print(f"\nload average at the end {load_average():.1f}")
     return 0
 
 
