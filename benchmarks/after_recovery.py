@@ -132,7 +132,12 @@ class Bench:
 
         stored = self.cached(f"search_{fraction}_{sensitivity}", run)
         # the problem again (no forward): the cached measurement is of exactly these groups and candidates
-        problem = build_problem(
+        problem = self.problem(options)
+        return problem, stored["sens"], Choice(picks=stored["picks"]), stored["seconds"]
+
+    def problem(self, options: PlanOptions):
+        """The plan problem of ``options`` on the whole-model grid (no forward)."""
+        return build_problem(
             self.model,
             given_budgets(options.keywords()),
             self.scores["layers"],
@@ -142,7 +147,6 @@ class Bench:
             orders_applied=False,
             uniform=False,
         )
-        return problem, stored["sens"], Choice(picks=stored["picks"]), stored["seconds"]
 
     def ranked(self, fraction: float, problem, sens, choice):
         """The ranking (cached): K best MILP plans + the best uniform cut, S steps each."""

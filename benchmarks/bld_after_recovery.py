@@ -39,8 +39,6 @@ from after_recovery import BLOCKS, Bench, paired  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.plan import PlanOptions  # noqa: E402
-from gdnprune.plan.candidates import AXES, parse_dim_step  # noqa: E402
-from gdnprune.plan.problem import Grid, build_problem, given_budgets  # noqa: E402
 from gdnprune.plan.stages import choose_plan  # noqa: E402
 
 
@@ -69,16 +67,7 @@ def main() -> int:
     for fraction in rest:
         path = bench.work / f"search_{fraction}_bld.pkl"
         options = PlanOptions(budget_params=bench.budget_params(fraction), blocks=BLOCKS, dim_step="1/4")
-        other = build_problem(
-            bench.model,
-            given_budgets(options.keywords()),
-            bench.scores["layers"],
-            context=None,
-            blocks=BLOCKS,
-            grid=Grid(parse_dim_step("1/4"), AXES),
-            orders_applied=False,
-            uniform=False,
-        )
+        other = bench.problem(options)
         if [(g.prefix, list(g.candidates)) for g in other.groups] != groups:
             raise SystemExit(f"the candidates at {fraction} differ from those at {first}: measure it alone")
         picks = choose_plan(other, sens, uniform=False).picks

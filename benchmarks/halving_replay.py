@@ -27,9 +27,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from plans import BUDGETS, parse_budgets  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.geometry import GDNShape  # noqa: E402
@@ -38,8 +40,6 @@ from gdnprune.loading import load_pretrained  # noqa: E402
 from gdnprune.plan import STATE_BYTES, choose, layer_candidates  # noqa: E402
 from gdnprune.plan.halving import rungs, search  # noqa: E402
 from gdnprune.plan.solve import choose_among  # noqa: E402
-
-BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]
 
 #: name -> keyword arguments of :func:`~gdnprune.plan.halving.search` (and ``first`` / ``grow`` of the rungs);
 #: ``POOLED``: the ratio bound from every layer's candidates (the default until issue 31's third version)
@@ -68,17 +68,6 @@ VARIANTS: dict[str, dict] = {
     "layer2grow2": {"grow": 2},
     "layer2grow2c25": {"grow": 2, "confidence": 2.5},
 }
-
-
-def parse_budgets(text: str) -> list[tuple[str, float]]:
-    """``params:0.5,state:0.5`` -> [("params", 0.5), ("state", 0.5)]."""
-    out = []
-    for item in text.split(","):
-        kind, _, value = item.partition(":")
-        if kind not in ("params", "state") or not value:
-            raise argparse.ArgumentTypeError(f"a budget is params:F or state:F, got {item!r}")
-        out.append((kind, float(value)))
-    return out
 
 
 def candidate_costs(model: torch.nn.Module, dim_step: str) -> tuple[dict, list[list[bool]]]:
