@@ -458,3 +458,18 @@ def test_the_sensitivity_plot_labels_its_scales_and_tells_lines_apart(tmp_path):
     assert len(styles) == 2 and len(set(styles)) == 2  # the coinciding lines are drawn differently
     assert mlp.get_yscale() == "symlog" and "log scale" in mlp.get_ylabel()  # four decades: log
     assert gdn.get_yscale() == "linear" and "linear scale" in gdn.get_ylabel()
+
+
+def test_the_sensitivity_plot_draws_no_candidate_halving_never_measured():
+    """Successive halving never measures what no plan within the budgets can hold (windows 0, KL 0): such a
+    candidate is neither a point nor a step of its block's line, which stays at the measured values."""
+    pytest.importorskip("matplotlib")
+    from gdnprune.plan.plot import sensitivity_figure
+
+    report = _report()
+    cands = report["layers"]["model.layers.0.linear_attn"]["candidates"]
+    cands.append({"params": 300, "sensitivity": 0.0, "windows": 0})  # the cheapest: would pull the line to 0
+    gdn = [ax for ax in sensitivity_figure(report).axes if ax.get_visible()][0]
+    xs = [x for line in gdn.get_lines() for x in line.get_xdata()]
+    xs += [x for points in gdn.collections for x, _ in points.get_offsets()]
+    assert 300 not in xs and 400 in xs  # 400: the cheapest measured candidate

@@ -84,9 +84,11 @@ def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured:
         color = f"C{(int(layer) if layer.isdigit() else i) % 10}"  # a layer has one color in every panel
         dashes, marker = _STYLES[i % len(_STYLES)]
         cands = group["candidates"]
-        full_windows = max((c.get("windows", 0) for c in cands), default=0)
-        exact = [c for c in cands if c.get("windows", full_windows) == full_windows]
-        rough = [c for c in cands if c.get("windows", full_windows) != full_windows]
+        # windows 0: never measured (halving skips what no plan within the budgets can hold): nothing to draw
+        seen = [c for c in cands if c.get("windows", 1) != 0]
+        full_windows = max((c.get("windows", 0) for c in seen), default=0)
+        exact = [c for c in seen if c.get("windows", full_windows) == full_windows]
+        rough = [c for c in seen if c.get("windows", full_windows) != full_windows]
         ax.scatter(
             [c["params"] for c in exact],
             [c["sensitivity"] for c in exact],
@@ -107,7 +109,7 @@ def _panel(ax, groups: Mapping[str, Mapping], title: str, xlabel: str, measured:
                 linewidths=0.7,
                 marker=marker,
             )
-        envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in cands])
+        envelope = lower_envelope([(c["params"], c["sensitivity"]) for c in seen])
         ax.step(
             [p[0] for p in envelope],
             [p[1] for p in envelope],
