@@ -88,6 +88,20 @@ def launch_in_background(request, tmp_path_factory):
     thread.join()
 
 
+# lm-eval's simple_evaluate, the tests' reference, without its environment report
+
+
+@pytest.fixture(scope="module")
+def no_environment_report():
+    """``simple_evaluate`` adds torch's environment report to its results: ``pip list``, compiler and driver
+    versions, a second or two of subprocesses per call. No reference reads it; the numbers are unchanged."""
+    import lm_eval.evaluator  # lazy: the eval extra, imported only by the files that use it
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
+        yield
+
+
 # the plan tests' model folder with its scores (test_plan_search, test_plan_refine)
 
 

@@ -23,6 +23,8 @@ from gdnprune.cli import main
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("no_environment_report")
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -24,6 +24,8 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("no_environment_report")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

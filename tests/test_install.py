@@ -8,10 +8,11 @@ What the fresh-install test proves, and what it does not:
   test model cut by ``slice``. Nothing of the test session's ``PYTHONPATH`` or editable install reaches it.
 * So that torch is never downloaded, the new environment sees the packages of the environment running the
   tests through one ``.pth`` line pointing at a folder of links to them, *minus* ``accelerate``,
-  ``matplotlib`` and ``gdnprune`` itself. The test first checks that ``accelerate`` (needed by the
-  transformers Trainer) and ``matplotlib`` cannot be imported there, so when the commands succeed it is
-  because pip installed ``accelerate`` as a core dependency, from the configured package index, and because
-  the commands run without the ``plot`` extra (each says so in one line, no traceback).
+  ``matplotlib``, ``lm_eval`` and ``gdnprune`` itself. The test first checks that ``accelerate`` (needed by
+  the transformers Trainer), ``matplotlib`` and ``lm_eval`` cannot be imported there, so when the commands
+  succeed it is because pip installed ``accelerate`` as a core dependency, from the configured package
+  index, and because the commands run without the ``plot`` and ``eval`` extras (each says so in one line,
+  no traceback).
 * Everything already present is constrained to its installed version (torch cannot be replaced or
   downloaded), and ``accelerate`` to its pin in ``requirements-dev.txt``: pip fails if that pin does not
   satisfy the core dependency. It does not prove that pip can *resolve* torch and the other core
@@ -37,8 +38,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: the distillation's teacher, and its student once cut (a trained test model: its tokenizer comes along)
 TRAINED = ROOT / "tests" / "data" / "trained" / "qwen3_next"
-#: what the fresh environment must not see from the running one: the package, and what pip must install
-HIDDEN = re.compile(r"^(gdnprune|_?_?editable__|accelerate|matplotlib|mpl_toolkits|pylab\.py)", re.IGNORECASE)
+#: what the fresh environment must not see from the running one: the package, what pip must install, and the
+#: extras (``plot``: matplotlib; ``eval``: lm-eval), which a plain install does not bring
+HIDDEN = re.compile(
+    r"^(gdnprune|_?_?editable__|accelerate|matplotlib|mpl_toolkits|pylab\.py|lm_eval)", re.IGNORECASE
+)
+#: the modules of the extras: absent before the install and after it
+EXTRAS = ("matplotlib", "lm_eval")
 
 
 def _dev_pins() -> dict[str, str]:
@@ -140,14 +146,14 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
         str(python),
         "-c",
         "import importlib.util as u\n"
-        "for m in ('torch', 'transformers', 'accelerate', 'matplotlib', 'gdnprune'):\n"
+        "for m in ('torch', 'transformers', 'accelerate', 'matplotlib', 'lm_eval', 'gdnprune'):\n"
         "    spec = u.find_spec(m); print(m, spec.origin if spec else None)",
     ]  # finds, imports nothing
     before = _run(where, env, tmp_path)
     assert before.returncode == 0, before.stderr
     found = dict(line.split(" ", 1) for line in before.stdout.splitlines())
     assert found["torch"] != "None" and found["transformers"] != "None", found
-    assert [m for m in ("accelerate", "matplotlib", "gdnprune") if found[m] != "None"] == [], (
+    assert [m for m in ("accelerate", *EXTRAS, "gdnprune") if found[m] != "None"] == [], (
         f"the fresh environment must not see these before the install: {found}"
     )
 
@@ -178,7 +184,7 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
     found = dict(line.split(" ", 1) for line in after.stdout.splitlines())
     for module in ("accelerate", "gdnprune"):  # installed by pip, into the fresh environment
         assert found[module] != "None" and Path(found[module]).is_relative_to(venv), found
-    assert found["matplotlib"] == "None", found  # no extra came along
+    assert [m for m in EXTRAS if found[m] != "None"] == [], found  # no extra came along
 
     gdnprune = str(venv / "bin" / "gdnprune")
     # the distillation's student: a trained test model cut by a torch-free `slice`, so that `distill` needs
@@ -249,6 +255,7 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
     assert "recovery: validation loss" in demo.stdout
     assert (tmp_path / "demo" / "sliced" / "config.json").is_file()
     _one_line_about_matplotlib(demo)
+    _one_line_about(demo, "lm-eval")  # the demo's eval table needs the eval extra: it says so and goes on
 
     assert distill.returncode == 0, distill.stdout + distill.stderr
     assert "2 steps" in distill.stdout and (tmp_path / "rec" / "model.safetensors").is_file()
@@ -256,7 +263,12 @@ def test_plain_install_runs_demo_and_distill(tmp_path):
 
 
 def _one_line_about_matplotlib(result) -> None:
+    _one_line_about(result, "matplotlib")
+
+
+def _one_line_about(result, package: str) -> None:
+    """The command said in one line, with how to install it, that ``package`` is missing; no traceback."""
     text = result.stdout + result.stderr
     assert "Traceback" not in text, text
-    lines = [line for line in text.splitlines() if "matplotlib" in line]
+    lines = [line for line in text.splitlines() if package in line]
     assert len(lines) == 1 and "install" in lines[0], text
