@@ -49,6 +49,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_before_each_module():
+    """The same at each test file's start, before its own fixtures: the previous files' garbage collected, what
+    lives on (the session's fixtures, lazily imported modules) frozen, so that a file's collections walk only
+    its own objects."""
+    gc.collect()
+    gc.freeze()
+
+
 # the suite's one 2-process launch (tests/launches.py) and its inputs: once per session, whichever workers
 # read it (the first one asking runs it, the others wait for its record)
 
