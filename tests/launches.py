@@ -1,4 +1,4 @@
-"""The suite's one 2-process launch, shared by every test that reads it (``launch`` in ``conftest.py``):
+"""The suite's one 2-process launch, shared by every test that reads it (``launch`` in ``suite.py``):
 starting torchrun and two ranks that import torch costs more than what they then run.
 
 It runs once per test session, whatever the pytest-xdist workers: the first worker that asks runs it, under a
@@ -85,7 +85,7 @@ WORKER = textwrap.dedent(
         results["corpus"] = dict(reused=ds.windows.streams[0].reused, indices=list(mine.indices),
                                  windows=mine.tensor().tolist())
     call("projection", "--data", data, "--output", out + "/projection.json")
-    import gc  # what the first command imported, out of the collector's full passes (tests/conftest.py says why)
+    import gc  # what the first command imported, out of the collector's full passes (tests/suite.py says why)
     gc.freeze()
     # the plan's measured sensitivity on the same two ranks: each measures its share of the windows
     err = io.StringIO()

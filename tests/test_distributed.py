@@ -1,7 +1,7 @@
 """Scoring on many processes: torchrun with 2 gloo ranks, shares and their merge, and the helpers behind them.
 
 The multi-process tests share one real ``torch.distributed.run`` launch (the code path of ``torchrun``; the
-suite's one launch, a session fixture of ``conftest.py`` shared with the other tests that read it:
+suite's one launch, a session fixture of ``suite.py`` shared with the other tests that read it:
 ``tests/launches.py``)
 whose two workers run ``gdnprune score`` through the CLI four times and ``gdnprune plan``
 once: projection, the plan's sensitivity, activation, a rank that fails with a user error, and a rank that

@@ -1,7 +1,7 @@
 """How ``make test`` shares the suite between its pytest-xdist workers (``-n 2 --dist loadfile``).
 
 A unit of work is a test file: one worker runs all of it, so its module fixtures are built once. The session's
-one 2-process launch (``launch`` in conftest.py) is shared across the workers through a file lock
+one 2-process launch (``launch`` in suite.py) is shared across the workers through a file lock
 (tests/launches.py), so the files that read it need not be one unit. The slowest units go first (conftest.py
 sorts each worker's collection by :func:`rank`, the scheduler keeps that order), those that read the launch
 after those that do not: a long file that started last would keep one worker busy while the other idles, and
