@@ -8,8 +8,9 @@ runs) with a ``measure`` that copies from that table instead of running forwards
 budgets and window orders (order 0: the benchmark's; the others: seeded permutations of the windows), and
 prints per variant: how often the plan equals the exact one (the MILP on every candidate's mean over every
 window), the summed KL above the exact plan's, the window forwards, the rounds of the verification, and the
-MILP's seconds. The wall time of a real run is about forwards x (the full measurement's seconds per window
-forward) + the MILP's seconds; ``benchmarks/plans.py`` measures it side by side.
+seconds of its choices ("MILP s": by merged fronts; variant ``milp``: by the MILP, as the third version).
+The wall time of a real run is about forwards x (the full measurement's seconds per window forward) + those
+seconds; ``benchmarks/plans.py`` measures it side by side.
 
     .venv/bin/python benchmarks/halving_replay.py --cache benchmarks/_work/measured31_bundled.json \\
         benchmarks/_work/measured31_tiny.json --orders 4
