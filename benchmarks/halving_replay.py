@@ -8,8 +8,9 @@ runs) with a ``measure`` that copies from that table instead of running forwards
 budgets and window orders (order 0: the benchmark's; the others: seeded permutations of the windows), and
 prints per variant: how often the plan equals the exact one (the MILP on every candidate's mean over every
 window), the summed KL above the exact plan's, the window forwards, the rounds of the verification, and the
-MILP's seconds. The wall time of a real run is about forwards x (the full measurement's seconds per window
-forward) + the MILP's seconds; ``benchmarks/plans.py`` measures it side by side.
+seconds of its choices ("MILP s": by merged fronts; variant ``milp``: by the MILP, as the third version).
+The wall time of a real run is about forwards x (the full measurement's seconds per window forward) + those
+seconds; ``benchmarks/plans.py`` measures it side by side.
 
     .venv/bin/python benchmarks/halving_replay.py --cache benchmarks/_work/measured31_bundled.json \\
         benchmarks/_work/measured31_tiny.json --orders 4
@@ -38,7 +39,7 @@ from gdnprune.geometry import GDNShape  # noqa: E402
 from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.loading import load_pretrained  # noqa: E402
 from gdnprune.plan import STATE_BYTES, choose, layer_candidates  # noqa: E402
-from gdnprune.plan.halving import rungs, search  # noqa: E402
+from gdnprune.plan.halving import exact_choice, rungs, search  # noqa: E402
 from gdnprune.plan.solve import choose_among  # noqa: E402
 
 #: name -> keyword arguments of :func:`~gdnprune.plan.halving.search` (and ``first`` / ``grow`` of the rungs);
@@ -67,6 +68,9 @@ VARIANTS: dict[str, dict] = {
     "layer2eta8": {"eta": 8},
     "layer2grow2": {"grow": 2},
     "layer2grow2c25": {"grow": 2, "confidence": 2.5},
+    "milp": {
+        "merged": False
+    },  # the default, every choice by the MILP (the third version): same picks, slower
 }
 
 
@@ -101,14 +105,16 @@ def replay(truth: list[np.ndarray], own: list[list[bool]], costs: dict, budgets:
                 count["forwards"] += upto - int(seen[li][c])
                 seen[li][c] = upto
 
+    options = dict(options)
+    solve = exact_choice(costs, budgets, merged=options.pop("merged", True))
+
     def pick(estimate: list, alive: list) -> list:
         start = time.perf_counter()
-        out = choose_among(estimate, costs, budgets, alive)
+        out = solve(estimate, alive)
         count["seconds"] += time.perf_counter() - start
         count["solves"] += 1
         return out
 
-    options = dict(options)
     schedule = rungs(total, options.pop("first", None), options.pop("grow", 4))
     rounds = search(measure, kl, seen, full, np.ones(total), costs, budgets, schedule, pick, **options)
     survivors = [(s >= total) | f for s, f in zip(seen, full)]

@@ -18,7 +18,10 @@ It also reports how well the proxy ranks candidates (Spearman's rho against the 
 each sensitivity cost. And, per budget (issue 22):
 
 * **cheap**: the plan from the default sensitivity, successive halving (:mod:`gdnprune.plan.halving`, run
-  for that budget), its cost (partial forwards of one window, seconds, and seconds / the scoring pass);
+  for that budget), its cost (partial forwards of one window, seconds, and seconds / the scoring pass: the
+  median of ``--scoring-passes`` passes timed before the plans and of those timed before and after every
+  halving run, in the same process; "xlocal": its seconds over the mean of the passes just before and just
+  after it, the load of that moment weighing on both);
 * **refined**: that plan after ``--refine-generations`` generations of the joint refinement
   (:mod:`gdnprune.plan.evolve`), its cost;
 * the paired difference of each against the searched (measured MILP) plan on the held-out windows, and the
@@ -72,6 +75,7 @@ HALVING_VARIANTS: dict[str, dict] = {
     "unverified": {"verified": False, "eta": 2},
     "verified": {"eta": 2, "confidence": None, "per_layer": False},
     "pooled": {"per_layer": False, "confidence": 1.5},  # the second version: every layer's ratios pooled
+    "milp": {"merged": False},  # the default with every choice by the MILP (the third version): same picks
     "default": {},
 }
 
@@ -117,6 +121,13 @@ def joint_kl(model, teacher_logp: list[torch.Tensor], windows: list[torch.Tensor
 def spearman(a, b) -> float:
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
     return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def scoring_pass(model, calibration: torch.Tensor) -> tuple[dict, float]:
+    """One scoring pass (the GDN layers scored on the calibration windows, 8 per batch) and its seconds."""
+    t0 = time.perf_counter()
+    scores = score_model(model, list(calibration.split(8)), progress=False, blocks=GDN_ONLY)
+    return scores, time.perf_counter() - t0
 
 
 def run_model(name: str, model, corpus: str, args) -> dict:
@@ -184,6 +195,10 @@ def run_model(name: str, model, corpus: str, args) -> dict:
             args.cache.write_text(json.dumps(stored))
     if args.measure_only:
         return {"model": name, "measure_only": True}
+    # the denominator of every "x scoring": the median of several scoring passes of this run (these, and those
+    # just before and after every halving run, side by side with them; the first pass above, which warms up,
+    # is not one of them), not one pass (issue 31: 1.8 s in one run, 11.3 s in another)
+    scoring_passes = [scoring_pass(model, calibration)[1] for _ in range(args.scoring_passes)]
     t0 = time.perf_counter()
     proxy = [
         proxy_sensitivity(scores["layers"][layer.prefix], layer.shape, layer.candidates) for layer in layers
@@ -250,6 +265,10 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         # half kept per rung), its second version (pooled prediction bound) and the default (the bound
         # from the candidate's own layer), a quarter kept per rung, same budget (--halving-variants)
         variants = {}
+        # every variant's run between two scoring passes (the one after it is the next one's before): its
+        # seconds over their mean, the local ratio, beside the ratio to the median of all passes
+        before = scoring_pass(model, calibration)[1] if args.scoring_passes > 0 else None
+        scoring_passes.extend([] if before is None else [before])
         for variant in args.halving_variants:
             options = HALVING_VARIANTS[variant]
             t0 = time.perf_counter()
@@ -257,6 +276,8 @@ def run_model(name: str, model, corpus: str, args) -> dict:
                 model, sens_windows, layers, costs, budgets, progress=False, **options
             )
             seconds = time.perf_counter() - t0
+            after = scoring_pass(model, calibration)[1] if before is not None else None
+            scoring_passes.extend([] if after is None else [after])
             chosen = choose_among(
                 [halved["kl"][layer.prefix] for layer in layers],
                 costs,
@@ -275,7 +296,10 @@ def run_model(name: str, model, corpus: str, args) -> dict:
                 "seconds": seconds,
                 "verify_rounds": halved["verify_rounds"],
                 "targets": plan["targets"],
+                "scoring_around": [before, after],
+                "x_scoring_local": None if before is None else seconds / (0.5 * (before + after)),
             }
+            before = after
         halved_default = variants["default"]
         cheap_picks, cheap = halved_default["picks"], evaluate(halved_default["picks"])
         row["halving"] = variants
@@ -350,7 +374,13 @@ def run_model(name: str, model, corpus: str, args) -> dict:
         "shape": layers[0].shape.as_dict(),
         "candidates_per_layer": [len(c) for c in table],
         "base_loss": float(base.mean()),
-        "seconds": {"score": score_seconds, "measured_sensitivity": measured_seconds, "proxy": proxy_seconds},
+        "seconds": {
+            "score": float(np.median(scoring_passes)) if scoring_passes else score_seconds,
+            "first_score": score_seconds,
+            "scoring_passes": scoring_passes,
+            "measured_sensitivity": measured_seconds,
+            "proxy": proxy_seconds,
+        },
         "forwards": measured["forwards"],
         "window_forwards": sum(len(layer.candidates) - 1 for layer in layers) * args.sensitivity_windows,
         "tokens": measured["tokens"],
@@ -422,13 +452,16 @@ def print_halving(result: dict) -> None:
     exact plan on the full measurement."""
     score, full = result["seconds"]["score"], result["window_forwards"]
     measured = result["seconds"]["measured_sensitivity"]
+    passes = result["seconds"]["scoring_passes"]
     print(
         f"\nsuccessive halving against the exact plan (measured: {full} window forwards, {measured:.0f} s = "
-        f"{measured / score:.1f}x scoring {score:.1f} s)"
+        f"{measured / score:.1f}x scoring {score:.2f} s, the median of {len(passes)} scoring passes: "
+        + ", ".join(f"{t:.2f}" for t in passes)
+        + f"; the first pass {result['seconds']['first_score']:.2f} s)"
     )
     header = (
         f"{'budget':<12} {'exact':>7} | {'variant':<10} {'loss':>7} {'- exact ± se':>17} {'same':>5} "
-        f"{'sumKL-ex':>8} {'fwd':>5} {'of full':>7} {'s':>5} {'xscore':>6} {'rounds':>6}"
+        f"{'sumKL-ex':>8} {'fwd':>5} {'of full':>7} {'s':>5} {'xscore':>6} {'xlocal':>6} {'rounds':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -442,7 +475,7 @@ def print_halving(result: dict) -> None:
                 f"{row['budget']:<12} {row['searched_loss']:7.4f} | {name:<10} {v['loss']:7.4f} "
                 f"{d[0]:+8.4f}±{d[1]:.4f} {str(v['same_plan']):>5} {v['measured_kl'] - exact_kl:8.4f} "
                 f"{v['forwards']:5d} {v['forwards'] / full:7.3f} {v['seconds']:5.0f} {v['seconds'] / score:6.1f} "
-                f"{v['verify_rounds']:6d}"
+                f"{v['x_scoring_local'] or float('nan'):6.1f} {v['verify_rounds']:6d}"
             )
 
 
@@ -488,6 +521,14 @@ def main() -> int:
         choices=list(HALVING_VARIANTS),
         default=list(HALVING_VARIANTS),
         help="successive halving's variants to run side by side (default all; 'default' is always run)",
+    )
+    p.add_argument(
+        "--scoring-passes",
+        type=int,
+        default=3,
+        help="scoring passes timed before the plans, besides the first (which gives the scores); more are "
+        "timed before and after every halving run; the median of them all is the denominator of every "
+        "'x scoring' (default 3; 0: the first pass alone and no pass around the runs, as before issue 31)",
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)

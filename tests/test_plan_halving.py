@@ -17,9 +17,11 @@ from gdnprune.loading import load_pretrained
 from gdnprune.plan import choose, layer_candidates
 from gdnprune.plan.halving import (
     budget_tables,
+    exact_choice,
     feasible,
     front,
     halving_sensitivity,
+    merged_choice,
     optimistic,
     ratio_bound,
     rungs,
@@ -221,6 +223,65 @@ def test_verified_halving_chooses_the_exact_plan_with_fewer_forwards(case, budge
     # one MILP)
     assert halved["forwards"] <= 0.45 * every
     assert 1 <= halved["verify_rounds"] <= 20
+
+
+@pytest.mark.parametrize("names", [["params"], ["params", "state"]])
+def test_merged_choice_is_the_brute_force_choice(names):
+    """Every choice enumerated: merging the layers' fronts finds the least summed KL within the budgets
+    (among the allowed candidates), and None where no choice fits."""
+    rng = np.random.default_rng(5)
+    found = 0
+    for _ in range(40):
+        sizes = [int(k) for k in rng.integers(1, 7, 4)]
+        costs = {n: [rng.integers(1, 20, k).astype(float).tolist() for k in sizes] for n in names}
+        budgets = {n: float(rng.integers(12, 60)) for n in names}
+        values = [rng.uniform(0.0, 1.0, k) for k in sizes]
+        allowed = [rng.uniform(size=k) < 0.8 for k in sizes]
+        tables, _ = budget_tables(costs, budgets, sizes)
+        limits = np.array(list(budgets.values()))
+        fits = [
+            combo
+            for combo in itertools.product(*(np.flatnonzero(a) for a in allowed))
+            if all(sum(costs[n][li][c] for li, c in enumerate(combo)) <= budgets[n] for n in names)
+        ]
+        got = merged_choice(values, tables, limits, allowed)
+        if not fits:
+            assert got is None
+            continue
+        best = min(fits, key=lambda combo: sum(values[li][c] for li, c in enumerate(combo)))
+        assert got == [int(c) for c in best]
+        assert exact_choice(costs, budgets)(values, allowed) == got
+        assert choose_among(values, costs, budgets, allowed) == got  # the MILP's choice (no ties here)
+        found += 1
+    assert found >= 10  # most trials have a choice within the budgets
+
+
+def test_merged_choice_gives_up_past_its_state_limit_and_exact_choice_then_solves_the_milp():
+    rng = np.random.default_rng(6)
+    sizes = [12] * 6
+    costs = {n: [rng.integers(1, 50, k).astype(float).tolist() for k in sizes] for n in ("params", "state")}
+    budgets = {"params": 150.0, "state": 150.0}
+    values = [rng.uniform(0.0, 1.0, k) for k in sizes]
+    tables, _ = budget_tables(costs, budgets, sizes)
+    limits = np.array(list(budgets.values()))
+    assert merged_choice(values, tables, limits, max_states=8) is None
+    exact = choose_among(values, costs, budgets, [np.ones(k, dtype=bool) for k in sizes])
+    assert merged_choice(values, tables, limits) == exact
+    assert exact_choice(costs, budgets)(values, [np.ones(k, dtype=bool) for k in sizes]) == exact
+
+
+def test_halving_makes_the_same_choices_with_merged_fronts_as_with_the_milp(case):
+    """The default choice (merged fronts) and the MILP give the same verified halving: the same windows for
+    every candidate, the same forwards and rounds."""
+    model, x, layers, costs, _ = case
+    budgets = {"params": 0.3 * sum(c[0] for c in costs["params"])}
+    runs = [
+        halving_sensitivity(model, [x[:4], x[4:]], layers, costs, budgets, progress=False, merged=merged)
+        for merged in (True, False)
+    ]
+    assert runs[0]["windows"] == runs[1]["windows"]
+    assert runs[0]["forwards"] == runs[1]["forwards"] and runs[0]["verify_rounds"] == runs[1]["verify_rounds"]
+    assert runs[0]["verify_rounds"] >= 1  # the choice was verified (a round of choices to compare)
 
 
 def test_feasible_keeps_every_candidate_of_every_choice_within_the_budgets_and_only_those():

@@ -33,8 +33,9 @@ plan's as long as those estimates are below the full measurement (true when the 
 every candidate alike, nearly so on a trained model and real text; the prediction bound covers the
 candidates whose ratio is lower than any seen so far, which the lowest alone missed on one benchmark case).
 Without verification the last rung measures every survivor on every window, and the choice over the
-survivors can miss a candidate dropped on a few windows. Every choice of the default MILP is made over the
-layers' fronts only (the same choice, a smaller MILP).
+survivors can miss a candidate dropped on a few windows. Every choice is made over the layers' fronts only,
+and by merging them (:func:`exact_choice`: the MILP's choice, in milliseconds instead of a tenth of a second
+for each of the verification's dozens of choices).
 
 Either way a survivor (a candidate measured on every window) has exactly the full measurement's KL and
 loss, and the exact choice is made over the survivors only (a dropped candidate keeps its estimate from the
@@ -63,6 +64,7 @@ from .halving_bounds import (
     dominated,
     feasible,
     front,
+    merged_choice,
     near,
     optimistic,
     prefix_means,
@@ -74,10 +76,12 @@ from .solve import choose_among
 __all__ = [
     "budget_tables",
     "dominated",
+    "exact_choice",
     "feasible",
     "front",
     "gather_over_ranks",
     "halving_sensitivity",
+    "merged_choice",
     "near",
     "optimistic",
     "prefix_means",
@@ -148,6 +152,25 @@ def gather_over_ranks(values: dict) -> dict:
     for part in distributed.exchange(values):
         merged.update(part)
     return merged
+
+
+def exact_choice(
+    costs: Mapping[str, Sequence[Sequence[float]]], budgets: Mapping[str, float], *, merged: bool = True
+) -> Callable[[list, list], list[int]]:
+    """``pick(estimates, alive)``: the exact choice over the alive candidates within ``budgets`` (as
+    :func:`~gdnprune.plan.solve.choose_among`), by :func:`merged_choice` (milliseconds), or the MILP where that
+    gives up (many layers and budgets), where no choice fits (the MILP's error says why) or ``merged`` is
+    False."""
+    limits = np.array([float(v) for v in budgets.values()])
+    tables: list[np.ndarray] = []
+
+    def pick(estimate: list, alive: list) -> list[int]:
+        if not tables:
+            tables.extend(budget_tables(costs, budgets, [len(e) for e in estimate])[0])
+        found = merged_choice(estimate, tables, limits, alive) if merged else None
+        return found if found is not None else choose_among(estimate, costs, budgets, alive)
+
+    return pick
 
 
 def verify(
@@ -230,6 +253,7 @@ def halving_sensitivity(
     per_layer: bool = True,
     before: int | None = None,
     choose: Callable[[list, list], Sequence[int | None]] | None = None,
+    merged: bool = True,
     progress: bool = True,
     max_logits: int = 1 << 24,
 ) -> dict[str, Any]:
@@ -256,8 +280,10 @@ def halving_sensitivity(
             lowest ratio only; ``slack``: the optimistic estimates scaled down by that share more; both safer
             and costlier; ``per_layer``: the ratios of the candidate's own layer, as :func:`optimistic`).
         choose: ``choose(estimates, alive)`` -> a candidate per layer (None: its decoder layer removed), the
-            exact choice of a rung (default :func:`~gdnprune.plan.solve.choose_among` with ``costs`` and
-            ``budgets``; the plan with layer removal passes :func:`~gdnprune.plan.depth.choose_with_removal`'s).
+            exact choice of a rung (default :func:`exact_choice` with ``costs`` and ``budgets``: the MILP's
+            choice, from merged fronts; the plan with layer removal passes :func:`~gdnprune.plan.depth.choose_with_removal`'s).
+        merged: the default ``choose`` by merged fronts (False: every choice by the MILP, as issue 31's third
+            version did; the same choices, slower: for the benchmark).
         progress: a tqdm bar over the partial forwards (one window each).
 
     Returns:
@@ -312,11 +338,7 @@ def halving_sensitivity(
         finally:
             bar.close()
 
-    pick = (
-        choose
-        if choose is not None
-        else lambda estimate, alive: choose_among(estimate, costs, budgets, alive)
-    )
+    pick = choose if choose is not None else exact_choice(costs, budgets, merged=merged)
     rounds = search(
         measure,
         kl,

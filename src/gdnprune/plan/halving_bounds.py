@@ -172,3 +172,58 @@ def feasible(
     total = np.sum(least, axis=0) if least else np.zeros(len(limits))
     slack = 1e-9 * np.maximum(np.abs(limits), 1.0)
     return [np.all(t + (total - m) <= limits + slack, axis=1) for t, m in zip(tables, least)]
+
+
+def merged_choice(
+    values: Sequence[np.ndarray],
+    tables: Sequence[np.ndarray],
+    limits: np.ndarray,
+    among: Sequence[np.ndarray] | None = None,
+    max_states: int = 4096,
+) -> list[int] | None:
+    """The choice of one candidate per layer (of ``among``, default all) with the least summed ``values``
+    whose summed costs (``tables``: [candidates, budgets] per layer) are within ``limits`` on every budget:
+    the MILP's exact choice, found by merging the layers' :func:`front` one layer at a time and keeping only
+    the partial choices no other one beats on every cost and on the sum (a beaten partial choice is never
+    part of the best choice: swapping it for the one that beats it keeps the budgets and lowers the sum).
+
+    On a few layers with fronts of tens of candidates (successive halving's dozens of choices per plan) this
+    takes milliseconds where the MILP takes a tenth of a second. Returns None where no choice is within the
+    limits or the partial choices outgrow ``max_states`` (many layers, several budgets): the caller then
+    solves the MILP, which says why."""
+    count = len(values)
+    budgets = len(limits)
+    slack = 1e-9 * np.maximum(np.abs(limits), 1.0)
+    if among is None:
+        allowed = [np.ones(len(v), dtype=bool) for v in values]
+    else:
+        allowed = [np.asarray(a, dtype=bool) for a in among]
+    if any(not a.any() for a in allowed):
+        return None
+    least = [t[a].min(0) for t, a in zip(tables, allowed)]
+    rest = [np.sum(least[li + 1 :], axis=0) if li + 1 < count else np.zeros(budgets) for li in range(count)]
+    cost, total, picks = np.zeros((1, budgets)), np.zeros(1), np.zeros((1, 0), dtype=np.int64)
+    for li in range(count):
+        value = np.asarray(values[li], dtype=np.float64)
+        idx = np.flatnonzero(front(value, tables[li], allowed[li]))
+        cost = (cost[:, None, :] + tables[li][idx][None, :, :]).reshape(-1, budgets)
+        total = (total[:, None] + value[idx][None, :]).reshape(-1)
+        picks = np.concatenate(
+            [np.repeat(picks, len(idx), axis=0), np.tile(idx, len(picks))[:, None]], axis=1
+        )
+        fits = np.all(cost + rest[li] <= limits + slack, axis=1)
+        cost, total, picks = cost[fits], total[fits], picks[fits]
+        if not len(total):
+            return None
+        if budgets <= 1:  # cheapest first; a partial choice stays if its sum is below every cheaper one's
+            order = np.lexsort((total, cost[:, 0] if budgets else np.zeros(len(total))))
+            best = np.minimum.accumulate(total[order])
+            keep = order[np.concatenate([[True], total[order][1:] < best[:-1]])]
+        elif len(total) <= max_states:  # pairwise: [states, states, budgets]
+            keep = np.flatnonzero(front(total, cost))
+        else:
+            return None
+        cost, total, picks = cost[keep], total[keep], picks[keep]
+        if len(total) > max_states:
+            return None
+    return [int(p) for p in picks[int(np.argmin(total))]]
