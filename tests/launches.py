@@ -261,21 +261,44 @@ def shared_inputs(folder: Path) -> Path:
         return folder / "launch"
     with _locked(folder) as root:
         if not (root / "inputs.done").exists():
-            write_text(root / "calib.txt")
-            (root / "val.txt").write_text(validation_text()[: 256 * 5], encoding="utf-8")
-            shutil.rmtree(root / "mixed_mc_tasks", ignore_errors=True)
-            mixed_mc_folder(root)
-            shutil.rmtree(root / "shards", ignore_errors=True)
-            (root / "shards").mkdir()
-            for i in range(3):
-                write_jsonl(root / "shards" / f"{i}.jsonl", corpus_docs(f"shard{i}", 40))
-            shutil.rmtree(root / "sharded_loading", ignore_errors=True)
-            build_folders(root / "sharded_loading")
-            shutil.rmtree(root / "pipeline_moe", ignore_errors=True)
-            build_moe_student(root / "pipeline_moe")
-            build_model(root / "model")
-            (root / "inputs.done").touch()
+            _write_inputs(root)
         return root
+
+
+def write_inputs_unless_busy(folder: Path) -> None:
+    """:func:`shared_inputs`, unless another worker holds the lock (it writes them, or runs the launch): then
+    nothing, at once. Building them changes torch's process-wide state (the default dtype while a bfloat16
+    model loads, the global seed), so it must not run in a thread beside the tests."""
+    if (folder / "launch" / "inputs.done").exists():
+        return
+    with open(folder / "launch.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        try:
+            (folder / "launch").mkdir(exist_ok=True)
+            if not (folder / "launch" / "inputs.done").exists():
+                _write_inputs(folder / "launch")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_inputs(root: Path) -> None:
+    write_text(root / "calib.txt")
+    (root / "val.txt").write_text(validation_text()[: 256 * 5], encoding="utf-8")
+    shutil.rmtree(root / "mixed_mc_tasks", ignore_errors=True)
+    mixed_mc_folder(root)
+    shutil.rmtree(root / "shards", ignore_errors=True)
+    (root / "shards").mkdir()
+    for i in range(3):
+        write_jsonl(root / "shards" / f"{i}.jsonl", corpus_docs(f"shard{i}", 40))
+    shutil.rmtree(root / "sharded_loading", ignore_errors=True)
+    build_folders(root / "sharded_loading")
+    shutil.rmtree(root / "pipeline_moe", ignore_errors=True)
+    build_moe_student(root / "pipeline_moe")
+    build_model(root / "model")
+    (root / "inputs.done").touch()
 
 
 def eval_argv(inputs: str | Path) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import scored_source
-from launches import Launch, shared_folder, shared_inputs, shared_launch
+from launches import Launch, shared_folder, shared_inputs, shared_launch, write_inputs_unless_busy
 
 # one thread: the test models are tiny, and on a shared machine extra threads spin and slow everything down
 torch.set_num_threads(1)
@@ -65,11 +65,13 @@ def launch_in_background(request, tmp_path_factory):
     """When any collected test reads the launch: start it with the session, in a thread of this worker, so that it
     runs beside the other tests instead of being waited for by its first reader (whose ``launch`` then finds
     its record, or waits on its lock for the rest). Joined at the session's end: no launch outlives pytest.
-    A failure here is left to the readers, which run the launch again and report it."""
+    A failure here is left to the readers, which run the launch again and report it. Its inputs are written
+    first, here, by the worker that finds the lock free: the thread only waits on the launch's process."""
     if not any("launch" in item.fixturenames for item in request.session.items):
         yield
         return
     folder = shared_folder(tmp_path_factory)
+    write_inputs_unless_busy(folder)
 
     def run() -> None:
         try:
