@@ -72,12 +72,13 @@ def run_batches(
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
                 ids, mask = unpack_batch(batch)
                 select = None if stride is None else loss_positions(ids, mask, windows_seen, stride)
-                windows_seen += ids.shape[0]
                 for scorer in scorers:
                     scorer.token_mask = mask
                     scorer.loss_select = select
                 for block_scorer in block_scorers:
                     block_scorer.token_mask = mask
+                    block_scorer.windows = (windows_seen, *ids.shape)  # the experts' token sample
+                windows_seen += ids.shape[0]
                 kwargs = dict(extra)
                 if mask is not None:
                     kwargs["attention_mask"] = mask.to(device).long()
