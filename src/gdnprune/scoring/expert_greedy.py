@@ -53,6 +53,7 @@ def greedy_expert_removal(
     gram: torch.Tensor,
     top_k: int,
     normalized: bool,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The measured greedy removal of a layer's experts from ``N`` sampled tokens.
 
@@ -62,6 +63,8 @@ def greedy_expert_removal(
         gram: the Gram of those experts' outputs [N, m, m] (``y_{r_i} . y_{r_j}``).
         top_k: experts per token.
         normalized: the router renormalises the chosen experts' weights to sum to 1.
+        scale: per expert [E], each step removes the expert of the least increase times its scale (the
+            frequency, say); None: the least increase.
 
     Returns:
         ``(order, error)``: the keep order (most important first: the reverse of the removal sequence;
@@ -110,8 +113,9 @@ def greedy_expert_removal(
             is_chosen = torch.zeros(n_tokens, n_experts, dtype=torch.bool)
             is_chosen.scatter_(1, expert, valid)
             delta += torch.where(~is_chosen & kept, others, 0.0).sum(0)
-        best = delta[kept].min()
-        j = int(torch.nonzero(kept & (delta == best)).max())  # ties: the higher expert goes first
+        rank = delta if scale is None else delta * scale.to(delta)
+        best = rank[kept].min()
+        j = int(torch.nonzero(kept & (rank == best)).max())  # ties: the higher expert goes first
         kept[j] = False
         removal.append(j)
         error[j] = (current.sum() + delta[j]) / n_tokens

@@ -53,7 +53,11 @@ class ExpertScorer:
 
     Statistics (sums over tokens, so that batches and processes add up): ``num_tokens``, ``count`` [E],
     ``weighted_norm`` [E] (sum of gate weight x output norm over the tokens routed to each expert),
-    ``removal_error`` [E] (sum of the squared change of the routed output were each expert removed alone).
+    ``removal_error`` [E] (sum of the squared change of the routed output were each expert removed alone);
+    with ``projection``, the token sample of the greedy removal (:mod:`.expert_greedy`): ``sample_used`` [N],
+    ``sample_logits`` [N, E], ``sample_ranks`` [N, m], ``sample_gram`` [N, m, m], ``sample_weight_sum`` [N]
+    (each slot written by one token, by its global window index, so shares add up to the whole sample).
+    ``sample_tokens``: N (default :data:`SAMPLE_TOKENS`; 0: no sample, no greedy order).
     """
 
     def __init__(
@@ -61,7 +65,7 @@ class ExpertScorer:
         block: Any,
         module: torch.nn.Module,
         method: str = "projection",
-        sample_tokens: int = SAMPLE_TOKENS,
+        sample_tokens: int | None = None,
     ) -> None:
         experts = getattr(module, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
@@ -85,6 +89,7 @@ class ExpertScorer:
         self.token_mask: torch.Tensor | None = None
         #: (global index of the batch's first window, batch size, window length), set by the passes
         self.windows: tuple[int, int, int] | None = None
+        sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
         if method == "projection" and sample_tokens > 0:
             m = min(n, SAMPLE_RANKS)
             self.stats.update(
