@@ -2,8 +2,8 @@
 """The cost of the measured greedy expert removal (issue 31) against the scoring pass it rides on.
 
 On a trained MoE (``benchmarks/experts.py``'s models), the same calibration windows (64 x 256 bytes, batches of
-8) are scored with the expert hooks but no token sample (``gdnprune.scoring.experts.SAMPLE_TOKENS = 0``) and
-with it (the default), each timed (best of ``--repeats``): the forward passes (``measure_statistics``) and
+8) are scored with the expert hooks but no token sample (``expert_sample_tokens=0``, the default) and with
+it (4096, what ``benchmarks/experts.py`` uses), each timed (best of ``--repeats``): the forward passes (``measure_statistics``) and
 the orders (``scores_from_statistics``: the greedy runs there, one MoE layer after another). Also the
 sample's size in the statistics (what a partial file holds on top).
 
@@ -26,8 +26,8 @@ import torch  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.loading import load_pretrained  # noqa: E402
-from gdnprune.scoring import experts  # noqa: E402
 from gdnprune.scoring.api import measure_statistics  # noqa: E402
+from gdnprune.scoring.experts import SAMPLE_TOKENS  # noqa: E402
 from gdnprune.scoring.payload import scores_from_statistics  # noqa: E402
 
 
@@ -41,19 +41,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model = load_pretrained(args.model, dtype=torch.float32).eval()
     batches = list(demo_data.byte_windows(demo_data.train_text(), 256, args.windows).split(8))
-    default = experts.SAMPLE_TOKENS
     seconds: dict[str, float] = {}
     stats = {}
-    for name, sample in (("without", 0), ("with", default)):
-        experts.SAMPLE_TOKENS = sample
+    for name, sample in (("without", 0), ("with", SAMPLE_TOKENS)):
         seconds[f"pass {name} the sample"] = _best(
             args.repeats,
-            lambda name=name: stats.__setitem__(name, measure_statistics(model, batches, progress=False)),
+            lambda name=name, sample=sample: stats.__setitem__(
+                name, measure_statistics(model, batches, progress=False, expert_sample_tokens=sample)
+            ),
         )
         seconds[f"orders {name} the sample"] = _best(
             args.repeats, lambda name=name: scores_from_statistics(stats[name])
         )
-    experts.SAMPLE_TOKENS = default
     moe = [s for b, s in stats["with"].blocks.values() if b.kind == "experts"]
     size = sum(v.numel() * v.element_size() for s in moe for k, v in s.items() if k.startswith("sample_"))
     print(

@@ -12,7 +12,7 @@ experts of 64 channels, 2 per token, and a shared expert) is trained by::
 
 One scoring pass on training windows (``score_model(...)``, every kind of sub-block by default, the default method) gives, per MoE
 layer, every expert measure of :mod:`gdnprune.scoring.experts`: the default order (the removal error x the
-frequency), the removal error alone, the measured greedy removal (:mod:`gdnprune.scoring.expert_greedy`), the
+frequency), the removal error alone, the measured greedy removal (:mod:`gdnprune.scoring.expert_greedy`, ``expert_sample_tokens=4096``), the
 REAP order (mean over the
 tokens routed to an expert of gate weight x the norm of its output) and the router's frequency (how often the
 router picks the expert; the order of ``method="activation"``, ties to the lower expert). ``--random-orders``
@@ -64,6 +64,7 @@ from gdnprune.distill import distill  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan.solve import choose  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
+from gdnprune.scoring.experts import SAMPLE_TOKENS  # noqa: E402
 from gdnprune.subblock_geometry import orders_from_payload  # noqa: E402
 from gdnprune.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
 
@@ -198,7 +199,9 @@ def main(argv=None) -> int:
 
     # one scoring pass: every expert measure of every MoE layer (the default order: removal error x frequency)
     t0 = time.perf_counter()
-    scores = score_model(model, list(calibration.split(8)), progress=False)
+    scores = score_model(
+        model, list(calibration.split(8)), progress=False, expert_sample_tokens=SAMPLE_TOKENS
+    )
     score_seconds = time.perf_counter() - t0
     payloads = {p: scores["layers"][p] for p in prefixes}
     default = payloads[prefixes[0]]["expert_measure"]

@@ -15,7 +15,7 @@ from helpers import DENSE_SHAPE, token_ids
 from tiny_models import build_model, make_config
 
 from gdnprune.scoring.api import measure_statistics, score_model
-from gdnprune.scoring.experts import SAMPLE_PER_WINDOW
+from gdnprune.scoring.experts import SAMPLE_PER_WINDOW, SAMPLE_TOKENS
 from gdnprune.scoring.payload import scores_from_statistics
 from gdnprune.subblock_surgery import find_model_blocks
 
@@ -70,7 +70,9 @@ def _routed_output(moe, x, removed):
 
 
 def _check_greedy(model, batches, positions):
-    scores = score_model(model, batches, blocks=["gdn", "experts"], progress=False)
+    scores = score_model(
+        model, batches, blocks=["gdn", "experts"], progress=False, expert_sample_tokens=SAMPLE_TOKENS
+    )
     for prefix, x in _moe_inputs(model, batches, positions).items():
         payload = scores["layers"][prefix]
         assert payload["expert_greedy_tokens"] == x.shape[0]
@@ -104,21 +106,38 @@ def test_the_sample_takes_evenly_spaced_tokens_of_long_windows(model):
 
 def test_shares_of_the_windows_add_up_to_the_greedy_of_one_pass(model):
     batches = [token_ids(seed=i, batch=2, seq=10) for i in range(2)]
-    one = scores_from_statistics(
-        measure_statistics(model, batches, blocks=["gdn", "experts"], progress=False)
-    )
-    first = measure_statistics(model, batches[:1], blocks=["gdn", "experts"], progress=False)
-    second = measure_statistics(
-        model, batches[1:], blocks=["gdn", "experts"], progress=False, window_offset=2
-    )
+    options = dict(blocks=["gdn", "experts"], progress=False, expert_sample_tokens=SAMPLE_TOKENS)
+    one = scores_from_statistics(measure_statistics(model, batches, **options))
+    first = measure_statistics(model, batches[:1], **options)
+    second = measure_statistics(model, batches[1:], window_offset=2, **options)
     for a, b in zip(first.tensors(), second.tensors()):
         a += b
     both = scores_from_statistics(first)
-    for prefix, payload in one["layers"].items():
+    moe = [p for p, payload in one["layers"].items() if payload.get("kind") == "experts"]
+    assert moe
+    for prefix in moe:
+        payload = one["layers"][prefix]
+        assert both["layers"][prefix]["expert_greedy"] == payload["expert_greedy"]
+        assert both["layers"][prefix]["expert_greedy_tokens"] == 40
+        torch.testing.assert_close(
+            torch.tensor(both["layers"][prefix]["expert_greedy_error"]),
+            torch.tensor(payload["expert_greedy_error"]),
+        )
+
+
+def test_without_a_sample_there_is_no_greedy_order_and_the_default_order_is_unchanged(model):
+    batches = [token_ids(seed=1, batch=2, seq=10)]
+    plain = score_model(model, batches, blocks=["gdn", "experts"], progress=False)
+    sampled = score_model(
+        model, batches, blocks=["gdn", "experts"], progress=False, expert_sample_tokens=SAMPLE_TOKENS
+    )
+    for prefix, payload in plain["layers"].items():
         if payload.get("kind") == "experts":
-            assert both["layers"][prefix]["expert_greedy"] == payload["expert_greedy"]
-            assert both["layers"][prefix]["expert_greedy_tokens"] == 40
-            torch.testing.assert_close(
-                torch.tensor(both["layers"][prefix]["expert_greedy_error"]),
-                torch.tensor(payload["expert_greedy_error"]),
+            assert "expert_greedy" not in payload and "expert_greedy" in sampled["layers"][prefix]
+            assert payload["expert_measure"] == sampled["layers"][prefix]["expert_measure"]
+            assert (
+                payload["expert_order_most_important_first"]
+                == sampled["layers"][prefix]["expert_order_most_important_first"]
             )
+    with pytest.raises(ValueError, match="expert_sample_tokens"):
+        score_model(model, batches, progress=False, expert_sample_tokens=-1)

@@ -40,8 +40,9 @@ __all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES
 #: the expert measure of each scoring method: ``projection`` (the default) -> the removal error x frequency,
 #: ``activation`` -> frequency (REAP and the removal error alone are in every payload)
 EXPERT_MEASURES = {"projection": "removal_frequency", "activation": "frequency"}
-#: the routed tokens the greedy removal is measured on, per MoE layer (``projection``; 0: no greedy):
-#: ``SAMPLE_PER_WINDOW`` evenly spaced tokens of each of the first calibration windows (by global index)
+#: the routed tokens the greedy removal is measured on, per MoE layer, when asked (``expert_sample_tokens``
+#: of ``score_model``; the benchmarks' size): ``SAMPLE_PER_WINDOW`` evenly spaced tokens of each of the first
+#: calibration windows (by global index)
 SAMPLE_TOKENS, SAMPLE_PER_WINDOW = 4096, 64
 #: a sampled token keeps the Gram of its first ``SAMPLE_RANKS`` experts by logit (all when fewer)
 SAMPLE_RANKS = 32
@@ -57,7 +58,7 @@ class ExpertScorer:
     with ``projection``, the token sample of the greedy removal (:mod:`.expert_greedy`): ``sample_used`` [N],
     ``sample_logits`` [N, E], ``sample_ranks`` [N, m], ``sample_gram`` [N, m, m], ``sample_weight_sum`` [N]
     (each slot written by one token, by its global window index, so shares add up to the whole sample).
-    ``sample_tokens``: N (default :data:`SAMPLE_TOKENS`; 0: no sample, no greedy order).
+    ``sample_tokens``: N (0, the default: no sample, no greedy order; the benchmarks use :data:`SAMPLE_TOKENS`).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class ExpertScorer:
         block: Any,
         module: torch.nn.Module,
         method: str = "projection",
-        sample_tokens: int | None = None,
+        sample_tokens: int = 0,
     ) -> None:
         experts = getattr(module, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
@@ -89,7 +90,6 @@ class ExpertScorer:
         self.token_mask: torch.Tensor | None = None
         #: (global index of the batch's first window, batch size, window length), set by the passes
         self.windows: tuple[int, int, int] | None = None
-        sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
         if method == "projection" and sample_tokens > 0:
             m = min(n, SAMPLE_RANKS)
             self.stats.update(

@@ -23,13 +23,18 @@ from .subblocks import BlockScorer
 __all__ = ["make_block_scorers", "supported_kinds", "run_batches"]
 
 
-def make_block_scorers(model: torch.nn.Module, kinds: tuple[str, ...] | None, method: str) -> list[Any]:
-    """The scorers of the sub-blocks of ``kinds`` (None: every kind; ``()``: none) that ``model`` has."""
+def make_block_scorers(
+    model: torch.nn.Module, kinds: tuple[str, ...] | None, method: str, expert_sample_tokens: int = 0
+) -> list[Any]:
+    """The scorers of the sub-blocks of ``kinds`` (None: every kind; ``()``: none) that ``model`` has (the
+    experts' with a sample of ``expert_sample_tokens`` routed tokens for the greedy removal)."""
     if kinds == ():
         return []
     block_method = method if method != "random" else "activation"  # random: no statistics are used
     return [
-        (ExpertScorer if b.kind == "experts" else BlockScorer)(b, model.get_submodule(b.prefix), block_method)
+        ExpertScorer(b, model.get_submodule(b.prefix), block_method, expert_sample_tokens)
+        if b.kind == "experts"
+        else BlockScorer(b, model.get_submodule(b.prefix), block_method)
         for b in find_model_blocks(model, supported_kinds(model, kinds))
     ]
 
