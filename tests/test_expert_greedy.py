@@ -76,21 +76,25 @@ def _check_greedy(model, batches, positions):
     for prefix, x in _moe_inputs(model, batches, positions).items():
         payload = scores["layers"][prefix]
         assert payload["expert_greedy_tokens"] == x.shape[0]
-        keep = torch.argsort(-torch.tensor(payload["expert_greedy"]), stable=True).tolist()
-        removal = keep[::-1]
         moe = model.get_submodule(prefix)
         full = _routed_output(moe, x, [])
-        for step, chosen in enumerate(removal[:-1]):  # the last removal leaves no expert
-            before = removal[:step]
-            change = {
-                j: float((_routed_output(moe, x, before + [j]) - full).pow(2).sum())
-                for j in range(NUM_EXPERTS)
-                if j not in before
-            }
-            best = min(change.values())
-            assert change[chosen] <= best + 1e-5 * max(best, 1e-3), (prefix, step, chosen, change)
-            measured = payload["expert_greedy_error"][chosen] * x.shape[0]
-            assert measured == pytest.approx(change[chosen], rel=1e-4, abs=1e-7)
+        frequency = payload["expert_frequency"]  # of every token, the step scale of greedy_frequency
+        for name in ("greedy", "greedy_frequency"):
+            keep = torch.argsort(-torch.tensor(payload[f"expert_{name}"]), stable=True).tolist()
+            removal = keep[::-1]
+            for step, chosen in enumerate(removal[:-1]):  # the last removal leaves no expert
+                before = removal[:step]
+                now = float((_routed_output(moe, x, before) - full).pow(2).sum())
+                change = {
+                    j: float((_routed_output(moe, x, before + [j]) - full).pow(2).sum())
+                    for j in range(NUM_EXPERTS)
+                    if j not in before
+                }
+                rank = {j: c if name == "greedy" else (c - now) * frequency[j] for j, c in change.items()}
+                best = min(rank.values())
+                assert rank[chosen] <= best + 1e-5 * max(abs(best), 1e-3), (prefix, name, step, rank)
+                measured = payload[f"expert_{name}_error"][chosen] * x.shape[0]
+                assert measured == pytest.approx(change[chosen], rel=1e-4, abs=1e-7)
 
 
 def test_each_greedy_step_removes_the_expert_whose_removal_changes_the_routed_output_least(model):

@@ -227,7 +227,9 @@ def _expert_output(experts: Any, e: int, x: torch.Tensor) -> torch.Tensor:
 def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
     """The score payload of one MoE layer's experts: the order of the method's measure (removal error x
     frequency for ``projection``, frequency for ``activation``; ties keep the lower expert first) and every
-    raw score (``expert_reap``, ``expert_frequency``, ``expert_removal``, ``expert_removal_frequency``)."""
+    raw score (``expert_reap``, ``expert_frequency``, ``expert_removal``, ``expert_removal_frequency``; with a
+    token sample the greedy orders as keep ranks, ``expert_greedy`` and ``expert_greedy_frequency``, and
+    their ``..._error``)."""
     count, weighted = stats["count"].to(torch.float64), stats["weighted_norm"].to(torch.float64)
     tokens = max(int(stats["num_tokens"]), 1)
     scores = {
@@ -241,18 +243,14 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
     if "sample_used" in stats and int(stats["sample_used"].sum()) > 0:
         used = stats["sample_used"] > 0
         normalized = bool(((stats["sample_weight_sum"][used].double() - 1).abs() <= 1e-3).all())
-        order, error = greedy_expert_removal(
-            stats["sample_logits"][used],
-            stats["sample_ranks"][used],
-            stats["sample_gram"][used],
-            block.shape.num_experts_per_tok,
-            normalized,
-        )
-        n = order.numel()  # the greedy's score: the keep rank, n for the first kept down to 1
-        scores["greedy"] = torch.zeros(n, dtype=torch.float64).index_put_(
-            (order,), torch.arange(n, 0, -1).double()
-        )
-        extra = {"expert_greedy_error": error.tolist(), "expert_greedy_tokens": int(used.sum())}
+        sample = (stats["sample_logits"][used], stats["sample_ranks"][used], stats["sample_gram"][used])
+        k = block.shape.num_experts_per_tok
+        # greedy: each step the least increase; greedy_frequency: the least increase x frequency
+        for name, scale in (("greedy", None), ("greedy_frequency", scores["frequency"])):
+            order, error = greedy_expert_removal(*sample, k, normalized, scale)
+            scores[name] = _keep_rank(order)
+            extra[f"expert_{name}_error"] = error.tolist()
+        extra["expert_greedy_tokens"] = int(used.sum())
     measure = EXPERT_MEASURES.get(method, "reap")
     if measure not in scores:
         measure = "removal_frequency" if "removal_frequency" in scores else "reap"
@@ -269,6 +267,12 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
         **extra,
         "num_tokens": int(stats["num_tokens"]),
     }
+
+
+def _keep_rank(order: torch.Tensor) -> torch.Tensor:
+    """A keep order as a score whose descending order it is: ``n`` for the first kept down to 1."""
+    n = order.numel()
+    return torch.zeros(n, dtype=torch.float64).index_put_((order,), torch.arange(n, 0, -1).double())
 
 
 @torch.no_grad()
