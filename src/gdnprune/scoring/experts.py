@@ -16,8 +16,10 @@ deep cut also removes its stand-ins, where the experts most tokens land on matte
 trained MoEs, BENCHMARKS.md); ``activation`` ranks by frequency; an expert never routed scores 0. All are sums over tokens
 (batches, processes and partial files add up). The hook recomputes each chosen expert's output and the
 next choice's (the module does not expose them): about 1 + (k+1)/k times the expert compute of a plain
-pass. Orders and scores go into the scores file under the MoE layer's prefix (``layers.N.mlp``), which
-``sort`` applies (:func:`expert_payload`). Which order wins on trained MoEs: BENCHMARKS.md, "MoE experts".
+pass. With ``expert_sample_tokens`` (opt-in) the hook also keeps a sample of routed tokens (router logits,
+the Gram of their first experts' outputs) for the measured greedy removal (:mod:`.expert_greedy`; the
+``greedy`` and ``greedy_frequency`` scores, not the default order). Orders and scores go into the scores
+file under the MoE layer's prefix (``layers.N.mlp``), which ``sort`` applies (:func:`expert_payload`). Which order wins on trained MoEs: BENCHMARKS.md, "MoE experts".
 
 Layers (:func:`block_influence`, ShortGPT's block influence): ``1 - cos(x, f(x))`` between a decoder layer's
 input and output hidden states, averaged over tokens; a layer that barely turns the residual stream is
