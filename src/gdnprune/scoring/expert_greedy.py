@@ -15,9 +15,9 @@ the reverse of the removal sequence is the keep order (with a per-expert ``scale
 each step removes the least increase times the scale). Removing ``j`` changes the tokens whose current
 choices include ``j`` (their next kept choice takes the slot) and, without renormalisation, every token's
 softmax denominator (a scalar factor on its output, in closed form). Cost per removal step: ``N k m^2``
-for ``N`` sampled tokens (plus ``N E`` without renormalisation), ``E`` steps per layer (0.2 s per layer
-of 16 experts and 4096 tokens on one CPU thread); tokens whose choices run past their ``m`` first (deep
-cuts with ``m < E``) lose those slots (exact when ``m = E``).
+for ``N`` sampled tokens (plus ``N E`` without renormalisation), ``E`` steps per layer (measured:
+BENCHMARKS.md, issue 31); tokens whose choices run past their ``m`` first (deep cuts with ``m < E``) lose
+those slots (exact when ``m = E``).
 """
 
 from __future__ import annotations
