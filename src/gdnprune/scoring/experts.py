@@ -241,7 +241,7 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
     if "removal_error" in stats:  # absent from the scores of older versions' partial files
         scores["removal"] = stats["removal_error"].to(torch.float64) / tokens
         scores["removal_frequency"] = scores["removal"] * scores["frequency"]
-    extra = {}
+    extra: dict[str, Any] = {}
     if "sample_used" in stats and int(stats["sample_used"].sum()) > 0:
         used = stats["sample_used"] > 0
         normalized = bool(((stats["sample_weight_sum"][used].double() - 1).abs() <= 1e-3).all())
