@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Which expert order wins (issues 23, 31): the default (removal error x frequency), the removal error, REAP,
-frequency and random, uniform and per-layer counts,
+"""Which expert order wins (issues 23, 31): the default (removal error x frequency), the removal error, the
+measured greedy removal, REAP, frequency and random, uniform and per-layer counts,
 before and after distillation, on a small Qwen3.5-MoE model trained on the demo corpus.
 
 The model (default ``benchmarks/_work/models/moe16``: 4 decoder layers ``GGGA``, each with 16 routed
@@ -12,7 +12,9 @@ experts of 64 channels, 2 per token, and a shared expert) is trained by::
 
 One scoring pass on training windows (``score_model(...)``, every kind of sub-block by default, the default method) gives, per MoE
 layer, every expert measure of :mod:`gdnprune.scoring.experts`: the default order (the removal error x the
-frequency), the removal error alone, the REAP order (mean over the
+frequency), the removal error alone, the measured greedy removal and the greedy x frequency (:mod:`gdnprune.scoring.expert_greedy`,
+``expert_sample_tokens=4096``), the
+REAP order (mean over the
 tokens routed to an expert of gate weight x the norm of its output) and the router's frequency (how often the
 router picks the expert; the order of ``method="activation"``, ties to the lower expert). ``--random-orders``
 seeded random orders are the chance baseline. Cuts, in memory (:func:`gdnprune.slice_model`):
@@ -63,6 +65,7 @@ from gdnprune.distill import distill  # noqa: E402
 from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
 from gdnprune.plan.solve import choose  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
+from gdnprune.scoring.experts import SAMPLE_TOKENS  # noqa: E402
 from gdnprune.subblock_geometry import orders_from_payload  # noqa: E402
 from gdnprune.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
 
@@ -197,7 +200,9 @@ def main(argv=None) -> int:
 
     # one scoring pass: every expert measure of every MoE layer (the default order: removal error x frequency)
     t0 = time.perf_counter()
-    scores = score_model(model, list(calibration.split(8)), progress=False)
+    scores = score_model(
+        model, list(calibration.split(8)), progress=False, expert_sample_tokens=SAMPLE_TOKENS
+    )
     score_seconds = time.perf_counter() - t0
     payloads = {p: scores["layers"][p] for p in prefixes}
     default = payloads[prefixes[0]]["expert_measure"]
@@ -207,7 +212,7 @@ def main(argv=None) -> int:
 
     orders = {
         name: by(lambda q, name=name: torch.tensor(q[f"expert_{name}"]))
-        for name in ("removal_frequency", "removal", "reap", "frequency")
+        for name in ("removal_frequency", "removal", "greedy", "greedy_frequency", "reap", "frequency")
     }
     if any(
         not np.array_equal(
@@ -238,7 +243,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         teacher_logp = [model(input_ids=x).logits.float().log_softmax(-1) for x in sens_windows]
     counts = list(range(top_k, n_experts + 1))
-    planned = ["removal_frequency", "removal", "reap", "frequency"] + ["sum"] * args.sum_order
+    planned = ["removal_frequency", "removal", "greedy", "greedy_frequency", "reap", "frequency"]
+    planned += ["sum"] * args.sum_order
     planned += [f"random{i}" for i in range(min(args.plan_random_orders, args.random_orders))]
     sensitivity, sens_seconds = {}, {}
     for name in planned:
@@ -338,6 +344,9 @@ def main(argv=None) -> int:
                             for k in (
                                 "expert_removal_frequency",
                                 "expert_removal",
+                                "expert_greedy",
+                                "expert_greedy_error",
+                                "expert_greedy_frequency",
                                 "expert_reap",
                                 "expert_frequency",
                             )
@@ -379,7 +388,11 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
     rand = [f"random{i}" for i in range(n_random)]
     random_mean = np.mean([uniform[r] for r in rand], axis=0)  # per window, over the random orders
     row = {"cut": f"{key}%", "experts_kept": keep, "base": float(base.mean())}
-    for name in [n for n in ("removal_frequency", "removal", "reap", "frequency", "sum") if n in uniform]:
+    for name in [
+        n
+        for n in ("removal_frequency", "removal", "greedy", "greedy_frequency", "reap", "frequency", "sum")
+        if n in uniform
+    ]:
         row[f"uniform_{name}"] = float(uniform[name].mean())
         row[f"uniform_{name}_beats_random"] = sum(
             uniform[r].mean() > uniform[name].mean() for r in rand
@@ -394,8 +407,8 @@ def _one_shot_row(key, keep, base, uniform, plan_losses, plans, prefixes, n_rand
         row[f"plan_{name}_counts"] = [plans[f"{key}-{name}"][p] for p in prefixes]
         row[f"plan_{name}_minus_uniform"] = paired(plan_losses[name], uniform[name])
     row["plan_reap_minus_frequency"] = paired(plan_losses["reap"], plan_losses["frequency"])
-    for name in ("removal_frequency", "removal"):
-        for other in ("reap", "frequency"):
+    for name in ("removal_frequency", "removal", "greedy", "greedy_frequency"):
+        for other in ("reap", "frequency", "removal_frequency"):
             row[f"uniform_{name}_minus_{other}"] = paired(uniform[name], uniform[other])
             row[f"plan_{name}_minus_{other}"] = paired(plan_losses[name], plan_losses[other])
     if "sum" in uniform:
@@ -444,13 +457,24 @@ def _format_one_shot(row: dict) -> str:
         f"frequency uniform {_se(row['plan_frequency_minus_uniform'])}; REAP plan - frequency plan "
         f"{_se(row['plan_reap_minus_frequency'])}"
     )
-    for name, label in (("removal_frequency", "removal x frequency (the default)"), ("removal", "removal")):
+    for name, label in (
+        ("removal_frequency", "removal x frequency (the default)"),
+        ("removal", "removal"),
+        ("greedy", "measured greedy removal"),
+        ("greedy_frequency", "measured greedy x frequency"),
+    ):
         lines.append(
             f"  {label}: uniform {row[f'uniform_{name}'] - b:+.4f} (beats "
             f"{row[f'uniform_{name}_beats_random']:.0%} of random), - REAP "
             f"{_se(row[f'uniform_{name}_minus_reap'])}, - frequency {_se(row[f'uniform_{name}_minus_frequency'])}; "
             f"per-layer {row[f'plan_{name}'] - b:+.4f} {row[f'plan_{name}_counts']}, - REAP plan "
             f"{_se(row[f'plan_{name}_minus_reap'])}, - frequency plan {_se(row[f'plan_{name}_minus_frequency'])}"
+            + (
+                ""
+                if name == "removal_frequency"
+                else f"; - the default: uniform {_se(row[f'uniform_{name}_minus_removal_frequency'])}, "
+                f"per-layer {_se(row[f'plan_{name}_minus_removal_frequency'])}"
+            )
         )
     if "uniform_sum" in row:
         lines.append(

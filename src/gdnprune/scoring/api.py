@@ -141,6 +141,7 @@ def measure_statistics(
     loss_token_stride: int | None = None,
     window_offset: int = 0,
     blocks: Sequence[str] | bool | None = None,
+    expert_sample_tokens: int = 0,
 ) -> ScoringStatistics:
     """The forward passes of :func:`score_model` in this process alone: the sums, before any order.
 
@@ -155,7 +156,9 @@ def measure_statistics(
     modules = find_gdn_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
-    block_scorers = make_block_scorers(model, scored_kinds(blocks), method)
+    if int(expert_sample_tokens) < 0:
+        raise ValueError(f"expert_sample_tokens must be >= 0, got {expert_sample_tokens}")
+    block_scorers = make_block_scorers(model, scored_kinds(blocks), method, int(expert_sample_tokens))
     if method == "random":
         layers = {}
         for prefix, module in modules:
@@ -232,6 +235,7 @@ def score_model(
     window_offset: int = 0,
     distributed: bool | None = None,
     blocks: Sequence[str] | bool | None = None,
+    expert_sample_tokens: int = 0,
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` (and, by default, its other sub-blocks) on calibration ``batches``;
     returns the scores-file dict.
@@ -273,6 +277,10 @@ def score_model(
             (:mod:`gdnprune.scoring.subblocks`, :mod:`gdnprune.scoring.experts`); their payloads join ``layers``
             under the sub-blocks' prefixes (``random``: random orders). Kinds whose modules fit no layout
             (Qwen4-exp's indexed attention) are left out (with a warning when named).
+        expert_sample_tokens: ``projection`` only, keep up to this many routed tokens per MoE layer
+            (:data:`~gdnprune.scoring.experts.SAMPLE_TOKENS` is the benchmarks' 4096) for the measured
+            greedy removal of the experts (payload ``expert_greedy``, ``expert_greedy_error``; not the
+            default order, :mod:`gdnprune.scoring.expert_greedy`); 0 (default): none.
         distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
             group before the orders are computed (default None: when a group with more than one process
             is initialised). Each rank passes its own share of the windows
@@ -298,6 +306,7 @@ def score_model(
         loss_token_stride=loss_token_stride,
         window_offset=window_offset,
         blocks=blocks,
+        expert_sample_tokens=expert_sample_tokens,
     )
     if not (is_distributed() if distributed is None else distributed and is_distributed()):
         return scores_from_statistics(measure_statistics(model, batches, progress=progress, **options))

@@ -16,8 +16,10 @@ deep cut also removes its stand-ins, where the experts most tokens land on matte
 trained MoEs, BENCHMARKS.md); ``activation`` ranks by frequency; an expert never routed scores 0. All are sums over tokens
 (batches, processes and partial files add up). The hook recomputes each chosen expert's output and the
 next choice's (the module does not expose them): about 1 + (k+1)/k times the expert compute of a plain
-pass. Orders and scores go into the scores file under the MoE layer's prefix (``layers.N.mlp``), which
-``sort`` applies (:func:`expert_payload`). Which order wins on trained MoEs: BENCHMARKS.md, "MoE experts".
+pass. With ``expert_sample_tokens`` (opt-in) the hook also keeps a sample of routed tokens (router logits,
+the Gram of their first experts' outputs) for the measured greedy removal (:mod:`.expert_greedy`; the
+``greedy`` and ``greedy_frequency`` scores, not the default order). Orders and scores go into the scores
+file under the MoE layer's prefix (``layers.N.mlp``), which ``sort`` applies (:func:`expert_payload`). Which order wins on trained MoEs: BENCHMARKS.md, "MoE experts".
 
 Layers (:func:`block_influence`, ShortGPT's block influence): ``1 - cos(x, f(x))`` between a decoder layer's
 input and output hidden states, averaged over tokens; a layer that barely turns the residual stream is
@@ -33,12 +35,19 @@ import torch
 
 from ..forwards import decoder_layers, hidden_argument, input_device, unpack_batch
 from ..subblock_geometry import orders_to_payload
+from .expert_greedy import greedy_expert_removal
 
-__all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES"]
+__all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES", "SAMPLE_TOKENS"]
 
 #: the expert measure of each scoring method: ``projection`` (the default) -> the removal error x frequency,
 #: ``activation`` -> frequency (REAP and the removal error alone are in every payload)
 EXPERT_MEASURES = {"projection": "removal_frequency", "activation": "frequency"}
+#: the routed tokens the greedy removal is measured on, per MoE layer, when asked (``expert_sample_tokens``
+#: of ``score_model``; the benchmarks' size): ``SAMPLE_PER_WINDOW`` evenly spaced tokens of each of the first
+#: calibration windows (by global index)
+SAMPLE_TOKENS, SAMPLE_PER_WINDOW = 4096, 64
+#: a sampled token keeps the Gram of its first ``SAMPLE_RANKS`` experts by logit (all when fewer)
+SAMPLE_RANKS = 32
 
 
 class ExpertScorer:
@@ -47,10 +56,20 @@ class ExpertScorer:
 
     Statistics (sums over tokens, so that batches and processes add up): ``num_tokens``, ``count`` [E],
     ``weighted_norm`` [E] (sum of gate weight x output norm over the tokens routed to each expert),
-    ``removal_error`` [E] (sum of the squared change of the routed output were each expert removed alone).
+    ``removal_error`` [E] (sum of the squared change of the routed output were each expert removed alone);
+    with ``projection``, the token sample of the greedy removal (:mod:`.expert_greedy`): ``sample_used`` [N],
+    ``sample_logits`` [N, E], ``sample_ranks`` [N, m], ``sample_gram`` [N, m, m], ``sample_weight_sum`` [N]
+    (each slot written by one token, by its global window index, so shares add up to the whole sample).
+    ``sample_tokens``: N (0, the default: no sample, no greedy order; the benchmarks use :data:`SAMPLE_TOKENS`).
     """
 
-    def __init__(self, block: Any, module: torch.nn.Module, method: str = "projection") -> None:
+    def __init__(
+        self,
+        block: Any,
+        module: torch.nn.Module,
+        method: str = "projection",
+        sample_tokens: int = 0,
+    ) -> None:
         experts = getattr(module, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
             raise ValueError(
@@ -71,6 +90,19 @@ class ExpertScorer:
         self.router: torch.nn.Module = router
         self.router_logits: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None
+        #: (global index of the batch's first window, batch size, window length), set by the passes
+        self.windows: tuple[int, int, int] | None = None
+        if method == "projection" and sample_tokens > 0:
+            m = min(n, SAMPLE_RANKS)
+            self.stats.update(
+                {
+                    "sample_used": torch.zeros(sample_tokens, dtype=torch.int64),
+                    "sample_logits": torch.zeros(sample_tokens, n, dtype=torch.float32),
+                    "sample_ranks": torch.zeros(sample_tokens, m, dtype=torch.int64),
+                    "sample_gram": torch.zeros(sample_tokens, m, m, dtype=torch.float32),
+                    "sample_weight_sum": torch.zeros(sample_tokens, dtype=torch.float32),
+                }
+            )
 
     def attach(self) -> list[Any]:
         return [
@@ -88,6 +120,8 @@ class ExpertScorer:
         logits, self.router_logits = self.router_logits, None
         if logits is not None and logits.shape[0] != hidden.shape[0]:
             logits = None
+        if logits is not None and "sample_used" in self.stats:
+            self._add_sample(module, hidden, logits, weights)
         if self.token_mask is not None:  # padding tokens are left out (the module sees tokens flattened)
             keep = self.token_mask.to(hidden.device).reshape(-1)
             if keep.numel() == hidden.shape[0]:
@@ -112,6 +146,44 @@ class ExpertScorer:
             )
         if n > index.shape[1] and hidden.shape[0]:
             self._add_removal_error(module, logits, index, weights, chosen, hidden)
+
+    def _sample_tokens(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled tokens of this batch: their slots in the sample and their row in the flattened
+        batch (``SAMPLE_PER_WINDOW`` evenly spaced positions per window, slot ``window * per + i``; masked
+        tokens and slots past the sample's size are left out)."""
+        empty = torch.zeros(0, dtype=torch.long)
+        if self.windows is None or self.windows[1] * self.windows[2] != num_tokens:
+            return empty, empty
+        first, batch, length = self.windows
+        per = min(SAMPLE_PER_WINDOW, length)
+        i = torch.arange(per)
+        slot = ((first + torch.arange(batch))[:, None] * SAMPLE_PER_WINDOW + i).reshape(-1)
+        row = (torch.arange(batch)[:, None] * length + (i * length) // per).reshape(-1)
+        take = slot < self.stats["sample_used"].numel()
+        if self.token_mask is not None and self.token_mask.numel() == num_tokens:
+            take &= self.token_mask.reshape(-1).bool().cpu()[row]
+        return slot[take], row[take]
+
+    def _add_sample(
+        self, module: Any, hidden: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor
+    ) -> None:
+        """Keep, for the sampled tokens, the router logits, the first experts by logit, the Gram of their
+        outputs and the chosen weights' sum (1 when the router renormalises): the greedy's data."""
+        slot, row = self._sample_tokens(hidden.shape[0])
+        if not slot.numel():
+            return
+        x = hidden[row.to(hidden.device)]
+        lg = logits[row.to(logits.device)].float()
+        ranks = torch.topk(lg, self.stats["sample_ranks"].shape[1], dim=-1).indices
+        y = torch.zeros(*ranks.shape, x.shape[-1], dtype=torch.float64, device=x.device)
+        for e in torch.unique(ranks).tolist():
+            token, rank = torch.where(ranks == e)
+            y[token, rank] = _expert_output(module, e, x[token]).to(torch.float64)
+        self.stats["sample_used"][slot] = 1
+        self.stats["sample_logits"][slot] = lg.cpu()
+        self.stats["sample_ranks"][slot] = ranks.cpu()
+        self.stats["sample_gram"][slot] = (y @ y.transpose(1, 2)).float().cpu()
+        self.stats["sample_weight_sum"][slot] = weights[row.to(weights.device)].float().sum(-1).cpu()
 
     def _add_removal_error(
         self,
@@ -157,7 +229,9 @@ def _expert_output(experts: Any, e: int, x: torch.Tensor) -> torch.Tensor:
 def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
     """The score payload of one MoE layer's experts: the order of the method's measure (removal error x
     frequency for ``projection``, frequency for ``activation``; ties keep the lower expert first) and every
-    raw score (``expert_reap``, ``expert_frequency``, ``expert_removal``, ``expert_removal_frequency``)."""
+    raw score (``expert_reap``, ``expert_frequency``, ``expert_removal``, ``expert_removal_frequency``; with a
+    token sample the greedy orders as keep ranks, ``expert_greedy`` and ``expert_greedy_frequency``, and
+    their ``..._error``)."""
     count, weighted = stats["count"].to(torch.float64), stats["weighted_norm"].to(torch.float64)
     tokens = max(int(stats["num_tokens"]), 1)
     scores = {
@@ -167,9 +241,21 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
     if "removal_error" in stats:  # absent from the scores of older versions' partial files
         scores["removal"] = stats["removal_error"].to(torch.float64) / tokens
         scores["removal_frequency"] = scores["removal"] * scores["frequency"]
+    extra: dict[str, Any] = {}
+    if "sample_used" in stats and int(stats["sample_used"].sum()) > 0:
+        used = stats["sample_used"] > 0
+        normalized = bool(((stats["sample_weight_sum"][used].double() - 1).abs() <= 1e-3).all())
+        sample = (stats["sample_logits"][used], stats["sample_ranks"][used], stats["sample_gram"][used])
+        k = block.shape.num_experts_per_tok
+        # greedy: each step the least increase; greedy_frequency: the least increase x frequency
+        for name, scale in (("greedy", None), ("greedy_frequency", scores["frequency"])):
+            order, error = greedy_expert_removal(*sample, k, normalized, scale)
+            scores[name] = _keep_rank(order)
+            extra[f"expert_{name}_error"] = error.tolist()
+        extra["expert_greedy_tokens"] = int(used.sum())
     measure = EXPERT_MEASURES.get(method, "reap")
     if measure not in scores:
-        measure = "reap"
+        measure = "removal_frequency" if "removal_frequency" in scores else "reap"
     order = torch.argsort(-scores[measure], stable=True)
     return {
         "kind": block.kind,
@@ -180,8 +266,15 @@ def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> d
         **orders_to_payload({"experts": order.numpy()}),
         "expert_scores": scores[measure].tolist(),
         **{f"expert_{name}": value.tolist() for name, value in scores.items()},
+        **extra,
         "num_tokens": int(stats["num_tokens"]),
     }
+
+
+def _keep_rank(order: torch.Tensor) -> torch.Tensor:
+    """A keep order as a score whose descending order it is: ``n`` for the first kept down to 1."""
+    n = order.numel()
+    return torch.zeros(n, dtype=torch.float64).index_put_((order,), torch.arange(n, 0, -1).double())
 
 
 @torch.no_grad()

@@ -23,13 +23,18 @@ from .subblocks import BlockScorer
 __all__ = ["make_block_scorers", "supported_kinds", "run_batches"]
 
 
-def make_block_scorers(model: torch.nn.Module, kinds: tuple[str, ...] | None, method: str) -> list[Any]:
-    """The scorers of the sub-blocks of ``kinds`` (None: every kind; ``()``: none) that ``model`` has."""
+def make_block_scorers(
+    model: torch.nn.Module, kinds: tuple[str, ...] | None, method: str, expert_sample_tokens: int = 0
+) -> list[Any]:
+    """The scorers of the sub-blocks of ``kinds`` (None: every kind; ``()``: none) that ``model`` has (the
+    experts' with a sample of ``expert_sample_tokens`` routed tokens for the greedy removal)."""
     if kinds == ():
         return []
     block_method = method if method != "random" else "activation"  # random: no statistics are used
     return [
-        (ExpertScorer if b.kind == "experts" else BlockScorer)(b, model.get_submodule(b.prefix), block_method)
+        ExpertScorer(b, model.get_submodule(b.prefix), block_method, expert_sample_tokens)
+        if b.kind == "experts"
+        else BlockScorer(b, model.get_submodule(b.prefix), block_method)
         for b in find_model_blocks(model, supported_kinds(model, kinds))
     ]
 
@@ -72,12 +77,13 @@ def run_batches(
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
                 ids, mask = unpack_batch(batch)
                 select = None if stride is None else loss_positions(ids, mask, windows_seen, stride)
-                windows_seen += ids.shape[0]
                 for scorer in scorers:
                     scorer.token_mask = mask
                     scorer.loss_select = select
                 for block_scorer in block_scorers:
                     block_scorer.token_mask = mask
+                    block_scorer.windows = (windows_seen, *ids.shape)  # the experts' token sample
+                windows_seen += ids.shape[0]
                 kwargs = dict(extra)
                 if mask is not None:
                     kwargs["attention_mask"] = mask.to(device).long()
