@@ -216,6 +216,25 @@ def random_block_orders(model, seed=1):
     return {b.prefix: random_orders(b, generator=g) for b in find_model_blocks(model)}
 
 
+def moe_block_inputs(model, batches) -> dict[str, list[torch.Tensor]]:
+    """Per experts block (prefix): its input hidden states, one [batch, seq, H] tensor per batch of ids."""
+    inputs: dict[str, list[torch.Tensor]] = {}
+    handles = [
+        model.get_submodule(b.prefix).register_forward_pre_hook(
+            lambda m, a, p=b.prefix: inputs.setdefault(p, []).append(a[0])
+        )
+        for b in find_model_blocks(model, ("experts",))
+    ]
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                model(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs
+
+
 def kept_by_orders(block, orders, target):
     """Which channels / query heads a sorted cut keeps, from the definition of the orders."""
     if block.kind == "attention":

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DENSE_SHAPE, token_ids
+from helpers import DENSE_SHAPE, moe_block_inputs, token_ids
 from tiny_models import build_model, make_config
 
 from gdnprune.scoring.api import measure_statistics, score_model
 from gdnprune.scoring.experts import SAMPLE_PER_WINDOW, SAMPLE_TOKENS
 from gdnprune.scoring.payload import scores_from_statistics
-from gdnprune.subblock_surgery import find_model_blocks
 
 NUM_EXPERTS = 6
 
@@ -42,20 +41,10 @@ def model(request):
 
 def _moe_inputs(model, batches, positions):
     """Per MoE prefix: the block's input at ``positions`` of every window, [tokens, H]."""
-    inputs: dict[str, list] = {}
-    blocks = find_model_blocks(model, ("experts",))
-    handles = [
-        model.get_submodule(b.prefix).register_forward_pre_hook(
-            lambda m, a, p=b.prefix: inputs.setdefault(p, []).append(a[0][:, positions])
-        )
-        for b in blocks
-    ]
-    with torch.no_grad():
-        for ids in batches:
-            model(input_ids=ids)
-    for h in handles:
-        h.remove()
-    return {p: torch.cat(x).reshape(-1, x[0].shape[-1]) for p, x in inputs.items()}
+    return {
+        p: torch.cat([x[:, positions] for x in xs]).reshape(-1, xs[0].shape[-1])
+        for p, xs in moe_block_inputs(model, batches).items()
+    }
 
 
 def _routed_output(moe, x, removed):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same, random_dense_model, token_ids
+from helpers import assert_same, moe_block_inputs, random_dense_model, token_ids
 from tiny_models import logits
 
 from gdnprune import checkpoint as ck
@@ -26,19 +26,8 @@ def _brute_force(model, batches):
     """Per MoE prefix: (count [E], sum of gate weight x ||expert output|| [E], tokens, removal error [E]),
     token by token; the removal error of expert e sums, over the tokens routed to it, the squared change of
     the routed output when the router picks among every expert but e (its softmax and top-k recomputed)."""
-    inputs: dict[str, list] = {}
+    inputs = moe_block_inputs(model, batches)
     blocks = find_model_blocks(model, ("experts",))
-    handles = [
-        model.get_submodule(b.prefix).register_forward_pre_hook(
-            lambda m, a, p=b.prefix: inputs.setdefault(p, []).append(a[0].reshape(-1, a[0].shape[-1]))
-        )
-        for b in blocks
-    ]
-    with torch.no_grad():
-        for ids in batches:
-            model(input_ids=ids)
-    for h in handles:
-        h.remove()
     out = {}
     for b in blocks:
         moe = model.get_submodule(b.prefix)
@@ -48,7 +37,7 @@ def _brute_force(model, batches):
         count, total = torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64)
         removal = torch.zeros(E, dtype=torch.float64)
         tokens = 0
-        for x in torch.cat(inputs[b.prefix]).double():
+        for x in torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[b.prefix]]).double():
             tokens += 1
             experts, top, ys, full = _routed(W, k, gu, down, x, list(range(E)), norm)
             for g, e, y in zip(top, experts, ys):
