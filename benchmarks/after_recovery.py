@@ -241,23 +241,27 @@ def run_budget(bench: Bench, fraction: float, args) -> dict:
             f"  {bench.name} {fraction:.0%} best uniform − one-shot MILP, after: {d:+.4f} ± {s:.4f}",
             flush=True,
         )
-    ranked = bench.ranked(fraction, problem, sens, choice)
-    plans = {"one_shot": choice.picks, "ranked": ranked["winner_picks"], "best_uniform": uniform["picks"]}
+    plans = {"one_shot": choice.picks, "best_uniform": uniform["picks"]}
     costs = {
         "one_shot": {"search_seconds": search_seconds},
-        "ranked": {
-            "search_seconds": search_seconds,
-            "ranking_seconds": ranked["ranking"]["seconds"],
-            "ranking_steps": ranked["ranking"]["cost"]["total_steps"],
-        },
         "best_uniform": {"evaluated": uniform["evaluated"], "seconds": uniform["seconds"]},
     }
+    ranking = None
+    if args.rank_by_distill:  # 0: no ranking (the other plans only)
+        ranked = bench.ranked(fraction, problem, sens, choice)
+        ranking = ranked["ranking"]
+        plans["ranked"] = ranked["winner_picks"]
+        costs["ranked"] = {
+            "search_seconds": search_seconds,
+            "ranking_seconds": ranking["seconds"],
+            "ranking_steps": ranking["cost"]["total_steps"],
+        }
     for name in args.also_sensitivity:
         p, s, c, seconds = bench.searched(fraction, name)
         plans[name] = c.picks
         costs[name] = {"search_seconds": seconds}
     results = {name: bench.recovered(fraction, name, problem, picks) for name, picks in plans.items()}
-    row = {"budget": fraction, "ranking": ranked["ranking"], "plans": {}}
+    row = {"budget": fraction, "ranking": ranking, "plans": {}}
     for name, r in results.items():
         entry = {
             "decoder_fraction": r["decoder_fraction"],
@@ -268,7 +272,7 @@ def run_budget(bench: Bench, fraction: float, args) -> dict:
             "cost": costs[name],
         }
         for ref in ("one_shot", "ranked"):
-            if ref != name:
+            if ref != name and ref in results:
                 entry[f"minus_{ref}"] = paired(r["before"], results[ref]["before"])
                 entry[f"minus_{ref}_after"] = paired(r["after"], results[ref]["after"])
         row["plans"][name] = entry
@@ -276,7 +280,7 @@ def run_budget(bench: Bench, fraction: float, args) -> dict:
 
 
 def print_row(bench: Bench, row: dict) -> None:
-    r = row["ranking"]
+    r = row["ranking"] or {"winner": "not ranked", "seconds": 0.0, "plans": []}
     print(
         f"\n{bench.name} {row['budget']:.0%} of the decoder; ranking: winner {r['winner']} ({r['seconds']:.0f} s)"
     )
@@ -297,7 +301,12 @@ def print_row(bench: Bench, row: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
-    p.add_argument("--rank-by-distill", type=int, default=4, help="MILP plans ranked (default 4, + uniform)")
+    p.add_argument(
+        "--rank-by-distill",
+        type=int,
+        default=4,
+        help="MILP plans ranked (default 4, + uniform; 0: no ranking)",
+    )
     p.add_argument("--rank-steps", type=int, default=50, help="distillation steps per ranked plan (50)")
     p.add_argument("--steps", type=int, default=300, help="distillation steps of the final comparison (300)")
     p.add_argument(

@@ -16,6 +16,9 @@ alone (no forward), every plan's losses and the BLD plan's paired differences wi
 (``after_recovery.py`` prints them against the one-shot MILP and ranked plans only).
 
     python benchmarks/bld_after_recovery.py --budgets 0.5,0.35,0.75 --report
+
+It takes ``after_recovery.py``'s model options (``--deep FOLDER --skip-bundled``, ``--validation-windows``,
+``--threads``), so the same cache folder serves both.
 """
 
 from __future__ import annotations
@@ -34,29 +37,33 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import torch  # noqa: E402
+from _common import add_model_arguments, benchmark_models, load_average, set_up  # noqa: E402
 from after_recovery import BLOCKS, Bench, paired  # noqa: E402
 
-from gdnprune import demo_data  # noqa: E402
 from gdnprune.plan import PlanOptions  # noqa: E402
 from gdnprune.plan.stages import choose_plan  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--budgets", type=lambda t: [float(v) for v in t.split(",")], default=[0.5, 0.35, 0.75])
-    p.add_argument("--validation-windows", type=int, default=32)
+    add_model_arguments(p)
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "after_recovery")
-    p.add_argument("--quiet", action="store_true")
     p.add_argument("--steps", type=int, default=300, help="distillation steps of the runs to report (300)")
     p.add_argument("--report", action="store_true", help="print the cached comparison; measure nothing")
     args = p.parse_args()
+    models = benchmark_models(args)
     if args.report:
-        return report(args)
-    torch.set_num_threads(1)
-    print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    bench = Bench("bundled", demo_data.load_demo_model()[0], "pydoc", args)
-    first, *rest = args.budgets
+        return report(args, [m.name for m in models])
+    set_up(args)
+    print(f"load average {load_average():.1f}", flush=True)
+    for spec in models:
+        measure(Bench(spec.name, spec.load(), spec.corpus, args), args.budgets)
+    return 0
+
+
+def measure(bench: Bench, budgets: list[float]) -> None:
+    """The BLD sensitivities once, at the first budget; the exact choice from them at every other."""
+    first, *rest = budgets
     t0 = time.perf_counter()
     problem, sens, choice, seconds = bench.searched(first, "bld")
     print(
@@ -75,13 +82,19 @@ def main() -> int:
             pickle.dumps({"sens": sens, "picks": picks, "seconds": seconds, "measured_at": first})
         )
         print(f"BLD plan at {fraction:.0%} from the same sensitivities: {picks}", flush=True)
-    print(f"{time.perf_counter() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"{time.perf_counter() - t0:.0f} s; load average at the end {load_average():.1f}")
+
+
+def report(args: argparse.Namespace, names: list[str]) -> int:
+    """The cached plans and distilled losses of each budget: losses, and the BLD plan minus each other plan."""
+    for name in names:
+        print(name)
+        report_model(args, args.work / name)
     return 0
 
 
-def report(args: argparse.Namespace) -> int:
-    """The cached plans and distilled losses of each budget: losses, and the BLD plan minus each other plan."""
-    work = args.work / "bundled"
+def report_model(args: argparse.Namespace, work: Path) -> None:
+    """:func:`report` for one model's cache folder."""
 
     def load(key: str):
         path = work / f"{key}.pkl"
@@ -111,7 +124,6 @@ def report(args: argparse.Namespace) -> int:
                     d, se = paired(runs["bld"][when], run[when])
                     line += f"  bld − this {when}: {d:+.4f} ± {se:.4f} ({d / se if se else 0:+.1f} SE)"
             print(line)
-    return 0
 
 
 if __name__ == "__main__":
