@@ -280,11 +280,10 @@ def run_budget(bench: Bench, fraction: float, args) -> dict:
 
 
 def print_row(bench: Bench, row: dict) -> None:
-    r = row["ranking"] or {"winner": "not ranked", "seconds": 0.0, "plans": []}
-    print(
-        f"\n{bench.name} {row['budget']:.0%} of the decoder; ranking: winner {r['winner']} ({r['seconds']:.0f} s)"
-    )
-    for p in r["plans"]:
+    r = row["ranking"]
+    ranking = f"winner {r['winner']} ({r['seconds']:.0f} s)" if r else "none (--rank-by-distill 0)"
+    print(f"\n{bench.name} {row['budget']:.0%} of the decoder; ranking: {ranking}")
+    for p in r["plans"] if r else []:
         print(
             f"   {p['name']:<8} summed KL {p['summed_sensitivity']:.4f}  held-out KL one-shot {p['one_shot_kl']:.4f}"
             f"  after {r['steps']} steps {p['recovered_kl']:.4f}"
