@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from gdnprune import demo_data
-from gdnprune.loading import load_pretrained
+from gdnprune.io.loading import load_pretrained
 
 BUDGETS = (0.75, 0.5, 0.35)
 """Fractions of the decoder's parameters (embeddings and final norm excluded)."""

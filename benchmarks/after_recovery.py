@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _common import RECIPE, SEQ, add_model_arguments, benchmark_models, load_average, paired, set_up  # noqa: E402
+from gdnprune.plan.report.results import Choice  # noqa: E402
 from plans import window_losses  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -53,11 +54,10 @@ from gdnprune import demo_data  # noqa: E402
 from gdnprune.distill import DistillConfig, distill  # noqa: E402
 from gdnprune.plan import PlanOptions  # noqa: E402
 from gdnprune.plan.api import search  # noqa: E402
-from gdnprune.plan.candidates import AXES, parse_dim_step  # noqa: E402
-from gdnprune.plan.problem import Grid, build_problem, given_budgets  # noqa: E402
+from gdnprune.plan.choose.solve import uniform_choices  # noqa: E402
+from gdnprune.plan.measure.candidates import AXES, parse_dim_step  # noqa: E402
+from gdnprune.plan.measure.problem import Grid, build_problem, given_budgets  # noqa: E402
 from gdnprune.plan.rank import candidate_plans, cut_model, rank_by_distill, rank_recipe  # noqa: E402
-from gdnprune.plan.report import Choice  # noqa: E402
-from gdnprune.plan.solve import uniform_choices  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 
 BLOCKS = ("gdn", "attention", "mlp")

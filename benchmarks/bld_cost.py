@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
+from gdnprune.io.loading import load_pretrained  # noqa: E402
 from gdnprune.plan import plan_model, stages  # noqa: E402
-from gdnprune.plan.bld import bld_sensitivity  # noqa: E402
+from gdnprune.plan.measure.bld import bld_sensitivity  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 
 torch.set_num_threads(1)

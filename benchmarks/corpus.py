@@ -75,7 +75,7 @@ def child(mode: str, data: str, cache: str) -> dict:
         report["peak_rss_mib"] = _peak_mib()
         return report
     if mode == "old":
-        from gdnprune.calibration import pack_windows, read_texts
+        from gdnprune.quality.calibration import pack_windows, read_texts
 
         t = time.perf_counter()
         windows = pack_windows(read_texts(data), tokenizer, seq_len=SEQ_LEN)

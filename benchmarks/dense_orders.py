@@ -33,10 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.loading import slice_model  # noqa: E402
+from gdnprune.io.loading import slice_model  # noqa: E402
+from gdnprune.model.subblock_geometry import orders_to_payload  # noqa: E402
+from gdnprune.model.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
-from gdnprune.subblock_geometry import orders_to_payload  # noqa: E402
-from gdnprune.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
 
 
 def _loss(model, args, blocks, orders) -> float:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         model, _ = demo_data.load_demo_model()
     else:
-        from gdnprune.loading import load_pretrained
+        from gdnprune.io.loading import load_pretrained
 
         model = load_pretrained(args.model, dtype=torch.float32).eval()
     base = demo_data.validation_loss(model, seq_len=args.seq_len, num_windows=args.val_windows)

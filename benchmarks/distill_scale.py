@@ -142,7 +142,7 @@ def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
     import torch
     import transformers
 
-    from gdnprune.loading import slice_model
+    from gdnprune.io.loading import slice_model
 
     torch.manual_seed(seed)
     config = transformers.Qwen3_5TextConfig(

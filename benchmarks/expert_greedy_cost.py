@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
+from gdnprune.io.loading import load_pretrained  # noqa: E402
 from gdnprune.scoring.api import measure_statistics  # noqa: E402
 from gdnprune.scoring.experts import SAMPLE_TOKENS  # noqa: E402
 from gdnprune.scoring.payload import scores_from_statistics  # noqa: E402

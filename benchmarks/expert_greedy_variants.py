@@ -39,7 +39,7 @@ from experts import cut, paired  # noqa: E402
 from plans import window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
+from gdnprune.io.loading import load_pretrained  # noqa: E402
 from gdnprune.scoring.api import measure_statistics  # noqa: E402
 from gdnprune.scoring.expert_greedy import greedy_expert_removal  # noqa: E402
 from gdnprune.scoring.experts import _expert_output  # noqa: E402

@@ -24,9 +24,9 @@ from experts import cut, paired  # noqa: E402
 from plans import window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
+from gdnprune.io.loading import load_pretrained  # noqa: E402
+from gdnprune.model.subblock_surgery import find_model_blocks  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
-from gdnprune.subblock_surgery import find_model_blocks  # noqa: E402
 
 torch.set_num_threads(1)
 path = sys.argv[1]

@@ -23,7 +23,7 @@ seeded random orders are the chance baseline. Cuts, in memory (:func:`gdnprune.s
 * **per-layer**: the same total of experts, spread over the layers by measured sensitivity: for every layer
   and every count from ``num_experts_per_tok`` to all, the KL divergence from the unpruned model of the model
   with that layer alone cut to that count (that order's first experts kept), on ``--sensitivity-windows``
-  calibration windows; the per-layer counts are the exact MILP :func:`gdnprune.plan.solve.choose` that
+  calibration windows; the per-layer counts are the exact MILP :func:`gdnprune.plan.choose.solve.choose` that
   minimises the summed KL with the total of kept experts at most the uniform cut's. Done for the REAP and
   frequency orders and the first ``--plan-random-orders`` random orders (each with its own sensitivity).
 
@@ -62,12 +62,12 @@ from plans import joint_kl, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.distill import distill  # noqa: E402
-from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
-from gdnprune.plan.solve import choose  # noqa: E402
+from gdnprune.io.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.model.subblock_geometry import orders_from_payload  # noqa: E402
+from gdnprune.model.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
+from gdnprune.plan.choose.solve import choose  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 from gdnprune.scoring.experts import SAMPLE_TOKENS  # noqa: E402
-from gdnprune.subblock_geometry import orders_from_payload  # noqa: E402
-from gdnprune.subblock_surgery import find_model_blocks, random_orders  # noqa: E402
 
 SEQ_LEN, SEED, WARMUP = 256, 0, 0.03
 FRACTIONS = (0.5, 0.25)

@@ -3,7 +3,7 @@
 
 ``benchmarks/plans.py --measure-only --cache FILE`` measures every candidate of every GDN layer on every
 calibration window (one window per forward) and keeps each window's KL. This script runs the library's
-procedure (:func:`gdnprune.plan.halving.search`, the same code :func:`~gdnprune.plan.halving.halving_sensitivity`
+procedure (:func:`gdnprune.plan.measure.halving.search`, the same code :func:`~gdnprune.plan.measure.halving.halving_sensitivity`
 runs) with a ``measure`` that copies from that table instead of running forwards, for several variants,
 budgets and window orders (order 0: the benchmark's; the others: seeded permutations of the windows), and
 prints per variant: how often the plan equals the exact one (the MILP on every candidate's mean over every
@@ -35,14 +35,14 @@ import torch  # noqa: E402
 from plans import BUDGETS, parse_budgets  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.geometry import GDNShape  # noqa: E402
-from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
+from gdnprune.io.loading import load_pretrained  # noqa: E402
+from gdnprune.model.geometry import GDNShape  # noqa: E402
+from gdnprune.model.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.plan import STATE_BYTES, choose, layer_candidates  # noqa: E402
-from gdnprune.plan.halving import exact_choice, rungs, search  # noqa: E402
-from gdnprune.plan.solve import choose_among  # noqa: E402
+from gdnprune.plan.choose.solve import choose_among  # noqa: E402
+from gdnprune.plan.measure.halving import exact_choice, rungs, search  # noqa: E402
 
-#: name -> keyword arguments of :func:`~gdnprune.plan.halving.search` (and ``first`` / ``grow`` of the rungs);
+#: name -> keyword arguments of :func:`~gdnprune.plan.measure.halving.search` (and ``first`` / ``grow`` of the rungs);
 #: ``POOLED``: the ratio bound from every layer's candidates (the default until issue 31's third version)
 POOLED = {"per_layer": False, "confidence": 1.5}
 VARIANTS: dict[str, dict] = {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Latency additivity: the sum of block latencies + the fixed part against the whole model's latency.
 
-The plan's latency budget (issue 30) sums per-block latencies measured by :mod:`gdnprune.latency` in one
+The plan's latency budget (issue 30) sums per-block latencies measured by :mod:`gdnprune.model.latency` in one
 MILP, so the sum must track the whole model's measured latency. On a random Qwen3.5 text model where compute
 dominates (default: hidden 1024, 8 layers ``GGGA GGGA``, GDN 8 key heads / 16 value heads of 128, attention
 8 heads / 2 KV heads of 128, MLP 3072, vocabulary 32000) this prints, at a prefill and a decode workload:
@@ -35,7 +35,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from gdnprune.latency import LatencyHarness, parse_workload  # noqa: E402
+from gdnprune.model.latency import LatencyHarness, parse_workload  # noqa: E402
 
 
 def random_qwen35(hidden: int, layers: int, intermediate: int, vocab: int, seed: int = 0):

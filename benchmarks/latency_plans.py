@@ -6,7 +6,7 @@ Part A, quality (the bundled demo model: byte-level Qwen3.5, hidden 128, layers 
 ``--validation-windows`` held-out windows of 256 bytes, paired differences with standard errors). Scores on
 16 training windows, the sensitivity measured once (``measured``: every candidate on ``--sensitivity-windows``
 windows; every decoder layer's removal), the latency of every candidate block timed once at ``--workload``
-(``gdnprune.plan.latency_costs``). Every plan is then chosen exactly from these same measurements and applied
+(``gdnprune.plan.measure.latency_costs``). Every plan is then chosen exactly from these same measurements and applied
 in memory (``latency_costs.cut_in_place``: the modules a sliced checkpoint loads):
 
 * at equal parameters (``--budget-params``) and at equal latency (``--budget-latency``): the heterogeneous
@@ -44,20 +44,20 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gdnprune.plan.report.results import Sensitivities  # noqa: E402
 from plans import window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.latency import LatencyHarness, parse_workload  # noqa: E402
-from gdnprune.loading import load_causal_lm  # noqa: E402
-from gdnprune.plan.candidates import parse_dim_step  # noqa: E402
-from gdnprune.plan.latency_costs import (  # noqa: E402
+from gdnprune.io.loading import load_causal_lm  # noqa: E402
+from gdnprune.model.latency import LatencyHarness, parse_workload  # noqa: E402
+from gdnprune.plan.choose.solve import BudgetError  # noqa: E402
+from gdnprune.plan.measure.candidates import parse_dim_step  # noqa: E402
+from gdnprune.plan.measure.latency_costs import (  # noqa: E402
     add_latency_budget,
     cut_in_place,
     measure_latency_costs,
 )
-from gdnprune.plan.problem import Grid, build_problem, given_budgets  # noqa: E402
-from gdnprune.plan.report import Sensitivities  # noqa: E402
-from gdnprune.plan.solve import BudgetError  # noqa: E402
+from gdnprune.plan.measure.problem import Grid, build_problem, given_budgets  # noqa: E402
 from gdnprune.plan.stages import choose_plan, measure  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 

@@ -5,10 +5,10 @@ For every model, every axis at 50 % and 25 % kept (where representable) and one 
 validation loss increase of
 
 * ``default``: the ``projection`` scores; ``refined``: the same with measured lane orders
-  (:func:`gdnprune.lane_search.refine_lane_orders`); ``compensated``: the default cut with ``out_proj`` refitted
-  by least squares (:mod:`gdnprune.compensate`); ``refined+comp.``; ``sequential``: the default cut with
+  (:func:`gdnprune.quality.lane_search.refine_lane_orders`); ``compensated``: the default cut with ``out_proj`` refitted
+  by least squares (:mod:`gdnprune.quality.compensate`); ``refined+comp.``; ``sequential``: the default cut with
   ``out_proj`` refitted layer by layer on the cut model's own hidden states against the full model's
-  residual stream (:func:`gdnprune.compensate.sequential_refit`; ``--references`` adds columns for its
+  residual stream (:func:`gdnprune.quality.compensate.sequential_refit`; ``--references`` adds columns for its
   other references); ``activation``;
 * ``--random-orders`` random orders (mean, and the share each method beats);
 * for lanes and key groups, the per-layer optimum (every choice of each layer alone, searched on training
@@ -40,10 +40,11 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from quality import Evaluator, per_layer_key_groups, per_layer_lanes, targets  # noqa: E402
 
-from gdnprune import compensate, demo_data  # noqa: E402
+from gdnprune import demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
-from gdnprune.lane_search import refine_lane_orders  # noqa: E402
-from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.io.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.quality import compensate  # noqa: E402
+from gdnprune.quality.lane_search import refine_lane_orders  # noqa: E402
 from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 NAMES = ("default", "refined", "compensated", "refined+comp.", "sequential", "activation")

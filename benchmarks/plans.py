@@ -17,13 +17,13 @@ the proxy, then for every budget (75 %, 50 %, 25 % of GDN parameters; 50 % of re
 It also reports how well the proxy ranks candidates (Spearman's rho against the measured KL) and what
 each sensitivity cost. And, per budget (issue 22):
 
-* **cheap**: the plan from the default sensitivity, successive halving (:mod:`gdnprune.plan.halving`, run
+* **cheap**: the plan from the default sensitivity, successive halving (:mod:`gdnprune.plan.measure.halving`, run
   for that budget), its cost (partial forwards of one window, seconds, and seconds / the scoring pass: the
   median of ``--scoring-passes`` passes timed before the plans and of those timed before and after every
   halving run, in the same process; "xlocal": its seconds over the mean of the passes just before and just
   after it, the load of that moment weighing on both);
 * **refined**: that plan after ``--refine-generations`` generations of the joint refinement
-  (:mod:`gdnprune.plan.evolve`), its cost;
+  (:mod:`gdnprune.plan.choose.evolve`), its cost;
 * the paired difference of each against the searched (measured MILP) plan on the held-out windows, and the
   joint KL of each (calibration windows) beside the searched plan's and the best uniform cut's.
 
@@ -59,14 +59,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
-from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
-from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.io.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.model.geometry import GDNShape, orders_from_payload  # noqa: E402
+from gdnprune.model.layouts import detect_layout, find_gdn_modules  # noqa: E402
 from gdnprune.plan import STATE_BYTES, BudgetError, choose, choose_uniform, layer_candidates  # noqa: E402
-from gdnprune.plan.halving import halving_sensitivity  # noqa: E402
-from gdnprune.plan.joint import evolve_plan  # noqa: E402
-from gdnprune.plan.sensitivity import LayerToPlan, proxy_sensitivity  # noqa: E402
-from gdnprune.plan.solve import choose_among  # noqa: E402
+from gdnprune.plan.choose.solve import choose_among  # noqa: E402
+from gdnprune.plan.measure.halving import halving_sensitivity  # noqa: E402
+from gdnprune.plan.measure.joint import evolve_plan  # noqa: E402
+from gdnprune.plan.measure.sensitivity import LayerToPlan, proxy_sensitivity  # noqa: E402
 from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 BUDGETS = [("params", 0.75), ("params", 0.5), ("params", 0.25), ("state", 0.5)]

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
-from gdnprune.layouts import find_gdn_modules  # noqa: E402
+from gdnprune.model.layouts import find_gdn_modules  # noqa: E402
 from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
 
 AXES = ("key_groups", "value_lanes", "key_dim", "value_dim")

@@ -45,10 +45,10 @@ from gdnprune.evaluation.api import EvalOptions, evaluate_model, task_manager  #
 from gdnprune.evaluation.report import markdown_table, recall_curves  # noqa: E402
 from gdnprune.evaluation.tasks import write_task_folder  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape  # noqa: E402
-from gdnprune.layouts import find_gdn_modules  # noqa: E402
-from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.io.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.io.plan_file import state_elements  # noqa: E402
+from gdnprune.model.layouts import find_gdn_modules  # noqa: E402
 from gdnprune.plan import plan_model  # noqa: E402
-from gdnprune.plan_file import state_elements  # noqa: E402
 from gdnprune.scoring import GDN_ONLY, score_model  # noqa: E402
 
 MODEL = REPO / "tests" / "data" / "trained" / "recall"

@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.distill import distill  # noqa: E402
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
-from gdnprune.layouts import find_gdn_modules  # noqa: E402
-from gdnprune.loading import slice_model  # noqa: E402
+from gdnprune.io.loading import slice_model  # noqa: E402
+from gdnprune.model.layouts import find_gdn_modules  # noqa: E402
 from gdnprune.plan import plan_model  # noqa: E402
 from gdnprune.scoring import GDN_ONLY, score_model  # noqa: E402
 

@@ -41,7 +41,7 @@ WORKER = textwrap.dedent("""
     import json, sys, time
     import torch
     from gdnprune import distributed
-    from gdnprune.calibration import calibration_windows, iter_batches
+    from gdnprune.quality.calibration import calibration_windows, iter_batches
     from gdnprune.scoring import GDN_ONLY, score_model
 
     model_dir, data, out, threads, windows_n, seq_len, batch = sys.argv[1:8]

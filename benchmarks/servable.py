@@ -4,7 +4,7 @@
 Part A, latency (a random Qwen3.5 where compute dominates: hidden 1024, 8 layers ``GGGA`` x 2, GDN 8 key
 heads x 2 lanes of 128, attention 8/2 heads of 128, MLP 2048, vocab 1024, float32). Every candidate block
 (GDN key-head counts, MLP widths in halves, attention head geometries, whole decoder layers) is timed
-once per workload (prefill:1:128, decode:1:128) with ``gdnprune.latency`` (warm-up 1, median of 3) on this
+once per workload (prefill:1:128, decode:1:128) with ``gdnprune.model.latency`` (warm-up 1, median of 3) on this
 machine; the model is random, so each candidate's sensitivity is the share of its group's parameters it
 removes (the plans are only vehicles for the latency). For
 three latency budgets the exact MILP chooses a plan (depth allowed); the table gives the additive prediction
@@ -41,17 +41,17 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gdnprune.plan.report.results import Sensitivities  # noqa: E402
 from plans import window_losses  # noqa: E402
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.latency import parse_workload  # noqa: E402
-from gdnprune.loading import load_pretrained  # noqa: E402
+from gdnprune.io.loading import load_pretrained  # noqa: E402
+from gdnprune.model.latency import parse_workload  # noqa: E402
 from gdnprune.plan import plan_model  # noqa: E402
-from gdnprune.plan.latency_costs import add_latency_budget, cut_model_latency, measure_latency_costs  # noqa: E402
-from gdnprune.plan.problem import Grid, build_problem, check_feasible, given_budgets  # noqa: E402
-from gdnprune.plan.report import Sensitivities  # noqa: E402
-from gdnprune.plan.solve import BudgetError  # noqa: E402
+from gdnprune.plan.choose.solve import BudgetError  # noqa: E402
+from gdnprune.plan.measure.latency_costs import add_latency_budget, cut_model_latency, measure_latency_costs  # noqa: E402
+from gdnprune.plan.measure.problem import Grid, build_problem, check_feasible, given_budgets  # noqa: E402
 from gdnprune.plan.stages import choose_plan  # noqa: E402
 from gdnprune.prune import prune_checkpoint  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402

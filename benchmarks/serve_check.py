@@ -9,7 +9,7 @@ Issue 30's GPU check, as one prepared script. On a machine with a CUDA GPU it
    128, MLP 6144, vocabulary 32000) and its uniform cut by ``slice_checkpoint`` (half the GDN value heads,
    the MLP at 4096, decoder layer 1 removed);
 2. latency, at every ``--workload`` (default ``prefill:1:2048`` and ``decode:8:4096``), with
-   :mod:`gdnprune.latency` and the kernels transformers picks (flash-linear-attention and causal-conv1d when
+   :mod:`gdnprune.model.latency` and the kernels transformers picks (flash-linear-attention and causal-conv1d when
    installed): the teacher's and the cut model's measured whole-model latency (speed-up), and two
    predictions of the cut model's latency: ``fixed + sum of its decoder layers`` timed in its own harness,
    and ``teacher's fixed part + the cut layers timed in place of the teacher's`` (removed layers cost 0:
@@ -130,8 +130,8 @@ def latencies(
 ) -> list[dict]:
     import torch
 
-    from gdnprune.latency import LatencyHarness
-    from gdnprune.loading import load_pretrained
+    from gdnprune.io.loading import load_pretrained
+    from gdnprune.model.latency import LatencyHarness
 
     def load(path: Path):
         return load_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -181,7 +181,7 @@ def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int
 def transformers_greedy(cut: Path, ids: list[list[int]], new_tokens: int, device: str) -> list[list[int]]:
     import torch
 
-    from gdnprune.loading import load_pretrained
+    from gdnprune.io.loading import load_pretrained
 
     model = load_pretrained(cut, dtype=torch.bfloat16).to(device).eval()
     out = []
@@ -314,7 +314,7 @@ def main() -> int:
 
     import transformers
 
-    from gdnprune.latency import parse_workload
+    from gdnprune.model.latency import parse_workload
 
     workloads = [parse_workload(w) for w in (args.workload or ["prefill:1:2048", "decode:8:4096"])]
     start = time.perf_counter()

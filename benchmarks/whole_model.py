@@ -19,7 +19,7 @@ is of everything inside the decoder layers), it compares on held-out windows:
   within the budget (maximal: no kind can take a larger nested geometry and still fit; the held-out
   windows choose it, which favours it);
 * with ``--depth`` (budgets 75 % and 50 %): **depth allowed** (the MILP with a removal candidate for every
-  decoder layer, :func:`gdnprune.plan.depth.choose_with_removal`) and **best depth-only** (every set of
+  decoder layer, :func:`gdnprune.plan.choose.depth.choose_with_removal`) and **best depth-only** (every set of
   removed layers that fits, at full width otherwise, evaluated on the held-out windows; the best kept);
 * each of them again after ``--steps`` steps of distillation from the unpruned model with one recipe for
   all (``gdnprune.distill.distill``: KD, batch 4 x 256 bytes, lr 1e-3, 3 % warmup, cosine, seed 0).
@@ -65,16 +65,16 @@ from plans import spearman, window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.distill import DistillConfig, distill  # noqa: E402
-from gdnprune.geometry import GDNShape, orders_from_payload  # noqa: E402
-from gdnprune.layouts import detect_layout, find_gdn_modules  # noqa: E402
-from gdnprune.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.io.loading import load_pretrained, slice_model  # noqa: E402
+from gdnprune.model.geometry import GDNShape, orders_from_payload  # noqa: E402
+from gdnprune.model.layouts import detect_layout, find_gdn_modules  # noqa: E402
+from gdnprune.model.subblock_shapes import AttentionShape  # noqa: E402
 from gdnprune.plan import BudgetError, choose, layer_candidates  # noqa: E402
-from gdnprune.plan.depth import choose_with_removal, removal_sensitivity  # noqa: E402
-from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity  # noqa: E402
-from gdnprune.plan.subblocks import plannable_blocks, whole_model_costs  # noqa: E402
+from gdnprune.plan.choose.depth import choose_with_removal, removal_sensitivity  # noqa: E402
+from gdnprune.plan.measure.sensitivity import LayerToPlan, measured_sensitivity  # noqa: E402
+from gdnprune.plan.measure.subblocks import plannable_blocks, whole_model_costs  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 from gdnprune.scoring.experts import block_influence  # noqa: E402
-from gdnprune.subblock_shapes import AttentionShape  # noqa: E402
 
 DEPTH_BUDGETS = (0.75, 0.5)
 
@@ -248,7 +248,7 @@ class Problem:
 
     def refined(self, fraction: float, picks: list[int], generations: int) -> tuple[list[int], dict]:
         """The joint refinement (issue 22) of ``picks``: whole cut models' KL on the calibration windows."""
-        from gdnprune.plan.joint import refine_plan
+        from gdnprune.plan.measure.joint import refine_plan
 
         result = refine_plan(
             self.model,

@@ -32,12 +32,13 @@ from tiny_models import build_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from gdnprune import checkpoint as ck
-from gdnprune import compensate, demo_data
+from gdnprune import demo_data
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.layouts import find_gdn_modules, get_layout
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.layouts import find_gdn_modules, get_layout
+from gdnprune.model.subblock_surgery import find_model_blocks, random_orders
+from gdnprune.quality import compensate
 from gdnprune.scoring import score_model, scores_to_permutations
-from gdnprune.subblock_surgery import find_model_blocks, random_orders
 
 # ---- checkpoint folders as save_pretrained writes them ----------------------------------------------------
 

@@ -62,7 +62,7 @@ WORKER = textwrap.dedent(
     from gdnprune.cli import main
     from gdnprune.corpus.dataset import open_windows
     from gdnprune.demo_data import demo_model_path
-    from gdnprune.distributed import process_group
+    from gdnprune.runtime.distributed import process_group
     from launches import REFINED, eval_argv
 
     model, data, out, samples, seq, moe, interrupted = sys.argv[1:8]

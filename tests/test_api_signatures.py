@@ -71,8 +71,8 @@ def test_a_positional_target_still_works_with_a_warning(tmp_path):
 
 def test_one_name_for_reading_scores(tmp_path):
     import gdnprune.checkpoint as ck
-    from gdnprune import scores_file as scores
     from gdnprune import scoring
+    from gdnprune.io import scores_file as scores
 
     assert scoring.load_scores is scores.load_scores and ck.read_scores is scores.read_scores
     assert "load_scores" not in ck.__all__
@@ -92,14 +92,14 @@ def test_sort_checkpoint_shows_its_keywords(tmp_path):
     assert manifest["note"] == 1 and manifest["sorted"] is True
 
 
-OLD_MODULE_NAMES = {  # written out here, not read from gdnprune.deprecation: the table under test
-    "gdnprune.blocks": "gdnprune.subblock_geometry",
-    "gdnprune.block_surgery": "gdnprune.subblock_surgery",
+OLD_MODULE_NAMES = {  # written out here, not read from gdnprune.runtime.deprecation: the table under test
+    "gdnprune.blocks": "gdnprune.model.subblock_geometry",
+    "gdnprune.block_surgery": "gdnprune.model.subblock_surgery",
     "gdnprune.scoring.blocks": "gdnprune.scoring.subblocks",
-    "gdnprune.scores": "gdnprune.scores_file",
-    "gdnprune.plans": "gdnprune.plan_file",
-    "gdnprune.depth": "gdnprune.layer_removal",
-    "gdnprune.refine": "gdnprune.lane_search",
+    "gdnprune.scores": "gdnprune.io.scores_file",
+    "gdnprune.plans": "gdnprune.io.plan_file",
+    "gdnprune.depth": "gdnprune.model.layer_removal",
+    "gdnprune.refine": "gdnprune.quality.lane_search",
 }
 
 

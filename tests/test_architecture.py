@@ -136,7 +136,7 @@ def code_map_order(text: str, root: str = "gdnprune") -> list[str]:
                 if entry == "cli/":
                     return order
                 if entry.endswith("/"):
-                    package = f"{root}.{entry[:-1]}"
+                    package = f"{root}.{entry[:-1].replace('/', '.')}"
                 else:
                     order.append(f"{root}.{entry}")
         elif package and (bullet := re.match(r"- `([\w.]+)`", line)):
@@ -196,7 +196,7 @@ def private_violations(graph: dict[str, list[Import]], root: Path = PACKAGE) -> 
 
 def _module_aliases(name: str, source: str, known: set[str], is_package: bool) -> dict[str, str]:
     """Local names bound to gdnprune modules by the imports of ``source`` (``from .. import compensate``,
-    ``import gdnprune.compensate as c``)."""
+    ``import gdnprune.quality.compensate as c``)."""
     package = name if is_package else name.rpartition(".")[0]
     out = {}
     for node in ast.walk(_tree(source)):
@@ -346,7 +346,8 @@ def test_the_lazy_import_rule_sees_imports_at_any_depth_of_a_function_and_reads_
 def test_the_code_map_parser_reads_entries_packages_and_bullets():
     text = (
         "# A\n\n## Code map\n\n**`geometry`** — x.\n\n**`fileio`**, **`interrupts`** — y.\n\n"
-        "**`checkpoint/`** — z.\n- `folder`: a.\n- `engine`: b.\n\n**`calibration`** — c.\n\n"
+        "**`checkpoint/`** — z.\n- `folder`: a.\n- `engine`: b.\n\n**`plan/choose/`** — n.\n- `solve`: s.\n\n"
+        "**`calibration`** — c.\n\n"
         "**`cli/`** — the rest.\n\n## Invariants\n\n**`late`** — not in the map.\n"
     )
     assert code_map_order(text) == [
@@ -356,6 +357,8 @@ def test_the_code_map_parser_reads_entries_packages_and_bullets():
         "gdnprune.checkpoint.folder",
         "gdnprune.checkpoint.engine",
         "gdnprune.checkpoint",
+        "gdnprune.plan.choose.solve",
+        "gdnprune.plan.choose",
         "gdnprune.calibration",
     ]
     with pytest.raises(AssertionError, match="cli/"):
@@ -372,7 +375,7 @@ def test_inspect_sort_and_slice_never_import_torch_nor_start_blas_threads(tmp_pa
     from helpers import BYTES_TARGET, build_source, scores_for
 
     from gdnprune.checkpoint import find_gdn_layers, open_checkpoint
-    from gdnprune.compensate import model_identity, save_statistics
+    from gdnprune.quality.compensate import model_identity, save_statistics
 
     src = build_source(tmp_path / "src", "qwen3_next")
     (tmp_path / "scores.json").write_text(json.dumps(scores_for(src, "qwen3_next")))

@@ -9,7 +9,7 @@ import warnings
 import pytest
 from test_checkpoint import make_source
 
-import gdnprune.loading
+import gdnprune.io.loading
 from gdnprune.checkpoint import slice_checkpoint
 from gdnprune.cli import main
 from gdnprune.gated_delta_net import GDNShape
@@ -70,9 +70,9 @@ def test_bench_writes_results_table_and_plot(folders, tmp_path, capsys, monkeypa
     config = json.loads((pruned / "config.json").read_text())
     assert config.get("per_layer_config")  # the pruned folder needs gdnprune's loader
     loaded = []
-    original = gdnprune.loading.load_pretrained
+    original = gdnprune.io.loading.load_pretrained
     monkeypatch.setattr(
-        gdnprune.loading, "load_pretrained", lambda *a, **k: loaded.append(original(*a, **k)) or loaded[-1]
+        gdnprune.io.loading, "load_pretrained", lambda *a, **k: loaded.append(original(*a, **k)) or loaded[-1]
     )
     out = tmp_path / "bench"
     argv = ["bench", str(teacher), str(pruned), "--workload", "prefill:1:70", "--workload", "decode:2:9"]
@@ -129,7 +129,7 @@ def test_bench_writes_results_table_and_plot(folders, tmp_path, capsys, monkeypa
 def test_malformed_workloads_exit_2_before_loading(folders, extra, says, capsys, monkeypatch):
     teacher, _, _ = folders
     monkeypatch.setattr(
-        gdnprune.loading, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded")
+        gdnprune.io.loading, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded")
     )
     assert main(["bench", str(teacher), *extra]) == 2
     err = capsys.readouterr().err
@@ -139,7 +139,7 @@ def test_malformed_workloads_exit_2_before_loading(folders, extra, says, capsys,
 def test_missing_model_folder_and_existing_output_exit_2(folders, tmp_path, capsys, monkeypatch):
     teacher, _, _ = folders
     monkeypatch.setattr(
-        gdnprune.loading, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded")
+        gdnprune.io.loading, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded")
     )
     missing = tmp_path / "nope"
     assert main(["bench", str(teacher), str(missing), "--workload", "prefill:1:8"]) == 2

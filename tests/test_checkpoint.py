@@ -389,7 +389,7 @@ def test_sort_then_slice_equals_prune_in_one_pass(sources, tmp_path):
 def test_every_write_path_gives_the_hand_cut_result(model_type, mode, sources, tmp_path, monkeypatch):
     """Row gathers are written from the memory map with vectored writes (or one pwrite per run where the
     platform has no pwritev); force each path, including partial writes, and compare with the hand cut."""
-    from gdnprune import safetensors_io
+    from gdnprune.io import safetensors_io
 
     src = sources[model_type]
     prefixes = [layer.prefix for layer in gdn_layers(src)]

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gdnprune import safetensors_io as io
-from gdnprune.safetensors_io import CheckpointError, copy_range, encode_header, read_header
+from gdnprune.io import safetensors_io as io
+from gdnprune.io.safetensors_io import CheckpointError, copy_range, encode_header, read_header
 
 
 def _tensors():

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from gdnprune import safetensors_io
 from gdnprune.checkpoint import engine, slice_checkpoint, sort_checkpoint, transform_checkpoint
 from gdnprune.checkpoint.engine import InputChangedError
-from gdnprune.safetensors_io import BLOCK, copy_range, read_header
+from gdnprune.io import safetensors_io
+from gdnprune.io.safetensors_io import BLOCK, copy_range, read_header
 
 HIDDEN = 512  # BF16 rows of 1 KiB
 GDN = {
@@ -229,7 +229,7 @@ def test_two_threads_share_the_unchanged_bytes_of_large_shards(tmp_path, monkeyp
 )
 def test_a_shard_truncated_under_the_gdn_work_gives_a_clear_error(tmp_path, monkeypatch, threshold, cut_at):
     from gdnprune.checkpoint import find_gdn_layers, open_checkpoint
-    from gdnprune.targets import resolve_target
+    from gdnprune.model.targets import resolve_target
 
     monkeypatch.setattr(engine, "_KERNEL_RUN", threshold)
     monkeypatch.setattr(engine, "_SHARE_MIN", 0)  # the worker copies unchanged pieces after its jobs

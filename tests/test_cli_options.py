@@ -180,7 +180,7 @@ def test_the_word_checker_sees_one_word_for_two_concepts():
 
 
 def test_score_and_plan_take_the_same_blocks_with_the_same_default():
-    from gdnprune.subblock_geometry import KINDS
+    from gdnprune.model.subblock_geometry import KINDS
 
     score, plan = ({a.dest: a for a in _visible(COMMANDS[c])}["blocks"] for c in ("score", "plan"))
     assert score.default == plan.default and score.metavar == plan.metavar == "LIST"
@@ -315,7 +315,8 @@ def test_exit_code_tells_the_users_mistake_from_the_environments_failure():
     assert exit_code(FileNotFoundError(errno.ENOENT, "No such file or directory")) == 2
     assert exit_code(ValueError("bad target")) == 2
     assert exit_code(PermissionError(errno.EACCES, "Permission denied")) == 2
-    from gdnprune import cli, distributed, fileio
+    from gdnprune import cli
+    from gdnprune.runtime import distributed, fileio
 
     # one table: the CLI and a failing rank classify an OSError the same way
     assert cli.USER_ERRNOS is distributed.USER_ERRNOS is fileio.USER_ERRNOS

@@ -13,12 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import build_model
 
-from gdnprune import compensate, load_pretrained
+from gdnprune import load_pretrained
 from gdnprune.checkpoint import codecs, sort_checkpoint, transform_checkpoint
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.layouts import find_gdn_modules
-from gdnprune.loading import slice_model
+from gdnprune.io.loading import slice_model
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.quality import compensate
 from gdnprune.scoring import score_model, scores_to_permutations
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")

@@ -11,10 +11,11 @@ import torch
 from helpers import SOURCE_SHAPE, refit_by_hand, trained_demo_case
 from tiny_models import build_model
 
-from gdnprune import compensate, load_pretrained
-from gdnprune.geometry import GDNShape
-from gdnprune.layouts import find_gdn_modules
-from gdnprune.loading import slice_model
+from gdnprune import load_pretrained
+from gdnprune.io.loading import slice_model
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.quality import compensate
 from gdnprune.scoring import score_model, scores_to_permutations
 
 # value heads, value channels, key channels (no change of the out_proj width), and all at once
@@ -136,8 +137,8 @@ def test_prune_compensate_sequential_writes_the_in_memory_refit(tmp_path):
     from helpers import make_source
     from transformers import AutoTokenizer
 
-    from gdnprune.calibration import calibration_windows
     from gdnprune.cli import main
+    from gdnprune.quality.calibration import calibration_windows
     from gdnprune.scoring import score_checkpoint
 
     src = make_source(tmp_path / "model", "qwen3_5", seed=22)

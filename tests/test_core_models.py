@@ -233,7 +233,7 @@ def test_dtypes_are_preserved_and_permutation_is_exact(dtype):
 
 
 def test_layout_is_detected_per_model_type():
-    from gdnprune.layouts import detect_layout
+    from gdnprune.model.layouts import detect_layout
 
     shape = GDNShape(2, 4, 4, 4)
     for model_type in MODEL_TYPES:

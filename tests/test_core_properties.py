@@ -12,7 +12,7 @@ from gdnprune.gated_delta_net import (
     permute_gated_delta_net_state_dict,
     slice_gated_delta_net_state_dict,
 )
-from gdnprune.layouts import LAYOUTS
+from gdnprune.model.layouts import LAYOUTS
 
 
 @st.composite

@@ -20,10 +20,10 @@ from helpers import corpus_docs, write_jsonl
 from transformers import AutoTokenizer
 
 from gdnprune import corpus
-from gdnprune.calibration import calibration_windows
 from gdnprune.cli import main as cli_main
 from gdnprune.corpus import windows as corpus_windows
 from gdnprune.corpus.dataset import first_windows, open_windows
+from gdnprune.quality.calibration import calibration_windows
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "gdnprune" / "data" / "demo_model"
 

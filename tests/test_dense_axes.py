@@ -38,10 +38,10 @@ from helpers import token_ids as _ids  # noqa: F401
 from helpers import zeroed_model as _zeroed  # noqa: F401
 from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, make_config
 
-from gdnprune.loading import load_pretrained, slice_model
-from gdnprune.subblock_geometry import KINDS, find_blocks
-from gdnprune.subblock_shapes import AttentionShape, MLPShape
-from gdnprune.subblock_surgery import find_model_blocks, permute_block_state_dict, random_orders
+from gdnprune.io.loading import load_pretrained, slice_model
+from gdnprune.model.subblock_geometry import KINDS, find_blocks
+from gdnprune.model.subblock_shapes import AttentionShape, MLPShape
+from gdnprune.model.subblock_surgery import find_model_blocks, permute_block_state_dict, random_orders
 
 FAMILIES = [
     t for t in MODEL_TYPES if t != "qwen4_exp"
@@ -207,7 +207,7 @@ def test_layouts_are_found_from_tensor_sizes():
 @pytest.mark.parametrize("model_type", ["qwen3_5_moe", "olmo_hybrid"])
 def test_parameters_of_a_cut_are_those_of_the_cut_model(model_type):
     """The cost a plan candidate has: Block.parameters(target) from the table, against the cut model's tensors."""
-    from gdnprune.subblock_geometry import kv_cache_elements, resolve_block_target
+    from gdnprune.model.subblock_geometry import kv_cache_elements, resolve_block_target
 
     model = random_dense_model(model_type)
     blocks = find_model_blocks(model, DENSE)
@@ -230,7 +230,7 @@ def test_parameters_of_a_cut_are_those_of_the_cut_model(model_type):
 def test_candidates_of_a_sub_block_are_nested_cuts_with_their_exact_costs():
     from fractions import Fraction
 
-    from gdnprune.subblock_geometry import block_candidates
+    from gdnprune.model.subblock_geometry import block_candidates
 
     model = random_dense_model("qwen3_5")
     attention = next(b for b in find_model_blocks(model) if b.kind == "attention")

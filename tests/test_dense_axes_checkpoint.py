@@ -31,11 +31,11 @@ from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.loading import load_pretrained, slice_model
-from gdnprune.plan_file import PlanError
-from gdnprune.subblock_geometry import KINDS, orders_to_payload
-from gdnprune.subblock_surgery import find_model_blocks
+from gdnprune.io.loading import load_pretrained, slice_model
+from gdnprune.io.plan_file import PlanError
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.subblock_geometry import KINDS, orders_to_payload
+from gdnprune.model.subblock_surgery import find_model_blocks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning"),
@@ -191,7 +191,7 @@ def test_slice_command_cuts_attention_and_mlp_without_torch(sources, tmp_path):
     script = f"""
 import json, sys
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
+from gdnprune.model.geometry import GDNShape
 code = main(["slice", {str(src)!r}, "-o", {str(out)!r}, "-q", "--num-attention-heads", "2", "--num-key-value-heads",
              "1", "--shared-expert-intermediate-size", "16"])
 print(json.dumps({{"code": code, "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules)}}))

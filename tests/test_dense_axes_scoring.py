@@ -13,10 +13,10 @@ import torch
 from helpers import DENSE, assert_same, random_dense_model, token_ids
 from tiny_models import logits
 
-from gdnprune.loading import slice_model
+from gdnprune.io.loading import slice_model
+from gdnprune.model.subblock_geometry import orders_from_payload
+from gdnprune.model.subblock_surgery import find_model_blocks
 from gdnprune.scoring.subblocks import BlockScorer, block_payload
-from gdnprune.subblock_geometry import orders_from_payload
-from gdnprune.subblock_surgery import find_model_blocks
 
 
 def _score(model, method, ids):
@@ -122,7 +122,7 @@ def test_projection_orders_keep_what_the_greedy_kept_and_group_heads_stay_in_the
 
 
 def test_a_scores_file_holds_sub_block_payloads_beside_gdn_ones(tmp_path):
-    from gdnprune.scores_file import ScoresError, check_scores, load_scores, save_scores
+    from gdnprune.io.scores_file import ScoresError, check_scores, load_scores, save_scores
 
     model = random_dense_model("qwen3_5")
     scorers = _score(model, "projection", token_ids(seed=9))
@@ -152,7 +152,7 @@ def test_a_scores_file_holds_sub_block_payloads_beside_gdn_ones(tmp_path):
 
 @pytest.mark.parametrize("method", ["projection", "activation", "random"])
 def test_score_model_gives_sub_block_orders_beside_the_gdn_ones_in_one_pass(method):
-    from gdnprune.scores_file import check_scores
+    from gdnprune.io.scores_file import check_scores
     from gdnprune.scoring import score_model
 
     model = random_dense_model("qwen3_5_vl")
@@ -218,8 +218,8 @@ def test_score_checkpoint_then_sort_orders_every_sub_block_of_a_vision_language_
     from helpers import tokenizer_files
 
     from gdnprune import checkpoint as ck
-    from gdnprune.loading import load_pretrained
-    from gdnprune.scores_file import load_scores, save_scores
+    from gdnprune.io.loading import load_pretrained
+    from gdnprune.io.scores_file import load_scores, save_scores
     from gdnprune.scoring import score_checkpoint
 
     model = random_dense_model("qwen3_5_vl")
@@ -273,10 +273,10 @@ def test_masked_tokens_are_left_out_of_the_sub_block_statistics():
 def test_prune_scores_sorts_and_cuts_mlps_and_attention_with_the_gdn_layers(tmp_path):
     from helpers import tokenizer_files
 
-    from gdnprune.loading import load_pretrained
+    from gdnprune.io.loading import load_pretrained
+    from gdnprune.model.targets import TargetError
     from gdnprune.prune import prune_checkpoint
     from gdnprune.scoring import ScoringOptions
-    from gdnprune.targets import TargetError
 
     model = random_dense_model("qwen3_5")
     model.save_pretrained(tmp_path / "src")

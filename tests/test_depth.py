@@ -17,9 +17,14 @@ from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
 from gdnprune.cli import main
-from gdnprune.layer_removal import DepthError, compose_names, removal_name_map, remove_layers_from_config
-from gdnprune.loading import load_pretrained, slice_model
-from gdnprune.plan_file import PlanError
+from gdnprune.io.loading import load_pretrained, slice_model
+from gdnprune.io.plan_file import PlanError
+from gdnprune.model.layer_removal import (
+    DepthError,
+    compose_names,
+    removal_name_map,
+    remove_layers_from_config,
+)
 
 FAMILIES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")]

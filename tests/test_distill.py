@@ -25,7 +25,7 @@ from gdnprune.distill import (
     plot_history,
 )
 from gdnprune.gated_delta_net import GDNShape, slice_gated_delta_net_state_dict
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.layouts import find_gdn_modules
 
 SHAPE, HALF = GDNShape(2, 4, 16, 16), GDNShape(1, 2, 16, 8)
 

@@ -16,8 +16,8 @@ from helpers import child_env, make_source, python_command, raw_tensors
 from gdnprune import load_pretrained
 from gdnprune.checkpoint import slice_checkpoint
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.layouts import find_gdn_modules
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from gdnprune import load_pretrained
 from gdnprune.distill import distill, estimate_memory
 from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
-from gdnprune.loading import slice_model
+from gdnprune.io.loading import slice_model
 
 CASES = {  # name -> (heterogeneous student, lm_weight, tied embeddings)
     "uniform_kd": (False, 0.0, False),

@@ -19,7 +19,7 @@ from launches import SAMPLES, SEQ
 
 from gdnprune.cli import main
 from gdnprune.demo_data import train_text
-from gdnprune.distributed import (
+from gdnprune.runtime.distributed import (
     RankFailedError,
     all_reduce_sum,
     exchange,
@@ -395,7 +395,7 @@ def test_a_stuck_rank_makes_the_other_give_up_after_the_timeout(torchrun):
 
 
 def test_gpu_blocks_split_a_machine_by_local_rank():
-    from gdnprune.distributed import gpu_block
+    from gdnprune.runtime.distributed import gpu_block
 
     assert [gpu_block(r, 2, 8) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [gpu_block(r, 3, 8) for r in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]

@@ -17,10 +17,10 @@ from helpers import assert_same, random_dense_model, raw_tensors, token_ids
 from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
-from gdnprune.loading import load_pretrained, slice_model
-from gdnprune.subblock_geometry import block_candidates, orders_to_payload
-from gdnprune.subblock_shapes import ExpertShape
-from gdnprune.subblock_surgery import find_model_blocks, random_orders
+from gdnprune.io.loading import load_pretrained, slice_model
+from gdnprune.model.subblock_geometry import block_candidates, orders_to_payload
+from gdnprune.model.subblock_shapes import ExpertShape
+from gdnprune.model.subblock_surgery import find_model_blocks, random_orders
 
 MOE_TYPES = ["qwen3_5_moe", "qwen3_next"]
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")]

@@ -13,11 +13,11 @@ from helpers import assert_same, moe_block_inputs, random_dense_model, token_ids
 from tiny_models import logits
 
 from gdnprune import checkpoint as ck
-from gdnprune.loading import load_pretrained
-from gdnprune.scores_file import read_scores, save_scores
+from gdnprune.io.loading import load_pretrained
+from gdnprune.io.scores_file import read_scores, save_scores
+from gdnprune.model.subblock_surgery import find_model_blocks
 from gdnprune.scoring.api import score_model
 from gdnprune.scoring.experts import block_influence
-from gdnprune.subblock_surgery import find_model_blocks
 
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")]
 

@@ -8,7 +8,7 @@ import sys
 SCRIPT = """
 import sys, matplotlib
 matplotlib.use("svg")  # the user's choice, which the library must keep
-from gdnprune.figures import new_figure
+from gdnprune.runtime.figures import new_figure
 fig = new_figure(figsize=(3, 2), dpi=50)
 ax = fig.subplots()
 ax.plot([0, 1], [1, 0])

@@ -437,9 +437,8 @@ def _report() -> dict:
 def test_the_sensitivity_plot_labels_its_scales_and_tells_lines_apart(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib
+    from gdnprune.plan.report.plot import plot_sensitivity, sensitivity_figure
     from matplotlib.figure import Figure
-
-    from gdnprune.plan.plot import plot_sensitivity, sensitivity_figure
 
     backend = matplotlib.get_backend()
     assert plot_sensitivity(_report(), tmp_path / "plan.png") is True
@@ -464,7 +463,7 @@ def test_the_sensitivity_plot_draws_no_candidate_halving_never_measured():
     """Successive halving never measures what no plan within the budgets can hold (windows 0, KL 0): such a
     candidate is neither a point nor a step of its block's line, which stays at the measured values."""
     pytest.importorskip("matplotlib")
-    from gdnprune.plan.plot import sensitivity_figure
+    from gdnprune.plan.report.plot import sensitivity_figure
 
     report = _report()
     cands = report["layers"]["model.layers.0.linear_attn"]["candidates"]

@@ -1,4 +1,4 @@
-"""The room for running models (:mod:`gdnprune.forwards`) on real tiny transformers models; the references are
+"""The room for running models (:mod:`gdnprune.model.forwards`) on real tiny transformers models; the references are
 transformers' own outputs (hidden states, loss) and the model structure read from the module names."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import transformers
 from tiny_models import build_model
 
-from gdnprune import compensate
-from gdnprune.forwards import (
+from gdnprune.gated_delta_net import GDNShape
+from gdnprune.model.forwards import (
     Forwards,
     block_index,
     block_of,
@@ -28,8 +28,8 @@ from gdnprune.forwards import (
     unpack_batch,
     with_hidden,
 )
-from gdnprune.gated_delta_net import GDNShape
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.quality import compensate
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 

@@ -25,7 +25,7 @@ from gdnprune.gated_delta_net import (
     permute_gated_delta_net_state_dict,
     slice_gated_delta_net_state_dict,
 )
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.layouts import find_gdn_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 

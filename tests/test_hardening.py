@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 from gdnprune.checkpoint import output as output_mod
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.scores_file import check_scores, read_scores, resolve_orders
+from gdnprune.io.scores_file import check_scores, read_scores, resolve_orders
+from gdnprune.model.geometry import GDNShape
 
 TARGET_ARGS = [a for k, v in BYTES_TARGET.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
@@ -346,7 +346,7 @@ def test_a_shard_rewritten_while_read_gives_a_clear_error(source, tmp_path, monk
 
 
 def test_outputs_follow_the_umask(source, tmp_path):
-    from gdnprune.scores_file import save_scores
+    from gdnprune.io.scores_file import save_scores
 
     previous = os.umask(0o002)
     try:
@@ -510,8 +510,8 @@ def _valid_payload(draw, shape: GDNShape):
 @given(data=st.data(), vl=st.booleans())
 def test_the_scores_parsers_accept_every_valid_scores_file_and_keep_its_orders(data, vl):
     """The other half of the junk test: a parser that refused everything would pass it, not this."""
-    from gdnprune.geometry import ORDER_KEYS
-    from gdnprune.scores_file import SCORES_FORMAT, SCORES_VERSION
+    from gdnprune.io.scores_file import SCORES_FORMAT, SCORES_VERSION
+    from gdnprune.model.geometry import ORDER_KEYS
 
     shapes = {f"model.layers.{i}.linear_attn": data.draw(_geometry()) for i in (0, 2)}
     # a vision-language checkpoint's prefixes; scores written with or without "language_model."
@@ -658,7 +658,7 @@ def test_junk_command_lines_exit_cleanly(command, args, source, tmp_path, capsys
     )
 )
 def test_the_plan_parser_gives_clean_errors_for_junk(plan):
-    from gdnprune.plan_file import read_plan, resolve_plan
+    from gdnprune.io.plan_file import read_plan, resolve_plan
 
     shapes = {"model.layers.0.linear_attn": GDNShape(2, 4, 8, 6)}
     for parse in (read_plan, lambda p: resolve_plan(p, shapes)):
@@ -697,7 +697,7 @@ def _fitting_fields(draw, shape: GDNShape):
 def test_the_plan_parser_accepts_every_fitting_plan_and_resolves_it(data):
     """The other half of the junk test: each layer gets its own fields, the default or its own shape, and a
     field not given keeps the layer's size."""
-    from gdnprune.plan_file import read_plan, resolve_plan, save_plan
+    from gdnprune.io.plan_file import read_plan, resolve_plan, save_plan
 
     shapes = {f"model.layers.{i}.linear_attn": data.draw(_geometry()) for i in range(3)}
     named = data.draw(st.sets(st.sampled_from(sorted(shapes))))

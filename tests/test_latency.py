@@ -1,4 +1,4 @@
-"""The latency harness (:mod:`gdnprune.latency`) on real tiny transformers models.
+"""The latency harness (:mod:`gdnprune.model.latency`) on real tiny transformers models.
 
 Nothing here compares timings with thresholds: the checks are structural (which module the harness calls,
 how often, with which shapes, over a cache of how many tokens), and the references are the model's own
@@ -14,7 +14,7 @@ import transformers
 from tiny_models import build_model
 
 from gdnprune.gated_delta_net import GDNShape
-from gdnprune.latency import (
+from gdnprune.model.latency import (
     LatencyHarness,
     Timing,
     Workload,

@@ -1,4 +1,4 @@
-"""Config access in one place (gdnprune.model_config): dicts and config objects read alike, the decoder part
+"""Config access in one place (gdnprune.model.model_config): dicts and config objects read alike, the decoder part
 of a multimodal config, per-layer overrides, and the window a model supports. References: the values
 written into the configs by hand."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from gdnprune.model_config import (
+from gdnprune.model.model_config import (
     MTP_PREFIX,
     config_value,
     default_seq_len,

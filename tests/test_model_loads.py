@@ -10,11 +10,11 @@ import torch
 from helpers import scored_source
 from safetensors import SafetensorError
 
-import gdnprune.loading
+import gdnprune.io.loading
 from gdnprune import load_pretrained
 from gdnprune.cli import main
-from gdnprune.layouts import find_gdn_modules
-from gdnprune.loading import empty_causal_lm, load_causal_lm
+from gdnprune.io.loading import empty_causal_lm, load_causal_lm
+from gdnprune.model.layouts import find_gdn_modules
 from gdnprune.plan import plan_checkpoint, plan_model
 
 
@@ -26,9 +26,9 @@ def folder(tmp_path_factory):
 def test_prune_with_a_searched_plan_and_sequential_refit_loads_the_model_once(folder, tmp_path, monkeypatch):
     src, text, _ = folder
     loads = []
-    original = gdnprune.loading.load_pretrained
+    original = gdnprune.io.loading.load_pretrained
     monkeypatch.setattr(
-        gdnprune.loading, "load_pretrained", lambda *a, **k: loads.append(a) or original(*a, **k)
+        gdnprune.io.loading, "load_pretrained", lambda *a, **k: loads.append(a) or original(*a, **k)
     )
     out = tmp_path / "pruned"
     assert (

@@ -10,7 +10,7 @@ import pytest
 import transformers
 from tiny_models import MODEL_CLASS, make_config
 
-from gdnprune.geometry import GDNShape
+from gdnprune.model.geometry import GDNShape
 
 _SPEC = importlib.util.spec_from_file_location(
     "param_shares", Path(__file__).parents[1] / "benchmarks" / "param_shares.py"

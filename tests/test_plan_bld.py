@@ -16,12 +16,23 @@ from tiny_models import build_model
 
 from gdnprune.cli import main
 from gdnprune.cli.plan import BLD_STEPS, SENSITIVITIES
-from gdnprune.forwards import parent_and_name
-from gdnprune.geometry import GDNShape, orders_from_payload
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.forwards import parent_and_name
+from gdnprune.model.geometry import GDNShape, orders_from_payload
+from gdnprune.model.layouts import find_gdn_modules
 from gdnprune.plan.api import SENSITIVITIES as LIBRARY_SENSITIVITIES
-from gdnprune.plan.bld import DEFAULT_STEPS, bld_sensitivity, block_error, distill_block, evaluation_batches
-from gdnprune.plan.sensitivity import LayerToPlan, candidate_module, measured_sensitivity, sorted_state
+from gdnprune.plan.measure.bld import (
+    DEFAULT_STEPS,
+    bld_sensitivity,
+    block_error,
+    distill_block,
+    evaluation_batches,
+)
+from gdnprune.plan.measure.sensitivity import (
+    LayerToPlan,
+    candidate_module,
+    measured_sensitivity,
+    sorted_state,
+)
 from gdnprune.scoring import score_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")

@@ -15,9 +15,9 @@ import torch
 from test_dense_axes import _ids, _kept, _same, _zeroed
 
 from gdnprune import load_pretrained
-from gdnprune.plan.subblocks import BlockToPlan
-from gdnprune.subblock_shapes import AttentionShape, MLPShape
-from gdnprune.subblock_surgery import find_model_blocks, random_orders
+from gdnprune.model.subblock_shapes import AttentionShape, MLPShape
+from gdnprune.model.subblock_surgery import find_model_blocks, random_orders
+from gdnprune.plan.measure.subblocks import BlockToPlan
 
 TRAINED = Path(__file__).parent / "data" / "trained"
 TARGETS = {

@@ -13,8 +13,8 @@ from helpers import scored_source
 from test_dense_axes import _ids, _model
 from test_depth import _skipped
 
-from gdnprune.plan.depth import choose_with_removal, removal_sensitivity
-from gdnprune.plan.solve import BudgetError
+from gdnprune.plan.choose.depth import choose_with_removal, removal_sensitivity
+from gdnprune.plan.choose.solve import BudgetError
 from gdnprune.scoring.experts import block_influence
 
 
@@ -123,10 +123,10 @@ def test_removal_sensitivity_and_a_joint_kl_with_a_removed_layer_equal_the_model
     """The reference is the checkpoint written without the layer (``slice --remove-layers``) and loaded back,
     not a hook: the measured removal and the refinement's whole-plan KL with that layer's groups removed."""
     from gdnprune import checkpoint as ck
-    from gdnprune.loading import load_pretrained
-    from gdnprune.plan.depth import LayerRest
-    from gdnprune.plan.evolve import REMOVED
-    from gdnprune.plan.joint import JointKL, plan_kl
+    from gdnprune.io.loading import load_pretrained
+    from gdnprune.plan.choose.depth import LayerRest
+    from gdnprune.plan.choose.evolve import REMOVED
+    from gdnprune.plan.measure.joint import JointKL, plan_kl
 
     model = _model("qwen3_5", seed=4)
     model.save_pretrained(tmp_path / "src")
@@ -147,7 +147,7 @@ def test_removal_sensitivity_and_a_joint_kl_with_a_removed_layer_equal_the_model
 
 
 def test_mutations_with_removal_keep_every_budget_and_remove_whole_layers():
-    from gdnprune.plan.evolve import REMOVED, feasible, mutate
+    from gdnprune.plan.choose.evolve import REMOVED, feasible, mutate
 
     rng = np.random.default_rng(0)
     layer_of = [0, 0, 1, 1, 2, 2, 0, 1, 2]  # two sub-blocks and the rest of each of three layers
@@ -184,7 +184,7 @@ def test_a_plan_of_expert_counts_counts_the_loaded_sliced_models_parameters_and_
     import json
 
     from gdnprune.cli import main
-    from gdnprune.loading import load_pretrained
+    from gdnprune.io.loading import load_pretrained
 
     src, text, scores = _source(tmp_path, "qwen3_5_moe", seed=3)
     out = tmp_path / "plan.json"
@@ -252,7 +252,7 @@ def test_plan_and_prune_remove_decoder_layers_and_the_output_generates(tmp_path,
     from tiny_models import cached_decode_logits, logits
 
     from gdnprune.cli import main
-    from gdnprune.loading import load_pretrained
+    from gdnprune.io.loading import load_pretrained
 
     src, text, scores = _source(tmp_path, "qwen3_5", seed=5)
     out = tmp_path / "plan.json"
@@ -365,11 +365,11 @@ def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_t
     """Routed experts are planned at ``layers.N.mlp``, the shared expert inside it: a whole plan cutting both
     must cut both (the shared-expert candidate goes into the cut MoE block). Reference: ``slice_model``
     (a model built from the cut config, tested against router masking in test_experts.py)."""
-    from gdnprune.loading import slice_model
-    from gdnprune.plan.joint import JointKL, plan_kl
-    from gdnprune.plan.subblocks import BlockToPlan
-    from gdnprune.subblock_shapes import ExpertShape, MLPShape
-    from gdnprune.subblock_surgery import find_model_blocks, random_orders
+    from gdnprune.io.loading import slice_model
+    from gdnprune.model.subblock_shapes import ExpertShape, MLPShape
+    from gdnprune.model.subblock_surgery import find_model_blocks, random_orders
+    from gdnprune.plan.measure.joint import JointKL, plan_kl
+    from gdnprune.plan.measure.subblocks import BlockToPlan
 
     model = _model("qwen3_5_moe", seed=6)
     g = torch.Generator().manual_seed(4)
@@ -429,7 +429,7 @@ def test_a_refined_plan_with_removal_and_expert_counts_meets_its_budgets_and_is_
 
 
 def test_a_rung_that_removes_a_layer_keeps_its_groups_smallest_candidates():
-    from gdnprune.plan.halving import near
+    from gdnprune.plan.measure.halving import near
 
     sizes = np.array([4.0, 1.0, 3.0, 2.0])
     alive = np.array([True, True, False, True])
@@ -441,7 +441,7 @@ def test_a_rung_that_removes_a_layer_keeps_its_groups_smallest_candidates():
 def test_one_full_attention_layer_always_stays_in_the_milp_and_in_every_mutation(seed):
     """``keep_one_of`` (a hybrid model's full-attention layers): the MILP equals brute force over the removals
     that keep one of them, and no mutation of the refinement removes the last one."""
-    from gdnprune.plan.evolve import REMOVED, mutate
+    from gdnprune.plan.choose.evolve import REMOVED, mutate
 
     rng = np.random.default_rng(seed)
     layer_of = [0, 1, 2, 3]

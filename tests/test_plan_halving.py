@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from gdnprune import demo_data
-from gdnprune.geometry import GDNShape, orders_from_payload
-from gdnprune.layouts import detect_layout, find_gdn_modules
-from gdnprune.loading import load_pretrained
+from gdnprune.io.loading import load_pretrained
+from gdnprune.model.geometry import GDNShape, orders_from_payload
+from gdnprune.model.layouts import detect_layout, find_gdn_modules
 from gdnprune.plan import choose, layer_candidates
-from gdnprune.plan.halving import (
+from gdnprune.plan.choose.solve import choose_among
+from gdnprune.plan.measure.halving import (
     budget_tables,
     exact_choice,
     feasible,
@@ -27,8 +28,7 @@ from gdnprune.plan.halving import (
     rungs,
     verify,
 )
-from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity
-from gdnprune.plan.solve import choose_among
+from gdnprune.plan.measure.sensitivity import LayerToPlan, measured_sensitivity
 from gdnprune.scoring import score_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")

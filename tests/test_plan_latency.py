@@ -16,13 +16,14 @@ from test_checkpoint import make_source
 from transformers import AutoModelForCausalLM
 
 from gdnprune.cli import main
-from gdnprune.latency import parse_workload
+from gdnprune.model.latency import parse_workload
 from gdnprune.plan import api as plan_api
-from gdnprune.plan import latency_costs, plan_model
-from gdnprune.plan.candidates import parse_dim_step
-from gdnprune.plan.latency_costs import add_latency_budget, fit_latency, measure_latency_costs
-from gdnprune.plan.problem import Grid, build_problem, given_budgets
-from gdnprune.plan.solve import BudgetError, choose
+from gdnprune.plan import plan_model
+from gdnprune.plan.choose.solve import BudgetError, choose
+from gdnprune.plan.measure import latency_costs
+from gdnprune.plan.measure.candidates import parse_dim_step
+from gdnprune.plan.measure.latency_costs import add_latency_budget, fit_latency, measure_latency_costs
+from gdnprune.plan.measure.problem import Grid, build_problem, given_budgets
 from gdnprune.scoring import score_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")

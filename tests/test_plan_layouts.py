@@ -6,7 +6,7 @@ import pytest
 from tiny_models import build_model
 
 from gdnprune.gated_delta_net import GDNShape
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.layouts import find_gdn_modules
 from gdnprune.plan import plan_model
 from gdnprune.scoring import score_model
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gdnprune.plan.report.results import Choice, Sensitivities
 from helpers import random_dense_model, token_ids
 from launches import SEQ
 
@@ -24,14 +25,13 @@ from gdnprune.checkpoint import slice_checkpoint
 from gdnprune.cli import main
 from gdnprune.distill import DistillConfig, distill
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape
-from gdnprune.loading import load_pretrained, slice_model
+from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.plan import PlanOptions, plan_model
 from gdnprune.plan.api import search
-from gdnprune.plan.depth import choose_with_removal, pool_with_removal
-from gdnprune.plan.evolve import feasible
+from gdnprune.plan.choose.depth import choose_with_removal, pool_with_removal
+from gdnprune.plan.choose.evolve import feasible
+from gdnprune.plan.choose.solve import BudgetError, choose_pool
 from gdnprune.plan.rank import candidate_plans
-from gdnprune.plan.report import Choice, Sensitivities
-from gdnprune.plan.solve import BudgetError, choose_pool
 from gdnprune.plan.stages import check_depth, choose_plan, choose_plans
 from gdnprune.scoring import score_model
 
@@ -332,7 +332,7 @@ def test_two_processes_rank_as_one_process_does(launch, launch_model, launch_tex
 
 
 def test_the_evolutionary_search_hands_its_best_distinct_plans_to_the_ranking(searched):
-    from gdnprune.plan.evolve import evolve
+    from gdnprune.plan.choose.evolve import evolve
 
     # a fitness in plain Python: per window, a made-up loss of the plan (larger candidates: less)
     def fitness(plans, lo, hi):

@@ -12,15 +12,15 @@ from launches import REFINED
 from tiny_models import build_model, cut_model
 
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape, orders_from_payload
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.io.plan_file import constraint_violations
+from gdnprune.model.geometry import GDNShape, orders_from_payload
+from gdnprune.model.layouts import find_gdn_modules
 from gdnprune.plan import choose, layer_candidates, plan_model
-from gdnprune.plan.evolve import evolve, feasible, mutate
-from gdnprune.plan.halving import dominated, halving_sensitivity, near, rungs
-from gdnprune.plan.joint import JointKL, evolve_plan, refine_plan
-from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity
-from gdnprune.plan.solve import choose_among
-from gdnprune.plan_file import constraint_violations
+from gdnprune.plan.choose.evolve import evolve, feasible, mutate
+from gdnprune.plan.choose.solve import choose_among
+from gdnprune.plan.measure.halving import dominated, halving_sensitivity, near, rungs
+from gdnprune.plan.measure.joint import JointKL, evolve_plan, refine_plan
+from gdnprune.plan.measure.sensitivity import LayerToPlan, measured_sensitivity
 from gdnprune.scoring import score_model, scores_to_permutations
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
@@ -308,7 +308,7 @@ def test_refining_a_real_plan_never_makes_it_worse_and_repeats_for_a_seed(case):
 
 
 def test_the_lower_envelope_falls_from_the_smallest_candidate_to_the_full_layer():
-    from gdnprune.plan.plot import lower_envelope
+    from gdnprune.plan.report.plot import lower_envelope
 
     points = [(100, 0.0), (60, 0.3), (70, 0.5), (40, 0.9), (50, 0.2), (10, 2.0)]
     assert lower_envelope(points) == [(10, 2.0), (40, 0.9), (50, 0.2), (100, 0.0)]

@@ -14,11 +14,11 @@ from tiny_models import build_model, cut_model
 
 from gdnprune import load_pretrained
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.layouts import find_gdn_modules
 from gdnprune.plan import BudgetError, choose, choose_uniform, layer_candidates, parse_dim_step, plan_model
-from gdnprune.plan.candidates import dim_values
-from gdnprune.plan.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity
+from gdnprune.plan.measure.candidates import dim_values
+from gdnprune.plan.measure.sensitivity import LayerToPlan, measured_sensitivity, proxy_sensitivity
 from gdnprune.scoring import score_model, scores_to_permutations
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
@@ -170,7 +170,7 @@ def test_measured_sensitivity_is_the_kl_of_the_real_cut_model(model_type):
 
 
 def _orders(payload, module):
-    from gdnprune.geometry import orders_from_payload
+    from gdnprune.model.geometry import orders_from_payload
 
     return orders_from_payload(payload, GDNShape.from_module(module))
 

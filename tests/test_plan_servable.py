@@ -20,13 +20,13 @@ from transformers import AutoModelForCausalLM
 
 from gdnprune import load_pretrained
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
+from gdnprune.io.plan_file import servable_problems
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.subblock_geometry import block_kind_of
 from gdnprune.plan import plan_model
-from gdnprune.plan.servable import SERVABLE_NOTE, choose_servable
-from gdnprune.plan.solve import BudgetError, choose, silenced_stdout
-from gdnprune.plan_file import servable_problems
+from gdnprune.plan.choose.servable import SERVABLE_NOTE, choose_servable
+from gdnprune.plan.choose.solve import BudgetError, choose, silenced_stdout
 from gdnprune.scoring import score_model, scores_to_permutations
-from gdnprune.subblock_geometry import block_kind_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from test_dense_axes import _ids, _model
 
-from gdnprune.geometry import GDNShape
+from gdnprune.model.geometry import GDNShape
+from gdnprune.model.subblock_shapes import AttentionShape
 from gdnprune.plan import BudgetError, choose_uniform, plan_model, uniform_choices, uniform_plans
-from gdnprune.plan.candidates import parse_dim_step
-from gdnprune.plan.problem import Grid, build_problem
-from gdnprune.subblock_shapes import AttentionShape
+from gdnprune.plan.measure.candidates import parse_dim_step
+from gdnprune.plan.measure.problem import Grid, build_problem
 
 
 def _tables(model, *, dim_step="1/2", axes=("key_heads", "lanes", "key_dim", "value_dim"), budget=1.0):
@@ -121,7 +121,7 @@ def test_uniform_choice_and_list_equal_brute_force_on_a_real_models_cost_tables(
 
 
 def test_a_uniform_whole_model_plan_on_a_real_model_meets_its_budget_and_is_the_uniform_optimum():
-    from gdnprune.loading import slice_model
+    from gdnprune.io.loading import slice_model
     from gdnprune.scoring import score_model
 
     model = _model("qwen3_5", seed=4)
@@ -189,7 +189,7 @@ def test_a_uniform_whole_model_plan_on_a_real_model_meets_its_budget_and_is_the_
 
 
 def test_a_uniform_plan_refuses_a_kind_whose_blocks_share_no_geometry():
-    from gdnprune.loading import slice_model
+    from gdnprune.io.loading import slice_model
     from gdnprune.plan import check_budgets
 
     model = _model("qwen3_5", seed=1)

@@ -10,11 +10,11 @@ import torch
 from helpers import scored_source
 from test_dense_axes import DENSE, _ids, _kept, _model, _orders, _zeroed
 
-from gdnprune.plan.halving import halving_sensitivity
-from gdnprune.plan.sensitivity import measured_sensitivity
-from gdnprune.plan.subblocks import BlockToPlan
-from gdnprune.subblock_shapes import AttentionShape, MLPShape
-from gdnprune.subblock_surgery import find_model_blocks
+from gdnprune.model.subblock_shapes import AttentionShape, MLPShape
+from gdnprune.model.subblock_surgery import find_model_blocks
+from gdnprune.plan.measure.halving import halving_sensitivity
+from gdnprune.plan.measure.sensitivity import measured_sensitivity
+from gdnprune.plan.measure.subblocks import BlockToPlan
 
 
 def _kl(teacher, student):
@@ -136,7 +136,7 @@ def folder(tmp_path_factory):
 def _count(model, context):
     """Parameters (sum of numel, a tied tensor once) and memory per sequence of a loaded model, by DESIGN.md's
     formula for the GDN state (float32) and 2 * kv_heads * head_dim * context * bytes per attention layer."""
-    from gdnprune.layouts import find_gdn_modules
+    from gdnprune.model.layouts import find_gdn_modules
 
     params = sum(p.numel() for p in model.parameters())
     state = (
@@ -160,7 +160,7 @@ def test_a_whole_model_plan_meets_every_budget_on_the_loaded_sliced_model(folder
 
     from gdnprune import load_pretrained
     from gdnprune.cli import main
-    from gdnprune.plan_file import read_plan
+    from gdnprune.io.plan_file import read_plan
 
     src, text, scores = folder
     out = tmp_path / "plan.json"

@@ -20,8 +20,8 @@ from gdnprune.checkpoint import (
     sort_checkpoint,
 )
 from gdnprune.cli import main
-from gdnprune.geometry import GDNShape
-from gdnprune.plan_file import PlanError, constraint_violations, kernel_warnings, resolve_plan
+from gdnprune.io.plan_file import PlanError, constraint_violations, kernel_warnings, resolve_plan
+from gdnprune.model.geometry import GDNShape
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
@@ -204,7 +204,7 @@ def test_a_per_layer_slice_loads_with_load_pretrained_and_matches_module_surgery
 
 
 def _gdn(model):
-    from gdnprune.layouts import find_gdn_modules
+    from gdnprune.model.layouts import find_gdn_modules
 
     return find_gdn_modules(model)
 
@@ -299,7 +299,7 @@ def test_slice_refuses_a_plan_that_breaks_a_constraint(sources, tmp_path, capsys
 def test_slice_model_cuts_in_memory_and_saves_a_loadable_folder(model_type, tmp_path):
     from tiny_models import build_model
 
-    from gdnprune.loading import slice_model
+    from gdnprune.io.loading import slice_model
     from gdnprune.scoring import score_model, scores_to_permutations
 
     model = build_model(model_type, SOURCE_SHAPE, seed=2)

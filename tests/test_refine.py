@@ -9,9 +9,9 @@ import pytest
 import torch
 from tiny_models import build_model
 
-from gdnprune.geometry import GDNShape, orders_from_payload
-from gdnprune.lane_search import search_lane_orders
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.geometry import GDNShape, orders_from_payload
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.quality.lane_search import search_lane_orders
 from gdnprune.scoring import GDN_ONLY, score_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=6, key_head_dim=8, value_head_dim=4)
@@ -76,8 +76,8 @@ def test_score_lane_search_and_compensation_then_prune_end_to_end(tmp_path, caps
 
     from gdnprune import load_pretrained
     from gdnprune.cli import main
-    from gdnprune.compensate import load_statistics
-    from gdnprune.scores_file import gdn_entries, load_scores
+    from gdnprune.io.scores_file import gdn_entries, load_scores
+    from gdnprune.quality.compensate import load_statistics
 
     src = make_source(tmp_path / "model", "qwen3_5", seed=22)
     text = tmp_path / "calib.txt"
@@ -141,7 +141,7 @@ def test_score_lane_search_and_compensation_then_prune_end_to_end(tmp_path, caps
 
 
 def test_the_old_name_of_the_lane_search_still_works_and_says_so():
-    from gdnprune.lane_search import refine_lane_orders
+    from gdnprune.quality.lane_search import refine_lane_orders
 
     model = build_model("qwen3_5", SHAPE, seed=21)
     x = torch.randint(0, 128, (1, 72), generator=torch.Generator().manual_seed(5))

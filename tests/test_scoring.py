@@ -12,8 +12,9 @@ from tiny_models import build_model, clone_state_dict, logits, make_config
 
 from gdnprune.checkpoint import slice_checkpoint, transform_checkpoint
 from gdnprune.gated_delta_net import GDNPermutation, GDNShape, permute_gated_delta_net_state_dict
-from gdnprune.layouts import find_gdn_modules
-from gdnprune.scores_file import gdn_entries
+from gdnprune.io.scores_file import gdn_entries
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.model.subblock_geometry import KINDS
 from gdnprune.scoring import (
     GDN_ONLY,
     greedy_lane_orders,
@@ -22,7 +23,6 @@ from gdnprune.scoring import (
     score_model,
     scores_to_permutations,
 )
-from gdnprune.subblock_geometry import KINDS
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 KERNEL_MODULE = {

@@ -10,12 +10,12 @@ import torch
 import transformers
 from tiny_models import TEXT, VISION, gdn_kwargs, randomize_gdn
 
-from gdnprune.calibration import pack_windows, read_texts
 from gdnprune.cli import main
 from gdnprune.demo_data import build_byte_tokenizer, train_text
 from gdnprune.gated_delta_net import GDNShape
-from gdnprune.layouts import find_gdn_modules
-from gdnprune.scores_file import gdn_entries
+from gdnprune.io.scores_file import gdn_entries
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.quality.calibration import pack_windows, read_texts
 from gdnprune.scoring import GDN_ONLY, load_scores, score_model
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
@@ -229,7 +229,7 @@ def test_the_default_window_is_what_the_model_supports(tmp_path, text_file):
 
 
 def test_calibration_reads_only_what_the_windows_need(tmp_path):
-    from gdnprune.calibration import calibration_windows
+    from gdnprune.quality.calibration import calibration_windows
 
     path = tmp_path / "big.txt"
     text = train_text()[:300_000]

@@ -28,8 +28,8 @@ from tiny_models import logits
 from gdnprune import checkpoint as ck
 from gdnprune.checkpoint.remote_code import MODELING_NAME, SelfContainedError, auto_map, modeling_source
 from gdnprune.cli import main
-from gdnprune.loading import load_pretrained
-from gdnprune.subblock_surgery import find_model_blocks
+from gdnprune.io.loading import load_pretrained
+from gdnprune.model.subblock_surgery import find_model_blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 

@@ -40,7 +40,7 @@ from gdnprune.distill.fsdp import (
     shard_student,
     shard_teacher,
 )
-from gdnprune.sharded_loading import load_sharded
+from gdnprune.io.sharded_loading import load_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 

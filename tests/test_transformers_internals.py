@@ -4,12 +4,12 @@ transformers above the last version CI tests (``<5.24`` while 5.23 is pinned); r
 this file green on the new version.
 
 What relies on what:
-- :mod:`gdnprune.loading` wraps the ``__init__`` of the ``*GatedDeltaNet`` and ``*DecoderLayer`` classes of
+- :mod:`gdnprune.io.loading` wraps the ``__init__`` of the ``*GatedDeltaNet`` and ``*DecoderLayer`` classes of
   each family's modeling module (called as ``(config, layer_idx)``) and of its ``*ForCausalLM`` /
   ``*ForConditionalGeneration`` heads (called as ``(config)``); it reads ``config.is_heterogeneous`` and
   ``config.per_layer_config[i]``, sets ``allow_global_per_layer_attribute_access`` in the config's
   ``__dict__``, and resolves an Auto class through ``_model_mapping[type(config)]``.
-- :mod:`gdnprune.model_config` reads a heterogeneous config's global value with
+- :mod:`gdnprune.model.model_config` reads a heterogeneous config's global value with
   ``_getattr_without_heterogeneous_validation`` and its overrides from ``__dict__["_heterogeneity_spec"]
   .per_layer_overrides``.
 """
@@ -25,7 +25,7 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from gdnprune.model_config import global_config_value, per_layer_overrides
+from gdnprune.model.model_config import global_config_value, per_layer_overrides
 
 FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5"),

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from gdnprune.gated_delta_net import GDNShape
-from gdnprune.layouts import find_gdn_modules
+from gdnprune.model.layouts import find_gdn_modules
 
 TEXT = dict(
     vocab_size=128,
@@ -156,7 +156,7 @@ def synthetic_layer(
     dtype=torch.float32,
 ) -> dict[str, torch.Tensor]:
     """A random state dict holding one GDN layer of ``layout`` (no model needed: fast for property tests)."""
-    from gdnprune.layouts import get_layout
+    from gdnprune.model.layouts import get_layout
 
     g = torch.Generator().manual_seed(seed)
     out = {}

@@ -38,11 +38,11 @@ from .evaluation.api import EvalOptions, MissingExtraError, evaluate_model, requ
 from .evaluation.probes import MIN_LENGTH
 from .evaluation.report import markdown_table, plot_report
 from .evaluation.tasks import write_task_folder
-from .figures import new_figure
 from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
-from .layouts import find_gdn_modules
-from .loading import load_pretrained, slice_model
+from .io.loading import load_pretrained, slice_model
+from .model.layouts import find_gdn_modules
 from .plan import BudgetError, plan_model, plot_sensitivity
+from .runtime.figures import new_figure
 from .scoring import GDN_ONLY, score_model
 
 if TYPE_CHECKING:  # torch and transformers load inside the commands, so `gdnprune --help` stays fast
@@ -165,7 +165,7 @@ def run_demo(
 
     ``model_dir`` runs the same demo on another byte-level model folder (token ids = UTF-8 bytes, like the
     bundled model's, e.g. one written by ``scripts/train_demo_model.py --family ...``), loaded in float32
-    with :func:`gdnprune.loading.load_pretrained`; None (default) is the bundled model.
+    with :func:`gdnprune.io.loading.load_pretrained`; None (default) is the bundled model.
 
     Returns a dict with the sort check (``sort_max_abs_logit_diff``), the targets and, per target, the
     kept GDN parameters and the validation loss of each ordering (``importance`` = ``method`` scores,

@@ -1,13 +1,13 @@
 """Function-preserving permutation and nested slicing of GatedDeltaNet (GDN) layers.
 
 Geometry (:class:`GDNShape`, ``Hk`` key heads, ``Hv`` value heads, ``r = Hv // Hk`` lanes per group,
-head dims ``dk`` and ``dv``) and the canonical index formulas live in :mod:`gdnprune.geometry` (numpy, so
+head dims ``dk`` and ``dv``) and the canonical index formulas live in :mod:`gdnprune.model.geometry` (numpy, so
 that the streaming checkpoint commands need no torch); this module is the torch API around them.
 
 A permutation (:class:`GDNPermutation`) or a nested prefix target becomes one set of canonical index
 tensors (``qidx``, ``hidx``, ``vidx``, ``cidx``): ``new[i] = old[idx[i]]``. Permuting gathers with
 full-length indices, slicing with prefix indices; which tensor takes which index is data, kept in
-:mod:`gdnprune.layouts`.
+:mod:`gdnprune.model.layouts`.
 
 Function preservation: moving whole key groups (their q/k channels and all their value heads), value
 heads inside a group, q/k channels inside a key head (q and k together, conv taps follow) and the value
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import geometry
-from .geometry import GDNShape
-from .geometry import as_target as _as_target
-from .layouts import LAYOUTS, Layout, TensorRule, detect_layout, get_layout
+from .model import geometry
+from .model.geometry import GDNShape
+from .model.geometry import as_target as _as_target
+from .model.layouts import LAYOUTS, Layout, TensorRule, detect_layout, get_layout
 
 __all__ = [
     "GDNShape",

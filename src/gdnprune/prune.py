@@ -9,25 +9,25 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from .calibration import calibration_windows, iter_batches
 from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
 from .checkpoint.folder import map_to_checkpoint
 from .checkpoint.output import check_paths, clear_stale
 from .checkpoint.remote_code import auto_map
 from .checkpoint.subblocks import plan_sub_blocks, split_target
-from .compensate import sequential_refit
-from .deprecation import folded_keywords, renamed_keywords
-from .distributed import fail_together, local_gpus
-from .fileio import file_sha256
-from .geometry import layer_index_of
-from .layouts import find_gdn_modules
-from .loading import empty_causal_lm, load_causal_lm, slice_model
+from .io.loading import empty_causal_lm, load_causal_lm, slice_model
+from .io.plan_file import PlanError, read_plan, resolve_plan, servable_problems
+from .io.scores_file import load_scores
+from .model.geometry import layer_index_of
+from .model.layouts import find_gdn_modules
+from .model.targets import TargetError, keyword_target, resolve_target
 from .plan import PlanOptions, check_budgets, plan_checkpoint
-from .plan.latency_costs import check_latency_floor
-from .plan_file import PlanError, read_plan, resolve_plan, servable_problems
-from .scores_file import load_scores
+from .plan.measure.latency_costs import check_latency_floor
+from .quality.calibration import calibration_windows, iter_batches
+from .quality.compensate import sequential_refit
+from .runtime.deprecation import folded_keywords, renamed_keywords
+from .runtime.distributed import fail_together, local_gpus
+from .runtime.fileio import file_sha256
 from .scoring import GDN_ONLY, ScoringOptions, score_checkpoint
-from .targets import TargetError, keyword_target, resolve_target
 
 __all__ = ["prune_checkpoint"]
 
@@ -65,7 +65,7 @@ def prune_checkpoint(
     The cut is one of: ``target`` (a ``GDNShape`` or some of its fields, for every layer; the sub-block
     fields ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` also score, sort and cut the MLPs and attention layers), ``plan`` (a plan
-    file or dict, :mod:`gdnprune.plan_file`), or ``search`` — a :class:`~gdnprune.plan.PlanOptions` (the budgets
+    file or dict, :mod:`gdnprune.io.plan_file`), or ``search`` — a :class:`~gdnprune.plan.PlanOptions` (the budgets
     and search options of :func:`gdnprune.plan.plan_model`): the plan is then searched on the fresh scores
     with ``plan_samples`` calibration windows. ``scoring``: how the model is scored, a
     :class:`~gdnprune.scoring.ScoringOptions` (:func:`gdnprune.scoring.score_checkpoint`'s options; default:
@@ -73,9 +73,9 @@ def prune_checkpoint(
     search and the sequential refit too (the old keywords ``method=``, ``num_samples=``, ... still work, with
     a ``FutureWarning``). ``compensate`` (``True`` or ``"statistics"``) collects the
     least-squares statistics in the scoring pass and refits every cut layer's ``out_proj``
-    (:mod:`gdnprune.compensate`); ``"sequential"``, once the target or plan is known, cuts the model in
+    (:mod:`gdnprune.quality.compensate`); ``"sequential"``, once the target or plan is known, cuts the model in
     memory and refits ``out_proj`` layer by layer on the cut model's own hidden states
-    (:func:`gdnprune.compensate.sequential_refit`; both models in memory, no ``device_map``).
+    (:func:`gdnprune.quality.compensate.sequential_refit`; both models in memory, no ``device_map``).
     ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
     ``servable``: the output must load from a standard config (one geometry per kind of block): a ``plan`` that
     needs ``per_layer_config`` is refused before any model loads (a ``search`` takes its own ``servable``).
@@ -269,7 +269,7 @@ def _sequential_columns(
     model, model_dir, data, scores: Mapping, targets: Mapping, progress: bool
 ) -> dict[str, dict]:
     """``{checkpoint prefix: {"columns": ...}}``: ``out_proj`` refitted in memory for ``targets`` (checkpoint
-    prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.compensate.sequential_refit`)."""
+    prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.quality.compensate.sequential_refit`)."""
     calibration = scores["calibration"]
     windows = calibration_windows(
         data,

@@ -9,7 +9,7 @@ The public API (the ``gdnprune`` subcommands are thin layers over it):
 * :func:`sort_checkpoint` / :func:`slice_checkpoint` — the two operations of the command line;
 * :func:`verify_checkpoints` — load two folders with transformers and compare their logits;
 * :func:`read_manifest`, :func:`find_gdn_layers`, :func:`open_checkpoint`, :func:`read_scores` (the orders
-  ``sort`` accepts; :func:`gdnprune.scores_file.load_scores` reads and checks a whole file of ``gdnprune score``).
+  ``sort`` accepts; :func:`gdnprune.io.scores_file.load_scores` reads and checks a whole file of ``gdnprune score``).
 
 The rooms: :mod:`.folder` reads a folder (headers only), :mod:`.inspection` describes it, :mod:`.engine` streams tensors,
 :mod:`.output` owns the output folder, :mod:`.transform` drives a transform, :mod:`.verify` runs
@@ -18,9 +18,9 @@ models. Only :mod:`.verify` imports torch (inside its functions).
 
 import warnings
 
-from ..safetensors_io import CheckpointError
-from ..scores_file import ScoresError, matching_prefixes, read_scores
-from ..targets import TargetError
+from ..io.safetensors_io import CheckpointError
+from ..io.scores_file import ScoresError, matching_prefixes, read_scores
+from ..model.targets import TargetError
 from .folder import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -77,11 +77,11 @@ __all__ = [
 
 def __getattr__(name: str):
     # ``gdnprune.checkpoint.load_scores`` was ``read_scores`` under another name, while
-    # ``gdnprune.scoring.load_scores`` (= ``gdnprune.scores_file.load_scores``) also checks the file: one name each now
+    # ``gdnprune.scoring.load_scores`` (= ``gdnprune.io.scores_file.load_scores``) also checks the file: one name each now
     if name == "load_scores":
         warnings.warn(
-            "gdnprune.checkpoint.load_scores is deprecated: it is gdnprune.scores_file.read_scores (the orders "
-            "that sort accepts); gdnprune.scores_file.load_scores reads and checks a whole scores file",
+            "gdnprune.checkpoint.load_scores is deprecated: it is gdnprune.io.scores_file.read_scores (the orders "
+            "that sort accepts); gdnprune.io.scores_file.load_scores reads and checks a whole scores file",
             FutureWarning,
             stacklevel=2,
         )

@@ -7,7 +7,7 @@ file to the output file by byte range in the kernel (``copy_file_range``), so th
 byte-identical and never enter the process; the header is padded so that they keep their source offsets
 modulo the block size, and a file system that shares extents (XFS with reflink, btrfs) clones them
 instead of copying (:class:`ShardPlan`). GDN tensors are gathered one at a time with the layout tables
-(:mod:`gdnprune.layouts`) and the canonical indices of :mod:`gdnprune.geometry` — the same ones the torch
+(:mod:`gdnprune.model.layouts`) and the canonical indices of :mod:`gdnprune.model.geometry` — the same ones the torch
 API uses — as byte gathers, which need no dtype support (:func:`_write_job`): the source tensor is read
 with ``pread`` into a reusable buffer (never memory-mapped: a file truncated meanwhile gives an error, not
 a SIGBUS); rows are written with vectored ``pwritev`` calls, runs of consecutive rows coalesced, or copied
@@ -38,9 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import geometry
-from ..layouts import scale_name, segment_size
-from ..safetensors_io import (
+from ..io.safetensors_io import (
     BLOCK,
     DTYPE_BITS,
     ShardHeader,
@@ -50,6 +48,8 @@ from ..safetensors_io import (
     write_all,
     write_vectors,
 )
+from ..model import geometry
+from ..model.layouts import scale_name, segment_size
 from .codecs import from_float, to_float
 from .folder import Checkpoint, CheckpointError, GDNLayer
 
@@ -72,7 +72,7 @@ class LayerPlan:
 
     layer: GDNLayer
     target: Any  # GDNShape after the gather
-    indices: dict  # canonical indices for shape -> target, with didx (gdnprune.geometry.check_indices)
+    indices: dict  # canonical indices for shape -> target, with didx (gdnprune.model.geometry.check_indices)
     permutation: Any  # the four orders (numpy) or None
     dequantize: frozenset = (
         frozenset()
@@ -106,7 +106,7 @@ class ShardPlan:
     Runs of unchanged tensors are contiguous in both files: ``runs`` (``(source offset, output offset,
     length)``, absolute), split into ``pieces`` of at most 64 MiB that two threads can share (:meth:`claim`).
     The header is padded with spaces (as safetensors allows) so that the data section starts where most
-    unchanged bytes land at the same offset modulo :data:`~gdnprune.safetensors_io.BLOCK` as in the
+    unchanged bytes land at the same offset modulo :data:`~gdnprune.io.safetensors_io.BLOCK` as in the
     source: a file system that shares extents (XFS with reflink, btrfs) then clones those blocks instead
     of copying them, and ext4 copies whole pages. A sort changes no size, so its output has the source's
     layout and every unchanged block can be shared. ``gdn_entries``: name -> dtype, shape, begin, end
@@ -274,7 +274,7 @@ class GDNWork:
     Built from the layer plans, it lays out every output shard (:meth:`ShardPlan.lay_out`: the GDN shapes
     are known). Then :meth:`run` may be called from several threads: each takes the next job (one on-disk
     tensor, or all pieces of a fused tensor stored split) and writes it at its final offset (see
-    :func:`_write_job`). No torch: the indices come from :mod:`gdnprune.geometry` and the gathers are byte
+    :func:`_write_job`). No torch: the indices come from :mod:`gdnprune.model.geometry` and the gathers are byte
     gathers of source tensors read with ``pread`` (a file truncated meanwhile gives an error, never a
     SIGBUS as a memory map would) or copied in the kernel.
     """
@@ -472,7 +472,7 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
 
     A row gather (axis 0) whose runs of consecutive rows are long (a slice of whole heads) is copied run by
     run in the kernel; one of short runs (a sort: single channels) reads the source tensor and writes the
-    rows with vectored writes (:func:`~gdnprune.safetensors_io.write_vectors`: no gathered copy in memory).
+    rows with vectored writes (:func:`~gdnprune.io.safetensors_io.write_vectors`: no gathered copy in memory).
     A column gather (``out_proj``) and a split fused tensor are gathered with ``numpy.take`` (whole blocks
     where the index allows) and written with ``pwrite``.
     """

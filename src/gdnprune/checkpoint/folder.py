@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..fileio import read_json
-from ..geometry import GDNShape, layer_index_of, per_layer_gdn_overrides
-from ..layouts import LAYOUTS, detect_layout, get_layout, scale_name, scale_rule, scaled_weight
-from ..model_config import MTP_PREFIX, config_value, text_config
-from ..safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
-from ..scores_file import matching_prefixes
-from ..subblock_geometry import find_blocks
+from ..io.safetensors_io import CheckpointError, ShardHeader, TensorInfo, read_header
+from ..io.scores_file import matching_prefixes
+from ..model.geometry import GDNShape, layer_index_of, per_layer_gdn_overrides
+from ..model.layouts import LAYOUTS, detect_layout, get_layout, scale_name, scale_rule, scaled_weight
+from ..model.model_config import MTP_PREFIX, config_value, text_config
+from ..model.subblock_geometry import find_blocks
+from ..runtime.fileio import read_json
 
 __all__ = [
     "INDEX_NAME",
@@ -230,7 +230,7 @@ class GDNLayer:
         shape: the layer's :class:`~gdnprune.gated_delta_net.GDNShape` (from ``config.json``).
         tensors: on-disk suffix -> header entry.
         splits: fused suffix -> on-disk suffixes, for fused tensors stored split (OLMo-hybrid conv).
-        scales: FP8 scale suffix -> its block rule (:func:`gdnprune.layouts.scale_rule`).
+        scales: FP8 scale suffix -> its block rule (:func:`gdnprune.model.layouts.scale_rule`).
     """
 
     prefix: str
@@ -239,7 +239,7 @@ class GDNLayer:
     tensors: dict[str, TensorInfo]
     splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     scales: dict[str, Any] = field(default_factory=dict)
-    kind: str = "gdn"  # or a sub-block kind of gdnprune.subblock_geometry ("attention", "mlp", "shared_expert", "experts")
+    kind: str = "gdn"  # or a sub-block kind of gdnprune.model.subblock_geometry ("attention", "mlp", "shared_expert", "experts")
     numbered: dict = field(default_factory=dict)  # experts.N.* suffix -> shape (renamed, not gathered)
 
     def rule(self, suffix: str):
@@ -333,7 +333,7 @@ def find_gdn_layers(checkpoint: Checkpoint) -> tuple[list[GDNLayer], list[str]]:
 
 
 def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
-    """The sub-blocks of ``kinds`` (:data:`gdnprune.subblock_geometry.KINDS`: attention, MLP, shared expert) of
+    """The sub-blocks of ``kinds`` (:data:`gdnprune.model.subblock_geometry.KINDS`: attention, MLP, shared expert) of
     ``checkpoint``, each checked like a GDN layer against its layout table and the config's geometry. The
     engine treats them as it treats GDN layers; the tensors a layout leaves unchanged (``fixed``) are not
     part of them and are copied byte for byte.

@@ -9,10 +9,10 @@ import os
 import re
 from typing import Any
 
-from ..layer_removal import attention_layers, num_layers_of, removal_name_map
-from ..model_config import text_config
-from ..plan_file import state_elements
-from ..subblock_geometry import KINDS
+from ..io.plan_file import state_elements
+from ..model.layer_removal import attention_layers, num_layers_of, removal_name_map
+from ..model.model_config import text_config
+from ..model.subblock_geometry import KINDS
 from .folder import Checkpoint, CheckpointError, find_block_layers, find_gdn_layers, open_checkpoint
 
 __all__ = ["inspect_checkpoint"]

@@ -10,7 +10,7 @@ Guarantees, and how they are kept:
   through; ``--overwrite`` only ever deletes a previous *model* folder;
 * a stop (exception, Ctrl-C, SIGTERM, SIGHUP) removes the temporary folder; the few operations that
   must not be cut halfway (creating and registering the temporary folder, deleting it, the final swap)
-  run with signals deferred (:func:`gdnprune.interrupts.deferred_signals`);
+  run with signals deferred (:func:`gdnprune.runtime.interrupts.deferred_signals`);
 * each temporary folder holds an owner file (pid, process start time, host, boot id); a later run next
   to the same output removes a temporary folder whose owner process is provably gone, restores a
   previous output that a killed ``--overwrite`` left aside, and mentions any other;
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..fileio import file_sha256, umask, unwritable, write_json_atomic
-from ..interrupts import deferred_signals
+from ..runtime.fileio import file_sha256, umask, unwritable, write_json_atomic
+from ..runtime.interrupts import deferred_signals
 from .folder import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Compensated slicing of a checkpoint: after the engine has gathered every GDN tensor, the ``out_proj``
-of each layer that lost value heads or value channels is refitted (:mod:`gdnprune.compensate`) from the
+of each layer that lost value heads or value channels is refitted (:mod:`gdnprune.quality.compensate`) from the
 source weights and the calibration statistics, and written over the gathered one, in place in the
 temporary output. One tensor at a time, numpy only (no torch).
 
@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import compensate
-from ..fileio import file_sha256
-from ..geometry import GDNShape, order_indices, orders_from_payload
-from ..layouts import get_layout
-from ..safetensors_io import write_all
-from ..scores_file import matching_prefixes
+from ..io.safetensors_io import write_all
+from ..io.scores_file import matching_prefixes
+from ..model.geometry import GDNShape, order_indices, orders_from_payload
+from ..model.layouts import get_layout
+from ..quality import compensate
+from ..runtime.fileio import file_sha256
 from .codecs import from_float, to_float
 from .folder import CONFIG_NAME, MANIFEST_NAME, Checkpoint, CheckpointError
 
@@ -92,9 +92,9 @@ def refit_out_proj(
         ckpt: the source checkpoint.
         plans: prefix -> the engine's layer plan (layer, target, canonical indices).
         destinations: output tensor name -> (output file, absolute offset of its data).
-        stats: :func:`gdnprune.compensate.load_statistics` of the calibration statistics, or
+        stats: :func:`gdnprune.quality.compensate.load_statistics` of the calibration statistics, or
             ``{prefix: {"columns": ...}}``: columns refitted in memory
-            (:func:`gdnprune.compensate.sequential_refit`), written as they are.
+            (:func:`gdnprune.quality.compensate.sequential_refit`), written as they are.
         order: :func:`statistics_order`.
         ridge: the ridge strength (relative to the mean diagonal of ``C_KK``).
 

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..fileio import write_json_atomic
+from ..runtime.fileio import write_json_atomic
 from .folder import CONFIG_NAME
 
 __all__ = ["MODELING_NAME", "SelfContainedError", "auto_map", "modeling_source", "make_self_contained"]

@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..geometry import layer_index_of
-from ..layouts import TileGridError, scaled_weight
-from ..model_config import MTP_PREFIX
-from ..plan_file import plan_block_kinds, read_plan, resolve_block_plan
-from ..scores_file import ScoresError, match_layers
-from ..subblock_geometry import (
+from ..io.plan_file import plan_block_kinds, read_plan, resolve_block_plan
+from ..io.scores_file import ScoresError, match_layers
+from ..model.geometry import layer_index_of
+from ..model.layouts import TileGridError, scaled_weight
+from ..model.model_config import MTP_PREFIX
+from ..model.subblock_geometry import (
     BLOCK_FIELDS,
     KINDS,
     apply_block_targets_to_config,
@@ -33,7 +33,7 @@ from ..subblock_geometry import (
     orders_to_payload,
     resolve_block_target,
 )
-from ..targets import TargetError
+from ..model.targets import TargetError
 from .engine import LayerPlan
 from .folder import Checkpoint, find_block_layers
 
@@ -175,7 +175,7 @@ _WHOLE = {
 
 
 def check_scale_grids(plans: Mapping[str, LayerPlan], dequantize: bool) -> None:
-    """FP8: every scale tile must stay whole (:func:`gdnprune.layouts.scale_rule`). With ``dequantize`` the
+    """FP8: every scale tile must stay whole (:func:`gdnprune.model.layouts.scale_rule`). With ``dequantize`` the
     weights whose tiles a gather would split are marked to be written in BF16; else a TargetError."""
     for prefix, layer_plan in plans.items():
         broken = set()

@@ -23,12 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .. import compensate, layer_removal
-from ..deprecation import renamed_keywords
-from ..fileio import file_sha256, write_json_atomic
-from ..geometry import apply_targets_to_config, layer_index_of, orders_to_payload
-from ..model_config import text_config
-from ..plan_file import (
+from ..io.plan_file import (
     PlanError,
     constraint_violations,
     kernel_warnings,
@@ -36,8 +31,14 @@ from ..plan_file import (
     removed_layers,
     resolve_plan,
 )
-from ..scores_file import prefix_alias, read_scores, resolve_orders
-from ..targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
+from ..io.scores_file import prefix_alias, read_scores, resolve_orders
+from ..model import layer_removal
+from ..model.geometry import apply_targets_to_config, layer_index_of, orders_to_payload
+from ..model.model_config import text_config
+from ..model.targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
+from ..quality import compensate
+from ..runtime.deprecation import renamed_keywords
+from ..runtime.fileio import file_sha256, write_json_atomic
 from . import output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
@@ -111,26 +112,26 @@ def transform_checkpoint(
             payload (``*_order_most_important_first`` lists). A layer without an entry keeps its order
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
             Entries keyed by an attention / MLP sub-block's prefix (``model.layers.3.self_attn``,
-            ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.subblock_geometry`); a sub-block
+            ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.model.subblock_geometry`); a sub-block
             without an entry keeps its order. None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
             fields (missing or None fields keep each layer's size). The mapping may also hold the
             sub-block fields ``intermediate_size``, ``shared_expert_intermediate_size``,
             ``num_attention_heads`` and ``num_key_value_heads``: every sub-block that has the field is cut
             to it (:mod:`gdnprune.checkpoint.subblocks`). None: no slicing.
-        plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.plan_file`).
+        plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.io.plan_file`).
             Layers that end up with different geometries are recorded in ``config.json`` with
             transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
         tp, multiple_of: serving constraints on the cut layers (key and value heads divisible by ``tp``,
             head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
             such layer. Head dims that flash-linear-attention cannot run or must pad give a
             :class:`KernelShapeWarning`.
-        compensation_stats: a calibration statistics file (:mod:`gdnprune.compensate`; or the loaded statistics of
+        compensation_stats: a calibration statistics file (:mod:`gdnprune.quality.compensate`; or the loaded statistics of
             this very checkpoint): the ``out_proj`` of every
             layer that loses value heads or value channels is refitted by least squares to reconstruct the
             full layer output (``ridge``: its strength, default ``1e-3``). Or ``{prefix: {"columns": ...}}``,
             ``out_proj`` columns refitted in memory for this very cut
-            (:func:`gdnprune.compensate.sequential_refit`), written as they are. Compensated outputs are not
+            (:func:`gdnprune.quality.compensate.sequential_refit`), written as they are. Compensated outputs are not
             nested across targets; the manifest says so.
         dequantize: FP8 weights whose scale tiles the sort or cut would split are written dequantised in
             BF16 (their scales dropped, their modules added to ``modules_to_not_convert``) instead of refused.
@@ -141,7 +142,7 @@ def transform_checkpoint(
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
         manifest_extra: extra top-level entries for the manifest.
-        remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.layer_removal`): their
+        remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.model.layer_removal`): their
             tensors are dropped, later layers' tensors renumbered (bytes unchanged), ``config.json`` gets
             ``num_hidden_layers``, ``layer_types`` and ``per_layer_config`` rewritten; ``mtp.*`` is kept.
 
@@ -567,7 +568,7 @@ def sort_checkpoint(
 ) -> dict:
     """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
 
-    ``scores`` is a scores file path or dict (see :func:`gdnprune.scores_file.read_scores`). The keyword arguments
+    ``scores`` is a scores file path or dict (see :func:`gdnprune.io.scores_file.read_scores`). The keyword arguments
     are those of :func:`transform_checkpoint`. Returns the manifest.
     """
     data = read_scores(scores)
@@ -614,8 +615,8 @@ def slice_checkpoint(
     size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers, ``num_experts`` keeps that
     many routed experts per MoE layer. ``remove_layers`` removes decoder layers (numbers as in the input,
-    :mod:`gdnprune.layer_removal`), alone or with a target or plan. ``plan`` gives every
-    layer its own target instead (a plan file or dict, :mod:`gdnprune.plan_file`; version 2 for sub-blocks).
+    :mod:`gdnprune.model.layer_removal`), alone or with a target or plan. ``plan`` gives every
+    layer its own target instead (a plan file or dict, :mod:`gdnprune.io.plan_file`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
     arguments are those of :func:`transform_checkpoint`. Returns the manifest.
     """

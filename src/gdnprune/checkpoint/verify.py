@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..fileio import read_json
-from ..model_config import config_value, text_config
+from ..model.model_config import config_value, text_config
+from ..runtime.fileio import read_json
 from .folder import CONFIG_NAME, CheckpointError
 
 __all__ = ["verify_checkpoints"]
@@ -78,7 +78,7 @@ def _load_causal_lm(path: Path):
     import torch  # lazy: checkpoint/ stays torch-free (inspect, sort, slice)
     import transformers  # lazy: checkpoint/ stays torch-free
 
-    from ..loading import load_pretrained  # lazy: checkpoint/ stays torch-free
+    from ..io.loading import load_pretrained  # lazy: checkpoint/ stays torch-free
 
     try:
         model, info = load_pretrained(

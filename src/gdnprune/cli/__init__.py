@@ -29,7 +29,7 @@ import sys
 import warnings
 
 from .. import __version__
-from ..fileio import USER_ERRNOS
+from ..runtime.fileio import USER_ERRNOS
 
 #: subcommand -> its module, in the order of ``--help``
 COMMANDS = {
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     _FLAGS.clear()
     _FLAGS.update(_flags_of(subparser))
     # lazy: the library is imported once a command runs, so `gdnprune --help` stays fast
-    from ..interrupts import handle_signals
+    from ..runtime.interrupts import handle_signals
     from ._runtime import check_paths  # lazy: as above
 
     try:

@@ -6,7 +6,7 @@ import argparse
 import os
 import warnings
 
-from ..targets import TARGET_FIELDS, TargetError
+from ..model.targets import TARGET_FIELDS, TargetError
 
 
 def positive_int(text: str) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ..fileio import unwritable
+from ..runtime.fileio import unwritable
 from ._options import positive_int
 
 _FALLBACK = "falling back to its reference PyTorch implementation"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..fileio import write_json_atomic
+from ..runtime.fileio import write_json_atomic
 from ._options import add_device_arguments, add_output_arguments, non_negative_int, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
@@ -27,7 +27,7 @@ WORKLOAD_HELP = (
 
 
 def add_timing_arguments(p) -> None:
-    """``--repeats`` and ``--warmup-calls`` of the latency harness (``gdnprune.latency``)."""
+    """``--repeats`` and ``--warmup-calls`` of the latency harness (``gdnprune.model.latency``)."""
     p.add_argument(
         "--repeats",
         type=positive_int,
@@ -113,7 +113,7 @@ def _write(out: Path, results, names: dict[str, str], header: dict, overwrite: b
     from ..checkpoint.output import Staging
 
     # lazy: commands import the library when they run, so --help stays fast
-    from ..latency import bench_figure
+    from ..evaluation.bench import bench_figure
 
     try:
         # lazy: commands import the library when they run, so --help stays fast
@@ -144,7 +144,8 @@ def run(args) -> int:
     from ..checkpoint.output import check_output_folder
 
     # lazy: commands import the library when they run, so --help stays fast
-    from ..latency import bench_models, parse_workload
+    from ..evaluation.bench import bench_models
+    from ..model.latency import parse_workload  # lazy: as above
 
     workloads = list(dict.fromkeys(parse_workload(w) for w in args.workload))  # malformed: exit 2 here
     for model in args.models:

@@ -101,7 +101,7 @@ def run(args) -> int:
     """Under torchrun / accelerate launch every rank scores its share of the documents; rank 0 prints and
     writes."""
     # lazy: commands import the library when they run, so --help stays fast
-    from ..distributed import RankFailedError, process_group, rank, world_size
+    from ..runtime.distributed import RankFailedError, process_group, rank, world_size
 
     # lazy: commands import the library when they run, so --help stays fast
     from . import report_error

@@ -25,7 +25,7 @@ from .bench import WORKLOAD_HELP, WORKLOAD_METAVAR
 
 NAME = "plan"
 #: --sensitivity's choices and --bld-steps' default (gdnprune.plan.api.SENSITIVITIES and
-#: gdnprune.plan.bld.DEFAULT_STEPS: written out here so that --help does not import the library; a test
+#: gdnprune.plan.measure.bld.DEFAULT_STEPS: written out here so that --help does not import the library; a test
 #: checks they agree)
 SENSITIVITIES = ("halving", "measured", "bld", "proxy")
 BLD_STEPS = 20
@@ -224,7 +224,7 @@ def search_options(args) -> dict:
 def check_latency_options(args) -> None:
     """--budget-latency and --workload go together; a malformed workload is refused (ValueError: exit 2)."""
     # lazy: commands import the library when they run, so --help stays fast
-    from ..latency import parse_workload
+    from ..model.latency import parse_workload
 
     if args.budget_latency is None and args.workload is None:
         return
@@ -482,13 +482,12 @@ def model_summary(plan: dict, report: dict | None = None) -> list[str]:
 def write_outputs(plan: dict, report: dict, output: str | Path, overwrite: bool) -> list[str]:
     """PLAN.json, its report and its plot; returns the notes for the user."""
     # lazy: commands import the library when they run, so --help stays fast
-    from ..fileio import check_output_file, write_json_atomic
+    # lazy: commands import the library when they run, so --help stays fast
+    from ..io.plan_file import save_plan
 
     # lazy: commands import the library when they run, so --help stays fast
     from ..plan import plot_sensitivity
-
-    # lazy: commands import the library when they run, so --help stays fast
-    from ..plan_file import save_plan
+    from ..runtime.fileio import check_output_file, write_json_atomic  # lazy: as the import above
 
     report_json, report_png = report_paths(output)
     for path in (output, report_json):
@@ -520,7 +519,7 @@ def plan_threads(model_dir: str | Path, seq_len: int | None) -> int:
 def run(args) -> int:
     """Under torchrun / accelerate launch every rank measures its share of the windows; rank 0 writes."""
     # lazy: commands import the library when they run, so --help stays fast
-    from ..distributed import RankFailedError, process_group, rank, world_size
+    from ..runtime.distributed import RankFailedError, process_group, rank, world_size
 
     # lazy: commands import the library when they run, so --help stays fast
     from . import report_error
@@ -542,7 +541,7 @@ def run(args) -> int:
 def _check_snap(args) -> None:
     """--snap-servable's plan file is read (exit 2 when it is no plan) and its budgets are not overridden."""
     # lazy: commands import the library when they run, so --help stays fast
-    from ..plan_file import read_plan
+    from ..io.plan_file import read_plan
 
     if any_budget(args):
         raise ValueError("--snap-servable takes the budgets of PLAN.json: give no --budget-* with it")
@@ -559,13 +558,13 @@ def _plan(args) -> int:
     import warnings
 
     # lazy: commands import the library when they run, so --help stays fast
-    from ..distributed import fail_together, is_main_process
-
-    # lazy: commands import the library when they run, so --help stays fast
-    from ..fileio import check_output_file
-
-    # lazy: commands import the library when they run, so --help stays fast
     from ..plan import plan_checkpoint
+
+    # lazy: commands import the library when they run, so --help stays fast
+    from ..runtime.distributed import fail_together, is_main_process
+
+    # lazy: commands import the library when they run, so --help stays fast
+    from ..runtime.fileio import check_output_file
 
     main = is_main_process()
     with fail_together():

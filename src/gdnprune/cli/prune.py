@@ -83,13 +83,12 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     # lazy: commands import the library when they run, so --help stays fast
-    from ..distributed import launch_info
-
     # lazy: commands import the library when they run, so --help stays fast
     from ..plan import PlanOptions
 
     # lazy: commands import the library when they run, so --help stays fast
     from ..prune import prune_checkpoint
+    from ..runtime.distributed import launch_info  # lazy: as the import above
 
     # lazy: commands import the library when they run, so --help stays fast
     from ..scoring import ScoringOptions

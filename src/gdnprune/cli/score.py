@@ -144,9 +144,9 @@ def _mode(args) -> str:
 
 
 def _merge(args) -> int:
-    from ..distributed import launch_info  # lazy: fast --help
-    from ..fileio import check_output_file  # lazy: fast --help
-    from ..scores_file import save_scores  # lazy: fast --help
+    from ..io.scores_file import save_scores  # lazy: fast --help
+    from ..runtime.distributed import launch_info  # lazy: fast --help
+    from ..runtime.fileio import check_output_file  # lazy: fast --help
     from ..scoring import merge_partials  # lazy: fast --help
 
     info = launch_info()
@@ -169,9 +169,9 @@ def _merge(args) -> int:
 
 
 def _score(args, mode: str) -> int:
-    from ..distributed import fail_together, is_main_process  # lazy: fast --help
-    from ..fileio import check_output_file  # lazy: fast --help
-    from ..scores_file import save_scores  # lazy: fast --help
+    from ..io.scores_file import save_scores  # lazy: fast --help
+    from ..runtime.distributed import fail_together, is_main_process  # lazy: fast --help
+    from ..runtime.fileio import check_output_file  # lazy: fast --help
     from ..scoring import measure_checkpoint, save_partial, score_checkpoint  # lazy: fast --help
 
     main = is_main_process()
@@ -218,7 +218,7 @@ def _score(args, mode: str) -> int:
             with fail_together():
                 path = save_scores(scores, args.output, overwrite=args.overwrite) if main else None
                 if stats is not None and main:
-                    from ..compensate import model_identity, save_statistics  # lazy: fast --help
+                    from ..quality.compensate import model_identity, save_statistics  # lazy: fast --help
 
                     stats_path = args.compensation_stats
                     save_statistics(stats, stats_path, model=model_identity(args.model_dir))
@@ -238,7 +238,7 @@ def _score(args, mode: str) -> int:
 
 
 def run(args) -> int:
-    from ..distributed import RankFailedError, process_group, rank, world_size  # lazy: fast --help
+    from ..runtime.distributed import RankFailedError, process_group, rank, world_size  # lazy: fast --help
     from . import report_error  # lazy: cli/__init__ imports this module
 
     if args.compensation:

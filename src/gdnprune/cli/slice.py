@@ -122,9 +122,9 @@ def run(args) -> int:
     if not args.compensation_stats:  # the refit multiplies matrices (torch, which may use OpenBLAS)
         without_blas_threads()
     from ..checkpoint import slice_checkpoint  # lazy: fast --help
-    from ..layer_removal import parse_layer_list  # lazy: fast --help
-    from ..subblock_geometry import BLOCK_FIELDS  # lazy: fast --help
-    from ..targets import TargetError  # lazy: fast --help
+    from ..model.layer_removal import parse_layer_list  # lazy: fast --help
+    from ..model.subblock_geometry import BLOCK_FIELDS  # lazy: fast --help
+    from ..model.targets import TargetError  # lazy: fast --help
 
     sub_blocks = {f: getattr(args, f) for f in BLOCK_FIELDS if getattr(args, f) is not None}
     if sub_blocks and args.plan is not None:

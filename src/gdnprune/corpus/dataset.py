@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..distributed import shard_indices
+from ..runtime.distributed import shard_indices
 from .sources import DataFile, data_spec, iter_pieces, source_files
 from .windows import CorpusWindows, encode_pieces, mixture_order, tokenize_corpus
 
@@ -40,7 +40,7 @@ class WindowDataset(torch.utils.data.Dataset):
         return WindowDataset(self.windows, self.indices[indices.start : indices.stop : indices.step])
 
     def shard(self, index: int, count: int) -> WindowDataset:
-        """Share ``index`` of ``count``: a contiguous block (:func:`gdnprune.distributed.shard_indices`)."""
+        """Share ``index`` of ``count``: a contiguous block (:func:`gdnprune.runtime.distributed.shard_indices`)."""
         return self.select(shard_indices(len(self), index, count))
 
     def tensor(self) -> torch.Tensor:

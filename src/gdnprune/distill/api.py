@@ -39,8 +39,8 @@ from ..checkpoint.folder import MANIFEST_NAME
 from ..checkpoint.output import copy_other_files, plan_other_files
 from ..corpus import check_data, data_spec
 from ..corpus.dataset import WindowDataset, first_windows, open_windows
-from ..fileio import write_json_atomic
-from ..loading import load_pretrained
+from ..io.loading import load_pretrained
+from ..runtime.fileio import write_json_atomic
 from .fsdp import (
     check_shardable,
     has_checkpointed_layers,
@@ -102,7 +102,7 @@ def distill(
     """Distil ``student`` (trained in place) from the frozen ``teacher`` on token windows, as ``config`` says.
 
     ``train_data`` (and ``eval_data``) are windows ``[N, seq_len]`` of token ids, e.g. from
-    :func:`gdnprune.calibration.pack_windows`; every step takes ``config.batch_size`` of them (over all
+    :func:`gdnprune.quality.calibration.pack_windows`; every step takes ``config.batch_size`` of them (over all
     processes under ``torchrun``), reshuffled every epoch with ``config.seed``. The loss
     (:func:`distillation_loss`) is computed inside the models' forward passes. Engine: DDP by default,
     FSDP2 with ``config.fsdp`` (or an ``accelerate launch`` FSDP config); see :class:`DistillConfig`.
@@ -526,7 +526,7 @@ def distill_checkpoint(
     optimizer's master weights), the teacher in ``teacher_dtype`` (default: the same), spread by
     ``teacher_device_map`` if given. Under FSDP2 (``sharded_loading``, the default) each model is built
     on the ``meta`` device, sharded, and each process reads only its own rows from the safetensors files
-    (:func:`gdnprune.sharded_loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
+    (:func:`gdnprune.io.sharded_loading.load_sharded`): no process holds a whole student or teacher. FP8 block-scaled
     weights are dequantized as read, MoE experts stored one tensor per expert are stacked as read (and
     OLMo-hybrid's ``q/k/v_conv1d`` concatenated, as transformers converts them), a text
     model reads a vision-language folder's prefixed tensors, a bf16/fp16 student under mixed precision gets

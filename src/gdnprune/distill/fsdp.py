@@ -27,8 +27,8 @@ from torch.distributed.fsdp import (
 )
 from transformers import PreTrainedModel
 
-from ..loading import empty_pretrained
-from ..sharded_loading import ShardedLoadingError, load_sharded, sharded_loading_names
+from ..io.loading import empty_pretrained
+from ..io.sharded_loading import ShardedLoadingError, load_sharded, sharded_loading_names
 
 __all__ = [
     "layer_classes",
@@ -117,7 +117,7 @@ def shard_student(
     under ``mixed_precision``, gradients reduced in float32; shards on the CPU with ``cpu_offload``; with
     ``gradient_checkpointing`` every decoder layer first wrapped for activation checkpointing, as
     accelerate's ``fsdp2_apply_ac`` wraps it before sharding (the Trainer is then not asked to wrap it
-    again). For a student built on the ``meta`` device (:func:`gdnprune.sharded_loading.load_sharded`). Returns
+    again). For a student built on the ``meta`` device (:func:`gdnprune.io.sharded_loading.load_sharded`). Returns
     ``student``.
     """
 
@@ -231,7 +231,7 @@ def load_sharded_models(
     teacher_sharded: bool,
 ) -> tuple[Any, Any]:
     """``(student, teacher)`` under FSDP2, each built on ``meta``, sharded and filled with this process's rows
-    straight from its files (:func:`gdnprune.sharded_loading.load_sharded`: tensors under the model's names or a
+    straight from its files (:func:`gdnprune.io.sharded_loading.load_sharded`: tensors under the model's names or a
     vision-language prefix, FP8 blocks dequantized, MoE experts one tensor per expert stacked, parts
     concatenated as transformers concatenates them); None for
     the teacher when it is not to be sharded, and for a model whose folder stores another form (a warning

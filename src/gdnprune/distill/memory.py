@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ..loading import per_layer_gdn_modules
+from ..io.loading import per_layer_gdn_modules
 from .fsdp import layer_classes
 from .vocab_parallel import default_positions_per_chunk
 

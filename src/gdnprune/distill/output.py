@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
-from ..fileio import umask
+from ..runtime.fileio import umask
 from .fsdp import is_sharded
 
 __all__ = [

@@ -20,7 +20,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .. import __version__
 from ..checkpoint.folder import read_manifest
-from ..fileio import file_sha256
+from ..runtime.fileio import file_sha256
 
 __all__ = [
     "LOG_NAME",

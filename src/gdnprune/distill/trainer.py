@@ -33,8 +33,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
-from ..fileio import umask, write_json_atomic
-from ..interrupts import SIGNALS
+from ..runtime.fileio import umask, write_json_atomic
+from ..runtime.interrupts import SIGNALS
 from .fsdp import is_sharded, layer_classes, vocab_sharded
 from .loss import IGNORE_INDEX, distillation_loss, head_terms
 from .output import check_checkpoint_keys, load_model_weights

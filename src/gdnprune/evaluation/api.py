@@ -3,7 +3,7 @@
 lm-evaluation-harness is the engine (the optional extra ``gdnprune[eval]``): task names are lm-eval's,
 resolved by its ``TaskManager`` over gdnprune's built-in tasks (written for this run by
 :func:`gdnprune.evaluation.tasks.write_task_folder`) and the user's folders of YAML tasks; each model is
-loaded by :func:`gdnprune.loading.load_causal_lm` (per-layer geometries included) and handed to lm-eval's
+loaded by :func:`gdnprune.io.loading.load_causal_lm` (per-layer geometries included) and handed to lm-eval's
 ``HFLM`` as a model object, and lm-eval scores the tasks (:mod:`.harness`: ``simple_evaluate``'s numbers
 without its chatter; data parallel under ``torchrun`` / ``accelerate launch``). Every input is checked
 before any model loads. The output folder (``results.json``, ``results.md``, ``results.png``, ``tasks/``)
@@ -24,9 +24,9 @@ from typing import Any
 import transformers
 
 from ..checkpoint.output import Staging, check_output_folder
-from ..distributed import exchange, is_main_process
-from ..loading import load_causal_lm
-from ..subblock_surgery import find_model_blocks
+from ..io.loading import load_causal_lm
+from ..model.subblock_surgery import find_model_blocks
+from ..runtime.distributed import exchange, is_main_process
 from .report import ModelResult, markdown_table, plot_report
 from .tasks import DEFAULT_CONTEXT_LENGTHS, PROBE_KINDS, write_task_folder
 
@@ -248,7 +248,7 @@ def evaluate_models(
     a folder ``lm_eval --include_path`` reads). ``progress``: lm-eval's request bars, on rank 0.
 
     Under ``torchrun`` / ``accelerate launch`` (a process group of several processes, initialised by the
-    caller: :func:`gdnprune.distributed.process_group`) every rank loads each model and scores its share of
+    caller: :func:`gdnprune.runtime.distributed.process_group`) every rank loads each model and scores its share of
     the documents; rank 0 gathers the results and alone writes ``out_dir``. Every rank returns the report.
 
     Raises:

@@ -19,7 +19,7 @@ This module imports lm-eval (the optional extra ``gdnprune[eval]``); :mod:`.api`
   shares, and gathers every document's metric on rank 0 through ``lm.all_gather``, ``lm.gather_object``
   and ``lm.barrier``, which ``HFLM`` runs through ``self.accelerator``. :class:`HarnessLM` sets the rank and
   world size of the initialised process group (``torchrun``, ``accelerate launch``; see
-  :mod:`gdnprune.distributed`) and gives ``HFLM`` the group's collectives in place of an ``Accelerator``,
+  :mod:`gdnprune.runtime.distributed`) and gives ``HFLM`` the group's collectives in place of an ``Accelerator``,
   so a model loaded by gdnprune (per-layer geometries included) is evaluated as lm-eval evaluates its own
   models under ``accelerate launch``, on CPUs (gloo) as on GPUs. Rank 0 alone gets the results.
 """
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
 
-from .. import distributed
+from ..runtime import distributed
 
 __all__ = ["HarnessLM", "GroupCollectives", "run_tasks", "quiet_harness"]
 

@@ -7,7 +7,7 @@ rest; kept parameters, recurrent state and KV cache of each); their sensitivity 
 KL divergence from the unpruned model when that block alone is cut or that layer alone skipped, measured
 with real forwards that share the teacher pass and start from the layer's cached input — or a proxy from
 the scores); the exact multiple-choice knapsack under the budgets (:mod:`.solve`, scipy's MILP); the plan
-and a report (:mod:`.api`), and a plot (:mod:`.plot`). The plan file format is :mod:`gdnprune.plan_file`.
+and a report (:mod:`.api`), and a plot (:mod:`.plot`). The plan file format is :mod:`gdnprune.io.plan_file`.
 This package imports torch (the candidates and the solver do not).
 """
 
@@ -20,11 +20,11 @@ from .api import (
     plan_model,
     uniform_plans,
 )
-from .candidates import AXES, Candidate, layer_candidates, parse_dim_step
+from .choose.solve import BudgetError, choose, choose_uniform, uniform_choices
 from .from_folder import plan_checkpoint
-from .plot import plot_sensitivity
+from .measure.candidates import AXES, Candidate, layer_candidates, parse_dim_step
+from .report.plot import plot_sensitivity
 from .snap import snap_servable
-from .solve import BudgetError, choose, choose_uniform, uniform_choices
 
 __all__ = [
     "AXES",

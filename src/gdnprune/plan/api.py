@@ -1,7 +1,7 @@
 """``plan_model``: the best per-layer widths (and removed layers) under a budget, in four stages.
 
 Build the problem (:mod:`.problem`: candidates per group, their costs, the budgets), measure the candidates'
-sensitivity and choose exactly (:mod:`.stages`), and report: the plan file (:mod:`gdnprune.plan_file`) and a
+sensitivity and choose exactly (:mod:`.stages`), and report: the plan file (:mod:`gdnprune.io.plan_file`) and a
 report of every candidate (:mod:`.report`).
 """
 
@@ -12,14 +12,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..deprecation import renamed_keywords
-from ..fileio import file_sha256
-from ..latency import Workload, parse_workload
-from ..plan_file import PLAN_FORMAT, PLAN_VERSION
-from ..scores_file import read_scores
-from .bld import DEFAULT_STEPS as BLD_STEPS
-from .candidates import AXES, parse_dim_step
-from .latency_costs import (
+from ..io.plan_file import PLAN_FORMAT, PLAN_VERSION
+from ..io.scores_file import read_scores
+from ..model.latency import Workload, parse_workload
+from ..runtime.deprecation import renamed_keywords
+from ..runtime.fileio import file_sha256
+from .choose.servable import SERVABLE_NOTE
+from .choose.solve import BudgetError, uniform_choices
+from .measure.bld import DEFAULT_STEPS as BLD_STEPS
+from .measure.candidates import AXES, parse_dim_step
+from .measure.latency_costs import (
     LatencyCosts,
     add_latency_budget,
     check_latency_floor,
@@ -27,7 +29,7 @@ from .latency_costs import (
     fit_latency,
     measure_latency_costs,
 )
-from .problem import (
+from .measure.problem import (
     STATE_BYTES,
     WHOLE,
     Grid,
@@ -37,10 +39,9 @@ from .problem import (
     check_feasible,
     given_budgets,
 )
+from .measure.subblocks import BLOCK_NAMES
 from .rank import RANK_LR, RANK_STEPS, RankCost, check_rank_options, rank_plans
-from .report import Choice, PlanReport, Sensitivities, plan_document
-from .servable import SERVABLE_NOTE
-from .solve import BudgetError, uniform_choices
+from .report.results import Choice, PlanReport, Sensitivities, plan_document
 from .stages import (
     check_depth,
     check_sensitivity,
@@ -50,7 +51,6 @@ from .stages import (
     make_servable,
     measure,
 )
-from .subblocks import BLOCK_NAMES
 
 __all__ = [
     "PlanOptions",
@@ -183,9 +183,9 @@ def plan_model(
         budget_latency: the latency kept at ``workload``, a fraction (<= 1) of the unpruned model's: every
             candidate block is timed on the model's device (:mod:`.latency_costs`; a whole-model budget); the
             report gives the predicted latency beside the measured latency of the cut model.
-        workload: ``PHASE:BATCH:CONTEXT`` of ``budget_latency`` (:func:`gdnprune.latency.parse_workload`).
+        workload: ``PHASE:BATCH:CONTEXT`` of ``budget_latency`` (:func:`gdnprune.model.latency.parse_workload`).
         context: tokens per sequence of ``budget_memory``'s KV cache.
-        blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.subblocks.BLOCK_NAMES`, all of
+        blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.measure.subblocks.BLOCK_NAMES`, all of
             them by default: ``gdn``, ``attention``, ``mlp``, ``shared_expert``, ``experts``, and ``depth`` —
             whole decoder layers removed).
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: every candidate on a few windows,
@@ -195,15 +195,15 @@ def plan_model(
             ``"measured"``: the choice sums recovered losses, :mod:`.bld`) or ``"proxy"`` (output energy
             removed, from the scores; GDN layers only).
         dim_step: head-dim grid step: a fraction of the dim (``"1/8"``) or a channel count.
-        axes: the axes the search may cut (:data:`~gdnprune.plan.candidates.AXES`).
+        axes: the axes the search may cut (:data:`~gdnprune.plan.measure.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
         uniform: one geometry per kind of block (all GDN layers one, all MLPs one, all attention layers one,
-            ...): the best combination under the budgets (:func:`~gdnprune.plan.solve.choose_uniform`). Its
+            ...): the best combination under the budgets (:func:`~gdnprune.plan.choose.solve.choose_uniform`). Its
             choice is exact over the sensitivities it is given; successive halving's rungs serve the
             heterogeneous choice, so ``sensitivity="measured"`` is the exact reference of a uniform plan.
         servable: only plans that stock engines load from a standard config: one geometry per kind of block,
             plus whole decoder layers removed where ``blocks`` has ``depth`` (one full-attention layer kept);
-            the exact best such plan (:func:`~gdnprune.plan.servable.choose_servable`). The plan file gives
+            the exact best such plan (:func:`~gdnprune.plan.choose.servable.choose_servable`). The plan file gives
             the geometries as its ``default``, so a removed layer's blocks do not make the config heterogeneous.
         orders_applied: the model is already sorted by these scores (e.g. a ``gdnprune sort`` output).
         evolve_generations: generations of the evolutionary search over whole plans (:mod:`.evolve`, fitness
@@ -226,13 +226,13 @@ def plan_model(
     measured against the best widths-only plan's, and the better is kept (the report's ``depth_check``).
 
     Returns:
-        The plan (a :mod:`gdnprune.plan_file` dict with the budgets, the predicted summed sensitivity and the
+        The plan (a :mod:`gdnprune.io.plan_file` dict with the budgets, the predicted summed sensitivity and the
         totals) and the report (every candidate of every layer: target, parameters, state, sensitivity,
         loss, and the chosen one).
 
     Raises:
         ValueError: bad options, a scores file that does not fit the model, or budgets no plan meets
-            (:class:`~gdnprune.plan.solve.BudgetError`).
+            (:class:`~gdnprune.plan.choose.solve.BudgetError`).
     """
     options = PlanOptions(
         budget_params=budget_params,
@@ -465,7 +465,7 @@ def _options_problem(model: Any, options: Mapping[str, Any], uniform: bool) -> P
 
 def uniform_plans(model: Any, *, maximal: bool = True, **options: Any) -> list[dict]:
     """Every uniform plan of ``model`` that meets the budgets, without a forward (weights not needed: a
-    ``meta`` model will do): one geometry per kind of block (:func:`~gdnprune.plan.solve.uniform_choices`;
+    ``meta`` model will do): one geometry per kind of block (:func:`~gdnprune.plan.choose.solve.uniform_choices`;
     with ``maximal``, only those where no single kind can take a larger geometry within the budgets).
 
     ``options``: the budgets and grid options of :func:`plan_model` (``budget_params``, ``blocks``,
@@ -501,7 +501,7 @@ def uniform_plans(model: Any, *, maximal: bool = True, **options: Any) -> list[d
 
 
 def check_budgets(model: Any, *, uniform: bool = False, **options: Any) -> None:
-    """Raise :class:`~gdnprune.plan.solve.BudgetError` when no plan of ``model`` (weights not needed: a
+    """Raise :class:`~gdnprune.plan.choose.solve.BudgetError` when no plan of ``model`` (weights not needed: a
     ``meta`` model will do) meets the budgets; ``options``: those of :func:`plan_model` (budgets, ``context``,
     ``blocks``, ``dim_step``, ``axes``, ``tp``, ``multiple_of``), the others are ignored."""
     _options_problem(model, options, uniform=uniform)

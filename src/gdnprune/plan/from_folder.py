@@ -9,10 +9,10 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from ..calibration import calibration_windows, iter_batches
 from ..checkpoint import read_manifest
-from ..fileio import file_sha256
-from ..loading import empty_causal_lm, load_causal_lm
+from ..io.loading import empty_causal_lm, load_causal_lm
+from ..quality.calibration import calibration_windows, iter_batches
+from ..runtime.fileio import file_sha256
 from ..scoring.api import default_seq_len
 from .api import plan_model
 from .snap import snap_servable
@@ -43,9 +43,9 @@ def plan_checkpoint(
 
     When the folder is a ``gdnprune sort`` output of these very scores (its manifest records their hash),
     the orders are not applied a second time. ``model``: the folder's model already loaded
-    (:func:`gdnprune.loading.load_causal_lm`; then ``device``, ``dtype`` and ``device_map`` are not used).
+    (:func:`gdnprune.io.loading.load_causal_lm`; then ``device``, ``dtype`` and ``device_map`` are not used).
     The proxy sensitivity needs no weights: without ``model`` it builds the model on the ``meta`` device
-    from the config (:func:`gdnprune.loading.empty_causal_lm`) and reads no tensor. ``snap``: a heterogeneous
+    from the config (:func:`gdnprune.io.loading.empty_causal_lm`) and reads no tensor. ``snap``: a heterogeneous
     plan to snap to the best servable plan near it (:func:`~gdnprune.plan.snap.snap_servable`; the budgets and
     grid are the plan's, ``options`` gives ``sensitivity`` and ``progress``).
     """

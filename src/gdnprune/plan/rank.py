@@ -28,16 +28,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, TrainerCallback
 
-from .. import distributed
 from ..distill import DistillConfig, distill
 from ..gated_delta_net import GDNPermutation
-from ..layer_removal import removal_name_map, remove_layers_from_config
-from ..loading import per_layer_gdn_modules, slice_model
-from .evolve import REMOVED
-from .halving import windows_of
-from .problem import PlanProblem, block_entry
-from .report import Choice, Sensitivities
-from .solve import BudgetError
+from ..io.loading import per_layer_gdn_modules, slice_model
+from ..model.layer_removal import removal_name_map, remove_layers_from_config
+from ..runtime import distributed
+from .choose.evolve import REMOVED
+from .choose.solve import BudgetError
+from .measure.halving import windows_of
+from .measure.problem import PlanProblem, block_entry
+from .report.results import Choice, Sensitivities
 from .stages import choose_plans, uniform_choice
 
 __all__ = [
@@ -194,8 +194,8 @@ def single_process(device: torch.device | None = None) -> Iterator[None]:
 
 def cut_model(model: Any, problem: PlanProblem, choice: Choice) -> PreTrainedModel:
     """A new model: ``model`` sorted by the problem's orders and cut to ``choice`` (GDN layers and sub-blocks,
-    :func:`gdnprune.loading.slice_model`), its removed decoder layers dropped and the later ones renumbered
-    (config and weights, as :func:`gdnprune.layer_removal.remove_layers_from_config` describes them)."""
+    :func:`gdnprune.io.loading.slice_model`), its removed decoder layers dropped and the later ones renumbered
+    (config and weights, as :func:`gdnprune.model.layer_removal.remove_layers_from_config` describes them)."""
     n = len(problem.layers)
     targets = {
         layer.prefix: problem.table[i][p].target

@@ -2,7 +2,7 @@
 
 The servable search (:func:`~gdnprune.plan.api.search` with ``servable``) runs under the plan's own budgets
 and grid; both plans are then scored by the same measurements (their summed sensitivities) and measured as
-whole cut models on the calibration windows (:class:`~gdnprune.plan.joint.JointKL`).
+whole cut models on the calibration windows (:class:`~gdnprune.plan.measure.joint.JointKL`).
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..geometry import layer_index_of
-from ..plan_file import read_plan
-from ..targets import TARGET_FIELDS, resolve_target
+from ..io.plan_file import read_plan
+from ..model.geometry import layer_index_of
+from ..model.targets import TARGET_FIELDS, resolve_target
 from .api import PlanOptions, search
-from .candidates import AXES
-from .evolve import REMOVED
-from .joint import JointKL, plan_kl
-from .problem import BUDGET_NAMES, PlanProblem, block_entry
-from .report import Sensitivities
-from .subblocks import BLOCK_NAMES
+from .choose.evolve import REMOVED
+from .measure.candidates import AXES
+from .measure.joint import JointKL, plan_kl
+from .measure.problem import BUDGET_NAMES, PlanProblem, block_entry
+from .measure.subblocks import BLOCK_NAMES
+from .report.results import Sensitivities
 
 __all__ = ["plan_picks", "snap_servable"]
 

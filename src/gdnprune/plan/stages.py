@@ -1,4 +1,4 @@
-"""The measure and choose stages of a plan search, over a :class:`~gdnprune.plan.problem.PlanProblem`.
+"""The measure and choose stages of a plan search, over a :class:`~gdnprune.plan.measure.problem.PlanProblem`.
 
 :func:`measure`: every candidate's sensitivity (measured in full, by successive halving, or the proxy) and
 every decoder layer's removal; :func:`choose_plan`: the exact choice (heterogeneous, with removal, uniform or
@@ -13,17 +13,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..scoring.experts import block_influence
-from .bld import DEFAULT_STEPS as BLD_STEPS
-from .bld import bld_sensitivity
-from .depth import choose_with_removal, keep_better, pool_with_removal, removal_sensitivity
-from .evolve import REMOVED
-from .halving import halving_sensitivity
-from .joint import JointKL, evolve_plan, plan_kl
-from .problem import PlanProblem
-from .report import Choice, MeasureStats, PlanReport, Sensitivities, build_report
-from .sensitivity import measured_sensitivity, proxy_sensitivity
-from .servable import SERVABLE_NOTE, choose_servable
-from .solve import choose_among, choose_pool, choose_uniform
+from .choose.depth import choose_with_removal, keep_better, pool_with_removal, removal_sensitivity
+from .choose.evolve import REMOVED
+from .choose.servable import SERVABLE_NOTE, choose_servable
+from .choose.solve import choose_among, choose_pool, choose_uniform
+from .measure.bld import DEFAULT_STEPS as BLD_STEPS
+from .measure.bld import bld_sensitivity
+from .measure.halving import halving_sensitivity
+from .measure.joint import JointKL, evolve_plan, plan_kl
+from .measure.problem import PlanProblem
+from .measure.sensitivity import measured_sensitivity, proxy_sensitivity
+from .report.results import Choice, MeasureStats, PlanReport, Sensitivities, build_report
 
 __all__ = [
     "check_depth",
@@ -158,7 +158,7 @@ def choose_plans(problem: PlanProblem, sens: Sensitivities, count: int) -> list[
 
 def uniform_choice(problem: PlanProblem, sens: Sensitivities) -> Choice:
     """The best uniform cut under the same budgets (one geometry per kind of block, every decoder layer kept;
-    :func:`~gdnprune.plan.solve.choose_uniform` on the summed sensitivities)."""
+    :func:`~gdnprune.plan.choose.solve.choose_uniform` on the summed sensitivities)."""
     rests = len(problem.rests)
     picks = choose_uniform(
         problem.keys + [["whole"]] * rests,
@@ -175,7 +175,7 @@ def check_depth(
 ) -> Choice:
     """Depth that never loses to widths: when ``choice`` removes a decoder layer, the KL of its whole cut model
     on the calibration windows against the best widths-only plan's (solved again with no layer removable);
-    the better is returned, with the check in ``choice.depth_check`` (:class:`~gdnprune.plan.depth.DepthCheck`)."""
+    the better is returned, with the check in ``choice.depth_check`` (:class:`~gdnprune.plan.choose.depth.DepthCheck`)."""
     if not choice.removed:
         return choice
     assert problem.layer_of is not None
@@ -213,7 +213,7 @@ def evolve_choice(
     seed: int,
     progress: bool,
 ) -> Choice:
-    """The evolutionary search over whole plans (:func:`~gdnprune.plan.joint.evolve_plan`) from ``choice``."""
+    """The evolutionary search over whole plans (:func:`~gdnprune.plan.measure.joint.evolve_plan`) from ``choice``."""
     evolution = evolve_plan(
         model,
         batches,

@@ -2,19 +2,19 @@
 of the other sub-blocks (attention heads, MLP and shared-expert channels, routed experts).
 
 :func:`score_model` runs calibration batches through a loaded transformers model and returns a scores
-file dict (:mod:`gdnprune.scores_file`); :func:`score_checkpoint` does the same for a model folder and a text
+file dict (:mod:`gdnprune.io.scores_file`); :func:`score_checkpoint` does the same for a model folder and a text
 file. The methods (``projection``, ``activation``, ``random``) and their measures are derived in
 ``docs/scoring.md``.
 
 The rooms: :mod:`.hooks` (per-layer hooks and statistics), :mod:`.payload` (orders and scores from the
 statistics), :mod:`.orders` (greedy removal on Gram matrices), :mod:`.loss_head` (the next-token loss
 gradient at the final norm), :mod:`.api` (the public functions; under ``torch.distributed`` each rank
-scores its share of the windows and the statistics are summed, see :mod:`gdnprune.distributed`),
+scores its share of the windows and the statistics are summed, see :mod:`gdnprune.runtime.distributed`),
 :mod:`.partial` (the statistics of one share in a file, and the merge of all shares). This package
 imports torch.
 """
 
-from ..scores_file import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
+from ..io.scores_file import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
 from .api import (
     DEFAULT_MAX_SEQ_LEN,
     GDN_ONLY,

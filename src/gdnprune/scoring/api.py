@@ -1,7 +1,7 @@
 """The scoring API: :func:`score_model` on a loaded model, :func:`score_checkpoint` on a model folder.
 
 Calibration batches run through a real transformers model with :class:`~gdnprune.scoring.hooks.LayerScorer`
-hooks on every GDN layer; the result is a scores-file dict (:mod:`gdnprune.scores_file`). The methods and
+hooks on every GDN layer; the result is a scores-file dict (:mod:`gdnprune.io.scores_file`). The methods and
 measures are described in ``docs/scoring.md``.
 """
 
@@ -18,13 +18,17 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from .. import model_config
-from ..calibration import calibration_windows, iter_batches
 from ..checkpoint.folder import map_to_checkpoint
-from ..compensate import collect_statistics
 from ..corpus import data_spec, data_stat
-from ..deprecation import renamed_keywords
-from ..distributed import (
+from ..io.loading import load_causal_lm
+from ..model import model_config
+from ..model.layouts import find_gdn_modules
+from ..model.subblock_geometry import KINDS
+from ..quality.calibration import calibration_windows, iter_batches
+from ..quality.compensate import collect_statistics
+from ..quality.lane_search import search_lane_orders
+from ..runtime.deprecation import renamed_keywords
+from ..runtime.distributed import (
     all_reduce_sum,
     fail_together,
     is_distributed,
@@ -34,11 +38,7 @@ from ..distributed import (
     shard_indices,
     world_size,
 )
-from ..fileio import file_sha256
-from ..lane_search import search_lane_orders
-from ..layouts import find_gdn_modules
-from ..loading import load_causal_lm
-from ..subblock_geometry import KINDS
+from ..runtime.fileio import file_sha256
 from .hooks import LayerScorer
 from .loss_head import default_loss_token_stride, output_head
 from .passes import make_block_scorers, run_batches
@@ -284,9 +284,9 @@ def score_model(
         distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
             group before the orders are computed (default None: when a group with more than one process
             is initialised). Each rank passes its own share of the windows
-            (:func:`gdnprune.distributed.shard_indices`) and its ``window_offset``; every rank returns
+            (:func:`gdnprune.runtime.distributed.shard_indices`) and its ``window_offset``; every rank returns
             the same scores. A failure on one rank raises on every rank
-            (:func:`gdnprune.distributed.fail_together`).
+            (:func:`gdnprune.runtime.distributed.fail_together`).
 
     Returns:
         ``{"format", "version", "method", "num_tokens", "world_size", "seed", "layers": {prefix: payload}}``,
@@ -324,7 +324,7 @@ DEFAULT_MAX_SEQ_LEN = 512
 def default_seq_len(
     config: Mapping, tokenizer: Any = None, cap: int = DEFAULT_MAX_SEQ_LEN
 ) -> tuple[int, str]:
-    """The calibration window a model supports: :func:`gdnprune.model_config.default_seq_len` capped at
+    """The calibration window a model supports: :func:`gdnprune.model.model_config.default_seq_len` capped at
     ``cap`` (default 512); and why, in words."""
     return model_config.default_seq_len(config, tokenizer, cap=cap)
 
@@ -377,11 +377,11 @@ def measure_checkpoint(
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
 
     Every process reads and tokenises the same windows; share ``index`` of ``count`` takes the contiguous
-    block :func:`~gdnprune.distributed.shard_indices` gives it. Under a ``torch.distributed`` process group
+    block :func:`~gdnprune.runtime.distributed.shard_indices` gives it. Under a ``torch.distributed`` process group
     each rank takes its own block of that share, loads its own copy of the model (with ``device_map``,
-    over its block of the GPUs, :func:`~gdnprune.distributed.local_gpus`; without, on GPU ``LOCAL_RANK``)
+    over its block of the GPUs, :func:`~gdnprune.runtime.distributed.local_gpus`; without, on GPU ``LOCAL_RANK``)
     and the sums are added over the ranks; every rank returns them. A failure on one rank raises on all.
-    ``model``: the folder's model already loaded (:func:`gdnprune.loading.load_causal_lm`); then ``device``,
+    ``model``: the folder's model already loaded (:func:`gdnprune.io.loading.load_causal_lm`); then ``device``,
     ``device_map`` are not used and ``dtype`` is only recorded.
     """
     model_dir = Path(model_dir)
@@ -556,8 +556,8 @@ def score_checkpoint(
     (see :func:`score_model`).
 
     ``lane_search=True`` then decides the lane orders by measured KL on the first ``lane_search_samples``
-    windows (:func:`gdnprune.lane_search.search_lane_orders`). ``compensate=True`` also collects the least-squares
-    compensation statistics (:mod:`gdnprune.compensate`) on every window, returned under the key
+    windows (:func:`gdnprune.quality.lane_search.search_lane_orders`). ``compensate=True`` also collects the least-squares
+    compensation statistics (:mod:`gdnprune.quality.compensate`) on every window, returned under the key
     ``"compensation_statistics"`` (numpy arrays: pop it before writing the scores as JSON; the CLI writes it
     beside the scores file). ``model``: the folder's model already loaded (see :func:`measure_checkpoint`).
 

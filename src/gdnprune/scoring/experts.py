@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..forwards import decoder_layers, hidden_argument, input_device, unpack_batch
-from ..subblock_geometry import orders_to_payload
+from ..model.forwards import decoder_layers, hidden_argument, input_device, unpack_batch
+from ..model.subblock_geometry import orders_to_payload
 from .expert_greedy import greedy_expert_removal
 
 __all__ = ["ExpertScorer", "expert_payload", "block_influence", "EXPERT_MEASURES", "SAMPLE_TOKENS"]

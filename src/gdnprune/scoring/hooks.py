@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from accelerate.utils import align_module_device
 from transformers.activations import ACT2FN
 
-from ..forwards import OUTPUT_PROJECTIONS, output_projection
-from ..geometry import GDNShape
-from ..layouts import detect_layout
+from ..model.forwards import OUTPUT_PROJECTIONS, output_projection
+from ..model.geometry import GDNShape
+from ..model.layouts import detect_layout
 from .payload import layer_payload, needs_loss_gradient, statistic_shapes
 
 __all__ = ["LayerScorer", "materialized_weight"]

@@ -36,10 +36,10 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from .. import __version__
-from ..distributed import shard_indices
-from ..fileio import check_output_file, write_bytes_atomic
-from ..geometry import GDNShape
-from ..subblock_geometry import KINDS, Block
+from ..model.geometry import GDNShape
+from ..model.subblock_geometry import KINDS, Block
+from ..runtime.distributed import shard_indices
+from ..runtime.fileio import check_output_file, write_bytes_atomic
 from .api import CheckpointStatistics
 from .payload import COUNTS, LayerStatistics, ScoringStatistics, scores_from_statistics, statistic_shapes
 
@@ -107,7 +107,7 @@ def _metadata(run: CheckpointStatistics) -> dict[str, Any]:
     }
 
 
-#: the tensor tables of a :class:`~gdnprune.subblock_geometry.Block` (suffix -> shape), kept in a partial's metadata
+#: the tensor tables of a :class:`~gdnprune.model.subblock_geometry.Block` (suffix -> shape), kept in a partial's metadata
 _BLOCK_TENSORS = ("tensors", "fixed", "numbered")
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..forwards import input_device, unpack_batch
-from ..subblock_geometry import KINDS
-from ..subblock_surgery import find_model_blocks
+from ..model.forwards import input_device, unpack_batch
+from ..model.subblock_geometry import KINDS
+from ..model.subblock_surgery import find_model_blocks
 from .experts import ExpertScorer
 from .hooks import LayerScorer
 from .loss_head import LossGradients, loss_positions

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ..gated_delta_net import GDNPermutation
-from ..geometry import GDNShape
-from ..scores_file import SCORES_FORMAT, SCORES_VERSION
-from ..subblock_geometry import orders_to_payload
-from ..subblock_surgery import random_orders
+from ..io.scores_file import SCORES_FORMAT, SCORES_VERSION
+from ..model.geometry import GDNShape
+from ..model.subblock_geometry import orders_to_payload
+from ..model.subblock_surgery import random_orders
 from .experts import expert_payload
 from .orders import descending, greedy_lane_orders, greedy_removal_order
 
@@ -291,7 +291,7 @@ class ScoringStatistics:
 
 
 def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1) -> dict[str, Any]:
-    """The scores-file dict (:mod:`gdnprune.scores_file`) from (summed) statistics: payloads, orders, counts.
+    """The scores-file dict (:mod:`gdnprune.io.scores_file`) from (summed) statistics: payloads, orders, counts.
 
     ``world_size`` is recorded beside ``num_tokens``: how many processes computed the sums.
     """
@@ -338,7 +338,7 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
 
 
 def block_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:
-    """The score payload of a sub-block (a :class:`gdnprune.subblock_geometry.Block`) from its (summed) statistics
+    """The score payload of a sub-block (a :class:`gdnprune.model.subblock_geometry.Block`) from its (summed) statistics
     (:class:`gdnprune.scoring.subblocks.BlockScorer`): orders, raw scores, geometry."""
     if block.kind == "experts":  # routed experts: REAP or frequency (gdnprune.scoring.experts)
         return expert_payload(block, stats, method)

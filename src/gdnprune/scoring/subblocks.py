@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..forwards import output_projection
-from ..subblock_geometry import Block
-from ..subblock_shapes import AttentionShape
+from ..model.forwards import output_projection
+from ..model.subblock_geometry import Block
+from ..model.subblock_shapes import AttentionShape
 from .hooks import materialized_weight
 from .payload import block_payload
 

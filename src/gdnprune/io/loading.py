@@ -1,0 +1,325 @@
+"""``load_pretrained``: a normal transformers model from a checkpoint whose GDN layers differ in width.
+
+A per-layer plan writes transformers' own convention into ``config.json``: ``per_layer_config``
+(``{layer index: {linear_*: value}}``, transformers' ``HeterogeneousConfigMixin``). transformers 5.x
+parses it, but its Qwen and OLMo modeling still builds every GDN layer from the global config, and
+reading a per-layer attribute globally raises ``AmbiguousGlobalPerLayerAttributeError`` — so plain
+``from_pretrained`` fails loudly instead of loading wrong shapes. :func:`load_pretrained` builds each GDN
+module from its own layer's config (``config.per_layer_config[i]``) for the duration of
+``from_pretrained``, then returns the model: every other module, the weight loading, dtypes, device maps,
+the cache and ``save_pretrained`` are transformers' own. The recurrent cache sizes its conv and delta-rule
+states from the tensors each layer passes it, so cached generation works with per-layer shapes.
+
+A checkpoint with one GDN geometry loads exactly as ``from_pretrained`` loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import transformers
+from accelerate.utils import get_max_memory
+
+from ..gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
+from ..model.geometry import GDN_CONFIG_KEYS, GDNShape, apply_targets_to_config, layer_index_of
+from ..model.layouts import find_gdn_modules
+from ..model.model_config import per_layer_overrides, text_config
+from ..model.subblock_geometry import (
+    BLOCK_FIELDS,
+    KINDS,
+    apply_block_targets_to_config,
+    block_kinds_of,
+    resolve_block_target,
+)
+from ..model.subblock_surgery import find_model_blocks, slice_block_state_dict
+from ..model.targets import resolve_target
+from ..runtime.distributed import launch_info
+
+__all__ = [
+    "load_pretrained",
+    "empty_pretrained",
+    "load_causal_lm",
+    "empty_causal_lm",
+    "slice_model",
+    "per_layer_gdn_modules",
+]
+
+_LOCK = threading.RLock()
+
+
+def _gdn_classes(model_class: type) -> list[type]:
+    """The GatedDeltaNet module classes of the modeling file that defines ``model_class``."""
+    return _classes(model_class, "GatedDeltaNet")
+
+
+def _classes(model_class: type, suffix: str) -> list[type]:
+    module = sys.modules[model_class.__module__]
+    return [obj for name, obj in vars(module).items() if isinstance(obj, type) and name.endswith(suffix)]
+
+
+@contextlib.contextmanager
+def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
+    """While inside, the GDN modules and the decoder layers (so their attention and MLP too) of
+    ``model_class``'s family are built from their layer's own config when the model config is
+    heterogeneous (``config.per_layer_config[layer_idx]``)."""
+    classes = _gdn_classes(model_class)
+    layers = _classes(model_class, "DecoderLayer")
+    if not classes:
+        raise ValueError(
+            f"{model_class.__name__}: no GatedDeltaNet module class in {model_class.__module__}; "
+            f"per-layer GDN geometries are supported for the Qwen3.5, Qwen3-Next and OLMo-hybrid "
+            f"families"
+        )
+    heads = [
+        c
+        for c in _classes(model_class, "ForCausalLM") + _classes(model_class, "ForConditionalGeneration")
+        if "__init__" in c.__dict__
+    ]
+    with _LOCK:
+        originals = {cls: cls.__dict__["__init__"] for cls in classes + layers if "__init__" in cls.__dict__}
+        globals_ = {cls: cls.__dict__["__init__"] for cls in heads}
+        for cls, original in globals_.items():
+
+            @functools.wraps(original)
+            def head_init(self, config, *args, _original=original, **kwargs):
+                # MoE heads read num_experts globally (router aux loss): the most common count, as config.json's
+                # global key holds it; the aux loss of per-layer expert counts is not defined (leave
+                # output_router_logits off)
+                text = text_config(config)
+                before = {
+                    id(c): c.__dict__.get("allow_global_per_layer_attribute_access") for c in (config, text)
+                }
+                for c in (config, text):
+                    c.__dict__["allow_global_per_layer_attribute_access"] = True
+                try:
+                    _original(self, config, *args, **kwargs)
+                finally:
+                    for c in (config, text):
+                        if before[id(c)] is None:
+                            c.__dict__.pop("allow_global_per_layer_attribute_access", None)
+                        else:
+                            c.__dict__["allow_global_per_layer_attribute_access"] = before[id(c)]
+
+            setattr(cls, "__init__", head_init)  # noqa: B010  (mypy: assigning __init__ is unsound)
+        originals.update(globals_)
+        for cls, original in originals.items():
+            if cls in globals_:
+                continue
+
+            @functools.wraps(original)
+            def init(self, config, layer_idx=None, *args, _original=original, **kwargs):
+                if layer_idx is not None and getattr(config, "is_heterogeneous", False):
+                    config = config.per_layer_config[layer_idx]
+                _original(self, config, layer_idx, *args, **kwargs)
+
+            setattr(cls, "__init__", init)  # noqa: B010
+        try:
+            yield
+        finally:
+            for cls, original in originals.items():
+                setattr(cls, "__init__", original)  # noqa: B010
+
+
+def _resolve_class(config: Any, model_class: Any) -> tuple[Any, type]:
+    """The class to call ``from_pretrained`` on, and the concrete model class it builds (the same class
+    unless ``model_class`` is an Auto class)."""
+    if model_class is None:
+        names = getattr(config, "architectures", None) or []
+        found = [getattr(transformers, name, None) for name in names]
+        model_class = next((c for c in found if c is not None), transformers.AutoModelForCausalLM)
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is not None:  # an Auto class: the concrete class it picks for this config
+        try:
+            return model_class, mapping[type(config)]
+        except KeyError:
+            raise ValueError(f"{model_class.__name__} cannot load a {type(config).__name__}") from None
+    return model_class, model_class
+
+
+def _heterogeneous(config: Any) -> bool:
+    """Whether ``config`` sets a GDN, attention or MLP geometry per layer."""
+    keys = set(GDN_CONFIG_KEYS).union(*(kind.config_keys for kind in KINDS.values()))
+    return bool(per_layer_overrides(config, keys, key="linear_num_key_heads"))
+
+
+def load_pretrained(
+    path: str | os.PathLike, *, model_class: Any = None, **from_pretrained_kwargs: Any
+) -> Any:
+    """Load a Hugging Face model folder, with per-layer GDN geometries when ``config.json`` has them.
+
+    Args:
+        path: the model folder (a gdnprune output or any checkpoint ``from_pretrained`` reads).
+        model_class: the transformers class to load with (default: the config's ``architectures`` entry,
+            e.g. ``Qwen3_5ForConditionalGeneration`` for a vision-language checkpoint, else
+            ``AutoModelForCausalLM``). An Auto class works too.
+        **from_pretrained_kwargs: passed to ``from_pretrained`` (``dtype``, ``device_map``,
+            ``output_loading_info``, ...).
+
+    Returns:
+        What ``model_class.from_pretrained`` returns: a normal transformers model whose GDN modules have
+        their own geometry (``module.num_v_heads`` etc.), and whose config keeps ``per_layer_config``.
+    """
+    config = from_pretrained_kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
+    loader, concrete = _resolve_class(config, model_class)
+    text = text_config(config)
+    if not _heterogeneous(text) and not _heterogeneous(config):
+        return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
+    with per_layer_gdn_modules(concrete):
+        return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
+
+
+def load_causal_lm(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    device: str | None = None,
+    device_map: str | None = None,
+    gpus: list[int] | None = None,
+) -> Any:
+    """A causal LM from ``model_dir`` in eval mode, for calibration forwards (the text part of a
+    vision-language checkpoint; per-layer GDN geometries as :func:`load_pretrained` reads them).
+
+    ``dtype``: ``"float32"`` or ``"bfloat16"``. ``device``: where the model goes without a ``device_map``
+    (default: the local rank's GPU when CUDA is available, else cpu). ``gpus``: with a ``device_map``, the
+    only GPUs it may use (this rank's block, :func:`gdnprune.runtime.distributed.local_gpus`).
+    """
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        if gpus is not None:
+            available = get_max_memory()
+            kwargs["max_memory"] = {k: v for k, v in available.items() if not isinstance(k, int) or k in gpus}
+    try:
+        model = load_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM, **kwargs)
+    except ValueError as first:
+        try:
+            model = load_pretrained(model_dir, **kwargs)  # the class in config.json's architectures
+        except ValueError:
+            raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
+    if device_map is None:
+        model.to(device or _default_device())
+    return model.eval()
+
+
+def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
+    """The causal LM that :func:`load_causal_lm` would load, built on the ``meta`` device from the folder's
+    config alone: every module with its shapes and per-layer GDN geometry, no weight read or allocated.
+    For what needs the structure only (the plan's proxy sensitivity)."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    text = text_config(config)
+    try:
+        loader, concrete = _resolve_class(config, transformers.AutoModelForCausalLM)
+    except ValueError as first:
+        try:
+            loader, concrete = _resolve_class(config, None)  # the class in config.json's architectures
+        except ValueError:
+            raise ValueError(f"{model_dir}: cannot build a causal language model ({first})") from None
+    per_layer = _heterogeneous(text) or _heterogeneous(config)
+    with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
+        model = loader.from_config(config) if loader is not concrete else concrete(config)
+    return model.eval()
+
+
+def empty_pretrained(path: str | os.PathLike, *, model_class: Any = None, dtype: Any = None) -> Any:
+    """The model :func:`load_pretrained` would load (same class choice), built on the ``meta`` device from
+    the folder's config alone, in ``dtype`` (default: float32), weights tied as the config says. Built as
+    ``from_pretrained`` builds it: parameters created in ``dtype``, buffers that transformers computes in
+    float32 (the rotary frequencies) kept in float32, ``config.dtype`` set to ``dtype``."""
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    _, concrete = _resolve_class(config, model_class)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    per_layer = _heterogeneous(text) or _heterogeneous(config)
+    with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
+        model = concrete._from_config(config, dtype=dtype or torch.float32)  # type: ignore[attr-defined]
+    return model.eval()
+
+
+def _default_device() -> str:
+    """cuda (the local rank's GPU under a launcher) when CUDA is available, else cpu."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    info = launch_info()
+    return f"cuda:{(info.local_rank if info else 0) % max(1, torch.cuda.device_count())}"
+
+
+def slice_model(
+    model: Any, targets: Any = None, permutations: Any = None, *, blocks: Any = None, block_orders: Any = None
+) -> Any:
+    """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory,
+    and its attention and MLP sub-blocks sorted by ``block_orders`` and cut to ``blocks``.
+
+    Args:
+        model: a loaded transformers model with GDN layers.
+        targets: one target for every GDN layer (a ``GDNShape`` or a mapping of some of its fields), or
+            ``{module prefix: target}`` (layers not named keep their geometry); None: GDN layers keep theirs.
+        permutations: ``{module prefix: GDNPermutation or score payload}`` (None: no sorting).
+        blocks: sub-block target fields (``intermediate_size``, ``shared_expert_intermediate_size``,
+            ``num_attention_heads``, ``num_key_value_heads``) for every sub-block that has them, or
+            ``{sub-block prefix: fields}`` (e.g. ``"model.layers.3.self_attn"``); None: no cut.
+        block_orders: ``{sub-block prefix: orders or score payload}`` (:mod:`gdnprune.model.subblock_surgery`).
+
+    The new model's config records the per-layer geometry as a sliced checkpoint does (the plain keys
+    when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained`` writes a folder
+    that :func:`load_pretrained` reads back.
+    """
+    modules = find_gdn_modules(model)
+    per_layer = (
+        isinstance(targets, dict)
+        and all(isinstance(v, (GDNShape, dict)) for v in targets.values())
+        and set(targets) <= {p for p, _ in modules}
+    )
+    state = dict(model.state_dict())
+    chosen = {}
+    for prefix, module in modules:
+        shape = GDNShape.from_module(module)
+        target = resolve_target(shape, (targets or {}).get(prefix) if per_layer else targets)
+        perm = None if permutations is None else permutations.get(prefix)
+        if isinstance(perm, dict):
+            perm = GDNPermutation.from_score_payload(perm, shape)
+        slice_gated_delta_net_state_dict(state, prefix=prefix, shape=shape, target=target, permutation=perm)
+        chosen[layer_index_of(prefix)] = target
+    config = apply_targets_to_config(model.config.to_dict(), chosen)
+    if blocks is not None or block_orders:
+        per_block = isinstance(blocks, Mapping) and not set(blocks) <= set(BLOCK_FIELDS)
+        named = set(block_orders or {}) | (set(blocks) if per_block else set())
+        kinds = {kind.name for p in named for kind in block_kinds_of(p)}
+        kinds |= {k.name for k in KINDS.values() if not per_block and set(blocks or {}) & set(k.config_keys)}
+        found = find_model_blocks(model, sorted(kinds))  # only the kinds asked for: others may be unsupported
+        by_prefix = {b.prefix: b for b in found}
+        unknown = sorted(named - set(by_prefix))
+        absent = (
+            []
+            if per_block
+            else sorted(f for f in (blocks or {}) if not any(f in KINDS[b.kind].config_keys for b in found))
+        )
+        if absent:
+            raise ValueError(
+                f"no sub-block of this model has {absent} (its sub-blocks: "
+                f"{sorted({b.kind for b in found}) or 'none'})"
+            )
+        if unknown:
+            raise ValueError(
+                f"{unknown} are not sub-blocks of this model (its sub-blocks: {sorted(by_prefix)[:4]} ...)"
+            )
+        cut: dict[str, dict[int, Any]] = {}
+        for block in found:
+            fields = (blocks or {}).get(block.prefix) if per_block else blocks
+            target = resolve_block_target(block, fields)
+            slice_block_state_dict(state, block, target, orders=(block_orders or {}).get(block.prefix))
+            cut.setdefault(block.kind, {})[layer_index_of(block.prefix)] = target
+        for kind, kind_targets in cut.items():
+            config = apply_block_targets_to_config(config, kind, kind_targets)
+    config = type(model.config).from_dict(config)
+    with per_layer_gdn_modules(type(model)):
+        new = type(model)(config)
+    new.load_state_dict(state, strict=True)
+    return new.to(next(model.parameters()).dtype).eval()
