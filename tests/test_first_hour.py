@@ -86,6 +86,8 @@ def test_user_documentation_has_no_issue_numbers_and_no_dead_links():
 
 # ---- fail fast --------------------------------------------------------------------------------------------
 
+_NO_DATA = "nope.txt: no such file or folder"
+
 #: command line -> the flag (or positional) the one-line error must name, and what it must say was found;
 #: every case has a real model (the trained tiny MoE) everywhere but in the path under test
 FAIL_FAST = {
@@ -136,6 +138,64 @@ FAIL_FAST = {
         "without config.json",
     ),
     "output under a file": (["slice", "{moe}", "-o", "t.txt/out", *CUT], "--output", "t.txt is a file"),
+    # a --data source that names nothing: refused before torch, transformers or datasets load
+    "score data": (["score", "{moe}", "--data", "nope.txt", "-o", "s.json"], "--data", _NO_DATA),
+    "plan data": (
+        [
+            "plan",
+            "{moe}",
+            "--scores",
+            "t.txt",
+            "--data",
+            "nope.txt",
+            "--budget-params",
+            "0.5",
+            "-o",
+            "p.json",
+        ],
+        "--data",
+        _NO_DATA,
+    ),
+    "prune data": (
+        ["prune", "{moe}", "--data", "nope.txt", "--budget-params", "0.5", "-o", "o"],
+        "--data",
+        _NO_DATA,
+    ),
+    "distill data": (
+        ["distill", "{moe}", "--teacher", "{moe}", "--data", "t.txt", "nope.txt", "-o", "o", "--steps", "1"],
+        "--data",
+        _NO_DATA,
+    ),
+    "distill eval data": (
+        [
+            "distill",
+            "{moe}",
+            "--teacher",
+            "{moe}",
+            "--data",
+            "t.txt",
+            "--eval-data",
+            "no*.txt",
+            "-o",
+            "o",
+            "--steps",
+            "1",
+        ],
+        "--eval-data",
+        "no*.txt: the glob matches no file",
+    ),
+    "verify data": (["verify", "{moe}", "{moe}", "--data", "nope.txt"], "--data", _NO_DATA),
+    "eval data": (
+        ["eval", "{moe}", "--tasks", "nats_per_byte", "--data", "nope.txt", "-o", "o"],
+        "--data",
+        "expected a UTF-8 text file, found no such path 'nope.txt'",
+    ),
+    "eval model": (["eval", "nope", "--tasks", "passkey", "-o", "o"], "MODEL", "no such directory 'nope'"),
+    "bench model": (
+        ["bench", "{moe}", "nope", "--workload", "prefill:1:8"],
+        "MODEL",
+        "no such directory 'nope'",
+    ),
 }
 
 _RUN_ALL = """
@@ -176,7 +236,10 @@ def test_every_path_is_checked_before_any_model_loads(tmp_path):
         assert code == 2, (name, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"gdnprune {command}: error: {flag}: "), (name, err)
-        assert "expected" in lines[0] or "cannot write" in lines[0], (name, err)
+        assert any(w in lines[0] for w in ("expected", "cannot write", "no such file", "matches no")), (
+            name,
+            err,
+        )
         assert found in lines[0], (name, err)
     assert sorted(os.listdir(tmp_path)) == ["folder", "t.txt"]  # nothing written
 
