@@ -413,12 +413,15 @@ def test_no_kernel_note_on_a_cpu(one_child):
     assert "flash-linear-attention" not in err and "falling back" not in err, err
 
 
-def test_quiet_hides_the_weight_loading_bar(one_child):
-    """transformers draws its bar on stderr (a pipe here, as a user runs the command) unless -q is given."""
-    code, loud = one_child["score"]
-    assert code == 0 and "Loading weights" in loud, loud  # the bar exists without -q
+def test_commands_show_their_own_bars_never_transformers_and_none_under_quiet(one_child):
+    """On stderr (a pipe here, as a user runs the command) a command draws its own bar, never transformers'
+    weight-loading bar; with -q nothing at all."""
+    for name in ("verify", "score"):
+        code, loud = one_child[name]
+        assert code == 0 and "Loading weights" not in loud and "it/s]" not in loud, loud
+    assert "scoring: 100%" in one_child["score"][1]  # gdnprune's own bar
     code, quiet = one_child["score -q"]
-    assert code == 0 and "Loading weights" not in quiet, quiet
+    assert code == 0 and quiet.strip() == "", quiet
 
 
 def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):

@@ -11,7 +11,8 @@ transformers logs, once per kernel, that the GDN layers fall back to its referen
 implementation when flash-linear-attention and causal-conv1d are missing (always on a CPU). That is
 expected here; :func:`model_runtime` drops those lines and, where a GPU is present, shows one note of ours
 on its own line that says what to do about it (none on a CPU, where nothing can be done; none under
-``--quiet``).
+``--quiet``). It also keeps transformers' own progress bars ("Loading weights: 0%|...") off: the commands
+show their own progress.
 """
 
 from __future__ import annotations
@@ -230,8 +231,9 @@ class _FallbackNote(logging.Filter):
 
 @contextlib.contextmanager
 def model_runtime(args) -> Iterator[None]:
-    """Apply ``--threads`` and show transformers' kernel-fallback warnings as one note; with ``--quiet``, no
-    note and no progress bars of transformers (loading the weights)."""
+    """Apply ``--threads``, show transformers' kernel-fallback warnings as one note (none with ``--quiet``)
+    and keep transformers' own progress bars ("Loading weights", ...) off while the command runs: a command
+    shows its own progress, and none under ``--quiet``."""
     threads = getattr(args, "threads", None)
     if threads is not None:
         import torch  # lazy: torch-free commands share this module
@@ -241,12 +243,10 @@ def model_runtime(args) -> Iterator[None]:
     note = _FallbackNote(args.command, quiet)
     logger = logging.getLogger(_LOGGER)
     logger.addFilter(note)
-    bars = None
-    if quiet:  # transformers' own bars ("Loading weights", ...) too
-        from transformers.utils import logging as hf_logging  # lazy: torch-free commands share this module
+    from transformers.utils import logging as hf_logging  # lazy: torch-free commands share this module
 
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
