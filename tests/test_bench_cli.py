@@ -7,7 +7,7 @@ import json
 import warnings
 
 import pytest
-from test_checkpoint import make_source
+from helpers import make_source
 
 import gdnprune.io.loading
 from gdnprune.checkpoint import slice_checkpoint

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from test_checkpoint import make_source
+from helpers import make_source
 from transformers import AutoModelForCausalLM
 
 from gdnprune.cli import main
