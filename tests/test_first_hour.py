@@ -182,7 +182,7 @@ FAIL_FAST = {
             "1",
         ],
         "--eval-data",
-        "no*.txt: the glob matches no file",
+        "no*.txt: the glob matches no data file",
     ),
     "verify data": (["verify", "{moe}", "{moe}", "--data", "nope.txt"], "--data", _NO_DATA),
     "eval data": (
@@ -236,7 +236,7 @@ def test_every_path_is_checked_before_any_model_loads(tmp_path):
         assert code == 2, (name, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"gdnprune {command}: error: {flag}: "), (name, err)
-        assert any(w in lines[0] for w in ("expected", "cannot write", "no such file", "matches no")), (
+        assert any(w in lines[0] for w in ("expected", "cannot write", "no such file", "matches no data")), (
             name,
             err,
         )

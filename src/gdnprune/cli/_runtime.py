@@ -130,14 +130,14 @@ def _source_missing(pattern: str) -> str | None:
         return None
     if not glob.has_magic(path):
         return "no such file or folder"
-    return None if glob.glob(path, recursive=True) else "the glob matches no file"
+    return None if glob.glob(path, recursive=True) else "the glob matches no data file"
 
 
 def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Raise :class:`PathError` for the first path of ``args`` that the command cannot use: a model folder
     that is missing or holds no ``config.json``, an input file that is missing, a folder or unreadable, a
-    ``--data`` source that names nothing, an output whose folder cannot be written. Cheap (a few ``stat``
-    calls), before any model loads and before torch, transformers or datasets are imported."""
+    ``--data`` source that names nothing (in a single process), an output whose folder cannot be written. Cheap
+    (a few ``stat`` calls), before any model loads and before torch, transformers or datasets are imported."""
     paths = COMMAND_PATHS.get(getattr(args, "command", None) or "")
     if paths is None:
         return
@@ -159,7 +159,11 @@ def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                 raise PathError(f"{names[dest]}: expected {noun}, found {_found(path)}")
             if not os.access(path, os.R_OK):
                 raise PathError(f"{names[dest]}: expected {noun} that can be read, found {path!r} unreadable")
-    for dest in paths.sources:
+    # several processes (torchrun): the command checks its corpus inside the process group, so that every rank
+    # stops with the message of the one whose data is missing (a rank that stopped here would leave the others
+    # waiting for it)
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    for dest in () if several else paths.sources:
         for pattern in _values(args, dest):
             reason = _source_missing(pattern)
             if reason is not None:
