@@ -30,5 +30,10 @@ TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# `make bench` lists the benchmarks and their claims; `make bench SUITE=transform ARGS="--rounds 6"` runs one
+# (nice'd, one torch thread unless OMP_NUM_THREADS is set): python -m benchmarks SUITE ARGS
+bench: $(VENV)/.installed
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} nice -n 10 $(PY) -m benchmarks $(SUITE) $(ARGS)
+
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache .hypothesis .mypy_cache .ruff_cache

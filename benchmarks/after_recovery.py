@@ -297,7 +297,7 @@ def print_row(bench: Bench, row: dict) -> None:
         print(line + (f"  (same plan as {e['same_plan_as']})" if e["same_plan_as"] else ""))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument(
@@ -315,7 +315,7 @@ def main() -> int:
         help="other plan sensitivities to compare (e.g. bld where it exists)",
     )
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "after_recovery")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     set_up(args)
     print(
         f"load average {load_average():.1f}; torch threads {args.threads}; ranking {args.rank_by_distill} "

@@ -1,41 +1,47 @@
 #!/usr/bin/env python
-"""Distillation at scale: memory per process and throughput of DDP against FSDP2, and what fits on 8 GPUs.
+"""Recovery at scale: FSDP2 holds 56-65% of DDP's memory per process, sharded loading grows 0.5x per teacher byte, data preparation's memory does not grow with the corpus, and a pruned 27B fits 8 x 80 GB.
 
-Part 1, measured (2 processes on the CPU, gloo, ``torch.distributed.run``): a random Qwen3.5 text model,
-hidden 1024 (the teacher), and its GDN half-slice (the student: half the key and value heads of every
-GDN layer), trained by :func:`gdnprune.distill.distill` for a few steps on random tokens, in four runs:
+Four parts (``python -m benchmarks distill_scale PART``), every measured one on 2 CPU processes (gloo,
+``torch.distributed.run``), the peak resident memory of each process from the kernel:
 
-* ``ddp``: data-parallel, the student and the teacher whole in every process;
-* ``fsdp``: the student sharded with FSDP2 (parameters, gradients, AdamW state), the teacher whole;
-* ``fsdp+teacher``: the student and the teacher sharded;
-* ``fsdp+teacher, LM only``: the same engine, ``kd_weight=0, lm_weight=1`` (no teacher forward, no KD
-  loss): the plain fine-tuning step a KD step is compared with.
+``engines``: a random Qwen3.5 text model, hidden 1024 (the teacher), and its GDN half-slice (the student: half
+the key and value heads of every GDN layer), trained by :func:`gdnprune.distill.distill` for a few steps on
+random tokens, in up to five runs: ``ddp`` (the student and the teacher whole in every process), ``fsdp`` (the
+student sharded with FSDP2: parameters, gradients, AdamW state), ``fsdp+teacher`` (both sharded), and
+``ddp+lm`` / ``fsdp+teacher+lm`` (``kd_weight=0, lm_weight=1``: the plain fine-tuning step a KD step is
+compared with). Each run reports the training peak of each process (VmHWM, reset once the Trainer has
+wrapped the model), the setup peak before it, the estimate of :func:`gdnprune.distill.estimate_memory`, the
+throughput, the CPU time of a step (the slower process, all its threads), the pages mapped per step, and the
+loss curve. Every process first sets the host allocator as ``gdnprune distill`` does on a CPU (``--malloc``).
 
-Each run reports the peak resident memory of each process (``ru_maxrss``), the memory before the models
-were built (the interpreter, torch, transformers), the estimate of :func:`gdnprune.distill.estimate_memory`
-for that engine, the training throughput (tokens/s over the steps after the first), the CPU time of a step
-(all threads of the slower process: on a shared machine the load inflates wall time far more than CPU
-time, so KD / LM step ratios are given in both) and the loss curve.
+``table``: the estimate per GPU for real model configurations on 8 x 80 GB, for DDP and FSDP2 variants
+(float32 master parameters and AdamW state, bf16 mixed precision, a bf16 teacher, gradient checkpointing, one
+window of 4096 tokens per GPU), built on the meta device from the numbers in ``CONFIGS`` (sources given).
 
-Every process first sets the host allocator as ``gdnprune distill`` does on a CPU: under FSDP2
-:func:`gdnprune.distill.host_allocator.return_freed_memory` (glibc returns the blocks FSDP2 frees), DDP left
-to glibc's default; ``--malloc mmap`` sets it in every mode, ``--malloc glibc`` in none (as the runs before
-issue 28 measured), ``--malloc trim`` keeps glibc's default and calls ``malloc_trim(0)`` before every decoder
-layer's forward and backward instead.
+``loading``: :func:`gdnprune.distill.distill_checkpoint` under FSDP2 with the teacher sharded, from folders
+saved to a temporary directory: a small random student and random teachers of each size in
+``--teacher-layers`` (stored in bf16, trained in float32); each loaded ``whole`` (every process builds both
+models, then shards them) or ``sharded`` (each process reads only its own rows from the files). Reports the
+peak while loading and while training, and how much the peak grows per byte added to the teacher (a whole
+copy per process: about 1.0; the target for sharded loading: at most 0.6). ``--moe``: MoE models stored one
+tensor per expert.
 
-Part 2, computed: the estimate per GPU for real model configurations on 8 processes (8 x 80 GB), for DDP
-and for FSDP2 with the teacher sharded: float32 master parameters and AdamW state, bf16 mixed precision,
-a bf16 teacher, gradient checkpointing, one window of 4096 tokens per GPU. The configs are built on the
-meta device (no weights) from the numbers in ``CONFIGS`` below (their sources are given there).
+``corpus``: for each corpus size (generated JSONL shards under ``--root``) a fresh child process runs
+:func:`gdnprune.corpus.open_windows` with the bundled demo tokenizer and reads every window once; its peak RSS
+and the time of each step, first run and reused cache; ``--procs 2`` under ``torch.distributed.run`` sharing
+the cache; a baseline child (the same imports, no data) and, with ``--old``, the one-file path of earlier
+versions (the whole corpus in memory).
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py                  # both parts (a few minutes)
-    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --gradient-checkpointing
-    python benchmarks/distill_scale.py --table-only                       # part 2 only (seconds)
-    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --modes ddp fsdp+teacher --malloc glibc  # glibc's default
-    OMP_NUM_THREADS=1 python benchmarks/distill_scale.py --hidden 2048 --layers 12 --batch-size 2 --seq-len 128 \\
-        --modes fsdp+teacher fsdp ddp                            # 428M teacher: DDP ~9.5 GB per process
+    python -m benchmarks distill_scale engines                        # 5 runs, ~22 min on 2 busy cores
+    python -m benchmarks distill_scale engines --modes ddp fsdp+teacher --gradient-checkpointing
+    python -m benchmarks distill_scale engines --hidden 2048 --layers 12 --batch-size 2 --seq-len 128 \\
+        --modes fsdp+teacher fsdp ddp                                 # 428M teacher: DDP ~9.5 GB per process
+    python -m benchmarks distill_scale table                          # the 8 x 80 GB table, seconds
+    python -m benchmarks distill_scale loading                        # ~3 minutes
+    python -m benchmarks distill_scale loading --moe --teacher-layers 4 12 --steps 1
+    python -m benchmarks distill_scale corpus --sizes 2 100 --procs 1 2 --root /tmp/bench
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,10 +59,14 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-GB = 1e9
+from _common import REPO, child_env, load_text, torchrun, write_json
 
-WORKER = textwrap.dedent("""
+GB = 1e9
+HERE = Path(__file__).resolve().parent
+
+# ---- engines: DDP against FSDP2 ------------------------------------------------------------------------------
+
+ENGINE_WORKER = textwrap.dedent("""
     import ctypes, json, os, resource, sys, time
     import torch
     from transformers import TrainerCallback
@@ -139,31 +152,12 @@ LABELS = {
 def build_pair(layers: int = 8, hidden: int = 1024, seed: int = 0):
     """A random Qwen3.5 text model (hidden and MLP ``hidden``, 3 GDN + 1 attention per 4 layers, GDN 16/16
     heads of 128, vocabulary 32000, tied embeddings) and its GDN half-slice (8 key and 8 value heads)."""
-    import torch
-    import transformers
+    from _common import random_qwen35
 
     from gdnprune.io.loading import slice_model
 
-    torch.manual_seed(seed)
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=32000,
-        hidden_size=hidden,
-        intermediate_size=hidden,
-        num_hidden_layers=layers,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        tie_word_embeddings=True,
-    )
-    teacher = transformers.Qwen3_5ForCausalLM(config).eval()
-    student = slice_model(teacher, {"num_key_heads": 8, "num_value_heads": 8})
-    return teacher, student
+    teacher = random_qwen35(seed, hidden=hidden, layers=layers, intermediate=hidden, tie=True)
+    return teacher, slice_model(teacher, {"num_key_heads": 8, "num_value_heads": 8})
 
 
 def trim_hooks(models, malloc_trim) -> None:
@@ -182,24 +176,14 @@ def trim_hooks(models, malloc_trim) -> None:
             layer.register_full_backward_pre_hook(trim)
 
 
-def measure(args) -> dict:
+def engines_measure(args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
-        script.write_text(WORKER.format(bench=str(Path(__file__).resolve().parent)))
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(args.threads),
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-        }
+        script.write_text(ENGINE_WORKER.format(bench=str(HERE)))
+        env = child_env(args.threads)
         for mode in args.modes:
             cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                "2",
                 str(script),
                 mode,
                 tmp,
@@ -212,13 +196,10 @@ def measure(args) -> dict:
                 str(args.hidden),
                 f"{args.malloc}:{args.mmap_threshold or ''}",
             ]
-            start = time.perf_counter()
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{mode} failed:\n{done.stderr[-4000:]}")
+            wall, _ = torchrun(cmd, 2, env)
             ranks = [json.loads((Path(tmp) / f"{mode}-{r}.json").read_text()) for r in (0, 1)]
-            results[mode] = {"ranks": ranks, "wall": time.perf_counter() - start}
-            print(f"  {mode}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            results[mode] = {"ranks": ranks, "wall": wall}
+            print(f"  {mode}: {wall:.0f} s", file=sys.stderr)
     return {mode: results[mode] for mode in MODES if mode in results}  # reported in this order
 
 
@@ -308,6 +289,8 @@ def report_measured(results: dict, args) -> None:
         est = res["ranks"][0]["estimate"]
         print(f"- {LABELS[mode]}: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in est.items() if k != "total"))
 
+
+# ---- table: real configurations on 8 x 80 GB ---------------------------------------------------------------
 
 # Real configurations. Sources:
 # - Qwen3.5-27B: the Qwen3.5-27B model card (huggingface.co/Qwen/Qwen3.5-27B): 64 layers (16 x (3 Gated
@@ -463,17 +446,367 @@ def report_table(args) -> None:
             print(f"| {name} | {label} | {sizes[0]:.1f}B / {sizes[1]:.1f}B | " + " | ".join(cells) + " |")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=4, help="global batch (2 processes)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")
-    p.add_argument("--hidden", type=int, default=1024, help="hidden size and MLP width of the teacher")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute the decoder layers")
-    p.add_argument(
+# ---- loading: into FSDP2 shards against whole loading --------------------------------------------------------
+
+LOADING_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    from transformers import TrainerCallback
+    torch.set_num_threads(1)
+
+    def high_water_mark():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+    baseline = high_water_mark()
+    from gdnprune.distill import DistillConfig, distill_checkpoint
+
+    class Peaks(TrainerCallback):
+        loading = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.loading = high_water_mark()
+            with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM: the training phase's own peak
+                f.write("5")
+
+    root, mode, teacher, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    peaks = Peaks()
+    config = DistillConfig(steps=steps, batch_size=2, lr=1e-4, log_every=1, progress=False, fsdp=True,
+                           teacher_sharding="shard")
+    out = os.path.join(root, f"out-{{mode}}-{{os.path.basename(teacher)}}")
+    distill_checkpoint(os.path.join(root, "student"), teacher, os.path.join(root, "train.txt"), out,
+                       config=config, seq_len=32, sharded_loading=mode == "sharded", callbacks=[peaks])
+    rank = int(os.environ["RANK"])
+    report = {{"baseline": baseline, "loading": peaks.loading, "training": high_water_mark()}}
+    with open(os.path.join(root, f"{{mode}}-{{os.path.basename(teacher)}}-{{rank}}.json"), "w") as f:
+        json.dump(report, f)
+""")
+
+
+def loading_config(layers: int, hidden: int, moe: bool = False):
+    import transformers
+
+    if moe:  # 8 experts of hidden / 2, 2 per token, a shared expert: stored one tensor per expert
+        return transformers.Qwen3_5MoeTextConfig(
+            **{k: v for k, v in loading_config(layers, hidden).to_dict().items() if k.startswith(_SHARED)},
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden // 2,
+            tie_word_embeddings=False,
+        )
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=hidden // 8,
+        linear_num_key_heads=8,
+        linear_num_value_heads=8,
+        linear_key_head_dim=hidden // 8,
+        linear_value_head_dim=hidden // 8,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+    )
+
+
+# the config keys an MoE teacher takes from the dense one
+_SHARED = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "linear_")  # fmt: skip
+
+
+def _tokenizer(folder: Path, moe: bool = False) -> None:
+    """A word-level tokenizer of the benchmark's text (teacher and student share it); for MoE models, whose
+    model type makes transformers load its Qwen tokenizer class, gdnprune's byte tokenizer."""
+    import transformers
+
+    if moe:
+        from gdnprune.demo_data import build_byte_tokenizer
+
+        build_byte_tokenizer().save_pretrained(folder)
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "the", "teacher", "is", "sharded", "and", "loaded", "by", "rows"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
+
+
+def build_folders(
+    root: Path, teacher_layers: list[int], hidden: int, stored: str, moe: bool = False
+) -> dict[str, int]:
+    """The student folder, one teacher folder per size (both MoE with ``moe``), the text;
+    ``{teacher folder: parameters}``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    family = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    student = family(
+        loading_config(4, 256, moe)
+    )  # of the teacher's family: transformers picks its tokenizer class
+    student.save_pretrained(root / "student")
+    _tokenizer(root / "student", moe)
+    sizes = {}
+    for layers in teacher_layers:
+        folder = root / f"teacher{layers}"
+        config = loading_config(layers, hidden, moe)
+        teacher = family(config)
+        teacher.to(getattr(torch, stored)).save_pretrained(folder, max_shard_size="200MB")
+        _tokenizer(folder, moe)
+        sizes[str(folder)] = sum(p.numel() for p in teacher.parameters())
+        del teacher
+    (root / "train.txt").write_text(" ".join(["the teacher is sharded and loaded by rows"] * 400))
+    return sizes
+
+
+def loading_measure(args) -> dict:
+    results: dict = {}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        root = Path(tmp)
+        sizes = build_folders(root, args.teacher_layers, args.hidden, args.stored_dtype, args.moe)
+        script = root / "worker.py"
+        script.write_text(LOADING_WORKER.format())
+        env = child_env(1, GDNPRUNE_DATA_CACHE=str(root / "cache"))
+        for teacher, parameters in sizes.items():
+            for mode in args.modes:
+                wall, _ = torchrun([str(script), tmp, mode, teacher, str(args.steps)], 2, env)
+                name = Path(teacher).name
+                ranks = [json.loads((root / f"{mode}-{name}-{r}.json").read_text()) for r in (0, 1)]
+                results[(mode, parameters)] = ranks
+                print(
+                    f"  {mode}, teacher {parameters / 1e6:.0f}M: {wall:.0f} s",
+                    file=sys.stderr,
+                )
+    return results
+
+
+def loading_report(results: dict, args) -> None:
+    print(
+        f"2 processes (gloo, CPU), FSDP2, student and {'MoE ' if args.moe else ''}teacher float32 "
+        f"(teacher files {args.stored_dtype}), "
+        f"{args.steps} steps of 2 x 32 tokens. "
+        f"Peak = VmHWM of each process: while loading (to the Trainer's start), while training (reset there).\n"
+    )
+    print("| loading | teacher parameters | teacher bytes | rank | peak loading (GB) | peak training (GB) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for (mode, parameters), ranks in results.items():
+        for rank, r in enumerate(ranks):
+            print(
+                f"| {mode} | {parameters / 1e6:.0f}M | {parameters * 4 / GB:.2f} GB | {rank} | "
+                f"{r['loading'] / GB:.2f} | {r['training'] / GB:.2f} |"
+            )
+    sizes = sorted({p for _, p in results})
+    print("\nGrowth of the peak per added teacher byte (smallest to largest teacher, worst process):\n")
+    print("| loading | while loading | while training | whole process |")
+    print("|---|---:|---:|---:|")
+    added = (sizes[-1] - sizes[0]) * 4
+    for mode in args.modes:
+        small, big = results[(mode, sizes[0])], results[(mode, sizes[-1])]
+        row = []
+        for key in ("loading", "training", "peak"):
+            grow = [
+                (max(b["loading"], b["training"]) - max(s["loading"], s["training"]))
+                if key == "peak"
+                else b[key] - s[key]
+                for s, b in zip(small, big)
+            ]
+            row.append(f"{max(grow) / added:.2f}x")
+        print(f"| {mode} | {' | '.join(row)} |")
+
+
+# ---- corpus: data preparation -------------------------------------------------------------------------------
+
+DEMO = REPO / "src" / "gdnprune" / "data" / "demo_model"
+SEQ_LEN = 512
+SHARD_BYTES = 32 << 20
+
+
+def generate(folder: Path, megabytes: int, seed: int = 0) -> int:
+    """JSONL shards of about ``SHARD_BYTES`` of generated documents (words drawn from a fixed list)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        for _ in range(5000)
+    ]
+    target, written, shard = megabytes << 20, 0, 0
+    out = open(folder / f"shard-{shard:05d}.jsonl", "w", encoding="utf-8")
+    while written < target:
+        doc = " ".join(rng.choices(words, k=rng.randint(50, 800)))
+        line = json.dumps({"text": doc}) + "\n"
+        out.write(line)
+        written += len(line)
+        if out.tell() >= SHARD_BYTES and written < target:
+            out.close()
+            shard += 1
+            out = open(folder / f"shard-{shard:05d}.jsonl", "w", encoding="utf-8")
+    out.close()
+    return written
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(mode: str, data: str, cache: str) -> dict:
+    """One measured run in this process; returns its numbers."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(DEMO)
+    ranked = "RANK" in os.environ
+    if ranked:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ranked else (0, 1)
+    report: dict = {"mode": mode, "rank": rank, "setup_s": time.perf_counter() - start}
+    if mode == "baseline":
+        import gdnprune.corpus.dataset  # noqa: F401  (the fixed part: every module a corpus run imports)
+
+        report["peak_rss_mib"] = _peak_mib()
+        return report
+    if mode == "old":
+        from gdnprune.quality.calibration import pack_windows, read_texts
+
+        t = time.perf_counter()
+        windows = pack_windows(read_texts(data), tokenizer, seq_len=SEQ_LEN)
+        report.update(
+            prepare_s=time.perf_counter() - t, windows=int(windows.shape[0]), peak_rss_mib=_peak_mib()
+        )
+        return report
+    from gdnprune.corpus.dataset import open_windows
+
+    t = time.perf_counter()
+    ds = open_windows(data, tokenizer, seq_len=SEQ_LEN, cache_dir=cache)
+    report["prepare_s"] = time.perf_counter() - t
+    report["reused"] = all(s.reused for s in ds.windows.streams)
+    report["rss_after_prepare_mib"] = _peak_mib()
+    mine = ds.shard(rank, world)
+    t = time.perf_counter()
+    total = 0
+    for k in range(len(mine)):
+        total += int(mine[k]["input_ids"][0])
+    report.update(
+        read_s=time.perf_counter() - t,
+        windows=len(ds),
+        my_windows=len(mine),
+        tokens=sum(s.num_tokens for s in ds.windows.streams),
+        peak_rss_mib=_peak_mib(),
+    )
+    if ranked:
+        dist.destroy_process_group()
+    return report
+
+
+def run_child(mode: str, data: Path, cache: Path, procs: int) -> list[dict]:
+    out = cache.parent / f".report-{os.getpid()}-{mode}.json"
+    script = [str(HERE / "distill_scale.py"), "corpus", "--child", mode, str(data), str(cache), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if procs > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+    else:
+        cmd = [sys.executable]
+    t = time.perf_counter()
+    subprocess.run([*cmd, *script], env=env, check=True)
+    wall = time.perf_counter() - t
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    out.unlink()
+    for r in reports:
+        r["wall_s"] = wall
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def engines(args) -> int:
+    load = load_text()
+    results = engines_measure(args)
+    print(f"Load average before / after: {load} / {load_text()} (shared machine)\n")
+    report_measured(results, args)
+    write_json(args.json, results)
+    return 0
+
+
+def table(args) -> int:
+    report_table(args)
+    return 0
+
+
+def loading(args) -> int:
+    results = loading_measure(args)
+    loading_report(results, args)
+    write_json(args.json, [{"mode": m, "teacher_parameters": p, "ranks": r} for (m, p), r in results.items()])
+    return 0
+
+
+def corpus(args) -> int:
+    if args.child:
+        mode, data, cache, out = args.child
+        report = child(mode, data, cache)
+        with open(out, "a") as f:  # ranks append one line each (short writes under O_APPEND)
+            f.write(json.dumps(report) + "\n")
+        return 0
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    base = run_child("baseline", root, root / "cache-none", 1)[0]
+    print(f"baseline (imports + tokenizer, no data): peak RSS {base['peak_rss_mib']:.0f} MiB", flush=True)
+    for size in args.sizes:
+        data = root / f"{size}MB"
+        if not data.exists():
+            t = time.perf_counter()
+            written = generate(data, size)
+            print(
+                f"generated {written / 2**20:.1f} MiB in {data} ({time.perf_counter() - t:.0f} s)", flush=True
+            )
+        for procs in args.procs:
+            cache = root / f"cache-{size}MB-{procs}p"
+            shutil.rmtree(cache, ignore_errors=True)
+            for run in ("first", "reused"):
+                for r in run_child("corpus", data, cache, procs):
+                    rows.append(dict(size_mb=size, procs=procs, run=run, **r))
+                    print(json.dumps(rows[-1]), flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
+        if size in args.old:
+            single = root / f"{size}MB.jsonl"
+            with open(single, "wb") as out:
+                for shard in sorted(data.glob("*.jsonl")):
+                    out.write(shard.read_bytes())
+            r = run_child("old", single, root / "cache-none", 1)[0]
+            rows.append(dict(size_mb=size, procs=1, run="old", **r))
+            print(json.dumps(rows[-1]), flush=True)
+            single.unlink()
+    print(
+        f"\n| corpus | procs | run | prepare s | read all s | windows | peak RSS MiB (per process) | "
+        f"over baseline ({base['peak_rss_mib']:.0f} MiB) |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['size_mb']} MB | {r['procs']} (rank {r['rank']}) | {r['run']} | {r['prepare_s']:.1f} | "
+            f"{r.get('read_s', float('nan')):.1f} | {r['windows']} | {r['peak_rss_mib']:.0f} | "
+            f"{r['peak_rss_mib'] - base['peak_rss_mib']:+.0f} |"
+        )
+    write_json(args.json, rows)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parts = parser.add_subparsers(dest="part", required=True)
+    e = parts.add_parser("engines", help="DDP against FSDP2: memory per process, speed, loss curves")
+    e.add_argument("--steps", type=int, default=4)
+    e.add_argument("--batch-size", type=int, default=4, help="global batch (2 processes)")
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")
+    e.add_argument("--hidden", type=int, default=1024, help="hidden size and MLP width of the teacher")
+    e.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    e.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    e.add_argument("--gradient-checkpointing", action="store_true", help="recompute the decoder layers")
+    e.add_argument(
         "--malloc",
         choices=("cli", "mmap", "glibc", "trim"),
         default="cli",
@@ -482,24 +815,45 @@ def main() -> None:
         "mmap = that threshold in every mode; glibc = glibc's default (or the environment's MALLOC_*); "
         "trim = glibc's default and malloc_trim(0) before every decoder layer's forward and backward",
     )
-    p.add_argument(
+    e.add_argument(
         "--mmap-threshold",
         type=int,
         default=None,
         metavar="BYTES",
         help="with --malloc cli or mmap: the threshold given to return_freed_memory (default: its own)",
     )
-    p.add_argument("--table-only", action="store_true")
-    args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))
-    load = os.getloadavg()
-    if not args.table_only:
-        results = measure(args)
-        print(f"Load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f} (shared machine)\n")
-        report_measured(results, args)
-        print()
-    report_table(args)
+    e.set_defaults(run=engines)
+    parts.add_parser("table", help="the estimate per GPU for real configurations on 8 x 80 GB").set_defaults(
+        run=table
+    )
+    lo = parts.add_parser("loading", help="loading into FSDP2 shards against whole loading")
+    lo.add_argument("--teacher-layers", type=int, nargs="+", default=[4, 28], help="teacher sizes (layers)")
+    lo.add_argument("--hidden", type=int, default=1024, help="the teacher's hidden size")
+    lo.add_argument("--modes", nargs="+", default=["whole", "sharded"], choices=["whole", "sharded"])
+    lo.add_argument("--steps", type=int, default=2)
+    lo.add_argument(
+        "--stored-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the teacher files' dtype (loaded in float32; float32 files are memory-mapped by a whole load)",
+    )
+    lo.add_argument("--moe", action="store_true", help="MoE teacher and student (8 experts, one tensor each)")
+    lo.add_argument("--tmp", default=None, help="where the model folders go (default: the system's temp)")
+    lo.set_defaults(run=loading)
+    c = parts.add_parser("corpus", help="data preparation: peak RSS and time as the corpus grows")
+    c.add_argument("--sizes", type=int, nargs="+", default=[2, 100], metavar="MB")
+    c.add_argument("--procs", type=int, nargs="+", default=[1], metavar="N")
+    c.add_argument(
+        "--old", type=int, nargs="*", default=[], metavar="MB", help="sizes to run the old path on"
+    )
+    c.add_argument("--root", default="/tmp/gdnprune-corpus-bench")
+    c.add_argument("--child", nargs=4, metavar=("MODE", "DATA", "CACHE", "OUT"), help=argparse.SUPPRESS)
+    c.set_defaults(run=corpus)
+    for sub in (e, lo, c):
+        sub.add_argument("--json", type=Path, default=None, help="also write the measurements here")
+    args = parser.parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

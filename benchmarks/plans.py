@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Plan search benchmark: searched per-layer plans against the best uniform target, under the same budgets.
+"""The searched per-layer GDN plan beats the best uniform cut at every budget; successive halving finds the exact plan.
+
+Plan search benchmark: searched per-layer plans against the best uniform target, under the same budgets.
 
 For each model (the bundled demo model; a deeper model that ``scripts/train_demo_model.py`` trains, see
 ``--deep``) it scores the GDN layers on training text, measures every candidate's sensitivity once (the
@@ -29,8 +31,8 @@ each sensitivity cost. And, per budget (issue 22):
 
 Prints the tables; ``--json`` writes every number; ``--cache FILE`` keeps the measured sensitivity (the
 slowest part, every candidate on every window, one window per forward, with every window's KL) and reuses
-it when the model, grid and windows are the same; ``--measure-only`` only fills the cache (for
-``benchmarks/halving_replay.py``, which replays successive halving's variants on it).
+it when the model, grid and windows are the same; ``--measure-only`` only fills the cache (the replay of
+successive halving's variants on it, ``benchmarks/halving_replay.py``, is in git at commit 7019855).
 
     .venv/bin/python benchmarks/plans.py --threads 1 --json plans.json
     .venv/bin/python benchmarks/plans.py --deep benchmarks/_work/models/deep_docstrings   # + the deeper model
@@ -57,6 +59,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _common import joint_kl, spearman, window_losses  # noqa: E402,F401  (whole_model, after_recovery import them from here)
 
 from gdnprune import demo_data  # noqa: E402
 from gdnprune.io.loading import load_pretrained, slice_model  # noqa: E402
@@ -88,39 +91,6 @@ def parse_budgets(text: str) -> list[tuple[str, float]]:
             raise argparse.ArgumentTypeError(f"a budget is params:F or state:F, got {item!r}")
         out.append((kind, float(value)))
     return out
-
-
-def window_losses(model, windows: torch.Tensor, batch: int = 16) -> np.ndarray:
-    """Mean next-token cross entropy of every window (nats/byte)."""
-    out = []
-    with torch.no_grad():
-        for start in range(0, windows.shape[0], batch):
-            x = windows[start : start + batch]
-            logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
-            ce = (
-                torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
-                )
-                .reshape(x.shape[0], -1)
-                .mean(1)
-            )
-            out.append(ce)
-    return torch.cat(out).numpy()
-
-
-def joint_kl(model, teacher_logp: list[torch.Tensor], windows: list[torch.Tensor]) -> float:
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for x, t in zip(windows, teacher_logp):
-            s = model(input_ids=x).logits.float().log_softmax(-1)
-            total += float((t.exp() * (t - s)).sum())
-            n += x.numel()
-    return total / n
-
-
-def spearman(a, b) -> float:
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def scoring_pass(model, calibration: torch.Tensor) -> tuple[dict, float]:
@@ -174,7 +144,7 @@ def run_model(name: str, model, corpus: str, args) -> dict:
     else:
         t0 = time.perf_counter()
         # the full measurement, one window per forward (as halving measures), keeping every window's KL
-        # (benchmarks/halving_replay.py replays halving's variants on it)
+        # (benchmarks/halving_replay.py of commit 7019855 replays halving's variants on it)
         measured = halving_sensitivity(
             model,
             sens_windows,
@@ -479,7 +449,7 @@ def print_halving(result: dict) -> None:
             )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--deep", type=Path, default=None, help="folder of the deeper model (trained as above)")
     p.add_argument("--skip-bundled", action="store_true", help="only the --deep model")
@@ -513,7 +483,7 @@ def main() -> int:
     p.add_argument(
         "--measure-only",
         action="store_true",
-        help="only the full measurement (into --cache, for benchmarks/halving_replay.py), no plans",
+        help="only the full measurement (into --cache), no plans",
     )
     p.add_argument(
         "--halving-variants",
@@ -533,7 +503,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if "default" not in args.halving_variants:
         args.halving_variants.append("default")  # the cheap plan of the other tables
     torch.set_num_threads(args.threads)

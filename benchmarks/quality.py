@@ -1,7 +1,10 @@
 #!/usr/bin/env python
-"""Quality of the importance orders on the bundled demo model: validation loss after slicing.
+"""The default orders beat 90-100% of random orders on every GDN axis and on MLP channels; compensation cuts 15-22% more loss.
 
-For each axis alone (key groups, value heads per group, key head dim, value head dim) at 50% and 25% kept
+Three parts (``python -m benchmarks quality PART``), each the validation loss after cutting a model in memory
+(nats/byte, the loss increase over the unpruned model):
+
+``gdn``: the GDN axes' orders on the bundled demo model. For each axis alone (key groups, value heads per group, key head dim, value head dim) at 50% and 25% kept
 (where representable: the model has r = 2 lanes per group, so 25% of lanes is not), and for one combined
 target, every GDN layer is permuted by an order and sliced to the target in memory with the core API
 (``slice_gated_delta_net_state_dict(..., permutation=...)``: permute + slice in one gather), loaded into a
@@ -28,11 +31,43 @@ Targets at 50% kept: the default beats at least 90% of the random orders on all 
 least 70% of the gap on key groups and lanes, and is no worse than ``activation`` on at least 3 of the
 4 axes.
 
+``dense``: which order wins for MLP channels and attention heads. On the bundled demo model (or ``--model``: a byte-level model folder such as the deeper model of
+``scripts/train_demo_model.py``), the sub-blocks are scored on training text with
+``score_model(...)`` (every kind by default) by both methods, then cut in memory (:func:`gdnprune.slice_model`):
+
+* every MLP to 1/2, 1/4 and 1/8 of its channels;
+* every full-attention layer to one key-value group (all its query heads), to one query head per group,
+  and to one head in all;
+
+each with the ``projection`` order (the default), the ``activation`` baseline (Minitron), the identity
+order, the reversed projection order, and ``--random-orders`` random orders (mean, standard deviation,
+and the share of them each method beats). For attention, where few choices exist, also the best and the
+worst of every possible kept set (exhaustive, on the validation text itself: an upper bound no order
+can beat). Reported: validation loss (nats/byte) minus the unpruned model's.
+
+``methods``: measured lane choice and least-squares compensation on several models. For every model, every axis at 50 % and 25 % kept (where representable) and one combined target, the
+validation loss increase of
+
+* ``default``: the ``projection`` scores; ``refined``: the same with measured lane orders
+  (:func:`gdnprune.quality.lane_search.refine_lane_orders`); ``compensated``: the default cut with ``out_proj`` refitted
+  by least squares (:mod:`gdnprune.quality.compensate`); ``refined+comp.``; ``sequential``: the default cut with
+  ``out_proj`` refitted layer by layer on the cut model's own hidden states against the full model's
+  residual stream (:func:`gdnprune.quality.compensate.sequential_refit`; ``--references`` adds columns for its
+  other references); ``activation``;
+* ``--random-orders`` random orders (mean, and the share each method beats);
+* for lanes and key groups, the per-layer optimum (every choice of each layer alone, searched on training
+  windows; as in ``gdn``) and the gap each method closes.
+
+Models: ``bundled`` (the demo model) and model folders trained with ``scripts/train_demo_model.py`` (the
+corpus is read from their ``training.json``). Calibration, statistics and searches use training text;
+losses use held-out text.
+
 Usage::
 
-    python benchmarks/quality.py                     # defaults: 10-25 minutes on 2 shared CPU cores
-    python benchmarks/quality.py --search-windows 8  # noisier optimum searches, about 9 minutes
-    python benchmarks/quality.py --no-optimum --no-variants        # about 2 minutes
+    python -m benchmarks quality gdn --threads 1 --json quality.json             # 10-25 minutes on 2 shared cores
+    python -m benchmarks quality gdn --no-optimum --no-variants                  # about 2 minutes
+    python -m benchmarks quality dense --threads 1 --json dense_orders.json      # about 13 minutes
+    python -m benchmarks quality methods --threads 1 --models bundled,benchmarks/_work/models/seed1 --json one_shot.json
 """
 
 from __future__ import annotations
@@ -41,19 +76,26 @@ import argparse
 import copy
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import _common  # noqa: F401  (the repository's src first on sys.path)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from gdnprune import demo_data
+from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
+from gdnprune.io.loading import load_pretrained, slice_model
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.model.subblock_geometry import orders_to_payload
+from gdnprune.model.subblock_surgery import find_model_blocks, random_orders
+from gdnprune.quality import compensate
+from gdnprune.quality.lane_search import refine_lane_orders
+from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations
 
-from gdnprune import demo_data  # noqa: E402
-from gdnprune.gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict  # noqa: E402
-from gdnprune.model.layouts import find_gdn_modules  # noqa: E402
-from gdnprune.scoring import GDN_ONLY, score_model, scores_to_permutations  # noqa: E402
+# ---- gdn: the GDN axes' orders -------------------------------------------------------------------------------
 
 AXES = ("key_groups", "value_lanes", "key_dim", "value_dim")
 AXIS_FIELD = {"key_groups": "num_key_heads", "key_dim": "key_head_dim", "value_dim": "value_head_dim"}
@@ -289,8 +331,8 @@ def targets(shape: GDNShape, combined: GDNShape) -> list[tuple[str, str, GDNShap
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def gdn(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks quality gdn", description="The GDN axes' orders.")
     p.add_argument(
         "--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)"
     )
@@ -512,6 +554,372 @@ def report(results) -> str:
     for text, ok, detail in checks:
         lines.append(f"- {'MET' if ok else 'NOT MET'}: {text} ({detail})")
     return "\n".join(lines)
+
+
+# ---- dense: MLP channels and attention heads -------------------------------------------------------------------
+
+
+def _dense_loss(model, args, blocks, orders) -> float:
+    cut = slice_model(model, None, blocks=blocks, block_orders=orders)
+    return demo_data.validation_loss(cut, seq_len=args.seq_len, num_windows=args.val_windows)
+
+
+def _reversed(payload: dict) -> dict:
+    out = dict(payload)
+    for key, value in payload.items():
+        if key.endswith("_order_most_important_first"):
+            out[key] = [row[::-1] for row in value] if value and isinstance(value[0], list) else value[::-1]
+    return out
+
+
+def _attention_choices(block) -> list[dict]:
+    """Orders that put every possible set of key-value groups and query heads first (for exhaustive cuts)."""
+    nkv, r = block.shape.num_key_value_heads, block.shape.heads_per_group
+    out = []
+    for groups in itertools.permutations(range(nkv)):
+        for rows in itertools.product(list(itertools.permutations(range(r))), repeat=nkv):
+            out.append(orders_to_payload({"kv_groups": list(groups), "query_heads": [list(x) for x in rows]}))
+    return out
+
+
+def dense(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks quality dense", description="MLP channels and attention heads."
+    )
+    p.add_argument(
+        "--model", type=Path, default=None, help="byte-level model folder (default: the bundled model)"
+    )
+    p.add_argument(
+        "--calib-samples", type=int, default=64, help="calibration windows of training text (default 64)"
+    )
+    p.add_argument("--calib-seq-len", type=int, default=128)
+    p.add_argument("--val-windows", type=int, default=48, help="validation windows (default 48)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--random-orders", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write all numbers to this JSON file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    if args.model is None:
+        model, _ = demo_data.load_demo_model()
+    else:
+        model = load_pretrained(args.model, dtype=torch.float32).eval()
+    base = demo_data.validation_loss(model, seq_len=args.seq_len, num_windows=args.val_windows)
+    calib = demo_data.byte_windows(demo_data.train_text(), args.calib_seq_len, args.calib_samples)
+    batches = [calib[i : i + 4] for i in range(0, calib.shape[0], 4)]
+    blocks = find_model_blocks(model)
+    orders = {}
+    for method in ("projection", "activation"):
+        scores = score_model(model, batches, method=method, progress=False)
+        orders[method] = {b.prefix: scores["layers"][b.prefix] for b in blocks}
+    orders["identity"] = None
+    orders["reversed projection"] = {k: _reversed(v) for k, v in orders["projection"].items()}
+    g = torch.Generator().manual_seed(0)
+    randoms = [
+        {b.prefix: orders_to_payload(random_orders(b, generator=g)) for b in blocks}
+        for _ in range(args.random_orders)
+    ]
+    mlp = next((b for b in blocks if b.kind in ("mlp", "shared_expert")), None)
+    attention = [b for b in blocks if b.kind == "attention"]
+    cuts = []
+    if mlp is not None:
+        key = "intermediate_size" if mlp.kind == "mlp" else "shared_expert_intermediate_size"
+        for frac in (2, 4, 8):
+            cuts.append(
+                (f"MLPs at 1/{frac} of the channels", {key: mlp.shape.intermediate_size // frac}, "mlp")
+            )
+    if attention:
+        a = attention[0].shape
+        cuts += [
+            (
+                "attention: 1 key-value group",
+                {"num_key_value_heads": 1, "num_attention_heads": a.heads_per_group},
+                "attention",
+            ),
+            (
+                "attention: 1 query head per group",
+                {"num_key_value_heads": a.num_key_value_heads, "num_attention_heads": a.num_key_value_heads},
+                "attention",
+            ),
+            ("attention: 1 head", {"num_key_value_heads": 1, "num_attention_heads": 1}, "attention"),
+        ]
+    print(
+        f"model {args.model or 'bundled'}: {len(blocks)} sub-blocks ({', '.join(sorted({b.kind for b in blocks}))}); "
+        f"validation loss {base:.4f} nats/byte ({args.val_windows} windows x {args.seq_len}); calibration "
+        f"{args.calib_samples} x {args.calib_seq_len} training bytes",
+        flush=True,
+    )
+    results = []
+    for label, target, kind in cuts:
+        kind_blocks = [b for b in blocks if (b.kind == "attention") == (kind == "attention")]
+        fields = {b.prefix: target for b in kind_blocks}
+        row = {"cut": label, "target": target}
+        for method, method_orders in orders.items():
+            chosen = None if method_orders is None else {p: method_orders[p] for p in fields}
+            row[method] = _dense_loss(model, args, fields, chosen) - base
+        row["random"] = [_dense_loss(model, args, fields, {p: r[p] for p in fields}) - base for r in randoms]
+        if kind == "attention" and len(kind_blocks) == 1:
+            block = kind_blocks[0]
+            every = [
+                _dense_loss(model, args, fields, {block.prefix: c}) - base for c in _attention_choices(block)
+            ]
+            row["best possible"], row["worst possible"] = min(every), max(every)
+        results.append(row)
+        print(_dense_format(row), flush=True)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps({"base_loss": base, "results": results}, indent=1))
+    return 0
+
+
+def _dense_format(row: dict) -> str:
+    rnd = row["random"]
+    mean, std = statistics.mean(rnd), statistics.pstdev(rnd)
+    beats = {m: sum(v > row[m] for v in rnd) / len(rnd) for m in ("projection", "activation")}
+    parts = [
+        f"{row['cut']:<36}",
+        f"projection {row['projection']:+.4f} (beats {beats['projection']:.0%} of random)",
+        f"activation {row['activation']:+.4f} (beats {beats['activation']:.0%})",
+        f"identity {row['identity']:+.4f}",
+        f"reversed {row['reversed projection']:+.4f}",
+        f"random {mean:+.4f} +- {std:.4f}",
+    ]
+    if "best possible" in row:
+        parts.append(f"best/worst possible {row['best possible']:+.4f}/{row['worst possible']:+.4f}")
+    return "  ".join(parts)
+
+
+# ---- methods: lane search and compensation on several models -----------------------------------------------------
+
+METHOD_NAMES = ("default", "refined", "compensated", "refined+comp.", "sequential", "activation")
+
+
+def _seq_name(reference: str) -> str:
+    return "sequential" if reference == "stream" else f"seq. ({reference} ref.)"
+
+
+def compensated_loss(ev: Evaluator, perms, target: GDNShape, stats) -> float:
+    """Loss after permuting, slicing and refitting every layer's out_proj for ``target``."""
+    sd = dict(ev.base_sd)
+    for prefix in ev.layers:
+        kept = perms[prefix].indices(ev.shape, target=target)["vidx"].numpy()
+        weight = ev.base_sd[f"{prefix}.out_proj.weight"].double().numpy()
+        columns = compensate.compensated_columns(weight, stats[prefix]["out_moment"], kept)
+        slice_gated_delta_net_state_dict(
+            sd, prefix=prefix, shape=ev.shape, target=target, permutation=perms[prefix]
+        )
+        sd[f"{prefix}.out_proj.weight"] = torch.from_numpy(columns).to(
+            ev.base_sd[f"{prefix}.out_proj.weight"].dtype
+        )
+    return ev.loss_of_state_dict(sd, target)
+
+
+def sequential_loss(
+    ev: Evaluator, model, perms, target: GDNShape, batches, reference: str
+) -> tuple[float, float]:
+    """Loss after cutting in memory and refitting out_proj layer by layer (and the refit's seconds)."""
+    model.load_state_dict(ev.base_sd)  # the evaluators' searches load edited weights into this very model
+    small = slice_model(model, target, perms)
+    t = time.perf_counter()
+    compensate.sequential_refit(model, small, batches, reference=reference)
+    seconds = time.perf_counter() - t
+    return ev.loss_of_state_dict(small.state_dict(), target), seconds
+
+
+def methods_model(name: str, args) -> dict:
+    t0 = time.perf_counter()
+    if name == "bundled":
+        model, corpus = demo_data.load_demo_model()[0], "pydoc"
+    else:
+        model = load_pretrained(name, dtype=torch.float32).eval()
+        corpus = json.loads((Path(name) / "training.json").read_text())["corpus"].get("name", "pydoc")
+    cache: dict = {}
+    ev = Evaluator(
+        model, text=demo_data.validation_text(corpus), windows=args.val_windows, seq_len=256, cache=cache
+    )
+    sev = Evaluator(
+        model, text=demo_data.train_text(corpus), windows=args.search_windows, seq_len=256, cache=cache
+    )
+    calib = demo_data.byte_windows(demo_data.train_text(corpus), 256, args.calib_samples)
+    batches = list(calib.split(4))
+    t = time.perf_counter()
+    scores = score_model(model, batches, progress=False, blocks=GDN_ONLY)
+    cost = {"score": time.perf_counter() - t}
+    t = time.perf_counter()
+    refined, report = refine_lane_orders(model, batches[: args.refine_batches], scores, progress=False)
+    cost["refine"] = time.perf_counter() - t
+    t = time.perf_counter()
+    stats = compensate.collect_statistics(model, batches)
+    cost["statistics"] = time.perf_counter() - t
+    orders = {
+        "default": scores_to_permutations(scores),
+        "refined": scores_to_permutations(refined),
+        "activation": scores_to_permutations(
+            score_model(model, batches, method="activation", progress=False, blocks=GDN_ONLY)
+        ),
+    }
+    gen = torch.Generator().manual_seed(args.seed)
+    randoms = [
+        {p: GDNPermutation.random(ev.shape, generator=gen) for p in ev.layers}
+        for _ in range(args.random_orders)
+    ]
+    s = ev.shape
+    combined = GDNShape(
+        max(1, s.num_key_heads * 3 // 4),
+        max(1, s.num_key_heads * 3 // 4) * max(1, s.value_heads_per_group // 2),
+        s.key_head_dim * 3 // 4,
+        s.value_head_dim * 3 // 4,
+    )
+    rows = []
+    for axis, label, target in targets(s, combined):
+        row = {"axis": axis, "label": label, "target": target.as_dict(), "methods": {}}
+        for n in ("default", "refined", "activation"):
+            row["methods"][n] = ev.loss(orders[n], target) - ev.base
+        row["methods"]["compensated"] = compensated_loss(ev, orders["default"], target, stats) - ev.base
+        row["methods"]["refined+comp."] = compensated_loss(ev, orders["refined"], target, stats) - ev.base
+        for reference in args.references.split(","):
+            value, seconds = sequential_loss(ev, model, orders["default"], target, batches, reference)
+            row["methods"][_seq_name(reference)] = value - ev.base
+            cost.setdefault("sequential", []).append(seconds)
+        row["random"] = [ev.loss(perms, target) - ev.base for perms in randoms]
+        row["optimum"] = None
+        if not args.no_optimum and axis in ("key_groups", "value_lanes"):
+            search = per_layer_key_groups if axis == "key_groups" else per_layer_lanes
+            keep = target.num_key_heads if axis == "key_groups" else target.value_heads_per_group
+            row["optimum"] = ev.loss(search(sev, keep), target) - ev.base
+        rows.append(row)
+        print(f"  {name} {label}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return {
+        "model": name,
+        "corpus": corpus,
+        "shape": s.as_dict(),
+        "layers": len(ev.layers),
+        "base_loss": ev.base,
+        "cost_seconds": cost,
+        "refine_forwards": report["forwards"],
+        "rows": rows,
+    }
+
+
+def _methods_gap(row, value):
+    mean = statistics.fmean(row["random"])
+    if row["optimum"] is None or mean - row["optimum"] <= 1e-9:
+        return None
+    return (mean - value) / (mean - row["optimum"])
+
+
+def print_methods_model(result: dict) -> None:
+    s = result["shape"]
+    c = result["cost_seconds"]
+    print(
+        f"\n{result['model']}: {result['layers']} GDN layers, Hk {s['num_key_heads']} Hv {s['num_value_heads']} "
+        f"dk {s['key_head_dim']} dv {s['value_head_dim']}, corpus {result['corpus']}, base loss "
+        f"{result['base_loss']:.4f}; cost: score {c['score']:.1f} s, refine {c['refine']:.1f} s "
+        f"({result['refine_forwards']} partial forwards), statistics {c['statistics']:.1f} s, sequential refit "
+        f"{statistics.fmean(c['sequential']):.1f} s per target"
+    )
+    methods = result["rows"][0]["methods"]
+    names = [*(n for n in METHOD_NAMES if n in methods), *(n for n in methods if n not in METHOD_NAMES)]
+    header = ["target", *names, "random mean", "optimum", "beaten (def/ref)", "gap (def/ref)"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in result["rows"]:
+        m = row["methods"]
+        beaten = [sum(m[n] < x for x in row["random"]) / len(row["random"]) for n in ("default", "refined")]
+        gaps = [_methods_gap(row, m[n]) for n in ("default", "refined")]
+        cells = [
+            row["label"],
+            *(f"{m[n]:.3f}" for n in names),
+            f"{statistics.fmean(row['random']):.3f}",
+            "–" if row["optimum"] is None else f"{row['optimum']:.3f}",
+            " / ".join(f"{b:.0%}" for b in beaten),
+            " / ".join("–" if g is None else f"{g:.0%}" for g in gaps),
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+def methods(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks quality methods", description="Lane search and compensation."
+    )
+    p.add_argument("--models", default="bundled", help="comma-separated: bundled and/or model folders")
+    p.add_argument("--calib-samples", type=int, default=64)
+    p.add_argument(
+        "--refine-batches", type=int, default=4, help="calibration batches of 4 windows for refine (4)"
+    )
+    p.add_argument("--val-windows", type=int, default=32)
+    p.add_argument("--search-windows", type=int, default=16)
+    p.add_argument("--random-orders", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-optimum", action="store_true")
+    p.add_argument(
+        "--references",
+        default="stream",
+        help="comma-separated references of the sequential refit: stream (the 'sequential' column), "
+        "full, cut (default stream)",
+    )
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"load average {os.getloadavg()[0]:.1f}; threads {args.threads}")
+    results = []
+    for name in args.models.split(","):
+        results.append(methods_model(name.strip(), args))
+        print_methods_model(results[-1])
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+    half_lanes = [
+        r for res in results for r in res["rows"] if r["axis"] == "value_lanes" and "(50%)" in r["label"]
+    ]
+    combined = [r for res in results for r in res["rows"] if r["axis"] == "combined"]
+    print("\nTargets:")
+    for n in ("default", "refined"):
+        ok = all(
+            sum(r["methods"][n] < x for x in r["random"]) / len(r["random"]) >= 0.9
+            and (_methods_gap(r, r["methods"][n]) or 0) >= 0.7
+            for r in half_lanes
+        )
+        print(
+            f"- lanes at 50% with {n} orders beat >= 90% of random orders and close >= 70% of the gap on every "
+            f"model: {'MET' if ok else 'NOT MET'}"
+        )
+    cut = [
+        1 - r["methods"]["compensated"] / r["methods"]["default"]
+        for r in combined
+        if r["methods"]["default"] > 0
+    ]
+    print(
+        f"- compensation cuts the combined-target loss increase by {statistics.fmean(cut):.0%} on average "
+        f"(target >= 25%): {'MET' if statistics.fmean(cut) >= 0.25 else 'NOT MET'} ({', '.join(f'{c:.0%}' for c in cut)})"
+    )
+    for reference in args.references.split(","):
+        name = _seq_name(reference)
+        cut = [
+            1 - r["methods"][name] / r["methods"]["default"] for r in combined if r["methods"]["default"] > 0
+        ]
+        print(
+            f"- {name} cuts the combined-target loss increase by {statistics.fmean(cut):.0%} on average "
+            f"(target >= 25%): {'MET' if statistics.fmean(cut) >= 0.25 else 'NOT MET'} "
+            f"({', '.join(f'{c:.0%}' for c in cut)})"
+        )
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+PARTS = {"gdn": gdn, "dense": dense, "methods": methods}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in PARTS:
+        print(
+            f"usage: python -m benchmarks quality {{{','.join(PARTS)}}} [--help | OPTIONS]", file=sys.stderr
+        )
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return PARTS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

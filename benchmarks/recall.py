@@ -55,7 +55,7 @@ MODEL = REPO / "tests" / "data" / "trained" / "recall"
 TRAIN_PROBE_SEED = 1000  # scripts/train_demo_model.py's: the probes the model was trained on
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=MODEL)
     p.add_argument("--lengths", default="256,512", help="probe lengths (default 256,512)")
@@ -78,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def variants(model, shape: GDNShape, scores: dict, calibration: list[torch.Tensor]) -> dict[str, dict]:
@@ -152,8 +152,8 @@ def state_of(model) -> int:
     )
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     start = time.perf_counter()

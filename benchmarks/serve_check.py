@@ -267,7 +267,7 @@ def report(info: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="a servable gdnprune output (default: build one)")
     p.add_argument("--teacher", type=Path, help="the model it was cut from (with --model)")
@@ -288,7 +288,7 @@ def main() -> int:
         action="store_true",
         help="check the script itself on a CPU: a small built model (hidden 256), small workloads, no vLLM",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if (args.model is None) != (args.teacher is None):
         p.error("give both --model and --teacher, or neither (then both are built)")
 

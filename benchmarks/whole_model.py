@@ -248,9 +248,9 @@ class Problem:
 
     def refined(self, fraction: float, picks: list[int], generations: int) -> tuple[list[int], dict]:
         """The joint refinement (issue 22) of ``picks``: whole cut models' KL on the calibration windows."""
-        from gdnprune.plan.measure.joint import refine_plan
+        from gdnprune.plan.measure.joint import evolve_plan
 
-        result = refine_plan(
+        result = evolve_plan(
             self.model,
             self.sens,
             self.groups,
@@ -509,7 +509,7 @@ def print_model(result: dict) -> None:
         )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument(
@@ -531,7 +531,7 @@ def main() -> int:
     )
     p.add_argument("--steps", type=int, default=300, help="distillation steps per plan (300; 0: none)")
     p.add_argument("--cache", type=Path, default=None, help="keep / reuse the measured sensitivities here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     set_up(args)
     print(
         f"load average {load_average():.1f}; torch threads {args.threads}; distillation {args.steps} steps, "

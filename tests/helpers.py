@@ -4,7 +4,8 @@ references the tests compare against. A test module imports from here (or from `
 
 Sections: checkpoint folders written by ``save_pretrained`` (``make_source``); models whose attention and
 MLP weights are random (``random_dense_model``, built once per process and copied); byte-exact folders from
-numpy's PCG64 stream (``build_source``); FP8 block quantisation; layers skipped in the forward; the command
+numpy's PCG64 stream (``build_source``); FP8 block quantisation and FP8 checkpoints (``make_fp8``); layers
+skipped in the forward; teachers and students for distillation (``pair``, ``make_pair``, ``windows``); the command
 line and environment of a child Python process (``python_command``, ``child_env``: torchrun, accelerate launch,
 lm_eval and gdnprune run as a user runs them).
 """
@@ -28,12 +29,14 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from tiny_models import build_model
+from tiny_models import build_model, make_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from gdnprune import checkpoint as ck
 from gdnprune import demo_data
 from gdnprune.cli import main
+from gdnprune.gated_delta_net import slice_gated_delta_net_state_dict
+from gdnprune.io.loading import slice_model
 from gdnprune.model.geometry import GDNShape
 from gdnprune.model.layouts import find_gdn_modules, get_layout
 from gdnprune.model.subblock_surgery import find_model_blocks, random_orders
@@ -433,6 +436,37 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
 
 
+#: the GDN geometry of :func:`make_fp8`'s models
+FP8_SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8)
+#: the GDN projections :func:`make_fp8` quantises, per model type
+FP8_TENSORS = {
+    "qwen3_5": ("in_proj_qkv", "in_proj_z", "out_proj"),
+    "qwen3_next": ("in_proj_qkvz", "out_proj"),
+}
+
+
+def make_fp8(folder, model_type: str, seed: int = 0):
+    """A real tiny model saved with its large GDN projections in FP8 blocks, as Qwen's FP8 releases store them."""
+    model = build_model(model_type, FP8_SHAPE, seed=seed)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for prefix, _ in find_gdn_modules(model):
+        for name in FP8_TENSORS[model_type]:
+            q, s = quantize(state[f"{prefix}.{name}.weight"])
+            state[f"{prefix}.{name}.weight"], state[f"{prefix}.{name}.weight_scale_inv"] = q, s
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        "modules_to_not_convert": NOT_CONVERTED,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 # ---- layers skipped in the forward (the reference of layer removal) ------------------------------------------
 
 
@@ -583,6 +617,58 @@ def write_jsonl(path: Path, docs: list[str], opener=open) -> None:
     with opener(path, "wt", encoding="utf-8") as f:
         for i, d in enumerate(docs):
             f.write(json.dumps({"text": d, "id": i}) + "\n")
+
+
+# ---- teachers and students for distillation ----------------------------------------------------------------
+
+#: the GDN geometry of the distillation teachers (:func:`pair`) and of their nested half
+DISTILL_SHAPE, HALF = GDNShape(2, 4, 16, 16), GDNShape(1, 2, 16, 8)
+
+
+def sliced(model, target=HALF):
+    """The nested prefix ``target`` of every GDN layer of ``model``, as a new model."""
+    state = dict(model.state_dict())
+    for prefix, module in find_gdn_modules(model):
+        slice_gated_delta_net_state_dict(
+            state, prefix=prefix, shape=GDNShape.from_module(module), target=target
+        )
+    small = type(model)(target.apply_to_config(model.config)).eval()
+    small.load_state_dict(state, strict=True)
+    return small
+
+
+def windows(n, seq_len=24, vocab=128, seed=0):
+    """``n`` windows of random token ids."""
+    return torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def pair(model_type="qwen3_5", seed=0):
+    """A random teacher and its student: the nested half (:data:`HALF`) of every GDN layer."""
+    teacher = build_model(model_type, DISTILL_SHAPE, seed=seed)
+    return teacher, sliced(teacher)
+
+
+def make_pair(heterogeneous, tied=False):
+    """A teacher and its student: the nested half of every GDN layer, or different cuts per layer; with
+    ``tied``, embeddings tied to ``lm_head`` (one tensor, sharded by vocabulary and read by both the lookup
+    and the loss)."""
+    if tied:
+        config = make_config("qwen3_5", DISTILL_SHAPE)
+        config.tie_word_embeddings = True
+        teacher = build_model("qwen3_5", DISTILL_SHAPE, config=config)
+        student = sliced(teacher)
+        assert student.lm_head.weight is student.model.embed_tokens.weight
+        return teacher, student
+    teacher, student = pair()
+    if heterogeneous:
+        student = slice_model(
+            teacher,
+            {
+                "model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
+                "model.layers.2.linear_attn": {"value_head_dim": 8},
+            },
+        )
+    return teacher, student
 
 
 # ---- child processes: torchrun, accelerate launch, lm_eval, gdnprune as a user runs them ------------------

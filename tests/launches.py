@@ -41,8 +41,7 @@ from pathlib import Path
 import torch
 import transformers
 from helpers import child_env, corpus_docs, mixed_mc_folder, python_command, write_jsonl
-from test_distill_pipeline import build_moe_student
-from test_sharded_loading import build_folders
+from launch_runs import build_folders, build_moe_student
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
 from gdnprune.demo_data import build_byte_tokenizer, demo_model_path, train_text, validation_text
@@ -141,24 +140,20 @@ WORKER = textwrap.dedent(
     os.rename(out + "/.rank%d.json" % rank, out + "/rank%d.json" % rank)
     # distillation with DDP on the ranks (test_distill): after the calls that set their own timeouts, since
     # the Trainer's process group stays; rank 0 saves the run
-    from test_distill import ddp_run
+    from launch_runs import ddp_run, load_and_distill, moe_resume, two_processes, vocab_parallel_run
     with contextlib.redirect_stderr(io.StringIO()):
         ddp_run(out + "/distill_two.pt")
     # an MoE student's run, the run SIGTERM stops and its resume, under DDP then FSDP2 (test_distill_pipeline;
     # before the other FSDP2 runs)
-    from test_distill_pipeline import moe_resume
     with contextlib.redirect_stderr(io.StringIO()):
         moe_resume(os.path.dirname(model) + "/pipeline_moe")
     # loading into FSDP2 shards, then distillations under FSDP2 (test_sharded_loading)
-    from test_sharded_loading import load_and_distill
     with contextlib.redirect_stderr(io.StringIO()):
         load_and_distill(os.path.dirname(model) + "/sharded_loading")
     # distillation under FSDP2: the cases, a run stopped by SIGTERM and its resume (test_distill_fsdp)
-    from test_distill_fsdp import two_processes
     with contextlib.redirect_stderr(io.StringIO()):
         two_processes(os.path.dirname(model) + "/distill_fsdp")
     # the vocabulary-parallel loss and lookup against the whole formulas (test_vocab_parallel_loss)
-    from test_vocab_parallel_loss import vocab_parallel_run
     with contextlib.redirect_stderr(io.StringIO()):
         vocab_parallel_run(os.path.dirname(model) + "/vocab_parallel")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C

@@ -277,6 +277,17 @@ def test_the_library_never_imports_the_cli_or_argparse_and_never_prints():
                 assert node.func.id != "print", f"{name}:{node.lineno} prints"
 
 
+def test_every_package_says_its_job():
+    """Every package's ``__init__`` opens with a docstring of at least a sentence: the job its modules share."""
+    short = {
+        name: ast.get_docstring(_tree(path.read_text())) or ""
+        for name, path in modules().items()
+        if path.name == "__init__.py"
+    }
+    assert len(short) >= 10  # the packages were found
+    assert {name: doc for name, doc in short.items() if len(doc.split()) < 8} == {}
+
+
 def test_no_module_is_much_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
     over = {n: s for n, s in sizes.items() if s > OVERSIZE.get(n, MAX_LINES)}

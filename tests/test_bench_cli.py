@@ -7,7 +7,7 @@ import json
 import warnings
 
 import pytest
-from test_checkpoint import make_source
+from helpers import make_source
 
 import gdnprune.io.loading
 from gdnprune.checkpoint import slice_checkpoint
@@ -144,7 +144,8 @@ def test_missing_model_folder_and_existing_output_exit_2(folders, tmp_path, caps
     missing = tmp_path / "nope"
     assert main(["bench", str(teacher), str(missing), "--workload", "prefill:1:8"]) == 2
     err = capsys.readouterr().err
-    assert f"MODEL {missing}: no such directory" in err and err.count("\n") == 1
+    assert f"MODEL: expected a model folder (with config.json), found no such directory '{missing}'" in err
+    assert err.count("\n") == 1
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")

@@ -22,8 +22,6 @@ import torch
 import transformers
 from helpers import EXTRA_FILES, MODEL_TYPES, add_mtp, leftovers, make_source, raw_tensors
 from helpers import SOURCE_SHAPE as SHAPE
-from helpers import add_mtp as _add_mtp  # noqa: F401  (test_depth still imports these from here)
-from helpers import mtp_tensors as _mtp_tensors  # noqa: F401
 from reference import hand_cut_state_dict, picks, zero_removed_heads
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file

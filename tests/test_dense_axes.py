@@ -27,15 +27,6 @@ from helpers import (
     token_ids,
     zeroed_model,
 )
-
-# the old names, which test_depth and the test_plan_* modules still import from here (issue 27)
-from helpers import DENSE_TARGET as TARGET  # noqa: F401
-from helpers import assert_same as _same  # noqa: F401
-from helpers import kept_by_orders as _kept  # noqa: F401
-from helpers import random_block_orders as _orders  # noqa: F401
-from helpers import random_dense_model as _model  # noqa: F401
-from helpers import token_ids as _ids  # noqa: F401
-from helpers import zeroed_model as _zeroed  # noqa: F401
 from tiny_models import MODEL_TYPES, build_model, cached_decode_logits, logits, make_config
 
 from gdnprune.io.loading import load_pretrained, slice_model

@@ -11,8 +11,15 @@ import json
 
 import pytest
 import torch
-from test_checkpoint import _add_mtp, _mtp_tensors, raw_tensors
-from test_dense_axes import _ids, _model, _same
+from helpers import (
+    add_mtp,
+    assert_same,
+    mtp_tensors,
+    random_dense_model,
+    raw_tensors,
+    skipped_model,
+    token_ids,
+)
 from tiny_models import cached_decode_logits, logits
 
 from gdnprune import checkpoint as ck
@@ -30,39 +37,12 @@ FAMILIES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
 pytestmark = [pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")]
 
 
-class _Skip(torch.nn.Module):
-    """A decoder layer that does nothing: the residual stream passes through."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer_type = getattr(layer, "layer_type", None)
-        self.attention_type = getattr(layer, "attention_type", None)
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
-
-
-def _decoder(model):
-    inner = model.model
-    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
-
-
-def _skipped(model, removed):
-    import copy
-
-    ref = copy.deepcopy(model)
-    layers = _decoder(ref)
-    for i in removed:
-        layers[i] = _Skip(layers[i])
-    return ref
-
-
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_removing_layers_equals_skipping_them_in_the_forward(tmp_path, model_type):
-    model = _model(model_type, seed=1)
+    model = random_dense_model(model_type, seed=1)
     src = tmp_path / "src"
     model.save_pretrained(src, max_shard_size="20KB")
-    _add_mtp(src, _mtp_tensors(torch.float32))
+    add_mtp(src, mtp_tensors(torch.float32))
     removed = [1, 2]  # a full-attention layer and a GDN layer
     manifest = ck.slice_checkpoint(src, tmp_path / "cut", remove_layers=removed, progress=False)
     assert manifest["removed_layers"] == removed
@@ -70,12 +50,12 @@ def test_removing_layers_equals_skipping_them_in_the_forward(tmp_path, model_typ
     text = config.get("text_config") or config
     assert text["num_hidden_layers"] == 2 and text["layer_types"] == ["linear_attention", "full_attention"]
     cut = load_pretrained(tmp_path / "cut")
-    ids = _ids(seed=2, seq=10)
+    ids = token_ids(seed=2, seq=10)
     full = logits(cut, ids)
-    reference = logits(_skipped(model, removed), ids)
-    _same(full, reference)
+    reference = logits(skipped_model(model, removed), ids)
+    assert_same(full, reference)
     assert (reference - logits(model, ids)).abs().max() > 1e-2 * reference.abs().max()
-    _same(cached_decode_logits(cut, ids, 4), full[:, -5:])
+    assert_same(cached_decode_logits(cut, ids, 4), full[:, -5:])
     # mtp.* keeps its names and bytes; layer 3's tensors are layer 1's now, byte for byte
     before, after = raw_tensors(src), raw_tensors(tmp_path / "cut")
     assert {n: v for n, v in after.items() if n.startswith("mtp.")} == {
@@ -93,26 +73,26 @@ def test_removing_layers_equals_skipping_them_in_the_forward(tmp_path, model_typ
 
 
 def test_a_depth_pruned_qwen3_5_with_its_mtp_head_generates(tmp_path):
-    model = _model("qwen3_5", seed=3)
+    model = random_dense_model("qwen3_5", seed=3)
     src = tmp_path / "src"
     model.save_pretrained(src)
-    _add_mtp(src, _mtp_tensors(torch.float32))
+    add_mtp(src, mtp_tensors(torch.float32))
     assert (
         main(["slice", str(src), "--output", str(tmp_path / "cut"), "--remove-layers", "0", "--quiet"]) == 0
     )
     cut = load_pretrained(tmp_path / "cut")
-    ids = _ids(seed=4, seq=6)[:1]
+    ids = token_ids(seed=4, seq=6)[:1]
     out = cut.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 11)
     greedy = ids
-    reference = _skipped(model, [0])
+    reference = skipped_model(model, [0])
     for _ in range(5):  # greedy decoding of the skipped-layer reference, by hand
         greedy = torch.cat([greedy, logits(reference, greedy)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out, greedy)
 
 
 def test_removal_with_width_cuts_and_expert_counts_in_one_plan(tmp_path):
-    model = _model("qwen3_5_moe", seed=5)
+    model = random_dense_model("qwen3_5_moe", seed=5)
     src = tmp_path / "src"
     model.save_pretrained(src)
     plan = {
@@ -139,14 +119,14 @@ def test_removal_with_width_cuts_and_expert_counts_in_one_plan(tmp_path):
         {"model.layers.2.linear_attn": {"num_key_heads": 1, "num_value_heads": 2}},
         blocks={"model.layers.3.mlp": {"num_experts": 3}, "model.layers.1.mlp": {"num_experts": 2}},
     )
-    ids = _ids(seed=6, seq=10)
+    ids = token_ids(seed=6, seq=10)
     full = logits(cut, ids)
-    _same(full, logits(_skipped(memory, [0]), ids))
-    _same(cached_decode_logits(cut, ids, 3), full[:, -4:])
+    assert_same(full, logits(skipped_model(memory, [0]), ids))
+    assert_same(cached_decode_logits(cut, ids, 3), full[:, -4:])
 
 
 def test_wrong_removals_are_refused_before_anything_is_written(tmp_path, capsys):
-    model = _model("qwen3_5")
+    model = random_dense_model("qwen3_5")
     model.save_pretrained(tmp_path / "src")
     assert model.config.layer_types[1] == model.config.layer_types[3] == "full_attention"
     for removed, message in (

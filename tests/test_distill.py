@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DISTILL_SHAPE, HALF, pair, sliced, windows
+from launch_runs import ddp_run
 from tiny_models import build_model, make_config
 from transformers import TrainerCallback
 
@@ -24,32 +26,6 @@ from gdnprune.distill import (
     kd_loss,
     plot_history,
 )
-from gdnprune.gated_delta_net import GDNShape, slice_gated_delta_net_state_dict
-from gdnprune.model.layouts import find_gdn_modules
-
-SHAPE, HALF = GDNShape(2, 4, 16, 16), GDNShape(1, 2, 16, 8)
-
-
-def sliced(model, target=HALF):
-    """The nested prefix ``target`` of every GDN layer of ``model``, as a new model."""
-    state = dict(model.state_dict())
-    for prefix, module in find_gdn_modules(model):
-        slice_gated_delta_net_state_dict(
-            state, prefix=prefix, shape=GDNShape.from_module(module), target=target
-        )
-    small = type(model)(target.apply_to_config(model.config)).eval()
-    small.load_state_dict(state, strict=True)
-    return small
-
-
-def windows(n, seq_len=24, vocab=128, seed=0):
-    return torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(seed))
-
-
-def pair(model_type="qwen3_5", seed=0):
-    teacher = build_model(model_type, SHAPE, seed=seed)
-    return teacher, sliced(teacher)
-
 
 # --------------------------------------------------------------------------------------------------
 # the loss
@@ -297,9 +273,9 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_resume_of_a_model_with_tied_embeddings_warns_of_nothing(tmp_path, caplog):
-    config = make_config("qwen3_5", SHAPE)
+    config = make_config("qwen3_5", DISTILL_SHAPE)
     config.tie_word_embeddings = True
-    teacher = build_model("qwen3_5", SHAPE, config=config)
+    teacher = build_model("qwen3_5", DISTILL_SHAPE, config=config)
     options = dict(steps=3, batch_size=4, lr=3e-3, save_every=1, log_every=1, progress=False)
     first = distill(
         sliced(teacher), teacher, windows(8), tmp_path / "run", callbacks=[_CtrlCAt(1)], **options
@@ -363,30 +339,6 @@ def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
     assert not list(tmp_path.glob("run/checkpoint-*"))
 
 
-def ddp_run(out: str | os.PathLike) -> None:
-    """3 steps of distillation of :func:`pair` on 16 windows, evaluated on 4; rank 0 saves the losses, the
-    evaluation, the weights and the config to ``out``. Under torchrun (the shared launch, tests/launches.py)
-    the two ranks train one model with DDP; here, one process."""
-    teacher, student = pair()
-    result = distill(
-        student,
-        teacher,
-        windows(16),
-        steps=3,
-        batch_size=4,
-        lr=3e-3,
-        lm_weight=0.3,
-        eval_data=windows(4, seed=5),
-        eval_every=3,
-        log_every=1,
-        progress=False,
-    )
-    if int(os.environ.get("RANK", "0")) == 0:
-        losses = [h["loss"] for h in result["history"] if "loss" in h]
-        record = {"losses": losses, "eval": result["eval"], "weights": student.state_dict()}
-        torch.save({**record, "config": result["config"]}, out)
-
-
 def test_two_processes_give_the_loss_curve_of_one(launch, tmp_path):
     assert (launch.folder / "distill_two.pt").exists(), launch.stderr[-3000:]
     ddp_run(tmp_path / "one.pt")
@@ -433,7 +385,7 @@ def test_distill_checkpoint_writes_a_loadable_folder(tmp_path, model_type):
 
     from gdnprune.demo_data import build_byte_tokenizer, train_text
 
-    teacher = _byte_model(model_type, SHAPE)
+    teacher = _byte_model(model_type, DISTILL_SHAPE)
     tokenizer = build_byte_tokenizer()
     for name, model in (("teacher", teacher), ("student", sliced(teacher))):
         model.save_pretrained(tmp_path / name)

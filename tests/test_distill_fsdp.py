@@ -5,101 +5,15 @@ checkpoints after SIGTERM."""
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-from test_distill import HALF, SHAPE, pair, sliced, windows
-from tiny_models import build_model, make_config
-from transformers import TrainerCallback
+from helpers import HALF, make_pair, pair
+from launch_runs import FSDP_CASES, run_case
 
 from gdnprune import load_pretrained
-from gdnprune.distill import distill, estimate_memory
-from gdnprune.distill.fsdp import local_bytes, optimizer_bytes
-from gdnprune.io.loading import slice_model
-
-CASES = {  # name -> (heterogeneous student, lm_weight, tied embeddings)
-    "uniform_kd": (False, 0.0, False),
-    "uniform_mix": (False, 0.4, False),
-    "heterogeneous_kd": (True, 0.0, False),
-    "heterogeneous_mix": (True, 0.4, False),
-    "tied_mix": (False, 0.4, True),
-}
-
-
-def make_pair(heterogeneous, tied=False):
-    """A teacher and its student: the nested half of every GDN layer, or different cuts per layer; with
-    ``tied``, embeddings tied to ``lm_head`` (one tensor, sharded by vocabulary and read by both the lookup
-    and the loss)."""
-    if tied:
-        config = make_config("qwen3_5", SHAPE)
-        config.tie_word_embeddings = True
-        teacher = build_model("qwen3_5", SHAPE, config=config)
-        student = sliced(teacher)
-        assert student.lm_head.weight is student.model.embed_tokens.weight
-        return teacher, student
-    teacher, student = pair()
-    if heterogeneous:
-        student = slice_model(
-            teacher,
-            {
-                "model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
-                "model.layers.2.linear_attn": {"value_head_dim": 8},
-            },
-        )
-    return teacher, student
-
-
-def run_case(name, out, **options):
-    heterogeneous, lm_weight, tied = CASES[name]
-    teacher, student = make_pair(heterogeneous, tied)
-    result = distill(
-        student,
-        teacher,
-        windows(16),
-        out,
-        steps=3,
-        batch_size=4,
-        lr=3e-3,
-        lm_weight=lm_weight,
-        eval_data=windows(4, seed=5),
-        eval_every=3,
-        log_every=1,
-        save_every=3,
-        progress=False,
-        **options,
-    )
-    return teacher, student, result
-
-
-def two_processes(root: str) -> None:
-    """On the 2 ranks of the suite's shared launch (tests/launches.py): every case under FSDP2, each rank's
-    report in ``two/rank<R>.pt``, then the SIGTERM run and its resume in ``resume`` (:func:`resume`)."""
-    rank = int(os.environ["RANK"])
-    two = os.path.join(root, "two")
-    report: dict = {}
-    for name in CASES:
-        teacher, student, result = run_case(name, os.path.join(two, name), fsdp=True)
-        trainer = result["trainer"]
-        fresh_teacher, fresh_student = make_pair(CASES[name][0], CASES[name][2])
-        estimate = estimate_memory(fresh_student, fresh_teacher, processes=2, fsdp=True, teacher_sharded=True)
-        report[name] = {
-            "losses": [h["loss"] for h in result["history"] if "loss" in h],
-            "eval": result["eval"],
-            "config": result["config"],
-            "student": local_bytes(trainer.model),
-            "teacher": local_bytes(teacher),
-            "optimizer": optimizer_bytes(trainer.optimizer),
-            "estimate": (estimate.student_parameters, estimate.optimizer_state, estimate.teacher_parameters),
-        }
-    # FSDP2's activation checkpointing (a pass-through option) gives the same run
-    _, _, result = run_case(
-        "uniform_mix", os.path.join(two, "checkpointed"), fsdp=True, gradient_checkpointing=True
-    )
-    report["checkpointed"] = [h["loss"] for h in result["history"] if "loss" in h]
-    torch.save(report, os.path.join(two, f"rank{rank}.pt"))
-    resume(os.path.join(root, "resume"))
+from gdnprune.distill.fsdp import optimizer_bytes
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +29,7 @@ def launched(launch, launch_inputs) -> Path:
 
 def test_two_fsdp_processes_give_the_run_of_one_with_the_student_and_teacher_sharded(launched, tmp_path):
     ranks = [torch.load(launched / "two" / f"rank{r}.pt") for r in (0, 1)]
-    for name, (heterogeneous, _, tied) in CASES.items():
+    for name, (heterogeneous, _, tied) in FSDP_CASES.items():
         teacher, student, one = run_case(name, tmp_path / "one" / name)
         two = ranks[0][name]
         assert (two["config"]["processes"], two["config"]["fsdp"], two["config"]["teacher_sharding"]) == (
@@ -173,45 +87,6 @@ def _umask():
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-class _Term(TrainerCallback):
-    """SIGTERM to rank 1 at the end of step 2: both ranks save and stop."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 2 and int(os.environ["RANK"]) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _resume_run(out: str, **extra) -> dict:
-    teacher, student = pair()
-    result = distill(student, teacher, windows(12), out, steps=5, batch_size=4, lr=3e-3, lm_weight=0.3,
-                     save_every=10, log_every=1, progress=False, fsdp=True, **extra)  # fmt: skip
-    if not result["interrupted"] and int(os.environ["RANK"]) == 0:
-        losses = [(h["step"], h["loss"]) for h in result["history"] if "loss" in h]
-        torch.save(losses, os.path.join(out, "losses.pt"))
-    return result
-
-
-def resume(root: str) -> None:
-    """On the launch's ranks (after the cases): the uninterrupted run, the run SIGTERM stops after step 2,
-    what its checkpoint folder then holds (``stopped.json``, rank 0), and the resume from it. The resume runs
-    in the same launch (a second launch costs more than the runs): it starts from the checkpoint folder
-    alone, with a fresh model and trainer, as a new process would."""
-    _resume_run(os.path.join(root, "straight"))
-    result = _resume_run(os.path.join(root, "run"), callbacks=[_Term()])
-    assert result["interrupted"] and result["steps"] == 2, result
-    checkpoint = os.path.join(root, "run", "checkpoint-2")
-    stopped = {
-        "model_shards": os.path.isdir(os.path.join(checkpoint, "pytorch_model_fsdp_0")),
-        "optimizer_shards": os.path.isdir(os.path.join(checkpoint, "optimizer_0")),
-        "checkpoint_safetensors": os.path.exists(os.path.join(checkpoint, "model.safetensors")),
-        "run_safetensors": os.path.exists(os.path.join(root, "run", "model.safetensors")),
-    }
-    if int(os.environ["RANK"]) == 0:
-        with open(os.path.join(root, "stopped.json"), "w") as f:
-            json.dump(stopped, f)
-    _resume_run(os.path.join(root, "run"), resume=True)
 
 
 def test_resume_from_sharded_checkpoints_after_sigterm_equals_the_uninterrupted_run(launched):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import pair, windows
 from safetensors import safe_open
-from test_distill import pair, windows
 from transformers import TrainerCallback
 
 from gdnprune.cli import main

@@ -5,13 +5,12 @@ process on every family; DDP and FSDP2 on the MoE student, loaded straight into 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from launch_runs import prune_args
 from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
 
@@ -175,73 +174,6 @@ def test_a_vision_language_student_trains_its_text_part_only():
     moe = load_pretrained(TRAINED / MOE, dtype=torch.float32)
     freeze_outside_text(moe)
     assert all(p.requires_grad for p in moe.parameters())
-
-
-class _Term(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 2 and int(os.environ["RANK"]) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # one rank gets it: both save and stop
-
-
-class _OncePerParameter(TrainerCallback):
-    """The prepared optimizer holds every trainable parameter once (rank 1's shards of the [1, H]
-    shared_expert_gate are empty: accelerate's re-pointing by address once collapsed them into one)."""
-
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        held = [id(p) for g in optimizer.param_groups for p in g["params"]]
-        trainable = {id(p) for p in model.parameters() if p.requires_grad}
-        assert len(held) == len(set(held)) and set(held) == trainable, (len(held), len(set(held)))
-
-
-def prune_args(family: str, data: Path, out: Path) -> list[str]:
-    """`gdnprune prune --budget-params 0.5` of the trained ``family``; the coarsest head-dim grid (--dim-step 1/2),
-    every candidate measured on the 2 plan windows (successive halving has nothing to save on 2): the plan's
-    search is not what these tests check."""
-    return [
-        "prune", str(TRAINED / family), "--data", str(data), "--budget-params", "0.5", "--num-samples", "4",
-        "--seq-len", "32", "--plan-samples", "2", "--dim-step", "1/2", "--sensitivity", "measured", "-q",
-        "-o", str(out),
-    ]  # fmt: skip
-
-
-def build_moe_student(root: Path) -> None:
-    """The per-layer MoE student of :func:`moe_resume` (``student``) and its data (``train.txt``), made in
-    ``root`` (by tests/launches.py's shared_inputs); the tokenised windows cached in ``root / "cache"``."""
-    root.mkdir()
-    (root / "train.txt").write_text(train_text()[:20000])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GDNPRUNE_DATA_CACHE", str(root / "cache"))
-        assert main(prune_args(MOE, root / "train.txt", root / "student")) == 0
-
-
-def _moe_run(root: str, engine: str, out: str, callbacks=(), **extra) -> dict:
-    """A run of :func:`moe_resume` with ``engine`` (ddp or fsdp) into ``root/engine/out``."""
-    config = DistillConfig(
-        output_dir=os.path.join(root, engine, out), steps=4, batch_size=4, lr=3e-3, lm_weight=0.3,
-        save_every=10, log_every=1, progress=False, fsdp=engine == "fsdp", **extra,
-    )  # fmt: skip
-    student, data = os.path.join(root, "student"), os.path.join(root, "train.txt")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = distill_checkpoint(
-            student, TRAINED / MOE, data, config, seq_len=32, num_samples=8,
-            callbacks=[*callbacks, _OncePerParameter()],
-        )  # fmt: skip
-    # under FSDP2 both MoE models (experts stored one tensor per expert) load straight into shards
-    assert not [w for w in caught if "loaded whole" in str(w.message)], engine
-    return result
-
-
-def moe_resume(root: str) -> None:
-    """On the 2 ranks of the suite's shared launch (tests/launches.py), for DDP then FSDP2: the uninterrupted
-    run of :func:`build_moe_student`'s student, the run SIGTERM stops after step 2, and its resume (in the same
-    launch: it starts from the checkpoint folder alone, with a fresh model and trainer, as a new process
-    would)."""
-    os.environ["GDNPRUNE_DATA_CACHE"] = os.path.join(root, "cache")  # not the user's datasets cache
-    for engine in ("ddp", "fsdp"):
-        _moe_run(root, engine, "straight")
-        assert _moe_run(root, engine, "run", callbacks=[_Term()])["interrupted"]
-        assert _moe_run(root, engine, "run", resume=True)["steps"] == 4
 
 
 def test_resume_of_an_moe_student_under_ddp_and_fsdp2_equals_the_uninterrupted_run(launch, launch_inputs):

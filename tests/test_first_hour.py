@@ -86,6 +86,8 @@ def test_user_documentation_has_no_issue_numbers_and_no_dead_links():
 
 # ---- fail fast --------------------------------------------------------------------------------------------
 
+_NO_DATA = "nope.txt: no such file or folder"
+
 #: command line -> the flag (or positional) the one-line error must name, and what it must say was found;
 #: every case has a real model (the trained tiny MoE) everywhere but in the path under test
 FAIL_FAST = {
@@ -136,6 +138,64 @@ FAIL_FAST = {
         "without config.json",
     ),
     "output under a file": (["slice", "{moe}", "-o", "t.txt/out", *CUT], "--output", "t.txt is a file"),
+    # a --data source that names nothing: refused before torch, transformers or datasets load
+    "score data": (["score", "{moe}", "--data", "nope.txt", "-o", "s.json"], "--data", _NO_DATA),
+    "plan data": (
+        [
+            "plan",
+            "{moe}",
+            "--scores",
+            "t.txt",
+            "--data",
+            "nope.txt",
+            "--budget-params",
+            "0.5",
+            "-o",
+            "p.json",
+        ],
+        "--data",
+        _NO_DATA,
+    ),
+    "prune data": (
+        ["prune", "{moe}", "--data", "nope.txt", "--budget-params", "0.5", "-o", "o"],
+        "--data",
+        _NO_DATA,
+    ),
+    "distill data": (
+        ["distill", "{moe}", "--teacher", "{moe}", "--data", "t.txt", "nope.txt", "-o", "o", "--steps", "1"],
+        "--data",
+        _NO_DATA,
+    ),
+    "distill eval data": (
+        [
+            "distill",
+            "{moe}",
+            "--teacher",
+            "{moe}",
+            "--data",
+            "t.txt",
+            "--eval-data",
+            "no*.txt",
+            "-o",
+            "o",
+            "--steps",
+            "1",
+        ],
+        "--eval-data",
+        "no*.txt: the glob matches no data file",
+    ),
+    "verify data": (["verify", "{moe}", "{moe}", "--data", "nope.txt"], "--data", _NO_DATA),
+    "eval data": (
+        ["eval", "{moe}", "--tasks", "nats_per_byte", "--data", "nope.txt", "-o", "o"],
+        "--data",
+        "expected a UTF-8 text file, found no such path 'nope.txt'",
+    ),
+    "eval model": (["eval", "nope", "--tasks", "passkey", "-o", "o"], "MODEL", "no such directory 'nope'"),
+    "bench model": (
+        ["bench", "{moe}", "nope", "--workload", "prefill:1:8"],
+        "MODEL",
+        "no such directory 'nope'",
+    ),
 }
 
 _RUN_ALL = """
@@ -176,7 +236,10 @@ def test_every_path_is_checked_before_any_model_loads(tmp_path):
         assert code == 2, (name, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"gdnprune {command}: error: {flag}: "), (name, err)
-        assert "expected" in lines[0] or "cannot write" in lines[0], (name, err)
+        assert any(w in lines[0] for w in ("expected", "cannot write", "no such file", "matches no data")), (
+            name,
+            err,
+        )
         assert found in lines[0], (name, err)
     assert sorted(os.listdir(tmp_path)) == ["folder", "t.txt"]  # nothing written
 
@@ -350,12 +413,15 @@ def test_no_kernel_note_on_a_cpu(one_child):
     assert "flash-linear-attention" not in err and "falling back" not in err, err
 
 
-def test_quiet_hides_the_weight_loading_bar(one_child):
-    """transformers draws its bar on stderr (a pipe here, as a user runs the command) unless -q is given."""
-    code, loud = one_child["score"]
-    assert code == 0 and "Loading weights" in loud, loud  # the bar exists without -q
+def test_commands_show_their_own_bars_never_transformers_and_none_under_quiet(one_child):
+    """On stderr (a pipe here, as a user runs the command) a command draws its own bar, never transformers'
+    weight-loading bar; with -q nothing at all."""
+    for name in ("verify", "score"):
+        code, loud = one_child[name]
+        assert code == 0 and "Loading weights" not in loud and "it/s]" not in loud, loud
+    assert "scoring: 100%" in one_child["score"][1]  # gdnprune's own bar
     code, quiet = one_child["score -q"]
-    assert code == 0 and "Loading weights" not in quiet, quiet
+    assert code == 0 and quiet.strip() == "", quiet
 
 
 def test_the_kernel_note_is_shown_once_on_its_own_line_where_a_gpu_is(capsys):

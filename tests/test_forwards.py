@@ -17,6 +17,7 @@ from gdnprune.model.forwards import (
     block_of,
     decoder_blocks,
     decoder_layers,
+    final_norm,
     hidden_argument,
     input_device,
     layer_index,
@@ -85,6 +86,16 @@ def test_blocks_output_projections_and_parents_are_found_in_real_models(model_ty
         output_projection(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="Linear module is not inside one of the decoder's layers"):
         block_of(model, torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_vl"])
+def test_the_final_norm_is_the_one_before_the_head(model_type):
+    """The module whose output the LM head reads, named from the module tree (a VL model's is its language
+    model's); a module without a decoder has none."""
+    model = build_model(model_type, SHAPE)
+    name = "model.language_model.norm" if model_type == "qwen3_5_vl" else "model.norm"
+    assert final_norm(model) is model.get_submodule(name)
+    assert final_norm(torch.nn.Linear(2, 2)) is None
 
 
 def test_hidden_argument_positional_or_keyword():

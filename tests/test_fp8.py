@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import FP8_BLOCK, NOT_CONVERTED, dequantize, quantize
-from safetensors.torch import load_file, save_file
+from helpers import FP8_SHAPE, FP8_TENSORS, NOT_CONVERTED, dequantize, make_fp8
+from safetensors.torch import load_file
 from tiny_models import build_model
 
 from gdnprune.checkpoint import inspect_checkpoint, slice_checkpoint, sort_checkpoint
@@ -28,30 +28,6 @@ from gdnprune.gated_delta_net import (
 from gdnprune.model.layouts import find_gdn_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
-
-SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8)
-FP8 = {"qwen3_5": ("in_proj_qkv", "in_proj_z", "out_proj"), "qwen3_next": ("in_proj_qkvz", "out_proj")}
-
-
-def make_fp8(folder, model_type: str, seed: int = 0):
-    model = build_model(model_type, SHAPE, seed=seed)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    for prefix, _ in find_gdn_modules(model):
-        for name in FP8[model_type]:
-            q, s = quantize(state[f"{prefix}.{name}.weight"])
-            state[f"{prefix}.{name}.weight"], state[f"{prefix}.{name}.weight_scale_inv"] = q, s
-    model.save_pretrained(folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-        "modules_to_not_convert": NOT_CONVERTED,
-    }
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
 
 
 def dequantized(folder) -> dict[str, torch.Tensor]:
@@ -68,12 +44,12 @@ def dequantized(folder) -> dict[str, torch.Tensor]:
 
 def _permutation(seed: int, block_respecting: bool = True) -> GDNPermutation:
     g = torch.Generator().manual_seed(seed)
-    perm = GDNPermutation.random(SHAPE, generator=g)
+    perm = GDNPermutation.random(FP8_SHAPE, generator=g)
     if block_respecting:  # channels move inside their own 4-channel block only
         key_dim = torch.stack(
             [
                 torch.cat([torch.randperm(4, generator=g), 4 + torch.randperm(4, generator=g)])
-                for _ in range(SHAPE.num_key_heads)
+                for _ in range(FP8_SHAPE.num_key_heads)
             ]
         )
         value_dim = torch.cat([torch.randperm(4, generator=g), 4 + torch.randperm(4, generator=g)])
@@ -87,7 +63,7 @@ def source(request, tmp_path_factory):
 
 
 def _scores(folder, model_type, block_respecting=True):
-    prefixes = [p for p, _ in find_gdn_modules(build_model(model_type, SHAPE))]
+    prefixes = [p for p, _ in find_gdn_modules(build_model(model_type, FP8_SHAPE))]
     return {
         "layers": {p: _permutation(i, block_respecting).to_score_payload() for i, p in enumerate(prefixes)}
     }
@@ -102,8 +78,8 @@ def test_sort_and_head_slices_are_exact_on_fp8(source, tmp_path):
         permute_gated_delta_net_state_dict(
             expected,
             prefix=prefix,
-            shape=SHAPE,
-            permutation=GDNPermutation.from_score_payload(payload, SHAPE),
+            shape=FP8_SHAPE,
+            permutation=GDNPermutation.from_score_payload(payload, FP8_SHAPE),
         )
     got = dequantized(tmp_path / "sorted")
     assert got.keys() == expected.keys()
@@ -118,7 +94,7 @@ def test_sort_and_head_slices_are_exact_on_fp8(source, tmp_path):
         slice_checkpoint(tmp_path / "sorted", out, target, progress=False)
         want = dequantized(tmp_path / "sorted")
         for prefix in scores["layers"]:
-            slice_gated_delta_net_state_dict(want, prefix=prefix, shape=SHAPE, target=target)
+            slice_gated_delta_net_state_dict(want, prefix=prefix, shape=FP8_SHAPE, target=target)
         have = dequantized(out)
         assert have.keys() == want.keys() and all(torch.equal(have[k], want[k]) for k in have)
 
@@ -151,7 +127,7 @@ def test_inspect_shows_the_quantisation(source, capsys):
     model_type, src = source
     info = inspect_checkpoint(src)
     layer = info["layers"][0]
-    assert set(layer["quantized"]) == {f"{name}.weight" for name in FP8[model_type]}
+    assert set(layer["quantized"]) == {f"{name}.weight" for name in FP8_TENSORS[model_type]}
     assert all(v.startswith("F8_E4M3") for v in layer["quantized"].values())
     assert main(["inspect", str(src)]) == 0
     assert "F8_E4M3" in capsys.readouterr().out
@@ -178,7 +154,7 @@ def test_score_reads_an_fp8_checkpoint_and_its_scores_sort_it(tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["the model sorts heads and slices them"] * 200))
     scores = score_checkpoint(src, text, num_samples=2, seq_len=72, progress=False, blocks=GDN_ONLY)
-    assert all(payload["shape"] == SHAPE.as_dict() for payload in scores["layers"].values())
+    assert all(payload["shape"] == FP8_SHAPE.as_dict() for payload in scores["layers"].values())
     # here a head is two 4-channel blocks, and channel orders that mix them cannot be applied exactly (with
     # Qwen's 128-dim heads a head is one 128-row block, and every channel order stays inside it)
     for payload in scores["layers"].values():
@@ -196,11 +172,11 @@ def test_dequantize_writes_the_split_blocks_in_bf16(source, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     not_converted = config["quantization_config"]["modules_to_not_convert"]
     expected = dequantized(src)
-    target = SHAPE.replace(key_head_dim=6)
-    for prefix, _ in find_gdn_modules(build_model(model_type, SHAPE)):
-        slice_gated_delta_net_state_dict(expected, prefix=prefix, shape=SHAPE, target=target)
+    target = FP8_SHAPE.replace(key_head_dim=6)
+    for prefix, _ in find_gdn_modules(build_model(model_type, FP8_SHAPE)):
+        slice_gated_delta_net_state_dict(expected, prefix=prefix, shape=FP8_SHAPE, target=target)
         # the projections that carry q/k rows lose part of a block: BF16 now; out_proj keeps its blocks: FP8
-        qk = FP8[model_type][0]
+        qk = FP8_TENSORS[model_type][0]
         assert (
             raw[f"{prefix}.{qk}.weight"].dtype == torch.bfloat16
             and f"{prefix}.{qk}.weight_scale_inv" not in raw
@@ -213,6 +189,6 @@ def test_dequantize_writes_the_split_blocks_in_bf16(source, tmp_path, capsys):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     index = out / "model.safetensors.index.json"
     assert not index.exists() or all(
-        not k.endswith(f"{FP8[model_type][0]}.weight_scale_inv")
+        not k.endswith(f"{FP8_TENSORS[model_type][0]}.weight_scale_inv")
         for k in json.loads(index.read_text())["weight_map"]
     )

@@ -1,4 +1,4 @@
-"""benchmarks/param_shares.py: its per-kind parameter formulas (from config.json values alone) against the
+"""scripts/param_shares.py: its per-kind parameter formulas (from config.json values alone) against the
 parameters of tiny transformers models built from the same configs, every family; kinds by module name."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tiny_models import MODEL_CLASS, make_config
 from gdnprune.model.geometry import GDNShape
 
 _SPEC = importlib.util.spec_from_file_location(
-    "param_shares", Path(__file__).parents[1] / "benchmarks" / "param_shares.py"
+    "param_shares", Path(__file__).parents[1] / "scripts" / "param_shares.py"
 )
 shares = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(shares)

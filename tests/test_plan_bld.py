@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_checkpoint import SHAPE
+from helpers import SOURCE_SHAPE as SHAPE
 from tiny_models import build_model
 
 from gdnprune.cli import main

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dense_axes import _ids, _kept, _same, _zeroed
+from helpers import assert_same, kept_by_orders, token_ids, zeroed_model
 
 from gdnprune import load_pretrained
 from gdnprune.model.subblock_shapes import AttentionShape, MLPShape
@@ -85,7 +85,7 @@ def test_built_cut_modules_give_the_logits_of_the_reference_on_a_trained_model(f
     kinds = {b.kind for b in blocks}
     assert kinds == ({"attention", "mlp"} if family == "olmo_hybrid" else {"attention", "shared_expert"})
     g = torch.Generator().manual_seed(3)
-    ids = _ids(seed=6, batch=2, seq=24)
+    ids = token_ids(seed=6, batch=2, seq=24)
     full = _logits(model, ids)
     for block in blocks:
         orders = random_orders(block, generator=g)
@@ -95,9 +95,9 @@ def test_built_cut_modules_give_the_logits_of_the_reference_on_a_trained_model(f
                 _with_module(model, block.prefix, _olmo_attention_by_hand(model, block.prefix, orders)), ids
             )
         else:
-            keep = _kept(block, orders, TARGETS[block.kind])
-            reference = _logits(_zeroed(model, {block.prefix: (block.kind, keep)}), ids)
-        _same(cut, reference)
+            keep = kept_by_orders(block, orders, TARGETS[block.kind])
+            reference = _logits(zeroed_model(model, {block.prefix: (block.kind, keep)}), ids)
+        assert_same(cut, reference)
         assert (cut - full).abs().max() > 1e-2 * full.abs().max(), block.prefix  # a real cut
         # negative control: the reversed orders keep what these orders drop, and their cut is not the reference
         other = {

@@ -9,9 +9,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import scored_source
-from test_dense_axes import _ids, _model
-from test_depth import _skipped
+from helpers import random_dense_model, scored_source, skipped_model, token_ids
 
 from gdnprune.plan.choose.depth import choose_with_removal, removal_sensitivity
 from gdnprune.plan.choose.solve import BudgetError
@@ -83,13 +81,13 @@ def test_removal_is_chosen_when_it_is_the_cheapest_way_to_meet_a_budget():
 
 
 def test_measured_removal_sensitivity_is_the_kl_of_the_full_model_with_the_layer_skipped():
-    model = _model("qwen3_5", seed=4)
-    batches = [_ids(seed=i, seq=10) for i in range(2)]
+    model = random_dense_model("qwen3_5", seed=4)
+    batches = [token_ids(seed=i, seq=10) for i in range(2)]
     measured = removal_sensitivity(model, batches)
     assert sorted(measured) == [0, 1, 2, 3]
     with torch.no_grad():
         for i in (1, 3):
-            skipped = _skipped(model, [i])
+            skipped = skipped_model(model, [i])
             kl, n = 0.0, 0
             for ids in batches:
                 p = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
@@ -128,9 +126,9 @@ def test_removal_sensitivity_and_a_joint_kl_with_a_removed_layer_equal_the_model
     from gdnprune.plan.choose.evolve import REMOVED
     from gdnprune.plan.measure.joint import JointKL, plan_kl
 
-    model = _model("qwen3_5", seed=4)
+    model = random_dense_model("qwen3_5", seed=4)
     model.save_pretrained(tmp_path / "src")
-    batches = [_ids(seed=i, batch=1, seq=10) for i in range(3)]
+    batches = [token_ids(seed=i, batch=1, seq=10) for i in range(3)]
     measured = removal_sensitivity(model, batches)
     rests = [LayerRest(f"model.layers.{i}", layer, i) for i, layer in enumerate(model.model.layers)]
     joint = JointKL(model, batches, rests)
@@ -248,7 +246,6 @@ def test_plan_and_prune_remove_decoder_layers_and_the_output_generates(tmp_path,
     skipped, which loads and generates with a cache."""
     import json
 
-    from test_depth import _skipped
     from tiny_models import cached_decode_logits, logits
 
     from gdnprune.cli import main
@@ -329,8 +326,8 @@ def test_plan_and_prune_remove_decoder_layers_and_the_output_generates(tmp_path,
     gone = json.loads((tmp_path / "pruned" / "gdnprune.json").read_text())["removed_layers"]
     assert gone and cut.config.num_hidden_layers == 4 - len(gone)
     assert sum(p.numel() for p in cut.parameters()) <= 0.8 * sum(p.numel() for p in full.parameters())
-    ids = _ids(seed=3, seq=8)
-    expected = logits(_skipped(full, gone), ids)
+    ids = token_ids(seed=3, seq=8)
+    expected = logits(skipped_model(full, gone), ids)
     assert torch.allclose(logits(cut, ids), expected, atol=1e-4 * expected.abs().max().item())
     assert torch.allclose(
         cached_decode_logits(cut, ids, 3), expected[:, -4:], atol=1e-4 * expected.abs().max().item()
@@ -342,8 +339,8 @@ def test_the_proxy_cannot_rank_removals_against_widths_and_says_so():
     from gdnprune.plan import check_budgets, plan_model
     from gdnprune.scoring import score_model
 
-    model = _model("qwen3_5", seed=1)
-    ids = _ids(seed=2, batch=2, seq=12)
+    model = random_dense_model("qwen3_5", seed=1)
+    ids = token_ids(seed=2, batch=2, seq=12)
     scores = score_model(model, [ids], progress=False)
     with pytest.raises(ValueError, match="cannot rank removing a decoder layer"):
         plan_model(model, None, scores, budget_params=0.8, blocks=["gdn", "depth"], sensitivity="proxy")
@@ -371,7 +368,7 @@ def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_t
     from gdnprune.plan.measure.joint import JointKL, plan_kl
     from gdnprune.plan.measure.subblocks import BlockToPlan
 
-    model = _model("qwen3_5_moe", seed=6)
+    model = random_dense_model("qwen3_5_moe", seed=6)
     g = torch.Generator().manual_seed(4)
     blocks = [b for b in find_model_blocks(model, ("experts", "shared_expert")) if ".layers.1." in b.prefix]
     orders = {b.prefix: random_orders(b, generator=g) for b in blocks}
@@ -381,7 +378,7 @@ def test_the_joint_kl_of_expert_and_shared_expert_cuts_in_one_layer_is_that_of_t
         for b in blocks
     ]
     assert sorted(b.block.kind for b in groups) == ["experts", "shared_expert"]
-    batches = [_ids(seed=i, batch=1, seq=10) for i in range(2)]
+    batches = [token_ids(seed=i, batch=1, seq=10) for i in range(2)]
     joint = JointKL(model, batches, groups)
     cut = slice_model(
         model,
@@ -402,8 +399,8 @@ def test_a_refined_plan_with_removal_and_expert_counts_meets_its_budgets_and_is_
     from gdnprune.plan import plan_model
     from gdnprune.scoring import score_model
 
-    model = _model("qwen3_5_moe", seed=1)
-    ids = _ids(seed=2, batch=4, seq=16)
+    model = random_dense_model("qwen3_5_moe", seed=1)
+    ids = token_ids(seed=2, batch=4, seq=16)
     scores = score_model(model, [ids], progress=False, blocks=True)
     plan, report = plan_model(
         model,

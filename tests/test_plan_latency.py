@@ -1,7 +1,7 @@
 """The latency budget (issue 30): candidate latencies measured with the harness are positive; the budget is met
 in the MILP's own arithmetic (against brute force over a small real table); the plan reports the predicted
 latency beside the measured one; bad latency options are refused with exit 2 and one line, before any
-calibration forward. Additivity is a benchmark (benchmarks/servable.py), not a timed test."""
+calibration forward. Additivity is a benchmark (`python -m benchmarks latency`), not a timed test."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from test_checkpoint import make_source
+from helpers import make_source
 from transformers import AutoModelForCausalLM
 
 from gdnprune.cli import main

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import torch
-from test_dense_axes import _model
+from helpers import random_dense_model
 
 from gdnprune.plan import plan_model
 from gdnprune.scoring import score_model
@@ -15,7 +15,7 @@ BAR = re.compile(r"^(?P<desc>[^\r\n|]*?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total
 
 
 def test_every_bar_of_a_halving_plan_keeps_its_total_and_ends_full(capsys):
-    model = _model("qwen3_5", seed=1)
+    model = random_dense_model("qwen3_5", seed=1)
     ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(2))
     scores = score_model(model, [ids], progress=False, blocks=True)
     capsys.readouterr()

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from helpers import SOURCE_SHAPE as SHAPE
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_checkpoint import SHAPE
 from tiny_models import build_model, cut_model
 
 from gdnprune import load_pretrained
@@ -147,7 +147,7 @@ def test_measured_sensitivity_is_the_kl_of_the_real_cut_model(model_type):
     layers = [(p, m) for p, m in find_gdn_modules(model)]
     targets = [GDNShape(1, 2, 8, 6), GDNShape(2, 2, 5, 4)]
     to_plan = [
-        LayerToPlan(p, m, _orders(scores["layers"][p], m), [GDNShape.from_module(m), *targets])
+        LayerToPlan(p, m, random_block_orders(scores["layers"][p], m), [GDNShape.from_module(m), *targets])
         for p, m in layers
     ]
     result = measured_sensitivity(model, [x[:1], x[1:]], to_plan, progress=False)
@@ -169,7 +169,7 @@ def test_measured_sensitivity_is_the_kl_of_the_real_cut_model(model_type):
     assert after["layers"] == scores["layers"]
 
 
-def _orders(payload, module):
+def random_block_orders(payload, module):
     from gdnprune.model.geometry import orders_from_payload
 
     return orders_from_payload(payload, GDNShape.from_module(module))

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_checkpoint import make_source
+from helpers import make_source
 from tiny_models import cut_model
 from transformers import AutoModelForCausalLM
 

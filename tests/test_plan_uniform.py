@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
-from test_dense_axes import _ids, _model
+from helpers import random_dense_model, token_ids
 
 from gdnprune.model.geometry import GDNShape
 from gdnprune.model.subblock_shapes import AttentionShape
@@ -65,7 +65,7 @@ def _larger(a, b):
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
 def test_uniform_choice_and_list_equal_brute_force_on_a_real_models_cost_tables(model_type):
-    model = _model(model_type, seed=3)
+    model = random_dense_model(model_type, seed=3)
     problem = _tables(model)
     keys, kinds, costs = problem.keys, problem.kinds, problem.costs["params"]
     assert set(kinds) == {"gdn", "attention", "mlp" if model_type == "qwen3_5" else "shared_expert"}
@@ -124,8 +124,8 @@ def test_a_uniform_whole_model_plan_on_a_real_model_meets_its_budget_and_is_the_
     from gdnprune.io.loading import slice_model
     from gdnprune.scoring import score_model
 
-    model = _model("qwen3_5", seed=4)
-    ids = _ids(seed=3, batch=4, seq=16)
+    model = random_dense_model("qwen3_5", seed=4)
+    ids = token_ids(seed=3, batch=4, seq=16)
     scores = score_model(model, [ids], progress=False, blocks=True)
     plan, report = plan_model(
         model,
@@ -192,7 +192,7 @@ def test_a_uniform_plan_refuses_a_kind_whose_blocks_share_no_geometry():
     from gdnprune.io.loading import slice_model
     from gdnprune.plan import check_budgets
 
-    model = _model("qwen3_5", seed=1)
+    model = random_dense_model("qwen3_5", seed=1)
     mlps = [n for n, _ in model.named_modules() if n.endswith(".mlp")]
     hetero = slice_model(model, blocks={mlps[0]: {"intermediate_size": 37}})
     with pytest.raises(ValueError, match="mlp blocks one geometry.*different shapes"):

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import scored_source
-from test_dense_axes import DENSE, _ids, _kept, _model, _orders, _zeroed
+from helpers import (
+    DENSE,
+    kept_by_orders,
+    random_block_orders,
+    random_dense_model,
+    scored_source,
+    token_ids,
+    zeroed_model,
+)
 
 from gdnprune.model.subblock_shapes import AttentionShape, MLPShape
 from gdnprune.model.subblock_surgery import find_model_blocks
@@ -24,8 +31,8 @@ def _kl(teacher, student):
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
 def test_sub_block_sensitivity_is_the_kl_of_the_model_with_the_removed_columns_zeroed(model_type):
-    model = _model(model_type, seed=2)
-    orders = _orders(model, seed=5)
+    model = random_dense_model(model_type, seed=2)
+    orders = random_block_orders(model, seed=5)
     blocks = find_model_blocks(model, DENSE)
     targets = {"mlp": MLPShape(40), "shared_expert": MLPShape(12)}
     to_plan = [
@@ -40,7 +47,7 @@ def test_sub_block_sensitivity_is_the_kl_of_the_model_with_the_removed_columns_z
     assert {b.kind for b in blocks} == (
         {"attention", "shared_expert"} if "moe" in model_type else {"attention", "mlp"}
     )
-    ids = _ids(seed=4, batch=2, seq=10)
+    ids = token_ids(seed=4, batch=2, seq=10)
     result = measured_sensitivity(model, [ids[:1], ids[1:]], to_plan, progress=False)
     with torch.no_grad():
         teacher = model(input_ids=ids).logits
@@ -50,8 +57,9 @@ def test_sub_block_sensitivity_is_the_kl_of_the_model_with_the_removed_columns_z
                 "mlp": {"intermediate_size": 40},
                 "shared_expert": {"shared_expert_intermediate_size": 12},
             }[layer.block.kind]
-            ref = _zeroed(
-                model, {layer.prefix: (layer.block.kind, _kept(layer.block, orders[layer.prefix], fields))}
+            ref = zeroed_model(
+                model,
+                {layer.prefix: (layer.block.kind, kept_by_orders(layer.block, orders[layer.prefix], fields))},
             )
             expected = _kl(teacher, ref(input_ids=ids).logits)
             assert result["kl"][layer.prefix][0] == 0.0
@@ -496,7 +504,7 @@ def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_r
     from gdnprune.plan import check_budgets, plan_model
     from gdnprune.scoring import GDN_ONLY, score_model
 
-    model = _model("qwen3_5", seed=1)
+    model = random_dense_model("qwen3_5", seed=1)
     for options, words in (
         (dict(budget_memory=0.5), "`context`"),
         (dict(budget_params=0.5, blocks=["mlp", "ffn"]), "`blocks`"),
@@ -504,7 +512,7 @@ def test_bad_whole_model_options_are_refused_before_any_forward_and_refinement_r
     ):
         with pytest.raises(ValueError, match=words):
             check_budgets(model, **options)
-    ids = _ids(seed=2, batch=4, seq=16)
+    ids = token_ids(seed=2, batch=4, seq=16)
     with pytest.raises(ValueError, match="sub-blocks"):  # scores without the sub-blocks' orders
         gdn_only = score_model(model, [ids], progress=False, blocks=GDN_ONLY)
         plan_model(model, [ids], gdn_only, budget_params=0.8, progress=False)

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers import SOURCE_SHAPE, make_source
 from tiny_models import build_model
 
 from gdnprune.model.geometry import GDNShape, orders_from_payload
@@ -71,9 +72,6 @@ def test_searched_lane_orders_are_measured_exactly_and_batch_invariant(model_typ
 def test_score_lane_search_and_compensation_then_prune_end_to_end(tmp_path, capsys):
     import json
 
-    from test_checkpoint import SHAPE as SMALL_SHAPE
-    from test_checkpoint import make_source
-
     from gdnprune import load_pretrained
     from gdnprune.cli import main
     from gdnprune.io.scores_file import gdn_entries, load_scores
@@ -107,7 +105,7 @@ def test_score_lane_search_and_compensation_then_prune_end_to_end(tmp_path, caps
     assert {v["kind"] for v in subs.values()} == {"attention", "mlp"}  # every kind by default, kept as scored
     stats = load_statistics(tmp_path / "s.compensation.safetensors")
     assert set(stats) == set(gdn_entries(scores["layers"]))
-    r = SMALL_SHAPE.num_value_heads * SMALL_SHAPE.value_head_dim
+    r = SOURCE_SHAPE.num_value_heads * SOURCE_SHAPE.value_head_dim
     assert all(v["out_moment"].shape == (r, r) and v["tokens"] == 4 * 72 for v in stats.values())
     # the deprecated spelling still works: --compensation writes beside the scores file
     assert main(["score", str(src), "--output", str(tmp_path / "s.json"), "--compensation", *common]) == 2

@@ -13,135 +13,25 @@ tensor stored in no form sharded loading reads makes its model load whole, said 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from accelerate import PartialState
+from launch_runs import FOLDERS
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_checkpoint import make_source
-from test_fp8 import make_fp8
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoConfig
 
 from gdnprune import load_pretrained
-from gdnprune.checkpoint import UnsortedInputWarning, slice_checkpoint
-from gdnprune.distill import DistillConfig, distill_checkpoint
+from gdnprune.distill import DistillConfig
 from gdnprune.distill.fsdp import (
-    has_checkpointed_layers,
     load_sharded_models,
-    local_bytes,
-    shard_student,
-    shard_teacher,
 )
-from gdnprune.io.sharded_loading import load_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
 
-PLAN = {
-    "format": "gdnprune-plan",
-    "version": 1,
-    "layers": {
-        "model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
-        "model.layers.2.linear_attn": {"value_head_dim": 4},
-    },
-}
-FOLDERS = {  # name: (folder, how it is sharded)
-    "uniform": ("uniform", "student"),
-    "hetero": ("hetero", "student"),
-    "hetero_gc": ("hetero", "student_gc"),  # layers wrapped for activation checkpointing, then sharded
-    "sharded_teacher": ("sharded_teacher", "teacher"),
-    "fp8_teacher": ("fp8_teacher", "teacher"),
-    "moe": ("moe", "student"),
-    "vl": ("vl", "student"),  # a whole vision-language model, stored under its own names
-    # a text model whose folder stores a vision-language model's tensors (model.language_model.*, visual.*)
-    "vl_text": ("vl_text", "student"),
-    # a bf16 student under bf16 mixed precision (distill's loader): float32 master weights, as accelerate
-    # upcasts the whole-loaded student, from a float32 folder (so the rounding to bf16 shows)
-    "bf16_mixed": ("uniform", "student_bf16_mixed"),
-    "olmo": ("olmo", "student"),  # the trained tiny OLMo-hybrid (stored in bf16, A_log kept in float32)
-}
 TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
-
-
-def build_folders(root: Path) -> None:
-    """The folders the launch loads, made in ``root`` (by tests/launches.py's shared_inputs)."""
-    teacher = make_source(root / "teacher", "qwen3_5", seed=31)
-    with warnings.catch_warnings():  # whichever test asks for the launch first: not its warnings
-        warnings.simplefilter("ignore", UnsortedInputWarning)
-        slice_checkpoint(teacher, root / "hetero", plan=PLAN, progress=False, self_contained=True)
-        slice_checkpoint(
-            teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False
-        )
-    whole = load_pretrained(teacher, dtype=torch.bfloat16)
-    whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
-    make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
-    shutil.copytree(os.path.join(TRAINED, "qwen3_5_moe"), root / "moe")
-    shutil.copytree(os.path.join(TRAINED, "qwen3_5_vl"), root / "vl")
-    shutil.copytree(os.path.join(TRAINED, "olmo_hybrid"), root / "olmo")
-    text = AutoConfig.from_pretrained(root / "vl").get_text_config()
-    text.architectures = ["Qwen3_5ForCausalLM"]
-    text.save_pretrained(root / "vl_text")
-    shutil.copy(root / "vl" / "model.safetensors", root / "vl_text" / "model.safetensors")
-    (root / "train.txt").write_text(" ".join(["the model sorts heads and slices them"] * 200))
-
-
-def load_and_distill(root: str) -> None:
-    """On the 2 ranks of the suite's shared launch (tests/launches.py): each folder loaded into shards and
-    gathered, then the distillations; rank 0 saves the report (``report.pt``)."""
-    os.environ["GDNPRUNE_DATA_CACHE"] = os.path.join(root, "cache")  # not the user's datasets cache
-    PartialState()
-    report: dict = {}
-    shards = {
-        "student": shard_student,
-        "teacher": shard_teacher,
-        "student_gc": functools.partial(shard_student, gradient_checkpointing=True),
-    }
-    mixed = DistillConfig(mixed_precision="bf16", fsdp=True)
-    for name, (folder, role) in FOLDERS.items():
-        path = os.path.join(root, folder)
-        if role == "student_bf16_mixed":
-            model, _ = load_sharded_models(
-                path, path, "bfloat16", "bfloat16", config=mixed, teacher_sharded=False
-            )
-        else:
-            model = load_sharded(path, shards[role], dtype=torch.float32)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        report[name] = {
-            "state": full,
-            "buffers": {k: v.clone() for k, v in model.named_buffers()},
-            "held": local_bytes(model),
-            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-            "wrapped": has_checkpointed_layers(model),
-            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-        }
-    config = DistillConfig(
-        steps=3, batch_size=4, lr=3e-3, lm_weight=0.3, log_every=1, fsdp=True, progress=False
-    )
-    for mode in ("sharded", "whole", "sharded_gc", "whole_gc"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = distill_checkpoint(
-                os.path.join(root, "hetero"),
-                os.path.join(root, "teacher"),
-                os.path.join(root, "train.txt"),
-                os.path.join(root, mode),
-                config=config.replace(gradient_checkpointing=mode.endswith("gc")),
-                seq_len=40,
-                sharded_loading=mode.startswith("sharded"),
-            )
-        report[mode] = {
-            "losses": [h["loss"] for h in result["history"] if "loss" in h],
-            "warnings": [str(w.message) for w in caught if "loaded whole" in str(w.message)],
-        }
-    if int(os.environ["RANK"]) == 0:
-        torch.save(report, os.path.join(root, "report.pt"))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""gdnprune: score, sort, plan, slice and distill the GatedDeltaNet layers of Qwen hybrid language models."""
+"""gdnprune: structured pruning of Qwen hybrid language models. It scores, sorts, plans, slices, distills,
+evaluates and benches their GatedDeltaNet layers, attention heads, MLP and shared-expert channels, routed
+experts and whole decoder layers; ARCHITECTURE.md maps which package owns which job."""
 
 from __future__ import annotations
 

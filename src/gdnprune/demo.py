@@ -33,7 +33,7 @@ from .demo_data import (
     validation_loss,
     validation_text,
 )
-from .distill import distill
+from .distill import DistillConfig, distill
 from .evaluation.api import EvalOptions, MissingExtraError, evaluate_model, require_lm_eval, task_manager
 from .evaluation.probes import MIN_LENGTH
 from .evaluation.report import markdown_table, plot_report
@@ -600,17 +600,10 @@ def recover_demo_slice(
     start = time.perf_counter()
     val = lambda m: validation_loss(m, seq_len=seq_len, num_windows=validation_windows)  # noqa: E731
     teacher_loss, before = val(teacher), val(student)
-    result = distill(
-        student,
-        teacher,
-        byte_windows(train_text(), seq_len),
-        options.pop("output_dir", None),
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        **{"progress": False, **options},
+    config = DistillConfig(
+        **{"progress": False, **options}, steps=steps, batch_size=batch_size, lr=lr, seed=seed
     )
+    result = distill(student, teacher, byte_windows(train_text(), seq_len), config)
     after = val(student)
     gap = before - teacher_loss
     return {

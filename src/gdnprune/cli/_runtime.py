@@ -11,13 +11,15 @@ transformers logs, once per kernel, that the GDN layers fall back to its referen
 implementation when flash-linear-attention and causal-conv1d are missing (always on a CPU). That is
 expected here; :func:`model_runtime` drops those lines and, where a GPU is present, shows one note of ours
 on its own line that says what to do about it (none on a CPU, where nothing can be done; none under
-``--quiet``).
+``--quiet``). It also keeps transformers' own progress bars ("Loading weights: 0%|...") off: the commands
+show their own progress.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import logging
 import os
 import sys
@@ -40,15 +42,17 @@ class PathError(ValueError):
 @dataclass(frozen=True)
 class CommandPaths:
     """The paths a command takes, by argparse ``dest``: model folders and files it reads (dest -> what the
-    file is, for the message), outputs it writes (a folder or a file)."""
+    file is, for the message), corpus sources (``--data``: files, folders or globs; that each names
+    something on disk is checked here, their contents by :func:`gdnprune.corpus.check_data`), outputs it
+    writes (a folder or a file)."""
 
     models: tuple[str, ...] = ()
     files: tuple[tuple[str, str], ...] = ()
+    sources: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
 
 
-#: command -> its paths, checked by :func:`check_paths` before the command runs (``--data`` is the
-#: corpus reader's to check)
+#: command -> its paths, checked by :func:`check_paths` before the command runs
 COMMAND_PATHS = {
     "inspect": CommandPaths(models=("model_dir",)),
     "sort": CommandPaths(models=("model_dir",), files=(("scores", "a scores file"),), outputs=("output",)),
@@ -57,19 +61,27 @@ COMMAND_PATHS = {
         files=(("plan", "a plan file"), ("compensation_stats", "a statistics file from `gdnprune score`")),
         outputs=("output",),
     ),
-    "verify": CommandPaths(models=("model_a", "model_b")),
+    "verify": CommandPaths(models=("model_a", "model_b"), sources=("data",)),
     "score": CommandPaths(
         models=("model_dir",),
         files=(("merge", "a partial file from `gdnprune score --partial`"),),
+        sources=("data",),
         outputs=("output", "partial", "compensation_stats"),
     ),
-    "plan": CommandPaths(models=("model_dir",), files=(("scores", "a scores file"),), outputs=("output",)),
+    "plan": CommandPaths(
+        models=("model_dir",), files=(("scores", "a scores file"),), sources=("data",), outputs=("output",)
+    ),
     "prune": CommandPaths(
         models=("model_dir",),
         files=(("plan", "a plan file"), ("scores", "a scores file")),
+        sources=("data",),
         outputs=("output",),
     ),
-    "distill": CommandPaths(models=("student", "teacher"), outputs=("output",)),
+    "distill": CommandPaths(
+        models=("student", "teacher"), sources=("data", "eval_data"), outputs=("output",)
+    ),
+    "eval": CommandPaths(models=("models",), files=(("data", "a UTF-8 text file"),), outputs=("output",)),
+    "bench": CommandPaths(models=("models",), outputs=("output",)),
     "demo": CommandPaths(outputs=("output",)),
 }
 
@@ -110,10 +122,22 @@ def _hub_hint(path: str) -> str:
     return ""
 
 
+def _source_missing(pattern: str) -> str | None:
+    """Why a corpus source names nothing on disk (None when it names something): the words of
+    :func:`gdnprune.corpus.source_files`, without importing ``datasets``."""
+    path = os.path.expanduser(pattern)
+    if os.path.lexists(path):
+        return None
+    if not glob.has_magic(path):
+        return "no such file or folder"
+    return None if glob.glob(path, recursive=True) else "the glob matches no data file"
+
+
 def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Raise :class:`PathError` for the first path of ``args`` that the command cannot use: a model folder
-    that is missing or holds no ``config.json``, an input file that is missing, a folder or unreadable,
-    an output whose folder cannot be written. Cheap (a few ``stat`` calls) and before any model loads."""
+    that is missing or holds no ``config.json``, an input file that is missing, a folder or unreadable, a
+    ``--data`` source that names nothing (in a single process), an output whose folder cannot be written. Cheap
+    (a few ``stat`` calls), before any model loads and before torch, transformers or datasets are imported."""
     paths = COMMAND_PATHS.get(getattr(args, "command", None) or "")
     if paths is None:
         return
@@ -135,6 +159,15 @@ def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                 raise PathError(f"{names[dest]}: expected {noun}, found {_found(path)}")
             if not os.access(path, os.R_OK):
                 raise PathError(f"{names[dest]}: expected {noun} that can be read, found {path!r} unreadable")
+    # several processes (torchrun): the command checks its corpus inside the process group, so that every rank
+    # stops with the message of the one whose data is missing (a rank that stopped here would leave the others
+    # waiting for it)
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    for dest in () if several else paths.sources:
+        for pattern in _values(args, dest):
+            reason = _source_missing(pattern)
+            if reason is not None:
+                raise PathError(f"{names[dest]}: {pattern}: {reason}")
     for dest in () if getattr(args, "dry_run", False) else paths.outputs:
         for path in _values(args, dest):
             reason = unwritable(path)
@@ -202,8 +235,9 @@ class _FallbackNote(logging.Filter):
 
 @contextlib.contextmanager
 def model_runtime(args) -> Iterator[None]:
-    """Apply ``--threads`` and show transformers' kernel-fallback warnings as one note; with ``--quiet``, no
-    note and no progress bars of transformers (loading the weights)."""
+    """Apply ``--threads``, show transformers' kernel-fallback warnings as one note (none with ``--quiet``)
+    and keep transformers' own progress bars ("Loading weights", ...) off while the command runs: a command
+    shows its own progress, and none under ``--quiet``."""
     threads = getattr(args, "threads", None)
     if threads is not None:
         import torch  # lazy: torch-free commands share this module
@@ -213,12 +247,10 @@ def model_runtime(args) -> Iterator[None]:
     note = _FallbackNote(args.command, quiet)
     logger = logging.getLogger(_LOGGER)
     logger.addFilter(note)
-    bars = None
-    if quiet:  # transformers' own bars ("Loading weights", ...) too
-        from transformers.utils import logging as hf_logging  # lazy: torch-free commands share this module
+    from transformers.utils import logging as hf_logging  # lazy: torch-free commands share this module
 
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:

@@ -148,11 +148,6 @@ def run(args) -> int:
     from ..model.latency import parse_workload  # lazy: as above
 
     workloads = list(dict.fromkeys(parse_workload(w) for w in args.workload))  # malformed: exit 2 here
-    for model in args.models:
-        if not os.path.isdir(model):
-            raise ValueError(
-                f"MODEL {model}: " + ("not a directory" if os.path.exists(model) else "no such directory")
-            )
     if args.output is not None:
         check_output_folder(Path(args.output), args.overwrite, frozenset({RESULTS}))
 

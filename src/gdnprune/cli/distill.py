@@ -367,9 +367,6 @@ def _train(args, data, eval_data) -> int:
     import torch
 
     # lazy: commands import the library when they run, so --help stays fast
-    import transformers
-
-    # lazy: commands import the library when they run, so --help stays fast
     from ..distill import OutputFolderError, distill_checkpoint
 
     # lazy: commands import the library when they run, so --help stays fast
@@ -379,12 +376,11 @@ def _train(args, data, eval_data) -> int:
         return_freed_memory()
     dtype = getattr(torch, args.dtype)  # --dtype has a default; --teacher-dtype defaults to it
     teacher_dtype = None if args.teacher_dtype is None else getattr(torch, args.teacher_dtype)
-    transformers.utils.logging.disable_progress_bar()  # one bar: ours (no loading or shard-writing bars)
     # checkpoints a second apart make transformers doubt file times; it then orders them by step, as it should
     quiet_mtime = _DropMessage("mtime may not be reliable")
     logging.getLogger("transformers.trainer_utils").addFilter(quiet_mtime)
     try:
-        with model_runtime(args):
+        with model_runtime(args):  # one bar: ours (no loading or shard-writing bars of transformers)
             result = distill_checkpoint(
                 args.student,
                 args.teacher,
@@ -408,7 +404,6 @@ def _train(args, data, eval_data) -> int:
         print(f"gdnprune distill: error: {_flags(' '.join(str(exc).split()))}", file=sys.stderr)
         return 2
     finally:
-        transformers.utils.logging.enable_progress_bar()
         logging.getLogger("transformers.trainer_utils").removeFilter(quiet_mtime)
     if int(os.environ.get("RANK", "0")) != 0:
         return (

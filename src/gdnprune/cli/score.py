@@ -189,9 +189,6 @@ def _score(args, mode: str) -> int:
     with model_runtime(runtime), warnings.catch_warnings():
         if not main:  # the ranks see the same data and model: rank 0 speaks for them
             warnings.simplefilter("ignore")
-            from transformers.utils import logging as hf_logging  # lazy: fast --help
-
-            hf_logging.disable_progress_bar()
         if mode == "partial":
             run = measure_checkpoint(args.model_dir, data, shard=args.shard or (0, 1), **options)
             with fail_together():

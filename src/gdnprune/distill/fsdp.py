@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils.fsdp_utils import _find_final_norm
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
@@ -29,6 +28,7 @@ from transformers import PreTrainedModel
 
 from ..io.loading import empty_pretrained
 from ..io.sharded_loading import ShardedLoadingError, load_sharded, sharded_loading_names
+from ..model.forwards import final_norm
 
 __all__ = [
     "layer_classes",
@@ -144,7 +144,7 @@ def shard_student(
     tied = embed is not None and head is not None and head.weight is embed.weight
     if embed is not None and not tied:
         fully_shard(embed, reshard_after_forward=True, **kwargs)
-    tail = [m for m in (_find_final_norm(student), embed if tied else None, head) if m is not None]
+    tail = [m for m in (final_norm(student), embed if tied else None, head) if m is not None]
     if tail:
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(student, **kwargs)

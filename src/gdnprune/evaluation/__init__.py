@@ -1,1 +1,2 @@
-"""Evaluation: recall probes, built-in lm-eval tasks and the side-by-side table of ``gdnprune eval``."""
+"""Models side by side: their quality on lm-eval tasks and built-in recall probes (``gdnprune eval``) and their
+latency at serving workloads (``gdnprune bench``)."""

@@ -6,7 +6,8 @@ transformers model and look inside it; this module is what they share:
 * batches: :func:`unpack_batch` (``input_ids`` and an optional ``attention_mask`` from a tensor or a
   mapping), :func:`input_device` (where the ids go, also when accelerate offloaded the embedding to
   ``meta``), :func:`model_inputs` (the keyword arguments of one forward);
-* where things are: :func:`decoder_layers` (the decoder's layer list), :func:`layer_index` /
+* where things are: :func:`decoder_layers` (the decoder's layer list), :func:`final_norm` (the norm
+  before the LM head), :func:`layer_index` /
   :func:`layer_of` (the decoder layer that holds a sub-module: a GDN module, an attention or MLP module, an
   expert), :func:`parent_and_name` (where to swap a sub-module), :func:`output_projection` (the linear that
   writes a sub-block's output into the residual stream);
@@ -40,6 +41,7 @@ __all__ = [
     "input_device",
     "model_inputs",
     "decoder_layers",
+    "final_norm",
     "layer_index",
     "layer_of",
     "decoder_blocks",
@@ -121,6 +123,21 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
             f"{type(model).__name__}: expected a decoder with .layers (model.get_decoder().layers)"
         )
     return decoder.layers
+
+
+def final_norm(model: Any) -> torch.nn.Module | None:
+    """The decoder's final norm, before the LM head: ``norm`` of the decoder (``model.model.norm``;
+    ``model.model.language_model.norm`` for the vision-language models, found through ``get_decoder()``);
+    None when there is none."""
+    for get in (lambda: model.get_decoder(), lambda: model.model, lambda: model.model.language_model):
+        try:
+            decoder = get()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        norm = getattr(decoder, "norm", None)
+        if decoder is not None and isinstance(norm, torch.nn.Module):
+            return norm
+    return None
 
 
 def layer_index(layers: Iterable[torch.nn.Module], module: torch.nn.Module) -> int:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..model.forwards import final_norm
+
 __all__ = [
     "module_device",
     "output_head",
@@ -73,8 +75,8 @@ def module_device(module: torch.nn.Module) -> torch.device:
 def output_head(model: Any) -> tuple[Any, Any] | str:
     """``(final norm, lm_head)`` of a causal LM, or a string saying why they were not found.
 
-    The final norm is the decoder's ``norm`` (``model.model.norm``; ``model.model.language_model.norm``
-    for the vision-language models, found through ``get_decoder()``), the head ``get_output_embeddings()``.
+    The final norm is the decoder's ``norm`` (:func:`gdnprune.model.forwards.final_norm`), the head
+    ``get_output_embeddings()``.
     """
     try:
         head = model.get_output_embeddings()
@@ -82,18 +84,10 @@ def output_head(model: Any) -> tuple[Any, Any] | str:
         head = None
     if head is None or getattr(head, "weight", None) is None:
         return f"{type(model).__name__} has no output embeddings (lm_head)"
-    decoder = None
-    for get in (lambda: model.get_decoder(), lambda: model.model, lambda: model.model.language_model):
-        try:
-            candidate = get()
-        except (AttributeError, NotImplementedError, TypeError):
-            continue
-        if candidate is not None and isinstance(getattr(candidate, "norm", None), torch.nn.Module):
-            decoder = candidate
-            break
-    if decoder is None:
+    norm = final_norm(model)
+    if norm is None:
         return f"{type(model).__name__} has no final norm before lm_head (decoder.norm)"
-    return decoder.norm, head
+    return norm, head
 
 
 def loss_gradient(

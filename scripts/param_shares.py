@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where the parameters of a GDN hybrid are (issue 21): the share of GDN layers, full attention, MLPs (dense MLP,
+"""Where the parameters of a GDN hybrid are: the share of GDN layers, full attention, MLPs (dense MLP,
 MoE shared experts, routed experts, and the routed experts a token uses), embeddings and LM head.
 
 Computed from ``config.json`` values alone, by direct formulas (:func:`param_counts`); ``tests/test_param_shares.py``
@@ -9,7 +9,7 @@ family. Applied to the benchmark models (their configs built with ``scripts/trai
 model: the vision tower of the VL releases and the multi-token-prediction (``mtp.*``) layer that some releases
 ship are not part of it (transformers' causal LM does not build them).
 
-    python benchmarks/param_shares.py            # the table (markdown)
+    python scripts/param_shares.py            # the table (markdown) of docs/benchmarks/orders.md
 """
 
 from __future__ import annotations
