@@ -70,6 +70,7 @@ COMMAND_PATHS = {
         outputs=("output",),
     ),
     "distill": CommandPaths(models=("student", "teacher"), outputs=("output",)),
+    "quantize": CommandPaths(models=("model_dir",), outputs=("output",)),
     "demo": CommandPaths(outputs=("output",)),
 }
 
