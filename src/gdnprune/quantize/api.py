@@ -200,6 +200,14 @@ def quantize_checkpoint(
             f"{' x '.join(map(str, widest))}); give a smaller size that divides its widths, or snap the cut "
             f"with --snap-quant"
         )
+    unfit_experts = sorted({m.split(".experts.")[0] for m in selection.unfit if ".experts." in m})
+    if unfit_experts and spec.name == "w4a16":
+        raise QuantizeError(
+            f"the routed experts of {unfit_experts[0]}{' and others' if len(unfit_experts) > 1 else ''} do not fit "
+            f"groups of {size} ({next(w for m, w in selection.unfit.items() if '.experts.' in m)}); transformers "
+            f"loads a w4a16 checkpoint only when every routed expert is quantized: give a --group-size that "
+            f"divides their widths, or cut with --snap-quant {size}"
+        )
     _warn(selection, scheme, size)
     q = compressed_scheme(spec, size)
     if calibration == "gptq":
@@ -214,6 +222,7 @@ def quantize_checkpoint(
     weight_map: dict[str, str] = {}
     sizes = {"before": 0, "after": 0}
     other, _ = plan_other_files(src, {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, *files.values()})
+    other = [name for name in other if "/" not in name]  # no subfolders (distill's checkpoints, logs)
     staging = Staging(out, overwrite, src=src)
     with staging as tmp:
         bar = tqdm(total=len(chosen), desc=f"quantize {scheme}", unit="matrix", disable=not progress)
@@ -287,19 +296,21 @@ def _source_operation(src: Path) -> str | None:
 
 def _warn(selection: Selection, scheme: str, size: int | None) -> None:
     if selection.unfit:
-        names = ", ".join(f"{m} ({why.split(':')[0]})" for m, why in selection.unfit.items())
-        reason = next(iter(selection.unfit.values())).split(": ", 1)[1]
+        names: dict[str, str] = {}
+        for module, why in selection.unfit.items():  # a layer's routed experts are named once
+            names.setdefault(re.sub(r"\.experts\.\d+\..*$", ".experts", module), why.split(":")[0])
+        shown = ", ".join(f"{m} ({shape})" for m, shape in names.items())
+        reason = next(why for why in selection.unfit.values() if ": " in why).split(": ", 1)[1]
         warnings.warn(
-            f"{len(selection.unfit)} matrices stay in high precision ({reason}{f' at size {size}' if size else ''}): "
-            f"{names}; `gdnprune slice/prune --snap-quant {size or 16}` cuts widths that fit",
+            f"{len(names)} modules stay in high precision ({reason}{f' at size {size}' if size else ''}): "
+            f"{shown}; `gdnprune slice/prune --snap-quant {size or 16}` cuts widths that fit",
             QuantizedWidthWarning,
             stacklevel=3,
         )
     if selection.kept_experts:
         warnings.warn(
-            f"{scheme}: the {len(selection.kept_experts)} routed expert matrices stay in high precision "
-            f"(transformers loads block-scaled fused experts wrongly-shaped and refuses them); use fp8-dynamic "
-            f"to quantize routed experts",
+            f"{scheme}: the routed experts stay in high precision (transformers cannot load block-scaled fused "
+            f"experts); use fp8-dynamic to quantize routed experts",
             QuantizedWidthWarning,
             stacklevel=3,
         )

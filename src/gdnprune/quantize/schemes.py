@@ -177,7 +177,7 @@ def _pattern(module: str) -> str:
     prefix a loader gives the decoder (``model.``, ``model.language_model.``, vLLM's own)."""
     m = _LAYER.search(module)
     tail = module[m.start() + (1 if m.group(1) else 0) :] if m else module
-    return "re:.*" + re.escape(tail) + "$" if m else module
+    return "re:.*" + re.escape(tail) + ("" if tail.endswith(".") else "$") if m else module
 
 
 def select_modules(
@@ -211,9 +211,17 @@ def select_modules(
             )
             continue
         quantized.append(module)
+    # a layer's routed experts load as one fused tensor per projection: all of them quantized, or none
+    broken = {_EXPERT.split(m)[0] for m in unfit if _EXPERT.search(m)}
+    for m in [m for m in quantized if _EXPERT.search(m) and _EXPERT.split(m)[0] in broken]:
+        quantized.remove(m)
+        unfit[m] = "other expert matrices of its layer do not fit (the layer's experts load as one tensor)"
     ignore = list(HIGH_PRECISION) + [_pattern(m) for m in sorted(unfit) if not _EXPERT.search(m)]
-    if any(_EXPERT.search(m) for m in unfit) or experts:
-        # fused in memory (not Linear modules): their high-precision tensors load as they are; engines that
-        # keep experts per unit read the per-expert names
-        ignore += [_pattern(m) for m in sorted(experts) + sorted(m for m in unfit if _EXPERT.search(m))]
+    # routed experts are fused in memory (no Linear modules), so these entries are for engines that keep
+    # them per unit: every routed expert when the scheme keeps them, else the layers whose experts are unfit
+    if experts:
+        ignore.append(r"re:.*mlp\.experts\..*")
+    else:
+        layers = sorted({_EXPERT.split(m)[0] for m in unfit if _EXPERT.search(m)})
+        ignore += [_pattern(f"{layer}.experts.") + ".*" for layer in layers]
     return Selection(quantized, unfit, experts, ignore)
