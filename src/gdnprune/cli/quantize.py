@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ._options import add_data_arguments, add_output_arguments, checked_data, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
 
@@ -92,10 +94,27 @@ def size_of(args) -> int | None:
     return args.block_size if args.scheme == "fp8-block" else args.group_size
 
 
+def _library():
+    """``gdnprune.quantize.quantize_checkpoint``; an error line naming the extra without compressed-tensors."""
+    try:
+        from ..quantize import quantize_checkpoint  # lazy: as every command's library import
+    except ModuleNotFoundError as exc:
+        if exc.name != "compressed_tensors":
+            raise
+        raise MissingQuantizeExtra(
+            "quantize needs compressed-tensors: pip install 'gdnprune[quantize]'"
+        ) from None
+    return quantize_checkpoint
+
+
+class MissingQuantizeExtra(ImportError):
+    """compressed-tensors is not installed (exit 1: the environment's)."""
+
+
 def quantize_beside(model_dir, scheme: str, *, data, overwrite: bool, progress: bool) -> tuple[str, dict]:
     """``prune``/``distill --quantize``: ``model_dir`` quantized with ``scheme``'s defaults to
     ``MODEL_DIR-SCHEME``; returns (that folder, its manifest)."""
-    from ..quantize import quantize_checkpoint  # lazy: as every command's library import
+    quantize_checkpoint = _library()
 
     out = f"{str(model_dir).rstrip('/')}-{scheme}"
     manifest = quantize_checkpoint(
@@ -117,9 +136,12 @@ def summary(out: str, manifest: dict) -> str:
 
 
 def run(args) -> int:
-    from ..quantize import quantize_checkpoint  # lazy: commands import the library when they run
-
     size = size_of(args)
+    try:
+        quantize_checkpoint = _library()
+    except MissingQuantizeExtra as exc:
+        print(f"gdnprune quantize: error: {exc}", file=sys.stderr)
+        return 1
     with model_runtime(args):
         data = checked_data(args, tokenizer_dir=args.model_dir)
         manifest = quantize_checkpoint(

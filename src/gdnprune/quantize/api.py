@@ -197,8 +197,7 @@ def quantize_checkpoint(
         widest = max((s for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2), default=())
         raise QuantizeError(
             f"no projection of {src} fits {scheme}{f' at size {size}' if size else ''} (its widest matrix is "
-            f"{' x '.join(map(str, widest))}); give a smaller size that divides its widths, or snap the cut "
-            f"with --snap-quant"
+            f"{' x '.join(map(str, widest))}); give a smaller size that divides its widths"
         )
     unfit_experts = sorted({m.split(".experts.")[0] for m in selection.unfit if ".experts." in m})
     if unfit_experts and spec.name == "w4a16":
@@ -206,7 +205,7 @@ def quantize_checkpoint(
             f"the routed experts of {unfit_experts[0]}{' and others' if len(unfit_experts) > 1 else ''} do not fit "
             f"groups of {size} ({next(w for m, w in selection.unfit.items() if '.experts.' in m)}); transformers "
             f"loads a w4a16 checkpoint only when every routed expert is quantized: give a --group-size that "
-            f"divides their widths, or cut with --snap-quant {size}"
+            f"divides their widths"
         )
     _warn(selection, scheme, size)
     q = compressed_scheme(spec, size)
@@ -303,7 +302,8 @@ def _warn(selection: Selection, scheme: str, size: int | None) -> None:
         reason = next(why for why in selection.unfit.values() if ": " in why).split(": ", 1)[1]
         warnings.warn(
             f"{len(names)} modules stay in high precision ({reason}{f' at size {size}' if size else ''}): "
-            f"{shown}; `gdnprune slice/prune --snap-quant {size or 16}` cuts widths that fit",
+            f"{shown}; give a size that divides these widths, or cut widths in multiples of it (`gdnprune "
+            f"plan/prune --multiple-of` for head dims and MLP widths)",
             QuantizedWidthWarning,
             stacklevel=3,
         )
