@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +304,17 @@ def test_eval_and_bench_take_quantized_folders(tmp_path, capsys):
     assert main([*argv, "--device", "cpu", "--quiet", "-o", str(tmp_path / "bench")]) == 0
     rows = json.loads((tmp_path / "bench" / "results.json").read_text())["results"]
     assert rows[0]["parameters"] == 898_512 and rows[0]["tokens_per_second"] > 0
+
+
+def test_prune_quantize_writes_the_quantized_model_beside_its_output(tmp_path, capsys):
+    trained = Path(__file__).parent / "data" / "trained" / "qwen3_5_moe"
+    text = tmp_path / "calib.txt"
+    text.write_text(demo_data.train_text()[: 256 * 8], encoding="utf-8")
+    out = tmp_path / "pruned"
+    argv = ["prune", str(trained), "--data", str(text), "--num-value-heads", "4", "--num-samples", "4"]
+    assert main([*argv, "--seq-len", "64", "-o", str(out), "--quantize", "fp8-dynamic", "-q"]) == 0
+    assert "-> " + str(out) + "-fp8-dynamic" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "pruned-fp8-dynamic" / "gdnprune.json").read_text())
+    assert manifest["source"]["operation"] == "prune" and manifest["scheme"] == "fp8-dynamic"
+    model, logged, problems = _load_quiet(tmp_path / "pruned-fp8-dynamic")
+    assert problems == {} and logged == [] and model.model.layers[0].linear_attn.num_v_heads == 4
