@@ -42,6 +42,7 @@ from gdnprune.cli import main as gdnprune  # noqa: E402
 
 WORK = ROOT / "benchmarks" / "_work" / "quantize"
 SIZES = (128, 64, 32, 16)
+SEQ = [256]  # bytes per window (--seq-len)
 
 
 def _run(argv: list[str], out: Path) -> Path:
@@ -80,7 +81,9 @@ def _quantized(
         argv += [flag, str(size)] if flag else []
         argv += ["--calibration", calibration] if scheme == "w4a16" else []
         argv += (
-            ["--data", str(train), "--num-samples", "32", "--seq-len", "256"] if calibration == "gptq" else []
+            ["--data", str(train), "--num-samples", "32", "--seq-len", str(SEQ[0])]
+            if calibration == "gptq"
+            else []
         )
         out = work / name
         if not out.exists() and (work / f"{name}.refused").exists():
@@ -119,7 +122,7 @@ def _window_losses(path: Path, text: str, windows: int, cache: Path) -> list[flo
     from gdnprune.io.loading import load_causal_lm  # noqa: PLC0415
 
     model = load_causal_lm(path, dtype="float32", device="cpu")
-    ids = demo_data.byte_windows(text, 256, windows)
+    ids = demo_data.byte_windows(text, SEQ[0], windows)
     losses = []
     with torch.no_grad():
         for batch in ids.split(8):
@@ -143,15 +146,17 @@ def run_model(model: Path, args: argparse.Namespace) -> list[str]:
     train, valid = work / "train.txt", work / "valid.txt"
     if not train.exists():
         train.write_text(demo_data.train_text(corpus), encoding="utf-8")
-        valid.write_text(demo_data.validation_text(corpus)[: 256 * args.validation_windows], encoding="utf-8")
+        valid.write_text(
+            demo_data.validation_text(corpus)[: SEQ[0] * args.validation_windows], encoding="utf-8"
+        )
     print(f"{name}: corpus {corpus}", flush=True)
     pruned = _run(
-        ["prune", str(model), "--data", str(train), "--budget-params", "0.5", "--seq-len", "256"],
+        ["prune", str(model), "--data", str(train), "--budget-params", "0.5", "--seq-len", str(SEQ[0])],
         work / "pruned",
     )
     recovered = _run(
         ["distill", str(pruned), "--teacher", str(model), "--data", str(train), "--steps", str(args.steps)]
-        + ["--seq-len", "256", "--batch-size", "4", "--lr", "1e-3", "--output-dtype", "bfloat16"],
+        + ["--seq-len", str(SEQ[0]), "--batch-size", "4", "--lr", "1e-3", "--output-dtype", "bfloat16"],
         work / "recovered",
     )
     outputs = [("bf16", recovered)]
@@ -171,7 +176,9 @@ def run_model(model: Path, args: argparse.Namespace) -> list[str]:
         evals,
     )
     bench = work / "bench"
-    _run(["bench", *[str(p) for _, p in outputs], "--workload", "decode:1:256", "--device", "cpu"], bench)
+    _run(
+        ["bench", *[str(p) for _, p in outputs], "--workload", f"decode:1:{SEQ[0]}", "--device", "cpu"], bench
+    )
     results = json.loads((evals / "results.json").read_text())["models"]
     speeds = {
         r["model"]: r["tokens_per_second"]
@@ -235,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bundled", action="store_true")
     parser.add_argument("--steps", type=int, default=200, help="distillation steps (200)")
     parser.add_argument(
-        "--validation-windows", type=int, default=64, help="held-out windows of 256 bytes (64)"
+        "--validation-windows", type=int, default=64, help="held-out windows of --seq-len bytes (64)"
     )
     parser.add_argument("--context-lengths", type=int, nargs="+", default=[128, 256])
+    parser.add_argument(
+        "--seq-len", type=int, default=256, help="bytes per window (256; the trained test models: 128)"
+    )
     parser.add_argument("--probe-limit", type=int, default=20, help="documents per recall probe (20)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -245,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # noqa: PLC0415 (after OMP_NUM_THREADS)
 
     torch.set_num_threads(args.threads)
+    SEQ[0] = args.seq_len
     models = ([] if args.skip_bundled else [demo_data.demo_model_path()]) + list(args.model or [])
     report = []
     for model in models:
