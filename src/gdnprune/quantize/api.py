@@ -14,7 +14,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -217,57 +217,25 @@ def quantize_checkpoint(
         if batches is None:
             batches = _batches(src, data, num_samples=num_samples, seq_len=seq_len, batch_size=batch_size)
         hessians = _hessians(src, selection, batches)
-    chosen = set(selection.quantized)
-    weight_map: dict[str, str] = {}
-    sizes = {"before": 0, "after": 0}
     other, _ = plan_other_files(src, {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, *files.values()})
     other = [name for name in other if "/" not in name]  # no subfolders (distill's checkpoints, logs)
+
+    def matrix(module: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if calibration == "gptq":
+            w, scale = gptq(tensor, hessians[module], group_size=size or 0, scale_dtype=tensor.dtype)
+        else:
+            w, scale = tensor, _rtn_scale(tensor, q, tensor.dtype)
+        return _compress(w, scale, q)
+
     staging = Staging(out, overwrite, src=src)
     with staging as tmp:
-        bar = tqdm(total=len(chosen), desc=f"quantize {scheme}", unit="matrix", disable=not progress)
-        for file in sorted(set(files.values())):
-            tensors = load_file(src / file)
-            written: dict[str, torch.Tensor] = {}
-            for name, tensor in tensors.items():
-                sizes["before"] += tensor.numel() * tensor.element_size()
-                module = name[: -len(".weight")]
-                if module not in chosen or not name.endswith(".weight"):
-                    written[name] = tensor
-                    continue
-                if calibration == "gptq":
-                    w, scale = gptq(tensor, hessians[module], group_size=size or 0, scale_dtype=tensor.dtype)
-                else:
-                    w, scale = tensor, _rtn_scale(tensor, q, tensor.dtype)
-                for key, value in _compress(w, scale, q).items():
-                    written[f"{module}.{key}"] = value
-                bar.update()
-            for name, tensor in written.items():
-                weight_map[name] = file
-                sizes["after"] += tensor.numel() * tensor.element_size()
-            save_file(written, tmp / file, metadata={"format": "pt"})
-        bar.close()
-        if (src / INDEX_NAME).exists():
-            index = read_json(src / INDEX_NAME)
-            index["weight_map"] = dict(sorted(weight_map.items()))
-            index.setdefault("metadata", {})["total_size"] = sizes["after"]
-            write_json_atomic(tmp / INDEX_NAME, index, indent=2)
-        copy_other_files(src, tmp, other)
-        qconfig = QuantizationConfig(
-            config_groups={"group_0": q},
-            format=_format(q).value,
-            quantization_status=QuantizationStatus.COMPRESSED,
-            ignore=selection.ignore,
+        bar = tqdm(
+            total=len(selection.quantized), desc=f"quantize {scheme}", unit="matrix", disable=not progress
         )
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "version": ct_version,
-            **qconfig.model_dump(exclude={"quant_method"}),
-        }
-        if isinstance(
-            config.get("text_config"), dict
-        ):  # the decoder alone (ForCausalLM) loads it quantized too
-            config["text_config"]["quantization_config"] = config["quantization_config"]
-        write_json_atomic(tmp / CONFIG_NAME, config, indent=2)
+        sizes = _write_weights(src, tmp, files, set(selection.quantized), matrix, bar.update)
+        bar.close()
+        copy_other_files(src, tmp, other)
+        _write_config(tmp, config, q, selection.ignore)
         manifest = {
             "tool": "gdnprune",
             "version": __version__,
@@ -284,6 +252,61 @@ def quantize_checkpoint(
         write_json_atomic(tmp / MANIFEST_NAME, manifest, indent=1)
         staging.commit()
     return manifest
+
+
+def _write_weights(
+    src: Path,
+    tmp: Path,
+    files: dict[str, str],
+    chosen: set[str],
+    matrix: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    done: Callable[[], Any],
+) -> dict[str, int]:
+    """Every safetensors file of ``src`` written to ``tmp`` under its own name, the weights of ``chosen``
+    modules replaced by ``matrix(module, weight)``'s tensors; the index follows. Returns the bytes before and
+    after."""
+    weight_map: dict[str, str] = {}
+    sizes = {"before": 0, "after": 0}
+    for file in sorted(set(files.values())):
+        written: dict[str, torch.Tensor] = {}
+        for name, tensor in load_file(src / file).items():
+            sizes["before"] += tensor.numel() * tensor.element_size()
+            module = name[: -len(".weight")]
+            if module not in chosen or not name.endswith(".weight"):
+                written[name] = tensor
+                continue
+            for key, value in matrix(module, tensor).items():
+                written[f"{module}.{key}"] = value
+            done()
+        for name, tensor in written.items():
+            weight_map[name] = file
+            sizes["after"] += tensor.numel() * tensor.element_size()
+        save_file(written, tmp / file, metadata={"format": "pt"})
+    if (src / INDEX_NAME).exists():
+        index = read_json(src / INDEX_NAME)
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        index.setdefault("metadata", {})["total_size"] = sizes["after"]
+        write_json_atomic(tmp / INDEX_NAME, index, indent=2)
+    return sizes
+
+
+def _write_config(tmp: Path, config: dict[str, Any], q: QuantizationScheme, ignore: list[str]) -> None:
+    """``config.json`` with the ``quantization_config`` compressed-tensors writes (also in ``text_config``,
+    so the decoder alone, a ``ForCausalLM``, loads quantized too)."""
+    qconfig = QuantizationConfig(
+        config_groups={"group_0": q},
+        format=_format(q).value,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=ignore,
+    )
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "version": ct_version,
+        **qconfig.model_dump(exclude={"quant_method"}),
+    }
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"]["quantization_config"] = config["quantization_config"]
+    write_json_atomic(tmp / CONFIG_NAME, config, indent=2)
 
 
 def _source_operation(src: Path) -> str | None:
