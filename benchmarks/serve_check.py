@@ -21,6 +21,10 @@ Issue 30's GPU check, as one prepared script. On a machine with a CUDA GPU it
    tokens that agree. (Random weights give nearly flat logits, where bfloat16 kernels may break ties
    differently; a trained checkpoint passed with ``--model`` is the real check.)
 
+4. quantized outputs (issue 44): the cut model written by ``gdnprune quantize`` with each ``--quantize``
+   scheme (default: fp8-block, fp8-dynamic, w4a16 with GPTQ on the prompts), each loaded by transformers
+   (compressed-tensors) and by vLLM, their greedy tokens compared. With ``--smoke`` (CPU) only transformers.
+
 It prints a dated markdown section for BENCHMARKS.md and writes every number to ``--out`` (JSON).
 Without a CUDA GPU it prints what it needs and exits 0; without vllm it runs the latency part and says
 what the generation check needs. Sized for an H200: a few minutes, most of it vLLM's start-up.
@@ -215,6 +219,39 @@ def vllm_greedy(cut: Path, ids: list[list[int]], new_tokens: int) -> list[list[i
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def quantized_checks(
+    cut: Path, root: Path, ids: list[list[int]], new_tokens: int, device: str, schemes: list[str], vllm: bool
+) -> list[dict]:
+    """Each scheme of ``gdnprune quantize`` on the cut model (GPTQ calibrated on the prompts for w4a16):
+    transformers' greedy tokens, and vLLM's from the same folder (compressed-tensors), compared."""
+    import torch
+
+    from gdnprune.quantize import quantize_checkpoint
+
+    rows = []
+    for scheme in schemes:
+        out = root / f"cut-{scheme}"
+        row: dict = {"scheme": scheme}
+        try:
+            manifest = quantize_checkpoint(
+                cut, out, scheme=scheme, batches=[torch.tensor(ids)], progress=False, overwrite=True
+            )
+        except ValueError as exc:
+            rows.append({**row, "error": f"quantize: {exc}"})
+            continue
+        row["quantized"], row["high_precision"] = len(manifest["quantized"]), len(manifest["high_precision"])
+        row["bytes"] = manifest["weight_bytes"]
+        reference = transformers_greedy(out, ids, new_tokens, device)
+        row["transformers_tokens"] = reference
+        if vllm:
+            try:
+                row["vllm"] = agreement(reference, vllm_greedy(out, ids, new_tokens))
+            except Exception as exc:  # report what vLLM said, keep the other schemes
+                row["error"] = f"vLLM failed: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+        rows.append(row)
+    return rows
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     prefix = []
     for x, y in zip(a, b):
@@ -264,6 +301,20 @@ def report(info: dict) -> str:
             f"{'identical' if g['identical'] else 'DIFFERENT'}; {g['same_tokens']}/{g['tokens']} tokens agree; "
             f"agreeing prefix per prompt: {g['prefix']}."
         )
+    for q in info.get("quantized", []):
+        if "error" in q:
+            lines.append(f"- {q['scheme']}: {q['error']}")
+        elif "vllm" in q:
+            v = q["vllm"]
+            lines.append(
+                f"- {q['scheme']}: vLLM loads it ({q['quantized']} matrices quantized, {q['high_precision']} kept); "
+                f"greedy vs transformers {'identical' if v['identical'] else 'DIFFERENT'}, "
+                f"{v['same_tokens']}/{v['tokens']} tokens agree"
+            )
+        else:
+            lines.append(
+                f"- {q['scheme']}: transformers loads and generates ({q['quantized']} matrices quantized)"
+            )
     return "\n".join(lines)
 
 
@@ -283,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, help="write every number here (JSON)")
+    p.add_argument(
+        "--quantize",
+        action="append",
+        choices=("fp8-block", "fp8-dynamic", "w4a16"),
+        help="quantize the cut model with this scheme (repeat; default: all three) and check that vLLM "
+        "serves it and generates what transformers generates",
+    )
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -364,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                 info["generation_skipped"] = (
                     f"vLLM failed: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
                 )
+        schemes = args.quantize or ["fp8-block", "fp8-dynamic", "w4a16"]
+        print("quantized:", flush=True)
+        info["quantized"] = quantized_checks(
+            cut, Path(tmp), ids, args.new_tokens, device, schemes, have["vllm"] and not args.smoke
+        )
     info["seconds"] = time.perf_counter() - start
     print(report(info))
     if args.out is not None:

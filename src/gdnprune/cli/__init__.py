@@ -41,6 +41,7 @@ COMMANDS = {
     "plan": "gdnprune.cli.plan",
     "prune": "gdnprune.cli.prune",
     "distill": "gdnprune.cli.distill",
+    "quantize": "gdnprune.cli.quantize",
     "eval": "gdnprune.cli.eval",
     "bench": "gdnprune.cli.bench",
     "demo": "gdnprune.cli.demo",

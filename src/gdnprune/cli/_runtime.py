@@ -82,6 +82,7 @@ COMMAND_PATHS = {
     ),
     "eval": CommandPaths(models=("models",), files=(("data", "a UTF-8 text file"),), outputs=("output",)),
     "bench": CommandPaths(models=("models",), outputs=("output",)),
+    "quantize": CommandPaths(models=("model_dir",), sources=("data",), outputs=("output",)),
     "demo": CommandPaths(outputs=("output",)),
 }
 

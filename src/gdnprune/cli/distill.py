@@ -10,6 +10,8 @@ import time
 
 from ._options import add_data_arguments, add_quiet_argument, checked_data, positive_int
 from ._runtime import add_runtime_arguments, model_runtime
+from .quantize import add_quantize_argument, quantize_beside
+from .quantize import summary as quantize_summary
 
 NAME = "distill"
 HELP = "recover a pruned model by knowledge distillation from its unpruned teacher"
@@ -70,6 +72,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is an earlier output")
+    add_quantize_argument(p)
     g = p.add_argument_group("length of the run (one of)")
     length = g.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=positive_int, help="optimizer steps")
@@ -411,7 +414,14 @@ def _train(args, data, eval_data) -> int:
             if not result.get("interrupted")
             else 128 + int(getattr(signal, result.get("signal") or "SIGINT"))
         )
-    return _report(args, result)
+    code = _report(args, result)
+    if code == 0 and args.quantize:
+        with model_runtime(args):
+            out, manifest = quantize_beside(
+                args.output, args.quantize, data=data, overwrite=args.overwrite, progress=not args.quiet
+            )
+        print(quantize_summary(out, manifest))
+    return code
 
 
 class _DropMessage(logging.Filter):

@@ -24,6 +24,8 @@ from .plan import (
     search_options,
     servable_summary,
 )
+from .quantize import add_quantize_argument, quantize_beside
+from .quantize import summary as quantize_summary
 
 NAME = "prune"
 HELP = "score + (plan) + sort + slice a checkpoint in one command"
@@ -63,6 +65,7 @@ def add_parser(subparsers) -> None:
         "plan --num-samples`)",
     )
     add_calibration_arguments(p)
+    add_quantize_argument(p)
     q = p.add_argument_group("one-shot quality")
     add_lane_search_arguments(q)
     q.add_argument(
@@ -165,4 +168,10 @@ def run(args) -> int:
         report = manifest.get("plan_report", {})
         for line in servable_summary(report) + latency_summary(report) + ranking_summary(report):
             print(f"  {line}")
+    if args.quantize:
+        with model_runtime(args):
+            out, quantized = quantize_beside(
+                args.output, args.quantize, data=data, overwrite=args.overwrite, progress=not args.quiet
+            )
+        print(quantize_summary(out, quantized))
     return 0

@@ -176,7 +176,7 @@ def model_parameters(model: Any) -> tuple[int, int]:
     """(parameters, active parameters per token): routed experts count ``num_experts_per_tok`` of their
     experts' weights (every router row counts), as the plan's active-parameter budget counts them."""
 
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for n, p in model.named_parameters() if not n.endswith(QUANTIZATION_PARAMETERS))
     active = float(total)
     for block in find_model_blocks(model, ("experts",)):
         experts = model.get_submodule(f"{block.prefix}.experts")
@@ -185,8 +185,23 @@ def model_parameters(model: Any) -> tuple[int, int]:
     return total, int(round(active))
 
 
+#: the parameters a compressed-tensors model holds besides its weights (not counted as parameters)
+QUANTIZATION_PARAMETERS = ("_scale", "_zero_point", "_global_scale", "weight_shape")
+
+
+def _name(path: Path) -> str:
+    """The folder's name; for a `gdnprune quantize` output, its source's name and the scheme."""
+    try:
+        manifest = json.loads((path / "gdnprune.json").read_text())
+        if manifest.get("operation") == "quantize":
+            return f"{Path(manifest['source']['path']).name} + {manifest['scheme']}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return path.name or str(path)
+
+
 def _names(models: Sequence[Path]) -> list[str]:
-    names = [p.name or str(p) for p in models]
+    names = [_name(p) for p in models]
     return [str(p) if names.count(n) > 1 else n for p, n in zip(models, names, strict=True)]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from ..io.loading import load_causal_lm
 from ..model.latency import LatencyHarness, Timing, Workload
+from .api import model_parameters
 
 __all__ = ["BenchResult", "bench_figure", "bench_models"]
 
@@ -54,7 +55,7 @@ def bench_models(
     timings: list[tuple[str, int, Timing]] = []
     for path in models:
         model = load_causal_lm(path, dtype=dtype, device=device)
-        parameters = sum(p.numel() for p in model.parameters())
+        parameters = model_parameters(model)[0]
         for workload in workloads:
             timing = LatencyHarness(
                 model, workload, repeats=repeats, warmup=warmup, seed=seed

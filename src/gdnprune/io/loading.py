@@ -184,7 +184,9 @@ def load_causal_lm(
     gpus: list[int] | None = None,
 ) -> Any:
     """A causal LM from ``model_dir`` in eval mode, for calibration forwards (the text part of a
-    vision-language checkpoint; per-layer GDN geometries as :func:`load_pretrained` reads them).
+    vision-language checkpoint; per-layer GDN geometries as :func:`load_pretrained` reads them; a
+    ``compressed-tensors`` checkpoint with its weights dequantized, its activations quantized as its scheme
+    says).
 
     ``dtype``: ``"float32"`` or ``"bfloat16"``. ``device``: where the model goes without a ``device_map``
     (default: the local rank's GPU when CUDA is available, else cpu). ``gpus``: with a ``device_map``, the
@@ -204,6 +206,9 @@ def load_causal_lm(
             model = load_pretrained(model_dir, **kwargs)  # the class in config.json's architectures
         except ValueError:
             raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
+    compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
+    if compressor is not None:  # a compressed-tensors checkpoint: dense weights now, not at the first forward
+        compressor.decompress_model(model)
     if device_map is None:
         model.to(device or _default_device())
     return model.eval()
