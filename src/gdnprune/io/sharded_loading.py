@@ -1,6 +1,6 @@
 """Sharded loading: a model folder read straight into the shards of a model built on ``meta``.
 
-:func:`load_sharded` builds the model as :func:`gdnprune.io.loading.empty_pretrained` builds it, lets the
+:func:`load_sharded` builds the model as :func:`gdnprune.io.model_classes.empty_pretrained` builds it, lets the
 caller shard it (FSDP2's ``fully_shard``), and fills each process's rows from the safetensors files
 (``os.pread`` of their bytes): no process ever holds the whole model. :func:`sharded_loading_names` maps
 every model tensor to what the folder stores (the model's own name, a name ``from_pretrained`` renames,
@@ -25,7 +25,7 @@ from safetensors import safe_open
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming, apply_renamings
 
-from .loading import empty_pretrained
+from .model_classes import empty_pretrained
 
 __all__ = ["load_sharded", "sharded_loading_names", "ShardedLoadingError", "StoredTensor"]
 
