@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from .demo_data import build_byte_tokenizer
+from .io.safetensors_io import encode_header, write_vectors
 from .model.layouts import find_gdn_modules
 from .model.model_config import MTP_PREFIX
 
-__all__ = ["build_model", "write_model"]
+__all__ = ["build_model", "stored_tensors", "write_model"]
 
 _INDEX = "model.safetensors.index.json"
 
@@ -54,6 +53,45 @@ def build_model(config: Mapping[str, Any], *, seed: int = 0) -> transformers.Pre
     return model
 
 
+def stored_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """The model's weights as the released checkpoints store them: an MoE layer's stacked experts
+    (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) as one ``gate_proj`` / ``up_proj`` / ``down_proj``
+    tensor per expert (views, no copy), every other tensor under its own name (tied weights once)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(".experts.gate_up_proj"):
+            head = name.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
+                out[f"{head}{e}.gate_proj.weight"], out[f"{head}{e}.up_proj.weight"] = gate, up
+        elif name.endswith(".experts.down_proj"):
+            head = name.removesuffix("down_proj")
+            for e, down in enumerate(tensor):
+                out[f"{head}{e}.down_proj.weight"] = down
+        elif not (name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)):
+            out[name] = tensor
+    return out
+
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """One safetensors file of ``tensors`` (gdnprune's header writer and one vectored write: far fewer calls
+    per tensor than ``safetensors.save_file``, which tens of thousands of expert tensors feel)."""
+    entries, buffers, offset = [], [], 0
+    for name, tensor in tensors.items():
+        data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+        entries.append((name, _DTYPES[tensor.dtype], tuple(tensor.shape), offset, offset + data.nbytes))
+        buffers.append(data.data)  # the array's bytes, not copied
+        offset += data.nbytes
+    header = encode_header(entries, {"format": "pt"})
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_vectors(fd, [header, *buffers], 0)
+    finally:
+        os.close(fd)
+
+
 def _mtp_tensors(
     config: Mapping[str, Any], layers: int, dtype: torch.dtype, seed: int
 ) -> dict[str, torch.Tensor]:
@@ -69,11 +107,9 @@ def _mtp_tensors(
         "mtp.norm.weight": torch.ones(hidden),
     }
     one = {**config, "num_hidden_layers": layers, "layer_types": ["full_attention"] * layers}
-    with tempfile.TemporaryDirectory() as tmp:
-        build_model(one, seed=seed + 1).save_pretrained(tmp)  # as the decoder's: one tensor per expert
-        for name, tensor in load_file(os.path.join(tmp, "model.safetensors")).items():
-            if name.startswith("model.layers."):
-                out[MTP_PREFIX + name.removeprefix("model.")] = tensor
+    for name, tensor in stored_tensors(build_model(one, seed=seed + 1)).items():
+        if name.startswith("model.layers."):
+            out[MTP_PREFIX + name.removeprefix("model.")] = tensor
     return {k: v.to(dtype) for k, v in out.items()}
 
 
@@ -83,31 +119,35 @@ def write_model(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    max_shard_size: str = "50MB",
+    shard_bytes: int = 50 * 10**6,
 ) -> Path:
-    """Write the random model of ``config`` (:func:`build_model`) into ``folder``: ``save_pretrained``'s shards
-    and index in ``dtype``, the ``mtp.*`` head (``mtp_num_hidden_layers`` layers, default 1) in a shard of its
-    own, and the byte tokenizer. Returns the folder."""
+    """Write the random model of ``config`` (:func:`build_model`) into ``folder``, as the released checkpoints
+    lay it out: shards of about ``shard_bytes`` and an index, in ``dtype``, one tensor per expert
+    (:func:`stored_tensors`), the ``mtp.*`` head (``mtp_num_hidden_layers`` layers, default 1) in a shard of
+    its own, the config and the byte tokenizer. Returns the folder."""
     folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     model: Any = build_model(config, seed=seed)
     model.to(dtype)  # in place, as nn.Module.to is
-    model.save_pretrained(folder, max_shard_size=max_shard_size)
-    del model
+    model.config.save_pretrained(folder)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in stored_tensors(model).items():
+        if size and size + tensor.numel() * tensor.element_size() > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.numel() * tensor.element_size()
     layers = int(config.get("mtp_num_hidden_layers", 1))
     if layers:
-        mtp = _mtp_tensors(config, layers, dtype, seed)
-        save_file(mtp, folder / "model-mtp.safetensors", metadata={"format": "pt"})
-        index_path = folder / _INDEX
-        if index_path.exists():
-            index = json.loads(index_path.read_text())
-        else:  # one shard: give it an index so that the head's shard is listed
-            single = load_file(folder / "model.safetensors")
-            index = {
-                "metadata": {"total_size": sum(t.nbytes for t in single.values())},
-                "weight_map": dict.fromkeys(single, "model.safetensors"),
-            }
-        index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
-        index["metadata"]["total_size"] += sum(t.nbytes for t in mtp.values())
-        index_path.write_text(json.dumps(index, indent=2))
+        shards.append(_mtp_tensors(config, layers, dtype, seed))
+    weight_map, total = {}, 0
+    for i, tensors in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_shard(folder / file, tensors)
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / _INDEX).write_text(json.dumps(index, indent=2))
     build_byte_tokenizer().save_pretrained(folder)
     return folder

@@ -147,11 +147,12 @@ def _expert_hook_flops(facts: ModelFacts) -> float:
 # ---- plan candidates -------------------------------------------------------------------------------------
 
 
-def _values(full: int, step: Fraction) -> int:
-    """How many sizes the plan's grid tries for an axis of ``full`` (``dim_values``' count)."""
+def _values(full: int, step: Fraction, least: int = 1) -> int:
+    """How many sizes the plan's grid tries for an axis of ``full``, none below ``least`` (the count of
+    ``dim_values`` and of ``block_candidates``' sizes)."""
     if step >= 1:
-        return len(set(range(int(step), full + 1, int(step))) | {full})
-    return len({max(1, math.ceil(full * step * k)) for k in range(1, math.ceil(1 / step) + 1)} | {full})
+        return len({v for v in range(max(least, int(step)), full + 1, int(step))} | {full})
+    return len({max(least, math.ceil(full * step * k)) for k in range(1, math.ceil(1 / step) + 1)} | {full})
 
 
 def plan_candidates(facts: ModelFacts, options: RunOptions) -> list[int]:
@@ -171,7 +172,7 @@ def plan_candidates(facts: ModelFacts, options: RunOptions) -> list[int]:
         if layer.shared_expert and "shared_expert" in blocks:
             count += _values(layer.shared_expert, Fraction(1, 8))
         if layer.experts and "experts" in blocks:
-            count += _values(layer.experts[0], Fraction(1, 8))
+            count += _values(layer.experts[0], Fraction(1, 8), least=layer.experts[1])
         count += 1 if "depth" in blocks else 0
         out.append(count)
     return out
