@@ -16,7 +16,8 @@ workers run the CLI in turn:
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
   (test_distill); an MoE student's distillation, stopped by SIGTERM and resumed, under DDP and FSDP2
   (test_distill_pipeline); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
-  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp);
+  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp); 2 steps under FSDP2 of
+  a student of the real-count model, 48 layers of 512 experts (test_scale);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
   it (test_first_hour).
@@ -42,6 +43,7 @@ import torch
 import transformers
 from helpers import child_env, corpus_docs, mixed_mc_folder, python_command, write_jsonl
 from test_distill_pipeline import build_moe_student
+from test_scale import build_scale
 from test_sharded_loading import build_folders
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
@@ -161,6 +163,10 @@ WORKER = textwrap.dedent(
     from test_vocab_parallel_loss import vocab_parallel_run
     with contextlib.redirect_stderr(io.StringIO()):
         vocab_parallel_run(os.path.dirname(model) + "/vocab_parallel")
+    # distillation under FSDP2 of a student of the real-count model (48 layers, 512 experts; test_scale)
+    from test_scale import fsdp_distill
+    with contextlib.redirect_stderr(io.StringIO()):
+        fsdp_distill(os.path.dirname(model) + "/scale")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
     os.chdir(interrupted)
     sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))
@@ -298,6 +304,8 @@ def _write_inputs(root: Path) -> None:
     shutil.rmtree(root / "pipeline_moe", ignore_errors=True)
     build_moe_student(root / "pipeline_moe")
     build_model(root / "model")
+    shutil.rmtree(root / "scale", ignore_errors=True)
+    build_scale(root / "scale")
     (root / "inputs.done").touch()
 
 
