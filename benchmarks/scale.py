@@ -9,7 +9,10 @@ What it runs, each stage a CLI call in a child process of its own (wall time, pe
 
 * ``growth``: Qwen3-Next-80B-A3B's counts scaled 1/8, 1/4, 1/2 and 1 (8 to 48 layers, 64 to 512 experts) at
   tiny widths (hidden 64, head dims 8, expert width 8), and the 4-layer, 8-expert model of the same widths;
-  stages inspect, score, plan, slice, prune, distill (1 process, 2 steps), eval, bench;
+  stages inspect, score, slice (half the GDN key heads), prune --budget-params 0.5 (score, plan, sort and
+  slice on one loaded model), distill (1 process, 2 steps), eval, bench; 4 calibration windows of 32 tokens,
+  the plan on 1 of them with ``--dim-step 1/2`` (the default 1/8 grid makes 2,048 candidates per GDN layer
+  here: ``gdnprune estimate`` says what that costs);
 * ``widths``: random weights at the real widths of the smallest dense members (Qwen3.5-0.8B: hidden 1024;
   Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan of
   a real width is hours here: its prediction is printed instead);
@@ -34,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,8 +52,9 @@ from gdnprune.model.family import MEMBERS, tiny_config  # noqa: E402
 WORK = REPO / "benchmarks" / "_work" / "scale"
 IMG = REPO / "docs" / "benchmarks" / "img" / "scale.png"
 #: the options every measured point runs with (small windows: the point is the growth, not the quality)
-SAMPLES, PLAN_SAMPLES, SEQ, BATCH = 4, 2, 32, 2
+SAMPLES, PLAN_SAMPLES, SEQ, BATCH, STEP = 4, 1, 32, 2, "1/2"
 OPTIONS = RunOptions(
+    dim_step=Fraction(STEP),
     num_samples=SAMPLES,
     seq_len=SEQ,
     batch_size=BATCH,
@@ -167,15 +172,24 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
     if stage == "plan":
         return [
             "plan", str(model), "--scores", str(out / "scores.json"), "--budget-params", "0.5", "--num-samples",
-            str(PLAN_SAMPLES), "-o", str(out / "plan.json"), *common,
+            str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "plan.json"), *common,
         ], None  # fmt: skip
     if stage == "slice":
-        return ["slice", str(model), "--num-experts" if "experts" in _config(model) else "--intermediate-size",
-                str(_half(model)), "-o", str(out / "sliced"), "-q", "--overwrite"], None  # fmt: skip
+        heads = _config(model)["linear_num_key_heads"] // 2  # half the GDN key heads: every member has them
+        return [
+            "slice",
+            str(model),
+            "--num-key-heads",
+            str(heads),
+            "-o",
+            str(out / "sliced"),
+            "-q",
+            "--overwrite",
+        ], None
     if stage == "prune":
         return [
             "prune", str(model), "--budget-params", "0.5", "--num-samples", str(SAMPLES), "--plan-samples",
-            str(PLAN_SAMPLES), "-o", str(out / "pruned"), "--overwrite", *common,
+            str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "pruned"), "--overwrite", *common,
         ], None  # fmt: skip
     if stage in ("distill", "distill-fsdp"):
         student = out / ("pruned" if (out / "pruned").exists() else "sliced")
@@ -202,16 +216,6 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
 
 def _config(model: Path) -> dict:
     return json.loads((model / "config.json").read_text())
-
-
-def _half(model: Path) -> int:
-    """Half the experts (or MLP channels): the uniform cut ``slice`` measures."""
-    config = _config(model)
-    return (
-        max(config.get("num_experts_per_tok", 1), config["num_experts"] // 2)
-        if "num_experts" in config
-        else config["intermediate_size"] // 2
-    )
 
 
 def _predict(model: Path, stage: str, options: RunOptions = OPTIONS) -> dict:

@@ -21,7 +21,8 @@ class Device:
     """Throughputs in FLOP/s and bytes/s; ``memory`` in bytes (0: the host's); ``matmul_efficiency`` and
     ``bandwidth_efficiency``: the shares of the peaks reached; ``op_seconds``: the fixed cost of one module
     call or kernel (Python, dispatch, launch); ``tensor_seconds``: the host's cost per tensor of a checkpoint
-    (header, read call, bookkeeping); ``disk``: bytes/s reading or writing checkpoint files."""
+    (header, read call, bookkeeping); ``disk``: bytes/s reading or writing checkpoint files; ``startup``: the
+    seconds a command that runs a model spends importing torch and transformers."""
 
     name: str
     kind: str  # "cpu" or "cuda"
@@ -36,6 +37,7 @@ class Device:
     tensor_seconds: float
     disk: float
     source: str
+    startup: float = 8.0  # seconds a command takes to import torch and transformers before its work
 
     def flops(self, dtype_bytes: int) -> float:
         """Matrix throughput reached for a compute dtype of ``dtype_bytes`` bytes."""

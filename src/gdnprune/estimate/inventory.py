@@ -290,8 +290,11 @@ def config_tensors(config: Mapping[str, Any], *, mtp_layers: int | None = None) 
 
 
 def _layers(text: Mapping[str, Any], tensors: list[Tensor]) -> tuple[LayerFacts, ...]:
+    """Every decoder layer's facts: its parameters from the tensors, its widths from the tensors' shapes where
+    they hold them (a folder's config may leave keys at transformers' defaults), else from the config."""
     sizes: dict[int, int] = {}
     counts: dict[int, int] = {}
+    shapes: dict[int, dict[str, tuple[int, ...]]] = {}
     for t in tensors:
         if t.name.startswith(MTP_PREFIX):
             continue
@@ -300,48 +303,85 @@ def _layers(text: Mapping[str, Any], tensors: list[Tensor]) -> tuple[LayerFacts,
             i = int(match.group(1))
             sizes[i] = sizes.get(i, 0) + t.numel
             counts[i] = counts.get(i, 0) + 1
+            shapes.setdefault(i, {})[t.name[match.end() :]] = t.shape
     types = _layer_types(text)
-    out = []
-    for i, values in enumerate(_layer_values(text)):
-        kind = types[i]
-        moe = _moe(values, i)
-        gdn = attention = None
-        if kind == "linear_attention":
-            gdn = (
-                int(values["linear_num_key_heads"]),
-                int(values["linear_num_value_heads"]),
-                int(values["linear_key_head_dim"]),
-                int(values["linear_value_head_dim"]),
-                int(values.get("linear_conv_kernel_dim") or 4),
-            )
-        else:
-            heads = int(values["num_attention_heads"])
-            attention = (
-                heads,
-                int(values["num_key_value_heads"]),
-                int(values.get("head_dim") or values["hidden_size"] // heads),
-            )
-        out.append(
-            LayerFacts(
-                index=i,
-                kind=kind,
-                hidden=int(values["hidden_size"]),
-                parameters=sizes.get(i, 0),
-                tensors=counts.get(i, 0),
-                gdn=gdn,
-                attention=attention,
-                mlp=0 if moe else int(values.get("intermediate_size") or 0),
-                experts=(
-                    int(values["num_experts"]),
-                    int(values["num_experts_per_tok"]),
-                    int(values["moe_intermediate_size"]),
-                )
-                if moe
-                else None,
-                shared_expert=int(values.get("shared_expert_intermediate_size") or 0) if moe else 0,
-            )
+    return tuple(
+        _layer(
+            i,
+            values,
+            types[i] if i < len(types) else "",
+            shapes.get(i, {}),
+            sizes.get(i, 0),
+            counts.get(i, 0),
         )
-    return tuple(out)
+        for i, values in enumerate(_layer_values(text))
+    )
+
+
+def _find(shapes: Mapping[str, tuple[int, ...]], suffix: str) -> tuple[int, ...] | None:
+    return next((shape for name, shape in shapes.items() if name.endswith(suffix)), None)
+
+
+def _layer(
+    i: int, values: Mapping[str, Any], kind: str, shapes: Mapping[str, tuple[int, ...]], size: int, count: int
+) -> LayerFacts:
+    hidden = int(values["hidden_size"])
+    if not kind:
+        kind = "linear_attention" if any(".linear_attn." in "." + n for n in shapes) else "full_attention"
+    gdn = attention = None
+    if kind == "linear_attention":
+        conv = _find(shapes, "conv1d.weight")
+        gdn = (
+            int(values["linear_num_key_heads"]),
+            int(values["linear_num_value_heads"]),
+            int(values["linear_key_head_dim"]),
+            int(values["linear_value_head_dim"]),
+            int(conv[-1]) if conv else int(values.get("linear_conv_kernel_dim") or 4),
+        )
+    else:
+        q, k, norm = (
+            _find(shapes, "q_proj.weight"),
+            _find(shapes, "k_proj.weight"),
+            _find(shapes, "q_norm.weight"),
+        )
+        head_dim = int(norm[0]) if norm else int(values.get("head_dim") or 0)
+        if q and k and head_dim:
+            heads = int(values.get("num_attention_heads") or q[0] // (2 * head_dim))
+            attention = (heads, k[0] // head_dim, head_dim)
+        elif values.get("num_attention_heads") and (
+            q or not shapes
+        ):  # else a layer without attention tensors
+            heads = int(values["num_attention_heads"])
+            kv = int(values.get("num_key_value_heads") or heads)
+            attention = (heads, kv, int(values.get("head_dim") or hidden // heads))
+    experts = None
+    shared = mlp = 0
+    router = _find(shapes, "mlp.gate.weight")
+    if router is not None or (_moe(values, i) and not shapes):
+        gate = _find(shapes, "experts.0.gate_proj.weight")
+        fused = _find(shapes, "experts.gate_up_proj")
+        width = gate[0] if gate else fused[1] // 2 if fused else int(values["moe_intermediate_size"])
+        num = router[0] if router else int(values["num_experts"])
+        experts = (int(num), int(values.get("num_experts_per_tok") or 1), int(width))
+        shared_gate = _find(shapes, "shared_expert.gate_proj.weight")
+        shared = (
+            int(shared_gate[0]) if shared_gate else int(values.get("shared_expert_intermediate_size") or 0)
+        )
+    else:
+        dense = _find(shapes, "mlp.gate_proj.weight")
+        mlp = int(dense[0]) if dense else int(values.get("intermediate_size") or 0)
+    return LayerFacts(
+        index=i,
+        kind=kind,
+        hidden=hidden,
+        parameters=size,
+        tensors=count,
+        gdn=gdn,
+        attention=attention,
+        mlp=mlp,
+        experts=experts,
+        shared_expert=shared,
+    )
 
 
 def _facts(source: str, name: str, config: Mapping[str, Any], tensors: list[Tensor]) -> ModelFacts:

@@ -217,9 +217,10 @@ def _seconds(
 
 
 def _load(facts: ModelFacts, device: Device, dtype_bytes: int) -> tuple[float, float]:
-    """(seconds, host bytes) of reading the checkpoint into a model in the compute dtype."""
+    """(seconds, host bytes) of starting a command that runs a model (its imports) and reading the checkpoint
+    into a model in the compute dtype."""
     held = facts.parameters * dtype_bytes
-    return _seconds(device, 0, 0, len(facts.tensors), facts.bytes), held
+    return device.startup + _seconds(device, 0, 0, len(facts.tensors), facts.bytes), held
 
 
 def _score(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -> StageCost:
@@ -352,7 +353,7 @@ def _distill(facts: ModelFacts, o: RunOptions, device: Device, student: ModelFac
     # FSDP2: each step gathers the parameters for the forward and the backward and scatters the gradients
     comm = 3.0 * (student_bytes + facts.bytes) * steps if o.fsdp and o.processes > 1 else 0.0
     compute = 2 if o.mixed_precision != "no" or low else 4
-    seconds = _seconds(
+    seconds = device.startup + _seconds(
         device,
         flops / o.processes,
         ops,

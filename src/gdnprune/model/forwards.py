@@ -418,16 +418,17 @@ class Forwards:
             handle.remove()
 
     @torch.no_grad()
-    def layer_output(self, index: int, k: int) -> torch.Tensor:
-        """The output of decoder layer ``index`` (the input of the next one) on batch ``k``, run from the layer's
-        kept input with the model as it is now (e.g. a candidate module swapped in). ``index`` must not be the
-        last decoder layer."""
+    def layer_call(self, index: int, k: int) -> tuple[tuple, dict]:
+        """The arguments decoder layer ``index`` is called with on batch ``k`` (its kept input as the hidden
+        states, the position embeddings and mask the model computes for the batch): the layer, or a variant of
+        it, called with them gives its output without running the model around it."""
         seen: dict = {}
         ids, mask = self.data[k]
         cached = self.captured[k][index]
 
-        def inject(module, args, kwargs):
-            return with_hidden(args, kwargs, cached.to(hidden_argument(args, kwargs).device))
+        def record(module, args, kwargs):
+            seen["call"] = with_hidden(args, kwargs, cached.to(hidden_argument(args, kwargs).device))
+            raise Stop
 
         originals = [self.decoder.layers[j] for j in range(index)]
         for j in range(index):
@@ -437,15 +438,12 @@ class Forwards:
                 self.decoder,
                 (),
                 {"input_ids": ids.to(self.device), **self._kwargs(mask)},
-                [
-                    (self.decoder.layers[index], inject),
-                    (self.decoder.layers[index + 1], record_input(seen, "hidden", stop=True)),
-                ],
+                [(self.decoder.layers[index], record)],
             )
         finally:
             for j, original in enumerate(originals):
                 self.decoder.layers[j] = original
-        return seen["hidden"]
+        return seen["call"]
 
     @torch.no_grad()
     def from_hidden(self, index: int, k: int, hidden: torch.Tensor) -> list[tuple[float, float, int, int]]:

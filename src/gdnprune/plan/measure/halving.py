@@ -583,10 +583,13 @@ def _stacked(
         here = [c for c, upto in group if int(seen[c]) <= w < upto]
         if not here:
             continue
+        args, kwargs = forwards.layer_call(index, w)
+        layer = forwards.decoder.layers[index]
         hidden = []
         for c in here:
             install(modules[c])
-            hidden.append(forwards.layer_output(index, w))
+            result = layer(*args, **kwargs)
+            hidden.append(result[0] if isinstance(result, tuple) else result)
         sums = forwards.from_hidden(index + 1, w, torch.cat(hidden))
         for c, (a, b, n_kl, n_ce) in zip(here, sums):
             a, b, n_kl, n_ce = forwards.total(a, b, n_kl, n_ce)
