@@ -175,17 +175,10 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
             str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "plan.json"), *common,
         ], None  # fmt: skip
     if stage == "slice":
-        heads = _config(model)["linear_num_key_heads"] // 2  # half the GDN key heads: every member has them
-        return [
-            "slice",
-            str(model),
-            "--num-key-heads",
-            str(heads),
-            "-o",
-            str(out / "sliced"),
-            "-q",
-            "--overwrite",
-        ], None
+        config = _config(model)  # half the GDN key heads and value heads: every member has them
+        keys, values = config["linear_num_key_heads"] // 2, config["linear_num_value_heads"] // 2
+        argv = ["slice", str(model), "--num-key-heads", str(keys), "--num-value-heads", str(values)]
+        return [*argv, "-o", str(out / "sliced"), "-q", "--overwrite"], None
     if stage == "prune":
         return [
             "prune", str(model), "--budget-params", "0.5", "--num-samples", str(SAMPLES), "--plan-samples",
@@ -253,7 +246,7 @@ def growth(results: dict, redo: bool) -> None:
             results,
             key,
             model,
-            ["inspect", "score", "plan", "slice", "prune", "distill", "eval", "bench"],
+            ["inspect", "score", "slice", "prune", "distill", "eval", "bench"],
             redo,
         )
 
@@ -297,6 +290,19 @@ def predictions() -> str:
 
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def _fresh(results: dict) -> dict:
+    """The results with every prediction made again by the estimate as it is now (the CPU's calibrated rates
+    included), for the points whose model folder is here."""
+    out = {}
+    for name, r in results.items():
+        point, stage = name.split("/")
+        model = WORK / "models" / point
+        if r.get("predicted") and model.exists():
+            r = {**r, "predicted": _predict(model, stage)}
+        out[name] = r
+    return out
 
 
 def table(results: dict) -> str:
@@ -377,18 +383,17 @@ def fit(results: dict) -> None:
     from gdnprune.estimate import devices
 
     points = [(k, r) for k, r in results.items() if r["code"] == 0 and r.get("predicted")]
-    names = ("flops32", "flops64", "op_seconds", "tensor_seconds", "disk")
+    names = ("flops32", "flops64", "op_seconds", "tensor_seconds", "disk", "startup")
     base = devices.DEVICES["cpu"]
+
+    facts = {p: model_facts(WORK / "models" / p) for p in {k.split("/")[0] for k, _ in points}}
 
     def error(logs):
         dev = dataclasses.replace(base, **{n: float(np.exp(v)) for n, v in zip(names, logs)})
         errs = []
         for key, r in points:
             point, stage = key.split("/")
-            model = WORK / "models" / point
-            (cost,) = stage_costs(
-                model_facts(model), OPTIONS, dev, [{"distill-fsdp": "distill"}.get(stage, stage)]
-            )
+            (cost,) = stage_costs(facts[point], OPTIONS, dev, [{"distill-fsdp": "distill"}.get(stage, stage)])
             errs.append(math.log(cost.seconds / r["seconds"]) ** 2)
         return float(np.mean(errs))
 
@@ -411,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             {"growth": growth, "widths": widths, "members": members}[part](results, args.redo)
     if results:
+        results = _fresh(results)
         print(table(results))
         print(slopes(results))
     if args.fit:
