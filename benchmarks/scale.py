@@ -297,7 +297,7 @@ def _fresh(results: dict) -> dict:
     included), for the points whose model folder is here."""
     out = {}
     for name, r in results.items():
-        point, stage = name.split("/")
+        point, stage = name.rsplit("/", 1)
         model = WORK / "models" / point
         if r.get("predicted") and model.exists():
             r = {**r, "predicted": _predict(model, stage)}
@@ -313,7 +313,7 @@ def table(results: dict) -> str:
     ]
     for name in sorted(results):
         r = results[name]
-        point, stage = name.split("/")
+        point, stage = name.rsplit("/", 1)
         p = r.get("predicted") or {}
         ratio = p.get("seconds", 0) / r["seconds"] if r.get("seconds") and p else float("nan")
         rows.append(
@@ -321,6 +321,35 @@ def table(results: dict) -> str:
             f"{ratio:.2f} | {r['rss'] / 2**20:.0f} | {p.get('rss', 0) / 2**20:.0f} | {r.get('load', 0):.1f} |"
         )  # fmt: skip
     return "\n".join(rows)
+
+
+def targets(results: dict) -> str:
+    """The issue's targets for ``prune --budget-params 0.5`` of the 48-layer, 512-expert model in one process:
+    at most 40x the wall time of the same widths with 4 layers and 8 experts, peak RSS at most 4x the
+    checkpoint's bytes + 1.5 GiB, the output at most half the parameters and loaded by load_pretrained."""
+    big, small = results.get("next-1/prune"), results.get("next-4x8/prune")
+    if not big or not small or big["code"] or small["code"]:
+        return "prune targets: not measured yet"
+    model = WORK / "models" / "next-1"
+    size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    limit = 4 * size + 1.5 * 2**30
+    lines = [
+        f"prune wall time: {big['seconds']:.0f} s vs {small['seconds']:.0f} s = {big['seconds'] / small['seconds']:.1f}x "
+        f"(target <= 40x: {'met' if big['seconds'] <= 40 * small['seconds'] else 'missed'})",
+        f"prune peak RSS: {big['rss'] / 2**30:.2f} GiB vs 4 x {size / 2**30:.2f} GiB + 1.5 GiB = {limit / 2**30:.2f} GiB "
+        f"(target: {'met' if big['rss'] <= limit else 'missed'})",
+    ]
+    pruned = WORK / "runs" / "next-1" / "pruned"
+    if pruned.exists():
+        from gdnprune.estimate.inventory import model_facts as facts_of
+
+        kept = facts_of(pruned).decoder_parameters + 0.0
+        full = facts_of(model).decoder_parameters
+        total_kept = sum(t.numel for t in facts_of(pruned).tensors if not t.name.startswith("mtp."))
+        total = sum(t.numel for t in facts_of(model).tensors if not t.name.startswith("mtp."))
+        lines.append(f"prune output: {total_kept:,} of {total:,} parameters ({total_kept / total:.1%}; decoder "
+                     f"{kept / full:.1%}); target <= 50%: {'met' if total_kept <= 0.5 * total else 'missed'}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def slopes(results: dict) -> str:
@@ -386,13 +415,13 @@ def fit(results: dict) -> None:
     names = ("flops32", "flops64", "op_seconds", "tensor_seconds", "disk", "startup")
     base = devices.DEVICES["cpu"]
 
-    facts = {p: model_facts(WORK / "models" / p) for p in {k.split("/")[0] for k, _ in points}}
+    facts = {p: model_facts(WORK / "models" / p) for p in {k.rsplit("/", 1)[0] for k, _ in points}}
 
     def error(logs):
         dev = dataclasses.replace(base, **{n: float(np.exp(v)) for n, v in zip(names, logs)})
         errs = []
         for key, r in points:
-            point, stage = key.split("/")
+            point, stage = key.rsplit("/", 1)
             (cost,) = stage_costs(facts[point], OPTIONS, dev, [{"distill-fsdp": "distill"}.get(stage, stage)])
             errs.append(math.log(cost.seconds / r["seconds"]) ** 2)
         return float(np.mean(errs))
@@ -419,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         results = _fresh(results)
         print(table(results))
         print(slopes(results))
+        print(targets(results))
     if args.fit:
         fit(results)
     if args.plot:
