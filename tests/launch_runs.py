@@ -9,7 +9,9 @@ one-process reference of the same run), and so does the launch's worker; no test
   :func:`build_moe_student` prunes (test_distill_pipeline);
 * :func:`load_and_distill`: the folders of :func:`build_folders` loaded into FSDP2 shards, then distillations
   (test_sharded_loading);
-* :func:`vocab_parallel_run`: the vocabulary-parallel loss and lookup (:data:`VOCAB_CASES`; test_vocab_parallel_loss).
+* :func:`vocab_parallel_run`: the vocabulary-parallel loss and lookup (:data:`VOCAB_CASES`; test_vocab_parallel_loss);
+* :func:`fsdp_distill`: distillation under FSDP2 of a student of the real-count model :func:`build_scale` writes
+  (test_scale).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from gdnprune.distill.fsdp import (
     shard_teacher,
 )
 from gdnprune.io.sharded_loading import load_sharded
+from gdnprune.model.family import tiny_config
+from gdnprune.scale_models import write_model
 
 TRAINED = Path(__file__).parent / "data" / "trained"
 MOE = "qwen3_5_moe"
@@ -456,3 +460,29 @@ def step_loss(student, teacher, ids, via=None):
 
     with torch.no_grad():
         return forward_redirect(teacher, in_teacher)
+
+
+#: the published model whose counts test_scale runs at (gdnprune.model.family)
+SCALE_MEMBER = "Qwen3-Next-80B-A3B"
+
+
+def build_scale(root: Path) -> Path:
+    """The shared launch's inputs of this file (tests/launches.py writes them once per session): the real-count
+    model (``model``), its calibration text, and the distillation's student (``student``: the same counts with
+    128 experts per layer, other random weights)."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_model(tiny_config(SCALE_MEMBER), root / "model", seed=5)
+    write_model({**tiny_config(SCALE_MEMBER), "num_experts": 128}, root / "student", seed=6)
+    (root / "calib.txt").write_text(train_text()[:4000], encoding="utf-8")
+    return root
+
+
+def fsdp_distill(root: str) -> None:
+    """On the 2 ranks of the suite's shared launch: 2 steps of distillation under FSDP2 of the cut student from
+    the real-count teacher, both read straight into their shards (75,944 tensors, one per expert)."""
+    argv = ["distill", f"{root}/student", "--teacher", f"{root}/model", "--data", f"{root}/calib.txt"]
+    argv += ["--output", f"{root}/distilled", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
+    argv += ["--fsdp", "--threads", "1", "--quiet"]
+    code = main(argv)
+    if int(os.environ.get("RANK", "0")) == 0:
+        (Path(root) / "distill.json").write_text(json.dumps({"code": code}))

@@ -16,7 +16,8 @@ workers run the CLI in turn:
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
   (test_distill); an MoE student's distillation, stopped by SIGTERM and resumed, under DDP and FSDP2
   (test_distill_pipeline); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
-  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp);
+  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp); 2 steps under FSDP2 of
+  a student of the real-count model, 48 layers of 512 experts (test_scale);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
   it (test_first_hour).
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 import transformers
 from helpers import child_env, corpus_docs, mixed_mc_folder, python_command, write_jsonl
-from launch_runs import build_folders, build_moe_student
+from launch_runs import build_folders, build_moe_student, build_scale
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
 from gdnprune.demo_data import build_byte_tokenizer, demo_model_path, train_text, validation_text
@@ -140,7 +141,7 @@ WORKER = textwrap.dedent(
     os.rename(out + "/.rank%d.json" % rank, out + "/rank%d.json" % rank)
     # distillation with DDP on the ranks (test_distill): after the calls that set their own timeouts, since
     # the Trainer's process group stays; rank 0 saves the run
-    from launch_runs import ddp_run, load_and_distill, moe_resume, two_processes, vocab_parallel_run
+    from launch_runs import ddp_run, fsdp_distill, load_and_distill, moe_resume, two_processes, vocab_parallel_run
     with contextlib.redirect_stderr(io.StringIO()):
         ddp_run(out + "/distill_two.pt")
     # an MoE student's run, the run SIGTERM stops and its resume, under DDP then FSDP2 (test_distill_pipeline;
@@ -156,6 +157,9 @@ WORKER = textwrap.dedent(
     # the vocabulary-parallel loss and lookup against the whole formulas (test_vocab_parallel_loss)
     with contextlib.redirect_stderr(io.StringIO()):
         vocab_parallel_run(os.path.dirname(model) + "/vocab_parallel")
+    # distillation under FSDP2 of a student of the real-count model (48 layers, 512 experts; test_scale)
+    with contextlib.redirect_stderr(io.StringIO()):
+        fsdp_distill(os.path.dirname(model) + "/scale")
     # last: a long run, as a user starts it, that the test interrupts with Ctrl-C
     os.chdir(interrupted)
     sys.exit(main(["score", moe, "--data", "calib.txt", "-o", "scores.json", "--num-samples", "2048"]))
@@ -293,6 +297,8 @@ def _write_inputs(root: Path) -> None:
     shutil.rmtree(root / "pipeline_moe", ignore_errors=True)
     build_moe_student(root / "pipeline_moe")
     build_model(root / "model")
+    shutil.rmtree(root / "scale", ignore_errors=True)
+    build_scale(root / "scale")
     (root / "inputs.done").touch()
 
 

@@ -379,7 +379,7 @@ def test_the_code_map_parser_reads_entries_packages_and_bullets():
 # ---- torch-free commands -------------------------------------------------------------------------------------
 
 
-def test_inspect_sort_and_slice_never_import_torch_nor_start_blas_threads(tmp_path):
+def test_inspect_sort_slice_estimate_and_dry_runs_never_import_torch_nor_start_blas_threads(tmp_path):
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -390,6 +390,7 @@ def test_inspect_sort_and_slice_never_import_torch_nor_start_blas_threads(tmp_pa
 
     src = build_source(tmp_path / "src", "qwen3_next")
     (tmp_path / "scores.json").write_text(json.dumps(scores_for(src, "qwen3_next")))
+    (tmp_path / "calib.txt").write_text("the model sorts heads and slices them")
     rng = np.random.default_rng(0)
     stats = {}
     for layer in find_gdn_layers(open_checkpoint(src))[0]:
@@ -404,6 +405,14 @@ codes = [main(["inspect", {str(src)!r}]),
          main(["sort", {str(src)!r}, "--scores", {str(tmp_path / "scores.json")!r}, "-o", {str(tmp_path / "sorted")!r}, "-q"]),
          main(["slice", {str(tmp_path / "sorted")!r}, "-o", {str(tmp_path / "sliced")!r}, "-q", *{target!r},
                "--self-contained"])]
+# the estimate and every long command's dry run read headers and configs only
+dry = [*("--data", {str(tmp_path / "calib.txt")!r}, "--dry-run")]
+codes += [main(["estimate", {str(src)!r}, "--stages", "score,plan,slice,prune,distill,eval,bench"]),
+          main(["estimate", "Qwen3.5-397B-A17B", "--device", "cuda"]),
+          main(["score", {str(src)!r}, *dry]), main(["plan", {str(src)!r}, "--scores", {str(tmp_path / "scores.json")!r}, "-o", "p.json", *dry]),
+          main(["prune", {str(src)!r}, "-o", "x", "--budget-params", "0.5", *dry]),
+          main(["eval", {str(src)!r}, "--tasks", "nats_per_byte", "-o", "e", "--dry-run"]),
+          main(["bench", {str(src)!r}, "--workload", "prefill:1:64", "--dry-run"])]
 blas = os.environ.get("OPENBLAS_NUM_THREADS")
 codes.append(main(["slice", {str(src)!r}, "-o", {str(tmp_path / "compensated")!r}, "-q", *{target!r},
                    "--compensation-stats", {str(tmp_path / "stats.safetensors")!r}]))
@@ -417,7 +426,7 @@ print(json.dumps({{"codes": codes, "loaded": sorted(m for m in ("torch", "transf
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {
-        "codes": [0, 0, 0, 0],
+        "codes": [0] * 11,
         "loaded": [],
         "blas_threads": "1",
     }  # numpy's pool would only spin

@@ -12,7 +12,7 @@ from typing import Any
 from ..io.plan_file import state_elements
 from ..model.layer_removal import attention_layers, num_layers_of, removal_name_map
 from ..model.model_config import text_config
-from ..model.subblock_geometry import KINDS
+from ..model.subblock_geometry import KINDS, names_under
 from .folder import Checkpoint, CheckpointError, find_block_layers, find_gdn_layers, open_checkpoint
 
 __all__ = ["inspect_checkpoint"]
@@ -22,6 +22,7 @@ def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
     """The sub-blocks of every kind for :func:`inspect_checkpoint`, and their parameters per kind."""
     out: list[dict[str, Any]] = []
     by_kind: dict[str, int] = {}
+    ordered = sorted(ckpt.names)
     for kind in KINDS:
         try:
             layers = find_block_layers(ckpt, (kind,))
@@ -31,9 +32,8 @@ def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
         for layer in layers:
             fixed = [
                 n
-                for n in ckpt.names
-                if n.startswith(layer.prefix + ".")
-                and n[len(layer.prefix) + 1 :] not in layer.tensors
+                for n in names_under(ordered, layer.prefix)
+                if n[len(layer.prefix) + 1 :] not in layer.tensors
                 and not n[len(layer.prefix) + 1 :].startswith(KINDS[kind].excludes)
             ]
             parameters = layer.parameters + sum(ckpt.tensor(n).numel for n in fixed)

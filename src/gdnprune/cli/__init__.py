@@ -34,6 +34,7 @@ from ..runtime.fileio import USER_ERRNOS
 #: subcommand -> its module, in the order of ``--help``
 COMMANDS = {
     "inspect": "gdnprune.cli.inspect",
+    "estimate": "gdnprune.cli.estimate",
     "sort": "gdnprune.cli.sort",
     "slice": "gdnprune.cli.slice",
     "verify": "gdnprune.cli.verify",

@@ -86,6 +86,31 @@ def add_deprecated_alias(p, old: str, dest: str, new: str, convert=None, **kwarg
     p.add_argument(old, dest=dest, action=Alias, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
 
 
+def add_gpu_argument(p) -> None:
+    """``--gpu NAME``: the GPU an estimate predicts for."""
+    p.add_argument(
+        "--gpu",
+        default=None,
+        choices=("h100", "h200", "a100"),
+        help="the GPU an estimate predicts for (default: the CPU; an h100 with --device cuda)",
+    )
+
+
+#: --dry-run's help, one for every command
+DRY_RUN_HELP = (
+    "print what the run will cost (FLOPs, bytes, memory per process, time; as `gdnprune estimate`) and exit "
+    "without loading a model"
+)
+
+
+def add_dry_run_arguments(p) -> None:
+    """``--dry-run`` (print the estimate of the command's stages for its options, load nothing, exit 0) and the
+    GPU it predicts for."""
+    g = p.add_argument_group("dry run")
+    g.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    add_gpu_argument(g)
+
+
 def add_quiet_argument(p) -> None:
     """``-q/--quiet``."""
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars and no notes")

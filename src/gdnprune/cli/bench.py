@@ -6,7 +6,13 @@ import os
 from pathlib import Path
 
 from ..runtime.fileio import write_json_atomic
-from ._options import add_device_arguments, add_output_arguments, non_negative_int, positive_int
+from ._options import (
+    add_device_arguments,
+    add_dry_run_arguments,
+    add_output_arguments,
+    non_negative_int,
+    positive_int,
+)
 from ._runtime import add_runtime_arguments, model_runtime
 
 NAME = "bench"
@@ -75,6 +81,7 @@ def add_parser(subparsers) -> None:
     add_timing_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     add_runtime_arguments(p)
+    add_dry_run_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -134,6 +141,10 @@ def _write(out: Path, results, names: dict[str, str], header: dict, overwrite: b
 
 
 def run(args) -> int:
+    if args.dry_run:  # before the library is imported: nothing loads, no torch
+        from .estimate import dry_run  # lazy: headers and config only, never torch
+
+        return max(dry_run(NAME, args, model) for model in args.models)
     # lazy: commands import the library when they run, so --help stays fast
     import importlib.util
 

@@ -8,7 +8,14 @@ import signal
 import sys
 import time
 
-from ._options import add_data_arguments, add_quiet_argument, checked_data, positive_int
+from ._options import (
+    DRY_RUN_HELP,
+    add_data_arguments,
+    add_gpu_argument,
+    add_quiet_argument,
+    checked_data,
+    positive_int,
+)
 from ._runtime import add_runtime_arguments, model_runtime
 from .quantize import add_quantize_argument, quantize_beside
 from .quantize import summary as quantize_summary
@@ -170,7 +177,8 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="with --fsdp: keep parameter shards and optimizer state in CPU memory",
     )
-    n.add_argument("--dry-run", action="store_true", help="print the expected memory per process and exit")
+    n.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    add_gpu_argument(n)
     n.add_argument(
         "--processes",
         type=positive_int,
@@ -323,6 +331,10 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"gdnprune distill: error: {_flags(str(exc))}", file=sys.stderr)
         return 2
+    if args.dry_run:  # the stages' cost (headers and configs only), then the memory table below
+        from .estimate import dry_run  # lazy: fast --help
+
+        dry_run(NAME, args, args.teacher, student=args.student)
     _estimate(args, world, sharding, table=not args.quiet or args.dry_run)
     if args.dry_run:
         return 0

@@ -8,6 +8,7 @@ import sys
 from ._options import (
     add_device_arguments,
     add_distributed_arguments,
+    add_dry_run_arguments,
     add_output_arguments,
     non_negative_int,
     positive_int,
@@ -94,12 +95,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the recall probes and of lm-eval (default 0)")
     add_runtime_arguments(p)
     add_distributed_arguments(p)
+    add_dry_run_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     """Under torchrun / accelerate launch every rank scores its share of the documents; rank 0 prints and
     writes."""
+    if args.dry_run:  # before the library is imported: nothing loads, no torch
+        from .estimate import dry_run  # lazy: headers and config only, never torch
+
+        return max(dry_run(NAME, args, model) for model in args.models)
     # lazy: commands import the library when they run, so --help stays fast
     from ..runtime.distributed import RankFailedError, process_group, rank, world_size
 

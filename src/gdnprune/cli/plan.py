@@ -13,6 +13,7 @@ from ._options import (
     add_constraint_arguments,
     add_deprecated_alias,
     add_distributed_arguments,
+    add_dry_run_arguments,
     add_output_arguments,
     blocks_from_args,
     checked_data,
@@ -293,6 +294,7 @@ def add_parser(subparsers) -> None:
     add_distributed_arguments(p)
     add_runtime_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    add_dry_run_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -518,6 +520,10 @@ def plan_threads(model_dir: str | Path, seq_len: int | None) -> int:
 
 def run(args) -> int:
     """Under torchrun / accelerate launch every rank measures its share of the windows; rank 0 writes."""
+    if args.dry_run:  # before the library is imported: nothing loads, no torch
+        from .estimate import dry_run  # lazy: headers and config only, never torch
+
+        return dry_run(NAME, args, args.model_dir)
     # lazy: commands import the library when they run, so --help stays fast
     from ..runtime.distributed import RankFailedError, process_group, rank, world_size
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ._options import (
     add_calibration_arguments,
+    add_dry_run_arguments,
     add_lane_search_arguments,
     add_output_arguments,
     add_self_contained_argument,
@@ -81,10 +82,15 @@ def add_parser(subparsers) -> None:
         "once more and holds the full and the cut model in memory)",
     )
     add_runtime_arguments(p)
+    add_dry_run_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.dry_run:  # before the library is imported: nothing loads, no torch
+        from .estimate import dry_run  # lazy: headers and config only, never torch
+
+        return dry_run(NAME, args, args.model_dir)
     # lazy: commands import the library when they run, so --help stays fast
     # lazy: commands import the library when they run, so --help stays fast
     from ..plan import PlanOptions

@@ -17,6 +17,7 @@ from ._options import (
     add_calibration_arguments,
     add_deprecated_alias,
     add_distributed_arguments,
+    add_dry_run_arguments,
     add_lane_search_arguments,
     add_output_arguments,
     blocks_from_args,
@@ -96,6 +97,7 @@ def add_parser(subparsers) -> None:
     )
     add_distributed_arguments(g)
     add_runtime_arguments(p)
+    add_dry_run_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -235,6 +237,10 @@ def _score(args, mode: str) -> int:
 
 
 def run(args) -> int:
+    if args.dry_run:  # before the library is imported: nothing loads, no torch
+        from .estimate import dry_run  # lazy: headers and config only, never torch
+
+        return dry_run(NAME, args, args.model_dir)
     from ..runtime.distributed import RankFailedError, process_group, rank, world_size  # lazy: fast --help
     from . import report_error  # lazy: cli/__init__ imports this module
 

@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
+from ..estimate.memory import positions_per_chunk
+
 __all__ = [
     "VocabShard",
     "vocab_shard",
@@ -278,7 +280,7 @@ def default_positions_per_chunk(vocab: int, positions: int) -> int:
     loss holds for one process's positions: the loss buffers shard with the vocabulary, where a chunk of all
     processes' positions would cost each process as much as the whole head does. Each chunk reads the local
     rows once: ``world`` chunks read as many bytes of the head as the whole-head loss reads once."""
-    return max(1, min((1 << 25) // vocab, positions))
+    return positions_per_chunk(vocab, positions)
 
 
 def add_chunk_gradients(grads, rows: slice, g_z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:

@@ -16,11 +16,8 @@ A checkpoint with one GDN geometry loads exactly as ``from_pretrained`` loads it
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import sys
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,9 +25,9 @@ import transformers
 from accelerate.utils import get_max_memory
 
 from ..gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
-from ..model.geometry import GDN_CONFIG_KEYS, GDNShape, apply_targets_to_config, layer_index_of
+from ..model.geometry import GDNShape, apply_targets_to_config, layer_index_of
 from ..model.layouts import find_gdn_modules
-from ..model.model_config import per_layer_overrides, text_config
+from ..model.model_config import config_value, text_config
 from ..model.subblock_geometry import (
     BLOCK_FIELDS,
     KINDS,
@@ -41,6 +38,8 @@ from ..model.subblock_geometry import (
 from ..model.subblock_surgery import find_model_blocks, slice_block_state_dict
 from ..model.targets import resolve_target
 from ..runtime.distributed import launch_info
+from .model_classes import empty_pretrained, heterogeneous, per_layer_gdn_modules, resolve_class
+from .sharded_loading import ShardedLoadingError, load_sharded
 
 __all__ = [
     "load_pretrained",
@@ -50,103 +49,6 @@ __all__ = [
     "slice_model",
     "per_layer_gdn_modules",
 ]
-
-_LOCK = threading.RLock()
-
-
-def _gdn_classes(model_class: type) -> list[type]:
-    """The GatedDeltaNet module classes of the modeling file that defines ``model_class``."""
-    return _classes(model_class, "GatedDeltaNet")
-
-
-def _classes(model_class: type, suffix: str) -> list[type]:
-    module = sys.modules[model_class.__module__]
-    return [obj for name, obj in vars(module).items() if isinstance(obj, type) and name.endswith(suffix)]
-
-
-@contextlib.contextmanager
-def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
-    """While inside, the GDN modules and the decoder layers (so their attention and MLP too) of
-    ``model_class``'s family are built from their layer's own config when the model config is
-    heterogeneous (``config.per_layer_config[layer_idx]``)."""
-    classes = _gdn_classes(model_class)
-    layers = _classes(model_class, "DecoderLayer")
-    if not classes:
-        raise ValueError(
-            f"{model_class.__name__}: no GatedDeltaNet module class in {model_class.__module__}; "
-            f"per-layer GDN geometries are supported for the Qwen3.5, Qwen3-Next and OLMo-hybrid "
-            f"families"
-        )
-    heads = [
-        c
-        for c in _classes(model_class, "ForCausalLM") + _classes(model_class, "ForConditionalGeneration")
-        if "__init__" in c.__dict__
-    ]
-    with _LOCK:
-        originals = {cls: cls.__dict__["__init__"] for cls in classes + layers if "__init__" in cls.__dict__}
-        globals_ = {cls: cls.__dict__["__init__"] for cls in heads}
-        for cls, original in globals_.items():
-
-            @functools.wraps(original)
-            def head_init(self, config, *args, _original=original, **kwargs):
-                # MoE heads read num_experts globally (router aux loss): the most common count, as config.json's
-                # global key holds it; the aux loss of per-layer expert counts is not defined (leave
-                # output_router_logits off)
-                text = text_config(config)
-                before = {
-                    id(c): c.__dict__.get("allow_global_per_layer_attribute_access") for c in (config, text)
-                }
-                for c in (config, text):
-                    c.__dict__["allow_global_per_layer_attribute_access"] = True
-                try:
-                    _original(self, config, *args, **kwargs)
-                finally:
-                    for c in (config, text):
-                        if before[id(c)] is None:
-                            c.__dict__.pop("allow_global_per_layer_attribute_access", None)
-                        else:
-                            c.__dict__["allow_global_per_layer_attribute_access"] = before[id(c)]
-
-            setattr(cls, "__init__", head_init)  # noqa: B010  (mypy: assigning __init__ is unsound)
-        originals.update(globals_)
-        for cls, original in originals.items():
-            if cls in globals_:
-                continue
-
-            @functools.wraps(original)
-            def init(self, config, layer_idx=None, *args, _original=original, **kwargs):
-                if layer_idx is not None and getattr(config, "is_heterogeneous", False):
-                    config = config.per_layer_config[layer_idx]
-                _original(self, config, layer_idx, *args, **kwargs)
-
-            setattr(cls, "__init__", init)  # noqa: B010
-        try:
-            yield
-        finally:
-            for cls, original in originals.items():
-                setattr(cls, "__init__", original)  # noqa: B010
-
-
-def _resolve_class(config: Any, model_class: Any) -> tuple[Any, type]:
-    """The class to call ``from_pretrained`` on, and the concrete model class it builds (the same class
-    unless ``model_class`` is an Auto class)."""
-    if model_class is None:
-        names = getattr(config, "architectures", None) or []
-        found = [getattr(transformers, name, None) for name in names]
-        model_class = next((c for c in found if c is not None), transformers.AutoModelForCausalLM)
-    mapping = getattr(model_class, "_model_mapping", None)
-    if mapping is not None:  # an Auto class: the concrete class it picks for this config
-        try:
-            return model_class, mapping[type(config)]
-        except KeyError:
-            raise ValueError(f"{model_class.__name__} cannot load a {type(config).__name__}") from None
-    return model_class, model_class
-
-
-def _heterogeneous(config: Any) -> bool:
-    """Whether ``config`` sets a GDN, attention or MLP geometry per layer."""
-    keys = set(GDN_CONFIG_KEYS).union(*(kind.config_keys for kind in KINDS.values()))
-    return bool(per_layer_overrides(config, keys, key="linear_num_key_heads"))
 
 
 def load_pretrained(
@@ -167,9 +69,9 @@ def load_pretrained(
         their own geometry (``module.num_v_heads`` etc.), and whose config keeps ``per_layer_config``.
     """
     config = from_pretrained_kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
-    loader, concrete = _resolve_class(config, model_class)
+    loader, concrete = resolve_class(config, model_class)
     text = text_config(config)
-    if not _heterogeneous(text) and not _heterogeneous(config):
+    if not heterogeneous(text) and not heterogeneous(config):
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
     with per_layer_gdn_modules(concrete):
         return loader.from_pretrained(path, config=config, **from_pretrained_kwargs)
@@ -193,6 +95,9 @@ def load_causal_lm(
     only GPUs it may use (this rank's block, :func:`gdnprune.runtime.distributed.local_gpus`).
     """
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = _read_moe(model_dir, torch_dtype) if device_map is None else None
+    if model is not None:
+        return model.to(device or _default_device()).eval()
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
@@ -214,6 +119,26 @@ def load_causal_lm(
     return model.eval()
 
 
+def _read_moe(model_dir: str | os.PathLike, dtype: torch.dtype) -> Any:
+    """An MoE model read straight from its files into a model built on ``meta`` (sharded loading's reader, one
+    process holding every row), or None when the folder is not an MoE model's or stores something that reader
+    cannot read. transformers' loading converts the one-tensor-per-expert form of released MoE checkpoints
+    with a copy of its conversion operations per tensor: seconds per thousand experts, minutes for a model of
+    48 layers of 512 experts; this reads the same tensors in the time their bytes take."""
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+    if not config_value(text_config(config), "num_experts"):
+        return None
+    for model_class in (transformers.AutoModelForCausalLM, None):  # as load_causal_lm tries them
+        try:
+            return load_sharded(model_dir, lambda model: None, model_class=model_class, dtype=dtype)
+        except (ShardedLoadingError, ValueError, KeyError):
+            continue
+    return None
+
+
 def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
     """The causal LM that :func:`load_causal_lm` would load, built on the ``meta`` device from the folder's
     config alone: every module with its shapes and per-layer GDN geometry, no weight read or allocated.
@@ -221,30 +146,15 @@ def empty_causal_lm(model_dir: str | os.PathLike) -> Any:
     config = transformers.AutoConfig.from_pretrained(model_dir)
     text = text_config(config)
     try:
-        loader, concrete = _resolve_class(config, transformers.AutoModelForCausalLM)
+        loader, concrete = resolve_class(config, transformers.AutoModelForCausalLM)
     except ValueError as first:
         try:
-            loader, concrete = _resolve_class(config, None)  # the class in config.json's architectures
+            loader, concrete = resolve_class(config, None)  # the class in config.json's architectures
         except ValueError:
             raise ValueError(f"{model_dir}: cannot build a causal language model ({first})") from None
-    per_layer = _heterogeneous(text) or _heterogeneous(config)
+    per_layer = heterogeneous(text) or heterogeneous(config)
     with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
         model = loader.from_config(config) if loader is not concrete else concrete(config)
-    return model.eval()
-
-
-def empty_pretrained(path: str | os.PathLike, *, model_class: Any = None, dtype: Any = None) -> Any:
-    """The model :func:`load_pretrained` would load (same class choice), built on the ``meta`` device from
-    the folder's config alone, in ``dtype`` (default: float32), weights tied as the config says. Built as
-    ``from_pretrained`` builds it: parameters created in ``dtype``, buffers that transformers computes in
-    float32 (the rotary frequencies) kept in float32, ``config.dtype`` set to ``dtype``."""
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    _, concrete = _resolve_class(config, model_class)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    per_layer = _heterogeneous(text) or _heterogeneous(config)
-    with per_layer_gdn_modules(concrete) if per_layer else contextlib.nullcontext(), torch.device("meta"):
-        model = concrete._from_config(config, dtype=dtype or torch.float32)  # type: ignore[attr-defined]
     return model.eval()
 
 

@@ -129,8 +129,16 @@ def _fail(path: str, what: str) -> CheckpointError:
     return CheckpointError(f"{path}: not a valid safetensors file: {what}")
 
 
+#: headers already read, by file identity (device, inode, size, modification time): a command reads a model's
+#: headers more than once (its checks, the model's loading), and parsing tens of thousands of entries costs
+#: seconds each time. A file that changes gets a new key.
+_HEADERS: dict[tuple[int, int, int, int], ShardHeader] = {}
+_HEADERS_KEPT = 256
+
+
 def read_header(path: str | os.PathLike) -> ShardHeader:
-    """Read and validate the header of the safetensors file ``path`` (reads only the header bytes).
+    """Read and validate the header of the safetensors file ``path`` (reads only the header bytes; a file read
+    before and unchanged since, by identity, size and modification time, is not read again).
 
     Checks what safetensors checks: a sane header length, a JSON object of tensor entries with a known
     dtype, a shape of non-negative integers and ``data_offsets`` whose length matches dtype and shape,
@@ -140,6 +148,22 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         CheckpointError: the file cannot be read or is not a valid safetensors file.
     """
     path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _HEADERS.get(key)
+    if known is not None and known.path == path:
+        return known
+    header = _read_header(path)
+    if len(_HEADERS) >= _HEADERS_KEPT:
+        _HEADERS.pop(next(iter(_HEADERS)))
+    _HEADERS[key] = header
+    return header
+
+
+def _read_header(path: str) -> ShardHeader:
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())

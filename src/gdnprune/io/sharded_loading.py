@@ -1,6 +1,6 @@
 """Sharded loading: a model folder read straight into the shards of a model built on ``meta``.
 
-:func:`load_sharded` builds the model as :func:`gdnprune.io.loading.empty_pretrained` builds it, lets the
+:func:`load_sharded` builds the model as :func:`gdnprune.io.model_classes.empty_pretrained` builds it, lets the
 caller shard it (FSDP2's ``fully_shard``), and fills each process's rows from the safetensors files
 (``os.pread`` of their bytes): no process ever holds the whole model. :func:`sharded_loading_names` maps
 every model tensor to what the folder stores (the model's own name, a name ``from_pretrained`` renames,
@@ -11,21 +11,19 @@ FP8 blocks with their scales, one tensor per expert, parts concatenated), or rai
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming, apply_renamings
 
-from .loading import empty_pretrained
+from .model_classes import empty_pretrained
+from .safetensors_io import read_header
 
 __all__ = ["load_sharded", "sharded_loading_names", "ShardedLoadingError", "StoredTensor"]
 
@@ -35,8 +33,7 @@ def _disk_index(path: str | os.PathLike) -> dict[str, str]:
 
     index: dict[str, str] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            index.update(dict.fromkeys(f.keys(), str(file)))
+        index.update(dict.fromkeys(read_header(file).tensors, str(file)))
     return index
 
 
@@ -294,11 +291,8 @@ class _RowReader:
     }  # fmt: skip
 
     def __init__(self, file: str) -> None:
-
+        self._header = read_header(file).tensors  # parsed once per file (safetensors_io keeps it)
         self._fd = os.open(file, os.O_RDONLY)
-        (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-        self._header = json.loads(os.pread(self._fd, size, 8))
-        self._start = 8 + size
 
     def __enter__(self) -> _RowReader:
         return self
@@ -307,20 +301,20 @@ class _RowReader:
         os.close(self._fd)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._header[name]["shape"])
+        return list(self._header[name].shape)
 
     def rows(self, name: str, first: int, count: int | None) -> Any:
         """Rows ``first .. first + count`` of tensor ``name`` (all of it when ``count`` is None)."""
 
         entry = self._header[name]
-        dtype, shape = getattr(torch, self._DTYPES[entry["dtype"]]), list(entry["shape"])
-        begin, end = entry["data_offsets"]
+        dtype, shape = getattr(torch, self._DTYPES[entry.dtype]), list(entry.shape)
+        begin, end = entry.start, entry.end  # absolute offsets in the file
         if count is not None and shape:
             row = (end - begin) // max(1, shape[0])
             begin, end, shape = begin + first * row, begin + (first + count) * row, [count, *shape[1:]]
         data = bytearray()
         while len(data) < end - begin:  # a read returns at most ~2 GB
-            chunk = os.pread(self._fd, end - begin - len(data), self._start + begin + len(data))
+            chunk = os.pread(self._fd, end - begin - len(data), begin + len(data))
             if not chunk:
                 raise OSError(f"{name}: the file ends before its data ({end - begin} bytes expected)")
             data += chunk

@@ -328,7 +328,7 @@ class Forwards:
         self.forwards = 0
         self._tokens = 0
 
-    def _total(self, *values: float) -> list[float]:
+    def total(self, *values: float) -> list[float]:
         """``values`` summed over the ranks (as they are with one process)."""
         if not self.several:
             return list(values)
@@ -393,7 +393,7 @@ class Forwards:
             finally:
                 for handle in handles:
                     handle.remove()
-        ce, n, tokens = self._total(ce, n, sum(int(f.shape[0] * f.shape[1]) for f in self.finals))
+        ce, n, tokens = self.total(ce, n, sum(int(f.shape[0] * f.shape[1]) for f in self.finals))
         self._tokens = int(tokens)
         self.base_loss = ce / max(n, 1)
 
@@ -424,7 +424,7 @@ class Forwards:
                     a, b, c, d = _divergence(self.head, out, self.finals[k], ids, mask, self.max_logits)
                     kl, ce, n_kl, n_ce = kl + a, ce + b, n_kl + c, n_ce + d
                     self.forwards += 1
-            kl, ce, n_kl, n_ce = self._total(kl, ce, n_kl, n_ce)
+            kl, ce, n_kl, n_ce = self.total(kl, ce, n_kl, n_ce)
             return kl / max(n_kl, 1), ce / max(n_ce, 1)
 
         try:
@@ -433,6 +433,65 @@ class Forwards:
             for j, original in enumerate(originals):
                 self.decoder.layers[j] = original
             handle.remove()
+
+    @torch.no_grad()
+    def layer_call(self, index: int, k: int) -> tuple[tuple, dict]:
+        """The arguments decoder layer ``index`` is called with on batch ``k`` (its kept input as the hidden
+        states, the position embeddings and mask the model computes for the batch): the layer, or a variant of
+        it, called with them gives its output without running the model around it."""
+        seen: dict = {}
+        ids, mask = self.data[k]
+        cached = self.captured[k][index]
+
+        def record(module, args, kwargs):
+            seen["call"] = with_hidden(args, kwargs, cached.to(hidden_argument(args, kwargs).device))
+            raise Stop
+
+        originals = [self.decoder.layers[j] for j in range(index)]
+        for j in range(index):
+            self.decoder.layers[j] = Passthrough()
+        try:
+            run_with_hooks(
+                self.decoder,
+                (),
+                {"input_ids": ids.to(self.device), **self._kwargs(mask)},
+                [(self.decoder.layers[index], record)],
+            )
+        finally:
+            for j, original in enumerate(originals):
+                self.decoder.layers[j] = original
+        return seen["call"]
+
+    @torch.no_grad()
+    def from_hidden(self, index: int, k: int, hidden: torch.Tensor) -> list[tuple[float, float, int, int]]:
+        """Batch ``k`` run from decoder layer ``index`` with input ``hidden``: the batch's hidden states of several
+        variants stacked along the batch (``copies x batch`` rows; every layer from ``index`` on runs once for
+        all of them). Returns per copy the summed KL against the teacher, the summed loss and their token
+        counts (added over the ranks by the caller, as :meth:`from_layer`'s sums are); counts as ``copies``
+        forwards."""
+        ids, mask = self.data[k]
+        copies = hidden.shape[0] // ids.shape[0]
+        repeated = ids.repeat(copies, 1)
+        masks = None if mask is None else mask.repeat(copies, 1)
+
+        def inject(module, args, kwargs):
+            return with_hidden(args, kwargs, hidden.to(hidden_argument(args, kwargs).device))
+
+        originals = [self.decoder.layers[j] for j in range(index)]
+        handle = self.decoder.layers[index].register_forward_pre_hook(inject, with_kwargs=True)
+        for j in range(index):
+            self.decoder.layers[j] = Passthrough()
+        try:
+            out = self.decoder(input_ids=repeated.to(self.device), **self._kwargs(masks)).last_hidden_state
+        finally:
+            for j, original in enumerate(originals):
+                self.decoder.layers[j] = original
+            handle.remove()
+        self.forwards += copies
+        return [
+            _divergence(self.head, part, self.finals[k], ids, mask, self.max_logits)
+            for part in out.chunk(copies)
+        ]
 
     @torch.no_grad()
     def layer_inputs(self, index: int) -> None:

@@ -15,10 +15,11 @@ targets and config, and their plan candidates.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "BLOCK_FIELDS",
     "Block",
     "find_blocks",
+    "names_under",
     "block_indices",
     "order_keys",
     "orders_from_payload",
@@ -232,6 +234,14 @@ def kv_cache_elements(shape: AttentionShape) -> int:
     return 2 * shape.num_key_value_heads * shape.head_dim
 
 
+def names_under(ordered: Sequence[str], prefix: str) -> Sequence[str]:
+    """The names in ``ordered`` (sorted) that start with ``prefix + "."``: one slice, found by bisection (a
+    model of 512 experts per layer has tens of thousands of tensors, and every block looks up its own)."""
+    head = prefix + "."
+    start = bisect.bisect_left(ordered, head)
+    return ordered[start : bisect.bisect_left(ordered, prefix + "/", lo=start)]  # "/" sorts right after "."
+
+
 def find_blocks(
     shapes: Mapping[str, tuple[int, ...]], config: Any, kinds: Iterable[str] | None = None
 ) -> list[Block]:
@@ -258,13 +268,14 @@ def find_blocks(
                     if kind.matches(prefix):
                         prefixes[prefix] = kind
     blocks = []
+    ordered = sorted(shapes)
     for prefix in sorted(prefixes, key=lambda p: (layer_index_of(p), p)):
         kind = prefixes[prefix]
         head = prefix + "."
         members = {
-            n[len(head) :]: tuple(s)
-            for n, s in shapes.items()
-            if n.startswith(head) and not n[len(head) :].startswith(kind.excludes)
+            n[len(head) :]: tuple(shapes[n])
+            for n in names_under(ordered, prefix)
+            if not n[len(head) :].startswith(kind.excludes)
         }
         shape = kind.shape_from_config(config, layer_index_of(prefix))
         blocks.append(_fit_layout(prefix, kind, shape, members))

@@ -130,15 +130,15 @@ class ExpertScorer:
         self.stats["num_tokens"] += hidden.shape[0]
         n = self.stats["count"].numel()
         chosen = torch.zeros(*index.shape, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
-        for e in torch.unique(index).tolist():
-            if not 0 <= e < n:
-                continue
-            token, slot = torch.where(index == e)
-            y = _expert_output(module, e, hidden[token])
-            chosen[token, slot] = y.float()
-            g = weights[token, slot].to(torch.float64)
-            self.stats["count"][e] += token.numel()
-            self.stats["weighted_norm"][e] += (g * y.to(torch.float64).norm(dim=-1)).sum().cpu()
+        valid = (index >= 0) & (index < n)
+        token, slot = torch.where(valid)
+        experts = index[token, slot]
+        y = expert_outputs(module, hidden[token], experts)
+        chosen[token, slot] = y.float()
+        g = weights[token, slot].to(torch.float64)
+        self.stats["count"] += torch.bincount(experts.cpu(), minlength=n).to(torch.float64)
+        norms = (g * y.to(torch.float64).norm(dim=-1)).cpu()
+        self.stats["weighted_norm"].index_add_(0, experts.cpu(), norms)
         if logits is None:
             raise ValueError(
                 f"{self.block.prefix}: the router's logits did not reach the experts (expected the router "
@@ -175,10 +175,8 @@ class ExpertScorer:
         x = hidden[row.to(hidden.device)]
         lg = logits[row.to(logits.device)].float()
         ranks = torch.topk(lg, self.stats["sample_ranks"].shape[1], dim=-1).indices
-        y = torch.zeros(*ranks.shape, x.shape[-1], dtype=torch.float64, device=x.device)
-        for e in torch.unique(ranks).tolist():
-            token, rank = torch.where(ranks == e)
-            y[token, rank] = _expert_output(module, e, x[token]).to(torch.float64)
+        token = torch.arange(ranks.shape[0], device=x.device).repeat_interleave(ranks.shape[1])
+        y = expert_outputs(module, x[token], ranks.reshape(-1)).to(torch.float64).view(*ranks.shape, -1)
         self.stats["sample_used"][slot] = 1
         self.stats["sample_logits"][slot] = lg.cpu()
         self.stats["sample_ranks"][slot] = ranks.cpu()
@@ -202,10 +200,7 @@ class ExpertScorer:
         q = probs.gather(1, index)  # [T, k]
         nxt = torch.topk(probs, k + 1, dim=-1)
         q_next, e_next = nxt.values[:, k], nxt.indices[:, k]
-        y_next = torch.zeros_like(chosen[:, 0])
-        for e in torch.unique(e_next).tolist():
-            token = torch.where(e_next == e)[0]
-            y_next[token] = _expert_output(module, e, hidden[token]).float()
+        y_next = expert_outputs(module, hidden, e_next).float()
         w = weights.float()
         old = (w[..., None] * chosen).sum(1)  # [T, H]
         normalized = bool(torch.allclose(w.sum(-1), torch.ones_like(w[:, 0]), atol=1e-3))
@@ -220,10 +215,45 @@ class ExpertScorer:
         self.stats["removal_error"].index_add_(0, index[valid].cpu(), err[valid].cpu())
 
 
-def _expert_output(experts: Any, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Routed expert ``e``'s SwiGLU output for tokens ``x`` (fused ``gate_up_proj`` / ``down_proj``)."""
-    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+def expert_outputs(experts: Any, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each row of ``x`` through its routed expert ``ids[row]``: the SwiGLU of the fused ``gate_up_proj`` /
+    ``down_proj``, for every expert at once. The rows are sorted by expert and each expert's run multiplied by
+    its own weights: one grouped matrix product per projection where torch has one for the device and dtype
+    (``torch.nn.functional.grouped_mm``), else a loop over the experts' runs (a slice each, never a search of
+    all rows per expert: the work stays linear in the rows however many experts there are)."""
+    if not ids.numel():
+        return x.new_zeros(x.shape)
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=experts.gate_up_proj.shape[0])
+    xs = x[order]
+    out = _grouped_outputs(experts, xs, counts)
+    if out is None:
+        out, start = torch.empty_like(xs), 0
+        for e, count in enumerate(counts.tolist()):
+            if count:
+                rows = xs[start : start + count]
+                gate, up = torch.nn.functional.linear(rows, experts.gate_up_proj[e]).chunk(2, dim=-1)
+                out[start : start + count] = torch.nn.functional.linear(
+                    experts.act_fn(gate) * up, experts.down_proj[e]
+                )
+                start += count
+    y = torch.empty_like(out)
+    y[order] = out
+    return y
+
+
+def _grouped_outputs(experts: Any, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+    """:func:`expert_outputs` of rows sorted by expert, as two grouped matrix products; None where torch has
+    no grouped kernel for the device, dtype or memory alignment."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None)
+    if grouped is None or xs.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    try:
+        gate, up = grouped(xs, experts.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return grouped(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=offsets)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def expert_payload(block: Any, stats: dict[str, torch.Tensor], method: str) -> dict[str, Any]:

@@ -114,6 +114,25 @@ def exact_objective(c: np.ndarray) -> np.ndarray:
     return c * (1e6 / top) if top > 0 else c
 
 
+def _front(sensitivity: Sequence[float], costs: Sequence[Sequence[float]]) -> list[int]:
+    """The candidates of one group that no other dominates (as sensitive or less, costing as much or less in every
+    budget; of equal ones the first): an optimal choice is made of them alone. A group of thousands of
+    candidates (a GDN layer's grid) keeps tens, and the MILP shrinks with it."""
+    values = np.column_stack(
+        [np.asarray(sensitivity, dtype=np.float64), *(np.asarray(c, np.float64) for c in costs)]
+    )
+    n = len(values)
+    kept = np.ones(n, dtype=bool)
+    order = np.lexsort(values.T[::-1])  # by sensitivity, then by the costs: a dominator comes first
+    for start in range(0, n, 512):
+        block = order[start : start + 512]
+        # candidate i (of this block) is dominated by an earlier one in the order that is <= in every value
+        earlier = values[order][None, :, :] <= values[block][:, None, :]
+        dominated = earlier.all(-1) & (np.arange(n)[None, :] < (start + np.arange(len(block)))[:, None])
+        kept[block] = ~dominated.any(1)
+    return [int(i) for i in np.flatnonzero(kept)]
+
+
 def choose(
     sensitivity: Sequence[Sequence[float]],
     costs: Mapping[str, Sequence[Sequence[float]]],
@@ -136,6 +155,15 @@ def choose(
     """
 
     _check(sensitivity, costs)
+    if not exclude:  # the optimum never needs a dominated candidate: solve over each group's front
+        fronts = [_front(sensitivity[g], [costs[b][g] for b in budgets]) for g in range(len(sensitivity))]
+        if sum(map(len, fronts)) < sum(map(len, sensitivity)):
+            reduced = choose(
+                [[sensitivity[g][i] for i in front] for g, front in enumerate(fronts)],
+                {b: [[costs[b][g][i] for i in front] for g, front in enumerate(fronts)] for b in budgets},
+                budgets,
+            )
+            return [front[p] for front, p in zip(fronts, reduced)]
     sizes = [len(layer) for layer in sensitivity]
     n = sum(sizes)
     starts = np.cumsum([0] + sizes[:-1])

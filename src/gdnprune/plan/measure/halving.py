@@ -507,20 +507,37 @@ def _measure_layer(
     bar: Any,
 ) -> int:
     """Measure ``layer``'s candidates ``todo`` (``(candidate, upto)``) on windows ``seen[c]`` to ``upto`` (spread
-    over the ranks), writing their KL and loss in place; returns the partial forwards done."""
+    over the ranks), writing their KL and loss in place; returns the partial forwards done.
+
+    The candidates of a window run the layers after theirs together (:func:`_stacked`): a layer's candidates
+    differ only in it, so the rest of the model runs once per window for a stack of them rather than once per
+    candidate (a model of 48 layers and thousands of candidates a layer would otherwise run the remaining
+    layers for each)."""
     device = next(iter(state.values())).device
     parent, attr = parent_and_name(forwards.decoder.layers[index], layer.module)
-    mine = {}
-    with forwards.from_layer(index) as measure:
-        try:
-            for c, upto in (todo[k] for k in rank_share(len(todo))):
-                setattr(
-                    parent, attr, candidate_module(layer, state, layer.candidates[c], text_config, device)
+    mine: dict[int, list[tuple[float, float]]] = {}
+    last = index == len(forwards.decoder.layers) - 1
+    try:
+        mine_todo = [todo[k] for k in rank_share(len(todo))]
+        if last:  # nothing after it to share: each candidate's own forwards
+            with forwards.from_layer(index) as measure:
+                for c, upto in mine_todo:
+                    setattr(
+                        parent, attr, candidate_module(layer, state, layer.candidates[c], text_config, device)
+                    )
+                    mine[c] = [measure([w]) for w in range(int(seen[c]), upto)]
+                    bar.update(upto - int(seen[c]))
+        else:
+            for group in _stacks(mine_todo, forwards, index, sum(int(v.numel()) for v in state.values())):
+                modules = {
+                    c: candidate_module(layer, state, layer.candidates[c], text_config, device)
+                    for c, _ in group
+                }
+                mine.update(
+                    _stacked(forwards, index, group, seen, modules, lambda m: setattr(parent, attr, m), bar)
                 )
-                mine[c] = [measure([w]) for w in range(int(seen[c]), upto)]
-                bar.update(upto - int(seen[c]))
-        finally:
-            setattr(parent, attr, layer.module)
+    finally:
+        setattr(parent, attr, layer.module)
     done = 0
     for c, values in sorted(gather_over_ranks(mine).items()):
         start = int(seen[c])
@@ -529,3 +546,53 @@ def _measure_layer(
         ce[c, start : start + len(values)] = [v[1] for v in values]
         seen[c] = start + len(values)
     return done
+
+
+#: the most candidates one stacked forward holds, and the most elements their hidden states for one window and
+#: (apart) their modules may take
+STACK_CANDIDATES, STACK_ELEMENTS = 64, 1 << 26
+
+
+def _stacks(
+    todo: list[tuple[int, int]], forwards: Any, index: int, module_elements: int
+) -> list[list[tuple[int, int]]]:
+    """``todo`` in groups that one stacked forward can hold: at most :data:`STACK_CANDIDATES`, their hidden states
+    for one window and their modules (at most ``module_elements`` each) at most :data:`STACK_ELEMENTS` each."""
+    cached = forwards.captured[0][index] if forwards.captured and forwards.data else None
+    per = int(cached.numel()) if cached is not None else 1
+    size = max(
+        1, min(STACK_CANDIDATES, STACK_ELEMENTS // max(1, per), STACK_ELEMENTS // max(1, module_elements))
+    )
+    return [todo[i : i + size] for i in range(0, len(todo), size)]
+
+
+def _stacked(
+    forwards: Any,
+    index: int,
+    group: list[tuple[int, int]],
+    seen: np.ndarray,
+    modules: dict[int, torch.nn.Module],
+    install: Callable[[torch.nn.Module], None],
+    bar: Any,
+) -> dict[int, list[tuple[float, float]]]:
+    """The KL and loss per token of each candidate of ``group`` on its windows ``seen[c]`` to ``upto``: per
+    window, each candidate's module (``modules``, put in place by ``install``) runs its layer on the kept
+    input, and the layers after it run once on their outputs stacked along the batch."""
+    out: dict[int, list[tuple[float, float]]] = {c: [] for c, _ in group}
+    for w in range(min(int(seen[c]) for c, _ in group), max(upto for _, upto in group)):
+        here = [c for c, upto in group if int(seen[c]) <= w < upto]
+        if not here:
+            continue
+        args, kwargs = forwards.layer_call(index, w)
+        layer = forwards.decoder.layers[index]
+        hidden = []
+        for c in here:
+            install(modules[c])
+            result = layer(*args, **kwargs)
+            hidden.append(result[0] if isinstance(result, tuple) else result)
+        sums = forwards.from_hidden(index + 1, w, torch.cat(hidden))
+        for c, (a, b, n_kl, n_ce) in zip(here, sums):
+            a, b, n_kl, n_ce = forwards.total(a, b, n_kl, n_ce)
+            out[c].append((a / max(n_kl, 1), b / max(n_ce, 1)))
+        bar.update(len(here))
+    return out

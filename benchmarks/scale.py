@@ -1,0 +1,460 @@
+"""Cost growth at the counts of the published models, measured beside what ``gdnprune estimate`` predicts.
+
+Claim (issue 41): every stage of the pipeline runs at the real counts of the Qwen hybrid family (48-60 layers,
+up to 512 routed experts; gdnprune.model.family), its cost grows with its work (time and memory against
+parameters, layers and experts, fitted on log-log axes), and ``gdnprune estimate`` predicts each stage within
+30 % at the measured points.
+
+What it runs, each stage a CLI call in a child process of its own (wall time, peak RSS from ``resource``):
+
+* ``growth``: Qwen3-Next-80B-A3B's counts scaled 1/8, 1/4, 1/2 and 1 (8 to 48 layers, 64 to 512 experts) at
+  tiny widths (hidden 64, head dims 8, expert width 8), and the 4-layer, 8-expert model of the same widths;
+  stages inspect, score, slice (half the GDN key heads), prune --budget-params 0.5 (score, plan, sort and
+  slice on one loaded model), distill (1 process, 2 steps), eval, bench; 4 calibration windows of 32 tokens,
+  the plan on 1 of them with ``--dim-step 1/2`` (the default 1/8 grid makes 2,048 candidates per GDN layer
+  here: ``gdnprune estimate`` says what that costs);
+* ``widths``: random weights at the real widths of the smallest dense members (Qwen3.5-0.8B: hidden 1024;
+  Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan of
+  a real width is hours here: its prediction is printed instead);
+* ``members``: every family member's real-count model end to end (inspect, score, prune --budget-params 0.5,
+  distill under FSDP2 on 2 processes, eval, bench): pass or fail, and the times;
+* ``predictions``: the GPU predictions for Qwen3.5-9B, 27B and 397B-A17B on 1 and 8 H100s (markdown).
+
+Every result is kept in ``benchmarks/_work/scale/results.json`` (a rerun skips what is there: ``--redo`` runs it
+again), with the load average when it ran; ``--plot`` draws ``docs/benchmarks/img/scale.png``; ``--fit``
+prints the CPU rates that fit the measurements (the ``cpu`` entry of gdnprune/estimate/devices.py).
+
+    nice -n 10 .venv/bin/python benchmarks/scale.py growth widths members --plot
+    .venv/bin/python benchmarks/scale.py predictions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+from gdnprune.demo_data import train_text, validation_text  # noqa: E402
+from gdnprune.estimate.devices import DEVICES  # noqa: E402
+from gdnprune.estimate.inventory import model_facts  # noqa: E402
+from gdnprune.estimate.stages import RunOptions, stage_costs  # noqa: E402
+from gdnprune.model.family import MEMBERS, tiny_config  # noqa: E402
+
+WORK = REPO / "benchmarks" / "_work" / "scale"
+IMG = REPO / "docs" / "benchmarks" / "img" / "scale.png"
+#: the options every measured point runs with (small windows: the point is the growth, not the quality)
+SAMPLES, PLAN_SAMPLES, SEQ, BATCH, STEP = 4, 1, 32, 2, "1/2"
+OPTIONS = RunOptions(
+    dim_step=Fraction(STEP),
+    num_samples=SAMPLES,
+    seq_len=SEQ,
+    batch_size=BATCH,
+    plan_samples=PLAN_SAMPLES,
+    steps=2,
+    distill_batch_size=2,
+    distill_seq_len=SEQ,
+    eval_tokens=128,
+    workloads=(("prefill", 1, 32), ("decode", 1, 32)),
+    repeats=2,
+)
+GROWTH = (
+    ("next-4x8", 1 / 64),
+    ("next-1/8", 1 / 8),
+    ("next-1/4", 1 / 4),
+    ("next-1/2", 1 / 2),
+    ("next-1", 1.0),
+)
+WIDTHS = (
+    ("0.8B-1/8", "Qwen3.5-0.8B", 1 / 8),
+    ("0.8B-1/4", "Qwen3.5-0.8B", 1 / 4),
+    ("2B-1/8", "Qwen3.5-2B", 1 / 8),
+)
+
+_CHILD = """
+import json, resource, sys, time
+argv = json.loads(sys.argv[1])
+start = time.perf_counter()
+from gdnprune.cli import main
+code = main(argv)
+print("SCALE-RESULT " + json.dumps({"code": code, "seconds": time.perf_counter() - start,
+      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def _results() -> dict:
+    path = WORK / "results.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(results: dict) -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    tmp = WORK / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
+    os.replace(tmp, WORK / "results.json")
+
+
+def _stage(argv: list[str], launcher: list[str] | None = None) -> dict:
+    """One CLI call in a child process (one torch thread): its exit code, wall time and peak RSS."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    command = [sys.executable, "-c", _CHILD, json.dumps(argv)]
+    if launcher:
+        command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-c", _CHILD, json.dumps(argv)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *launcher,
+            str(WORK / "child.py"),
+            json.dumps(argv),
+        ]
+        (WORK / "child.py").write_text(_CHILD)
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=WORK)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SCALE-RESULT ")]
+    if not lines:
+        return {
+            "code": done.returncode,
+            "seconds": time.perf_counter() - start,
+            "rss": 0,
+            "error": done.stderr[-1500:],
+        }
+    out = json.loads(lines[0].removeprefix("SCALE-RESULT "))
+    out["load"] = os.getloadavg()[0]
+    if out["code"]:
+        out["error"] = done.stderr[-1500:]
+    return out
+
+
+def _folder(name: str, config: dict, dtype: str = "float32") -> Path:
+    """The point's model folder, written once (resumable)."""
+    import torch  # lazy: only the points that write a model need it
+
+    from gdnprune.scale_models import write_model
+
+    folder = WORK / "models" / name
+    if not (folder / "model.safetensors.index.json").exists():
+        write_model(config, folder, seed=0, dtype=getattr(torch, dtype))
+    return folder
+
+
+def _texts() -> tuple[Path, Path]:
+    WORK.mkdir(parents=True, exist_ok=True)
+    calib, val = WORK / "calib.txt", WORK / "val.txt"
+    if not calib.exists():
+        calib.write_text(train_text()[:20000], encoding="utf-8")
+        val.write_text(validation_text()[:4000], encoding="utf-8")
+    return calib, val
+
+
+def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[list[str], list[str] | None]:
+    common = ["--data", str(calib), "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--threads", "1", "-q"]
+    if stage == "inspect":
+        return ["inspect", str(model), "--json"], None
+    if stage == "score":
+        return [
+            "score",
+            str(model),
+            "--num-samples",
+            str(SAMPLES),
+            "-o",
+            str(out / "scores.json"),
+            *common,
+        ], None
+    if stage == "plan":
+        return [
+            "plan", str(model), "--scores", str(out / "scores.json"), "--budget-params", "0.5", "--num-samples",
+            str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "plan.json"), *common,
+        ], None  # fmt: skip
+    if stage == "slice":
+        config = _config(model)  # half the GDN key heads and value heads: every member has them
+        keys, values = config["linear_num_key_heads"] // 2, config["linear_num_value_heads"] // 2
+        argv = ["slice", str(model), "--num-key-heads", str(keys), "--num-value-heads", str(values)]
+        return [*argv, "-o", str(out / "sliced"), "-q", "--overwrite"], None
+    if stage == "prune":
+        return [
+            "prune", str(model), "--budget-params", "0.5", "--num-samples", str(SAMPLES), "--plan-samples",
+            str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "pruned"), "--overwrite", *common,
+        ], None  # fmt: skip
+    if stage in ("distill", "distill-fsdp"):
+        student = out / ("pruned" if (out / "pruned").exists() else "sliced")
+        argv = ["distill", str(student), "--teacher", str(model), "--data", str(calib), "--steps", "2"]
+        argv += ["--batch-size", "2", "--seq-len", str(SEQ), "--threads", "1", "-q", "--overwrite"]
+        argv += ["-o", str(out / stage)]
+        return (
+            (argv + ["--fsdp"], ["--standalone", "--nproc_per_node", "2"])
+            if stage == "distill-fsdp"
+            else (argv, None)
+        )
+    if stage == "eval":
+        return [
+            "eval", str(model), "--tasks", "nats_per_byte", "--data", str(val), "--limit", "1", "--context-lengths",
+            "128", "--batch-size", "1", "--threads", "1", "-q", "--overwrite", "-o", str(out / "eval"),
+        ], None  # fmt: skip
+    if stage == "bench":
+        return [
+            "bench", str(model), "--workload", "prefill:1:32", "--workload", "decode:1:32", "--repeats", "2",
+            "--warmup-calls", "0", "--device", "cpu", "--threads", "1", "-q", "--overwrite", "-o", str(out / "bench"),
+        ], None  # fmt: skip
+    raise ValueError(stage)
+
+
+def _config(model: Path) -> dict:
+    return json.loads((model / "config.json").read_text())
+
+
+def _predict(model: Path, stage: str, options: RunOptions = OPTIONS) -> dict:
+    facts = model_facts(model)
+    name = {"distill-fsdp": "distill", "inspect": "inspect"}.get(stage, stage)
+    (cost,) = stage_costs(facts, options, DEVICES["cpu"], [name])
+    return {"seconds": cost.seconds, "rss": cost.host_memory, "parameters": facts.parameters,
+            "layers": len(facts.layers), "experts": facts.experts, "tensors": len(facts.tensors)}  # fmt: skip
+
+
+def run_point(results: dict, key: str, model: Path, stages: list[str], redo: bool) -> None:
+    calib, val = _texts()
+    out = WORK / "runs" / key
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in stages:
+        name = f"{key}/{stage}"
+        if name in results and not redo and results[name].get("code") == 0:
+            continue
+        argv, launcher = _argv(stage, model, out, calib, val)
+        print(f"{name} ...", flush=True)
+        measured = _stage(argv, launcher)
+        measured["predicted"] = _predict(model, stage) if stage != "distill-fsdp" else None
+        results[name] = measured
+        _save(results)
+        pred = measured["predicted"]
+        shown = f"predicted {pred['seconds']:.1f} s" if pred else ""
+        print(f"  {name}: code {measured['code']}, {measured['seconds']:.1f} s, {measured['rss'] / 2**20:.0f} MiB; {shown}"
+              f" (load {measured.get('load', 0):.1f})", flush=True)  # fmt: skip
+
+
+def growth(results: dict, redo: bool) -> None:
+    for key, scale in GROWTH:
+        model = _folder(key, tiny_config("Qwen3-Next-80B-A3B", scale=scale))
+        run_point(
+            results,
+            key,
+            model,
+            ["inspect", "score", "slice", "prune", "distill", "eval", "bench"],
+            redo,
+        )
+
+
+def widths(results: dict, redo: bool) -> None:
+    for key, name, scale in WIDTHS:
+        real = tiny_config(name, scale=scale)
+        from gdnprune.model.family import member, real_config
+
+        config = {**real_config(member(name)), "num_hidden_layers": real["num_hidden_layers"], "layer_types": real["layer_types"],
+                  "vocab_size": 257}  # fmt: skip
+        model = _folder(key, config)
+        run_point(results, key, model, ["inspect", "score", "slice", "distill", "bench"], redo)
+
+
+def members(results: dict, redo: bool) -> None:
+    for m in MEMBERS:
+        key = "member-" + m.name
+        model = _folder(key, tiny_config(m))
+        run_point(results, key, model, ["inspect", "score", "prune", "distill-fsdp", "eval", "bench"], redo)
+
+
+def predictions() -> str:
+    """The GPU predictions table (markdown) for Qwen3.5-9B, 27B and 397B-A17B on 1 and 8 H100s."""
+    rows = [
+        "| model | GPUs | stage | FLOPs | device memory / process | predicted time |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for name in ("Qwen3.5-9B", "Qwen3.5-27B", "Qwen3.5-397B-A17B"):
+        facts = model_facts(name)
+        for gpus in (1, 8):
+            options = RunOptions(dtype="bfloat16", processes=gpus, fsdp=gpus > 1, mixed_precision="bf16")
+            for cost in stage_costs(
+                facts, options, DEVICES["h100"], ["score", "plan", "prune", "distill", "eval"]
+            ):
+                fits = "" if cost.device_memory <= DEVICES["h100"].memory else " (does not fit)"
+                rows.append(f"| {name} | {gpus} | {cost.stage} | {cost.flops:.1e} | {cost.device_memory / 1e9:.0f} GB{fits} | "
+                            f"{_hours(cost.seconds)} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def _fresh(results: dict) -> dict:
+    """The results with every prediction made again by the estimate as it is now (the CPU's calibrated rates
+    included), for the points whose model folder is here."""
+    out = {}
+    for name, r in results.items():
+        point, stage = name.rsplit("/", 1)
+        model = WORK / "models" / point
+        if r.get("predicted") and model.exists():
+            r = {**r, "predicted": _predict(model, stage)}
+        out[name] = r
+    return out
+
+
+def table(results: dict) -> str:
+    """Every measured point beside its prediction."""
+    rows = [
+        "| point | stage | measured s | predicted s | ratio | peak RSS MiB | predicted MiB | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in sorted(results):
+        r = results[name]
+        point, stage = name.rsplit("/", 1)
+        p = r.get("predicted") or {}
+        ratio = p.get("seconds", 0) / r["seconds"] if r.get("seconds") and p else float("nan")
+        rows.append(
+            f"| {point} | {stage}{'' if r['code'] == 0 else ' (failed)'} | {r['seconds']:.1f} | {p.get('seconds', float('nan')):.1f} | "
+            f"{ratio:.2f} | {r['rss'] / 2**20:.0f} | {p.get('rss', 0) / 2**20:.0f} | {r.get('load', 0):.1f} |"
+        )  # fmt: skip
+    return "\n".join(rows)
+
+
+def targets(results: dict) -> str:
+    """The issue's targets for ``prune --budget-params 0.5`` of the 48-layer, 512-expert model in one process:
+    at most 40x the wall time of the same widths with 4 layers and 8 experts, peak RSS at most 4x the
+    checkpoint's bytes + 1.5 GiB, the output at most half the parameters and loaded by load_pretrained."""
+    big, small = results.get("next-1/prune"), results.get("next-4x8/prune")
+    if not big or not small or big["code"] or small["code"]:
+        return "prune targets: not measured yet"
+    model = WORK / "models" / "next-1"
+    size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    limit = 4 * size + 1.5 * 2**30
+    lines = [
+        f"prune wall time: {big['seconds']:.0f} s vs {small['seconds']:.0f} s = {big['seconds'] / small['seconds']:.1f}x "
+        f"(target <= 40x: {'met' if big['seconds'] <= 40 * small['seconds'] else 'missed'})",
+        f"prune peak RSS: {big['rss'] / 2**30:.2f} GiB vs 4 x {size / 2**30:.2f} GiB + 1.5 GiB = {limit / 2**30:.2f} GiB "
+        f"(target: {'met' if big['rss'] <= limit else 'missed'})",
+    ]
+    pruned = WORK / "runs" / "next-1" / "pruned"
+    if pruned.exists():
+        from gdnprune.estimate.inventory import model_facts as facts_of
+
+        kept = facts_of(pruned).decoder_parameters + 0.0
+        full = facts_of(model).decoder_parameters
+        total_kept = sum(t.numel for t in facts_of(pruned).tensors if not t.name.startswith("mtp."))
+        total = sum(t.numel for t in facts_of(model).tensors if not t.name.startswith("mtp."))
+        lines.append(f"prune output: {total_kept:,} of {total:,} parameters ({total_kept / total:.1%}; decoder "
+                     f"{kept / full:.1%}); target <= 50%: {'met' if total_kept <= 0.5 * total else 'missed'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def slopes(results: dict) -> str:
+    """The fitted growth of each stage over the growth points: the log-log slope of time and memory against
+    parameters, layers and experts (scales 1/8 to 1)."""
+    import numpy as np  # lazy: after the runs
+
+    rows = [
+        "| stage | time ~ params^ | time ~ layers^ | time ~ experts^ | RSS ~ params^ |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for stage in ("inspect", "score", "plan", "slice", "prune", "distill", "eval", "bench"):
+        pts = [results.get(f"{key}/{stage}") for key, _ in GROWTH[1:]]
+        pts = [p for p in pts if p and p["code"] == 0 and p.get("predicted")]
+        if len(pts) < 2:
+            continue
+        x = {k: np.log([p["predicted"][k] for p in pts]) for k in ("parameters", "layers", "experts")}
+        t, m = np.log([p["seconds"] for p in pts]), np.log([p["rss"] for p in pts])
+        fit = {k: float(np.polyfit(v, t, 1)[0]) for k, v in x.items()}
+        rows.append(f"| {stage} | {fit['parameters']:.2f} | {fit['layers']:.2f} | {fit['experts']:.2f} | "
+                    f"{float(np.polyfit(x['parameters'], m, 1)[0]):.2f} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def plot(results: dict) -> None:
+    from gdnprune.runtime.figures import new_figure
+
+    fig = new_figure(figsize=(10, 4))
+    if fig is None:
+        print("matplotlib is missing: no plot")
+        return
+    axes = fig.subplots(1, 2)
+    for stage, marker in zip(("score", "plan", "slice", "prune", "distill", "eval", "bench"), "os^vDP*"):
+        pts = [(results[f"{k}/{stage}"]) for k, _ in GROWTH if f"{k}/{stage}" in results]
+        pts = [p for p in pts if p["code"] == 0 and p.get("predicted")]
+        if not pts:
+            continue
+        params = [p["predicted"]["parameters"] for p in pts]
+        line = axes[0].loglog(params, [p["seconds"] for p in pts], marker=marker, label=stage)[0]
+        axes[0].loglog(params, [p["predicted"]["seconds"] for p in pts], ls=":", color=line.get_color())
+        axes[1].loglog(params, [p["rss"] / 2**20 for p in pts], marker=marker, label=stage)
+    axes[0].set(xlabel="parameters (4 to 48 layers, 8 to 512 experts)", ylabel="wall time, s (dotted: predicted)",
+                title="time per stage")  # fmt: skip
+    axes[1].set(xlabel="parameters", ylabel="peak RSS, MiB", title="memory per stage")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    IMG.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(IMG, dpi=80)
+    print(f"wrote {IMG}")
+
+
+def fit(results: dict) -> None:
+    """The CPU rates that fit the measured points best (least squares on the relative error), to copy into the
+    ``cpu`` entry of gdnprune/estimate/devices.py."""
+    import dataclasses
+
+    import numpy as np
+    from scipy.optimize import minimize
+
+    from gdnprune.estimate import devices
+
+    points = [(k, r) for k, r in results.items() if r["code"] == 0 and r.get("predicted")]
+    names = ("flops32", "flops64", "op_seconds", "tensor_seconds", "disk", "startup")
+    base = devices.DEVICES["cpu"]
+
+    facts = {p: model_facts(WORK / "models" / p) for p in {k.rsplit("/", 1)[0] for k, _ in points}}
+
+    def error(logs):
+        dev = dataclasses.replace(base, **{n: float(np.exp(v)) for n, v in zip(names, logs)})
+        errs = []
+        for key, r in points:
+            point, stage = key.rsplit("/", 1)
+            (cost,) = stage_costs(facts[point], OPTIONS, dev, [{"distill-fsdp": "distill"}.get(stage, stage)])
+            errs.append(math.log(cost.seconds / r["seconds"]) ** 2)
+        return float(np.mean(errs))
+
+    start = np.log([getattr(base, n) for n in names])
+    best = minimize(error, start, method="Nelder-Mead", options={"maxiter": 400})
+    print({n: float(np.exp(v)) for n, v in zip(names, best.x)}, "mean squared log error", best.fun)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", default=["growth"], help="growth, widths, members, predictions")
+    parser.add_argument("--redo", action="store_true", help="run again what results.json holds")
+    parser.add_argument("--plot", action="store_true", help=f"draw {IMG.relative_to(REPO)}")
+    parser.add_argument("--fit", action="store_true", help="print the CPU rates that fit the measurements")
+    args = parser.parse_args(argv)
+    results = _results()
+    for part in args.parts:
+        if part == "predictions":
+            print(predictions())
+        else:
+            {"growth": growth, "widths": widths, "members": members}[part](results, args.redo)
+    if results:
+        results = _fresh(results)
+        print(table(results))
+        print(slopes(results))
+        print(targets(results))
+    if args.fit:
+        fit(results)
+    if args.plot:
+        plot(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
