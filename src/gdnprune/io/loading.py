@@ -29,6 +29,7 @@ from accelerate.utils import get_max_memory
 
 from ..gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
 from ..model.geometry import GDN_CONFIG_KEYS, GDNShape, apply_targets_to_config, layer_index_of
+from ..model.hidden import ORDER_KEY, apply_hidden_to_config, orders_from_payload, resolve_hidden_target
 from ..model.layouts import find_gdn_modules
 from ..model.model_config import per_layer_overrides, text_config
 from ..model.subblock_geometry import (
@@ -38,7 +39,12 @@ from ..model.subblock_geometry import (
     block_kinds_of,
     resolve_block_target,
 )
-from ..model.subblock_surgery import find_model_blocks, slice_block_state_dict
+from ..model.subblock_surgery import (
+    find_model_blocks,
+    find_model_hidden,
+    slice_block_state_dict,
+    slice_hidden_state_dict,
+)
 from ..model.targets import resolve_target
 from ..runtime.distributed import launch_info
 
@@ -252,7 +258,14 @@ def _default_device() -> str:
 
 
 def slice_model(
-    model: Any, targets: Any = None, permutations: Any = None, *, blocks: Any = None, block_orders: Any = None
+    model: Any,
+    targets: Any = None,
+    permutations: Any = None,
+    *,
+    blocks: Any = None,
+    block_orders: Any = None,
+    hidden_size: int | None = None,
+    hidden_order: Mapping[str, Any] | None = None,
 ) -> Any:
     """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory,
     and its attention and MLP sub-blocks sorted by ``block_orders`` and cut to ``blocks``.
@@ -266,6 +279,9 @@ def slice_model(
             ``num_attention_heads``, ``num_key_value_heads``) for every sub-block that has them, or
             ``{sub-block prefix: fields}`` (e.g. ``"model.layers.3.self_attn"``); None: no cut.
         block_orders: ``{sub-block prefix: orders or score payload}`` (:mod:`gdnprune.model.subblock_surgery`).
+        hidden_size: the hidden size (the residual stream's width) to keep (:mod:`gdnprune.model.hidden`);
+            None: no cut.
+        hidden_order: the hidden channels' order (a scores file's ``hidden`` payload, or ``{"channels": [H]}``).
 
     The new model's config records the per-layer geometry as a sliced checkpoint does (the plain keys
     when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained`` writes a folder
@@ -318,6 +334,14 @@ def slice_model(
             cut.setdefault(block.kind, {})[layer_index_of(block.prefix)] = target
         for kind, kind_targets in cut.items():
             config = apply_block_targets_to_config(config, kind, kind_targets)
+    if hidden_size is not None or hidden_order is not None:
+        residual = find_model_hidden(model)
+        orders = hidden_order
+        if orders is not None and ORDER_KEY in orders:
+            orders = orders_from_payload(orders, residual.shape)
+        kept = resolve_hidden_target(residual.shape, hidden_size)
+        slice_hidden_state_dict(state, residual, kept, orders=orders)
+        config = apply_hidden_to_config(config, kept)
     config = type(model.config).from_dict(config)
     with per_layer_gdn_modules(type(model)):
         new = type(model)(config)

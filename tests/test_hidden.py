@@ -1,0 +1,158 @@
+"""The hidden size (the residual stream's width): a cut equals a model built by hand from the first K channels,
+a sort keeps the logits, in memory and on disk, for every family.
+
+The reference (:func:`hand_cut`) knows nothing of the hidden-size table: it builds the model class anew from a
+config with ``hidden_size=K`` and fills every parameter from the full model's, keeping, along each axis whose
+size changed (``m * H`` -> ``m * K``), the first ``K`` channels of each of the ``m`` copies (after the order).
+A table that misses a tensor, or cuts one it should not, gives a model whose shapes or logits differ.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import DENSE_SHAPE, assert_same
+from tiny_models import build_model
+
+from gdnprune.io.loading import slice_model
+from gdnprune.io.scores_file import check_scores
+from gdnprune.model.hidden import find_hidden
+from gdnprune.model.subblock_surgery import find_model_hidden
+from gdnprune.scoring import score_model
+from gdnprune.scoring.api import measure_statistics
+from gdnprune.scoring.payload import hidden_scores
+
+FAMILIES = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "qwen4_exp", "olmo_hybrid"]
+K = 40  # of 64
+
+
+def noisy_model(model_type: str, seed: int = 0):
+    """A tiny model whose every parameter is random (a fresh init has equal norm weights, which would hide a
+    norm left in the wrong order)."""
+    model = build_model(model_type, DENSE_SHAPE, seed=seed)
+    g = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_((1.0 if model_type == "olmo_hybrid" else 0.0) + 0.5 * noise)
+            elif name.endswith(("A_log", "dt_bias")):
+                continue
+            else:
+                p.copy_(noise * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+    return model.eval()
+
+
+def _cut_config(config, k: int):
+    config = copy.deepcopy(config)
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "head_dim", None) is None:
+        text.head_dim = text.hidden_size // text.num_attention_heads
+    text.hidden_size = k
+    vision = getattr(config, "vision_config", None)
+    if vision is not None:
+        vision.out_hidden_size = k
+    return config
+
+
+def hand_cut(model, k: int, order: torch.Tensor | None = None):
+    """``model`` with hidden size ``k``, built by hand (see the module docstring)."""
+    hidden = model.config.get_text_config(decoder=True).hidden_size
+    order = torch.arange(hidden) if order is None else order
+    new = type(model)(_cut_config(model.config, k)).eval()
+    full = model.state_dict()
+    state = {}
+    for name, p in new.state_dict().items():
+        t = full[name]
+        for axis, (a, b) in enumerate(zip(t.shape, p.shape)):
+            if a != b:
+                copies = a // hidden
+                assert a == copies * hidden and b == copies * k, (name, t.shape, p.shape)
+                index = torch.cat([c * hidden + order[:k] for c in range(copies)])
+                t = t.index_select(axis, index)
+        state[name] = t
+    new.load_state_dict(state, strict=True)
+    return new
+
+
+def _ids(seed=0):
+    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _logits(model, ids):
+    return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_cut_in_memory_is_the_model_built_from_the_first_k_channels(model_type):
+    model = noisy_model(model_type)
+    ids = _ids()
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(3))
+    sliced = slice_model(model, hidden_size=K, hidden_order={"channels": order})
+    reference = hand_cut(model, K, order)
+    torch.testing.assert_close(_logits(sliced, ids), _logits(reference, ids), atol=1e-4, rtol=1e-4)
+    assert sliced.config.get_text_config(decoder=True).hidden_size == K
+    # sorting alone keeps the function
+    sorted_model = slice_model(model, hidden_order={"channels": order})
+    assert_same(_logits(sorted_model, ids), _logits(model, ids))
+
+
+def test_the_table_names_every_tensor_on_the_stream():
+    found = find_model_hidden(noisy_model("qwen3_5_moe"))
+    names = set(found.rules)
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.gate.weight" in names
+    assert "model.layers.0.linear_attn.norm.weight" not in names  # the GDN norm is over the value dim
+    assert [r.axis for r in found.rules["model.layers.0.mlp.experts.down_proj"]] == [1]
+
+
+def test_a_tensor_the_table_does_not_know_is_refused():
+    shapes = {"model.embed_tokens.weight": (128, 64), "model.layers.0.mystery.weight": (64, 64)}
+    with pytest.raises(ValueError, match=r"mystery.*not in the hidden-size table"):
+        find_hidden(shapes, {"hidden_size": 64})
+    with pytest.raises(ValueError, match="do not fit hidden_size 64"):
+        find_hidden({"model.embed_tokens.weight": (128, 60)}, {"hidden_size": 64})
+
+
+# ---- scoring -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scored():
+    model = noisy_model("qwen3_5", seed=2)
+    batches = [_ids(s) for s in range(3)]
+    return model, batches, score_model(model, batches, progress=False)
+
+
+def test_score_orders_the_hidden_channels_and_the_order_keeps_the_logits(scored):
+    model, batches, scores = scored
+    payload = check_scores(scores)["hidden"]
+    assert payload["shape"] == {"hidden_size": 64} and payload["measure"] == "activation"
+    order = payload["channel_order_most_important_first"]
+    assert sorted(order) == list(range(64))
+    assert order == sorted(range(64), key=lambda i: -payload["channel_scores"][i])
+    sorted_model = slice_model(model, hidden_order=payload)
+    assert_same(_logits(sorted_model, batches[0]), _logits(model, batches[0]))
+
+
+@torch.no_grad()
+def test_the_activation_statistics_are_the_norm_outputs(scored):
+    """Minitron's measure from the hooks equals the mean |norm output| computed from the model's hidden states:
+    the final norm's output is the decoder's last hidden state, an input norm's is the norm of a layer's input."""
+    model, batches, _ = scored
+    stats = measure_statistics(model, batches, progress=False).hidden
+    outs = [model.model(input_ids=b, output_hidden_states=True) for b in batches]
+    tokens = sum(b.numel() for b in batches)
+    final = sum(o.last_hidden_state.abs().sum((0, 1)).double() for o in outs) / tokens
+    row = stats.norms.index("model.norm")
+    torch.testing.assert_close(stats.stats["norm_abs"][row] / tokens, final)
+    first = model.model.layers[2].input_layernorm
+    layer2 = sum(first(o.hidden_states[2]).abs().sum((0, 1)).double() for o in outs) / tokens
+    row = stats.norms.index("model.layers.2.input_layernorm")
+    torch.testing.assert_close(stats.stats["norm_abs"][row] / tokens, layer2)
+    scores = hidden_scores(stats.stats, "activation")
+    torch.testing.assert_close(scores, (stats.stats["norm_abs"] / tokens).sum(0))
+    assert len(stats.norms) == 2 * 4 + 1  # two norms per decoder layer and the final norm
