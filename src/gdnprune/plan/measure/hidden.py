@@ -1,0 +1,121 @@
+"""The hidden size in the plan: one global choice, each candidate measured as a model of its own.
+
+Cutting the hidden size (the residual stream's width, :mod:`gdnprune.model.hidden`) shrinks every matrix of
+the model at once, so it is not one more group of the per-layer problem: every other candidate's cost depends
+on it. The plan treats it as an outer choice (:func:`gdnprune.plan.api.search`): for each of a few hidden sizes
+(:func:`hidden_candidates`), the model cut to that size (:func:`hidden_cut_model`, sorted by the scores'
+hidden order first) is a problem of its own, whose cost tables are computed on it (every candidate at that
+hidden size) and whose per-layer widths are measured and chosen exactly under the same absolute budgets
+(:func:`absolute_budgets`); each size's whole cut model is then measured against the full model
+(:class:`WholeKL`, the KL per token on the calibration windows), and the least KL wins. The hidden size alone
+(every layer whole) is measured too: the sensitivity of the hidden cut as a candidate of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from ...io.loading import slice_model
+from ...model.forwards import input_device, model_inputs, unpack_batches
+from ...model.hidden import HIDDEN_KEY, hidden_shape
+from ...model.subblock_shapes import HiddenShape
+from .problem import BUDGET_NAMES, PlanProblem
+
+__all__ = [
+    "HIDDEN_STEP",
+    "HIDDEN_LOWEST",
+    "hidden_candidates",
+    "absolute_budgets",
+    "hidden_cut_model",
+    "WholeKL",
+]
+
+#: the hidden sizes a plan tries: steps of this fraction of the full size ...
+HIDDEN_STEP = Fraction(1, 8)
+#: ... down to this fraction of it
+HIDDEN_LOWEST = Fraction(1, 2)
+
+
+def hidden_candidates(
+    shape: HiddenShape,
+    *,
+    step: Fraction = HIDDEN_STEP,
+    lowest: Fraction = HIDDEN_LOWEST,
+    multiple_of: int | None = None,
+    sizes: Sequence[int] | None = None,
+) -> list[int]:
+    """The hidden sizes a plan measures, largest (the full size) first: ``sizes`` when given (each at most
+    the full size), else ``1, 1 - step, ...`` down to ``lowest`` of the full size, rounded down to multiples
+    of ``multiple_of`` (default 8; an FP8 checkpoint's tile keeps its scales whole) and never below it."""
+    full = shape.hidden_size
+    if sizes is not None:
+        bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or not 0 < s <= full]
+        if bad:
+            raise ValueError(f"hidden sizes must be integers in 1..{full}, got {bad}")
+        return sorted({full, *sizes}, reverse=True)
+    unit = int(multiple_of or 8)
+    out = {full}
+    k = 1
+    while 1 - k * step >= lowest:
+        size = math.floor(full * (1 - k * step) / unit) * unit
+        if size >= unit:
+            out.add(size)
+        k += 1
+    return sorted(out, reverse=True)
+
+
+def absolute_budgets(problem: PlanProblem) -> dict[str, float]:
+    """``{"budget_<name>": limit}``: every budget of the full model's problem as an absolute amount (a
+    fraction means a fraction of the FULL model, whatever hidden size a candidate has)."""
+    return {f"budget_{name}": float(problem.limits[name]) for name in BUDGET_NAMES if name in problem.limits}
+
+
+def hidden_cut_model(model: Any, scores: Mapping[str, Any], size: int, *, orders_applied: bool) -> Any:
+    """``model`` sorted by the scores' hidden order (unless ``orders_applied``) and cut to hidden size ``size``
+    (the model itself at its full size)."""
+    shape = hidden_shape(model.config)
+    if size == shape.hidden_size:
+        return model
+    order = None if orders_applied else scores.get(HIDDEN_KEY)
+    if order is None and not orders_applied:
+        raise ValueError(
+            "the scores have no order of the hidden channels (a 'hidden' entry); score this model with the "
+            "hidden channels (the default `blocks`, or `blocks` naming 'hidden') or leave 'hidden' out of "
+            "`blocks`"
+        )
+    return slice_model(model, hidden_size=size, hidden_order=order)
+
+
+class WholeKL:
+    """The KL per token of whole models against ``teacher`` on the calibration ``batches``: the teacher's
+    log-probabilities are kept once (on the CPU, float32), each model is then run whole (its own embedding
+    and head: any hidden size) and compared token by token (``next`` tokens of padded windows left out)."""
+
+    def __init__(self, teacher: Any, batches: Iterable[Any]):
+        self.data = unpack_batches(batches)
+        if not self.data:
+            raise ValueError("the hidden size is measured on calibration batches: give at least one")
+        self.teacher = [self._log_probs(teacher, ids, mask) for ids, mask in self.data]
+
+    @staticmethod
+    @torch.no_grad()
+    def _log_probs(model: Any, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        logits = model(**model_inputs(ids, mask, input_device(model))).logits
+        return logits.float().log_softmax(-1).cpu()
+
+    @torch.no_grad()
+    def __call__(self, model: Any) -> float:
+        """The KL(teacher || ``model``) per token, over every calibration window."""
+        total, tokens = 0.0, 0
+        for (ids, mask), teacher in zip(self.data, self.teacher):
+            student = self._log_probs(model, ids, mask)
+            kl = (teacher.exp() * (teacher - student)).sum(-1)
+            valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask
+            total += float(kl[valid].sum())
+            tokens += int(valid.sum())
+        return total / max(tokens, 1)
