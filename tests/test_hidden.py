@@ -10,13 +10,16 @@ A table that misses a tensor, or cuts one it should not, gives a model whose sha
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
-from helpers import DENSE_SHAPE, assert_same
+from helpers import DENSE_SHAPE, add_mtp, assert_same, mtp_tensors
+from safetensors.torch import load_file, save_file
 from tiny_models import build_model
 
-from gdnprune.io.loading import slice_model
+from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint
+from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.io.scores_file import check_scores
 from gdnprune.model.hidden import find_hidden
 from gdnprune.model.subblock_surgery import find_model_hidden
@@ -156,3 +159,57 @@ def test_the_activation_statistics_are_the_norm_outputs(scored):
     scores = hidden_scores(stats.stats, "activation")
     torch.testing.assert_close(scores, (stats.stats["norm_abs"] / tokens).sum(0))
     assert len(stats.norms) == 2 * 4 + 1  # two norms per decoder layer and the final norm
+
+
+# ---- on disk -------------------------------------------------------------------------------------------
+
+
+def _payload(order: torch.Tensor) -> dict:
+    return {"shape": {"hidden_size": 64}, "channel_order_most_important_first": order.tolist()}
+
+
+@pytest.mark.filterwarnings(
+    "ignore::gdnprune.checkpoint.UnsortedInputWarning"
+)  # the GDN layers are not sorted
+@pytest.mark.parametrize(
+    "model_type, form",
+    [
+        ("qwen3_5", "pretrained"),
+        ("qwen3_5_vl", "pretrained"),
+        ("olmo_hybrid", "pretrained"),
+        ("qwen3_5_moe", "pretrained"),
+        ("qwen3_next", "fused"),
+    ],
+)
+def test_sort_then_slice_hidden_size_on_disk_is_the_model_built_by_hand(tmp_path, model_type, form):
+    """``sort`` with the hidden order keeps the logits; ``slice --hidden-size K`` of the sorted folder (with an
+    MLP or expert cut beside it: two gathers of one tensor) loads as the model built by hand; ``mtp.*`` is cut
+    too (its fc reads [embedding | hidden state])."""
+    model = noisy_model(model_type, seed=4)
+    src = tmp_path / "src"
+    if form == "fused":
+        src.mkdir()
+        model.config.save_pretrained(src)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(src / "model.safetensors"))
+    else:
+        model.save_pretrained(src, max_shard_size="40KB")
+    add_mtp(src, mtp_tensors(torch.float32))
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(9))
+    ids = _ids(4)
+    sort_checkpoint(src, {"layers": {}, "hidden": _payload(order)}, tmp_path / "sorted", progress=False)
+    assert_same(_logits(load_pretrained(tmp_path / "sorted"), ids), _logits(model, ids))
+    moe = model_type in ("qwen3_5_moe", "qwen3_next")
+    blocks = {"num_experts": 2} if moe else {"intermediate_size": 40}
+    slice_checkpoint(
+        tmp_path / "sorted", tmp_path / "cut", target={"hidden_size": K, **blocks}, progress=False
+    )
+    reference = hand_cut(slice_model(model, blocks=blocks), K, order)
+    torch.testing.assert_close(
+        _logits(load_pretrained(tmp_path / "cut"), ids), _logits(reference, ids), atol=1e-4, rtol=1e-4
+    )
+    mtp = load_file(str(sorted((tmp_path / "cut").glob("*.safetensors"))[-1]))["mtp.fc.weight"]
+    kept = order[:K]
+    expected = mtp_tensors(torch.float32)["mtp.fc.weight"][kept][:, torch.cat([kept, 64 + kept])]
+    assert torch.equal(mtp, expected)
+    manifest = json.loads((tmp_path / "cut" / "gdnprune.json").read_text())
+    assert manifest["hidden"]["target"] == {"hidden_size": K, "hyper_connections": 1}

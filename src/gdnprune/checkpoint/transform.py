@@ -27,6 +27,7 @@ from ..io.plan_file import (
     PlanError,
     constraint_violations,
     kernel_warnings,
+    plan_hidden_size,
     read_plan,
     removed_layers,
     resolve_plan,
@@ -34,12 +35,13 @@ from ..io.plan_file import (
 from ..io.scores_file import prefix_alias, read_scores, resolve_orders
 from ..model import layer_removal
 from ..model.geometry import apply_targets_to_config, layer_index_of, orders_to_payload
+from ..model.hidden import HIDDEN_KEY
 from ..model.model_config import text_config
 from ..model.targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
 from ..quality import compensate
 from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256, write_json_atomic
-from . import output, refit, remote_code, subblocks
+from . import hidden, output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
     CONFIG_NAME,
@@ -113,15 +115,20 @@ def transform_checkpoint(
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
             Entries keyed by an attention / MLP sub-block's prefix (``model.layers.3.self_attn``,
             ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.model.subblock_geometry`); a sub-block
-            without an entry keeps its order. None: no permutation.
+            without an entry keeps its order. The entry ``"hidden"`` holds the order of the hidden channels
+            (the residual stream's width, :mod:`gdnprune.model.hidden`; a scores file's ``hidden`` payload):
+            every tensor on the stream is sorted by it. None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
             fields (missing or None fields keep each layer's size). The mapping may also hold the
             sub-block fields ``intermediate_size``, ``shared_expert_intermediate_size``,
             ``num_attention_heads`` and ``num_key_value_heads``: every sub-block that has the field is cut
-            to it (:mod:`gdnprune.checkpoint.subblocks`). None: no slicing.
+            to it (:mod:`gdnprune.checkpoint.subblocks`); ``hidden_size`` cuts the hidden size (the residual
+            stream's width) of the whole model: every tensor on the stream keeps its first ``hidden_size``
+            channels (:mod:`gdnprune.checkpoint.hidden`). None: no slicing.
         plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.io.plan_file`).
             Layers that end up with different geometries are recorded in ``config.json`` with
             transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
+            Its ``default`` may hold ``hidden_size``.
         tp, multiple_of: serving constraints on the cut layers (key and value heads divisible by ``tp``,
             head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
             such layer. Head dims that flash-linear-attention cannot run or must pad give a
@@ -223,6 +230,12 @@ def _transform(
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
     layers, skipped = find_gdn_layers(ckpt)
+    (target, hidden_size), (permutations, hidden_order) = (
+        hidden.split_hidden_target(target),
+        hidden.split_hidden_order(permutations),
+    )
+    if plan is not None:
+        hidden_size = plan_hidden_size(plan)
     (target, block_target), (permutations, block_orders) = (
         subblocks.split_target(target),
         subblocks.split_permutations(permutations),
@@ -240,15 +253,24 @@ def _transform(
     if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered
         plans = _drop_removed(ckpt, plans, blocks, removed)
         manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
+    residual = hidden.plan_hidden(ckpt, hidden_order, hidden_size)
+    if residual is not None:  # one more gather of every tensor on the stream, and a plan of the others
+        plans = _with_hidden(ckpt, plans, blocks, residual, constraints[2])
+        manifest_extra = {"hidden": hidden.hidden_manifest(residual), **dict(manifest_extra or {})}
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
     gdn_names = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
-    cut = target is not None or plan is not None or blocks.cut
+    cut = target is not None or plan is not None or blocks.cut or bool(residual and residual.cut)
     unsorted_cut = cut and permutations is None and not block_orders
     _warn_inputs(src, ckpt, unsorted_cut, missing, skipped, blocks, left_out)
     if self_contained:
         remote_code.auto_map(ckpt.config)  # a family it cannot load is refused before any folder is made
     stats_path, ridge = refit_options
+    if stats_path is not None and residual is not None:
+        raise TargetError(
+            "compensation refits out_proj from statistics of the full hidden size; it does not combine with "
+            "a sort or cut of the hidden channels"
+        )
     stats, order = _compensation_inputs(ckpt, layers, stats_path, cut)
     _check_free_space(ckpt, out, gdn_names if cut else set())
 
@@ -281,6 +303,7 @@ def _transform(
                 manifest_extra,
                 blocks,
                 removed,
+                residual,
             )
             if self_contained:
                 remote_code.make_self_contained(tmp)
@@ -343,6 +366,19 @@ def _streaming(
     finally:
         bar.close()
         work.stop.set()
+
+
+def _with_hidden(
+    ckpt: Checkpoint, plans: dict, blocks: subblocks.SubBlockPlan, residual: Any, dequantize: bool
+) -> dict:
+    """Every layer plan (GDN, sub-block) with the hidden gather, and the plan of the other tensors on the
+    residual stream (prefix ``""``) among the GDN ones; FP8 tiles checked."""
+    for layer_plan in (*plans.values(), *blocks.plans.values()):
+        layer_plan.hidden = residual
+    covered = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
+    plans = {**plans, "": hidden.residual_plan(ckpt, residual, covered, blocks.names)}
+    hidden.check_hidden_tiles([*plans.values(), *blocks.plans.values()], dequantize)
+    return plans
 
 
 def _drop_removed(ckpt: Checkpoint, plans: dict, blocks: subblocks.SubBlockPlan, removed: list[int]) -> dict:
@@ -475,16 +511,17 @@ def _finish_folder(
     manifest_extra,
     blocks: subblocks.SubBlockPlan,
     removed=(),
+    residual: Any = None,
 ) -> dict:
     """Index, config, other files and manifest of the output folder."""
-    gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
+    gdn_plans = {prefix: p for prefix, p in work.plans.items() if p.layer.kind == "gdn"}
 
     output.write_index(
         ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped, work.names
     )
     dequantized = [
-        f"{prefix}.{suffix[: -len('.weight')]}"
-        for prefix, p in work.plans.items()
+        p.layer.name(suffix)[: -len(".weight")]
+        for p in work.plans.values()
         for suffix in sorted(p.dequantize)
     ]
     if cut or dequantized or removed:
@@ -494,6 +531,8 @@ def _finish_folder(
                 config, {layer_index_of(prefix): p.target for prefix, p in gdn_plans.items()}
             )
             config = blocks.apply_to_config(config)
+            if residual is not None:
+                config = hidden.hidden_config(config, residual)
         if removed:
             config = layer_removal.remove_layers_from_config(config, removed)
         if dequantized:
@@ -566,7 +605,8 @@ def sort_checkpoint(
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
 ) -> dict:
-    """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
+    """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores`` (and every sub-block,
+    and the hidden channels, that the scores order); same function.
 
     ``scores`` is a scores file path or dict (see :func:`gdnprune.io.scores_file.read_scores`). The keyword arguments
     are those of :func:`transform_checkpoint`. Returns the manifest.
@@ -576,10 +616,13 @@ def sort_checkpoint(
     if not isinstance(scores, Mapping):
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
     extra = {"scores": info, **dict(manifest_extra or {})}
+    permutations = dict(data["layers"])
+    if data.get(HIDDEN_KEY) is not None:  # the hidden channels' order (the scores file's top-level entry)
+        permutations[HIDDEN_KEY] = data[HIDDEN_KEY]
     return transform_checkpoint(
         model_dir,
         output_dir,
-        permutations=data["layers"],
+        permutations=permutations,
         operation="sort",
         manifest_extra=extra,
         dequantize=dequantize,

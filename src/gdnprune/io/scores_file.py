@@ -82,7 +82,7 @@ def read_scores(scores: str | os.PathLike | Mapping) -> dict:
     if not isinstance(scores, Mapping):
         raise ScoresError(f"{where}: expected a JSON object, found {type(scores).__name__}")
     layers = scores.get("layers")
-    if not isinstance(layers, Mapping) or not layers:
+    if not isinstance(layers, Mapping) or not (layers or isinstance(scores.get(hidden.HIDDEN_KEY), Mapping)):
         raise ScoresError(
             f"{where}: expected a non-empty 'layers' object mapping GDN layer prefixes to payloads"
         )

@@ -35,6 +35,8 @@ __all__ = [
     "HIDDEN_FIELDS",
     "HIDDEN_KEY",
     "HiddenTensors",
+    "HiddenCut",
+    "hidden_cut",
     "hidden_shape",
     "find_hidden",
     "hidden_indices",
@@ -93,6 +95,35 @@ class HiddenTensors:
                 sizes[rule.axis] = rule.length(target)
             total += int(np.prod(sizes))
         return total
+
+
+@dataclass
+class HiddenCut:
+    """A sort and/or cut of the hidden channels: the coupled tensors, the target, the canonical indices (and
+    the order they came from, None for a cut of the unsorted channels)."""
+
+    residual: HiddenTensors
+    target: HiddenShape
+    indices: dict[str, np.ndarray]
+    orders: dict[str, np.ndarray] | None = None
+
+    @property
+    def cut(self) -> bool:
+        return self.target != self.residual.shape
+
+    def gathers(self, name: str) -> list[tuple[int, np.ndarray]]:
+        """``(axis, source index)`` of every axis of tensor ``name`` on the stream (none for other tensors)."""
+        return self.residual.gathers(name, self.target, self.indices)
+
+
+def hidden_cut(
+    residual: HiddenTensors, target: Any = None, orders: Mapping[str, np.ndarray] | None = None
+) -> HiddenCut:
+    """The :class:`HiddenCut` of ``residual`` to ``target`` (see :func:`resolve_hidden_target`) after ``orders``."""
+    t = resolve_hidden_target(residual.shape, target)
+    return HiddenCut(
+        residual, t, hidden_indices(residual.shape, t, orders), None if orders is None else dict(orders)
+    )
 
 
 def find_hidden(

@@ -389,7 +389,10 @@ _READERS = (
 )
 _WRITERS = r"linear_attn\.(?:out_proj|o_proj)|self_attn\.o_proj|mlp\.(?:shared_expert\.)?down_proj|mlp\.experts\.\d+\.down_proj"
 _HC = r"(?:^|\.)(?:hyper_connection_mixer|attn_hyper_connection|mlp_hyper_connection)"
-_NORMS = r"input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm"
+_NORMS = (
+    r"input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm"
+    r"|attention_layer_norm|feedforward_layer_norm"  # OLMo-hybrid's names on disk
+)
 
 
 def _hidden(pattern: str, axis: int, ndim: int, segments: tuple[str, ...] = ("hidden",)) -> TensorRule:
