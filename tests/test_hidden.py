@@ -14,11 +14,12 @@ import json
 
 import pytest
 import torch
-from helpers import DENSE_SHAPE, add_mtp, assert_same, mtp_tensors
+from helpers import DENSE_SHAPE, add_mtp, assert_same, mtp_tensors, scored_source
 from safetensors.torch import load_file, save_file
 from tiny_models import build_model
 
 from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint
+from gdnprune.cli import main
 from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.io.scores_file import check_scores
 from gdnprune.model.hidden import find_hidden
@@ -213,3 +214,51 @@ def test_sort_then_slice_hidden_size_on_disk_is_the_model_built_by_hand(tmp_path
     assert torch.equal(mtp, expected)
     manifest = json.loads((tmp_path / "cut" / "gdnprune.json").read_text())
     assert manifest["hidden"]["target"] == {"hidden_size": K, "hyper_connections": 1}
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scored_folder(tmp_path_factory):
+    return scored_source(tmp_path_factory.mktemp("hidden_cli"))
+
+
+def test_score_sort_slice_hidden_size_on_the_command_line(scored_folder, tmp_path, capsys):
+    src, _, scores = scored_folder
+    assert "hidden" in json.loads(scores.read_text())  # the default --blocks orders the hidden channels
+    assert main(["sort", str(src), "--scores", str(scores), "-o", str(tmp_path / "sorted"), "-q"]) == 0
+    ids = _ids(5)
+    full = load_pretrained(src)
+    assert_same(_logits(load_pretrained(tmp_path / "sorted"), ids), _logits(full, ids))
+    capsys.readouterr()
+    assert (
+        main(["slice", str(tmp_path / "sorted"), "--hidden-size", "24", "-o", str(tmp_path / "cut"), "-q"])
+        == 0
+    )
+    assert "hidden size 64 -> 24" in capsys.readouterr().out
+    cut = load_pretrained(tmp_path / "cut")
+    assert cut.config.hidden_size == 24 and cut.model.embed_tokens.weight.shape[1] == 24
+    assert (
+        main(["slice", str(tmp_path / "sorted"), "--hidden-size", "65", "-o", str(tmp_path / "x"), "-q"]) == 2
+    )
+    assert "hidden_size 65 > 64" in capsys.readouterr().err
+
+
+def test_prune_may_choose_a_smaller_hidden_size(scored_folder, tmp_path, capsys):
+    """A budget that no plan meets at the full hidden size: the plan with ``hidden`` in ``--blocks`` cuts it."""
+    src, text, scores = scored_folder
+    out = tmp_path / "pruned"
+    argv = ["prune", str(src), "--data", str(text), "--scores", str(scores), "-o", str(out)]
+    argv += ["--budget-params", "0.45", "--blocks", "mlp,hidden", "--hidden-sizes", "32", "--dim-step", "1/2"]
+    argv += ["--sensitivity", "measured", "--plan-samples", "2", "--seq-len", "24", "-q"]
+    assert main(argv) == 0
+    full, cut = load_pretrained(src), load_pretrained(out)
+    assert cut.config.hidden_size == 32
+    assert sum(p.numel() for p in cut.parameters()) <= 0.45 * sum(p.numel() for p in full.parameters())
+    manifest = json.loads((out / "gdnprune.json").read_text())
+    plan = manifest["plan"]["metadata"]
+    assert plan["hidden"]["hidden_size"] == 32
+    assert plan["hidden"]["candidates"][0] == {"hidden_size": 64, "feasible": False}
+    assert manifest["hidden"]["target"]["hidden_size"] == 32
+    assert "hidden size 64 -> 32" in capsys.readouterr().out

@@ -96,7 +96,18 @@ def add_search_arguments(p) -> None:
         p,
         help=f"what may shrink under a whole-model budget (default all: {BLOCKS}); experts: the number of routed experts kept "
         "per MoE layer; depth: whole decoder layers removed (a candidate of every layer that costs "
-        "nothing, measured as the KL with that layer alone skipped)",
+        "nothing, measured as the KL with that layer alone skipped); hidden: the hidden size (one for the "
+        "whole model: each of --hidden-sizes planned as a model of its own, the whole cut models measured, "
+        "the least KL kept)",
+    )
+    p.add_argument(
+        "--hidden-sizes",
+        dest="hidden_sizes",
+        default=None,
+        metavar="LIST",
+        help="with hidden in --blocks (the hidden size, one choice for the whole model): the hidden sizes "
+        "to plan and measure (e.g. 4096,3584,3072; default the full size down to half of it in steps of "
+        "an eighth, multiples of --multiple-of or 8)",
     )
     p.add_argument(
         "--sensitivity",
@@ -218,7 +229,21 @@ def search_options(args) -> dict:
         rank_by_distill=args.rank_by_distill,
         rank_steps=args.rank_steps,
         rank_lr=args.rank_lr,
+        hidden_sizes=_sizes(args.hidden_sizes),
     )
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    """``"4096,3584"`` -> ``[4096, 3584]`` (ValueError: exit 2)."""
+    if text is None:
+        return None
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--hidden-sizes: expected integers separated by commas, found {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--hidden-sizes: expected positive integers, found {text!r}")
+    return sizes
 
 
 def check_latency_options(args) -> None:

@@ -158,6 +158,9 @@ def run(args) -> int:
     also = f" (self-contained: {manifest['self_contained']})" if manifest.get("self_contained") else ""
     if manifest.get("removed_layers"):
         what += f", decoder layers {manifest['removed_layers']} removed"
+    hidden = manifest.get("hidden")
+    if hidden and hidden["target"] != hidden["shape"]:
+        what += f", hidden size {hidden['shape']['hidden_size']} -> {hidden['target']['hidden_size']}"
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:

@@ -55,8 +55,9 @@ def add_parser(subparsers) -> None:
     add_calibration_arguments(p, data_required=False)
     add_blocks_argument(
         p,
-        help=f"the kinds of block to order, GDN layers always (default all: {BLOCKS}; the kinds the model "
-        "lacks are skipped, depth has nothing to order)",
+        help=f"the kinds of block to order, GDN layers always (default all: {BLOCKS}, and the hidden channels "
+        "(the residual stream's width) where gdnprune's hidden-size table describes the model; the kinds the "
+        "model lacks are skipped, depth has nothing to order; hidden: the hidden channels)",
     )
     add_deprecated_alias(
         p, "--sub-blocks", "blocks", "--blocks (default: every kind)", convert=lambda v: BLOCKS, nargs=0
@@ -227,6 +228,7 @@ def _score(args, mode: str) -> int:
             done = (
                 f"{len(scores['layers']) - subs} GDN layers"
                 + (f" and {subs} sub-blocks" if subs else "")
+                + (" and the hidden channels" if scores.get("hidden") else "")
                 + f" scored with {args.method!r} on {scores['num_tokens']} tokens"
             )
             run = None

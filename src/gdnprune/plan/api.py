@@ -22,7 +22,13 @@ from .choose.servable import SERVABLE_NOTE
 from .choose.solve import BudgetError, uniform_choices
 from .measure.bld import DEFAULT_STEPS as BLD_STEPS
 from .measure.candidates import AXES, parse_dim_step
-from .measure.hidden import WholeKL, absolute_budgets, hidden_candidates, hidden_cut_model
+from .measure.hidden import (
+    WholeKL,
+    absolute_budgets,
+    hidden_candidates,
+    hidden_cut_model,
+    hidden_meta_model,
+)
 from .measure.latency_costs import (
     LatencyCosts,
     add_latency_budget,
@@ -524,6 +530,9 @@ def whole_totals(totals: Mapping[str, Any], full: PlanProblem) -> dict[str, Any]
         word = "memory_bytes" if name == "memory" else f"model_{name}" if name == "params" else name
         if f"{word}_kept" in out:
             out[word], out[f"{word}_fraction"] = total, out[f"{word}_kept"] / total
+    if "split" in out and full.whole:  # every kind's full size, at the full hidden size
+        whole = full.model_totals([0] * (len(full.groups) + len(full.rests)))["split"]
+        out["split"] = {k: {**v, "params": whole[k]["params"]} for k, v in out["split"].items()}
     if full.layers and "gdn_params_kept" in out:
         out["gdn_params"] = full.gdn_totals["params"]
         out["gdn_params_fraction"] = out["gdn_params_kept"] / full.gdn_totals["params"]
@@ -560,7 +569,9 @@ def latency_record(latency: LatencyCosts, choice: Choice, measured: float) -> di
     }
 
 
-def _options_problem(model: Any, options: Mapping[str, Any], uniform: bool) -> PlanProblem:
+def _options_problem(
+    model: Any, options: Mapping[str, Any], uniform: bool, feasible: bool = True
+) -> PlanProblem:
     """The problem of :func:`plan_model`'s keyword ``options`` without scores (orders taken as applied)."""
     servable = bool(options.get("servable"))
     workload = PlanOptions(
@@ -582,6 +593,7 @@ def _options_problem(model: Any, options: Mapping[str, Any], uniform: bool) -> P
         uniform=uniform or servable,
         depth_allowed=servable,
         latency=workload is not None,
+        feasible=feasible,
     )
 
 
@@ -625,8 +637,20 @@ def uniform_plans(model: Any, *, maximal: bool = True, **options: Any) -> list[d
 def check_budgets(model: Any, *, uniform: bool = False, **options: Any) -> None:
     """Raise :class:`~gdnprune.plan.choose.solve.BudgetError` when no plan of ``model`` (weights not needed: a
     ``meta`` model will do) meets the budgets; ``options``: those of :func:`plan_model` (budgets, ``context``,
-    ``blocks``, ``dim_step``, ``axes``, ``tp``, ``multiple_of``), the others are ignored."""
-    _options_problem(model, options, uniform=uniform)
+    ``blocks``, ``dim_step``, ``axes``, ``tp``, ``multiple_of``), the others are ignored. With ``hidden`` in
+    ``blocks``, a plan at the smallest hidden size of the grid will do."""
+    try:
+        _options_problem(model, options, uniform=uniform)
+    except BudgetError:
+        if "hidden" not in options.get("blocks", BLOCK_NAMES):
+            raise
+        full = _options_problem(model, options, uniform=uniform, feasible=False)
+        sizes = hidden_candidates(
+            hidden_shape(model.config),
+            multiple_of=options.get("multiple_of"),
+            sizes=options.get("hidden_sizes"),
+        )
+        _options_problem(hidden_meta_model(model, sizes[-1]), {**options, **absolute_budgets(full)}, uniform)
 
 
 def _scores_hash(scores: Any) -> str | None:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ...io.loading import slice_model
+from ...io.loading import per_layer_gdn_modules, slice_model
 from ...model.forwards import input_device, model_inputs, unpack_batches
-from ...model.hidden import HIDDEN_KEY, hidden_shape
+from ...model.hidden import HIDDEN_KEY, apply_hidden_to_config, hidden_shape
 from ...model.subblock_shapes import HiddenShape
 from .problem import BUDGET_NAMES, PlanProblem
 
@@ -32,6 +32,7 @@ __all__ = [
     "hidden_candidates",
     "absolute_budgets",
     "hidden_cut_model",
+    "hidden_meta_model",
     "WholeKL",
 ]
 
@@ -89,6 +90,15 @@ def hidden_cut_model(model: Any, scores: Mapping[str, Any], size: int, *, orders
             "`blocks`"
         )
     return slice_model(model, hidden_size=size, hidden_order=order)
+
+
+def hidden_meta_model(model: Any, size: int) -> Any:
+    """``model``'s structure at hidden size ``size`` on the ``meta`` device (no weight): for costs only."""
+    config = apply_hidden_to_config(
+        model.config.to_dict(), hidden_shape(model.config).replace(hidden_size=size)
+    )
+    with per_layer_gdn_modules(type(model)), torch.device("meta"):
+        return type(model)(type(model.config).from_dict(config)).eval()
 
 
 class WholeKL:
