@@ -344,12 +344,26 @@ def run_orders(bench: Bench, args) -> dict:
             return row
 
         row = bench.cached(f"orders_{size}_{args.random_orders}_{args.validation_windows}", measure)
+        row["activation, rescaled norms"] = bench.cached(
+            f"rescaled_{size}_{args.validation_windows}",
+            lambda size=size: (
+                float(
+                    window_losses(
+                        slice_model(
+                            model, hidden_size=size, hidden_order=bench.scores["hidden"], rescale_norms=True
+                        ),
+                        bench.validation,
+                    ).mean()
+                )
+                - base
+            ),
+        )
         rows.append(row)
         rnd = row["random"]
         print(
             f"\n{bench.name}: hidden {size} of {bench.hidden}; random {np.mean(rnd):+.4f} ± {np.std(rnd):.4f} (n={len(rnd)})"
         )
-        for name in orders:
+        for name in [*orders, "activation, rescaled norms"]:
             beats = sum(v > row[name] for v in rnd) / len(rnd)
             print(f"  {name:<20} {row[name]:+.4f}  beats {beats:.0%} of random", flush=True)
     return {"base_loss": base, "rows": rows}

@@ -160,6 +160,10 @@ def test_the_activation_statistics_are_the_norm_outputs(scored):
     scores = hidden_scores(stats.stats, "activation")
     torch.testing.assert_close(scores, (stats.stats["norm_abs"] / tokens).sum(0))
     assert len(stats.norms) == 2 * 4 + 1  # two norms per decoder layer and the final norm
+    # the norms' mean squared input (the rescaled-norms correction reads it): a layer's input
+    row = stats.norms.index("model.layers.2.input_layernorm")
+    energy = sum(o.hidden_states[2].double().pow(2).sum((0, 1)) for o in outs) / tokens
+    torch.testing.assert_close(stats.stats["input_sq"][row] / tokens, energy)
 
 
 # ---- on disk -------------------------------------------------------------------------------------------
@@ -262,3 +266,35 @@ def test_prune_may_choose_a_smaller_hidden_size(scored_folder, tmp_path, capsys)
     assert plan["hidden"]["candidates"][0] == {"hidden_size": 64, "feasible": False}
     assert manifest["hidden"]["target"]["hidden_size"] == 32
     assert "hidden size 64 -> 32" in capsys.readouterr().out
+
+
+def test_rescaled_norms_on_disk_equal_in_memory(tmp_path):
+    """The rescaled-norms correction: on disk (bytes decoded, rescaled, encoded) as in memory (torch); every
+    norm's scale multiplied by sqrt(mean_kept E[x^2] / mean_all E[x^2]) of its input, from the scores."""
+    model = noisy_model("qwen3_5", seed=6)
+    scores = score_model(model, [_ids(s) for s in range(2)], progress=False, blocks=["gdn", "hidden"])
+    payload = scores["hidden"]
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    sort_checkpoint(src, scores, tmp_path / "sorted", progress=False)
+    slice_checkpoint(
+        tmp_path / "sorted", tmp_path / "cut", target={"hidden_size": K}, rescale_norms=scores, progress=False
+    )
+    on_disk = load_pretrained(tmp_path / "cut")
+    in_memory = slice_model(model, hidden_size=K, hidden_order=payload, block_orders=None, rescale_norms=True)
+    plain = slice_model(model, hidden_size=K, hidden_order=payload)
+    ids = _ids(7)
+    assert_same(_logits(on_disk, ids), _logits(in_memory, ids))
+    energy = torch.tensor(payload["norm_input_sq"]["model.layers.1.input_layernorm"], dtype=torch.float64)
+    kept = torch.tensor(payload["channel_order_most_important_first"][:K])
+    factor = (energy[kept].mean() / energy.mean()).sqrt()
+    name = "model.layers.1.input_layernorm.weight"
+    torch.testing.assert_close(
+        (1 + on_disk.state_dict()[name].double()), (1 + plain.state_dict()[name].double()) * factor
+    )
+    manifest = json.loads((tmp_path / "cut" / "gdnprune.json").read_text())
+    assert manifest["hidden"]["nested"] is False and name in manifest["hidden"]["rescaled_norms"]
+    # the scores must be those the input was sorted by
+    other = dict(scores, hidden={**payload, "channel_order_most_important_first": list(range(64))})
+    with pytest.raises(ValueError, match="not in the order of the scores"):
+        slice_checkpoint(tmp_path / "sorted", tmp_path / "x", target={"hidden_size": K}, rescale_norms=other)

@@ -12,22 +12,31 @@ FP8 scale tiles stay whole or the weight is dequantised (or the cut refused), as
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..io.scores_file import ScoresError
+import numpy as np
+
+from ..io.safetensors_io import write_all
+from ..io.scores_file import ScoresError, matching_prefixes, read_scores
 from ..model.hidden import (
     HIDDEN_FIELDS,
     HIDDEN_KEY,
+    ORDER_KEY,
     HiddenCut,
     apply_hidden_to_config,
     find_hidden,
     hidden_cut,
+    norm_factors,
+    norm_offset,
     orders_from_payload,
     orders_to_payload,
+    rescaled_norm,
 )
 from ..model.layouts import TileGridError, scaled_weight
 from ..model.targets import TargetError
+from .codecs import from_float, to_float
 from .engine import LayerPlan
 from .folder import Checkpoint, CheckpointError, GDNLayer, tile_size
 
@@ -39,6 +48,9 @@ __all__ = [
     "check_hidden_tiles",
     "hidden_config",
     "hidden_manifest",
+    "hidden_offset",
+    "norm_rescaling",
+    "rescale_written_norms",
 ]
 
 
@@ -128,6 +140,11 @@ def check_hidden_tiles(plans: Iterable[LayerPlan], dequantize: bool) -> None:
         plan.dequantize = frozenset(plan.dequantize | broken)
 
 
+def hidden_offset(ckpt: Checkpoint) -> float:
+    """1.0 where the checkpoint's RMS norms are zero-centred (:func:`gdnprune.model.hidden.norm_offset`)."""
+    return norm_offset(ckpt.config)
+
+
 def hidden_config(config: Mapping, cut: HiddenCut) -> dict:
     """``config`` with the cut's hidden size (unchanged by a sort)."""
     return apply_hidden_to_config(config, cut.target) if cut.cut else dict(config)
@@ -140,3 +157,63 @@ def hidden_manifest(cut: HiddenCut) -> dict[str, Any]:
         "target": cut.target.as_dict(),
         "permutation": None if cut.orders is None else orders_to_payload(cut.orders),
     }
+
+
+def norm_rescaling(ckpt: Checkpoint, scores: Any, cut: HiddenCut | None) -> dict[str, float]:
+    """The rescaled-norms correction of a hidden cut (:func:`gdnprune.model.hidden.norm_factors`): the factor of
+    every RMS norm on the stream, keyed by the checkpoint's tensor name, from the ``hidden`` entry of
+    ``scores`` (a scores file or dict). The kept channels must be the first of that entry's order: the input
+    is unsorted (a cut of the first channels is then that order's only when the order is the identity) or
+    was sorted by it (its manifest says so), or the same transform sorts by it.
+
+    Raises:
+        TargetError: no hidden cut, scores without the norms' statistics, or an input sorted by another order.
+    """
+    if cut is None or not cut.cut:
+        raise TargetError("rescaled norms correct a cut of the hidden size: give a hidden size to cut to")
+    payload = read_scores(scores).get(HIDDEN_KEY)
+    if not isinstance(payload, Mapping):
+        raise TargetError("rescaled norms read the scores' hidden entry: the scores have none")
+    order = list(payload.get(ORDER_KEY) or [])
+    applied = None if cut.orders is None else np.asarray(cut.orders["channels"]).tolist()
+    if applied is None:
+        recorded = ((ckpt.manifest or {}).get("hidden") or {}).get("permutation")
+        applied = None if recorded is None else list(recorded[ORDER_KEY])
+    if applied is None:
+        applied = list(range(cut.residual.shape.hidden_size))
+    if order != applied:
+        raise TargetError(
+            f"{ckpt.path}: its hidden channels are not in the order of the scores given for the rescaled norms "
+            f"(sort by these scores first, or give the scores it was sorted by)"
+        )
+    try:
+        factors = norm_factors(payload, cut.target.hidden_size)
+    except ValueError as exc:
+        raise TargetError(str(exc)) from None
+    out = {}
+    for name, factor in factors.items():
+        found = matching_prefixes(name, [n for n in cut.residual.rules if n.endswith("norm.weight")])
+        if len(found) == 1:
+            out[found[0]] = factor
+    if not out:
+        raise TargetError(f"{ckpt.path}: none of the scores' norms {sorted(factors)[:3]} is a tensor of it")
+    return out
+
+
+def rescale_written_norms(shards: Iterable[Any], factors: Mapping[str, float], offset: float) -> list[str]:
+    """Multiply the effective scale of every written norm weight of ``factors`` (name -> factor) in place in
+    the output shards (:class:`~.engine.ShardPlan`); returns the names rescaled."""
+    done = []
+    for shard in shards:
+        for name, (dtype, shape, begin, end) in shard.gdn_entries.items():
+            if name not in factors:
+                continue
+            fd = os.open(shard.dst, os.O_RDWR)
+            try:
+                data = os.pread(fd, end - begin, shard.data_start + begin)
+                values = rescaled_norm(to_float(data, dtype, shape), factors[name], offset)
+                write_all(fd, from_float(values, dtype), shard.data_start + begin)
+            finally:
+                os.close(fd)
+            done.append(name)
+    return done

@@ -104,6 +104,7 @@ def transform_checkpoint(
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
     remove_layers: Any = None,
+    rescale_norms: str | os.PathLike | Mapping | None = None,
 ) -> dict:
     """Permute and/or cut every GDN layer of a checkpoint folder into a new folder, streaming.
 
@@ -149,6 +150,10 @@ def transform_checkpoint(
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
         manifest_extra: extra top-level entries for the manifest.
+        rescale_norms: with a cut of the hidden size, the rescaled-norms correction: every RMS norm on the
+            residual stream has its scale multiplied by the expected ratio of the RMS over the kept channels to
+            the RMS over all of them (:func:`gdnprune.model.hidden.norm_factors`), from the ``hidden`` entry of
+            these scores (file or dict; the order the input was sorted by). Not nested across hidden sizes.
         remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.model.layer_removal`): their
             tensors are dropped, later layers' tensors renumbered (bytes unchanged), ``config.json`` gets
             ``num_hidden_layers``, ``layer_types`` and ``per_layer_config`` rewritten; ``mtp.*`` is kept.
@@ -177,7 +182,7 @@ def transform_checkpoint(
         target,
         plan,
         (tp, multiple_of, dequantize),
-        (compensation_stats, ridge),
+        (compensation_stats, ridge, rescale_norms),
         operation,
         overwrite,
         progress,
@@ -265,7 +270,8 @@ def _transform(
     _warn_inputs(src, ckpt, unsorted_cut, missing, skipped, blocks, left_out)
     if self_contained:
         remote_code.auto_map(ckpt.config)  # a family it cannot load is refused before any folder is made
-    stats_path, ridge = refit_options
+    stats_path, ridge, rescale = refit_options
+    factors = None if rescale is None else hidden.norm_rescaling(ckpt, rescale, residual)
     if stats_path is not None and residual is not None:
         raise TargetError(
             "compensation refits out_proj from statistics of the full hidden size; it does not combine with "
@@ -284,6 +290,14 @@ def _transform(
                 manifest_extra = {
                     "compensation": _compensation_info(stats_path, ridge, refitted),
                     **dict(manifest_extra or {}),
+                }
+            if factors:
+                rescaled = hidden.rescale_written_norms(shards, factors, hidden.hidden_offset(ckpt))
+                manifest_extra = dict(manifest_extra or {})
+                manifest_extra["hidden"] = {
+                    **manifest_extra["hidden"],
+                    "rescaled_norms": {n: factors[n] for n in rescaled},
+                    "nested": False,
                 }
             for shard in shards:
                 on_chunk(write_header(shard))
@@ -650,6 +664,7 @@ def slice_checkpoint(
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
     remove_layers: Any = None,
+    rescale_norms: str | os.PathLike | Mapping | None = None,
 ) -> dict:
     """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
@@ -657,7 +672,8 @@ def slice_checkpoint(
     ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
     size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers, ``num_experts`` keeps that
-    many routed experts per MoE layer. ``remove_layers`` removes decoder layers (numbers as in the input,
+    many routed experts per MoE layer, ``hidden_size`` cuts the hidden size of the whole model (with
+    ``rescale_norms``: the scores whose norm statistics correct the RMS norms). ``remove_layers`` removes decoder layers (numbers as in the input,
     :mod:`gdnprune.model.layer_removal`), alone or with a target or plan. ``plan`` gives every
     layer its own target instead (a plan file or dict, :mod:`gdnprune.io.plan_file`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
@@ -681,4 +697,5 @@ def slice_checkpoint(
         progress=progress,
         manifest_extra=manifest_extra,
         remove_layers=remove_layers,
+        rescale_norms=rescale_norms,
     )

@@ -89,6 +89,15 @@ def add_parser(subparsers) -> None:
         "output) keeps its first N hidden channels (sort first: the scores' hidden order)",
     )
     p.add_argument(
+        "--rescale-norms",
+        dest="rescale_norms",
+        metavar="SCORES.json",
+        default=None,
+        help="with --hidden-size: the rescaled-norms correction, from these scores (the ones MODEL_DIR was "
+        "sorted by): every RMS norm on the residual stream is scaled by the expected ratio of the RMS over "
+        "the kept channels to the RMS over all of them; outputs are then not nested",
+    )
+    p.add_argument(
         "--remove-layers",
         dest="remove_layers",
         metavar="I,J",
@@ -156,6 +165,7 @@ def run(args) -> int:
         dequantize=args.dequantize,
         self_contained=args.self_contained,
         remove_layers=remove,
+        rescale_norms=args.rescale_norms,
         overwrite=args.overwrite,
         progress=not args.quiet,
     )

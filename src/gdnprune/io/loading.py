@@ -28,8 +28,17 @@ import transformers
 from accelerate.utils import get_max_memory
 
 from ..gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
+from ..io.scores_file import matching_prefixes
 from ..model.geometry import GDN_CONFIG_KEYS, GDNShape, apply_targets_to_config, layer_index_of
-from ..model.hidden import ORDER_KEY, apply_hidden_to_config, orders_from_payload, resolve_hidden_target
+from ..model.hidden import (
+    ORDER_KEY,
+    apply_hidden_to_config,
+    norm_factors,
+    norm_offset,
+    orders_from_payload,
+    rescaled_norm,
+    resolve_hidden_target,
+)
 from ..model.layouts import find_gdn_modules
 from ..model.model_config import per_layer_overrides, text_config
 from ..model.subblock_geometry import (
@@ -266,6 +275,7 @@ def slice_model(
     block_orders: Any = None,
     hidden_size: int | None = None,
     hidden_order: Mapping[str, Any] | None = None,
+    rescale_norms: bool = False,
 ) -> Any:
     """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory,
     and its attention and MLP sub-blocks sorted by ``block_orders`` and cut to ``blocks``.
@@ -282,6 +292,8 @@ def slice_model(
         hidden_size: the hidden size (the residual stream's width) to keep (:mod:`gdnprune.model.hidden`);
             None: no cut.
         hidden_order: the hidden channels' order (a scores file's ``hidden`` payload, or ``{"channels": [H]}``).
+        rescale_norms: with a hidden cut, the correction of the RMS norms on the stream for the mean over fewer
+            channels (:func:`gdnprune.model.hidden.norm_factors`, from ``hidden_order``'s ``norm_input_sq``).
 
     The new model's config records the per-layer geometry as a sliced checkpoint does (the plain keys
     when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained`` writes a folder
@@ -342,6 +354,21 @@ def slice_model(
         kept = resolve_hidden_target(residual.shape, hidden_size)
         slice_hidden_state_dict(state, residual, kept, orders=orders)
         config = apply_hidden_to_config(config, kept)
+        if rescale_norms:
+            if hidden_order is None:
+                raise ValueError("`rescale_norms` reads the norms' statistics of the scores' hidden order")
+            offset = norm_offset(model.config)
+            factors = norm_factors(hidden_order, kept.hidden_size)
+            names = {n: matching_prefixes(n, list(residual.rules)) for n in factors}
+            unknown = sorted(n for n, found in names.items() if len(found) != 1)
+            if unknown:
+                raise ValueError(f"the scores' norms {unknown[:3]} are not norms of this model")
+            for name, factor in factors.items():
+                key = names[name][0]
+                weight = state[key]
+                state[key] = torch.from_numpy(
+                    rescaled_norm(weight.double().cpu().numpy(), factor, offset)
+                ).to(weight.dtype)
     config = type(model.config).from_dict(config)
     with per_layer_gdn_modules(type(model)):
         new = type(model)(config)

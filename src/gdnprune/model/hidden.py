@@ -47,6 +47,7 @@ __all__ = [
     "norm_offset",
     "is_residual_norm",
     "rescaled_norm",
+    "norm_factors",
 ]
 
 #: the target field of the hidden size (``slice --hidden-size``, a plan's ``default``, the config key)
@@ -251,3 +252,20 @@ def is_residual_norm(name: str) -> bool:
 def rescaled_norm(weight: np.ndarray, factor: float, offset: float) -> np.ndarray:
     """A norm weight whose effective scale ``offset + weight`` is multiplied by ``factor``."""
     return (offset + np.asarray(weight, dtype=np.float64)) * factor - offset
+
+
+def norm_factors(payload: Mapping[str, Any], size: int) -> dict[str, float]:
+    """The rescaled-norms correction of a cut to ``size`` hidden channels (the first ``size`` of the payload's
+    order): per RMS norm on the stream (its weight's name), ``sqrt(mean_kept E[x_i^2] / mean_all E[x_i^2])`` from
+    the mean squared input of every channel the scores recorded (``norm_input_sq``). A cut norm divides by the
+    RMS over the kept channels, not over all of them; multiplying its scale by the expected ratio of the two
+    gives the kept channels the scale they had (``docs/scoring.md``)."""
+    energies = payload.get("norm_input_sq")
+    if not isinstance(energies, Mapping) or not energies:
+        raise ValueError("the scores' hidden entry has no norm_input_sq (score the hidden channels again)")
+    kept = np.asarray(payload[ORDER_KEY][:size], dtype=np.int64)
+    out = {}
+    for norm, values in energies.items():
+        e = np.asarray(values, dtype=np.float64)
+        out[f"{norm}.weight"] = float(np.sqrt(e[kept].mean() / max(e.mean(), 1e-30)))
+    return out

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from ..checkpoint.folder import map_to_checkpoint
 from ..corpus import data_spec, data_stat
 from ..io.loading import load_causal_lm
+from ..io.sharded_loading import sharded_loading_names
 from ..model import model_config
 from ..model.layouts import find_gdn_modules
 from ..model.subblock_geometry import KINDS
@@ -471,6 +472,8 @@ def measure_checkpoint(
         statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
         mapping = map_to_checkpoint(list(statistics.blocks), model_dir, modules=True)
         statistics.blocks = {mapping[p]: entry for p, entry in statistics.blocks.items()}
+        if statistics.hidden is not None and statistics.hidden.norms:
+            statistics.hidden.norms = stored_norms(model_dir, model, statistics.hidden.norms)
         if not keep_model:
             del model
     reduce_statistics(statistics)
@@ -478,6 +481,21 @@ def measure_checkpoint(
     if keep_model:
         run.loaded, run.windows = model, windows[share.start : share.stop]
     return run
+
+
+def stored_norms(model_dir: str | Path, model: Any, norms: list[str]) -> list[str]:
+    """The norms' module names as the folder stores their weights (``from_pretrained`` may rename them: a
+    vision-language prefix, OLMo-hybrid's ``attention_layer_norm``); unchanged where the folder cannot say."""
+    try:
+        stored = sharded_loading_names(model_dir, model)
+    except ValueError:
+        return list(norms)
+    out = []
+    for norm in norms:
+        where = stored.get(f"{norm}.weight")
+        name = where.name if where is not None else None
+        out.append(name[: -len(".weight")] if name and name.endswith(".weight") else norm)
+    return out
 
 
 def _window_length(config: Mapping, tokenizer: Any, seq_len: int | None) -> tuple[int, str]:
