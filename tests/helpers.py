@@ -430,7 +430,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return weight.float() * scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)  # a last tile may be partial
+    return weight.float() * full[: weight.shape[0], : weight.shape[1]]
 
 
 # ---- layers skipped in the forward (the reference of layer removal) ------------------------------------------

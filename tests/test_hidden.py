@@ -18,6 +18,7 @@ from helpers import DENSE_SHAPE, add_mtp, assert_same, mtp_tensors, scored_sourc
 from safetensors.torch import load_file, save_file
 from tiny_models import build_model
 
+from gdnprune import demo_data
 from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint
 from gdnprune.cli import main
 from gdnprune.io.loading import load_pretrained, slice_model
@@ -298,3 +299,43 @@ def test_rescaled_norms_on_disk_equal_in_memory(tmp_path):
     other = dict(scores, hidden={**payload, "channel_order_most_important_first": list(range(64))})
     with pytest.raises(ValueError, match="not in the order of the scores"):
         slice_checkpoint(tmp_path / "sorted", tmp_path / "x", target={"hidden_size": K}, rescale_norms=other)
+
+
+@pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
+def test_distill_eval_and_bench_take_a_cut_hidden_size(scored_folder, tmp_path, capsys, monkeypatch):
+    """A student whose hidden size is cut distils from the full teacher (its own embedding and head), and
+    ``eval`` and ``bench`` run it beside the teacher; ``mtp.*`` (cut with it) is carried over."""
+    monkeypatch.setenv("GDNPRUNE_DATA_CACHE", str(tmp_path / "cache"))
+    src, text, _ = scored_folder
+    student, out = tmp_path / "student", tmp_path / "distilled"
+    slice_checkpoint(src, student, target={"hidden_size": 40}, progress=False)
+    argv = ["distill", str(student), "--teacher", str(src), "--data", str(text), "--output", str(out)]
+    argv += ["--steps", "2", "--batch-size", "2", "--seq-len", "24", "--threads", "1", "--quiet"]
+    assert main(argv) == 0
+    model = load_pretrained(out)
+    assert model.config.hidden_size == 40
+    assert load_file(str(out / "model.safetensors"))["mtp.fc.weight"].shape == (40, 80)
+    argv = [
+        "bench",
+        str(src),
+        str(out),
+        "--workload",
+        "prefill:1:16",
+        "--repeats",
+        "1",
+        "--warmup-calls",
+        "0",
+    ]
+    assert main([*argv, "--device", "cpu", "--quiet", "-o", str(tmp_path / "bench")]) == 0
+    rows = json.loads((tmp_path / "bench" / "results.json").read_text())["results"]
+    assert rows[1]["parameters"] == sum(p.numel() for p in model.parameters()) < rows[0]["parameters"]
+    # eval, on the bundled byte-level model and its hidden size cut to 96 (lm-eval needs a real tokenizer)
+    demo = demo_data.demo_model_path()
+    slice_checkpoint(demo, tmp_path / "demo96", target={"hidden_size": 96}, progress=False)
+    valid = tmp_path / "valid.txt"
+    valid.write_text(demo_data.validation_text()[:512], encoding="utf-8")
+    argv = ["eval", str(demo), str(tmp_path / "demo96"), "--tasks", "nats_per_byte", "--data", str(valid)]
+    assert main([*argv, "--limit", "2", "--device", "cpu", "--quiet", "-o", str(tmp_path / "eval")]) == 0
+    models = json.loads((tmp_path / "eval" / "results.json").read_text())["models"]
+    assert models[0]["parameters"] == 898_512 > models[1]["parameters"]
+    assert all(m["results"]["nats_per_byte"]["nats_per_byte,none"] > 0 for m in models)

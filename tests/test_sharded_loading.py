@@ -5,7 +5,7 @@ with its layers wrapped for activation checkpointing), a teacher stored in sever
 loaded in float32), an FP8 block-scaled teacher (dequantized as transformers dequantizes it), an MoE model
 stored one tensor per expert (the trained tiny Qwen3.5-MoE), a vision-language model (the trained tiny
 Qwen3.5-VL), a text model reading that folder's ``model.language_model.`` tensors, the trained tiny
-OLMo-hybrid, and a bf16 student under
+OLMo-hybrid, a student whose hidden size was cut, and a bf16 student under
 bf16 mixed precision (float32 master weights, as accelerate upcasts it); each process holds about half; a
 short distillation under FSDP2 that loads this way gives the loss curve of the whole-load path, with and
 without gradient checkpointing. Before any shard, a quantization other than FP8 blocks is refused and a
@@ -66,6 +66,7 @@ FOLDERS = {  # name: (folder, how it is sharded)
     # upcasts the whole-loaded student, from a float32 folder (so the rounding to bf16 shows)
     "bf16_mixed": ("uniform", "student_bf16_mixed"),
     "olmo": ("olmo", "student"),  # the trained tiny OLMo-hybrid (stored in bf16, A_log kept in float32)
+    "hidden": ("hidden", "student"),  # the teacher with its hidden size cut (64 -> 40; mtp.* cut too)
 }
 TRAINED = os.path.join(os.path.dirname(__file__), "data", "trained")
 
@@ -79,6 +80,7 @@ def build_folders(root: Path) -> None:
         slice_checkpoint(
             teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False
         )
+        slice_checkpoint(teacher, root / "hidden", target={"hidden_size": 40}, progress=False)
     whole = load_pretrained(teacher, dtype=torch.bfloat16)
     whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
     make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)
