@@ -77,17 +77,14 @@ class LayerPlan:
     dequantize: frozenset = (
         frozenset()
     )  # FP8 weight suffixes written dequantised in BF16 (their scales dropped)
-    #: the hidden channels' sort or cut (:class:`gdnprune.model.hidden.HiddenCut`): one more gather of every
-    #: tensor of the layer on the residual stream, along its hidden axis (None: the hidden size is kept)
-    hidden: Any = None
+    hidden: Any = None  # the hidden channels' HiddenCut (gdnprune.model.hidden): one more gather, or None
 
     def scale_of(self, weight: str) -> str:
 
         return scale_name(weight)
 
     def gathers(self, suffix: str) -> list[tuple[int, Any]]:
-        """``(axis, source index)`` of every gather of on-disk tensor ``suffix``: the layer's own axis (its
-        layout's rule), then its axes on the residual stream (the hidden channels); one gather per axis."""
+        """``(axis, source index)`` of on-disk tensor ``suffix``: its layout's axis, then its hidden axes."""
         out = []
         rule = self.layer.rule(suffix)
         if rule is not None:
@@ -532,7 +529,6 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
     written = 0
     for p, array in out.items():
         dst, offset, shape = destination(plan, p)
-        # a byte view of rows is [rows, row bytes]; an element view has the tensor's shape
         if array.shape[0] != shape[0] or (array.ndim == len(shape) and tuple(array.shape) != tuple(shape)):
             raise RuntimeError(f"internal error: {layer.name(p)} gathered to {array.shape}, planned {shape}")
         contiguous = np.ascontiguousarray(array)
@@ -545,21 +541,20 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
 
 
 def _take_axes(info: TensorInfo, data, gathers: list, files: _SourceFiles):
-    """The tensor's bytes gathered along every axis of ``gathers`` in turn (the last gather into the reusable
-    buffer 1): one axis alone is one ``numpy.take`` of a byte view, several are taken on the elements."""
-    if len(gathers) == 1:
-        ((axis, index),) = gathers
-        array = _byte_view(info, data, axis)
-    else:
-        width = DTYPE_BITS[info.dtype] // 8
-        array = np.frombuffer(data, dtype=f"<u{width}").reshape(info.shape)
+    """The tensor's bytes gathered along every axis of ``gathers`` in turn (one axis: a byte view; several: the
+    elements), the last gather into the reusable buffer 1."""
+    width = DTYPE_BITS[info.dtype] // 8
+    array = _byte_view(info, data, gathers[0][0]) if len(gathers) == 1 else np.frombuffer(data, f"<u{width}")
+    array = array.reshape(info.shape) if len(gathers) > 1 else array
     for k, (axis, index) in enumerate(gathers):
-        out_shape = array.shape[:axis] + (index.size,) + array.shape[axis + 1 :]
-        if k == len(gathers) - 1:
-            buffer = files.buffer(1, math.prod(out_shape) * array.itemsize)
-            out = np.frombuffer(buffer, dtype=array.dtype).reshape(out_shape)
-        else:
-            out = np.empty(out_shape, dtype=array.dtype)
+        shape = array.shape[:axis] + (index.size,) + array.shape[axis + 1 :]
+        last = k == len(gathers) - 1
+        buffer = files.buffer(1, math.prod(shape) * array.itemsize) if last else None
+        out = (
+            np.empty(shape, array.dtype)
+            if buffer is None
+            else np.frombuffer(buffer, array.dtype).reshape(shape)
+        )
         array = _take_blocks(array, index, axis, out)
     return array
 
@@ -624,9 +619,7 @@ def _fused_of(layer: GDNLayer, suffix: str) -> str | None:
 
 
 def _out_shape(plan: LayerPlan, suffix: str) -> tuple[int, ...]:
-    """Shape of on-disk tensor ``suffix`` of a layer after its gathers (the pieces of a split fused tensor:
-    their segment of the fused tensor's axis)."""
-
+    """Shape of on-disk tensor ``suffix`` of a layer after its gathers (a split fused tensor's piece: its segment)."""
     layer = plan.layer
     shape = list(layer.tensors[suffix].shape)
     fused = _fused_of(layer, suffix)

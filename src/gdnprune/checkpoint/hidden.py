@@ -46,9 +46,9 @@ __all__ = [
     "plan_hidden",
     "residual_plan",
     "check_hidden_tiles",
+    "with_hidden",
     "hidden_config",
     "hidden_manifest",
-    "hidden_offset",
     "norm_rescaling",
     "rescale_written_norms",
 ]
@@ -110,6 +110,24 @@ def residual_plan(
     return LayerPlan(layer, cut.target, cut.indices, cut.orders, hidden=cut)
 
 
+def with_hidden(
+    ckpt: Checkpoint,
+    plans: Mapping[str, LayerPlan],
+    block_plans: Mapping[str, LayerPlan],
+    names: Mapping[str, str | None],
+    cut: HiddenCut,
+    dequantize: bool,
+) -> dict[str, LayerPlan]:
+    """The GDN layers' ``plans`` and the sub-blocks' ``block_plans`` (in place) with the hidden gather, and the
+    plan of the other tensors on the stream (prefix ``""``) added to the GDN ones; FP8 tiles checked."""
+    for layer_plan in (*plans.values(), *block_plans.values()):
+        layer_plan.hidden = cut
+    covered = {p.layer.name(s) for p in (*plans.values(), *block_plans.values()) for s in p.layer.tensors}
+    out = {**plans, "": residual_plan(ckpt, cut, covered, names)}
+    check_hidden_tiles([*out.values(), *block_plans.values()], dequantize)
+    return out
+
+
 def check_hidden_tiles(plans: Iterable[LayerPlan], dequantize: bool) -> None:
     """FP8: a hidden gather must keep every scale tile whole (:func:`gdnprune.model.layouts.scale_rule`). With
     ``dequantize`` the weights whose tiles it would split are written in BF16 (added to each plan's
@@ -138,11 +156,6 @@ def check_hidden_tiles(plans: Iterable[LayerPlan], dequantize: bool) -> None:
                     ) from None
                 broken.add(weight)
         plan.dequantize = frozenset(plan.dequantize | broken)
-
-
-def hidden_offset(ckpt: Checkpoint) -> float:
-    """1.0 where the checkpoint's RMS norms are zero-centred (:func:`gdnprune.model.hidden.norm_offset`)."""
-    return norm_offset(ckpt.config)
 
 
 def hidden_config(config: Mapping, cut: HiddenCut) -> dict:
@@ -200,10 +213,13 @@ def norm_rescaling(ckpt: Checkpoint, scores: Any, cut: HiddenCut | None) -> dict
     return out
 
 
-def rescale_written_norms(shards: Iterable[Any], factors: Mapping[str, float], offset: float) -> list[str]:
+def rescale_written_norms(
+    ckpt: Checkpoint, shards: Iterable[Any], factors: Mapping[str, float], manifest_extra: Mapping | None
+) -> dict:
     """Multiply the effective scale of every written norm weight of ``factors`` (name -> factor) in place in
-    the output shards (:class:`~.engine.ShardPlan`); returns the names rescaled."""
-    done = []
+    the output shards (:class:`~.engine.ShardPlan`); returns ``manifest_extra`` with the factors in its
+    ``hidden`` entry (and that the output is not nested)."""
+    offset, done = norm_offset(ckpt.config), []
     for shard in shards:
         for name, (dtype, shape, begin, end) in shard.gdn_entries.items():
             if name not in factors:
@@ -216,4 +232,10 @@ def rescale_written_norms(shards: Iterable[Any], factors: Mapping[str, float], o
             finally:
                 os.close(fd)
             done.append(name)
-    return done
+    extra = dict(manifest_extra or {})
+    extra["hidden"] = {
+        **extra.get("hidden", {}),
+        "rescaled_norms": {n: factors[n] for n in done},
+        "nested": False,
+    }
+    return extra

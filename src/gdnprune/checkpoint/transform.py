@@ -38,7 +38,6 @@ from ..model.geometry import apply_targets_to_config, layer_index_of, orders_to_
 from ..model.hidden import HIDDEN_KEY
 from ..model.model_config import text_config
 from ..model.targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
-from ..quality import compensate
 from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256, write_json_atomic
 from . import hidden, output, refit, remote_code, subblocks
@@ -260,7 +259,7 @@ def _transform(
         manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
     residual = hidden.plan_hidden(ckpt, hidden_order, hidden_size)
     if residual is not None:  # one more gather of every tensor on the stream, and a plan of the others
-        plans = _with_hidden(ckpt, plans, blocks, residual, constraints[2])
+        plans = hidden.with_hidden(ckpt, plans, blocks.plans, blocks.names, residual, constraints[2])
         manifest_extra = {"hidden": hidden.hidden_manifest(residual), **dict(manifest_extra or {})}
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
@@ -277,7 +276,7 @@ def _transform(
             "compensation refits out_proj from statistics of the full hidden size; it does not combine with "
             "a sort or cut of the hidden channels"
         )
-    stats, order = _compensation_inputs(ckpt, layers, stats_path, cut)
+    stats, order = refit.compensation_inputs(ckpt, layers, stats_path, cut)
     _check_free_space(ckpt, out, gdn_names if cut else set())
 
     staging = output.Staging(out, overwrite, src=src)
@@ -286,19 +285,13 @@ def _transform(
         work = GDNWork(ckpt, shards, {**plans, **blocks.plans}, names=blocks.names)
         with _streaming(work, shards, operation, progress) as on_chunk:
             if stats_path is not None:
-                refitted = _refit(ckpt, plans, shards, stats, order, ridge)
+                refitted = refit.refit_shards(ckpt, plans, shards, stats, order, ridge)
                 manifest_extra = {
-                    "compensation": _compensation_info(stats_path, ridge, refitted),
+                    "compensation": refit.compensation_info(stats_path, ridge, refitted),
                     **dict(manifest_extra or {}),
                 }
             if factors:
-                rescaled = hidden.rescale_written_norms(shards, factors, hidden.hidden_offset(ckpt))
-                manifest_extra = dict(manifest_extra or {})
-                manifest_extra["hidden"] = {
-                    **manifest_extra["hidden"],
-                    "rescaled_norms": {n: factors[n] for n in rescaled},
-                    "nested": False,
-                }
+                manifest_extra = hidden.rescale_written_norms(ckpt, shards, factors, manifest_extra)
             for shard in shards:
                 on_chunk(write_header(shard))
             if blocks.plans:
@@ -382,19 +375,6 @@ def _streaming(
         work.stop.set()
 
 
-def _with_hidden(
-    ckpt: Checkpoint, plans: dict, blocks: subblocks.SubBlockPlan, residual: Any, dequantize: bool
-) -> dict:
-    """Every layer plan (GDN, sub-block) with the hidden gather, and the plan of the other tensors on the
-    residual stream (prefix ``""``) among the GDN ones; FP8 tiles checked."""
-    for layer_plan in (*plans.values(), *blocks.plans.values()):
-        layer_plan.hidden = residual
-    covered = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
-    plans = {**plans, "": hidden.residual_plan(ckpt, residual, covered, blocks.names)}
-    hidden.check_hidden_tiles([*plans.values(), *blocks.plans.values()], dequantize)
-    return plans
-
-
 def _drop_removed(ckpt: Checkpoint, plans: dict, blocks: subblocks.SubBlockPlan, removed: list[int]) -> dict:
     """The GDN plans without the removed layers; ``blocks`` loses them too (in place), and its name map
     renumbers the later layers."""
@@ -446,31 +426,6 @@ def _warn_inputs(
         )
 
 
-def _compensation_inputs(ckpt: Checkpoint, layers: list, stats_path: Any, cut: bool) -> tuple[Any, Any]:
-    """The statistics (and their channel order) an out_proj refit reads; ``(None, None)`` without one.
-
-    Raises:
-        TargetError: compensation without a cut, or of an FP8 out_proj.
-    """
-    if stats_path is None:
-        return None, None
-    if not cut:
-        raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
-    fp8 = [
-        layer.prefix
-        for layer in layers
-        if any(s.endswith("weight_scale_inv") and "out_proj" in s or "o_proj" in s for s in layer.scales)
-    ]
-    if fp8:
-        raise TargetError(
-            f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
-            f"({fp8[:3]}); slice a BF16 copy to compensate"
-        )
-    if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
-        return stats_path, None
-    return compensate.load_statistics(stats_path), refit.statistics_order(ckpt, stats_path)
-
-
 def _check_free_space(ckpt: Checkpoint, out: Path, rewritten: set[str]) -> None:
     """Refuse early when the disk of ``out`` cannot hold at least the tensors that are copied unchanged."""
     at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if n not in rewritten)
@@ -481,34 +436,6 @@ def _check_free_space(ckpt: Checkpoint, out: Path, rewritten: set[str]) -> None:
             f"not enough free disk space for {out}: the output needs more than "
             f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
         )
-
-
-def _refit(
-    ckpt: Checkpoint, plans: dict, shards: list, stats: Any, order: Any, ridge: float | None
-) -> list[str]:
-    """Refit the cut GDN layers' out_proj in the written shards (:func:`refit.refit_out_proj`)."""
-    destinations = {
-        name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
-        for shard in shards
-        for name in shard.gdn
-    }
-    ridge = compensate.DEFAULT_RIDGE if ridge is None else ridge
-    return refit.refit_out_proj(ckpt, plans, destinations, stats, order, ridge=ridge)
-
-
-def _compensation_info(stats_path: Any, ridge: float | None, refitted: list[str]) -> dict:
-    """The manifest's ``compensation`` entry."""
-    fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
-    return {
-        "method": "sequential" if fitted else "statistics",
-        "statistics": "collected in this run"
-        if isinstance(stats_path, Mapping)
-        else refit.stats_info(stats_path),
-        "ridge": compensate.DEFAULT_RIDGE if ridge is None else ridge,
-        "layers": refitted,
-        "nested": False,
-        "note": "out_proj refitted by least squares per target: not nested across targets",
-    }
 
 
 def _finish_folder(

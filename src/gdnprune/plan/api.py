@@ -20,15 +20,10 @@ from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256
 from .choose.servable import SERVABLE_NOTE
 from .choose.solve import BudgetError, uniform_choices
+from .hidden import search_hidden
 from .measure.bld import DEFAULT_STEPS as BLD_STEPS
 from .measure.candidates import AXES, parse_dim_step
-from .measure.hidden import (
-    WholeKL,
-    absolute_budgets,
-    hidden_candidates,
-    hidden_cut_model,
-    hidden_meta_model,
-)
+from .measure.hidden import absolute_budgets, hidden_candidates, hidden_meta_model
 from .measure.latency_costs import (
     LatencyCosts,
     add_latency_budget,
@@ -48,7 +43,7 @@ from .measure.problem import (
     given_budgets,
 )
 from .measure.subblocks import BLOCK_NAMES
-from .rank import RANK_LR, RANK_STEPS, RankCost, check_rank_options, cut_model, rank_plans
+from .rank import RANK_LR, RANK_STEPS, RankCost, check_rank_options, rank_plans
 from .report.results import Choice, PlanReport, Sensitivities, plan_document
 from .stages import (
     check_depth,
@@ -313,12 +308,13 @@ def search(
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> Search:
     """:func:`plan_model`'s four stages (build, measure, choose, report) with its options as one object."""
-    if "hidden" in options.blocks:
-        return _search_hidden(
+    if "hidden" in options.blocks:  # an outer choice of the hidden size, each size searched as below
+        return search_hidden(
             model,
             batches,
             scores,
             options,
+            search,
             tp=tp,
             multiple_of=multiple_of,
             orders_applied=orders_applied,
@@ -434,109 +430,6 @@ def search(
         }
         report.extra["latency"] = record
     return Search(problem, sens, choice, plan, report)
-
-
-def _search_hidden(
-    model: Any,
-    batches: Iterable[Any] | None,
-    scores: str | Path | Mapping,
-    options: PlanOptions,
-    *,
-    tp: int | None,
-    multiple_of: int | None,
-    orders_applied: bool,
-    progress: bool,
-) -> Search:
-    """The search with the hidden size as one global choice (:mod:`.measure.hidden`): every hidden size of
-    the grid planned as a model of its own under the full model's budgets, its whole cut model measured
-    against the full model on the calibration batches; the least KL kept."""
-    o = options
-    if o.budget_latency is not None or o.evolve_generations or o.rank_by_distill or o.sensitivity == "proxy":
-        raise ValueError(
-            "a plan of the hidden size measures every hidden size's whole cut model against the full model; "
-            "it does not combine with `budget_latency`, the evolutionary search, ranking by distillation or "
-            "the proxy sensitivity: leave 'hidden' out of `blocks` for those"
-        )
-    if batches is None:
-        raise ValueError("a plan of the hidden size needs calibration batches")
-    batches = list(batches)
-    data = read_scores(scores)
-    widths = PlanOptions(**{**o.keywords(), "blocks": tuple(b for b in o.blocks if b != "hidden")})
-    grid = Grid(parse_dim_step(o.dim_step), o.axes, tp, multiple_of)
-    full = build_problem(
-        model,
-        given_budgets(o.keywords()),
-        None,
-        context=o.context,
-        blocks=widths.blocks,
-        grid=grid,
-        orders_applied=True,
-        uniform=o.uniform or o.servable,
-        depth_allowed=o.servable,
-        feasible=False,
-    )
-    inner = PlanOptions(**{**widths.keywords(), **absolute_budgets(full)})
-    shape = hidden_shape(model.config)
-    whole = WholeKL(model, batches)
-    tried: list[dict[str, Any]] = []
-    best: tuple[float, int, Search] | None = None
-    for size in hidden_candidates(shape, multiple_of=multiple_of, sizes=o.hidden_sizes):
-        small = hidden_cut_model(model, data, size, orders_applied=orders_applied)
-        entry: dict[str, Any] = {"hidden_size": size}
-        try:
-            done = search(
-                small,
-                batches,
-                scores,
-                inner,
-                tp=tp,
-                multiple_of=multiple_of,
-                orders_applied=orders_applied,
-                progress=progress,
-            )
-        except BudgetError:
-            tried.append({**entry, "feasible": False})
-            continue
-        kl = whole(cut_model(small, done.problem, done.choice))
-        entry.update(
-            feasible=True,
-            hidden_kl=0.0 if small is model else whole(small),
-            summed_sensitivity=done.plan["predicted"]["summed_sensitivity"],
-            kl=kl,
-        )
-        tried.append(entry)
-        if best is None or kl < best[0]:
-            best = (kl, size, done)
-    if best is None:
-        raise BudgetError(
-            f"no plan meets the budgets at any hidden size tried ({[t['hidden_size'] for t in tried]})"
-        )
-    _, size, done = best
-    plan = done.plan
-    if size != shape.hidden_size:
-        plan["default"] = {**(plan.get("default") or {}), "hidden_size": size}
-    plan["hidden"] = {"hidden_size": size, "full_hidden_size": shape.hidden_size, "candidates": tried}
-    plan["budgets"] = full.budget_record()
-    plan["totals"] = whole_totals(plan["totals"], full)
-    plan["grid"]["blocks"] = sorted({*plan["grid"].get("blocks", []), "hidden"})
-    done.report.extra["hidden"] = plan["hidden"]
-    return done
-
-
-def whole_totals(totals: Mapping[str, Any], full: PlanProblem) -> dict[str, Any]:
-    """A plan's ``totals`` (counted on the model cut to its hidden size) against the FULL model's totals."""
-    out = dict(totals)
-    for name, total in (full.totals or {}).items():
-        word = "memory_bytes" if name == "memory" else f"model_{name}" if name == "params" else name
-        if f"{word}_kept" in out:
-            out[word], out[f"{word}_fraction"] = total, out[f"{word}_kept"] / total
-    if "split" in out and full.whole:  # every kind's full size, at the full hidden size
-        whole = full.model_totals([0] * (len(full.groups) + len(full.rests)))["split"]
-        out["split"] = {k: {**v, "params": whole[k]["params"]} for k, v in out["split"].items()}
-    if full.layers and "gdn_params_kept" in out:
-        out["gdn_params"] = full.gdn_totals["params"]
-        out["gdn_params_fraction"] = out["gdn_params_kept"] / full.gdn_totals["params"]
-    return out
 
 
 def _final_latency(

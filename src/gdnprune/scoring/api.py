@@ -21,7 +21,6 @@ from transformers import AutoTokenizer
 from ..checkpoint.folder import map_to_checkpoint
 from ..corpus import data_spec, data_stat
 from ..io.loading import load_causal_lm
-from ..io.sharded_loading import sharded_loading_names
 from ..model import model_config
 from ..model.layouts import find_gdn_modules
 from ..model.subblock_geometry import KINDS
@@ -40,7 +39,7 @@ from ..runtime.distributed import (
     world_size,
 )
 from ..runtime.fileio import file_sha256
-from .hidden import make_hidden_scorer
+from .hidden import hidden_asked, make_hidden_scorer, stored_norms
 from .hooks import LayerScorer
 from .loss_head import default_loss_token_stride, output_head
 from .passes import make_block_scorers, run_batches
@@ -135,16 +134,6 @@ def scored_kinds(blocks: Sequence[str] | bool | None) -> tuple[str, ...] | None:
     return tuple(k for k in KINDS if k in names)
 
 
-def hidden_asked(blocks: Sequence[str] | bool | None) -> bool | None:
-    """Whether ``blocks`` asks to score the hidden channels: True (it names ``hidden``), None (the default
-    ``blocks``: where the model's residual stream is in the hidden-size table), False (it leaves it out)."""
-    if blocks is None:
-        return None
-    if isinstance(blocks, bool):
-        return None if blocks else False
-    return "hidden" in ([blocks] if isinstance(blocks, str) else list(blocks))
-
-
 def measure_statistics(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -231,14 +220,9 @@ def measure_statistics(
     hooked = block_scorers + ([] if hidden is None else [hidden])
     run_batches(model, batches, scorers, hooked, head, stride, int(window_offset), total, progress)
     layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
-    return ScoringStatistics(
-        method,
-        int(seed),
-        measures,
-        layers,
-        {s.block.prefix: (s.block, s.stats) for s in block_scorers},
-        None if hidden is None else hidden.statistics(hidden_measure),
-    )
+    hidden_stats = None if hidden is None else hidden.statistics(hidden_measure)
+    blocks_stats = {s.block.prefix: (s.block, s.stats) for s in block_scorers}
+    return ScoringStatistics(method, int(seed), measures, layers, blocks_stats, hidden_stats)
 
 
 def _warn_no_head(why: str) -> None:
@@ -481,21 +465,6 @@ def measure_checkpoint(
     if keep_model:
         run.loaded, run.windows = model, windows[share.start : share.stop]
     return run
-
-
-def stored_norms(model_dir: str | Path, model: Any, norms: list[str]) -> list[str]:
-    """The norms' module names as the folder stores their weights (``from_pretrained`` may rename them: a
-    vision-language prefix, OLMo-hybrid's ``attention_layer_norm``); unchanged where the folder cannot say."""
-    try:
-        stored = sharded_loading_names(model_dir, model)
-    except ValueError:
-        return list(norms)
-    out = []
-    for norm in norms:
-        where = stored.get(f"{norm}.weight")
-        name = where.name if where is not None else None
-        out.append(name[: -len(".weight")] if name and name.endswith(".weight") else norm)
-    return out
 
 
 def _window_length(config: Mapping, tokenizer: Any, seq_len: int | None) -> tuple[int, str]:

@@ -30,17 +30,19 @@ top-level ``hidden`` key.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..io.sharded_loading import sharded_loading_names
 from ..model.hidden import HiddenTensors, is_residual_norm
 from ..model.subblock_surgery import find_model_hidden
 from .hooks import materialized_weight
 from .payload import HiddenStatistics
 
-__all__ = ["HiddenScorer", "make_hidden_scorer"]
+__all__ = ["HiddenScorer", "make_hidden_scorer", "hidden_asked", "stored_norms"]
 
 
 class HiddenScorer:
@@ -170,3 +172,28 @@ def make_hidden_scorer(model: torch.nn.Module, asked: bool | None) -> HiddenScor
                 f"gdnprune score: {exc}; the hidden channels are not scored", UserWarning, stacklevel=4
             )
         return None
+
+
+def hidden_asked(blocks: Sequence[str] | bool | None) -> bool | None:
+    """Whether ``blocks`` asks to score the hidden channels: True (it names ``hidden``), None (the default
+    ``blocks``: where the model's residual stream is in the hidden-size table), False (it leaves it out)."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, bool):
+        return None if blocks else False
+    return "hidden" in ([blocks] if isinstance(blocks, str) else list(blocks))
+
+
+def stored_norms(model_dir: str | Path, model: Any, norms: list[str]) -> list[str]:
+    """The norms' module names as the folder stores their weights (``from_pretrained`` may rename them: a
+    vision-language prefix, OLMo-hybrid's ``attention_layer_norm``); unchanged where the folder cannot say."""
+    try:
+        stored = sharded_loading_names(model_dir, model)
+    except ValueError:
+        return list(norms)
+    out = []
+    for norm in norms:
+        where = stored.get(f"{norm}.weight")
+        name = where.name if where is not None else None
+        out.append(name[: -len(".weight")] if name and name.endswith(".weight") else norm)
+    return out
