@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import build_model
 
 from gdnprune import demo_data
-from gdnprune.checkpoint import slice_checkpoint, sort_checkpoint
+from gdnprune.checkpoint import open_checkpoint, slice_checkpoint, sort_checkpoint
 from gdnprune.cli import main
 from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.io.scores_file import check_scores
@@ -244,6 +244,12 @@ def test_score_sort_slice_hidden_size_on_the_command_line(scored_folder, tmp_pat
     assert "hidden size 64 -> 24" in capsys.readouterr().out
     cut = load_pretrained(tmp_path / "cut")
     assert cut.config.hidden_size == 24 and cut.model.embed_tokens.weight.shape[1] == 24
+    assert main(["inspect", str(tmp_path / "cut")]) == 0
+    before, after = open_checkpoint(tmp_path / "sorted"), open_checkpoint(tmp_path / "cut")
+    # on the stream: every tensor whose shape the cut changed (counted without the hidden-size table)
+    changed = [n for n in after.names if after.tensor(n).shape != before.tensor(n).shape]
+    on_stream = sum(after.tensor(n).numel for n in changed)
+    assert f"hidden size 24: {on_stream:,} parameters on the residual stream" in capsys.readouterr().out
     assert (
         main(["slice", str(tmp_path / "sorted"), "--hidden-size", "65", "-o", str(tmp_path / "x"), "-q"]) == 2
     )
