@@ -129,7 +129,7 @@ def test_a_tensor_the_table_does_not_know_is_refused():
 def scored():
     model = noisy_model("qwen3_5", seed=2)
     batches = [_ids(s) for s in range(3)]
-    return model, batches, score_model(model, batches, progress=False)
+    return model, batches, score_model(model, batches, progress=False, blocks=["gdn", "mlp", "hidden"])
 
 
 def test_score_orders_the_hidden_channels_and_the_order_keeps_the_logits(scored):
@@ -148,7 +148,7 @@ def test_the_activation_statistics_are_the_norm_outputs(scored):
     """Minitron's measure from the hooks equals the mean |norm output| computed from the model's hidden states:
     the final norm's output is the decoder's last hidden state, an input norm's is the norm of a layer's input."""
     model, batches, _ = scored
-    stats = measure_statistics(model, batches, progress=False).hidden
+    stats = measure_statistics(model, batches, progress=False, blocks=["gdn", "hidden"]).hidden
     outs = [model.model(input_ids=b, output_hidden_states=True) for b in batches]
     tokens = sum(b.numel() for b in batches)
     final = sum(o.last_hidden_state.abs().sum((0, 1)).double() for o in outs) / tokens
@@ -226,12 +226,26 @@ def test_sort_then_slice_hidden_size_on_disk_is_the_model_built_by_hand(tmp_path
 
 @pytest.fixture(scope="module")
 def scored_folder(tmp_path_factory):
-    return scored_source(tmp_path_factory.mktemp("hidden_cli"))
+    """A model folder, its calibration text, and its scores with the hidden channels (``--blocks ...,hidden``)."""
+    src, calib, _ = scored_source(tmp_path_factory.mktemp("hidden_cli"))
+    scores = src.parent / "hidden.scores.json"
+    argv = [
+        "score",
+        str(src),
+        "--data",
+        str(calib),
+        "--output",
+        str(scores),
+        "--blocks",
+        "gdn,attention,mlp,hidden",
+    ]
+    assert main([*argv, "--num-samples", "4", "--seq-len", "72", "--quiet"]) == 0
+    return src, calib, scores
 
 
 def test_score_sort_slice_hidden_size_on_the_command_line(scored_folder, tmp_path, capsys):
     src, _, scores = scored_folder
-    assert "hidden" in json.loads(scores.read_text())  # the default --blocks orders the hidden channels
+    assert "hidden" in json.loads(scores.read_text())  # --blocks ...,hidden orders the hidden channels
     assert main(["sort", str(src), "--scores", str(scores), "-o", str(tmp_path / "sorted"), "-q"]) == 0
     ids = _ids(5)
     full = load_pretrained(src)
@@ -345,3 +359,10 @@ def test_distill_eval_and_bench_take_a_cut_hidden_size(scored_folder, tmp_path, 
     models = json.loads((tmp_path / "eval" / "results.json").read_text())["models"]
     assert models[0]["parameters"] == 898_512 > models[1]["parameters"]
     assert all(m["results"]["nats_per_byte"]["nats_per_byte,none"] > 0 for m in models)
+
+
+def test_score_orders_the_hidden_channels_by_default_exactly_when_plan_cuts_them_by_default():
+    from gdnprune.plan.measure.subblocks import BLOCK_NAMES
+    from gdnprune.scoring.hidden import BY_DEFAULT
+
+    assert BY_DEFAULT == ("hidden" in BLOCK_NAMES)

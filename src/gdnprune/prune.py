@@ -29,7 +29,7 @@ from .quality.compensate import sequential_refit
 from .runtime.deprecation import folded_keywords, renamed_keywords
 from .runtime.distributed import fail_together, local_gpus
 from .runtime.fileio import file_sha256
-from .scoring import GDN_ONLY, ScoringOptions, score_checkpoint
+from .scoring import GDN_ONLY, SCORED_BLOCKS, ScoringOptions, score_checkpoint
 
 __all__ = ["prune_checkpoint"]
 
@@ -144,7 +144,9 @@ def prune_checkpoint(
             **o.keywords(),
             progress=progress,
             compensate=bool(compensate) and not sequential,
-            blocks=None if sub_blocks else (*GDN_ONLY, *(("hidden",) if hidden_cut else ())),
+            blocks=(SCORED_BLOCKS if sub_blocks else (*GDN_ONLY, "hidden"))
+            if hidden_cut
+            else (None if sub_blocks else GDN_ONLY),
             model=model,
         )
         scores_source = scored

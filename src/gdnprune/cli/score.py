@@ -55,9 +55,9 @@ def add_parser(subparsers) -> None:
     add_calibration_arguments(p, data_required=False)
     add_blocks_argument(
         p,
-        help=f"the kinds of block to order, GDN layers always (default all: {BLOCKS}, and the hidden channels "
-        "(the residual stream's width) where gdnprune's hidden-size table describes the model; the kinds the "
-        "model lacks are skipped, depth has nothing to order; hidden: the hidden channels)",
+        help=f"the kinds of block to order, GDN layers always (default all: {BLOCKS}; the kinds the model "
+        "lacks are skipped, depth has nothing to order); hidden: also the hidden channels (the residual "
+        "stream's width; then `sort` rewrites every tensor)",
     )
     add_deprecated_alias(
         p, "--sub-blocks", "blocks", "--blocks (default: every kind)", convert=lambda v: BLOCKS, nargs=0

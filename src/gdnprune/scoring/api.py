@@ -304,8 +304,8 @@ def score_model(
             (:data:`~gdnprune.scoring.experts.SAMPLE_TOKENS` is the benchmarks' 4096) for the measured
             greedy removal of the experts (payload ``expert_greedy``, ``expert_greedy_error``; not the
             default order, :mod:`gdnprune.scoring.expert_greedy`); 0 (default): none.
-        hidden_measure: how the hidden channels (the residual stream's width, scored with the default
-            ``blocks`` or when ``blocks`` names ``hidden``) are ordered
+        hidden_measure: how the hidden channels (the residual stream's width, scored when ``blocks`` names
+            ``hidden``) are ordered
             (:data:`~gdnprune.scoring.payload.HIDDEN_MEASURES`; default ``activation``, Minitron's mean
             magnitude of the normalised activations summed over the norms, :mod:`gdnprune.scoring.hidden`);
             their payload is the scores file's top-level ``hidden`` entry.

@@ -42,7 +42,7 @@ from ..model.subblock_surgery import find_model_hidden
 from .hooks import materialized_weight
 from .payload import HiddenStatistics
 
-__all__ = ["HiddenScorer", "make_hidden_scorer", "hidden_asked", "stored_norms"]
+__all__ = ["BY_DEFAULT", "HiddenScorer", "make_hidden_scorer", "hidden_asked", "stored_norms"]
 
 
 class HiddenScorer:
@@ -174,13 +174,20 @@ def make_hidden_scorer(model: torch.nn.Module, asked: bool | None) -> HiddenScor
         return None
 
 
+#: whether the default ``blocks`` (None) scores the hidden channels: as the plan's default ``blocks``
+#: (:data:`gdnprune.plan.measure.subblocks.BLOCK_NAMES`) holds ``hidden`` (``score`` orders what ``plan`` cuts;
+#: a sort by a hidden order rewrites every tensor of the model)
+BY_DEFAULT = False
+
+
 def hidden_asked(blocks: Sequence[str] | bool | None) -> bool | None:
     """Whether ``blocks`` asks to score the hidden channels: True (it names ``hidden``), None (the default
-    ``blocks``: where the model's residual stream is in the hidden-size table), False (it leaves it out)."""
-    if blocks is None:
-        return None
-    if isinstance(blocks, bool):
-        return None if blocks else False
+    ``blocks`` with :data:`BY_DEFAULT`: where the model's residual stream is in the hidden-size table), False
+    (it leaves it out, or the default does)."""
+    if blocks is None or blocks is True:
+        return None if BY_DEFAULT else False
+    if blocks is False:
+        return False
     return "hidden" in ([blocks] if isinstance(blocks, str) else list(blocks))
 
 
