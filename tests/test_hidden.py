@@ -25,6 +25,7 @@ from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.io.scores_file import check_scores
 from gdnprune.model.hidden import find_hidden
 from gdnprune.model.subblock_surgery import find_model_hidden
+from gdnprune.plan.measure.hidden import WholeKL
 from gdnprune.scoring import score_model
 from gdnprune.scoring.api import measure_statistics
 from gdnprune.scoring.payload import hidden_scores
@@ -367,3 +368,17 @@ def test_score_orders_the_hidden_channels_by_default_exactly_when_plan_cuts_them
     from gdnprune.scoring.hidden import BY_DEFAULT
 
     assert BY_DEFAULT == ("hidden" in BLOCK_NAMES)
+
+
+def test_the_whole_model_kl_of_a_hidden_cut_is_the_kl_of_its_logits(scored):
+    """The plan measures each hidden size's whole cut model by the KL per token from the full model, its
+    logits computed a chunk of positions at a time: equal to the KL of the two models' whole logits."""
+    model, batches, scores = scored
+    small = slice_model(model, hidden_size=K, hidden_order=scores["hidden"])
+    kl = WholeKL(model, batches, max_logits=700)  # chunks of 5 positions
+    with torch.no_grad():
+        t = torch.cat([model(input_ids=b).logits for b in batches]).log_softmax(-1)
+        s = torch.cat([small(input_ids=b).logits for b in batches]).log_softmax(-1)
+    direct = float((t.exp() * (t - s)).sum(-1).mean())
+    assert kl(small) == pytest.approx(direct, rel=1e-4) and direct > 0.01
+    assert kl(model) == pytest.approx(0.0, abs=1e-6)

@@ -102,30 +102,38 @@ def hidden_meta_model(model: Any, size: int) -> Any:
 
 
 class WholeKL:
-    """The KL per token of whole models against ``teacher`` on the calibration ``batches``: the teacher's
-    log-probabilities are kept once (on the CPU, float32), each model is then run whole (its own embedding
-    and head: any hidden size) and compared token by token (``next`` tokens of padded windows left out)."""
+    """The KL per token of whole models against ``teacher`` on the calibration ``batches``: the teacher's final
+    hidden states are kept once (on the CPU), each model is then run whole (its own embedding, decoder and
+    head: any hidden size) and compared token by token, the logits of both computed ``max_logits`` elements
+    at a time (what the measured sensitivity assumes too: logits are ``lm_head(last hidden state)``)."""
 
-    def __init__(self, teacher: Any, batches: Iterable[Any]):
+    def __init__(self, teacher: Any, batches: Iterable[Any], *, max_logits: int = 1 << 24):
         self.data = unpack_batches(batches)
         if not self.data:
             raise ValueError("the hidden size is measured on calibration batches: give at least one")
-        self.teacher = [self._log_probs(teacher, ids, mask) for ids, mask in self.data]
+        self.head, self.max_logits = teacher.get_output_embeddings(), max_logits
+        self.finals = [self._final(teacher, ids, mask).cpu() for ids, mask in self.data]
 
     @staticmethod
     @torch.no_grad()
-    def _log_probs(model: Any, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        logits = model(**model_inputs(ids, mask, input_device(model))).logits
-        return logits.float().log_softmax(-1).cpu()
+    def _final(model: Any, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        inputs = model_inputs(ids, mask, input_device(model))
+        return model.get_decoder()(**inputs).last_hidden_state
 
     @torch.no_grad()
     def __call__(self, model: Any) -> float:
         """The KL(teacher || ``model``) per token, over every calibration window."""
-        total, tokens = 0.0, 0
-        for (ids, mask), teacher in zip(self.data, self.teacher):
-            student = self._log_probs(model, ids, mask)
-            kl = (teacher.exp() * (teacher - student)).sum(-1)
-            valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask
-            total += float(kl[valid].sum())
+        head, total, tokens = model.get_output_embeddings(), 0.0, 0
+        chunk = max(1, self.max_logits // max(1, head.weight.shape[0]))
+        for (ids, mask), teacher in zip(self.data, self.finals):
+            student = self._final(model, ids, mask)
+            valid = (torch.ones_like(ids, dtype=torch.bool) if mask is None else mask).reshape(-1)
+            student, teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+            for start in range(0, student.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                log_s = head(student[rows]).float().log_softmax(-1)
+                log_t = self.head(teacher[rows].to(self.head.weight.device)).float().log_softmax(-1)
+                kl = (log_t.exp() * (log_t - log_s.to(log_t.device))).sum(-1)
+                total += float(kl[valid[rows].to(kl.device)].sum())
             tokens += int(valid.sum())
         return total / max(tokens, 1)
