@@ -382,3 +382,34 @@ def test_the_whole_model_kl_of_a_hidden_cut_is_the_kl_of_its_logits(scored):
     direct = float((t.exp() * (t - s)).sum(-1).mean())
     assert kl(small) == pytest.approx(direct, rel=1e-4) and direct > 0.01
     assert kl(model) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
+def test_a_per_layer_plan_with_a_hidden_size_loads_with_the_heterogeneous_loader(scored_folder, tmp_path):
+    """A plan whose layers differ (per_layer_config) and whose default cuts the hidden size: the sliced folder
+    loads with gdnprune.load_pretrained as the model cut in memory."""
+    src, _, _ = scored_folder
+    plan = {
+        "format": "gdnprune-plan",
+        "version": 2,
+        "default": {"hidden_size": 40},
+        "layers": {
+            "model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2},
+            "model.layers.3.mlp": {"intermediate_size": 24},
+        },
+    }
+    slice_checkpoint(src, tmp_path / "cut", plan=plan, progress=False)
+    loaded = load_pretrained(tmp_path / "cut")
+    assert (
+        loaded.config.hidden_size == 40
+        and json.loads((tmp_path / "cut" / "config.json").read_text())["per_layer_config"]
+    )
+    full = load_pretrained(src)
+    expected = slice_model(
+        full,
+        {"model.layers.0.linear_attn": {"num_key_heads": 1, "num_value_heads": 2}},
+        blocks={"model.layers.3.mlp": {"intermediate_size": 24}},
+        hidden_size=40,
+    )
+    ids = _ids(8)
+    assert_same(_logits(loaded, ids), _logits(expected, ids))
