@@ -289,6 +289,13 @@ def test_prune_may_choose_a_smaller_hidden_size(scored_folder, tmp_path, capsys)
     assert plan["hidden"]["candidates"][0] == {"hidden_size": 64, "feasible": False}
     assert manifest["hidden"]["target"]["hidden_size"] == 32
     assert "hidden size 64 -> 32" in capsys.readouterr().out
+    argv[0], argv[argv.index("-o") + 1] = "plan", str(tmp_path / "plan.json")
+    argv[argv.index("--plan-samples")] = "--num-samples"
+    assert main(argv) == 0
+    assert "hidden size: 64 -> 32 (the whole cut model's KL at each size tried: 64 (no plan fits), 32 KL" in (
+        capsys.readouterr().out
+    )
+    assert json.loads((tmp_path / "plan.json").read_text())["default"] == {"hidden_size": 32}
 
 
 def test_rescaled_norms_on_disk_equal_in_memory(tmp_path):

@@ -483,6 +483,16 @@ def model_summary(plan: dict, report: dict | None = None) -> list[str]:
             f"removed decoder layers: {', '.join(gone) if gone else 'none'} (removal candidates: "
             f"{len(removal)})"
         )
+    hidden = plan.get("hidden")
+    if hidden:
+        tried = ", ".join(
+            f"{c['hidden_size']} " + (f"KL {c['kl']:.4g}" if c.get("feasible") else "(no plan fits)")
+            for c in hidden["candidates"]
+        )
+        lines.append(
+            f"hidden size: {hidden['full_hidden_size']} -> {hidden['hidden_size']} (the whole cut model's KL "
+            f"at each size tried: {tried}; the least kept)"
+        )
     lines.append(
         f"model parameters kept: {totals['model_params_kept']:,.0f} of {totals['model_params']:,.0f} "
         f"({totals['model_params_fraction']:.1%}); active per token: {totals['active_params_fraction']:.1%}"
