@@ -46,7 +46,6 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _common import RECIPE, SEQ, add_model_arguments, benchmark_models, load_average, paired, set_up  # noqa: E402
-from gdnprune.plan.report.results import Choice  # noqa: E402
 from plans import window_losses  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -58,6 +57,7 @@ from gdnprune.plan.choose.solve import uniform_choices  # noqa: E402
 from gdnprune.plan.measure.candidates import AXES, parse_dim_step  # noqa: E402
 from gdnprune.plan.measure.problem import Grid, build_problem, given_budgets  # noqa: E402
 from gdnprune.plan.rank import candidate_plans, cut_model, rank_by_distill, rank_recipe  # noqa: E402
+from gdnprune.plan.report.results import Choice  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 
 BLOCKS = ("gdn", "attention", "mlp")

@@ -44,7 +44,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from gdnprune.plan.report.results import Sensitivities  # noqa: E402
 from plans import window_losses  # noqa: E402
 
 from gdnprune import demo_data  # noqa: E402
@@ -58,6 +57,7 @@ from gdnprune.plan.measure.latency_costs import (  # noqa: E402
     measure_latency_costs,
 )
 from gdnprune.plan.measure.problem import Grid, build_problem, given_budgets  # noqa: E402
+from gdnprune.plan.report.results import Sensitivities  # noqa: E402
 from gdnprune.plan.stages import choose_plan, measure  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402
 

@@ -41,7 +41,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from gdnprune.plan.report.results import Sensitivities  # noqa: E402
 from plans import window_losses  # noqa: E402
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
@@ -52,6 +51,7 @@ from gdnprune.plan import plan_model  # noqa: E402
 from gdnprune.plan.choose.solve import BudgetError  # noqa: E402
 from gdnprune.plan.measure.latency_costs import add_latency_budget, cut_model_latency, measure_latency_costs  # noqa: E402
 from gdnprune.plan.measure.problem import Grid, build_problem, check_feasible, given_budgets  # noqa: E402
+from gdnprune.plan.report.results import Sensitivities  # noqa: E402
 from gdnprune.plan.stages import choose_plan  # noqa: E402
 from gdnprune.prune import prune_checkpoint  # noqa: E402
 from gdnprune.scoring import score_model  # noqa: E402

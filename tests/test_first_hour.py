@@ -437,8 +437,9 @@ def _report() -> dict:
 def test_the_sensitivity_plot_labels_its_scales_and_tells_lines_apart(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib
-    from gdnprune.plan.report.plot import plot_sensitivity, sensitivity_figure
     from matplotlib.figure import Figure
+
+    from gdnprune.plan.report.plot import plot_sensitivity, sensitivity_figure
 
     backend = matplotlib.get_backend()
     assert plot_sensitivity(_report(), tmp_path / "plan.png") is True

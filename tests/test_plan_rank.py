@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gdnprune.plan.report.results import Choice, Sensitivities
 from helpers import random_dense_model, token_ids
 from launches import SEQ
 
@@ -32,6 +31,7 @@ from gdnprune.plan.choose.depth import choose_with_removal, pool_with_removal
 from gdnprune.plan.choose.evolve import feasible
 from gdnprune.plan.choose.solve import BudgetError, choose_pool
 from gdnprune.plan.rank import candidate_plans
+from gdnprune.plan.report.results import Choice, Sensitivities
 from gdnprune.plan.stages import check_depth, choose_plan, choose_plans
 from gdnprune.scoring import score_model
 
