@@ -308,7 +308,9 @@ def search(
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> Search:
     """:func:`plan_model`'s four stages (build, measure, choose, report) with its options as one object."""
-    if "hidden" in options.blocks:  # an outer choice of the hidden size, each size searched as below
+    if (
+        "hidden" in options.blocks and options.whole()
+    ):  # an outer choice of the hidden size, each searched below
         return search_hidden(
             model,
             batches,

@@ -42,7 +42,8 @@ def search_hidden(
     """The search with the hidden size as one global choice (:mod:`.measure.hidden`): every hidden size of
     the grid planned (``search``: :func:`gdnprune.plan.api.search`, with ``options`` less ``hidden``) as a
     model of its own under the full model's budgets, its whole cut model measured against the full model on
-    the calibration batches; the least KL kept. Returns that size's ``Search``, its plan with ``hidden``."""
+    the calibration batches; the least KL kept. Returns that size's ``Search``, its plan with ``hidden``. (Only
+    under a whole-model budget, as for the sub-blocks: GDN-only budgets leave ``hidden`` out.)"""
     o = options
     if o.budget_latency is not None or o.evolve_generations or o.rank_by_distill or o.sensitivity == "proxy":
         raise ValueError(
