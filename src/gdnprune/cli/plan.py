@@ -106,8 +106,8 @@ def add_search_arguments(p) -> None:
         default=None,
         metavar="LIST",
         help="with hidden in --blocks (the hidden size, one choice for the whole model): the hidden sizes "
-        "to plan and measure (e.g. 4096,3584,3072; default the full size down to half of it in steps of "
-        "an eighth, multiples of --multiple-of or 8)",
+        "to plan and measure (e.g. 4096,3584,3072; default the full size, 7/8 and 3/4 of it, "
+        "multiples of --multiple-of or 8)",
     )
     p.add_argument(
         "--sensitivity",

@@ -226,9 +226,8 @@ def plan_model(
             windows; the least KL on the last quarter wins. 0: the exact choice as it is. The report's
             ``ranking`` lists every candidate with its one-shot and recovered KL.
         bld_steps: the blockwise local distillation steps of every candidate with ``sensitivity="bld"``.
-        hidden_sizes: with ``hidden`` in ``blocks``, the hidden sizes to try (default: the full size down to half
-            of it in steps of an eighth, multiples of ``multiple_of`` or 8;
-            :func:`~gdnprune.plan.measure.hidden.hidden_candidates`).
+        hidden_sizes: with ``hidden`` in ``blocks``, the hidden sizes to try (default: the full size, 7/8 and 3/4
+            of it, multiples of ``multiple_of`` or 8; :func:`~gdnprune.plan.measure.hidden.hidden_candidates`).
         progress: progress bars over the measured candidates and the search's generations.
         on_rank_cost: called with the ranking's cost (:class:`~gdnprune.plan.rank.RankCost`) before it
             starts, and with the estimate in seconds after its first step.
