@@ -8,7 +8,7 @@ report of every candidate (:mod:`.report`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256
 from .choose.servable import SERVABLE_NOTE
 from .choose.solve import BudgetError, uniform_choices
-from .hidden import search_hidden
+from .hidden import hidden_problem, search_hidden
 from .measure.bld import DEFAULT_STEPS as BLD_STEPS
 from .measure.candidates import AXES, parse_dim_step
 from .measure.hidden import absolute_budgets, hidden_candidates, hidden_meta_model
@@ -307,21 +307,24 @@ def search(
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> Search:
     """:func:`plan_model`'s four stages (build, measure, choose, report) with its options as one object."""
-    if (
-        "hidden" in options.blocks and options.whole()
-    ):  # an outer choice of the hidden size, each searched below
-        return search_hidden(
-            model,
-            batches,
-            scores,
-            options,
-            search,
-            tp=tp,
-            multiple_of=multiple_of,
-            orders_applied=orders_applied,
-            progress=progress,
-        )
-    o = options
+    if "hidden" in options.blocks and options.whole():  # the hidden size: an outer choice, each size below
+        why = hidden_problem(model, batches, scores, options, orders_applied)
+        if why is not None and tuple(options.blocks) != tuple(BLOCK_NAMES):  # asked for by name
+            raise ValueError(why)
+        if why is None:
+            return search_hidden(
+                model,
+                batches,
+                scores,
+                options,
+                search,
+                tp=tp,
+                multiple_of=multiple_of,
+                orders_applied=orders_applied,
+                progress=progress,
+            )
+    # the default `blocks` leaves the hidden size out where it cannot be planned (hidden_problem says why)
+    o = replace(options, blocks=tuple(b for b in options.blocks if b != "hidden"))
     if o.sensitivity not in SENSITIVITIES:
         raise ValueError(f"unknown sensitivity {o.sensitivity!r}; expected one of {list(SENSITIVITIES)}")
     workload = o.parsed_workload()

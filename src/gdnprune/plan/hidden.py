@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ..io.scores_file import read_scores
-from ..model.hidden import hidden_shape
+from ..model.hidden import HIDDEN_KEY, hidden_shape
+from ..model.subblock_surgery import find_model_hidden
 from .choose.solve import BudgetError
 from .measure.candidates import parse_dim_step
 from .measure.hidden import WholeKL, absolute_budgets, hidden_candidates, hidden_cut_model
 from .measure.problem import Grid, PlanProblem, build_problem, given_budgets
 from .rank import cut_model
 
-__all__ = ["search_hidden", "whole_totals"]
+__all__ = ["search_hidden", "hidden_problem", "whole_totals"]
 
 
 def search_hidden(
@@ -45,14 +46,10 @@ def search_hidden(
     the calibration batches; the least KL kept. Returns that size's ``Search``, its plan with ``hidden``. (Only
     under a whole-model budget, as for the sub-blocks: GDN-only budgets leave ``hidden`` out.)"""
     o = options
-    if o.budget_latency is not None or o.evolve_generations or o.rank_by_distill or o.sensitivity == "proxy":
-        raise ValueError(
-            "a plan of the hidden size measures every hidden size's whole cut model against the full model; "
-            "it does not combine with `budget_latency`, the evolutionary search, ranking by distillation or "
-            "the proxy sensitivity: leave 'hidden' out of `blocks` for those"
-        )
-    if batches is None:
-        raise ValueError("a plan of the hidden size needs calibration batches")
+    problem = hidden_problem(model, batches, scores, o, orders_applied)
+    if problem is not None:
+        raise ValueError(problem)
+    assert batches is not None  # hidden_problem says so
     batches = list(batches)
     data = read_scores(scores)
     widths = replace(o, blocks=tuple(b for b in o.blocks if b != "hidden"))
@@ -115,6 +112,33 @@ def search_hidden(
     plan["grid"]["blocks"] = sorted({*plan["grid"].get("blocks", []), "hidden"})
     done.report.extra["hidden"] = plan["hidden"]
     return done
+
+
+def hidden_problem(
+    model: Any, batches: Any, scores: str | Path | Mapping, options: Any, orders_applied: bool
+) -> str | None:
+    """Why the hidden size cannot be planned with these inputs (None when it can): the options that do not
+    combine with it, no calibration batches, scores without the hidden order, or a model whose residual
+    stream the hidden-size table does not describe."""
+    o = options
+    if o.budget_latency is not None or o.evolve_generations or o.rank_by_distill or o.sensitivity == "proxy":
+        return (
+            "a plan of the hidden size measures every hidden size's whole cut model against the full model; "
+            "it does not combine with `budget_latency`, the evolutionary search, ranking by distillation or "
+            "the proxy sensitivity: leave 'hidden' out of `blocks` for those"
+        )
+    if batches is None:
+        return "a plan of the hidden size needs calibration batches"
+    if not orders_applied and read_scores(scores).get(HIDDEN_KEY) is None:
+        return (
+            "the scores have no order of the hidden channels (a 'hidden' entry); score this model with "
+            "`blocks` naming 'hidden', or leave 'hidden' out of `blocks`"
+        )
+    try:
+        find_model_hidden(model)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def whole_totals(totals: Mapping[str, Any], full: PlanProblem) -> dict[str, Any]:

@@ -272,7 +272,10 @@ def build_problem(
         raise ValueError(
             "`budget_gdn_params` and `budget_state` limit the GDN layers, but `blocks` leaves them out"
         )
-    if uniform and not depth_allowed and whole and "depth" in blocks and tuple(blocks) != tuple(BLOCK_NAMES):
+    default = tuple(
+        b for b in BLOCK_NAMES if b != "hidden"
+    )  # `blocks` as given, less hidden (stripped above)
+    if uniform and not depth_allowed and whole and "depth" in blocks and tuple(blocks) != default:
         raise ValueError(
             'a uniform plan keeps every decoder layer: leave "depth" out of `blocks` (the default '
             "`blocks` with `uniform` plans widths only)"
