@@ -25,6 +25,7 @@ from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.io.scores_file import check_scores
 from gdnprune.model.hidden import find_hidden
 from gdnprune.model.subblock_surgery import find_model_hidden
+from gdnprune.plan.api import plan_model
 from gdnprune.plan.measure.hidden import WholeKL
 from gdnprune.scoring import score_model
 from gdnprune.scoring.api import measure_statistics
@@ -420,3 +421,12 @@ def test_a_per_layer_plan_with_a_hidden_size_loads_with_the_heterogeneous_loader
     )
     ids = _ids(8)
     assert_same(_logits(loaded, ids), _logits(expected, ids))
+
+
+def test_a_plan_of_the_hidden_size_says_what_it_does_not_combine_with(scored):
+    model, batches, scores = scored
+    with pytest.raises(ValueError, match="does not combine with `budget_latency`, the evolutionary search"):
+        plan_model(model, batches, scores, budget_params=0.5, blocks=("mlp", "hidden"), evolve_generations=2)
+    without = {k: v for k, v in scores.items() if k != "hidden"}
+    with pytest.raises(ValueError, match="no order of the hidden channels"):
+        plan_model(model, batches, without, budget_params=0.5, blocks=("mlp", "hidden"))
