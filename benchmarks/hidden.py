@@ -369,6 +369,33 @@ def run_orders(bench: Bench, args) -> dict:
     return {"base_loss": base, "rows": rows}
 
 
+def plot(paths: list[Path], out: Path) -> None:
+    """The plans' search, per model and budget: the whole cut model's KL (calibration windows) at each hidden
+    size tried, the size chosen marked."""
+    from gdnprune.runtime.figures import new_figure
+
+    records = [m for p in paths for m in json.loads(p.read_text())]
+    fig = new_figure(figsize=(6.4, 3.6), dpi=110)
+    if fig is None:
+        print("no matplotlib: no plot")
+        return
+    ax = fig.subplots()
+    for m in records:
+        for row in m.get("rows", []):
+            tried = [c for c in row["hidden_candidates"]["candidates"] if c.get("feasible")]
+            x = [c["hidden_size"] / m["hidden_size"] for c in tried]
+            line = ax.plot(x, [c["kl"] for c in tried], marker="o", label=f"{m['model']} {row['budget']:.0%}")
+            chosen = row["hidden_size"]["plan_with_hidden"]
+            best = next(c for c in tried if c["hidden_size"] == chosen)
+            ax.plot([chosen / m["hidden_size"]], [best["kl"]], marker="*", ms=14, color=line[0].get_color())
+    ax.set_xlabel("hidden size kept (fraction of the full size)")
+    ax.set_ylabel("KL of the whole cut model (nats/token)")
+    ax.set_title("Plan at each hidden size: the least KL is kept (star)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
@@ -376,8 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-orders", type=int, default=20)
     p.add_argument("--steps", type=int, default=300, help="distillation steps (300)")
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "hidden")
+    p.add_argument("--plot", nargs=2, metavar=("PNG", "JSON,..."), help="draw the plans' searches and exit")
     p.set_defaults(budgets=[0.5, 0.35])
     args = p.parse_args(argv)
+    if args.plot:
+        plot([Path(v) for v in args.plot[1].split(",")], Path(args.plot[0]))
+        return 0
     set_up(args)
     print(
         f"load average {load_average():.1f}; torch threads {args.threads}; distillation {args.steps} steps, {RECIPE}"
