@@ -433,7 +433,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return weight.float() * scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)  # a last tile may be partial
+    return weight.float() * full[: weight.shape[0], : weight.shape[1]]
 
 
 #: the GDN geometry of :func:`make_fp8`'s models

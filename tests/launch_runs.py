@@ -271,6 +271,7 @@ FOLDERS = {  # name: (folder, how it is sharded)
     # upcasts the whole-loaded student, from a float32 folder (so the rounding to bf16 shows)
     "bf16_mixed": ("uniform", "student_bf16_mixed"),
     "olmo": ("olmo", "student"),  # the trained tiny OLMo-hybrid (stored in bf16, A_log kept in float32)
+    "hidden": ("hidden", "student"),  # the teacher with its hidden size cut (64 -> 40; mtp.* cut too)
 }
 
 
@@ -283,6 +284,7 @@ def build_folders(root: Path) -> None:
         slice_checkpoint(
             teacher, root / "uniform", {"num_key_heads": 1, "num_value_heads": 2}, progress=False
         )
+        slice_checkpoint(teacher, root / "hidden", target={"hidden_size": 40}, progress=False)
     whole = load_pretrained(teacher, dtype=torch.bfloat16)
     whole.save_pretrained(root / "sharded_teacher", max_shard_size="40KB")
     make_fp8(root / "fp8_teacher", "qwen3_5", seed=5)

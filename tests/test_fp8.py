@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import FP8_SHAPE, FP8_TENSORS, NOT_CONVERTED, dequantize, make_fp8
+from helpers import FP8_BLOCK, FP8_SHAPE, FP8_TENSORS, NOT_CONVERTED, dequantize, make_fp8
 from safetensors.torch import load_file
 from tiny_models import build_model
 
@@ -192,3 +192,49 @@ def test_dequantize_writes_the_split_blocks_in_bf16(source, tmp_path, capsys):
         not k.endswith(f"{FP8_TENSORS[model_type][0]}.weight_scale_inv")
         for k in json.loads(index.read_text())["weight_map"]
     )
+
+
+def test_the_hidden_size_of_an_fp8_checkpoint_is_cut_in_whole_tiles_or_dequantized(tmp_path, capsys):
+    """A cut of the hidden size keeps the FP8 weights (their scales cut with them: a partial last tile keeps
+    its scale) and equals the float model cut by hand; an order that moves channels across 4-channel tiles
+    is refused, or written in BF16 with ``dequantize``."""
+    src = make_fp8(tmp_path / "m", "qwen3_5", seed=3)
+    weight = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    scale = weight[: -len("weight")] + "weight_scale_inv"
+    full = dequantized(src)
+    for size in (40, 42):
+        slice_checkpoint(src, tmp_path / f"cut{size}", target={"hidden_size": size}, progress=False)
+        raw = load_file(tmp_path / f"cut{size}" / "model.safetensors")
+        assert raw[weight].dtype == torch.float8_e4m3fn and raw[weight].shape[1] == size
+        assert raw[scale].shape[1] == -(-size // FP8_BLOCK)
+        for name, tensor in dequantized(
+            tmp_path / f"cut{size}"
+        ).items():  # the first `size` of every hidden axis
+            want = full[name]
+            for axis, (a, b) in enumerate(zip(want.shape, tensor.shape)):
+                if a != b:
+                    want = want.narrow(axis, 0, b)
+            assert torch.equal(tensor, want), name
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()
+    scores = tmp_path / "scores.json"
+    scores.write_text(
+        json.dumps(
+            {
+                "layers": {},
+                "hidden": {"shape": {"hidden_size": 64}, "channel_order_most_important_first": order},
+            }
+        )
+    )
+    assert main(["sort", str(src), "--scores", str(scores), "-o", str(tmp_path / "x"), "-q"]) == 2
+    assert "hidden channels cannot be sorted exactly" in capsys.readouterr().err
+    sort_checkpoint(src, json.loads(scores.read_text()), tmp_path / "bf16", dequantize=True, progress=False)
+    raw = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert raw[weight].dtype == torch.bfloat16 and scale not in raw
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "model.layers.0.linear_attn.in_proj_qkv" in config["quantization_config"]["modules_to_not_convert"]
+    kept = torch.tensor(order)
+    assert torch.allclose(raw[weight].float(), full[weight][:, kept], rtol=2**-8, atol=0)  # BF16 rounding
+    out_proj = "model.layers.0.linear_attn.out_proj.weight"
+    assert torch.allclose(raw[out_proj].float(), full[out_proj][kept], rtol=2**-8, atol=0)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))

@@ -5,7 +5,7 @@ with its layers wrapped for activation checkpointing), a teacher stored in sever
 loaded in float32), an FP8 block-scaled teacher (dequantized as transformers dequantizes it), an MoE model
 stored one tensor per expert (the trained tiny Qwen3.5-MoE), a vision-language model (the trained tiny
 Qwen3.5-VL), a text model reading that folder's ``model.language_model.`` tensors, the trained tiny
-OLMo-hybrid, and a bf16 student under
+OLMo-hybrid, a student whose hidden size was cut, and a bf16 student under
 bf16 mixed precision (float32 master weights, as accelerate upcasts it); each process holds about half; a
 short distillation under FSDP2 that loads this way gives the loss curve of the whole-load path, with and
 without gradient checkpointing. Before any shard, a quantization other than FP8 blocks is refused and a

@@ -29,6 +29,7 @@ SLOWEST_FIRST = (
     "test_demo.py",
     "test_plan_halving.py",
     "test_self_contained.py",
+    "test_hidden.py",
     # readers of the launch from here on
     "test_distill_pipeline.py",
     "test_eval.py",

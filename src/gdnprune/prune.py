@@ -11,13 +11,15 @@ from transformers import AutoTokenizer
 
 from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
 from .checkpoint.folder import map_to_checkpoint
+from .checkpoint.hidden import split_hidden_target
 from .checkpoint.output import check_paths, clear_stale
 from .checkpoint.remote_code import auto_map
 from .checkpoint.subblocks import plan_sub_blocks, split_target
 from .io.loading import empty_causal_lm, load_causal_lm, slice_model
-from .io.plan_file import PlanError, read_plan, resolve_plan, servable_problems
+from .io.plan_file import PlanError, plan_hidden_size, read_plan, resolve_plan, servable_problems
 from .io.scores_file import load_scores
 from .model.geometry import layer_index_of
+from .model.hidden import HIDDEN_KEY
 from .model.layouts import find_gdn_modules
 from .model.targets import TargetError, keyword_target, resolve_target
 from .plan import PlanOptions, check_budgets, plan_checkpoint
@@ -27,7 +29,7 @@ from .quality.compensate import sequential_refit
 from .runtime.deprecation import folded_keywords, renamed_keywords
 from .runtime.distributed import fail_together, local_gpus
 from .runtime.fileio import file_sha256
-from .scoring import GDN_ONLY, ScoringOptions, score_checkpoint
+from .scoring import GDN_ONLY, SCORED_BLOCKS, ScoringOptions, score_checkpoint
 
 __all__ = ["prune_checkpoint"]
 
@@ -107,6 +109,12 @@ def prune_checkpoint(
     sub_blocks, shapes = _check_cut(
         model_dir, target, plan, scores, search, sequential, self_contained, servable
     )
+    # the hidden channels are scored and sorted only where the hidden size may be cut
+    hidden_cut = (
+        split_hidden_target(target)[1] is not None
+        or (plan is not None and plan_hidden_size(plan) is not None)
+        or (search is not None and "hidden" in search.blocks)
+    )
     if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
         check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search.keywords())
     if scores is not None and compensate and not sequential:
@@ -136,7 +144,9 @@ def prune_checkpoint(
             **o.keywords(),
             progress=progress,
             compensate=bool(compensate) and not sequential,
-            blocks=None if sub_blocks else GDN_ONLY,
+            blocks=(SCORED_BLOCKS if sub_blocks else (*GDN_ONLY, "hidden"))
+            if hidden_cut
+            else (None if sub_blocks else GDN_ONLY),
             model=model,
         )
         scores_source = scored
@@ -172,10 +182,13 @@ def prune_checkpoint(
             else {prefix: resolve_target(shape, split_target(target)[0]) for prefix, shape in shapes.items()}
         )
         stats = _sequential_columns(model, model_dir, data, scored, targets, progress)
+    permutations = dict(scored["layers"])
+    if hidden_cut and (plan is None or plan_hidden_size(plan) is not None) and scored.get(HIDDEN_KEY):
+        permutations[HIDDEN_KEY] = scored[HIDDEN_KEY]
     return transform_checkpoint(
         model_dir,
         output_dir,
-        permutations=scored["layers"],
+        permutations=permutations,
         target=target,
         plan=plan,
         tp=tp,
@@ -206,7 +219,7 @@ def _check_cut(
     if self_contained:
         auto_map(ckpt.config)  # a family the modeling file cannot load is refused before the scoring
     shapes = {layer.prefix: layer.shape for layer in layers}
-    gdn_target, block_target = split_target(target)
+    gdn_target, block_target = split_target(split_hidden_target(target)[0])
     if target is not None:
         for shape in shapes.values():
             resolve_target(shape, gdn_target)  # raises TargetError (a ValueError) for an illegal target

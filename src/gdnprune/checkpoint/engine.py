@@ -77,10 +77,21 @@ class LayerPlan:
     dequantize: frozenset = (
         frozenset()
     )  # FP8 weight suffixes written dequantised in BF16 (their scales dropped)
+    hidden: Any = None  # the hidden channels' HiddenCut (gdnprune.model.hidden): one more gather, or None
 
     def scale_of(self, weight: str) -> str:
 
         return scale_name(weight)
+
+    def gathers(self, suffix: str) -> list[tuple[int, Any]]:
+        """``(axis, source index)`` of on-disk tensor ``suffix``: its layout's axis, then its hidden axes."""
+        out = []
+        rule = self.layer.rule(suffix)
+        if rule is not None:
+            out.append((rule.axis, rule.gather_index(self.layer.shape, self.target, self.indices)))
+        if self.hidden is not None:
+            out += self.hidden.gathers(self.layer.name(suffix))
+        return out
 
     @property
     def dropped(self) -> set[str]:
@@ -308,7 +319,7 @@ class GDNWork:
                     continue
                 if suffix in plan.dequantize:
                     dtypes[name] = "BF16"
-                shapes[name] = _out_shape(plan.layer, suffix, plan.target)
+                shapes[name] = _out_shape(plan, suffix)
                 self._shard_of[name] = shard
                 job = (plan.layer.prefix, _fused_of(plan.layer, suffix) or suffix)
                 if job not in jobs_seen:  # the pieces of a split fused tensor are one job
@@ -470,25 +481,26 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
     """Gather on-disk tensor ``suffix`` of a layer (or all pieces of the split fused tensor ``suffix``) to
     the plan's target and write it at its place in the output; returns the bytes written.
 
-    A row gather (axis 0) whose runs of consecutive rows are long (a slice of whole heads) is copied run by
-    run in the kernel; one of short runs (a sort: single channels) reads the source tensor and writes the
-    rows with vectored writes (:func:`~gdnprune.io.safetensors_io.write_vectors`: no gathered copy in memory).
-    A column gather (``out_proj``) and a split fused tensor are gathered with ``numpy.take`` (whole blocks
-    where the index allows) and written with ``pwrite``.
+    A row gather alone (axis 0) whose runs of consecutive rows are long (a slice of whole heads) is copied
+    run by run in the kernel; one of short runs (a sort: single channels) reads the source tensor and writes
+    the rows with vectored writes (:func:`~gdnprune.io.safetensors_io.write_vectors`: no gathered copy in
+    memory). A column gather (``out_proj``), a gather along several axes (a block's own axis and the hidden
+    channels) and a split fused tensor are gathered with ``numpy.take`` (whole blocks where the index allows)
+    and written with ``pwrite``.
     """
 
     layer = plan.layer
-    rule = layer.rule(suffix)
-    index = rule.gather_index(layer.shape, plan.target, plan.indices)
+    gathers = plan.gathers(suffix)
     if suffix in plan.dequantize:
-        return _write_dequantized(plan, suffix, rule, index, files, destination)
+        return _write_dequantized(plan, suffix, gathers, files, destination)
     pieces = layer.splits.get(suffix, (suffix,))
     if len(pieces) == 1:
         info = files.ckpt.tensor(layer.name(suffix))  # shape and dtype were checked by find_gdn_layers
         dst, offset, shape = destination(plan, suffix)
-        if index.size != shape[rule.axis]:
-            raise RuntimeError(f"internal error: {info.name} gathers {index.size} rows, planned {shape}")
-        if rule.axis == 0:
+        if [axis for axis, _ in gathers] == [0]:
+            ((_, index),) = gathers
+            if index.size != shape[0]:
+                raise RuntimeError(f"internal error: {info.name} gathers {index.size} rows, planned {shape}")
             begin, lengths = _runs(index, info.nbytes // info.shape[0] if info.shape[0] else 0)
             fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
             try:
@@ -505,20 +517,19 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
             finally:
                 os.close(fd)
         ((_, data),) = files.read([info.name])
-        out_shape = shape[: rule.axis] + (index.size,) + shape[rule.axis + 1 :]
-        source = _byte_view(info, data, rule.axis)
-        gathered = np.frombuffer(files.buffer(1, math.prod(out_shape) * source.itemsize), dtype=source.dtype)
-        out = {suffix: _take_blocks(source, index, rule.axis, gathered.reshape(out_shape))}
+        out = {suffix: _take_axes(info, data, gathers, files)}
     else:  # a fused tensor stored split (OLMo-hybrid's q/k/v conv): gather the concatenation, split again
+        ((axis, index),) = gathers  # the conv has no hidden axis
+        rule = layer.rule(suffix)
         infos = files.read([layer.name(p) for p in pieces])
-        whole = np.concatenate([_byte_view(info, data, rule.axis) for info, data in infos], axis=rule.axis)
-        gathered = np.take(whole, index, axis=rule.axis)
+        whole = np.concatenate([_byte_view(info, data, axis) for info, data in infos], axis=axis)
+        gathered = np.take(whole, index, axis=axis)
         bounds = np.cumsum([segment_size(kind, plan.target) for kind in rule.segments])[:-1]
-        out = dict(zip(pieces, np.split(gathered, bounds, axis=rule.axis)))
+        out = dict(zip(pieces, np.split(gathered, bounds, axis=axis)))
     written = 0
     for p, array in out.items():
         dst, offset, shape = destination(plan, p)
-        if array.shape[rule.axis] != shape[rule.axis]:
+        if array.shape[0] != shape[0] or (array.ndim == len(shape) and tuple(array.shape) != tuple(shape)):
             raise RuntimeError(f"internal error: {layer.name(p)} gathered to {array.shape}, planned {shape}")
         contiguous = np.ascontiguousarray(array)
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
@@ -527,6 +538,25 @@ def _write_job(plan: LayerPlan, suffix: str, files: _SourceFiles, destination) -
         finally:
             os.close(fd)
     return written
+
+
+def _take_axes(info: TensorInfo, data, gathers: list, files: _SourceFiles):
+    """The tensor's bytes gathered along every axis of ``gathers`` in turn (one axis: a byte view; several: the
+    elements), the last gather into the reusable buffer 1."""
+    width = DTYPE_BITS[info.dtype] // 8
+    array = _byte_view(info, data, gathers[0][0]) if len(gathers) == 1 else np.frombuffer(data, f"<u{width}")
+    array = array.reshape(info.shape) if len(gathers) > 1 else array
+    for k, (axis, index) in enumerate(gathers):
+        shape = array.shape[:axis] + (index.size,) + array.shape[axis + 1 :]
+        last = k == len(gathers) - 1
+        buffer = files.buffer(1, math.prod(shape) * array.itemsize) if last else None
+        out = (
+            np.empty(shape, array.dtype)
+            if buffer is None
+            else np.frombuffer(buffer, array.dtype).reshape(shape)
+        )
+        array = _take_blocks(array, index, axis, out)
+    return array
 
 
 def _fp8_table(dtype: str):
@@ -551,8 +581,9 @@ def _fp8_table(dtype: str):
     return value.astype(np.float32)
 
 
-def _write_dequantized(plan: LayerPlan, suffix: str, rule, index, files: _SourceFiles, destination) -> int:
-    """An FP8 weight gathered and written in BF16: each byte decoded, times its block's scale."""
+def _write_dequantized(plan: LayerPlan, suffix: str, gathers: list, files: _SourceFiles, destination) -> int:
+    """An FP8 weight gathered (along every axis of ``gathers``) and written in BF16: each byte decoded, times
+    its block's scale."""
 
     layer = plan.layer
     (info, data), (scale_info, scale_data) = files.read(
@@ -569,7 +600,9 @@ def _write_dequantized(plan: LayerPlan, suffix: str, rule, index, files: _Source
     rows, cols = info.shape
     block_rows, block_cols = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
     full = np.repeat(np.repeat(scale, block_rows, axis=0)[:rows], block_cols, axis=1)[:, :cols]
-    values = np.take(weight.astype(np.float64) * full, index, axis=rule.axis)
+    values = weight.astype(np.float64) * full
+    for axis, index in gathers:
+        values = np.take(values, index, axis=axis)
     dst, offset, shape = destination(plan, suffix)
     if values.shape != tuple(shape):
         raise RuntimeError(f"internal error: {info.name} dequantised to {values.shape}, planned {shape}")
@@ -585,18 +618,17 @@ def _fused_of(layer: GDNLayer, suffix: str) -> str | None:
     return next((fused for fused, pieces in layer.splits.items() if suffix in pieces), None)
 
 
-def _out_shape(layer: GDNLayer, suffix: str, target) -> tuple[int, ...]:
-    """Shape of on-disk tensor ``suffix`` of ``layer`` after the gather to geometry ``target``."""
-
+def _out_shape(plan: LayerPlan, suffix: str) -> tuple[int, ...]:
+    """Shape of on-disk tensor ``suffix`` of a layer after its gathers (a split fused tensor's piece: its segment)."""
+    layer = plan.layer
+    shape = list(layer.tensors[suffix].shape)
     fused = _fused_of(layer, suffix)
     if fused is None:
-        rule = layer.rule(suffix)
-        length = rule.length(target)
+        for axis, index in plan.gathers(suffix):
+            shape[axis] = int(index.size)
     else:
         rule = layer.rule(fused)
-        length = segment_size(rule.segments[layer.splits[fused].index(suffix)], target)
-    shape = list(layer.tensors[suffix].shape)
-    shape[rule.axis] = length
+        shape[rule.axis] = segment_size(rule.segments[layer.splits[fused].index(suffix)], plan.target)
     return tuple(shape)
 
 

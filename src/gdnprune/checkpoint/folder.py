@@ -39,6 +39,7 @@ __all__ = [
     "find_gdn_layers",
     "find_block_layers",
     "map_to_checkpoint",
+    "tile_size",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -243,8 +244,11 @@ class GDNLayer:
     numbered: dict = field(default_factory=dict)  # experts.N.* suffix -> shape (renamed, not gathered)
 
     def rule(self, suffix: str):
-        """The rule of tensor ``suffix``: the layout's, or the block rule of an FP8 scale tensor."""
+        """The rule of tensor ``suffix``: the layout's, or the block rule of an FP8 scale tensor (None for the
+        hidden channels' tensors: their gathers are all on the hidden axis, :class:`~.engine.LayerPlan`)."""
 
+        if self.kind == "hidden":
+            return None
         return self.scales.get(suffix) or get_layout(self.layout).rule(suffix)
 
     @property
@@ -272,8 +276,9 @@ class GDNLayer:
         return conv.shape[-1]
 
     def name(self, suffix: str) -> str:
-        """Full tensor name of ``suffix``."""
-        return f"{self.prefix}.{suffix}"
+        """Full tensor name of ``suffix`` (the suffix itself for the hidden channels' tensors, whose
+        "layer" is the whole model: prefix ``""``)."""
+        return f"{self.prefix}.{suffix}" if self.prefix else suffix
 
 
 def _config_shape(config: Mapping, where: Path, prefix: str | None = None):
@@ -358,6 +363,11 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
         layer.kind, layer.numbered = block.kind, block.numbered
         layers.append(layer)
     return layers
+
+
+def tile_size(checkpoint: Checkpoint) -> tuple[int, int] | None:
+    """The FP8 scale tile (``quantization_config.weight_block_size``), None when the checkpoint is not FP8."""
+    return _block_size(checkpoint)
 
 
 def _block_size(checkpoint: Checkpoint) -> tuple[int, int] | None:

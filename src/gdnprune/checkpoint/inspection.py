@@ -10,10 +10,18 @@ import re
 from typing import Any
 
 from ..io.plan_file import state_elements
+from ..model.hidden import find_hidden
 from ..model.layer_removal import attention_layers, num_layers_of, removal_name_map
 from ..model.model_config import text_config
 from ..model.subblock_geometry import KINDS, names_under
-from .folder import Checkpoint, CheckpointError, find_block_layers, find_gdn_layers, open_checkpoint
+from .folder import (
+    Checkpoint,
+    CheckpointError,
+    find_block_layers,
+    find_gdn_layers,
+    open_checkpoint,
+    tile_size,
+)
 
 __all__ = ["inspect_checkpoint"]
 
@@ -50,6 +58,18 @@ def _inspect_sub_blocks(ckpt: Checkpoint) -> tuple[list[dict], dict[str, int]]:
     return out, by_kind
 
 
+def _inspect_hidden(ckpt: Checkpoint) -> dict:
+    """The hidden size and the parameters on the residual stream (a cut to ``K`` keeps ``K / H`` of them), or
+    ``{"unsupported": reason}`` where the hidden-size table does not describe the checkpoint."""
+    try:
+        residual = find_hidden(
+            {n: ckpt.tensor(n).shape for n in ckpt.names}, ckpt.config, tile_size=tile_size(ckpt)
+        )
+    except ValueError as exc:
+        return {"unsupported": str(exc)}
+    return {**residual.shape.as_dict(), "parameters": sum(ckpt.tensor(n).numel for n in residual.rules)}
+
+
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # the decoder layer of a tensor, as depth numbers it
 
 
@@ -83,7 +103,8 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
     fields, ``parameters``, ``state_elements`` (recurrent state per sequence), ``shards``),
     ``gdn_parameters``, ``sub_blocks`` (the attention / MLP / shared-expert blocks: prefix, kind, layout,
     geometry, parameters; a kind whose modules fit no layout gives ``{"kind", "unsupported": reason}``),
-    ``decoder_layers`` (``index``, ``type``, ``parameters``, ``removable``), ``parameters_by_kind`` (``gdn``,
+    ``decoder_layers`` (``index``, ``type``, ``parameters``, ``removable``), ``hidden`` (``hidden_size`` and
+    the ``parameters`` of every tensor on the residual stream, or ``unsupported``), ``parameters_by_kind`` (``gdn``,
     each sub-block kind, ``other``: embeddings, norms, vision tower, ``mtp.*``), ``other_parameters`` (everything but GDN), ``total_parameters``, ``total_bytes``, ``passthrough`` and
     ``manifest`` (operation and sorted flag of a gdnprune output, else None).
 
@@ -126,6 +147,7 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict:
         "gdn_parameters": gdn,
         "sub_blocks": sub_blocks,
         "decoder_layers": _inspect_decoder_layers(ckpt),
+        "hidden": _inspect_hidden(ckpt),
         "parameters_by_kind": {"gdn": gdn, **by_kind, "other": total - gdn - sum(by_kind.values())},
         "other_parameters": total - gdn,
         "total_parameters": total,

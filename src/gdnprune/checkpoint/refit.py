@@ -20,12 +20,20 @@ from ..io.safetensors_io import write_all
 from ..io.scores_file import matching_prefixes
 from ..model.geometry import GDNShape, order_indices, orders_from_payload
 from ..model.layouts import get_layout
+from ..model.targets import TargetError
 from ..quality import compensate
 from ..runtime.fileio import file_sha256
 from .codecs import from_float, to_float
 from .folder import CONFIG_NAME, MANIFEST_NAME, Checkpoint, CheckpointError
 
-__all__ = ["statistics_order", "refit_out_proj", "stats_info"]
+__all__ = [
+    "statistics_order",
+    "refit_out_proj",
+    "stats_info",
+    "compensation_inputs",
+    "refit_shards",
+    "compensation_info",
+]
 
 
 def statistics_order(ckpt: Checkpoint, stats_path: str | os.PathLike) -> dict[str, np.ndarray] | None:
@@ -166,3 +174,54 @@ def refit_out_proj(
 def stats_info(path: str | os.PathLike) -> dict:
     """What the manifest records of a statistics file."""
     return {"path": str(Path(path).resolve()), "sha256": file_sha256(path)}
+
+
+def compensation_inputs(ckpt: Checkpoint, layers: list, stats_path: Any, cut: bool) -> tuple[Any, Any]:
+    """The statistics (and their channel order) an out_proj refit reads; ``(None, None)`` without one.
+
+    Raises:
+        TargetError: compensation without a cut, or of an FP8 out_proj.
+    """
+    if stats_path is None:
+        return None, None
+    if not cut:
+        raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
+    fp8 = [
+        layer.prefix
+        for layer in layers
+        if any(s.endswith("weight_scale_inv") and "out_proj" in s or "o_proj" in s for s in layer.scales)
+    ]
+    if fp8:
+        raise TargetError(
+            f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
+            f"({fp8[:3]}); slice a BF16 copy to compensate"
+        )
+    if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
+        return stats_path, None
+    return compensate.load_statistics(stats_path), statistics_order(ckpt, stats_path)
+
+
+def refit_shards(
+    ckpt: Checkpoint, plans: dict, shards: list, stats: Any, order: Any, ridge: float | None
+) -> list[str]:
+    """Refit the cut GDN layers' out_proj in the written shards (:func:`refit.refit_out_proj`)."""
+    destinations = {
+        name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
+        for shard in shards
+        for name in shard.gdn
+    }
+    ridge = compensate.DEFAULT_RIDGE if ridge is None else ridge
+    return refit_out_proj(ckpt, plans, destinations, stats, order, ridge=ridge)
+
+
+def compensation_info(stats_path: Any, ridge: float | None, refitted: list[str]) -> dict:
+    """The manifest's ``compensation`` entry."""
+    fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
+    return {
+        "method": "sequential" if fitted else "statistics",
+        "statistics": "collected in this run" if isinstance(stats_path, Mapping) else stats_info(stats_path),
+        "ridge": compensate.DEFAULT_RIDGE if ridge is None else ridge,
+        "layers": refitted,
+        "nested": False,
+        "note": "out_proj refitted by least squares per target: not nested across targets",
+    }

@@ -27,6 +27,7 @@ from ..io.plan_file import (
     PlanError,
     constraint_violations,
     kernel_warnings,
+    plan_hidden_size,
     read_plan,
     removed_layers,
     resolve_plan,
@@ -34,12 +35,12 @@ from ..io.plan_file import (
 from ..io.scores_file import prefix_alias, read_scores, resolve_orders
 from ..model import layer_removal
 from ..model.geometry import apply_targets_to_config, layer_index_of, orders_to_payload
+from ..model.hidden import HIDDEN_KEY
 from ..model.model_config import text_config
 from ..model.targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
-from ..quality import compensate
 from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256, write_json_atomic
-from . import output, refit, remote_code, subblocks
+from . import hidden, output, refit, remote_code, subblocks
 from .engine import GDNWork, check_unchanged, copy_unchanged, plan_layer, plan_shards, write_header
 from .folder import (
     CONFIG_NAME,
@@ -102,6 +103,7 @@ def transform_checkpoint(
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
     remove_layers: Any = None,
+    rescale_norms: str | os.PathLike | Mapping | None = None,
 ) -> dict:
     """Permute and/or cut every GDN layer of a checkpoint folder into a new folder, streaming.
 
@@ -113,15 +115,20 @@ def transform_checkpoint(
             (:class:`MissingScoresWarning`); an entry that is not a GDN layer is a :class:`ScoresError`.
             Entries keyed by an attention / MLP sub-block's prefix (``model.layers.3.self_attn``,
             ``...mlp``, ``...mlp.shared_expert``) hold its orders (:mod:`gdnprune.model.subblock_geometry`); a sub-block
-            without an entry keeps its order. None: no permutation.
+            without an entry keeps its order. The entry ``"hidden"`` holds the order of the hidden channels
+            (the residual stream's width, :mod:`gdnprune.model.hidden`; a scores file's ``hidden`` payload):
+            every tensor on the stream is sorted by it. None: no permutation.
         target: the nested-prefix geometry of every GDN layer, a ``GDNShape`` or a mapping of some of its
             fields (missing or None fields keep each layer's size). The mapping may also hold the
             sub-block fields ``intermediate_size``, ``shared_expert_intermediate_size``,
             ``num_attention_heads`` and ``num_key_value_heads``: every sub-block that has the field is cut
-            to it (:mod:`gdnprune.checkpoint.subblocks`). None: no slicing.
+            to it (:mod:`gdnprune.checkpoint.subblocks`); ``hidden_size`` cuts the hidden size (the residual
+            stream's width) of the whole model: every tensor on the stream keeps its first ``hidden_size``
+            channels (:mod:`gdnprune.checkpoint.hidden`). None: no slicing.
         plan: per-layer targets instead of one ``target``: a plan file or dict (:mod:`gdnprune.io.plan_file`).
             Layers that end up with different geometries are recorded in ``config.json`` with
             transformers' ``per_layer_config``; load such a checkpoint with :func:`gdnprune.load_pretrained`.
+            Its ``default`` may hold ``hidden_size``.
         tp, multiple_of: serving constraints on the cut layers (key and value heads divisible by ``tp``,
             head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
             such layer. Head dims that flash-linear-attention cannot run or must pad give a
@@ -142,6 +149,10 @@ def transform_checkpoint(
         overwrite: replace an existing ``output_dir``.
         progress: show a tqdm progress bar over bytes written (stderr).
         manifest_extra: extra top-level entries for the manifest.
+        rescale_norms: with a cut of the hidden size, the rescaled-norms correction: every RMS norm on the
+            residual stream has its scale multiplied by the expected ratio of the RMS over the kept channels to
+            the RMS over all of them (:func:`gdnprune.model.hidden.norm_factors`), from the ``hidden`` entry of
+            these scores (file or dict; the order the input was sorted by). Not nested across hidden sizes.
         remove_layers: decoder layer numbers (as in the input) to remove (:mod:`gdnprune.model.layer_removal`): their
             tensors are dropped, later layers' tensors renumbered (bytes unchanged), ``config.json`` gets
             ``num_hidden_layers``, ``layer_types`` and ``per_layer_config`` rewritten; ``mtp.*`` is kept.
@@ -170,7 +181,7 @@ def transform_checkpoint(
         target,
         plan,
         (tp, multiple_of, dequantize),
-        (compensation_stats, ridge),
+        (compensation_stats, ridge, rescale_norms),
         operation,
         overwrite,
         progress,
@@ -223,6 +234,12 @@ def _transform(
     # everything that can be wrong with the inputs is found before a folder is created
     ckpt = open_checkpoint(src)
     layers, skipped = find_gdn_layers(ckpt)
+    (target, hidden_size), (permutations, hidden_order) = (
+        hidden.split_hidden_target(target),
+        hidden.split_hidden_order(permutations),
+    )
+    if plan is not None:
+        hidden_size = plan_hidden_size(plan)
     (target, block_target), (permutations, block_orders) = (
         subblocks.split_target(target),
         subblocks.split_permutations(permutations),
@@ -240,16 +257,26 @@ def _transform(
     if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered
         plans = _drop_removed(ckpt, plans, blocks, removed)
         manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
+    residual = hidden.plan_hidden(ckpt, hidden_order, hidden_size)
+    if residual is not None:  # one more gather of every tensor on the stream, and a plan of the others
+        plans = hidden.with_hidden(ckpt, plans, blocks.plans, blocks.names, residual, constraints[2])
+        manifest_extra = {"hidden": hidden.hidden_manifest(residual), **dict(manifest_extra or {})}
     skip = {os.path.basename(s.path) for s in ckpt.shards} | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME}
     other_files, left_out = output.plan_other_files(src, skip)
     gdn_names = {p.layer.name(s) for p in (*plans.values(), *blocks.plans.values()) for s in p.layer.tensors}
-    cut = target is not None or plan is not None or blocks.cut
+    cut = target is not None or plan is not None or blocks.cut or bool(residual and residual.cut)
     unsorted_cut = cut and permutations is None and not block_orders
     _warn_inputs(src, ckpt, unsorted_cut, missing, skipped, blocks, left_out)
     if self_contained:
         remote_code.auto_map(ckpt.config)  # a family it cannot load is refused before any folder is made
-    stats_path, ridge = refit_options
-    stats, order = _compensation_inputs(ckpt, layers, stats_path, cut)
+    stats_path, ridge, rescale = refit_options
+    factors = None if rescale is None else hidden.norm_rescaling(ckpt, rescale, residual)
+    if stats_path is not None and residual is not None:
+        raise TargetError(
+            "compensation refits out_proj from statistics of the full hidden size; it does not combine with "
+            "a sort or cut of the hidden channels"
+        )
+    stats, order = refit.compensation_inputs(ckpt, layers, stats_path, cut)
     _check_free_space(ckpt, out, gdn_names if cut else set())
 
     staging = output.Staging(out, overwrite, src=src)
@@ -258,11 +285,13 @@ def _transform(
         work = GDNWork(ckpt, shards, {**plans, **blocks.plans}, names=blocks.names)
         with _streaming(work, shards, operation, progress) as on_chunk:
             if stats_path is not None:
-                refitted = _refit(ckpt, plans, shards, stats, order, ridge)
+                refitted = refit.refit_shards(ckpt, plans, shards, stats, order, ridge)
                 manifest_extra = {
-                    "compensation": _compensation_info(stats_path, ridge, refitted),
+                    "compensation": refit.compensation_info(stats_path, ridge, refitted),
                     **dict(manifest_extra or {}),
                 }
+            if factors:
+                manifest_extra = hidden.rescale_written_norms(ckpt, shards, factors, manifest_extra)
             for shard in shards:
                 on_chunk(write_header(shard))
             if blocks.plans:
@@ -281,6 +310,7 @@ def _transform(
                 manifest_extra,
                 blocks,
                 removed,
+                residual,
             )
             if self_contained:
                 remote_code.make_self_contained(tmp)
@@ -396,31 +426,6 @@ def _warn_inputs(
         )
 
 
-def _compensation_inputs(ckpt: Checkpoint, layers: list, stats_path: Any, cut: bool) -> tuple[Any, Any]:
-    """The statistics (and their channel order) an out_proj refit reads; ``(None, None)`` without one.
-
-    Raises:
-        TargetError: compensation without a cut, or of an FP8 out_proj.
-    """
-    if stats_path is None:
-        return None, None
-    if not cut:
-        raise TargetError("compensation needs a cut (a target or a plan): sorting alone changes no output")
-    fp8 = [
-        layer.prefix
-        for layer in layers
-        if any(s.endswith("weight_scale_inv") and "out_proj" in s or "o_proj" in s for s in layer.scales)
-    ]
-    if fp8:
-        raise TargetError(
-            f"compensation refits out_proj in floating point and does not apply to FP8 out_proj "
-            f"({fp8[:3]}); slice a BF16 copy to compensate"
-        )
-    if isinstance(stats_path, Mapping):  # statistics in memory, collected on this very checkpoint
-        return stats_path, None
-    return compensate.load_statistics(stats_path), refit.statistics_order(ckpt, stats_path)
-
-
 def _check_free_space(ckpt: Checkpoint, out: Path, rewritten: set[str]) -> None:
     """Refuse early when the disk of ``out`` cannot hold at least the tensors that are copied unchanged."""
     at_least = sum(ckpt.tensor(n).nbytes for n in ckpt.names if n not in rewritten)
@@ -431,34 +436,6 @@ def _check_free_space(ckpt: Checkpoint, out: Path, rewritten: set[str]) -> None:
             f"not enough free disk space for {out}: the output needs more than "
             f"{at_least / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
         )
-
-
-def _refit(
-    ckpt: Checkpoint, plans: dict, shards: list, stats: Any, order: Any, ridge: float | None
-) -> list[str]:
-    """Refit the cut GDN layers' out_proj in the written shards (:func:`refit.refit_out_proj`)."""
-    destinations = {
-        name: (shard.dst, shard.data_start + shard.gdn_entries[name][2])
-        for shard in shards
-        for name in shard.gdn
-    }
-    ridge = compensate.DEFAULT_RIDGE if ridge is None else ridge
-    return refit.refit_out_proj(ckpt, plans, destinations, stats, order, ridge=ridge)
-
-
-def _compensation_info(stats_path: Any, ridge: float | None, refitted: list[str]) -> dict:
-    """The manifest's ``compensation`` entry."""
-    fitted = isinstance(stats_path, Mapping) and any("columns" in e for e in stats_path.values())
-    return {
-        "method": "sequential" if fitted else "statistics",
-        "statistics": "collected in this run"
-        if isinstance(stats_path, Mapping)
-        else refit.stats_info(stats_path),
-        "ridge": compensate.DEFAULT_RIDGE if ridge is None else ridge,
-        "layers": refitted,
-        "nested": False,
-        "note": "out_proj refitted by least squares per target: not nested across targets",
-    }
 
 
 def _finish_folder(
@@ -475,16 +452,17 @@ def _finish_folder(
     manifest_extra,
     blocks: subblocks.SubBlockPlan,
     removed=(),
+    residual: Any = None,
 ) -> dict:
     """Index, config, other files and manifest of the output folder."""
-    gdn_plans = {prefix: p for prefix, p in work.plans.items() if prefix not in blocks.plans}
+    gdn_plans = {prefix: p for prefix, p in work.plans.items() if p.layer.kind == "gdn"}
 
     output.write_index(
         ckpt, tmp, [e for shard in work.shards for e in shard.entries()], work.dropped, work.names
     )
     dequantized = [
-        f"{prefix}.{suffix[: -len('.weight')]}"
-        for prefix, p in work.plans.items()
+        p.layer.name(suffix)[: -len(".weight")]
+        for p in work.plans.values()
         for suffix in sorted(p.dequantize)
     ]
     if cut or dequantized or removed:
@@ -494,6 +472,8 @@ def _finish_folder(
                 config, {layer_index_of(prefix): p.target for prefix, p in gdn_plans.items()}
             )
             config = blocks.apply_to_config(config)
+            if residual is not None:
+                config = hidden.hidden_config(config, residual)
         if removed:
             config = layer_removal.remove_layers_from_config(config, removed)
         if dequantized:
@@ -566,7 +546,8 @@ def sort_checkpoint(
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
 ) -> dict:
-    """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores``; same function.
+    """Write the "sorted teacher": every GDN layer permuted by the orders of ``scores`` (and every sub-block,
+    and the hidden channels, that the scores order); same function.
 
     ``scores`` is a scores file path or dict (see :func:`gdnprune.io.scores_file.read_scores`). The keyword arguments
     are those of :func:`transform_checkpoint`. Returns the manifest.
@@ -576,10 +557,13 @@ def sort_checkpoint(
     if not isinstance(scores, Mapping):
         info = {"path": str(Path(scores).resolve()), "sha256": file_sha256(Path(scores)), **info}
     extra = {"scores": info, **dict(manifest_extra or {})}
+    permutations = dict(data["layers"])
+    if data.get(HIDDEN_KEY) is not None:  # the hidden channels' order (the scores file's top-level entry)
+        permutations[HIDDEN_KEY] = data[HIDDEN_KEY]
     return transform_checkpoint(
         model_dir,
         output_dir,
-        permutations=data["layers"],
+        permutations=permutations,
         operation="sort",
         manifest_extra=extra,
         dequantize=dequantize,
@@ -607,6 +591,7 @@ def slice_checkpoint(
     progress: bool = True,
     manifest_extra: Mapping[str, Any] | None = None,
     remove_layers: Any = None,
+    rescale_norms: str | os.PathLike | Mapping | None = None,
 ) -> dict:
     """Cut every GDN layer to a nested prefix and rewrite the geometry in ``config.json``.
 
@@ -614,7 +599,8 @@ def slice_checkpoint(
     ``num_value_heads`` (total), ``key_head_dim``, ``value_head_dim``); missing fields keep each layer's
     size; ``intermediate_size``, ``shared_expert_intermediate_size``, ``num_attention_heads`` and
     ``num_key_value_heads`` cut the MLPs, shared experts and full-attention layers, ``num_experts`` keeps that
-    many routed experts per MoE layer. ``remove_layers`` removes decoder layers (numbers as in the input,
+    many routed experts per MoE layer, ``hidden_size`` cuts the hidden size of the whole model (with
+    ``rescale_norms``: the scores whose norm statistics correct the RMS norms). ``remove_layers`` removes decoder layers (numbers as in the input,
     :mod:`gdnprune.model.layer_removal`), alone or with a target or plan. ``plan`` gives every
     layer its own target instead (a plan file or dict, :mod:`gdnprune.io.plan_file`; version 2 for sub-blocks).
     Warns (:class:`UnsortedInputWarning`) when the input has no manifest saying it was sorted. Keyword
@@ -638,4 +624,5 @@ def slice_checkpoint(
         progress=progress,
         manifest_extra=manifest_extra,
         remove_layers=remove_layers,
+        rescale_norms=rescale_norms,
     )

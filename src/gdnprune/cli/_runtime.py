@@ -58,7 +58,11 @@ COMMAND_PATHS = {
     "sort": CommandPaths(models=("model_dir",), files=(("scores", "a scores file"),), outputs=("output",)),
     "slice": CommandPaths(
         models=("model_dir",),
-        files=(("plan", "a plan file"), ("compensation_stats", "a statistics file from `gdnprune score`")),
+        files=(
+            ("plan", "a plan file"),
+            ("compensation_stats", "a statistics file from `gdnprune score`"),
+            ("rescale_norms", "a scores file"),
+        ),
         outputs=("output",),
     ),
     "verify": CommandPaths(models=("model_a", "model_b"), sources=("data",)),

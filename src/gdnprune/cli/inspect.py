@@ -106,6 +106,14 @@ def format_inspect(info: dict) -> str:
     if info.get("decoder_layers"):
         lines += _layers_table(info["decoder_layers"])
     total = info["total_parameters"]
+    hidden = info.get("hidden") or {}
+    if "unsupported" in hidden:
+        lines.append(f"hidden size: cannot be cut in this checkpoint ({hidden['unsupported']})")
+    elif hidden:
+        lines.append(
+            f"hidden size {hidden['hidden_size']}: {hidden['parameters']:,} parameters on the residual stream "
+            f"({100 * hidden['parameters'] / max(total, 1):.1f}% of all, each shrinking with it)"
+        )
     by_kind = info.get("parameters_by_kind") or {
         "gdn": info["gdn_parameters"],
         "other": info["other_parameters"],

@@ -14,17 +14,10 @@ from ._options import (
     scoring_options,
     target_from_args,
 )
+from ._plan_summary import latency_summary, model_summary, servable_summary
 from ._ranking import check_rank_flags, rank_cost_printer, ranking_summary
 from ._runtime import add_runtime_arguments, model_runtime
-from .plan import (
-    add_search_arguments,
-    any_budget,
-    check_latency_options,
-    latency_summary,
-    model_summary,
-    search_options,
-    servable_summary,
-)
+from .plan import add_search_arguments, any_budget, check_latency_options, search_options
 from .quantize import add_quantize_argument, quantize_beside
 from .quantize import summary as quantize_summary
 
@@ -167,6 +160,9 @@ def run(args) -> int:
     also = f" (self-contained: {manifest['self_contained']})" if manifest.get("self_contained") else ""
     if manifest.get("removed_layers"):
         what += f", decoder layers {manifest['removed_layers']} removed"
+    hidden = manifest.get("hidden")
+    if hidden and hidden["target"] != hidden["shape"]:
+        what += f", hidden size {hidden['shape']['hidden_size']} -> {hidden['target']['hidden_size']}"
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:

@@ -57,7 +57,8 @@ def add_parser(subparsers) -> None:
     add_blocks_argument(
         p,
         help=f"the kinds of block to order, GDN layers always (default all: {BLOCKS}; the kinds the model "
-        "lacks are skipped, depth has nothing to order)",
+        "lacks are skipped, depth has nothing to order); hidden: also the hidden channels (the residual "
+        "stream's width; then `sort` rewrites every tensor)",
     )
     add_deprecated_alias(
         p, "--sub-blocks", "blocks", "--blocks (default: every kind)", convert=lambda v: BLOCKS, nargs=0
@@ -226,6 +227,7 @@ def _score(args, mode: str) -> int:
             done = (
                 f"{len(scores['layers']) - subs} GDN layers"
                 + (f" and {subs} sub-blocks" if subs else "")
+                + (" and the hidden channels" if scores.get("hidden") else "")
                 + f" scored with {args.method!r} on {scores['num_tokens']} tokens"
             )
             run = None

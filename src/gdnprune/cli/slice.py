@@ -80,6 +80,24 @@ def add_parser(subparsers) -> None:
         "their rows; num_experts_per_tok is unchanged and must be <= N)",
     )
     p.add_argument(
+        "--hidden-size",
+        dest="hidden_size",
+        type=positive_int,
+        metavar="N",
+        help="hidden size (the residual stream's width) of the whole model: every tensor that reads or "
+        "writes the residual stream (embeddings, LM head, norms, every projection, mtp.*, a VL merger's "
+        "output) keeps its first N hidden channels (sort first: the scores' hidden order)",
+    )
+    p.add_argument(
+        "--rescale-norms",
+        dest="rescale_norms",
+        metavar="SCORES.json",
+        default=None,
+        help="with --hidden-size: the rescaled-norms correction, from these scores (the ones MODEL_DIR was "
+        "sorted by): every RMS norm on the residual stream is scaled by the expected ratio of the RMS over "
+        "the kept channels to the RMS over all of them; outputs are then not nested",
+    )
+    p.add_argument(
         "--remove-layers",
         dest="remove_layers",
         metavar="I,J",
@@ -127,8 +145,10 @@ def run(args) -> int:
     from ..model.targets import TargetError  # lazy: fast --help
 
     sub_blocks = {f: getattr(args, f) for f in BLOCK_FIELDS if getattr(args, f) is not None}
+    if args.hidden_size is not None:
+        sub_blocks["hidden_size"] = args.hidden_size
     if sub_blocks and args.plan is not None:
-        raise TargetError("give a target (--intermediate-size, ...) or --plan, not both")
+        raise TargetError("give a target (--intermediate-size, --hidden-size, ...) or --plan, not both")
     remove = parse_layer_list(args.remove_layers) if args.remove_layers is not None else None
     target = target_from_args(args, required=not sub_blocks and not remove and args.plan is None)
     if sub_blocks:
@@ -145,12 +165,15 @@ def run(args) -> int:
         dequantize=args.dequantize,
         self_contained=args.self_contained,
         remove_layers=remove,
+        rescale_norms=args.rescale_norms,
         overwrite=args.overwrite,
         progress=not args.quiet,
     )
     line = summary(manifest, args.output)
     if manifest.get("removed_layers"):
         line += f"; removed decoder layers {manifest['removed_layers']}"
+    if manifest.get("hidden") and manifest["hidden"]["target"] != manifest["hidden"]["shape"]:
+        line += f"; hidden size {manifest['hidden']['shape']['hidden_size']} -> {manifest['hidden']['target']['hidden_size']}"
     if manifest.get("blocks"):
         kinds: dict[str, int] = {}
         for entry in manifest["blocks"].values():

@@ -26,6 +26,15 @@ from accelerate.utils import get_max_memory
 
 from ..gated_delta_net import GDNPermutation, slice_gated_delta_net_state_dict
 from ..model.geometry import GDNShape, apply_targets_to_config, layer_index_of
+from ..model.hidden import (
+    ORDER_KEY,
+    apply_hidden_to_config,
+    norm_factors,
+    norm_offset,
+    orders_from_payload,
+    rescaled_norm,
+    resolve_hidden_target,
+)
 from ..model.layouts import find_gdn_modules
 from ..model.model_config import config_value, text_config
 from ..model.subblock_geometry import (
@@ -35,10 +44,16 @@ from ..model.subblock_geometry import (
     block_kinds_of,
     resolve_block_target,
 )
-from ..model.subblock_surgery import find_model_blocks, slice_block_state_dict
+from ..model.subblock_surgery import (
+    find_model_blocks,
+    find_model_hidden,
+    slice_block_state_dict,
+    slice_hidden_state_dict,
+)
 from ..model.targets import resolve_target
 from ..runtime.distributed import launch_info
 from .model_classes import empty_pretrained, heterogeneous, per_layer_gdn_modules, resolve_class
+from .scores_file import matching_prefixes
 from .sharded_loading import ShardedLoadingError, load_sharded
 
 __all__ = [
@@ -167,7 +182,15 @@ def _default_device() -> str:
 
 
 def slice_model(
-    model: Any, targets: Any = None, permutations: Any = None, *, blocks: Any = None, block_orders: Any = None
+    model: Any,
+    targets: Any = None,
+    permutations: Any = None,
+    *,
+    blocks: Any = None,
+    block_orders: Any = None,
+    hidden_size: int | None = None,
+    hidden_order: Mapping[str, Any] | None = None,
+    rescale_norms: bool = False,
 ) -> Any:
     """A new model: ``model`` with every GDN layer sorted by ``permutations`` and cut to its target, in memory,
     and its attention and MLP sub-blocks sorted by ``block_orders`` and cut to ``blocks``.
@@ -181,6 +204,11 @@ def slice_model(
             ``num_attention_heads``, ``num_key_value_heads``) for every sub-block that has them, or
             ``{sub-block prefix: fields}`` (e.g. ``"model.layers.3.self_attn"``); None: no cut.
         block_orders: ``{sub-block prefix: orders or score payload}`` (:mod:`gdnprune.model.subblock_surgery`).
+        hidden_size: the hidden size (the residual stream's width) to keep (:mod:`gdnprune.model.hidden`);
+            None: no cut.
+        hidden_order: the hidden channels' order (a scores file's ``hidden`` payload, or ``{"channels": [H]}``).
+        rescale_norms: with a hidden cut, the correction of the RMS norms on the stream for the mean over fewer
+            channels (:func:`gdnprune.model.hidden.norm_factors`, from ``hidden_order``'s ``norm_input_sq``).
 
     The new model's config records the per-layer geometry as a sliced checkpoint does (the plain keys
     when the layers agree, ``per_layer_config`` when they differ), so ``save_pretrained`` writes a folder
@@ -233,6 +261,29 @@ def slice_model(
             cut.setdefault(block.kind, {})[layer_index_of(block.prefix)] = target
         for kind, kind_targets in cut.items():
             config = apply_block_targets_to_config(config, kind, kind_targets)
+    if hidden_size is not None or hidden_order is not None:
+        residual = find_model_hidden(model)
+        orders = hidden_order
+        if orders is not None and ORDER_KEY in orders:
+            orders = orders_from_payload(orders, residual.shape)
+        kept = resolve_hidden_target(residual.shape, hidden_size)
+        slice_hidden_state_dict(state, residual, kept, orders=orders)
+        config = apply_hidden_to_config(config, kept)
+        if rescale_norms:
+            if hidden_order is None:
+                raise ValueError("`rescale_norms` reads the norms' statistics of the scores' hidden order")
+            offset = norm_offset(model.config)
+            factors = norm_factors(hidden_order, kept.hidden_size)
+            names = {n: matching_prefixes(n, list(residual.rules)) for n in factors}
+            unknown = sorted(n for n, found in names.items() if len(found) != 1)
+            if unknown:
+                raise ValueError(f"the scores' norms {unknown[:3]} are not norms of this model")
+            for name, factor in factors.items():
+                key = names[name][0]
+                weight = state[key]
+                state[key] = torch.from_numpy(
+                    rescaled_norm(weight.double().cpu().numpy(), factor, offset)
+                ).to(weight.dtype)
     config = type(model.config).from_dict(config)
     with per_layer_gdn_modules(type(model)):
         new = type(model)(config)

@@ -16,7 +16,8 @@ Version 2 (what gdnprune writes now; version 1 files are still read) also cuts t
 ``"model.layers.3.self_attn": {"num_attention_heads": 8, "num_key_value_heads": 2}``,
 ``"model.layers.3.mlp": {"intermediate_size": 2048}``, ``"model.layers.3.mlp.shared_expert":
 {"shared_expert_intermediate_size": 256}`` — and ``default`` may hold these fields too (each applies to
-the sub-blocks that have it). Prefixes match as in scores files, with or without the
+the sub-blocks that have it) and ``hidden_size``, the hidden size of the whole model (the residual stream's
+width, :mod:`gdnprune.model.hidden`: one value for every layer). Prefixes match as in scores files, with or without the
 ``language_model.`` part of a vision-language checkpoint. Also here: the serving constraints a plan must
 meet (:func:`constraint_violations`, :func:`kernel_warnings`) and the cost of a geometry
 (:func:`state_elements`). This module does not import torch.
@@ -30,12 +31,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..model.geometry import GDNShape, layer_index_of
+from ..model.hidden import HIDDEN_FIELDS
 from ..model.subblock_geometry import BLOCK_FIELDS, KINDS, block_kind_of, block_kinds_of, resolve_block_target
 from ..model.targets import TARGET_FIELDS, TargetError, resolve_target
 from ..runtime.fileio import write_json_atomic
 from .scores_file import match_layers
 
 __all__ = [
+    "plan_hidden_size",
     "PLAN_FORMAT",
     "PLAN_VERSION",
     "PLAN_VERSIONS",
@@ -146,11 +149,16 @@ def read_plan(plan: str | os.PathLike | Mapping) -> dict:
         allowed = TARGET_FIELDS if kind is None else tuple(k for k in kind.config_keys if k in BLOCK_FIELDS)
         out["layers"][prefix] = _check_fields(entry, f"{where}: layers[{prefix!r}]", allowed)
     if plan.get("default") is not None:
-        allowed = TARGET_FIELDS if version == 1 else TARGET_FIELDS + BLOCK_FIELDS
+        allowed = TARGET_FIELDS if version == 1 else TARGET_FIELDS + BLOCK_FIELDS + HIDDEN_FIELDS
         out["default"] = _check_fields(plan["default"], f"{where}: default", allowed)
     if removed:
         out["removed_layers"] = sorted(removed)
     return out
+
+
+def plan_hidden_size(plan: str | os.PathLike | Mapping) -> int | None:
+    """The hidden size a plan cuts the model to (its ``default``'s ``hidden_size``), None when it keeps it."""
+    return (read_plan(plan).get("default") or {}).get("hidden_size")
 
 
 def removed_layers(plan: str | os.PathLike | Mapping) -> list[int]:

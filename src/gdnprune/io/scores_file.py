@@ -3,10 +3,13 @@
 A scores file is a JSON object (``gdnprune score`` writes it, ``gdnprune sort`` reads it)::
 
     {"format": "gdnprune-scores", "version": 1, "method": "projection", "num_tokens": 65536,
-     "layers": {"model.layers.0.linear_attn": payload, ...}, ...metadata}
+     "layers": {"model.layers.0.linear_attn": payload, ...},
+     "hidden": {"shape": {"hidden_size": 4096}, "channel_order_most_important_first": [...], ...},
+     ...metadata}
 
 Each payload holds the four orders of :mod:`gdnprune.model.geometry` (``*_order_most_important_first``), the
-raw per-element scores, the layer's ``shape`` and ``layout``. Two levels of checking:
+raw per-element scores, the layer's ``shape`` and ``layout``; ``hidden`` (optional) orders the hidden
+channels, the residual stream's width (:mod:`gdnprune.model.hidden`). Two levels of checking:
 
 * :func:`read_scores` — what ``sort`` accepts: an object whose ``"layers"`` maps prefixes to objects
   (a hand-written dict of orders is fine); the orders are checked against the checkpoint later;
@@ -25,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..model import geometry, subblock_geometry
+from ..model import geometry, hidden, subblock_geometry, subblock_shapes
 from ..model.geometry import ORDER_KEYS
 from ..model.subblock_geometry import block_kind_of
 from ..runtime.fileio import check_output_file, read_json, write_json_atomic
@@ -79,7 +82,7 @@ def read_scores(scores: str | os.PathLike | Mapping) -> dict:
     if not isinstance(scores, Mapping):
         raise ScoresError(f"{where}: expected a JSON object, found {type(scores).__name__}")
     layers = scores.get("layers")
-    if not isinstance(layers, Mapping) or not layers:
+    if not isinstance(layers, Mapping) or not (layers or isinstance(scores.get(hidden.HIDDEN_KEY), Mapping)):
         raise ScoresError(
             f"{where}: expected a non-empty 'layers' object mapping GDN layer prefixes to payloads"
         )
@@ -110,6 +113,8 @@ def check_scores(scores: Any, source: str = "scores") -> Mapping[str, Any]:
     layers = scores.get("layers")
     if not isinstance(layers, Mapping) or not layers:
         raise ScoresError(f'{source}: no "layers" in the scores file')
+    if scores.get(hidden.HIDDEN_KEY) is not None:
+        _check_hidden_payload(scores[hidden.HIDDEN_KEY], source)
     for prefix, payload in layers.items():
         if not isinstance(payload, Mapping):
             raise ScoresError(f"{source}: layer {prefix!r} is not an object")
@@ -151,6 +156,19 @@ def _check_block_payload(prefix: str, payload: Mapping, source: str) -> None:
     missing = [key for key in subblock_geometry.order_keys(block_shape) if key not in payload]
     if missing:
         raise ScoresError(f"{source}: sub-block {prefix!r} lacks the orders {missing}")
+
+
+def _check_hidden_payload(payload: Any, source: str) -> None:
+    """The hidden channels' entry: its ``shape`` (``hidden_size``) and an order that fits it."""
+    try:
+        if not isinstance(payload, Mapping) or not isinstance(payload.get("shape"), Mapping):
+            raise ValueError("expected an object with a shape {hidden_size} and the channel order")
+        shape = subblock_shapes.HiddenShape(**payload["shape"])
+        if hidden.ORDER_KEY not in payload:
+            raise ValueError(f"no {hidden.ORDER_KEY}")
+        hidden.orders_from_payload(payload, shape)
+    except (TypeError, ValueError) as exc:
+        raise ScoresError(f"{source}: the hidden channels' entry: {exc}") from None
 
 
 def load_scores(path: str | os.PathLike) -> dict[str, Any]:

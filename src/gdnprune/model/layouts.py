@@ -24,6 +24,7 @@ segment in turn: ``[q_g, k_g, v_g, z_g]``. Permuting and slicing are then one ga
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -371,6 +372,86 @@ BLOCK_LAYOUTS: dict[str, Layout] = {
     layout.name: layout
     for layout in (GATED_MLP, QWEN_GATED_ATTENTION, ATTENTION_WHOLE_NORM, FUSED_EXPERTS, NUMBERED_EXPERTS)
 }
+
+# --------------------------------------------------------------------------------------------------------
+# The hidden size (the width of the residual stream): one table for the whole model. Every tensor that reads
+# the residual stream has its columns on it (segment ``hidden``), every tensor that writes it its rows; a
+# tensor is named by a regular expression over its full name (``re.search``), because the same suffix means
+# different things in different modules (``norm.weight``: the final norm, or a GDN layer's value-dim norm).
+# ``hc`` is a hyper-connection stream bundle (``hc_count`` copies of the hidden channels, Qwen4-exp).
+
+_L = r"(?:^|\.)layers\.\d+\."  # a decoder layer, also the MTP head's (``mtp.layers.0.``)
+_GDN_READERS = r"in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|q_proj|k_proj|v_proj|g_proj|a_proj|b_proj"
+_READERS = (
+    rf"linear_attn\.(?:{_GDN_READERS})|self_attn\.(?:q_proj|k_proj|v_proj)"
+    r"|mlp\.(?:shared_expert\.)?(?:gate_proj|up_proj)|mlp\.experts\.\d+\.(?:gate_proj|up_proj)"
+    r"|mlp\.gate|mlp\.shared_expert_gate"
+)
+_WRITERS = r"linear_attn\.(?:out_proj|o_proj)|self_attn\.o_proj|mlp\.(?:shared_expert\.)?down_proj|mlp\.experts\.\d+\.down_proj"
+_HC = r"(?:^|\.)(?:hyper_connection_mixer|attn_hyper_connection|mlp_hyper_connection)"
+_NORMS = (
+    r"input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm"
+    r"|attention_layer_norm|feedforward_layer_norm"  # OLMo-hybrid's names on disk
+)
+
+
+def _hidden(pattern: str, axis: int, ndim: int, segments: tuple[str, ...] = ("hidden",)) -> TensorRule:
+    return TensorRule(pattern, axis, segments, ndim=ndim)
+
+
+HIDDEN_RULES: tuple[TensorRule, ...] = (
+    _hidden(r"(?:^|\.)embed_tokens\.weight$", 1, 2),
+    _hidden(r"(?:^|\.)lm_head\.weight$", 1, 2),
+    _hidden(r"(?:^|\.)(?:model|language_model|mtp)\.norm\.weight$", 0, 1),
+    _hidden(rf"{_L}(?:{_NORMS})\.weight$", 0, 1),
+    _hidden(rf"{_L}(?:{_READERS})\.weight$", 1, 2),
+    _hidden(rf"{_L}(?:{_WRITERS})\.weight$", 0, 2),
+    _hidden(rf"{_L}(?:{_WRITERS})\.bias$", 0, 1),
+    _hidden(rf"{_L}mlp\.experts\.gate_up_proj$", 2, 3),  # [E, 2I, H]
+    _hidden(rf"{_L}mlp\.experts\.down_proj$", 1, 3),  # [E, H, I]
+    # the multi-token-prediction head: its fc reads [embedding | hidden state] and writes the residual
+    _hidden(r"^mtp\.fc\.weight$", 0, 2),
+    _hidden(r"^mtp\.fc\.weight$", 1, 2, ("hidden", "hidden")),
+    _hidden(r"^mtp\.pre_fc_norm_(?:embedding|hidden)\.weight$", 0, 1),
+    # Qwen4-exp's hyper-connections: ``hc_count`` streams of the hidden channels side by side
+    _hidden(rf"{_HC}\.hc_norm\.weight$", 0, 1, ("hc",)),
+    _hidden(rf"{_HC}\.input_mix_weight_down\.weight$", 1, 2, ("hc",)),
+    _hidden(rf"{_HC}\.input_mix_weight_up\.weight$", 0, 2, ("hc",)),
+    _hidden(rf"{_HC}\.block_inject_weight\.weight$", 1, 2, ("hc",)),
+    _hidden(rf"{_L}self_attn\.indexer\.index_qk_proj\.weight$", 1, 2),
+    # a vision-language model's merger writes image tokens into the residual stream
+    _hidden(r"(?:^|\.)visual\.merger\.linear_fc2\.weight$", 0, 2),
+    _hidden(r"(?:^|\.)visual\.merger\.linear_fc2\.bias$", 0, 1),
+)
+"""What reads and writes the residual stream: the hidden-size table."""
+
+HIDDEN_FREE: tuple[str, ...] = (
+    r"(?:^|\.)visual\.",  # the vision tower's own width (its merger's output is in HIDDEN_RULES)
+    r"\.linear_attn\.(?:[qkv]_)?conv1d\.(?:weight|bias)$",
+    r"\.linear_attn\.(?:A_log|dt_bias)$",
+    r"\.linear_attn\.(?:norm|o_norm)\.weight$",
+    rf"\.linear_attn\.(?:{_GDN_READERS})\.bias$",
+    r"\.self_attn\.(?:q_norm|k_norm)\.weight$",
+    r"\.self_attn\.(?:q_proj|k_proj|v_proj)\.bias$",
+    r"\.mlp\.(?:shared_expert\.|experts\.\d+\.)?(?:gate_proj|up_proj)\.bias$",
+    r"\.rotary_emb\.",
+    r"\.self_attn\.indexer\.(?:q_layernorm|k_layernorm)\.weight$",
+)
+"""Tensors known NOT to touch the residual stream (regular expressions); a cut of the hidden size refuses a
+tensor that neither table names (it could not tell whether the tensor reads or writes the stream)."""
+
+
+@functools.lru_cache(maxsize=65536)
+def hidden_rules(name: str) -> tuple[TensorRule, ...]:
+    """The rules of :data:`HIDDEN_RULES` that tensor ``name`` (its full name) matches: one per axis on the
+    residual stream (``mtp.fc.weight`` has two), empty for a tensor that does not touch it."""
+    return tuple(rule for rule in HIDDEN_RULES if re.search(rule.name, name))
+
+
+@functools.lru_cache(maxsize=65536)
+def hidden_free(name: str) -> bool:
+    """Whether tensor ``name`` is known not to touch the residual stream (:data:`HIDDEN_FREE`)."""
+    return any(re.search(pattern, name) for pattern in HIDDEN_FREE)
 
 
 def get_layout(layout: str | Layout) -> Layout:

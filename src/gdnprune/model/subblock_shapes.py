@@ -34,7 +34,7 @@ import numpy as np
 
 from .geometry import as_int
 
-__all__ = ["MLPShape", "AttentionShape", "ExpertShape", "identity_orders"]
+__all__ = ["MLPShape", "AttentionShape", "ExpertShape", "HiddenShape", "identity_orders"]
 
 
 def identity_orders(shape: Any) -> dict[str, np.ndarray]:
@@ -193,3 +193,44 @@ class ExpertShape(_Shape):
     def indices(self, orders: Mapping[str, np.ndarray] | None, target: ExpertShape) -> dict[str, np.ndarray]:
         experts = np.arange(self.num_experts) if orders is None else orders["experts"]
         return {"e": np.asarray(experts[: target.num_experts], dtype=np.int64)}
+
+
+@dataclass(frozen=True)
+class HiddenShape(_Shape):
+    """The residual stream's width: ``hidden_size`` channels, one axis for the whole model.
+
+    Segment ``"hidden"``: hidden channel ``c`` -> ``c`` (the columns of every tensor that reads the stream,
+    the rows of every tensor that writes it, every norm on it; the table is
+    :data:`gdnprune.model.layouts.HIDDEN_RULES`); segment ``"hc"``: the ``hyper_connections`` streams of a
+    model with hyper-connections (Qwen4-exp's ``hc_count``) side by side, channel ``c`` of stream ``s`` ->
+    ``s * hidden_size + c`` (every stream keeps the same channels). Order ``channels`` [H]. Any order of the
+    hidden channels, applied to every such tensor at once, keeps the function: RMS norms, dot products and
+    sums over the channels do not see it.
+    """
+
+    hidden_size: int
+    hyper_connections: int = 1
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def segment_size(self, kind: str) -> int:
+        return {"hidden": self.hidden_size, "hc": self.hyper_connections * self.hidden_size}[kind]
+
+    def order_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"channels": (self.hidden_size,)}
+
+    def fits(self, target: HiddenShape) -> list[str]:
+        """What of ``target`` does not fit in this geometry (empty when it fits)."""
+        problems = []
+        if target.hidden_size > self.hidden_size:
+            problems.append(f"hidden_size {target.hidden_size} > {self.hidden_size}")
+        if target.hyper_connections != self.hyper_connections:
+            problems.append(f"hyper_connections {target.hyper_connections} != {self.hyper_connections}")
+        return problems
+
+    def indices(self, orders: Mapping[str, np.ndarray] | None, target: HiddenShape) -> dict[str, np.ndarray]:
+        channels = np.arange(self.hidden_size) if orders is None else orders["channels"]
+        kept = np.asarray(channels[: target.hidden_size], dtype=np.int64)
+        streams = np.arange(self.hyper_connections, dtype=np.int64)[:, None] * self.hidden_size
+        return {"hidden": kept, "hc": (streams + kept).reshape(-1)}

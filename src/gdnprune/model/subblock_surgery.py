@@ -7,6 +7,10 @@ The geometry, the kinds and the index formulas are in :mod:`gdnprune.model.subbl
 which index along which axis is in the layout tables of :mod:`gdnprune.model.layouts`. This module applies
 them: one ``index_select`` per coupled tensor, as :mod:`gdnprune.gated_delta_net` does for GDN layers.
 
+The hidden size (the residual stream's width, :mod:`gdnprune.model.hidden`) is one more axis, gathered the
+same way in every tensor on the stream (:func:`slice_hidden_state_dict`), after or before the blocks' own
+axes (they are other axes of the same tensors).
+
 Function preservation: an MLP's channels may take any order (``gate_proj``/``up_proj`` rows and
 ``down_proj`` columns move together); attention moves whole key-value groups with their query heads, and
 query heads inside their group (``q_proj`` rows — query and output gate of a head together — ``k_proj``/
@@ -21,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .hidden import HiddenTensors, find_hidden, hidden_indices, resolve_hidden_target
 from .layouts import get_layout
 from .subblock_geometry import (
     Block,
@@ -31,6 +36,7 @@ from .subblock_geometry import (
     orders_to_payload,
     resolve_block_target,
 )
+from .subblock_shapes import HiddenShape
 
 __all__ = [
     "find_model_blocks",
@@ -38,6 +44,8 @@ __all__ = [
     "permute_block_state_dict",
     "slice_block_state_dict",
     "random_orders",
+    "find_model_hidden",
+    "slice_hidden_state_dict",
 ]
 
 
@@ -133,3 +141,44 @@ def random_orders(block: Block, *, generator: torch.Generator | None = None) -> 
     for name, shape in block.shape.order_shapes().items():
         out[name] = torch.rand(shape, generator=generator).argsort(dim=-1).numpy()
     return out
+
+
+def find_model_hidden(model: torch.nn.Module) -> HiddenTensors:
+    """The tensors of a loaded model on its residual stream (:func:`gdnprune.model.hidden.find_hidden`)."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return find_hidden(shapes, model.config)
+
+
+def slice_hidden_state_dict(
+    state_dict: MutableMapping[str, torch.Tensor],
+    hidden: HiddenTensors,
+    target: Any = None,
+    *,
+    orders: Mapping[str, Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """Sort (``orders``: ``{"channels": [H]}``) and cut (``target``: a hidden size, a
+    :class:`~gdnprune.model.subblock_shapes.HiddenShape` or a mapping with ``hidden_size``; None keeps it) the
+    hidden channels of every tensor of ``state_dict`` on the residual stream, in place: one ``index_select``
+    per axis on the stream. Checks every tensor first. Returns the canonical indices used."""
+    t: HiddenShape = resolve_hidden_target(hidden.shape, target)
+    if orders is not None:
+        orders = {
+            k: np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in orders.items()
+        }
+    indices = hidden_indices(hidden.shape, t, orders)
+    names = [n for n in hidden.rules if n in state_dict]
+    for name in names:
+        tensor = state_dict[name]
+        for rule in hidden.rules[name]:
+            if tensor.dim() != rule.ndim or tensor.shape[rule.axis] != rule.length(hidden.shape):
+                raise ValueError(
+                    f"tensor {name} has shape {tuple(tensor.shape)}, expected {rule.expected_shape(hidden.shape)}"
+                )
+    updated = {}
+    for name in names:
+        out = state_dict[name]
+        for axis, index in hidden.gathers(name, t, indices):
+            out = out.index_select(axis, torch.from_numpy(index).to(out.device))
+        updated[name] = out.contiguous()
+    state_dict.update(updated)
+    return indices

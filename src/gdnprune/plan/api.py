@@ -8,19 +8,22 @@ report of every candidate (:mod:`.report`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..io.plan_file import PLAN_FORMAT, PLAN_VERSION
 from ..io.scores_file import read_scores
+from ..model.hidden import hidden_shape
 from ..model.latency import Workload, parse_workload
 from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256
 from .choose.servable import SERVABLE_NOTE
 from .choose.solve import BudgetError, uniform_choices
+from .hidden import hidden_problem, search_hidden
 from .measure.bld import DEFAULT_STEPS as BLD_STEPS
 from .measure.candidates import AXES, parse_dim_step
+from .measure.hidden import absolute_budgets, hidden_candidates, hidden_meta_model
 from .measure.latency_costs import (
     LatencyCosts,
     add_latency_budget,
@@ -94,6 +97,7 @@ class PlanOptions:
     rank_steps: int = RANK_STEPS
     rank_lr: float = RANK_LR
     bld_steps: int = BLD_STEPS
+    hidden_sizes: Sequence[int] | None = None
 
     def keywords(self) -> dict[str, Any]:
         """The options as :func:`plan_model`'s keyword arguments."""
@@ -156,6 +160,7 @@ def plan_model(
     rank_steps: int = RANK_STEPS,
     rank_lr: float = RANK_LR,
     bld_steps: int = BLD_STEPS,
+    hidden_sizes: Sequence[int] | None = None,
     progress: bool = True,
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> tuple[dict, dict]:
@@ -187,7 +192,10 @@ def plan_model(
         context: tokens per sequence of ``budget_memory``'s KV cache.
         blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.measure.subblocks.BLOCK_NAMES`, all of
             them by default: ``gdn``, ``attention``, ``mlp``, ``shared_expert``, ``experts``, and ``depth`` —
-            whole decoder layers removed).
+            whole decoder layers removed); also ``hidden``: the hidden size (the residual stream's width, one
+            global choice): each size of ``hidden_sizes`` is planned as a model of its own under the same
+            budgets, its whole cut model measured against the full model, the least KL kept
+            (:mod:`gdnprune.plan.measure.hidden`; the plan's ``default`` then holds ``hidden_size``).
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: every candidate on a few windows,
             the choice verified on every window, :mod:`.halving`), ``"measured"`` (every candidate on every
             window: the exact reference; removals are measured on every window either way), ``"bld"`` (every
@@ -218,6 +226,8 @@ def plan_model(
             windows; the least KL on the last quarter wins. 0: the exact choice as it is. The report's
             ``ranking`` lists every candidate with its one-shot and recovered KL.
         bld_steps: the blockwise local distillation steps of every candidate with ``sensitivity="bld"``.
+        hidden_sizes: with ``hidden`` in ``blocks``, the hidden sizes to try (default: the full size, 7/8 and 3/4
+            of it, multiples of ``multiple_of`` or 8; :func:`~gdnprune.plan.measure.hidden.hidden_candidates`).
         progress: progress bars over the measured candidates and the search's generations.
         on_rank_cost: called with the ranking's cost (:class:`~gdnprune.plan.rank.RankCost`) before it
             starts, and with the estimate in seconds after its first step.
@@ -256,6 +266,7 @@ def plan_model(
         rank_steps=rank_steps,
         rank_lr=rank_lr,
         bld_steps=bld_steps,
+        hidden_sizes=hidden_sizes,
     )
     done = search(
         model,
@@ -296,7 +307,24 @@ def search(
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> Search:
     """:func:`plan_model`'s four stages (build, measure, choose, report) with its options as one object."""
-    o = options
+    if "hidden" in options.blocks and options.whole():  # the hidden size: an outer choice, each size below
+        why = hidden_problem(model, batches, scores, options, orders_applied)
+        if why is not None and tuple(options.blocks) != tuple(BLOCK_NAMES):  # asked for by name
+            raise ValueError(why)
+        if why is None:
+            return search_hidden(
+                model,
+                batches,
+                scores,
+                options,
+                search,
+                tp=tp,
+                multiple_of=multiple_of,
+                orders_applied=orders_applied,
+                progress=progress,
+            )
+    # the default `blocks` leaves the hidden size out where it cannot be planned (hidden_problem says why)
+    o = replace(options, blocks=tuple(b for b in options.blocks if b != "hidden"))
     if o.sensitivity not in SENSITIVITIES:
         raise ValueError(f"unknown sensitivity {o.sensitivity!r}; expected one of {list(SENSITIVITIES)}")
     workload = o.parsed_workload()
@@ -438,7 +466,9 @@ def latency_record(latency: LatencyCosts, choice: Choice, measured: float) -> di
     }
 
 
-def _options_problem(model: Any, options: Mapping[str, Any], uniform: bool) -> PlanProblem:
+def _options_problem(
+    model: Any, options: Mapping[str, Any], uniform: bool, feasible: bool = True
+) -> PlanProblem:
     """The problem of :func:`plan_model`'s keyword ``options`` without scores (orders taken as applied)."""
     servable = bool(options.get("servable"))
     workload = PlanOptions(
@@ -460,6 +490,7 @@ def _options_problem(model: Any, options: Mapping[str, Any], uniform: bool) -> P
         uniform=uniform or servable,
         depth_allowed=servable,
         latency=workload is not None,
+        feasible=feasible,
     )
 
 
@@ -503,8 +534,20 @@ def uniform_plans(model: Any, *, maximal: bool = True, **options: Any) -> list[d
 def check_budgets(model: Any, *, uniform: bool = False, **options: Any) -> None:
     """Raise :class:`~gdnprune.plan.choose.solve.BudgetError` when no plan of ``model`` (weights not needed: a
     ``meta`` model will do) meets the budgets; ``options``: those of :func:`plan_model` (budgets, ``context``,
-    ``blocks``, ``dim_step``, ``axes``, ``tp``, ``multiple_of``), the others are ignored."""
-    _options_problem(model, options, uniform=uniform)
+    ``blocks``, ``dim_step``, ``axes``, ``tp``, ``multiple_of``), the others are ignored. With ``hidden`` in
+    ``blocks``, a plan at the smallest hidden size of the grid will do."""
+    try:
+        _options_problem(model, options, uniform=uniform)
+    except BudgetError:
+        if "hidden" not in options.get("blocks", BLOCK_NAMES):
+            raise
+        full = _options_problem(model, options, uniform=uniform, feasible=False)
+        sizes = hidden_candidates(
+            hidden_shape(model.config),
+            multiple_of=options.get("multiple_of"),
+            sizes=options.get("hidden_sizes"),
+        )
+        _options_problem(hidden_meta_model(model, sizes[-1]), {**options, **absolute_budgets(full)}, uniform)
 
 
 def _scores_hash(scores: Any) -> str | None:

@@ -45,6 +45,11 @@ def snap_servable(
         ValueError: a plan with no recorded budgets or grid, or one whose targets are not on the grid.
     """
     source = read_plan(plan)
+    if (source.get("default") or {}).get("hidden_size") is not None:
+        raise ValueError(
+            "the plan cuts the hidden size; a servable plan of the hidden size is searched directly "
+            "(`gdnprune plan --servable` with hidden in --blocks), not snapped"
+        )
     options, grid = _snap_options(source, sensitivity)
     batches = list(batches)
     done = search(
@@ -99,7 +104,7 @@ def _snap_options(source: Mapping[str, Any], sensitivity: str) -> tuple[PlanOpti
     options = PlanOptions(
         **given,
         context=grid.get("context"),
-        blocks=tuple(grid.get("blocks") or BLOCK_NAMES),
+        blocks=tuple(b for b in grid.get("blocks") or BLOCK_NAMES if b != "hidden"),
         sensitivity=sensitivity,
         dim_step=grid.get("dim_step", "1/8"),
         axes=tuple(grid.get("axes") or AXES),

@@ -39,10 +39,18 @@ from ..runtime.distributed import (
     world_size,
 )
 from ..runtime.fileio import file_sha256
+from .hidden import hidden_asked, make_hidden_scorer, stored_norms
 from .hooks import LayerScorer
 from .loss_head import default_loss_token_stride, output_head
 from .passes import make_block_scorers, run_batches
-from .payload import LayerStatistics, ScoringStatistics, scores_from_statistics
+from .payload import (
+    DEFAULT_HIDDEN_MEASURE,
+    HIDDEN_MEASURES,
+    HiddenStatistics,
+    LayerStatistics,
+    ScoringStatistics,
+    scores_from_statistics,
+)
 
 __all__ = [
     "METHODS",
@@ -65,7 +73,7 @@ METHODS = ("projection", "activation", "random")
 
 #: what ``blocks`` may name: the kinds of block of a plan (``depth`` has nothing to order and is accepted so
 #: that ``score`` and ``plan`` take the same list); the GDN layers are always scored
-SCORED_BLOCKS = ("gdn", *KINDS, "depth")
+SCORED_BLOCKS = ("gdn", *KINDS, "hidden", "depth")
 #: ``blocks`` for the GDN layers alone (the default, None, orders every kind the model has)
 GDN_ONLY = ("gdn",)
 
@@ -142,6 +150,7 @@ def measure_statistics(
     window_offset: int = 0,
     blocks: Sequence[str] | bool | None = None,
     expert_sample_tokens: int = 0,
+    hidden_measure: str = DEFAULT_HIDDEN_MEASURE,
 ) -> ScoringStatistics:
     """The forward passes of :func:`score_model` in this process alone: the sums, before any order.
 
@@ -158,14 +167,26 @@ def measure_statistics(
         raise ValueError(f"{type(model).__name__} has no GatedDeltaNet layers to score")
     if int(expert_sample_tokens) < 0:
         raise ValueError(f"expert_sample_tokens must be >= 0, got {expert_sample_tokens}")
+    if hidden_measure not in HIDDEN_MEASURES:
+        raise ValueError(
+            f"unknown hidden_measure {hidden_measure!r}; expected one of {list(HIDDEN_MEASURES)}"
+        )
     block_scorers = make_block_scorers(model, scored_kinds(blocks), method, int(expert_sample_tokens))
+    hidden = make_hidden_scorer(model, hidden_asked(blocks))
     if method == "random":
         layers = {}
         for prefix, module in modules:
             scorer = LayerScorer(prefix, module, method, key_dim_measure, value_dim_measure)
             layers[prefix] = LayerStatistics(scorer.shape, scorer.layout)
         return ScoringStatistics(
-            method, int(seed), None, layers, {s.block.prefix: (s.block, {}) for s in block_scorers}
+            method,
+            int(seed),
+            None,
+            layers,
+            {s.block.prefix: (s.block, {}) for s in block_scorers},
+            None
+            if hidden is None
+            else HiddenStatistics(hidden.hidden.shape.hidden_size, [], {}, hidden_measure),
         )
     head: tuple[Any, Any] | None = None
     if method == "projection" and "loss_gram" in (lane_measure, key_group_measure, value_dim_measure):
@@ -196,11 +217,12 @@ def measure_statistics(
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
     stride = None if head is None else int(loss_token_stride or 0)
-    run_batches(model, batches, scorers, block_scorers, head, stride, int(window_offset), total, progress)
+    hooked = block_scorers + ([] if hidden is None else [hidden])
+    run_batches(model, batches, scorers, hooked, head, stride, int(window_offset), total, progress)
     layers = {s.prefix: LayerStatistics(s.shape, s.layout, s.statistics()) for s in scorers}
-    return ScoringStatistics(
-        method, int(seed), measures, layers, {s.block.prefix: (s.block, s.stats) for s in block_scorers}
-    )
+    hidden_stats = None if hidden is None else hidden.statistics(hidden_measure)
+    blocks_stats = {s.block.prefix: (s.block, s.stats) for s in block_scorers}
+    return ScoringStatistics(method, int(seed), measures, layers, blocks_stats, hidden_stats)
 
 
 def _warn_no_head(why: str) -> None:
@@ -236,6 +258,7 @@ def score_model(
     distributed: bool | None = None,
     blocks: Sequence[str] | bool | None = None,
     expert_sample_tokens: int = 0,
+    hidden_measure: str = DEFAULT_HIDDEN_MEASURE,
 ) -> dict[str, Any]:
     """Score every GDN layer of ``model`` (and, by default, its other sub-blocks) on calibration ``batches``;
     returns the scores-file dict.
@@ -281,6 +304,11 @@ def score_model(
             (:data:`~gdnprune.scoring.experts.SAMPLE_TOKENS` is the benchmarks' 4096) for the measured
             greedy removal of the experts (payload ``expert_greedy``, ``expert_greedy_error``; not the
             default order, :mod:`gdnprune.scoring.expert_greedy`); 0 (default): none.
+        hidden_measure: how the hidden channels (the residual stream's width, scored when ``blocks`` names
+            ``hidden``) are ordered
+            (:data:`~gdnprune.scoring.payload.HIDDEN_MEASURES`; default ``activation``, Minitron's mean
+            magnitude of the normalised activations summed over the norms, :mod:`gdnprune.scoring.hidden`);
+            their payload is the scores file's top-level ``hidden`` entry.
         distributed: sum the statistics over the ranks of the initialised ``torch.distributed`` process
             group before the orders are computed (default None: when a group with more than one process
             is initialised). Each rank passes its own share of the windows
@@ -307,6 +335,7 @@ def score_model(
         window_offset=window_offset,
         blocks=blocks,
         expert_sample_tokens=expert_sample_tokens,
+        hidden_measure=hidden_measure,
     )
     if not (is_distributed() if distributed is None else distributed and is_distributed()):
         return scores_from_statistics(measure_statistics(model, batches, progress=progress, **options))
@@ -391,7 +420,7 @@ def measure_checkpoint(
         if batch_size < 1:
             raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
         kinds = scored_kinds(blocks)  # checked before the (long) load
-        blocks = None if kinds is None else ("gdn", *kinds)
+        blocks = None if kinds is None else ("gdn", *kinds, *(("hidden",) if hidden_asked(blocks) else ()))
         index, count = (int(x) for x in shard)
         if not 0 <= index < count:
             raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {tuple(shard)}")
@@ -427,6 +456,8 @@ def measure_checkpoint(
         statistics.layers = {mapping[p]: layer for p, layer in statistics.layers.items()}
         mapping = map_to_checkpoint(list(statistics.blocks), model_dir, modules=True)
         statistics.blocks = {mapping[p]: entry for p, entry in statistics.blocks.items()}
+        if statistics.hidden is not None and statistics.hidden.norms:
+            statistics.hidden.norms = stored_norms(model_dir, model, statistics.hidden.norms)
         if not keep_model:
             del model
     reduce_statistics(statistics)

@@ -14,7 +14,8 @@ The file is a safetensors file: every statistic of every layer as a tensor named
 ``windows_sha256``, the hash of all calibration windows as tokenised), the settings (``method``,
 ``seed``, ``measures``, ``calibration``: ``num_samples``, ``seq_len``, ``batch_size``, ``dtype``) and
 the layers' ``shape`` and ``layout``, and the sub-blocks' (``blocks``: ``kind``, ``layout``, ``shape`` and
-their tensor tables; their statistics are tensors ``PREFIX/NAME`` too). JSON lists would do for the small Grams, but not for the
+their tensor tables; their statistics are tensors ``PREFIX/NAME`` too), and the hidden channels' (``hidden``:
+``hidden_size``, the ``norms`` hooked, the ``measure``; tensors ``<hidden>/NAME``). JSON lists would do for the small Grams, but not for the
 ``[Hv*dv]^2`` moments of ``value_dim_measure="gram"`` (hundreds of MB of text per layer), and binary
 float64 round-trips by construction.
 
@@ -41,7 +42,14 @@ from ..model.subblock_geometry import KINDS, Block
 from ..runtime.distributed import shard_indices
 from ..runtime.fileio import check_output_file, write_bytes_atomic
 from .api import CheckpointStatistics
-from .payload import COUNTS, LayerStatistics, ScoringStatistics, scores_from_statistics, statistic_shapes
+from .payload import (
+    COUNTS,
+    HiddenStatistics,
+    LayerStatistics,
+    ScoringStatistics,
+    scores_from_statistics,
+    statistic_shapes,
+)
 
 __all__ = [
     "PARTIAL_FORMAT",
@@ -70,6 +78,7 @@ _SAME = (
     "shard/total_windows",
     "layers",
     "blocks",
+    "hidden",
 )
 
 
@@ -104,6 +113,9 @@ def _metadata(run: CheckpointStatistics) -> dict[str, Any]:
             }
             for p, (block, _) in st.blocks.items()
         },
+        "hidden": None
+        if st.hidden is None
+        else {"hidden_size": st.hidden.hidden_size, "norms": st.hidden.norms, "measure": st.hidden.measure},
     }
 
 
@@ -130,6 +142,19 @@ def _read_blocks(meta: dict, tensors: dict[str, torch.Tensor], where: str) -> di
     return out
 
 
+#: the tensor-name prefix of the hidden channels' statistics (no module is called this)
+_HIDDEN = "<hidden>"
+
+
+def _read_hidden(meta: dict, tensors: dict[str, torch.Tensor]) -> HiddenStatistics | None:
+    """The hidden channels' statistics of a partial (tensors ``<hidden>/NAME``), None when not scored."""
+    info = meta.get("hidden")
+    if info is None:
+        return None
+    stats = {k.rpartition("/")[2]: v for k, v in tensors.items() if k.rpartition("/")[0] == _HIDDEN}
+    return HiddenStatistics(int(info["hidden_size"]), list(info["norms"]), stats, info["measure"])
+
+
 def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write the statistics of one share (from :func:`~gdnprune.scoring.api.measure_checkpoint`) to ``path``.
 
@@ -150,6 +175,13 @@ def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrit
             for name, value in stats.items()
         }
     )
+    if run.statistics.hidden is not None:
+        tensors.update(
+            {
+                f"{_HIDDEN}/{name}": v.detach().cpu().contiguous()
+                for name, v in run.statistics.hidden.stats.items()
+            }
+        )
     blob = save(tensors, metadata={_META_KEY: json.dumps(_metadata(run), sort_keys=True)})
     return write_bytes_atomic(path, blob)
 
@@ -202,7 +234,9 @@ def load_partial(path: str | os.PathLike) -> tuple[dict[str, Any], ScoringStatis
                     stats[name] = value
             layers[prefix] = LayerStatistics(shape, info["layout"], stats)
         blocks = _read_blocks(meta, tensors, where)
-        statistics = ScoringStatistics(meta["method"], int(meta["seed"]), meta["measures"], layers, blocks)
+        statistics = ScoringStatistics(
+            meta["method"], int(meta["seed"]), meta["measures"], layers, blocks, _read_hidden(meta, tensors)
+        )
         start, stop = meta["shard"]["windows"]
         (
             int(meta["shard"]["index"]),
@@ -285,6 +319,9 @@ def merge_partials(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
         for prefix, (_, stats) in statistics.blocks.items():
             for name, value in stats.items():
                 value += other.blocks[prefix][1][name]
+        if statistics.hidden is not None and other.hidden is not None:
+            for name, value in statistics.hidden.stats.items():
+                value += other.hidden.stats[name]
     scores = scores_from_statistics(
         statistics, world_size=sum(int(meta["world_size"]) for _, meta, _ in loaded)
     )

@@ -21,6 +21,7 @@ import torch
 from ..gated_delta_net import GDNPermutation
 from ..io.scores_file import SCORES_FORMAT, SCORES_VERSION
 from ..model.geometry import GDNShape
+from ..model.hidden import orders_to_payload as orders_to_hidden_payload
 from ..model.subblock_geometry import orders_to_payload
 from ..model.subblock_surgery import random_orders
 from .experts import expert_payload
@@ -37,6 +38,11 @@ __all__ = [
     "random_payload",
     "scores_from_statistics",
     "block_payload",
+    "HIDDEN_MEASURES",
+    "DEFAULT_HIDDEN_MEASURE",
+    "HiddenStatistics",
+    "hidden_scores",
+    "hidden_payload",
 ]
 
 #: what the raw ``*_scores`` of each method are, recorded in the scores file
@@ -259,6 +265,73 @@ def random_payload(shape: GDNShape, generator: torch.Generator) -> dict[str, Any
     return payload
 
 
+HIDDEN_MEASURES = (
+    "activation",
+    "activation_l2",
+    "activation_layer",
+    "activation_max",
+    "stream",
+    "projection",
+)
+"""How the hidden channels are scored (:mod:`gdnprune.scoring.hidden`, derived in ``docs/scoring.md``)."""
+#: the measure the scores file's hidden order uses by default (the benchmark's winner, ``docs/scoring.md``)
+DEFAULT_HIDDEN_MEASURE = "activation"
+
+
+@dataclass
+class HiddenStatistics:
+    """The hidden channels' sums (:class:`gdnprune.scoring.hidden.HiddenScorer`): the hidden size, the norms
+    hooked (the rows of the per-norm sums), the sums, and the measure that orders them."""
+
+    hidden_size: int
+    norms: list[str]
+    stats: dict[str, torch.Tensor]
+    measure: str = DEFAULT_HIDDEN_MEASURE
+
+
+def hidden_scores(stats: Mapping[str, torch.Tensor], measure: str) -> torch.Tensor:
+    """The score of every hidden channel under ``measure`` (:data:`HIDDEN_MEASURES`) from the summed statistics."""
+    n = max(int(stats["num_tokens"]), 1)
+    if measure == "activation":
+        return (stats["norm_abs"] / n).sum(0)
+    if measure == "activation_l2":
+        return (stats["norm_sq"] / n).sqrt().sum(0)
+    per_norm = stats["norm_abs"] / n
+    shares = per_norm / per_norm.mean(-1, keepdim=True).clamp_min(1e-30)
+    if measure == "activation_layer":
+        return shares.sum(0)
+    if measure == "activation_max":
+        return shares.max(0).values
+    if measure == "stream":
+        return (stats["unit_sq"] / n).sum(0)
+    if measure == "projection":
+        return stats["reader_sq"] / n
+    raise ValueError(f"unknown hidden measure {measure!r}; expected one of {list(HIDDEN_MEASURES)}")
+
+
+def hidden_payload(hidden: HiddenStatistics, method: str, seed: int = 0) -> dict[str, Any]:
+    """The scores file's ``hidden`` entry: the order (most important first), the channels' scores, the
+    measure, and per norm the mean squared input of every channel (``norm_input_sq``: what a rescaled cut,
+    :func:`gdnprune.model.hidden.rescaled_norm`, reads)."""
+    stats, size = hidden.stats, hidden.hidden_size
+    if method == "random":  # a seeded random order, scores its ranks (as for the GDN layers)
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(int(seed) + 1))
+        payload = orders_to_hidden_payload({"channels": order})
+        return {"kind": "hidden", "shape": {"hidden_size": size}, "method": method, **payload}
+    n = max(int(stats["num_tokens"]), 1)
+    scores = hidden_scores(stats, hidden.measure)
+    return {
+        "kind": "hidden",
+        "shape": {"hidden_size": size},
+        "method": method,
+        "measure": hidden.measure,
+        "num_tokens": int(stats["num_tokens"]),
+        **orders_to_hidden_payload({"channels": descending(scores)}),
+        "channel_scores": scores.tolist(),
+        "norm_input_sq": {name: (stats["input_sq"][i] / n).tolist() for i, name in enumerate(hidden.norms)},
+    }
+
+
 @dataclass
 class LayerStatistics:
     """One GDN layer: its geometry, layout and statistics (empty for ``random``)."""
@@ -282,12 +355,18 @@ class ScoringStatistics:
     layers: dict[str, LayerStatistics]
     #: attention / MLP sub-blocks (:mod:`gdnprune.scoring.subblocks`): prefix -> (its Block, its statistics)
     blocks: dict[str, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    #: the hidden channels (:mod:`gdnprune.scoring.hidden`), None when they are not scored
+    hidden: HiddenStatistics | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every statistic, layer by layer in a fixed order (the order ranks sum them in), sub-blocks last."""
-        return [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)] + [
-            stats[name] for _, stats in self.blocks.values() for name in sorted(stats)
-        ]
+        """Every statistic, layer by layer in a fixed order (the order ranks sum them in), sub-blocks, then
+        the hidden channels, last."""
+        hidden = [] if self.hidden is None else [self.hidden.stats[n] for n in sorted(self.hidden.stats)]
+        return (
+            [layer.stats[name] for layer in self.layers.values() for name in sorted(layer.stats)]
+            + [stats[name] for _, stats in self.blocks.values() for name in sorted(stats)]
+            + hidden
+        )
 
 
 def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1) -> dict[str, Any]:
@@ -308,6 +387,8 @@ def scores_from_statistics(statistics: ScoringStatistics, *, world_size: int = 1
     }
     if statistics.measures is not None:
         result["measures"] = dict(statistics.measures)
+    if statistics.hidden is not None:
+        result["hidden"] = hidden_payload(statistics.hidden, method, int(statistics.seed))
     if method == "random":
         generator = torch.Generator().manual_seed(int(statistics.seed))
         for prefix, layer in statistics.layers.items():

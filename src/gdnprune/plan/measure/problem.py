@@ -27,6 +27,7 @@ from .candidates import layer_candidates
 from .sensitivity import LayerToPlan
 from .subblocks import (
     BLOCK_NAMES,
+    PLAN_BLOCK_NAMES,
     SUB_BLOCK_NAMES,
     BlockToPlan,
     decoder_layer_rests,
@@ -233,7 +234,7 @@ def _check_options(
         )
     unknown = sorted(set(blocks) - set(BLOCK_NAMES))
     if unknown or not blocks:
-        raise ValueError(f"`blocks` must name some of {list(BLOCK_NAMES)}, got {list(blocks)}")
+        raise ValueError(f"`blocks` must name some of {list(PLAN_BLOCK_NAMES)}, got {list(blocks)}")
     if given["memory"] is not None and context is None:
         raise ValueError(
             "`budget_memory` counts the KV cache at `context` tokens per sequence: give `context`"
@@ -254,11 +255,16 @@ def build_problem(
     uniform: bool,
     depth_allowed: bool | None = None,
     latency: bool = False,
+    feasible: bool = True,
 ) -> PlanProblem:
     """The candidate groups (GDN layers, then sub-blocks), their costs and the budgets as group limits;
     checks that some plan meets the budgets (no forward, no weight read). ``depth_allowed``: whether a
     uniform plan may also remove decoder layers (a servable plan may; default: not with ``uniform``).
-    ``latency``: a latency budget will be added (:mod:`.latency_costs`): a whole-model budget."""
+    ``latency``: a latency budget will be added (:mod:`.latency_costs`): a whole-model budget.
+    ``feasible=False``: no check that a plan meets the budgets (the problem of the full hidden size, whose
+    limits a smaller hidden size is planned under, :mod:`.hidden`). ``blocks`` may name ``hidden``: the hidden
+    size is chosen outside the problem (:func:`gdnprune.plan.api.search`), so it is left out here."""
+    blocks = [b for b in blocks if b != "hidden"]
     _check_options(given, blocks, context, latency)
     whole = any(given[name] is not None for name in WHOLE) or latency
     gdn = "gdn" in blocks or not whole
@@ -266,7 +272,10 @@ def build_problem(
         raise ValueError(
             "`budget_gdn_params` and `budget_state` limit the GDN layers, but `blocks` leaves them out"
         )
-    if uniform and not depth_allowed and whole and "depth" in blocks and tuple(blocks) != tuple(BLOCK_NAMES):
+    default = tuple(
+        b for b in BLOCK_NAMES if b != "hidden"
+    )  # `blocks` as given, less hidden (stripped above)
+    if uniform and not depth_allowed and whole and "depth" in blocks and tuple(blocks) != default:
         raise ValueError(
             'a uniform plan keeps every decoder layer: leave "depth" out of `blocks` (the default '
             "`blocks` with `uniform` plans widths only)"
@@ -286,12 +295,13 @@ def build_problem(
     problem.key_of.update({b.prefix: b.key for b in problem.blocks})
     if not problem.layers and not problem.blocks and not problem.depth:
         raise ValueError(f"nothing in {type(model).__name__} may shrink: `blocks` {list(blocks)}")
-    _add_costs(problem, model)
+    _add_costs(problem, model, feasible)
     if uniform:
         _check_uniform(problem.groups, problem.keys, problem.kinds)
     # one full-attention layer stays (slice refuses to remove the last)
     problem.keep_one_of = attention_layers(model.config.to_dict()) if problem.depth else []
-    check_feasible(problem, uniform)  # before any forward
+    if feasible:
+        check_feasible(problem, uniform)  # before any forward
     return problem
 
 
@@ -353,7 +363,7 @@ def _gdn_groups(
     )
 
 
-def _add_costs(problem: PlanProblem, model: Any) -> None:
+def _add_costs(problem: PlanProblem, model: Any, feasible: bool = True) -> None:
     """Every budget's costs and limits; with depth, the decoder layers' rests as groups of their own."""
     p, given = problem, problem.given
     zeros = [[0.0] * len(b.candidates) for b in p.blocks]
@@ -395,7 +405,7 @@ def _add_costs(problem: PlanProblem, model: Any) -> None:
         p.limits[name] = limit
         p.budgets[name], p.costs[name] = p.limits[name] - p.fixed[name], p.whole_costs[name]
         least = p.fixed[name] + (0.0 if p.depth else sum(min(g) for g in p.whole_costs[name]))
-        if least > p.limits[name]:
+        if feasible and least > p.limits[name]:
             raise BudgetError(
                 f"no plan meets the budgets: {name} needs at least {least:,.0f} (every sub-block at "
                 f"its smallest candidate{', every decoder layer but one removed' if p.depth else ''}; "

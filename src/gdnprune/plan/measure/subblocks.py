@@ -41,6 +41,7 @@ from ...scoring.hooks import materialized_weight
 
 __all__ = [
     "BLOCK_NAMES",
+    "PLAN_BLOCK_NAMES",
     "BlockToPlan",
     "active_parameters",
     "decoder_layer_rests",
@@ -51,6 +52,9 @@ __all__ = [
 #: names of ``blocks`` (``--blocks``): the GDN layers, the sub-block kinds the search may shrink, and ``depth``
 #: (whole decoder layers removed, :mod:`.depth`)
 BLOCK_NAMES = ("gdn", "attention", "mlp", "shared_expert", "experts", "depth")
+#: every name ``blocks`` may hold: :data:`BLOCK_NAMES` and ``hidden`` (the hidden size, one global choice measured
+#: outside the per-layer problem, :mod:`.hidden`)
+PLAN_BLOCK_NAMES = (*BLOCK_NAMES, "hidden")
 #: the names of :data:`BLOCK_NAMES` that are sub-block kinds (:data:`gdnprune.model.subblock_geometry.KINDS`)
 SUB_BLOCK_NAMES = ("attention", "mlp", "shared_expert", "experts")
 
