@@ -442,7 +442,12 @@ class _Evaluation:
         text.write_text(validation_text(), encoding="utf-8")
         lengths = [seq_len] if seq_len >= MIN_LENGTH else []  # shorter windows: nats_per_byte alone
         tasks = write_task_folder(
-            Path(folder.name) / "tasks", context_lengths=lengths, seed=seed, data=text, window=seq_len
+            Path(folder.name) / "tasks",
+            context_lengths=lengths,
+            seed=seed,
+            data=text,
+            window=seq_len,
+            kinds=("passkey", "mqar"),
         )
         options = EvalOptions(tasks=list(tasks.tasks), limit=limit, seed=seed, context_lengths=lengths)
         run = cls(folder, options, task_manager(options, tasks.path), log)
