@@ -169,9 +169,7 @@ def test_eval_runs_the_needle_grid_and_the_ruler_tasks_at_lengths_from_the_model
     """No --context-lengths: the demo model's 256 positions give 128 and 256 characters (a byte tokenizer:
     one character a token); the grid is drawn as needle.png, one panel per model."""
     out = inputs["root"] / "needles"
-    report = _gdnprune(
-        [DEMO, inputs["het"]], out, "needle,multikey,vartrack,passkey", "--limit", "2"
-    )
+    report = _gdnprune([DEMO, inputs["het"]], out, "needle,multikey,vartrack,passkey", "--limit", "2")
     tasks = set(report["models"][1]["results"])
     expected = {f"needle_{n}_{d}" for n in (128, 256) for d in (0, 25, 50, 75, 100)}
     assert expected | {"multikey_256", "vartrack_256", "passkey_128", "passkey_256"} <= tasks

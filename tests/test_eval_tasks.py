@@ -16,7 +16,7 @@ import torch
 from helpers import child_env, python_command
 
 from gdnprune import demo_data
-from gdnprune.evaluation import probes
+from gdnprune.quality import probes
 from gdnprune.evaluation.tasks import shipped_task_folder, text_windows, write_task_folder
 
 lm_eval = pytest.importorskip("lm_eval")

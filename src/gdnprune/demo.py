@@ -35,13 +35,13 @@ from .demo_data import (
 )
 from .distill import distill
 from .evaluation.api import EvalOptions, MissingExtraError, evaluate_model, require_lm_eval, task_manager
-from .evaluation.probes import MIN_LENGTH
 from .evaluation.report import markdown_table, plot_report
 from .evaluation.tasks import write_task_folder
 from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
 from .io.loading import load_pretrained, slice_model
 from .model.layouts import find_gdn_modules
 from .plan import BudgetError, plan_model, plot_sensitivity
+from .quality.probes import MIN_LENGTH
 from .runtime.figures import new_figure
 from .scoring import GDN_ONLY, score_model
 

@@ -163,7 +163,11 @@ def prune_checkpoint(
         extra["plan_report"] = {
             "seconds": report["seconds"],
             "sensitivity": report["sensitivity"],
-            **{k: report[k] for k in ("servable", "latency", "ranking", "depth_check") if k in report},
+            **{
+                k: report[k]
+                for k in ("servable", "latency", "ranking", "depth_check", "windows", "recall")
+                if k in report
+            },
         }
     if sequential:
         targets = (

@@ -14,6 +14,7 @@ from ._options import (
     target_from_args,
 )
 from ._ranking import check_rank_flags, rank_cost_printer, ranking_summary
+from ._recall import recall_summary
 from ._runtime import add_runtime_arguments, model_runtime
 from .plan import (
     add_search_arguments,
@@ -163,6 +164,7 @@ def run(args) -> int:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:
             print(f"  {line}")
         report = manifest.get("plan_report", {})
-        for line in servable_summary(report) + latency_summary(report) + ranking_summary(report):
+        lines = servable_summary(report) + recall_summary(report) + latency_summary(report)
+        for line in lines + ranking_summary(report):
             print(f"  {line}")
     return 0

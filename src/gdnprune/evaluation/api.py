@@ -33,8 +33,8 @@ import transformers
 from ..checkpoint.output import Staging, check_output_folder
 from ..io.loading import load_causal_lm
 from ..model.subblock_surgery import find_model_blocks
+from ..quality import probes
 from ..runtime.distributed import exchange, is_main_process
-from . import probes
 from .report import ModelResult, markdown_table, plot_needles, plot_report
 from .tasks import DEFAULT_CONTEXT_LENGTHS, NEEDLE, PROBE_KINDS, write_task_folder
 
@@ -328,7 +328,9 @@ def evaluate_models(
     staging = Staging(out, overwrite, markers=OUTPUT_MARKERS) if main else None
     with staging if staging is not None else tempfile.TemporaryDirectory() as where:
         tmp = Path(where)  # rank 0: the output being built; other ranks: their own copy of the tasks
-        folder = write_task_folder(tmp / "tasks", context_lengths=lengths, seed=options.seed, data=options.data)
+        folder = write_task_folder(
+            tmp / "tasks", context_lengths=lengths, seed=options.seed, data=options.data
+        )
         manager = task_manager(options, folder.path)
         report = EvalReport(out)
         for path, name in zip(paths, _names(paths), strict=True):

@@ -2,7 +2,7 @@
 
 A task folder holds one YAML per task and ``gdnprune_tasks.py``, the hooks the YAMLs name with lm-eval's
 ``!function`` (they import this module). Its documents are made when lm-eval loads the task: probes from
-``(kind, length, seed)`` (:mod:`gdnprune.evaluation.probes`), text windows from a file. So a folder needs
+``(kind, length, seed)`` (:mod:`gdnprune.quality.probes`), text windows from a file. So a folder needs
 no download and can be moved: ``lm_eval --include_path FOLDER --tasks passkey`` runs it as
 ``gdnprune eval`` does.
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import probes
+from ..quality import probes
 
 __all__ = [
     "PROBE_KINDS",

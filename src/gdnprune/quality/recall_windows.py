@@ -26,16 +26,33 @@ import torch
 import torch.nn.functional as F
 
 from ..model.forwards import KL_WEIGHT, input_device, model_inputs, unpack_batches
+from . import probes
 
-__all__ = ["RECALL_SHARE", "SPAN_COUNTS", "context_weights", "span_windows", "balance"]
+__all__ = [
+    "RECALL_MASK",
+    "RECALL_SHARE",
+    "SPAN_COUNTS",
+    "balance",
+    "context_weights",
+    "exact_match",
+    "probe_windows",
+    "recall_windows",
+    "span_windows",
+]
 
 #: the share of a window's KL that its recall positions carry
 RECALL_SHARE = 0.5
-#: how many spans a window holds (one drawn per window, in turn): one fact asked again, up to eight
+#: the key of a recall window's mask of the positions whose next token a second copy asks for (bool [B, T])
+RECALL_MASK = "recall_mask"
+#: a fact: its key's tokens and its value's (the value is what the second copy asks for)
+Fact = tuple[list[int], list[int]]
+#: how many facts a window holds (one drawn per window, in turn): one fact asked again, up to eight
 SPAN_COUNTS = (1, 2, 4, 8)
 
 
-def balance(weights: Sequence[torch.Tensor], recall: Sequence[torch.Tensor], share: float) -> list[torch.Tensor]:
+def balance(
+    weights: Sequence[torch.Tensor], recall: Sequence[torch.Tensor], share: float
+) -> list[torch.Tensor]:
     """Per-position KL weights: 1 at every position, plus the ``recall`` weights scaled so that over all
     windows they carry ``share`` of the total (the others ``1 - share``). ``weights``: the valid positions
     (0 or 1) of each batch."""
@@ -47,59 +64,57 @@ def balance(weights: Sequence[torch.Tensor], recall: Sequence[torch.Tensor], sha
     return [w * torch.where(r > 0, scale * r, torch.ones_like(r)) for w, r in zip(weights, recall)]
 
 
-def _span_row(
-    row: torch.Tensor,
-    pool: torch.Tensor,
-    count: int,
-    rng: np.random.Generator,
-    digits: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One window with ``count`` spans of ``pool`` written twice; the recall weight of each position (1 where
-    the next token is a second copy's token after its key, else 0). ``digits``: the values are numbers
-    written with these tokens instead of text."""
-    length = row.shape[0]
-    size = max(2, min(12, length // (4 * count)))  # each span: its key then its value
-    count = max(1, min(count, length // (4 * size)))
-    key = max(1, size // 3) if digits is None else max(1, size - 5)
+def _text_facts(pool: torch.Tensor, count: int, size: int, rng: np.random.Generator) -> list[Fact]:
+    """``count`` spans of ``size`` tokens of the text: the first third is the key, the rest the value."""
+    key = max(1, size // 3)
     starts = rng.integers(0, max(1, pool.shape[0] - size), count)
-    spans = [pool[s : s + size] for s in starts]
-    if digits is not None:
-        spans = [torch.cat([s[:key], digits[rng.integers(0, len(digits), size - key)]]) for s in spans]
-    text = row[: length - 2 * count * size].tolist()
+    return [(pool[s : s + key].tolist(), pool[s + key : s + size].tolist()) for s in starts]
+
+
+def _fact_row(
+    row: torch.Tensor, facts: list[Fact], rng: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row`` with every fact written twice (once in its first half, again, in another order, in its second;
+    the text cut short to keep the length); the recall weight of each position: 1 where the next token is a
+    second copy's value, else 0."""
+    length = row.shape[0]
+    while len(facts) > 1 and 4 * sum(len(k) + len(v) for k, v in facts) > length:
+        facts = facts[:-1]  # the copies take at most half the window
+    room = sum(len(k) + len(v) for k, v in facts)
+    text = row[: max(0, length - 2 * room)].tolist()
     half = len(text) // 2
-    first = np.sort(rng.integers(0, max(1, half), count))
-    second = np.sort(rng.integers(half, len(text) + 1, count))
-    asked = rng.permutation(count)
-    pieces: list[tuple[int, list[int], int]] = [(int(p), spans[i].tolist(), -1) for i, p in enumerate(first)]
-    pieces += [(int(p), spans[i].tolist(), 1) for p, i in zip(second, asked)]
+    first = np.sort(rng.integers(0, max(1, half), len(facts)))
+    second = np.sort(rng.integers(half, len(text) + 1, len(facts)))
+    asked = rng.permutation(len(facts))
+    pieces = [(int(p), facts[i], False) for i, p in enumerate(first)]
+    pieces += [(int(p), facts[i], True) for p, i in zip(second, asked)]
     pieces.sort(key=lambda piece: piece[0])
     out: list[int] = []
     weight: list[float] = []
     at = 0
-    for where, span, copy in pieces:
+    for where, (key, value), again in pieces:
         out += text[at:where]
-        weight += [0.0] * (where - at)
         at = where
-        weight += [0.0] * len(span)
-        if copy > 0:  # the positions whose next token is the copy's value: the last key token's onward
-            for t in range(len(out) + key - 1, len(out) + size - 1):
+        weight += [0.0] * (len(out) - len(weight) + len(key) + len(value))
+        if again:  # the positions whose next token is the value: the key's last onward
+            for t in range(len(out) + len(key) - 1, len(out) + len(key) + len(value) - 1):
                 weight[t] = 1.0
-        out += span
+        out += key + value
     out += text[at:]
-    weight += [0.0] * (len(text) - at)
-    return torch.tensor(out, dtype=torch.long), torch.tensor(weight, dtype=torch.float64)
+    weight += [0.0] * (len(out) - len(weight))
+    return torch.tensor(out[:length], dtype=torch.long), torch.tensor(weight[:length], dtype=torch.float64)
 
 
 def span_windows(
-    batches: Iterable[Any], *, seed: int = 0, share: float = RECALL_SHARE, digits: Sequence[int] | None = None
+    batches: Iterable[Any], *, seed: int = 0, share: float = RECALL_SHARE
 ) -> list[dict[str, torch.Tensor]]:
     """The calibration batches with spans of their own text written twice into every window (one of
-    :data:`SPAN_COUNTS` spans per window, in turn), as batches with the KL weight
-    :data:`~gdnprune.model.forwards.KL_WEIGHT`: the second copies' tokens after their key carry ``share``
-    of the KL. A batch with an attention mask is kept as it is (every position weight 1). Deterministic
-    given ``seed``."""
+    :data:`SPAN_COUNTS` spans per window, in turn; a third of a span is its key, the rest its value), as
+    batches with the KL weight :data:`~gdnprune.model.forwards.KL_WEIGHT` (the second copies' values carry
+    ``share`` of the KL) and the mask :data:`RECALL_MASK` of those positions. Token ids only: no tokenizer
+    needed. A batch with an attention mask is kept as it is (every position weight 1). Deterministic given
+    ``seed``."""
     data = unpack_batches(batches)
-    numbers = None if digits is None else torch.as_tensor(list(digits), dtype=torch.long)
     pool = torch.cat([ids.reshape(-1) if mask is None else ids[mask] for ids, mask in data])
     out, valid, recall = [], [], []
     k = 0
@@ -112,18 +127,128 @@ def span_windows(
         rows, weights = [], []
         for row in ids:
             rng = np.random.default_rng([seed, k])
-            made, weight = _span_row(
-                row, pool, SPAN_COUNTS[k % len(SPAN_COUNTS)], rng, numbers if (k // len(SPAN_COUNTS)) % 2 == 0 else None
-            )
+            count = SPAN_COUNTS[k % len(SPAN_COUNTS)]
+            size = max(2, min(12, row.shape[0] // (4 * count)))
+            count = max(1, min(count, row.shape[0] // (4 * size)))
+            made, weight = _fact_row(row, _text_facts(pool, count, size, rng), rng)
             rows.append(made)
             weights.append(weight)
             k += 1
         out.append({"input_ids": torch.stack(rows)})
         valid.append(torch.ones(ids.shape, dtype=torch.float64))
         recall.append(torch.stack(weights))
-    for batch, weight in zip(out, balance(valid, recall, share)):
+    return _weighted(out, valid, recall, share)
+
+
+def _weighted(
+    out: list[dict], valid: list[torch.Tensor], recall: list[torch.Tensor], share: float
+) -> list[dict]:
+    """``out``'s batches with their KL weights (:func:`balance`) and recall masks."""
+    for batch, weight, asked in zip(out, balance(valid, recall, share), recall):
         batch[KL_WEIGHT] = weight
+        batch[RECALL_MASK] = asked > 0
     return out
+
+
+def _probe_row(
+    text: str, kind: str, seed: int, index: int, tokenizer: Any, haystack: bool = True
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The probe of ``kind`` (``passkey`` or ``mqar``) as long as ``text``, ``text`` its filler (``haystack``;
+    else the probes' own), tokenized; the recall weight of each position (1 where the next token is an
+    answer's); None when ``text`` is too short or the answers' tokens cannot be told apart."""
+    if len(text) < probes.MIN_LENGTH:
+        return None
+    make = probes.passkey if kind == "passkey" else probes.mqar
+    made = make(seed, len(text), index, haystack=text if haystack else None)
+    encoded = tokenizer(made.text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    weight = torch.zeros(len(ids), dtype=torch.float64)
+    for query in made.queries:
+        start, stop = len(query.context), len(query.context) + len(query.answer)
+        inside = [t for t, (a, b) in enumerate(offsets) if start <= a < stop and b > a]
+        if not inside or inside[0] == 0:
+            return None
+        weight[inside[0] - 1 : inside[-1]] = 1.0
+    return torch.tensor(ids, dtype=torch.long), weight
+
+
+def probe_windows(
+    batches: Iterable[Any],
+    tokenizer: Any,
+    *,
+    seed: int = 0,
+    share: float = RECALL_SHARE,
+    haystack: bool = True,
+) -> list[dict[str, torch.Tensor]]:
+    """Every calibration window made a recall probe with its own text as the haystack, in turn a passkey
+    (a number in a sentence, asked for again at the end) and an MQAR probe (key-value lines, the text, the
+    keys asked again) of :mod:`gdnprune.quality.probes`: each window decoded with ``tokenizer``, the probe
+    written as long as its text, tokenized again (so a window may come back a few tokens longer or
+    shorter: each is a batch of its own). The KL weight :data:`~gdnprune.model.forwards.KL_WEIGHT` gives the
+    answers' tokens ``share`` of the KL, :data:`RECALL_MASK` marks them. A window too short for a probe
+    (or with a mask) is kept as it is. ``haystack`` False: the probes' own filler instead of the text (the
+    probes as ``gdnprune eval`` asks them, as long as the windows). Deterministic given ``seed``."""
+    out, valid, recall = [], [], []
+    k = 0
+    for ids, mask in unpack_batches(batches):
+        for row in range(ids.shape[0]):
+            made = None
+            if mask is None:
+                text = tokenizer.decode(ids[row].tolist())
+                made = _probe_row(text, ("passkey", "mqar")[k % 2], seed, k, tokenizer, haystack)
+            k += 1
+            if made is None:
+                kept = ids[row : row + 1]
+                out.append(
+                    {"input_ids": kept, **({} if mask is None else {"attention_mask": mask[row : row + 1]})}
+                )
+                valid.append(
+                    torch.ones(kept.shape, dtype=torch.float64)
+                    if mask is None
+                    else mask[row : row + 1].double()
+                )
+                recall.append(torch.zeros(kept.shape, dtype=torch.float64))
+                continue
+            out.append({"input_ids": made[0][None]})
+            valid.append(torch.ones((1, made[0].shape[0]), dtype=torch.float64))
+            recall.append(made[1][None])
+    return _weighted(out, valid, recall, share)
+
+
+def recall_windows(
+    batches: Iterable[Any], *, tokenizer: Any = None, seed: int = 0, share: float = RECALL_SHARE
+) -> list[dict[str, torch.Tensor]]:
+    """The plan's recall windows: :func:`probe_windows` with a tokenizer, :func:`span_windows` without."""
+    if tokenizer is None:
+        return span_windows(batches, seed=seed, share=share)
+    return probe_windows(batches, tokenizer, seed=seed, share=share)
+
+
+@torch.no_grad()
+def exact_match(model: Any, windows: Iterable[dict[str, torch.Tensor]]) -> tuple[int, int]:
+    """(spans the model gets right, spans asked) over recall windows (:func:`span_windows`): a second copy is
+    right when the model's greedy next token is the copy's at every position of its value (a run of
+    :data:`RECALL_MASK`)."""
+    hits = total = 0
+    for batch in windows:
+        ids, mask = batch["input_ids"], batch[RECALL_MASK]
+        if not bool(mask.any()):
+            continue
+        greedy = model(**model_inputs(ids, batch.get("attention_mask"), input_device(model))).logits.argmax(
+            -1
+        )
+        right = greedy[:, :-1].cpu() == ids[:, 1:]
+        for row in range(ids.shape[0]):
+            asked = mask[row, :-1]
+            edges = torch.diff(
+                asked.int(), prepend=torch.zeros(1, dtype=torch.int), append=torch.zeros(1, dtype=torch.int)
+            )
+            for start, stop in zip(
+                torch.nonzero(edges == 1).flatten().tolist(), torch.nonzero(edges == -1).flatten().tolist()
+            ):
+                total += 1
+                hits += int(bool(right[row, start:stop].all()))
+    return hits, total
 
 
 @torch.no_grad()

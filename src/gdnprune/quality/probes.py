@@ -81,8 +81,11 @@ def _rng(kind: str, seed: int, length: int, index: int) -> random.Random:
     return random.Random(f"{kind}/{seed}/{length}/{index}")
 
 
-def _filler(count: int, rng: random.Random) -> str:
-    """``count`` characters of filler, starting at a random sentence of :data:`FILLER`."""
+def _filler(count: int, rng: random.Random, haystack: str | None = None) -> str:
+    """``count`` characters of filler, starting at a random sentence of :data:`FILLER`; or the first
+    ``count`` characters of ``haystack`` (repeated if shorter)."""
+    if haystack:
+        return (haystack * (count // len(haystack) + 1))[:count]
     starts = [0] + [i + 2 for i, c in enumerate(FILLER[:-2]) if FILLER[i : i + 2] == ". "]
     offset = rng.choice(starts)
     repeats = (count + offset) // len(FILLER) + 1
@@ -96,12 +99,15 @@ def _check_length(kind: str, length: int) -> None:
         )
 
 
-def passkey(seed: int, length: int, index: int = 0, *, depth: float | None = None) -> Probe:
+def passkey(
+    seed: int, length: int, index: int = 0, *, depth: float | None = None, haystack: str | None = None
+) -> Probe:
     """A number of :data:`PASSKEY_DIGITS` digits hidden at a random depth in filler, asked for at the end.
 
     The text is exactly ``length`` characters long; its one query's answer is ``" " + key`` (its last
     ``PASSKEY_DIGITS + 1`` characters). ``depth`` (0 to 1): the needle at that share of the filler (the
-    start of the sentence there) instead of a random depth: the needle-in-a-haystack grid.
+    start of the sentence there) instead of a random depth: the needle-in-a-haystack grid. ``haystack``: a
+    text to take the filler from instead of :data:`FILLER` (the plan's recall windows: the calibration text).
     """
     _check_length("passkey", length)
     rng = _rng("passkey", seed, length, index)
@@ -109,7 +115,7 @@ def passkey(seed: int, length: int, index: int = 0, *, depth: float | None = Non
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     answer = f" {key}"
     room = length - len(needle) - len(_QUESTION) - len(answer)
-    filler = _filler(room, rng)
+    filler = _filler(room, rng, haystack)
     if depth is not None and not 0 <= depth <= 1:
         raise ValueError(f"passkey: depth is a share of the filler, in [0, 1]; got {depth!r}")
     at = rng.randrange(room + 1) if depth is None else round(depth * room)
@@ -125,13 +131,16 @@ def mqar_pairs(length: int) -> int:
     return min(MQAR_MAX_PAIRS, max(MQAR_QUERIES, length // 32))
 
 
-def mqar(seed: int, length: int, index: int = 0, *, pairs: int | None = None) -> Probe:
+def mqar(
+    seed: int, length: int, index: int = 0, *, pairs: int | None = None, haystack: str | None = None
+) -> Probe:
     """Multi-query associative recall: key-value pairs, filler, then :data:`MQAR_QUERIES` queries.
 
     Keys are two lowercase letters (distinct), values two digits; a pair is written ``ab:42 ``. After
     the pairs and the filler, queries ask keys in random order, each answered before the next is asked
     (``... cd:17 ab:`` → ``42``), so query ``i``'s context holds the earlier queries with their answers.
-    ``pairs`` defaults to :func:`mqar_pairs`. The text is exactly ``length`` characters long.
+    ``pairs`` defaults to :func:`mqar_pairs`. The text is exactly ``length`` characters long. ``haystack``:
+    the filler taken from this text (as :func:`passkey`'s).
     """
     _check_length("mqar", length)
     count = mqar_pairs(length) if pairs is None else pairs
@@ -146,7 +155,7 @@ def mqar(seed: int, length: int, index: int = 0, *, pairs: int | None = None) ->
     room = length - len(head) - 1 - tail_len
     if room < 0:
         raise ValueError(f"mqar: {count} pairs do not fit in {length} characters")
-    text = head + _filler(room, rng) + "\n"
+    text = head + _filler(room, rng, haystack) + "\n"
     queries = []
     for n, i in enumerate(asked):
         text += f"{keys[i]}:"
