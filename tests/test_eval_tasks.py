@@ -16,8 +16,8 @@ import torch
 from helpers import child_env, python_command
 
 from gdnprune import demo_data
-from gdnprune.quality import probes
 from gdnprune.evaluation.tasks import shipped_task_folder, text_windows, write_task_folder
+from gdnprune.quality import probes
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.model import LM  # noqa: E402

@@ -9,6 +9,7 @@ loop over the model's greedy predictions; the whole cut model's exact match on t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,18 @@ def test_keep_recall_on_the_command_line_is_a_share(tmp_path, capsys):
     assert (
         "argument --keep-recall: expected a share in (0, 1] such as 0.9, got '2'" in capsys.readouterr().err
     )
+
+
+def test_prune_says_what_the_plan_was_measured_on_and_the_recall_it_kept(tmp_path, capsys):
+    data = tmp_path / "text.txt"
+    data.write_text(demo_data.train_text()[:20_000], encoding="utf-8")
+    common = ["--data", str(data), "--budget-state", "0.5", "--num-samples", "4", "--plan-samples", "2"]
+    common += ["--seq-len", "256", "--dim-step", "1/2", "--axes", "key_heads,key_dim"]
+    code = main(["prune", str(RECALL), "-o", str(tmp_path / "out"), *common, "--keep-recall", "0.5"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "measured on recall windows: the calibration windows made recall probes" in out
+    assert "recall kept: " in out and "--keep-recall 0.5" in out
+    manifest = json.loads((tmp_path / "out" / "gdnprune.json").read_text())
+    rounds = manifest["plan_report"]["recall"]["rounds"]
+    assert manifest["plan_report"]["windows"]["kind"] == "probes" and rounds[0]["share"] == 0.5
