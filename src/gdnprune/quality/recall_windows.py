@@ -179,6 +179,7 @@ def probe_windows(
     seed: int = 0,
     share: float = RECALL_SHARE,
     haystack: bool = True,
+    alongside: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Every calibration window made a recall probe with its own text as the haystack, in turn a passkey
     (a number in a sentence, asked for again at the end) and an MQAR probe (key-value lines, the text, the
@@ -187,7 +188,9 @@ def probe_windows(
     shorter: each is a batch of its own). The KL weight :data:`~gdnprune.model.forwards.KL_WEIGHT` gives the
     answers' tokens ``share`` of the KL, :data:`RECALL_MASK` marks them. A window too short for a probe
     (or with a mask) is kept as it is. ``haystack`` False: the probes' own filler instead of the text (the
-    probes as ``gdnprune eval`` asks them, as long as the windows). Deterministic given ``seed``."""
+    probes as ``gdnprune eval`` asks them, as long as the windows). ``alongside``: every calibration window
+    kept as it is, its probe after it with no weight but on the answers (the text's KL from the text, the
+    recall's from the probes; twice the windows). Deterministic given ``seed``."""
     out, valid, recall = [], [], []
     k = 0
     for ids, mask in unpack_batches(batches):
@@ -197,7 +200,7 @@ def probe_windows(
                 text = tokenizer.decode(ids[row].tolist())
                 made = _probe_row(text, ("passkey", "mqar")[k % 2], seed, k, tokenizer, haystack)
             k += 1
-            if made is None:
+            if made is None or alongside:
                 kept = ids[row : row + 1]
                 out.append(
                     {"input_ids": kept, **({} if mask is None else {"attention_mask": mask[row : row + 1]})}
@@ -208,9 +211,12 @@ def probe_windows(
                     else mask[row : row + 1].double()
                 )
                 recall.append(torch.zeros(kept.shape, dtype=torch.float64))
-                continue
+                if made is None:
+                    continue
             out.append({"input_ids": made[0][None]})
-            valid.append(torch.ones((1, made[0].shape[0]), dtype=torch.float64))
+            valid.append(
+                made[1][None].clone() if alongside else torch.ones((1, made[0].shape[0]), dtype=torch.float64)
+            )
             recall.append(made[1][None])
     return _weighted(out, valid, recall, share)
 

@@ -48,6 +48,7 @@ every rank gets the same numbers as one process.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -441,8 +442,9 @@ def search(
     )
     if not verifying:
         return 0
+    verifying_round = itertools.count(1)  # one bar per round, each its own description and total
     return verify(
-        lambda todo: measure(todo, "sensitivity, verifying the choice"),
+        lambda todo: measure(todo, f"sensitivity, verifying the choice (round {next(verifying_round)})"),
         kl,
         seen,
         full,
