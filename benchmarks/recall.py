@@ -22,12 +22,19 @@ gdnprune's lm-eval tasks (standard errors lm-eval's), nats/byte on ``--windows``
 bytes (mean and standard error over windows; paired differences against the recall-aware plan). Every step is
 cached under ``--work``, so a stopped run resumes.
 
+**windows**: which windows the recall-aware sensitivity is measured on: the recall model's ``--budget-state
+0.5`` plan measured on each kind (``--kinds``: the calibration windows as they are; spans of the text written
+twice; the windows weighted by the unpruned model's gain from long context; passkey / MQAR probes with the
+text as the haystack; the probes with their own filler; the calibration windows with a probe beside each),
+one-shot passkey, MQAR and nats/byte (``docs/scoring.md``, "Sensitivity that sees memory").
+
 **axes**: the recall model with each GDN axis halved in every layer (key heads, lanes, key dim, value dim),
 a uniform cut and a state plan, one-shot and distilled (the "Recall by GDN axis" table of BENCHMARKS.md).
 
 Usage (one CPU thread)::
 
     python benchmarks/recall.py --json recall_plans.json
+    python benchmarks/recall.py --experiment windows
     python benchmarks/recall.py --experiment axes --lengths 256,512,1024 --limit 32 --windows 16 \
         --steps 300 --distill-batch 4 --recover worst,middle,state
 """
@@ -71,6 +78,12 @@ from gdnprune.model.layouts import find_gdn_modules  # noqa: E402
 from gdnprune.plan import PlanOptions, plan_model  # noqa: E402
 from gdnprune.prune import prune_checkpoint  # noqa: E402
 from gdnprune.quality import probes  # noqa: E402
+from gdnprune.quality.recall_windows import (  # noqa: E402
+    RECALL_SHARE,
+    context_weights,
+    probe_windows,
+    span_windows,
+)
 from gdnprune.scoring import GDN_ONLY, score_checkpoint, score_model  # noqa: E402
 
 TRAINED = REPO / "tests" / "data" / "trained"
@@ -89,7 +102,12 @@ BUDGETS = {"state": dict(budget_state=0.5), "params": dict(budget_params=0.5)}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", choices=["plans", "axes"], default="plans")
+    p.add_argument("--experiment", choices=["plans", "axes", "windows"], default="plans")
+    p.add_argument(
+        "--kinds",
+        default="calibration,spans,context,probes-text,probes-filler,probes-alongside",
+        help="windows: the kinds of windows compared (NAME or NAME:SHARE)",
+    )
     p.add_argument("--models", default="recall,recall_hybrid", help="plans: models (default both)")
     p.add_argument("--budgets", default="state,params", help="plans: budgets (default state,params)")
     p.add_argument("--plans", default=",".join(PLANS), help=f"plans: plans (default {','.join(PLANS)})")
@@ -507,13 +525,93 @@ def plans(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- windows (issue 43: which windows the recall-aware sensitivity is measured on) ----------------------------
+
+
+def _window_kinds(teacher, batches: list, kind: str) -> list:
+    """The plan's calibration batches made into one candidate kind of recall windows (``NAME`` or
+    ``NAME:SHARE``)."""
+    name, _, share_text = kind.partition(":")
+    share = float(share_text or RECALL_SHARE)
+    tokenizer = demo_data.build_byte_tokenizer()
+    if name == "calibration":
+        return batches
+    if name == "spans":
+        return span_windows(batches, share=share)
+    if name == "context":
+        return context_weights(teacher, batches, share=share)
+    if name == "probes-text":
+        return probe_windows(batches, tokenizer, share=share)
+    if name == "probes-filler":
+        return probe_windows(batches, tokenizer, share=share, haystack=False)
+    if name == "probes-alongside":
+        return probe_windows(batches, tokenizer, share=share, haystack=False, alongside=True)
+    raise SystemExit(f"--kinds: unknown kind {kind!r}")
+
+
+@torch.no_grad()
+def _exact(model, kind: str, count: int, length: int = 256) -> tuple[float, float]:
+    """Greedy exact match (mean, standard error) of the first ``count`` evaluation probes (seed 0)."""
+    hits = []
+    for i in range(count):
+        made = probes.probe(kind, 0, length, i)
+        ids = demo_data.text_to_ids(made.text)[None]
+        greedy = model(input_ids=ids, use_cache=False).logits[0].argmax(-1)
+        for q in made.queries:
+            a, n = len(q.context), len(q.answer)
+            hits.append(bool((greedy[a - 1 : a - 1 + n] == ids[0, a : a + n]).all()))
+    return float(np.mean(hits)), float(np.std(hits, ddof=1) / math.sqrt(len(hits)))
+
+
+def windows(args: argparse.Namespace) -> int:
+    """The recall model's ``--budget-state 0.5`` plan measured on each kind of windows (``--kinds``): scores
+    on 32 text windows of 256 bytes, the plan on 16 of 512, passkey (32 probes) and MQAR (4 probes, 32
+    queries) at 256 characters, nats/byte on 16 validation windows."""
+    teacher = load_pretrained(args.model, dtype=torch.float32).eval()
+    teacher.config.use_cache = False
+    calibration = list(demo_data.byte_windows(demo_data.train_text(), 256, 32).split(8))
+    scores = score_model(teacher, calibration, progress=False, seed=0, blocks=GDN_ONLY)
+    permutations = {
+        p: GDNPermutation.from_score_payload(scores["layers"][p], GDNShape.from_module(m))
+        for p, m in find_gdn_modules(teacher)
+    }
+    batches = list(demo_data.byte_windows(demo_data.train_text(), 512, 16).split(4))
+
+    def measured(model) -> str:
+        pk, mq = _exact(model, "passkey", 32), _exact(model, "mqar", 4)
+        nats = demo_data.validation_loss(model, seq_len=256, num_windows=16)
+        return f"passkey {pk[0]:.2f} ± {pk[1]:.2f} | MQAR {mq[0]:.2f} ± {mq[1]:.2f} | nats/byte {nats:.3f}"
+
+    print(f"unpruned | {measured(teacher)}", flush=True)
+    for kind in args.kinds.split(","):
+        begin = time.perf_counter()
+        plan, _ = plan_model(
+            teacher,
+            _window_kinds(teacher, batches, kind),
+            scores,
+            budget_state=0.5,
+            blocks=["gdn"],
+            sensitivity="short",  # the windows as given
+            progress=False,
+        )
+        cut = slice_model(teacher, plan["layers"], permutations).eval()
+        cut.config.use_cache = False
+        first = plan["layers"]["model.layers.0.linear_attn"]
+        print(
+            f"{kind} | {measured(cut)} | layer 0 {json.dumps(first)} | {time.perf_counter() - begin:.0f} s, "
+            f"load {load_average():.1f}",
+            flush=True,
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    return axes(args) if args.experiment == "axes" else plans(args)
+    return {"axes": axes, "plans": plans, "windows": windows}[args.experiment](args)
 
 
 if __name__ == "__main__":

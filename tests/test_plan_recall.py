@@ -208,3 +208,34 @@ def test_prune_says_what_the_plan_was_measured_on_and_the_recall_it_kept(tmp_pat
     manifest = json.loads((tmp_path / "out" / "gdnprune.json").read_text())
     rounds = manifest["plan_report"]["recall"]["rounds"]
     assert manifest["plan_report"]["windows"]["kind"] == "probes" and rounds[0]["share"] == 0.5
+
+
+def test_a_token_weight_in_scoring_counts_a_token_that_many_times():
+    """Scores of windows A (weight 2), B (weight 0), C (weight 1) equal those of A, A, C unweighted: every
+    statistic is a second moment summed over tokens (the loss tokens every token, so none is chosen by the
+    window's index)."""
+    from tiny_models import build_model
+
+    model = build_model(
+        "qwen3_5", GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
+    )
+    a, b, c = torch.randint(0, 128, (3, 1, 16), generator=torch.Generator().manual_seed(6))
+    weighted = [
+        {"input_ids": a, KL_WEIGHT: torch.full((1, 16), 2.0)},
+        {"input_ids": b, KL_WEIGHT: torch.zeros(1, 16)},
+        {"input_ids": c, KL_WEIGHT: torch.ones(1, 16)},
+    ]
+    options = dict(progress=False, seed=0, loss_token_stride=1)
+    ours, reference = score_model(model, weighted, **options), score_model(model, [a, a, c], **options)
+    assert ours["layers"].keys() == reference["layers"].keys()
+    for prefix, entry in reference["layers"].items():
+        for key, value in entry.items():
+            if key.endswith("_order_most_important_first"):
+                assert ours["layers"][prefix][key] == value, (prefix, key)
+            elif key.endswith("_scores"):
+                torch.testing.assert_close(
+                    torch.as_tensor(ours["layers"][prefix][key], dtype=torch.float64),
+                    torch.as_tensor(value, dtype=torch.float64),
+                    rtol=1e-6,  # a token times sqrt(2) in float32, squared
+                    atol=1e-12,
+                )
