@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experiment", choices=["plans", "axes", "windows"], default="plans")
     p.add_argument(
         "--kinds",
-        default="calibration,spans,context,probes-text,probes-filler,probes-alongside",
+        default="calibration,spans,context,probes-text,probes-filler,probes-alongside,"
+        "probes-alongside+scores,probes-alongside:0.25+scores",
         help="windows: the kinds of windows compared (NAME or NAME:SHARE)",
     )
     p.add_argument("--models", default="recall,recall_hybrid", help="plans: models (default both)")
@@ -530,8 +531,8 @@ def plans(args: argparse.Namespace) -> int:
 
 def _window_kinds(teacher, batches: list, kind: str) -> list:
     """The plan's calibration batches made into one candidate kind of recall windows (``NAME`` or
-    ``NAME:SHARE``)."""
-    name, _, share_text = kind.partition(":")
+    ``NAME:SHARE``; a trailing ``+scores`` is the scores')."""
+    name, _, share_text = kind.removesuffix("+scores").partition(":")
     share = float(share_text or RECALL_SHARE)
     tokenizer = demo_data.build_byte_tokenizer()
     if name == "calibration":
@@ -585,15 +586,25 @@ def windows(args: argparse.Namespace) -> int:
     print(f"unpruned | {measured(teacher)}", flush=True)
     for kind in args.kinds.split(","):
         begin = time.perf_counter()
+        # "+scores": the orders too from the scoring windows made recall windows of the same kind
+        own = score_model(
+            teacher, _window_kinds(teacher, calibration, kind), progress=False, seed=0, blocks=GDN_ONLY
+        )
+        ordered = own if kind.endswith("+scores") else scores
         plan, _ = plan_model(
             teacher,
             _window_kinds(teacher, batches, kind),
-            scores,
+            ordered,
             budget_state=0.5,
             blocks=["gdn"],
             sensitivity="short",  # the windows as given
             progress=False,
         )
+        if kind.endswith("+scores"):
+            permutations = {
+                p: GDNPermutation.from_score_payload(ordered["layers"][p], GDNShape.from_module(m))
+                for p, m in find_gdn_modules(teacher)
+            }
         cut = slice_model(teacher, plan["layers"], permutations).eval()
         cut.config.use_cache = False
         first = plan["layers"]["model.layers.0.linear_attn"]

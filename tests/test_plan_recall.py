@@ -22,6 +22,7 @@ from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.model.forwards import KL_WEIGHT
 from gdnprune.model.layouts import find_gdn_modules
 from gdnprune.plan import plan_model
+from gdnprune.plan.measure.recall import CHECK_SEED
 from gdnprune.quality import probes
 from gdnprune.quality.recall_windows import RECALL_MASK, exact_match, probe_windows, span_windows
 from gdnprune.scoring import GDN_ONLY, score_model
@@ -166,14 +167,14 @@ def test_keep_recall_is_measured_on_the_whole_cut_model_and_replans_when_missed(
     rounds = report["recall"]["rounds"]
     assert [r["share"] for r in rounds] == [0.0, 0.5, 0.75][: len(rounds)]
     assert report["recall"]["met"] == rounds[-1]["met"] and (len(rounds) == 3 or rounds[-1]["met"])
-    # the last round's exact match is the sliced model's on the check probes (seed 1, their own filler)
+    # the last round's exact match is the sliced model's on the check probes (their own filler)
     permutations = {
         p: GDNPermutation.from_score_payload(scores["layers"][p], GDNShape.from_module(m))
         for p, m in find_gdn_modules(model)
     }
     cut = slice_model(model, plan["layers"], permutations).eval()
     cut.config.use_cache = False
-    check = probe_windows(calibration, TOKENIZER, seed=1, haystack=False)
+    check = probe_windows(calibration, TOKENIZER, seed=CHECK_SEED, haystack=False)
     hits, asked = exact_match(cut, check)
     base_hits, base_asked = exact_match(model, check)
     assert rounds[-1]["asked"] == asked and rounds[-1]["exact_match"] == pytest.approx(hits / asked)
@@ -203,7 +204,7 @@ def test_prune_says_what_the_plan_was_measured_on_and_the_recall_it_kept(tmp_pat
     code = main(["prune", str(RECALL), "-o", str(tmp_path / "out"), *common, "--keep-recall", "0.5"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "measured on recall windows: the calibration windows made recall probes" in out
+    assert "measured on recall windows: each calibration window followed by a recall probe" in out
     assert "recall kept: " in out and "--keep-recall 0.5" in out
     manifest = json.loads((tmp_path / "out" / "gdnprune.json").read_text())
     rounds = manifest["plan_report"]["recall"]["rounds"]

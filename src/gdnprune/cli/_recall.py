@@ -35,8 +35,7 @@ def recall_summary(report: dict) -> list[str]:
     lines = []
     windows = report.get("windows") or {}
     what = {
-        "probes": "the calibration windows made recall probes (passkey, MQAR) with their own text as the "
-        "haystack",
+        "probes": "each calibration window followed by a recall probe (passkey or MQAR) of its length",
         "spans": "spans of the calibration text written twice into each window",
     }
     if windows.get("kind") in what:

@@ -109,6 +109,14 @@ class PlanOptions:
             getattr(self, f"budget_{name}") is not None for name in WHOLE
         )
 
+    def recall(self) -> bool:
+        """Whether the search measures on recall windows (and ``prune`` scores on them): GDN layers may
+        shrink (a GDN budget, or a whole-model one with ``gdn`` in ``blocks``) and the sensitivity is
+        measured, not ``short``."""
+        gdn = self.budget_state is not None or self.budget_gdn_params is not None
+        gdn = gdn or (self.whole() and "gdn" in self.blocks)
+        return gdn and self.sensitivity not in ("short", "proxy")
+
     def parsed_workload(self) -> Workload | None:
         """The workload of the latency budget (None without one). Raises ValueError: a latency budget without
         a workload, a workload without one, or a malformed workload."""

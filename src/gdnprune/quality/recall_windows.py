@@ -1,19 +1,22 @@
-"""Calibration windows that need memory: the plan's sensitivity sees what a cut does to recall.
+"""Calibration windows that need memory: the plan's sensitivity (and the scores) see what a cut does to recall.
 
 A KL averaged over plain text windows barely moves when a cut loses the model's memory of what came long
 before (most tokens are predicted from the last few), so a plan measured on it may remove the state that
-recall needs. Two ways to make the same windows show it, both as a per-position weight of the KL
-(:data:`gdnprune.model.forwards.KL_WEIGHT`), so every measurement (:class:`gdnprune.model.forwards.Forwards`)
-runs as before:
+recall needs. The windows here carry a per-position weight of the KL (:data:`gdnprune.model.forwards.KL_WEIGHT`;
+scoring weighs its second moments by it too), so every measurement runs as before:
 
-* :func:`span_windows`: spans of the calibration text itself written into each window twice, once in
-  its first half and again, in another order, in its second half; the KL of the second copies' tokens
-  after their first few (the key: what asks for the rest) counts for ``share`` of the window's KL. A
-  passkey asked again, a key-value line, a repeated span: made from the user's own text, for any tokenizer.
+* :func:`probe_windows`: recall probes (:mod:`gdnprune.quality.probes`: passkey, MQAR) as long as the
+  calibration windows, their answers weighted; their filler the window's own text, or the probes' own
+  sentences; alone, or beside each calibration window (``alongside``: the text's KL from the text, the
+  recall's from the probes);
+* :func:`span_windows`: spans of the calibration text itself written into each window twice; the KL of the
+  second copies after their key is weighted (token ids only: no tokenizer needed);
 * :func:`context_weights`: the windows as they are, each position's KL weighted by how much the unpruned
   model's loss there falls when it sees the whole window rather than its last ``short`` tokens.
 
-``docs/scoring.md`` says which one the plan uses, and why.
+:func:`recall_windows` is what the plan uses (probes beside the windows with a tokenizer, spans without);
+``docs/scoring.md`` gives the measurements behind the choice. :func:`exact_match` counts the answers a model
+gets right (``--keep-recall``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from . import probes
 __all__ = [
     "RECALL_MASK",
     "RECALL_SHARE",
+    "PROBE_SEED",
     "SPAN_COUNTS",
     "balance",
     "context_weights",
@@ -42,6 +46,9 @@ __all__ = [
 
 #: the share of a window's KL that its recall positions carry
 RECALL_SHARE = 0.5
+#: the seed of the probes of recall windows: neither ``gdnprune eval``'s (0) nor the recall models' training
+#: probes' (500, 1000 and on, ``scripts/train_demo_model.py``)
+PROBE_SEED = 43_000
 #: the key of a recall window's mask of the positions whose next token a second copy asks for (bool [B, T])
 RECALL_MASK = "recall_mask"
 #: a fact: its key's tokens and its value's (the value is what the second copy asks for)
@@ -141,12 +148,22 @@ def span_windows(
 
 
 def _weighted(
-    out: list[dict], valid: list[torch.Tensor], recall: list[torch.Tensor], share: float
+    out: list[dict],
+    valid: list[torch.Tensor],
+    recall: list[torch.Tensor],
+    share: float,
+    groups: Sequence[int] | None = None,
 ) -> list[dict]:
-    """``out``'s batches with their KL weights (:func:`balance`) and recall masks."""
-    for batch, weight, asked in zip(out, balance(valid, recall, share), recall):
-        batch[KL_WEIGHT] = weight
-        batch[RECALL_MASK] = asked > 0
+    """``out``'s batches with their KL weights (:func:`balance` over all of them, or within each group of
+    ``groups``: the group of every batch) and recall masks."""
+    members: dict[int, list[int]] = {}
+    for i in range(len(out)):
+        members.setdefault(0 if groups is None else groups[i], []).append(i)
+    for picked in members.values():
+        weights = balance([valid[i] for i in picked], [recall[i] for i in picked], share)
+        for i, weight in zip(picked, weights):
+            out[i][KL_WEIGHT] = weight
+            out[i][RECALL_MASK] = recall[i] > 0
     return out
 
 
@@ -176,7 +193,7 @@ def probe_windows(
     batches: Iterable[Any],
     tokenizer: Any,
     *,
-    seed: int = 0,
+    seed: int = PROBE_SEED,
     share: float = RECALL_SHARE,
     haystack: bool = True,
     alongside: bool = False,
@@ -190,8 +207,9 @@ def probe_windows(
     (or with a mask) is kept as it is. ``haystack`` False: the probes' own filler instead of the text (the
     probes as ``gdnprune eval`` asks them, as long as the windows). ``alongside``: every calibration window
     kept as it is, its probe after it with no weight but on the answers (the text's KL from the text, the
-    recall's from the probes; twice the windows). Deterministic given ``seed``."""
-    out, valid, recall = [], [], []
+    recall's from the probes; twice the windows), ``share`` kept within each pair (a window's weights do not
+    depend on the others'). Deterministic given ``seed``."""
+    out, valid, recall, groups = [], [], [], []
     k = 0
     for ids, mask in unpack_batches(batches):
         for row in range(ids.shape[0]):
@@ -211,6 +229,7 @@ def probe_windows(
                     else mask[row : row + 1].double()
                 )
                 recall.append(torch.zeros(kept.shape, dtype=torch.float64))
+                groups.append(k)
                 if made is None:
                     continue
             out.append({"input_ids": made[0][None]})
@@ -218,16 +237,20 @@ def probe_windows(
                 made[1][None].clone() if alongside else torch.ones((1, made[0].shape[0]), dtype=torch.float64)
             )
             recall.append(made[1][None])
-    return _weighted(out, valid, recall, share)
+            groups.append(k)
+    return _weighted(out, valid, recall, share, groups if alongside else None)
 
 
 def recall_windows(
-    batches: Iterable[Any], *, tokenizer: Any = None, seed: int = 0, share: float = RECALL_SHARE
+    batches: Iterable[Any], *, tokenizer: Any = None, seed: int = PROBE_SEED, share: float = RECALL_SHARE
 ) -> list[dict[str, torch.Tensor]]:
-    """The plan's recall windows: :func:`probe_windows` with a tokenizer, :func:`span_windows` without."""
+    """The recall windows of the plan and of recall-aware scores: with the model's ``tokenizer``, every
+    calibration window as it is with a passkey or MQAR probe of its length after it, weighted on the answers
+    only (:func:`probe_windows` with the probes' own filler, ``alongside``); without one, spans of the text
+    written twice (:func:`span_windows`). ``docs/scoring.md`` gives the measurements behind the choice."""
     if tokenizer is None:
         return span_windows(batches, seed=seed, share=share)
-    return probe_windows(batches, tokenizer, seed=seed, share=share)
+    return probe_windows(batches, tokenizer, seed=seed, share=share, haystack=False, alongside=True)
 
 
 @torch.no_grad()

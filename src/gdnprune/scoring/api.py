@@ -27,6 +27,7 @@ from ..model.subblock_geometry import KINDS
 from ..quality.calibration import calibration_windows, iter_batches
 from ..quality.compensate import collect_statistics
 from ..quality.lane_search import search_lane_orders
+from ..quality.recall_windows import recall_windows
 from ..runtime.deprecation import renamed_keywords
 from ..runtime.distributed import (
     all_reduce_sum,
@@ -373,6 +374,7 @@ def measure_checkpoint(
     keep_model: bool = False,
     blocks: Sequence[str] | bool | None = None,
     model: Any = None,
+    recall: bool = False,
 ) -> CheckpointStatistics:
     """The forward passes of :func:`score_checkpoint` for share ``shard = (index, count)`` of the windows.
 
@@ -382,7 +384,9 @@ def measure_checkpoint(
     over its block of the GPUs, :func:`~gdnprune.runtime.distributed.local_gpus`; without, on GPU ``LOCAL_RANK``)
     and the sums are added over the ranks; every rank returns them. A failure on one rank raises on all.
     ``model``: the folder's model already loaded (:func:`gdnprune.io.loading.load_causal_lm`); then ``device``,
-    ``device_map`` are not used and ``dtype`` is only recorded.
+    ``device_map`` are not used and ``dtype`` is only recorded. ``recall``: every window followed by a recall
+    probe of its length whose answers weigh as much as the window
+    (:func:`gdnprune.quality.recall_windows.recall_windows`), so the orders keep what recall needs.
     """
     model_dir = Path(model_dir)
     with fail_together():
@@ -413,13 +417,17 @@ def measure_checkpoint(
                 local_gpus() if device_map is not None else None
             )  # an exchange: first in the block, on every rank
             model = load_causal_lm(model_dir, dtype=dtype, device=device, device_map=device_map, gpus=gpus)
-        batches = list(iter_batches(windows[start : start + len(mine)], batch_size))
+        batches: list[Any] = list(iter_batches(windows[start : start + len(mine)], batch_size))
+        offset = start
+        if recall:  # each window and its probe, one batch each; the windows before this share counted so
+            batches = recall_windows(batches, tokenizer=tokenizer)
+            offset = len(recall_windows(list(windows[:start].split(1)), tokenizer=tokenizer)) if start else 0
         statistics = measure_statistics(
             model,
             batches,
             method=method,
             seed=seed,
-            window_offset=start,
+            window_offset=offset,
             progress=progress and is_main_process(),
             blocks=blocks,
         )
@@ -541,6 +549,7 @@ def score_checkpoint(
     compensate: bool = False,
     blocks: Sequence[str] | bool | None = None,
     model: Any = None,
+    recall: bool = False,
 ) -> dict[str, Any]:
     """Load a model folder, score it on the calibration file ``data`` and return the scores-file dict.
 
@@ -560,6 +569,8 @@ def score_checkpoint(
     compensation statistics (:mod:`gdnprune.quality.compensate`) on every window, returned under the key
     ``"compensation_statistics"`` (numpy arrays: pop it before writing the scores as JSON; the CLI writes it
     beside the scores file). ``model``: the folder's model already loaded (see :func:`measure_checkpoint`).
+    ``recall``: each calibration window followed by a recall probe weighted on its answers (see
+    :func:`measure_checkpoint`); recorded as ``calibration["recall"]``.
 
     Under an initialised ``torch.distributed`` process group (``gdnprune score`` under ``torchrun``
     creates it), the windows are split across the ranks and the sums added (:func:`measure_checkpoint`);
@@ -581,6 +592,7 @@ def score_checkpoint(
         keep_model=keep,
         model=model,
         blocks=blocks,
+        recall=recall,
     )
     with fail_together():
         scores = scores_from_statistics(run.statistics, world_size=run.world_size)
@@ -611,5 +623,5 @@ def score_checkpoint(
         scores["compensation_statistics"] = {mapping[p]: v for p, v in stats.items()}
     run.loaded = None
     scores["model"] = str(model_dir)
-    scores["calibration"] = run.calibration
+    scores["calibration"] = {**run.calibration, **({"recall": True} if recall else {})}
     return scores
