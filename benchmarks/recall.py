@@ -587,10 +587,15 @@ def windows(args: argparse.Namespace) -> int:
     for kind in args.kinds.split(","):
         begin = time.perf_counter()
         # "+scores": the orders too from the scoring windows made recall windows of the same kind
-        own = score_model(
-            teacher, _window_kinds(teacher, calibration, kind), progress=False, seed=0, blocks=GDN_ONLY
-        )
-        ordered = own if kind.endswith("+scores") else scores
+        ordered, orders = scores, permutations
+        if kind.endswith("+scores"):
+            ordered = score_model(
+                teacher, _window_kinds(teacher, calibration, kind), progress=False, seed=0, blocks=GDN_ONLY
+            )
+            orders = {
+                p: GDNPermutation.from_score_payload(ordered["layers"][p], GDNShape.from_module(m))
+                for p, m in find_gdn_modules(teacher)
+            }
         plan, _ = plan_model(
             teacher,
             _window_kinds(teacher, batches, kind),
@@ -600,12 +605,7 @@ def windows(args: argparse.Namespace) -> int:
             sensitivity="short",  # the windows as given
             progress=False,
         )
-        if kind.endswith("+scores"):
-            permutations = {
-                p: GDNPermutation.from_score_payload(ordered["layers"][p], GDNShape.from_module(m))
-                for p, m in find_gdn_modules(teacher)
-            }
-        cut = slice_model(teacher, plan["layers"], permutations).eval()
+        cut = slice_model(teacher, plan["layers"], orders).eval()
         cut.config.use_cache = False
         first = plan["layers"]["model.layers.0.linear_attn"]
         print(
