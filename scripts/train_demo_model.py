@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "src"))  # use the checkout even when gdnprune is not installed
 
 from gdnprune import demo_data  # noqa: E402
-from gdnprune.evaluation import probes  # noqa: E402
+from gdnprune.quality import probes  # noqa: E402
 
 #: seeds of the training probes are offset from the evaluation's (default seed 0): no probe in both
 TRAIN_PROBE_SEED = 1000

@@ -143,6 +143,40 @@ def _expect_exit_2(args: list[str], capsys, *words: str) -> None:
         assert word in err, err
 
 
+def test_the_table_marks_a_recall_drop_beyond_its_standard_error():
+    """A probe cell below the first model's by more than hypot(its stderr, the first's) gets the mark; a
+    smaller drop, a rise and any other metric do not."""
+    from gdnprune.evaluation.report import DROP, ModelResult, markdown_table
+
+    def row(name, acc, se, nats):
+        results = {
+            "passkey_256": {"acc,none": acc, "acc_stderr,none": se},
+            "needle_256_50": {"acc,none": acc},
+            "nats_per_byte": {"nats_per_byte,none": nats},
+        }
+        return ModelResult("", name, 1, 1, results)
+
+    rows = [row("teacher", 0.9, 0.03, 1.0), row("cut", 0.8, 0.04, 3.0), row("near", 0.86, 0.04, 1.0)]
+    lines = markdown_table(rows).splitlines()
+    cut, near = lines[3], lines[4]
+    assert cut.count(DROP) == 2  # 0.1 > hypot(0.03, 0.04) = 0.05; the needle without stderr: 0.1 > 0
+    assert near.count(DROP) == 1  # 0.04 < 0.05, but the needle's 0.04 > 0
+    assert DROP not in lines[2] and lines[-1].startswith(f"{DROP}: recall below teacher's")
+    assert DROP not in markdown_table([rows[0], row("better", 1.0, 0.0, 9.0)])
+
+
+def test_eval_runs_the_needle_grid_and_the_ruler_tasks_at_lengths_from_the_models_positions(inputs):
+    """No --context-lengths: the demo model's 256 positions give 128 and 256 characters (a byte tokenizer:
+    one character a token); the grid is drawn as needle.png, one panel per model."""
+    out = inputs["root"] / "needles"
+    report = _gdnprune([DEMO, inputs["het"]], out, "needle,multikey,vartrack,passkey", "--limit", "2")
+    tasks = set(report["models"][1]["results"])
+    expected = {f"needle_{n}_{d}" for n in (128, 256) for d in (0, 25, 50, 75, 100)}
+    assert expected | {"multikey_256", "vartrack_256", "passkey_128", "passkey_256"} <= tasks
+    assert not any(t.endswith("_1024") or t.startswith("multikey_128") for t in tasks)
+    assert (out / "needle.png").stat().st_size > 1000
+
+
 def test_bad_inputs_exit_2_with_one_line(inputs, capsys):
     root = inputs["root"]
     base = ["eval", str(DEMO), "-o", str(root / "never")]

@@ -16,8 +16,8 @@ import torch
 from helpers import child_env, python_command
 
 from gdnprune import demo_data
-from gdnprune.evaluation import probes
 from gdnprune.evaluation.tasks import shipped_task_folder, text_windows, write_task_folder
+from gdnprune.quality import probes
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.model import LM  # noqa: E402
@@ -48,6 +48,50 @@ def test_probes_are_deterministic_exact_in_length_and_answers_are_spans_of_the_t
         assert len(pairs) == probes.mqar_pairs(length)
         for q in a.queries:
             assert pairs[q.context[-3:-1]] == q.answer
+
+
+@pytest.mark.parametrize("length", [256, 1000, 200_000])
+def test_the_ruler_probes_ask_what_their_text_says(length):
+    """multikey: the asked key's number is the answer and the other needles are distractors; vartrack: the
+    answer names the variables the chain of assignments gives the number, in the order they were assigned."""
+    a = probes.probe("multikey", 2, length, 5)
+    assert a == probes.multikey(2, length, 5) and len(a.text) == length and a.text.isascii()
+    needles = dict(re.findall(r"The number of ([a-z]{5}) is (\d{5})\.", a.text))
+    assert len(needles) == probes.MULTIKEY_NEEDLES
+    asked = re.search(r"What is the number of ([a-z]{5})\?", a.text).group(1)
+    assert a.queries[0].answer == " " + needles[asked] and a.text.endswith(needles[asked])
+    v = probes.probe("vartrack", 2, length, 5)
+    assert len(v.text) == length and v.text.isascii()
+    value = re.search(r"Which variables are (\d{5})\?", v.text).group(1)
+    holds = {re.search(rf"VAR ([A-Z]{{5}}) = {value}\.", v.text).group(1)}
+    chain = [holds.copy().pop()]
+    for a_, b_ in re.findall(r"VAR ([A-Z]{5}) = VAR ([A-Z]{5})\.", v.text):
+        assert b_ in holds or a_ in holds  # every assignment continues the chain, in order
+        holds |= {a_, b_}
+        chain.append(a_)
+    assert v.queries[0].answer == "".join(f" {n}" for n in chain) and len(chain) == probes.VARTRACK_HOPS + 1
+    with pytest.raises(ValueError, match="at least 256 characters"):
+        probes.probe("vartrack", 0, 200)
+
+
+def test_the_needle_sits_at_its_depth_and_the_grid_tasks_read_it():
+    """The needle starts at the sentence start at or before its depth's share of the filler (at most one
+    sentence earlier); the grid's documents are those passkeys."""
+    length = 4096
+    starts = []
+    for depth in (0, 0.25, 0.5, 0.75, 1):
+        text = probes.passkey(0, length, 3, depth=depth).text
+        at = text.index("The pass key is")
+        starts.append(at)
+        assert at <= depth * length and (depth == 0 or at >= depth * (length - 160) - len(probes.FILLER))
+    assert starts == sorted(starts) and starts[0] == 0
+    assert probes.passkey(0, 512, 1).text == probes.probe("passkey", 0, 512, 1).text  # no depth: as before
+    from gdnprune.evaluation.tasks import probe_docs
+
+    docs = probe_docs("needle", 512, 0, 3, depth=50)
+    assert [d["context"] + d["answer"] for d in docs] == [
+        probes.passkey(0, 512, i, depth=0.5).text for i in range(3)
+    ]
 
 
 def test_answer_positions_in_the_token_stream_are_exact():
@@ -182,8 +226,8 @@ def test_the_shipped_task_folder_is_what_the_script_writes(tmp_path):
 
 def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
     """`lm_eval run --include_path <gdnprune's task folder>`: lm-eval's own command line and model loader,
-    in another process, on the tag `passkey` (all three lengths would exceed the demo model's 256 positions:
-    lm-eval truncates the left of a context, so only the 256 task is run)."""
+    in another process, on one task of every kind (the longer lengths would exceed the demo model's 256
+    positions: lm-eval truncates the left of a context, so only the 256 tasks are run)."""
     model_args = f"pretrained={demo_data.demo_model_path()},dtype=float32"
     out = subprocess.run(
         python_command(
@@ -198,7 +242,7 @@ def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
             "--include_path",
             shipped_task_folder(),
             "--tasks",
-            "passkey_256,mqar_256",
+            "passkey_256,mqar_256,multikey_256,vartrack_256,needle_256_50",
             "--limit",
             "2",
             "--output_path",
@@ -210,7 +254,8 @@ def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
         env=child_env(),
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "passkey_256" in out.stdout and "mqar_256" in out.stdout
+    for task in ("passkey_256", "mqar_256", "multikey_256", "vartrack_256", "needle_256_50"):
+        assert task in out.stdout
 
 
 # ---- the recall training mix of scripts/train_demo_model.py --------------------------------------------------

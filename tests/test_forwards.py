@@ -3,6 +3,7 @@ transformers' own outputs (hidden states, loss) and the model structure read fro
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from tiny_models import build_model
 
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.model.forwards import (
+    KL_WEIGHT,
     Forwards,
     block_index,
     block_of,
@@ -143,6 +145,40 @@ def test_forwards_from_an_unchanged_layer_give_zero_kl_and_the_models_own_loss()
             kl, loss = measure()
         assert abs(kl) < 1e-6 and loss == pytest.approx(forwards.base_loss, rel=1e-5)
     assert forwards.forwards == 2 * len(layers) and forwards.tokens == 60
+
+
+def test_a_kl_weight_per_position_gives_the_weighted_mean_of_the_per_position_kl():
+    """Reference: the per-position KL of the cut model (out_proj of the second GDN layer halved) against the
+    unpruned one, each computed by its own full forward, averaged with the weights by hand."""
+    model = build_model("qwen3_5", SHAPE)
+    ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(2))
+    weight = torch.rand(3, 20, generator=torch.Generator().manual_seed(3))
+    weight[1, 5:9] = 0
+    batches = [{"input_ids": ids[:2], KL_WEIGHT: weight[:2]}, {"input_ids": ids[2:], KL_WEIGHT: weight[2:]}]
+    prefix, gdn = find_gdn_modules(model)[1]
+    cut = copy.deepcopy(model)
+    with torch.no_grad():
+        cut.get_submodule(prefix).out_proj.weight.mul_(0.5)
+        log_t = model(input_ids=ids).logits.double().log_softmax(-1)
+        log_s = cut(input_ids=ids).logits.double().log_softmax(-1)
+    per_position = (log_t.exp() * (log_t - log_s)).sum(-1)
+    expected = float((per_position * weight).sum() / weight.sum())
+    forwards = Forwards(model, batches)
+    index = forwards.decoder_index(gdn)
+    forwards.teacher([index])
+    with forwards.from_layer(index) as measure:
+        with torch.no_grad():
+            gdn.out_proj.weight.mul_(0.5)
+        try:
+            kl, _ = measure()
+        finally:
+            with torch.no_grad():
+                gdn.out_proj.weight.mul_(2.0)
+    assert kl == pytest.approx(expected, rel=1e-4)
+    unweighted = float(per_position.mean())
+    assert abs(kl - unweighted) > 1e-3 * unweighted  # the weights made a difference
+    with pytest.raises(ValueError, match="non-negative weights"):
+        Forwards(model, [{"input_ids": ids, KL_WEIGHT: -weight}])
 
 
 # ---- an embedding that a device map offloaded: its weights on ``meta`` ----------------------------------

@@ -405,13 +405,14 @@ def test_plan_command_refines_and_reports_what_was_measured(scored_folder, tmp_p
     assert "evolutionary search: KL of the whole cut model" in stdout
     plan = json.loads(out.read_text())
     report = json.loads((tmp_path / "plan.sensitivity.json").read_text())
-    assert plan["sensitivity"] == report["sensitivity"] == "halving" and report["rungs"] == [1, 4]
+    # the GDN budget measures on recall windows: the 4 calibration windows, each followed by its probe
+    assert plan["sensitivity"] == report["sensitivity"] == "halving" and report["rungs"] == [1, 4, 8]
     assert plan["evolved"]["kl"] <= plan["evolved"]["seed_kl"] and plan["evolved"]["generations"] == 2
     assert [h["generation"] for h in report["evolution"]["history"]] == [1, 2]
     for layer in report["layers"].values():
         windows = [c["windows"] for c in layer["candidates"]]
-        assert set(windows) <= {0, 1, 4} and 4 in windows  # 0: no choice within the budget holds it
-        assert all(c["windows"] == 4 for c in layer["candidates"] if c["survivor"])
+        assert set(windows) <= {0, 1, 4, 8} and 8 in windows  # 0: no choice within the budget holds it
+        assert all(c["windows"] == 8 for c in layer["candidates"] if c["survivor"])
     assert (tmp_path / "plan.sensitivity.png").stat().st_size > 1000
     with pytest.raises(SystemExit) as exit_:
         main(

@@ -35,13 +35,13 @@ from .demo_data import (
 )
 from .distill import DistillConfig, distill
 from .evaluation.api import EvalOptions, MissingExtraError, evaluate_model, require_lm_eval, task_manager
-from .evaluation.probes import MIN_LENGTH
 from .evaluation.report import markdown_table, plot_report
 from .evaluation.tasks import write_task_folder
 from .gated_delta_net import GDNPermutation, GDNShape, slice_gated_delta_net_state_dict
 from .io.loading import load_pretrained, slice_model
 from .model.layouts import find_gdn_modules
 from .plan import BudgetError, plan_model, plot_sensitivity
+from .quality.probes import MIN_LENGTH
 from .runtime.figures import new_figure
 from .scoring import GDN_ONLY, score_model
 
@@ -442,7 +442,12 @@ class _Evaluation:
         text.write_text(validation_text(), encoding="utf-8")
         lengths = [seq_len] if seq_len >= MIN_LENGTH else []  # shorter windows: nats_per_byte alone
         tasks = write_task_folder(
-            Path(folder.name) / "tasks", context_lengths=lengths, seed=seed, data=text, window=seq_len
+            Path(folder.name) / "tasks",
+            context_lengths=lengths,
+            seed=seed,
+            data=text,
+            window=seq_len,
+            kinds=("passkey", "mqar"),
         )
         options = EvalOptions(tasks=list(tasks.tasks), limit=limit, seed=seed, context_lengths=lengths)
         run = cls(folder, options, task_manager(options, tasks.path), log)

@@ -69,7 +69,9 @@ def prune_checkpoint(
     ``num_key_value_heads`` also score, sort and cut the MLPs and attention layers), ``plan`` (a plan
     file or dict, :mod:`gdnprune.io.plan_file`), or ``search`` — a :class:`~gdnprune.plan.PlanOptions` (the budgets
     and search options of :func:`gdnprune.plan.plan_model`): the plan is then searched on the fresh scores
-    with ``plan_samples`` calibration windows. ``scoring``: how the model is scored, a
+    with ``plan_samples`` calibration windows (where the search measures on recall windows,
+    :meth:`~gdnprune.plan.PlanOptions.recall`, the scores are taken on them too, each window followed by a
+    recall probe: the orders then keep what recall needs). ``scoring``: how the model is scored, a
     :class:`~gdnprune.scoring.ScoringOptions` (:func:`gdnprune.scoring.score_checkpoint`'s options; default:
     its defaults); its ``seq_len``, ``batch_size``, ``device``, ``dtype`` and ``device_map`` serve the plan
     search and the sequential refit too (the old keywords ``method=``, ``num_samples=``, ... still work, with
@@ -148,6 +150,7 @@ def prune_checkpoint(
             if hidden_cut
             else (None if sub_blocks else GDN_ONLY),
             model=model,
+            recall=search is not None and search.recall(),
         )
         scores_source = scored
     stats = scored.pop("compensation_statistics", None)
@@ -173,7 +176,11 @@ def prune_checkpoint(
         extra["plan_report"] = {
             "seconds": report["seconds"],
             "sensitivity": report["sensitivity"],
-            **{k: report[k] for k in ("servable", "latency", "ranking", "depth_check") if k in report},
+            **{
+                k: report[k]
+                for k in ("servable", "latency", "ranking", "depth_check", "windows", "recall")
+                if k in report
+            },
         }
     if sequential:
         targets = (

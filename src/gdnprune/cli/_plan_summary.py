@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ._ranking import ranking_summary
+from ._recall import recall_summary
 
 
 def report_paths(output: str | Path) -> tuple[Path, Path]:
@@ -17,7 +18,7 @@ def report_paths(output: str | Path) -> tuple[Path, Path]:
 
 def format_plan(plan: dict, report: dict) -> str:
     """The per-layer table ``gdnprune plan`` prints."""
-    measured = report["sensitivity"] in ("measured", "halving", "bld")
+    measured = report["sensitivity"] in ("measured", "halving", "short", "bld")
     rows = [
         (
             "layer",
@@ -74,7 +75,8 @@ def format_plan(plan: dict, report: dict) -> str:
         )
     )
     lines += cost_summary(report)
-    lines += servable_summary(report) + latency_summary(report) + ranking_summary(report)
+    lines += servable_summary(report) + recall_summary(report) + latency_summary(report)
+    lines += ranking_summary(report)
     evolved = report.get("evolution")
     if evolved:
         accepted = sum(h["accepted"] for h in evolved["history"])

@@ -44,9 +44,13 @@ def add_parser(subparsers) -> None:
         help=HELP,
         description="Evaluate every MODEL on the same tasks with lm-evaluation-harness (pip install "
         "'gdnprune[eval]') and print one table: parameters, active parameters and each task's metric with "
-        "its standard error. Task names are lm-eval's (a hub task such as hellaswag, or a YAML task of "
+        "its standard error; a recall probe below the first MODEL's by more than the standard error of the "
+        "difference is marked. Task names are lm-eval's (a hub task such as hellaswag, or a YAML task of "
         "--include-path) or gdnprune's built-in ones, which need no download: nats_per_byte (on --data), "
-        "passkey and mqar (recall probes at --context-lengths; one task per length, passkey_256, ...). "
+        "the recall probes passkey, mqar, multikey and vartrack (RULER's multi-key needle and variable "
+        "tracking) at --context-lengths (one task per length, passkey_256, ...), and needle, the "
+        "needle-in-a-haystack grid (the passkey at depths 0, 25, 50, 75, 100% of every length; drawn as "
+        "OUT_DIR/needle.png, one panel per model). "
         "Models whose layers differ (per_layer_config) are loaded by gdnprune. Writes OUT_DIR/results.json, "
         "results.md, results.png and tasks/ (the built-in tasks of the run, for lm_eval --include_path). "
         "Under torchrun or accelerate launch each process scores its share of every task's documents, as "
@@ -73,10 +77,12 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--context-lengths",
         type=context_lengths,
-        default=[256, 1024, 4096],
+        default=None,
         metavar="LIST",
-        help="lengths of the recall probes in characters (default 256,1024,4096); none beyond a model's "
-        "max_position_embeddings",
+        help="lengths of the recall probes in characters, none beyond a model's max_position_embeddings "
+        "(default: what every model holds: 4K, 8K, ... 128K tokens up to the smallest "
+        "max_position_embeddings, or a quarter, half and all of it when that is below 4K, in characters "
+        "as the models' tokenizers count them)",
     )
     p.add_argument(
         "--limit", type=limit, default=None, metavar="N", help="at most N documents per task (or a share < 1)"
@@ -155,5 +161,6 @@ def _eval(args, main: bool) -> int:
         print(report.table, end="")
         if not args.quiet:
             extra = ", results.png" if report.plotted else " (no plot: matplotlib is not installed)"
+            extra += ", needle.png" if report.needles else ""
             print(f"wrote {report.out_dir}: results.json, results.md{extra}, tasks/")
     return 0

@@ -22,6 +22,7 @@ from ._options import (
 )
 from ._plan_summary import format_plan, write_outputs
 from ._ranking import add_rank_arguments, check_rank_flags, rank_cost_printer
+from ._recall import add_recall_arguments
 from ._runtime import add_runtime_arguments, model_runtime
 from .bench import WORKLOAD_HELP, WORKLOAD_METAVAR
 
@@ -29,7 +30,7 @@ NAME = "plan"
 #: --sensitivity's choices and --bld-steps' default (gdnprune.plan.api.SENSITIVITIES and
 #: gdnprune.plan.measure.bld.DEFAULT_STEPS: written out here so that --help does not import the library; a test
 #: checks they agree)
-SENSITIVITIES = ("halving", "measured", "bld", "proxy")
+SENSITIVITIES = ("halving", "short", "measured", "bld", "proxy")
 BLD_STEPS = 20
 HELP = (
     "choose every layer's widths (GDN, attention heads, MLP channels, routed experts) and which layers to remove "
@@ -117,11 +118,16 @@ def add_search_arguments(p) -> None:
         default="halving",
         help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
         "windows, by successive halving (every candidate on a few windows; the choice measured on all "
-        "of them before it is trusted); measured: every candidate on every window (the exact reference, "
+        "of them before it is trusted); where GDN layers may shrink the windows are recall windows: facts "
+        "of the calibration text (spans, numbers) written twice into each window, the KL of the second "
+        "copies counting for half, so that a cut that loses the model's memory shows; short: the same on "
+        "the calibration windows as they are (before 0.x the default); measured: every candidate on every "
+        "window (the exact reference, "
         "several times slower); bld: every candidate first trained --bld-steps steps to reproduce its "
         "unpruned block's output (blockwise local distillation), then measured: the plan sums recovered "
         "losses (slower still); proxy: output energy removed, from the scores (no forward pass)",
     )
+    add_recall_arguments(p)
     p.add_argument(
         "--bld-steps",
         type=positive_int,
@@ -232,6 +238,7 @@ def search_options(args) -> dict:
         rank_steps=args.rank_steps,
         rank_lr=args.rank_lr,
         hidden_sizes=_sizes(args.hidden_sizes),
+        keep_recall=args.keep_recall,
     )
 
 

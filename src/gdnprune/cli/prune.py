@@ -16,6 +16,7 @@ from ._options import (
 )
 from ._plan_summary import latency_summary, model_summary, servable_summary
 from ._ranking import check_rank_flags, rank_cost_printer, ranking_summary
+from ._recall import recall_summary
 from ._runtime import add_runtime_arguments, model_runtime
 from .plan import add_search_arguments, any_budget, check_latency_options, search_options
 from .quantize import add_quantize_argument, quantize_beside
@@ -168,7 +169,8 @@ def run(args) -> int:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:
             print(f"  {line}")
         report = manifest.get("plan_report", {})
-        for line in servable_summary(report) + latency_summary(report) + ranking_summary(report):
+        lines = servable_summary(report) + recall_summary(report) + latency_summary(report)
+        for line in lines + ranking_summary(report):
             print(f"  {line}")
     if args.quantize:
         with model_runtime(args):

@@ -64,6 +64,13 @@ def add_parser(subparsers) -> None:
         p, "--sub-blocks", "blocks", "--blocks (default: every kind)", convert=lambda v: BLOCKS, nargs=0
     )
     q = p.add_argument_group("one-shot quality")
+    q.add_argument(
+        "--recall",
+        action="store_true",
+        help="every calibration window followed by a recall probe (passkey or MQAR) of its length whose "
+        "answers weigh as much as the window: the orders then keep what recall needs (what prune does for "
+        "a plan measured on recall windows; twice the forwards)",
+    )
     add_lane_search_arguments(q)
     q.add_argument(
         "--compensation-stats",
@@ -187,7 +194,7 @@ def _score(args, mode: str) -> int:
         data = checked_data(args, tokenizer_dir=args.model_dir)
     blocks = None if args.blocks == BLOCKS else blocks_from_args(args)  # None: every kind, no note per kind
     path: Path | str | None = None  # what was written (in words, with a statistics file)
-    options = dict(progress=not args.quiet, blocks=blocks, **scoring_options(args))
+    options = dict(progress=not args.quiet, blocks=blocks, recall=args.recall, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})
     with model_runtime(runtime), warnings.catch_warnings():
         if not main:  # the ranks see the same data and model: rank 0 speaks for them

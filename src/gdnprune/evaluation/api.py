@@ -7,14 +7,21 @@ loaded by :func:`gdnprune.io.loading.load_causal_lm` (per-layer geometries inclu
 ``HFLM`` as a model object, and lm-eval scores the tasks (:mod:`.harness`: ``simple_evaluate``'s numbers
 without its chatter; data parallel under ``torchrun`` / ``accelerate launch``). Every input is checked
 before any model loads. The output folder (``results.json``, ``results.md``, ``results.png``, ``tasks/``)
-is built in a temporary folder and moved into place at the end (by rank 0 alone).
+is built in a temporary folder and moved into place at the end (by rank 0 alone), with ``needle.png`` (the
+needle-in-a-haystack grid, one panel per model) when the grid was run.
+
+The recall probes' lengths default to what the models hold (:func:`default_context_lengths`): 4K, 8K, ...
+128K tokens up to the smallest ``max_position_embeddings`` of the models, in characters of the probes as
+their tokenizers count them.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,9 +33,10 @@ import transformers
 from ..checkpoint.output import Staging, check_output_folder
 from ..io.loading import load_causal_lm
 from ..model.subblock_surgery import find_model_blocks
+from ..quality import probes
 from ..runtime.distributed import exchange, is_main_process
-from .report import ModelResult, markdown_table, plot_report
-from .tasks import DEFAULT_CONTEXT_LENGTHS, PROBE_KINDS, write_task_folder
+from .report import ModelResult, markdown_table, plot_needles, plot_report
+from .tasks import DEFAULT_CONTEXT_LENGTHS, NEEDLE, PROBE_KINDS, write_task_folder
 
 __all__ = [
     "EvalError",
@@ -42,12 +50,18 @@ __all__ = [
     "check_task_folder",
     "require_lm_eval",
     "model_parameters",
+    "default_context_lengths",
+    "TOKEN_LENGTHS",
 ]
 
 RESULTS_NAME = "results.json"
 OUTPUT_MARKERS = frozenset({RESULTS_NAME})
 #: tasks gdnprune writes for a run, and the tags over them
-BUILTIN_NAMES = ("nats_per_byte", *PROBE_KINDS)
+BUILTIN_NAMES = ("nats_per_byte", *PROBE_KINDS, NEEDLE)
+_PROBE_NAME = re.compile(rf"^({'|'.join((*PROBE_KINDS, NEEDLE))})(_\d+)*$")
+#: the recall probes' default lengths in tokens: those a model holds (none: a quarter, half and all of its
+#: positions)
+TOKEN_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 
 
 class EvalError(ValueError):
@@ -65,7 +79,7 @@ class EvalOptions:
     tasks: Sequence[str]
     include_path: Sequence[str | os.PathLike] = ()
     data: str | os.PathLike | None = None
-    context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS
+    context_lengths: Sequence[int] | None = None  # None: default_context_lengths of the models
     limit: int | float | None = None
     num_fewshot: int | None = None
     batch_size: int = 8
@@ -81,6 +95,7 @@ class EvalReport:
     out_dir: Path
     rows: list[ModelResult] = field(default_factory=list)
     plotted: bool = False
+    needles: bool = False  # needle.png was drawn
 
     @property
     def table(self) -> str:
@@ -126,7 +141,49 @@ def _max_positions(config: dict[str, Any]) -> int | None:
 
 
 def _uses_probes(tasks: Sequence[str]) -> bool:
-    return any(t in PROBE_KINDS or t.split("_")[0] in PROBE_KINDS for t in tasks)
+    return any(_PROBE_NAME.match(t) for t in tasks)
+
+
+def _characters_per_token(path: Path) -> float:
+    """The fewest characters per token of the model's tokenizer over one probe of each kind (so that a probe
+    of ``n * ratio`` characters is at most ``n`` tokens)."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the folder is the problem
+        raise EvalError(f"model {path}: its tokenizer does not load ({' '.join(str(exc).split())})") from None
+    ratios = []
+    for kind in PROBE_KINDS:
+        text = probes.probe(kind, 0, 2048).text
+        ratios.append(len(text) / max(1, len(tokenizer(text, add_special_tokens=False)["input_ids"])))
+    return min(ratios)
+
+
+def default_context_lengths(max_positions: int | None, characters_per_token: float = 1.0) -> list[int]:
+    """The recall probes' lengths in characters for a model of ``max_positions`` positions: the
+    :data:`TOKEN_LENGTHS` it holds (none: a quarter, half and all of its positions), each times
+    ``characters_per_token`` (rounded down to 64 characters), from the probes' shortest (128) on; without
+    ``max_positions``, ``DEFAULT_CONTEXT_LENGTHS``."""
+    if max_positions is None:
+        return list(DEFAULT_CONTEXT_LENGTHS)
+    tokens = [n for n in TOKEN_LENGTHS if n <= max_positions] or [
+        max_positions // 4,
+        max_positions // 2,
+        max_positions,
+    ]
+    lengths = sorted({math.floor(n * characters_per_token / 64) * 64 for n in tokens})
+    return [n for n in lengths if n >= probes.MIN_LENGTH] or [probes.MIN_LENGTH]
+
+
+def _context_lengths(models: Sequence[Path], options: EvalOptions) -> list[int]:
+    """The lengths the run's probes take: the options', or those every model holds."""
+    if options.context_lengths is not None:
+        return list(options.context_lengths)
+    limits = [_max_positions(_model_config(path)) for path in models]
+    known = [n for n in limits if n is not None]
+    if not _uses_probes(options.tasks) or not known:
+        return list(DEFAULT_CONTEXT_LENGTHS)
+    ratio = min(_characters_per_token(path) for path in models)
+    return default_context_lengths(min(known), ratio)
 
 
 def _check_inputs(models: Sequence[Path], options: EvalOptions) -> None:
@@ -134,8 +191,9 @@ def _check_inputs(models: Sequence[Path], options: EvalOptions) -> None:
         raise EvalError("`models`: expected at least one model folder, got none")
     if not options.tasks:
         raise EvalError("`tasks`: expected at least one task name, got none")
-    if any(n < 1 for n in options.context_lengths):
-        raise EvalError(f"`context_lengths`: expected positive lengths, got {list(options.context_lengths)}")
+    lengths = options.context_lengths
+    if lengths is not None and (not lengths or any(n < 1 for n in lengths)):
+        raise EvalError(f"`context_lengths`: expected positive lengths, got {list(lengths)}")
     for path in options.include_path:
         check_task_folder(path)
     if "nats_per_byte" in options.tasks:
@@ -143,7 +201,7 @@ def _check_inputs(models: Sequence[Path], options: EvalOptions) -> None:
             raise EvalError("`data`: the task nats_per_byte needs a text file, none given")
         if not Path(options.data).is_file():
             raise EvalError(f"`data`: expected a UTF-8 text file, got {options.data} (not a file)")
-    longest = max(options.context_lengths) if _uses_probes(options.tasks) else None
+    longest = max(lengths) if lengths is not None and _uses_probes(options.tasks) else None
     for path in models:
         limit = _max_positions(_model_config(path))
         if longest is not None and limit is not None and longest > limit:
@@ -259,8 +317,11 @@ def evaluate_models(
 ) -> EvalReport:
     """Evaluate every model folder on ``options.tasks`` and write ``out_dir``: ``results.json`` (per model:
     path, name, parameter counts, lm-eval's ``results`` unchanged), ``results.md`` (the table),
-    ``results.png`` (the plot, when matplotlib is installed) and ``tasks/`` (the built-in tasks of this run,
-    a folder ``lm_eval --include_path`` reads). ``progress``: lm-eval's request bars, on rank 0.
+    ``results.png`` (the plot, when matplotlib is installed), ``needle.png`` (the needle grid's heat map, when
+    it ran) and ``tasks/`` (the built-in tasks of this run, a folder ``lm_eval --include_path`` reads).
+    ``options.context_lengths`` None: :func:`default_context_lengths` of the models (the smallest
+    ``max_position_embeddings``, the fewest characters per token). ``progress``: lm-eval's request bars, on
+    rank 0.
 
     Under ``torchrun`` / ``accelerate launch`` (a process group of several processes, initialised by the
     caller: :func:`gdnprune.runtime.distributed.process_group`) every rank loads each model and scores its share of
@@ -275,6 +336,7 @@ def evaluate_models(
     paths = [Path(m) for m in models]
     out = Path(out_dir)
     _check_inputs(paths, options)
+    lengths = _context_lengths(paths, options)
     main = is_main_process()
     if main:
         check_output_folder(out, overwrite, OUTPUT_MARKERS)
@@ -282,7 +344,7 @@ def evaluate_models(
     with staging if staging is not None else tempfile.TemporaryDirectory() as where:
         tmp = Path(where)  # rank 0: the output being built; other ranks: their own copy of the tasks
         folder = write_task_folder(
-            tmp / "tasks", context_lengths=options.context_lengths, seed=options.seed, data=options.data
+            tmp / "tasks", context_lengths=lengths, seed=options.seed, data=options.data
         )
         manager = task_manager(options, folder.path)
         report = EvalReport(out)
@@ -295,5 +357,6 @@ def evaluate_models(
             )
             (tmp / "results.md").write_text(report.table, encoding="utf-8")
             report.plotted = plot_report(report.rows, tmp / "results.png")
+            report.needles = plot_needles(report.rows, tmp / "needle.png")
             staging.commit()
     return report

@@ -1,19 +1,37 @@
-"""The side-by-side report of ``gdnprune eval``: rows of models, the markdown table and the plot.
+"""The side-by-side report of ``gdnprune eval``: rows of models, the markdown table and the plots.
 
-No torch, no lm-eval: it reads lm-eval's ``results`` mapping (``task -> "metric,filter" -> value``).
+No torch, no lm-eval: it reads lm-eval's ``results`` mapping (``task -> "metric,filter" -> value``). In the
+table a recall probe's cell is marked :data:`DROP` where the model is below the first model (the unpruned
+one, as the models are usually given) by more than the standard error of the difference; the needle grid
+is drawn as a heat map, one panel per model (:func:`plot_needles`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelResult", "metric_columns", "markdown_table", "recall_curves", "plot_report"]
+from ..runtime.figures import new_figure
 
-_PROBE_TASK = re.compile(r"^(passkey|mqar)_(\d+)$")
+__all__ = [
+    "DROP",
+    "ModelResult",
+    "metric_columns",
+    "markdown_table",
+    "needle_grid",
+    "plot_needles",
+    "recall_curves",
+    "plot_report",
+]
+
+_PROBE_TASK = re.compile(r"^(passkey|mqar|multikey|vartrack)_(\d+)$")
+_NEEDLE_TASK = re.compile(r"^needle_(\d+)_(\d+)$")
+#: the mark of a recall drop beyond its standard error (against the first model of the table)
+DROP = "▼"
 
 
 @dataclass
@@ -51,13 +69,31 @@ def metric_columns(rows: Sequence[ModelResult]) -> list[tuple[str, str]]:
     return columns
 
 
-def _cell(metrics: dict[str, Any] | None, key: str) -> str:
+def _stderr(metrics: dict[str, Any], key: str) -> Any:
+    metric, _, filt = key.partition(",")
+    return metrics.get(f"{metric}_stderr,{filt}")
+
+
+def _dropped(metrics: dict[str, Any], reference: dict[str, Any] | None, task: str, key: str) -> bool:
+    """A recall probe below the reference by more than the standard error of the difference (both
+    standard errors combined; a missing one counts as 0)."""
+    if reference is None or not (_PROBE_TASK.match(task) or _NEEDLE_TASK.match(task)):
+        return False
+    mine, theirs = metrics.get(key), reference.get(key)
+    if not (_is_number(mine) and _is_number(theirs)):
+        return False
+    a, b = _stderr(metrics, key), _stderr(reference, key)
+    spread = math.hypot(a if _is_number(a) else 0.0, b if _is_number(b) else 0.0)
+    return float(theirs) - float(mine) > spread  # type: ignore[arg-type]  # numbers: checked above
+
+
+def _cell(metrics: dict[str, Any] | None, key: str, dropped: bool = False) -> str:
     if metrics is None or not _is_number(metrics.get(key)):
         return "–"
-    metric, _, filt = key.partition(",")
-    stderr = metrics.get(f"{metric}_stderr,{filt}")
+    stderr = _stderr(metrics, key)
     text = f"{metrics[key]:.4f}"
-    return f"{text} ± {stderr:.4f}" if _is_number(stderr) else text
+    text = f"{text} ± {stderr:.4f}" if _is_number(stderr) else text
+    return f"{text} {DROP}" if dropped else text
 
 
 def _label(task: str, key: str) -> str:
@@ -67,14 +103,25 @@ def _label(task: str, key: str) -> str:
 
 
 def markdown_table(rows: Sequence[ModelResult]) -> str:
-    """One row per model: name, parameters, active parameters, each task's metric ± its standard error."""
+    """One row per model: name, parameters, active parameters, each task's metric ± its standard error; a
+    recall probe below the first model's by more than the standard error of the difference is marked
+    :data:`DROP`, and a note under the table says so."""
     columns = metric_columns(rows)
     head = ["model", "parameters", "active parameters", *(_label(t, k) for t, k in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
-    for row in rows:
+    marked = False
+    for n, row in enumerate(rows):
         cells = [row.name, f"{row.parameters:,}", f"{row.active_parameters:,}"]
-        cells += [_cell(row.results.get(t), k) for t, k in columns]
+        for t, k in columns:
+            metrics = row.results.get(t)
+            drop = n > 0 and metrics is not None and _dropped(metrics, rows[0].results.get(t), t, k)
+            marked |= drop
+            cells.append(_cell(metrics, k, drop))
         lines.append("| " + " | ".join(cells) + " |")
+    if marked:
+        lines.append(
+            f"\n{DROP}: recall below {rows[0].name}'s by more than the standard error of the difference"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -88,6 +135,48 @@ def recall_curves(row: ModelResult) -> dict[str, list[tuple[int, float]]]:
     return {kind: sorted(points) for kind, points in curves.items()}
 
 
+def needle_grid(row: ModelResult) -> dict[tuple[int, int], float]:
+    """(context length, depth %) -> accuracy, from tasks named ``needle_{length}_{depth}``."""
+    grid = {}
+    for task, metrics in row.results.items():
+        match = _NEEDLE_TASK.match(task)
+        if match and _is_number(metrics.get("acc,none")):
+            grid[(int(match.group(1)), int(match.group(2)))] = float(metrics["acc,none"])
+    return grid
+
+
+def plot_needles(rows: Sequence[ModelResult], path: str | Path) -> bool:
+    """The needle-in-a-haystack grid as a heat map, one panel per model (depth down, context length
+    across, accuracy as colour and as a number in each cell). False without matplotlib or needle tasks."""
+    grids = [needle_grid(row) for row in rows]
+    if not any(grids):
+        return False
+    lengths = sorted({n for g in grids for n, _ in g})
+    depths = sorted({d for g in grids for _, d in g})
+    fig = new_figure(figsize=(1.2 + 0.9 * len(lengths) * len(rows) + 1.0, 1.2 + 0.45 * len(depths)), dpi=120)
+    if fig is None:
+        return False
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(1, len(rows), squeeze=False)[0]
+    image = None
+    for ax, row, grid in zip(axes, rows, grids, strict=True):
+        values = [[grid.get((n, d), math.nan) for n in lengths] for d in depths]
+        image = ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, line in enumerate(values):
+            for j, v in enumerate(line):
+                if not math.isnan(v):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+        ax.set_xlabel("context length (characters)")
+        ax.set_title(row.name if len(row.name) <= 28 else "…" + row.name[-27:], fontsize=9)
+    axes[0].set_ylabel("needle depth (share of the filler before it)")
+    assert image is not None  # one panel or more
+    fig.colorbar(image, ax=list(axes), label="exact-match accuracy")
+    fig.savefig(path)
+    return True
+
+
 def plot_report(rows: Sequence[ModelResult], path: str | Path) -> bool:
     """Bars per task (one panel per task that is not a recall probe, one bar per model) and recall against
     context length (one line per model and probe kind). False when matplotlib is missing."""
@@ -95,7 +184,7 @@ def plot_report(rows: Sequence[ModelResult], path: str | Path) -> bool:
         from matplotlib.figure import Figure  # lazy: optional extra
     except ImportError:
         return False
-    bars = [(t, k) for t, k in metric_columns(rows) if not _PROBE_TASK.match(t)]
+    bars = [(t, k) for t, k in metric_columns(rows) if not (_PROBE_TASK.match(t) or _NEEDLE_TASK.match(t))]
     curves = [recall_curves(row) for row in rows]
     recall = any(curves)
     panels = len(bars) + int(recall)
@@ -117,7 +206,7 @@ def plot_report(rows: Sequence[ModelResult], path: str | Path) -> bool:
         ax.set_ylabel(metric + (" (lower is better)" if "per_byte" in metric else ""))
     if recall:
         ax = axes[-1]
-        styles = {"passkey": "o-", "mqar": "s--"}
+        styles = {"passkey": "o-", "mqar": "s--", "multikey": "^-.", "vartrack": "d:"}
         lines = [
             (row, kind, points, color)
             for row, c, color in zip(rows, curves, colors, strict=True)

@@ -2,15 +2,19 @@
 
 A task folder holds one YAML per task and ``gdnprune_tasks.py``, the hooks the YAMLs name with lm-eval's
 ``!function`` (they import this module). Its documents are made when lm-eval loads the task: probes from
-``(kind, length, seed)`` (:mod:`gdnprune.evaluation.probes`), text windows from a file. So a folder needs
+``(kind, length, seed)`` (:mod:`gdnprune.quality.probes`), text windows from a file. So a folder needs
 no download and can be moved: ``lm_eval --include_path FOLDER --tasks passkey`` runs it as
 ``gdnprune eval`` does.
 
-Tasks (one per context length ``L``; the tag names all lengths of a kind):
+Tasks (one per context length ``L``, in characters; the tag names all lengths of a kind):
 
 * ``passkey_L`` (tag ``passkey``): exact match of the hidden number (lm-eval ``acc`` of a
   ``loglikelihood`` request: 1 when every answer token is the model's greedy choice);
 * ``mqar_L`` (tag ``mqar``): exact match of each query's value, one document per query;
+* ``multikey_L`` (tag ``multikey``) and ``vartrack_L`` (tag ``vartrack``): RULER's multi-key needle and
+  variable tracking, exact match of the whole answer (from 256 characters on);
+* ``needle_L_D`` (tag ``needle``): the passkey with its needle at depth ``D`` % of the filler, ``D`` in
+  :data:`NEEDLE_DEPTHS`: the needle-in-a-haystack grid (depth x length);
 * ``nats_per_byte``: the text file cut into non-overlapping windows of ``window`` bytes (ends moved back
   to a character boundary); each window is scored on its next-token predictions after its first
   character (after its leading whitespace and first other character, when it starts with whitespace:
@@ -30,10 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import probes
+from ..quality import probes
 
 __all__ = [
     "PROBE_KINDS",
+    "NEEDLE",
+    "NEEDLE_DEPTHS",
     "DEFAULT_CONTEXT_LENGTHS",
     "NATS_WINDOW",
     "PROBES_PER_TASK",
@@ -48,12 +54,15 @@ __all__ = [
     "shipped_task_folder",
 ]
 
-PROBE_KINDS = ("passkey", "mqar")
+PROBE_KINDS = probes.KINDS
+#: the tag of the needle-in-a-haystack grid, and its depths (% of the filler before the needle)
+NEEDLE = "needle"
+NEEDLE_DEPTHS = (0, 25, 50, 75, 100)
 DEFAULT_CONTEXT_LENGTHS = (256, 1024, 4096)
 #: bytes per window of ``nats_per_byte`` (the demo's window)
 NATS_WINDOW = 256
-#: probes per task: documents are one per query (passkey 1, mqar ``probes.MQAR_QUERIES``)
-PROBES_PER_TASK = {"passkey": 100, "mqar": 12}
+#: probes per task: documents are one per query (mqar: ``probes.MQAR_QUERIES``; the others 1)
+PROBES_PER_TASK = {"passkey": 100, "mqar": 12, "multikey": 100, "vartrack": 100, NEEDLE: 20}
 HOOKS = "gdnprune_tasks"
 
 _HOOKS_SOURCE = '''"""lm-eval hooks of gdnprune's built-in tasks (written by gdnprune.evaluation.tasks)."""
@@ -76,8 +85,10 @@ class TaskFolder:
     tags: tuple[str, ...]
 
 
-def _probe_yaml(kind: str, length: int, seed: int, count: int) -> str:
-    return f"""task: {kind}_{length}
+def _probe_yaml(kind: str, length: int, seed: int, count: int, depth: int | None = None) -> str:
+    name = f"{kind}_{length}" if depth is None else f"{kind}_{length}_{depth}"
+    where = "" if depth is None else f"\n  depth: {depth}"
+    return f"""task: {name}
 tag:
   - {kind}
 custom_dataset: !function {HOOKS}.load_probe_docs
@@ -85,7 +96,7 @@ dataset_kwargs:
   kind: {kind}
   length: {length}
   seed: {seed}
-  count: {count}
+  count: {count}{where}
 test_split: test
 output_type: loglikelihood
 doc_to_text: context
@@ -129,9 +140,16 @@ def write_task_folder(
     data: str | os.PathLike | None = None,
     window: int = NATS_WINDOW,
     probes_per_task: dict[str, int] | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> TaskFolder:
-    """Write the YAMLs of the probe tasks at ``context_lengths`` (and ``nats_per_byte`` on ``data``, an
-    absolute path is written) and the hooks file into ``folder`` (created if missing)."""
+    """Write the YAMLs of the probe tasks at ``context_lengths`` (each kind from its shortest length,
+    ``probes.MIN_LENGTHS``; the needle grid at every length and :data:`NEEDLE_DEPTHS`), ``nats_per_byte``
+    on ``data`` (an absolute path is written) and the hooks file into ``folder`` (created if missing).
+    ``kinds``: the probe kinds and ``needle`` to write (default all)."""
+    wanted = (*PROBE_KINDS, NEEDLE) if kinds is None else tuple(kinds)
+    unknown = sorted(set(wanted) - {*PROBE_KINDS, NEEDLE})
+    if unknown:
+        raise ValueError(f"`kinds`: expected some of {[*PROBE_KINDS, NEEDLE]}, got {unknown}")
     lengths = sorted(set(int(n) for n in context_lengths))
     for n in lengths:
         if n < probes.MIN_LENGTH:
@@ -141,21 +159,36 @@ def write_task_folder(
     path.mkdir(parents=True, exist_ok=True)
     (path / f"{HOOKS}.py").write_text(_HOOKS_SOURCE, encoding="utf-8")
     names = []
-    for kind in PROBE_KINDS:
+    for kind in (k for k in PROBE_KINDS if k in wanted):
         for n in lengths:
-            (path / f"{kind}_{n}.yaml").write_text(_probe_yaml(kind, n, seed, counts[kind]), encoding="utf-8")
-            names.append(f"{kind}_{n}")
+            if n >= probes.MIN_LENGTHS[kind]:
+                (path / f"{kind}_{n}.yaml").write_text(
+                    _probe_yaml(kind, n, seed, counts[kind]), encoding="utf-8"
+                )
+                names.append(f"{kind}_{n}")
+    for n in lengths if NEEDLE in wanted else ():
+        for depth in NEEDLE_DEPTHS:
+            (path / f"{NEEDLE}_{n}_{depth}.yaml").write_text(
+                _probe_yaml(NEEDLE, n, seed, counts[NEEDLE], depth), encoding="utf-8"
+            )
+            names.append(f"{NEEDLE}_{n}_{depth}")
     if data is not None:
         (path / "nats_per_byte.yaml").write_text(_nats_yaml(Path(data).resolve(), window), encoding="utf-8")
         names.append("nats_per_byte")
-    return TaskFolder(path, tuple(names), PROBE_KINDS)
+    return TaskFolder(path, tuple(names), wanted)
 
 
-def probe_docs(kind: str, length: int, seed: int, count: int) -> list[dict[str, Any]]:
-    """The documents of task ``{kind}_{length}``: one per query of probes ``0..count-1``."""
+def probe_docs(
+    kind: str, length: int, seed: int, count: int, depth: int | None = None
+) -> list[dict[str, Any]]:
+    """The documents of task ``{kind}_{length}``: one per query of probes ``0..count-1`` (kind ``needle``:
+    passkeys at ``depth`` % of the filler, task ``needle_{length}_{depth}``)."""
     docs = []
     for index in range(count):
-        p = probes.probe(kind, seed, length, index)
+        if kind == NEEDLE:
+            p = probes.passkey(seed, length, index, depth=(depth or 0) / 100)
+        else:
+            p = probes.probe(kind, seed, length, index)
         for q, query in enumerate(p.queries):
             docs.append(
                 {
@@ -181,9 +214,12 @@ def _dataset(docs: list[dict[str, Any]]) -> Any:
     return datasets.DatasetDict({"test": datasets.Dataset(table, fingerprint=digest)})
 
 
-def load_probe_docs(*, kind: str, length: int, seed: int, count: int, **_: Any) -> Any:
+def load_probe_docs(
+    *, kind: str, length: int, seed: int, count: int, depth: int | None = None, **_: Any
+) -> Any:
     """lm-eval ``custom_dataset`` of a probe task (``_``: lm-eval's metadata, unused)."""
-    return _dataset(probe_docs(kind, int(length), int(seed), int(count)))
+    where = None if depth is None else int(depth)
+    return _dataset(probe_docs(kind, int(length), int(seed), int(count), where))
 
 
 def text_windows(text: str, window: int = NATS_WINDOW) -> list[tuple[str, str]]:

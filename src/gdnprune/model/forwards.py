@@ -4,7 +4,8 @@ Scoring, plan sensitivity, the lane search and compensation all run calibration 
 transformers model and look inside it; this module is what they share:
 
 * batches: :func:`unpack_batch` (``input_ids`` and an optional ``attention_mask`` from a tensor or a
-  mapping), :func:`input_device` (where the ids go, also when accelerate offloaded the embedding to
+  mapping), :func:`unpack_weight` (an optional per-position weight of the KL, :data:`KL_WEIGHT`),
+  :func:`input_device` (where the ids go, also when accelerate offloaded the embedding to
   ``meta``), :func:`model_inputs` (the keyword arguments of one forward);
 * where things are: :func:`decoder_layers` (the decoder's layer list), :func:`final_norm` (the norm
   before the LM head), :func:`layer_index` /
@@ -38,6 +39,8 @@ from ..runtime.deprecation import renamed_function
 __all__ = [
     "unpack_batch",
     "unpack_batches",
+    "unpack_weight",
+    "KL_WEIGHT",
     "input_device",
     "model_inputs",
     "decoder_layers",
@@ -89,6 +92,26 @@ def unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 def unpack_batches(batches: Iterable[Any]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """:func:`unpack_batch` of every batch."""
     return [unpack_batch(batch) for batch in batches]
+
+
+#: the key of a batch mapping that weights the KL per position: [B, T] non-negative floats, the weight of the
+#: KL of the next-token distribution at each position (default 1 everywhere): the KL of a batch is then
+#: ``sum(w * KL) / sum(w)`` over its valid positions, and the KL of several batches sums both over them
+KL_WEIGHT = "kl_weight"
+
+
+def unpack_weight(batch: Any) -> torch.Tensor | None:
+    """The per-position KL weight of a batch (:data:`KL_WEIGHT`, float64 [B, T]), or None (every position 1)."""
+    if not isinstance(batch, Mapping) or batch.get(KL_WEIGHT) is None:
+        return None
+    ids, _ = unpack_batch(batch)
+    weight = torch.as_tensor(batch[KL_WEIGHT], dtype=torch.float64)
+    if weight.shape != ids.shape or not bool((weight >= 0).all()):
+        raise ValueError(
+            f"{KL_WEIGHT}: expected non-negative weights of the input_ids' shape {list(ids.shape)}, got "
+            f"{list(weight.shape)}" + ("" if weight.shape != ids.shape else " with a negative one")
+        )
+    return weight
 
 
 def input_device(model: Any) -> torch.device:
@@ -257,8 +280,10 @@ def _divergence(
     ids: torch.Tensor,
     mask: torch.Tensor | None,
     max_logits: int,
-) -> tuple[float, float, int, int]:
-    """Summed KL(teacher || student) over tokens, summed next-token loss, and their token counts."""
+    weight: torch.Tensor | None = None,
+) -> tuple[float, float, float, int]:
+    """Summed KL(teacher || student) over tokens (each times its ``weight``, default 1), summed next-token
+    loss, and their counts (the summed weights of the valid positions; the tokens with a next token)."""
     hidden = student.shape[-1]
     student, teacher = student.reshape(-1, hidden), teacher.reshape(-1, hidden)
     targets = torch.full_like(ids, -100)
@@ -267,16 +292,19 @@ def _divergence(
     if mask is not None:
         targets[:, :-1][~(valid[:, :-1] & valid[:, 1:])] = -100
     targets, valid = targets.reshape(-1), valid.reshape(-1)
+    scale = (
+        valid.double() if weight is None else weight.reshape(-1).double() * valid.double()
+    )  # the KL's weight per position
     chunk = max(1, max_logits // max(1, head.weight.shape[0]))
     kl = ce = 0.0
     for start in range(0, student.shape[0], chunk):
         rows = slice(start, start + chunk)
         log_s = head(student[rows]).float().log_softmax(-1)
         log_t = head(teacher[rows].to(student.device)).float().log_softmax(-1)
-        keep = valid[rows].to(log_s.device)
-        kl += float((log_t.exp() * (log_t - log_s)).sum(-1)[keep].sum())
+        w = scale[rows].to(log_s.device)
+        kl += float(((log_t.exp() * (log_t - log_s)).sum(-1).double() * w)[w > 0].sum())
         ce += float(F.nll_loss(log_s, targets[rows].to(log_s.device), reduction="sum", ignore_index=-100))
-    return kl, ce, int(valid.sum()), int((targets != -100).sum())
+    return kl, ce, float(scale.sum()), int((targets != -100).sum())
 
 
 class Measure(Protocol):
@@ -300,8 +328,11 @@ class Forwards:
     every rank takes its share of the batches and the sums behind every KL and loss are added over the
     ranks, so every rank gets the same numbers as one process would.
 
+    A batch mapping may weight the KL per position (:data:`KL_WEIGHT`): the KL of every measure is then the
+    weighted mean over the batches' positions (the loss stays the plain mean per token).
+
     Attributes: ``model``, ``decoder``, ``head`` (``lm_head``), ``device`` (of the input ids), ``data`` (this
-    rank's ``(ids, mask)`` batches), ``base_loss`` (the teacher's loss per token, after :meth:`teacher`),
+    rank's ``(ids, mask)`` batches), ``weights`` (their KL weights, None where every position weighs 1), ``base_loss`` (the teacher's loss per token, after :meth:`teacher`),
     ``forwards`` (batches run by :meth:`from_layer` so far), ``tokens``.
     """
 
@@ -311,16 +342,17 @@ class Forwards:
         self.model = model.eval()
         self.decoder, self.head = _decoder_and_head(model)
         self.device = input_device(model)
-        data = unpack_batches(batches)
+        given = list(batches)
+        data = unpack_batches(given)
+        weights = [unpack_weight(batch) for batch in given]
         if not data:
             raise ValueError("a measured sensitivity needs at least one calibration batch")
         self.several = shard and distributed.is_distributed()  # shard=False: every rank holds every batch
         if self.several:
-            data = [
-                data[i]
-                for i in distributed.shard_indices(len(data), distributed.rank(), distributed.world_size())
-            ]
+            mine = distributed.shard_indices(len(data), distributed.rank(), distributed.world_size())
+            data, weights = [data[i] for i in mine], [weights[i] for i in mine]
         self.data = data
+        self.weights = weights
         self.max_logits = max_logits
         self.captured: list[dict[int, torch.Tensor]] = []
         self.finals: list[torch.Tensor] = []
@@ -421,11 +453,13 @@ class Forwards:
                     ids, mask = self.data[k]
                     current["k"] = k
                     out = self.decoder(input_ids=ids.to(self.device), **self._kwargs(mask)).last_hidden_state
-                    a, b, c, d = _divergence(self.head, out, self.finals[k], ids, mask, self.max_logits)
+                    a, b, c, d = _divergence(
+                        self.head, out, self.finals[k], ids, mask, self.max_logits, self.weights[k]
+                    )
                     kl, ce, n_kl, n_ce = kl + a, ce + b, n_kl + c, n_ce + d
                     self.forwards += 1
             kl, ce, n_kl, n_ce = self.total(kl, ce, n_kl, n_ce)
-            return kl / max(n_kl, 1), ce / max(n_ce, 1)
+            return (kl / n_kl if n_kl > 0 else 0.0), ce / max(n_ce, 1)
 
         try:
             yield measure
@@ -463,7 +497,7 @@ class Forwards:
         return seen["call"]
 
     @torch.no_grad()
-    def from_hidden(self, index: int, k: int, hidden: torch.Tensor) -> list[tuple[float, float, int, int]]:
+    def from_hidden(self, index: int, k: int, hidden: torch.Tensor) -> list[tuple[float, float, float, int]]:
         """Batch ``k`` run from decoder layer ``index`` with input ``hidden``: the batch's hidden states of several
         variants stacked along the batch (``copies x batch`` rows; every layer from ``index`` on runs once for
         all of them). Returns per copy the summed KL against the teacher, the summed loss and their token
@@ -489,7 +523,7 @@ class Forwards:
             handle.remove()
         self.forwards += copies
         return [
-            _divergence(self.head, part, self.finals[k], ids, mask, self.max_logits)
+            _divergence(self.head, part, self.finals[k], ids, mask, self.max_logits, self.weights[k])
             for part in out.chunk(copies)
         ]
 

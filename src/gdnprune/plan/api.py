@@ -16,6 +16,7 @@ from ..io.plan_file import PLAN_FORMAT, PLAN_VERSION
 from ..io.scores_file import read_scores
 from ..model.hidden import hidden_shape
 from ..model.latency import Workload, parse_workload
+from ..quality.recall_windows import RECALL_SHARE
 from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256
 from .choose.servable import SERVABLE_NOTE
@@ -42,6 +43,7 @@ from .measure.problem import (
     check_feasible,
     given_budgets,
 )
+from .measure.recall import RecallCheck, fit_recall, measured_windows, recall_windows_used
 from .measure.subblocks import BLOCK_NAMES
 from .rank import RANK_LR, RANK_STEPS, RankCost, check_rank_options, rank_plans
 from .report.results import Choice, PlanReport, Sensitivities, plan_document
@@ -67,8 +69,9 @@ __all__ = [
     "uniform_plans",
 ]
 
-#: how sensitivity is obtained, the default first
-SENSITIVITIES = ("halving", "measured", "bld", "proxy")
+#: how sensitivity is obtained, the default first (``short``: successive halving on the calibration windows
+#: as they are, with no recall windows; the default before recall windows)
+SENSITIVITIES = ("halving", "short", "measured", "bld", "proxy")
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class PlanOptions:
     rank_lr: float = RANK_LR
     bld_steps: int = BLD_STEPS
     hidden_sizes: Sequence[int] | None = None
+    keep_recall: float | None = None
 
     def keywords(self) -> dict[str, Any]:
         """The options as :func:`plan_model`'s keyword arguments."""
@@ -108,6 +112,14 @@ class PlanOptions:
         return self.budget_latency is not None or any(
             getattr(self, f"budget_{name}") is not None for name in WHOLE
         )
+
+    def recall(self) -> bool:
+        """Whether the search measures on recall windows (and ``prune`` scores on them): GDN layers may
+        shrink (a GDN budget, or a whole-model one with ``gdn`` in ``blocks``) and the sensitivity is
+        measured, not ``short``."""
+        gdn = self.budget_state is not None or self.budget_gdn_params is not None
+        gdn = gdn or (self.whole() and "gdn" in self.blocks)
+        return gdn and self.sensitivity not in ("short", "proxy")
 
     def parsed_workload(self) -> Workload | None:
         """The workload of the latency budget (None without one). Raises ValueError: a latency budget without
@@ -161,6 +173,8 @@ def plan_model(
     rank_lr: float = RANK_LR,
     bld_steps: int = BLD_STEPS,
     hidden_sizes: Sequence[int] | None = None,
+    keep_recall: float | None = None,
+    tokenizer: Any = None,
     progress: bool = True,
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> tuple[dict, dict]:
@@ -197,7 +211,10 @@ def plan_model(
             budgets, its whole cut model measured against the full model, the least KL kept
             (:mod:`gdnprune.plan.measure.hidden`; the plan's ``default`` then holds ``hidden_size``).
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: every candidate on a few windows,
-            the choice verified on every window, :mod:`.halving`), ``"measured"`` (every candidate on every
+            the choice verified on every window, :mod:`.halving`), ``"short"`` (the same on the calibration
+            windows as they are; the others, where GDN layers may shrink, measure on recall windows: facts
+            of the calibration text written twice into each window, the KL of the second copies counting
+            for half, :mod:`.measure.recall`), ``"measured"`` (every candidate on every
             window: the exact reference; removals are measured on every window either way), ``"bld"`` (every
             candidate trained ``bld_steps`` steps to reproduce its unpruned block's output, then measured as
             ``"measured"``: the choice sums recovered losses, :mod:`.bld`) or ``"proxy"`` (output energy
@@ -228,6 +245,14 @@ def plan_model(
         bld_steps: the blockwise local distillation steps of every candidate with ``sensitivity="bld"``.
         hidden_sizes: with ``hidden`` in ``blocks``, the hidden sizes to try (default: the full size, 7/8 and 3/4
             of it, multiples of ``multiple_of`` or 8; :func:`~gdnprune.plan.measure.hidden.hidden_candidates`).
+        keep_recall: the share (in (0, 1]) of the unpruned model's recall the cut model keeps: the greedy
+            exact match of the asked-again facts of held-out recall windows, measured on the whole cut model
+            (:class:`~gdnprune.plan.measure.recall.RecallCheck`); when the choice keeps less, the
+            sensitivities are measured again with a larger share of the KL on recall and the choice made
+            again (at most twice); the report's ``recall`` lists every round.
+        tokenizer: the model's tokenizer: the recall windows are then the calibration windows made recall
+            probes (passkey, MQAR) with their own text as the haystack; without it, spans of their text
+            written twice.
         progress: progress bars over the measured candidates and the search's generations.
         on_rank_cost: called with the ranking's cost (:class:`~gdnprune.plan.rank.RankCost`) before it
             starts, and with the estimate in seconds after its first step.
@@ -267,6 +292,7 @@ def plan_model(
         rank_lr=rank_lr,
         bld_steps=bld_steps,
         hidden_sizes=hidden_sizes,
+        keep_recall=keep_recall,
     )
     done = search(
         model,
@@ -276,6 +302,7 @@ def plan_model(
         tp=tp,
         multiple_of=multiple_of,
         orders_applied=orders_applied,
+        tokenizer=tokenizer,
         progress=progress,
         on_rank_cost=on_rank_cost,
     )
@@ -303,6 +330,7 @@ def search(
     tp: int | None = None,
     multiple_of: int | None = None,
     orders_applied: bool = False,
+    tokenizer: Any = None,
     progress: bool = True,
     on_rank_cost: Callable[[RankCost], None] | None = None,
 ) -> Search:
@@ -347,6 +375,7 @@ def search(
             "the evolutionary search (evolve_generations) needs calibration batches, measured sensitivities "
             "and a heterogeneous plan (not --uniform or --servable)"
         )
+    _check_keep_recall(o, batches)
     check_rank_options(
         o.rank_by_distill,
         o.rank_steps,
@@ -362,29 +391,53 @@ def search(
         add_latency_budget(problem, latency, o.budget_latency)
         check_feasible(problem, o.uniform or o.servable)
     batches = None if batches is None else list(batches)
-    sens = measure(
-        model, batches, problem, o.sensitivity, progress=progress, servable=o.servable, bld_steps=o.bld_steps
-    )
-    fitted: list[dict[str, float]] = []
-    fitted_choice: Choice | None = None  # the choice the fitting measured last
-    if latency is not None and workload is not None:  # the additive prediction checked on the whole cut model
-        choice, fitted = fit_latency(
+    share = RECALL_SHARE if recall_windows_used(o.sensitivity, problem) else 0.0
+    done: dict[str, Any] = {}
+
+    def measure_and_choose(share: float) -> Choice:
+        """The sensitivities on windows with ``share`` of the KL on recall, the exact choice (fitted to the
+        latency budget), and depth checked against widths."""
+        windows = measured_windows(batches, share, tokenizer)
+        sens = measure(
             model,
+            windows,
             problem,
-            latency,
-            workload,
-            lambda: choose_plan(problem, sens, uniform=o.uniform, servable=o.servable),
+            o.sensitivity,
+            progress=progress,
+            servable=o.servable,
+            bld_steps=o.bld_steps,
         )
-        fitted_choice = choice
+        fitted: list[dict[str, float]] = []
+        if latency is not None and workload is not None:  # the additive prediction checked on the whole model
+            choice, fitted = fit_latency(
+                model,
+                problem,
+                latency,
+                workload,
+                lambda: choose_plan(problem, sens, uniform=o.uniform, servable=o.servable),
+            )
+        else:
+            choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
+        fitted_choice = choice  # the choice the latency fitting measured last
+        if choice.removed and windows is not None and not (o.uniform or o.servable):
+            choice = check_depth(model, windows, problem, choice, sens)
+        done.update(sens=sens, windows=windows, fitted=fitted, fitted_choice=fitted_choice, share=share)
+        return choice
+
+    recall_rounds = None
+    if o.keep_recall is not None:
+        assert batches is not None
+        check = RecallCheck.build(model, batches, tokenizer)
+        choice, recall_rounds = fit_recall(check, problem, o.keep_recall, share, measure_and_choose)
     else:
-        choice = choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)
-    if choice.removed and batches is not None and not (o.uniform or o.servable):
-        choice = check_depth(model, batches, problem, choice, sens)
+        choice = measure_and_choose(share)
+    sens, windows = done["sens"], done["windows"]
+    fitted, fitted_choice = done["fitted"], done["fitted_choice"]
     if o.evolve_generations:
         assert batches is not None
         choice = evolve_choice(
             model,
-            batches,
+            windows,
             problem,
             choice,
             generations=o.evolve_generations,
@@ -416,6 +469,14 @@ def search(
         {"sha256": _scores_hash(scores), "method": data.get("method")},
     )
     report = make_report(model, batches, problem, o.sensitivity, sens, choice)
+    report.extra["windows"] = _windows_record(done["share"], tokenizer is not None)
+    if recall_rounds is not None:
+        report.extra["recall"] = {
+            "keep": o.keep_recall,
+            "rounds": recall_rounds,
+            "met": recall_rounds[-1]["met"],
+        }
+        plan["predicted"]["recall_kept"] = recall_rounds[-1]["kept"]
     report.depth_check = depth_check  # the check of the exact choice, whichever plan the ranking kept
     if ranking is not None:
         report.extra["ranking"] = ranking.as_dict()
@@ -434,6 +495,33 @@ def search(
         }
         report.extra["latency"] = record
     return Search(problem, sens, choice, plan, report)
+
+
+def _check_keep_recall(o: PlanOptions, batches: Any) -> None:
+    """``keep_recall``: a share in (0, 1], measured on calibration windows, of the exact choice as it is."""
+    if o.keep_recall is None:
+        return
+    if isinstance(o.keep_recall, bool) or not 0 < o.keep_recall <= 1:
+        raise ValueError(
+            f"`keep_recall` is a share of the unpruned model's recall, in (0, 1]; got {o.keep_recall!r}"
+        )
+    if batches is None or o.sensitivity == "proxy":
+        raise ValueError(
+            "`keep_recall` measures the cut model's recall: it needs calibration batches and a measured sensitivity (not proxy)"
+        )
+    if o.evolve_generations or o.rank_by_distill:
+        raise ValueError(
+            "`keep_recall` checks the exact choice; the evolutionary search and the ranking would replace it "
+            "after the check: give `keep_recall` without `evolve_generations` and `rank_by_distill`"
+        )
+
+
+def _windows_record(share: float, probes: bool) -> dict[str, Any]:
+    """The report's ``windows``: what the sensitivities were measured on (``probes``: the calibration windows
+    made recall probes, else spans of their text written twice)."""
+    if share <= 0:
+        return {"kind": "calibration", "recall_share": 0.0}
+    return {"kind": "probes" if probes else "spans", "recall_share": share}
 
 
 def _final_latency(

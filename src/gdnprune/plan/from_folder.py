@@ -13,7 +13,7 @@ from ..checkpoint import read_manifest
 from ..io.loading import empty_causal_lm, load_causal_lm
 from ..quality.calibration import calibration_windows, iter_batches
 from ..runtime.fileio import file_sha256
-from ..scoring.api import default_seq_len
+from ..scoring.from_folder import default_seq_len
 from .api import plan_model
 from .snap import snap_servable
 
@@ -41,6 +41,7 @@ def plan_checkpoint(
 ) -> tuple[dict, dict]:
     """:func:`plan_model` on a model folder and a calibration file (read as ``gdnprune score`` reads it).
 
+    The folder's tokenizer gives the recall windows their numbers (:func:`plan_model`'s ``tokenizer``).
     When the folder is a ``gdnprune sort`` output of these very scores (its manifest records their hash),
     the orders are not applied a second time. ``model``: the folder's model already loaded
     (:func:`gdnprune.io.loading.load_causal_lm`; then ``device``, ``dtype`` and ``device_map`` are not used).
@@ -56,7 +57,7 @@ def plan_checkpoint(
         and manifest.get("sorted")
         and (manifest.get("scores") or {}).get("sha256") == _scores_hash(scores)
     )
-    batches = None
+    batches, tokenizer = None, None
     if options.get("sensitivity", "halving") != "proxy":
         if data is None:
             raise ValueError("measured sensitivity needs calibration data (`data`)")
@@ -84,7 +85,9 @@ def plan_checkpoint(
             progress=options.get("progress", True),
         )
     else:
-        plan, report = plan_model(model, batches, scores, orders_applied=bool(applied), **options)
+        plan, report = plan_model(
+            model, batches, scores, orders_applied=bool(applied), tokenizer=tokenizer, **options
+        )
     plan["model"] = str(model_dir)
     if batches is not None:
         plan["calibration"] = {

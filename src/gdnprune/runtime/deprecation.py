@@ -36,6 +36,8 @@ RENAMED_MODULES = {
     "gdnprune.plans": "gdnprune.io.plan_file",
     "gdnprune.depth": "gdnprune.model.layer_removal",
     "gdnprune.refine": "gdnprune.quality.lane_search",
+    # issue 43: the probes serve the plan's recall windows too
+    "gdnprune.evaluation.probes": "gdnprune.quality.probes",
     # issue 40: the loose modules grouped into packages by job, plan/ split into measure / choose / report
     "gdnprune.deprecation": "gdnprune.runtime.deprecation",
     "gdnprune.fileio": "gdnprune.runtime.fileio",

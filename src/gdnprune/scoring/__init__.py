@@ -8,26 +8,21 @@ file. The methods (``projection``, ``activation``, ``random``) and their measure
 
 The rooms: :mod:`.hooks` (per-layer hooks and statistics), :mod:`.payload` (orders and scores from the
 statistics), :mod:`.orders` (greedy removal on Gram matrices), :mod:`.loss_head` (the next-token loss
-gradient at the final norm), :mod:`.api` (the public functions; under ``torch.distributed`` each rank
-scores its share of the windows and the statistics are summed, see :mod:`gdnprune.runtime.distributed`),
+gradient at the final norm), :mod:`.api` (scoring a loaded model), :mod:`.from_folder` (a model folder; under
+``torch.distributed`` each rank scores its share of the windows and the statistics are summed, see :mod:`gdnprune.runtime.distributed`),
 :mod:`.partial` (the statistics of one share in a file, and the merge of all shares). This package
 imports torch.
 """
 
 from ..io.scores_file import SCORES_FORMAT, SCORES_VERSION, load_scores, save_scores, scores_to_permutations
-from .api import (
+from .api import GDN_ONLY, METHODS, SCORED_BLOCKS, measure_statistics, reduce_statistics, score_model
+from .from_folder import (
     DEFAULT_MAX_SEQ_LEN,
-    GDN_ONLY,
-    METHODS,
-    SCORED_BLOCKS,
     CheckpointStatistics,
     ScoringOptions,
     default_seq_len,
     measure_checkpoint,
-    measure_statistics,
-    reduce_statistics,
     score_checkpoint,
-    score_model,
 )
 from .orders import greedy_lane_orders, greedy_removal_order
 from .partial import PartialError, load_partial, merge_partials, save_partial

@@ -65,6 +65,8 @@ class LayerScorer:
         self.num_tokens = 0
         self.num_windows = 0
         self.token_mask: torch.Tensor | None = None  # [B, T] bool of the current batch, None = all tokens
+        # [B, T] square roots of the tokens' weights in every second moment (forwards.KL_WEIGHT), None = 1
+        self.token_root_weight: torch.Tensor | None = None
         self.loss_select: torch.Tensor | None = None  # [B, T] bool: tokens whose loss gradient is measured
         self.loss_tokens = 0
         self._pending_q: torch.Tensor | None = None
@@ -153,6 +155,8 @@ class LayerScorer:
         y = y * torch.rsqrt((y * y).sum(3, keepdim=True) + 1e-6)  # the kernel's l2norm
         if mask is not None:
             y = y * mask[:, None, None, None, :].to(y.dtype)
+        if self.token_root_weight is not None:
+            y = y * self.token_root_weight.to(y.device, y.dtype)[:, None, None, None, :]
         if self.key_dim_measure != "qk_gram":  # per-channel energies of q^ and k^ suffice: [2, Hk, dk]
             self._acc("qk_sq", y.to(self._gram_dtype(y.device)).pow(2).sum((0, 4)))
             return
@@ -181,6 +185,8 @@ class LayerScorer:
                 means = (a * m).sum(1) / m.sum(1).clamp_min(1)
             self._acc("out_abs_mean_sq", (means.double() ** 2).sum(0))
             return
+        if self.token_root_weight is not None:  # every second moment below weighs each token by its weight
+            o = o * self.token_root_weight.to(o.device, o.dtype)[..., None]
         if self.loss_select is not None:
             self._pending_o.append(o.reshape(B * T, V)[self.loss_select.to(o.device).reshape(-1)])
         x = o.reshape(B * T, V)

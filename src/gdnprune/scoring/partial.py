@@ -1,7 +1,7 @@
 """Partial scores: the raw statistics of one share of the calibration windows, and their merge.
 
 ``gdnprune score --shard i/n --partial OUT_i`` runs share ``i`` of ``n`` (:func:`save_partial` of
-:func:`~gdnprune.scoring.api.measure_checkpoint`); ``gdnprune score --merge OUT_0 ... --output S.json``
+:func:`~gdnprune.scoring.from_folder.measure_checkpoint`); ``gdnprune score --merge OUT_0 ... --output S.json``
 adds the shares' sums and computes the scores file (:func:`merge_partials`), equal to a single-process
 run on the same windows up to float summation order. The shares can run as separate jobs (a Slurm
 array, several machines) without ``torch.distributed``.
@@ -41,7 +41,7 @@ from ..model.geometry import GDNShape
 from ..model.subblock_geometry import KINDS, Block
 from ..runtime.distributed import shard_indices
 from ..runtime.fileio import check_output_file, write_bytes_atomic
-from .api import CheckpointStatistics
+from .from_folder import CheckpointStatistics
 from .payload import (
     COUNTS,
     HiddenStatistics,
@@ -156,7 +156,7 @@ def _read_hidden(meta: dict, tensors: dict[str, torch.Tensor]) -> HiddenStatisti
 
 
 def save_partial(run: CheckpointStatistics, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Write the statistics of one share (from :func:`~gdnprune.scoring.api.measure_checkpoint`) to ``path``.
+    """Write the statistics of one share (from :func:`~gdnprune.scoring.from_folder.measure_checkpoint`) to ``path``.
 
     Written through a temporary file renamed into place (the file appears whole or not at all), with
     the permissions a new file gets under the umask. An existing file is an error unless ``overwrite``.

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..model.forwards import input_device, unpack_batch
+from ..model.forwards import input_device, unpack_batch, unpack_weight
 from ..model.subblock_geometry import KINDS
 from ..model.subblock_surgery import find_model_blocks
 from .experts import ExpertScorer
@@ -76,12 +76,16 @@ def run_batches(
         with torch.no_grad():
             for batch in tqdm(batches, total=total, disable=not progress, desc="scoring", unit="batch"):
                 ids, mask = unpack_batch(batch)
+                weight = unpack_weight(batch)
+                root = None if weight is None else weight.sqrt().float()
                 select = None if stride is None else loss_positions(ids, mask, windows_seen, stride)
                 for scorer in scorers:
                     scorer.token_mask = mask
+                    scorer.token_root_weight = root
                     scorer.loss_select = select
                 for block_scorer in block_scorers:
                     block_scorer.token_mask = mask
+                    block_scorer.token_root_weight = root
                     block_scorer.windows = (windows_seen, *ids.shape)  # the experts' token sample
                 windows_seen += ids.shape[0]
                 kwargs = dict(extra)

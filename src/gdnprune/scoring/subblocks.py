@@ -61,6 +61,7 @@ class BlockScorer:
             self.stats["gram"] = torch.zeros(units, units, dtype=torch.float64)
         self._wtw: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None  # [B, T] bool of the current batch, None = all tokens
+        self.token_root_weight: torch.Tensor | None = None  # [B, T] square roots of the tokens' weights
 
     def attach(self) -> list[Any]:
         """Register the hook; returns the handles."""
@@ -69,6 +70,8 @@ class BlockScorer:
     @torch.no_grad()
     def _on_input(self, module: torch.nn.Module, args: tuple) -> None:
         x = args[0].detach()
+        if self.token_root_weight is not None:  # every second moment weighs each token by its weight
+            x = x * self.token_root_weight.to(x.device, x.dtype)[..., None]
         if self.token_mask is not None:  # masked (padding) tokens are left out of every statistic
             x = x[self.token_mask.to(x.device)]
         x = x.reshape(-1, x.shape[-1]).to(torch.float64)

@@ -48,6 +48,7 @@ every rank gets the same numbers as one process.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,7 +58,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ...model.forwards import Forwards, parent_and_name, unpack_batch
+from ...model.forwards import KL_WEIGHT, Forwards, parent_and_name, unpack_batch, unpack_weight
 from ...runtime import distributed
 from ..choose.solve import choose_among
 from .halving_bounds import (
@@ -97,26 +98,32 @@ __all__ = [
 
 
 def windows_of(batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
-    """Calibration batches split into one window per batch (``input_ids`` [1, T], ``attention_mask``)."""
+    """Calibration batches split into one window per batch (``input_ids`` [1, T], ``attention_mask``, the
+    KL weight :data:`~gdnprune.model.forwards.KL_WEIGHT`)."""
     out = []
     for batch in batches:
         ids, mask = unpack_batch(batch)
+        weight = unpack_weight(batch)
         for row in range(ids.shape[0]):
             out.append(
                 {
                     "input_ids": ids[row : row + 1],
                     **({} if mask is None else {"attention_mask": mask[row : row + 1]}),
+                    **({} if weight is None else {KL_WEIGHT: weight[row : row + 1]}),
                 }
             )
     return out
 
 
-def token_counts(window: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-    """Tokens of a window that count in the KL and in the next-token loss (as the forwards count them)."""
+def token_counts(window: Mapping[str, torch.Tensor]) -> tuple[float, int]:
+    """What a window counts for in the KL (its valid tokens, each times its KL weight) and in the next-token
+    loss (its tokens with a next token), as the forwards count them."""
     ids = window["input_ids"]
     mask = window.get("attention_mask")
     valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-    return int(valid.sum()), int((valid[:, :-1] & valid[:, 1:]).sum())
+    weight = unpack_weight(window)
+    kl = float(valid.sum()) if weight is None else float((weight * valid.double()).sum())
+    return kl, int((valid[:, :-1] & valid[:, 1:]).sum())
 
 
 def rungs(total: int, first: int | None = None, grow: int = 4) -> list[int]:
@@ -435,8 +442,9 @@ def search(
     )
     if not verifying:
         return 0
+    verifying_round = itertools.count(1)  # one bar per round, each its own description and total
     return verify(
-        lambda todo: measure(todo, "sensitivity, verifying the choice"),
+        lambda todo: measure(todo, f"sensitivity, verifying the choice (round {next(verifying_round)})"),
         kl,
         seen,
         full,
@@ -593,6 +601,6 @@ def _stacked(
         sums = forwards.from_hidden(index + 1, w, torch.cat(hidden))
         for c, (a, b, n_kl, n_ce) in zip(here, sums):
             a, b, n_kl, n_ce = forwards.total(a, b, n_kl, n_ce)
-            out[c].append((a / max(n_kl, 1), b / max(n_ce, 1)))
+            out[c].append(((a / n_kl if n_kl > 0 else 0.0), b / max(n_ce, 1)))
         bar.update(len(here))
     return out

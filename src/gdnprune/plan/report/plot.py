@@ -198,7 +198,7 @@ def sensitivity_figure(report: Mapping) -> Any:
     )  # no pyplot
     axes = fig.subplots(rows, columns, squeeze=False)
     flat = [ax for row in axes for ax in row]
-    measured = report.get("sensitivity") in ("measured", "halving", "bld")
+    measured = report.get("sensitivity") in ("measured", "halving", "short", "bld")
     estimated = False
     for ax, (kind, groups) in zip(flat, kinds.items()):
         title, xlabel = _KINDS.get(kind, (kind, "kept parameters"))
