@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from gdnprune.cli import main
 from gdnprune.model.latency import parse_workload
-from gdnprune.plan import api as plan_api
+from gdnprune.plan import driver as plan_driver
 from gdnprune.plan import plan_model
 from gdnprune.plan.choose.solve import BudgetError, choose
 from gdnprune.plan.measure import latency_costs
@@ -97,7 +97,7 @@ def test_a_latency_plan_reports_predicted_beside_measured(model, monkeypatch):
 
     real = latency_costs.cut_model_latency
     monkeypatch.setattr(latency_costs, "cut_model_latency", counted)
-    monkeypatch.setattr(plan_api, "cut_model_latency", counted)
+    monkeypatch.setattr(plan_driver, "cut_model_latency", counted)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     scores = score_model(model, [ids], progress=False, blocks=True)
     plan, report = plan_model(
