@@ -15,6 +15,7 @@ from ..io.plan_file import PLAN_FORMAT, PLAN_VERSION
 from ..model.hidden import hidden_shape
 from ..runtime.deprecation import renamed_keywords
 from .choose.solve import BudgetError, uniform_choices
+from .driver import search
 from .measure.bld import DEFAULT_STEPS as BLD_STEPS
 from .measure.candidates import AXES, parse_dim_step
 from .measure.hidden import absolute_budgets, hidden_candidates, hidden_meta_model
@@ -29,7 +30,6 @@ from .measure.problem import (
 from .measure.subblocks import BLOCK_NAMES
 from .options import SENSITIVITIES, PlanOptions
 from .rank import RANK_LR, RANK_STEPS, RankCost
-from .driver import search
 
 __all__ = [
     "PlanOptions",
