@@ -52,6 +52,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -238,9 +239,50 @@ def verify(
         rounds += 1
 
 
-# long: its documented signature and docstring; the body is 81 lines, one step after another
+@dataclass
+class _Measure:
+    """:func:`halving_sensitivity`'s measurement of a rung: ``measure(todo, desc)`` measures each layer's
+    candidates ``todo[layer]`` (``(candidate, windows)`` pairs) up to their windows, under one bar; ``done``
+    counts the partial forwards."""
+
+    forwards: Forwards
+    layers: Sequence[LayerToPlan]
+    index: list[int]
+    seen: list[np.ndarray]
+    kl: list[np.ndarray]
+    ce: list[np.ndarray]
+    text_config: Any
+    progress: bool
+    done: int = 0
+
+    def __call__(self, todo: list[list[tuple[int, int]]], desc: str) -> None:
+        seen = self.seen
+        bar = tqdm(  # one bar per rung, its total known before it starts
+            total=sum(n - int(seen[li][c]) for li in range(len(self.layers)) for c, n in todo[li]),
+            disable=not self.progress,
+            desc=desc,
+            unit="fwd",
+        )
+        try:
+            for li, (layer, i) in enumerate(zip(self.layers, self.index)):
+                if todo[li]:
+                    self.done += _measure_layer(
+                        self.forwards,
+                        layer,
+                        i,
+                        sorted_state(layer),
+                        todo[li],
+                        seen[li],
+                        self.kl[li],
+                        self.ce[li],
+                        self.text_config,
+                        bar,
+                    )
+        finally:
+            bar.close()
+
+
 @torch.no_grad()
-# long: a 40-line docstring; the rung loop stays in one place (one candidate's measurement: _measure_layer)
 def halving_sensitivity(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -317,34 +359,7 @@ def halving_sensitivity(
     ce = [np.full((len(layer.candidates), total), forwards.base_loss) for layer in layers]
     full = [np.array([t == layer.shape for t in layer.candidates]) for layer in layers]  # KL 0, not measured
     seen = [np.zeros(len(layer.candidates), dtype=int) for layer in layers]
-    done = 0
-
-    def measure(todo: list[list[tuple[int, int]]], desc: str) -> None:
-        nonlocal done
-        bar = tqdm(  # one bar per rung, its total known before it starts
-            total=sum(n - int(seen[li][c]) for li in range(len(layers)) for c, n in todo[li]),
-            disable=not progress,
-            desc=desc,
-            unit="fwd",
-        )
-        try:
-            for li, (layer, i) in enumerate(zip(layers, index)):
-                if todo[li]:
-                    done += _measure_layer(
-                        forwards,
-                        layer,
-                        i,
-                        sorted_state(layer),
-                        todo[li],
-                        seen[li],
-                        kl[li],
-                        ce[li],
-                        text_config,
-                        bar,
-                    )
-        finally:
-            bar.close()
-
+    measure = _Measure(forwards, layers, index, seen, kl, ce, text_config, progress)
     pick = choose if choose is not None else exact_choice(costs, budgets, merged=merged)
     rounds = search(
         measure,
@@ -368,27 +383,34 @@ def halving_sensitivity(
         per_layer=per_layer,
     )
     result: dict[str, Any] = {
-        "kl": {},
-        "loss": {},
-        "kl_windows": {},
-        "windows": {},
-        "survivors": {},
+        **_per_candidate(layers, full, seen, kl, ce, counts),
         "rungs": schedule,
         "verify_rounds": rounds,
         "base_loss": forwards.base_loss,
         "tokens": forwards.tokens,
-        "forwards": done,
+        "forwards": measure.done,
         "teacher_seconds": teacher_seconds,
     }
-    for li, layer in enumerate(layers):
-        n = np.where(full[li], total, seen[li])
-        result["kl"][layer.prefix] = prefix_means(kl[li], n, counts[:, 0]).tolist()
-        result["loss"][layer.prefix] = prefix_means(ce[li], n, counts[:, 1]).tolist()
-        result["windows"][layer.prefix] = [int(s) for s in n]
-        result["kl_windows"][layer.prefix] = [[float(v) for v in row[: int(m)]] for row, m in zip(kl[li], n)]
-        result["survivors"][layer.prefix] = [bool(s >= total) for s in n]
     result["seconds"] = time.perf_counter() - start_time
     return result
+
+
+def _per_candidate(
+    layers: Sequence[LayerToPlan], full: list, seen: list, kl: list, ce: list, counts: np.ndarray
+) -> dict[str, dict[str, list]]:
+    """:func:`halving_sensitivity`'s tables per layer: each candidate's KL and loss (the means over the windows
+    it was measured on, every window for the uncut candidate), those windows, its KL on each, and whether it
+    survived to every window."""
+    total = counts.shape[0]
+    out: dict[str, dict[str, list]] = {k: {} for k in ("kl", "loss", "kl_windows", "windows", "survivors")}
+    for li, layer in enumerate(layers):
+        n = np.where(full[li], total, seen[li])
+        out["kl"][layer.prefix] = prefix_means(kl[li], n, counts[:, 0]).tolist()
+        out["loss"][layer.prefix] = prefix_means(ce[li], n, counts[:, 1]).tolist()
+        out["windows"][layer.prefix] = [int(s) for s in n]
+        out["kl_windows"][layer.prefix] = [[float(v) for v in row[: int(m)]] for row, m in zip(kl[li], n)]
+        out["survivors"][layer.prefix] = [bool(s >= total) for s in n]
+    return out
 
 
 def search(
