@@ -155,7 +155,42 @@ def stages(windows: int, offspring: int) -> list[tuple[int, int]]:
     return [(windows, 1)]
 
 
-# long: its documented signature and docstring; the body is 79 lines, one step after another
+def _offspring(
+    parent: list[int],
+    costs: Mapping[str, Sequence[Sequence[float]]],
+    budgets: Mapping[str, float],
+    rng: np.random.Generator,
+    offspring: int,
+    mutations: int,
+    layer_of: Sequence[int] | None,
+    removable: Sequence[int],
+    keep_one_of: Sequence[int],
+) -> list[list[int]]:
+    """Up to ``offspring`` distinct plans within the budgets, each ``parent`` after 1 to ``mutations``
+    mutations (:func:`mutate`; at most 50 tries per offspring)."""
+    children: list[list[int]] = []
+    for _ in range(50 * offspring):
+        child = parent
+        for _ in range(int(rng.integers(1, mutations + 1))):
+            child = (
+                mutate(
+                    child,
+                    costs,
+                    budgets,
+                    rng,
+                    layer_of=layer_of,
+                    removable=removable,
+                    keep_one_of=keep_one_of,
+                )
+                or child
+            )
+        if child != parent and child not in children:
+            children.append(child)
+        if len(children) == offspring:
+            break
+    return children
+
+
 def evolve(
     costs: Mapping[str, Sequence[Sequence[float]]],
     budgets: Mapping[str, float],
@@ -215,26 +250,9 @@ def evolve(
     seed_kl = best_kl = mean(per_window[tuple(parent)], total)
     history = []
     for generation in range(generations):
-        children: list[list[int]] = []
-        for _ in range(50 * offspring):
-            child = parent
-            for _ in range(int(rng.integers(1, mutations + 1))):
-                child = (
-                    mutate(
-                        child,
-                        costs,
-                        budgets,
-                        rng,
-                        layer_of=layer_of,
-                        removable=removable,
-                        keep_one_of=keep_one_of,
-                    )
-                    or child
-                )
-            if child != parent and child not in children:
-                children.append(child)
-            if len(children) == offspring:
-                break
+        children = _offspring(
+            parent, costs, budgets, rng, offspring, mutations, layer_of, removable, keep_one_of
+        )
         best_child, best_child_kl = None, math.inf
         pool = children
         for n, keep in stages(total, len(children)) if children else []:
