@@ -491,7 +491,6 @@ def _evenly(dataset: WindowDataset, count: int | None) -> WindowDataset:
     return dataset.select(range(0, step * count, step))
 
 
-# long: its documented signature and docstring; the body is 84 lines, one step after another
 def distill_checkpoint(
     student_dir: str | Path,
     teacher_dir: str | Path,
@@ -587,26 +586,9 @@ def distill_checkpoint(
             eval_spec, tokenizer, seq_len=seq_len, num_windows=eval_samples, files=eval_files
         )
     teacher_dtype = dtype if teacher_dtype is None else teacher_dtype
-    if fsdp_asked(
-        config.fsdp
-    ):  # what FSDP2 cannot wrap is said before any weight is read (in the run's dtypes)
-        check_shardable(meta_model(student_dir, student_dtype(dtype, config.mixed_precision)), "student")
-        if sharding == "shard":
-            check_shardable(meta_model(teacher_dir, teacher_dtype), "teacher")
-    if fsdp_asked(config.fsdp) and sharded_loading:
-        from accelerate import PartialState  # lazy: only under FSDP2
-
-        PartialState()  # the process group the shards live on (the Trainer's arguments find it made)
-        student, teacher = load_sharded_models(
-            student_dir, teacher_dir, dtype, teacher_dtype, config=config, teacher_sharded=sharding == "shard"
-        )
-        student = student if student is not None else _load_model(student_dir, dtype)
-        teacher = (
-            teacher if teacher is not None else _load_model(teacher_dir, teacher_dtype, teacher_device_map)
-        )
-    else:
-        student = _load_model(student_dir, dtype)
-        teacher = _load_model(teacher_dir, teacher_dtype, teacher_device_map)
+    student, teacher = _load_models(
+        student_dir, teacher_dir, dtype, teacher_dtype, teacher_device_map, config, sharding, sharded_loading
+    )
     carried = (
         {k: v for p in CARRIED_PREFIXES for k, v in read_tensors(student_dir, p).items()} if main else {}
     )
@@ -629,6 +611,39 @@ def distill_checkpoint(
         manifest = run_manifest(student_dir, teacher_dir, spec, result, sorted(carried))
         write_json_atomic(output_dir / MANIFEST_NAME, manifest)
     return result
+
+
+def _load_models(
+    student_dir: Path,
+    teacher_dir: Path,
+    dtype: str | torch.dtype,
+    teacher_dtype: str | torch.dtype,
+    teacher_device_map: Any,
+    config: DistillConfig,
+    sharding: str,
+    sharded_loading: bool,
+) -> tuple[Any, Any]:
+    """The student and the teacher of :func:`distill_checkpoint`: under FSDP2 with ``sharded_loading`` read
+    straight into their shards (what FSDP2 cannot wrap said first, in the run's dtypes), else loaded whole."""
+    if fsdp_asked(config.fsdp):  # what FSDP2 cannot wrap is said before any weight is read
+        check_shardable(meta_model(student_dir, student_dtype(dtype, config.mixed_precision)), "student")
+        if sharding == "shard":
+            check_shardable(meta_model(teacher_dir, teacher_dtype), "teacher")
+    if fsdp_asked(config.fsdp) and sharded_loading:
+        from accelerate import PartialState  # lazy: only under FSDP2
+
+        PartialState()  # the process group the shards live on (the Trainer's arguments find it made)
+        student, teacher = load_sharded_models(
+            student_dir, teacher_dir, dtype, teacher_dtype, config=config, teacher_sharded=sharding == "shard"
+        )
+        student = student if student is not None else _load_model(student_dir, dtype)
+        teacher = (
+            teacher if teacher is not None else _load_model(teacher_dir, teacher_dtype, teacher_device_map)
+        )
+    else:
+        student = _load_model(student_dir, dtype)
+        teacher = _load_model(teacher_dir, teacher_dtype, teacher_device_map)
+    return student, teacher
 
 
 def _check_corpus_size(config: DistillConfig, windows: int, seq_len: int, world: int) -> None:
