@@ -46,7 +46,6 @@ _FLAGS = (
 )
 
 
-# long by nature: one argparse definition per flag, in the groups --help shows
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         NAME,
@@ -84,6 +83,19 @@ def add_parser(subparsers) -> None:
     length = g.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=positive_int, help="optimizer steps")
     length.add_argument("--tokens", type=positive_int, help="training tokens (rounded up to whole steps)")
+    _add_optimisation_arguments(p)
+    k = p.add_argument_group("loss")
+    k.add_argument("--temperature", type=float, default=1.0, help="KD temperature (default 1)")
+    k.add_argument("--kd-weight", type=float, default=1.0, help="weight of the KL term (default 1: pure KD)")
+    k.add_argument("--lm-weight", type=float, default=0.0, help="weight of the LM loss (default 0)")
+    _add_engine_arguments(p)
+    _add_evaluation_arguments(p)
+    add_runtime_arguments(p)
+    add_quiet_argument(p)
+    p.set_defaults(func=run)
+
+
+def _add_optimisation_arguments(p) -> None:
     o = p.add_argument_group("optimisation")
     o.add_argument(
         "--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4; 1e-3 suits tiny models)"
@@ -117,10 +129,9 @@ def add_parser(subparsers) -> None:
         "--num-samples", type=positive_int, default=None, metavar="N", help="training windows (default: all)"
     )
     o.add_argument("--seed", type=int, default=0, help="seed of the data order (default 0)")
-    k = p.add_argument_group("loss")
-    k.add_argument("--temperature", type=float, default=1.0, help="KD temperature (default 1)")
-    k.add_argument("--kd-weight", type=float, default=1.0, help="weight of the KL term (default 1: pure KD)")
-    k.add_argument("--lm-weight", type=float, default=0.0, help="weight of the LM loss (default 0)")
+
+
+def _add_engine_arguments(p) -> None:
     n = p.add_argument_group("engine and memory")
     n.add_argument(
         "--fsdp",
@@ -186,6 +197,9 @@ def add_parser(subparsers) -> None:
         metavar="N",
         help="with --dry-run: the number of processes to estimate for (default: the launcher's, else 1)",
     )
+
+
+def _add_evaluation_arguments(p) -> None:
     e = p.add_argument_group("evaluation and checkpoints")
     e.add_argument(
         "--eval-samples", type=positive_int, default=None, metavar="N", help="held-out windows (default: all)"
@@ -206,9 +220,6 @@ def add_parser(subparsers) -> None:
     )
     e.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines (default 10)")
     e.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT_DIR")
-    add_runtime_arguments(p)
-    add_quiet_argument(p)
-    p.set_defaults(func=run)
 
 
 def _flags(message: str) -> str:
