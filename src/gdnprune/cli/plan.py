@@ -53,48 +53,9 @@ def _budget(text: str) -> float:
     return value
 
 
-# long: one argparse declaration per option
 def add_search_arguments(p) -> None:
     """The budget and search options, shared with ``gdnprune prune``."""
-    p.add_argument(
-        "--budget-params",
-        type=_budget,
-        metavar="X",
-        help="parameters of the whole model to keep, embeddings included: a fraction (e.g. 0.5) or an "
-        "absolute count; every sub-block of --blocks may shrink",
-    )
-    p.add_argument(
-        "--budget-active-params",
-        type=_budget,
-        metavar="X",
-        help="parameters used per token to keep (routed experts count num_experts_per_tok/num_experts of "
-        "theirs; without MoE the same as --budget-params): a fraction or a count",
-    )
-    p.add_argument(
-        "--budget-memory",
-        type=_budget,
-        metavar="X",
-        help="inference memory per sequence to keep: GDN recurrent state (float32) plus the attention "
-        "layers' KV cache at --context tokens (model dtype): a fraction or bytes",
-    )
-    p.add_argument(
-        "--context",
-        type=positive_int,
-        metavar="N",
-        help="tokens per sequence of --budget-memory's KV cache (required with it)",
-    )
-    p.add_argument(
-        "--budget-gdn-params",
-        type=_budget,
-        metavar="X",
-        help="GDN parameters to keep: a fraction or a count (given alone, only GDN layers are cut)",
-    )
-    p.add_argument(
-        "--budget-state",
-        type=_budget,
-        metavar="X",
-        help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes",
-    )
+    _add_budget_arguments(p)
     add_blocks_argument(
         p,
         help=f"what may shrink under a whole-model budget (default all: {BLOCKS}); experts: the number of routed experts kept "
@@ -153,6 +114,62 @@ def add_search_arguments(p) -> None:
         help="one geometry per kind of block: all GDN layers one, all MLPs one, all attention layers one (for engines that need uniform layers)",
     )
     add_servable_arguments(p)
+    _add_evolve_arguments(p)
+    add_rank_arguments(p)
+    for name, kind in (
+        ("generations", non_negative_int),
+        ("offspring", positive_int),
+        ("seed", non_negative_int),
+    ):
+        add_deprecated_alias(p, f"--refine-{name}", f"evolve_{name}", f"--evolve-{name}", type=kind)
+    add_constraint_arguments(p)
+
+
+def _add_budget_arguments(p) -> None:
+    """The budgets: of the whole model, its GDN layers, memory and state."""
+    p.add_argument(
+        "--budget-params",
+        type=_budget,
+        metavar="X",
+        help="parameters of the whole model to keep, embeddings included: a fraction (e.g. 0.5) or an "
+        "absolute count; every sub-block of --blocks may shrink",
+    )
+    p.add_argument(
+        "--budget-active-params",
+        type=_budget,
+        metavar="X",
+        help="parameters used per token to keep (routed experts count num_experts_per_tok/num_experts of "
+        "theirs; without MoE the same as --budget-params): a fraction or a count",
+    )
+    p.add_argument(
+        "--budget-memory",
+        type=_budget,
+        metavar="X",
+        help="inference memory per sequence to keep: GDN recurrent state (float32) plus the attention "
+        "layers' KV cache at --context tokens (model dtype): a fraction or bytes",
+    )
+    p.add_argument(
+        "--context",
+        type=positive_int,
+        metavar="N",
+        help="tokens per sequence of --budget-memory's KV cache (required with it)",
+    )
+    p.add_argument(
+        "--budget-gdn-params",
+        type=_budget,
+        metavar="X",
+        help="GDN parameters to keep: a fraction or a count (given alone, only GDN layers are cut)",
+    )
+    p.add_argument(
+        "--budget-state",
+        type=_budget,
+        metavar="X",
+        help="recurrent state per sequence to keep (Hv*dk*dv + conv state, float32): a fraction or bytes",
+    )
+
+
+def _add_evolve_arguments(p) -> None:
+    """The evolutionary search from the exact choice."""
     p.add_argument(
         "--evolve-generations",
         type=non_negative_int,
@@ -176,14 +193,6 @@ def add_search_arguments(p) -> None:
         metavar="N",
         help="the evolutionary search's random seed (default 0; the search is deterministic for a seed)",
     )
-    add_rank_arguments(p)
-    for name, kind in (
-        ("generations", non_negative_int),
-        ("offspring", positive_int),
-        ("seed", non_negative_int),
-    ):
-        add_deprecated_alias(p, f"--refine-{name}", f"evolve_{name}", f"--evolve-{name}", type=kind)
-    add_constraint_arguments(p)
 
 
 def add_servable_arguments(p) -> None:
