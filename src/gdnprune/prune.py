@@ -34,9 +34,6 @@ from .scoring import GDN_ONLY, SCORED_BLOCKS, ScoringOptions, score_checkpoint
 __all__ = ["prune_checkpoint"]
 
 
-# long: every planning and runtime option is passed by name (the scoring options as one ScoringOptions, the
-# search's as one PlanOptions); the checks are in _check_cut, the work in score_checkpoint, plan_checkpoint and
-# transform_checkpoint
 @renamed_keywords(
     refine=("lane_search", lambda refine: refine == "lanes"), refine_samples="lane_search_samples"
 )
@@ -91,97 +88,46 @@ def prune_checkpoint(
     ``rank_by_distill``, before it runs (:func:`gdnprune.plan.plan_model`). Returns the manifest (with the
     searched plan under ``"plan"``).
     """
-    if compensate not in (False, True, "statistics", "sequential"):
-        raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
     o = scoring or ScoringOptions()
     sequential = compensate == "sequential"
-    if sequential and o.device_map is not None:
-        raise ValueError(
-            "sequential compensation cuts the model in memory: it needs the model on one device "
-            "(no device map)"
-        )
-    given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
-    if len(given) != 1:
-        raise TargetError(
-            "give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
-            f"(`budget_params`, `budget_gdn_params`, ...); got {given or 'none'}"
-        )
+    _check_options(target, plan, search, scores, compensate, o)
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     sub_blocks, shapes = _check_cut(
         model_dir, target, plan, scores, search, sequential, self_contained, servable
     )
-    # the hidden channels are scored and sorted only where the hidden size may be cut
-    hidden_cut = (
-        split_hidden_target(target)[1] is not None
-        or (plan is not None and plan_hidden_size(plan) is not None)
-        or (search is not None and "hidden" in search.blocks)
-    )
+    hidden_cut = _hidden_cut(target, plan, search)
     if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
         check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search.keywords())
-    if scores is not None and compensate and not sequential:
-        raise ValueError(
-            'compensate="statistics" collects its statistics while scoring; with `scores` give '
-            'compensate="sequential", or score afresh (no `scores`)'
-        )
-    model = None
-    if scores is None or search is not None or sequential:
-        with fail_together():  # the one load: scoring, the plan search and the sequential refit share it
-            gpus = local_gpus() if o.device_map is not None else None
-            model = load_causal_lm(
-                model_dir, dtype=o.dtype, device=o.device, device_map=o.device_map, gpus=gpus
-            )
-    workload = None if search is None else search.parsed_workload()
-    if workload is not None:  # a latency budget below the embeddings and LM head: said before scoring
-        assert model is not None and search is not None and search.budget_latency is not None
-        check_latency_floor(model, workload, search.budget_latency)
-    if scores is not None:
-        scores_source: str | Path | dict = scores
-        scored = load_scores(scores)
-        scored["sha256"] = file_sha256(scores)
-    else:
-        scored = score_checkpoint(
-            model_dir,
-            data,
-            **o.keywords(),
-            progress=progress,
-            compensate=bool(compensate) and not sequential,
-            blocks=(SCORED_BLOCKS if sub_blocks else (*GDN_ONLY, "hidden"))
-            if hidden_cut
-            else (None if sub_blocks else GDN_ONLY),
-            model=model,
-            recall=search is not None and search.recall(),
-        )
-        scores_source = scored
+    model = _load_once(model_dir, o, search, needed=scores is None or search is not None or sequential)
+    scored, scores_source = _scores(
+        model_dir,
+        data,
+        scores,
+        o,
+        model,
+        sub_blocks,
+        hidden_cut,
+        bool(compensate) and not sequential,
+        search,
+        progress,
+    )
     stats = scored.pop("compensation_statistics", None)
     extra: dict[str, Any] = {"scores": {k: v for k, v in scored.items() if k != "layers"}}
     if search is not None:
-        plan, report = plan_checkpoint(
+        plan, extra["plan_report"] = _searched_plan(
             model_dir,
             data,
             scores_source,
-            num_samples=plan_samples,
-            seq_len=o.seq_len,
-            batch_size=o.batch_size,
-            device=o.device,
-            dtype=o.dtype,
-            device_map=o.device_map,
-            tp=tp,
-            multiple_of=multiple_of,
-            progress=progress,
-            model=model,
-            on_rank_cost=on_rank_cost,
-            **search.keywords(),
+            search,
+            o,
+            plan_samples,
+            tp,
+            multiple_of,
+            model,
+            progress,
+            on_rank_cost,
         )
-        extra["plan_report"] = {
-            "seconds": report["seconds"],
-            "sensitivity": report["sensitivity"],
-            **{
-                k: report[k]
-                for k in ("servable", "latency", "ranking", "depth_check", "windows", "recall")
-                if k in report
-            },
-        }
     if sequential:
         targets = (
             resolve_plan(plan, shapes)
@@ -207,6 +153,136 @@ def prune_checkpoint(
         progress=progress,
         manifest_extra=extra,
     )
+
+
+def _hidden_cut(target: Any, plan: Any, search: PlanOptions | None) -> bool:
+    """Whether the hidden size may be cut: the hidden channels are then scored and sorted."""
+    return (
+        split_hidden_target(target)[1] is not None
+        or (plan is not None and plan_hidden_size(plan) is not None)
+        or (search is not None and "hidden" in search.blocks)
+    )
+
+
+def _load_once(model_dir: str | Path, o: ScoringOptions, search: PlanOptions | None, needed: bool) -> Any:
+    """The one load of :func:`prune_checkpoint` when anything needs the model (scoring, the plan search and
+    the sequential refit share it), its latency budget's floor checked before scoring."""
+    if not needed:
+        return None
+    with fail_together():
+        gpus = local_gpus() if o.device_map is not None else None
+        model = load_causal_lm(model_dir, dtype=o.dtype, device=o.device, device_map=o.device_map, gpus=gpus)
+    workload = None if search is None else search.parsed_workload()
+    if workload is not None:  # a latency budget below the embeddings and LM head: said before scoring
+        assert search is not None and search.budget_latency is not None
+        check_latency_floor(model, workload, search.budget_latency)
+    return model
+
+
+def _check_options(
+    target: Any,
+    plan: Any,
+    search: PlanOptions | None,
+    scores: str | Path | None,
+    compensate: bool | str,
+    o: ScoringOptions,
+) -> None:
+    """:func:`prune_checkpoint`'s options that do not go together, refused before anything is read."""
+    sequential = compensate == "sequential"
+    if compensate not in (False, True, "statistics", "sequential"):
+        raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
+    if sequential and o.device_map is not None:
+        raise ValueError(
+            "sequential compensation cuts the model in memory: it needs the model on one device "
+            "(no device map)"
+        )
+    given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
+    if len(given) != 1:
+        raise TargetError(
+            "give exactly one of a target (`num_key_heads`, ...), `plan`, or a budget "
+            f"(`budget_params`, `budget_gdn_params`, ...); got {given or 'none'}"
+        )
+    if scores is not None and compensate and not sequential:
+        raise ValueError(
+            'compensate="statistics" collects its statistics while scoring; with `scores` give '
+            'compensate="sequential", or score afresh (no `scores`)'
+        )
+
+
+def _scores(
+    model_dir: str | Path,
+    data: str | Path,
+    scores: str | Path | None,
+    o: ScoringOptions,
+    model: Any,
+    sub_blocks: bool,
+    hidden_cut: bool,
+    statistics: bool,
+    search: PlanOptions | None,
+    progress: bool,
+) -> tuple[dict, str | Path | dict]:
+    """The scores :func:`prune_checkpoint` sorts by (read from ``scores``, or taken afresh with the
+    compensation ``statistics`` when asked, on recall windows where the search measures on them) and what the
+    plan search reads them from."""
+    if scores is not None:
+        scored = load_scores(scores)
+        scored["sha256"] = file_sha256(scores)
+        return scored, scores
+    if hidden_cut:  # the hidden channels are scored only where the hidden size may be cut
+        blocks: tuple[str, ...] | None = SCORED_BLOCKS if sub_blocks else (*GDN_ONLY, "hidden")
+    else:
+        blocks = None if sub_blocks else GDN_ONLY
+    scored = score_checkpoint(
+        model_dir,
+        data,
+        **o.keywords(),
+        progress=progress,
+        compensate=statistics,
+        blocks=blocks,
+        model=model,
+        recall=search is not None and search.recall(),
+    )
+    return scored, scored
+
+
+def _searched_plan(
+    model_dir: str | Path,
+    data: str | Path,
+    scores: str | Path | dict,
+    search: PlanOptions,
+    o: ScoringOptions,
+    plan_samples: int,
+    tp: int | None,
+    multiple_of: int | None,
+    model: Any,
+    progress: bool,
+    on_rank_cost: Callable[[Any], None] | None,
+) -> tuple[dict, dict[str, Any]]:
+    """The plan :func:`prune_checkpoint` searches on its scores (the scoring's windows, dtype and devices) and
+    what its manifest keeps of the report."""
+    plan, report = plan_checkpoint(
+        model_dir,
+        data,
+        scores,
+        num_samples=plan_samples,
+        seq_len=o.seq_len,
+        batch_size=o.batch_size,
+        device=o.device,
+        dtype=o.dtype,
+        device_map=o.device_map,
+        tp=tp,
+        multiple_of=multiple_of,
+        progress=progress,
+        model=model,
+        on_rank_cost=on_rank_cost,
+        **search.keywords(),
+    )
+    kept = ("servable", "latency", "ranking", "depth_check", "windows", "recall")
+    return plan, {
+        "seconds": report["seconds"],
+        "sensitivity": report["sensitivity"],
+        **{k: report[k] for k in kept if k in report},
+    }
 
 
 def _check_cut(
