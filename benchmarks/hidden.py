@@ -238,7 +238,13 @@ def run_budget(bench: Bench, fraction: float) -> dict:
             lambda: bench.student(fraction, True),
         ),
         "plan_without_hidden": (f"without {without['picks']}", lambda: bench.student(fraction, False)),
-        "best_uniform": (f"uniform {uniform['picks']}", uniform["model"]),
+        # the same cut as the plan without hidden (the plan may be uniform): the same cached run
+        "best_uniform": (
+            f"without {without['picks']}"
+            if list(uniform["picks"]) == list(without["picks"])
+            else f"uniform {uniform['picks']}",
+            uniform["model"],
+        ),
         "hidden_only": (f"hidden only {size}", hidden_only),
     }
     results = {name: bench.recovered(fraction, name, key, build) for name, (key, build) in builds.items()}
