@@ -227,27 +227,32 @@ class Bench:
         return out
 
 
-def run_budget(bench: Bench, fraction: float) -> dict:
+def run_budget(bench: Bench, fraction: float, plans=PLANS) -> dict:
+    """The ``plans`` at one budget (each cached; a later run with every plan reads them back)."""
     with_hidden = bench.searched(fraction, True)
-    without = bench.searched(fraction, False)
-    uniform = bench.best_uniform(fraction)
+    without = bench.searched(fraction, False) if set(plans) - {"plan_with_hidden"} else None
+
+    def uniform_build():
+        assert without is not None
+        uniform = bench.best_uniform(fraction)
+        # the same cut as the plan without hidden (the plan may be uniform): the same cached run
+        same = list(uniform["picks"]) == list(without["picks"])
+        return f"{'without' if same else 'uniform'} {uniform['picks']}", uniform["model"]
+
     size, hidden_only = bench.hidden_only(fraction)
     builds = {
-        "plan_with_hidden": (
+        "plan_with_hidden": lambda: (
             f"with {with_hidden['hidden_size']} {with_hidden['picks']}",
             lambda: bench.student(fraction, True),
         ),
-        "plan_without_hidden": (f"without {without['picks']}", lambda: bench.student(fraction, False)),
-        # the same cut as the plan without hidden (the plan may be uniform): the same cached run
-        "best_uniform": (
-            f"without {without['picks']}"
-            if list(uniform["picks"]) == list(without["picks"])
-            else f"uniform {uniform['picks']}",
-            uniform["model"],
+        "plan_without_hidden": lambda: (
+            f"without {without['picks']}",  # type: ignore[index]
+            lambda: bench.student(fraction, False),
         ),
-        "hidden_only": (f"hidden only {size}", hidden_only),
+        "best_uniform": uniform_build,
+        "hidden_only": lambda: (f"hidden only {size}", hidden_only),
     }
-    results = {name: bench.recovered(fraction, name, key, build) for name, (key, build) in builds.items()}
+    results = {name: bench.recovered(fraction, name, *builds[name]()) for name in PLANS if name in plans}
     row = {
         "budget": fraction,
         "hidden_size": {
@@ -256,10 +261,11 @@ def run_budget(bench: Bench, fraction: float) -> dict:
             "full": bench.hidden,
         },
         "hidden_candidates": with_hidden["hidden"],
-        "search_seconds": {"with": with_hidden["seconds"], "without": without["seconds"]},
-        "uniform_evaluated": uniform["evaluated"],
+        "search_seconds": {"with": with_hidden["seconds"], "without": without and without["seconds"]},
         "plans": {},
     }
+    if "best_uniform" in results:
+        row["uniform_evaluated"] = bench.best_uniform(fraction)["evaluated"]
     for name, r in results.items():
         entry = {
             "fraction": r["fraction"],
@@ -267,7 +273,7 @@ def run_budget(bench: Bench, fraction: float) -> dict:
             "loss_after": float(r["after"].mean()),
             "distill_seconds": r["distill_seconds"],
         }
-        if name != "plan_with_hidden":
+        if name != "plan_with_hidden" and "plan_with_hidden" in results:
             entry["minus_with"] = paired(r["before"], results["plan_with_hidden"]["before"])
             entry["minus_with_after"] = paired(r["after"], results["plan_with_hidden"]["after"])
         row["plans"][name] = entry
@@ -408,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--orders", action="store_true", help="the order comparison instead of the plans")
     p.add_argument("--random-orders", type=int, default=20)
     p.add_argument("--steps", type=int, default=300, help="distillation steps (300)")
+    p.add_argument(
+        "--plans",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=list(PLANS),
+        help=f"which of {','.join(PLANS)} to run (default all; a later run reads the cached ones back)",
+    )
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "hidden")
     p.add_argument("--plot", nargs=2, metavar=("PNG", "JSON,..."), help="draw the plans' searches and exit")
     p.set_defaults(budgets=[0.5, 0.35])
@@ -433,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             record["rows"] = []
             for fraction in args.budgets:
-                record["rows"].append(run_budget(bench, fraction))
+                record["rows"].append(run_budget(bench, fraction, args.plans))
                 print_row(bench, record["rows"][-1])
                 if args.json:
                     args.json.write_text(json.dumps(results + [record], indent=1, default=float))
