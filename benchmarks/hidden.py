@@ -240,9 +240,14 @@ def run_budget(bench: Bench, fraction: float, plans=PLANS) -> dict:
         return f"{'without' if same else 'uniform'} {uniform['picks']}", uniform["model"]
 
     size, hidden_only = bench.hidden_only(fraction)
+    # the plan kept the full hidden size and the picks of the plan without hidden: the same cut, the same run
+    same = without is not None and with_hidden["hidden_size"] == bench.hidden
+    same = same and list(with_hidden["picks"]) == list(without["picks"])  # type: ignore[index]
     builds = {
         "plan_with_hidden": lambda: (
-            f"with {with_hidden['hidden_size']} {with_hidden['picks']}",
+            f"without {with_hidden['picks']}"
+            if same
+            else f"with {with_hidden['hidden_size']} {with_hidden['picks']}",
             lambda: bench.student(fraction, True),
         ),
         "plan_without_hidden": lambda: (
