@@ -58,6 +58,7 @@ from gdnprune.model.subblock_surgery import find_model_hidden  # noqa: E402
 from gdnprune.plan import PlanOptions  # noqa: E402
 from gdnprune.plan.api import search  # noqa: E402
 from gdnprune.plan.choose.solve import uniform_choices  # noqa: E402
+from gdnprune.plan.hidden import search_hidden  # noqa: E402
 from gdnprune.plan.measure.candidates import AXES, parse_dim_step  # noqa: E402
 from gdnprune.plan.measure.hidden import absolute_budgets, hidden_cut_model  # noqa: E402
 from gdnprune.plan.measure.problem import Grid, build_problem, given_budgets  # noqa: E402
@@ -126,20 +127,53 @@ class Bench:
         )
 
     def searched(self, fraction: float, with_hidden: bool) -> dict:
-        """The plan search (cached): its picks, the hidden size it chose, its seconds."""
+        """The plan search (cached): its picks, the hidden size it chose, its seconds. The search with hidden
+        plans the full hidden size too, under the same budgets (as absolute amounts): the plan without hidden
+        is that size's plan (``full_picks``), read from it where no search without hidden was cached."""
         blocks = (*WIDTHS, "hidden") if with_hidden else WIDTHS
         options = self.options(fraction, blocks)
         batches = list(self.calibration[:16].split(4))
+        if not with_hidden and not (self.work / f"search_{fraction}_without.pkl").exists():
+            found = self.searched(fraction, True)
+            if "full_picks" in found:
+                return {
+                    "picks": found["full_picks"],
+                    "hidden_size": self.hidden,
+                    "hidden": None,
+                    "seconds": None,
+                }
+        full: dict = {}
+
+        def recording(small, *a, **k):
+            done = search(small, *a, **k)
+            if small is self.model:
+                full["picks"] = list(done.choice.picks)
+            return done
 
         def run():
             t0 = time.perf_counter()
-            done = search(self.model, batches, self.scores, options, progress=not self.args.quiet)
+            progress = not self.args.quiet
+            if with_hidden:
+                done = search_hidden(
+                    self.model,
+                    batches,
+                    self.scores,
+                    options,
+                    recording,
+                    tp=None,
+                    multiple_of=None,
+                    orders_applied=False,
+                    progress=progress,
+                )
+            else:
+                done = search(self.model, batches, self.scores, options, progress=progress)
             chosen = done.plan.get("hidden", {}).get("hidden_size", self.hidden)
             return {
                 "picks": done.choice.picks,
                 "hidden_size": chosen,
                 "hidden": done.plan.get("hidden"),
                 "seconds": time.perf_counter() - t0,
+                **({"full_picks": full["picks"]} if "picks" in full else {}),
             }
 
         return self.cached(f"search_{fraction}_{'with' if with_hidden else 'without'}", run)
@@ -266,6 +300,7 @@ def run_budget(bench: Bench, fraction: float, plans=PLANS) -> dict:
             "full": bench.hidden,
         },
         "hidden_candidates": with_hidden["hidden"],
+        # without: None where it was the search with hidden's plan at the full size
         "search_seconds": {"with": with_hidden["seconds"], "without": without and without["seconds"]},
         "plans": {},
     }
