@@ -58,6 +58,7 @@ from gdnprune.model.subblock_surgery import find_model_hidden  # noqa: E402
 from gdnprune.plan import PlanOptions  # noqa: E402
 from gdnprune.plan.api import search  # noqa: E402
 from gdnprune.plan.choose.solve import uniform_choices  # noqa: E402
+from gdnprune.plan.hidden import search_hidden  # noqa: E402
 from gdnprune.plan.measure.candidates import AXES, parse_dim_step  # noqa: E402
 from gdnprune.plan.measure.hidden import absolute_budgets, hidden_cut_model  # noqa: E402
 from gdnprune.plan.measure.problem import Grid, build_problem, given_budgets  # noqa: E402
@@ -126,20 +127,53 @@ class Bench:
         )
 
     def searched(self, fraction: float, with_hidden: bool) -> dict:
-        """The plan search (cached): its picks, the hidden size it chose, its seconds."""
+        """The plan search (cached): its picks, the hidden size it chose, its seconds. The search with hidden
+        plans the full hidden size too, under the same budgets (as absolute amounts): the plan without hidden
+        is that size's plan (``full_picks``), read from it where no search without hidden was cached."""
         blocks = (*WIDTHS, "hidden") if with_hidden else WIDTHS
         options = self.options(fraction, blocks)
         batches = list(self.calibration[:16].split(4))
+        if not with_hidden and not (self.work / f"search_{fraction}_without.pkl").exists():
+            found = self.searched(fraction, True)
+            if "full_picks" in found:
+                return {
+                    "picks": found["full_picks"],
+                    "hidden_size": self.hidden,
+                    "hidden": None,
+                    "seconds": None,
+                }
+        full: dict = {}
+
+        def recording(small, *a, **k):
+            done = search(small, *a, **k)
+            if small is self.model:
+                full["picks"] = list(done.choice.picks)
+            return done
 
         def run():
             t0 = time.perf_counter()
-            done = search(self.model, batches, self.scores, options, progress=not self.args.quiet)
+            progress = not self.args.quiet
+            if with_hidden:
+                done = search_hidden(
+                    self.model,
+                    batches,
+                    self.scores,
+                    options,
+                    recording,
+                    tp=None,
+                    multiple_of=None,
+                    orders_applied=False,
+                    progress=progress,
+                )
+            else:
+                done = search(self.model, batches, self.scores, options, progress=progress)
             chosen = done.plan.get("hidden", {}).get("hidden_size", self.hidden)
             return {
                 "picks": done.choice.picks,
                 "hidden_size": chosen,
                 "hidden": done.plan.get("hidden"),
                 "seconds": time.perf_counter() - t0,
+                **({"full_picks": full["picks"]} if "picks" in full else {}),
             }
 
         return self.cached(f"search_{fraction}_{'with' if with_hidden else 'without'}", run)
@@ -227,21 +261,37 @@ class Bench:
         return out
 
 
-def run_budget(bench: Bench, fraction: float) -> dict:
+def run_budget(bench: Bench, fraction: float, plans=PLANS) -> dict:
+    """The ``plans`` at one budget (each cached; a later run with every plan reads them back)."""
     with_hidden = bench.searched(fraction, True)
-    without = bench.searched(fraction, False)
-    uniform = bench.best_uniform(fraction)
+    without = bench.searched(fraction, False) if set(plans) - {"plan_with_hidden"} else None
+
+    def uniform_build():
+        assert without is not None
+        uniform = bench.best_uniform(fraction)
+        # the same cut as the plan without hidden (the plan may be uniform): the same cached run
+        same = list(uniform["picks"]) == list(without["picks"])
+        return f"{'without' if same else 'uniform'} {uniform['picks']}", uniform["model"]
+
     size, hidden_only = bench.hidden_only(fraction)
+    # the plan kept the full hidden size and the picks of the plan without hidden: the same cut, the same run
+    same = without is not None and with_hidden["hidden_size"] == bench.hidden
+    same = same and list(with_hidden["picks"]) == list(without["picks"])  # type: ignore[index]
     builds = {
-        "plan_with_hidden": (
-            f"with {with_hidden['hidden_size']} {with_hidden['picks']}",
+        "plan_with_hidden": lambda: (
+            f"without {with_hidden['picks']}"
+            if same
+            else f"with {with_hidden['hidden_size']} {with_hidden['picks']}",
             lambda: bench.student(fraction, True),
         ),
-        "plan_without_hidden": (f"without {without['picks']}", lambda: bench.student(fraction, False)),
-        "best_uniform": (f"uniform {uniform['picks']}", uniform["model"]),
-        "hidden_only": (f"hidden only {size}", hidden_only),
+        "plan_without_hidden": lambda: (
+            f"without {without['picks']}",  # type: ignore[index]
+            lambda: bench.student(fraction, False),
+        ),
+        "best_uniform": uniform_build,
+        "hidden_only": lambda: (f"hidden only {size}", hidden_only),
     }
-    results = {name: bench.recovered(fraction, name, key, build) for name, (key, build) in builds.items()}
+    results = {name: bench.recovered(fraction, name, *builds[name]()) for name in PLANS if name in plans}
     row = {
         "budget": fraction,
         "hidden_size": {
@@ -250,10 +300,12 @@ def run_budget(bench: Bench, fraction: float) -> dict:
             "full": bench.hidden,
         },
         "hidden_candidates": with_hidden["hidden"],
-        "search_seconds": {"with": with_hidden["seconds"], "without": without["seconds"]},
-        "uniform_evaluated": uniform["evaluated"],
+        # without: None where it was the search with hidden's plan at the full size
+        "search_seconds": {"with": with_hidden["seconds"], "without": without and without["seconds"]},
         "plans": {},
     }
+    if "best_uniform" in results:
+        row["uniform_evaluated"] = bench.best_uniform(fraction)["evaluated"]
     for name, r in results.items():
         entry = {
             "fraction": r["fraction"],
@@ -261,7 +313,7 @@ def run_budget(bench: Bench, fraction: float) -> dict:
             "loss_after": float(r["after"].mean()),
             "distill_seconds": r["distill_seconds"],
         }
-        if name != "plan_with_hidden":
+        if name != "plan_with_hidden" and "plan_with_hidden" in results:
             entry["minus_with"] = paired(r["before"], results["plan_with_hidden"]["before"])
             entry["minus_with_after"] = paired(r["after"], results["plan_with_hidden"]["after"])
         row["plans"][name] = entry
@@ -402,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--orders", action="store_true", help="the order comparison instead of the plans")
     p.add_argument("--random-orders", type=int, default=20)
     p.add_argument("--steps", type=int, default=300, help="distillation steps (300)")
+    p.add_argument(
+        "--plans",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=list(PLANS),
+        help=f"which of {','.join(PLANS)} to run (default all; a later run reads the cached ones back)",
+    )
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "_work" / "hidden")
     p.add_argument("--plot", nargs=2, metavar=("PNG", "JSON,..."), help="draw the plans' searches and exit")
     p.set_defaults(budgets=[0.5, 0.35])
@@ -427,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             record["rows"] = []
             for fraction in args.budgets:
-                record["rows"].append(run_budget(bench, fraction))
+                record["rows"].append(run_budget(bench, fraction, args.plans))
                 print_row(bench, record["rows"][-1])
                 if args.json:
                     args.json.write_text(json.dumps(results + [record], indent=1, default=float))

@@ -143,7 +143,7 @@ def test_distill_a_heterogeneous_student_from_the_command_line(folders, tmp_path
 def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded(
     folders, tmp_path, capsys, monkeypatch
 ):
-    import gdnprune.distill.api as api
+    import gdnprune.distill.from_folder as api
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded")

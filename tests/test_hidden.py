@@ -371,11 +371,21 @@ def test_distill_eval_and_bench_take_a_cut_hidden_size(scored_folder, tmp_path, 
     assert all(m["results"]["nats_per_byte"]["nats_per_byte,none"] > 0 for m in models)
 
 
-def test_score_orders_the_hidden_channels_by_default_exactly_when_plan_cuts_them_by_default():
+def test_the_default_plan_cuts_the_hidden_size_where_the_scores_order_the_hidden_channels(scored):
+    """plan's default blocks hold hidden, score's do not (a sort by a hidden order rewrites every tensor): the
+    default plan tries the grid of hidden sizes where the scores order the hidden channels, and plans the
+    widths alone, without an error, where they do not."""
     from gdnprune.plan.measure.subblocks import BLOCK_NAMES
-    from gdnprune.scoring.hidden import BY_DEFAULT
+    from gdnprune.scoring.hidden import hidden_asked
 
-    assert BY_DEFAULT == ("hidden" in BLOCK_NAMES)
+    model, batches, _ = scored
+    assert "hidden" in BLOCK_NAMES and hidden_asked(None) is False
+    scores = score_model(model, batches, progress=False, blocks=["gdn", "attention", "mlp", "hidden"])
+    plan, _ = plan_model(model, batches, scores, budget_params=0.5, dim_step="1/2")
+    assert [c["hidden_size"] for c in plan["hidden"]["candidates"]] == [64, 56, 48]
+    without = {k: v for k, v in scores.items() if k != "hidden"}
+    plan, _ = plan_model(model, batches, without, budget_params=0.5, dim_step="1/2")
+    assert "hidden" not in plan and "hidden_size" not in (plan.get("default") or {})
 
 
 def test_the_whole_model_kl_of_a_hidden_cut_is_the_kl_of_its_logits(scored):

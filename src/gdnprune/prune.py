@@ -10,7 +10,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from .checkpoint import find_gdn_layers, open_checkpoint, transform_checkpoint
-from .checkpoint.folder import map_to_checkpoint
+from .checkpoint.folder import map_to_checkpoint, tile_size
 from .checkpoint.hidden import split_hidden_target
 from .checkpoint.output import check_paths, clear_stale
 from .checkpoint.remote_code import auto_map
@@ -24,6 +24,7 @@ from .model.layouts import find_gdn_modules
 from .model.targets import TargetError, keyword_target, resolve_target
 from .plan import PlanOptions, check_budgets, plan_checkpoint
 from .plan.measure.latency_costs import check_latency_floor
+from .plan.measure.subblocks import BLOCK_NAMES
 from .quality.calibration import calibration_windows, iter_batches
 from .quality.compensate import sequential_refit
 from .runtime.deprecation import folded_keywords, renamed_keywords
@@ -96,7 +97,7 @@ def prune_checkpoint(
     sub_blocks, shapes = _check_cut(
         model_dir, target, plan, scores, search, sequential, self_contained, servable
     )
-    hidden_cut = _hidden_cut(target, plan, search)
+    hidden_cut = _hidden_cut(model_dir, target, plan, search)
     if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
         check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search.keywords())
     model = _load_once(model_dir, o, search, needed=scores is None or search is not None or sequential)
@@ -155,13 +156,22 @@ def prune_checkpoint(
     )
 
 
-def _hidden_cut(target: Any, plan: Any, search: PlanOptions | None) -> bool:
+def _hidden_cut(model_dir: str | Path, target: Any, plan: Any, search: PlanOptions | None) -> bool:
     """Whether the hidden size may be cut: the hidden channels are then scored and sorted."""
     return (
         split_hidden_target(target)[1] is not None
         or (plan is not None and plan_hidden_size(plan) is not None)
-        or (search is not None and "hidden" in search.blocks)
+        or (search is not None and _plans_hidden(model_dir, search))
     )
+
+
+def _plans_hidden(model_dir: str | Path, search: PlanOptions) -> bool:
+    """Whether the plan search may cut the hidden size (then the hidden channels are scored): ``hidden`` in
+    ``blocks`` under a whole-model budget; with the default ``blocks``, not for an FP8 checkpoint (a hidden order
+    would move channels across its scale tiles, which a cut refuses)."""
+    if "hidden" not in search.blocks or not search.whole():
+        return False
+    return tuple(search.blocks) != tuple(BLOCK_NAMES) or tile_size(open_checkpoint(model_dir)) is None
 
 
 def _load_once(model_dir: str | Path, o: ScoringOptions, search: PlanOptions | None, needed: bool) -> Any:

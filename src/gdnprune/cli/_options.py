@@ -326,13 +326,16 @@ def add_lane_search_arguments(g) -> None:
     )
 
 
-#: every kind of block (``--blocks``), as ``plan`` names them; the default of ``score`` and ``plan``
-BLOCKS = "gdn,attention,mlp,shared_expert,experts,depth"
+#: every kind of block (``--blocks``), as ``plan`` names them; the default of ``plan`` and ``prune``
+BLOCKS = "gdn,attention,mlp,shared_expert,experts,depth,hidden"
+#: the default of ``score``: every kind but the hidden channels (a sort by their order rewrites every tensor;
+#: ``prune`` scores them itself where its plan may cut the hidden size)
+SCORE_BLOCKS = "gdn,attention,mlp,shared_expert,experts,depth"
 
 
-def add_blocks_argument(p, help: str) -> None:
+def add_blocks_argument(p, help: str, default: str = BLOCKS) -> None:
     """``--blocks LIST``: the kinds of block a command works on (default every kind the model has)."""
-    p.add_argument("--blocks", default=BLOCKS, metavar="LIST", help=help)
+    p.add_argument("--blocks", default=default, metavar="LIST", help=help)
 
 
 def blocks_from_args(args) -> list[str]:

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from ._options import (
-    BLOCKS,
+    SCORE_BLOCKS,
     add_blocks_argument,
     add_calibration_arguments,
     add_deprecated_alias,
@@ -56,12 +56,14 @@ def add_parser(subparsers) -> None:
     add_calibration_arguments(p, data_required=False)
     add_blocks_argument(
         p,
-        help=f"the kinds of block to order, GDN layers always (default all: {BLOCKS}; the kinds the model "
+        help=f"the kinds of block to order, GDN layers always (default: {SCORE_BLOCKS}; the kinds the model "
         "lacks are skipped, depth has nothing to order); hidden: also the hidden channels (the residual "
-        "stream's width; then `sort` rewrites every tensor)",
+        "stream's width; not by default: then `sort` rewrites every tensor; a plan cuts the hidden size "
+        "only where the scores order them)",
+        default=SCORE_BLOCKS,
     )
     add_deprecated_alias(
-        p, "--sub-blocks", "blocks", "--blocks (default: every kind)", convert=lambda v: BLOCKS, nargs=0
+        p, "--sub-blocks", "blocks", "--blocks (default: every kind)", convert=lambda v: SCORE_BLOCKS, nargs=0
     )
     q = p.add_argument_group("one-shot quality")
     q.add_argument(
@@ -192,7 +194,8 @@ def _score(args, mode: str) -> int:
             if mode == "scores" and args.compensation_stats:
                 check_output_file(args.compensation_stats, args.overwrite)
         data = checked_data(args, tokenizer_dir=args.model_dir)
-    blocks = None if args.blocks == BLOCKS else blocks_from_args(args)  # None: every kind, no note per kind
+    # None: every kind (the hidden channels not), no note per kind
+    blocks = None if args.blocks == SCORE_BLOCKS else blocks_from_args(args)
     path: Path | str | None = None  # what was written (in words, with a statistics file)
     options = dict(progress=not args.quiet, blocks=blocks, recall=args.recall, **scoring_options(args))
     runtime = args if main else argparse.Namespace(**{**vars(args), "quiet": True})

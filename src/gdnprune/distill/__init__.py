@@ -36,7 +36,8 @@ Trainer's bar, off with ``progress=False``); user errors raise ``ValueError``. T
 soft-capping). Tested on CPU with gloo: 1 process, 2-process DDP and 2-process FSDP2.
 """
 
-from .api import CARRIED_PREFIXES, default_seq_len, distill, distill_checkpoint
+from .api import distill
+from .from_folder import CARRIED_PREFIXES, default_seq_len, distill_checkpoint
 from .loss import DistillationLoss, distillation_loss, kd_loss
 from .memory import MemoryEstimate, estimate_checkpoint_memory, estimate_memory
 from .options import (

@@ -38,6 +38,9 @@ from .memory import DTYPE_BYTES, TrainedShapes, distill_memory, trained_shapes
 __all__ = ["RunOptions", "StageCost", "stage_costs", "STAGES", "forward_flops", "plan_candidates"]
 
 STAGES = ("inspect", "score", "plan", "slice", "prune", "distill", "eval", "bench")
+#: the hidden sizes a plan with ``hidden`` tries by default, as fractions of the full size
+#: (:func:`gdnprune.plan.measure.hidden.hidden_candidates`): one plan search each
+HIDDEN_GRID = (Fraction(1), Fraction(7, 8), Fraction(3, 4))
 #: the chunk length of the gated delta rule's chunked kernel
 _CHUNK = 64
 
@@ -51,7 +54,7 @@ class RunOptions:
     batch_size: int = 4
     plan_samples: int = 16
     dim_step: Fraction = Fraction(1, 8)
-    blocks: tuple[str, ...] = ("gdn", "attention", "mlp", "shared_expert", "experts", "depth")
+    blocks: tuple[str, ...] = ("gdn", "attention", "mlp", "shared_expert", "experts", "depth", "hidden")
     budget: float = 0.5  # of the parameters kept (for the pruned model's size)
     dtype: str = "float32"  # the compute dtype of score, plan, eval and bench (their default)
     distill_tokens: int = 0  # 0: steps x batch x seq_len
@@ -279,6 +282,10 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
             _forward_ops(facts, o.seq_len, layers[i + 1 :]) + 10
         )
     kept = len(layers) * tokens * facts.hidden_size * 4.0  # every layer's input, kept in float32 on the host
+    sizes = HIDDEN_GRID if "hidden" in o.blocks else (Fraction(1),)
+    if len(sizes) > 1:  # one search per hidden size (its model narrower), then each whole cut model measured
+        flops = flops * float(sum(sizes)) + len(sizes) * tokens * forward_flops(facts, o.seq_len)
+        ops = ops * len(sizes) + len(sizes) * windows * _forward_ops(facts, o.seq_len)
     load, held = _load(facts, device, dtype_bytes)
     share = o.processes  # under torchrun every process measures its share of the candidates
     seconds = load + _seconds(device, flops / share, ops / share, 0, 0, dtype_bytes=dtype_bytes)
@@ -286,7 +293,8 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
     dev = 0.0 if device.kind == "cpu" else held
     notes = (
         f"{sum(candidates):,} candidates over {len(layers)} layers; about {measured:,.0f} candidate-window "
-        f"measurements on {windows} windows",
+        f"measurements on {windows} windows"
+        + (f", at each of {len(sizes)} hidden sizes" if len(sizes) > 1 else ""),
     )
     return StageCost("plan", flops, facts.bytes, 0.0, host, dev, seconds, notes)
 

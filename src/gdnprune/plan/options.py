@@ -40,11 +40,13 @@ class PlanOptions:
         workload: ``PHASE:BATCH:CONTEXT`` of ``budget_latency`` (:func:`gdnprune.model.latency.parse_workload`).
         context: tokens per sequence of ``budget_memory``'s KV cache.
         blocks: what may shrink under a whole-model budget (:data:`~gdnprune.plan.measure.subblocks.BLOCK_NAMES`, all of
-            them by default: ``gdn``, ``attention``, ``mlp``, ``shared_expert``, ``experts``, and ``depth`` —
-            whole decoder layers removed); also ``hidden``: the hidden size (the residual stream's width, one
+            them by default: ``gdn``, ``attention``, ``mlp``, ``shared_expert``, ``experts``, ``depth`` —
+            whole decoder layers removed — and ``hidden``: the hidden size (the residual stream's width, one
             global choice): each size of ``hidden_sizes`` is planned as a model of its own under the same
             budgets, its whole cut model measured against the full model, the least KL kept
-            (:mod:`gdnprune.plan.measure.hidden`; the plan's ``default`` then holds ``hidden_size``).
+            (:mod:`gdnprune.plan.measure.hidden`; the plan's ``default`` then holds ``hidden_size``); the
+            default leaves it out where it cannot be planned (:func:`~gdnprune.plan.hidden.hidden_problem`:
+            e.g. scores without the hidden order), naming it there is an error.
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: every candidate on a few windows,
             the choice verified on every window, :mod:`.halving`), ``"short"`` (the same on the calibration
             windows as they are; the others, where GDN layers may shrink, measure on recall windows: facts

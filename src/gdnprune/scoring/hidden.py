@@ -174,9 +174,11 @@ def make_hidden_scorer(model: torch.nn.Module, asked: bool | None) -> HiddenScor
         return None
 
 
-#: whether the default ``blocks`` (None) scores the hidden channels: as the plan's default ``blocks``
-#: (:data:`gdnprune.plan.measure.subblocks.BLOCK_NAMES`) holds ``hidden`` (``score`` orders what ``plan`` cuts;
-#: a sort by a hidden order rewrites every tensor of the model)
+#: whether the default ``blocks`` (None) scores the hidden channels: no, though the plan's default ``blocks``
+#: (:data:`gdnprune.plan.measure.subblocks.BLOCK_NAMES`) holds ``hidden``: a sort by a hidden order rewrites every
+#: tensor of the model (and an FP8 one's scale tiles refuse it), so the hidden channels are ordered where asked
+#: for, and a default plan cuts the hidden size where its scores order them (``prune`` scores them itself
+#: under a whole-model budget)
 BY_DEFAULT = False
 
 

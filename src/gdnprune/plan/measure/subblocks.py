@@ -49,12 +49,13 @@ __all__ = [
     "whole_model_costs",
 ]
 
-#: names of ``blocks`` (``--blocks``): the GDN layers, the sub-block kinds the search may shrink, and ``depth``
-#: (whole decoder layers removed, :mod:`.depth`)
-BLOCK_NAMES = ("gdn", "attention", "mlp", "shared_expert", "experts", "depth")
-#: every name ``blocks`` may hold: :data:`BLOCK_NAMES` and ``hidden`` (the hidden size, one global choice measured
-#: outside the per-layer problem, :mod:`.hidden`)
-PLAN_BLOCK_NAMES = (*BLOCK_NAMES, "hidden")
+#: names of ``blocks`` (``--blocks``), all of them the default: the GDN layers, the sub-block kinds the search may
+#: shrink, ``depth`` (whole decoder layers removed, :mod:`.depth`) and ``hidden`` (the hidden size, one global
+#: choice measured outside the per-layer problem, :mod:`gdnprune.plan.hidden`; in the default since the
+#: benchmark of issue 42, BENCHMARKS.md "The hidden size")
+BLOCK_NAMES = ("gdn", "attention", "mlp", "shared_expert", "experts", "depth", "hidden")
+#: every name ``blocks`` may hold (:data:`BLOCK_NAMES`)
+PLAN_BLOCK_NAMES = BLOCK_NAMES
 #: the names of :data:`BLOCK_NAMES` that are sub-block kinds (:data:`gdnprune.model.subblock_geometry.KINDS`)
 SUB_BLOCK_NAMES = ("attention", "mlp", "shared_expert", "experts")
 
