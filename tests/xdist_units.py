@@ -26,6 +26,7 @@ SLOWEST_FIRST = (
     "test_eval_tasks.py",
     "test_distill_cli.py",
     "test_install.py",
+    "test_plan_recall.py",
     "test_demo.py",
     "test_plan_halving.py",
     "test_self_contained.py",
@@ -33,6 +34,7 @@ SLOWEST_FIRST = (
     # readers of the launch from here on
     "test_distill_pipeline.py",
     "test_eval.py",
+    "test_scale.py",
     "test_plan_rank.py",
     "test_distill.py",
     "test_plan_refine.py",
