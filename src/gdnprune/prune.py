@@ -55,6 +55,7 @@ def prune_checkpoint(
     plan_samples: int = 16,
     tp: int | None = None,
     multiple_of: int | None = None,
+    snap_quant: int | None = None,
     compensate: bool | str = False,
     overwrite: bool = False,
     progress: bool = True,
@@ -81,6 +82,8 @@ def prune_checkpoint(
     memory and refits ``out_proj`` layer by layer on the cut model's own hidden states
     (:func:`gdnprune.quality.compensate.sequential_refit`; both models in memory, no ``device_map``).
     ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
+    ``snap_quant``: every width the cut changes (the target's, the plan's or the searched plan's) is snapped up
+    to fit quantization tiles of that size (:func:`gdnprune.checkpoint.transform_checkpoint`'s ``snap_quant``).
     ``servable``: the output must load from a standard config (one geometry per kind of block): a ``plan`` that
     needs ``per_layer_config`` is refused before any model loads (a ``search`` takes its own ``servable``).
     ``scores``: a scores file of ``model_dir`` to sort by instead of scoring again (a plan that records the
@@ -99,6 +102,10 @@ def prune_checkpoint(
         raise ValueError(
             "sequential compensation cuts the model in memory: it needs the model on one device "
             "(no device map)"
+        )
+    if sequential and snap_quant:
+        raise ValueError(
+            'compensate="sequential" refits the unsnapped cut; with `snap_quant` use compensate="statistics"'
         )
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
@@ -200,6 +207,7 @@ def prune_checkpoint(
         plan=plan,
         tp=tp,
         multiple_of=multiple_of,
+        snap_quant=snap_quant,
         compensation_stats=stats,
         operation="prune",
         overwrite=overwrite,

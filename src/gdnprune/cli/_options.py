@@ -189,6 +189,20 @@ def add_constraint_arguments(p) -> None:
     )
 
 
+def add_snap_quant_argument(p) -> None:
+    """``--snap-quant N`` (``gdnprune slice`` and ``gdnprune prune``)."""
+    p.add_argument(
+        "--snap-quant",
+        dest="snap_quant",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="snap every width the cut changes up to the nearest multiple of N (GDN key and value widths, "
+        "MLP channels, attention heads; a width left whole stays), so that every matrix it cuts fits the "
+        "tiles or groups of `gdnprune quantize` at size N (e.g. 128); the hidden size is not snapped",
+    )
+
+
 def target_from_args(args, *, required: bool = True) -> dict[str, int] | None:
     """The target fields given on the command line (an axis not given keeps its size)."""
     target = {f: getattr(args, f) for f in TARGET_FIELDS if getattr(args, f) is not None}

@@ -8,6 +8,7 @@ from ._options import (
     add_lane_search_arguments,
     add_output_arguments,
     add_self_contained_argument,
+    add_snap_quant_argument,
     add_target_arguments,
     checked_data,
     positive_int,
@@ -61,6 +62,7 @@ def add_parser(subparsers) -> None:
     )
     add_calibration_arguments(p)
     add_quantize_argument(p)
+    add_snap_quant_argument(p)
     q = p.add_argument_group("one-shot quality")
     add_lane_search_arguments(q)
     q.add_argument(
@@ -130,6 +132,7 @@ def run(args) -> int:
             plan_samples=args.plan_samples,
             tp=args.tp,
             multiple_of=args.multiple_of,
+            snap_quant=args.snap_quant,
             compensate=args.compensate or False,
             overwrite=args.overwrite,
             progress=not args.quiet,

@@ -7,6 +7,7 @@ from ._options import (
     add_output_arguments,
     add_plan_arguments,
     add_self_contained_argument,
+    add_snap_quant_argument,
     add_target_arguments,
     positive_float,
     positive_int,
@@ -106,6 +107,7 @@ def add_parser(subparsers) -> None:
         "dropped, later layers renumbered, config.json rewritten; mtp.* is kept",
     )
     add_plan_arguments(p)
+    add_snap_quant_argument(p)
     p.add_argument(
         "--compensation-stats",
         metavar="STATS.safetensors",
@@ -160,6 +162,7 @@ def run(args) -> int:
         plan=args.plan,
         tp=args.tp,
         multiple_of=args.multiple_of,
+        snap_quant=args.snap_quant,
         compensation_stats=args.compensation_stats,
         ridge=args.ridge,
         dequantize=args.dequantize,
