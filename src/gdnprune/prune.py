@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +84,11 @@ def prune_checkpoint(
     memory and refits ``out_proj`` layer by layer on the cut model's own hidden states
     (:func:`gdnprune.quality.compensate.sequential_refit`; both models in memory, no ``device_map``).
     ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
-    ``snap_quant``: every width the cut changes (the target's, the plan's or the searched plan's) is snapped up
-    to fit quantization tiles of that size (:func:`gdnprune.checkpoint.transform_checkpoint`'s ``snap_quant``).
+    ``snap_quant``: every width the cut changes fits quantization tiles of that size: a target's or a plan's
+    widths are snapped up (:func:`gdnprune.checkpoint.transform_checkpoint`'s ``snap_quant``); a ``search``
+    (which then takes it as its own ``snap_quant``) is run without it, then snapped to the best plan under the
+    same budgets whose widths fit (:func:`gdnprune.plan.snap.snap_servable`), both measured as whole cut
+    models: the report's ``snap_quant`` is what the tiles cost.
     ``servable``: the output must load from a standard config (one geometry per kind of block): a ``plan`` that
     needs ``per_layer_config`` is refused before any model loads (a ``search`` takes its own ``servable``).
     ``scores``: a scores file of ``model_dir`` to sort by instead of scoring again (a plan that records the
@@ -103,6 +108,8 @@ def prune_checkpoint(
             "sequential compensation cuts the model in memory: it needs the model on one device "
             "(no device map)"
         )
+    if search is not None and snap_quant and not search.snap_quant:
+        search = replace(search, snap_quant=snap_quant)
     if sequential and snap_quant:
         raise ValueError(
             'compensate="sequential" refits the unsnapped cut; with `snap_quant` use compensate="statistics"'
@@ -163,7 +170,8 @@ def prune_checkpoint(
     stats = scored.pop("compensation_statistics", None)
     extra: dict[str, Any] = {"scores": {k: v for k, v in scored.items() if k != "layers"}}
     if search is not None:
-        plan, report = plan_checkpoint(
+        searched = functools.partial(
+            plan_checkpoint,
             model_dir,
             data,
             scores_source,
@@ -177,15 +185,18 @@ def prune_checkpoint(
             multiple_of=multiple_of,
             progress=progress,
             model=model,
-            on_rank_cost=on_rank_cost,
-            **search.keywords(),
         )
+        if search.snap_quant:  # the plan without the tiles, then snapped to them: what they cost, measured
+            unsnapped, _ = searched(on_rank_cost=on_rank_cost, **replace(search, snap_quant=None).keywords())
+            plan, report = searched(snap=unsnapped, **search.keywords())
+        else:
+            plan, report = searched(on_rank_cost=on_rank_cost, **search.keywords())
         extra["plan_report"] = {
             "seconds": report["seconds"],
             "sensitivity": report["sensitivity"],
             **{
                 k: report[k]
-                for k in ("servable", "latency", "ranking", "depth_check", "windows", "recall")
+                for k in ("servable", "latency", "ranking", "depth_check", "windows", "recall", "snap_quant")
                 if k in report
             },
         }

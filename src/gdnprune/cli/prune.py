@@ -8,7 +8,6 @@ from ._options import (
     add_lane_search_arguments,
     add_output_arguments,
     add_self_contained_argument,
-    add_snap_quant_argument,
     add_target_arguments,
     checked_data,
     positive_int,
@@ -62,7 +61,6 @@ def add_parser(subparsers) -> None:
     )
     add_calibration_arguments(p)
     add_quantize_argument(p)
-    add_snap_quant_argument(p)
     q = p.add_argument_group("one-shot quality")
     add_lane_search_arguments(q)
     q.add_argument(
@@ -167,6 +165,8 @@ def run(args) -> int:
     hidden = manifest.get("hidden")
     if hidden and hidden["target"] != hidden["shape"]:
         what += f", hidden size {hidden['shape']['hidden_size']} -> {hidden['target']['hidden_size']}"
+    if manifest.get("snap_quant"):
+        what += f", cut widths in multiples of {manifest['snap_quant']} (--snap-quant)"
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:

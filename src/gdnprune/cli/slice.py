@@ -7,7 +7,6 @@ from ._options import (
     add_output_arguments,
     add_plan_arguments,
     add_self_contained_argument,
-    add_snap_quant_argument,
     add_target_arguments,
     positive_float,
     positive_int,
@@ -107,7 +106,6 @@ def add_parser(subparsers) -> None:
         "dropped, later layers renumbered, config.json rewritten; mtp.* is kept",
     )
     add_plan_arguments(p)
-    add_snap_quant_argument(p)
     p.add_argument(
         "--compensation-stats",
         metavar="STATS.safetensors",
@@ -186,5 +184,7 @@ def run(args) -> int:
             line = f"wrote {args.output}: cut {blocks}; GDN layers unchanged ({manifest['elapsed_seconds']:.1f} s)"
         else:
             line += f"; also cut {blocks}"
+    if manifest.get("snap_quant"):
+        line += f"; cut widths snapped to multiples of {manifest['snap_quant']} (--snap-quant)"
     print(line)
     return 0

@@ -91,6 +91,7 @@ class PlanOptions:
     axes: Sequence[str] = AXES
     uniform: bool = False
     servable: bool = False
+    snap_quant: int | None = None
     budget_latency: float | None = None
     workload: str | None = None
     evolve_generations: int = 0
@@ -164,6 +165,7 @@ def plan_model(
     multiple_of: int | None = None,
     uniform: bool = False,
     servable: bool = False,
+    snap_quant: int | None = None,
     orders_applied: bool = False,
     evolve_generations: int = 0,
     evolve_offspring: int = 8,
@@ -222,6 +224,9 @@ def plan_model(
         dim_step: head-dim grid step: a fraction of the dim (``"1/8"``) or a channel count.
         axes: the axes the search may cut (:data:`~gdnprune.plan.measure.candidates.AXES`).
         tp, multiple_of: serving constraints every candidate meets.
+        snap_quant: tiles of a quantization scheme (e.g. 128): every width a candidate cuts (GDN key and value
+            widths, MLP channels, attention heads) is a multiple of it (:mod:`gdnprune.model.tiles`), so that
+            every matrix of the plan can be quantized at that size.
         uniform: one geometry per kind of block (all GDN layers one, all MLPs one, all attention layers one,
             ...): the best combination under the budgets (:func:`~gdnprune.plan.choose.solve.choose_uniform`). Its
             choice is exact over the sensitivities it is given; successive halving's rungs serve the
@@ -284,6 +289,7 @@ def plan_model(
         axes=axes,
         uniform=uniform,
         servable=servable,
+        snap_quant=snap_quant,
         evolve_generations=evolve_generations,
         evolve_offspring=evolve_offspring,
         evolve_seed=evolve_seed,
@@ -363,7 +369,7 @@ def search(
         data["layers"],
         context=o.context,
         blocks=o.blocks,
-        grid=Grid(parse_dim_step(o.dim_step), o.axes, tp, multiple_of),
+        grid=Grid(parse_dim_step(o.dim_step), o.axes, tp, multiple_of, o.snap_quant),
         orders_applied=orders_applied,
         uniform=o.uniform or o.servable,
         depth_allowed=o.servable,
@@ -573,6 +579,7 @@ def _options_problem(
             options.get("axes", AXES),
             options.get("tp"),
             options.get("multiple_of"),
+            options.get("snap_quant"),
         ),
         orders_applied=True,
         uniform=uniform or servable,
