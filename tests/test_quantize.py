@@ -24,6 +24,10 @@ from gdnprune import demo_data, load_pretrained
 from gdnprune.cli import main
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.io.loading import slice_model
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.model.subblock_geometry import block_candidates
+from gdnprune.model.subblock_surgery import find_model_blocks
+from gdnprune.plan import layer_candidates
 from gdnprune.quantize import QuantizedWidthWarning, QuantizeError, gptq, quantize_checkpoint
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16)
@@ -368,3 +372,32 @@ def test_slice_snap_quant_leaves_every_cut_width_a_multiple(sources, tmp_path, c
             assert main(argv) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_plan_grid_with_snap_quant_is_the_grid_less_the_cuts_no_tile_divides():
+    """`snap_quant` in the search keeps exactly the candidates whose changed widths (heads x dims, MLP channels)
+    are multiples, counted here by hand from each candidate's fields."""
+    model = build_model("qwen3_5", SHAPE, seed=5)
+    prefix, module = find_gdn_modules(model)[0]
+    tensors = {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+    def gdn(**kw):
+        return [
+            c.target for c in layer_candidates(prefix, SHAPE, tensors, "qwen3_5", 4, dim_step="1/4", **kw)
+        ]
+
+    def fits(t):
+        widths = [(t.num_key_heads * t.key_head_dim, 2 * 16), (t.num_value_heads * t.value_head_dim, 4 * 16)]
+        return all(w == full or w % 32 == 0 for w, full in widths)
+
+    assert gdn(snap_quant=32) == [t for t in gdn() if fits(t)] and SHAPE in gdn(snap_quant=32)
+    assert len(gdn(snap_quant=32)) < len(gdn())
+    blocks = {b.kind: b for b in find_model_blocks(model)}
+    sizes = [c.target.intermediate_size for c in block_candidates(blocks["mlp"], step=8, snap_quant=32)]
+    assert sizes == [s for s in range(96, 0, -8) if s % 32 == 0]
+    attention = block_candidates(blocks["attention"], snap_quant=64)
+    hd = blocks["attention"].shape.head_dim
+    assert all(
+        c.target.num_key_value_heads * hd % 64 == 0 or c.target == blocks["attention"].shape
+        for c in attention
+    )
