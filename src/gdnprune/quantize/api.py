@@ -10,15 +10,12 @@ matrix gets its scales (round-to-nearest, or GPTQ on calibration windows for ``w
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
-import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -264,15 +261,12 @@ def quantize_model(
     scheme: str,
     size: int | None = None,
     calibration: str | None = None,
-    progress: bool = False,
     **options: Any,
 ) -> Any:
     """A loaded model quantized by ``scheme`` and loaded back as gdnprune loads a quantized folder (weights
     dequantized, activations quantized as the scheme says): written, quantized
-    (:func:`quantize_checkpoint`; ``options``: its calibration options) and read in a temporary folder.
-    Without ``progress``, the progress bars compressed-tensors draws as it loads (it has no switch for
-    them) are left out of stderr; anything else written there passes."""
-    with tempfile.TemporaryDirectory(prefix="gdnprune-quantize-") as tmp, _without_bars(progress):
+    (:func:`quantize_checkpoint`; ``options``: its calibration options) and read in a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="gdnprune-quantize-") as tmp:
         model.save_pretrained(Path(tmp) / "model")
         quantize_checkpoint(
             Path(tmp) / "model",
@@ -284,26 +278,6 @@ def quantize_model(
             **options,
         )
         return load_causal_lm(Path(tmp) / "quantized", dtype="float32", device=str(model.device)).eval()
-
-
-@contextlib.contextmanager
-def _without_bars(progress: bool) -> Iterator[None]:
-    if progress:
-        yield
-        return
-    buffer = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(buffer):
-            yield
-    finally:
-        lines = buffer.getvalue().replace("\r", "\n").splitlines()
-        kept = [line for line in lines if line.strip() and not _BAR.search(line)]
-        if kept:
-            sys.stderr.write("\n".join(kept) + "\n")
-
-
-#: a tqdm progress bar's line
-_BAR = re.compile(r"\d+%\|")
 
 
 def _write_weights(
