@@ -158,11 +158,13 @@ def run_model(model: Path, args: argparse.Namespace) -> list[str]:
         ["prune", str(model), "--data", str(train), "--budget-params", "0.5", "--seq-len", str(SEQ[0])],
         work / "pruned",
     )
-    recovered = _run(
-        ["distill", str(pruned), "--teacher", str(model), "--data", str(train), "--steps", str(args.steps)]
-        + ["--seq-len", str(SEQ[0]), "--batch-size", "4", "--lr", "1e-3", "--output-dtype", "bfloat16"],
-        work / "recovered",
-    )
+    recovered = Path()
+    if pruned.name:  # else the failure was said above
+        distill = ["distill", str(pruned), "--teacher", str(model), "--data", str(train)]
+        distill += ["--steps", str(args.steps), "--seq-len", str(SEQ[0]), "--batch-size", "4", "--lr", "1e-3"]
+        recovered = _run([*distill, "--output-dtype", "bfloat16"], work / "recovered")
+    if not recovered.name:  # a step failed (said above): nothing to quantize
+        return [f"{name}: prune or distill failed; nothing measured", ""]
     outputs = [("bf16", recovered)]
     for scheme, calibration in (
         ("fp8-block", "rtn"),
