@@ -152,6 +152,7 @@ def plan_targets(problem: PlanProblem, plan: Mapping[str, Any]) -> list[Any]:
     Raises:
         ValueError: a target that does not fit its group, or a removal the problem cannot make.
     """
+    plan = read_plan(plan)  # removals ({"removed": true} entries) gathered in "removed_layers"
     entries, default = plan["layers"], plan.get("default") or {}
     removed = set(plan.get("removed_layers") or [])
     if removed and not problem.rests:
