@@ -21,6 +21,10 @@ Usage::
 
     nice -n 10 .venv/bin/python benchmarks/quantize.py --threads 1
     nice -n 10 .venv/bin/python benchmarks/quantize.py --model /work/models/deep_docstrings --threads 1
+
+``--snap-quant 128`` also prunes each model with ``prune --snap-quant 128`` and reports what the tiles cost
+before recovery: the KL of both whole cut models on the calibration windows (as ``prune`` measures it) and the
+held-out nats/byte of both pruned models, paired.
 """
 
 from __future__ import annotations
@@ -154,11 +158,13 @@ def run_model(model: Path, args: argparse.Namespace) -> list[str]:
         ["prune", str(model), "--data", str(train), "--budget-params", "0.5", "--seq-len", str(SEQ[0])],
         work / "pruned",
     )
-    recovered = _run(
-        ["distill", str(pruned), "--teacher", str(model), "--data", str(train), "--steps", str(args.steps)]
-        + ["--seq-len", str(SEQ[0]), "--batch-size", "4", "--lr", "1e-3", "--output-dtype", "bfloat16"],
-        work / "recovered",
-    )
+    recovered = Path()
+    if pruned.name:  # else the failure was said above
+        distill = ["distill", str(pruned), "--teacher", str(model), "--data", str(train)]
+        distill += ["--steps", str(args.steps), "--seq-len", str(SEQ[0]), "--batch-size", "4", "--lr", "1e-3"]
+        recovered = _run([*distill, "--output-dtype", "bfloat16"], work / "recovered")
+    if not recovered.name:  # a step failed (said above): nothing to quantize
+        return [f"{name}: prune or distill failed; nothing measured", ""]
     outputs = [("bf16", recovered)]
     for scheme, calibration in (
         ("fp8-block", "rtn"),
@@ -231,7 +237,41 @@ def run_model(model: Path, args: argparse.Namespace) -> list[str]:
             targets.append(
                 f"{r['name']} bytes {ratio:.2f}x ({'met' if ratio <= 0.55 else 'missed'}, <= 0.55x)"
             )
-    return [*lines, "", "; ".join(targets), ""]
+    return [*lines, "", "; ".join(targets), "", *_snap_cost(model, pruned, work, train, valid, args)]
+
+
+def _snap_cost(
+    model: Path, pruned: Path, work: Path, train: Path, valid: Path, args: argparse.Namespace
+) -> list[str]:
+    """``--snap-quant N``: the same prune with ``--snap-quant N``; what the tiles cost, as prune measures it
+    (the KL of both whole cut models on its calibration windows) and on the held-out windows (nats/byte of
+    both pruned models, paired)."""
+    if not args.snap_quant:
+        return []
+    n = args.snap_quant
+    argv = ["prune", str(model), "--data", str(train), "--budget-params", "0.5", "--seq-len", str(SEQ[0])]
+    snapped = _run([*argv, "--snap-quant", str(n)], work / f"pruned-snap{n}")
+    if not snapped.name:
+        return [f"--snap-quant {n}: prune refused (see above)"]
+    report = json.loads((snapped / "gdnprune.json").read_text())["plan_report"]["snap_quant"]
+    text = valid.read_text(encoding="utf-8")
+    losses = [
+        np.array(_window_losses(p, text, args.validation_windows, work / "losses" / f"{p.name}.json"))
+        for p in (pruned, snapped)
+    ]
+    diff = losses[1] - losses[0]
+    m = report["measured_kl"]
+    params = [
+        json.loads((p / "gdnprune.json").read_text())["plan"]["metadata"]["totals"] for p in (pruned, snapped)
+    ]
+    kept = [t.get("model_params_fraction", float("nan")) for t in params]
+    return [
+        f"--snap-quant {n} (pruned, before recovery): KL on {report['windows']} calibration windows "
+        f"{m['unsnapped']:.4f} -> {m['snapped']:.4f} ({m['cost']:+.4f}); held-out nats/byte "
+        f"{losses[0].mean():.4f} -> {losses[1].mean():.4f} ({diff.mean():+.4f} ± "
+        f"{diff.std(ddof=1) / np.sqrt(len(diff)):.4f}); parameters kept {kept[0]:.1%} -> {kept[1]:.1%}",
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--probe-limit", type=int, default=20, help="documents per recall probe (20)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--snap-quant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also prune with --snap-quant N and report what the tiles cost (KL and nats/byte, before recovery)",
+    )
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch  # noqa: PLC0415 (after OMP_NUM_THREADS)

@@ -155,14 +155,17 @@ def test_the_whole_model_plan_meets_its_budget_on_the_checkpoint_sliced_to_it(de
 
 
 def test_the_closing_eval_table_shows_the_slice_losing_and_recovery_winning_some_back(demo_run):
-    """Teacher, middle slice, recovered, on the built-in tasks at --seq-len (as in the loss table)."""
+    """Teacher, pruned (the middle slice), recovered and recovered + w4a16 (4-bit weights: close to the
+    recovered slice, not the same), on the built-in tasks at --seq-len (as in the loss table)."""
     evals = demo_run.results["eval"]
-    assert [row["name"] for row in evals][::2] == ["teacher", "recovered"]
-    assert evals[1]["name"].startswith("slice")
+    names = [row["name"] for row in evals]
+    assert names[::2] == ["teacher", "recovered"] and names[3] == "recovered + w4a16"
+    assert names[1] == "pruned (2/4/16/16)"
     for row in evals:
         assert set(row["results"]) == {"nats_per_byte", "passkey_128", "mqar_128"}
     nats = [row["results"]["nats_per_byte"]["nats_per_byte,none"] for row in evals]
     assert nats[0] < nats[2] < nats[1]
+    assert 0 < abs(nats[3] - nats[2]) < 0.05
     assert "eval table" in demo_run.printed
     assert (demo_run.out / "eval.md").read_text().splitlines()[2].startswith("| teacher |")
 

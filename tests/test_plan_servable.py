@@ -14,18 +14,21 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import make_source
+from helpers import make_source, random_dense_model
 from tiny_models import cut_model
 from transformers import AutoModelForCausalLM
 
 from gdnprune import load_pretrained
 from gdnprune.cli import main
-from gdnprune.io.plan_file import servable_problems
+from gdnprune.io.plan_file import PLAN_FORMAT, PLAN_VERSION, servable_problems
 from gdnprune.model.geometry import GDNShape
 from gdnprune.model.subblock_geometry import block_kind_of
-from gdnprune.plan import plan_model
+from gdnprune.model.subblock_shapes import MLPShape
+from gdnprune.plan import AXES, parse_dim_step, plan_model
 from gdnprune.plan.choose.servable import SERVABLE_NOTE, choose_servable
 from gdnprune.plan.choose.solve import BudgetError, choose, silenced_stdout
+from gdnprune.plan.measure.problem import Grid, build_problem
+from gdnprune.plan.snap import plan_picks, plan_targets
 from gdnprune.scoring import score_model, scores_to_permutations
 
 pytestmark = pytest.mark.filterwarnings("ignore::gdnprune.checkpoint.UnsortedInputWarning")
@@ -335,3 +338,35 @@ def test_snap_servable_gives_the_cost_of_servability(folder, tmp_path, capsys):
     bad = ["plan", str(src), *common, "--snap-servable", str(het), "--budget-params", "0.5", "-o", str(out)]
     assert main([*bad, "--overwrite"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_plan_targets_reads_removals_and_widths_off_the_grid():
+    """What the snap measures of a plan: each group's target, None where the plan removes its decoder layer
+    (a plan file's ``{"removed": true}`` entry, as the search writes it), a width off the grid as it is."""
+    model = random_dense_model("qwen3_5")
+    given = dict(params=1.0, gdn_params=None, active_params=None, memory=None, state=None)
+    problem = build_problem(
+        model,
+        given,
+        None,
+        context=None,
+        blocks=("gdn", "mlp", "depth"),
+        grid=Grid(parse_dim_step("1/2"), AXES),
+        orders_applied=True,
+        uniform=False,
+    )
+    gone = problem.rests[0].index
+    picks = [None if problem.layer_of[g] == gone else 0 for g in range(len(problem.groups))]
+    layers = problem.entries(picks)
+    layers[problem.decoder_keys()[gone]] = {"removed": True}
+    mlp = next(b for b in problem.blocks if problem.layer_of[problem.groups.index(b)] != gone)
+    layers[problem.key_of.get(mlp.prefix, mlp.prefix)] = {"intermediate_size": 7}
+    plan = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "layers": layers}
+    targets = plan_targets(problem, plan)
+    for g, group in enumerate(problem.groups):
+        removed = problem.layer_of[g] == gone
+        want = None if removed else MLPShape(7) if group is mlp else group.candidates[0]
+        assert targets[g] == want
+    assert [t is None for t in targets[len(problem.groups) :]] == [r.index == gone for r in problem.rests]
+    with pytest.raises(ValueError, match="not on the search grid"):
+        plan_picks(problem, plan)

@@ -8,6 +8,7 @@ real models, where widths are multiples of 128).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import warnings
@@ -16,12 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from tiny_models import MOE, TEXT, build_model
 
 from gdnprune import demo_data, load_pretrained
 from gdnprune.cli import main
 from gdnprune.gated_delta_net import GDNShape
 from gdnprune.io.loading import slice_model
+from gdnprune.model.layouts import find_gdn_modules
+from gdnprune.model.subblock_geometry import block_candidates
+from gdnprune.model.subblock_surgery import find_model_blocks
+from gdnprune.plan import layer_candidates
 from gdnprune.quantize import QuantizedWidthWarning, QuantizeError, gptq, quantize_checkpoint
 
 SHAPE = GDNShape(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16)
@@ -312,9 +318,86 @@ def test_prune_quantize_writes_the_quantized_model_beside_its_output(tmp_path, c
     text.write_text(demo_data.train_text()[: 256 * 8], encoding="utf-8")
     out = tmp_path / "pruned"
     argv = ["prune", str(trained), "--data", str(text), "--num-value-heads", "4", "--num-samples", "4"]
+    argv += ["--value-head-dim", "12", "--snap-quant", "32"]  # 4 x 12 = 48 channels: snapped to 4 x 16
     assert main([*argv, "--seq-len", "64", "-o", str(out), "--quantize", "fp8-dynamic", "-q"]) == 0
     assert "-> " + str(out) + "-fp8-dynamic" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "pruned-fp8-dynamic" / "gdnprune.json").read_text())
     assert manifest["source"]["operation"] == "prune" and manifest["scheme"] == "fp8-dynamic"
     model, logged, problems = _load_quiet(tmp_path / "pruned-fp8-dynamic")
     assert problems == {} and logged == [] and model.model.layers[0].linear_attn.num_v_heads == 4
+    assert _shapes(out)["model.layers.0.linear_attn.in_proj_z.weight"] == (4 * 16, 64)
+
+
+def _shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
+def test_slice_snap_quant_leaves_every_cut_width_a_multiple(sources, tmp_path, capsys):
+    """`slice --snap-quant 32`: every width of a projection that the cut changed is a multiple of 32 (read
+    from the tensors' shapes), where the same cut without it leaves widths of 24, 12 and 40."""
+    root, _ = sources
+    src = root / "uniform"
+    cut = ["--num-value-heads", "2", "--value-head-dim", "12", "--key-head-dim", "12"]
+    cut += ["--intermediate-size", "40", "--num-attention-heads", "2", "-q"]
+    assert main(["slice", str(src), "-o", str(tmp_path / "plain"), *cut]) == 0
+    assert main(["slice", str(src), "-o", str(tmp_path / "snapped"), *cut, "--snap-quant", "32"]) == 0
+    full = _shapes(src)
+
+    def changed(folder):
+        return {
+            (name, axis, width)
+            for name, shape in _shapes(folder).items()
+            if name.endswith("_proj.weight") or name.endswith("_proj_qkv.weight") or "in_proj_z" in name
+            for axis, width in enumerate(shape)
+            if width != full[name][axis]
+        }
+
+    plain, snapped = changed(tmp_path / "plain"), changed(tmp_path / "snapped")
+    assert {w % 32 for _, _, w in plain} != {0}  # the plain cut leaves widths no tile of 32 divides
+    assert snapped and all(w % 32 == 0 for _, _, w in snapped), snapped
+    manifest = json.loads((tmp_path / "snapped" / "gdnprune.json").read_text())
+    assert manifest["snap_quant"] == 32
+    # and nothing is kept in high precision by a scheme of that size for a width the cut changed
+    for folder, widths in ((tmp_path / "plain", plain), (tmp_path / "snapped", snapped)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            q = quantize_checkpoint(folder, tmp_path / f"q-{folder.name}", scheme="fp8-block", size=SIZE)
+        kept = {m + ".weight" for m in q["high_precision"]} & {n for n, _, _ in widths}
+        assert bool(kept) == bool(caught) == (folder.name == "plain"), kept
+    capsys.readouterr()
+    for bad, message in (("24", "a multiple of 16"), ("0", "positive")):
+        argv = ["slice", str(src), "-o", str(tmp_path / "x"), *cut, "--snap-quant", bad]
+        with pytest.raises(SystemExit) if bad == "0" else contextlib.nullcontext():
+            assert main(argv) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_plan_grid_with_snap_quant_is_the_grid_less_the_cuts_no_tile_divides():
+    """`snap_quant` in the search keeps exactly the candidates whose changed widths (heads x dims, MLP channels)
+    are multiples, counted here by hand from each candidate's fields."""
+    model = build_model("qwen3_5", SHAPE, seed=5)
+    prefix, module = find_gdn_modules(model)[0]
+    tensors = {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+    def gdn(**kw):
+        return [
+            c.target for c in layer_candidates(prefix, SHAPE, tensors, "qwen3_5", 4, dim_step="1/4", **kw)
+        ]
+
+    def fits(t):
+        widths = [(t.num_key_heads * t.key_head_dim, 2 * 16), (t.num_value_heads * t.value_head_dim, 4 * 16)]
+        return all(w == full or w % 32 == 0 for w, full in widths)
+
+    assert gdn(snap_quant=32) == [t for t in gdn() if fits(t)] and SHAPE in gdn(snap_quant=32)
+    assert len(gdn(snap_quant=32)) < len(gdn())
+    blocks = {b.kind: b for b in find_model_blocks(model)}
+    sizes = [c.target.intermediate_size for c in block_candidates(blocks["mlp"], step=8, snap_quant=32)]
+    assert sizes == [s for s in range(96, 0, -8) if s % 32 == 0]
+    attention = block_candidates(blocks["attention"], snap_quant=64)
+    hd = blocks["attention"].shape.head_dim
+    assert all(
+        c.target.num_key_value_heads * hd % 64 == 0 or c.target == blocks["attention"].shape
+        for c in attention
+    )

@@ -176,7 +176,8 @@ def run_demo(
     intra-op threads (default 1: the model is tiny, and on a busy machine extra threads spin and can make
     a forward pass tens of times slower); None leaves torch's setting alone.
 
-    ``eval``: the teacher, the middle slice and (with ``recover_steps``) the recovered slice on gdnprune's
+    ``eval``: the teacher, the middle slice and (with ``recover_steps``) the recovered slice, and that
+    quantized (w4a16, with the optional extra ``gdnprune[quantize]``), on gdnprune's
     built-in lm-eval tasks (:mod:`gdnprune.evaluation`: nats_per_byte on the validation text, passkey and MQAR
     at ``seq_len``), ``eval_limit`` documents per task (None: all; 0 skips it; skipped too when lm-eval is
     not installed).
@@ -340,7 +341,8 @@ class _DemoRun:
         return rows
 
     def recover_and_evaluate(self, permutations, middle: GDNShape, steps: int, eval_limit: int | None):
-        """Distil the middle slice (``steps``; 0 skips it); the eval table of teacher, slice and recovered."""
+        """Distil the middle slice (``steps``; 0 skips it); the eval table of teacher, pruned (the slice),
+        recovered and recovered + quantized (:data:`QUANTIZED`)."""
         student = _sliced_model(self.model, permutations, self.shape, middle)
         length = min(
             self.seq_len, getattr(self.model.config, "max_position_embeddings", None) or self.seq_len
@@ -349,7 +351,7 @@ class _DemoRun:
         evaluate(self.model, "teacher")
         evaluate(
             student,
-            f"slice {middle.num_key_heads}/{middle.num_value_heads}/{middle.key_head_dim}/{middle.value_head_dim}",
+            f"pruned ({middle.num_key_heads}/{middle.num_value_heads}/{middle.key_head_dim}/{middle.value_head_dim})",
         )
         recovery = None
         if steps:
@@ -369,6 +371,7 @@ class _DemoRun:
                 f"back in {recovery['steps']} steps, {recovery['seconds']:.0f} s)"
             )
             evaluate(student, "recovered")
+            evaluate.quantized(student, QUANTIZED)
         return recovery, evaluate.finish()
 
     def whole_plan(self, calibration, budget_params: float, rows: list[dict]) -> dict | None:
@@ -415,6 +418,11 @@ def _log_whole(whole: dict, budget_params: float, log) -> None:
 
 #: what the demo says when lm-eval is missing
 NO_EVAL = "no eval table: lm-eval is not installed (pip install 'gdnprune[eval]')"
+#: ... and when compressed-tensors is
+NO_QUANTIZE = "no quantized row: compressed-tensors is not installed (pip install 'gdnprune[quantize]')"
+#: the quantized row of the eval table: 4-bit weights in groups of 64 (the middle slice's widths are multiples of
+#: 64, not of 128), rounded to nearest (GPTQ would need calibration passes)
+QUANTIZED = {"scheme": "w4a16", "size": 64, "calibration": "rtn"}
 
 
 class _Evaluation:
@@ -457,6 +465,15 @@ class _Evaluation:
     def __call__(self, model, name: str) -> None:
         self.rows.append(evaluate_model(model, self.tokenizer, self.options, self.manager, name=name))
 
+    def quantized(self, model, scheme: dict) -> None:
+        """The row of ``model`` quantized (``scheme``: :func:`gdnprune.quantize.quantize_model`'s keywords)."""
+        try:
+            from .quantize import quantize_model  # lazy: compressed-tensors is the optional extra [quantize]
+        except ModuleNotFoundError:
+            self.log(NO_QUANTIZE)
+            return
+        self(quantize_model(model, **scheme), f"recovered + {scheme['scheme']}")
+
     def finish(self):
         self.folder.cleanup()
         self.log(f"eval table (gdnprune's built-in lm-eval tasks, {self.options.limit} documents each):")
@@ -467,6 +484,9 @@ class _Evaluation:
 
 class _NoEvaluation:
     def __call__(self, model, name: str) -> None:
+        pass
+
+    def quantized(self, model, scheme: dict) -> None:
         pass
 
     def finish(self) -> None:

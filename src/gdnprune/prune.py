@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ def prune_checkpoint(
     plan_samples: int = 16,
     tp: int | None = None,
     multiple_of: int | None = None,
+    snap_quant: int | None = None,
     compensate: bool | str = False,
     overwrite: bool = False,
     progress: bool = True,
@@ -79,6 +82,11 @@ def prune_checkpoint(
     memory and refits ``out_proj`` layer by layer on the cut model's own hidden states
     (:func:`gdnprune.quality.compensate.sequential_refit`; both models in memory, no ``device_map``).
     ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
+    ``snap_quant``: every width the cut changes fits quantization tiles of that size: a target's or a plan's
+    widths are snapped up (:func:`gdnprune.checkpoint.transform_checkpoint`'s ``snap_quant``); a ``search``
+    (which then takes it as its own ``snap_quant``) is run without it, then snapped to the best plan under the
+    same budgets whose widths fit (:func:`gdnprune.plan.snap.snap_servable`), both measured as whole cut
+    models: the report's ``snap_quant`` is what the tiles cost.
     ``servable``: the output must load from a standard config (one geometry per kind of block): a ``plan`` that
     needs ``per_layer_config`` is refused before any model loads (a ``search`` takes its own ``servable``).
     ``scores``: a scores file of ``model_dir`` to sort by instead of scoring again (a plan that records the
@@ -91,7 +99,7 @@ def prune_checkpoint(
     """
     o = scoring or ScoringOptions()
     sequential = compensate == "sequential"
-    _check_options(target, plan, search, scores, compensate, o)
+    search = _check_options(target, plan, search, scores, compensate, o, snap_quant)
     clear_stale(Path(output_dir))
     check_paths(Path(model_dir), Path(output_dir), overwrite)
     sub_blocks, shapes = _check_cut(
@@ -101,17 +109,9 @@ def prune_checkpoint(
     if search is not None:  # budgets no plan meets: said before any forward (the model on the meta device)
         check_budgets(empty_causal_lm(model_dir), tp=tp, multiple_of=multiple_of, **search.keywords())
     model = _load_once(model_dir, o, search, needed=scores is None or search is not None or sequential)
+    statistics = bool(compensate) and not sequential  # least-squares statistics taken while scoring
     scored, scores_source = _scores(
-        model_dir,
-        data,
-        scores,
-        o,
-        model,
-        sub_blocks,
-        hidden_cut,
-        bool(compensate) and not sequential,
-        search,
-        progress,
+        model_dir, data, scores, o, model, sub_blocks, hidden_cut, statistics, search, progress
     )
     stats = scored.pop("compensation_statistics", None)
     extra: dict[str, Any] = {"scores": {k: v for k, v in scored.items() if k != "layers"}}
@@ -130,11 +130,7 @@ def prune_checkpoint(
             on_rank_cost,
         )
     if sequential:
-        targets = (
-            resolve_plan(plan, shapes)
-            if plan is not None
-            else {prefix: resolve_target(shape, split_target(target)[0]) for prefix, shape in shapes.items()}
-        )
+        targets = _layer_targets(plan, target, shapes)
         stats = _sequential_columns(model, model_dir, data, scored, targets, progress)
     permutations = dict(scored["layers"])
     if hidden_cut and (plan is None or plan_hidden_size(plan) is not None) and scored.get(HIDDEN_KEY):
@@ -147,6 +143,7 @@ def prune_checkpoint(
         plan=plan,
         tp=tp,
         multiple_of=multiple_of,
+        snap_quant=snap_quant,
         compensation_stats=stats,
         operation="prune",
         overwrite=overwrite,
@@ -154,6 +151,13 @@ def prune_checkpoint(
         progress=progress,
         manifest_extra=extra,
     )
+
+
+def _layer_targets(plan: Any, target: Any, shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """Every GDN layer's target under ``plan``, or under the one ``target`` of every layer."""
+    if plan is not None:
+        return resolve_plan(plan, shapes)
+    return {prefix: resolve_target(shape, split_target(target)[0]) for prefix, shape in shapes.items()}
 
 
 def _hidden_cut(model_dir: str | Path, target: Any, plan: Any, search: PlanOptions | None) -> bool:
@@ -196,8 +200,10 @@ def _check_options(
     scores: str | Path | None,
     compensate: bool | str,
     o: ScoringOptions,
-) -> None:
-    """:func:`prune_checkpoint`'s options that do not go together, refused before anything is read."""
+    snap_quant: int | None,
+) -> PlanOptions | None:
+    """:func:`prune_checkpoint`'s options that do not go together, refused before anything is read; returns
+    the search with ``snap_quant`` as its own."""
     sequential = compensate == "sequential"
     if compensate not in (False, True, "statistics", "sequential"):
         raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
@@ -205,6 +211,10 @@ def _check_options(
         raise ValueError(
             "sequential compensation cuts the model in memory: it needs the model on one device "
             "(no device map)"
+        )
+    if sequential and snap_quant:
+        raise ValueError(
+            'compensate="sequential" refits the unsnapped cut; with `snap_quant` use compensate="statistics"'
         )
     given = [name for name, value in (("target", target), ("plan", plan), ("budget", search)) if value]
     if len(given) != 1:
@@ -217,6 +227,9 @@ def _check_options(
             'compensate="statistics" collects its statistics while scoring; with `scores` give '
             'compensate="sequential", or score afresh (no `scores`)'
         )
+    if search is not None and snap_quant and not search.snap_quant:
+        return replace(search, snap_quant=snap_quant)
+    return search
 
 
 def _scores(
@@ -270,7 +283,8 @@ def _searched_plan(
 ) -> tuple[dict, dict[str, Any]]:
     """The plan :func:`prune_checkpoint` searches on its scores (the scoring's windows, dtype and devices) and
     what its manifest keeps of the report."""
-    plan, report = plan_checkpoint(
+    searched = functools.partial(
+        plan_checkpoint,
         model_dir,
         data,
         scores,
@@ -284,10 +298,13 @@ def _searched_plan(
         multiple_of=multiple_of,
         progress=progress,
         model=model,
-        on_rank_cost=on_rank_cost,
-        **search.keywords(),
     )
-    kept = ("servable", "latency", "ranking", "depth_check", "windows", "recall")
+    if search.snap_quant:  # the plan without the tiles, then snapped to them: what they cost, measured
+        unsnapped, _ = searched(on_rank_cost=on_rank_cost, **replace(search, snap_quant=None).keywords())
+        plan, report = searched(snap=unsnapped, **search.keywords())
+    else:
+        plan, report = searched(on_rank_cost=on_rank_cost, **search.keywords())
+    kept = ("servable", "latency", "ranking", "depth_check", "windows", "recall", "snap_quant")
     return plan, {
         "seconds": report["seconds"],
         "sensitivity": report["sensitivity"],

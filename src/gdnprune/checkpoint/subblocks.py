@@ -34,6 +34,7 @@ from ..model.subblock_geometry import (
     resolve_block_target,
 )
 from ..model.targets import TargetError
+from ..model.tiles import snap_to_tiles
 from .engine import LayerPlan
 from .folder import Checkpoint, find_block_layers
 
@@ -99,10 +100,17 @@ def split_permutations(permutations: Mapping | None) -> tuple[Mapping | None, di
 
 
 def plan_sub_blocks(
-    ckpt: Checkpoint, orders_in: Mapping, target: Mapping[str, int], plan, *, dequantize: bool
+    ckpt: Checkpoint,
+    orders_in: Mapping,
+    target: Mapping[str, int],
+    plan,
+    *,
+    dequantize: bool,
+    snap_quant: int | None = None,
 ) -> SubBlockPlan:
     """The layer plans of the sub-blocks that ``orders_in`` (prefix -> payload), the sub-block ``target``
-    fields or ``plan`` sort or cut.
+    fields or ``plan`` sort or cut (``snap_quant``: each target snapped up to fit tiles of that size,
+    :func:`gdnprune.model.tiles.snap_to_tiles`).
 
     Raises:
         CheckpointError: a sub-block of a kind asked for does not fit its layouts (e.g. an indexed attention);
@@ -139,6 +147,8 @@ def plan_sub_blocks(
             targets = {prefix: resolve_block_target(layer, target) for prefix, layer in layers.items()}
         except ValueError as exc:
             raise TargetError(str(exc)) from None
+    if snap_quant:
+        targets = {p: snap_to_tiles(layers[p].shape, t, snap_quant) for p, t in targets.items()}
     out = SubBlockPlan()
     for prefix, layer in layers.items():
         out.targets.setdefault(layer.kind, {})[layer_index_of(prefix)] = targets[prefix]

@@ -38,6 +38,7 @@ from ..model.geometry import apply_targets_to_config, layer_index_of, orders_to_
 from ..model.hidden import HIDDEN_KEY
 from ..model.model_config import text_config
 from ..model.targets import TARGET_FIELDS, TargetError, keyword_target, resolve_target
+from ..model.tiles import snap_to_tiles
 from ..runtime.deprecation import renamed_keywords
 from ..runtime.fileio import file_sha256, write_json_atomic
 from . import hidden, output, refit, remote_code, subblocks
@@ -94,6 +95,7 @@ def transform_checkpoint(
     plan: str | os.PathLike | Mapping | None = None,
     tp: int | None = None,
     multiple_of: int | None = None,
+    snap_quant: int | None = None,
     compensation_stats: str | os.PathLike | Mapping | None = None,
     ridge: float | None = None,
     dequantize: bool = False,
@@ -133,6 +135,10 @@ def transform_checkpoint(
             head dims multiples of ``multiple_of``); a target that breaks one is a ``PlanError`` listing every
             such layer. Head dims that flash-linear-attention cannot run or must pad give a
             :class:`KernelShapeWarning`.
+        snap_quant: tiles of a quantization scheme (e.g. 128): every width the cut changes is snapped up to
+            the nearest multiple of it (:func:`gdnprune.model.tiles.snap_to_tiles`: GDN key and value widths,
+            MLP channels, attention heads), so that every matrix the cut changes can be quantized; the
+            manifest records it (``snap_quant``) beside the snapped targets. The hidden size is not snapped.
         compensation_stats: a calibration statistics file (:mod:`gdnprune.quality.compensate`; or the loaded statistics of
             this very checkpoint): the ``out_proj`` of every
             layer that loses value heads or value channels is refitted by least squares to reconstruct the
@@ -174,13 +180,20 @@ def transform_checkpoint(
     output.check_paths(src, out, overwrite)
     if self_contained:
         manifest_extra = {"self_contained": remote_code.MODELING_NAME, **dict(manifest_extra or {})}
+    if snap_quant is not None and (snap_quant < 16 or snap_quant % 16):
+        raise TargetError(
+            f"`snap_quant` is the tile or group size of a quantization scheme, a multiple of 16 (as "
+            f"`gdnprune quantize` takes), got {snap_quant}"
+        )
+    if snap_quant:
+        manifest_extra = {"snap_quant": snap_quant, **dict(manifest_extra or {})}
     return _transform(
         src,
         out,
         permutations,
         target,
         plan,
-        (tp, multiple_of, dequantize),
+        (tp, multiple_of, dequantize, snap_quant),
         (compensation_stats, ridge, rescale_norms),
         operation,
         overwrite,
@@ -199,8 +212,10 @@ def _plan_layers(layers: list, permutations, target, plan, constraints) -> tuple
         targets = resolve_plan(plan, shapes)
     else:
         targets = {prefix: resolve_target(shape, target) for prefix, shape in shapes.items()}
+    tp, multiple_of, dequantize, snap_quant = constraints
+    if snap_quant:
+        targets = {p: snap_to_tiles(shapes[p], t, snap_quant) for p, t in targets.items()}
     cut = {prefix: t for prefix, t in targets.items() if t != shapes[prefix]}
-    tp, multiple_of, dequantize = constraints
     violations = constraint_violations(cut, tp=tp, multiple_of=multiple_of)
     if violations:
         raise PlanError(f"{len(violations)} layer(s) break the serving constraints: " + "; ".join(violations))
@@ -253,7 +268,9 @@ def _transform(
         else []
     )
     plans, missing = _plan_layers(layers, permutations, target, plan, constraints)
-    blocks = subblocks.plan_sub_blocks(ckpt, block_orders, block_target, plan, dequantize=constraints[2])
+    blocks = subblocks.plan_sub_blocks(
+        ckpt, block_orders, block_target, plan, dequantize=constraints[2], snap_quant=constraints[3]
+    )
     if removed:  # the layers that go are not gathered: their tensors are dropped, later layers renumbered
         plans = _drop_removed(ckpt, plans, blocks, removed)
         manifest_extra = {"removed_layers": removed, **dict(manifest_extra or {})}
@@ -583,6 +600,7 @@ def slice_checkpoint(
     plan: str | os.PathLike | Mapping | None = None,
     tp: int | None = None,
     multiple_of: int | None = None,
+    snap_quant: int | None = None,
     compensation_stats: str | os.PathLike | Mapping | None = None,
     ridge: float | None = None,
     dequantize: bool = False,
@@ -615,6 +633,7 @@ def slice_checkpoint(
         plan=plan,
         tp=tp,
         multiple_of=multiple_of,
+        snap_quant=snap_quant,
         compensation_stats=compensation_stats,
         ridge=ridge,
         dequantize=dequantize,

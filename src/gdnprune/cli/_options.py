@@ -187,6 +187,22 @@ def add_constraint_arguments(p) -> None:
         metavar="M",
         help="head dims must be multiples of M (16 suits flash-linear-attention's kernels)",
     )
+    add_snap_quant_argument(p)
+
+
+def add_snap_quant_argument(p) -> None:
+    """``--snap-quant N`` (``gdnprune plan``, ``slice`` and ``prune``)."""
+    p.add_argument(
+        "--snap-quant",
+        dest="snap_quant",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every width a cut changes (GDN key and value widths, MLP channels, attention heads; a width "
+        "left whole stays) a multiple of N, so that every matrix it cuts fits the tiles or groups of "
+        "`gdnprune quantize` at size N (e.g. 128): a plan search (--budget-*) takes only such candidates; "
+        "a target or --plan is snapped up to the nearest such widths. The hidden size is not snapped",
+    )
 
 
 def target_from_args(args, *, required: bool = True) -> dict[str, int] | None:

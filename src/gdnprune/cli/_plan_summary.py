@@ -141,6 +141,13 @@ def servable_summary(report: dict) -> list[str]:
             f"({p['cost']:+.4g}); measured KL of the whole cut model on {cost['windows']} calibration windows "
             f"{m['heterogeneous']:.4g} -> {m['servable']:.4g} ({m['cost']:+.4g})"
         )
+    snap = report.get("snap_quant")
+    if snap:
+        m = snap["measured_kl"]
+        lines.append(
+            f"cost of --snap-quant {snap['snap_quant']}: measured KL of the whole cut model on {snap['windows']} "
+            f"calibration windows {m['unsnapped']:.4g} -> {m['snapped']:.4g} ({m['cost']:+.4g})"
+        )
     return lines
 
 

@@ -236,6 +236,7 @@ def search_options(args) -> dict:
         axes=[a.strip() for a in args.axes.split(",") if a.strip()],
         tp=args.tp,
         multiple_of=args.multiple_of,
+        snap_quant=args.snap_quant,
         uniform=args.uniform,
         servable=args.servable,
         budget_latency=args.budget_latency,

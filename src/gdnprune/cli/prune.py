@@ -130,6 +130,7 @@ def run(args) -> int:
             plan_samples=args.plan_samples,
             tp=args.tp,
             multiple_of=args.multiple_of,
+            snap_quant=args.snap_quant,
             compensate=args.compensate or False,
             overwrite=args.overwrite,
             progress=not args.quiet,
@@ -164,6 +165,8 @@ def run(args) -> int:
     hidden = manifest.get("hidden")
     if hidden and hidden["target"] != hidden["shape"]:
         what += f", hidden size {hidden['shape']['hidden_size']} -> {hidden['target']['hidden_size']}"
+    if manifest.get("snap_quant"):
+        what += f", cut widths in multiples of {manifest['snap_quant']} (--snap-quant)"
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:

@@ -160,6 +160,7 @@ def run(args) -> int:
         plan=args.plan,
         tp=args.tp,
         multiple_of=args.multiple_of,
+        snap_quant=args.snap_quant,
         compensation_stats=args.compensation_stats,
         ridge=args.ridge,
         dequantize=args.dequantize,
@@ -183,5 +184,7 @@ def run(args) -> int:
             line = f"wrote {args.output}: cut {blocks}; GDN layers unchanged ({manifest['elapsed_seconds']:.1f} s)"
         else:
             line += f"; also cut {blocks}"
+    if manifest.get("snap_quant"):
+        line += f"; cut widths snapped to multiples of {manifest['snap_quant']} (--snap-quant)"
     print(line)
     return 0

@@ -16,8 +16,11 @@ A checkpoint with one GDN geometry loads exactly as ``from_pretrained`` loads it
 from __future__ import annotations
 
 import contextlib
+import io
 import os
-from collections.abc import Mapping
+import re
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -119,19 +122,42 @@ def load_causal_lm(
         if gpus is not None:
             available = get_max_memory()
             kwargs["max_memory"] = {k: v for k, v in available.items() if not isinstance(k, int) or k in gpus}
-    try:
-        model = load_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM, **kwargs)
-    except ValueError as first:
+    config = os.path.join(model_dir, "config.json")
+    quantized = os.path.isfile(config) and '"quantization_config"' in open(config, encoding="utf-8").read()
+    # compressed-tensors draws bars as it loads a quantized folder, and has no switch for them
+    with without_bars() if quantized else contextlib.nullcontext():
         try:
-            model = load_pretrained(model_dir, **kwargs)  # the class in config.json's architectures
-        except ValueError:
-            raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
-    compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
-    if compressor is not None:  # a compressed-tensors checkpoint: dense weights now, not at the first forward
-        compressor.decompress_model(model)
+            model = load_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM, **kwargs)
+        except ValueError as first:
+            try:
+                model = load_pretrained(model_dir, **kwargs)  # the class in config.json's architectures
+            except ValueError:
+                raise ValueError(f"{model_dir}: cannot load a causal language model ({first})") from None
+        compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
+        if compressor is not None:  # compressed-tensors: dense weights now, not at the first forward
+            compressor.decompress_model(model)
     if device_map is None:
         model.to(device or _default_device())
     return model.eval()
+
+
+@contextlib.contextmanager
+def without_bars() -> Iterator[None]:
+    """Leave tqdm progress bars out of what is written to stderr inside (a dependency's, drawn while a model
+    loads); anything else written there passes, once the block ends."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        lines = buffer.getvalue().replace("\r", "\n").splitlines()
+        kept = [line for line in lines if line.strip() and not BAR.search(line)]
+        if kept:
+            sys.stderr.write("\n".join(kept) + "\n")
+
+
+#: a tqdm progress bar's line
+BAR = re.compile(r"\d+%\|")
 
 
 def _read_moe(model_dir: str | os.PathLike, dtype: torch.dtype) -> Any:

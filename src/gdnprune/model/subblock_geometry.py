@@ -30,6 +30,7 @@ from .geometry import as_order, layer_index_of
 from .layouts import get_layout, scaled_weight
 from .model_config import MTP_PREFIX, global_config_value, per_layer_overrides, text_config
 from .subblock_shapes import AttentionShape, ExpertShape, MLPShape, identity_orders
+from .tiles import tile_problems
 
 __all__ = [
     "numbered_name_map",
@@ -471,7 +472,12 @@ class BlockCandidate:
 
 
 def block_candidates(
-    block: Block, *, step: Any = None, tp: int | None = None, multiple_of: int | None = None
+    block: Block,
+    *,
+    step: Any = None,
+    tp: int | None = None,
+    multiple_of: int | None = None,
+    snap_quant: int | None = None,
 ) -> list[BlockCandidate]:
     """Every candidate of a sub-block, largest first, for a plan's grid.
 
@@ -481,7 +487,8 @@ def block_candidates(
     Attention: every count of key-value heads and of query heads per key-value head, with
     the query heads divisible by ``tp`` and the key-value heads divisible by ``tp`` or dividing it (vLLM
     replicates key-value heads when ``tp`` exceeds them). The full geometry is always a candidate when it
-    meets the constraints.
+    meets the constraints. ``snap_quant``: every width a candidate cuts fits tiles of that size
+    (:func:`gdnprune.model.tiles.tile_problems`).
 
     Raises:
         ValueError: no candidate meets the constraints.
@@ -493,6 +500,8 @@ def block_candidates(
             for r in range(shape.heads_per_group, 0, -1):
                 target = AttentionShape(nkv * r, nkv, shape.head_dim)
                 if tp and (target.num_attention_heads % tp or (nkv % tp and tp % nkv)):
+                    continue
+                if snap_quant and tile_problems(shape, target, snap_quant):
                     continue
                 out.append(BlockCandidate(target, block.parameters(target), kv_cache_elements(target)))
     elif isinstance(shape, ExpertShape):
@@ -519,10 +528,12 @@ def block_candidates(
             if (multiple_of and size % multiple_of) or (tp and size % tp):
                 continue
             mlp = MLPShape(size)
+            if snap_quant and tile_problems(shape, mlp, snap_quant):
+                continue
             out.append(BlockCandidate(mlp, block.parameters(mlp), 0))
     if not out:
         raise ValueError(
             f"{block.prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
-            f"multiple_of={multiple_of})"
+            f"multiple_of={multiple_of}, snap_quant={snap_quant})"
         )
     return out

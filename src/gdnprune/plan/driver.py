@@ -89,7 +89,12 @@ def search(
     o = replace(options, blocks=tuple(b for b in options.blocks if b != "hidden"))
     data = read_scores(scores)
     problem, workload = _checked_problem(
-        model, batches, data, o, Grid(parse_dim_step(o.dim_step), o.axes, tp, multiple_of), orders_applied
+        model,
+        batches,
+        data,
+        o,
+        Grid(parse_dim_step(o.dim_step), o.axes, tp, multiple_of, o.snap_quant),
+        orders_applied,
     )
     latency = None
     if workload is not None:  # timed before any calibration forward: an unreachable budget is said first

@@ -48,7 +48,8 @@ def plan_checkpoint(
     The proxy sensitivity needs no weights: without ``model`` it builds the model on the ``meta`` device
     from the config (:func:`gdnprune.io.loading.empty_causal_lm`) and reads no tensor. ``snap``: a heterogeneous
     plan to snap to the best servable plan near it (:func:`~gdnprune.plan.snap.snap_servable`; the budgets and
-    grid are the plan's, ``options`` gives ``sensitivity`` and ``progress``).
+    grid are the plan's, ``options`` gives ``sensitivity`` and ``progress``); with ``snap_quant`` in ``options``,
+    to the best plan whose cut widths fit quantization tiles of that size (servable too with ``servable``).
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir) or {}
@@ -83,6 +84,8 @@ def plan_checkpoint(
             sensitivity=options.get("sensitivity", "halving"),
             orders_applied=bool(applied),
             progress=options.get("progress", True),
+            servable=bool(options.get("servable")) or not options.get("snap_quant"),
+            snap_quant=options.get("snap_quant"),
         )
     else:
         plan, report = plan_model(

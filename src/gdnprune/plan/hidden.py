@@ -53,7 +53,7 @@ def search_hidden(
     batches = list(batches)
     data = read_scores(scores)
     widths = replace(o, blocks=tuple(b for b in o.blocks if b != "hidden"))
-    grid = Grid(parse_dim_step(o.dim_step), o.axes, tp, multiple_of)
+    grid = Grid(parse_dim_step(o.dim_step), o.axes, tp, multiple_of, o.snap_quant)
     full = build_problem(
         model,
         given_budgets(o.keywords()),

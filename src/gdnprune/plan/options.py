@@ -66,6 +66,9 @@ class PlanOptions:
             plus whole decoder layers removed where ``blocks`` has ``depth`` (one full-attention layer kept);
             the exact best such plan (:func:`~gdnprune.plan.choose.servable.choose_servable`). The plan file gives
             the geometries as its ``default``, so a removed layer's blocks do not make the config heterogeneous.
+        snap_quant: tiles of a quantization scheme (e.g. 128): every width a candidate cuts (GDN key and value
+            widths, MLP channels, attention heads) is a multiple of it (:mod:`gdnprune.model.tiles`), so that
+            every matrix of the plan can be quantized at that size.
         evolve_generations: generations of the evolutionary search over whole plans (:mod:`.evolve`, fitness
             the KL of the whole cut model on the calibration batches) that starts from the exact choice; its
             mutations also remove decoder layers and bring them back when ``depth`` is planned; 0: none.
@@ -99,6 +102,7 @@ class PlanOptions:
     axes: Sequence[str] = AXES
     uniform: bool = False
     servable: bool = False
+    snap_quant: int | None = None
     budget_latency: float | None = None
     workload: str | None = None
     evolve_generations: int = 0

@@ -1,7 +1,7 @@
 """Quantized outputs in the formats engines serve: ``compressed-tensors`` checkpoints (FP8 block-scaled,
 FP8 per-channel with dynamic activations, 4-bit integer weights with GPTQ) of every model gdnprune writes."""
 
-from .api import QuantizedWidthWarning, compressed_scheme, quantize_checkpoint
+from .api import QuantizedWidthWarning, compressed_scheme, quantize_checkpoint, quantize_model
 from .gptq import Hessians, gptq, group_scales
 from .schemes import SCHEMES, QuantizeError, Scheme, scheme_named, select_modules
 
@@ -11,6 +11,7 @@ __all__ = [
     "QuantizeError",
     "QuantizedWidthWarning",
     "quantize_checkpoint",
+    "quantize_model",
     "compressed_scheme",
     "scheme_named",
     "select_modules",

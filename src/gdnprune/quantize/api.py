@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -252,6 +253,31 @@ def quantize_checkpoint(
         write_json_atomic(tmp / MANIFEST_NAME, manifest, indent=1)
         staging.commit()
     return manifest
+
+
+def quantize_model(
+    model: Any,
+    *,
+    scheme: str,
+    size: int | None = None,
+    calibration: str | None = None,
+    **options: Any,
+) -> Any:
+    """A loaded model quantized by ``scheme`` and loaded back as gdnprune loads a quantized folder (weights
+    dequantized, activations quantized as the scheme says): written, quantized
+    (:func:`quantize_checkpoint`; ``options``: its calibration options) and read in a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="gdnprune-quantize-") as tmp:
+        model.save_pretrained(Path(tmp) / "model")
+        quantize_checkpoint(
+            Path(tmp) / "model",
+            Path(tmp) / "quantized",
+            scheme=scheme,
+            size=size,
+            calibration=calibration,
+            progress=False,
+            **options,
+        )
+        return load_causal_lm(Path(tmp) / "quantized", dtype="float32", device=str(model.device)).eval()
 
 
 def _write_weights(

@@ -16,6 +16,7 @@ from fractions import Fraction
 from ...io.plan_file import constraint_violations, state_elements
 from ...model.geometry import GDNShape
 from ...model.layouts import get_layout
+from ...model.tiles import tile_problems
 
 __all__ = ["AXES", "Candidate", "parse_dim_step", "dim_values", "layer_candidates", "parameters_of"]
 
@@ -88,8 +89,10 @@ def layer_candidates(
     axes: Iterable[str] = AXES,
     tp: int | None = None,
     multiple_of: int | None = None,
+    snap_quant: int | None = None,
 ) -> list[Candidate]:
-    """Every candidate of one layer, largest first (the full geometry, when it meets the constraints).
+    """Every candidate of one layer, largest first (the full geometry, when it meets the constraints;
+    ``snap_quant``: every width a candidate cuts fits tiles of that size, :mod:`gdnprune.model.tiles`).
 
     Raises:
         ValueError: an unknown axis, or a layer that no candidate fits (the constraints exclude even the
@@ -119,6 +122,8 @@ def layer_candidates(
                     target = GDNShape(hk, hk * rr, dk, dv)
                     if constraint_violations({prefix: target}, tp=tp, multiple_of=multiple_of):
                         continue
+                    if snap_quant and tile_problems(shape, target, snap_quant):
+                        continue
                     out.append(
                         Candidate(
                             target,
@@ -129,6 +134,6 @@ def layer_candidates(
     if not out:
         raise ValueError(
             f"{prefix}: no candidate geometry of {shape} meets the constraints (tp={tp}, "
-            f"multiple_of={multiple_of})"
+            f"multiple_of={multiple_of}, snap_quant={snap_quant})"
         )
     return out

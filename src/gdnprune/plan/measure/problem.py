@@ -80,6 +80,7 @@ class Grid:
     axes: Sequence[str]
     tp: int | None = None
     multiple_of: int | None = None
+    snap_quant: int | None = None
 
 
 @dataclass
@@ -290,6 +291,7 @@ def build_problem(
         step=grid.step,
         tp=grid.tp,
         multiple_of=grid.multiple_of,
+        snap_quant=grid.snap_quant,
         orders_applied=orders_applied or score_layers is None,
     )
     problem.key_of.update({b.prefix: b.key for b in problem.blocks})
@@ -435,6 +437,7 @@ def _candidate_table(modules: Sequence[tuple[str, Any]], grid: Grid) -> list[lis
                 axes=grid.axes,
                 tp=grid.tp,
                 multiple_of=grid.multiple_of,
+                snap_quant=grid.snap_quant,
             )
         )
     return table

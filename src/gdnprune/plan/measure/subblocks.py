@@ -139,6 +139,7 @@ def plannable_blocks(
     tp: int | None,
     multiple_of: int | None,
     orders_applied: bool,
+    snap_quant: int | None = None,
 ) -> list[BlockToPlan]:
     """The sub-blocks of ``kinds`` of ``model`` with their candidates (:func:`gdnprune.model.subblock_geometry.block_candidates`)
     and the scores' orders (``score_layers``: a scores file's ``layers``; ``key`` of each: its prefix there).
@@ -164,7 +165,10 @@ def plannable_blocks(
                 f"model with its sub-blocks (gdnprune score with the default --blocks, score_checkpoint(..., "
                 f"blocks=None)) or leave {block.kind} out of `blocks`"
             )
-        cands = [c.target for c in block_candidates(block, step=step, tp=tp, multiple_of=multiple_of)]
+        cands = [
+            c.target
+            for c in block_candidates(block, step=step, tp=tp, multiple_of=multiple_of, snap_quant=snap_quant)
+        ]
         out.append(
             BlockToPlan(
                 block,

@@ -301,6 +301,8 @@ def plan_document(
         "tp": problem.grid.tp,
         "multiple_of": problem.grid.multiple_of,
     }
+    if problem.grid.snap_quant:
+        grid["snap_quant"] = problem.grid.snap_quant
     if problem.whole:
         grid.update(blocks=problem.planned_kinds(), context=problem.context)
     plan["grid"] = grid
