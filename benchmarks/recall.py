@@ -3,9 +3,9 @@
 (``--experiment axes``, issue 29).
 
 **plans** (the default). The claim: where GDN layers may shrink, the default plan is measured on recall
-windows (the calibration windows made passkey / MQAR probes with their own text as the haystack, the answers
-half the KL) and keeps the recall that today's plan (``--sensitivity short``, the calibration windows as they
-are) loses, at about the same nats/byte. For each model (``--models``: the recall model
+windows (every calibration window followed by a passkey / MQAR probe of its length, the answers a quarter of
+the KL; the scores taken on them too) and keeps the recall that today's plan (``--sensitivity short``, the
+calibration windows as they are) loses, at about the same nats/byte. For each model (``--models``: the recall model
 ``tests/data/trained/recall``, ``GGGG``, and the hybrid ``tests/data/trained/recall_hybrid``, ``GGGA``) and
 budget (``--budget-state 0.5``, ``--budget-params 0.5``), ``gdnprune prune``'s own pipeline
 (:func:`gdnprune.prune.prune_checkpoint`, its defaults: scores on 128 windows and the plan on 16 windows of
@@ -314,13 +314,14 @@ def _cached(path: Path, make) -> dict:
     return value
 
 
-def _scores(folder: Path, data: Path, budget: str, work: Path) -> Path:
-    """The scores file ``gdnprune prune`` computes for the budget (GDN layers only under a state budget)."""
-    path = work / f"scores_{budget}.json"
+def _scores(folder: Path, data: Path, budget: str, plan: str, work: Path) -> Path:
+    """The scores file ``gdnprune prune`` computes for the budget and plan (GDN layers only under a state
+    budget; on recall windows where the plan is measured on them)."""
+    recall = PlanOptions(**BUDGETS[budget], **PLANS[plan]).recall()
+    path = work / f"scores_{budget}{'_recall' if recall else ''}.json"
     if not path.is_file():
-        scores = score_checkpoint(
-            folder, data, blocks=GDN_ONLY if budget == "state" else None, progress=False
-        )
+        blocks = GDN_ONLY if budget == "state" else None
+        scores = score_checkpoint(folder, data, blocks=blocks, recall=recall, progress=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_scores(scores, path)
     return path
@@ -349,6 +350,8 @@ def _prune(folder: Path, data: Path, budget: str, plan: str, scores: Path, work:
         }
 
     record = _cached(work / "prune.json", run)
+    manifest = json.loads((out / "gdnprune.json").read_text())
+    record["layers"] = {prefix: layer["target"] for prefix, layer in manifest["layers"].items()}
     return out, record
 
 
@@ -386,9 +389,8 @@ def _one_plan(ctx: argparse.Namespace, source: Path, teacher, budget: str, plan:
         measured = _measure(model, ctx.tokenizer, ctx.options, ctx.manager, ctx.validation, plan)
         return {**measured, "distill_seconds": seconds, "load": load_average()}
 
-    # plans that cut the same (keep-recall met at once is the recall-aware plan) are measured once
-    chosen = {k: record["plan"].get(k) for k in ("layers", "removed_layers", "default")}
-    key = hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+    # the same pruned weights (keep-recall met at once is the recall-aware plan) are measured once
+    key = hashlib.sha256((pruned / "model.safetensors").read_bytes()).hexdigest()[:16]
     same = where.parent / "by_plan" / key
     first = _cached(same / "one_shot.json", one_shot)
     after = _cached(same / f"distilled_{ctx.steps}.json", recovered) if ctx.steps else None
@@ -495,8 +497,8 @@ def plans(args: argparse.Namespace) -> int:
                 )
             results[name] = {"unpruned": json.loads(unpruned.read_text())}
             for budget in budgets:
-                ctx.scores = _scores(source, data, budget, work)
                 for plan in wanted:
+                    ctx.scores = _scores(source, data, budget, plan, work)
                     entry = _one_plan(ctx, source, teacher, budget, plan, work / budget / plan)
                     results[name].setdefault(budget, {})[plan] = entry
                     print(f"{name} {budget} {plan}: done ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -515,9 +517,7 @@ def plans(args: argparse.Namespace) -> int:
                     print(_row(f"{budget} 0.5 {plan} + {args.steps}", entry["distilled"], unpruned, lengths))
         for budget in budgets:
             for plan in wanted:
-                print(
-                    f"{name} {budget} {plan}: {json.dumps(results[name][budget][plan]['prune']['plan']['layers'])}"
-                )
+                print(f"{name} {budget} {plan}: {json.dumps(results[name][budget][plan]['prune']['layers'])}")
     print()
     for line in _verdicts(results, lengths):
         print(line)

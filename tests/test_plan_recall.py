@@ -171,7 +171,9 @@ def test_keep_recall_is_measured_on_the_whole_cut_model_and_replans_when_missed(
         **GRID,
     )
     rounds = report["recall"]["rounds"]
-    assert [r["share"] for r in rounds] == [0.0, 0.5, 0.75][: len(rounds)]
+    # short: no share at first, then the default share, then half way from it to 1
+    shares = [0.0, RECALL_SHARE, (1 + RECALL_SHARE) / 2]
+    assert [r["share"] for r in rounds] == shares[: len(rounds)]
     assert report["recall"]["met"] == rounds[-1]["met"] and (len(rounds) == 3 or rounds[-1]["met"])
     # the last round's exact match is the sliced model's on the check probes (their own filler)
     permutations = {
@@ -214,7 +216,7 @@ def test_prune_says_what_the_plan_was_measured_on_and_the_recall_it_kept(tmp_pat
     assert "recall kept: " in out and "--keep-recall 0.5" in out
     manifest = json.loads((tmp_path / "out" / "gdnprune.json").read_text())
     rounds = manifest["plan_report"]["recall"]["rounds"]
-    assert manifest["plan_report"]["windows"]["kind"] == "probes" and rounds[0]["share"] == 0.5
+    assert manifest["plan_report"]["windows"]["kind"] == "probes" and rounds[0]["share"] == RECALL_SHARE
 
 
 def test_a_token_weight_in_scoring_counts_a_token_that_many_times():

@@ -79,9 +79,10 @@ def add_search_arguments(p) -> None:
         default="halving",
         help="halving (default): KL from the unpruned model with each layer cut alone, on calibration "
         "windows, by successive halving (every candidate on a few windows; the choice measured on all "
-        "of them before it is trusted); where GDN layers may shrink the windows are recall windows: facts "
-        "of the calibration text (spans, numbers) written twice into each window, the KL of the second "
-        "copies counting for half, so that a cut that loses the model's memory shows; short: the same on "
+        "of them before it is trusted); where GDN layers may shrink the windows are recall windows: each "
+        "calibration window followed by a passkey or MQAR probe of its length (without a tokenizer, spans "
+        "of the text written twice), the answers a quarter of the KL, so that a cut that loses the "
+        "model's memory shows; short: the same on "
         "the calibration windows as they are (before 0.x the default); measured: every candidate on every "
         "window (the exact reference, "
         "several times slower); bld: every candidate first trained --bld-steps steps to reproduce its "

@@ -70,7 +70,7 @@ def add_parser(subparsers) -> None:
         "--recall",
         action="store_true",
         help="every calibration window followed by a recall probe (passkey or MQAR) of its length whose "
-        "answers weigh as much as the window: the orders then keep what recall needs (what prune does for "
+        "answers carry a quarter of the pair's weight: the orders then keep what recall needs (what prune does for "
         "a plan measured on recall windows; twice the forwards)",
     )
     add_lane_search_arguments(q)

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: the share of a window's KL that its recall positions carry
-RECALL_SHARE = 0.5
+RECALL_SHARE = 0.25
 #: the seed of the probes of recall windows: neither ``gdnprune eval``'s (0) nor the recall models' training
 #: probes' (500, 1000 and on, ``scripts/train_demo_model.py``)
 PROBE_SEED = 43_000

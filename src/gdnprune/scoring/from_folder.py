@@ -118,7 +118,7 @@ def measure_checkpoint(
     and the sums are added over the ranks; every rank returns them. A failure on one rank raises on all.
     ``model``: the folder's model already loaded (:func:`gdnprune.io.loading.load_causal_lm`); then ``device``,
     ``device_map`` are not used and ``dtype`` is only recorded. ``recall``: every window followed by a recall
-    probe of its length whose answers weigh as much as the window
+    probe of its length whose answers carry ``RECALL_SHARE`` of the pair's weight
     (:func:`gdnprune.quality.recall_windows.recall_windows`), so the orders keep what recall needs.
     """
     model_dir = Path(model_dir)

@@ -2,8 +2,8 @@
 
 :func:`measured_windows`: where GDN layers may shrink, the candidates are measured on recall windows
 (:func:`gdnprune.quality.recall_windows.recall_windows`: with the model's tokenizer, every calibration window
-made a passkey or MQAR probe with its own text as the haystack; without one, spans of the text written twice;
-the answers carry :data:`~gdnprune.quality.recall_windows.RECALL_SHARE` of the KL), unless the sensitivity
+followed by a passkey or MQAR probe of its length; without one, spans of the text written twice; the answers
+carry :data:`~gdnprune.quality.recall_windows.RECALL_SHARE` of the KL), unless the sensitivity
 is ``short`` (the calibration windows as they are). ``docs/scoring.md`` gives the measurements behind the
 choice.
 
