@@ -478,6 +478,13 @@ def stage_costs(
             out.append(_bench(facts, options, device, dtype_bytes))
         else:
             raise ValueError(f"unknown stage {stage!r}; expected some of {', '.join(STAGES)}")
+    # a command that runs a model holds its runtime (Python, torch, transformers) beside the model
+    out = [
+        c
+        if c.stage in ("inspect", "slice", "sort")
+        else replace(c, host_memory=c.host_memory + device.runtime_memory)
+        for c in out
+    ]
     if device.memory:
         out = [
             replace(
