@@ -86,8 +86,10 @@ start = time.perf_counter()
 from gdnprune.cli import main
 code = main(argv)
 usage = resource.getrusage(resource.RUSAGE_SELF)
+# VmHWM, not ru_maxrss: a child's ru_maxrss keeps the peak of the parent it was forked from
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
 print("SCALE-RESULT " + json.dumps({"code": code, "seconds": time.perf_counter() - start,
-      "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss * 1024}))
+      "cpu": usage.ru_utime + usage.ru_stime, "rss": int(hwm[0].split()[1]) * 1024 if hwm else usage.ru_maxrss * 1024}))
 """
 
 
@@ -181,6 +183,7 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
             str(SAMPLES),
             "-o",
             str(out / "scores.json"),
+            "--overwrite",
             *common,
         ], None
     if stage == "plan":
@@ -197,7 +200,8 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
         return [
             "prune", str(model), "--budget-params", "0.5", "--num-samples", str(SAMPLES), "--plan-samples",
             str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "pruned"), "--overwrite", *common,
-        ] + (["--sensitivity", "proxy"] if stage == "prune-proxy" else []), None  # fmt: skip
+        ] + (["--sensitivity", "proxy", "--blocks", "gdn,attention,mlp,shared_expert,experts"]  # no depth: no KL
+             if stage == "prune-proxy" else []), None  # fmt: skip
     if stage in ("distill", "distill-fsdp"):
         student = out / (
             "sliced" if (out / "sliced").exists() else "pruned"
@@ -370,6 +374,16 @@ def targets(results: dict) -> str:
         total = sum(t.numel for t in facts_of(model).tensors if not t.name.startswith("mtp."))
         lines.append(f"prune output: {total_kept:,} of {total:,} parameters ({total_kept / total:.1%}; decoder "
                      f"{kept / full:.1%}); target <= 50%: {'met' if total_kept <= 0.5 * total else 'missed'}")  # fmt: skip
+        import torch
+
+        from gdnprune import load_pretrained
+
+        loaded = load_pretrained(pruned)
+        with torch.no_grad():
+            logits = loaded(input_ids=torch.arange(16)[None] % loaded.config.vocab_size).logits
+        lines.append(f"load_pretrained: {type(loaded).__name__}, {loaded.config.num_hidden_layers} layers, "
+                     f"{sum(p.numel() for p in loaded.parameters()):,} parameters, finite logits: "
+                     f"{bool(torch.isfinite(logits).all())}")  # fmt: skip
     return "\n".join(lines)
 
 
