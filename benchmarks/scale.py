@@ -5,23 +5,24 @@ up to 512 routed experts; gdnprune.model.family), its cost grows with its work (
 parameters, layers and experts, fitted on log-log axes), and ``gdnprune estimate`` predicts each stage within
 30 % at the measured points.
 
-What it runs, each stage a CLI call in a child process of its own (wall time, peak RSS from ``resource``):
+What it runs, each stage a CLI call in a child process of its own (wall time, CPU seconds, peak RSS: VmHWM):
 
+* ``prune``: ``prune --budget-params 0.5`` at every growth point (the issue's targets; first, the long part);
 * ``growth``: Qwen3-Next-80B-A3B's counts scaled 1/8, 1/4, 1/2 and 1 (8 to 48 layers, 64 to 512 experts) at
   tiny widths (hidden 64, head dims 8, expert width 8), and the 4-layer, 8-expert model of the same widths;
-  stages inspect, score, slice (half the GDN key heads), prune --budget-params 0.5 (score, plan, sort and
-  slice on one loaded model), distill (1 process, 2 steps), eval, bench; 4 calibration windows of 32 tokens,
+  stages inspect, score, slice (half the GDN key heads), distill (1 process, 2 steps, on the slice), eval,
+  bench, stage by stage; 4 calibration windows of 32 tokens,
   the plan on 1 of them with ``--dim-step 1/2`` (the default 1/8 grid makes 2,048 candidates per GDN layer
   here: ``gdnprune estimate`` says what that costs);
 * ``widths``: random weights at the real widths of the smallest dense members (Qwen3.5-0.8B: hidden 1024;
-  Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan of
-  a real width is hours here: its prediction is printed instead);
+  Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan's
+  prediction is printed beside them);
 * ``members``: every family member's real-count model end to end (inspect, score, prune --budget-params 0.5,
   distill under FSDP2 on 2 processes, eval, bench): pass or fail, and the times;
 * ``predictions``: the GPU predictions for Qwen3.5-9B, 27B and 397B-A17B on 1 and 8 H100s (markdown).
 
-Every result is kept in ``benchmarks/_work/scale/results.json`` (a rerun skips what is there: ``--redo`` runs it
-again), with the load average when it ran; ``--plot`` draws ``docs/benchmarks/img/scale.png``; ``--fit``
+Every result is kept in ``benchmarks/_work/scale/results*.json`` (a rerun skips what is there: ``--redo`` runs it
+again; ``--results`` names the file of a run beside another), with the load average when it ran; ``--plot`` draws ``docs/benchmarks/img/scale.png``; ``--fit``
 prints the CPU rates that fit the measurements (the ``cpu`` entry of gdnprune/estimate/devices.py).
 
     nice -n 10 .venv/bin/python -m benchmarks scale prune widths growth members --plot
@@ -288,7 +289,7 @@ def members(results: dict, redo: bool) -> None:
     for m in MEMBERS:
         key = "member-" + m.name
         model = _folder(key, tiny_config(m))
-        stages = ["inspect", "score", "prune-proxy", "distill-fsdp", "eval", "bench"]
+        stages = ["inspect", "score", "prune", "distill-fsdp", "eval", "bench"]
         run_point(results, key, model, stages, redo)
 
 
@@ -416,6 +417,28 @@ def slopes(results: dict) -> str:
     return "\n".join(rows)
 
 
+def widths_table(results: dict) -> str:
+    """The real-width points: each stage's CPU seconds / peak RSS MiB, and the plan's prediction."""
+    stages = ("inspect", "score", "slice", "distill", "bench")
+    rows = [
+        "| point | parameters | " + " | ".join(stages) + " | plan (predicted) |",
+        "|---|" + "---:|" * (len(stages) + 2),
+    ]
+    for key, _, _ in WIDTHS:
+        pts = [results.get(f"{key}/{stage}") for stage in stages]
+        if not any(pts):
+            continue
+        model = WORK / "models" / key
+        plan = _predict(model, "plan")
+        cells = [f"{_cpu(p):.1f} s / {p['rss'] / 2**20:.0f}" if p and p["code"] == 0 else "" for p in pts]
+        rows.append(
+            f"| {key} | {plan['parameters'] / 1e6:.0f}M | "
+            + " | ".join(cells)
+            + f" | {_hours(plan['seconds'])} |"
+        )
+    return "\n".join(rows)
+
+
 def plot(results: dict) -> None:
     from gdnprune.runtime.figures import new_figure
 
@@ -496,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         results = _fresh(results)
         print(table(results))
         print(slopes(results))
+        print(widths_table(results))
         print(targets(results))
     if args.fit:
         fit(results)
