@@ -5,27 +5,28 @@ up to 512 routed experts; gdnprune.model.family), its cost grows with its work (
 parameters, layers and experts, fitted on log-log axes), and ``gdnprune estimate`` predicts each stage within
 30 % at the measured points.
 
-What it runs, each stage a CLI call in a child process of its own (wall time, peak RSS from ``resource``):
+What it runs, each stage a CLI call in a child process of its own (wall time, CPU seconds, peak RSS: VmHWM):
 
+* ``prune``: ``prune --budget-params 0.5`` at every growth point (the issue's targets; first, the long part);
 * ``growth``: Qwen3-Next-80B-A3B's counts scaled 1/8, 1/4, 1/2 and 1 (8 to 48 layers, 64 to 512 experts) at
   tiny widths (hidden 64, head dims 8, expert width 8), and the 4-layer, 8-expert model of the same widths;
-  stages inspect, score, slice (half the GDN key heads), prune --budget-params 0.5 (score, plan, sort and
-  slice on one loaded model), distill (1 process, 2 steps), eval, bench; 4 calibration windows of 32 tokens,
+  stages inspect, score, slice (half the GDN key heads), distill (1 process, 2 steps, on the slice), eval,
+  bench, stage by stage; 4 calibration windows of 32 tokens,
   the plan on 1 of them with ``--dim-step 1/2`` (the default 1/8 grid makes 2,048 candidates per GDN layer
   here: ``gdnprune estimate`` says what that costs);
 * ``widths``: random weights at the real widths of the smallest dense members (Qwen3.5-0.8B: hidden 1024;
-  Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan of
-  a real width is hours here: its prediction is printed instead);
+  Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan's
+  prediction is printed beside them);
 * ``members``: every family member's real-count model end to end (inspect, score, prune --budget-params 0.5,
   distill under FSDP2 on 2 processes, eval, bench): pass or fail, and the times;
 * ``predictions``: the GPU predictions for Qwen3.5-9B, 27B and 397B-A17B on 1 and 8 H100s (markdown).
 
-Every result is kept in ``benchmarks/_work/scale/results.json`` (a rerun skips what is there: ``--redo`` runs it
-again), with the load average when it ran; ``--plot`` draws ``docs/benchmarks/img/scale.png``; ``--fit``
+Every result is kept in ``benchmarks/_work/scale/results*.json`` (a rerun skips what is there: ``--redo`` runs it
+again; ``--results`` names the file of a run beside another), with the load average when it ran; ``--plot`` draws ``docs/benchmarks/img/scale.png``; ``--fit``
 prints the CPU rates that fit the measurements (the ``cpu`` entry of gdnprune/estimate/devices.py).
 
-    nice -n 10 .venv/bin/python benchmarks/scale.py growth widths members --plot
-    .venv/bin/python benchmarks/scale.py predictions
+    nice -n 10 .venv/bin/python -m benchmarks scale prune widths growth members --plot
+    .venv/bin/python -m benchmarks scale predictions
 """
 
 from __future__ import annotations
@@ -40,14 +41,13 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "src"))
+from _common import REPO, child_env, load_average
 
-from gdnprune.demo_data import train_text, validation_text  # noqa: E402
-from gdnprune.estimate.devices import DEVICES  # noqa: E402
-from gdnprune.estimate.inventory import model_facts  # noqa: E402
-from gdnprune.estimate.stages import RunOptions, stage_costs  # noqa: E402
-from gdnprune.model.family import MEMBERS, tiny_config  # noqa: E402
+from gdnprune.demo_data import train_text, validation_text
+from gdnprune.estimate.devices import DEVICES
+from gdnprune.estimate.inventory import model_facts
+from gdnprune.estimate.stages import RunOptions, stage_costs
+from gdnprune.model.family import MEMBERS, tiny_config
 
 WORK = REPO / "benchmarks" / "_work" / "scale"
 IMG = REPO / "docs" / "benchmarks" / "img" / "scale.png"
@@ -68,15 +68,16 @@ OPTIONS = RunOptions(
 )
 GROWTH = (
     ("next-4x8", 1 / 64),
-    ("next-1/8", 1 / 8),
-    ("next-1/4", 1 / 4),
-    ("next-1/2", 1 / 2),
-    ("next-1", 1.0),
+    ("next-8th", 1 / 8),
+    ("next-4th", 1 / 4),
+    ("next-half", 1 / 2),
+    ("next-full", 1.0),
 )
+GROWTH_STAGES = ("inspect", "score", "slice", "distill", "eval", "bench")  # prune: its own part, first
 WIDTHS = (
-    ("0.8B-1/8", "Qwen3.5-0.8B", 1 / 8),
-    ("0.8B-1/4", "Qwen3.5-0.8B", 1 / 4),
-    ("2B-1/8", "Qwen3.5-2B", 1 / 8),
+    ("0.8B-8th", "Qwen3.5-0.8B", 1 / 8),
+    ("0.8B-4th", "Qwen3.5-0.8B", 1 / 4),
+    ("2B-8th", "Qwen3.5-2B", 1 / 8),
 )
 
 _CHILD = """
@@ -85,29 +86,45 @@ argv = json.loads(sys.argv[1])
 start = time.perf_counter()
 from gdnprune.cli import main
 code = main(argv)
+usage = resource.getrusage(resource.RUSAGE_SELF)
+# VmHWM, not ru_maxrss: a child's ru_maxrss keeps the peak of the parent it was forked from
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
 print("SCALE-RESULT " + json.dumps({"code": code, "seconds": time.perf_counter() - start,
-      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+      "cpu": usage.ru_utime + usage.ru_stime, "rss": int(hwm[0].split()[1]) * 1024 if hwm else usage.ru_maxrss * 1024}))
 """
 
 
+def _cpu(r: dict) -> float:
+    """The CPU seconds of a measured stage (user + system, its process alone): what the fits, the plot and the
+    estimate's validation use, since the wall time of a shared 2-core machine under a load of 5-11 measures
+    the other jobs as much as this one."""
+    return r.get("cpu", r["seconds"])
+
+
+RESULTS = "results.json"
+
+
 def _results() -> dict:
-    path = WORK / "results.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    """Every measured point, from each ``results*.json`` under WORK (runs of several parts side by side each
+    keep their own file: ``--results``)."""
+    out: dict = {}
+    for path in sorted(WORK.glob("results*.json")):
+        out.update(json.loads(path.read_text()))
+    return out
 
 
 def _save(results: dict) -> None:
     WORK.mkdir(parents=True, exist_ok=True)
-    tmp = WORK / "results.json.tmp"
+    tmp = WORK / (RESULTS + ".tmp")
     tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
-    os.replace(tmp, WORK / "results.json")
+    os.replace(tmp, WORK / RESULTS)
 
 
 def _stage(argv: list[str], launcher: list[str] | None = None) -> dict:
     """One CLI call in a child process (one torch thread): its exit code, wall time and peak RSS."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    env = child_env(threads=1)
     command = [sys.executable, "-c", _CHILD, json.dumps(argv)]
     if launcher:
-        command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-c", _CHILD, json.dumps(argv)]
         command = [
             sys.executable,
             "-m",
@@ -128,7 +145,7 @@ def _stage(argv: list[str], launcher: list[str] | None = None) -> dict:
             "error": done.stderr[-1500:],
         }
     out = json.loads(lines[0].removeprefix("SCALE-RESULT "))
-    out["load"] = os.getloadavg()[0]
+    out["load"] = load_average()
     if out["code"]:
         out["error"] = done.stderr[-1500:]
     return out
@@ -167,6 +184,7 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
             str(SAMPLES),
             "-o",
             str(out / "scores.json"),
+            "--overwrite",
             *common,
         ], None
     if stage == "plan":
@@ -179,13 +197,16 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
         keys, values = config["linear_num_key_heads"] // 2, config["linear_num_value_heads"] // 2
         argv = ["slice", str(model), "--num-key-heads", str(keys), "--num-value-heads", str(values)]
         return [*argv, "-o", str(out / "sliced"), "-q", "--overwrite"], None
-    if stage == "prune":
+    if stage in ("prune", "prune-proxy"):  # prune-proxy: the plan from the proxy sensitivity (no KL search)
         return [
             "prune", str(model), "--budget-params", "0.5", "--num-samples", str(SAMPLES), "--plan-samples",
             str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "pruned"), "--overwrite", *common,
-        ], None  # fmt: skip
+        ] + (["--sensitivity", "proxy", "--blocks", "gdn,attention,mlp,shared_expert,experts"]  # no depth: no KL
+             if stage == "prune-proxy" else []), None  # fmt: skip
     if stage in ("distill", "distill-fsdp"):
-        student = out / ("pruned" if (out / "pruned").exists() else "sliced")
+        student = out / (
+            "sliced" if (out / "sliced").exists() else "pruned"
+        )  # growth: the slice; members: prune
         argv = ["distill", str(student), "--teacher", str(model), "--data", str(calib), "--steps", "2"]
         argv += ["--batch-size", "2", "--seq-len", str(SEQ), "--threads", "1", "-q", "--overwrite"]
         argv += ["-o", str(out / stage)]
@@ -230,7 +251,7 @@ def run_point(results: dict, key: str, model: Path, stages: list[str], redo: boo
         argv, launcher = _argv(stage, model, out, calib, val)
         print(f"{name} ...", flush=True)
         measured = _stage(argv, launcher)
-        measured["predicted"] = _predict(model, stage) if stage != "distill-fsdp" else None
+        measured["predicted"] = None if stage in ("distill-fsdp", "prune-proxy") else _predict(model, stage)
         results[name] = measured
         _save(results)
         pred = measured["predicted"]
@@ -239,16 +260,18 @@ def run_point(results: dict, key: str, model: Path, stages: list[str], redo: boo
               f" (load {measured.get('load', 0):.1f})", flush=True)  # fmt: skip
 
 
-def growth(results: dict, redo: bool) -> None:
-    for key, scale in GROWTH:
-        model = _folder(key, tiny_config("Qwen3-Next-80B-A3B", scale=scale))
-        run_point(
-            results,
-            key,
-            model,
-            ["inspect", "score", "slice", "prune", "distill", "eval", "bench"],
-            redo,
-        )
+def growth(results: dict, redo: bool, stages: tuple[str, ...] = GROWTH_STAGES) -> None:
+    """Every stage at every growth point, stage by stage (so a run cut short still has each stage's smaller
+    points)."""
+    models = {key: _folder(key, tiny_config("Qwen3-Next-80B-A3B", scale=scale)) for key, scale in GROWTH}
+    for stage in stages:
+        for key, model in models.items():
+            run_point(results, key, model, [stage], redo)
+
+
+def prune(results: dict, redo: bool) -> None:
+    """The issue's targets first: ``prune --budget-params 0.5`` at every growth point."""
+    growth(results, redo, ("prune",))
 
 
 def widths(results: dict, redo: bool) -> None:
@@ -266,7 +289,8 @@ def members(results: dict, redo: bool) -> None:
     for m in MEMBERS:
         key = "member-" + m.name
         model = _folder(key, tiny_config(m))
-        run_point(results, key, model, ["inspect", "score", "prune", "distill-fsdp", "eval", "bench"], redo)
+        stages = ["inspect", "score", "prune", "distill-fsdp", "eval", "bench"]
+        run_point(results, key, model, stages, redo)
 
 
 def predictions() -> str:
@@ -308,16 +332,16 @@ def _fresh(results: dict) -> dict:
 def table(results: dict) -> str:
     """Every measured point beside its prediction."""
     rows = [
-        "| point | stage | measured s | predicted s | ratio | peak RSS MiB | predicted MiB | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| point | stage | wall s | CPU s | predicted s | predicted / CPU | peak RSS MiB | predicted MiB | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in sorted(results):
         r = results[name]
         point, stage = name.rsplit("/", 1)
         p = r.get("predicted") or {}
-        ratio = p.get("seconds", 0) / r["seconds"] if r.get("seconds") and p else float("nan")
+        ratio = p.get("seconds", 0) / _cpu(r) if r.get("seconds") and p else float("nan")
         rows.append(
-            f"| {point} | {stage}{'' if r['code'] == 0 else ' (failed)'} | {r['seconds']:.1f} | {p.get('seconds', float('nan')):.1f} | "
+            f"| {point} | {stage}{'' if r['code'] == 0 else ' (failed)'} | {r['seconds']:.1f} | {_cpu(r):.1f} | {p.get('seconds', float('nan')):.1f} | "
             f"{ratio:.2f} | {r['rss'] / 2**20:.0f} | {p.get('rss', 0) / 2**20:.0f} | {r.get('load', 0):.1f} |"
         )  # fmt: skip
     return "\n".join(rows)
@@ -327,19 +351,21 @@ def targets(results: dict) -> str:
     """The issue's targets for ``prune --budget-params 0.5`` of the 48-layer, 512-expert model in one process:
     at most 40x the wall time of the same widths with 4 layers and 8 experts, peak RSS at most 4x the
     checkpoint's bytes + 1.5 GiB, the output at most half the parameters and loaded by load_pretrained."""
-    big, small = results.get("next-1/prune"), results.get("next-4x8/prune")
+    big, small = results.get("next-full/prune"), results.get("next-4x8/prune")
     if not big or not small or big["code"] or small["code"]:
         return "prune targets: not measured yet"
-    model = WORK / "models" / "next-1"
+    model = WORK / "models" / "next-full"
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     limit = 4 * size + 1.5 * 2**30
     lines = [
         f"prune wall time: {big['seconds']:.0f} s vs {small['seconds']:.0f} s = {big['seconds'] / small['seconds']:.1f}x "
-        f"(target <= 40x: {'met' if big['seconds'] <= 40 * small['seconds'] else 'missed'})",
+        f"(target <= 40x: {'met' if big['seconds'] <= 40 * small['seconds'] else 'missed'}; load "
+        f"{big.get('load', 0):.1f} vs {small.get('load', 0):.1f}); CPU time {_cpu(big):.0f} s vs {_cpu(small):.0f} s = "
+        f"{_cpu(big) / _cpu(small):.1f}x",
         f"prune peak RSS: {big['rss'] / 2**30:.2f} GiB vs 4 x {size / 2**30:.2f} GiB + 1.5 GiB = {limit / 2**30:.2f} GiB "
         f"(target: {'met' if big['rss'] <= limit else 'missed'})",
     ]
-    pruned = WORK / "runs" / "next-1" / "pruned"
+    pruned = WORK / "runs" / "next-full" / "pruned"
     if pruned.exists():
         from gdnprune.estimate.inventory import model_facts as facts_of
 
@@ -349,28 +375,67 @@ def targets(results: dict) -> str:
         total = sum(t.numel for t in facts_of(model).tensors if not t.name.startswith("mtp."))
         lines.append(f"prune output: {total_kept:,} of {total:,} parameters ({total_kept / total:.1%}; decoder "
                      f"{kept / full:.1%}); target <= 50%: {'met' if total_kept <= 0.5 * total else 'missed'}")  # fmt: skip
+        import torch
+
+        from gdnprune import load_pretrained
+
+        loaded = load_pretrained(pruned)
+        with torch.no_grad():
+            logits = loaded(input_ids=torch.arange(16)[None] % loaded.config.vocab_size).logits
+        lines.append(f"load_pretrained: {type(loaded).__name__}, {loaded.config.num_hidden_layers} layers, "
+                     f"{sum(p.numel() for p in loaded.parameters()):,} parameters, finite logits: "
+                     f"{bool(torch.isfinite(logits).all())}")  # fmt: skip
     return "\n".join(lines)
 
 
 def slopes(results: dict) -> str:
-    """The fitted growth of each stage over the growth points: the log-log slope of time and memory against
-    parameters, layers and experts (scales 1/8 to 1)."""
+    """The growth table: each stage's CPU time and peak RSS at every growth point, and the log-log slope against
+    the parameters (scales 1/8 to 1) of what each adds to the 4-layer, 8-expert model's (the fixed costs,
+    imports and startup, left out). Layers and experts both double from one point to the next and the
+    parameters grow 4x (the experts hold nearly all), so a slope of 1 is linear in layers x experts and 0.5
+    is linear in the layers alone."""
     import numpy as np  # lazy: after the runs
 
+    points = [key for key, _ in GROWTH]
     rows = [
-        "| stage | time ~ params^ | time ~ layers^ | time ~ experts^ | RSS ~ params^ |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for stage in ("inspect", "score", "plan", "slice", "prune", "distill", "eval", "bench"):
-        pts = [results.get(f"{key}/{stage}") for key, _ in GROWTH[1:]]
-        pts = [p for p in pts if p and p["code"] == 0 and p.get("predicted")]
-        if len(pts) < 2:
+        "| stage (CPU s / peak RSS MiB) | " + " | ".join(points) + " | time ~ params^ | RSS ~ params^ |",
+        "|---|" + "---:|" * (len(points) + 2),
+    ]  # fmt: skip
+    for stage in ("inspect", "score", "slice", "prune", "distill", "eval", "bench"):
+        pts = [results.get(f"{key}/{stage}") for key in points]
+        ok = [p for p in pts if p and p["code"] == 0 and p.get("predicted")]
+        if len(ok) < 3 or not pts[0] or pts[0]["code"]:
             continue
-        x = {k: np.log([p["predicted"][k] for p in pts]) for k in ("parameters", "layers", "experts")}
-        t, m = np.log([p["seconds"] for p in pts]), np.log([p["rss"] for p in pts])
-        fit = {k: float(np.polyfit(v, t, 1)[0]) for k, v in x.items()}
-        rows.append(f"| {stage} | {fit['parameters']:.2f} | {fit['layers']:.2f} | {fit['experts']:.2f} | "
-                    f"{float(np.polyfit(x['parameters'], m, 1)[0]):.2f} |")  # fmt: skip
+        base = pts[0]
+        grown = [p for p in pts[1:] if p and p["code"] == 0 and p.get("predicted")]
+        x = np.log([p["predicted"]["parameters"] - base["predicted"]["parameters"] for p in grown])
+        dt = np.log([max(_cpu(p) - _cpu(base), 1e-2) for p in grown])
+        dm = np.log([max(p["rss"] - base["rss"], 2**20) for p in grown])
+        cells = [f"{_cpu(p):.1f} / {p['rss'] / 2**20:.0f}" if p and p["code"] == 0 else "" for p in pts]
+        rows.append(f"| {stage} | " + " | ".join(cells) + f" | {float(np.polyfit(x, dt, 1)[0]):.2f} | "
+                    f"{float(np.polyfit(x, dm, 1)[0]):.2f} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def widths_table(results: dict) -> str:
+    """The real-width points: each stage's CPU seconds / peak RSS MiB, and the plan's prediction."""
+    stages = ("inspect", "score", "slice", "distill", "bench")
+    rows = [
+        "| point | parameters | " + " | ".join(stages) + " | plan (predicted) |",
+        "|---|" + "---:|" * (len(stages) + 2),
+    ]
+    for key, _, _ in WIDTHS:
+        pts = [results.get(f"{key}/{stage}") for stage in stages]
+        if not any(pts):
+            continue
+        model = WORK / "models" / key
+        plan = _predict(model, "plan")
+        cells = [f"{_cpu(p):.1f} s / {p['rss'] / 2**20:.0f}" if p and p["code"] == 0 else "" for p in pts]
+        rows.append(
+            f"| {key} | {plan['parameters'] / 1e6:.0f}M | "
+            + " | ".join(cells)
+            + f" | {_hours(plan['seconds'])} |"
+        )
     return "\n".join(rows)
 
 
@@ -388,10 +453,10 @@ def plot(results: dict) -> None:
         if not pts:
             continue
         params = [p["predicted"]["parameters"] for p in pts]
-        line = axes[0].loglog(params, [p["seconds"] for p in pts], marker=marker, label=stage)[0]
+        line = axes[0].loglog(params, [_cpu(p) for p in pts], marker=marker, label=stage)[0]
         axes[0].loglog(params, [p["predicted"]["seconds"] for p in pts], ls=":", color=line.get_color())
         axes[1].loglog(params, [p["rss"] / 2**20 for p in pts], marker=marker, label=stage)
-    axes[0].set(xlabel="parameters (4 to 48 layers, 8 to 512 experts)", ylabel="wall time, s (dotted: predicted)",
+    axes[0].set(xlabel="parameters (4 to 48 layers, 8 to 512 experts)", ylabel="CPU time, s (dotted: predicted)",
                 title="time per stage")  # fmt: skip
     axes[1].set(xlabel="parameters", ylabel="peak RSS, MiB", title="memory per stage")
     axes[0].legend(fontsize=7)
@@ -423,7 +488,7 @@ def fit(results: dict) -> None:
         for key, r in points:
             point, stage = key.rsplit("/", 1)
             (cost,) = stage_costs(facts[point], OPTIONS, dev, [{"distill-fsdp": "distill"}.get(stage, stage)])
-            errs.append(math.log(cost.seconds / r["seconds"]) ** 2)
+            errs.append(math.log(cost.seconds / _cpu(r)) ** 2)
         return float(np.mean(errs))
 
     start = np.log([getattr(base, n) for n in names])
@@ -433,21 +498,28 @@ def fit(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", default=["growth"], help="growth, widths, members, predictions")
+    parser.add_argument(
+        "parts", nargs="*", default=["growth"], help="prune, growth, widths, members, predictions"
+    )
     parser.add_argument("--redo", action="store_true", help="run again what results.json holds")
     parser.add_argument("--plot", action="store_true", help=f"draw {IMG.relative_to(REPO)}")
     parser.add_argument("--fit", action="store_true", help="print the CPU rates that fit the measurements")
+    parser.add_argument(
+        "--results", default=RESULTS, help="the file under benchmarks/_work/scale/ this run writes"
+    )
     args = parser.parse_args(argv)
+    globals()["RESULTS"] = args.results
     results = _results()
     for part in args.parts:
         if part == "predictions":
             print(predictions())
         else:
-            {"growth": growth, "widths": widths, "members": members}[part](results, args.redo)
+            {"prune": prune, "growth": growth, "widths": widths, "members": members}[part](results, args.redo)
     if results:
         results = _fresh(results)
         print(table(results))
         print(slopes(results))
+        print(widths_table(results))
         print(targets(results))
     if args.fit:
         fit(results)

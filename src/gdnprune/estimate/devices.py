@@ -22,7 +22,9 @@ class Device:
     ``bandwidth_efficiency``: the shares of the peaks reached; ``op_seconds``: the fixed cost of one module
     call or kernel (Python, dispatch, launch); ``tensor_seconds``: the host's cost per tensor of a checkpoint
     (header, read call, bookkeeping); ``disk``: bytes/s reading or writing checkpoint files; ``startup``: the
-    seconds a command that runs a model spends importing torch and transformers."""
+    seconds a command that runs a model spends importing torch and transformers; ``runtime_memory``: the host
+    memory such a command holds before any model (Python, torch, transformers; measured with the CPU build
+    here, benchmarks/scale.py: a CUDA build's context holds more)."""
 
     name: str
     kind: str  # "cpu" or "cuda"
@@ -38,6 +40,7 @@ class Device:
     disk: float
     source: str
     startup: float = 8.0  # seconds a command takes to import torch and transformers before its work
+    runtime_memory: float = 0.45 * 2**30  # host bytes of that import
 
     def flops(self, dtype_bytes: int) -> float:
         """Matrix throughput reached for a compute dtype of ``dtype_bytes`` bytes."""
@@ -68,6 +71,7 @@ DEVICES: dict[str, Device] = {
         tensor_seconds=4e-5,
         disk=1e9,
         source="calibrated on the benchmark machine (benchmarks/scale.py)",
+        startup=5.0,  # CPU seconds of the imports alone (a score that stopped at its output check: 4.8 s)
     ),
     "h100": Device(
         "h100",

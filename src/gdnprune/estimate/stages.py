@@ -93,7 +93,11 @@ def _layer_flops(layer: LayerFacts, context: int) -> float:
         flops += 2.0 * heads * head_dim * context  # scores and values over half the window on average, x2
     if layer.gdn:
         _, hv, dk, dv, _ = layer.gdn
-        flops += 4.0 * hv * dk * dv + 2.0 * _CHUNK * hv * (dk + dv)  # state update and read, the chunk's own
+        # per value head and token of the window padded to whole chunks: the chunk's key-key and query-key
+        # products (2 C dk each), its two triangular solves (C dk + C dv), its attention over the new values
+        # (2 C dv), and the state's read, correction and update (6 dk dv)
+        padded = math.ceil(context / _CHUNK) * _CHUNK / context
+        flops += padded * hv * (5.0 * _CHUNK * dk + 3.0 * _CHUNK * dv + 6.0 * dk * dv)
     return flops
 
 
@@ -482,6 +486,13 @@ def stage_costs(
             out.append(_bench(facts, options, device, dtype_bytes))
         else:
             raise ValueError(f"unknown stage {stage!r}; expected some of {', '.join(STAGES)}")
+    # a command that runs a model holds its runtime (Python, torch, transformers) beside the model
+    out = [
+        c
+        if c.stage in ("inspect", "slice", "sort")
+        else replace(c, host_memory=c.host_memory + device.runtime_memory)
+        for c in out
+    ]
     if device.memory:
         out = [
             replace(
