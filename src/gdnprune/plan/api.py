@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-# long: the docstring documents every option; the body gathers them into PlanOptions for search()
 @renamed_keywords(
     refine_generations="evolve_generations", refine_offspring="evolve_offspring", refine_seed="evolve_seed"
 )
