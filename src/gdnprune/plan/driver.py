@@ -4,6 +4,7 @@ against recall and depth), refine (evolution, ranking after recovery), and write
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -202,7 +203,7 @@ class Rounds:
             bld_steps=o.bld_steps,
         )
         fitted: list[dict[str, float]] = []
-        exact = lambda: choose_plan(problem, sens, uniform=o.uniform, servable=o.servable)  # noqa: E731
+        exact = functools.partial(choose_plan, problem, sens, uniform=o.uniform, servable=o.servable)
         if (
             self.latency is not None and self.workload is not None
         ):  # the prediction checked on the whole model
