@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..io.scores_file import read_scores
+from ..model.kernels import cpu_gdn_kernels
 from ..model.latency import Workload
 from ..quality.recall_windows import RECALL_SHARE
 from ..runtime.fileio import file_sha256
@@ -55,6 +56,7 @@ class Search:
     report: PlanReport
 
 
+@cpu_gdn_kernels()
 def search(
     model: Any,
     batches: Iterable[Any] | None,

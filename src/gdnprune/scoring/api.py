@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..model.kernels import cpu_gdn_kernels
 from ..model.layouts import find_gdn_modules
 from ..model.subblock_geometry import KINDS
 from ..runtime.distributed import (
@@ -111,6 +112,7 @@ def scored_kinds(blocks: Sequence[str] | bool | None) -> tuple[str, ...] | None:
     return tuple(k for k in KINDS if k in names)
 
 
+@cpu_gdn_kernels()
 def measure_statistics(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -218,6 +220,7 @@ def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> Sc
 
 
 # Over 80 lines with its documented keyword arguments (the public API); the code is under 65.
+@cpu_gdn_kernels()
 def score_model(
     model: torch.nn.Module,
     batches: Iterable[Any],
