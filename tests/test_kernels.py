@@ -33,14 +33,13 @@ def _inputs(batch, length, key_heads=2, value_heads=4, key_dim=8, value_dim=6, *
 
 @pytest.mark.parametrize("length", [1, 5, 16, 37, 64, 130])
 @pytest.mark.parametrize("state", [False, True])
-def test_equals_transformers_rules(length, state):
-    x = _inputs(2, length, state=state)
-    ours, our_state = chunk_gated_delta_rule(
-        **x, chunk_size=16, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
+@pytest.mark.parametrize("dims", [(8, 6), (32, 48)])  # chunks of 16 (a small head state), of 64
+def test_equals_transformers_rules(length, state, dims):
+    x = _inputs(2, length, key_dim=dims[0], value_dim=dims[1], state=state)
+    ours, our_state = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     theirs, their_state = REFERENCE(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     step, step_state = RECURRENT(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    assert ours.shape == theirs.shape == (2, length, 4, 6)
+    assert ours.shape == theirs.shape == (2, length, 4, dims[1])
     for reference, reference_state in ((theirs, their_state), (step, step_state)):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(our_state, reference_state, rtol=1e-4, atol=1e-5)
@@ -98,3 +97,11 @@ def test_a_window_does_not_depend_on_its_batch(length):
             for i, j in ((0, 1), (1, 3), (3, 5))
         ]
     assert torch.equal(whole, torch.cat(parts))
+
+
+def test_float32_under_autocast():
+    x = {k: v.to(torch.bfloat16) for k, v in _inputs(1, 20, seed=5).items()}
+    reference, _ = chunk_gated_delta_rule(**x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = chunk_gated_delta_rule(**x)
+    assert torch.equal(ours, reference)

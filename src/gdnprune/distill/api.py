@@ -33,6 +33,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..corpus.dataset import WindowDataset
+from ..model.kernels import cpu_gdn_kernels
 from ..runtime.fileio import write_json_atomic
 from .fsdp import (
     check_shardable,
@@ -332,7 +333,7 @@ def _train(trainer, config: DistillConfig, record: dict, out: Path | None, check
     dtype = config.output_dtype
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     with DiskFullGuard(out, trainer.model) as guard:
-        with signals_stop(trainer.accelerator) as signals:
+        with signals_stop(trainer.accelerator) as signals, cpu_gdn_kernels():
             trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
         if out is not None and not run.interrupted:
             guard.final(dtype)
