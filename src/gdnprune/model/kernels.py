@@ -10,7 +10,7 @@ where no gradient is needed: 2x faster on the plan's calibration windows, equal 
 transformers' chunked and recurrent rules).
 
 :func:`cpu_gdn_kernels` puts it in place of the reference, in the transformers modules already imported, for the
-duration of a ``with`` block (the plan's measurements, scoring, eval); where flash-linear-attention is installed it
+duration of a ``with`` block (the plan's measurements, scoring, distillation; not eval, whose numbers are lm-eval's own); where flash-linear-attention is installed it
 changes nothing.
 """
 
