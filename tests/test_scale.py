@@ -50,6 +50,23 @@ def run(launch_inputs, tmp_path_factory):
     done["slice"] = _run(
         "slice", str(out / "sorted"), "--num-experts", str(EXPERTS_KEPT), "-o", str(out / "sliced"), "-q"
     )
+    # a plan of the GDN layers from the scores alone (the proxy sensitivity: the KL search costs minutes at this
+    # depth, and benchmarks/scale.py runs it, every block cut, in `prune --budget-params 0.5`), its slice, eval, bench
+    done["plan"] = _run(
+        "plan", str(model), "--scores", str(out / "scores.json"), "--budget-gdn-params", "0.5", "--blocks", "gdn",
+        "--sensitivity", "proxy", "-o", str(out / "plan.json"), *common,
+    )  # fmt: skip
+    done["slice_plan"] = _run(
+        "slice", str(out / "sorted"), "--plan", str(out / "plan.json"), "-o", str(out / "planned"), "-q"
+    )
+    done["eval"] = _run(
+        "eval", str(out / "planned"), "--tasks", "nats_per_byte", "--data", str(calib), "--limit", "1",
+        "--context-lengths", "128", "--batch-size", "1", "--threads", "1", "-q", "-o", str(out / "eval"),
+    )  # fmt: skip
+    done["bench"] = _run(
+        "bench", str(out / "planned"), "--workload", "prefill:1:16", "--repeats", "1", "--warmup-calls", "0",
+        "--device", "cpu", "--threads", "1", "-q", "-o", str(out / "bench"),
+    )  # fmt: skip
     return {"root": root, "out": out, "done": done}
 
 
@@ -118,3 +135,18 @@ def test_distill_under_fsdp2_on_two_processes(launch, launch_inputs):
     teacher_experts = json.loads((root / "model" / "config.json").read_text())["num_experts"]
     assert teacher_experts == 512 and student.config.num_experts == 128
     assert len(student.model.layers) == 48
+
+
+def test_plan_slice_eval_and_bench_at_the_real_counts(run):
+    """The plan keeps at most half of the GDN parameters, counted on the planned folder's loaded modules against
+    the files' headers; eval and bench measure the planned model."""
+    out = run["out"]
+    gdn = [t.numel for t in _tensors(run["root"] / "model") if ".linear_attn." in t.name]
+    planned = load_causal_lm(out / "planned")
+    assert len(planned.model.layers) == 48
+    kept = [p.numel() for n, p in planned.named_parameters() if ".linear_attn." in n]
+    assert len(kept) == len(gdn) and sum(kept) <= 0.5 * sum(gdn)
+    results = json.loads((out / "eval" / "results.json").read_text())
+    nats = results["models"][0]["results"]["nats_per_byte"]["nats_per_byte,none"]
+    assert 0 < nats < 20
+    assert list((out / "bench").glob("*.json"))
