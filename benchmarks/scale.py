@@ -354,19 +354,21 @@ def _fresh(results: dict) -> dict:
 
 
 def table(results: dict) -> str:
-    """Every measured point beside its prediction."""
+    """Every measured point beside its prediction: CPU seconds and peak RSS, each with predicted / measured."""
     rows = [
-        "| point | stage | wall s | CPU s | predicted s | predicted / CPU | peak RSS MiB | predicted MiB | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| point | stage | wall s | CPU s | predicted s | ratio | peak RSS MiB | predicted MiB | ratio | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in sorted(results):
         r = results[name]
         point, stage = name.rsplit("/", 1)
         p = r.get("predicted") or {}
-        ratio = p.get("seconds", 0) / _cpu(r) if r.get("seconds") and p else float("nan")
+        if r["code"] or not p:
+            continue
+        memory = f"{p['rss'] / r['rss']:.2f}" if r["rss"] else ""
         rows.append(
-            f"| {point} | {stage}{'' if r['code'] == 0 else ' (failed)'} | {r['seconds']:.1f} | {_cpu(r):.1f} | {p.get('seconds', float('nan')):.1f} | "
-            f"{ratio:.2f} | {r['rss'] / 2**20:.0f} | {p.get('rss', 0) / 2**20:.0f} | {r.get('load', 0):.1f} |"
+            f"| {point} | {stage} | {r['seconds']:.1f} | {_cpu(r):.1f} | {p['seconds']:.1f} | {p['seconds'] / _cpu(r):.2f} | "
+            f"{r['rss'] / 2**20:.0f} | {p['rss'] / 2**20:.0f} | {memory} | {r.get('load', 0):.1f} |"
         )  # fmt: skip
     return "\n".join(rows)
 
