@@ -18,12 +18,14 @@ What it runs, each stage a CLI call in a child process of its own (wall time, CP
   Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan's
   prediction is printed beside them);
 * ``members``: every family member's real-count model end to end (inspect, score, prune --budget-params 0.5,
-  distill under FSDP2 on 2 processes, eval, bench): pass or fail, and the times;
+  distill under FSDP2 on 2 processes, eval, bench): pass or fail, and the times (``--members A,B``: only those,
+  in that order);
 * ``predictions``: the GPU predictions for Qwen3.5-9B, 27B and 397B-A17B on 1 and 8 H100s (markdown).
 
 Every result is kept in ``benchmarks/_work/scale/results*.json`` (a rerun skips what is there: ``--redo`` runs it
 again; ``--results`` names the file of a run beside another), with the load average when it ran; ``--plot`` draws ``docs/benchmarks/img/scale.png``; ``--fit``
-prints the CPU rates that fit the measurements (the ``cpu`` entry of gdnprune/estimate/devices.py).
+prints the CPU's fixed costs (per call, per tensor, per byte, the starts: ``FITTED``) that fit the measurements
+best, for the ``cpu`` entry of gdnprune/estimate/devices.py (its matrix rates are measured on products).
 
     nice -n 10 .venv/bin/python -m benchmarks scale prune widths growth members --plot
     .venv/bin/python -m benchmarks scale predictions

@@ -238,9 +238,10 @@ def _score(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -
     ops = batches * (forward_ops(facts, o.seq_len) + 20 * hooked) + sum(6.0 * u for u, _ in projected)
     load, held = _load(facts, device, dtype_bytes)
     # float64: each sub-block's weight Gram (kept), its units' Gram, and the largest batch's product transients
-    stats = sum(8.0 * (m * m + u * u) for u, m in projected) + 16.0 * max(
-        (m * m for _, m in projected), default=0
-    )
+    # float64: each sub-block's units' Gram (summed on the host), its weight Gram (kept where the model runs,
+    # for the whole run) and the largest batch's moment and product (transient, there too)
+    grams = sum(8.0 * u * u for u, _ in projected)
+    beside = sum(8.0 * m * m for _, m in projected) + 16.0 * max((m * m for _, m in projected), default=0)
     activations = o.batch_size * o.seq_len * facts.hidden_size * dtype_bytes * 16
     share = o.processes  # under torchrun every process scores its share of the windows
     seconds = load + _seconds(
@@ -253,8 +254,9 @@ def _score(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -
         flops64=flops64 / share,
         dtype_bytes=dtype_bytes,
     )
-    host = held + stats + activations if device.kind == "cpu" else held + stats
-    dev = 0.0 if device.kind == "cpu" else held + activations
+    on_model = held + beside + activations
+    host = grams + on_model if device.kind == "cpu" else held + grams
+    dev = 0.0 if device.kind == "cpu" else on_model
     return StageCost(
         "score",
         flops + flops64,
