@@ -18,12 +18,14 @@ What it runs, each stage a CLI call in a child process of its own (wall time, CP
   Qwen3.5-2B: hidden 2048) at 1/8 and 1/4 of their layers: inspect, score, slice, distill, bench (the plan's
   prediction is printed beside them);
 * ``members``: every family member's real-count model end to end (inspect, score, prune --budget-params 0.5,
-  distill under FSDP2 on 2 processes, eval, bench): pass or fail, and the times;
+  distill under FSDP2 on 2 processes, eval, bench): pass or fail, and the times (``--members A,B``: only those,
+  in that order);
 * ``predictions``: the GPU predictions for Qwen3.5-9B, 27B and 397B-A17B on 1 and 8 H100s (markdown).
 
 Every result is kept in ``benchmarks/_work/scale/results*.json`` (a rerun skips what is there: ``--redo`` runs it
 again; ``--results`` names the file of a run beside another), with the load average when it ran; ``--plot`` draws ``docs/benchmarks/img/scale.png``; ``--fit``
-prints the CPU rates that fit the measurements (the ``cpu`` entry of gdnprune/estimate/devices.py).
+prints the CPU's fixed costs (per call, per tensor, per byte, the starts: ``FITTED``) that fit the measurements
+best, for the ``cpu`` entry of gdnprune/estimate/devices.py (its matrix rates are measured on products).
 
     nice -n 10 .venv/bin/python -m benchmarks scale prune widths growth members --plot
     .venv/bin/python -m benchmarks scale predictions
@@ -38,16 +40,17 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
 from _common import REPO, child_env, load_average
 
 from gdnprune.demo_data import train_text, validation_text
-from gdnprune.estimate.devices import DEVICES
-from gdnprune.estimate.inventory import model_facts
+from gdnprune.estimate.devices import DEVICES, Device
+from gdnprune.estimate.inventory import ModelFacts, model_facts
 from gdnprune.estimate.stages import RunOptions, stage_costs
-from gdnprune.model.family import MEMBERS, tiny_config
+from gdnprune.model.family import MEMBERS, member, real_config, tiny_config
 
 WORK = REPO / "benchmarks" / "_work" / "scale"
 IMG = REPO / "docs" / "benchmarks" / "img" / "scale.png"
@@ -232,12 +235,35 @@ def _config(model: Path) -> dict:
     return json.loads((model / "config.json").read_text())
 
 
-def _predict(model: Path, stage: str, options: RunOptions = OPTIONS) -> dict:
-    facts = model_facts(model)
-    name = {"distill-fsdp": "distill", "inspect": "inspect"}.get(stage, stage)
-    (cost,) = stage_costs(facts, options, DEVICES["cpu"], [name])
-    return {"seconds": cost.seconds, "rss": cost.host_memory, "parameters": facts.parameters,
-            "layers": len(facts.layers), "experts": facts.experts, "tensors": len(facts.tensors)}  # fmt: skip
+def _predict(model: Path, stage: str, device: Device = DEVICES["cpu"], facts: dict | None = None) -> dict:
+    """The estimate of ``stage`` at the point of ``model`` (``distill``: of the student the point trained,
+    ``distill-fsdp``: on 2 processes under FSDP2); ``facts``: a cache of the models' facts."""
+    facts = {} if facts is None else facts
+
+    def of(path: Path) -> ModelFacts:
+        if path not in facts:
+            facts[path] = model_facts(path)
+        return facts[path]
+
+    teacher, options, student = of(model), OPTIONS, None
+    if stage.startswith("distill"):
+        out = WORK / "runs" / model.name
+        trained = out / ("sliced" if (out / "sliced").exists() else "pruned")
+        student = of(trained) if (trained / "config.json").exists() else None
+        if stage == "distill-fsdp":
+            options = replace(OPTIONS, processes=2, fsdp=True)
+    manifest = WORK / "runs" / model.name / "pruned" / "gdnprune.json"
+    if (
+        stage == "prune"
+        and manifest.exists()
+        and "hidden" not in json.loads(manifest.read_text())["plan"]["metadata"]
+    ):
+        # measured before prune searched the hidden size by default (its plan records no hidden search)
+        options = replace(options, blocks=tuple(b for b in options.blocks if b != "hidden"))
+    name = {"distill-fsdp": "distill"}.get(stage, stage)
+    (cost,) = stage_costs(teacher, options, device, [name], student=student)
+    return {"seconds": cost.seconds, "rss": cost.host_memory, "parameters": teacher.parameters,
+            "layers": len(teacher.layers), "experts": teacher.experts, "tensors": len(teacher.tensors)}  # fmt: skip
 
 
 def run_point(results: dict, key: str, model: Path, stages: list[str], redo: bool) -> None:
@@ -251,7 +277,7 @@ def run_point(results: dict, key: str, model: Path, stages: list[str], redo: boo
         argv, launcher = _argv(stage, model, out, calib, val)
         print(f"{name} ...", flush=True)
         measured = _stage(argv, launcher)
-        measured["predicted"] = None if stage in ("distill-fsdp", "prune-proxy") else _predict(model, stage)
+        measured["predicted"] = None if stage == "prune-proxy" else _predict(model, stage)
         results[name] = measured
         _save(results)
         pred = measured["predicted"]
@@ -277,16 +303,16 @@ def prune(results: dict, redo: bool) -> None:
 def widths(results: dict, redo: bool) -> None:
     for key, name, scale in WIDTHS:
         real = tiny_config(name, scale=scale)
-        from gdnprune.model.family import member, real_config
-
         config = {**real_config(member(name)), "num_hidden_layers": real["num_hidden_layers"], "layer_types": real["layer_types"],
                   "vocab_size": 257}  # fmt: skip
         model = _folder(key, config)
         run_point(results, key, model, ["inspect", "score", "slice", "distill", "bench"], redo)
 
 
-def members(results: dict, redo: bool) -> None:
-    for m in MEMBERS:
+def members(results: dict, redo: bool, names: tuple[str, ...] = ()) -> None:
+    """Every family member's real-count model end to end (``names``: only those, in that order)."""
+    chosen = [member(n) for n in names] if names else list(MEMBERS)
+    for m in chosen:
         key = "member-" + m.name
         model = _folder(key, tiny_config(m))
         stages = ["inspect", "score", "prune", "distill-fsdp", "eval", "bench"]
@@ -323,26 +349,28 @@ def _fresh(results: dict) -> dict:
     for name, r in results.items():
         point, stage = name.rsplit("/", 1)
         model = WORK / "models" / point
-        if r.get("predicted") and model.exists():
+        if r.get("code") == 0 and stage != "prune-proxy" and model.exists():
             r = {**r, "predicted": _predict(model, stage)}
         out[name] = r
     return out
 
 
 def table(results: dict) -> str:
-    """Every measured point beside its prediction."""
+    """Every measured point beside its prediction: CPU seconds and peak RSS, each with predicted / measured."""
     rows = [
-        "| point | stage | wall s | CPU s | predicted s | predicted / CPU | peak RSS MiB | predicted MiB | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| point | stage | wall s | CPU s | predicted s | ratio | peak RSS MiB | predicted MiB | ratio | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in sorted(results):
         r = results[name]
         point, stage = name.rsplit("/", 1)
         p = r.get("predicted") or {}
-        ratio = p.get("seconds", 0) / _cpu(r) if r.get("seconds") and p else float("nan")
+        if r["code"] or not p:
+            continue
+        memory = f"{p['rss'] / r['rss']:.2f}" if r["rss"] else ""
         rows.append(
-            f"| {point} | {stage}{'' if r['code'] == 0 else ' (failed)'} | {r['seconds']:.1f} | {_cpu(r):.1f} | {p.get('seconds', float('nan')):.1f} | "
-            f"{ratio:.2f} | {r['rss'] / 2**20:.0f} | {p.get('rss', 0) / 2**20:.0f} | {r.get('load', 0):.1f} |"
+            f"| {point} | {stage} | {r['seconds']:.1f} | {_cpu(r):.1f} | {p['seconds']:.1f} | {p['seconds'] / _cpu(r):.2f} | "
+            f"{r['rss'] / 2**20:.0f} | {p['rss'] / 2**20:.0f} | {memory} | {r.get('load', 0):.1f} |"
         )  # fmt: skip
     return "\n".join(rows)
 
@@ -367,8 +395,7 @@ def targets(results: dict) -> str:
     ]
     pruned = WORK / "runs" / "next-full" / "pruned"
     if pruned.exists():
-        from gdnprune.estimate.inventory import model_facts as facts_of
-
+        facts_of = model_facts
         kept = facts_of(pruned).decoder_parameters + 0.0
         full = facts_of(model).decoder_parameters
         total_kept = sum(t.numel for t in facts_of(pruned).tensors if not t.name.startswith("mtp."))
@@ -466,34 +493,31 @@ def plot(results: dict) -> None:
     print(f"wrote {IMG}")
 
 
-def fit(results: dict) -> None:
-    """The CPU rates that fit the measured points best (least squares on the relative error), to copy into the
-    ``cpu`` entry of gdnprune/estimate/devices.py."""
-    import dataclasses
+#: the CPU's fixed costs ``--fit`` fits (its matrix rates are measured on products, not fitted)
+FITTED = ("op_seconds", "bandwidth_efficiency", "tensor_seconds", "stream_tensor_seconds", "convert_tensor_seconds",
+          "disk", "write", "startup", "light_startup", "harness_startup", "launch")  # fmt: skip
 
+
+def fit(results: dict) -> None:
+    """The CPU's fixed costs that fit the measured points best (least squares on the log of predicted over
+    measured CPU seconds), to copy into the ``cpu`` entry of gdnprune/estimate/devices.py."""
     import numpy as np
     from scipy.optimize import minimize
 
-    from gdnprune.estimate import devices
+    points = [(k, r) for k, r in results.items() if r.get("code") == 0 and r.get("predicted")]
+    points = [(k, r) for k, r in points if (WORK / "models" / k.rsplit("/", 1)[0]).exists()]
+    base, cache = DEVICES["cpu"], {}
 
-    points = [(k, r) for k, r in results.items() if r["code"] == 0 and r.get("predicted")]
-    names = ("flops32", "flops64", "op_seconds", "tensor_seconds", "disk", "startup")
-    base = devices.DEVICES["cpu"]
-
-    facts = {p: model_facts(WORK / "models" / p) for p in {k.rsplit("/", 1)[0] for k, _ in points}}
-
-    def error(logs):
-        dev = dataclasses.replace(base, **{n: float(np.exp(v)) for n, v in zip(names, logs)})
-        errs = []
-        for key, r in points:
-            point, stage = key.rsplit("/", 1)
-            (cost,) = stage_costs(facts[point], OPTIONS, dev, [{"distill-fsdp": "distill"}.get(stage, stage)])
-            errs.append(math.log(cost.seconds / _cpu(r)) ** 2)
+    def error(logs) -> float:
+        dev = replace(base, **{n: float(np.exp(v)) for n, v in zip(FITTED, logs)})
+        errs = [math.log(_predict(WORK / "models" / k.rsplit("/", 1)[0], k.rsplit("/", 1)[1], dev, cache)["seconds"]
+                         / _cpu(r)) ** 2 for k, r in points]  # fmt: skip
         return float(np.mean(errs))
 
-    start = np.log([getattr(base, n) for n in names])
-    best = minimize(error, start, method="Nelder-Mead", options={"maxiter": 400})
-    print({n: float(np.exp(v)) for n, v in zip(names, best.x)}, "mean squared log error", best.fun)
+    start = np.log([getattr(base, n) for n in FITTED])
+    print("mean squared log error now", error(start))
+    best = minimize(error, start, method="Nelder-Mead", options={"maxiter": 1500, "xatol": 1e-3})
+    print({n: f"{float(np.exp(v)):.3g}" for n, v in zip(FITTED, best.x)}, "mean squared log error", best.fun)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,14 +531,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--results", default=RESULTS, help="the file under benchmarks/_work/scale/ this run writes"
     )
+    parser.add_argument(
+        "--members", default="", help="members: only these, comma-separated, in this order (default: all)"
+    )
     args = parser.parse_args(argv)
     globals()["RESULTS"] = args.results
     results = _results()
     for part in args.parts:
         if part == "predictions":
             print(predictions())
+        elif part == "members":
+            members(results, args.redo, tuple(n for n in args.members.split(",") if n))
         else:
-            {"prune": prune, "growth": growth, "widths": widths, "members": members}[part](results, args.redo)
+            {"prune": prune, "growth": growth, "widths": widths}[part](results, args.redo)
     if results:
         results = _fresh(results)
         print(table(results))

@@ -4,8 +4,10 @@ own candidate generators (the candidate counts), and the real-count writer again
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 from gdnprune.checkpoint import open_checkpoint
 from gdnprune.cli import main
 from gdnprune.distill.memory import estimate_memory, meta_model
-from gdnprune.estimate.devices import DEVICES
+from gdnprune.estimate.devices import DEVICES, Device
 from gdnprune.estimate.inventory import config_tensors, model_facts
 from gdnprune.estimate.memory import distill_memory, trained_shapes
 from gdnprune.estimate.stages import RunOptions, plan_candidates, stage_costs
@@ -149,3 +151,62 @@ def test_member_facts_add_up_to_the_published_totals():
         facts = model_facts(name)
         assert 0.95 * billions * 1e9 <= facts.parameters <= 1.1 * billions * 1e9, name
         assert len(facts.layers) == member(name).values["num_hidden_layers"]
+
+
+def _only(**costs: float) -> Device:
+    """The CPU entry with every cost free but ``costs``: a stage's seconds are then that one term."""
+    free = {
+        f.name: (
+            float("inf") if f.name in ("flops16", "flops32", "flops64", "bandwidth", "disk", "write") else 0.0
+        )
+        for f in dataclasses.fields(Device)
+        if f.type in ("float", float)
+    }
+    ones = {"matmul_efficiency": 1.0, "bandwidth_efficiency": 1.0}
+    return dataclasses.replace(DEVICES["cpu"], **{**free, **ones, **costs})
+
+
+def test_slice_and_distill_costs_count_the_files_they_read_and_write(folders):
+    """Direct formulas from the files on disk and the model's parameters (safetensors' headers, torch's numel),
+    not from the estimate's facts: slice streams every tensor in and out; distill's Trainer writes the student
+    and its two AdamW moments at every tenth of the run, and the student once more at the end."""
+    config, _, written = folders["qwen3_5_moe_text"]
+    tensors = sum(len(load_file(f)) for f in Path(written).glob("*.safetensors"))
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for f in Path(written).glob("*.safetensors")
+        for t in load_file(f).values()
+    )
+    numel = sum(p.numel() for p in build_model(config).parameters())  # what AdamW holds two moments of
+    assert tensors > 100  # the experts are stored one tensor each
+    facts = model_facts(written)
+    (cost,) = stage_costs(facts, RunOptions(), _only(stream_tensor_seconds=1.0), ["slice"])
+    assert cost.seconds == pytest.approx(2 * tensors)
+    (cost,) = stage_costs(facts, RunOptions(budget=0.5), _only(disk=1.0), ["slice"])
+    assert cost.seconds == pytest.approx(1.5 * nbytes)
+    for steps, saves in ((2, 2), (20, 10), (25, 12)):  # save_steps = steps // 10: saved at its multiples
+        options = RunOptions(steps=steps, distill_batch_size=2, distill_seq_len=32)
+        (cost,) = stage_costs(facts, options, _only(write=1.0), ["distill"], student=facts)
+        assert cost.seconds == pytest.approx(saves * (nbytes + 2 * 4 * numel) + nbytes)
+        (cost,) = stage_costs(facts, options, _only(convert_tensor_seconds=1.0), ["distill"], student=facts)
+        assert cost.seconds == pytest.approx(2 * tensors)  # transformers' loading reads both models
+
+
+def test_score_counts_the_projection_scorers_weight_grams():
+    """Once per projected sub-block the scorer forms its output projection's weight Gram in float64 (2 m^2
+    FLOPs per output row): summed over a real model's MLP down projections and attention output projections
+    (their in_features and out_features), the score's cost that does not grow with the tokens."""
+    config = _small("Qwen3.5-4B")
+    model = build_model(config)
+    grams = sum(
+        2.0 * m.out_features * m.in_features**2
+        for name, m in model.named_modules()
+        if name.endswith(("mlp.down_proj", "self_attn.o_proj"))
+    )
+    facts, device = model_facts(config), _only(flops64=1.0)
+
+    def seconds(samples: int) -> float:
+        (cost,) = stage_costs(facts, RunOptions(num_samples=samples, seq_len=64), device, ["score"])
+        return cost.seconds
+
+    assert grams > 0 and 2 * seconds(4) - seconds(8) == pytest.approx(grams)

@@ -21,10 +21,16 @@ class Device:
     """Throughputs in FLOP/s and bytes/s; ``memory`` in bytes (0: the host's); ``matmul_efficiency`` and
     ``bandwidth_efficiency``: the shares of the peaks reached; ``op_seconds``: the fixed cost of one module
     call or kernel (Python, dispatch, launch); ``tensor_seconds``: the host's cost per tensor of a checkpoint
-    (header, read call, bookkeeping); ``disk``: bytes/s reading or writing checkpoint files; ``startup``: the
-    seconds a command that runs a model spends importing torch and transformers; ``runtime_memory``: the host
-    memory such a command holds before any model (Python, torch, transformers; measured with the CPU build
-    here, benchmarks/scale.py: a CUDA build's context holds more)."""
+    read into a model or scanned (header, read call, bookkeeping); ``stream_tensor_seconds``: per tensor that
+    ``slice`` / ``sort`` stream from one file into another (no model: a ``pread`` or a write of its bytes);
+    ``convert_tensor_seconds``: per tensor that transformers' own loading reads into a model (its conversion
+    operations copied per tensor: what ``distill`` pays per expert tensor); ``disk``: bytes/s reading checkpoint
+    files; ``write``: bytes/s serializing a checkpoint or an optimizer state (safetensors' and ``torch.save``'s
+    copies and checksums: CPU-bound); ``startup``: the seconds a command that runs a model spends importing
+    torch and transformers; ``light_startup``: the seconds of a command that does not (``inspect``, ``slice``,
+    ``sort``); ``harness_startup``: what ``eval`` adds to it (lm-eval's harness); ``launch``: what a run of
+    several processes adds (torchrun, the process group, FSDP2's wrapping); ``convert_tensor_bytes``: the host
+    memory transformers' own loading holds per converted tensor (its copied operations)."""
 
     name: str
     kind: str  # "cpu" or "cuda"
@@ -40,7 +46,13 @@ class Device:
     disk: float
     source: str
     startup: float = 8.0  # seconds a command takes to import torch and transformers before its work
-    runtime_memory: float = 0.45 * 2**30  # host bytes of that import
+    light_startup: float = 0.3  # seconds of a command that needs neither
+    stream_tensor_seconds: float = 1e-5
+    convert_tensor_seconds: float = 2e-4
+    write: float = 1e9
+    harness_startup: float = 1.0
+    launch: float = 10.0
+    convert_tensor_bytes: float = 10e3
 
     def flops(self, dtype_bytes: int) -> float:
         """Matrix throughput reached for a compute dtype of ``dtype_bytes`` bytes."""
@@ -58,20 +70,28 @@ DEVICES: dict[str, Device] = {
     "cpu": Device(
         name="cpu",
         kind="cpu",
-        # measured on this project's 2-core benchmark machine with one torch thread (benchmarks/scale.py fits
-        # them; see docs/benchmarks/scale.md): effective rates of the small products tiny-width models run
-        flops16=2.0e9,
-        flops32=4.0e9,
-        flops64=2.0e9,
+        # this project's 2-core benchmark machine with one torch thread: the matrix rates measured on products
+        # of 64 tokens by 1024-6144 wide weights (the fixed cost of a call apart: op_seconds), the fixed costs
+        # fitted to the measured stages (benchmarks/scale.py --fit; docs/benchmarks/scale.md), 2026-12-06
+        flops16=25e9,  # bf16 products run upcast
+        flops32=50e9,
+        flops64=25e9,
         bandwidth=5e9,
         memory=0,
         matmul_efficiency=1.0,
         bandwidth_efficiency=1.0,
-        op_seconds=4e-5,
-        tensor_seconds=4e-5,
-        disk=1e9,
-        source="calibrated on the benchmark machine (benchmarks/scale.py)",
-        startup=5.0,  # CPU seconds of the imports alone (a score that stopped at its output check: 4.8 s)
+        op_seconds=3.1e-5,
+        tensor_seconds=4.6e-5,
+        disk=2.4e9,
+        source="measured and fitted on the benchmark machine (benchmarks/scale.py)",
+        startup=6.0,  # CPU seconds of the imports alone
+        light_startup=0.28,
+        stream_tensor_seconds=1.0e-5,
+        convert_tensor_seconds=3.5e-4,
+        write=0.59e9,
+        harness_startup=1.0,
+        launch=5.2,
+        convert_tensor_bytes=5e3,
     ),
     "h100": Device(
         "h100",

@@ -2,24 +2,34 @@
 process, and wall time on a device (:mod:`.devices`), from the model's facts (:mod:`.inventory`) and the run's
 options. No torch.
 
-The formulas, per stage (``T`` tokens, ``f`` the forward FLOPs of one token, ``o`` the module calls of one
-forward, ``B`` the checkpoint's bytes, ``n`` its tensors; a device turns FLOPs into seconds at its matrix
-rate, bytes at its disk or memory bandwidth, calls and tensors at its fixed costs):
+A stage's seconds are the sum of what it does, each at the device's rate for it: FLOPs at its matrix rate
+(float64 ones at its float64 rate), the activation elements its elementwise kernels write and read at its
+memory bandwidth, its module calls and kernels at a fixed cost each, the tensors of a checkpoint at a fixed
+cost each (read into a model, streamed from file to file, or converted by transformers' own loading), bytes
+read from disk and bytes serialized, and the start of its process (imports; lm-eval's harness for ``eval``;
+the launch of several processes). Per stage (``T`` tokens, ``f`` the forward FLOPs of one token, ``e`` its
+activation elements, ``o`` the module calls of one forward, ``B`` the checkpoint's bytes, ``n`` its tensors):
 
 * reading a checkpoint: ``n`` tensors and ``B`` bytes (headers, then the weights into a model);
-* ``score``: a forward of ``N x L`` tokens, plus the scorers' float64 statistics (a second moment of each
-  attention, MLP and shared-expert input per token: ``2 n^2`` FLOPs for a width ``n``) and the routed experts'
-  outputs again for the chosen ``k`` and the next one;
+* ``inspect``: a light start and ``n`` headers; ``slice`` / ``sort``: a light start, every tensor streamed in
+  and out (``2 n``) and its bytes read and written;
+* ``score``: a forward of ``N x L`` tokens (``T f``, ``T e``, ``o`` per batch), plus the scorers' float64
+  statistics (a second moment of each attention, MLP and shared-expert input per token: ``2 m^2`` FLOPs for a
+  width ``m``; the projection scorer's weight Gram once per sub-block, ``2 hidden m^2``, its product with
+  the moment per batch, ``m^2`` elements, and the greedy removal order of its units, a step per unit) and the
+  routed experts' outputs again for the chosen ``k`` and the next one;
 * ``plan`` (successive halving): a teacher pass over the plan's windows keeping every layer's input, then
   per layer its candidates (the GDN grid of key heads x lanes x key dims x value dims, the attention heads,
   the MLP and expert counts, the layer's removal) measured on the rungs' windows (the first rung sees every
   candidate on a sixteenth of the windows, each later one a quarter of the candidates on four times the
-  windows); a candidate runs its own layer, and the layers after it run once for a stack of candidates;
-* ``slice`` / ``sort``: every tensor read once and written once (``n`` tensors, ``2 B`` bytes);
+  windows); a candidate runs its own layer, and the layers after it run once for a stack of candidates; one
+  search per hidden size when the blocks hold ``hidden``;
 * ``prune``: ``score`` + ``plan`` + ``slice`` on one loaded model;
-* ``distill``: per step a forward and backward of the student (``3 f``) and a forward of the teacher (``f``),
-  the memory of :func:`.memory.distill_memory`, under FSDP2 three passes of the parameters over the
-  processes' links per step;
+* ``distill``: both models loaded by transformers (every tensor converted), per step a forward and backward
+  of the student (``3 f``, ``3 e``) and a forward of the teacher, AdamW's passes over the student's
+  parameters, gradients and moments, the Trainer's checkpoints (every tenth of the run: the student and its
+  two moments) and the output written; under FSDP2 the models read straight into their shards and three
+  passes of the parameters over the processes' links per step; the memory of :func:`.memory.distill_memory`;
 * ``eval``: a forward of the evaluated tokens; ``bench``: the workloads' forwards, the decode steps reading
   every weight once per step.
 """
@@ -32,8 +42,19 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from .devices import Device
-from .inventory import LayerFacts, ModelFacts
+from .inventory import ModelFacts
 from .memory import DTYPE_BYTES, TrainedShapes, distill_memory, trained_shapes
+from .work import (
+    ELEMENT_BYTES,
+    expert_hook_flops,
+    forward_elements,
+    forward_flops,
+    forward_ops,
+    layer_elements,
+    layer_flops,
+    layer_ops,
+    statistics_flops,
+)
 
 __all__ = ["RunOptions", "StageCost", "stage_costs", "STAGES", "forward_flops", "plan_candidates"]
 
@@ -41,8 +62,27 @@ STAGES = ("inspect", "score", "plan", "slice", "prune", "distill", "eval", "benc
 #: the hidden sizes a plan with ``hidden`` tries by default, as fractions of the full size
 #: (:func:`gdnprune.plan.measure.hidden.hidden_candidates`): one plan search each
 HIDDEN_GRID = (Fraction(1), Fraction(7, 8), Fraction(3, 4))
-#: the chunk length of the gated delta rule's chunked kernel
-_CHUNK = 64
+#: host bytes each command holds before any model: Python, torch, transformers and what the command imports
+#: (scipy's solver for a plan, lm-eval's harness for eval), measured at the 4-layer, 8-expert model
+#: (benchmarks/scale.py, the CPU build: a CUDA build's context holds more)
+RUNTIME_MEMORY = {
+    stage: mib * 2**20
+    for stage, mib in (
+        ("score", 500),
+        ("plan", 680),
+        ("prune", 680),
+        ("distill", 540),
+        ("eval", 535),
+        ("bench", 430),
+    )
+}
+#: host bytes of a command that runs no model (``inspect``, ``slice``, ``sort``: Python and the checkpoint
+#: reader), and per tensor whose header it holds parsed
+LIGHT_MEMORY, HEADER_BYTES = 40 * 2**20, 1000.0
+#: module calls and kernels of one candidate's measurement on a window beside its layer's forward (the
+#: candidate's weights cut from the layer's, its KL against the teacher's output, the halving's bookkeeping);
+#: fitted to the measured prunes (benchmarks/scale.py)
+_CANDIDATE_OPS = 10
 
 
 @dataclass(frozen=True)
@@ -80,75 +120,6 @@ class StageCost:
     device_memory: float
     seconds: float
     notes: tuple[str, ...] = field(default_factory=tuple)
-
-
-# ---- per token and per forward -------------------------------------------------------------------------
-
-
-def _layer_flops(layer: LayerFacts, context: int) -> float:
-    """Forward FLOPs of one token through one decoder layer at ``context`` tokens of window."""
-    flops = 2.0 * layer.active_parameters
-    if layer.attention:
-        heads, _, head_dim = layer.attention
-        flops += 2.0 * heads * head_dim * context  # scores and values over half the window on average, x2
-    if layer.gdn:
-        _, hv, dk, dv, _ = layer.gdn
-        # per value head and token of the window padded to whole chunks: the chunk's key-key and query-key
-        # products (2 C dk each), its two triangular solves (C dk + C dv), its attention over the new values
-        # (2 C dv), and the state's read, correction and update (6 dk dv)
-        padded = math.ceil(context / _CHUNK) * _CHUNK / context
-        flops += padded * hv * (5.0 * _CHUNK * dk + 3.0 * _CHUNK * dv + 6.0 * dk * dv)
-    return flops
-
-
-def forward_flops(facts: ModelFacts, context: int) -> float:
-    """Forward FLOPs of one token through the decoder and the head."""
-    return (
-        sum(_layer_flops(layer, context) for layer in facts.layers)
-        + 2.0 * facts.vocab_size * facts.hidden_size
-    )
-
-
-def _layer_ops(layer: LayerFacts, context: int) -> float:
-    """Module calls and kernels of one decoder layer's forward (norms, projections, activations; the reference
-    gated delta rule loops over its chunks; a MoE runs its router, a grouped product and its shared expert)."""
-    ops = 8.0
-    if layer.gdn:
-        ops += 30 + 6 * math.ceil(context / _CHUNK)
-    if layer.attention:
-        ops += 20
-    ops += 20 if layer.experts else 6
-    return ops
-
-
-def _forward_ops(facts: ModelFacts, context: int, layers: Iterable[LayerFacts] | None = None) -> float:
-    return sum(_layer_ops(layer, context) for layer in (facts.layers if layers is None else layers)) + 10
-
-
-def _statistics_flops(facts: ModelFacts) -> float:
-    """Float64 FLOPs per token of the scorers' second moments (attention, dense MLP and shared expert inputs)."""
-    total = 0.0
-    for layer in facts.layers:
-        if layer.attention:
-            heads, _, head_dim = layer.attention
-            total += 2.0 * (heads * head_dim) ** 2
-        if layer.mlp:
-            total += 2.0 * layer.mlp**2
-        if layer.shared_expert:
-            total += 2.0 * layer.shared_expert**2
-        if layer.gdn:
-            _, hv, dk, dv, _ = layer.gdn
-            total += 2.0 * hv * hv + 4.0 * hv * dv * dk  # head Gram, q/k moments
-    return total
-
-
-def _expert_hook_flops(facts: ModelFacts) -> float:
-    """FLOPs per token of the experts scorer: the chosen experts' outputs again, and the next choice's."""
-    return sum(
-        6.0 * (layer.experts[1] + 1) * layer.experts[2] * layer.hidden
-        for layer in facts.layers
-        if layer.experts
-    )
 
 
 # ---- plan candidates -------------------------------------------------------------------------------------
@@ -211,15 +182,25 @@ def _seconds(
     memory_bytes: float = 0.0,
     flops64: float = 0.0,
     dtype_bytes: int = 2,
+    *,
+    streamed: float = 0.0,
+    converted: float = 0.0,
+    written: float = 0.0,
 ) -> float:
+    """Seconds of a stage's work: its FLOPs at the device's matrix rate, its module calls and tensors at their
+    fixed costs (``tensors`` read into a model, ``streamed`` from file to file, ``converted`` by transformers'
+    own loading), ``disk_bytes`` read, ``memory_bytes`` passed through memory and ``written`` bytes serialized."""
     compute = dtype_bytes if device.kind == "cuda" else 4  # a CPU computes in float32 (bf16 is upcast)
     return (
         flops / device.flops(compute)
         + flops64 / device.flops(8)
         + ops * device.op_seconds
         + tensors * device.tensor_seconds
+        + streamed * device.stream_tensor_seconds
+        + converted * device.convert_tensor_seconds
         + disk_bytes / device.disk
         + memory_bytes / (device.bandwidth * device.bandwidth_efficiency)
+        + written / device.write
     )
 
 
@@ -230,30 +211,52 @@ def _load(facts: ModelFacts, device: Device, dtype_bytes: int) -> tuple[float, f
     return device.startup + _seconds(device, 0, 0, len(facts.tensors), facts.bytes), held
 
 
+def _projected(facts: ModelFacts) -> list[tuple[int, int]]:
+    """``(units, input width)`` of every sub-block the projection scorer measures at its output projection's
+    input (a dense MLP's and a shared expert's channels, an attention's heads)."""
+    out = []
+    for layer in facts.layers:
+        out += [(w, w) for w in (layer.mlp, layer.shared_expert) if w]
+        if layer.attention:
+            heads, _, head_dim = layer.attention
+            out.append((heads, heads * head_dim))
+    return out
+
+
 def _score(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -> StageCost:
     tokens = o.num_samples * o.seq_len
     batches = math.ceil(o.num_samples / o.batch_size)
-    flops = tokens * (forward_flops(facts, o.seq_len) + _expert_hook_flops(facts))
-    flops64 = tokens * _statistics_flops(facts)
+    flops = tokens * (forward_flops(facts, o.seq_len) + expert_hook_flops(facts))
+    elements = tokens * forward_elements(facts, o.seq_len)
+    projected = _projected(facts)
+    # the projection scorer: per sub-block of input width m, once its weight's Gram (2 hidden m^2), per batch
+    # the input's second moment times it (m^2 elements, three passes) summed into the units' Gram, and at the
+    # end the greedy removal order of its units (a step per unit over the Gram's columns)
+    flops64 = tokens * statistics_flops(facts) + sum(2.0 * facts.hidden_size * m * m for _, m in projected)
+    memory = sum(batches * 3.0 * 8 * m * m + 25.0 * 8 * u * u for u, m in projected)
     hooked = sum(1 + (layer.experts is not None) for layer in facts.layers)
-    ops = batches * (_forward_ops(facts, o.seq_len) + 20 * hooked)
+    ops = batches * (forward_ops(facts, o.seq_len) + 20 * hooked) + sum(6.0 * u for u, _ in projected)
     load, held = _load(facts, device, dtype_bytes)
-    stats = sum(
-        8.0
-        * (
-            (layer.mlp or 0) ** 2
-            + (layer.shared_expert or 0) ** 2
-            + (layer.attention[0] ** 2 if layer.attention else 0)
-        )
-        for layer in facts.layers
-    )
+    # float64: each sub-block's weight Gram (kept), its units' Gram, and the largest batch's product transients
+    # float64: each sub-block's units' Gram (summed on the host), its weight Gram (kept where the model runs,
+    # for the whole run) and the largest batch's moment and product (transient, there too)
+    grams = sum(8.0 * u * u for u, _ in projected)
+    beside = sum(8.0 * m * m for _, m in projected) + 16.0 * max((m * m for _, m in projected), default=0)
     activations = o.batch_size * o.seq_len * facts.hidden_size * dtype_bytes * 16
     share = o.processes  # under torchrun every process scores its share of the windows
     seconds = load + _seconds(
-        device, flops / share, ops / share, 0, 0, flops64=flops64 / share, dtype_bytes=dtype_bytes
+        device,
+        flops / share,
+        ops / share,
+        0,
+        0,
+        (memory + elements * ELEMENT_BYTES) / share,
+        flops64=flops64 / share,
+        dtype_bytes=dtype_bytes,
     )
-    host = held + stats + activations if device.kind == "cpu" else held + stats
-    dev = 0.0 if device.kind == "cpu" else held + activations
+    on_model = held + beside + activations
+    host = grams + on_model if device.kind == "cpu" else held + grams
+    dev = 0.0 if device.kind == "cpu" else on_model
     return StageCost(
         "score",
         flops + flops64,
@@ -270,11 +273,13 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
     windows = o.plan_samples
     tokens = windows * o.seq_len
     layers = facts.layers
-    per_layer = [_layer_flops(layer, o.seq_len) for layer in layers]
+    per_layer = [layer_flops(layer, o.seq_len) for layer in layers]
+    per_layer_elements = [layer_elements(layer, o.seq_len) for layer in layers]
     head = 2.0 * facts.vocab_size * facts.hidden_size
     candidates = plan_candidates(facts, o)
     flops = tokens * forward_flops(facts, o.seq_len)  # the teacher pass
-    ops = windows * _forward_ops(facts, o.seq_len)
+    elements = tokens * forward_elements(facts, o.seq_len)
+    ops = windows * forward_ops(facts, o.seq_len)
     measured = 0.0
     stack = 64
     for i, layer in enumerate(layers):
@@ -282,17 +287,20 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
         measured += n
         rest = sum(per_layer[i + 1 :]) + head
         flops += n * o.seq_len * (per_layer[i] + rest)
-        ops += n * (_layer_ops(layer, o.seq_len) + 10) + math.ceil(n / stack) * (
-            _forward_ops(facts, o.seq_len, layers[i + 1 :]) + 10
+        elements += n * o.seq_len * (sum(per_layer_elements[i:]) + 3.0 * facts.vocab_size)
+        ops += n * (layer_ops(layer, o.seq_len) + _CANDIDATE_OPS) + math.ceil(n / stack) * (
+            forward_ops(facts, o.seq_len, layers[i + 1 :]) + 10
         )
     kept = len(layers) * tokens * facts.hidden_size * 4.0  # every layer's input, kept in float32 on the host
     sizes = HIDDEN_GRID if "hidden" in o.blocks else (Fraction(1),)
     if len(sizes) > 1:  # one search per hidden size (its model narrower), then each whole cut model measured
         flops = flops * float(sum(sizes)) + len(sizes) * tokens * forward_flops(facts, o.seq_len)
-        ops = ops * len(sizes) + len(sizes) * windows * _forward_ops(facts, o.seq_len)
+        elements = elements * float(sum(sizes)) + len(sizes) * tokens * forward_elements(facts, o.seq_len)
+        ops = ops * len(sizes) + len(sizes) * windows * forward_ops(facts, o.seq_len)
     load, held = _load(facts, device, dtype_bytes)
     share = o.processes  # under torchrun every process measures its share of the candidates
-    seconds = load + _seconds(device, flops / share, ops / share, 0, 0, dtype_bytes=dtype_bytes)
+    memory = elements * ELEMENT_BYTES / share
+    seconds = load + _seconds(device, flops / share, ops / share, 0, 0, memory, dtype_bytes=dtype_bytes)
     host = held + kept
     dev = 0.0 if device.kind == "cpu" else held
     notes = (
@@ -305,17 +313,18 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
 
 def _slice(facts: ModelFacts, o: RunOptions, device: Device) -> StageCost:
     kept = facts.bytes * o.budget
-    seconds = _seconds(device, 0, 0, 2 * len(facts.tensors), facts.bytes + kept)
+    n = len(facts.tensors)
+    seconds = device.light_startup + _seconds(device, 0, 0, 0, facts.bytes + kept, streamed=2 * n)
     largest = max((t.nbytes for t in facts.tensors), default=0)
     return StageCost(
         "slice",
         0.0,
         facts.bytes,
         kept,
-        2.0 * largest,
+        LIGHT_MEMORY + 2.0 * HEADER_BYTES * n + o.budget * largest,  # both headers, one tensor's kept rows
         0.0,
         seconds,
-        (f"{len(facts.tensors):,} tensors streamed (no model loaded)",),
+        (f"{n:,} tensors streamed (no model loaded)",),
     )
 
 
@@ -345,6 +354,9 @@ def _distill(facts: ModelFacts, o: RunOptions, device: Device, student: ModelFac
         student_bytes = student.bytes
     f_teacher = forward_flops(facts, o.distill_seq_len)
     flops = tokens * (3.0 * f_student + f_teacher)
+    e_teacher = forward_elements(facts, o.distill_seq_len)
+    e_student = e_teacher * o.budget if student is None else forward_elements(student, o.distill_seq_len)
+    elements = tokens * (3.0 * e_student + e_teacher)
     low = o.dtype == "bfloat16" and o.mixed_precision == "no"
     itemsize = 2 if low else 4
     mem = distill_memory(
@@ -361,42 +373,67 @@ def _distill(facts: ModelFacts, o: RunOptions, device: Device, student: ModelFac
         gradient_checkpointing=o.gradient_checkpointing,
     )
     micro = max(1, o.distill_batch_size // o.processes)
-    ops = steps * micro * 4.0 * _forward_ops(facts, o.distill_seq_len)
+    # one micro batch per process and step: the teacher's forward, the student's forward and backward (3x)
+    ops = (
+        steps
+        * math.ceil(o.distill_batch_size / (micro * o.processes))
+        * 4.0
+        * forward_ops(facts, o.distill_seq_len)
+    )
     # FSDP2: each step gathers the parameters for the forward and the backward and scatters the gradients
     comm = 3.0 * (student_bytes + facts.bytes) * steps if o.fsdp and o.processes > 1 else 0.0
     compute = 2 if o.mixed_precision != "no" or low else 4
+    student_elements = student_shapes.elements
+    # AdamW reads the parameters, gradients and both moments and writes three of them back, every step
+    optimizer = 7.0 * itemsize * student_elements * steps
+    # the Trainer's checkpoints (every tenth of the run: the student and its AdamW moments) and the output;
+    # each process writes its share under FSDP2
+    saves = steps // max(1, steps // 10)
+    written = saves * (student_bytes + 2.0 * itemsize * student_elements) + student_bytes
+    # transformers' own loading reads both models, converting every tensor (sharded loading under FSDP2 reads
+    # each process's rows straight into the model)
+    tensors = len(facts.tensors) + (len(student.tensors) if student else len(facts.tensors))
+    sharded = o.fsdp and o.processes > 1
     seconds = device.startup + _seconds(
         device,
         flops / o.processes,
         ops,
-        len(facts.tensors) * 2,
+        tensors if sharded else 0,
         facts.bytes + student_bytes,
-        comm / o.processes,
+        (comm + optimizer + elements * ELEMENT_BYTES) / o.processes,
         dtype_bytes=compute,
+        converted=0 if sharded else tensors,
+        written=written / o.processes,
     )
-    host = mem.host_loading if device.kind != "cpu" else max(mem.host_loading, mem.total)
+    host = (mem.host_loading if device.kind != "cpu" else max(mem.host_loading, mem.total)) + (
+        0 if sharded else tensors * device.convert_tensor_bytes
+    )
     dev = 0.0 if device.kind == "cpu" else mem.total
     note = (
         f"{steps:,} steps of {o.distill_batch_size} x {o.distill_seq_len} tokens on {o.processes} process(es)"
     )
-    return StageCost(
-        "distill", flops, facts.bytes + student_bytes, student_bytes, host, dev, seconds, (note,)
-    )
+    return StageCost("distill", flops, facts.bytes + student_bytes, written, host, dev, seconds, (note,))
 
 
 def _eval(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -> StageCost:
     tokens = o.eval_tokens or 1000 * o.seq_len
     forwards = math.ceil(tokens / (o.batch_size * o.seq_len))
     flops = tokens * forward_flops(facts, o.seq_len)
+    elements = tokens * forward_elements(facts, o.seq_len)
     load, held = _load(facts, device, dtype_bytes)
     share = o.processes  # under torchrun every process evaluates its share of the documents
-    seconds = load + _seconds(
-        device,
-        flops / share,
-        forwards * _forward_ops(facts, o.seq_len) / share,
-        0,
-        0,
-        dtype_bytes=dtype_bytes,
+    seconds = (
+        load
+        + device.harness_startup
+        + _seconds(
+            device,
+            flops / share,
+            forwards * forward_ops(facts, o.seq_len) / share,
+            0,
+            0,
+            elements * ELEMENT_BYTES / share,
+            dtype_bytes=dtype_bytes,
+        )
     )
     return StageCost(
         "eval",
@@ -416,11 +453,12 @@ def _bench(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -
     for phase, batch, context in o.workloads:
         if phase == "prefill":
             flops += o.repeats * batch * context * forward_flops(facts, context)
-            ops += o.repeats * _forward_ops(facts, context)
+            memory += o.repeats * batch * context * forward_elements(facts, context) * ELEMENT_BYTES
+            ops += o.repeats * forward_ops(facts, context)
         else:
             flops += o.repeats * batch * forward_flops(facts, context)
-            ops += o.repeats * _forward_ops(facts, 1)
-            memory += o.repeats * weights
+            ops += o.repeats * forward_ops(facts, 1)
+            memory += o.repeats * (weights + batch * forward_elements(facts, context) * ELEMENT_BYTES)
     load, held = _load(facts, device, dtype_bytes)
     seconds = load + _seconds(device, flops, ops, 0, 0, memory, dtype_bytes=dtype_bytes)
     return StageCost(
@@ -450,9 +488,9 @@ def stage_costs(
     out = []
     for stage in stages:
         if stage == "inspect":
-            out.append(
-                StageCost("inspect", 0.0, 0.0, 0.0, 0.0, 0.0, _seconds(device, 0, 0, len(facts.tensors), 0))
-            )
+            seconds = device.light_startup + _seconds(device, 0, 0, len(facts.tensors), 0)
+            host = LIGHT_MEMORY + HEADER_BYTES * len(facts.tensors)
+            out.append(StageCost("inspect", 0.0, 0.0, 0.0, host, 0.0, seconds))
         elif stage == "score":
             out.append(_score(facts, options, device, dtype_bytes))
         elif stage == "plan":
@@ -486,11 +524,13 @@ def stage_costs(
             out.append(_bench(facts, options, device, dtype_bytes))
         else:
             raise ValueError(f"unknown stage {stage!r}; expected some of {', '.join(STAGES)}")
-    # a command that runs a model holds its runtime (Python, torch, transformers) beside the model
+    # a command that runs a model holds its runtime (Python, torch, transformers) beside the model; a run of
+    # several processes pays its launch
+    launch = device.launch if options.processes > 1 else 0.0
     out = [
         c
         if c.stage in ("inspect", "slice", "sort")
-        else replace(c, host_memory=c.host_memory + device.runtime_memory)
+        else replace(c, host_memory=c.host_memory + RUNTIME_MEMORY[c.stage], seconds=c.seconds + launch)
         for c in out
     ]
     if device.memory:
