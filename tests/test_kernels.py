@@ -105,3 +105,10 @@ def test_float32_under_autocast():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ours, _ = chunk_gated_delta_rule(**x)
     assert torch.equal(ours, reference)
+
+
+def test_the_estimate_models_this_kernel():
+    from gdnprune.estimate import work
+    from gdnprune.model import kernels
+
+    assert work.SMALL_STATE == kernels.SMALL_STATE and work.SMALL_CHUNK == 16

@@ -54,7 +54,7 @@ def run(launch_inputs, tmp_path_factory):
     # depth, and benchmarks/scale.py runs it, every block cut, in `prune --budget-params 0.5`), its slice, eval, bench
     done["plan"] = _run(
         "plan", str(model), "--scores", str(out / "scores.json"), "--budget-gdn-params", "0.5", "--blocks", "gdn",
-        "--sensitivity", "proxy", "-o", str(out / "plan.json"), *common,
+        "--sensitivity", "proxy", "--dim-step", "1/2", "-o", str(out / "plan.json"), *common,
     )  # fmt: skip
     done["slice_plan"] = _run(
         "slice", str(out / "sorted"), "--plan", str(out / "plan.json"), "-o", str(out / "planned"), "-q"

@@ -226,8 +226,9 @@ def _projected(facts: ModelFacts) -> list[tuple[int, int]]:
 def _score(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -> StageCost:
     tokens = o.num_samples * o.seq_len
     batches = math.ceil(o.num_samples / o.batch_size)
-    flops = tokens * (forward_flops(facts, o.seq_len) + expert_hook_flops(facts))
-    elements = tokens * forward_elements(facts, o.seq_len)
+    kernel = device.kind == "cpu"  # gdnprune's CPU gated delta rule (model.kernels)
+    flops = tokens * (forward_flops(facts, o.seq_len, kernel) + expert_hook_flops(facts))
+    elements = tokens * forward_elements(facts, o.seq_len, kernel)
     projected = _projected(facts)
     # the projection scorer: per sub-block of input width m, once its weight's Gram (2 hidden m^2), per batch
     # the input's second moment times it (m^2 elements, three passes) summed into the units' Gram, and at the
@@ -235,7 +236,9 @@ def _score(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -
     flops64 = tokens * statistics_flops(facts) + sum(2.0 * facts.hidden_size * m * m for _, m in projected)
     memory = sum(batches * 3.0 * 8 * m * m + 25.0 * 8 * u * u for u, m in projected)
     hooked = sum(1 + (layer.experts is not None) for layer in facts.layers)
-    ops = batches * (forward_ops(facts, o.seq_len) + 20 * hooked) + sum(6.0 * u for u, _ in projected)
+    ops = batches * (forward_ops(facts, o.seq_len, kernel=kernel) + 20 * hooked) + sum(
+        6.0 * u for u, _ in projected
+    )
     load, held = _load(facts, device, dtype_bytes)
     # float64: each sub-block's weight Gram (kept), its units' Gram, and the largest batch's product transients
     # float64: each sub-block's units' Gram (summed on the host), its weight Gram (kept where the model runs,
@@ -273,13 +276,14 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
     windows = o.plan_samples
     tokens = windows * o.seq_len
     layers = facts.layers
-    per_layer = [layer_flops(layer, o.seq_len) for layer in layers]
-    per_layer_elements = [layer_elements(layer, o.seq_len) for layer in layers]
+    kernel = device.kind == "cpu"  # gdnprune's CPU gated delta rule (model.kernels)
+    per_layer = [layer_flops(layer, o.seq_len, kernel) for layer in layers]
+    per_layer_elements = [layer_elements(layer, o.seq_len, kernel) for layer in layers]
     head = 2.0 * facts.vocab_size * facts.hidden_size
     candidates = plan_candidates(facts, o)
-    flops = tokens * forward_flops(facts, o.seq_len)  # the teacher pass
-    elements = tokens * forward_elements(facts, o.seq_len)
-    ops = windows * forward_ops(facts, o.seq_len)
+    flops = tokens * forward_flops(facts, o.seq_len, kernel)  # the teacher pass
+    elements = tokens * forward_elements(facts, o.seq_len, kernel)
+    ops = windows * forward_ops(facts, o.seq_len, kernel=kernel)
     measured = 0.0
     stack = 64
     for i, layer in enumerate(layers):
@@ -288,15 +292,17 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
         rest = sum(per_layer[i + 1 :]) + head
         flops += n * o.seq_len * (per_layer[i] + rest)
         elements += n * o.seq_len * (sum(per_layer_elements[i:]) + 3.0 * facts.vocab_size)
-        ops += n * (layer_ops(layer, o.seq_len) + _CANDIDATE_OPS) + math.ceil(n / stack) * (
-            forward_ops(facts, o.seq_len, layers[i + 1 :]) + 10
+        ops += n * (layer_ops(layer, o.seq_len, kernel) + _CANDIDATE_OPS) + math.ceil(n / stack) * (
+            forward_ops(facts, o.seq_len, layers[i + 1 :], kernel) + 10
         )
     kept = len(layers) * tokens * facts.hidden_size * 4.0  # every layer's input, kept in float32 on the host
     sizes = HIDDEN_GRID if "hidden" in o.blocks else (Fraction(1),)
     if len(sizes) > 1:  # one search per hidden size (its model narrower), then each whole cut model measured
-        flops = flops * float(sum(sizes)) + len(sizes) * tokens * forward_flops(facts, o.seq_len)
-        elements = elements * float(sum(sizes)) + len(sizes) * tokens * forward_elements(facts, o.seq_len)
-        ops = ops * len(sizes) + len(sizes) * windows * forward_ops(facts, o.seq_len)
+        flops = flops * float(sum(sizes)) + len(sizes) * tokens * forward_flops(facts, o.seq_len, kernel)
+        elements = elements * float(sum(sizes)) + len(sizes) * tokens * forward_elements(
+            facts, o.seq_len, kernel
+        )
+        ops = ops * len(sizes) + len(sizes) * windows * forward_ops(facts, o.seq_len, kernel=kernel)
     load, held = _load(facts, device, dtype_bytes)
     share = o.processes  # under torchrun every process measures its share of the candidates
     memory = elements * ELEMENT_BYTES / share
@@ -340,22 +346,25 @@ def _kept_share(shapes: TrainedShapes, budget: float) -> TrainedShapes:
 
 
 def _distill(facts: ModelFacts, o: RunOptions, device: Device, student: ModelFacts | None) -> StageCost:
+    kernel = device.kind == "cpu"  # gdnprune's CPU gated delta rule (model.kernels)
     tokens = o.distill_tokens or o.steps * o.distill_batch_size * o.distill_seq_len
     steps = max(1, math.ceil(tokens / (o.distill_batch_size * o.distill_seq_len)))
     teacher_shapes = trained_shapes(facts)
     if student is None:
         student_shapes, f_student = (
             _kept_share(teacher_shapes, o.budget),
-            forward_flops(facts, o.distill_seq_len) * o.budget,
+            forward_flops(facts, o.distill_seq_len, kernel) * o.budget,
         )
         student_bytes = facts.bytes * o.budget
     else:
-        student_shapes, f_student = trained_shapes(student), forward_flops(student, o.distill_seq_len)
+        student_shapes, f_student = trained_shapes(student), forward_flops(student, o.distill_seq_len, kernel)
         student_bytes = student.bytes
-    f_teacher = forward_flops(facts, o.distill_seq_len)
+    f_teacher = forward_flops(facts, o.distill_seq_len, kernel)
     flops = tokens * (3.0 * f_student + f_teacher)
-    e_teacher = forward_elements(facts, o.distill_seq_len)
-    e_student = e_teacher * o.budget if student is None else forward_elements(student, o.distill_seq_len)
+    e_teacher = forward_elements(facts, o.distill_seq_len, kernel)
+    e_student = (
+        e_teacher * o.budget if student is None else forward_elements(student, o.distill_seq_len, kernel)
+    )
     elements = tokens * (3.0 * e_student + e_teacher)
     low = o.dtype == "bfloat16" and o.mixed_precision == "no"
     itemsize = 2 if low else 4
@@ -378,7 +387,7 @@ def _distill(facts: ModelFacts, o: RunOptions, device: Device, student: ModelFac
         steps
         * math.ceil(o.distill_batch_size / (micro * o.processes))
         * 4.0
-        * forward_ops(facts, o.distill_seq_len)
+        * forward_ops(facts, o.distill_seq_len, kernel=kernel)
     )
     # FSDP2: each step gathers the parameters for the forward and the backward and scatters the gradients
     comm = 3.0 * (student_bytes + facts.bytes) * steps if o.fsdp and o.processes > 1 else 0.0

@@ -11,6 +11,7 @@ from .inventory import LayerFacts, ModelFacts
 
 __all__ = [
     "CHUNK",
+    "SMALL_STATE",
     "ELEMENT_BYTES",
     "layer_flops",
     "forward_flops",
@@ -29,10 +30,26 @@ CHUNK = 64
 #: solve's row updates (a window is padded to whole chunks); fitted to the measured plans, whose stacked
 #: candidates run it at tiny head dims (benchmarks/scale.py)
 CHUNK_ROWS = 20
+#: gdnprune's CPU kernel (:mod:`gdnprune.model.kernels`, which the plan search, scoring and distillation run where
+#: flash-linear-attention is missing): chunks of ``SMALL_CHUNK`` tokens for head states of at most ``SMALL_STATE``
+#: entries (``Dk x Dv``; tests/test_kernels.py checks it is the kernel's), no padding, and ``KERNEL_ROWS`` passes
+#: per chunk row (the pairwise decays, clamped, exponentiated and masked in place; the two products' outputs and
+#: their masking; the solve), fitted to the measured plans
+SMALL_STATE, SMALL_CHUNK, KERNEL_ROWS = 1024, 16, 20
 
 
-def layer_flops(layer: LayerFacts, context: int) -> float:
-    """Forward FLOPs of one token through one decoder layer at ``context`` tokens of window."""
+def _chunking(dk: int, dv: int, context: int, kernel: bool) -> tuple[int, float, float]:
+    """``(chunk length, padding factor, passes per chunk row)`` of the gated delta rule at ``context`` tokens:
+    gdnprune's CPU kernel (``kernel``) or the reference / flash-linear-attention's (chunks of 64, padded)."""
+    if not kernel:
+        return CHUNK, math.ceil(context / CHUNK) * CHUNK / context, CHUNK_ROWS
+    chunk = min(SMALL_CHUNK if dk * dv <= SMALL_STATE else CHUNK, context)
+    return chunk, 1.0, KERNEL_ROWS
+
+
+def layer_flops(layer: LayerFacts, context: int, kernel: bool = False) -> float:
+    """Forward FLOPs of one token through one decoder layer at ``context`` tokens of window (``kernel``:
+    gdnprune's CPU gated delta rule, else the reference chunked one)."""
     flops = 2.0 * layer.active_parameters
     if layer.attention:
         heads, _, head_dim = layer.attention
@@ -42,20 +59,20 @@ def layer_flops(layer: LayerFacts, context: int) -> float:
         # per value head and token of the window padded to whole chunks: the chunk's key-key and query-key
         # products (2 C dk each), its two triangular solves (C dk + C dv), its attention over the new values
         # (2 C dv), and the state's read, correction and update (6 dk dv)
-        padded = math.ceil(context / CHUNK) * CHUNK / context
-        flops += padded * hv * (5.0 * CHUNK * dk + 3.0 * CHUNK * dv + 6.0 * dk * dv)
+        chunk, padded, _ = _chunking(dk, dv, context, kernel)
+        flops += padded * hv * (5.0 * chunk * dk + 3.0 * chunk * dv + 6.0 * dk * dv)
     return flops
 
 
-def forward_flops(facts: ModelFacts, context: int) -> float:
+def forward_flops(facts: ModelFacts, context: int, kernel: bool = False) -> float:
     """Forward FLOPs of one token through the decoder and the head."""
     return (
-        sum(layer_flops(layer, context) for layer in facts.layers)
+        sum(layer_flops(layer, context, kernel) for layer in facts.layers)
         + 2.0 * facts.vocab_size * facts.hidden_size
     )
 
 
-def layer_elements(layer: LayerFacts, context: int) -> float:
+def layer_elements(layer: LayerFacts, context: int, kernel: bool = False) -> float:
     """Activation elements the elementwise kernels of one decoder layer write for one token (norms, residual
     adds, activations and gates, rotary, softmax, the gated delta rule's chunk rows and per-head vectors, the
     experts' gathers and weighted sum): each written once and read once by the next kernel."""
@@ -66,8 +83,8 @@ def layer_elements(layer: LayerFacts, context: int) -> float:
         conv = 2 * hk * dk + hv * dv
         # the causal conv and its silu, q/k l2-norms, the decay and beta gates, per value head the chunk's rows
         # (CHUNK_ROWS passes of C) and its vectors, the gated output norm
-        padded = math.ceil(context / CHUNK) * CHUNK / context
-        total += 2 * conv + 2 * 2 * hk * dk + 4 * hv + hv * (padded * CHUNK_ROWS * CHUNK + 3 * dk + 4 * dv)
+        chunk, padded, rows = _chunking(dk, dv, context, kernel)
+        total += 2 * conv + 2 * 2 * hk * dk + 4 * hv + hv * (padded * rows * chunk + 3 * dk + 4 * dv)
     if layer.attention:
         heads, kv, head_dim = layer.attention
         # q and its gate, k, v, rotary, per head the scores' softmax over the window, the gated output
@@ -79,29 +96,33 @@ def layer_elements(layer: LayerFacts, context: int) -> float:
     return total
 
 
-def forward_elements(facts: ModelFacts, context: int) -> float:
+def forward_elements(facts: ModelFacts, context: int, kernel: bool = False) -> float:
     """Activation elements of one token's forward through the decoder and the head (:func:`layer_elements`)."""
-    return sum(layer_elements(layer, context) for layer in facts.layers) + 3.0 * facts.vocab_size
+    return sum(layer_elements(layer, context, kernel) for layer in facts.layers) + 3.0 * facts.vocab_size
 
 
 #: bytes an activation element moves through memory (float32: written once, read once)
 ELEMENT_BYTES = 8.0
 
 
-def layer_ops(layer: LayerFacts, context: int) -> float:
+def layer_ops(layer: LayerFacts, context: int, kernel: bool = False) -> float:
     """Module calls and kernels of one decoder layer's forward (norms, projections, activations; the reference
     gated delta rule loops over its chunks; a MoE runs its router, a grouped product and its shared expert)."""
     ops = 8.0
     if layer.gdn:
-        ops += 30 + 6 * math.ceil(context / CHUNK)
+        ops += 30 + 6 * math.ceil(context / _chunking(layer.gdn[2], layer.gdn[3], context, kernel)[0])
     if layer.attention:
         ops += 20
     ops += 20 if layer.experts else 6
     return ops
 
 
-def forward_ops(facts: ModelFacts, context: int, layers: Iterable[LayerFacts] | None = None) -> float:
-    return sum(layer_ops(layer, context) for layer in (facts.layers if layers is None else layers)) + 10
+def forward_ops(
+    facts: ModelFacts, context: int, layers: Iterable[LayerFacts] | None = None, kernel: bool = False
+) -> float:
+    return (
+        sum(layer_ops(layer, context, kernel) for layer in (facts.layers if layers is None else layers)) + 10
+    )
 
 
 def statistics_flops(facts: ModelFacts) -> float:
