@@ -244,7 +244,7 @@ def test_lm_eval_alone_runs_the_shipped_folder(tmp_path):
             "--tasks",
             "passkey_256,mqar_256,multikey_256,vartrack_256,needle_256_50",
             "--limit",
-            "2",
+            "1",
             "--output_path",
             tmp_path / "out",
         ),
