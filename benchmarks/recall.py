@@ -347,9 +347,30 @@ def _prune(folder: Path, data: Path, budget: str, plan: str, scores: Path, work:
             "load": load_average(),
             "plan": manifest["plan"],
             "report": manifest.get("plan_report", {}),
+            "refit": {"windows": manifest.get("compensation_windows")},
         }
 
     record = _cached(work / "prune.json", run)
+    options = PlanOptions(**BUDGETS[budget], **PLANS[plan])
+    if options.recall() and "refit" not in record:  # cut before the default refit: the same plan cut again
+        start = time.perf_counter()
+        before = json.loads((out / "gdnprune.json").read_text())
+        targets = {p: e["target"] for group in ("layers", "blocks") for p, e in before.get(group, {}).items()}
+        manifest = prune_checkpoint(
+            folder,
+            data,
+            out,
+            scores=scores,
+            plan={"format": "gdnprune-plan", "version": 2, "layers": targets},
+            compensate="sequential",  # the default's refit (on the recall windows of the recall scores)
+            progress=False,
+            overwrite=True,
+        )
+        record["refit"] = {
+            "windows": manifest["compensation_windows"],
+            "seconds": time.perf_counter() - start,
+        }
+        (work / "prune.json").write_text(json.dumps(record, indent=1, default=float))
     manifest = json.loads((out / "gdnprune.json").read_text())
     record["layers"] = {prefix: layer["target"] for prefix, layer in manifest["layers"].items()}
     return out, record
