@@ -352,10 +352,17 @@ def _prune(folder: Path, data: Path, budget: str, plan: str, scores: Path, work:
 
     record = _cached(work / "prune.json", run)
     options = PlanOptions(**BUDGETS[budget], **PLANS[plan])
-    if options.recall() and "refit" not in record:  # cut before the default refit: the same plan cut again
+    if (
+        options.recall() and not options.whole() and "refit" not in record
+    ):  # cut before the default refit: the same plan cut again
         start = time.perf_counter()
         before = json.loads((out / "gdnprune.json").read_text())
-        targets = {p: e["target"] for group in ("layers", "blocks") for p, e in before.get(group, {}).items()}
+        fields = ("head_dim",)  # a manifest's attention target also names what a plan does not cut
+        targets = {
+            p: {k: v for k, v in e["target"].items() if k not in fields}
+            for group in ("layers", "blocks")
+            for p, e in before.get(group, {}).items()
+        }
         manifest = prune_checkpoint(
             folder,
             data,

@@ -85,7 +85,8 @@ def prune_checkpoint(
     scoring run's windows, made recall windows where the scores were (the least squares weighted as the plan's
     KL: the text and the probes' answers); ``False`` or ``"none"``: no refit. The default (None) is
     ``"sequential"`` where the plan is searched on recall windows (:meth:`~gdnprune.plan.PlanOptions.recall`)
-    and the refit can run (no ``device_map``, no ``snap_quant``), none elsewhere (``docs/scoring.md``).
+    and the refit can run (a GDN budget alone, no ``device_map``, no ``snap_quant``), none elsewhere
+    (``docs/scoring.md``).
     ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
     ``snap_quant``: every width the cut changes fits quantization tiles of that size: a target's or a plan's
     widths are snapped up (:func:`gdnprune.checkpoint.transform_checkpoint`'s ``snap_quant``); a ``search``
@@ -103,7 +104,7 @@ def prune_checkpoint(
     searched plan under ``"plan"``).
     """
     o = scoring or ScoringOptions()
-    compensate = _default_compensation(compensate, search, o, snap_quant)
+    auto, compensate = compensate is None, _default_compensation(compensate, search, o, snap_quant)
     sequential = compensate == "sequential"
     search = _check_options(target, plan, search, scores, compensate, o, snap_quant)
     clear_stale(Path(output_dir))
@@ -135,7 +136,7 @@ def prune_checkpoint(
             progress,
             on_rank_cost,
         )
-    if sequential:
+    if sequential and not (auto and "calibration" not in scored):  # the default: where the windows are known
         targets = _layer_targets(plan, target, shapes)
         stats = _sequential_columns(model, model_dir, data, scored, targets, progress)
         recall = bool(scored["calibration"].get("recall"))
@@ -165,13 +166,15 @@ def _default_compensation(
     compensate: bool | str | None, search: PlanOptions | None, o: ScoringOptions, snap_quant: int | None
 ) -> bool | str:
     """``compensate`` as given (``"none"``: False); its default (None): ``"sequential"`` where the plan is
-    searched on recall windows and the refit can run (the model on one device, no ``snap_quant``), else none.
+    searched on recall windows and the refit can run (GDN layers alone cut: a GDN budget, not a whole-model
+    one; the model on one device; no ``snap_quant``), else none.
     On the recall models the refit on the recall windows lowers the recall-aware plan's nats/byte and keeps
     its recall, where a refit on the text alone loses recall (``docs/scoring.md``)."""
     if compensate is not None:
         return False if compensate == "none" else compensate
-    possible = o.device_map is None and not snap_quant
-    return "sequential" if possible and search is not None and search.recall() else False
+    if search is None or search.whole() or o.device_map is not None or snap_quant:
+        return False
+    return "sequential" if search.recall() else False
 
 
 def _layer_targets(plan: Any, target: Any, shapes: Mapping[str, Any]) -> dict[str, Any]:

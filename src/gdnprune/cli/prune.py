@@ -74,8 +74,9 @@ def add_parser(subparsers) -> None:
         "--compensate), or 'sequential': layer by layer on the cut model's own hidden states, "
         "against the full model's residual stream (better one-shot quality; holds the full and the "
         "cut model in memory), on the recall windows where the scores were taken on them; 'none': no "
-        "refit. Default: 'sequential' where a budget's plan is measured on recall windows (not "
-        "--sensitivity short; without --device-map and --snap-quant), none elsewhere",
+        "refit. Default: 'sequential' where --budget-state or --budget-gdn-params (no whole-model budget) "
+        "is planned on recall windows (not --sensitivity short; without --device-map and --snap-quant), "
+        "none elsewhere",
     )
     add_runtime_arguments(p)
     add_dry_run_arguments(p)
