@@ -233,6 +233,13 @@ def test_prune_says_what_the_plan_was_measured_on_and_the_recall_it_kept(tmp_pat
     assert refit.keys() == cut.keys()
     differs = {k for k in refit if not torch.equal(refit[k], cut[k])}
     assert differs and all(k.endswith("out_proj.weight") for k in differs), differs
+    # scores taken on the text alone: the default does not refit (on the text it would cost recall)
+    scores = tmp_path / "text_scores.json"
+    assert (
+        main(["score", str(RECALL), "-o", str(scores), *common[:2], *common[4:6], *common[8:10], "-q"]) == 0
+    )
+    assert main([*none[:3], str(tmp_path / "text"), *none[4:], "--scores", str(scores)]) == 0
+    assert "compensation" not in json.loads((tmp_path / "text" / "gdnprune.json").read_text())
 
 
 def test_a_token_weight_in_scoring_counts_a_token_that_many_times():

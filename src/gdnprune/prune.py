@@ -84,9 +84,9 @@ def prune_checkpoint(
     (:func:`gdnprune.quality.compensate.sequential_refit`; both models in memory, no ``device_map``), on the
     scoring run's windows, made recall windows where the scores were (the least squares weighted as the plan's
     KL: the text and the probes' answers); ``False`` or ``"none"``: no refit. The default (None) is
-    ``"sequential"`` where the plan is searched on recall windows (:meth:`~gdnprune.plan.PlanOptions.recall`)
-    and the refit can run (a GDN budget alone, no ``device_map``, no ``snap_quant``), none elsewhere
-    (``docs/scoring.md``).
+    ``"sequential"`` where the plan is searched on recall windows (:meth:`~gdnprune.plan.PlanOptions.recall`),
+    the scores were taken on them too and the refit can run (a GDN budget alone, no ``device_map``, no
+    ``snap_quant``), none elsewhere (``docs/scoring.md``).
     ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
     ``snap_quant``: every width the cut changes fits quantization tiles of that size: a target's or a plan's
     widths are snapped up (:func:`gdnprune.checkpoint.transform_checkpoint`'s ``snap_quant``); a ``search``
@@ -136,7 +136,8 @@ def prune_checkpoint(
             progress,
             on_rank_cost,
         )
-    if sequential and not (auto and "calibration" not in scored):  # the default: where the windows are known
+    # the default refits only on recall windows (on the text alone it costs recall: docs/scoring.md)
+    if sequential and not (auto and not scored.get("calibration", {}).get("recall")):
         targets = _layer_targets(plan, target, shapes)
         stats = _sequential_columns(model, model_dir, data, scored, targets, progress)
         recall = bool(scored["calibration"].get("recall"))
