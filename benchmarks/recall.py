@@ -12,7 +12,8 @@ budget (``--budget-state 0.5``, ``--budget-params 0.5``), ``gdnprune prune``'s o
 512 bytes of plain training text, no probe in it) makes:
 
 * ``today``: ``--sensitivity short``;
-* ``recall-aware``: the default;
+* ``recall-aware``: the default (under ``--budget-state`` with its refit of ``out_proj`` on the recall
+  windows; a plan cached before the refit was the default is cut again with it, the plan as it was);
 * ``uniform``: the best uniform cut (``--uniform --sensitivity short``: one geometry per kind of block);
 * ``keep-recall``: ``--keep-recall 0.9``.
 
