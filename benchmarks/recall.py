@@ -12,7 +12,8 @@ budget (``--budget-state 0.5``, ``--budget-params 0.5``), ``gdnprune prune``'s o
 512 bytes of plain training text, no probe in it) makes:
 
 * ``today``: ``--sensitivity short``;
-* ``recall-aware``: the default;
+* ``recall-aware``: the default (under ``--budget-state`` with its refit of ``out_proj`` on the recall
+  windows; a plan cached before the refit was the default is cut again with it, the plan as it was);
 * ``uniform``: the best uniform cut (``--uniform --sensitivity short``: one geometry per kind of block);
 * ``keep-recall``: ``--keep-recall 0.9``.
 
@@ -347,9 +348,37 @@ def _prune(folder: Path, data: Path, budget: str, plan: str, scores: Path, work:
             "load": load_average(),
             "plan": manifest["plan"],
             "report": manifest.get("plan_report", {}),
+            "refit": {"windows": manifest.get("compensation_windows")},
         }
 
     record = _cached(work / "prune.json", run)
+    options = PlanOptions(**BUDGETS[budget], **PLANS[plan])
+    if (
+        options.recall() and not options.whole() and "refit" not in record
+    ):  # cut before the default refit: the same plan cut again
+        start = time.perf_counter()
+        before = json.loads((out / "gdnprune.json").read_text())
+        fields = ("head_dim",)  # a manifest's attention target also names what a plan does not cut
+        targets = {
+            p: {k: v for k, v in e["target"].items() if k not in fields}
+            for group in ("layers", "blocks")
+            for p, e in before.get(group, {}).items()
+        }
+        manifest = prune_checkpoint(
+            folder,
+            data,
+            out,
+            scores=scores,
+            plan={"format": "gdnprune-plan", "version": 2, "layers": targets},
+            compensate="sequential",  # the default's refit (on the recall windows of the recall scores)
+            progress=False,
+            overwrite=True,
+        )
+        record["refit"] = {
+            "windows": manifest["compensation_windows"],
+            "seconds": time.perf_counter() - start,
+        }
+        (work / "prune.json").write_text(json.dumps(record, indent=1, default=float))
     manifest = json.loads((out / "gdnprune.json").read_text())
     record["layers"] = {prefix: layer["target"] for prefix, layer in manifest["layers"].items()}
     return out, record

@@ -191,3 +191,32 @@ def test_prune_compensate_sequential_writes_the_in_memory_refit(tmp_path):
         for name, tensor in a.state_dict().items():  # everything else is the plain cut
             if "out_proj" not in name:
                 assert torch.equal(tensor, b.state_dict()[name]), (prefix, name)
+
+
+def test_a_per_position_weight_weights_each_tokens_squared_error():
+    """Batches that carry a per-position weight (KL_WEIGHT, as the recall windows do): the first refitted
+    layer's columns are the weighted ridge solution written out by hand from its inputs."""
+    from gdnprune.model.forwards import KL_WEIGHT
+
+    model, calib, permutations = _setup("qwen3_5")
+    weight = torch.rand(calib.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weight[:, : calib.shape[1] // 2] = 0.0  # the first half of every window not reconstructed at all
+    batches = [{"input_ids": calib[i : i + 2], KL_WEIGHT: weight[i : i + 2]} for i in (0, 2)]
+    target = GDNShape(1, 2, 8, 6)
+    small = slice_model(model, target, permutations)
+    plain = slice_model(model, target, permutations)
+    report = compensate.sequential_refit(model, small, batches)
+    first, full = find_gdn_modules(model)[0]
+    o, x_cut = _inputs(plain, first, calib)
+    o_full, x_full = _inputs(model, first, calib)
+    y = o_full @ _out(full).weight.detach().double().T + x_full - x_cut
+    o, y, w = o.reshape(-1, o.shape[-1]), y.reshape(-1, y.shape[-1]), weight.reshape(-1, 1)
+    w_plain = _out(dict(find_gdn_modules(plain))[first]).weight.detach().double()
+    auto = (o * w).T @ o
+    lam = compensate.DEFAULT_RIDGE * float(torch.diagonal(auto).mean())
+    by_hand = torch.linalg.solve(
+        auto + lam * torch.eye(auto.shape[0], dtype=torch.float64), ((y * w).T @ o + lam * w_plain).T
+    ).T
+    assert np.allclose(report[first]["columns"], by_hand.numpy(), rtol=1e-4, atol=1e-6)
+    unweighted = compensate.sequential_refit(model, slice_model(model, target, permutations), [calib])
+    assert not np.allclose(unweighted[first]["columns"], by_hand.numpy(), rtol=1e-3, atol=1e-4)

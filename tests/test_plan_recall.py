@@ -217,6 +217,29 @@ def test_prune_says_what_the_plan_was_measured_on_and_the_recall_it_kept(tmp_pat
     manifest = json.loads((tmp_path / "out" / "gdnprune.json").read_text())
     rounds = manifest["plan_report"]["recall"]["rounds"]
     assert manifest["plan_report"]["windows"]["kind"] == "probes" and rounds[0]["share"] == RECALL_SHARE
+    # the default refits out_proj on the same recall windows (the least squares weighted as the plan's KL);
+    # --compensate none cuts the same plan with out_proj as the plain cut's, nothing else different
+    assert "out_proj refitted on the recall windows" in out
+    assert manifest["compensation"]["method"] == "sequential"
+    assert manifest["compensation_windows"] == "recall windows"
+    none = ["prune", str(RECALL), "-o", str(tmp_path / "none"), *common, "--keep-recall", "0.5", "--quiet"]
+    assert main([*none, "--compensate", "none"]) == 0
+    plain = json.loads((tmp_path / "none" / "gdnprune.json").read_text())
+    assert "compensation" not in plain and plain["plan"] == manifest["plan"]
+    assert {k: v["target"] for k, v in plain["layers"].items()} == {
+        k: v["target"] for k, v in manifest["layers"].items()
+    }
+    refit, cut = (load_pretrained(tmp_path / d).state_dict() for d in ("out", "none"))
+    assert refit.keys() == cut.keys()
+    differs = {k for k in refit if not torch.equal(refit[k], cut[k])}
+    assert differs and all(k.endswith("out_proj.weight") for k in differs), differs
+    # scores taken on the text alone: the default does not refit (on the text it would cost recall)
+    scores = tmp_path / "text_scores.json"
+    assert (
+        main(["score", str(RECALL), "-o", str(scores), *common[:2], *common[4:6], *common[8:10], "-q"]) == 0
+    )
+    assert main([*none[:3], str(tmp_path / "text"), *none[4:], "--scores", str(scores)]) == 0
+    assert "compensation" not in json.loads((tmp_path / "text" / "gdnprune.json").read_text())
 
 
 def test_a_token_weight_in_scoring_counts_a_token_that_many_times():

@@ -29,6 +29,7 @@ from .plan.measure.latency_costs import check_latency_floor
 from .plan.measure.subblocks import BLOCK_NAMES
 from .quality.calibration import calibration_windows, iter_batches
 from .quality.compensate import sequential_refit
+from .quality.recall_windows import recall_windows
 from .runtime.deprecation import folded_keywords, renamed_keywords
 from .runtime.distributed import fail_together, local_gpus
 from .runtime.fileio import file_sha256
@@ -56,7 +57,7 @@ def prune_checkpoint(
     tp: int | None = None,
     multiple_of: int | None = None,
     snap_quant: int | None = None,
-    compensate: bool | str = False,
+    compensate: bool | str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     self_contained: bool = False,
@@ -80,7 +81,12 @@ def prune_checkpoint(
     least-squares statistics in the scoring pass and refits every cut layer's ``out_proj``
     (:mod:`gdnprune.quality.compensate`); ``"sequential"``, once the target or plan is known, cuts the model in
     memory and refits ``out_proj`` layer by layer on the cut model's own hidden states
-    (:func:`gdnprune.quality.compensate.sequential_refit`; both models in memory, no ``device_map``).
+    (:func:`gdnprune.quality.compensate.sequential_refit`; both models in memory, no ``device_map``), on the
+    scoring run's windows, made recall windows where the scores were (the least squares weighted as the plan's
+    KL: the text and the probes' answers); ``False`` or ``"none"``: no refit. The default (None) is
+    ``"sequential"`` where the plan is searched on recall windows (:meth:`~gdnprune.plan.PlanOptions.recall`),
+    the scores were taken on them too and the refit can run (a GDN budget alone, no ``device_map``, no
+    ``snap_quant``), none elsewhere (``docs/scoring.md``).
     ``self_contained``: the output also loads with transformers alone (:mod:`gdnprune.checkpoint.remote_code`).
     ``snap_quant``: every width the cut changes fits quantization tiles of that size: a target's or a plan's
     widths are snapped up (:func:`gdnprune.checkpoint.transform_checkpoint`'s ``snap_quant``); a ``search``
@@ -98,6 +104,7 @@ def prune_checkpoint(
     searched plan under ``"plan"``).
     """
     o = scoring or ScoringOptions()
+    auto, compensate = compensate is None, _default_compensation(compensate, search, o, snap_quant)
     sequential = compensate == "sequential"
     search = _check_options(target, plan, search, scores, compensate, o, snap_quant)
     clear_stale(Path(output_dir))
@@ -129,9 +136,12 @@ def prune_checkpoint(
             progress,
             on_rank_cost,
         )
-    if sequential:
+    # the default refits only on recall windows (on the text alone it costs recall: docs/scoring.md)
+    if sequential and not (auto and not scored.get("calibration", {}).get("recall")):
         targets = _layer_targets(plan, target, shapes)
         stats = _sequential_columns(model, model_dir, data, scored, targets, progress)
+        recall = bool(scored["calibration"].get("recall"))
+        extra["compensation_windows"] = "recall windows" if recall else "calibration windows"
     permutations = dict(scored["layers"])
     if hidden_cut and (plan is None or plan_hidden_size(plan) is not None) and scored.get(HIDDEN_KEY):
         permutations[HIDDEN_KEY] = scored[HIDDEN_KEY]
@@ -151,6 +161,21 @@ def prune_checkpoint(
         progress=progress,
         manifest_extra=extra,
     )
+
+
+def _default_compensation(
+    compensate: bool | str | None, search: PlanOptions | None, o: ScoringOptions, snap_quant: int | None
+) -> bool | str:
+    """``compensate`` as given (``"none"``: False); its default (None): ``"sequential"`` where the plan is
+    searched on recall windows and the refit can run (GDN layers alone cut: a GDN budget, not a whole-model
+    one; the model on one device; no ``snap_quant``), else none.
+    On the recall models the refit on the recall windows lowers the recall-aware plan's nats/byte and keeps
+    its recall, where a refit on the text alone loses recall (``docs/scoring.md``)."""
+    if compensate is not None:
+        return False if compensate == "none" else compensate
+    if search is None or search.whole() or o.device_map is not None or snap_quant:
+        return False
+    return "sequential" if search.recall() else False
 
 
 def _layer_targets(plan: Any, target: Any, shapes: Mapping[str, Any]) -> dict[str, Any]:
@@ -206,7 +231,9 @@ def _check_options(
     the search with ``snap_quant`` as its own."""
     sequential = compensate == "sequential"
     if compensate not in (False, True, "statistics", "sequential"):
-        raise ValueError(f"unknown compensation {compensate!r}; expected 'statistics' or 'sequential'")
+        raise ValueError(
+            f"unknown compensation {compensate!r}; expected 'statistics', 'sequential' or 'none'"
+        )
     if sequential and o.device_map is not None:
         raise ValueError(
             "sequential compensation cuts the model in memory: it needs the model on one device "
@@ -392,15 +419,16 @@ def _sequential_columns(
     model, model_dir, data, scores: Mapping, targets: Mapping, progress: bool
 ) -> dict[str, dict]:
     """``{checkpoint prefix: {"columns": ...}}``: ``out_proj`` refitted in memory for ``targets`` (checkpoint
-    prefix -> GDNShape) on the scoring run's calibration windows (:func:`gdnprune.quality.compensate.sequential_refit`)."""
+    prefix -> GDNShape) on the scoring run's calibration windows, made recall windows where the scores were
+    (:func:`gdnprune.quality.compensate.sequential_refit`)."""
     calibration = scores["calibration"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     windows = calibration_windows(
-        data,
-        AutoTokenizer.from_pretrained(model_dir),
-        seq_len=calibration["seq_len"],
-        num_samples=calibration["num_samples"],
-        warn=False,
+        data, tokenizer, seq_len=calibration["seq_len"], num_samples=calibration["num_samples"], warn=False
     )
+    batches: list[Any] = list(iter_batches(windows, calibration["batch_size"]))
+    if calibration.get("recall"):  # each window and its probe, weighted as the plan's KL
+        batches = recall_windows(batches, tokenizer=tokenizer)
     mapping = map_to_checkpoint([prefix for prefix, _ in find_gdn_modules(model)], Path(model_dir))
     layers = scores["layers"]
     small = slice_model(
@@ -409,7 +437,5 @@ def _sequential_columns(
         {p: layers[c] for p, c in mapping.items() if c in layers},
     )
     small.to(next(model.parameters()).device)
-    fitted = sequential_refit(
-        model, small, list(iter_batches(windows, calibration["batch_size"])), progress=progress
-    )
+    fitted = sequential_refit(model, small, batches, progress=progress)
     return {mapping[p]: {"columns": entry["columns"]} for p, entry in fitted.items()}

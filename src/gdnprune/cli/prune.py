@@ -67,13 +67,16 @@ def add_parser(subparsers) -> None:
         "--compensate",
         nargs="?",
         const="statistics",
-        choices=("statistics", "sequential"),
+        choices=("statistics", "sequential", "none"),
         default=None,
         help="refit each cut layer's out_proj by least squares on the calibration windows (the output "
         "is then not nested across targets): from the full model's statistics (plain "
         "--compensate), or 'sequential': layer by layer on the cut model's own hidden states, "
-        "against the full model's residual stream (better one-shot quality; loads the model "
-        "once more and holds the full and the cut model in memory)",
+        "against the full model's residual stream (better one-shot quality; holds the full and the "
+        "cut model in memory), on the recall windows where the scores were taken on them; 'none': no "
+        "refit. Default: 'sequential' where --budget-state or --budget-gdn-params (no whole-model budget) "
+        "is planned on recall windows (not --sensitivity short; without --device-map and --snap-quant), "
+        "none elsewhere",
     )
     add_runtime_arguments(p)
     add_dry_run_arguments(p)
@@ -131,7 +134,7 @@ def run(args) -> int:
             tp=args.tp,
             multiple_of=args.multiple_of,
             snap_quant=args.snap_quant,
-            compensate=args.compensate or False,
+            compensate=args.compensate,
             overwrite=args.overwrite,
             progress=not args.quiet,
             self_contained=args.self_contained,
@@ -168,6 +171,8 @@ def run(args) -> int:
     if manifest.get("snap_quant"):
         what += f", cut widths in multiples of {manifest['snap_quant']} (--snap-quant)"
     print(f"gdnprune prune: {how} and {what} -> {args.output}{also}")
+    if manifest.get("compensation_windows") and not args.compensate:
+        print(f"  out_proj refitted on the {manifest['compensation_windows']} (--compensate none: not)")
     if budget:
         for line in model_summary(manifest.get("plan", {}).get("metadata", {}))[-2:]:
             print(f"  {line}")

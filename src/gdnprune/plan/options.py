@@ -49,9 +49,9 @@ class PlanOptions:
             e.g. scores without the hidden order), naming it there is an error.
         sensitivity: ``"halving"`` (KL of real cuts, by successive halving: every candidate on a few windows,
             the choice verified on every window, :mod:`.halving`), ``"short"`` (the same on the calibration
-            windows as they are; the others, where GDN layers may shrink, measure on recall windows: facts
-            of the calibration text written twice into each window, the KL of the second copies counting
-            for half, :mod:`.measure.recall`), ``"measured"`` (every candidate on every
+            windows as they are; the others, where GDN layers may shrink, measure on recall windows: each
+            calibration window followed by a passkey or MQAR probe of its length, the answers a quarter of
+            the KL, :mod:`.measure.recall`), ``"measured"`` (every candidate on every
             window: the exact reference; removals are measured on every window either way), ``"bld"`` (every
             candidate trained ``bld_steps`` steps to reproduce its unpruned block's output, then measured as
             ``"measured"``: the choice sums recovered losses, :mod:`.bld`) or ``"proxy"`` (output energy

@@ -172,7 +172,9 @@ def sequential_refit(
         min_W'  sum_t |y_t - W' o_t|^2 + lam |W' - W_K|^2   =>   W' = (C_yo + lam W_K) (C_oo + lam I)^-1
 
     (float64 moments; ``W_K`` the plain cut columns; ``lam`` = ``ridge`` times the mean diagonal of
-    ``C_oo``). ``reference``:
+    ``C_oo``). A batch mapping with a per-position weight (:data:`gdnprune.model.forwards.KL_WEIGHT`, as the
+    recall windows carry) weights each token's squared error by it: ``sum_t w_t |y_t - W' o_t|^2``, so the
+    refit reconstructs the positions the plan was measured on, as much as they counted there. ``reference``:
 
     * ``"stream"`` (default): what the full model's residual stream holds after the layer, ``y = W o_full
       + (x_full - x_cut)`` with ``x`` the decoder layer's input: the layer also takes back the error the
@@ -188,11 +190,11 @@ def sequential_refit(
     inputs it sees never increases; nothing cut leaves the model as it is.
 
     Returns ``{prefix: {"columns": W' (float64 numpy [H, K]), "error_plain": ..., "error_refit": ...,
-    "tokens": n}}`` for every refitted layer (the summed squared errors of ``W_K`` and ``W'``).
+    "tokens": n}}`` for every refitted layer (the summed, weighted, squared errors of ``W_K`` and ``W'``).
     """
     import torch  # lazy: torch; checkpoint/ (torch-free) imports this module
 
-    from ..model.forwards import unpack_batches  # lazy: torch; checkpoint/ (torch-free) imports this module
+    from ..model.forwards import unpack_batch, unpack_weight  # lazy: torch; checkpoint/ imports this module
 
     if reference not in REFERENCES:
         raise ValueError(f"unknown reference {reference!r}; expected one of {REFERENCES}")
@@ -202,7 +204,7 @@ def sequential_refit(
     changed = [GDNShape.from_module(m) != GDNShape.from_module(cut_layers[p]) for p, m in full_layers]
     if not any(changed):
         return {}
-    data = unpack_batches(batches)
+    data = [(*unpack_batch(batch), unpack_weight(batch)) for batch in batches]
     result: dict[str, dict] = {}
     states = model.training, small.training
     model.eval()
@@ -241,7 +243,7 @@ def _refit_layer(
         run_with_hooks(full, args, kwargs, [(output_projection(full), record_input(inner, "o", stop=True))])
         seen["o_full"] = inner["o"]
 
-    for ids, mask in data:
+    for ids, mask, kl_weight in data:
         seen: dict = {}
         hooks = [(output_projection(cut), record_input(seen, "o", stop=True))]
         if reference == "cut":
@@ -258,9 +260,14 @@ def _refit_layer(
         y = y.to(plain.device)
         if reference == "stream":
             y += _tokens(seen["x_full"], mask, plain.device) - _tokens(seen["x_cut"], mask, plain.device)
-        cross += y.T @ o
-        auto += o.T @ o
-        energy += float((y * y).sum())
+        w = (
+            o.new_ones(o.shape[0])
+            if kl_weight is None
+            else _tokens(kl_weight[..., None], mask, o.device)[:, 0]
+        )
+        cross += (y * w[:, None]).T @ o
+        auto += (o * w[:, None]).T @ o
+        energy += float((w * (y * y).sum(1)).sum())
         tokens += int(o.shape[0])
     lam = ridge * max(float(torch.diagonal(auto).mean()), 1e-30)
     eye = torch.eye(auto.shape[0], dtype=torch.float64, device=auto.device)
