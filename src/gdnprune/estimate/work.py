@@ -34,9 +34,9 @@ CHUNK_ROWS = 20
 #: flash-linear-attention is missing): chunks of ``SMALL_CHUNK`` tokens for head states of at most ``SMALL_STATE``
 #: entries (``Dk x Dv``; tests/test_kernels.py checks it is the kernel's), no padding, and ``KERNEL_ROWS`` passes
 #: per chunk row (the pairwise decays, clamped, exponentiated and masked in place; the two products' outputs and
-#: their masking; the solve), fitted to the measured plans (benchmarks/scale.py, 4 to 24 layers: 0.88-1.13; it
-#: absorbs the per-element cost of rows of 16, which vectorise worse than rows of 64)
-SMALL_STATE, SMALL_CHUNK, KERNEL_ROWS = 1024, 16, 45
+#: their masking; the solve), fitted to the 10 prunes measured with it (benchmarks/scale.py, 4 to 48 layers, dense
+#: and MoE: predicted/measured 0.76-1.15; it absorbs the per-element cost of rows of 16, which vectorise worse)
+SMALL_STATE, SMALL_CHUNK, KERNEL_ROWS = 1024, 16, 30
 
 
 def _chunking(dk: int, dv: int, context: int, kernel: bool) -> tuple[int, float, float]:
