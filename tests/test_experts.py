@@ -296,3 +296,16 @@ def test_fp8_fused_expert_tensors_are_gathered_with_their_scales(tmp_path):
         assert torch.equal(after[f"{prefix}.gate.weight"], before[f"{prefix}.gate.weight"][kept])
     assert checked == 4 * len(orders)
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["num_experts"] == 3
+
+
+def test_per_layer_expert_counts_build_without_transformers_warning(capfd):
+    """The MoE head reads the global expert count on purpose (its router loss): transformers' warning that it does
+    must not reach the terminal through gdnprune's commands."""
+    import logging
+
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per process: another test may have
+    model = random_dense_model("qwen3_next", seed=4)
+    blocks = {b.prefix: {"num_experts": 2 + i % 3} for i, b in enumerate(_experts(model))}
+    cut = slice_model(model, None, blocks=blocks)
+    assert [b.shape.num_experts for b in _experts(cut)] == [2 + i % 3 for i in range(len(blocks))]
+    assert "Reading global config value" not in capfd.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 import threading
@@ -22,6 +23,8 @@ from ..model.subblock_geometry import KINDS
 
 __all__ = ["per_layer_gdn_modules", "resolve_class", "heterogeneous", "empty_pretrained"]
 
+#: transformers' logger of heterogeneous configs (its warnings go to the terminal, past gdnprune's CLI)
+_HETEROGENEITY_LOG = logging.getLogger("transformers.integrations.heterogeneity.configuration_utils")
 _LOCK = threading.RLock()
 
 
@@ -69,9 +72,12 @@ def per_layer_gdn_modules(model_class: type) -> Iterator[None]:
                 }
                 for c in (config, text):
                     c.__dict__["allow_global_per_layer_attribute_access"] = True
+                level = _HETEROGENEITY_LOG.level  # its warning that the global value is read: read on purpose
+                _HETEROGENEITY_LOG.setLevel(logging.ERROR)
                 try:
                     _original(self, config, *args, **kwargs)
                 finally:
+                    _HETEROGENEITY_LOG.setLevel(level)
                     for c in (config, text):
                         if before[id(c)] is None:
                             c.__dict__.pop("allow_global_per_layer_attribute_access", None)
