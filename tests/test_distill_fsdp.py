@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HALF, make_pair, pair
+from helpers import DISTILL_SHAPE, HALF, make_pair, pair
 from launch_runs import FSDP_CASES, run_case
+from tiny_models import build_model
 
 from gdnprune import load_pretrained
-from gdnprune.distill.fsdp import optimizer_bytes
+from gdnprune.distill.fsdp import clip_grad_norm_in_parts, layer_parts, optimizer_bytes, split_groups
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,59 @@ def test_models_fsdp2_cannot_wrap_are_refused_with_the_reason():
     teacher._no_split_modules = ["SomethingElse"]
     with pytest.raises(ValueError, match="teacher: cannot shard .* expected decoder layer classes"):
         check_shardable(teacher, "teacher")
+
+
+# ---- the optimizer and the clipping layer by layer (DTensor's list operations are quadratic in length) ------
+
+
+def _model_with_gradients(seed: int = 0):
+    model = build_model("qwen3_5_moe", DISTILL_SHAPE, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator) * 0.3
+    return model
+
+
+def test_layer_parts_hold_every_parameter_with_a_gradient_once_each_part_one_layer():
+    model = _model_with_gradients()
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    parts = layer_parts(model)
+    assert [id(p) for part in parts for p in part] == [id(p) for _, p in named]
+    name_of = {id(p): n for n, p in named}
+    # the layer of a name written out: "model.layers.<i>." + the rest, else outside the layers
+    layer = [
+        {n.split(".")[2] if n.startswith("model.layers.") else None for n in map(name_of.get, map(id, part))}
+        for part in parts
+    ]
+    assert all(len(one) == 1 for one in layer)
+    indices = [next(iter(one)) for one in layer if next(iter(one)) is not None]
+    assert indices == [str(i) for i in range(model.config.num_hidden_layers)]  # one part per layer, in order
+
+
+def test_clipping_layer_by_layer_gives_torchs_clipping():
+    for max_norm in (0.5, 1e6):  # clipped, and left as it is
+        model, reference = _model_with_gradients(1), _model_with_gradients(1)
+        total = clip_grad_norm_in_parts(layer_parts(model), max_norm)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        torch.testing.assert_close(total, expected)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_adamw_on_one_group_per_layer_steps_as_on_the_whole_groups():
+    model, reference = _model_with_gradients(2), _model_with_gradients(2)
+
+    def groups(m):  # the Trainer's two groups: with and without weight decay
+        named = list(m.named_parameters())
+        return [
+            {"params": [p for n, p in named if p.ndim > 1], "weight_decay": 0.1},
+            {"params": [p for n, p in named if p.ndim <= 1], "weight_decay": 0.0},
+        ]
+
+    split = split_groups(groups(model), model)
+    assert len(split) > 2 and all(g["weight_decay"] in (0.1, 0.0) for g in split)
+    assert [id(p) for g in split for p in g["params"]] == [id(p) for g in groups(model) for p in g["params"]]
+    for opt in (torch.optim.AdamW(split, lr=1e-2), torch.optim.AdamW(groups(reference), lr=1e-2)):
+        opt.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)

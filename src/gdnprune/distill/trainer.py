@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from ..runtime.fileio import umask, write_json_atomic
 from ..runtime.interrupts import SIGNALS
-from .fsdp import is_sharded, layer_classes, vocab_sharded
+from .fsdp import clip_grad_norm_in_parts, is_sharded, layer_classes, layer_parts, split_groups, vocab_sharded
 from .loss import IGNORE_INDEX, distillation_loss, head_terms
 from .output import check_checkpoint_keys, load_model_weights
 from .records import DATA_POSITION_NAME
@@ -288,8 +288,17 @@ class DistillationTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         target = model if model is not None else self.model
         sharded = isinstance(target, torch.nn.Module) and is_sharded(target)
+        if isinstance(target, torch.nn.Module) and (sharded or self.is_fsdp_enabled):
+            optimizer.param_groups[:] = split_groups(optimizer.param_groups, target)  # a group per layer
         self._presharded_groups = [list(g["params"]) for g in optimizer.param_groups] if sharded else None
         return optimizer
+
+    def _clip_grad_norm(self, model):
+        """Under FSDP2, the Trainer's clipping layer by layer (:func:`~.fsdp.clip_grad_norm_in_parts`);
+        otherwise the Trainer's own."""
+        if not is_sharded(model) or self._has_mixed_mesh_grads(model):
+            return super()._clip_grad_norm(model)
+        return clip_grad_norm_in_parts(layer_parts(model), self.args.max_grad_norm)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """The Trainer's schedule, created once the optimizer is prepared: first the parameters of a pre-sharded
