@@ -55,6 +55,12 @@ def calibration():
     return list(demo_data.byte_windows(demo_data.train_text(), 256, 8).split(4))
 
 
+@pytest.fixture(scope="module")
+def plan_windows(calibration):
+    """The plans' windows: the first 4 of the calibration windows (a plan measures every candidate on each)."""
+    return calibration[:2]
+
+
 def test_span_windows_ask_again_for_spans_written_earlier_and_carry_their_share_of_the_kl(calibration):
     windows = span_windows(calibration, share=0.3, seed=4)
     again = span_windows(calibration, share=0.3, seed=4)
@@ -140,9 +146,9 @@ GRID = dict(blocks=["gdn"], dim_step="1/2", axes=["key_heads", "key_dim"], progr
 
 
 def test_the_default_plan_measures_on_recall_windows_and_short_on_the_calibration_windows(
-    recall_model, calibration, scores
+    recall_model, plan_windows, scores
 ):
-    model = recall_model
+    model, calibration = recall_model, plan_windows
     options = dict(budget_state=0.5, **GRID)
     short, short_report = plan_model(model, calibration, scores, sensitivity="short", **options)
     default, report = plan_model(model, calibration, scores, **options)
@@ -157,9 +163,9 @@ def test_the_default_plan_measures_on_recall_windows_and_short_on_the_calibratio
 
 
 def test_keep_recall_is_measured_on_the_whole_cut_model_and_replans_when_missed(
-    recall_model, calibration, scores
+    recall_model, plan_windows, scores
 ):
-    model = recall_model
+    model, calibration = recall_model, plan_windows
     plan, report = plan_model(
         model,
         calibration,

@@ -120,3 +120,20 @@ def test_a_quantization_other_than_fp8_blocks_is_refused_and_another_form_loads_
         )
     assert student is None and teacher is None
     assert ["\n" in str(w.message) for w in said if "loaded whole" in str(w.message)] == [False]
+
+
+def test_a_folder_changed_on_disk_is_read_again(tmp_path):
+    """The tensor names of a folder are read once while its files stay the same (a check before loading asks
+    what the load asks); a file written since is read again."""
+    from gdnprune.io.model_classes import empty_pretrained
+    from gdnprune.io.sharded_loading import ShardedLoadingError, sharded_loading_names
+
+    folder = tmp_path / "model"
+    shutil.copytree(os.path.join(TRAINED, "recall"), folder)
+    model = empty_pretrained(folder, dtype=torch.float32)
+    assert sharded_loading_names(folder, model)["model.norm.weight"].name == "model.norm.weight"
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ShardedLoadingError, match=r"model\.norm\.weight"):
+        sharded_loading_names(folder, model)

@@ -345,6 +345,6 @@ def _sharded(
     except ValueError as exc:  # a quantization only from_pretrained's quantizer reads
         raise ValueError(f"{name}: {exc}") from None
     try:
-        return load_sharded(path, shard, dtype=dtype, device=device, upcast_from=upcast_from)
+        return load_sharded(path, shard, dtype=dtype, device=device, upcast_from=upcast_from, model=model)
     except (OSError, RuntimeError, ValueError) as exc:
         raise ValueError(f"{path}: transformers cannot load it: {' '.join(str(exc).split())[:500]}") from None

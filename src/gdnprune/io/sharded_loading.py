@@ -11,8 +11,10 @@ FP8 blocks with their scales, one tensor per expert, parts concatenated), or rai
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +30,23 @@ from .safetensors_io import read_header
 __all__ = ["load_sharded", "sharded_loading_names", "ShardedLoadingError", "StoredTensor"]
 
 
-def _disk_index(path: str | os.PathLike) -> dict[str, str]:
-    """``{tensor name: safetensors file}`` of a model folder (headers only)."""
+def _folder_key(path: str | os.PathLike) -> tuple[tuple[str, int, int], ...]:
+    """The safetensors files of a model folder, each with its modification time and size."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    return tuple((str(f), (st := f.stat()).st_mtime_ns, st.st_size) for f in files)
 
+
+def _disk_index(path: str | os.PathLike) -> dict[str, str]:
+    """``{tensor name: safetensors file}`` of a model folder (headers only; read once while its files stay
+    the same: at 512 experts a folder stores 75,944 tensors)."""
+    return _index_of(_folder_key(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _index_of(key: tuple[tuple[str, int, int], ...]) -> dict[str, str]:
     index: dict[str, str] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        index.update(dict.fromkeys(read_header(file).tensors, str(file)))
+    for file, _, _ in key:
+        index.update(dict.fromkeys(read_header(file).tensors, file))
     return index
 
 
@@ -121,6 +134,10 @@ def _model_names(model: Any, disk: Mapping[str, str]) -> dict[str, str]:
     return names
 
 
+#: sharded_loading_names's answer per model object and folder (a check before loading asks what the load asks)
+_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, StoredTensor]:
     """``{model tensor name: where it is stored}`` (:class:`StoredTensor`) for every tensor of ``model`` (built
     as :func:`empty_pretrained` builds it): under its own name or the name ``from_pretrained`` renames to it
@@ -131,6 +148,10 @@ def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, Stor
     Raises :class:`ShardedLoadingError` naming the first tensor stored in no such form, and ``ValueError``
     for a quantization other than FP8 blocks (only ``from_pretrained`` with its quantizer reads those).
     """
+    key = _folder_key(path)
+    cached = _NAMES.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     method = _quant_method(model.config)
     if method is not None and method != "fp8":
         raise ValueError(
@@ -159,6 +180,7 @@ def sharded_loading_names(path: str | os.PathLike, model: Any) -> dict[str, Stor
                 f"transformers renames to it, FP8 blocks, one tensor per expert, parts concatenated)"
             )
         names.update(dict.fromkeys(group, where))
+    _NAMES[model] = (key, names)
     return names
 
 
@@ -183,6 +205,7 @@ def load_sharded(
     dtype: Any = None,
     device: Any = "cpu",
     upcast_from: Any = None,
+    model: Any = None,
 ) -> Any:
     """Load a model folder straight into shards: no process ever holds the whole model.
 
@@ -197,10 +220,13 @@ def load_sharded(
     ``from_pretrained`` concatenates, under the model's names or those ``from_pretrained`` renames to them (:func:`sharded_loading_names`), else
     :class:`ShardedLoadingError`. ``upcast_from``: the floating-point weights as a model loaded in this
     dtype and then cast to ``dtype`` holds them (a bf16 student's float32 master weights under mixed
-    precision, as accelerate upcasts it). Returns the model, in eval mode.
+    precision, as accelerate upcasts it). ``model``: the folder's model on ``meta`` when the caller built it
+    already (:func:`empty_pretrained`, e.g. to check :func:`sharded_loading_names` first), sharded and filled
+    in place. Returns the model, in eval mode.
     """
 
-    model = empty_pretrained(path, model_class=model_class, dtype=dtype)
+    if model is None:
+        model = empty_pretrained(path, model_class=model_class, dtype=dtype)
     names = sharded_loading_names(path, model)
     shard(model)
     model.to_empty(device=device)
