@@ -122,10 +122,11 @@ def clip_grad_norm_in_parts(parts: list[list[torch.nn.Parameter]], max_norm: flo
     """``torch.nn.utils.clip_grad_norm_`` (2-norm) of the gradients of ``parts`` (lists of parameters, see
     :func:`layer_parts`), computed part by part: the norm of every part, their norm, then every part scaled by
     the one factor. Returns the total norm before clipping (a plain tensor, the same on every process)."""
+    parts = [[p for p in part if p.grad is not None] for part in parts]
     parts = [part for part in parts if part]
     if not parts:
         return torch.tensor(0.0)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in part]) for part in parts]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in part if p.grad is not None]) for part in parts]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if isinstance(total, DTensor):
         total = total.full_tensor()  # one reduction; every part is then scaled by the same replicated factor
