@@ -245,6 +245,42 @@ def test_an_unknown_task_names_the_closest_known_ones(inputs, capsys):
     )
 
 
+def test_declared_names_read_each_way_a_yaml_names_a_task(tmp_path):
+    """Names given as a value, quoted, as a flow list, as a block list, as group members (``- task:``), in a
+    template without ``.yaml``; lm-eval's own index of the folder holds no name outside them."""
+    from lm_eval.tasks._index import TaskIndex
+
+    from gdnprune.evaluation.api import declared_names
+
+    (tmp_path / "a.yaml").write_text(
+        "task: alpha\ntag:\n  - t_one\n  # a comment\n  - t_two\nmetric_list: []\n"
+    )
+    (tmp_path / "b.yaml").write_text('"task": "beta"\n"dataset_name": "x"\ntag: [t_three, "t_four"]\n')
+    (tmp_path / "g.yaml").write_text(
+        "group: gamma\ntask:\n  - task: delta\n    include: _template\n  - alpha\n"
+    )
+    (tmp_path / "_template").write_text("tag: t_five  # from the template\noutput_type: loglikelihood\n")
+    (tmp_path / "notes.md").write_text("task: not_a_task\n")
+    expected = {"alpha", "beta", "gamma", "delta", "t_one", "t_two", "t_three", "t_four", "t_five"}
+    assert declared_names(tmp_path) == expected
+    assert set(TaskIndex.build([tmp_path])) <= expected
+
+
+def test_declared_names_hold_every_name_lm_evals_index_finds(tmp_path):
+    """Against lm-eval's index (its YAML parser, includes resolved) of every 12th folder of its tasks: an
+    unknown name is refused without indexing lm-eval's 14,000 task files, so no real task may be missing."""
+    import lm_eval.tasks
+    from lm_eval.tasks._index import TaskIndex
+
+    from gdnprune.evaluation.api import declared_names
+
+    root = Path(lm_eval.tasks.__file__).parent
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")[::12]
+    indexed = set(TaskIndex.build(folders))
+    assert len(indexed) > 100
+    assert indexed <= declared_names(root)
+
+
 # ---- what the user sees: the table, not lm-eval's chatter --------------------------------------------------
 
 
