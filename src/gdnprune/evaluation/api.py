@@ -215,7 +215,7 @@ def task_manager(options: EvalOptions, folder: str | os.PathLike) -> Any:
     name needs them (indexing them takes a while). An unknown name raises :class:`EvalError` with the
     closest known ones, at once when no task file of lm-eval's even mentions it (:func:`declared_names`)."""
     import lm_eval.tasks  # lazy: optional extra
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lazy: optional extra
 
     paths = [str(folder), *(str(p) for p in options.include_path)]
     manager = TaskManager(include_path=paths, include_defaults=False)
