@@ -101,7 +101,7 @@ def layer_parts(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
 
     Under FSDP2 the optimizer step and the gradient clipping work on these lists, not on one list of every
     parameter: torch 2.13's DTensor propagates a list operation's sharding in time quadratic in the list's
-    length (at 48 layers of 512 experts one AdamW step and one clipping took 13 s of CPU), and caches the
+    length (at 48 layers of 512 experts one AdamW step and one clipping took 13 s, profiled), and caches the
     result by the list's shapes, which repeat from one layer of a kind to the next."""
     named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
     return [[p for _, p in run] for _, run in itertools.groupby(named, key=lambda item: _layer(item[0]))]
