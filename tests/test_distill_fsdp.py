@@ -150,7 +150,7 @@ def test_layer_parts_hold_every_parameter_with_a_gradient_once_each_part_one_lay
 
 
 def test_clipping_layer_by_layer_gives_torchs_clipping():
-    for max_norm in (0.5, 1e6):  # clipped, and left as it is
+    for max_norm in (0.5, 1e6, float("inf")):  # clipped, left as it is, the norm alone (max_grad_norm 0)
         model, reference = _model_with_gradients(1), _model_with_gradients(1)
         total = clip_grad_norm_in_parts(layer_parts(model), max_norm)
         expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)

@@ -300,6 +300,12 @@ class DistillationTrainer(Trainer):
             return super()._clip_grad_norm(model)
         return clip_grad_norm_in_parts(layer_parts(model), self.args.max_grad_norm)
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The norm the Trainer logs; without clipping (``max_grad_norm`` 0) under FSDP2, layer by layer too."""
+        if grad_norm is None and is_sharded(model) and not self._has_mixed_mesh_grads(model):
+            grad_norm = clip_grad_norm_in_parts(layer_parts(model), float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """The Trainer's schedule, created once the optimizer is prepared: first the parameters of a pre-sharded
         student's optimizer groups are put back as they were (:meth:`create_optimizer`), when the prepared
