@@ -257,11 +257,11 @@ def test_declared_names_read_each_way_a_yaml_names_a_task(tmp_path):
     )
     (tmp_path / "b.yaml").write_text('"task": "beta"\n"dataset_name": "x"\ntag: [t_three, "t_four"]\n')
     (tmp_path / "g.yaml").write_text(
-        "group: gamma\ntask:\n  - task: delta\n    include: _template\n  - alpha\n"
+        "group: gamma\ntask:\n  - task: delta\n    include: _template\n  - epsilon\naggregate_metric_list: []\n"
     )
     (tmp_path / "_template").write_text("tag: t_five  # from the template\noutput_type: loglikelihood\n")
     (tmp_path / "notes.md").write_text("task: not_a_task\n")
-    expected = {"alpha", "beta", "gamma", "delta", "t_one", "t_two", "t_three", "t_four", "t_five"}
+    expected = {"alpha", "beta", "gamma", "delta", "epsilon", "t_one", "t_two", "t_three", "t_four", "t_five"}
     assert declared_names(tmp_path) == expected
     assert set(TaskIndex.build([tmp_path])) <= expected
 

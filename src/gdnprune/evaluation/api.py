@@ -240,30 +240,33 @@ def _check_known(tasks: Sequence[str], known: set[str]) -> None:
 #: a key that names a task, group or tag in an lm-eval YAML, with its value (a name, a flow list, or nothing:
 #: a block list follows)
 _NAMING_KEY = re.compile(r"^\s*(?:-\s*)?([\"']?)(?:task|group|tag)\1\s*:\s*(.*?)\s*(?:#.*)?$")
-_LIST_ITEM = re.compile(r"^\s*-\s*(.*?)\s*$")
+_LIST_ITEM = re.compile(r"^\s*-\s*(.*?)\s*(?:#.*)?$")
 
 
 def declared_names(root: Path) -> set[str]:
-    """Every name a ``task:``, ``group:`` or ``tag:`` key (a value, a flow list or a block list) gives in the
-    YAML files under ``root`` and the templates they include: what lm-eval's index of that folder can hold, and more (lines read as text, not
-    parsed: 14,000 files in under a second, where lm-eval's index takes 9 s). A name outside it is unknown to
+    """Every name a ``task:``, ``group:`` or ``tag:`` key gives (a value, a flow list, or a block list, whose
+    items may be mappings with a ``task:`` of their own) in the YAML files under ``root`` and the templates
+    they include. Lines are read as text, not parsed: 14,000 files in under a second, where lm-eval's index
+    takes 9 s. It holds what lm-eval's index of ``root`` holds, and more: a name outside it is unknown to
     lm-eval."""
     names: set[str] = set()
     for path in root.rglob("*"):
         if not (path.name.endswith("yaml") or path.suffix == "") or not path.is_file():
             continue  # lm-eval's task files and the templates they include (``_default_template_yaml``)
-        listing = False
+        opened_at: int | None = None  # the indentation of the key whose block list is being read
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            text = line.lstrip()
+            indent = len(line) - len(text)
+            if opened_at is not None and text[:1] not in ("", "#", "-") and indent <= opened_at:
+                opened_at = None  # a key beside the list's own: the list has ended
             key = _NAMING_KEY.match(line)
-            item = _LIST_ITEM.match(line) if listing and key is None else None
-            if key is not None:
+            if key is not None and key.group(2):
                 value = key.group(2)
-                listing = value == ""
                 names.update(value.strip("[]").split(",") if value.startswith("[") else [value])
-            elif item is not None:
+            elif key is not None and opened_at is None:
+                opened_at = indent
+            elif opened_at is not None and (item := _LIST_ITEM.match(line)) is not None:
                 names.add(item.group(1))
-            else:
-                listing = listing and (not line.strip() or line.lstrip().startswith("#"))
     return {name.strip().strip("'\"") for name in names} - {""}
 
 
