@@ -210,3 +210,21 @@ def test_score_counts_the_projection_scorers_weight_grams():
         return cost.seconds
 
     assert grams > 0 and 2 * seconds(4) - seconds(8) == pytest.approx(grams)
+
+
+def test_a_read_model_holds_its_weights_and_a_measured_cost_per_tensor(folders, monkeypatch):
+    """Score, plan, eval and bench hold the model read from its folder: beside its weights, the reader's objects
+    for every tensor of the folder (counted here from the safetensors files), LOADED_TENSOR_BYTES each, once in
+    each of these stages (prune holds the largest of its score, plan and slice)."""
+    from gdnprune.estimate import stages as module
+
+    _, _, written = folders["qwen3_5_moe_text"]
+    tensors = sum(len(load_file(f)) for f in Path(written).glob("*.safetensors"))
+    facts = model_facts(written)
+    names = ["score", "plan", "eval", "bench"]
+    with_objects = stage_costs(facts, RunOptions(), DEVICES["cpu"], names)
+    monkeypatch.setattr(module, "LOADED_TENSOR_BYTES", 0.0)
+    without = stage_costs(facts, RunOptions(), DEVICES["cpu"], names)
+    assert tensors > 100
+    for one, two in zip(with_objects, without, strict=True):
+        assert one.host_memory - two.host_memory == pytest.approx(1600.0 * tensors), one.stage

@@ -79,6 +79,9 @@ RUNTIME_MEMORY = {
 #: host bytes of a command that runs no model (``inspect``, ``slice``, ``sort``: Python and the checkpoint
 #: reader), and per tensor whose header it holds parsed
 LIGHT_MEMORY, HEADER_BYTES = 40 * 2**20, 1000.0
+#: host bytes per checkpoint tensor that reading a model leaves allocated besides its weights (the reader's
+#: name maps and per-expert pieces; measured at the real counts: 1.3-2.4 KB per tensor, 1.6 KB at 94,631)
+LOADED_TENSOR_BYTES = 1600.0
 #: module calls and kernels of one candidate's measurement on a window beside its layer's forward (the
 #: candidate's weights cut from the layer's, its KL against the teacher's output, the halving's bookkeeping);
 #: fitted to the measured prunes (benchmarks/scale.py)
@@ -211,6 +214,11 @@ def _load(facts: ModelFacts, device: Device, dtype_bytes: int) -> tuple[float, f
     return device.startup + _seconds(device, 0, 0, len(facts.tensors), facts.bytes), held
 
 
+def _loaded(facts: ModelFacts) -> float:
+    """Host bytes that reading the model leaves beside its weights (:data:`LOADED_TENSOR_BYTES` per tensor)."""
+    return LOADED_TENSOR_BYTES * len(facts.tensors)
+
+
 def _projected(facts: ModelFacts) -> list[tuple[int, int]]:
     """``(units, input width)`` of every sub-block the projection scorer measures at its output projection's
     input (a dense MLP's and a shared expert's channels, an attention's heads)."""
@@ -258,7 +266,7 @@ def _score(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -
         dtype_bytes=dtype_bytes,
     )
     on_model = held + beside + activations
-    host = grams + on_model if device.kind == "cpu" else held + grams
+    host = (grams + on_model if device.kind == "cpu" else held + grams) + _loaded(facts)
     dev = 0.0 if device.kind == "cpu" else on_model
     return StageCost(
         "score",
@@ -307,7 +315,7 @@ def _plan(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
     share = o.processes  # under torchrun every process measures its share of the candidates
     memory = elements * ELEMENT_BYTES / share
     seconds = load + _seconds(device, flops / share, ops / share, 0, 0, memory, dtype_bytes=dtype_bytes)
-    host = held + kept
+    host = held + kept + _loaded(facts)
     dev = 0.0 if device.kind == "cpu" else held
     notes = (
         f"{sum(candidates):,} candidates over {len(layers)} layers; about {measured:,.0f} candidate-window "
@@ -449,7 +457,7 @@ def _eval(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) ->
         flops,
         facts.bytes,
         0.0,
-        held,
+        held + _loaded(facts),
         0.0 if device.kind == "cpu" else held,
         seconds,
         (f"{tokens:,} tokens evaluated",),
@@ -475,7 +483,7 @@ def _bench(facts: ModelFacts, o: RunOptions, device: Device, dtype_bytes: int) -
         flops,
         facts.bytes,
         0.0,
-        held,
+        held + _loaded(facts),
         0.0 if device.kind == "cpu" else held,
         seconds,
         (f"{len(o.workloads)} workload(s), {o.repeats} repeats each",),
