@@ -195,11 +195,15 @@ def _argv(stage: str, model: Path, out: Path, calib: Path, val: Path) -> tuple[l
             "plan", str(model), "--scores", str(out / "scores.json"), "--budget-params", "0.5", "--num-samples",
             str(PLAN_SAMPLES), "--dim-step", STEP, "-o", str(out / "plan.json"), *common,
         ], None  # fmt: skip
-    if stage == "slice":
+    if stage == "sort":  # every importance order of the score's file, applied (members)
+        return ["sort", str(model), "--scores", str(out / "scores.json"), "-o", str(out / "sorted"), "-q",
+                "--overwrite"], None  # fmt: skip
+    if stage in ("slice", "slice-sorted"):  # slice-sorted: the sorted folder (members), not the model
         config = _config(model)  # half the GDN key heads and value heads: every member has them
         keys, values = config["linear_num_key_heads"] // 2, config["linear_num_value_heads"] // 2
-        argv = ["slice", str(model), "--num-key-heads", str(keys), "--num-value-heads", str(values)]
-        return [*argv, "-o", str(out / "sliced"), "-q", "--overwrite"], None
+        source, target = (out / "sorted", "sorted-sliced") if stage == "slice-sorted" else (model, "sliced")
+        argv = ["slice", str(source), "--num-key-heads", str(keys), "--num-value-heads", str(values)]
+        return [*argv, "-o", str(out / target), "-q", "--overwrite"], None
     if stage in ("prune", "prune-proxy"):  # prune-proxy: the plan from the proxy sensitivity (no KL search)
         return [
             "prune", str(model), "--budget-params", "0.5", "--num-samples", str(SAMPLES), "--plan-samples",
@@ -260,7 +264,7 @@ def _predict(model: Path, stage: str, device: Device = DEVICES["cpu"], facts: di
     ):
         # measured before prune searched the hidden size by default (its plan records no hidden search)
         options = replace(options, blocks=tuple(b for b in options.blocks if b != "hidden"))
-    name = {"distill-fsdp": "distill"}.get(stage, stage)
+    name = {"distill-fsdp": "distill", "slice-sorted": "slice"}.get(stage, stage)
     (cost,) = stage_costs(teacher, options, device, [name], student=student)
     return {"seconds": cost.seconds, "rss": cost.host_memory, "parameters": teacher.parameters,
             "layers": len(teacher.layers), "experts": teacher.experts, "tensors": len(teacher.tensors)}  # fmt: skip
@@ -277,7 +281,8 @@ def run_point(results: dict, key: str, model: Path, stages: list[str], redo: boo
         argv, launcher = _argv(stage, model, out, calib, val)
         print(f"{name} ...", flush=True)
         measured = _stage(argv, launcher)
-        measured["predicted"] = None if stage == "prune-proxy" else _predict(model, stage)
+        # no estimate stage for these: the proxy plan, sort (`estimate` does not offer it, `sort` has no dry run)
+        measured["predicted"] = None if stage in ("prune-proxy", "sort") else _predict(model, stage)
         results[name] = measured
         _save(results)
         pred = measured["predicted"]
@@ -315,7 +320,7 @@ def members(results: dict, redo: bool, names: tuple[str, ...] = ()) -> None:
     for m in chosen:
         key = "member-" + m.name
         model = _folder(key, tiny_config(m))
-        stages = ["inspect", "score", "prune", "distill-fsdp", "eval", "bench"]
+        stages = ["inspect", "score", "sort", "slice-sorted", "prune", "distill-fsdp", "eval", "bench"]
         run_point(results, key, model, stages, redo)
 
 
@@ -349,7 +354,7 @@ def _fresh(results: dict) -> dict:
     for name, r in results.items():
         point, stage = name.rsplit("/", 1)
         model = WORK / "models" / point
-        if r.get("code") == 0 and stage != "prune-proxy" and model.exists():
+        if r.get("code") == 0 and stage not in ("prune-proxy", "sort") and model.exists():
             r = {**r, "predicted": _predict(model, stage)}
         out[name] = r
     return out
