@@ -220,7 +220,6 @@ def reduce_statistics(statistics: ScoringStatistics, *, group: Any = None) -> Sc
 
 
 # Over 80 lines with its documented keyword arguments (the public API); the code is under 65.
-@cpu_gdn_kernels()
 def score_model(
     model: torch.nn.Module,
     batches: Iterable[Any],
