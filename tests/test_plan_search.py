@@ -89,6 +89,26 @@ def test_the_milp_equals_brute_force(layers, params_budget, state_budget):
     assert sum(state[g][p] for g, p in enumerate(picks)) <= state_budget
 
 
+@pytest.mark.parametrize("excess", [1e-9, 1e-8, 1e-7, 2e-7])
+def test_the_choice_never_exceeds_a_budget_by_the_solvers_tolerance(excess):
+    """A latency budget in seconds (5.6 ms) that the most accurate choice exceeds by ``excess``: HiGHS accepts a
+    row up to its feasibility tolerance over its bound, and took that choice (seen in a plan's latency fit). The
+    choice must be brute force's best among those within the budget, its cost at most the budget exactly."""
+    high, low = 0.0028224205, 0.001
+    sensitivity = [[0.0, 1.0], [0.0, 1.0], [0.0, 0.5]]
+    latency = [[high + excess / 2, low], [high + excess / 2, low], [low, low / 2]]
+    budget = 2 * high + low
+    within = [
+        picks
+        for picks in itertools.product(range(2), repeat=3)
+        if sum(latency[g][p] for g, p in enumerate(picks)) <= budget
+    ]
+    best = min(sum(sensitivity[g][p] for g, p in enumerate(picks)) for picks in within)
+    picks = choose(sensitivity, {"latency": latency}, {"latency": budget})
+    assert sum(latency[g][p] for g, p in enumerate(picks)) <= budget
+    assert sum(sensitivity[g][p] for g, p in enumerate(picks)) == best
+
+
 def test_uniform_choice_takes_the_best_shared_geometry():
     keys = [["a", "b", "c"], ["a", "b", "c"]]
     sensitivity = [[0, 1, 2], [0, 4, 5]]

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint
+from scipy.optimize import LinearConstraint
 
 from ...model.forwards import Forwards, hidden_argument
-from .solve import MILP_OPTIONS, BudgetError, exact_objective, quiet_milp
+from .solve import BudgetError, budgeted_milp
 
 __all__ = [
     "DepthCheck",
@@ -120,11 +120,15 @@ def choose_with_removal(
         row = np.zeros(n + m)
         row[[n + k for k in keep]] = 1
         constraints.append(LinearConstraint(row[None, :], 0, len(keep) - 1))
-    for name, budget in budgets.items():
-        row = np.concatenate(
-            [np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)]
+    budget_rows = [
+        (
+            np.concatenate(
+                [np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)]
+            ),
+            b,
         )
-        constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
+        for name, b in budgets.items()
+    ]
     for picks in exclude:
         constraints.append(_removal_cut(picks, starts, n, layers, layer_of))
     c = np.concatenate(
@@ -138,13 +142,7 @@ def choose_with_removal(
         if len(allowed) != len(sizes) or any(len(a) != size for a, size in zip(allowed, sizes)):
             raise ValueError("`allowed` must have one flag per candidate of every group")
         upper[:n] = np.concatenate([np.asarray(a, dtype=np.float64) for a in allowed])
-    result = quiet_milp(
-        exact_objective(c),
-        constraints=constraints,
-        integrality=np.ones(n + m),
-        bounds=Bounds(0, upper),
-        options=MILP_OPTIONS,
-    )
+    result = budgeted_milp(c, constraints, budget_rows, upper)
     if result.status == 2 or result.x is None:
         least = {
             name: float(sum(min(g) for g, layer in zip(costs[name], layer_of) if layer not in removal))

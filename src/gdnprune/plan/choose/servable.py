@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint
+from scipy.optimize import LinearConstraint
 
-from .solve import MILP_OPTIONS, BudgetError, exact_objective, quiet_milp
+from .solve import BudgetError, budgeted_milp
 
 __all__ = ["SERVABLE_NOTE", "choose_servable"]
 
@@ -107,22 +107,17 @@ def choose_servable(
         keep = [layers.index(i) for i in keep_one_of if i in removal]
         if keep and len(keep) == len(set(keep_one_of)):
             rows.append(LinearConstraint(_row(width, [n + k for k in keep]), 0, len(keep) - 1))
+    budget_rows = []
     for name, budget in budgets.items():
         row = np.zeros(width)
         row[:n] = np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]])
-        rows.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
+        budget_rows.append((row, budget))
     c = np.zeros(width)
     c[:n] = np.concatenate([np.asarray(g, dtype=np.float64) for g in sensitivity])
     c[n : n + m] = [removal[i] for i in layers]
     upper = np.ones(width)
     upper[:n] = upper_x
-    result = quiet_milp(
-        exact_objective(c),
-        constraints=rows,
-        integrality=np.ones(width),
-        bounds=Bounds(0, upper),
-        options=MILP_OPTIONS,
-    )
+    result = budgeted_milp(c, rows, budget_rows, upper)
     if result.status == 2 or result.x is None:
         raise BudgetError(
             "no servable plan (one geometry per kind of block"

@@ -26,6 +26,7 @@ __all__ = [
     "BudgetError",
     "MAX_COMBINATIONS",
     "MILP_OPTIONS",
+    "budgeted_milp",
     "choose",
     "choose_among",
     "choose_pool",
@@ -107,6 +108,42 @@ def quiet_milp(*args: Any, **kwargs: Any) -> Any:
         return milp(*args, **kwargs)
 
 
+def budgeted_milp(
+    c: np.ndarray,
+    constraints: Sequence[LinearConstraint],
+    budget_rows: Sequence[tuple[np.ndarray, float]],
+    upper: np.ndarray | float = 1.0,
+) -> Any:
+    """:func:`quiet_milp` over binaries ``x`` in ``[0, upper]``: minimise :func:`exact_objective` of ``c`` under
+    ``constraints`` and ``budget_rows`` (``(row, budget)``: ``row @ x <= budget``), every budget met by the
+    rounded choice itself. HiGHS accepts a row up to its feasibility tolerance (1e-7) over its bound: each
+    budget row is divided by its budget, so that the tolerance is relative, and a choice still over a budget
+    is solved again with that budget lowered by a margin (1e-6 of it, or twice the excess; four times more
+    at each retry). Returns scipy's result, ``x`` rounded when optimal."""
+    scales = [abs(float(b)) or 1.0 for _, b in budget_rows]
+    rows = [(np.asarray(r, dtype=np.float64) / s, float(b) / s) for (r, b), s in zip(budget_rows, scales)]
+    margins = [0.0] * len(rows)
+    over: list[float] = []
+    for _ in range(4):
+        limits = [LinearConstraint(r[None, :], -np.inf, b - m) for (r, b), m in zip(rows, margins)]
+        result = quiet_milp(
+            exact_objective(c),
+            constraints=[*constraints, *limits],
+            integrality=np.ones(len(c)),
+            bounds=Bounds(0, upper),
+            options=MILP_OPTIONS,
+        )
+        if result.status != 0 or result.x is None:
+            return result
+        x = np.round(result.x)
+        over = [float(r @ x) - float(b) for r, b in budget_rows]
+        if all(o <= 0 for o in over):
+            result.x = x
+            return result
+        margins = [max(4 * m, 2 * o / s, 1e-6) if o > 0 else m for m, o, s in zip(margins, over, scales)]
+    raise RuntimeError(f"the MILP solver's choices stay over the budgets (by {over}) after 4 tries")
+
+
 def exact_objective(c: np.ndarray) -> np.ndarray:
     """The objective scaled so that its largest magnitude is 1e6: HiGHS's absolute gap (1e-6) is then 1e-12 of
     it, so sums of small sensitivities (KL per token of slight cuts) are told apart."""
@@ -171,19 +208,14 @@ def choose(
     for layer, (start, size) in enumerate(zip(starts, sizes)):
         one_each[layer, start : start + size] = 1
     constraints = [LinearConstraint(one_each, 1, 1)]
-    for name, budget in budgets.items():
-        row = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in costs[name]])
-        constraints.append(LinearConstraint(row[None, :], -np.inf, float(budget)))
+    budget_rows = [
+        (np.concatenate([np.asarray(layer, dtype=np.float64) for layer in costs[name]]), budget)
+        for name, budget in budgets.items()
+    ]
     for picks in exclude:
         constraints.append(no_good_cut(picks, starts, n))
     c = np.concatenate([np.asarray(layer, dtype=np.float64) for layer in sensitivity])
-    result = quiet_milp(
-        exact_objective(c),
-        constraints=constraints,
-        integrality=np.ones(n),
-        bounds=Bounds(0, 1),
-        options=MILP_OPTIONS,
-    )
+    result = budgeted_milp(c, constraints, budget_rows)
     if result.status == 2 or result.x is None:  # infeasible
         raise BudgetError(f"no plan meets the budgets: {_minimum(costs, budgets)}")
     if result.status != 0:
