@@ -100,6 +100,7 @@ def test_the_output_keeps_the_students_dtype_and_a_finished_run_removes_its_chec
     said = capsys.readouterr().out
     assert _dtypes(out) == {"BF16"} and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert not list(out.glob("checkpoint-*")) and "removed the checkpoints of the finished run" in said
+    assert "(checkpoint-1);" in said  # the last step wrote none: the final model holds its state
     manifest = json.loads((out / "gdnprune.json").read_text())
     log = json.loads((out / "distill_log.json").read_text())
     assert manifest["final"]["train_loss"] > 0 and manifest["final"]["train_loss_window"] == [2, 2]

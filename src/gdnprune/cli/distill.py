@@ -216,7 +216,7 @@ def _add_evaluation_arguments(p) -> None:
         default=None,
         metavar="N",
         help="keep the checkpoints when the run finishes (the last N, default 1); without it a finished "
-        "run removes them (an interrupted one keeps its last, for --resume)",
+        "run removes them and its last step writes none (an interrupted one keeps its last, for --resume)",
     )
     e.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines (default 10)")
     e.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT_DIR")

@@ -328,7 +328,9 @@ def _train(trainer, config: DistillConfig, record: dict, out: Path | None, check
 
     data = {"data": record["train_sha256"], "windows": record["train_windows"]}
     data["windows_per_step"] = config.batch_size
-    run = RunCallback(trainer, lambda logs: write_log("running"), out is not None, data)
+    run = RunCallback(
+        trainer, lambda logs: write_log("running"), out is not None, data, not config.remove_checkpoints
+    )
     trainer.add_callback(run)
     dtype = config.output_dtype
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype

@@ -40,8 +40,9 @@ class DistillConfig:
     ``kd_weight`` x KL at ``temperature`` + ``lm_weight`` x LM, ``chunk_size`` positions at a time.
     Output (``output_dir``; None: nothing written): a checkpoint every ``save_every`` steps (default a
     tenth of the run), the last ``keep_checkpoints`` kept while running and removed when the run finishes
-    unless ``remove_checkpoints`` is False; the final model in ``output_dtype`` (None: as the student is
-    held; :func:`gdnprune.distill.distill_checkpoint` passes the dtype the student folder stores). A log
+    unless ``remove_checkpoints`` is False (when they are removed, the last step writes none: the final model
+    holds its state); the final model in ``output_dtype`` (None: as the student is held;
+    :func:`gdnprune.distill.distill_checkpoint` passes the dtype the student folder stores). A log
     line every ``log_every`` steps, an evaluation every ``eval_every`` (default a tenth of the run).
     ``resume`` (True or a checkpoint folder), ``overwrite``, ``seed`` (data order). Engine: ``fsdp``,
     ``teacher_sharding`` (``"shard"`` / ``"replicate"``; None: sharded with a sharded student),

@@ -365,7 +365,9 @@ class RunCallback(TrainerCallback):
     """A stop signal -> save and stop at the end of the step (agreed by all processes); ``on_log(logs)`` on
     every log; checkpoint files get the umask's permissions; every checkpoint records its data position
     (:data:`DATA_POSITION_NAME`: the data's fingerprint ``data``, the windows per step, the steps done, the
-    epoch and the windows of it already read; the Trainer resumes there through its seeded sampler)."""
+    epoch and the windows of it already read; the Trainer resumes there through its seeded sampler).
+    ``keep_last`` False: the last step writes no checkpoint (the finished run's checkpoints are removed, and
+    its final model is saved anyway); a stop signal at that step still saves one."""
 
     def __init__(
         self,
@@ -373,15 +375,18 @@ class RunCallback(TrainerCallback):
         on_log: Callable[[dict], None],
         saving: bool,
         data: dict[str, Any] | None = None,
+        keep_last: bool = True,
     ):
         self.trainer, self.log, self.saving, self.interrupted = trainer, on_log, saving, False
-        self.data = dict(data or {})
+        self.data, self.keep_last = dict(data or {}), keep_last
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.end_step()
         if self.trainer.accelerator.check_trigger():
             self.interrupted = control.should_training_stop = True
             control.should_save = self.saving
+        elif state.global_step >= state.max_steps and not self.keep_last:
+            control.should_save = False
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
