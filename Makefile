@@ -27,8 +27,10 @@ lint: $(VENV)/.installed
 # (tests/xdist_units.py); `make test TEST_WORKERS=0` runs it in one process
 TEST_WORKERS ?= 2
 
+# PYTHONDONTWRITEBYTECODE unset: the suite's many processes (workers, launches, demos) then read the package's and
+# the tests' compiled modules instead of compiling them again each (pytest's rewritten tests likewise)
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # `make bench` lists the benchmarks and their claims; `make bench SUITE=transform ARGS="--rounds 6"` runs one
 # (nice'd, one torch thread unless OMP_NUM_THREADS is set): python -m benchmarks SUITE ARGS

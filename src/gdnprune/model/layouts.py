@@ -441,16 +441,29 @@ HIDDEN_FREE: tuple[str, ...] = (
 tensor that neither table names (it could not tell whether the tensor reads or writes the stream)."""
 
 
-@functools.lru_cache(maxsize=65536)
+#: a layer's or an expert's number inside a tensor name: both tables match any number there (``\d+``), so names
+#: that differ only in them match the same rules (a 512-expert checkpoint's 75,944 names are a few hundred)
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
 def hidden_rules(name: str) -> tuple[TensorRule, ...]:
     """The rules of :data:`HIDDEN_RULES` that tensor ``name`` (its full name) matches: one per axis on the
     residual stream (``mtp.fc.weight`` has two), empty for a tensor that does not touch it."""
+    return _hidden_rules(_NUMBER.sub("0", name))
+
+
+@functools.lru_cache(maxsize=4096)
+def _hidden_rules(name: str) -> tuple[TensorRule, ...]:
     return tuple(rule for rule in HIDDEN_RULES if re.search(rule.name, name))
 
 
-@functools.lru_cache(maxsize=65536)
 def hidden_free(name: str) -> bool:
     """Whether tensor ``name`` is known not to touch the residual stream (:data:`HIDDEN_FREE`)."""
+    return _hidden_free(_NUMBER.sub("0", name))
+
+
+@functools.lru_cache(maxsize=4096)
+def _hidden_free(name: str) -> bool:
     return any(re.search(pattern, name) for pattern in HIDDEN_FREE)
 
 
