@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch_runs import SCALE_MEMBER as MEMBER
+from launch_runs import STUDENT_EXPERTS
 
 from gdnprune.cli import main
 from gdnprune.io.loading import load_causal_lm, load_pretrained
@@ -133,7 +134,7 @@ def test_distill_under_fsdp2_on_two_processes(launch, launch_inputs):
     assert record.exists() and json.loads(record.read_text())["code"] == 0, launch.stderr[-4000:]
     student = load_pretrained(root / "distilled")
     teacher_experts = json.loads((root / "model" / "config.json").read_text())["num_experts"]
-    assert teacher_experts == 512 and student.config.num_experts == 128
+    assert teacher_experts == 512 and student.config.num_experts == STUDENT_EXPERTS
     assert len(student.model.layers) == 48
 
 
