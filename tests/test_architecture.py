@@ -88,7 +88,10 @@ def imports_of(name: str, source: str, known: set[str], *, is_package: bool = Fa
     return found
 
 
+@functools.cache
 def graph_of(root: Path = PACKAGE) -> dict[str, list[Import]]:
+    """Every module's imports of the package's modules (read once per root and test session: the checkers
+    only read it)."""
     mods = modules(root)
     return {
         name: imports_of(name, path.read_text(), set(mods), is_package=path.name == "__init__.py")
