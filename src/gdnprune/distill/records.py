@@ -29,6 +29,7 @@ __all__ = [
     "OutputFolderError",
     "check_output_folder",
     "plot_history",
+    "loss_figure",
     "loss_summary",
     "run_manifest",
     "DiskFullError",
@@ -172,20 +173,35 @@ def plot_history(
     lm_weight: float = 0.0,
     step_losses: Sequence[tuple[int, float]] = (),
 ) -> bool:
-    """Plot train and eval loss against steps into ``path`` (PNG); False (and a warning) without matplotlib.
-    The legend says what the train loss is (:func:`train_loss_label`); ``step_losses`` (``(step, loss)``)
-    draw the loss of every step under the logged means."""
-    try:
-        import matplotlib  # lazy: optional extra  # noqa: F401 (absent: ImportError here)
-        from matplotlib.figure import Figure  # lazy: optional extra
-        from matplotlib.ticker import MaxNLocator  # lazy: optional extra
-    except ImportError:
+    """Plot train and eval loss against steps into ``path`` (PNG, :func:`loss_figure`); False (and a warning)
+    without matplotlib."""
+    fig = loss_figure(history, kd_weight, lm_weight, step_losses)
+    if fig is None:
         warnings.warn(
             "matplotlib is not installed, so no loss plot was drawn; install it with "
             "`pip install matplotlib` (or `pip install gdnprune[plot]`)",
             stacklevel=2,
         )
         return False
+    fig.savefig(path)
+    return True
+
+
+def loss_figure(
+    history: Sequence[dict],
+    kd_weight: float = 1.0,
+    lm_weight: float = 0.0,
+    step_losses: Sequence[tuple[int, float]] = (),
+) -> Any:
+    """Train and eval loss against steps, a ``matplotlib.figure.Figure`` drawn without pyplot; None without
+    matplotlib. The legend says what the train loss is (:func:`train_loss_label`); ``step_losses``
+    (``(step, loss)``) draw the loss of every step under the logged means."""
+    try:
+        import matplotlib  # lazy: optional extra  # noqa: F401 (absent: ImportError here)
+        from matplotlib.figure import Figure  # lazy: optional extra
+        from matplotlib.ticker import MaxNLocator  # lazy: optional extra
+    except ImportError:
+        return None
     series = {
         f"{train_loss_label(kd_weight, lm_weight)}, per step": list(step_losses),
         "train loss, mean of each logging window": [(h["step"], h["loss"]) for h in history if "loss" in h],
@@ -215,8 +231,7 @@ def plot_history(
     # fixed margins that fit these labels and six-character ticks (0.0035, 1200): tight_layout would draw the
     # figure once more (a third of the plot's time, and every distillation draws one)
     fig.subplots_adjust(left=0.13, right=0.97, top=0.92, bottom=0.11)
-    fig.savefig(path)
-    return True
+    return fig
 
 
 def run_manifest(student_dir: Path, teacher_dir: Path, data: Any, result: dict, carried: list[str]) -> dict:
