@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
 from helpers import DENSE_SHAPE, add_mtp, assert_same, mtp_tensors, scored_source
 from safetensors.torch import load_file, save_file
-from tiny_models import build_model
+from tiny_models import MODEL_TYPES, build_model
 
 from gdnprune import demo_data
 from gdnprune.checkpoint import open_checkpoint, slice_checkpoint, sort_checkpoint
@@ -25,6 +26,7 @@ from gdnprune.io.loading import load_pretrained, slice_model
 from gdnprune.io.scores_file import check_scores
 from gdnprune.model.hidden import find_hidden
 from gdnprune.model.kernels import cpu_gdn_kernels
+from gdnprune.model.layouts import HIDDEN_FREE, HIDDEN_RULES, hidden_free, hidden_rules
 from gdnprune.model.subblock_surgery import find_model_hidden
 from gdnprune.plan.api import plan_model
 from gdnprune.plan.measure.hidden import WholeKL
@@ -115,6 +117,20 @@ def test_the_table_names_every_tensor_on_the_stream():
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.gate.weight" in names
     assert "model.layers.0.linear_attn.norm.weight" not in names  # the GDN norm is over the value dim
     assert [r.axis for r in found.rules["model.layers.0.mlp.experts.down_proj"]] == [1]
+
+
+def test_every_name_matches_the_rules_its_own_regular_expressions_match():
+    """The tables are matched once per name with its layer and expert numbers set to 0 (a 512-expert model has
+    75,944 names); the reference is every pattern searched in the name itself, on every tensor of every family
+    (per-expert names and the MTP head's included) and on numbers of several digits."""
+    names = {n for t in MODEL_TYPES for n in noisy_model(t).state_dict()} | set(mtp_tensors(torch.float32))
+    names |= {n.replace(".0.", ".47.").replace(".1.", ".511.") for n in names}
+    names |= {
+        f"model.layers.12.mlp.experts.{e}.{p}.weight" for e in (0, 7, 300) for p in ("gate_proj", "down_proj")
+    }
+    for name in sorted(names):
+        assert hidden_rules(name) == tuple(r for r in HIDDEN_RULES if re.search(r.name, name)), name
+        assert hidden_free(name) == any(re.search(p, name) for p in HIDDEN_FREE), name
 
 
 def test_a_tensor_the_table_does_not_know_is_refused():
