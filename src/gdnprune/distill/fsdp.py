@@ -122,17 +122,14 @@ def clip_grad_norm_in_parts(parts: list[list[torch.nn.Parameter]], max_norm: flo
     """``torch.nn.utils.clip_grad_norm_`` (2-norm) of the gradients of ``parts`` (lists of parameters, see
     :func:`layer_parts`), computed part by part: the norm of every part, their norm, then every part scaled by
     the one factor. Returns the total norm before clipping (a plain tensor, the same on every process)."""
-    parts = [[p for p in part if p.grad is not None] for part in parts]
-    parts = [part for part in parts if part]
-    if not parts:
+    pieces = [(part, grads) for part in parts if (grads := [p.grad for p in part if p.grad is not None])]
+    if not pieces:
         return torch.tensor(0.0)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in part if p.grad is not None]) for part in parts]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = torch.linalg.vector_norm(torch.stack([torch.nn.utils.get_total_norm(g) for _, g in pieces]))
     if isinstance(total, DTensor):
         total = total.full_tensor()  # one reduction; every part is then scaled by the same replicated factor
-    for part in parts:
-        grad = part[0].grad
-        norm = DTensor.from_local(total, grad.device_mesh) if isinstance(grad, DTensor) else total
+    for part, grads in pieces:
+        norm = DTensor.from_local(total, grads[0].device_mesh) if isinstance(grads[0], DTensor) else total
         torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
     return total
 

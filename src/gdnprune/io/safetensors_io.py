@@ -192,14 +192,10 @@ def _read_header(path: str) -> ShardHeader:
     for name, entry in header.items():  # one pass of plain checks: a 512-expert model has 75,944 entries
         try:
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, IndexError):
+        except (TypeError, KeyError):  # not an object (JSON's others refuse string keys), or a key missing
             raise _fail(
                 path, f"tensor {name!r}: expected dtype, shape and data_offsets, found {entry!r}"[:300]
             ) from None
-        if type(entry) is not dict:
-            raise _fail(
-                path, f"tensor {name!r}: expected dtype, shape and data_offsets, found {entry!r}"[:300]
-            )
         bits = DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
         if bits is None:
             raise _fail(path, f"tensor {name!r}: unknown dtype {dtype!r}")

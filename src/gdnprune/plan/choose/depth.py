@@ -121,12 +121,7 @@ def choose_with_removal(
         row[[n + k for k in keep]] = 1
         constraints.append(LinearConstraint(row[None, :], 0, len(keep) - 1))
     budget_rows = [
-        (
-            np.concatenate(
-                [np.concatenate([np.asarray(g, dtype=np.float64) for g in costs[name]]), np.zeros(m)]
-            ),
-            b,
-        )
+        (np.concatenate([*(np.asarray(g, dtype=np.float64) for g in costs[name]), np.zeros(m)]), b)
         for name, b in budgets.items()
     ]
     for picks in exclude:
