@@ -16,6 +16,7 @@ from helpers import child_env, make_source, python_command, raw_tensors
 from gdnprune import load_pretrained
 from gdnprune.checkpoint import slice_checkpoint
 from gdnprune.cli import main
+from gdnprune.distill import DistillConfig
 from gdnprune.model.geometry import GDNShape
 from gdnprune.model.layouts import find_gdn_modules
 
@@ -192,6 +193,26 @@ def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded
     )
     err = capsys.readouterr().err
     assert "--teacher-device-map" in err and "--teacher-sharding 'replicate'" in err and "teacher_" not in err
+    # a step's windows that the processes cannot share: refused by the command (a dry run's --processes, or the
+    # launch's WORLD_SIZE) and by the library, before the corpus is tokenised or a model loads
+    shares = (
+        (["--batch-size", "3"], "--batch-size (3) to be a multiple of the processes (2): each process takes"),
+        (["--batch-size", "4", "--micro-batch-size", "3"], "processes (2) x --micro-batch-size (3)"),
+    )
+    for flags, said in shares:
+        assert main([*base, "-o", str(tmp_path / "new"), "--dry-run", "--processes", "2", *flags]) == 2
+        assert said in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([*base, "-o", str(tmp_path / "new"), "--batch-size", "1"]) == 2
+    assert "--batch-size (1) to be a multiple of the processes (2)" in capsys.readouterr().err
+    monkeypatch.setattr(api, "open_windows", no_loading)
+    with pytest.raises(ValueError, match=r"batch_size \(3\) to be a multiple of the processes \(2\)"):
+        api.distill_checkpoint(
+            folders / "uniform",
+            folders / "teacher",
+            folders / "train.txt",
+            DistillConfig(output_dir=tmp_path / "new", steps=1, batch_size=3),
+        )
     assert not (tmp_path / "new").exists()
     # a teacher folder that transformers cannot load: one line, exit 2, nothing written
     monkeypatch.undo()

@@ -318,7 +318,7 @@ def _print_estimate(est, world: int, micro: int, seq_len: int) -> None:
 
 def run(args) -> int:
     # lazy: commands import the library when they run, so --help stays fast
-    from ..distill import OutputFolderError, check_options, check_output_folder
+    from ..distill import OutputFolderError, check_batch, check_options, check_output_folder
 
     world = args.processes if args.dry_run and args.processes else int(os.environ.get("WORLD_SIZE", "1"))
     # `accelerate launch` with an FSDP config says so in the environment
@@ -335,6 +335,7 @@ def run(args) -> int:
             mixed_precision=args.mixed_precision,
             cpu_offload=args.cpu_offload,
         )
+        check_batch(args.batch_size, args.micro_batch_size, world)
         if not args.dry_run:  # every input is checked before any model loads
             data, eval_data = checked_data(args), checked_data(args, eval_data=True)
     except OutputFolderError as exc:

@@ -18,7 +18,7 @@ This package owns
   is replicated, spread by a ``device_map``, or sharded for forward passes (:mod:`.fsdp`);
 * :func:`distill` (models and token windows in memory) and :func:`distill_checkpoint` (HF folders and
   text files) on top of it: options and the output folder are checked before any model is loaded
-  (:func:`check_options`, :func:`check_output_folder`), Ctrl-C (SIGTERM, SIGHUP) saves a checkpoint and
+  (:func:`check_options`, :func:`check_batch`, :func:`check_output_folder`), Ctrl-C (SIGTERM, SIGHUP) saves a checkpoint and
   returns, the final model is written tensor by tensor (:mod:`.output`), a JSON log, a PNG of the losses
   and ``gdnprune.json`` are written into the output folder, teacher and student must share a vocabulary
   (:func:`check_same_vocabulary`);
@@ -44,6 +44,7 @@ from .options import (
     ACCELERATE_FSDP2_CONFIG,
     MIXED_PRECISION,
     DistillConfig,
+    check_batch,
     check_options,
     check_same_vocabulary,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "DistillConfig",
     "DiskFullError",
     "plot_history",
+    "check_batch",
     "check_options",
     "check_output_folder",
     "default_seq_len",

@@ -31,7 +31,14 @@ from .fsdp import (
     student_dtype,
 )
 from .memory import meta_model
-from .options import DistillConfig, check_options, check_run, check_same_vocabulary, fsdp_asked
+from .options import (
+    DistillConfig,
+    check_batch,
+    check_options,
+    check_run,
+    check_same_vocabulary,
+    fsdp_asked,
+)
 from .output import read_tensors
 from .records import (
     check_output_folder,
@@ -198,6 +205,7 @@ def distill_checkpoint(
         mixed_precision=config.mixed_precision,
         cpu_offload=config.cpu_offload,
     )
+    check_batch(config.batch_size, config.micro_batch_size, world)  # before the corpus is tokenised
     tokenizer, teacher_tokenizer = _tokenizers(student_dir, teacher_dir)
     spec, eval_spec = data_spec(data), None if eval_data is None else data_spec(eval_data)
     files = check_data(spec, tokenizer=tokenizer)

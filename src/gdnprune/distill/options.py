@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "DistillConfig",
     "check_options",
+    "check_batch",
     "check_run",
     "check_same_vocabulary",
     "fsdp_asked",
@@ -157,13 +158,25 @@ def check_run(config: DistillConfig, windows: int, seq_len: int, world: int) -> 
             f"train_data: expected at least batch_size={c.batch_size} windows of {seq_len} tokens for one "
             f"step, found {windows} ({windows * seq_len:,} tokens)"
         )
-    micro = c.micro_batch_size or c.batch_size // world
-    if micro < 1 or c.batch_size % (world * micro):
+    return steps, check_batch(c.batch_size, c.micro_batch_size, world)
+
+
+def check_batch(batch_size: int, micro_batch_size: int | None, world: int) -> int:
+    """The per-process micro batch: ``micro_batch_size``, or by default each process's share of the
+    ``batch_size`` windows of a step; ``ValueError`` unless the processes' micro batches add up to it."""
+    if not micro_batch_size:
+        if batch_size < world or batch_size % world:
+            raise ValueError(
+                f"expected batch_size ({batch_size}) to be a multiple of the processes ({world}): each "
+                f"process takes an equal share of a step's windows"
+            )
+        return batch_size // world
+    if batch_size % (world * micro_batch_size):
         raise ValueError(
-            f"expected batch_size ({c.batch_size}) to be a multiple of processes ({world}) x "
-            f"micro_batch_size ({micro})"
+            f"expected batch_size ({batch_size}) to be a multiple of processes ({world}) x "
+            f"micro_batch_size ({micro_batch_size})"
         )
-    return steps, micro
+    return micro_batch_size
 
 
 def check_same_vocabulary(student=None, teacher=None, student_tokenizer=None, teacher_tokenizer=None) -> None:
