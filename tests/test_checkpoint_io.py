@@ -13,7 +13,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gdnprune.io import safetensors_io as io
-from gdnprune.io.safetensors_io import CheckpointError, copy_range, encode_header, read_header
+from gdnprune.io.safetensors_io import (
+    CheckpointError,
+    copy_range,
+    encode_header,
+    frame_header,
+    header_json,
+    read_header,
+)
 
 
 def _tensors():
@@ -61,6 +68,28 @@ def test_written_file_is_read_by_safetensors(tmp_path):
         assert read_header(path).tensors.keys() == set(tensors)
     with pytest.raises(ValueError, match="does not fit"):
         encode_header(entries, None, size=8)
+
+
+def test_header_json_is_json_dumps_of_the_header_object():
+    """The header is written entry by entry; the reference is json.dumps of the whole object, compact and UTF-8
+    (names with quotes, backslashes, control and non-ASCII characters; scalars; metadata or none); a name
+    given twice, or a tensor named __metadata__, is refused instead of silently merged."""
+    entries = [
+        ('quote"back\\slash\nnew\x01line', "F32", (2, 3), 0, 24),
+        ("\u00e9t\u00e9.\u4e2d.weight", "BF16", (), 24, 26),
+        ("model.layers.47.mlp.experts.511.down_proj.weight", "F8_E4M3", [0, 5], 26, 26),
+    ]
+    for metadata in (None, {"format": "pt", "note": 'a "b" \u00e9'}):
+        header = {} if metadata is None else {"__metadata__": metadata}
+        header.update(
+            {n: {"dtype": d, "shape": list(s), "data_offsets": [b, e]} for n, d, s, b, e in entries}
+        )
+        expected = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        assert header_json(entries, metadata) == expected
+        assert frame_header(expected) == encode_header(entries, metadata)
+    for bad in ([entries[0], entries[0]], [("__metadata__", "F32", (1,), 0, 4)]):
+        with pytest.raises(ValueError, match="each tensor name once"):
+            header_json(bad, None)
 
 
 def _write_raw(path, header: dict, data: bytes, pad: bytes = b""):

@@ -44,7 +44,8 @@ from ..io.safetensors_io import (
     ShardHeader,
     TensorInfo,
     copy_range,
-    encode_header,
+    frame_header,
+    header_json,
     write_all,
     write_vectors,
 )
@@ -182,9 +183,9 @@ class ShardPlan:
                     runs.append([t.start, position, nbytes])
             entries.append((new_name, dtype, shape, position, position + nbytes))
             position += nbytes
-        header = encode_header(entries, self.src.metadata)
-        data_start = _aligned_start(len(header), runs)
-        self.header = encode_header(entries, self.src.metadata, size=data_start - 8)
+        raw = header_json(entries, self.src.metadata)
+        data_start = _aligned_start(len(frame_header(raw)), runs)
+        self.header = frame_header(raw, size=data_start - 8)
         self.runs = [(src, data_start + dst, length) for src, dst, length in runs]
         self.pieces = []
         for src, dst, length in self.runs:  # cut at source offsets that are multiples of _PIECE (and BLOCK)

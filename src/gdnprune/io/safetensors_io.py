@@ -19,6 +19,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 
 __all__ = [
     "CheckpointError",
@@ -27,6 +28,8 @@ __all__ = [
     "ShardHeader",
     "read_header",
     "encode_header",
+    "frame_header",
+    "header_json",
     "BLOCK",
     "copy_range",
     "write_all",
@@ -235,15 +238,43 @@ def _read_header(path: str) -> ShardHeader:
     return ShardHeader(path, n, metadata, {t.name: t for t in entries}, size, st.st_mtime_ns)
 
 
-def _header_json(
+def header_json(
     entries: Iterable[tuple[str, str, Sequence[int], int, int]], metadata: Mapping | None
 ) -> bytes:
-    header: dict = {}
+    """The JSON header of a safetensors file, unpadded: ``__metadata__`` first, then each entry ``(name, dtype,
+    shape, begin, end)`` in the given order (what ``json.dumps`` of the header object writes, compact and
+    UTF-8, without building 76k entry objects first). ``ValueError`` for a name given twice."""
+    quote = encode_basestring
+    parts = []
     if metadata is not None:
-        header["__metadata__"] = dict(metadata)
+        parts.append(
+            '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False)
+        )
+    names: set[str] = set()
     for name, dtype, shape, begin, end in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    return json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        dims = ",".join(str(int(d)) for d in shape)
+        parts.append(
+            f'{quote(name)}:{{"dtype":{quote(dtype)},"shape":[{dims}],"data_offsets":[{int(begin)},{int(end)}]}}'
+        )
+        names.add(name)
+    if len(names) != len(parts) - (metadata is not None) or "__metadata__" in names:
+        raise ValueError("safetensors header: expected each tensor name once (and none named __metadata__)")
+    return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+
+def frame_header(raw: bytes, *, size: int | None = None) -> bytes:
+    """The first ``8 + N`` bytes of a safetensors file from its JSON header ``raw`` (:func:`header_json`):
+    the length prefix and the JSON padded with spaces, to a multiple of 8 bytes as safetensors does, or to
+    exactly ``size`` bytes (a multiple of 8 reserved in advance).
+
+    Raises:
+        ValueError: the header does not fit in ``size`` bytes, or ``size`` is not a multiple of 8.
+    """
+    if size is None:
+        size = len(raw) + (-len(raw) % 8)
+    if size % 8 or len(raw) > size:
+        raise ValueError(f"safetensors header of {len(raw)} bytes does not fit in {size} reserved bytes")
+    return struct.pack("<Q", size) + raw + b" " * (size - len(raw))
 
 
 def encode_header(
@@ -252,21 +283,9 @@ def encode_header(
     *,
     size: int | None = None,
 ) -> bytes:
-    """The first ``8 + N`` bytes of a safetensors file: length prefix plus space-padded JSON header.
-
-    ``entries`` are ``(name, dtype, shape, begin, end)`` with offsets relative to the data section.
-    Without ``size`` the JSON is padded to a multiple of 8 bytes, as safetensors does; with ``size`` it
-    is padded to exactly ``size`` bytes (a multiple of 8 reserved in advance).
-
-    Raises:
-        ValueError: the header does not fit in ``size`` bytes, or ``size`` is not a multiple of 8.
-    """
-    raw = _header_json(entries, metadata)
-    if size is None:
-        size = len(raw) + (-len(raw) % 8)
-    if size % 8 or len(raw) > size:
-        raise ValueError(f"safetensors header of {len(raw)} bytes does not fit in {size} reserved bytes")
-    return struct.pack("<Q", size) + raw + b" " * (size - len(raw))
+    """:func:`frame_header` of :func:`header_json`: ``entries`` are ``(name, dtype, shape, begin, end)`` with
+    offsets relative to the data section."""
+    return frame_header(header_json(entries, metadata), size=size)
 
 
 def write_all(fd: int, data, offset: int | None = None) -> int:
