@@ -11,6 +11,7 @@ wrong shape or dtype is a :class:`CheckpointError`).
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -104,6 +105,12 @@ class Checkpoint:
     def tensor(self, name: str) -> TensorInfo:
         """The header entry of tensor ``name``."""
         return self.shards[self._where[name]].tensors[name]
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` of every tensor, in :attr:`names`' order (built once: the tables of sub-blocks and
+        of the hidden size read it, and a 512-expert model has 75,944 tensors)."""
+        return {name: self.shards[i].tensors[name].shape for name, i in self._where.items()}
 
     @property
     def total_bytes(self) -> int:
@@ -349,9 +356,7 @@ def find_block_layers(checkpoint: Checkpoint, kinds) -> list[GDNLayer]:
     """
 
     try:
-        blocks = find_blocks(
-            {n: checkpoint.tensor(n).shape for n in checkpoint.names}, checkpoint.config, kinds
-        )
+        blocks = find_blocks(checkpoint.shapes, checkpoint.config, kinds)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     layers = []

@@ -82,9 +82,7 @@ def plan_hidden(ckpt: Checkpoint, order: Any, size: int | None) -> HiddenCut | N
     if order is None and size is None:
         return None
     try:
-        residual = find_hidden(
-            {n: ckpt.tensor(n).shape for n in ckpt.names}, ckpt.config, tile_size=tile_size(ckpt)
-        )
+        residual = find_hidden(ckpt.shapes, ckpt.config, tile_size=tile_size(ckpt))
     except ValueError as exc:
         raise CheckpointError(f"{ckpt.path}: {exc}") from None
     orders = None

@@ -62,9 +62,7 @@ def _inspect_hidden(ckpt: Checkpoint) -> dict:
     """The hidden size and the parameters on the residual stream (a cut to ``K`` keeps ``K / H`` of them), or
     ``{"unsupported": reason}`` where the hidden-size table does not describe the checkpoint."""
     try:
-        residual = find_hidden(
-            {n: ckpt.tensor(n).shape for n in ckpt.names}, ckpt.config, tile_size=tile_size(ckpt)
-        )
+        residual = find_hidden(ckpt.shapes, ckpt.config, tile_size=tile_size(ckpt))
     except ValueError as exc:
         return {"unsupported": str(exc)}
     return {**residual.shape.as_dict(), "parameters": sum(ckpt.tensor(n).numel for n in residual.rules)}
