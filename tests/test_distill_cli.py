@@ -206,13 +206,17 @@ def test_output_folder_errors_name_the_flags_and_come_before_any_model_is_loaded
     assert main([*base, "-o", str(tmp_path / "new"), "--batch-size", "1"]) == 2
     assert "--batch-size (1) to be a multiple of the processes (2)" in capsys.readouterr().err
     monkeypatch.setattr(api, "open_windows", no_loading)
-    with pytest.raises(ValueError, match=r"batch_size \(3\) to be a multiple of the processes \(2\)"):
-        api.distill_checkpoint(
-            folders / "uniform",
-            folders / "teacher",
-            folders / "train.txt",
-            DistillConfig(output_dir=tmp_path / "new", steps=1, batch_size=3),
-        )
+    for options, said in (
+        ({"batch_size": 3}, r"batch_size \(3\) to be a multiple of the processes \(2\)"),
+        ({"batch_size": 4, "micro_batch_size": -2}, "batch_size and micro_batch_size >= 1, found 4 and -2"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            api.distill_checkpoint(
+                folders / "uniform",
+                folders / "teacher",
+                folders / "train.txt",
+                DistillConfig(output_dir=tmp_path / "new", steps=1, **options),
+            )
     assert not (tmp_path / "new").exists()
     # a teacher folder that transformers cannot load: one line, exit 2, nothing written
     monkeypatch.undo()

@@ -164,6 +164,10 @@ def check_run(config: DistillConfig, windows: int, seq_len: int, world: int) -> 
 def check_batch(batch_size: int, micro_batch_size: int | None, world: int) -> int:
     """The per-process micro batch: ``micro_batch_size``, or by default each process's share of the
     ``batch_size`` windows of a step; ``ValueError`` unless the processes' micro batches add up to it."""
+    if batch_size < 1 or (micro_batch_size or 1) < 1:
+        raise ValueError(
+            f"expected batch_size and micro_batch_size >= 1, found {batch_size} and {micro_batch_size}"
+        )
     if not micro_batch_size:
         if batch_size < world or batch_size % world:
             raise ValueError(
