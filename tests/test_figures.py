@@ -88,6 +88,17 @@ def test_the_loss_plot_keeps_its_labels_and_ticks_inside(scale):
         assert _misplaced(fig) == []
 
 
+def test_the_loss_plot_names_eval_losses_only_where_the_run_evaluated():
+    pytest.importorskip("matplotlib")
+    from gdnprune.distill.records import loss_figure
+
+    trained = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 4)]
+    for history, evaluated in ((trained, False), (trained + [{"step": 4, "eval_loss": 0.3}], True)):
+        (ax,) = loss_figure(history).axes
+        assert ("eval losses" in ax.get_title()) == evaluated
+        assert any(t.get_text().startswith("eval") for t in ax.get_legend().get_texts()) == evaluated
+
+
 @pytest.mark.parametrize("panels", [1, 2, 3, 5])
 def test_the_sensitivity_plot_keeps_its_labels_and_ticks_inside(panels):
     """One to five panels (GDN, attention, MLP, removal, evolution) at KLs of 0.0035 and over four decades."""

@@ -224,7 +224,9 @@ def loss_figure(
             ax.plot(*zip(*points), label=label, markersize=4, **style)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title("distillation: train loss (training windows), eval losses (held-out windows)", fontsize=10)
+    evaluated = any(points for label, points in series.items() if label.startswith("eval"))
+    title = "distillation: train loss (training windows)" + (", eval losses (held-out windows)" * evaluated)
+    ax.set_title(title, fontsize=10)  # eval losses only where the run evaluated
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
