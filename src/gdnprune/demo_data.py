@@ -227,7 +227,7 @@ def byte_windows(
     return windows[index].clone()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def validation_loss(
     model: torch.nn.Module,
     tokenizer: Any = None,

@@ -35,7 +35,8 @@ CHUNK_ROWS = 20
 #: entries (``Dk x Dv``; tests/test_kernels.py checks it is the kernel's), no padding, and ``KERNEL_ROWS`` passes
 #: per chunk row (the pairwise decays, clamped, exponentiated and masked in place; the two products' outputs and
 #: their masking; the solve), fitted to the 10 prunes measured with it (benchmarks/scale.py, 4 to 48 layers, dense
-#: and MoE: predicted/measured 0.76-1.15; it absorbs the per-element cost of rows of 16, which vectorise worse)
+#: and MoE: predicted/measured 0.76-1.15, before the plan measured in inference mode, about 9 % faster; it absorbs
+#: the per-element cost of rows of 16, which vectorise worse)
 SMALL_STATE, SMALL_CHUNK, KERNEL_ROWS = 1024, 16, 30
 
 

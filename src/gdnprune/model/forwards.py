@@ -444,7 +444,7 @@ class Forwards:
         for j in range(index):
             self.decoder.layers[j] = Passthrough()
 
-        @torch.no_grad()
+        @torch.inference_mode()
         def measure(batches: Sequence[int] | None = None) -> tuple[float, float]:
             kl = ce = 0.0
             n_kl = n_ce = 0.0
@@ -496,7 +496,7 @@ class Forwards:
                 self.decoder.layers[j] = original
         return seen["call"]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def from_hidden(self, index: int, k: int, hidden: torch.Tensor) -> list[tuple[float, float, float, int]]:
         """Batch ``k`` run from decoder layer ``index`` with input ``hidden``: the batch's hidden states of several
         variants stacked along the batch (``copies x batch`` rows; every layer from ``index`` on runs once for

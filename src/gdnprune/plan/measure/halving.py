@@ -282,7 +282,7 @@ class _Measure:
             bar.close()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def halving_sensitivity(
     model: torch.nn.Module,
     batches: Iterable[Any],

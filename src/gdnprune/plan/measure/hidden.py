@@ -116,12 +116,12 @@ class WholeKL:
         self.finals = [self._final(teacher, ids, mask).cpu() for ids, mask in self.data]
 
     @staticmethod
-    @torch.no_grad()
+    @torch.inference_mode()
     def _final(model: Any, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         inputs = model_inputs(ids, mask, input_device(model))
         return model.get_decoder()(**inputs).last_hidden_state
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, model: Any) -> float:
         """The KL(teacher || ``model``) per token, over every calibration window."""
         head, total, tokens = model.get_output_embeddings(), 0.0, 0

@@ -60,7 +60,7 @@ class JointKL:
             names = {id(m): n for n, m in self.forwards.decoder.layers[i].named_modules()}
             self.paths.append(names[id(layer.module)])
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def kl(self, picks: Sequence[int], lo: int, hi: int) -> list[float]:
         """The KL per token of every window ``lo..hi-1`` with every layer cut to its candidate (or skipped)."""
         removed = sorted({self.index[k] for k, c in enumerate(picks) if c == REMOVED})
