@@ -21,6 +21,10 @@ workers run the CLI in turn:
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
   it (test_first_hour).
+
+Beside it, the suite's one fresh ``gdnprune`` process (:func:`fresh_process`), shared the same way: ``verify``,
+``eval -q``, ``score`` and ``score -q`` in one new interpreter, for what only a new one shows (test_first_hour,
+test_eval).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -343,3 +348,89 @@ def shared_launch(folder: Path, moe: Path) -> Launch:
 def _scoring(folder: Path, err_path: Path) -> bool:
     ranks_done = all((folder / f"rank{r}.json").exists() for r in (0, 1))
     return ranks_done and "%|" in err_path.read_text()
+
+
+# ---- the suite's one fresh gdnprune process ---------------------------------------------------------------
+
+#: the trained MoE model that ``verify`` compares with itself
+TRAINED_MOE = Path(__file__).resolve().parent / "data" / "trained" / "qwen3_5_moe"
+#: the commands of the fresh process, in their order: what a process shows once (transformers' kernel-fallback
+#: lines, at its first model) goes to the first, ``verify`` (test_first_hour); ``eval -q``, the first to import
+#: lm-eval (test_eval: its quiet output, and the one-process reference of the launch's eval on two ranks); then
+#: ``score`` of the bundled model without and with ``-q`` (test_first_hour: whose progress bars show)
+FRESH_COMMANDS = ("verify", "eval -q", "score", "score -q")
+#: the line that the child writes to stdout and stderr after each command
+SPLIT = "----- next command -----"
+_FRESH = """
+import json, sys
+from gdnprune.cli import main
+codes = []
+for argv in json.loads(sys.argv[1]):
+    codes.append(main(argv))
+    for stream in (sys.stdout, sys.stderr):
+        stream.write("\\n" + SPLIT + "\\n")
+        stream.flush()
+print(json.dumps(codes))
+"""
+
+
+@dataclass
+class FreshRun:
+    """One command of the fresh process: its exit code, stdout and stderr (a pipe each, as a user's)."""
+
+    code: int
+    out: str
+    err: str
+
+
+def fresh_process(folder: Path, inputs: Path) -> tuple[dict[str, FreshRun], Path]:
+    """The commands of :data:`FRESH_COMMANDS` run one after the other by ``gdnprune.cli.main`` in one new
+    process, from a folder outside any git repository, with transformers' progress bars left on: a new
+    interpreter costs 5-6 s of CPU importing torch and transformers, and each of these commands shows what only
+    a new one shows. Run once per session, by the first pytest-xdist worker asking (a lock in the shared
+    ``folder``; the others read its record). Returns each command's :class:`FreshRun` and the folder it ran in
+    (``one``: the eval's output, ``1.log``: its record of the documents scored, :data:`helpers.RECORD_HOOK`)."""
+    with open(folder / "fresh.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cwd = folder / "fresh"
+            if not (cwd / "runs.json").exists():
+                shutil.rmtree(cwd, ignore_errors=True)  # what a failed run left
+                cwd.mkdir()
+                _run_fresh(cwd, inputs)
+            runs = json.loads((cwd / "runs.json").read_text(encoding="utf-8"))
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return {name: FreshRun(**run) for name, run in runs.items()}, cwd
+
+
+def _run_fresh(cwd: Path, inputs: Path) -> None:
+    (cwd / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    (cwd / "text.txt").write_text("a few words of calibration text")
+    score = ["score", str(demo_model_path()), "--data", "text.txt", "-o", "s.json", "--overwrite"]
+    score += ["--num-samples", "1", "--seq-len", "8", "--threads", "1"]
+    commands = {
+        "verify": ["verify", str(TRAINED_MOE), str(TRAINED_MOE), "--data", "t.txt", "--num-samples", "1"],
+        "eval -q": [*eval_argv(inputs), "-o", str(cwd / "one")],
+        "score": score,
+        "score -q": [*score, "-q"],
+    }
+    assert tuple(commands) == FRESH_COMMANDS
+    env = child_env(EVAL_RECORD=str(cwd / "1.log"))
+    for bars_off in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        env.pop(bars_off, None)
+    script = f"SPLIT = {SPLIT!r}\n" + _FRESH
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(list(commands.values()))],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    outs, errs = done.stdout.split("\n" + SPLIT + "\n"), done.stderr.split("\n" + SPLIT + "\n")
+    assert len(outs) == len(errs) == len(commands) + 1, done.stderr[-4000:]
+    codes = json.loads(outs[-1])
+    runs = {name: {"code": c, "out": o, "err": e} for name, c, o, e in zip(commands, codes, outs, errs)}
+    (cwd / "runs.json").write_text(json.dumps(runs), encoding="utf-8")

@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import CHOICES, child_env, mc_folder, python_command
-from launches import eval_argv
+from helpers import CHOICES, mc_folder
+from launches import FreshRun, fresh_process, shared_folder
 
 from gdnprune import demo_data
 from gdnprune.cli import main
@@ -284,25 +284,17 @@ def test_declared_names_hold_every_name_lm_evals_index_finds(tmp_path):
 # ---- what the user sees: the table, not lm-eval's chatter --------------------------------------------------
 
 
-def _cli(*argv: str, cwd: Path, record: Path) -> subprocess.CompletedProcess:
-    """``gdnprune`` in a process of its own, from ``cwd``, one thread; ``record``: the file of
-    ``helpers.RECORD_HOOK``."""
-    command = python_command("gdnprune", *argv)
-    env = child_env(EVAL_RECORD=str(record))
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-
-
-# one `gdnprune eval -q` in a process of its own, outside a git repository, with the arguments of the shared
-# launch's eval on two ranks (tests/launches.py): the quiet output's test reads it, and it is the one-process
-# reference of the two-process run
+# `gdnprune eval -q` in a process of its own, outside a git repository, with the arguments of the shared launch's
+# eval on two ranks (tests/launches.py): a command of the suite's one fresh process (:func:`fresh_process`), the
+# first there to import lm-eval; the quiet output's test reads it, and it is the one-process reference of the
+# two-process run
 
 
 @pytest.fixture(scope="module")
-def one_process(launch_inputs, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def one_process(launch_inputs, tmp_path_factory) -> tuple[FreshRun, Path]:
     """The run, and the folder it ran in (``one``: its output, ``1.log``: its record)."""
-    cwd = tmp_path_factory.mktemp("one_process")
-    done = _cli(*eval_argv(launch_inputs), "-o", str(cwd / "one"), cwd=cwd, record=cwd / "1.log")
-    return done, cwd
+    runs, cwd = fresh_process(shared_folder(tmp_path_factory), launch_inputs)
+    return runs["eval -q"], cwd
 
 
 def test_quiet_eval_prints_the_table_and_nothing_else(one_process):
@@ -310,10 +302,10 @@ def test_quiet_eval_prints_the_table_and_nothing_else(one_process):
     # outside a git repository lm-eval's run record would print git's "fatal: not a git repository"
     git = subprocess.run(["git", "describe", "--always"], cwd=cwd, capture_output=True, text=True)
     assert git.returncode != 0 and "not a git repository" in git.stderr
-    assert done.returncode == 0, done.stderr
-    assert done.stderr == ""
-    assert done.stdout == (cwd / "one" / "results.md").read_text()
-    assert done.stdout.splitlines()[0].startswith("| model | parameters |")
+    assert done.code == 0, done.err
+    assert done.err == ""
+    assert done.out == (cwd / "one" / "results.md").read_text()
+    assert done.out.splitlines()[0].startswith("| model | parameters |")
 
 
 def test_eval_shows_only_its_table_and_the_request_bars(inputs, capsys):
@@ -342,7 +334,7 @@ def test_two_processes_under_torchrun_give_the_results_of_one(launch, one_proces
     ranks = [json.loads((launch.folder / f"rank{r}.json").read_text())["eval"] for r in (0, 1)]
     assert ranks[0]["code"] == ranks[1]["code"] == 0, ranks[0]["err"][-3000:] + ranks[1]["err"][-3000:]
     one, one_dir = one_process
-    assert one.returncode == 0, one.stderr[-3000:]
+    assert one.code == 0, one.err[-3000:]
     # each rank scored its own share, and the two together every document once
     scored = [json.loads(line) for line in (launch.folder / "eval.log").read_text().splitlines()]
     alone = [json.loads(line) for line in (one_dir / "1.log").read_text().splitlines()]
@@ -352,7 +344,7 @@ def test_two_processes_under_torchrun_give_the_results_of_one(launch, one_proces
     # rank 0 alone printed the table
     assert (
         ranks[1]["out"] == ""
-        and ranks[0]["out"] == one.stdout == (launch.folder / "eval" / "results.md").read_text()
+        and ranks[0]["out"] == one.out == (launch.folder / "eval" / "results.md").read_text()
     )
     ours = json.loads((launch.folder / "eval" / "results.json").read_text())["models"][0]["results"]
     single = json.loads((one_dir / "one" / "results.json").read_text())["models"][0]["results"]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from helpers import child_env, python_command, tmpfs
+from launches import fresh_process, shared_folder
 
 from gdnprune.cli import COMMANDS, build_parser, main
-from gdnprune.demo_data import demo_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINED = ROOT / "tests" / "data" / "trained"
@@ -355,50 +355,13 @@ def test_inspect_shows_every_kind_of_block_of_a_moe_model(tmp_path):
 # ---- the kernel note --------------------------------------------------------------------------------------
 
 
-#: one child process, as a user runs the commands (stderr a pipe), for the tests below: ``verify`` first (a
-#: fresh process: transformers' kernel-fallback lines come at its first model), then ``score`` of the bundled
-#: model without and with ``-q``; a line between the commands splits their stderr
-_COMMANDS_IN_ONE_CHILD = """
-import json, sys
-from gdnprune.cli import main
-codes = []
-for argv in json.loads(sys.argv[1]):
-    codes.append(main(argv))
-    sys.stderr.write("\\n" + SPLIT + "\\n")
-    sys.stderr.flush()
-print(json.dumps(codes))
-"""
-SPLIT = "----- next command -----"
-
-
 @pytest.fixture(scope="module")
-def one_child(tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Command name -> (exit code, stderr) of ``verify``, ``score`` and ``score -q`` run in one child."""
-    folder = tmp_path_factory.mktemp("one_child")
-    (folder / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    (folder / "text.txt").write_text("a few words of calibration text")
-    score = ["score", str(demo_model_path()), "--data", "text.txt", "-o", "s.json", "--overwrite"]
-    score += ["--num-samples", "1", "--seq-len", "8", "--threads", "1"]
-    commands = {
-        "verify": ["verify", str(MOE), str(MOE), "--data", "t.txt", "--num-samples", "1"],
-        "score": score,
-        "score -q": [*score, "-q"],
-    }
-    env = {k: v for k, v in child_env().items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    script = f"SPLIT = {SPLIT!r}\n" + _COMMANDS_IN_ONE_CHILD
-    done = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(list(commands.values()))],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    errs = done.stderr.split(SPLIT)
-    assert len(errs) == len(commands) + 1, done.stderr
-    codes = json.loads(done.stdout.strip().splitlines()[-1])
-    return {name: (code, err) for name, code, err in zip(commands, codes, errs)}
+def one_child(launch_inputs, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Command name -> (exit code, stderr) of ``verify`` (first: transformers' kernel-fallback lines come at a
+    process's first model), ``score`` and ``score -q``, as a user runs them (stderr a pipe): commands of the
+    suite's one fresh process (tests/launches.py's :func:`fresh_process`)."""
+    runs, _ = fresh_process(shared_folder(tmp_path_factory), launch_inputs)
+    return {name: (runs[name].code, runs[name].err) for name in ("verify", "score", "score -q")}
 
 
 def test_no_kernel_note_on_a_cpu(one_child):
