@@ -284,9 +284,9 @@ def test_declared_names_hold_every_name_lm_evals_index_finds(tmp_path):
 # ---- what the user sees: the table, not lm-eval's chatter --------------------------------------------------
 
 
-# `gdnprune eval -q` in a process of its own, outside a git repository, with the arguments of the shared launch's
-# eval on two ranks (tests/launches.py): a command of the suite's one fresh process (:func:`fresh_process`), the
-# first there to import lm-eval; the quiet output's test reads it, and it is the one-process reference of the
+# `gdnprune eval -q` in a new process, outside a git repository, with the arguments of the shared launch's eval on
+# two ranks (tests/launches.py): the second command of the suite's one fresh process (:func:`fresh_process`),
+# the first there to import lm-eval; the quiet output's test reads it, and it is the one-process reference of the
 # two-process run
 
 
