@@ -147,6 +147,8 @@ WORKER = textwrap.dedent(
     # distillation with DDP on the ranks (test_distill): after the calls that set their own timeouts, since
     # the Trainer's process group stays; rank 0 saves the run
     from launch_runs import ddp_run, fsdp_distill, load_and_distill, moe_resume, two_processes, vocab_parallel_run
+    gc.collect()  # what the plans and the eval imported, frozen too: each training's start runs a full collection
+    gc.freeze()
     with contextlib.redirect_stderr(io.StringIO()):
         ddp_run(out + "/distill_two.pt")
     # an MoE student's run, the run SIGTERM stops and its resume, under DDP then FSDP2 (test_distill_pipeline;

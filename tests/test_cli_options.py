@@ -401,3 +401,25 @@ def test_top_level_help_names_every_stage(capsys):
     out = capsys.readouterr().out
     for stage in ("score", "sort", "plan", "slice", "prune", "distill"):
         assert stage in out.split("positional arguments")[0], out
+
+
+def test_a_command_leaves_the_heap_frozen_at_exit(tmp_path):
+    """At exit, and only then, a process that ran a command has its objects out of the garbage collector's reach
+    (the interpreter's last collection skips them); a handler registered before the command runs after its own."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    script = (
+        "import atexit, contextlib, gc, io\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
+        "from gdnprune.cli import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['inspect', '--help'])\n"
+        "print('frozen while running:', gc.get_freeze_count() > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["frozen while running: False", "frozen at exit: True"]

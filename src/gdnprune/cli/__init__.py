@@ -20,7 +20,10 @@ shows them as the command's flags (```batch_size``` -> ``--batch-size``, ```over
 from __future__ import annotations
 
 import argparse
+import atexit
 import difflib
+import functools
+import gc
 import importlib
 import os
 import re
@@ -177,8 +180,19 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, Parser]:
     return choices
 
 
+@functools.cache
+def _freeze_heap_at_exit() -> None:
+    """Once per process: at the interpreter's exit, every object still alive goes out of the cyclic garbage
+    collector's reach (``gc.freeze``). The interpreter's last full collection then skips the million objects
+    that torch and transformers keep (the operating system frees them all at once): a command exits about
+    1 s sooner (measured: 6.6 to 5.6 s for a small ``score`` in a new process). Only at exit: a frozen object
+    is never collected, so nothing is frozen while the process runs on (a library caller's loop)."""
+    atexit.register(gc.freeze)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gdnprune`` command; returns the exit code."""
+    _freeze_heap_at_exit()
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
