@@ -196,12 +196,13 @@ class _OncePerParameter(TrainerCallback):
 
 def prune_args(family: str, data: Path, out: Path) -> list[str]:
     """`gdnprune prune --budget-params 0.5` of the trained ``family``; the coarsest head-dim grid (--dim-step 1/2),
-    every candidate measured on the 2 plan windows (successive halving has nothing to save on 2), the hidden
-    size whole (one search, not one per hidden size; tests/test_hidden.py trains a cut hidden size): the plan's
-    search is not what these tests check."""
+    the default sensitivity on 2 plan windows (successive halving measures every candidate a budget can hold on
+    both at once: the full measurement's plan and weights, measured equal on every family, from a third fewer
+    forwards), the hidden size whole (one search, not one per hidden size; tests/test_hidden.py trains a cut
+    hidden size): the plan's search is not what these tests check."""
     return [
         "prune", str(TRAINED / family), "--data", str(data), "--budget-params", "0.5", "--num-samples", "4",
-        "--seq-len", "32", "--plan-samples", "2", "--dim-step", "1/2", "--sensitivity", "measured", "-q",
+        "--seq-len", "32", "--plan-samples", "2", "--dim-step", "1/2", "-q",
         "--blocks", "gdn,attention,mlp,shared_expert,experts,depth", "-o", str(out),
     ]  # fmt: skip
 
