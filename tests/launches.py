@@ -16,7 +16,7 @@ workers run the CLI in turn:
   call's exit code and stderr go to ``rank<R>.json`` (test_distributed); then a distillation with DDP
   (test_distill); an MoE student's distillation, stopped by SIGTERM and resumed, under DDP and FSDP2
   (test_distill_pipeline); loading into FSDP2 shards and distillations under FSDP2 (test_sharded_loading);
-  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp); 2 steps under FSDP2 of
+  distillations under FSDP2, one stopped by SIGTERM and resumed (test_distill_fsdp); a step under FSDP2 of
   a student of the real-count model, 48 layers of 512 experts (test_scale);
 * last, a long ``score`` of the trained MoE model with its progress bar on the real stderr, in a folder of
   its own, which the test's Ctrl-C stops: SIGINT to the launch's whole process group, as a terminal sends
