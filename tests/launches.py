@@ -62,7 +62,8 @@ REFINED += ["--refine-generations", "2", "--refine-offspring", "3", "--quiet", "
 
 WORKER = textwrap.dedent(
     """
-    import contextlib, io, json, os, sys, threading, time
+    import contextlib, gc, io, json, os, sys, threading, time
+    gc.set_threshold(50_000, 20, 100)  # as the workers (tests/suite.py): the young generation every 50,000 objects
     from transformers import AutoTokenizer
     from gdnprune.cli import main
     from gdnprune.corpus.dataset import open_windows
@@ -90,8 +91,7 @@ WORKER = textwrap.dedent(
         results["corpus"] = dict(reused=ds.windows.streams[0].reused, indices=list(mine.indices),
                                  windows=mine.tensor().tolist())
     call("projection", "--data", data, "--output", out + "/projection.json")
-    import gc  # what the first command imported, out of the collector's full passes (tests/suite.py says why)
-    gc.freeze()
+    gc.freeze()  # what the first command imported, out of the collector's full passes (tests/suite.py says why)
     # the plan's measured sensitivity on the same two ranks: each measures its share of the windows
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

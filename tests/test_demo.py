@@ -67,7 +67,7 @@ def demo_run(tmp_path_factory) -> DemoRun:
                 "--num-samples",
                 "8",
                 "--num-random",
-                "2",
+                "1",
                 "--eval-samples",
                 "4",
                 "--seq-len",
