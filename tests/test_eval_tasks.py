@@ -228,11 +228,15 @@ def test_the_shipped_task_folder_is_what_the_script_writes(tmp_path):
 
 #: lm-eval alone, in another process: its model loader (``hf``) and evaluator on the folder given as its include
 #: path, as ``lm_eval run --model hf --include_path FOLDER --tasks ...`` runs them (docs/eval.md), but for lm-eval's
-#: own 26,651 task files, which its command line indexes first (10 s here) and this run never reads
+#: own 26,651 task files, which its command line indexes first (10 s here) and this run never reads, and for the
+#: environment report of its results (torch's: ``pip list`` and compiler versions, 1 s of CPU), which nothing reads
 LM_EVAL_ALONE = """
 import json, sys
+import lm_eval.evaluator
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
+
+lm_eval.evaluator.add_env_info = lambda results: None  # torch's environment report (pip list...): nothing reads it
 
 folder, model, tasks = sys.argv[1:4]
 manager = TaskManager(include_path=folder, include_defaults=False)
