@@ -354,7 +354,7 @@ def _scoring(folder: Path, err_path: Path) -> bool:
 
 # ---- the suite's one fresh gdnprune process ---------------------------------------------------------------
 
-#: the trained MoE model that ``verify`` compares with itself
+#: the trained MoE model: the launch's last, interrupted score reads it, and ``verify`` compares it with itself
 TRAINED_MOE = Path(__file__).resolve().parent / "data" / "trained" / "qwen3_5_moe"
 #: the commands of the fresh process, in their order: what a process shows once (transformers' kernel-fallback
 #: lines, at its first model) goes to the first, ``verify`` (test_first_hour); ``eval -q``, the first to import

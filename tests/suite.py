@@ -9,16 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import scored_source
-from launches import Launch, shared_folder, shared_inputs, shared_launch, write_inputs_unless_busy
+from launches import (
+    TRAINED_MOE,
+    Launch,
+    shared_folder,
+    shared_inputs,
+    shared_launch,
+    write_inputs_unless_busy,
+)
 
 # one thread: the test models are tiny, and on a shared machine extra threads spin and slow everything down
 torch.set_num_threads(1)
 # the youngest generation collected every 50,000 new objects, not 700: the tests' tiny models make and drop
 # Python objects faster than tensors fill memory (3 % less CPU on test_plan_halving and test_core_models)
 gc.set_threshold(50_000, 20, 100)
-
-#: the trained MoE model that the launch's last, interrupted score reads
-MOE = Path(__file__).resolve().parent / "data" / "trained" / "qwen3_5_moe"
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -60,7 +64,7 @@ def launch_text(launch_inputs) -> Path:
 
 @pytest.fixture(scope="session")
 def launch(tmp_path_factory) -> Launch:
-    return shared_launch(shared_folder(tmp_path_factory), MOE)
+    return shared_launch(shared_folder(tmp_path_factory), TRAINED_MOE)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -78,7 +82,7 @@ def launch_in_background(request, tmp_path_factory):
 
     def run() -> None:
         try:
-            shared_launch(folder, MOE)
+            shared_launch(folder, TRAINED_MOE)
         except Exception:  # noqa: BLE001 - the readers' own call reports it
             pass
 
