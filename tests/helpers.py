@@ -678,10 +678,12 @@ def make_pair(heterogeneous, tied=False):
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
-#: the first line of a child Python script that imports torch: at exit, its objects go out of the garbage
-#: collector's reach, as gdnprune's commands do (gdnprune.cli): the interpreter's last collection then skips
-#: them, about 1 s of CPU less per child
-FREEZE_AT_EXIT = "import atexit, gc; atexit.register(gc.freeze)\n"
+#: the first line of a child Python script that imports torch: the young generation collected every 50,000 new
+#: objects, as in the suite's workers (tests/suite.py: importing torch and transformers makes a million objects
+#: that live to the end, and collecting them as they come costs the child 0.4 s of CPU), and at exit its objects
+#: out of the garbage collector's reach, as gdnprune's commands do (gdnprune.cli): the interpreter's last
+#: collection then skips them, about 1 s of CPU less per child
+CHILD_GC = "import atexit, gc; gc.set_threshold(50_000, 20, 100); atexit.register(gc.freeze)\n"
 
 
 def python_command(module: str, *args: str | os.PathLike) -> list[str]:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from helpers import child_env, corpus_docs, mixed_mc_folder, python_command, write_jsonl
+from helpers import CHILD_GC, child_env, corpus_docs, mixed_mc_folder, python_command, write_jsonl
 from launch_runs import build_folders, build_moe_student, build_scale
 from tiny_models import TEXT, gdn_kwargs, randomize_gdn
 
@@ -421,7 +421,7 @@ def _run_fresh(cwd: Path, inputs: Path) -> None:
     env = child_env(EVAL_RECORD=str(cwd / "1.log"))
     for bars_off in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
         env.pop(bars_off, None)
-    script = f"SPLIT = {SPLIT!r}\n" + _FRESH
+    script = CHILD_GC + f"SPLIT = {SPLIT!r}\n" + _FRESH
     done = subprocess.run(
         [sys.executable, "-c", script, json.dumps(list(commands.values()))],
         cwd=cwd,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FREEZE_AT_EXIT, child_env
+from helpers import CHILD_GC, child_env
 
 from gdnprune import demo_data
 from gdnprune.evaluation.tasks import shipped_task_folder, text_windows, write_task_folder
@@ -253,7 +253,7 @@ def test_lm_eval_alone_runs_the_shipped_folder():
     tasks = "passkey_256,mqar_256,multikey_256,vartrack_256,needle_256_50"
     model, folder = str(demo_data.demo_model_path()), str(shipped_task_folder())
     out = subprocess.run(
-        [sys.executable, "-c", FREEZE_AT_EXIT + LM_EVAL_ALONE, folder, model, tasks],
+        [sys.executable, "-c", CHILD_GC + LM_EVAL_ALONE, folder, model, tasks],
         capture_output=True,
         text=True,
         timeout=600,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FREEZE_AT_EXIT, assert_same, random_dense_model
+from helpers import CHILD_GC, assert_same, random_dense_model
 from tiny_models import logits
 
 from gdnprune import checkpoint as ck
@@ -119,7 +119,7 @@ def _plan(model):
 def _isolated_python(script: str, tmp_path: Path, **values) -> subprocess.Popen:
     """Start ``script`` where gdnprune is not importable (:func:`_report` waits for it)."""
     paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
-    text = FREEZE_AT_EXIT + "".join(f"{k} = {v!r}\n" for k, v in {"PATHS": paths, **values}.items()) + script
+    text = CHILD_GC + "".join(f"{k} = {v!r}\n" for k, v in {"PATHS": paths, **values}.items()) + script
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS"))}
     env.update(
         HF_HOME=str(tmp_path / "hf"),
