@@ -678,12 +678,14 @@ def make_pair(heterogeneous, tied=False):
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
-#: the first line of a child Python script that imports torch: the young generation collected every 50,000 new
-#: objects, as in the suite's workers (tests/suite.py: importing torch and transformers makes a million objects
-#: that live to the end, and collecting them as they come costs the child 0.4 s of CPU), and at exit its objects
-#: out of the garbage collector's reach, as gdnprune's commands do (gdnprune.cli): the interpreter's last
-#: collection then skips them, about 1 s of CPU less per child
-CHILD_GC = "import atexit, gc; gc.set_threshold(50_000, 20, 100); atexit.register(gc.freeze)\n"
+#: the suite's garbage collector thresholds (tests/suite.py sets them in the workers): the youngest generation
+#: collected every 50,000 new objects, not 700. The tests' tiny models make and drop Python objects faster than
+#: tensors fill memory, and importing torch and transformers makes a million objects that live to the end
+GC_THRESHOLD = (50_000, 20, 100)
+#: the first line of a child Python script that imports torch: :data:`GC_THRESHOLD` (0.4 s of CPU less for the
+#: child's imports), and at exit its objects out of the garbage collector's reach, as gdnprune's commands do
+#: (gdnprune.cli): the interpreter's last collection then skips them, about 1 s of CPU less per child
+CHILD_GC = f"import atexit, gc; gc.set_threshold{GC_THRESHOLD}; atexit.register(gc.freeze)\n"
 
 
 def python_command(module: str, *args: str | os.PathLike) -> list[str]:

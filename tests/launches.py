@@ -63,7 +63,6 @@ REFINED += ["--refine-generations", "2", "--refine-offspring", "3", "--quiet", "
 WORKER = textwrap.dedent(
     """
     import contextlib, gc, io, json, os, sys, threading, time
-    gc.set_threshold(50_000, 20, 100)  # as the workers (tests/suite.py): the young generation every 50,000 objects
     from transformers import AutoTokenizer
     from gdnprune.cli import main
     from gdnprune.corpus.dataset import open_windows
@@ -209,7 +208,7 @@ def run_launch(model_dir: Path, text_file: Path, moe: Path, folder: Path) -> Lau
     """Run the launch in ``folder``; Ctrl-C once both ranks wrote their results and the last score's progress
     bar shows windows being scored."""
     worker = folder / "worker.py"
-    worker.write_text(WORKER, encoding="utf-8")
+    worker.write_text(CHILD_GC + WORKER, encoding="utf-8")  # the collector set as in the workers
     os.mkfifo(folder / "stuck.fifo")
     interrupted = folder / "interrupted"
     interrupted.mkdir()

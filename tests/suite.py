@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import scored_source
+from helpers import GC_THRESHOLD, scored_source
 from launches import (
     TRAINED_MOE,
     Launch,
@@ -20,9 +20,9 @@ from launches import (
 
 # one thread: the test models are tiny, and on a shared machine extra threads spin and slow everything down
 torch.set_num_threads(1)
-# the youngest generation collected every 50,000 new objects, not 700: the tests' tiny models make and drop
-# Python objects faster than tensors fill memory (3 % less CPU on test_plan_halving and test_core_models)
-gc.set_threshold(50_000, 20, 100)
+# the young generation collected every 50,000 new objects (helpers.GC_THRESHOLD): 3 % less CPU on
+# test_plan_halving and test_core_models
+gc.set_threshold(*GC_THRESHOLD)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -10,11 +10,13 @@ import fnmatch
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import BYTES_TARGET as TARGET
-from helpers import build_source, scores_for, tmpfs
+from helpers import build_source, child_env, scores_for, tmpfs
 
 from gdnprune.cli import exit_code, main
 
@@ -406,11 +408,6 @@ def test_top_level_help_names_every_stage(capsys):
 def test_a_command_leaves_the_heap_frozen_at_exit(tmp_path):
     """At exit, and only then, a process that ran a command has its objects out of the garbage collector's reach
     (the interpreter's last collection skips them); a handler registered before the command runs after its own."""
-    import subprocess
-    import sys
-
-    from helpers import child_env
-
     script = (
         "import atexit, contextlib, gc, io\n"
         "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
